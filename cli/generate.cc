@@ -1,0 +1,183 @@
+// `tandem generate`: run requests through the colocated engine and print the tokens.
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "cli/commands.h"
+#include "cli/prompts.h"
+#include "colocated/engine.h"
+#include "common/config.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "compute_node/weights.h"
+#include "nlohmann/json.hpp"
+
+namespace tandem::cli {
+
+void Fail(const std::string& command, const absl::Status& status) {
+  std::fprintf(stderr, "tandem %s: %s\n", command.c_str(), std::string(status.message()).c_str());
+  throw CLI::RuntimeError(1);
+}
+
+namespace {
+
+struct GenerateArgs {
+  std::string model;
+  std::string prompt_ids;
+  std::string prompts_file;
+  int64_t max_tokens = 16;
+  double temperature = 0.0;
+  int64_t top_k = 0;
+  double top_p = 1.0;
+  uint64_t seed = 0;
+  uint64_t weight_seed = 0;
+  bool logprobs = false;
+  bool json = false;
+  bool ignore_eos = false;
+  std::string config_file;
+  std::vector<std::string> sets;
+  std::string log_level = "info";
+};
+
+ConfigSchema& EngineSchema() {
+  static ConfigSchema* schema = [] {
+    auto* s = new ConfigSchema();
+    AddEngineKnobs(s);
+    return s;
+  }();
+  return *schema;
+}
+
+absl::StatusOr<std::vector<GenerationRequest>> BuildRequests(const GenerateArgs& a) {
+  std::vector<PromptSpec> specs;
+  if (!a.prompt_ids.empty()) {
+    absl::StatusOr<std::vector<int32_t>> ids = ParseIdList(a.prompt_ids);
+    if (!ids.ok()) return Annotate(ids.status(), "--prompt-ids");
+    specs.push_back({.prompt_ids = *std::move(ids)});
+  } else {
+    ASSIGN_OR_RETURN(specs, ReadPromptsFile(a.prompts_file));
+  }
+  std::vector<GenerationRequest> requests;
+  for (const PromptSpec& p : specs) {
+    GenerationRequest r;
+    r.prompt = p.prompt_ids;
+    r.max_tokens = p.max_tokens.value_or(a.max_tokens);
+    r.sampling.temperature = static_cast<float>(p.temperature.value_or(a.temperature));
+    r.sampling.top_k = static_cast<int32_t>(p.top_k.value_or(a.top_k));
+    r.sampling.top_p = static_cast<float>(p.top_p.value_or(a.top_p));
+    r.sampling.seed = p.seed.value_or(a.seed);
+    r.ignore_eos = a.ignore_eos;
+    requests.push_back(std::move(r));
+  }
+  return requests;
+}
+
+absl::Status RunGenerate(const GenerateArgs& a) {
+  const std::optional<LogLevel> level = ParseLogLevel(a.log_level);
+  if (!level) return absl::InvalidArgumentError(absl::StrCat("--log-level: unknown level \"", a.log_level, "\""));
+  InitLogging("generate", *level);
+  absl::StatusOr<Config> config = a.config_file.empty()
+                                      ? LoadConfig(EngineSchema(), "", "", a.sets)
+                                      : LoadConfigFile(EngineSchema(), a.config_file, a.sets);
+  RETURN_IF_ERROR(config.status());
+  for (const std::string& line : config->NonDefault()) TANDEM_LOG_INFO("config", line);
+  ASSIGN_OR_RETURN(std::vector<GenerationRequest> requests, BuildRequests(a));
+
+  const auto t_load = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(std::unique_ptr<WeightSource> source, OpenModel(a.model, a.weight_seed));
+  TANDEM_LOG_INFO("generate", "loading ", source->Describe());
+  ASSIGN_OR_RETURN(std::unique_ptr<ColocatedEngine> engine,
+                   ColocatedEngine::Create(*source, EngineOptionsFromConfig(*config)));
+  TANDEM_LOG_INFO("generate", absl::StrFormat("model ready in %.2f s",
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count()));
+
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(std::vector<GenerationResult> results, engine->GenerateAll(std::move(requests)));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  int64_t generated = 0, prompt_tokens = 0;
+  for (size_t i = 0; i < results.size(); ++i) {
+    const GenerationResult& r = results[i];
+    generated += static_cast<int64_t>(r.token_ids.size());
+    prompt_tokens += r.prompt_tokens;
+    if (a.json) {
+      nlohmann::json j;
+      j["index"] = i;
+      j["token_ids"] = r.token_ids;
+      if (a.logprobs) j["logprobs"] = r.logprobs;
+      j["finish_reason"] = r.finish_reason;
+      j["usage"] = {{"prompt_tokens", r.prompt_tokens},
+                    {"completion_tokens", static_cast<int64_t>(r.token_ids.size())}};
+      std::cout << j.dump() << "\n";
+    } else {
+      std::cout << "[" << i << "] " << r.prompt_tokens << " prompt tokens -> " << r.token_ids.size()
+                << " tokens (" << r.finish_reason << "): " << absl::StrJoin(r.token_ids, " ") << "\n";
+      if (a.logprobs) {
+        std::cout << "    logprobs: "
+                  << absl::StrJoin(r.logprobs, " ", [](std::string* out, float v) {
+                       absl::StrAppend(out, absl::StrFormat("%.4f", v));
+                     })
+                  << "\n";
+      }
+    }
+  }
+  std::cout.flush();
+  const EngineStats& st = engine->stats();
+  std::fprintf(stderr,
+               "tandem generate: %zu requests, %lld prompt + %lld generated tokens in %.3f s "
+               "(%.1f generated tok/s, %.1f total tok/s, %lld steps, device cpu)\n",
+               results.size(), static_cast<long long>(prompt_tokens), static_cast<long long>(generated),
+               seconds, generated / seconds, (generated + prompt_tokens) / seconds,
+               static_cast<long long>(st.steps));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void AddGenerateCommand(CLI::App& app) {
+  auto a = std::make_shared<GenerateArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "generate",
+      "Generate tokens for one or many prompts in one process (the colocated engine).\n"
+      "Examples:\n"
+      "  tandem generate --model small --prompt-ids 1,15043,3186 --max-tokens 32\n"
+      "  tandem generate --model /models/Llama-3.2-1B --prompts-file prompts.jsonl --json --logprobs");
+  cmd->add_option("--model", a->model, "checkpoint directory (Hugging Face layout) or preset name")
+      ->required();
+  auto* ids = cmd->add_option("--prompt-ids", a->prompt_ids, "comma-separated prompt token ids, e.g. 1,2,3");
+  auto* file = cmd->add_option("--prompts-file", a->prompts_file,
+                               "JSON lines: {\"prompt_ids\": [...], \"max_tokens\"?, \"temperature\"?, "
+                               "\"top_k\"?, \"top_p\"?, \"seed\"?}; results print in input order");
+  ids->excludes(file);
+  cmd->add_option("--max-tokens", a->max_tokens, "tokens to generate per request at most")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  cmd->add_option("--temperature", a->temperature, "sampling temperature; 0 is greedy")
+      ->capture_default_str()->check(CLI::Range(0.0, 1e6));
+  cmd->add_option("--top-k", a->top_k, "keep the k most likely tokens; 0 keeps all")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  cmd->add_option("--top-p", a->top_p, "nucleus sampling mass in (0, 1]; 1 keeps all")
+      ->capture_default_str()->check(CLI::Range(1e-9, 1.0));
+  cmd->add_option("--seed", a->seed, "sampling seed (per request; same seed, same tokens)")->capture_default_str();
+  cmd->add_option("--weight-seed", a->weight_seed, "seed of a preset's random weights")->capture_default_str();
+  cmd->add_flag("--logprobs", a->logprobs, "also print the log-probability of each generated token");
+  cmd->add_flag("--json", a->json,
+                "print one JSON object per request: token_ids, logprobs (with --logprobs), finish_reason, usage");
+  cmd->add_flag("--ignore-eos", a->ignore_eos, "do not stop at end-of-sequence tokens");
+  cmd->add_option("--config", a->config_file, "YAML file with scheduler.* and kv.* settings (see `tandem config help`)")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--set", a->sets, "override a setting: --set scheduler.max_batch_size=8 (repeatable)");
+  cmd->add_option("--log-level", a->log_level, "debug, info, warn or error")->capture_default_str();
+  cmd->callback([a] {
+    if (a->prompt_ids.empty() && a->prompts_file.empty()) {
+      Fail("generate", absl::InvalidArgumentError("one of --prompt-ids or --prompts-file is required (see --help)"));
+    }
+    absl::Status st = RunGenerate(*a);
+    if (!st.ok()) Fail("generate", st);
+  });
+}
+
+}  // namespace tandem::cli

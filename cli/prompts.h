@@ -1,0 +1,33 @@
+// Parsing of the prompts `tandem generate` takes: a comma-separated id list (--prompt-ids) or a
+// JSON-lines file (--prompts-file). Errors name the argument, the line and the key at fault.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace tandem::cli {
+
+// "1,2, 3" -> {1, 2, 3}. Every element must be a non-negative 32-bit integer.
+absl::StatusOr<std::vector<int32_t>> ParseIdList(std::string_view text);
+
+// One line of a prompts file: {"prompt_ids": [..], "max_tokens"?: n, "temperature"?: t,
+// "top_k"?: k, "top_p"?: p, "seed"?: s}. Absent fields take the command line's values.
+struct PromptSpec {
+  std::vector<int32_t> prompt_ids;
+  std::optional<int64_t> max_tokens;
+  std::optional<double> temperature;
+  std::optional<int64_t> top_k;
+  std::optional<double> top_p;
+  std::optional<uint64_t> seed;
+};
+// Blank lines are skipped; any other key is an error (a misspelt "max_token" must not be
+// silently ignored).
+absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(std::string_view text, std::string_view source);
+absl::StatusOr<std::vector<PromptSpec>> ReadPromptsFile(const std::string& path);
+
+}  // namespace tandem::cli

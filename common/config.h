@@ -1,0 +1,98 @@
+// Configuration: one table of knobs per program drives YAML parsing, `--set a.b=c` overrides,
+// `--help` text and the dump of the effective configuration (after UCX's config tables and
+// NCCL_PARAM). Precedence: defaults < YAML file < --set overrides, applied in that order.
+//
+// Every error names the knob's dotted path (the YAML path) and where the value came from:
+//   deploy.yaml: scheduler.max_batch_size: expected an integer in [1, 65536], got "many"
+//   deploy.yaml: unknown key 'scheduler.max_bach_size' (did you mean 'scheduler.max_batch_size'?)
+//   --set kv.capacity_tokens=-3: expected an integer >= 0, got "-3"
+// Loading is all-or-nothing: on any error no Config is returned.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace tandem {
+
+enum class KnobType : uint8_t { kInt, kDouble, kBool, kString, kEnum };
+
+struct KnobSpec {
+  std::string path;           // dotted YAML path, e.g. "scheduler.max_batch_size"
+  KnobType type = KnobType::kString;
+  std::string default_value;  // textual, parsed like a YAML scalar; validated at registration
+  std::string help;
+  std::vector<std::string> choices;  // kEnum: the allowed values
+  std::optional<double> min, max;    // kInt, kDouble: inclusive bounds
+};
+
+// The set of knobs a program understands. Paths must be unique and none may be a prefix of
+// another knob's path segment-wise (a path is either a section or a leaf).
+class ConfigSchema {
+ public:
+  ConfigSchema& Int(std::string path, int64_t def, std::string help,
+                    std::optional<double> min = std::nullopt, std::optional<double> max = std::nullopt);
+  ConfigSchema& Double(std::string path, double def, std::string help,
+                       std::optional<double> min = std::nullopt, std::optional<double> max = std::nullopt);
+  ConfigSchema& Bool(std::string path, bool def, std::string help);
+  ConfigSchema& String(std::string path, std::string def, std::string help);
+  ConfigSchema& Enum(std::string path, std::string def, std::vector<std::string> choices, std::string help);
+
+  const std::vector<KnobSpec>& knobs() const { return knobs_; }
+  const KnobSpec* Find(std::string_view path) const;
+  // A table of every knob: path, type, default, help (choices and bounds included).
+  std::string HelpText() const;
+
+ private:
+  ConfigSchema& Add(KnobSpec spec);  // aborts on a programmer error (duplicate, bad default)
+  std::vector<KnobSpec> knobs_;
+};
+
+// Resolved values, one per knob of the schema. Getters abort if the path is not a knob of that
+// type (a programmer error); values were validated on load.
+class Config {
+ public:
+  int64_t GetInt(std::string_view path) const;
+  double GetDouble(std::string_view path) const;
+  bool GetBool(std::string_view path) const;
+  const std::string& GetString(std::string_view path) const;  // kString and kEnum
+  // Where a value came from: "default", the YAML file's name, or "--set".
+  const std::string& SourceOf(std::string_view path) const;
+  // The effective configuration as YAML, with "# from <source>" on non-default values.
+  std::string DumpYaml() const;
+  // Lines "path = value (source)" for values that differ from the default; for start-up logs.
+  std::vector<std::string> NonDefault() const;
+
+ private:
+  friend class ConfigLoader;
+  struct Value {
+    KnobType type;
+    int64_t i = 0;
+    double d = 0;
+    bool b = false;
+    std::string s;
+    std::string source = "default";
+    bool is_default = true;
+  };
+  const Value& At(std::string_view path, KnobType t) const;
+  const ConfigSchema* schema_ = nullptr;  // must outlive the Config
+  std::map<std::string, Value, std::less<>> values_;
+};
+
+// Builds a Config from the schema's defaults, then the YAML text (if non-empty; `yaml_source`
+// names it in errors, e.g. the file name), then the overrides ("a.b=c" each, values parsed as
+// YAML scalars). Unknown keys, a section where a value is expected (or the reverse), wrong types
+// and out-of-range values are InvalidArgument naming the path and the source.
+absl::StatusOr<Config> LoadConfig(const ConfigSchema& schema, std::string_view yaml_text,
+                                  std::string_view yaml_source,
+                                  const std::vector<std::string>& overrides);
+// Same, reading the YAML from `path` (NotFound naming the path if it cannot be read).
+absl::StatusOr<Config> LoadConfigFile(const ConfigSchema& schema, const std::string& path,
+                                      const std::vector<std::string>& overrides);
+
+}  // namespace tandem

@@ -1,0 +1,87 @@
+#include "common/log.h"
+
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_replace.h"
+#include "spdlog/logger.h"
+#include "spdlog/sinks/stdout_sinks.h"
+
+namespace tandem {
+namespace {
+
+// Debian's Abseil has its own absl::string_view (not std::string_view): convert explicitly.
+absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+constexpr char kEnvVar[] = "TANDEM_LOG_LEVEL";
+
+// spdlog pattern: the tag is fixed per process, so it lives in the pattern ('%' escaped).
+std::string PatternFor(std::string_view tag) {
+  return absl::StrCat("%Y-%m-%d %H:%M:%S.%e %L [", absl::StrReplaceAll(Sv(tag), {{"%", "%%"}}),
+                      "] %v");
+}
+
+// One logger for the process, never registered with spdlog's global registry (so it cannot clash
+// with anyone else's) and never destroyed (so lines logged during static destruction still work).
+spdlog::logger& Logger() {
+  static spdlog::logger* const logger = [] {
+    auto* l = new spdlog::logger("tandem", std::make_shared<spdlog::sinks::stderr_sink_mt>());
+    l->set_level(spdlog::level::trace);  // filtering is ours (log_internal::min_level)
+    l->set_pattern(PatternFor("tandem"));
+    return l;
+  }();
+  return *logger;
+}
+
+spdlog::level::level_enum ToSpdlog(LogLevel level) {
+  switch (level) {
+    case LogLevel::kDebug: return spdlog::level::debug;
+    case LogLevel::kInfo: return spdlog::level::info;
+    case LogLevel::kWarn: return spdlog::level::warn;
+    case LogLevel::kError: return spdlog::level::err;
+  }
+  return spdlog::level::err;
+}
+
+}  // namespace
+
+void InitLogging(std::string_view process_tag, LogLevel level) {
+  Logger().set_pattern(PatternFor(process_tag));
+  const char* env = std::getenv(kEnvVar);
+  std::optional<LogLevel> env_level = env != nullptr ? ParseLogLevel(env) : std::nullopt;
+  log_internal::min_level.store(static_cast<int>(env_level.value_or(level)),
+                                std::memory_order_relaxed);
+  if (env != nullptr && !env_level) {
+    LogLine(LogLevel::kWarn, "log",
+            absl::StrCat("ignoring ", kEnvVar, "='", env,
+                         "' (expected debug, info, warn or error); using ", Sv(LogLevelName(level))));
+  }
+}
+
+std::optional<LogLevel> ParseLogLevel(std::string_view text) {
+  const std::string lower = absl::AsciiStrToLower(Sv(text));
+  if (lower == "debug") return LogLevel::kDebug;
+  if (lower == "info") return LogLevel::kInfo;
+  if (lower == "warn" || lower == "warning") return LogLevel::kWarn;
+  if (lower == "error") return LogLevel::kError;
+  return std::nullopt;
+}
+
+std::string_view LogLevelName(LogLevel level) {
+  switch (level) {
+    case LogLevel::kDebug: return "debug";
+    case LogLevel::kInfo: return "info";
+    case LogLevel::kWarn: return "warn";
+    case LogLevel::kError: return "error";
+  }
+  return "error";
+}
+
+void LogLine(LogLevel level, std::string_view subsystem, std::string_view message) {
+  if (!LogEnabled(level)) return;
+  Logger().log(ToSpdlog(level), "{}: {}", subsystem, message);
+}
+
+}  // namespace tandem

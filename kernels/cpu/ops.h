@@ -1,0 +1,136 @@
+// CPU backend (fp32): the reference every CUDA op is compared with.
+//
+// Conventions (shared with the CUDA kernels):
+//   * Kernels take raw pointers and a params struct; shapes are written as (rows, cols) in
+//     row-major order with the last dimension contiguous.
+//   * Weight matrices keep the Hugging Face layout W(out, in): y = x · Wᵀ.
+//   * RoPE uses the "rotate half" pairing of Hugging Face Llama: element i pairs with i + d/2.
+//   * Log-sum-exp values are natural logarithms of Σ exp(score), with score = scale · q·k.
+//   * Functions validate their params (null pointers, non-positive sizes, ids out of range) and
+//     return InvalidArgument naming the field; they allocate only for scratch.
+// Thread safety: functions are reentrant; they may use several threads internally.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/model_spec.h"
+
+namespace tandem::kernels::cpu {
+
+// out(n, hidden) = table(ids[i], :). Fails if an id is outside [0, vocab).
+struct EmbeddingParams {
+  const int32_t* ids = nullptr;  // (n)
+  const float* table = nullptr;  // (vocab, hidden)
+  float* out = nullptr;          // (n, hidden)
+  int64_t n = 0, vocab = 0, hidden = 0;
+};
+absl::Status Embedding(const EmbeddingParams& p);
+
+// If residual != nullptr: residual += x (in place) and the norm input is the updated residual;
+// else the norm input is x. out = input / sqrt(mean(input²) + eps) * weight. out may alias x.
+struct RmsNormParams {
+  const float* x = nullptr;       // (n, d)
+  float* residual = nullptr;      // (n, d) or nullptr
+  const float* weight = nullptr;  // (d)
+  float* out = nullptr;           // (n, d)
+  int64_t n = 0, d = 0;
+  float eps = 1e-5f;
+};
+absl::Status RmsNorm(const RmsNormParams& p);
+
+// Inverse frequencies (head_dim/2 values) for `spec`, as transformers computes them for the
+// "default" and "llama3" rope types: every step in fp32 like its torch ops (arange cast to fp32,
+// fp32 division; pow evaluated in double and rounded once, within an ulp of torch's fp32 pow).
+// Empty for head_dim <= 0.
+std::vector<float> RopeInvFreq(const RopeSpec& spec, int64_t head_dim);
+
+// Rotates q(n, heads, d) and k(n, kv_heads, d) in place by position[i] · inv_freq.
+// Angles are computed in fp32 as float(position) * inv_freq (like transformers), then cos/sin
+// (evaluated in double, rounded to fp32). k may be nullptr to rotate q only. Positions must be
+// >= 0 and head_dim even.
+struct RopeParams {
+  float* q = nullptr;               // (n, num_heads, head_dim); row stride q_stride floats
+  float* k = nullptr;               // (n, num_kv_heads, head_dim); row stride k_stride floats
+  const int32_t* positions = nullptr;  // (n)
+  const float* inv_freq = nullptr;  // (head_dim / 2)
+  int64_t n = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  int64_t q_stride = 0, k_stride = 0;  // 0: packed (num_heads*head_dim, num_kv_heads*head_dim)
+};
+absl::Status Rope(const RopeParams& p);
+
+// y(m, n) = x(m, k) · w(n, k)ᵀ  (+ y if accumulate). Row strides are in elements (0: packed).
+struct MatmulParams {
+  const float* x = nullptr;
+  const float* w = nullptr;
+  float* y = nullptr;
+  int64_t m = 0, n = 0, k = 0;
+  int64_t x_stride = 0, y_stride = 0;
+  bool accumulate = false;
+};
+absl::Status Matmul(const MatmulParams& p);
+
+// out(n, inter) = silu(gate_up(:, :inter)) * gate_up(:, inter:), gate_up is (n, 2·inter).
+struct SiluMulParams {
+  const float* gate_up = nullptr;
+  float* out = nullptr;
+  int64_t n = 0, inter = 0;
+};
+absl::Status SiluMul(const SiluMulParams& p);
+
+// Attention over a token-granular KV cache for a ragged batch: prefill chunks and decode alike.
+// Request r owns query rows [q_indptr[r], q_indptr[r+1]) and KV entries
+// kv_slots[kv_indptr[r] .. kv_indptr[r+1]) in position order (its whole context, the chunk's own
+// keys included, last). Query row i of a request with q_len rows and kv_len keys is at context
+// position kv_len - q_len + i and attends causally to keys 0 .. kv_len - q_len + i.
+// GQA: query head h reads KV head h / (num_heads / num_kv_heads).
+// q_indptr and kv_indptr start at 0 and never decrease; a request may have 0 query rows. Every
+// slot of kv_slots[0 .. kv_indptr[num_requests]) must lie in [0, num_slots). scale must be > 0.
+// Math (as Hugging Face's eager attention, all fp32): s = (q·k) * scale, p = softmax(s) with
+// the row max subtracted, out = Σ p_j v_j; lse = max + log Σ exp(s - max).
+struct AttentionParams {
+  const float* q = nullptr;        // (total_q, num_heads, head_dim)
+  const float* k_cache = nullptr;  // (num_slots, num_kv_heads, head_dim)
+  const float* v_cache = nullptr;  // (num_slots, num_kv_heads, head_dim)
+  float* out = nullptr;            // (total_q, num_heads, head_dim)
+  float* lse = nullptr;            // (total_q, num_heads), natural log; optional
+  const int32_t* q_indptr = nullptr;   // (num_requests + 1)
+  const int32_t* kv_indptr = nullptr;  // (num_requests + 1)
+  const int32_t* kv_slots = nullptr;   // (kv_indptr[num_requests])
+  int64_t num_requests = 0, num_slots = 0;
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  float scale = 0.0f;  // usually 1/sqrt(head_dim)
+};
+absl::Status Attention(const AttentionParams& p);
+
+// Sampling of one token from one row of logits.
+struct SamplingParams {
+  float temperature = 0.0f;  // 0: greedy (argmax, lowest id on ties)
+  int32_t top_k = 0;         // 0: off
+  float top_p = 1.0f;        // 1: off; keeps the smallest prefix of sorted probs with mass >= top_p
+  uint64_t seed = 0;
+};
+// A uniform float in [0, 1) from a counter-based generator: the same (seed, counter) always
+// gives the same value, whatever else runs in the batch. Exactly (all uint64 arithmetic mod 2^64,
+// so a CUDA kernel can reproduce it bit for bit):
+//   mix(z) = z ^= z >> 30, z *= 0xBF58476D1CE4E5B9, z ^= z >> 27, z *= 0x94D049BB133111EB,
+//            z ^ (z >> 31)                                       (splitmix64's finaliser)
+//   z = mix(mix(seed + 0x9E3779B97F4A7C15) ^ (counter * 0xD1B54A32D192ED03))
+//   result = float(z >> 40) * 2^-24                              (24 bits; never 1.0)
+float CounterUniform(uint64_t seed, uint64_t counter);
+// Samples with `params` using CounterUniform(params.seed, counter) as the only randomness.
+// temperature <= 0 (or NaN): argmax. Otherwise, in double: p ∝ exp((logit - max) / T); top-k
+// keeps the k most probable (ties: lower id); top-p then keeps the smallest prefix of those,
+// sorted descending (ties: lower id), whose mass renormalised over the top-k survivors is
+// >= top_p (at least one token); finally u = CounterUniform(seed, counter) picks the first kept
+// token, in ascending id, whose cumulative kept mass exceeds u · (total kept mass). top_k <= 0 or
+// >= vocab and top_p >= 1 are off. NaN logits count as -inf. Aborts on null logits, vocab <= 0.
+int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& params,
+                    uint64_t counter);
+// log_softmax(logits)[token] in natural log, computed stably in double. Unaffected by
+// temperature, top-k and top-p. NaN if any logit is NaN or +inf, or all are -inf; aborts when
+// token is outside [0, vocab).
+float TokenLogprob(const float* logits, int64_t vocab, int32_t token);
+
+}  // namespace tandem::kernels::cpu

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The `tandem` executable as a user runs it: exit codes, one-line errors that name the problem,
+# JSON output, prompts files, real checkpoints (good and bad) and config checks.
+# Usage: cli_test.sh path/to/tandem
+set -u
+TANDEM=$1
+SRC=$(cd "$(dirname "$0")/../.." && pwd)
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+passed=0
+failed=0
+
+ok() { passed=$((passed + 1)); }
+bad() { failed=$((failed + 1)); echo "FAIL: $*"; }
+
+# expect_fail "<needle>" cmd...: must exit non-zero, print one line on stderr containing needle.
+expect_fail() {
+  local needle=$1; shift
+  "$@" >"$TMP/out" 2>"$TMP/err"
+  local rc=$?
+  local lines
+  lines=$(grep -c . "$TMP/err")
+  if [ $rc -eq 0 ]; then bad "expected failure: $*"; return; fi
+  if ! grep -qF -- "$needle" "$TMP/err"; then bad "stderr of '$*' lacks '$needle': $(cat "$TMP/err")"; return; fi
+  if [ "$lines" -ne 1 ]; then bad "stderr of '$*' is $lines lines, expected 1: $(cat "$TMP/err")"; return; fi
+  ok
+}
+
+expect_ok() {
+  if "$@" >"$TMP/out" 2>"$TMP/err"; then ok; else bad "command failed: $* -- $(cat "$TMP/err")"; fi
+}
+
+# --- help and argument errors -------------------------------------------------------------------
+expect_ok "$TANDEM" --help
+grep -q generate "$TMP/out" || bad "--help does not list generate"
+for sub in generate "config check" "config help" devices; do
+  expect_ok "$TANDEM" $sub --help
+done
+expect_ok "$TANDEM" generate --help
+for flag in --model --prompt-ids --prompts-file --max-tokens --temperature --top-k --top-p --seed --logprobs --json; do
+  grep -qF -- "$flag" "$TMP/out" || bad "generate --help lacks $flag"
+done
+expect_fail "--model is required" "$TANDEM" generate --prompt-ids 1,2
+expect_fail "one of --prompt-ids or --prompts-file" "$TANDEM" generate --model tiny-mha
+expect_fail 'element 1 is "x"' "$TANDEM" generate --model tiny-mha --prompt-ids 1,x
+expect_fail "--temperature" "$TANDEM" generate --model tiny-mha --prompt-ids 1 --temperature -1
+expect_fail "--bogus" "$TANDEM" generate --model tiny-mha --prompt-ids 1 --bogus
+expect_fail "excludes" "$TANDEM" generate --model tiny-mha --prompt-ids 1 --prompts-file /dev/null
+expect_fail "outside the vocabulary" "$TANDEM" generate --model tiny-mha --prompt-ids 1,999999
+expect_fail "neither" "$TANDEM" generate --model no-such-model --prompt-ids 1
+expect_fail "scheduler.max_batch_size" "$TANDEM" generate --model tiny-mha --prompt-ids 1 --set scheduler.max_batch_size=0
+
+# --- generation ----------------------------------------------------------------------------------
+expect_ok "$TANDEM" generate --model tiny-gqa --prompt-ids 5,6,7 --max-tokens 8 --json --logprobs --ignore-eos
+python3 - "$TMP/out" <<'PY' || bad "JSON output of generate is wrong"
+import json, sys
+lines = open(sys.argv[1]).read().splitlines()
+assert len(lines) == 1, lines
+j = json.loads(lines[0])
+assert len(j["token_ids"]) == 8 and len(j["logprobs"]) == 8, j
+assert all(lp <= 0 for lp in j["logprobs"]), j
+assert j["usage"] == {"prompt_tokens": 3, "completion_tokens": 8}, j
+assert j["finish_reason"] == "length", j
+PY
+grep -q "tok/s" "$TMP/err" || bad "generate prints no throughput"
+
+# Prompts file: three requests, one with its own max_tokens; output in input order.
+cat >"$TMP/prompts.jsonl" <<'J'
+{"prompt_ids": [1, 2, 3], "max_tokens": 4}
+{"prompt_ids": [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8]}
+
+{"prompt_ids": [42], "temperature": 0.7, "seed": 3}
+J
+expect_ok "$TANDEM" generate --model tiny-mha --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --ignore-eos
+python3 - "$TMP/out" <<'PY' || bad "prompts-file output is wrong"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]).read().splitlines()]
+assert [r["index"] for r in rows] == [0, 1, 2], rows
+assert [r["usage"]["completion_tokens"] for r in rows] == [4, 6, 6], rows
+assert [r["usage"]["prompt_tokens"] for r in rows] == [3, 11, 1], rows
+assert "logprobs" not in rows[0]
+PY
+printf '{"prompt_ids": [1], "max_token": 3}\n' >"$TMP/typo.jsonl"
+expect_fail "unknown key 'max_token'" "$TANDEM" generate --model tiny-mha --prompts-file "$TMP/typo.jsonl"
+printf '{"prompt_ids": [1]}\n{"prompt_ids": "1"}\n' >"$TMP/badtype.jsonl"
+expect_fail "badtype.jsonl:2: key 'prompt_ids'" "$TANDEM" generate --model tiny-mha --prompts-file "$TMP/badtype.jsonl"
+
+# A real checkpoint directory (written by transformers) through the CLI gives the reference's tokens.
+REF="$SRC/tests/data/reference/llama2-mha"
+expect_ok "$TANDEM" generate --model "$REF" --prompt-ids "$(python3 -c "import json;print(','.join(map(str,json.load(open('$REF/reference.json'))['cases'][2]['prompt_ids'])))")" --max-tokens 24 --json --ignore-eos
+python3 - "$TMP/out" "$REF/reference.json" <<'PY' || bad "CLI tokens differ from the transformers reference"
+import json, sys
+got = json.loads(open(sys.argv[1]).read())["token_ids"]
+case = json.load(open(sys.argv[2]))["cases"][2]
+n = next((i for i, g in enumerate(case["top2_gaps"]) if g < 1e-3), len(case["top2_gaps"]))
+assert got[:n] == case["token_ids"][:n], (got, case["token_ids"])
+PY
+
+# --- bad checkpoints: each exits non-zero with a message naming the file and the problem ---------
+python3 "$SRC/tests/cli/make_bad_checkpoints.py" "$REF" "$TMP/bad" || bad "could not write bad checkpoints"
+while IFS='|' read -r name needle; do
+  expect_fail "$needle" "$TANDEM" generate --model "$TMP/bad/$name" --prompt-ids 1,2
+done <"$TMP/bad/CASES"
+
+# --- config ----------------------------------------------------------------------------------------
+printf 'scheduler:\n  max_batch_size: 8\nkv:\n  capacity_tokens: 512\n' >"$TMP/ok.yaml"
+expect_ok "$TANDEM" config check "$TMP/ok.yaml" --set kv.memory_fraction=0.25
+grep -q "max_batch_size: 8" "$TMP/out" || bad "config check does not show the YAML value"
+grep -q "memory_fraction: 0.25" "$TMP/out" || bad "config check does not show the --set value"
+printf 'scheduler:\n  max_bach_size: 8\n' >"$TMP/typo.yaml"
+expect_fail "scheduler.max_bach_size" "$TANDEM" config check "$TMP/typo.yaml"
+printf 'kv:\n  capacity_tokens: lots\n' >"$TMP/type.yaml"
+expect_fail "kv.capacity_tokens" "$TANDEM" config check "$TMP/type.yaml"
+expect_ok "$TANDEM" generate --model tiny-mha --prompt-ids 1,2 --max-tokens 2 --config "$TMP/ok.yaml"
+expect_ok "$TANDEM" config help
+grep -q "scheduler.max_tokens_per_step" "$TMP/out" || bad "config help lacks a knob"
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Writes small random Llama checkpoints and Hugging Face transformers' greedy continuations.
+
+For each model it writes <out>/<name>/ with config.json, model.safetensors (bf16) and
+reference.json: for several prompts, the greedy tokens, the natural-log probability of each and
+the gap between the top two logits at each position, all computed in fp32 by transformers from
+the same bf16 weights (upcast). tests/reference/hf_reference_test.cc checks tandem against these.
+
+Needs torch, transformers and safetensors (the GPU machines have them). Runs on the CPU.
+Usage: python3 tests/reference/make_hf_reference.py --out tests/data/reference
+"""
+import argparse
+import json
+import os
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+MAJOR = int(transformers.__version__.split(".")[0])
+
+MODELS = {
+    # Llama-3 style: GQA, llama3 RoPE scaling, tied embeddings. original_max_position is small so
+    # that all three frequency bands of the llama3 rule (kept, scaled, smoothed) occur.
+    "llama3-gqa-tied": dict(
+        vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=[2, 3],
+        rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}),
+    # Llama-2 style: MHA, default RoPE, untied LM head.
+    "llama2-mha": dict(
+        vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        rope={"rope_type": "default", "rope_theta": 10000.0}),
+    # MQA with an explicit head_dim that is not hidden_size / heads (as in some Mistral shapes).
+    "mqa-headdim": dict(
+        vocab_size=512, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=64, max_position_embeddings=256,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        rope={"rope_type": "default", "rope_theta": 100000.0}),
+}
+
+PROMPT_LENGTHS = [1, 7, 20, 33, 100]
+NEW_TOKENS = 24
+
+
+def make_config(spec):
+    spec = dict(spec)
+    rope = spec.pop("rope")
+    if MAJOR >= 5:
+        spec["rope_parameters"] = rope
+    else:
+        spec["rope_theta"] = rope["rope_theta"]
+        if rope["rope_type"] != "default":
+            spec["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return LlamaConfig(**spec, attn_implementation="eager")
+
+
+@torch.no_grad()
+def randomize(model, gen):
+    # Larger-than-default weights so that next-token distributions are peaked: near-uniform
+    # logits would make greedy choices ties that no implementation can be held to.
+    for name, p in model.named_parameters():
+        if p.dim() == 1:  # RMSNorm weights
+            p.copy_(1.0 + 0.1 * (torch.rand(p.shape, generator=gen) * 2 - 1))
+        elif "embed_tokens" in name:
+            p.copy_(torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / p.shape[1] ** 0.5))
+
+
+@torch.no_grad()
+def greedy(model, prompt, n):
+    ids = list(prompt)
+    tokens, logprobs, gaps = [], [], []
+    for _ in range(n):
+        logits = model(torch.tensor([ids])).logits[0, -1].double()
+        top2 = torch.topk(logits, 2)
+        token = int(top2.indices[0])
+        tokens.append(token)
+        logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+        gaps.append(float(top2.values[0] - top2.values[1]))
+        ids.append(token)
+    return tokens, logprobs, gaps
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=1234)
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    for i, (name, spec) in enumerate(MODELS.items()):
+        gen = torch.Generator().manual_seed(args.seed + i)
+        model = LlamaForCausalLM(make_config(spec)).eval()
+        randomize(model, gen)
+        model = model.to(torch.bfloat16)
+        out = os.path.join(args.out, name)
+        model.save_pretrained(out, safe_serialization=True)
+        # The reference runs in fp32 on exactly the bf16 values that were saved.
+        model = model.to(torch.float32)
+        prompts = [torch.randint(4, spec["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+        cases = []
+        for prompt in prompts:
+            tokens, logprobs, gaps = greedy(model, prompt, NEW_TOKENS)
+            cases.append({"prompt_ids": prompt, "token_ids": tokens, "logprobs": logprobs, "top2_gaps": gaps})
+        with open(os.path.join(out, "reference.json"), "w") as f:
+            json.dump({"model": name, "transformers": transformers.__version__, "torch": torch.__version__,
+                       "dtype_of_weights": "bfloat16", "compute_dtype": "float32",
+                       "cases": cases}, f, indent=1)
+        for fname in ("generation_config.json",):
+            path = os.path.join(out, fname)
+            if os.path.exists(path):
+                os.remove(path)
+        print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters, "
+              f"{len(cases)} prompts x {NEW_TOKENS} tokens, min top-2 gap "
+              f"{min(min(c['top2_gaps']) for c in cases):.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+// The colocated engine: continuous batching must not change any request's tokens; KV limits,
+// stop conditions and bad requests behave as documented in colocated/engine.h.
+#include "colocated/engine.h"
+
+#include <cmath>
+
+#include "gtest/gtest.h"
+
+namespace tandem {
+namespace {
+
+// Batch composition changes the order of fp32 sums (BLAS blocking), so log-probabilities of the
+// same token may differ in the last bits; 1e-4 is far above that and far below any real change.
+constexpr double kLogprobTol = 1e-4;
+
+std::unique_ptr<WeightSource> Tiny(const std::string& preset, std::vector<int32_t> eos = {}) {
+  absl::StatusOr<ModelSpec> spec = PresetSpec(preset);
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  if (!eos.empty()) spec->eos_token_ids = eos;
+  return RandomWeights(*spec, /*seed=*/42);
+}
+
+std::unique_ptr<ColocatedEngine> MakeEngine(const WeightSource& w, int64_t batch, int64_t step_tokens,
+                                            int64_t kv = 4096) {
+  EngineOptions o;
+  o.max_batch_size = batch;
+  o.max_tokens_per_step = step_tokens;
+  o.kv_capacity_tokens = kv;
+  absl::StatusOr<std::unique_ptr<ColocatedEngine>> e = ColocatedEngine::Create(w, o);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return std::move(*e);
+}
+
+std::vector<GenerationRequest> MixedRequests(int64_t vocab) {
+  // Different prompt lengths and lengths of output; two sampled with seeds, the rest greedy.
+  const std::vector<int> prompt_len = {1, 5, 17, 40, 3, 64, 9};
+  const std::vector<int> max_tokens = {12, 3, 20, 7, 1, 10, 16};
+  std::vector<GenerationRequest> out;
+  uint32_t x = 12345;
+  for (size_t i = 0; i < prompt_len.size(); ++i) {
+    GenerationRequest r;
+    for (int j = 0; j < prompt_len[i]; ++j) {
+      x = x * 1664525u + 1013904223u;
+      r.prompt.push_back(static_cast<int32_t>(2 + (x >> 8) % static_cast<uint32_t>(vocab - 2)));
+    }
+    r.max_tokens = max_tokens[i];
+    r.ignore_eos = true;
+    if (i % 3 == 1) r.sampling = {.temperature = 0.8f, .top_k = 50, .top_p = 0.9f, .seed = 7 + i};
+    out.push_back(r);
+  }
+  return out;
+}
+
+void ExpectSameResults(const std::vector<GenerationResult>& a, const std::vector<GenerationResult>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].token_ids, b[i].token_ids) << "request " << i;
+    EXPECT_EQ(a[i].finish_reason, b[i].finish_reason) << "request " << i;
+    ASSERT_EQ(a[i].logprobs.size(), b[i].logprobs.size());
+    for (size_t t = 0; t < a[i].logprobs.size(); ++t) {
+      ASSERT_FALSE(std::isnan(a[i].logprobs[t]));
+      EXPECT_NEAR(a[i].logprobs[t], b[i].logprobs[t], kLogprobTol) << "request " << i << " token " << t;
+    }
+  }
+}
+
+// Each request alone, one after the other: the ground truth for batching.
+std::vector<GenerationResult> RunAlone(const WeightSource& w, const std::vector<GenerationRequest>& reqs) {
+  std::vector<GenerationResult> out;
+  for (const GenerationRequest& r : reqs) {
+    auto e = MakeEngine(w, 1, 4096);
+    absl::StatusOr<std::vector<GenerationResult>> res = e->GenerateAll({r});
+    EXPECT_TRUE(res.ok()) << res.status();
+    out.push_back((*res)[0]);
+  }
+  return out;
+}
+
+class EngineBatching : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(EngineBatching, BatchedEqualsAloneForEverySchedule) {
+  auto w = Tiny(GetParam());
+  const auto reqs = MixedRequests(w->spec().vocab_size);
+  const auto alone = RunAlone(*w, reqs);
+  for (auto [batch, step_tokens] : std::vector<std::pair<int64_t, int64_t>>{{8, 4096}, {3, 8}, {7, 7}, {2, 64}}) {
+    SCOPED_TRACE(testing::Message() << "batch " << batch << " step tokens " << step_tokens);
+    auto e = MakeEngine(*w, batch, step_tokens);
+    absl::StatusOr<std::vector<GenerationResult>> res = e->GenerateAll(reqs);
+    ASSERT_TRUE(res.ok()) << res.status();
+    ExpectSameResults(*res, alone);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      EXPECT_EQ((*res)[i].token_ids.size(), static_cast<size_t>(reqs[i].max_tokens));
+      EXPECT_EQ((*res)[i].prompt_tokens, static_cast<int64_t>(reqs[i].prompt.size()));
+    }
+    EXPECT_EQ(e->kv_free_tokens(), e->kv_capacity_tokens()) << "KV leaked";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, EngineBatching, ::testing::Values("tiny-mha", "tiny-gqa", "tiny-mqa"),
+                         [](const auto& info) {
+                           std::string n = info.param;
+                           for (char& ch : n) if (ch == '-') ch = '_';
+                           return n;
+                         });
+
+TEST(Engine, RequestsArrivingWhileOthersRunGetTheSameTokens) {
+  auto w = Tiny("tiny-gqa");
+  const auto reqs = MixedRequests(w->spec().vocab_size);
+  const auto alone = RunAlone(*w, reqs);
+  auto e = MakeEngine(*w, 4, 16);
+  std::vector<GenerationResult> got(reqs.size());
+  std::vector<std::pair<int64_t, GenerationResult>> done;
+  size_t next = 0;
+  int steps = 0;
+  while (next < reqs.size() || !e->Idle()) {
+    if (next < reqs.size() && steps % 3 == 0) {  // one arrival every third step
+      absl::StatusOr<int64_t> id = e->Submit(reqs[next]);
+      ASSERT_TRUE(id.ok()) << id.status();
+      ASSERT_EQ(*id, static_cast<int64_t>(next));
+      ++next;
+    }
+    ASSERT_TRUE(e->Step(&done).ok());
+    ++steps;
+    ASSERT_LT(steps, 10000);
+  }
+  for (auto& [id, r] : done) got[static_cast<size_t>(id)] = r;
+  ExpectSameResults(got, alone);
+}
+
+TEST(Engine, KvFullMakesRequestsWaitNotFail) {
+  auto w = Tiny("tiny-mha");
+  const auto reqs = MixedRequests(w->spec().vocab_size);
+  const auto alone = RunAlone(*w, reqs);
+  // 80 slots: the 64+10 request fits alone, never together with most others.
+  auto e = MakeEngine(*w, 8, 4096, /*kv=*/80);
+  absl::StatusOr<std::vector<GenerationResult>> res = e->GenerateAll(reqs);
+  ASSERT_TRUE(res.ok()) << res.status();
+  ExpectSameResults(*res, alone);
+  EXPECT_EQ(e->kv_free_tokens(), 80);
+}
+
+TEST(Engine, RequestThatCanNeverFitIsRefusedAndChangesNothing) {
+  auto w = Tiny("tiny-mha");
+  auto e = MakeEngine(*w, 8, 4096, /*kv=*/32);
+  GenerationRequest r;
+  r.prompt.assign(30, 5);
+  r.max_tokens = 10;
+  absl::StatusOr<int64_t> id = e->Submit(r);
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(id.status().message().find("40 KV slots"), std::string::npos) << id.status();
+  EXPECT_TRUE(e->Idle());
+}
+
+TEST(Engine, StopsAtEos) {
+  // Find what greedy decoding produces, then declare its 4th token an EOS id.
+  auto w = Tiny("tiny-gqa");
+  GenerationRequest r;
+  r.prompt = {3, 9, 27, 81};
+  r.max_tokens = 12;
+  auto e = MakeEngine(*w, 4, 64);
+  auto base = e->GenerateAll({r});
+  ASSERT_TRUE(base.ok());
+  const int32_t eos = (*base)[0].token_ids[3];
+  size_t first = 0;
+  while ((*base)[0].token_ids[first] != eos) ++first;
+
+  auto w2 = Tiny("tiny-gqa", {eos});
+  auto e2 = MakeEngine(*w2, 4, 64);
+  auto res = e2->GenerateAll({r});
+  ASSERT_TRUE(res.ok());
+  EXPECT_EQ((*res)[0].finish_reason, "stop");
+  ASSERT_EQ((*res)[0].token_ids.size(), first + 1);
+  EXPECT_EQ((*res)[0].token_ids.back(), eos);
+  r.ignore_eos = true;
+  auto res2 = e2->GenerateAll({r});
+  ASSERT_TRUE(res2.ok());
+  EXPECT_EQ((*res2)[0].finish_reason, "length");
+  EXPECT_EQ((*res2)[0].token_ids, (*base)[0].token_ids);
+}
+
+TEST(Engine, SeededSamplingIsReproducibleAndSeedSensitive) {
+  auto w = Tiny("tiny-mha");
+  GenerationRequest r;
+  r.prompt = {7, 8, 9};
+  r.max_tokens = 24;
+  r.ignore_eos = true;
+  r.sampling = {.temperature = 1.5f, .top_k = 0, .top_p = 1.0f, .seed = 1};
+  auto e = MakeEngine(*w, 4, 64);
+  auto a = e->GenerateAll({r, r});
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ((*a)[0].token_ids, (*a)[1].token_ids);
+  GenerationRequest r2 = r;
+  r2.sampling.seed = 2;
+  auto b = e->GenerateAll({r2});
+  ASSERT_TRUE(b.ok());
+  EXPECT_NE((*a)[0].token_ids, (*b)[0].token_ids);
+}
+
+TEST(Engine, GreedyEqualsTopKOne) {
+  auto w = Tiny("tiny-mqa");
+  GenerationRequest g;
+  g.prompt = {11, 12, 13, 14};
+  g.max_tokens = 10;
+  g.ignore_eos = true;
+  GenerationRequest k1 = g;
+  k1.sampling = {.temperature = 1.0f, .top_k = 1, .top_p = 1.0f, .seed = 3};
+  auto e = MakeEngine(*w, 4, 64);
+  auto res = e->GenerateAll({g, k1});
+  ASSERT_TRUE(res.ok());
+  EXPECT_EQ((*res)[0].token_ids, (*res)[1].token_ids);
+}
+
+TEST(Engine, BadRequestsAreRefusedWithTheReason) {
+  auto w = Tiny("tiny-mha");
+  auto e = MakeEngine(*w, 4, 64);
+  const int64_t vocab = w->spec().vocab_size;
+  struct Bad {
+    GenerationRequest r;
+    std::string needle;
+  };
+  std::vector<Bad> bad;
+  bad.push_back({GenerationRequest{}, "prompt is empty"});
+  GenerationRequest r{.prompt = {1, static_cast<int32_t>(vocab)}};
+  bad.push_back({r, "prompt token 1"});
+  r = {.prompt = {1, -4}};
+  bad.push_back({r, "outside the vocabulary"});
+  r = {.prompt = {1}, .max_tokens = 0};
+  bad.push_back({r, "max_tokens must be >= 1"});
+  r = {.prompt = {1}, .max_tokens = w->spec().max_position};
+  bad.push_back({r, "exceeds the model's context"});
+  r = {.prompt = {1}, .sampling = {.temperature = -1.0f}};
+  bad.push_back({r, "temperature"});
+  r = {.prompt = {1}, .sampling = {.top_p = 0.0f}};
+  bad.push_back({r, "top_p"});
+  for (const Bad& b : bad) {
+    absl::StatusOr<int64_t> id = e->Submit(b.r);
+    EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument) << b.needle;
+    EXPECT_NE(id.status().message().find(b.needle), std::string::npos) << id.status();
+  }
+  EXPECT_TRUE(e->Idle());
+  // One bad request in a batch: nothing of the batch is queued.
+  GenerationRequest good{.prompt = {1, 2}, .max_tokens = 2};
+  auto all = e->GenerateAll({good, bad[0].r, good});
+  EXPECT_EQ(all.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(all.status().message().find("request 1"), std::string::npos) << all.status();
+  EXPECT_TRUE(e->Idle());
+  auto ok = e->GenerateAll({good});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+}
+
+TEST(Engine, OptionsAreChecked) {
+  auto w = Tiny("tiny-mha");
+  EngineOptions o;
+  o.max_batch_size = 16;
+  o.max_tokens_per_step = 8;
+  auto e = ColocatedEngine::Create(*w, o);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find("max_tokens_per_step"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace tandem
