@@ -12,10 +12,10 @@
 
 namespace tandem::cli {
 
-absl::StatusOr<std::vector<int32_t>> ParseIdList(std::string_view text) {
+absl::StatusOr<std::vector<int32_t>> ParseIdList(absl::string_view text) {
   std::vector<int32_t> ids;
   int index = 0;
-  for (std::string_view part : absl::StrSplit(text, ',')) {
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
     part = absl::StripAsciiWhitespace(part);
     int32_t id = 0;
     if (!absl::SimpleAtoi(part, &id) || id < 0) {
@@ -32,16 +32,16 @@ namespace {
 
 using Json = nlohmann::json;
 
-absl::Status KeyError(std::string_view where, std::string_view key, std::string_view what, const Json& got) {
+absl::Status KeyError(absl::string_view where, absl::string_view key, absl::string_view what, const Json& got) {
   return absl::InvalidArgumentError(absl::StrCat(where, ": key '", key, "': ", what, ", got ", got.dump()));
 }
 
 }  // namespace
 
-absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(std::string_view text, std::string_view source) {
+absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(absl::string_view text, absl::string_view source) {
   std::vector<PromptSpec> out;
   int line_no = 0;
-  for (std::string_view line : absl::StrSplit(text, '\n')) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
     ++line_no;
     if (absl::StripAsciiWhitespace(line).empty()) continue;
     const std::string where = absl::StrCat(source, ":", line_no);

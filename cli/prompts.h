@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
-#include <string_view>
+#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -13,7 +13,7 @@
 namespace tandem::cli {
 
 // "1,2, 3" -> {1, 2, 3}. Every element must be a non-negative 32-bit integer.
-absl::StatusOr<std::vector<int32_t>> ParseIdList(std::string_view text);
+absl::StatusOr<std::vector<int32_t>> ParseIdList(absl::string_view text);
 
 // One line of a prompts file: {"prompt_ids": [..], "max_tokens"?: n, "temperature"?: t,
 // "top_k"?: k, "top_p"?: p, "seed"?: s}. Absent fields take the command line's values.
@@ -27,7 +27,7 @@ struct PromptSpec {
 };
 // Blank lines are skipped; any other key is an error (a misspelt "max_token" must not be
 // silently ignored).
-absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(std::string_view text, std::string_view source);
+absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(absl::string_view text, absl::string_view source);
 absl::StatusOr<std::vector<PromptSpec>> ReadPromptsFile(const std::string& path);
 
 }  // namespace tandem::cli

@@ -31,9 +31,6 @@ constexpr char kDefaultSource[] = "default";
 constexpr char kSetSource[] = "--set";
 constexpr char kUnnamedYaml[] = "<yaml>";
 
-// Debian's Abseil has its own absl::string_view (not std::string_view): convert explicitly.
-absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
-
 // A knob's value once parsed; which field is used depends on the knob's type.
 struct Parsed {
   int64_t i = 0;
@@ -44,11 +41,16 @@ struct Parsed {
 
 const char* TypeName(KnobType type) {
   switch (type) {
-    case KnobType::kInt: return "int";
-    case KnobType::kDouble: return "double";
-    case KnobType::kBool: return "bool";
-    case KnobType::kString: return "string";
-    case KnobType::kEnum: return "enum";
+    case KnobType::kInt:
+      return "int";
+    case KnobType::kDouble:
+      return "double";
+    case KnobType::kBool:
+      return "bool";
+    case KnobType::kString:
+      return "string";
+    case KnobType::kEnum:
+      return "enum";
   }
   return "?";
 }
@@ -65,21 +67,31 @@ bool IsNullWord(std::string_view s) { return s == "~" || s == "null" || s == "Nu
 // `s` as a YAML scalar: plain where that reads back as the same string, else double-quoted.
 std::string YamlScalar(std::string_view s, bool force_quotes = false) {
   auto plain_char = [](char c) {
-    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' ||
-           c == '/' || c == '+' || c == '-';
+    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '/' ||
+           c == '+' || c == '-';
   };
-  const bool plain = !force_quotes && !s.empty() && !IsNullWord(s) && s.front() != '-' &&
-                     s.front() != '+' && std::all_of(s.begin(), s.end(), plain_char);
+  const bool plain = !force_quotes && !s.empty() && !IsNullWord(s) && s.front() != '-' && s.front() != '+' &&
+                     std::all_of(s.begin(), s.end(), plain_char);
   if (plain) return std::string(s);
   std::string out = "\"";
   for (const char c : s) {
     const auto u = static_cast<unsigned char>(c);
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
       default:
         if (u < 0x20 || u == 0x7f) {
           out += absl::StrFormat("\\x%02x", u);
@@ -116,11 +128,16 @@ std::string Expectation(const KnobSpec& spec) {
   const std::string range = RangeText(spec);
   const std::string range_suffix = range.empty() ? "" : absl::StrCat(" ", range);
   switch (spec.type) {
-    case KnobType::kInt: return absl::StrCat("an integer", range_suffix);
-    case KnobType::kDouble: return absl::StrCat("a number", range_suffix);
-    case KnobType::kBool: return "true or false";
-    case KnobType::kString: return "a string";
-    case KnobType::kEnum: return absl::StrCat("one of [", absl::StrJoin(spec.choices, ", "), "]");
+    case KnobType::kInt:
+      return absl::StrCat("an integer", range_suffix);
+    case KnobType::kDouble:
+      return absl::StrCat("a number", range_suffix);
+    case KnobType::kBool:
+      return "true or false";
+    case KnobType::kString:
+      return "a string";
+    case KnobType::kEnum:
+      return absl::StrCat("one of [", absl::StrJoin(spec.choices, ", "), "]");
   }
   return "";
 }
@@ -131,8 +148,7 @@ std::string TypeText(const KnobSpec& spec) {
   if (spec.type == KnobType::kEnum) {
     return absl::StrCat("enum [", absl::StrJoin(spec.choices, ", "), "]");
   }
-  return range.empty() ? std::string(TypeName(spec.type))
-                       : absl::StrCat(TypeName(spec.type), " ", range);
+  return range.empty() ? std::string(TypeName(spec.type)) : absl::StrCat(TypeName(spec.type), " ", range);
 }
 
 bool InBounds(const KnobSpec& spec, double v) {
@@ -171,8 +187,7 @@ bool ParseFiniteDouble(std::string_view s, double* out) {
   // from_chars takes no '+'; the sign of a '-' is part of its grammar.
   std::string_view number = s.front() == '+' ? s.substr(1) : s;
   const auto result = std::from_chars(number.data(), number.data() + number.size(), *out);
-  return result.ec == std::errc() && result.ptr == number.data() + number.size() &&
-         std::isfinite(*out);
+  return result.ec == std::errc() && result.ptr == number.data() + number.size() && std::isfinite(*out);
 }
 
 // Parses the text of a YAML scalar for `spec`. `quoted` says the scalar was written in quotes
@@ -186,7 +201,7 @@ absl::StatusOr<Parsed> ParseScalar(const KnobSpec& spec, std::string_view text, 
   Parsed p;
   switch (spec.type) {
     case KnobType::kInt:
-      if (quoted || !IsDecimalInt(text) || !absl::SimpleAtoi(Sv(text), &p.i) ||
+      if (quoted || !IsDecimalInt(text) || !absl::SimpleAtoi(ToAbsl(text), &p.i) ||
           !InBounds(spec, static_cast<double>(p.i))) {
         return fail();
       }
@@ -228,15 +243,18 @@ Parsed DefaultOf(const KnobSpec& spec) {
 template <typename V>
 std::string ValueText(const V& v) {
   switch (v.type) {
-    case KnobType::kInt: return absl::StrCat(v.i);
+    case KnobType::kInt:
+      return absl::StrCat(v.i);
     case KnobType::kDouble: {
       std::string s = FormatDouble(v.d);
       if (s.find_first_of(".e") == std::string::npos) s += ".0";
       return s;
     }
-    case KnobType::kBool: return v.b ? "true" : "false";
+    case KnobType::kBool:
+      return v.b ? "true" : "false";
     case KnobType::kString:
-    case KnobType::kEnum: return YamlScalar(v.s);
+    case KnobType::kEnum:
+      return YamlScalar(v.s);
   }
   return "";
 }
@@ -256,7 +274,7 @@ bool IsSectionOf(std::string_view section, std::string_view path) {
 
 bool IsValidPath(std::string_view path) {
   if (path.empty()) return false;
-  for (absl::string_view segment : absl::StrSplit(Sv(path), '.')) {
+  for (absl::string_view segment : absl::StrSplit(ToAbsl(path), '.')) {
     if (segment.empty() || segment.front() == '-') return false;
     for (const char c : segment) {
       if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-') return false;
@@ -287,8 +305,7 @@ std::string_view LastSegment(std::string_view path) {
 
 absl::Status ReadFile(const std::string& path, std::string* out) {
   auto unreadable = [&](int err) {
-    return absl::NotFoundError(
-        absl::StrCat("cannot read config file '", path, "': ", std::strerror(err)));
+    return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "': ", std::strerror(err)));
   };
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return unreadable(errno);
@@ -330,16 +347,16 @@ KnobSpec MakeSpec(std::string path, KnobType type, std::string default_value, st
 }
 }  // namespace
 
-ConfigSchema& ConfigSchema::Int(std::string path, int64_t def, std::string help,
-                                std::optional<double> min, std::optional<double> max) {
+ConfigSchema& ConfigSchema::Int(std::string path, int64_t def, std::string help, std::optional<double> min,
+                                std::optional<double> max) {
   KnobSpec spec = MakeSpec(std::move(path), KnobType::kInt, absl::StrCat(def), std::move(help));
   spec.min = min;
   spec.max = max;
   return Add(std::move(spec));
 }
 
-ConfigSchema& ConfigSchema::Double(std::string path, double def, std::string help,
-                                   std::optional<double> min, std::optional<double> max) {
+ConfigSchema& ConfigSchema::Double(std::string path, double def, std::string help, std::optional<double> min,
+                                   std::optional<double> max) {
   KnobSpec spec = MakeSpec(std::move(path), KnobType::kDouble, FormatDouble(def), std::move(help));
   spec.min = min;
   spec.max = max;
@@ -367,17 +384,15 @@ ConfigSchema& ConfigSchema::Add(KnobSpec spec) {
                    "' must be '.'-separated names of letters, digits, '_' and '-'");
   for (const KnobSpec& other : knobs_) {
     TANDEM_CHECK_MSG(other.path != path, "config knob '", path, "' is registered twice");
-    TANDEM_CHECK_MSG(!IsSectionOf(other.path, path) && !IsSectionOf(path, other.path),
-                     "config knob '", path, "' and '", other.path,
-                     "': a path is either a section or a knob, not both");
+    TANDEM_CHECK_MSG(!IsSectionOf(other.path, path) && !IsSectionOf(path, other.path), "config knob '", path,
+                     "' and '", other.path, "': a path is either a section or a knob, not both");
   }
   const bool numeric = spec.type == KnobType::kInt || spec.type == KnobType::kDouble;
   TANDEM_CHECK_MSG(numeric || (!spec.min && !spec.max), "config knob '", path,
                    "': only int and double knobs have bounds");
   TANDEM_CHECK_MSG(!(spec.min && std::isnan(*spec.min)) && !(spec.max && std::isnan(*spec.max)),
                    "config knob '", path, "': a bound is NaN");
-  TANDEM_CHECK_MSG(!spec.min || !spec.max || *spec.min <= *spec.max, "config knob '", path,
-                   "': min > max");
+  TANDEM_CHECK_MSG(!spec.min || !spec.max || *spec.min <= *spec.max, "config knob '", path, "': min > max");
   if (spec.type == KnobType::kEnum) {
     TANDEM_CHECK_MSG(!spec.choices.empty(), "config knob '", path, "': an enum needs choices");
     std::set<std::string_view> seen;
@@ -431,23 +446,21 @@ std::string ConfigSchema::HelpText() const {
 
 const Config::Value& Config::At(std::string_view path, KnobType t) const {
   const auto it = values_.find(path);
-  TANDEM_CHECK_MSG(it != values_.end(), "no config knob '", Sv(path), "'");
+  TANDEM_CHECK_MSG(it != values_.end(), "no config knob '", ToAbsl(path), "'");
   const KnobType actual = it->second.type;
-  TANDEM_CHECK_MSG(actual == t || (t == KnobType::kString && actual == KnobType::kEnum),
-                   "config knob '", Sv(path), "' is ", TypeName(actual), ", read as ", TypeName(t));
+  TANDEM_CHECK_MSG(actual == t || (t == KnobType::kString && actual == KnobType::kEnum), "config knob '",
+                   ToAbsl(path), "' is ", TypeName(actual), ", read as ", TypeName(t));
   return it->second;
 }
 
 int64_t Config::GetInt(std::string_view path) const { return At(path, KnobType::kInt).i; }
 double Config::GetDouble(std::string_view path) const { return At(path, KnobType::kDouble).d; }
 bool Config::GetBool(std::string_view path) const { return At(path, KnobType::kBool).b; }
-const std::string& Config::GetString(std::string_view path) const {
-  return At(path, KnobType::kString).s;
-}
+const std::string& Config::GetString(std::string_view path) const { return At(path, KnobType::kString).s; }
 
 const std::string& Config::SourceOf(std::string_view path) const {
   const auto it = values_.find(path);
-  TANDEM_CHECK_MSG(it != values_.end(), "no config knob '", Sv(path), "'");
+  TANDEM_CHECK_MSG(it != values_.end(), "no config knob '", ToAbsl(path), "'");
   return it->second.source;
 }
 
@@ -537,8 +550,7 @@ class ConfigLoader {
       value.s = def.s;
       value.source = kDefaultSource;
       config_.values_.emplace(knob.path, std::move(value));
-      for (size_t dot = knob.path.find('.'); dot != std::string::npos;
-           dot = knob.path.find('.', dot + 1)) {
+      for (size_t dot = knob.path.find('.'); dot != std::string::npos; dot = knob.path.find('.', dot + 1)) {
         sections_.insert(knob.path.substr(0, dot));
       }
     }
@@ -553,21 +565,20 @@ class ConfigLoader {
       }
       if (non_empty.empty()) return absl::OkStatus();  // empty, or only comments
       if (non_empty.size() > 1) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            source, ": expected one YAML document, found ", non_empty.size(), " (separated by ---)"));
+        return absl::InvalidArgumentError(absl::StrCat(source, ": expected one YAML document, found ",
+                                                       non_empty.size(), " (separated by ---)"));
       }
       const YAML::Node& top = *non_empty.front();
       if (!top.IsMap()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            source, ": the top level must be a mapping of keys and sections, got ",
-            top.IsSequence() ? "a sequence" : absl::StrCat("the scalar ", Describe(top))));
+        return absl::InvalidArgumentError(
+            absl::StrCat(source, ": the top level must be a mapping of keys and sections, got ",
+                         top.IsSequence() ? "a sequence" : absl::StrCat("the scalar ", Describe(top))));
       }
       std::map<std::string, int, std::less<>> leaf_lines;
       return WalkMap(top, "", source, leaf_lines);
     } catch (const YAML::Exception& e) {
-      return absl::InvalidArgumentError(absl::StrCat(source, ": YAML syntax error at line ",
-                                                     e.mark.line + 1, ", column ",
-                                                     e.mark.column + 1, ": ", e.msg));
+      return absl::InvalidArgumentError(absl::StrCat(source, ": YAML syntax error at line ", e.mark.line + 1,
+                                                     ", column ", e.mark.column + 1, ": ", e.msg));
     } catch (const std::exception& e) {
       return absl::InvalidArgumentError(absl::StrCat(source, ": cannot parse YAML: ", e.what()));
     }
@@ -584,8 +595,8 @@ class ConfigLoader {
       const int line = key.Mark().line + 1;
       if (!key.IsScalar()) {
         return absl::InvalidArgumentError(
-            absl::StrCat(source, ": ", prefix.empty() ? "" : absl::StrCat(prefix, ": "), "line ",
-                         line, ": a key must be a name, got ", Describe(key)));
+            absl::StrCat(source, ": ", prefix.empty() ? "" : absl::StrCat(prefix, ": "), "line ", line,
+                         ": a key must be a name, got ", Describe(key)));
       }
       const std::string path = prefix.empty() ? key.Scalar() : absl::StrCat(prefix, ".", key.Scalar());
       if (auto [first, inserted] = keys_here.emplace(key.Scalar(), line); !inserted) {
@@ -615,21 +626,20 @@ class ConfigLoader {
     const std::string where = absl::StrCat(kSetSource, " ", text);
     const size_t eq = text.find('=');
     if (eq == std::string_view::npos) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": expected path=value, e.g. ",
-                                                     ExampleOverride()));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": expected path=value, e.g. ", ExampleOverride()));
     }
     const std::string path(absl::StripAsciiWhitespace(absl::string_view(text).substr(0, eq)));
     if (path.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": the path before '=' is empty; expected path=value, e.g. ",
-                       ExampleOverride()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": the path before '=' is empty; expected path=value, e.g. ", ExampleOverride()));
     }
     const KnobSpec* spec = schema_.Find(path);
     if (spec == nullptr) {
       if (sections_.contains(path)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, ": '", path, "' is a section, not a setting; set one of its keys, e.g. '", path,
-            ".", Children(path).front(), "'"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": '", path, "' is a section, not a setting; set one of its keys, e.g. '",
+                         path, ".", Children(path).front(), "'"));
       }
       return absl::InvalidArgumentError(absl::StrCat(where, ": ", UnknownKey(path)));
     }
@@ -665,19 +675,27 @@ class ConfigLoader {
     value.s = std::move(parsed->s);
     value.source = source;
     switch (spec.type) {
-      case KnobType::kInt: value.is_default = value.i == def.i; break;
-      case KnobType::kDouble: value.is_default = value.d == def.d; break;
-      case KnobType::kBool: value.is_default = value.b == def.b; break;
+      case KnobType::kInt:
+        value.is_default = value.i == def.i;
+        break;
+      case KnobType::kDouble:
+        value.is_default = value.d == def.d;
+        break;
+      case KnobType::kBool:
+        value.is_default = value.b == def.b;
+        break;
       case KnobType::kString:
-      case KnobType::kEnum: value.is_default = value.s == def.s; break;
+      case KnobType::kEnum:
+        value.is_default = value.s == def.s;
+        break;
     }
     return absl::OkStatus();
   }
 
   static absl::Status Duplicate(const std::string& source, const std::string& path, int first_line,
                                 int line) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": duplicate key '", path, "' (lines ",
-                                                   first_line, " and ", line, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": duplicate key '", path, "' (lines ", first_line, " and ", line, ")"));
   }
 
   // The next segments under `section` ("" for the top level), in schema order, each once.
@@ -738,8 +756,7 @@ class ConfigLoader {
     if (schema_.knobs().empty()) return "--set section.key=value";
     const KnobSpec& knob = schema_.knobs().front();
     return absl::StrCat(kSetSource, " ", knob.path, "=",
-                        knob.type == KnobType::kString ? YamlScalar(knob.default_value)
-                                                       : knob.default_value);
+                        knob.type == KnobType::kString ? YamlScalar(knob.default_value) : knob.default_value);
   }
 
   const ConfigSchema& schema_;
@@ -748,8 +765,7 @@ class ConfigLoader {
 };
 
 absl::StatusOr<Config> LoadConfig(const ConfigSchema& schema, std::string_view yaml_text,
-                                  std::string_view yaml_source,
-                                  const std::vector<std::string>& overrides) {
+                                  std::string_view yaml_source, const std::vector<std::string>& overrides) {
   return ConfigLoader::Load(schema, yaml_text, yaml_source, overrides);
 }
 

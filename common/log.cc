@@ -6,21 +6,18 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_replace.h"
+#include "common/status.h"
 #include "spdlog/logger.h"
 #include "spdlog/sinks/stdout_sinks.h"
 
 namespace tandem {
 namespace {
 
-// Debian's Abseil has its own absl::string_view (not std::string_view): convert explicitly.
-absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
-
 constexpr char kEnvVar[] = "TANDEM_LOG_LEVEL";
 
 // spdlog pattern: the tag is fixed per process, so it lives in the pattern ('%' escaped).
 std::string PatternFor(std::string_view tag) {
-  return absl::StrCat("%Y-%m-%d %H:%M:%S.%e %L [", absl::StrReplaceAll(Sv(tag), {{"%", "%%"}}),
-                      "] %v");
+  return absl::StrCat("%Y-%m-%d %H:%M:%S.%e %L [", absl::StrReplaceAll(ToAbsl(tag), {{"%", "%%"}}), "] %v");
 }
 
 // One logger for the process, never registered with spdlog's global registry (so it cannot clash
@@ -37,10 +34,14 @@ spdlog::logger& Logger() {
 
 spdlog::level::level_enum ToSpdlog(LogLevel level) {
   switch (level) {
-    case LogLevel::kDebug: return spdlog::level::debug;
-    case LogLevel::kInfo: return spdlog::level::info;
-    case LogLevel::kWarn: return spdlog::level::warn;
-    case LogLevel::kError: return spdlog::level::err;
+    case LogLevel::kDebug:
+      return spdlog::level::debug;
+    case LogLevel::kInfo:
+      return spdlog::level::info;
+    case LogLevel::kWarn:
+      return spdlog::level::warn;
+    case LogLevel::kError:
+      return spdlog::level::err;
   }
   return spdlog::level::err;
 }
@@ -51,17 +52,16 @@ void InitLogging(std::string_view process_tag, LogLevel level) {
   Logger().set_pattern(PatternFor(process_tag));
   const char* env = std::getenv(kEnvVar);
   std::optional<LogLevel> env_level = env != nullptr ? ParseLogLevel(env) : std::nullopt;
-  log_internal::min_level.store(static_cast<int>(env_level.value_or(level)),
-                                std::memory_order_relaxed);
+  log_internal::min_level.store(static_cast<int>(env_level.value_or(level)), std::memory_order_relaxed);
   if (env != nullptr && !env_level) {
     LogLine(LogLevel::kWarn, "log",
-            absl::StrCat("ignoring ", kEnvVar, "='", env,
-                         "' (expected debug, info, warn or error); using ", Sv(LogLevelName(level))));
+            absl::StrCat("ignoring ", kEnvVar, "='", env, "' (expected debug, info, warn or error); using ",
+                         ToAbsl(LogLevelName(level))));
   }
 }
 
 std::optional<LogLevel> ParseLogLevel(std::string_view text) {
-  const std::string lower = absl::AsciiStrToLower(Sv(text));
+  const std::string lower = absl::AsciiStrToLower(ToAbsl(text));
   if (lower == "debug") return LogLevel::kDebug;
   if (lower == "info") return LogLevel::kInfo;
   if (lower == "warn" || lower == "warning") return LogLevel::kWarn;
@@ -71,10 +71,14 @@ std::optional<LogLevel> ParseLogLevel(std::string_view text) {
 
 std::string_view LogLevelName(LogLevel level) {
   switch (level) {
-    case LogLevel::kDebug: return "debug";
-    case LogLevel::kInfo: return "info";
-    case LogLevel::kWarn: return "warn";
-    case LogLevel::kError: return "error";
+    case LogLevel::kDebug:
+      return "debug";
+    case LogLevel::kInfo:
+      return "info";
+    case LogLevel::kWarn:
+      return "warn";
+    case LogLevel::kError:
+      return "error";
   }
   return "error";
 }

@@ -58,10 +58,9 @@ inline bool LogEnabled(LogLevel level) {
 
 }  // namespace tandem
 
-#define TANDEM_LOG_AT(level, subsystem, ...)                                 \
-  do {                                                                      \
-    if (::tandem::LogEnabled(level))                                        \
-      ::tandem::LogLine(level, subsystem, ::absl::StrCat(__VA_ARGS__));     \
+#define TANDEM_LOG_AT(level, subsystem, ...)                                                           \
+  do {                                                                                                 \
+    if (::tandem::LogEnabled(level)) ::tandem::LogLine(level, subsystem, ::absl::StrCat(__VA_ARGS__)); \
   } while (0)
 
 #define TANDEM_LOG_DEBUG(subsystem, ...) TANDEM_LOG_AT(::tandem::LogLevel::kDebug, subsystem, __VA_ARGS__)

@@ -28,8 +28,8 @@ namespace {
 ::testing::AssertionResult Lacks(const char* haystack_expr, const char* needle_expr,
                                  const std::string& haystack, const std::string& needle) {
   if (haystack.find(needle) == std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << haystack_expr << " contains " << needle_expr
-                                       << "\n  haystack: " << haystack;
+  return ::testing::AssertionFailure()
+         << haystack_expr << " contains " << needle_expr << "\n  haystack: " << haystack;
 }
 #define EXPECT_CONTAINS(haystack, needle) EXPECT_PRED_FORMAT2(Contains, haystack, needle)
 #define EXPECT_LACKS(haystack, needle) EXPECT_PRED_FORMAT2(Lacks, haystack, needle)
@@ -73,12 +73,10 @@ void ExpectInvalid(std::string_view yaml, std::initializer_list<std::string_view
   ExpectError(Load(yaml), absl::StatusCode::kInvalidArgument, parts);
 }
 
-void ExpectInvalidSet(const std::string& override_text,
-                      std::initializer_list<std::string_view> parts) {
+void ExpectInvalidSet(const std::string& override_text, std::initializer_list<std::string_view> parts) {
   SCOPED_TRACE(override_text);
   ExpectError(Load("", {override_text}), absl::StatusCode::kInvalidArgument, parts);
-  ExpectError(Load("", {override_text}), absl::StatusCode::kInvalidArgument,
-              {"--set " + override_text});
+  ExpectError(Load("", {override_text}), absl::StatusCode::kInvalidArgument, {"--set " + override_text});
 }
 
 // Every knob of the test schema holds the same value in both configs.
@@ -86,11 +84,19 @@ void ExpectSameValues(const Config& a, const Config& b) {
   for (const KnobSpec& knob : TestSchema().knobs()) {
     SCOPED_TRACE(knob.path);
     switch (knob.type) {
-      case KnobType::kInt: EXPECT_EQ(a.GetInt(knob.path), b.GetInt(knob.path)); break;
-      case KnobType::kDouble: EXPECT_EQ(a.GetDouble(knob.path), b.GetDouble(knob.path)); break;
-      case KnobType::kBool: EXPECT_EQ(a.GetBool(knob.path), b.GetBool(knob.path)); break;
+      case KnobType::kInt:
+        EXPECT_EQ(a.GetInt(knob.path), b.GetInt(knob.path));
+        break;
+      case KnobType::kDouble:
+        EXPECT_EQ(a.GetDouble(knob.path), b.GetDouble(knob.path));
+        break;
+      case KnobType::kBool:
+        EXPECT_EQ(a.GetBool(knob.path), b.GetBool(knob.path));
+        break;
       case KnobType::kString:
-      case KnobType::kEnum: EXPECT_EQ(a.GetString(knob.path), b.GetString(knob.path)); break;
+      case KnobType::kEnum:
+        EXPECT_EQ(a.GetString(knob.path), b.GetString(knob.path));
+        break;
     }
   }
 }
@@ -112,8 +118,8 @@ TEST(ConfigTest, DefaultsOnly) {
 }
 
 TEST(ConfigTest, EmptyOrCommentOnlyYamlSetsNothing) {
-  for (std::string_view yaml : {"", "\n\n", "# only a comment\n# and another\n", "---\n",
-                                "scheduler:\n  # max_batch_size: 4\n"}) {
+  for (std::string_view yaml :
+       {"", "\n\n", "# only a comment\n# and another\n", "---\n", "scheduler:\n  # max_batch_size: 4\n"}) {
     SCOPED_TRACE(yaml);
     absl::StatusOr<Config> config = Load(yaml);
     ASSERT_TRUE(config.ok()) << config.status();
@@ -177,10 +183,9 @@ TEST(ConfigTest, NumberForms) {
 }
 
 TEST(ConfigTest, SetOverridesYaml) {
-  absl::StatusOr<Config> config =
-      Load("scheduler:\n  max_batch_size: 8\nkv:\n  dtype: fp8\n",
-           {"scheduler.max_batch_size=16", "model.name='a b'", "model.path=/x/y=z",
-            " debug = true", "net.timeout_s=1e-3"});
+  absl::StatusOr<Config> config = Load("scheduler:\n  max_batch_size: 8\nkv:\n  dtype: fp8\n",
+                                       {"scheduler.max_batch_size=16", "model.name='a b'",
+                                        "model.path=/x/y=z", " debug = true", "net.timeout_s=1e-3"});
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->GetInt("scheduler.max_batch_size"), 16);
   EXPECT_EQ(config->SourceOf("scheduler.max_batch_size"), "--set");
@@ -193,17 +198,15 @@ TEST(ConfigTest, SetOverridesYaml) {
 }
 
 TEST(ConfigTest, LastSetWins) {
-  absl::StatusOr<Config> config =
-      Load("", {"scheduler.max_batch_size=4", "scheduler.max_batch_size=5"});
+  absl::StatusOr<Config> config = Load("", {"scheduler.max_batch_size=4", "scheduler.max_batch_size=5"});
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->GetInt("scheduler.max_batch_size"), 5);
 }
 
 TEST(ConfigTest, SourceOfAndNonDefault) {
   // A value equal to its default counts as default, even when set explicitly.
-  absl::StatusOr<Config> config =
-      Load("scheduler:\n  max_batch_size: 8\n  prefill_ratio: 0.5\nkv:\n  dtype: fp8\n",
-           {"model.name=big model"});
+  absl::StatusOr<Config> config = Load(
+      "scheduler:\n  max_batch_size: 8\n  prefill_ratio: 0.5\nkv:\n  dtype: fp8\n", {"model.name=big model"});
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->SourceOf("scheduler.max_batch_size"), "deploy.yaml");
   EXPECT_EQ(config->SourceOf("scheduler.prefill_ratio"), "deploy.yaml");
@@ -211,8 +214,7 @@ TEST(ConfigTest, SourceOfAndNonDefault) {
   EXPECT_EQ(config->SourceOf("debug"), "default");
   EXPECT_EQ(config->NonDefault(),
             (std::vector<std::string>{"scheduler.max_batch_size = 8 (deploy.yaml)",
-                                      "kv.dtype = fp8 (deploy.yaml)",
-                                      "model.name = \"big model\" (--set)"}));
+                                      "kv.dtype = fp8 (deploy.yaml)", "model.name = \"big model\" (--set)"}));
 }
 
 TEST(ConfigTest, LoadConfigFile) {
@@ -221,8 +223,7 @@ TEST(ConfigTest, LoadConfigFile) {
     std::ofstream file(path);
     file << "kv:\n  dtype: fp16\n";
   }
-  absl::StatusOr<Config> config =
-      LoadConfigFile(TestSchema(), path, {"scheduler.max_batch_size=2"});
+  absl::StatusOr<Config> config = LoadConfigFile(TestSchema(), path, {"scheduler.max_batch_size=2"});
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_EQ(config->GetString("kv.dtype"), "fp16");
   EXPECT_EQ(config->SourceOf("kv.dtype"), path);
@@ -240,8 +241,8 @@ TEST(ConfigTest, LoadConfigFile) {
 // ---- errors --------------------------------------------------------------------------------------
 
 TEST(ConfigErrorTest, FileNotFound) {
-  ExpectError(LoadConfigFile(TestSchema(), "/nonexistent/deploy.yaml", {}),
-              absl::StatusCode::kNotFound, {"/nonexistent/deploy.yaml"});
+  ExpectError(LoadConfigFile(TestSchema(), "/nonexistent/deploy.yaml", {}), absl::StatusCode::kNotFound,
+              {"/nonexistent/deploy.yaml"});
   ExpectError(LoadConfigFile(TestSchema(), ::testing::TempDir(), {}), absl::StatusCode::kNotFound,
               {::testing::TempDir()});
 }
@@ -255,9 +256,8 @@ TEST(ConfigErrorTest, UnknownKeySuggestsClosePath) {
 }
 
 TEST(ConfigErrorTest, UnknownKeySuggestsSameLastSegment) {
-  ExpectInvalid("kv:\n  max_batch_size: 4\n",
-                {"deploy.yaml", "unknown key 'kv.max_batch_size'",
-                 "did you mean 'scheduler.max_batch_size'"});
+  ExpectInvalid("kv:\n  max_batch_size: 4\n", {"deploy.yaml", "unknown key 'kv.max_batch_size'",
+                                               "did you mean 'scheduler.max_batch_size'"});
 }
 
 TEST(ConfigErrorTest, UnknownKeyWithoutSuggestionListsKnownKeys) {
@@ -290,13 +290,12 @@ TEST(ConfigErrorTest, IntOutOfRange) {
   absl::StatusOr<Config> config = Load("", {"kv.capacity_tokens=-3"});
   ASSERT_FALSE(config.ok());
   EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(config.status().message(),
-            "--set kv.capacity_tokens=-3: expected an integer >= 0, got \"-3\"");
+  EXPECT_EQ(config.status().message(), "--set kv.capacity_tokens=-3: expected an integer >= 0, got \"-3\"");
 }
 
 TEST(ConfigErrorTest, WrongTypeDouble) {
-  for (const char* value : {"abc", ".nan", ".inf", "-.inf", "nan", "inf", "true", "1e999",
-                                 "1.5.2", "'0.5'", "1e"}) {
+  for (const char* value :
+       {"abc", ".nan", ".inf", "-.inf", "nan", "inf", "true", "1e999", "1.5.2", "'0.5'", "1e"}) {
     ExpectInvalid(absl::StrCat("scheduler:\n  prefill_ratio: ", value, "\n"),
                   {"deploy.yaml", "scheduler.prefill_ratio", "expected a number in [0, 1]"});
   }
@@ -305,8 +304,7 @@ TEST(ConfigErrorTest, WrongTypeDouble) {
 
 TEST(ConfigErrorTest, WrongTypeBool) {
   for (const char* value : {"yes", "no", "on", "off", "1", "True", "\"true\""}) {
-    ExpectInvalid(absl::StrCat("debug: ", value, "\n"),
-                  {"deploy.yaml", "debug", "expected true or false"});
+    ExpectInvalid(absl::StrCat("debug: ", value, "\n"), {"deploy.yaml", "debug", "expected true or false"});
   }
 }
 
