@@ -625,7 +625,7 @@ class ConfigLoader {
   absl::Status ApplyOverride(const std::string& text) {
     const std::string where = absl::StrCat(kSetSource, " ", text);
     const size_t eq = text.find('=');
-    if (eq == std::string_view::npos) {
+    if (eq == std::string::npos) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": expected path=value, e.g. ", ExampleOverride()));
     }

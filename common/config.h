@@ -6,7 +6,24 @@
 //   deploy.yaml: scheduler.max_batch_size: expected an integer in [1, 65536], got "many"
 //   deploy.yaml: unknown key 'scheduler.max_bach_size' (did you mean 'scheduler.max_batch_size'?)
 //   --set kv.capacity_tokens=-3: expected an integer >= 0, got "-3"
-// Loading is all-or-nothing: on any error no Config is returned.
+// Loading is all-or-nothing: on any error no Config is returned; the first error is reported.
+//
+// What the loader accepts (strict on purpose; a typo must not silently fall back to a default):
+//   - The YAML is one document whose top level is a mapping; an empty file or one of only comments
+//     sets nothing. Sections nest ("scheduler:\n  max_batch_size: 64"); a dotted key
+//     ("scheduler.max_batch_size: 64") is the same knob. "section:" with no keys is an empty section.
+//   - Unknown keys, a mapping where a value is expected, a scalar or sequence where a section is
+//     expected, a key given twice (also once dotted and once nested) and a null value ("key:",
+//     "~", "null") are errors. Unknown keys get a "did you mean" suggestion.
+//   - int: decimal digits with an optional sign (no 1.5, 0x10, 1e3, true). double: a decimal or
+//     exponent number, finite (no .nan, .inf). bool: exactly true or false (no yes/no/on/off).
+//     Numbers and booleans must be plain: "64" in quotes is a string and is refused for an int.
+//     string: any scalar (quote it to keep "null", "~", leading/trailing spaces, ": " or " #").
+//     enum: one of the choices, case-sensitive. Bounds are inclusive.
+//   - --set a.b=c splits at the first '='; c is parsed as one YAML scalar with the rules above
+//     (so --set model.name='a b' and --set x.y="" work; a later --set of the same path wins).
+// Errors for YAML syntax carry the line and column: "deploy.yaml: YAML syntax error at line 3,
+// column 5: ...". The file's own name (as passed) is the source.
 #pragma once
 
 #include <cstdint>
@@ -25,14 +42,17 @@ enum class KnobType : uint8_t { kInt, kDouble, kBool, kString, kEnum };
 struct KnobSpec {
   std::string path;           // dotted YAML path, e.g. "scheduler.max_batch_size"
   KnobType type = KnobType::kString;
-  std::string default_value;  // textual, parsed like a YAML scalar; validated at registration
+  std::string default_value;  // text read as a plain YAML scalar (kString: as is); checked on Add
   std::string help;
   std::vector<std::string> choices;  // kEnum: the allowed values
   std::optional<double> min, max;    // kInt, kDouble: inclusive bounds
 };
 
-// The set of knobs a program understands. Paths must be unique and none may be a prefix of
-// another knob's path segment-wise (a path is either a section or a leaf).
+// The set of knobs a program understands. Paths are '.'-separated names of letters, digits, '_'
+// and '-'; they must be unique and none may be a prefix of another knob's path segment-wise (a
+// path is either a section or a leaf). Breaking these rules, or a default that fails the knob's
+// own type, bounds or choices, is a programmer error and aborts (TANDEM_CHECK).
+// Not thread-safe while knobs are added; const use from many threads is fine.
 class ConfigSchema {
  public:
   ConfigSchema& Int(std::string path, int64_t def, std::string help,
@@ -45,7 +65,8 @@ class ConfigSchema {
 
   const std::vector<KnobSpec>& knobs() const { return knobs_; }
   const KnobSpec* Find(std::string_view path) const;
-  // A table of every knob: path, type, default, help (choices and bounds included).
+  // An aligned table of every knob, one per line under a header: path, type (with bounds or
+  // choices, e.g. "int in [1, 65536]", "enum [fp16, bf16]"), default, help.
   std::string HelpText() const;
 
  private:
@@ -63,9 +84,12 @@ class Config {
   const std::string& GetString(std::string_view path) const;  // kString and kEnum
   // Where a value came from: "default", the YAML file's name, or "--set".
   const std::string& SourceOf(std::string_view path) const;
-  // The effective configuration as YAML, with "# from <source>" on non-default values.
+  // The effective configuration as YAML: every knob, grouped by section in schema order, with
+  // "# from <source>" after each value that differs from its default. Loading the dump yields the
+  // same values.
   std::string DumpYaml() const;
-  // Lines "path = value (source)" for values that differ from the default; for start-up logs.
+  // Lines "path = value (source)" for values that differ from the default (a value set explicitly
+  // to its default is not listed), in schema order; for start-up logs.
   std::vector<std::string> NonDefault() const;
 
  private:

@@ -35,8 +35,8 @@ std::string Shown(const Json& v) {
 }
 
 absl::Status Bad(const Where& w, const std::string& key, absl::string_view expected, const Json& got) {
-  return absl::InvalidArgumentError(absl::StrCat(w.source, ": key '", w.prefix, key, "': expected ",
-                                                 expected, ", got ", Shown(got)));
+  return absl::InvalidArgumentError(
+      absl::StrCat(w.source, ": key '", w.prefix, key, "': expected ", expected, ", got ", Shown(got)));
 }
 absl::Status Missing(const Where& w, const std::string& key, absl::string_view expected) {
   return absl::InvalidArgumentError(
@@ -113,10 +113,11 @@ absl::StatusOr<std::optional<std::string>> GetString(const Where& w, const Json&
   return std::optional<std::string>(v->get<std::string>());
 }
 
-absl::StatusOr<int32_t> TokenId(const Where& w, const std::string& key, const Json& v) {
+absl::StatusOr<int32_t> TokenId(const Where& w, const std::string& key, const Json& v,
+                                absl::string_view expected) {
   std::optional<int64_t> i = AsInt64(v);
   if (!i.has_value() || *i < 0 || *i > std::numeric_limits<int32_t>::max()) {
-    return Bad(w, key, "a token id (non-negative integer), a list of them, or null", v);
+    return Bad(w, key, expected, v);
   }
   return static_cast<int32_t>(*i);
 }
@@ -147,21 +148,19 @@ absl::StatusOr<RopeSpec> ParseRope(const Json& cfg, const std::string& source) {
   ASSIGN_OR_RETURN(std::optional<std::string> type, GetString(in, *block, type_key));
   if (!type.has_value() || *type == "default") return rope;
   if (*type != "llama3") {
-    return Unsupported(in, type_key,
-                       absl::StrCat("rope type \"", *type,
-                                    "\" is not supported (supported: \"default\", \"llama3\")"));
+    return Unsupported(
+        in, type_key,
+        absl::StrCat("rope type \"", *type, "\" is not supported (supported: \"default\", \"llama3\")"));
   }
   rope.type = RopeType::kLlama3;
   ASSIGN_OR_RETURN(rope.factor, GetPositiveNumber(in, *block, "factor", std::nullopt));
-  ASSIGN_OR_RETURN(rope.low_freq_factor,
-                   GetPositiveNumber(in, *block, "low_freq_factor", std::nullopt));
-  ASSIGN_OR_RETURN(rope.high_freq_factor,
-                   GetPositiveNumber(in, *block, "high_freq_factor", std::nullopt));
+  ASSIGN_OR_RETURN(rope.low_freq_factor, GetPositiveNumber(in, *block, "low_freq_factor", std::nullopt));
+  ASSIGN_OR_RETURN(rope.high_freq_factor, GetPositiveNumber(in, *block, "high_freq_factor", std::nullopt));
   ASSIGN_OR_RETURN(rope.original_max_position,
                    GetInt(in, *block, "original_max_position_embeddings", 1, std::nullopt));
   if (rope.high_freq_factor <= rope.low_freq_factor) {
-    return Bad(in, "high_freq_factor", absl::StrCat("a number above low_freq_factor (",
-                                                    rope.low_freq_factor, ")"),
+    return Bad(in, "high_freq_factor",
+               absl::StrCat("a number above low_freq_factor (", rope.low_freq_factor, ")"),
                Get(*block, "high_freq_factor"));
   }
   return rope;
@@ -178,9 +177,9 @@ absl::StatusOr<ModelSpec> ParseConfigObject(const Json& cfg, const std::string& 
   ASSIGN_OR_RETURN(std::optional<std::string> model_type, GetString(w, cfg, "model_type"));
   if (!model_type.has_value()) return Missing(w, "model_type", "\"llama\" or \"mistral\"");
   if (*model_type != "llama" && *model_type != "mistral") {
-    return Unsupported(w, "model_type",
-                       absl::StrCat("\"", *model_type,
-                                    "\" is not supported (supported: \"llama\", \"mistral\")"));
+    return Unsupported(
+        w, "model_type",
+        absl::StrCat("\"", *model_type, "\" is not supported (supported: \"llama\", \"mistral\")"));
   }
   s.model_type = *model_type;
 
@@ -191,39 +190,40 @@ absl::StatusOr<ModelSpec> ParseConfigObject(const Json& cfg, const std::string& 
   ASSIGN_OR_RETURN(s.num_heads, GetInt(w, cfg, "num_attention_heads", 1, std::nullopt));
   ASSIGN_OR_RETURN(s.num_kv_heads, GetInt(w, cfg, "num_key_value_heads", 1, s.num_heads));
   if (s.num_kv_heads > s.num_heads || s.num_heads % s.num_kv_heads != 0) {
-    return Bad(w, "num_key_value_heads",
-               absl::StrCat("a divisor of num_attention_heads (", s.num_heads, ")"),
+    return Bad(w, "num_key_value_heads", absl::StrCat("a divisor of num_attention_heads (", s.num_heads, ")"),
                Get(cfg, "num_key_value_heads"));
   }
   if (Find(cfg, "head_dim") != nullptr) {
     ASSIGN_OR_RETURN(s.head_dim, GetInt(w, cfg, "head_dim", 1, std::nullopt));
   } else if (s.hidden_size % s.num_heads != 0) {
-    return Bad(w, "hidden_size",
-               absl::StrCat("a multiple of num_attention_heads (", s.num_heads,
-                            ") since head_dim is not given"),
-               Get(cfg, "hidden_size"));
+    return Bad(
+        w, "hidden_size",
+        absl::StrCat("a multiple of num_attention_heads (", s.num_heads, ") since head_dim is not given"),
+        Get(cfg, "hidden_size"));
   } else {
     s.head_dim = s.hidden_size / s.num_heads;
   }
   if (s.head_dim % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        source, ": key 'head_dim': ", s.head_dim, " is odd; rotary embeddings need an even head_dim"));
+    return absl::InvalidArgumentError(absl::StrCat(source, ": key 'head_dim': ", s.head_dim,
+                                                   " is odd; rotary embeddings need an even head_dim"));
   }
   ASSIGN_OR_RETURN(s.rms_norm_eps, GetPositiveNumber(w, cfg, "rms_norm_eps", 1e-6));
   ASSIGN_OR_RETURN(s.max_position, GetInt(w, cfg, "max_position_embeddings", 1, 2048));
   ASSIGN_OR_RETURN(s.tie_word_embeddings, GetBool(w, cfg, "tie_word_embeddings", false));
 
   if (const Json* bos = Find(cfg, "bos_token_id")) {
-    ASSIGN_OR_RETURN(s.bos_token_id, TokenId(w, "bos_token_id", *bos));
+    ASSIGN_OR_RETURN(s.bos_token_id,
+                     TokenId(w, "bos_token_id", *bos, "a token id (non-negative integer) or null"));
   }
   if (const Json* eos = Find(cfg, "eos_token_id")) {
+    constexpr absl::string_view kEos = "a token id (non-negative integer), a list of them, or null";
     if (eos->is_array()) {
       for (const Json& e : *eos) {
-        ASSIGN_OR_RETURN(int32_t id, TokenId(w, "eos_token_id", e));
+        ASSIGN_OR_RETURN(int32_t id, TokenId(w, "eos_token_id", e, kEos));
         s.eos_token_ids.push_back(id);
       }
     } else {
-      ASSIGN_OR_RETURN(int32_t id, TokenId(w, "eos_token_id", *eos));
+      ASSIGN_OR_RETURN(int32_t id, TokenId(w, "eos_token_id", *eos, kEos));
       s.eos_token_ids.push_back(id);
     }
   }
@@ -233,9 +233,9 @@ absl::StatusOr<ModelSpec> ParseConfigObject(const Json& cfg, const std::string& 
   if (dtype.has_value()) {
     std::optional<DType> t = ParseDType(*dtype);
     if (!t.has_value()) {
-      return Unsupported(w, dtype_key,
-                         absl::StrCat("dtype \"", *dtype,
-                                      "\" is not supported (supported: bfloat16, float16, float32)"));
+      return Unsupported(
+          w, dtype_key,
+          absl::StrCat("dtype \"", *dtype, "\" is not supported (supported: bfloat16, float16, float32)"));
     }
     s.weight_dtype = *t;
   }
@@ -288,8 +288,12 @@ std::vector<ModelSpec> AllPresets() {
   tiny(Preset("tiny-mha", 512, 128, 344, 2, 4, 4, 32));
   {
     ModelSpec s = Preset("tiny-gqa", 512, 128, 344, 3, 8, 2, 16);
-    s.rope = {.type = RopeType::kLlama3, .theta = 500000.0, .factor = 8.0,
-              .low_freq_factor = 1.0, .high_freq_factor = 4.0, .original_max_position = 64};
+    s.rope = {.type = RopeType::kLlama3,
+              .theta = 500000.0,
+              .factor = 8.0,
+              .low_freq_factor = 1.0,
+              .high_freq_factor = 4.0,
+              .original_max_position = 64};
     s.tie_word_embeddings = true;
     tiny(std::move(s));
   }
@@ -330,9 +334,9 @@ std::vector<ModelSpec> AllPresets() {
 }  // namespace
 
 int64_t ModelSpec::num_parameters() const {
-  const int64_t per_layer = 2 * hidden_size                       // two RMSNorm weights
-                            + 2 * hidden_size * q_dim()           // q_proj, o_proj
-                            + 2 * hidden_size * kv_dim()          // k_proj, v_proj
+  const int64_t per_layer = 2 * hidden_size                         // two RMSNorm weights
+                            + 2 * hidden_size * q_dim()             // q_proj, o_proj
+                            + 2 * hidden_size * kv_dim()            // k_proj, v_proj
                             + 3 * hidden_size * intermediate_size;  // gate, up, down
   const int64_t embed = vocab_size * hidden_size;
   return embed + num_layers * per_layer + hidden_size + (tie_word_embeddings ? 0 : embed);
@@ -343,10 +347,9 @@ absl::Status ModelSpec::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(name, ": field '", field, "': ", why...));
   };
   const std::pair<const char*, int64_t> sizes[] = {
-      {"vocab_size", vocab_size}, {"hidden_size", hidden_size},
-      {"intermediate_size", intermediate_size}, {"num_layers", num_layers},
-      {"num_heads", num_heads}, {"num_kv_heads", num_kv_heads},
-      {"head_dim", head_dim}, {"max_position", max_position}};
+      {"vocab_size", vocab_size}, {"hidden_size", hidden_size},  {"intermediate_size", intermediate_size},
+      {"num_layers", num_layers}, {"num_heads", num_heads},      {"num_kv_heads", num_kv_heads},
+      {"head_dim", head_dim},     {"max_position", max_position}};
   for (const auto& [field, value] : sizes) {
     if (value <= 0) return bad(field, value, " is not positive");
     if (value > kMaxDim) return bad(field, value, " is implausibly large (limit ", kMaxDim, ")");
@@ -355,8 +358,8 @@ absl::Status ModelSpec::Validate() const {
     return bad("num_kv_heads", num_kv_heads, " does not divide num_heads ", num_heads);
   }
   if (head_dim % 2 != 0) return bad("head_dim", head_dim, " is odd; RoPE needs an even head_dim");
-  const double layer_params = 2.0 * hidden_size * (q_dim() + kv_dim()) +
-                              3.0 * hidden_size * intermediate_size;
+  const double layer_params =
+      2.0 * hidden_size * (q_dim() + kv_dim()) + 3.0 * hidden_size * intermediate_size;
   const double params = 2.0 * vocab_size * hidden_size + num_layers * layer_params;
   if (params > kMaxParameters) {
     return bad("num_layers", num_layers, ": the model would have ", params,
@@ -376,8 +379,8 @@ absl::Status ModelSpec::Validate() const {
       return bad("rope.low_freq_factor", rope.low_freq_factor, " is not a positive number");
     }
     if (!std::isfinite(rope.high_freq_factor) || rope.high_freq_factor <= rope.low_freq_factor) {
-      return bad("rope.high_freq_factor", rope.high_freq_factor,
-                 " must be a number above low_freq_factor ", rope.low_freq_factor);
+      return bad("rope.high_freq_factor", rope.high_freq_factor, " must be a number above low_freq_factor ",
+                 rope.low_freq_factor);
     }
     if (rope.original_max_position <= 0) {
       return bad("rope.original_max_position", rope.original_max_position, " is not positive");
@@ -397,9 +400,8 @@ absl::Status ModelSpec::Validate() const {
 }
 
 std::string ModelSpec::Summary() const {
-  return absl::StrCat(name, ": ", num_layers, " layers, hidden ", hidden_size, ", heads ",
-                      num_heads, "/", num_kv_heads, " x ", head_dim, ", ffn ", intermediate_size,
-                      ", vocab ", vocab_size);
+  return absl::StrCat(name, ": ", num_layers, " layers, hidden ", hidden_size, ", heads ", num_heads, "/",
+                      num_kv_heads, " x ", head_dim, ", ffn ", intermediate_size, ", vocab ", vocab_size);
 }
 
 absl::StatusOr<ModelSpec> ParseHfConfig(std::string_view json_text, std::string_view source_view) {

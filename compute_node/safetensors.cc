@@ -30,12 +30,12 @@ struct DTypeInfo {
   std::optional<DType> dtype;
 };
 constexpr DTypeInfo kDTypes[] = {
-    {"BF16", 2, DType::kBF16},      {"F16", 2, DType::kF16},          {"F32", 4, DType::kF32},
-    {"F64", 8, std::nullopt},       {"I64", 8, std::nullopt},         {"I32", 4, std::nullopt},
-    {"I16", 2, std::nullopt},       {"I8", 1, std::nullopt},          {"U64", 8, std::nullopt},
-    {"U32", 4, std::nullopt},       {"U16", 2, std::nullopt},         {"U8", 1, std::nullopt},
-    {"BOOL", 1, std::nullopt},      {"F8_E4M3", 1, std::nullopt},     {"F8_E5M2", 1, std::nullopt},
-    {"F8_E8M0", 1, std::nullopt},   {"C64", 8, std::nullopt},
+    {"BF16", 2, DType::kBF16},    {"F16", 2, DType::kF16},      {"F32", 4, DType::kF32},
+    {"F64", 8, std::nullopt},     {"I64", 8, std::nullopt},     {"I32", 4, std::nullopt},
+    {"I16", 2, std::nullopt},     {"I8", 1, std::nullopt},      {"U64", 8, std::nullopt},
+    {"U32", 4, std::nullopt},     {"U16", 2, std::nullopt},     {"U8", 1, std::nullopt},
+    {"BOOL", 1, std::nullopt},    {"F8_E4M3", 1, std::nullopt}, {"F8_E5M2", 1, std::nullopt},
+    {"F8_E8M0", 1, std::nullopt}, {"C64", 8, std::nullopt},
 };
 
 const DTypeInfo* FindDType(std::string_view name) {
@@ -76,12 +76,8 @@ SafetensorsFile::~SafetensorsFile() {
 }
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  auto bad = [&path](auto&&... msg) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", msg...));
-  };
-  auto lost = [&path](auto&&... msg) {
-    return absl::DataLossError(absl::StrCat(path, ": ", msg...));
-  };
+  auto bad = [&path](auto&&... msg) { return absl::InvalidArgumentError(absl::StrCat(path, ": ", msg...)); };
+  auto lost = [&path](auto&&... msg) { return absl::DataLossError(absl::StrCat(path, ": ", msg...)); };
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("open(", path, ")"));
   struct stat st;
@@ -113,8 +109,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];
   if (header_len > file_size - 8) {
-    return lost("header length ", header_len, " runs past the end of the file of size ",
-                file_size);
+    return lost("header length ", header_len, " runs past the end of the file of size ", file_size);
   }
   if (header_len > kMaxHeaderBytes) {
     return bad("header length ", header_len, " exceeds the limit of ", kMaxHeaderBytes, " bytes");
@@ -159,7 +154,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       for (const Json& d : *shape) {
         std::optional<uint64_t> v = AsU64(d);
         if (!v.has_value() || *v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-          return bad(where("shape ", shape->dump(), " has a dimension that is not a non-negative "
+          return bad(where("shape ", shape->dump(),
+                           " has a dimension that is not a non-negative "
                            "integer"));
         }
         t.shape.push_back(static_cast<int64_t>(*v));
@@ -171,16 +167,16 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
         end = AsU64((*offsets)[1]);
       }
       if (!begin.has_value() || !end.has_value()) {
-        return bad(where("'data_offsets' is missing or not [begin, end] with non-negative "
-                         "integers"));
+        return bad(
+            where("'data_offsets' is missing or not [begin, end] with non-negative "
+                  "integers"));
       }
       if (*end < *begin) {
         return bad(where("data_offsets [", *begin, ", ", *end, "] end before they begin"));
       }
       if (*end > data_size) {
-        return lost(where("data_offsets [", *begin, ", ", *end,
-                          "] run past the end of the data section (", data_size,
-                          " bytes); the file is truncated or corrupt"));
+        return lost(where("data_offsets [", *begin, ", ", *end, "] run past the end of the data section (",
+                          data_size, " bytes); the file is truncated or corrupt"));
       }
       t.nbytes = static_cast<int64_t>(*end - *begin);
       if (const DTypeInfo* info = FindDType(t.dtype_name)) {
@@ -190,9 +186,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
           return bad(where("shape ", ShapeString(t.shape), " overflows 64-bit byte counts"));
         }
         if (*expected != t.nbytes) {
-          return bad(where("data_offsets [", *begin, ", ", *end, "] hold ", t.nbytes,
-                           " bytes, but shape ", ShapeString(t.shape), " of ", t.dtype_name,
-                           " needs ", *expected));
+          return bad(where("data_offsets [", *begin, ", ", *end, "] hold ", t.nbytes, " bytes, but shape ",
+                           ShapeString(t.shape), " of ", t.dtype_name, " needs ", *expected));
         }
       }
       t.data = data + *begin;
@@ -211,16 +206,15 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   for (const Range& r : ranges) {
     if (r.begin == r.end) continue;
     if (last != nullptr && r.begin < last->end) {
-      return bad("tensors '", *last->name, "' [", last->begin, ", ", last->end, ") and '", *r.name,
-                 "' [", r.begin, ", ", r.end, ") overlap");
+      return bad("tensors '", *last->name, "' [", last->begin, ", ", last->end, ") and '", *r.name, "' [",
+                 r.begin, ", ", r.end, ") overlap");
     }
     if (last == nullptr || r.end > last->end) last = &r;
   }
   return file;
 }
 
-absl::Status WriteSafetensors(const std::string& path,
-                              const std::vector<SafetensorsWriteItem>& items,
+absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsWriteItem>& items,
                               const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
@@ -228,8 +222,7 @@ absl::Status WriteSafetensors(const std::string& path,
   uint64_t offset = 0;
   for (const SafetensorsWriteItem& item : items) {
     auto bad = [&](auto&&... msg) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ": tensor '", item.name, "': ", msg...));
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", item.name, "': ", msg...));
     };
     if (item.name == "__metadata__" || !names.insert(item.name).second) {
       return bad("name is reserved or used twice");

@@ -4,6 +4,11 @@
 // the data section; "__metadata__" holds string pairs. Nothing in a file is trusted: the header
 // length, JSON, dtypes, shapes and offsets are checked (in range, size = product(shape) · element
 // size, no two tensors overlapping) before any tensor is exposed.
+//
+// Known dtypes (sizes checked): BF16, F16, F32 (loadable), F64, I64, I32, I16, I8, U64, U32, U16,
+// U8, BOOL, F8_E4M3, F8_E5M2, F8_E8M0, C64. Another dtype name is accepted with its byte range
+// checked but not its size (dtype = nullopt); whoever uses the tensor rejects it. Unlike the
+// reference reader, gaps between tensors and trailing bytes are tolerated.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +28,8 @@ struct SafetensorsTensor {
   std::string dtype_name;        // as written in the file: "BF16", "F16", "F32", "I64", ...
   std::optional<DType> dtype;    // set for the float types tandem loads (BF16, F16, F32)
   std::vector<int64_t> shape;
-  const uint8_t* data = nullptr; // into the mapping; valid while the file object lives
+  const uint8_t* data = nullptr; // into the mapping; valid while the file object lives; may be
+                                 // unaligned for its dtype (offsets need not be multiples)
   int64_t nbytes = 0;
 };
 
@@ -31,7 +37,10 @@ struct SafetensorsTensor {
 class SafetensorsFile {
  public:
   // Errors name `path` and, where one is at fault, the tensor: DataLoss for a truncated or
-  // corrupt file, InvalidArgument for a malformed header, NotFound for a missing file.
+  // corrupt file (under 8 bytes, header length past the end, data_offsets past the end),
+  // InvalidArgument for a malformed header (length over 100 MB, not a JSON object, bad dtype,
+  // shape, data_offsets or __metadata__, size not matching the shape, overlapping tensors),
+  // NotFound for a missing file.
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
@@ -57,7 +66,10 @@ struct SafetensorsWriteItem {
   std::vector<int64_t> shape;
   std::vector<uint8_t> bytes;
 };
-// Writes a well-formed file (used by tests and tools). Errors name the path.
+// Writes a well-formed file (used by tests and tools): tensors in the given order, contiguous,
+// the JSON header padded with spaces to a multiple of 8 bytes as the reference writer does.
+// Items whose bytes do not match shape and (known) dtype, or repeated names, are InvalidArgument
+// before anything is written. Errors name the path.
 absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsWriteItem>& items,
                               const std::map<std::string, std::string>& metadata = {});
 

@@ -79,8 +79,7 @@ struct Located {
 
 class CheckpointSource : public WeightSource {
  public:
-  CheckpointSource(ModelSpec spec, std::string dir,
-                   std::vector<std::unique_ptr<SafetensorsFile>> files,
+  CheckpointSource(ModelSpec spec, std::string dir, std::vector<std::unique_ptr<SafetensorsFile>> files,
                    std::map<std::string, Located> tensors)
       : spec_(std::move(spec)),
         dir_(std::move(dir)),
@@ -132,10 +131,10 @@ absl::StatusOr<std::map<std::string, std::string>> ReadIndex(const std::string& 
   std::map<std::string, std::string> weight_map;
   for (const auto& [tensor, shard] : index["weight_map"].items()) {
     if (!shard.is_string() || !IsPlainFileName(shard.get<std::string>())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": weight_map: tensor '", tensor, "': shard ",
-          shard.dump(-1, ' ', false, Json::error_handler_t::replace),
-          " is not a plain file name in the checkpoint directory"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": weight_map: tensor '", tensor, "': shard ",
+                       shard.dump(-1, ' ', false, Json::error_handler_t::replace),
+                       " is not a plain file name in the checkpoint directory"));
     }
     weight_map[tensor] = shard.get<std::string>();
   }
@@ -153,8 +152,8 @@ absl::Status FindShards(const std::string& dir, std::vector<std::string>* shards
     for (const auto& [shard, tensor] : first_tensor) {
       const std::string path = JoinPath(dir, shard);
       if (!IsRegularFile(path)) {
-        return absl::NotFoundError(absl::StrCat(index_path, ": shard '", shard, "' (listed for '",
-                                                tensor, "') is not a file in ", dir));
+        return absl::NotFoundError(absl::StrCat(index_path, ": shard '", shard, "' (listed for '", tensor,
+                                                "') is not a file in ", dir));
       }
       shards->push_back(path);
     }
@@ -173,8 +172,8 @@ absl::Status FindShards(const std::string& dir, std::vector<std::string>* shards
   }
   if (ec) return absl::NotFoundError(absl::StrCat(dir, ": cannot list directory: ", ec.message()));
   if (shards->empty()) {
-    return absl::NotFoundError(absl::StrCat(
-        dir, ": no model.safetensors.index.json, model.safetensors or *.safetensors file"));
+    return absl::NotFoundError(
+        absl::StrCat(dir, ": no model.safetensors.index.json, model.safetensors or *.safetensors file"));
   }
   std::sort(shards->begin(), shards->end());
   return absl::OkStatus();
@@ -225,8 +224,7 @@ class RandomSource : public WeightSource {
   absl::Status ReadF32(const std::string& name, float* out) const override {
     auto it = tensors_.find(name);
     if (it == tensors_.end()) {
-      return absl::NotFoundError(
-          absl::StrCat(Describe(), ": no tensor '", name, "' in this model"));
+      return absl::NotFoundError(absl::StrCat(Describe(), ": no tensor '", name, "' in this model"));
     }
     const RandomTensor& t = it->second;
     const uint64_t stream = SplitMix64(seed_ ^ SplitMix64(Fnv1a64(name)));
@@ -264,8 +262,7 @@ int64_t AvailableHostBytes(std::string* from) {
   for (std::string line; std::getline(meminfo, line);) {
     int64_t kb = 0;
     if (absl::StartsWith(line, "MemAvailable:") &&
-        absl::SimpleAtoi(absl::StripSuffix(absl::StripAsciiWhitespace(line.substr(13)), " kB"),
-                         &kb)) {
+        absl::SimpleAtoi(absl::StripSuffix(absl::StripAsciiWhitespace(line.substr(13)), " kB"), &kb)) {
       avail = std::min(avail, kb * 1024);
       *from = "MemAvailable";
     }
@@ -333,17 +330,15 @@ absl::StatusOr<std::unique_ptr<WeightSource>> OpenCheckpoint(const std::string& 
     for (const auto& [name, tensor] : file->tensors()) {
       auto [it, inserted] = all.emplace(name, Located{file.get(), &tensor});
       if (!inserted) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(dir, ": tensor '", name, "' appears in both ", FileName(*it->second.file),
-                         " and ", FileName(*file)));
+        return absl::InvalidArgumentError(absl::StrCat(dir, ": tensor '", name, "' appears in both ",
+                                                       FileName(*it->second.file), " and ", FileName(*file)));
       }
       if (weight_map.has_value()) {
         auto listed = weight_map->find(name);
         if (listed == weight_map->end() || listed->second != FileName(*file)) {
           return absl::InvalidArgumentError(absl::StrCat(
               file->path(), ": tensor '", name, "' is listed in model.safetensors.index.json ",
-              listed == weight_map->end() ? std::string("nowhere")
-                                          : absl::StrCat("under ", listed->second)));
+              listed == weight_map->end() ? std::string("nowhere") : absl::StrCat("under ", listed->second)));
         }
       }
     }
@@ -364,14 +359,13 @@ absl::StatusOr<std::unique_ptr<WeightSource>> OpenCheckpoint(const std::string& 
                    const Located& at) -> absl::Status {
     const SafetensorsTensor& t = *at.tensor;
     if (t.shape != shape) {
-      return absl::InvalidArgumentError(absl::StrCat(at.file->path(), ": tensor '", name,
-                                                     "': shape ", ShapeString(t.shape),
-                                                     ", expected ", ShapeString(shape)));
+      return absl::InvalidArgumentError(absl::StrCat(at.file->path(), ": tensor '", name, "': shape ",
+                                                     ShapeString(t.shape), ", expected ",
+                                                     ShapeString(shape)));
     }
     if (!t.dtype.has_value()) {
-      return absl::UnimplementedError(absl::StrCat(at.file->path(), ": tensor '", name,
-                                                   "': dtype ", t.dtype_name,
-                                                   " is not supported (BF16, F16, F32 are)"));
+      return absl::UnimplementedError(absl::StrCat(at.file->path(), ": tensor '", name, "': dtype ",
+                                                   t.dtype_name, " is not supported (BF16, F16, F32 are)"));
     }
     return absl::OkStatus();
   };
@@ -408,8 +402,7 @@ std::unique_ptr<WeightSource> RandomWeights(const ModelSpec& spec, uint64_t seed
   return std::make_unique<RandomSource>(spec, seed);
 }
 
-absl::StatusOr<std::unique_ptr<WeightSource>> OpenModel(const std::string& dir_or_preset,
-                                                        uint64_t seed) {
+absl::StatusOr<std::unique_ptr<WeightSource>> OpenModel(const std::string& dir_or_preset, uint64_t seed) {
   if (absl::StatusOr<ModelSpec> preset = PresetSpec(dir_or_preset); preset.ok()) {
     return RandomWeights(*preset, seed);
   }
@@ -427,10 +420,10 @@ absl::StatusOr<ModelWeightsF32> LoadWeightsF32(const WeightSource& source) {
   std::string avail_from;
   const int64_t avail = AvailableHostBytes(&avail_from);
   if (need > avail) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "%s: fp32 weights need %.1f GiB of host memory, but only %.1f GiB is available (%s); "
-        "use the cuda backend or a smaller preset",
-        source.Describe(), need / kGiB, avail / kGiB, avail_from));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("%s: fp32 weights need %.1f GiB of host memory, but only %.1f GiB is available (%s); "
+                        "use the cuda backend or a smaller preset",
+                        source.Describe(), need / kGiB, avail / kGiB, avail_from));
   }
 
   ModelWeightsF32 w;
@@ -481,8 +474,7 @@ absl::StatusOr<ModelWeightsF32> LoadWeightsF32(const WeightSource& source) {
       results[i] = source.ReadF32(jobs[i].name, jobs[i].dst);
     }
   };
-  const size_t n_threads =
-      std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), jobs.size());
+  const size_t n_threads = std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), jobs.size());
   std::vector<std::thread> threads;
   for (size_t t = 1; t < n_threads; ++t) threads.emplace_back(worker);
   worker();

@@ -18,8 +18,8 @@ absl::Status Invalid(absl::string_view what) {
 
 absl::Status Validate(const AttentionParams& p, int64_t* max_kv_len) {
   const std::pair<const char*, const void*> pointers[] = {
-      {"q", p.q},           {"k_cache", p.k_cache},     {"v_cache", p.v_cache},
-      {"out", p.out},       {"q_indptr", p.q_indptr}, {"kv_indptr", p.kv_indptr}};
+      {"q", p.q},     {"k_cache", p.k_cache},   {"v_cache", p.v_cache},
+      {"out", p.out}, {"q_indptr", p.q_indptr}, {"kv_indptr", p.kv_indptr}};
   for (const auto& [name, ptr] : pointers) {
     if (ptr == nullptr) return Invalid(absl::StrCat(name, " is null"));
   }
@@ -32,8 +32,8 @@ absl::Status Validate(const AttentionParams& p, int64_t* max_kv_len) {
     if (v <= 0) return Invalid(absl::StrCat(name, " must be positive, got ", v));
   }
   if (p.num_heads % p.num_kv_heads != 0) {
-    return Invalid(absl::StrCat("num_heads ", p.num_heads, " is not a multiple of num_kv_heads ",
-                                p.num_kv_heads));
+    return Invalid(
+        absl::StrCat("num_heads ", p.num_heads, " is not a multiple of num_kv_heads ", p.num_kv_heads));
   }
   if (!std::isfinite(p.scale) || !(p.scale > 0.0f)) {
     return Invalid(absl::StrCat("scale must be finite and positive, got ", p.scale));
@@ -47,16 +47,16 @@ absl::Status Validate(const AttentionParams& p, int64_t* max_kv_len) {
     const int64_t q_len = int64_t{p.q_indptr[r + 1]} - p.q_indptr[r];
     const int64_t kv_len = int64_t{p.kv_indptr[r + 1]} - p.kv_indptr[r];
     if (q_len < 0) {
-      return Invalid(absl::StrCat("q_indptr decreases at request ", r, ": ", p.q_indptr[r],
-                                  " -> ", p.q_indptr[r + 1]));
+      return Invalid(
+          absl::StrCat("q_indptr decreases at request ", r, ": ", p.q_indptr[r], " -> ", p.q_indptr[r + 1]));
     }
     if (kv_len < 0) {
-      return Invalid(absl::StrCat("kv_indptr decreases at request ", r, ": ", p.kv_indptr[r],
-                                  " -> ", p.kv_indptr[r + 1]));
+      return Invalid(absl::StrCat("kv_indptr decreases at request ", r, ": ", p.kv_indptr[r], " -> ",
+                                  p.kv_indptr[r + 1]));
     }
     if (q_len > kv_len) {
-      return Invalid(absl::StrCat("request ", r, " has q_len ", q_len, " > kv_len ", kv_len,
-                                  " (q_indptr/kv_indptr)"));
+      return Invalid(
+          absl::StrCat("request ", r, " has q_len ", q_len, " > kv_len ", kv_len, " (q_indptr/kv_indptr)"));
     }
     *max_kv_len = std::max(*max_kv_len, kv_len);
   }
@@ -65,9 +65,8 @@ absl::Status Validate(const AttentionParams& p, int64_t* max_kv_len) {
   for (int64_t r = 0; r < p.num_requests; ++r) {
     for (int64_t j = p.kv_indptr[r]; j < p.kv_indptr[r + 1]; ++j) {
       if (p.kv_slots[j] < 0 || p.kv_slots[j] >= p.num_slots) {
-        return Invalid(absl::StrCat("kv_slots[", j, "] = ", p.kv_slots[j], " (request ", r,
-                                    ", key ", j - p.kv_indptr[r], ") is outside [0, num_slots=",
-                                    p.num_slots, ")"));
+        return Invalid(absl::StrCat("kv_slots[", j, "] = ", p.kv_slots[j], " (request ", r, ", key ",
+                                    j - p.kv_indptr[r], ") is outside [0, num_slots=", p.num_slots, ")"));
       }
     }
   }
@@ -79,10 +78,21 @@ float Dot(const float* a, const float* b, int64_t n) {
   float acc[8] = {};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
+#pragma GCC unroll 8
     for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
   }
   for (; i < n; ++i) acc[0] += a[i] * b[i];
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+// acc += w · v, 8 lanes at a time (vectorisable: the pointers are declared not to alias).
+void Axpy(float w, const float* __restrict v, float* __restrict acc, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) acc[i + l] += w * v[i + l];
+  }
+  for (; i < n; ++i) acc[i] += w * v[i];
 }
 
 }  // namespace
@@ -101,8 +111,7 @@ absl::Status Attention(const AttentionParams& p) {
     std::vector<float> acc(static_cast<size_t>(D));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / H, h = item % H;
-      const int64_t r =
-          std::upper_bound(p.q_indptr, p.q_indptr + p.num_requests + 1, t) - p.q_indptr - 1;
+      const int64_t r = std::upper_bound(p.q_indptr, p.q_indptr + p.num_requests + 1, t) - p.q_indptr - 1;
       const int64_t q_len = p.q_indptr[r + 1] - p.q_indptr[r];
       const int64_t kv_len = p.kv_indptr[r + 1] - p.kv_indptr[r];
       const int64_t n_keys = kv_len - q_len + (t - p.q_indptr[r]) + 1;  // causal
@@ -129,7 +138,7 @@ absl::Status Attention(const AttentionParams& p) {
       for (int64_t j = 0; j < n_keys; ++j) {
         const float w = scores[static_cast<size_t>(j)] / sum;
         const float* v = p.v_cache + (int64_t{slots[j]} * KVH + kvh) * D;
-        for (int64_t d = 0; d < D; ++d) acc[static_cast<size_t>(d)] += w * v[d];
+        Axpy(w, v, acc.data(), D);
       }
       std::copy(acc.begin(), acc.end(), p.out + (t * H + h) * D);
       if (p.lse != nullptr) p.lse[t * H + h] = m + std::log(sum);

@@ -48,8 +48,7 @@ absl::Status Embedding(const EmbeddingParams& p) {
   RETURN_IF_ERROR(CheckPositive(kOp, "hidden", p.hidden));
   for (int64_t i = 0; i < p.n; ++i) {
     if (p.ids[i] < 0 || p.ids[i] >= p.vocab) {
-      return Invalid(kOp, absl::StrCat("ids[", i, "] = ", p.ids[i], " is outside [0, vocab=",
-                                       p.vocab, ")"));
+      return Invalid(kOp, absl::StrCat("ids[", i, "] = ", p.ids[i], " is outside [0, vocab=", p.vocab, ")"));
     }
   }
   ParallelFor(p.n, RowGrain(p.hidden), [&](int64_t begin, int64_t end) {
@@ -115,10 +114,8 @@ std::vector<float> RopeInvFreq(const RopeSpec& spec, int64_t head_dim) {
   const float low_freq_factor = static_cast<float>(spec.low_freq_factor);
   const float old_context_len = static_cast<float>(spec.original_max_position);
   const float smooth_den = static_cast<float>(spec.high_freq_factor - spec.low_freq_factor);
-  const double low_freq_wavelen =
-      static_cast<double>(spec.original_max_position) / spec.low_freq_factor;
-  const double high_freq_wavelen =
-      static_cast<double>(spec.original_max_position) / spec.high_freq_factor;
+  const double low_freq_wavelen = static_cast<double>(spec.original_max_position) / spec.low_freq_factor;
+  const double high_freq_wavelen = static_cast<double>(spec.original_max_position) / spec.high_freq_factor;
   const float two_pi = static_cast<float>(2.0 * std::numbers::pi);
   for (float& f : inv) {
     const float wavelen = two_pi / f;
@@ -204,20 +201,26 @@ using V8 = float __attribute__((vector_size(32)));
 
 // acc(MR, NR) = x[0..MR) · w[0..NR) over kc columns; added to y (y[i * ldy + j]).
 template <int MR, int NR>
-[[gnu::always_inline]] inline void MicroKernel(const float* x, int64_t ldx, const float* w,
-                                               int64_t ldw, int64_t kc, float* y, int64_t ldy) {
+[[gnu::always_inline]] inline void MicroKernel(const float* x, int64_t ldx, const float* w, int64_t ldw,
+                                               int64_t kc, float* y, int64_t ldy) {
+  // Fully unrolled (the pragmas) so that acc lives in registers rather than on the stack.
   V8 acc[MR][NR] = {};
   int64_t kk = 0;
   for (; kk + 8 <= kc; kk += 8) {
     V8 xv[MR];
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) LoadV8(xv[i], x + i * ldx + kk);
+#pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
       V8 wv;
       LoadV8(wv, w + j * ldw + kk);
+#pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) acc[i][j] += xv[i] * wv;
     }
   }
+#pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
       float s = HorizontalSum(acc[i][j]);
       for (int64_t t = kk; t < kc; ++t) s += x[i * ldx + t] * w[j * ldw + t];
@@ -230,8 +233,8 @@ constexpr int kMR = 2, kNR = 4;
 constexpr int64_t kKC = 1024;  // k columns per block: a 64-row w tile is 256 KiB, L2-resident
 
 // y[m0..m1, n0..n1) += x · wᵀ over all k, k-blocked so the w tile stays in L2 across x rows.
-[[gnu::always_inline]] inline void TileBody(const MatmulParams& p, int64_t ldx, int64_t ldy,
-                                            int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+[[gnu::always_inline]] inline void TileBody(const MatmulParams& p, int64_t ldx, int64_t ldy, int64_t m0,
+                                            int64_t m1, int64_t n0, int64_t n1) {
   for (int64_t k0 = 0; k0 < p.k; k0 += kKC) {
     const int64_t kc = std::min(kKC, p.k - k0);
     for (int64_t i = m0; i < m1; i += kMR) {
@@ -259,13 +262,13 @@ constexpr int64_t kKC = 1024;  // k columns per block: a 64-row w tile is 256 Ki
   }
 }
 
-[[gnu::target("avx2,fma")]] void TileAvx2(const MatmulParams& p, int64_t ldx, int64_t ldy,
-                                           int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+[[gnu::target("avx2,fma")]] void TileAvx2(const MatmulParams& p, int64_t ldx, int64_t ldy, int64_t m0,
+                                          int64_t m1, int64_t n0, int64_t n1) {
   TileBody(p, ldx, ldy, m0, m1, n0, n1);
 }
 
-void TileBaseline(const MatmulParams& p, int64_t ldx, int64_t ldy, int64_t m0, int64_t m1,
-                  int64_t n0, int64_t n1) {
+void TileBaseline(const MatmulParams& p, int64_t ldx, int64_t ldy, int64_t m0, int64_t m1, int64_t n0,
+                  int64_t n1) {
   TileBody(p, ldx, ldy, m0, m1, n0, n1);
 }
 
@@ -323,8 +326,8 @@ absl::Status Matmul(const MatmulParams& p) {
     // to gemv itself).
     cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, p.w, k, p.x, 1, beta, p.y, 1);
   } else {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, p.x,
-                static_cast<int>(ldx), p.w, k, beta, p.y, static_cast<int>(ldy));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, p.x, static_cast<int>(ldx), p.w, k,
+                beta, p.y, static_cast<int>(ldy));
   }
 #else
   MatmulFallback(p, ldx, ldy);

@@ -51,10 +51,10 @@ std::vector<float> RopeInvFreq(const RopeSpec& spec, int64_t head_dim);
 // (evaluated in double, rounded to fp32). k may be nullptr to rotate q only. Positions must be
 // >= 0 and head_dim even.
 struct RopeParams {
-  float* q = nullptr;               // (n, num_heads, head_dim); row stride q_stride floats
-  float* k = nullptr;               // (n, num_kv_heads, head_dim); row stride k_stride floats
+  float* q = nullptr;                  // (n, num_heads, head_dim); row stride q_stride floats
+  float* k = nullptr;                  // (n, num_kv_heads, head_dim); row stride k_stride floats
   const int32_t* positions = nullptr;  // (n)
-  const float* inv_freq = nullptr;  // (head_dim / 2)
+  const float* inv_freq = nullptr;     // (head_dim / 2)
   int64_t n = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
   int64_t q_stride = 0, k_stride = 0;  // 0: packed (num_heads*head_dim, num_kv_heads*head_dim)
 };
@@ -90,11 +90,11 @@ absl::Status SiluMul(const SiluMulParams& p);
 // Math (as Hugging Face's eager attention, all fp32): s = (q·k) * scale, p = softmax(s) with
 // the row max subtracted, out = Σ p_j v_j; lse = max + log Σ exp(s - max).
 struct AttentionParams {
-  const float* q = nullptr;        // (total_q, num_heads, head_dim)
-  const float* k_cache = nullptr;  // (num_slots, num_kv_heads, head_dim)
-  const float* v_cache = nullptr;  // (num_slots, num_kv_heads, head_dim)
-  float* out = nullptr;            // (total_q, num_heads, head_dim)
-  float* lse = nullptr;            // (total_q, num_heads), natural log; optional
+  const float* q = nullptr;            // (total_q, num_heads, head_dim)
+  const float* k_cache = nullptr;      // (num_slots, num_kv_heads, head_dim)
+  const float* v_cache = nullptr;      // (num_slots, num_kv_heads, head_dim)
+  float* out = nullptr;                // (total_q, num_heads, head_dim)
+  float* lse = nullptr;                // (total_q, num_heads), natural log; optional
   const int32_t* q_indptr = nullptr;   // (num_requests + 1)
   const int32_t* kv_indptr = nullptr;  // (num_requests + 1)
   const int32_t* kv_slots = nullptr;   // (kv_indptr[num_requests])
@@ -126,8 +126,7 @@ float CounterUniform(uint64_t seed, uint64_t counter);
 // >= top_p (at least one token); finally u = CounterUniform(seed, counter) picks the first kept
 // token, in ascending id, whose cumulative kept mass exceeds u · (total kept mass). top_k <= 0 or
 // >= vocab and top_p >= 1 are off. NaN logits count as -inf. Aborts on null logits, vocab <= 0.
-int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& params,
-                    uint64_t counter);
+int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& params, uint64_t counter);
 // log_softmax(logits)[token] in natural log, computed stably in double. Unaffected by
 // temperature, top-k and top-p. NaN if any logit is NaN or +inf, or all are -inf; aborts when
 // token is outside [0, vocab).

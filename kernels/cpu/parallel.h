@@ -54,13 +54,16 @@ class ThreadPool {
       fn_ = &fn;
       num_chunks_ = num_chunks;
       next_chunk_.store(0, std::memory_order_relaxed);
-      busy_workers_ = static_cast<int>(workers_.size());
+      job_open_ = true;
       ++generation_;
     }
     wake_.notify_all();
     Drain();
+    // Close the job: workers that have not woken yet (a busy machine) skip it, so the caller
+    // waits only for those already running chunks.
     std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [this] { return busy_workers_ == 0; });
+    job_open_ = false;
+    done_.wait(lock, [this] { return active_workers_ == 0; });
     fn_ = nullptr;
   }
 
@@ -94,11 +97,13 @@ class ThreadPool {
         wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
         if (stop_) return;
         seen = generation_;
+        if (!job_open_) continue;
+        ++active_workers_;
       }
       Drain();
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (--busy_workers_ == 0) done_.notify_one();
+        if (--active_workers_ == 0) done_.notify_one();
       }
     }
   }
@@ -110,15 +115,15 @@ class ThreadPool {
   const std::function<void(int64_t)>* fn_ = nullptr;
   int64_t num_chunks_ = 0;
   std::atomic<int64_t> next_chunk_{0};
-  int busy_workers_ = 0;
+  int active_workers_ = 0;  // workers inside Drain() of the open job
+  bool job_open_ = false;
   uint64_t generation_ = 0;
   bool stop_ = false;
 };
 
 // Calls fn(begin, end) over disjoint subranges covering [0, n). `grain` is the smallest range
 // worth a thread; a range of at most `grain` items runs inline on the caller.
-inline void ParallelFor(int64_t n, int64_t grain,
-                        const std::function<void(int64_t, int64_t)>& fn) {
+inline void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
   grain = std::max<int64_t>(grain, 1);
   ThreadPool& pool = ThreadPool::Get();

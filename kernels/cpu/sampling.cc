@@ -44,8 +44,7 @@ float CounterUniform(uint64_t seed, uint64_t counter) {
   return static_cast<float>(z >> 40) * 0x1.0p-24f;
 }
 
-int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& params,
-                    uint64_t counter) {
+int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& params, uint64_t counter) {
   TANDEM_CHECK(logits != nullptr);
   TANDEM_CHECK(vocab > 0 && vocab <= std::numeric_limits<int32_t>::max());
   if (!(params.temperature > 0.0f)) return Argmax(logits, vocab);  // 0, negative or NaN
@@ -76,8 +75,7 @@ int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& pa
     size_t kept = order.size();
     if (use_top_k) {
       kept = static_cast<size_t>(params.top_k);
-      std::partial_sort(order.begin(), order.begin() + static_cast<ptrdiff_t>(kept), order.end(),
-                        before);
+      std::partial_sort(order.begin(), order.begin() + static_cast<ptrdiff_t>(kept), order.end(), before);
     } else {
       std::sort(order.begin(), order.end(), before);
     }

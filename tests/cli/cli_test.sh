@@ -13,17 +13,21 @@ failed=0
 ok() { passed=$((passed + 1)); }
 bad() { failed=$((failed + 1)); echo "FAIL: $*"; }
 
-# expect_fail "<needle>" cmd...: must exit non-zero, print one line on stderr containing needle.
+# expect_fail "<needle>" cmd...: must exit non-zero with exactly one error line ("tandem ...:")
+# on stderr, the last one, containing needle. Log lines (timestamped) may come before it.
 expect_fail() {
   local needle=$1; shift
   "$@" >"$TMP/out" 2>"$TMP/err"
   local rc=$?
-  local lines
-  lines=$(grep -c . "$TMP/err")
+  local errors last
+  errors=$(grep -c '^tandem' "$TMP/err")
+  last=$(tail -n 1 "$TMP/err")
   if [ $rc -eq 0 ]; then bad "expected failure: $*"; return; fi
-  if ! grep -qF -- "$needle" "$TMP/err"; then bad "stderr of '$*' lacks '$needle': $(cat "$TMP/err")"; return; fi
-  if [ "$lines" -ne 1 ]; then bad "stderr of '$*' is $lines lines, expected 1: $(cat "$TMP/err")"; return; fi
-  ok
+  if [ "$errors" -ne 1 ]; then bad "'$*' printed $errors error lines, expected 1: $(cat "$TMP/err")"; return; fi
+  case "$last" in
+    tandem*"$needle"*) ok ;;
+    *) bad "last stderr line of '$*' lacks '$needle': $(cat "$TMP/err")" ;;
+  esac
 }
 
 expect_ok() {

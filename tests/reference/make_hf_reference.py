@@ -100,8 +100,10 @@ def main():
         model = model.to(torch.bfloat16)
         out = os.path.join(args.out, name)
         model.save_pretrained(out, safe_serialization=True)
-        # The reference runs in fp32 on exactly the bf16 values that were saved.
-        model = model.to(torch.float32)
+        # The reference is what transformers computes from the saved checkpoint in fp32. Loading
+        # it afresh matters: casting a model with .to(bfloat16) also rounds the RoPE inv_freq
+        # buffer to bf16, and casting back does not undo that.
+        model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
         prompts = [torch.randint(4, spec["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
         cases = []
         for prompt in prompts:

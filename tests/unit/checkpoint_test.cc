@@ -32,23 +32,20 @@ std::string Msg(const absl::Status& s) { return std::string(s.message()); }
 std::string ConfigJson(const ModelSpec& s, const std::string& torch_dtype = "bfloat16") {
   std::string rope = "null";
   if (s.rope.type == RopeType::kLlama3) {
-    rope = absl::StrCat(R"({"rope_type": "llama3", "factor": )", s.rope.factor,
-                        R"(, "low_freq_factor": )", s.rope.low_freq_factor,
-                        R"(, "high_freq_factor": )", s.rope.high_freq_factor,
-                        R"(, "original_max_position_embeddings": )",
-                        s.rope.original_max_position, "}");
+    rope = absl::StrCat(R"({"rope_type": "llama3", "factor": )", s.rope.factor, R"(, "low_freq_factor": )",
+                        s.rope.low_freq_factor, R"(, "high_freq_factor": )", s.rope.high_freq_factor,
+                        R"(, "original_max_position_embeddings": )", s.rope.original_max_position, "}");
   }
   return absl::StrCat(
       R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",)",
-      R"( "vocab_size": )", s.vocab_size, R"(, "hidden_size": )", s.hidden_size,
-      R"(, "intermediate_size": )", s.intermediate_size, R"(, "num_hidden_layers": )",
-      s.num_layers, R"(, "num_attention_heads": )", s.num_heads, R"(, "num_key_value_heads": )",
-      s.num_kv_heads, R"(, "head_dim": )", s.head_dim, R"(, "max_position_embeddings": )",
-      s.max_position, R"(, "rms_norm_eps": )", s.rms_norm_eps, R"(, "rope_theta": )",
-      s.rope.theta, R"(, "rope_scaling": )", rope, R"(, "tie_word_embeddings": )",
+      R"( "vocab_size": )", s.vocab_size, R"(, "hidden_size": )", s.hidden_size, R"(, "intermediate_size": )",
+      s.intermediate_size, R"(, "num_hidden_layers": )", s.num_layers, R"(, "num_attention_heads": )",
+      s.num_heads, R"(, "num_key_value_heads": )", s.num_kv_heads, R"(, "head_dim": )", s.head_dim,
+      R"(, "max_position_embeddings": )", s.max_position, R"(, "rms_norm_eps": )", s.rms_norm_eps,
+      R"(, "rope_theta": )", s.rope.theta, R"(, "rope_scaling": )", rope, R"(, "tie_word_embeddings": )",
       s.tie_word_embeddings ? "true" : "false", R"(, "bos_token_id": )", s.bos_token_id,
-      R"(, "eos_token_id": [)", absl::StrJoin(s.eos_token_ids, ", "), R"(], "torch_dtype": ")",
-      torch_dtype, R"("})");
+      R"(, "eos_token_id": [)", absl::StrJoin(s.eos_token_ids, ", "), R"(], "torch_dtype": ")", torch_dtype,
+      R"("})");
 }
 
 // Values in [-1, 1) encoded as `dtype_name` ("BF16", "F16", "F32").
@@ -82,8 +79,7 @@ SafetensorsWriteItem RandomItem(const std::string& name, const std::vector<int64
   return {name, dtype_name, shape, Encode(values, dtype_name)};
 }
 
-std::vector<SafetensorsWriteItem> ModelItems(const ModelSpec& spec,
-                                             const std::string& dtype_name = "BF16") {
+std::vector<SafetensorsWriteItem> ModelItems(const ModelSpec& spec, const std::string& dtype_name = "BF16") {
   std::mt19937 rng(1234);
   std::vector<SafetensorsWriteItem> items;
   for (const ExpectedTensor& t : ExpectedTensors(spec)) {
@@ -95,7 +91,7 @@ std::vector<SafetensorsWriteItem> ModelItems(const ModelSpec& spec,
 // The item's values as fp32.
 std::vector<float> Decode(const SafetensorsWriteItem& item) {
   std::vector<float> out(Numel(item.shape));
-  const DType t = item.dtype_name == "F32" ? DType::kF32
+  const DType t = item.dtype_name == "F32"   ? DType::kF32
                   : item.dtype_name == "F16" ? DType::kF16
                                              : DType::kBF16;
   ConvertToF32(t, item.bytes.data(), static_cast<int64_t>(out.size()), out.data());
@@ -149,8 +145,7 @@ class CheckpointTest : public ::testing::Test {
     WriteFile("model-00002-of-00002.safetensors", {items.begin() + half, items.end()});
     std::map<std::string, std::string> map;
     for (size_t i = 0; i < items.size(); ++i) {
-      map[items[i].name] = i < half ? "model-00001-of-00002.safetensors"
-                                    : "model-00002-of-00002.safetensors";
+      map[items[i].name] = i < half ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
     }
     WriteIndex(map);
   }
@@ -158,8 +153,8 @@ class CheckpointTest : public ::testing::Test {
     std::vector<std::string> entries;
     for (const auto& [name, shard] : map) entries.push_back(absl::StrCat("\"", name, "\": \"", shard, "\""));
     WriteText("model.safetensors.index.json",
-              absl::StrCat(R"({"metadata": {"total_size": 0}, "weight_map": {)",
-                           absl::StrJoin(entries, ", "), "}}"));
+              absl::StrCat(R"({"metadata": {"total_size": 0}, "weight_map": {)", absl::StrJoin(entries, ", "),
+                           "}}"));
   }
 
   // Opens the directory expecting `code` and every one of `parts` in the message.
@@ -379,6 +374,32 @@ TEST_F(CheckpointTest, IndexDisagreesWithShard) {
   ExpectError(absl::StatusCode::kInvalidArgument, {"'" + items.front().name + "'", "index"});
 }
 
+TEST_F(CheckpointTest, IndexListsTensorMissingFromShard) {
+  WriteConfig(spec_);
+  std::vector<SafetensorsWriteItem> items = ModelItems(spec_);
+  WriteSharded(items);
+  std::map<std::string, std::string> map;
+  for (size_t i = 0; i < items.size(); ++i) {
+    map[items[i].name] =
+        i < items.size() / 2 ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
+  }
+  map["model.layers.7.mlp.up_proj.weight"] = "model-00002-of-00002.safetensors";
+  WriteIndex(map);
+  ExpectError(absl::StatusCode::kNotFound,
+              {"model-00002-of-00002.safetensors", "'model.layers.7.mlp.up_proj.weight'"});
+}
+
+TEST_F(CheckpointTest, TensorNotListedInIndex) {
+  WriteConfig(spec_);
+  std::vector<SafetensorsWriteItem> items = ModelItems(spec_);
+  WriteFile("model.safetensors", items);
+  std::map<std::string, std::string> map;
+  for (const SafetensorsWriteItem& item : items) map[item.name] = "model.safetensors";
+  map.erase(kUp2);
+  WriteIndex(map);
+  ExpectError(absl::StatusCode::kInvalidArgument, {"model.safetensors", "'" + kUp2 + "'", "nowhere"});
+}
+
 TEST_F(CheckpointTest, TruncatedFile) {
   WriteConfig(spec_);
   WriteFile("model.safetensors", ModelItems(spec_));
@@ -419,15 +440,17 @@ TEST(RandomWeightsTest, DeterministicPerSeedAndBf16Exact) {
       lo = std::min(lo, v);
       hi = std::max(hi, v);
     }
-    if (t.shape.size() == 1) {  // norm: 1 + U(-0.1, 0.1)
-      EXPECT_GE(lo, 0.899f);
-      EXPECT_LE(hi, 1.101f);
+    if (t.shape.size() == 1) {  // norm: 1 + U(-0.1, 0.1), to bf16's half step (2^-8) near 1
+      EXPECT_GE(lo, 0.9f - 0.004f);
+      EXPECT_LE(hi, 1.1f + 0.004f);
+      EXPECT_LT(lo, 0.95f);
+      EXPECT_GT(hi, 1.05f);
     } else if (t.name == HfNames::Embed()) {  // U(-1, 1)
       EXPECT_GE(lo, -1.0f);
       EXPECT_LE(hi, 1.0f);
       EXPECT_LT(lo, -0.9f);
       EXPECT_GT(hi, 0.9f);
-    } else {  // U(-1/sqrt(in), 1/sqrt(in))
+    } else {  // U(-1/sqrt(in), 1/sqrt(in)), to bf16 rounding (relative 2^-9)
       const float bound = 1.0f / std::sqrt(static_cast<float>(t.shape[1]));
       EXPECT_GE(lo, -bound * 1.004f);
       EXPECT_LE(hi, bound * 1.004f);
@@ -502,8 +525,7 @@ TEST(LoadWeightsF32Test, HugePresetIsResourceExhaustedWithoutAllocating) {
   }
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<ModelWeightsF32> w = LoadWeightsF32(*RandomWeights(spec, 0));
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(w.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(Msg(w.status()), HasSubstr("262.8 GiB"));

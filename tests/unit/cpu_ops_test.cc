@@ -11,6 +11,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -86,8 +87,8 @@ void Fill(Guarded& g, const std::vector<float>& v) {
     if (!std::isnan(err)) worst = std::max(worst, err);
   }
   if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << bad << " of " << ref.size() << " elements off; first at "
-                                       << first << "; max abs error " << worst;
+  return ::testing::AssertionFailure()
+         << bad << " of " << ref.size() << " elements off; first at " << first << "; max abs error " << worst;
 }
 
 bool MessageHas(const absl::Status& s, const std::string& want) {
@@ -112,7 +113,8 @@ TEST(EmbeddingTest, CopiesRows) {
       for (int64_t i = 0; i < n; ++i) {
         for (int64_t j = 0; j < hidden; ++j) {
           // A copy: exact.
-          ASSERT_EQ(out[i * hidden + j], table[static_cast<size_t>(ids[static_cast<size_t>(i)] * hidden + j)]);
+          ASSERT_EQ(out[i * hidden + j],
+                    table[static_cast<size_t>(ids[static_cast<size_t>(i)] * hidden + j)]);
         }
       }
       EXPECT_TRUE(out.GuardsIntact());
@@ -140,10 +142,12 @@ std::vector<double> RmsNormRef(const std::vector<float>& in, const std::vector<f
   std::vector<double> out(in.size());
   for (int64_t i = 0; i < n; ++i) {
     double ss = 0.0;
-    for (int64_t j = 0; j < d; ++j) ss += double{in[static_cast<size_t>(i * d + j)]} * in[static_cast<size_t>(i * d + j)];
+    for (int64_t j = 0; j < d; ++j)
+      ss += double{in[static_cast<size_t>(i * d + j)]} * in[static_cast<size_t>(i * d + j)];
     const double inv = 1.0 / std::sqrt(ss / static_cast<double>(d) + eps);
     for (int64_t j = 0; j < d; ++j) {
-      out[static_cast<size_t>(i * d + j)] = in[static_cast<size_t>(i * d + j)] * inv * w[static_cast<size_t>(j)];
+      out[static_cast<size_t>(i * d + j)] =
+          in[static_cast<size_t>(i * d + j)] * inv * w[static_cast<size_t>(j)];
     }
   }
   return out;
@@ -290,8 +294,8 @@ TEST(RopeTest, MatchesDoubleReferenceInFusedQkvRows) {
   };
   for (const Shape& sh : {Shape{4, 2, 64}, Shape{2, 2, 128}, Shape{3, 1, 32}}) {
     for (int64_t n : {1, 17}) {
-      SCOPED_TRACE("heads " + std::to_string(sh.heads) + "/" + std::to_string(sh.kv_heads) +
-                   " d " + std::to_string(sh.d) + " n " + std::to_string(n));
+      SCOPED_TRACE("heads " + std::to_string(sh.heads) + "/" + std::to_string(sh.kv_heads) + " d " +
+                   std::to_string(sh.d) + " n " + std::to_string(n));
       // Rows of a fused qkv projection: [q | k | v], so q_stride = k_stride = row width.
       const int64_t q_w = sh.heads * sh.d, kv_w = sh.kv_heads * sh.d, row = q_w + 2 * kv_w;
       const std::vector<float> qkv = RandomFloats(rng, n * row);
@@ -303,8 +307,8 @@ TEST(RopeTest, MatchesDoubleReferenceInFusedQkvRows) {
       const std::vector<float> inv = RopeInvFreq(spec, sh.d);
       Guarded buf(n * row);
       Fill(buf, qkv);
-      ASSERT_TRUE(Rope({buf.data(), buf.data() + q_w, pos.data(), inv.data(), n, sh.heads,
-                        sh.kv_heads, sh.d, row, row})
+      ASSERT_TRUE(Rope({buf.data(), buf.data() + q_w, pos.data(), inv.data(), n, sh.heads, sh.kv_heads, sh.d,
+                        row, row})
                       .ok());
       std::vector<double> ref(qkv.begin(), qkv.end());
       RopeRef(ref, n, row, sh.heads, sh.d, pos, inv, 0);
@@ -313,11 +317,39 @@ TEST(RopeTest, MatchesDoubleReferenceInFusedQkvRows) {
       // ~4 · 2^-24 · (|a| + |b|) ≈ 5e-7 absolute; 1e-6 with margin. v must be untouched.
       EXPECT_TRUE(AllClose(buf.data(), ref, 1e-6, 0.0));
       for (int64_t i = 0; i < n; ++i) {
-        for (int64_t j = q_w + kv_w; j < row; ++j) ASSERT_EQ(buf[i * row + j], qkv[static_cast<size_t>(i * row + j)]);
+        for (int64_t j = q_w + kv_w; j < row; ++j)
+          ASSERT_EQ(buf[i * row + j], qkv[static_cast<size_t>(i * row + j)]);
       }
       EXPECT_TRUE(buf.GuardsIntact());
     }
   }
+}
+
+TEST(RopeTest, SeparateQAndKvRowsWithDifferentStrides) {
+  std::mt19937 rng(19);
+  const int64_t n = 17, heads = 6, kv_heads = 2, d = 64;  // q_w = 384 != k_stride = 256
+  const int64_t q_w = heads * d, kv_w = kv_heads * d;
+  // q packed (q_stride 0); k inside rows of [k | v], so k_stride = 2 · kv_w.
+  const std::vector<float> q0 = RandomFloats(rng, n * q_w), kv0 = RandomFloats(rng, n * 2 * kv_w);
+  std::vector<int32_t> pos(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) pos[static_cast<size_t>(i)] = static_cast<int32_t>(3 * i + 1);
+  const std::vector<float> inv = RopeInvFreq(RopeSpec{}, d);
+  Guarded q(n * q_w), kv(n * 2 * kv_w);
+  Fill(q, q0);
+  Fill(kv, kv0);
+  ASSERT_TRUE(Rope({q.data(), kv.data(), pos.data(), inv.data(), n, heads, kv_heads, d, 0, 2 * kv_w}).ok());
+  std::vector<double> q_ref(q0.begin(), q0.end()), kv_ref(kv0.begin(), kv0.end());
+  RopeRef(q_ref, n, q_w, heads, d, pos, inv, 0);
+  RopeRef(kv_ref, n, 2 * kv_w, kv_heads, d, pos, inv, 0);
+  EXPECT_TRUE(AllClose(q.data(), q_ref, 1e-6, 0.0));    // tolerance: see the fused-rows test
+  EXPECT_TRUE(AllClose(kv.data(), kv_ref, 1e-6, 0.0));  // v halves must be untouched (exact)
+  EXPECT_TRUE(q.GuardsIntact());
+  EXPECT_TRUE(kv.GuardsIntact());
+  // k may be null: q alone rotates, to the same bits.
+  Guarded q_only(n * q_w);
+  Fill(q_only, q0);
+  ASSERT_TRUE(Rope({q_only.data(), nullptr, pos.data(), inv.data(), n, heads, 0, d, 0, 0}).ok());
+  EXPECT_EQ(q_only.values(), q.values());
 }
 
 TEST(RopeTest, PreservesNormsAndPositionZeroIsIdentity) {
@@ -369,8 +401,8 @@ struct MatmulCase {
 // |err| <= γ(k+1) · (Σ|x||w| + |y0|) with γ(j) ≈ j · 2^-24 (Higham, Thm 3.1). Any wrong, missing
 // or doubled term is far larger for random inputs.
 void MatmulRef(const std::vector<float>& x, int64_t ldx, const std::vector<float>& w,
-               const std::vector<float>* y0, int64_t ldy0, const MatmulCase& c,
-               std::vector<double>* ref, std::vector<double>* tol) {
+               const std::vector<float>* y0, int64_t ldy0, const MatmulCase& c, std::vector<double>* ref,
+               std::vector<double>* tol) {
   ref->assign(static_cast<size_t>(c.m * c.n), 0.0);
   tol->assign(ref->size(), 0.0);
   for (int64_t i = 0; i < c.m; ++i) {
@@ -396,9 +428,8 @@ TEST(MatmulTest, MatchesDoubleReference) {
   std::mt19937 rng(7);
   // Odd shapes cross the fallback's register tiles (2 x 4), k blocks (1024) and thread tiles.
   for (const MatmulCase& c : {MatmulCase{1, 1, 1}, MatmulCase{1, 17, 33}, MatmulCase{17, 1, 64},
-                              MatmulCase{17, 17, 97}, MatmulCase{1, 768, 768},
-                              MatmulCase{64, 768, 768}, MatmulCase{5, 130, 1030},
-                              MatmulCase{3, 5, 2100}}) {
+                              MatmulCase{17, 17, 97}, MatmulCase{1, 768, 768}, MatmulCase{64, 768, 768},
+                              MatmulCase{5, 130, 1030}, MatmulCase{3, 5, 2100}}) {
     SCOPED_TRACE("m " + std::to_string(c.m) + " n " + std::to_string(c.n) + " k " + std::to_string(c.k));
     const std::vector<float> x = RandomFloats(rng, c.m * c.k);
     const std::vector<float> w = RandomFloats(rng, c.n * c.k);
@@ -617,9 +648,15 @@ void ExpectAttentionMatches(const AttentionCase& c) {
   EXPECT_EQ(std::memcmp(out.data(), out2.data(), sizeof(float) * static_cast<size_t>(out.size())), 0);
 }
 
-TEST(AttentionTest, MhaMixedBatchHeadDim64) { ExpectAttentionMatches(AttentionCase(4, 4, 64, MixedBatch(), 11)); }
-TEST(AttentionTest, GqaMixedBatchHeadDim128) { ExpectAttentionMatches(AttentionCase(8, 2, 128, MixedBatch(), 12)); }
-TEST(AttentionTest, MqaMixedBatchHeadDim32) { ExpectAttentionMatches(AttentionCase(4, 1, 32, MixedBatch(), 13)); }
+TEST(AttentionTest, MhaMixedBatchHeadDim64) {
+  ExpectAttentionMatches(AttentionCase(4, 4, 64, MixedBatch(), 11));
+}
+TEST(AttentionTest, GqaMixedBatchHeadDim128) {
+  ExpectAttentionMatches(AttentionCase(8, 2, 128, MixedBatch(), 12));
+}
+TEST(AttentionTest, MqaMixedBatchHeadDim32) {
+  ExpectAttentionMatches(AttentionCase(4, 1, 32, MixedBatch(), 13));
+}
 TEST(AttentionTest, DecodeOnlyBatch) {
   ExpectAttentionMatches(AttentionCase(6, 3, 64, {{1, 17}, {1, 1}, {1, 97}, {1, 2}}, 14));
 }
@@ -633,7 +670,8 @@ TEST(AttentionTest, SingleKeyReturnsValueExactly) {
     const int64_t kvh = h / (c.heads / c.kv_heads);
     double score = 0.0;
     for (int64_t t = 0; t < c.d; ++t) {
-      score += double{c.q[static_cast<size_t>(h * c.d + t)]} * c.k_cache[static_cast<size_t>((slot * c.kv_heads + kvh) * c.d + t)];
+      score += double{c.q[static_cast<size_t>(h * c.d + t)]} *
+               c.k_cache[static_cast<size_t>((slot * c.kv_heads + kvh) * c.d + t)];
       // softmax of one score is exactly 1, and 1 · v = v.
       ASSERT_EQ(out[h * c.d + t], c.v_cache[static_cast<size_t>((slot * c.kv_heads + kvh) * c.d + t)]) << h;
     }
@@ -679,6 +717,32 @@ TEST(AttentionTest, RepeatedRunsAreBitIdentical) {
   }
 }
 
+TEST(AttentionTest, ConcurrentCallersGetIdenticalResults) {
+  // Ops are reentrant: callers on several threads share one internal pool (a busy pool runs the
+  // call inline). Every caller must get the bits of a lone call.
+  const AttentionCase c(8, 2, 64, MixedBatch(), 20);
+  const int64_t n_out = c.total_q * c.heads * c.d;
+  std::vector<float> want(static_cast<size_t>(n_out));
+  ASSERT_TRUE(Attention(c.Params(want.data(), nullptr)).ok());
+  constexpr int kCallers = 4;
+  std::vector<std::vector<float>> got(kCallers, std::vector<float>(want.size()));
+  std::vector<absl::Status> status(kCallers);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kCallers; ++t) {
+    threads.emplace_back([&, t] {
+      for (int rep = 0; rep < 3 && status[static_cast<size_t>(t)].ok(); ++rep) {
+        status[static_cast<size_t>(t)] = Attention(c.Params(got[static_cast<size_t>(t)].data(), nullptr));
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  for (int t = 0; t < kCallers; ++t) {
+    ASSERT_TRUE(status[static_cast<size_t>(t)].ok()) << status[static_cast<size_t>(t)];
+    EXPECT_EQ(std::memcmp(got[static_cast<size_t>(t)].data(), want.data(), sizeof(float) * want.size()), 0)
+        << "caller " << t;
+  }
+}
+
 // Runs Attention with one field broken and checks InvalidArgument naming `want` in the message.
 template <typename Mutate>
 void ExpectInvalid(const AttentionCase& base, Mutate mutate, const std::string& want) {
@@ -694,23 +758,54 @@ void ExpectInvalid(const AttentionCase& base, Mutate mutate, const std::string& 
 TEST(AttentionTest, RejectsInvalidParams) {
   const AttentionCase base(4, 2, 32, {{2, 5}, {1, 3}, {3, 4}}, 18);
   using P = AttentionParams;
-  ExpectInvalid(base, [](AttentionCase&, P& p) { p.q = nullptr; }, "q is null");
-  ExpectInvalid(base, [](AttentionCase&, P& p) { p.v_cache = nullptr; }, "v_cache is null");
-  ExpectInvalid(base, [](AttentionCase&, P& p) { p.kv_slots = nullptr; }, "kv_slots is null");
-  ExpectInvalid(base, [](AttentionCase&, P& p) { p.num_kv_heads = 3; }, "num_kv_heads");
-  ExpectInvalid(base, [](AttentionCase&, P& p) { p.head_dim = 0; }, "head_dim");
-  ExpectInvalid(base, [](AttentionCase&, P& p) { p.scale = 0.0f; }, "scale");
-  ExpectInvalid(base, [](AttentionCase& c, P& p) { c.q_indptr[2] = 1; p.q_indptr = c.q_indptr.data(); },
-                "q_indptr decreases at request 1");
-  ExpectInvalid(base, [](AttentionCase& c, P& p) { c.kv_indptr[1] = 9; p.kv_indptr = c.kv_indptr.data(); },
-                "kv_indptr decreases at request 1");
+  ExpectInvalid(
+      base, [](AttentionCase&, P& p) { p.q = nullptr; }, "q is null");
+  ExpectInvalid(
+      base, [](AttentionCase&, P& p) { p.v_cache = nullptr; }, "v_cache is null");
+  ExpectInvalid(
+      base, [](AttentionCase&, P& p) { p.kv_slots = nullptr; }, "kv_slots is null");
+  ExpectInvalid(
+      base, [](AttentionCase&, P& p) { p.num_kv_heads = 3; }, "num_kv_heads");
+  ExpectInvalid(
+      base, [](AttentionCase&, P& p) { p.head_dim = 0; }, "head_dim");
+  ExpectInvalid(
+      base, [](AttentionCase&, P& p) { p.scale = 0.0f; }, "scale");
+  ExpectInvalid(
+      base,
+      [](AttentionCase& c, P& p) {
+        c.q_indptr[2] = 1;
+        p.q_indptr = c.q_indptr.data();
+      },
+      "q_indptr decreases at request 1");
+  ExpectInvalid(
+      base,
+      [](AttentionCase& c, P& p) {
+        c.kv_indptr[1] = 9;
+        p.kv_indptr = c.kv_indptr.data();
+      },
+      "kv_indptr decreases at request 1");
   // Request 1 keeps no key but has a query row.
-  ExpectInvalid(base, [](AttentionCase& c, P& p) { c.kv_indptr[1] = 8; p.kv_indptr = c.kv_indptr.data(); },
-                "request 1 has q_len 1 > kv_len 0");
-  ExpectInvalid(base, [](AttentionCase& c, P& p) { c.slots[6] = static_cast<int32_t>(c.num_slots); p.kv_slots = c.slots.data(); },
-                "kv_slots[6] = ");
-  ExpectInvalid(base, [](AttentionCase& c, P& p) { c.slots[6] = -1; p.kv_slots = c.slots.data(); },
-                "(request 1, key 1)");
+  ExpectInvalid(
+      base,
+      [](AttentionCase& c, P& p) {
+        c.kv_indptr[1] = 8;
+        p.kv_indptr = c.kv_indptr.data();
+      },
+      "request 1 has q_len 1 > kv_len 0");
+  ExpectInvalid(
+      base,
+      [](AttentionCase& c, P& p) {
+        c.slots[6] = static_cast<int32_t>(c.num_slots);
+        p.kv_slots = c.slots.data();
+      },
+      "kv_slots[6] = ");
+  ExpectInvalid(
+      base,
+      [](AttentionCase& c, P& p) {
+        c.slots[6] = -1;
+        p.kv_slots = c.slots.data();
+      },
+      "(request 1, key 1)");
 }
 
 }  // namespace

@@ -120,9 +120,8 @@ TEST(ParseHfConfigTest, Transformers5RopeParameters) {
 // A config assembled from key -> raw JSON value, so each test changes one key.
 std::string Config(const std::map<std::string, std::string>& changes) {
   std::map<std::string, std::string> keys = {
-      {"model_type", "\"llama\""},   {"vocab_size", "512"},
-      {"hidden_size", "128"},        {"intermediate_size", "344"},
-      {"num_hidden_layers", "2"},    {"num_attention_heads", "4"},
+      {"model_type", "\"llama\""},  {"vocab_size", "512"},      {"hidden_size", "128"},
+      {"intermediate_size", "344"}, {"num_hidden_layers", "2"}, {"num_attention_heads", "4"},
   };
   for (const auto& [key, value] : changes) {
     if (value.empty()) {
@@ -155,11 +154,14 @@ TEST(ParseHfConfigTest, Defaults) {
 }
 
 TEST(ParseHfConfigTest, NullsMeanDefaults) {
-  absl::StatusOr<ModelSpec> spec = ParseHfConfig(
-      Config({{"head_dim", "null"}, {"num_key_value_heads", "null"}, {"bos_token_id", "null"},
-              {"eos_token_id", "null"}, {"rope_scaling", "null"}, {"sliding_window", "null"},
-              {"torch_dtype", "null"}}),
-      "c.json");
+  absl::StatusOr<ModelSpec> spec = ParseHfConfig(Config({{"head_dim", "null"},
+                                                         {"num_key_value_heads", "null"},
+                                                         {"bos_token_id", "null"},
+                                                         {"eos_token_id", "null"},
+                                                         {"rope_scaling", "null"},
+                                                         {"sliding_window", "null"},
+                                                         {"torch_dtype", "null"}}),
+                                                 "c.json");
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_EQ(spec->head_dim, 32);
   EXPECT_EQ(spec->num_kv_heads, 4);
@@ -178,11 +180,11 @@ TEST(ParseHfConfigTest, ExplicitHeadDimMayDifferFromHiddenOverHeads) {
 }
 
 TEST(ParseHfConfigTest, LegacyRopeScalingTypeKeyAndDefaultType) {
-  absl::StatusOr<ModelSpec> spec = ParseHfConfig(
-      Config({{"rope_scaling", R"({"type": "llama3", "factor": 8, "low_freq_factor": 1,
+  absl::StatusOr<ModelSpec> spec =
+      ParseHfConfig(Config({{"rope_scaling", R"({"type": "llama3", "factor": 8, "low_freq_factor": 1,
                "high_freq_factor": 4, "original_max_position_embeddings": 64})"},
-              {"rope_theta", "250000"}}),
-      "c.json");
+                            {"rope_theta", "250000"}}),
+                    "c.json");
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_EQ(spec->rope.type, RopeType::kLlama3);
   EXPECT_DOUBLE_EQ(spec->rope.theta, 250000.0);
@@ -195,8 +197,7 @@ TEST(ParseHfConfigTest, LegacyRopeScalingTypeKeyAndDefaultType) {
 
 TEST(ParseHfConfigTest, Transformers5DefaultRopeTakesThetaFromRopeParameters) {
   absl::StatusOr<ModelSpec> spec = ParseHfConfig(
-      Config({{"rope_parameters", R"({"rope_type": "default", "rope_theta": 1000000.0})"}}),
-      "c.json");
+      Config({{"rope_parameters", R"({"rope_type": "default", "rope_theta": 1000000.0})"}}), "c.json");
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_EQ(spec->rope.type, RopeType::kDefault);
   EXPECT_DOUBLE_EQ(spec->rope.theta, 1e6);
@@ -215,8 +216,8 @@ TEST(ParseHfConfigTest, EosAsSingleIntAndList) {
 
 TEST(ParseHfConfigTest, MistralSlidingWindowCapsMaxPosition) {
   absl::StatusOr<ModelSpec> spec = ParseHfConfig(
-      Config({{"model_type", "\"mistral\""}, {"max_position_embeddings", "32768"},
-              {"sliding_window", "4096"}}),
+      Config(
+          {{"model_type", "\"mistral\""}, {"max_position_embeddings", "32768"}, {"sliding_window", "4096"}}),
       "c.json");
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_EQ(spec->model_type, "mistral");
@@ -254,72 +255,69 @@ INSTANTIATE_TEST_SUITE_P(
         BadConfig{"HiddenNegative", {{"hidden_size", "-128"}}, kInvalid, "hidden_size"},
         BadConfig{"HiddenFraction", {{"hidden_size", "128.5"}}, kInvalid, "hidden_size"},
         BadConfig{"HiddenNotDivisible", {{"hidden_size", "130"}}, kInvalid, "hidden_size"},
-        BadConfig{"IntermediateString", {{"intermediate_size", "\"344\""}}, kInvalid,
-                  "intermediate_size"},
+        BadConfig{"IntermediateString", {{"intermediate_size", "\"344\""}}, kInvalid, "intermediate_size"},
         BadConfig{"LayersBool", {{"num_hidden_layers", "true"}}, kInvalid, "num_hidden_layers"},
-        BadConfig{"HeadsString", {{"num_attention_heads", "\"x\""}}, kInvalid,
-                  "num_attention_heads"},
-        BadConfig{"KvHeadsNotDivisor", {{"num_key_value_heads", "3"}}, kInvalid,
-                  "num_key_value_heads"},
-        BadConfig{"KvHeadsAboveHeads", {{"num_key_value_heads", "8"}}, kInvalid,
-                  "num_key_value_heads"},
+        BadConfig{"HeadsString", {{"num_attention_heads", "\"x\""}}, kInvalid, "num_attention_heads"},
+        BadConfig{"KvHeadsNotDivisor", {{"num_key_value_heads", "3"}}, kInvalid, "num_key_value_heads"},
+        BadConfig{"KvHeadsAboveHeads", {{"num_key_value_heads", "8"}}, kInvalid, "num_key_value_heads"},
         BadConfig{"HeadDimOdd", {{"head_dim", "31"}}, kInvalid, "head_dim"},
         BadConfig{"HeadDimZero", {{"head_dim", "0"}}, kInvalid, "head_dim"},
         BadConfig{"EpsNegative", {{"rms_norm_eps", "-1e-5"}}, kInvalid, "rms_norm_eps"},
         BadConfig{"EpsString", {{"rms_norm_eps", "\"a\""}}, kInvalid, "rms_norm_eps"},
-        BadConfig{"MaxPosZero", {{"max_position_embeddings", "0"}}, kInvalid,
-                  "max_position_embeddings"},
-        BadConfig{"TieNotBool", {{"tie_word_embeddings", "\"yes\""}}, kInvalid,
-                  "tie_word_embeddings"},
+        BadConfig{"MaxPosZero", {{"max_position_embeddings", "0"}}, kInvalid, "max_position_embeddings"},
+        BadConfig{"TieNotBool", {{"tie_word_embeddings", "\"yes\""}}, kInvalid, "tie_word_embeddings"},
         BadConfig{"BosString", {{"bos_token_id", "\"1\""}}, kInvalid, "bos_token_id"},
         BadConfig{"BosOutsideVocab", {{"bos_token_id", "512"}}, kInvalid, "bos_token_id"},
-        BadConfig{"EosListWithString", {{"eos_token_id", "[1, \"x\"]"}}, kInvalid,
-                  "eos_token_id"},
+        BadConfig{"EosListWithString", {{"eos_token_id", "[1, \"x\"]"}}, kInvalid, "eos_token_id"},
         BadConfig{"EosNegative", {{"eos_token_id", "-2"}}, kInvalid, "eos_token_id"},
         BadConfig{"TorchDtypeInt8", {{"torch_dtype", "\"int8\""}}, kUnimplemented, "torch_dtype"},
         BadConfig{"TorchDtypeNumber", {{"torch_dtype", "16"}}, kInvalid, "torch_dtype"},
         BadConfig{"DtypeUnknown", {{"dtype", "\"float8\""}}, kUnimplemented, "dtype"},
-        BadConfig{"AttentionBias", {{"attention_bias", "true"}}, kUnimplemented,
-                  "attention_bias"},
+        BadConfig{"AttentionBias", {{"attention_bias", "true"}}, kUnimplemented, "attention_bias"},
         BadConfig{"MlpBias", {{"mlp_bias", "true"}}, kUnimplemented, "mlp_bias"},
         BadConfig{"HiddenActGelu", {{"hidden_act", "\"gelu\""}}, kUnimplemented, "hidden_act"},
         BadConfig{"RopeThetaZero", {{"rope_theta", "0"}}, kInvalid, "rope_theta"},
-        BadConfig{"RopeScalingString", {{"rope_scaling", "\"llama3\""}}, kInvalid,
-                  "rope_scaling"},
+        BadConfig{"RopeScalingString", {{"rope_scaling", "\"llama3\""}}, kInvalid, "rope_scaling"},
         BadConfig{"RopeScalingYarn",
                   {{"rope_scaling", R"({"rope_type": "yarn", "factor": 4.0})"}},
-                  kUnimplemented, "rope_scaling.rope_type"},
+                  kUnimplemented,
+                  "rope_scaling.rope_type"},
         BadConfig{"RopeScalingLegacyLinear",
-                  {{"rope_scaling", R"({"type": "linear", "factor": 2.0})"}}, kUnimplemented,
+                  {{"rope_scaling", R"({"type": "linear", "factor": 2.0})"}},
+                  kUnimplemented,
                   "rope_scaling.type"},
         BadConfig{"RopeParametersDynamic",
                   {{"rope_parameters", R"({"rope_type": "dynamic", "rope_theta": 1e4})"}},
-                  kUnimplemented, "rope_parameters.rope_type"},
+                  kUnimplemented,
+                  "rope_parameters.rope_type"},
         BadConfig{"RopeParametersPerLayerType",
                   {{"rope_parameters", R"({"full_attention": {"rope_type": "default"}})"}},
-                  kUnimplemented, "rope_parameters.full_attention"},
+                  kUnimplemented,
+                  "rope_parameters.full_attention"},
         BadConfig{"RopeParametersThetaString",
                   {{"rope_parameters", R"({"rope_type": "default", "rope_theta": "big"})"}},
-                  kInvalid, "rope_parameters.rope_theta"},
+                  kInvalid,
+                  "rope_parameters.rope_theta"},
         BadConfig{"Llama3MissingFactor",
                   {{"rope_scaling", R"({"rope_type": "llama3", "low_freq_factor": 1,
                     "high_freq_factor": 4, "original_max_position_embeddings": 64})"}},
-                  kInvalid, "rope_scaling.factor"},
+                  kInvalid,
+                  "rope_scaling.factor"},
         BadConfig{"Llama3HighNotAboveLow",
                   {{"rope_scaling", R"({"rope_type": "llama3", "factor": 8, "low_freq_factor": 4,
                     "high_freq_factor": 4, "original_max_position_embeddings": 64})"}},
-                  kInvalid, "rope_scaling.high_freq_factor"},
+                  kInvalid,
+                  "rope_scaling.high_freq_factor"},
         BadConfig{"Llama3OriginalMaxPosZero",
                   {{"rope_scaling", R"({"rope_type": "llama3", "factor": 8, "low_freq_factor": 1,
                     "high_freq_factor": 4, "original_max_position_embeddings": 0})"}},
-                  kInvalid, "rope_scaling.original_max_position_embeddings"},
-        BadConfig{"SlidingWindowString", {{"sliding_window", "\"4k\""}}, kInvalid,
-                  "sliding_window"}),
+                  kInvalid,
+                  "rope_scaling.original_max_position_embeddings"},
+        BadConfig{"SlidingWindowString", {{"sliding_window", "\"4k\""}}, kInvalid, "sliding_window"}),
     [](const ::testing::TestParamInfo<BadConfig>& info) { return info.param.label; });
 
 TEST(ParseHfConfigTest, ExactMessageForWrongType) {
-  absl::StatusOr<ModelSpec> spec =
-      ParseHfConfig(Config({{"num_attention_heads", "\"x\""}}), "config.json");
+  absl::StatusOr<ModelSpec> spec = ParseHfConfig(Config({{"num_attention_heads", "\"x\""}}), "config.json");
   ASSERT_FALSE(spec.ok());
   EXPECT_EQ(spec.status().message(),
             "config.json: key 'num_attention_heads': expected a positive integer, got \"x\"");
@@ -336,9 +334,8 @@ TEST(ParseHfConfigTest, NotJsonOrNotAnObject) {
 
 TEST(PresetTest, AllPresetsValidateAndSummarize) {
   const std::vector<std::string> names = PresetNames();
-  EXPECT_EQ(names, (std::vector<std::string>{"tiny-mha", "tiny-gqa", "tiny-mqa", "small",
-                                             "llama-7b", "llama-13b", "llama-33b", "llama3-8b",
-                                             "llama3-70b"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"tiny-mha", "tiny-gqa", "tiny-mqa", "small", "llama-7b",
+                                             "llama-13b", "llama-33b", "llama3-8b", "llama3-70b"}));
   for (const std::string& name : names) {
     absl::StatusOr<ModelSpec> spec = PresetSpec(name);
     ASSERT_TRUE(spec.ok()) << spec.status();
@@ -430,7 +427,10 @@ TEST(ValidateTest, NamesTheField) {
       {"rope.high_freq_factor", [](ModelSpec& s) { s.rope.high_freq_factor = 0.5; }},
       {"rope.original_max_position", [](ModelSpec& s) { s.rope.original_max_position = 0; }},
       {"bos_token_id", [](ModelSpec& s) { s.bos_token_id = 100000; }},
-      {"eos_token_ids", [](ModelSpec& s) { s.eos_token_ids = {1, -5}; }},
+      {"eos_token_ids",
+       [](ModelSpec& s) {
+         s.eos_token_ids = {1, -5};
+       }},
   };
   for (const Case& c : cases) {
     ModelSpec s = good;

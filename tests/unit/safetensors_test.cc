@@ -89,8 +89,7 @@ TEST_F(SafetensorsTest, RoundTrip) {
   absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(path);
   ASSERT_TRUE(file.ok()) << file.status();
   EXPECT_EQ((*file)->path(), path);
-  EXPECT_EQ((*file)->metadata(),
-            (std::map<std::string, std::string>{{"format", "pt"}, {"note", "hello"}}));
+  EXPECT_EQ((*file)->metadata(), (std::map<std::string, std::string>{{"format", "pt"}, {"note", "hello"}}));
   ASSERT_EQ((*file)->tensors().size(), items.size());
   for (const SafetensorsWriteItem& item : items) {
     SCOPED_TRACE(item.name);
@@ -115,8 +114,8 @@ TEST_F(SafetensorsTest, EmptyHeaderObjectIsAValidFile) {
 }
 
 TEST_F(SafetensorsTest, UnknownDtypeIsExposedWithoutSizeCheck) {
-  absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(WriteRaw(
-      "q.safetensors", R"({"q": {"dtype": "Q4_K", "shape": [64], "data_offsets": [0, 36]}})", 36));
+  absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(
+      WriteRaw("q.safetensors", R"({"q": {"dtype": "Q4_K", "shape": [64], "data_offsets": [0, 36]}})", 36));
   ASSERT_TRUE(file.ok()) << file.status();
   EXPECT_EQ((*file)->tensors().at("q").dtype, std::nullopt);
   EXPECT_EQ((*file)->tensors().at("q").nbytes, 36);
@@ -131,8 +130,7 @@ TEST_F(SafetensorsTest, EmptyFile) {
 }
 
 TEST_F(SafetensorsTest, FiveByteFile) {
-  ExpectError(WriteBytes("five.safetensors", "abcde"), absl::StatusCode::kDataLoss,
-              {"5 bytes", "too short"});
+  ExpectError(WriteBytes("five.safetensors", "abcde"), absl::StatusCode::kDataLoss, {"5 bytes", "too short"});
 }
 
 TEST_F(SafetensorsTest, HeaderLengthPastEnd) {
@@ -159,8 +157,8 @@ TEST_F(SafetensorsTest, HeaderNotAnObject) {
 }
 
 TEST_F(SafetensorsTest, EntryNotAnObject) {
-  ExpectError(WriteRaw("e.safetensors", R"({"w": [1, 2]})", 0),
-              absl::StatusCode::kInvalidArgument, {"tensor 'w'", "not an object"});
+  ExpectError(WriteRaw("e.safetensors", R"({"w": [1, 2]})", 0), absl::StatusCode::kInvalidArgument,
+              {"tensor 'w'", "not an object"});
 }
 
 TEST_F(SafetensorsTest, MissingDtype) {
@@ -174,32 +172,28 @@ TEST_F(SafetensorsTest, MissingDataOffsets) {
 }
 
 TEST_F(SafetensorsTest, MalformedDataOffsets) {
-  ExpectError(
-      WriteRaw("m.safetensors", R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0]}})", 8),
-      absl::StatusCode::kInvalidArgument, {"tensor 'w'", "data_offsets"});
-  ExpectError(WriteRaw("n.safetensors",
-                       R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}})", 8),
+  ExpectError(WriteRaw("m.safetensors", R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0]}})", 8),
               absl::StatusCode::kInvalidArgument, {"tensor 'w'", "data_offsets"});
+  ExpectError(
+      WriteRaw("n.safetensors", R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}})", 8),
+      absl::StatusCode::kInvalidArgument, {"tensor 'w'", "data_offsets"});
 }
 
 TEST_F(SafetensorsTest, OffsetsPastEnd) {
   ExpectError(
-      WriteRaw("p.safetensors", R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})",
-               12),
+      WriteRaw("p.safetensors", R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", 12),
       absl::StatusCode::kDataLoss, {"tensor 'w'", "past the end of the data section (12 bytes)"});
 }
 
 TEST_F(SafetensorsTest, EndBeforeBegin) {
   ExpectError(
-      WriteRaw("r.safetensors", R"({"w": {"dtype": "F32", "shape": [0], "data_offsets": [8, 4]}})",
-               8),
+      WriteRaw("r.safetensors", R"({"w": {"dtype": "F32", "shape": [0], "data_offsets": [8, 4]}})", 8),
       absl::StatusCode::kInvalidArgument, {"tensor 'w'", "[8, 4]"});
 }
 
 TEST_F(SafetensorsTest, SizeMismatchWithShape) {
   ExpectError(
-      WriteRaw("s.safetensors",
-               R"({"w": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 16]}})", 16),
+      WriteRaw("s.safetensors", R"({"w": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 16]}})", 16),
       absl::StatusCode::kInvalidArgument, {"tensor 'w'", "[2,3]", "BF16", "needs 12"});
 }
 
@@ -230,16 +224,15 @@ TEST_F(SafetensorsTest, ContainedTensorOverlaps) {
 
 TEST_F(SafetensorsTest, NegativeShape) {
   ExpectError(
-      WriteRaw("n.safetensors", R"({"w": {"dtype": "F32", "shape": [2, -1], "data_offsets": [0, 0]}})",
-               0),
+      WriteRaw("n.safetensors", R"({"w": {"dtype": "F32", "shape": [2, -1], "data_offsets": [0, 0]}})", 0),
       absl::StatusCode::kInvalidArgument, {"tensor 'w'", "shape [2,-1]"});
 }
 
 TEST_F(SafetensorsTest, BadMetadata) {
   ExpectError(WriteRaw("md.safetensors", R"({"__metadata__": {"format": 1}})", 0),
               absl::StatusCode::kInvalidArgument, {"__metadata__", "'format'"});
-  ExpectError(WriteRaw("md2.safetensors", R"({"__metadata__": "pt"})", 0),
-              absl::StatusCode::kInvalidArgument, {"__metadata__"});
+  ExpectError(WriteRaw("md2.safetensors", R"({"__metadata__": "pt"})", 0), absl::StatusCode::kInvalidArgument,
+              {"__metadata__"});
 }
 
 TEST_F(SafetensorsTest, WriterRejectsWrongByteCount) {

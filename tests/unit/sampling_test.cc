@@ -43,7 +43,9 @@ std::vector<double> Softmax(const std::vector<float>& logits, double temperature
 std::set<int32_t> NaiveKeepSet(const std::vector<double>& prob, int32_t top_k, double top_p) {
   std::vector<int32_t> order(prob.size());
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return prob[static_cast<size_t>(a)] > prob[static_cast<size_t>(b)]; });
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    return prob[static_cast<size_t>(a)] > prob[static_cast<size_t>(b)];
+  });
   size_t kept = order.size();
   if (top_k > 0) kept = std::min(kept, static_cast<size_t>(top_k));
   double mass = 0.0;
@@ -70,10 +72,12 @@ double ChiSquare(const std::vector<int64_t>& counts, const std::vector<double>& 
   return chi2;
 }
 
-std::vector<int64_t> Histogram(const std::vector<float>& logits, const SamplingParams& params, int64_t draws) {
+std::vector<int64_t> Histogram(const std::vector<float>& logits, const SamplingParams& params,
+                               int64_t draws) {
   std::vector<int64_t> counts(logits.size(), 0);
   for (int64_t c = 0; c < draws; ++c) {
-    const int32_t t = SampleToken(logits.data(), static_cast<int64_t>(logits.size()), params, static_cast<uint64_t>(c));
+    const int32_t t =
+        SampleToken(logits.data(), static_cast<int64_t>(logits.size()), params, static_cast<uint64_t>(c));
     EXPECT_GE(t, 0);
     EXPECT_LT(t, static_cast<int32_t>(logits.size()));
     if (t >= 0 && t < static_cast<int32_t>(logits.size())) ++counts[static_cast<size_t>(t)];
@@ -208,8 +212,8 @@ TEST(SampleTokenTest, TopKAndTopPNeverPickFilteredTokens) {
   };
   const Case cases[] = {
       {3, 1.0f, {4, 0, 1}},
-      {0, 0.7f, {4, 0}},            // .639 < .7 <= .822
-      {0, 0.95f, {4, 0, 1, 2}},     // .920 < .95 <= .972
+      {0, 0.7f, {4, 0}},         // .639 < .7 <= .822
+      {0, 0.95f, {4, 0, 1, 2}},  // .920 < .95 <= .972
       // top-p on the top-3 renormalised mass {.695, .199, .106}: .695 < .85 <= .894, so {4, 0}
       // (top-p on the raw mass would keep token 1 as well: .822 < .85).
       {3, 0.85f, {4, 0}},
