@@ -96,11 +96,9 @@ absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const W
 ColocatedEngine::ColocatedEngine(ModelWeightsF32 weights, const EngineOptions& options, int64_t kv_slots)
     : weights_(std::move(weights)), options_(options), executor_(&weights_), allocator_(kv_slots) {
   const size_t layer_floats = static_cast<size_t>(kv_slots * weights_.spec.kv_dim());
-  k_cache_.resize(static_cast<size_t>(weights_.spec.num_layers));
-  v_cache_.resize(static_cast<size_t>(weights_.spec.num_layers));
   for (int64_t l = 0; l < weights_.spec.num_layers; ++l) {
-    k_cache_[static_cast<size_t>(l)].resize(layer_floats);
-    v_cache_[static_cast<size_t>(l)].resize(layer_floats);
+    k_cache_.push_back(std::make_unique_for_overwrite<float[]>(layer_floats));
+    v_cache_.push_back(std::make_unique_for_overwrite<float[]>(layer_floats));
   }
 }
 
@@ -255,8 +253,8 @@ absl::Status ColocatedEngine::RunBatch(const std::vector<Live*>& batch, const st
   RETURN_IF_ERROR(executor_.Embed(tokens, x.data()));
   for (int64_t layer = 0; layer < s.num_layers; ++layer) {
     RETURN_IF_ERROR(executor_.PreAttention(layer, x.data(), positions, qkv.data()));
-    float* kc = k_cache_[static_cast<size_t>(layer)].data();
-    float* vc = v_cache_[static_cast<size_t>(layer)].data();
+    float* kc = k_cache_[static_cast<size_t>(layer)].get();
+    float* vc = v_cache_[static_cast<size_t>(layer)].get();
     for (int64_t r = 0; r < num_tokens; ++r) {
       const float* row = qkv.data() + r * width;
       const int64_t slot = new_slots[static_cast<size_t>(r)];

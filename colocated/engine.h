@@ -105,7 +105,9 @@ class ColocatedEngine {
   EngineOptions options_;
   CpuLayerExecutor executor_;
   KvSlotAllocator allocator_;
-  std::vector<std::vector<float>> k_cache_, v_cache_;  // per layer (slots, kv_dim)
+  // Per layer (slots, kv_dim). Left uninitialised: a slot is written before it is read, and
+  // untouched pages of a large pool cost no memory or start-up time.
+  std::vector<std::unique_ptr<float[]>> k_cache_, v_cache_;
   int64_t reserved_ = 0;  // slots promised to running requests but not yet allocated
   int64_t next_id_ = 0;
   std::deque<Live> waiting_;

@@ -311,7 +311,9 @@ std::vector<ModelSpec> AllPresets() {
     s.rope.theta = 500000.0;
     s.max_position = 4096;
     s.rms_norm_eps = 1e-5;
-    s.tie_word_embeddings = true;
+    // Untied: with random weights a tied LM head scores the current token's own embedding
+    // highest, and the demo would repeat its last prompt token forever.
+    s.tie_word_embeddings = false;
     all.push_back(std::move(s));
   }
   all.push_back(llama1(Preset("llama-7b", 32000, 4096, 11008, 32, 32, 32, 128)));

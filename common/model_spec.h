@@ -89,8 +89,8 @@ absl::StatusOr<ModelSpec> ParseHfConfig(std::string_view json_text, std::string_
 //   "tiny-mqa"  vocab 512, hidden 128, heads 2/1 x 64, ffn 344, 2 layers, default rope, untied
 //               (tiny ones: max_position 1024, eps 1e-5, bos 0, eos {1}; random weights may
 //               well emit token 1, so generation can stop early)
-//   "small"     ~100M parameters (400 MB fp32): vocab 32000, hidden 768, heads 12/4 x 64,
-//               ffn 2048, 12 layers, theta 5e5, tied, max_position 4096
+//   "small"     ~125M parameters (500 MB fp32): vocab 32000, hidden 768, heads 12/4 x 64,
+//               ffn 2048, 12 layers, theta 5e5, untied, max_position 4096
 //   "llama-7b", "llama-13b", "llama-33b": Llama 1 (vocab 32000, max_position 2048, eps 1e-6,
 //               bos 1, eos {2}); "llama3-8b", "llama3-70b": Llama 3 (vocab 128256, theta 5e5,
 //               max_position 8192, eps 1e-5, bos 128000, eos {128001, 128009}).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: install, build, then generate tokens with the `small` preset
-# (random weights, ~100M parameters) for a batch of prompts, printing tokens and tokens/s.
+# (random weights, ~125M parameters) for a batch of prompts, printing tokens and tokens/s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh

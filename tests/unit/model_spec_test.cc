@@ -376,7 +376,8 @@ TEST(PresetTest, PublishedShapes) {
 
   s = PresetSpec("small");
   ASSERT_TRUE(s.ok());
-  EXPECT_NEAR(static_cast<double>(s->num_parameters()), 100e6, 5e6);
+  EXPECT_FALSE(s->tie_word_embeddings);
+  EXPECT_EQ(s->num_parameters(), 124668672);  // ~125M: 100M + an untied 32000 x 768 LM head
 }
 
 TEST(PresetTest, TinyShapes) {
