@@ -1,0 +1,41 @@
+// bf16 GEMMs through cuBLAS for the CUDA backend: y(m, n) = x(m, k) · w(n, k)ᵀ, with w in the
+// Hugging Face (out, in) layout, fp32 accumulation, and y either bf16 or fp32 (fp32 with
+// accumulate = true adds into the residual stream: the residual add is fused into the GEMM).
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+
+namespace tandem::kernels::cuda {
+
+struct GemmParams {
+  const __nv_bfloat16* x = nullptr;  // (m, k), row stride x_stride (0: k)
+  const __nv_bfloat16* w = nullptr;  // (n, k)
+  void* y = nullptr;                 // (m, n), row stride y_stride (0: n)
+  bool y_fp32 = false;               // y is float (else bf16)
+  bool accumulate = false;           // y += (fp32 only)
+  int64_t m = 0, n = 0, k = 0;
+  int64_t x_stride = 0, y_stride = 0;
+};
+
+// One cuBLAS handle bound to a stream. Not thread-safe; one per executor.
+class CublasGemm {
+ public:
+  static absl::StatusOr<std::unique_ptr<CublasGemm>> Create(cudaStream_t stream);
+  ~CublasGemm();
+  CublasGemm(const CublasGemm&) = delete;
+  CublasGemm& operator=(const CublasGemm&) = delete;
+  absl::Status Run(const GemmParams& p);
+
+ private:
+  CublasGemm() = default;
+  cublasHandle_t handle_ = nullptr;
+};
+
+}  // namespace tandem::kernels::cuda
