@@ -41,6 +41,7 @@ struct GenerateArgs {
   std::string config_file;
   std::vector<std::string> sets;
   std::string log_level = "info";
+  std::string device;
 };
 
 ConfigSchema& EngineSchema() {
@@ -80,9 +81,10 @@ absl::Status RunGenerate(const GenerateArgs& a) {
   const std::optional<LogLevel> level = ParseLogLevel(a.log_level);
   if (!level) return absl::InvalidArgumentError(absl::StrCat("--log-level: unknown level \"", a.log_level, "\""));
   InitLogging("generate", *level);
-  absl::StatusOr<Config> config = a.config_file.empty()
-                                      ? LoadConfig(EngineSchema(), "", "", a.sets)
-                                      : LoadConfigFile(EngineSchema(), a.config_file, a.sets);
+  std::vector<std::string> sets = a.sets;
+  if (!a.device.empty()) sets.push_back("runtime.device=" + a.device);  // --device wins
+  absl::StatusOr<Config> config = a.config_file.empty() ? LoadConfig(EngineSchema(), "", "", sets)
+                                                        : LoadConfigFile(EngineSchema(), a.config_file, sets);
   RETURN_IF_ERROR(config.status());
   for (const std::string& line : config->NonDefault()) TANDEM_LOG_INFO("config", line);
   ASSIGN_OR_RETURN(std::vector<GenerationRequest> requests, BuildRequests(a));
@@ -129,10 +131,10 @@ absl::Status RunGenerate(const GenerateArgs& a) {
   const EngineStats& st = engine->stats();
   std::fprintf(stderr,
                "tandem generate: %zu requests, %lld prompt + %lld generated tokens in %.3f s "
-               "(%.1f generated tok/s, %.1f total tok/s, %lld steps, device cpu)\n",
+               "(%.1f generated tok/s, %.1f total tok/s, %lld steps, device %s)\n",
                results.size(), static_cast<long long>(prompt_tokens), static_cast<long long>(generated),
                seconds, generated / seconds, (generated + prompt_tokens) / seconds,
-               static_cast<long long>(st.steps));
+               static_cast<long long>(st.steps), engine->device().c_str());
   return absl::OkStatus();
 }
 
@@ -170,6 +172,8 @@ void AddGenerateCommand(CLI::App& app) {
   cmd->add_option("--config", a->config_file, "YAML file with scheduler.* and kv.* settings (see `tandem config help`)")
       ->check(CLI::ExistingFile);
   cmd->add_option("--set", a->sets, "override a setting: --set scheduler.max_batch_size=8 (repeatable)");
+  cmd->add_option("--device", a->device,
+                  "cpu, cuda, cuda:N or auto (cuda:0 when a GPU is present; the default, runtime.device)");
   cmd->add_option("--log-level", a->log_level, "debug, info, warn or error")->capture_default_str();
   cmd->callback([a] {
     if (a->prompt_ids.empty() && a->prompts_file.empty()) {

@@ -4,12 +4,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <string>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "kernels/cuda/device.h"
 
 namespace tandem {
 
@@ -17,18 +18,21 @@ namespace cpu = kernels::cpu;
 
 void AddEngineKnobs(ConfigSchema* schema) {
   const EngineOptions d;
-  schema->Int("scheduler.max_batch_size", d.max_batch_size, "requests batched in one step", 1, 65536)
+  schema->String("runtime.device", d.device, "cpu, cuda, cuda:N, or auto (cuda:0 when a GPU is present)")
+      .Int("scheduler.max_batch_size", d.max_batch_size, "requests batched in one step", 1, 65536)
       .Int("scheduler.max_tokens_per_step", d.max_tokens_per_step,
            "decode tokens plus prefill-chunk tokens in one step (>= max_batch_size)", 1, 1 << 20)
       .Int("kv.capacity_tokens", d.kv_capacity_tokens,
            "KV cache size in tokens; 0 sizes it from free memory (kv.memory_fraction)", 0, 1LL << 31)
       .Double("kv.memory_fraction", d.kv_memory_fraction,
-              "share of free memory, after the weights, given to the KV cache when sized automatically",
-              0.01, 0.95);
+              "share of free device (or host) memory, after the weights, given to the KV cache when sized "
+              "automatically",
+              0.01, 0.98);
 }
 
 EngineOptions EngineOptionsFromConfig(const Config& config) {
   EngineOptions o;
+  o.device = config.GetString("runtime.device");
   o.max_batch_size = config.GetInt("scheduler.max_batch_size");
   o.max_tokens_per_step = config.GetInt("scheduler.max_tokens_per_step");
   o.kv_capacity_tokens = config.GetInt("kv.capacity_tokens");
@@ -37,18 +41,6 @@ EngineOptions EngineOptionsFromConfig(const Config& config) {
 }
 
 namespace {
-
-// Bytes the kernel reports as available (MemAvailable), or 0 if unknown.
-int64_t HostMemAvailable() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  int64_t kb = 0;
-  std::string unit;
-  while (in >> key >> kb >> unit) {
-    if (key == "MemAvailable:") return kb * 1024;
-  }
-  return 0;
-}
 
 absl::Status ValidateSampling(const cpu::SamplingParams& s) {
   if (!std::isfinite(s.temperature) || s.temperature < 0) {
@@ -59,6 +51,21 @@ absl::Status ValidateSampling(const cpu::SamplingParams& s) {
     return absl::InvalidArgumentError(absl::StrCat("top_p must be in (0, 1], got ", s.top_p));
   }
   return absl::OkStatus();
+}
+
+// "cpu" -> -1; "cuda" -> 0; "cuda:N" -> N; "auto" -> 0 if a CUDA device is present, else -1.
+absl::StatusOr<int> ResolveDevice(const std::string& device) {
+  if (device == "cpu") return -1;
+  if (device == "auto") {
+    absl::StatusOr<int> n = kernels::CudaDeviceCount();
+    return n.ok() && *n > 0 ? 0 : -1;
+  }
+  int index = 0;
+  if (device == "cuda" || (device.rfind("cuda:", 0) == 0 && absl::SimpleAtoi(device.substr(5), &index) && index >= 0)) {
+    return index;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("runtime.device: expected cpu, cuda, cuda:N or auto, got \"", device, "\""));
 }
 
 }  // namespace
@@ -72,35 +79,22 @@ absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const W
         ") must be at least scheduler.max_batch_size (", options.max_batch_size,
         "): every decoding request needs one token per step"));
   }
-  ASSIGN_OR_RETURN(ModelWeightsF32 weights, LoadWeightsF32(source));
-  const ModelSpec& spec = weights.spec;
-  const int64_t per_token = spec.kv_bytes_per_token(sizeof(float));
-  int64_t slots = options.kv_capacity_tokens;
-  if (slots == 0) {
-    const int64_t avail = HostMemAvailable();
-    const int64_t by_memory = static_cast<int64_t>(static_cast<double>(avail) * options.kv_memory_fraction) / per_token;
-    // Never more than the batch could ever use.
-    slots = std::min(by_memory, options.max_batch_size * spec.max_position);
-    if (slots < 1) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "no memory left for the KV cache (", avail >> 20, " MiB available, ", per_token,
-          " bytes per token); set kv.capacity_tokens or use a smaller model"));
-    }
+  ASSIGN_OR_RETURN(const int device, ResolveDevice(options.device));
+  const RunnerOptions ro{.max_batch_size = options.max_batch_size,
+                         .max_tokens_per_step = options.max_tokens_per_step,
+                         .kv_capacity_tokens = options.kv_capacity_tokens,
+                         .kv_memory_fraction = options.kv_memory_fraction};
+  std::unique_ptr<ModelRunner> runner;
+  if (device < 0) {
+    ASSIGN_OR_RETURN(runner, CreateCpuRunner(source, ro));
+  } else {
+    ASSIGN_OR_RETURN(runner, CreateCudaRunner(source, ro, device));
   }
-  if (slots > INT32_MAX) return absl::InvalidArgumentError("kv.capacity_tokens exceeds 2^31-1");
-  TANDEM_LOG_INFO("engine", spec.Summary(), "; KV cache ", slots, " tokens (",
-                  (slots * per_token) >> 20, " MiB fp32)");
-  return std::unique_ptr<ColocatedEngine>(new ColocatedEngine(std::move(weights), options, slots));
+  return std::unique_ptr<ColocatedEngine>(new ColocatedEngine(std::move(runner), options));
 }
 
-ColocatedEngine::ColocatedEngine(ModelWeightsF32 weights, const EngineOptions& options, int64_t kv_slots)
-    : weights_(std::move(weights)), options_(options), executor_(&weights_), allocator_(kv_slots) {
-  const size_t layer_floats = static_cast<size_t>(kv_slots * weights_.spec.kv_dim());
-  for (int64_t l = 0; l < weights_.spec.num_layers; ++l) {
-    k_cache_.push_back(std::make_unique_for_overwrite<float[]>(layer_floats));
-    v_cache_.push_back(std::make_unique_for_overwrite<float[]>(layer_floats));
-  }
-}
+ColocatedEngine::ColocatedEngine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options)
+    : runner_(std::move(runner)), options_(options), allocator_(runner_->kv_capacity()) {}
 
 absl::StatusOr<int64_t> ColocatedEngine::Submit(GenerationRequest request) {
   const ModelSpec& s = spec();
@@ -168,18 +162,22 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
   if (batch.empty()) return absl::OkStatus();
 
   std::vector<Live*> sampled;
-  std::vector<float> logits;
-  RETURN_IF_ERROR(RunBatch(batch, chunk, &sampled, &logits));
+  StepBatch plan;
+  RETURN_IF_ERROR(PlanBatch(batch, chunk, &plan, &sampled));
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs;
+  RETURN_IF_ERROR(runner_->Forward(plan, &tokens, &logprobs));
+  if (tokens.size() != sampled.size() || logprobs.size() != sampled.size()) {
+    return absl::InternalError(absl::StrCat("runner returned ", tokens.size(), " tokens for ", sampled.size(), " rows"));
+  }
 
   const ModelSpec& s = spec();
   for (size_t i = 0; i < sampled.size(); ++i) {
     Live& live = *sampled[i];
-    const float* row = logits.data() + static_cast<int64_t>(i) * s.vocab_size;
-    const uint64_t counter = live.result.token_ids.size();
-    const int32_t token = cpu::SampleToken(row, s.vocab_size, live.request.sampling, counter);
+    const int32_t token = tokens[i];
     live.result.token_ids.push_back(token);
+    live.result.logprobs.push_back(logprobs[i]);
     ++stats_.decode_tokens;
-    live.result.logprobs.push_back(cpu::TokenLogprob(row, s.vocab_size, token));
     const bool eos = !live.request.ignore_eos &&
                      std::find(s.eos_token_ids.begin(), s.eos_token_ids.end(), token) != s.eos_token_ids.end();
     if (eos) {
@@ -205,20 +203,24 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
   return absl::OkStatus();
 }
 
-absl::Status ColocatedEngine::RunBatch(const std::vector<Live*>& batch, const std::vector<int64_t>& chunk,
-                                       std::vector<Live*>* sampled, std::vector<float>* logits) {
-  const ModelSpec& s = spec();
-  const int64_t num_tokens = [&] {
-    int64_t t = 0;
-    for (int64_t c : chunk) t += c;
-    return t;
-  }();
-  std::vector<int32_t> tokens, positions, rows_to_sample;
-  std::vector<int32_t> q_indptr = {0}, kv_indptr = {0}, kv_slots, new_slots;
-  tokens.reserve(static_cast<size_t>(num_tokens));
-  positions.reserve(static_cast<size_t>(num_tokens));
-  new_slots.reserve(static_cast<size_t>(num_tokens));
-  for (size_t i = 0; i < batch.size(); ++i) {
+absl::Status ColocatedEngine::PlanBatch(const std::vector<Live*>& batch, const std::vector<int64_t>& chunk,
+                                        StepBatch* plan, std::vector<Live*>* sampled) {
+  int64_t num_tokens = 0;
+  for (int64_t c : chunk) num_tokens += c;
+  plan->tokens.reserve(static_cast<size_t>(num_tokens));
+  plan->positions.reserve(static_cast<size_t>(num_tokens));
+  plan->new_slots.reserve(static_cast<size_t>(num_tokens));
+  plan->q_indptr = {0};
+  plan->kv_indptr = {0};
+  // Single-row requests first (the decode kernel takes them), then multi-row prefill chunks.
+  std::vector<size_t> order;
+  for (size_t i = 0; i < batch.size(); ++i)
+    if (chunk[i] == 1) order.push_back(i);
+  plan->num_single = static_cast<int64_t>(order.size());
+  for (size_t i = 0; i < batch.size(); ++i)
+    if (chunk[i] != 1) order.push_back(i);
+
+  for (size_t i : order) {
     Live& live = *batch[i];
     const int64_t n = chunk[i];
     const int64_t start = static_cast<int64_t>(live.slots.size());
@@ -226,59 +228,27 @@ absl::Status ColocatedEngine::RunBatch(const std::vector<Live*>& batch, const st
     reserved_ -= n;
     const bool prefill = live.prefilled < static_cast<int64_t>(live.request.prompt.size());
     for (int64_t j = 0; j < n; ++j) {
-      tokens.push_back(prefill ? live.request.prompt[static_cast<size_t>(live.prefilled + j)]
-                               : live.result.token_ids.back());
-      positions.push_back(static_cast<int32_t>(start + j));
-      new_slots.push_back(live.slots[static_cast<size_t>(start + j)]);
+      plan->tokens.push_back(prefill ? live.request.prompt[static_cast<size_t>(live.prefilled + j)]
+                                     : live.result.token_ids.back());
+      plan->positions.push_back(static_cast<int32_t>(start + j));
+      plan->new_slots.push_back(live.slots[static_cast<size_t>(start + j)]);
     }
-    q_indptr.push_back(q_indptr.back() + static_cast<int32_t>(n));
-    kv_slots.insert(kv_slots.end(), live.slots.begin(), live.slots.end());
-    kv_indptr.push_back(static_cast<int32_t>(kv_slots.size()));
+    plan->q_indptr.push_back(plan->q_indptr.back() + static_cast<int32_t>(n));
+    plan->kv_slots.insert(plan->kv_slots.end(), live.slots.begin(), live.slots.end());
+    plan->kv_indptr.push_back(static_cast<int32_t>(plan->kv_slots.size()));
+    plan->max_q_len = std::max(plan->max_q_len, n);
+    plan->max_kv_len = std::max(plan->max_kv_len, static_cast<int64_t>(live.slots.size()));
     if (prefill) {
       live.prefilled += n;
       stats_.prefill_tokens += n;
     }
     if (live.prefilled == static_cast<int64_t>(live.request.prompt.size())) {
       sampled->push_back(&live);
-      rows_to_sample.push_back(q_indptr.back() - 1);
+      plan->sample_rows.push_back(plan->q_indptr.back() - 1);
+      plan->sampling.push_back(live.request.sampling);
+      plan->counters.push_back(live.result.token_ids.size());
     }
   }
-
-  const int64_t hidden = s.hidden_size, qd = s.q_dim(), kvd = s.kv_dim();
-  const int64_t width = executor_.qkv_width();
-  std::vector<float> x(static_cast<size_t>(num_tokens * hidden));
-  std::vector<float> qkv(static_cast<size_t>(num_tokens * width));
-  std::vector<float> q(static_cast<size_t>(num_tokens * qd));
-  std::vector<float> attn(static_cast<size_t>(num_tokens * qd));
-  RETURN_IF_ERROR(executor_.Embed(tokens, x.data()));
-  for (int64_t layer = 0; layer < s.num_layers; ++layer) {
-    RETURN_IF_ERROR(executor_.PreAttention(layer, x.data(), positions, qkv.data()));
-    float* kc = k_cache_[static_cast<size_t>(layer)].get();
-    float* vc = v_cache_[static_cast<size_t>(layer)].get();
-    for (int64_t r = 0; r < num_tokens; ++r) {
-      const float* row = qkv.data() + r * width;
-      const int64_t slot = new_slots[static_cast<size_t>(r)];
-      std::memcpy(q.data() + r * qd, row, static_cast<size_t>(qd) * sizeof(float));
-      std::memcpy(kc + slot * kvd, row + qd, static_cast<size_t>(kvd) * sizeof(float));
-      std::memcpy(vc + slot * kvd, row + qd + kvd, static_cast<size_t>(kvd) * sizeof(float));
-    }
-    RETURN_IF_ERROR(cpu::Attention({.q = q.data(),
-                                    .k_cache = kc,
-                                    .v_cache = vc,
-                                    .out = attn.data(),
-                                    .q_indptr = q_indptr.data(),
-                                    .kv_indptr = kv_indptr.data(),
-                                    .kv_slots = kv_slots.data(),
-                                    .num_requests = static_cast<int64_t>(batch.size()),
-                                    .num_slots = allocator_.num_slots(),
-                                    .num_heads = s.num_heads,
-                                    .num_kv_heads = s.num_kv_heads,
-                                    .head_dim = s.head_dim,
-                                    .scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim))}));
-    RETURN_IF_ERROR(executor_.PostAttention(layer, x.data(), attn.data(), num_tokens));
-  }
-  logits->resize(rows_to_sample.size() * static_cast<size_t>(s.vocab_size));
-  if (!rows_to_sample.empty()) RETURN_IF_ERROR(executor_.Logits(x.data(), rows_to_sample, logits->data()));
   return absl::OkStatus();
 }
 

@@ -21,7 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/config.h"
-#include "compute_node/layer_executor.h"
+#include "colocated/runner.h"
 #include "compute_node/weights.h"
 #include "kernels/cpu/ops.h"
 #include "memory_node/kv_slot_allocator.h"
@@ -29,14 +29,15 @@
 namespace tandem {
 
 struct EngineOptions {
+  std::string device = "auto";          // "cpu", "cuda", "cuda:N", or "auto" (cuda:0 if present)
   int64_t max_batch_size = 64;          // requests in one step
   int64_t max_tokens_per_step = 2048;   // decode tokens + prefill chunk tokens in one step
-  int64_t kv_capacity_tokens = 0;       // KV slots; 0: sized from free host memory
-  double kv_memory_fraction = 0.5;      // share of free memory (after weights) for KV when auto
+  int64_t kv_capacity_tokens = 0;       // KV slots; 0: sized from free device or host memory
+  double kv_memory_fraction = 0.9;      // share of free memory (after weights) for KV when auto
 };
 
-// The knobs of EngineOptions as a config schema section ("scheduler.*", "kv.*") and their
-// conversion; shared by every program that runs an engine.
+// The knobs of EngineOptions as config schema sections ("runtime.*", "scheduler.*", "kv.*") and
+// their conversion; shared by every program that runs an engine.
 void AddEngineKnobs(ConfigSchema* schema);
 EngineOptions EngineOptionsFromConfig(const Config& config);
 
@@ -63,7 +64,9 @@ struct EngineStats {
 
 class ColocatedEngine {
  public:
-  // Loads all weights from `source` (all or nothing) and sizes the KV pool.
+  // Picks the device, loads all weights from `source` (all or nothing) and sizes the KV pool:
+  // with kv.capacity_tokens 0, from the memory left after the weights, so the batch is limited
+  // by the memory the KV needs rather than by a constant.
   static absl::StatusOr<std::unique_ptr<ColocatedEngine>> Create(const WeightSource& source,
                                                                   const EngineOptions& options);
 
@@ -81,7 +84,8 @@ class ColocatedEngine {
   // Submits every request, steps until all finish, returns the results in request order.
   absl::StatusOr<std::vector<GenerationResult>> GenerateAll(std::vector<GenerationRequest> requests);
 
-  const ModelSpec& spec() const { return weights_.spec; }
+  const ModelSpec& spec() const { return runner_->spec(); }
+  const std::string device() const { return runner_->device(); }
   const EngineStats& stats() const { return stats_; }
   int64_t kv_capacity_tokens() const { return allocator_.num_slots(); }
   int64_t kv_free_tokens() const { return allocator_.num_free(); }
@@ -94,20 +98,18 @@ class ColocatedEngine {
     int64_t prefilled = 0;           // prompt tokens processed
     GenerationResult result;
   };
-  ColocatedEngine(ModelWeightsF32 weights, const EngineOptions& options, int64_t kv_slots);
+  ColocatedEngine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options);
   int64_t ContextNeed(const GenerationRequest& r) const {
     return static_cast<int64_t>(r.prompt.size()) + r.max_tokens;
   }
-  absl::Status RunBatch(const std::vector<Live*>& batch, const std::vector<int64_t>& chunk,
-                        std::vector<Live*>* sampled, std::vector<float>* logits);
+  // Places the step's tokens in KV slots and describes them for the runner; `sampled` gets the
+  // requests whose last row produces a token this step, in sample-row order.
+  absl::Status PlanBatch(const std::vector<Live*>& batch, const std::vector<int64_t>& chunk, StepBatch* plan,
+                         std::vector<Live*>* sampled);
 
-  ModelWeightsF32 weights_;
+  std::unique_ptr<ModelRunner> runner_;
   EngineOptions options_;
-  CpuLayerExecutor executor_;
   KvSlotAllocator allocator_;
-  // Per layer (slots, kv_dim). Left uninitialised: a slot is written before it is read, and
-  // untouched pages of a large pool cost no memory or start-up time.
-  std::vector<std::unique_ptr<float[]>> k_cache_, v_cache_;
   int64_t reserved_ = 0;  // slots promised to running requests but not yet allocated
   int64_t next_id_ = 0;
   std::deque<Live> waiting_;

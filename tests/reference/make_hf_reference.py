@@ -22,23 +22,24 @@ MAJOR = int(transformers.__version__.split(".")[0])
 MODELS = {
     # Llama-3 style: GQA, llama3 RoPE scaling, tied embeddings. original_max_position is small so
     # that all three frequency bands of the llama3 rule (kept, scaled, smoothed) occur.
+    # head_dim 64 is given explicitly (q_dim 256 != hidden 128), as the CUDA kernels take 64 or 128.
     "llama3-gqa-tied": dict(
         vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
         rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=[2, 3],
         rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 64}),
-    # Llama-2 style: MHA, default RoPE, untied LM head.
+    # Llama-2 style: MHA, default RoPE, untied LM head; head_dim derived (256 / 4 = 64).
     "llama2-mha": dict(
-        vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=3,
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
         rope={"rope_type": "default", "rope_theta": 10000.0}),
     # MQA with an explicit head_dim that is not hidden_size / heads (as in some Mistral shapes).
     "mqa-headdim": dict(
         vocab_size=512, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=64, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=128, max_position_embeddings=256,
         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
         rope={"rope_type": "default", "rope_theta": 100000.0}),
 }
