@@ -1,1 +1,573 @@
-int main() { return 0; }  // placeholder: being written
+// Decode attention bandwidth: KV bytes read per second by cuda::DecodeAttention over a shuffled
+// (gathered) token-granular KV pool, as a fraction of the device read bandwidth measured here by
+// a plain vectorised sum over a 2+ GB buffer. Not a test: prints a table (and JSON with --json).
+//
+//   decode_attention_bench [--quick] [--iters N] [--json PATH]
+//
+// Per configuration: fresh random bf16 K/V/q (never zeros), a random slot table; several slot
+// tables over disjoint slots when the KV is small, so that consecutive launches never find their
+// KV in L2; L2 flushed before timing. Timed launches are captured in one CUDA graph (no launch
+// gaps between them), each between its own pair of events; the median is reported. Time covers
+// the whole DecodeAttention call (split kernel and, with splits, the merge).
+// Rows: kind batch ctx splits time_us GB/s %peak.
+//
+// The helper kernels (fill, read-sum) are PTX loaded at run time through cudaLibraryLoadData,
+// because this target is compiled as host C++. Source (nvcc -arch=compute_90 -O3 -ptx):
+//
+//   extern "C" __global__ void __launch_bounds__(256) bench_read_sum(const uint4* __restrict__ p,
+//       unsigned long long n, unsigned int* __restrict__ out) {
+//     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+//     unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+//     unsigned int acc = 0;
+//     for (; i + 3 * stride < n; i += 4 * stride) {   // four 16-byte loads in flight
+//       const uint4 a = __ldg(p + i), b = __ldg(p + i + stride), c = __ldg(p + i + 2 * stride),
+//                   d = __ldg(p + i + 3 * stride);
+//       acc += (a.x + a.y + a.z + a.w) + (b.x + b.y + b.z + b.w) + (c.x + c.y + c.z + c.w) +
+//              (d.x + d.y + d.z + d.w);
+//     }
+//     for (; i < n; i += stride) { const uint4 a = __ldg(p + i); acc += a.x + a.y + a.z + a.w; }
+//     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+//     if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
+//   }
+//   // bf16 values ±[2^-7, 1): random sign, exponent and mantissa; never zero, inf or NaN.
+//   extern "C" __global__ void __launch_bounds__(256) bench_fill_bf16(unsigned short* __restrict__ p,
+//       unsigned long long n, unsigned long long seed) {
+//     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+//     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+//          i += stride) {
+//       unsigned long long z = i + seed * 0x9E3779B97F4A7C15ull;          // splitmix64
+//       z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+//       z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+//       z ^= z >> 31;
+//       const unsigned int sign = (unsigned int)(z & 1) << 15;
+//       const unsigned int exponent = 120u + (unsigned int)((z >> 1) % 7);
+//       const unsigned int mantissa = (unsigned int)(z >> 8) & 0x7f;
+//       p[i] = (unsigned short)(sign | (exponent << 7) | mantissa);
+//     }
+//   }
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/ops.h"
+
+namespace {
+
+namespace kc = ::tandem::kernels::cuda;
+
+constexpr const char* kHelperPtx = R"PTX(
+.version 9.0
+.target sm_90
+.address_size 64
+.visible .entry bench_read_sum(
+	.param .u64 bench_read_sum_param_0,
+	.param .u64 bench_read_sum_param_1,
+	.param .u64 bench_read_sum_param_2
+)
+.maxntid 256, 1, 1
+{
+	.reg .pred 	%p<11>;
+	.reg .b32 	%r<76>;
+	.reg .b64 	%rd<36>;
+	ld.param.u64 	%rd14, [bench_read_sum_param_0];
+	ld.param.u64 	%rd15, [bench_read_sum_param_1];
+	ld.param.u64 	%rd16, [bench_read_sum_param_2];
+	mov.u32 	%r9, %nctaid.x;
+	cvt.u64.u32 	%rd1, %r9;
+	mov.u32 	%r10, %ntid.x;
+	mul.wide.u32 	%rd2, %r9, %r10;
+	mov.u32 	%r11, %ctaid.x;
+	mul.wide.u32 	%rd17, %r11, %r10;
+	mov.u32 	%r12, %tid.x;
+	cvt.u64.u32 	%rd18, %r12;
+	add.s64 	%rd34, %rd17, %rd18;
+	mul.lo.s64 	%rd4, %rd2, 3;
+	add.s64 	%rd19, %rd34, %rd4;
+	setp.ge.u64 	%p1, %rd19, %rd15;
+	mov.u32 	%r75, 0;
+	@%p1 bra 	$L__BB0_3;
+	shl.b64 	%rd20, %rd34, 4;
+	add.s64 	%rd33, %rd14, %rd20;
+	cvt.u64.u32 	%rd21, %r10;
+	mul.lo.s64 	%rd22, %rd1, %rd21;
+	shl.b64 	%rd6, %rd22, 4;
+	mov.u32 	%r75, 0;
+$L__BB0_2:
+	ld.global.nc.v4.u32 {%r15,%r16,%r17,%r18}, [%rd33];
+	add.s64 	%rd24, %rd33, %rd6;
+	ld.global.nc.v4.u32 {%r19,%r20,%r21,%r22}, [%rd24];
+	add.s64 	%rd25, %rd24, %rd6;
+	ld.global.nc.v4.u32 {%r23,%r24,%r25,%r26}, [%rd25];
+	add.s64 	%rd26, %rd25, %rd6;
+	add.s64 	%rd33, %rd26, %rd6;
+	ld.global.nc.v4.u32 {%r27,%r28,%r29,%r30}, [%rd26];
+	add.s32 	%r31, %r16, %r75;
+	add.s32 	%r32, %r31, %r15;
+	add.s32 	%r33, %r32, %r17;
+	add.s32 	%r34, %r33, %r18;
+	add.s32 	%r35, %r34, %r20;
+	add.s32 	%r36, %r35, %r19;
+	add.s32 	%r37, %r36, %r21;
+	add.s32 	%r38, %r37, %r22;
+	add.s32 	%r39, %r38, %r24;
+	add.s32 	%r40, %r39, %r23;
+	add.s32 	%r41, %r40, %r25;
+	add.s32 	%r42, %r41, %r26;
+	add.s32 	%r43, %r42, %r28;
+	add.s32 	%r44, %r43, %r27;
+	add.s32 	%r45, %r44, %r29;
+	add.s32 	%r75, %r45, %r30;
+	add.s64 	%rd27, %rd34, %rd2;
+	add.s64 	%rd34, %rd4, %rd27;
+	add.s64 	%rd28, %rd34, %rd4;
+	setp.lt.u64 	%p2, %rd28, %rd15;
+	@%p2 bra 	$L__BB0_2;
+$L__BB0_3:
+	setp.ge.u64 	%p3, %rd34, %rd15;
+	@%p3 bra 	$L__BB0_5;
+$L__BB0_4:
+	shl.b64 	%rd30, %rd34, 4;
+	add.s64 	%rd29, %rd14, %rd30;
+	ld.global.nc.v4.u32 {%r46,%r47,%r48,%r49}, [%rd29];
+	add.s32 	%r50, %r47, %r75;
+	add.s32 	%r51, %r50, %r46;
+	add.s32 	%r52, %r51, %r48;
+	add.s32 	%r75, %r52, %r49;
+	add.s64 	%rd34, %rd34, %rd2;
+	setp.lt.u64 	%p4, %rd34, %rd15;
+	@%p4 bra 	$L__BB0_4;
+$L__BB0_5:
+	mov.u32 	%r53, 31;
+	mov.u32 	%r54, 16;
+	mov.u32 	%r55, -1;
+	shfl.sync.bfly.b32 	%r56|%p5, %r75, %r54, %r53, %r55;
+	add.s32 	%r57, %r56, %r75;
+	mov.u32 	%r58, 8;
+	shfl.sync.bfly.b32 	%r59|%p6, %r57, %r58, %r53, %r55;
+	add.s32 	%r60, %r59, %r57;
+	mov.u32 	%r61, 4;
+	shfl.sync.bfly.b32 	%r62|%p7, %r60, %r61, %r53, %r55;
+	add.s32 	%r63, %r62, %r60;
+	mov.u32 	%r64, 2;
+	shfl.sync.bfly.b32 	%r65|%p8, %r63, %r64, %r53, %r55;
+	add.s32 	%r66, %r65, %r63;
+	mov.u32 	%r67, 1;
+	shfl.sync.bfly.b32 	%r68|%p9, %r66, %r67, %r53, %r55;
+	add.s32 	%r7, %r68, %r66;
+	and.b32  	%r70, %r12, 31;
+	setp.ne.s32 	%p10, %r70, 0;
+	@%p10 bra 	$L__BB0_7;
+	cvta.to.global.u64 	%rd31, %rd16;
+	atom.global.add.u32 	%r71, [%rd31], %r7;
+$L__BB0_7:
+	ret;
+}
+.visible .entry bench_fill_bf16(
+	.param .u64 bench_fill_bf16_param_0,
+	.param .u64 bench_fill_bf16_param_1,
+	.param .u64 bench_fill_bf16_param_2
+)
+.maxntid 256, 1, 1
+{
+	.reg .pred 	%p<3>;
+	.reg .b32 	%r<13>;
+	.reg .b64 	%rd<34>;
+	ld.param.u64 	%rd7, [bench_fill_bf16_param_0];
+	ld.param.u64 	%rd8, [bench_fill_bf16_param_1];
+	ld.param.u64 	%rd9, [bench_fill_bf16_param_2];
+	mov.u32 	%r1, %ntid.x;
+	cvt.u64.u32 	%rd1, %r1;
+	mov.u32 	%r2, %ctaid.x;
+	mul.wide.u32 	%rd10, %r2, %r1;
+	mov.u32 	%r3, %tid.x;
+	cvt.u64.u32 	%rd11, %r3;
+	add.s64 	%rd33, %rd10, %rd11;
+	setp.ge.u64 	%p1, %rd33, %rd8;
+	@%p1 bra 	$L__BB1_3;
+	mul.lo.s64 	%rd3, %rd9, -7046029254386353131;
+	mov.u32 	%r4, %nctaid.x;
+	cvt.u64.u32 	%rd12, %r4;
+	mul.lo.s64 	%rd4, %rd12, %rd1;
+	cvta.to.global.u64 	%rd30, %rd7;
+$L__BB1_2:
+	add.s64 	%rd13, %rd33, %rd3;
+	shr.u64 	%rd14, %rd13, 30;
+	xor.b64  	%rd15, %rd14, %rd13;
+	mul.lo.s64 	%rd16, %rd15, -4658895280553007687;
+	shr.u64 	%rd17, %rd16, 27;
+	xor.b64  	%rd18, %rd17, %rd16;
+	mul.lo.s64 	%rd19, %rd18, -7723592293110705685;
+	shr.u64 	%rd20, %rd19, 31;
+	xor.b64  	%rd21, %rd20, %rd19;
+	cvt.u32.u64 	%r5, %rd21;
+	shr.u64 	%rd22, %rd21, 1;
+	mul.hi.u64 	%rd23, %rd22, 2635249153387078803;
+	sub.s64 	%rd24, %rd22, %rd23;
+	shr.u64 	%rd25, %rd24, 1;
+	add.s64 	%rd26, %rd25, %rd23;
+	shr.u64 	%rd27, %rd26, 2;
+	mul.lo.s64 	%rd28, %rd27, 7;
+	sub.s64 	%rd29, %rd22, %rd28;
+	cvt.u32.u64 	%r6, %rd29;
+	shr.u32 	%r7, %r5, 8;
+	and.b32  	%r8, %r7, 127;
+	shl.b32 	%r9, %r6, 7;
+	bfi.b32 	%r10, %r5, %r8, 15, 17;
+	or.b32  	%r11, %r10, %r9;
+	or.b32  	%r12, %r11, 15360;
+	shl.b64 	%rd31, %rd33, 1;
+	add.s64 	%rd32, %rd30, %rd31;
+	st.global.u16 	[%rd32], %r12;
+	add.s64 	%rd33, %rd33, %rd4;
+	setp.lt.u64 	%p2, %rd33, %rd8;
+	@%p2 bra 	$L__BB1_2;
+$L__BB1_3:
+	ret;
+}
+)PTX";
+
+#define BENCH_CUDA(expr)                                                          \
+  do {                                                                            \
+    const cudaError_t bench_err_ = (expr);                                        \
+    if (bench_err_ != cudaSuccess) {                                              \
+      std::fprintf(stderr, "%s failed at %s:%d: %s\n", #expr, __FILE__, __LINE__, \
+                   cudaGetErrorString(bench_err_));                               \
+      std::exit(1);                                                               \
+    }                                                                             \
+  } while (0)
+
+struct Helpers {
+  cudaKernel_t read_sum = nullptr;
+  cudaKernel_t fill_bf16 = nullptr;
+};
+
+Helpers LoadHelpers() {
+  cudaLibrary_t lib = nullptr;
+  BENCH_CUDA(cudaLibraryLoadData(&lib, kHelperPtx, nullptr, nullptr, 0, nullptr, nullptr, 0));
+  Helpers h;
+  BENCH_CUDA(cudaLibraryGetKernel(&h.read_sum, lib, "bench_read_sum"));
+  BENCH_CUDA(cudaLibraryGetKernel(&h.fill_bf16, lib, "bench_fill_bf16"));
+  return h;  // the library stays loaded for the life of the process
+}
+
+int g_sms = 0;
+
+void FillBf16(const Helpers& h, void* p, uint64_t n, uint64_t seed, cudaStream_t s) {
+  unsigned long long n_arg = n, seed_arg = seed;
+  void* args[] = {&p, &n_arg, &seed_arg};
+  BENCH_CUDA(
+      cudaLaunchKernel(reinterpret_cast<const void*>(h.fill_bf16), dim3(g_sms * 8), dim3(256), args, 0, s));
+}
+
+void ReadSum(const Helpers& h, const void* p, uint64_t n16, unsigned int* out, cudaStream_t s) {
+  unsigned long long n_arg = n16;
+  void* args[] = {&p, &n_arg, &out};
+  BENCH_CUDA(
+      cudaLaunchKernel(reinterpret_cast<const void*>(h.read_sum), dim3(g_sms * 8), dim3(256), args, 0, s));
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Device read bandwidth (bytes/s): median over `iters` sums of a `bytes` buffer.
+double MeasureReadBandwidth(const Helpers& h, size_t bytes, int iters, cudaStream_t s) {
+  void* buf = nullptr;
+  unsigned int* out = nullptr;
+  BENCH_CUDA(cudaMalloc(&buf, bytes));
+  BENCH_CUDA(cudaMalloc(&out, sizeof(unsigned int)));
+  FillBf16(h, buf, bytes / 2, 12345, s);
+  cudaEvent_t a, b;
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  std::vector<double> times;
+  for (int i = 0; i < iters + 3; ++i) {
+    BENCH_CUDA(cudaEventRecord(a, s));
+    ReadSum(h, buf, bytes / 16, out, s);
+    BENCH_CUDA(cudaEventRecord(b, s));
+    BENCH_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
+    if (i >= 3) times.push_back(ms * 1e-3);
+  }
+  BENCH_CUDA(cudaEventDestroy(a));
+  BENCH_CUDA(cudaEventDestroy(b));
+  BENCH_CUDA(cudaFree(buf));
+  BENCH_CUDA(cudaFree(out));
+  return static_cast<double>(bytes) / Median(times);
+}
+
+struct Row {
+  std::string kind;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0, batch = 0, ctx = 0;
+  int splits = 0;
+  double time_us = 0, gbps = 0, pct = 0;
+  bool finite = true;
+};
+
+struct Kind {
+  const char* name;
+  int64_t heads, kv_heads, head_dim;
+};
+
+struct Options {
+  bool quick = false;
+  int iters = 30;
+  std::string json;
+};
+
+Options ParseArgs(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--quick") {
+      o.quick = true;
+    } else if (a == "--iters" && i + 1 < argc) {
+      o.iters = std::max(5, std::atoi(argv[++i]));
+    } else if (a == "--json" && i + 1 < argc) {
+      o.json = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: %s [--quick] [--iters N] [--json PATH]\n", argv[0]);
+      std::exit(a == "--help" || a == "-h" ? 0 : 2);
+    }
+  }
+  return o;
+}
+
+// Runs one configuration; returns false (and prints why) if it cannot run.
+bool RunConfig(const Helpers& h, const Kind& kind, int64_t batch, int64_t ctx, int iters, size_t l2_bytes,
+               size_t flush_bytes, void* flush_buf, uint64_t seed, cudaStream_t s, Row* row) {
+  const int64_t H = kind.heads, KVH = kind.kv_heads, D = kind.head_dim;
+  const int64_t tokens = batch * ctx;
+  const int64_t token_bytes = KVH * D * 2;  // one of K or V
+  const double kv_bytes = 2.0 * static_cast<double>(tokens) * token_bytes;
+  constexpr int kWarmup = 3;
+  // Enough slot tables over disjoint slots that the KV of the timed launches spans 3× L2.
+  const int64_t rot =
+      std::clamp<int64_t>(static_cast<int64_t>(3.0 * l2_bytes / kv_bytes) + 1, 1, kWarmup + iters);
+  const int64_t num_slots = rot * tokens;
+
+  void *k = nullptr, *v = nullptr, *q = nullptr, *out = nullptr, *ws = nullptr;
+  float* lse = nullptr;
+  int32_t *indptr = nullptr, *slots = nullptr;
+  BENCH_CUDA(cudaMalloc(&k, static_cast<size_t>(num_slots * token_bytes)));
+  BENCH_CUDA(cudaMalloc(&v, static_cast<size_t>(num_slots * token_bytes)));
+  BENCH_CUDA(cudaMalloc(&q, static_cast<size_t>(batch * H * D * 2)));
+  BENCH_CUDA(cudaMalloc(&out, static_cast<size_t>(batch * H * D * 2)));
+  BENCH_CUDA(cudaMalloc(&lse, static_cast<size_t>(batch * H * 4)));
+  BENCH_CUDA(cudaMalloc(&indptr, static_cast<size_t>((batch + 1) * 4)));
+  BENCH_CUDA(cudaMalloc(&slots, static_cast<size_t>(num_slots * 4)));
+  FillBf16(h, k, static_cast<uint64_t>(num_slots * token_bytes / 2), seed * 3 + 1, s);
+  FillBf16(h, v, static_cast<uint64_t>(num_slots * token_bytes / 2), seed * 3 + 2, s);
+  FillBf16(h, q, static_cast<uint64_t>(batch * H * D), seed * 3 + 3, s);
+
+  std::vector<int32_t> host_indptr(static_cast<size_t>(batch + 1));
+  for (int64_t r = 0; r <= batch; ++r) host_indptr[static_cast<size_t>(r)] = static_cast<int32_t>(r * ctx);
+  std::vector<int32_t> perm(static_cast<size_t>(num_slots));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::mt19937_64 rng(seed);
+  std::shuffle(perm.begin(), perm.end(), rng);  // table t = perm[t·tokens, (t+1)·tokens)
+  BENCH_CUDA(cudaMemcpy(indptr, host_indptr.data(), host_indptr.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(slots, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
+
+  const kc::DecodePlan plan = kc::PlanDecodeAttention(batch, H, KVH, D, ctx, g_sms);
+  if (plan.workspace_bytes > 0) BENCH_CUDA(cudaMalloc(&ws, static_cast<size_t>(plan.workspace_bytes)));
+
+  kc::AttentionParams p;
+  p.q = static_cast<const kc::bf16*>(q);
+  p.k_cache = static_cast<const kc::bf16*>(k);
+  p.v_cache = static_cast<const kc::bf16*>(v);
+  p.out = static_cast<kc::bf16*>(out);
+  p.lse = lse;
+  p.kv_indptr = indptr;
+  p.num_requests = batch;
+  p.num_slots = num_slots;
+  p.num_heads = H;
+  p.num_kv_heads = KVH;
+  p.head_dim = D;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  p.max_kv_len = ctx;
+  p.max_q_len = 1;
+  auto launch = [&](int64_t i) {
+    p.kv_slots = slots + (i % rot) * tokens;
+    const absl::Status st = kc::DecodeAttention(p, plan, ws, s);
+    if (!st.ok()) {
+      std::fprintf(stderr, "DecodeAttention: %s\n", st.ToString().c_str());
+      std::exit(1);
+    }
+  };
+
+  for (int i = 0; i < kWarmup; ++i) launch(i);
+  BENCH_CUDA(cudaStreamSynchronize(s));
+  FillBf16(h, flush_buf, flush_bytes / 2, seed, s);  // evicts the KV from L2
+
+  std::vector<cudaEvent_t> ev(static_cast<size_t>(2 * iters));
+  for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
+  // One graph of all timed launches (falls back to direct launches if capture is refused).
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  bool graphed = cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
+  if (graphed) {
+    for (int i = 0; i < iters; ++i) {
+      BENCH_CUDA(cudaEventRecord(ev[2 * i], s));
+      launch(kWarmup + i);
+      BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], s));
+    }
+    graphed = cudaStreamEndCapture(s, &graph) == cudaSuccess &&
+              cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+    if (graphed) BENCH_CUDA(cudaGraphLaunch(exec, s));
+  }
+  if (!graphed) {
+    (void)cudaGetLastError();
+    std::fprintf(stderr, "note: graph capture failed; timing direct launches\n");
+    for (int i = 0; i < iters; ++i) {
+      BENCH_CUDA(cudaEventRecord(ev[2 * i], s));
+      launch(kWarmup + i);
+      BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], s));
+    }
+  }
+  BENCH_CUDA(cudaStreamSynchronize(s));
+  std::vector<double> times;
+  for (int i = 0; i < iters; ++i) {
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    times.push_back(ms * 1e-3);
+  }
+  for (auto& e : ev) BENCH_CUDA(cudaEventDestroy(e));
+  if (exec) BENCH_CUDA(cudaGraphExecDestroy(exec));
+  if (graph) BENCH_CUDA(cudaGraphDestroy(graph));
+
+  // The output must be finite (inputs are finite): a cheap guard against timing a broken kernel.
+  std::vector<uint16_t> host_out(static_cast<size_t>(batch * H * D));
+  BENCH_CUDA(cudaMemcpy(host_out.data(), out, host_out.size() * 2, cudaMemcpyDeviceToHost));
+  row->finite =
+      std::none_of(host_out.begin(), host_out.end(), [](uint16_t b) { return (b & 0x7f80) == 0x7f80; });
+
+  const double t = Median(times);
+  row->kind = kind.name;
+  row->heads = H;
+  row->kv_heads = KVH;
+  row->head_dim = D;
+  row->batch = batch;
+  row->ctx = ctx;
+  row->splits = plan.num_splits;
+  row->time_us = t * 1e6;
+  row->gbps = kv_bytes / t * 1e-9;
+
+  for (void* ptr :
+       {k, v, q, out, static_cast<void*>(lse), static_cast<void*>(indptr), static_cast<void*>(slots), ws}) {
+    if (ptr) BENCH_CUDA(cudaFree(ptr));
+  }
+  return true;
+}
+
+std::string JsonEscape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') o += '\\';
+    if (static_cast<unsigned char>(c) >= 0x20) o += c;
+  }
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options opt = ParseArgs(argc, argv);
+  int dev = 0;
+  BENCH_CUDA(cudaSetDevice(dev));
+  cudaDeviceProp prop;
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, dev));
+  g_sms = prop.multiProcessorCount;
+  cudaStream_t s;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const Helpers h = LoadHelpers();
+
+  size_t free_b = 0, total_b = 0;
+  BENCH_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  const size_t bw_bytes = std::min<size_t>(size_t{4} << 30, free_b / 4) / 256 * 256;
+  const double read_bw = MeasureReadBandwidth(h, bw_bytes, 20, s);
+
+  const size_t l2 = static_cast<size_t>(prop.l2CacheSize);
+  const size_t flush_bytes = std::max<size_t>(4 * l2, size_t{256} << 20);
+  void* flush_buf = nullptr;
+  BENCH_CUDA(cudaMalloc(&flush_buf, flush_bytes));
+  BENCH_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  const double budget = 0.6 * static_cast<double>(free_b);
+
+  std::printf("device: %s (%d SMs, L2 %.0f MB, %.1f GB free)\n", prop.name, g_sms, l2 / 1e6, free_b / 1e9);
+  std::printf("read bandwidth (sum over %.1f GB): %.0f GB/s\n", bw_bytes / 1e9, read_bw * 1e-9);
+  std::printf("%-5s %6s %6s %6s %10s %8s %6s\n", "kind", "batch", "ctx", "splits", "time_us", "GB/s",
+              "%peak");
+
+  const Kind kinds[] = {{"mha", 32, 32, 128}, {"gqa", 32, 8, 128}};
+  std::vector<int64_t> batches = {1, 8, 64, 256, 512};
+  std::vector<int64_t> ctxs = {128, 1024, 4096, 16384, 32768};
+  if (opt.quick) {
+    batches = {1, 64, 256};
+    ctxs = {1024, 4096};
+  }
+  std::vector<Row> rows;
+  uint64_t seed = 1;
+  for (const Kind& kind : kinds) {
+    for (int64_t b : batches) {
+      for (int64_t c : ctxs) {
+        const double kv = 2.0 * b * c * kind.kv_heads * kind.head_dim * 2;
+        if (kv * 1.02 > budget) {
+          std::printf("%-5s %6lld %6lld   skipped: KV %.1f GB > 60%% of free memory\n", kind.name,
+                      static_cast<long long>(b), static_cast<long long>(c), kv / 1e9);
+          continue;
+        }
+        Row row;
+        if (!RunConfig(h, kind, b, c, opt.iters, l2, flush_bytes, flush_buf, seed++, s, &row)) continue;
+        row.pct = 100.0 * row.gbps / (read_bw * 1e-9);
+        std::printf("%-5s %6lld %6lld %6d %10.1f %8.0f %6.1f%s\n", row.kind.c_str(),
+                    static_cast<long long>(row.batch), static_cast<long long>(row.ctx), row.splits,
+                    row.time_us, row.gbps, row.pct, row.finite ? "" : "  NON-FINITE OUTPUT");
+        std::fflush(stdout);
+        rows.push_back(row);
+      }
+    }
+  }
+  BENCH_CUDA(cudaFree(flush_buf));
+
+  if (!opt.json.empty()) {
+    FILE* f = std::fopen(opt.json.c_str(), "w");
+    if (f == nullptr) {
+      std::fprintf(stderr, "cannot write %s\n", opt.json.c_str());
+      return 1;
+    }
+    std::fprintf(
+        f, "{\n  \"device\": \"%s\",\n  \"sms\": %d,\n  \"read_bandwidth_GBps\": %.1f,\n  \"iters\": %d,\n",
+        JsonEscape(prop.name).c_str(), g_sms, read_bw * 1e-9, opt.iters);
+    std::fprintf(f, "  \"rows\": [\n");
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      std::fprintf(
+          f,
+          "    {\"kind\": \"%s\", \"heads\": %lld, \"kv_heads\": %lld, \"head_dim\": %lld, \"batch\": %lld, "
+          "\"ctx\": %lld, "
+          "\"splits\": %d, \"time_us\": %.2f, \"GBps\": %.1f, \"pct_peak\": %.2f, \"finite\": %s}%s\n",
+          r.kind.c_str(), static_cast<long long>(r.heads), static_cast<long long>(r.kv_heads),
+          static_cast<long long>(r.head_dim), static_cast<long long>(r.batch), static_cast<long long>(r.ctx),
+          r.splits, r.time_us, r.gbps, r.pct, r.finite ? "true" : "false", i + 1 < rows.size() ? "," : "");
+    }
+    std::fprintf(f, "  ]\n}\n");
+    std::fclose(f);
+  }
+  for (const Row& r : rows) {
+    if (!r.finite) return 1;
+  }
+  return 0;
+}

@@ -19,7 +19,8 @@ namespace cpu = kernels::cpu;
 void AddEngineKnobs(ConfigSchema* schema) {
   const EngineOptions d;
   schema->String("runtime.device", d.device, "cpu, cuda, cuda:N, or auto (cuda:0 when a GPU is present)")
-      .Int("scheduler.max_batch_size", d.max_batch_size, "requests batched in one step", 1, 65536)
+      .Int("scheduler.max_batch_size", d.max_batch_size,
+           "requests batched in one step; 0: as many as the KV cache holds (at most max_tokens_per_step)", 0, 65536)
       .Int("scheduler.max_tokens_per_step", d.max_tokens_per_step,
            "decode tokens plus prefill-chunk tokens in one step (>= max_batch_size)", 1, 1 << 20)
       .Int("kv.capacity_tokens", d.kv_capacity_tokens,
@@ -71,8 +72,11 @@ absl::StatusOr<int> ResolveDevice(const std::string& device) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const WeightSource& source,
-                                                                          const EngineOptions& options) {
-  if (options.max_batch_size < 1) return absl::InvalidArgumentError("scheduler.max_batch_size must be >= 1");
+                                                                          const EngineOptions& requested) {
+  EngineOptions options = requested;
+  if (options.max_batch_size < 0) return absl::InvalidArgumentError("scheduler.max_batch_size must be >= 0");
+  if (options.max_tokens_per_step < 1) return absl::InvalidArgumentError("scheduler.max_tokens_per_step must be >= 1");
+  if (options.max_batch_size == 0) options.max_batch_size = options.max_tokens_per_step;  // the KV limits it
   if (options.max_tokens_per_step < options.max_batch_size) {
     return absl::InvalidArgumentError(absl::StrCat(
         "scheduler.max_tokens_per_step (", options.max_tokens_per_step,

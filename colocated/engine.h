@@ -30,7 +30,8 @@ namespace tandem {
 
 struct EngineOptions {
   std::string device = "auto";          // "cpu", "cuda", "cuda:N", or "auto" (cuda:0 if present)
-  int64_t max_batch_size = 64;          // requests in one step
+  int64_t max_batch_size = 0;           // requests in one step; 0: as many as the KV cache holds
+                                        // (at most max_tokens_per_step)
   int64_t max_tokens_per_step = 2048;   // decode tokens + prefill chunk tokens in one step
   int64_t kv_capacity_tokens = 0;       // KV slots; 0: sized from free device or host memory
   double kv_memory_fraction = 0.9;      // share of free memory (after weights) for KV when auto

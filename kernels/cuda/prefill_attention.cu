@@ -102,7 +102,7 @@ __device__ __forceinline__ void Ldsm4Trans(uint32_t addr, uint32_t (&r)[4]) {
 
 // d += a · b for one m16n8k16 tile (a: 16×16 row-major fragment, b: 16×8 "col" fragment).
 __device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -245,8 +245,8 @@ __global__ void __launch_bounds__(C::kThreads) PrefillAttentionKernel(const Kern
       if (it + 2 < n_tiles) slot_reg = load_slot(t - 2);
     }
 
-    // Warps whose rows see no key of this tile skip it (warp-uniform).
-    const bool active = n0 <= warp_last_limit;
+    // Warps whose rows see no key of this tile, or that hold only padding rows, skip it.
+    const bool active = wr0 < rows && n0 <= warp_last_limit;
     float s[MA][BN / 8][4];
     if (active) {
 #pragma unroll
@@ -360,8 +360,8 @@ __global__ void __launch_bounds__(C::kThreads) PrefillAttentionKernel(const Kern
   }
 
   // ---- epilogue: normalise, stage this warp's rows in its own (dead) Q rows, store 16 B each ----
-  CpAsyncWait<0>();  // nothing is in flight (n_tiles == 0 leaves the Q group)
-  __syncwarp();
+  CpAsyncWait<0>();  // only the Q group can be in flight here, when n_tiles == 0
+  __syncthreads();   // (Q rows are loaded by all threads; each warp now reuses its own)
   const int64_t out_row0 = static_cast<int64_t>(q_start) + m0;
 #pragma unroll
   for (int ma = 0; ma < MA; ++ma) {

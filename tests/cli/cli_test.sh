@@ -52,7 +52,7 @@ expect_fail "--bogus" "$TANDEM" generate --model tiny-mha --prompt-ids 1 --bogus
 expect_fail "excludes" "$TANDEM" generate --model tiny-mha --prompt-ids 1 --prompts-file /dev/null
 expect_fail "outside the vocabulary" "$TANDEM" generate --model tiny-mha --prompt-ids 1,999999
 expect_fail "neither" "$TANDEM" generate --model no-such-model --prompt-ids 1
-expect_fail "scheduler.max_batch_size" "$TANDEM" generate --model tiny-mha --prompt-ids 1 --set scheduler.max_batch_size=0
+expect_fail "scheduler.max_batch_size" "$TANDEM" generate --model tiny-mha --prompt-ids 1 --set scheduler.max_batch_size=-1
 
 # --- generation ----------------------------------------------------------------------------------
 expect_ok "$TANDEM" generate --model tiny-gqa --prompt-ids 5,6,7 --max-tokens 8 --json --logprobs --ignore-eos

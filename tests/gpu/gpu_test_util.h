@@ -86,14 +86,13 @@ class GuardedBuffer {
 };
 
 inline uint16_t BitsOf(__nv_bfloat16 v) {
-  uint16_t b;
-  std::memcpy(&b, &v, 2);
-  return b;
+  const __nv_bfloat16_raw r = v;
+  return r.x;
 }
 inline __nv_bfloat16 FromBits(uint16_t b) {
-  __nv_bfloat16 v;
-  std::memcpy(&v, &b, 2);
-  return v;
+  __nv_bfloat16_raw r;
+  r.x = b;
+  return __nv_bfloat16(r);
 }
 inline float ToFloat(__nv_bfloat16 v) { return Bf16ToFloat(BitsOf(v)); }
 inline __nv_bfloat16 ToBf16(float f) { return FromBits(FloatToBf16(f)); }

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Builds tandem with the CUDA backend and runs, on a GPU machine, the GPU tests and/or the
+# benchmarks, writing logs and JSON to OUTDIR and printing a short summary last.
+# Usage: bench/run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf]
+#   tests    ctest (all tests, the gpu-labelled ones included)
+#   kernels  decode and prefill attention benchmarks, torch SDPA baseline
+#   engine   colocated engine decode throughput (llama3-8b, llama-13b presets)
+#   hf       Hugging Face transformers generate baseline for the same shapes
+set -uo pipefail
+out=${1:?usage: run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf]}
+shift
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+BUILD=${BUILD_DIR:-/tmp/tandem-build}
+if [ -f .device/sysroot.sh ]; then eval "$(bash .device/sysroot.sh)"; fi
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 -DTANDEM_WERROR=ON \
+  >"$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
+cmake --build "$BUILD" -j "$(nproc)" >"$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
+for what in "$@"; do
+  case "$what" in
+    tests)
+      ctest --test-dir "$BUILD" --output-on-failure -j 4 >"$out/ctest.log" 2>&1
+      grep -E "tests passed|Failed|\*\*\*|Not Run|Skipped" "$out/ctest.log" | tail -20
+      "$BUILD/tests/hf_reference_test" 2>&1 | grep -E "compared|FAILED" ;;
+    kernels)
+      "$BUILD/bench/decode_attention_bench" --json "$out/decode_attention.json" 2>&1 | tee "$out/decode_attention.txt" | tail -60
+      python3 bench/sdpa_baseline.py --json "$out/sdpa.json" 2>&1 | tee "$out/sdpa.txt" | tail -60
+      "$BUILD/bench/prefill_attention_bench" --json "$out/prefill_attention.json" 2>&1 | tee "$out/prefill.txt" | tail -20 ;;
+    engine)
+      for m in llama3-8b llama-13b; do
+        "$BUILD/bench/engine_decode_bench" --model "$m" --json "$out/engine_$m.json" 2>&1 | tee "$out/engine_$m.txt"
+      done ;;
+    hf)
+      for m in llama3-8b llama-13b; do
+        python3 bench/hf_generate_bench.py --model "$m" --batches 1,8,32,64,128 --contexts 1024,4096 \
+          --json "$out/hf_$m.json" 2>&1 | grep -v Warning | tee "$out/hf_$m.txt"
+      done ;;
+    *) echo "unknown part: $what"; exit 2 ;;
+  esac
+done
