@@ -193,7 +193,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int64_t max_b = *std::max_element(batches.begin(), batches.end());
-  const int64_t max_c = *std::max_element(contexts.begin(), contexts.end());
   tandem::EngineOptions opt;
   opt.device = "cuda";
   opt.max_batch_size = max_b;

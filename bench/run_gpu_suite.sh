@@ -13,7 +13,8 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 BUILD=${BUILD_DIR:-/tmp/tandem-build}
 if [ -f .device/sysroot.sh ]; then eval "$(bash .device/sysroot.sh)"; fi
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 -DTANDEM_WERROR=ON \
+# Warnings are errors in CI (g++ 12); the GPU machines' newer compilers add false positives.
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 -DTANDEM_WERROR=OFF \
   >"$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
 cmake --build "$BUILD" -j "$(nproc)" >"$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"

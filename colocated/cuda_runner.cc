@@ -80,6 +80,9 @@ class CudaRunner : public ModelRunner {
 
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const WeightSource& source, const RunnerOptions& o,
                                                              int device) {
+    if (const std::string why = CudaRunnerUnsupported(source.spec()); !why.empty()) {
+      return absl::UnimplementedError(absl::StrCat("runtime.device cuda: ", why));
+    }
     std::unique_ptr<CudaRunner> r(new CudaRunner());
     ASSIGN_OR_RETURN(const int count, kernels::CudaDeviceCount());
     if (device >= count) {
@@ -293,6 +296,13 @@ class CudaRunner : public ModelRunner {
 };
 
 }  // namespace
+
+std::string CudaRunnerUnsupported(const ModelSpec& spec) {
+  if (spec.head_dim != 64 && spec.head_dim != 128) {
+    return absl::StrCat("head_dim ", spec.head_dim, " is not supported by the CUDA attention kernels (64 or 128)");
+  }
+  return "";
+}
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(const WeightSource& source, const RunnerOptions& options,
                                                               int device) {

@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "kernels/cuda/device.h"
 
@@ -54,12 +55,19 @@ absl::Status ValidateSampling(const cpu::SamplingParams& s) {
   return absl::OkStatus();
 }
 
-// "cpu" -> -1; "cuda" -> 0; "cuda:N" -> N; "auto" -> 0 if a CUDA device is present, else -1.
-absl::StatusOr<int> ResolveDevice(const std::string& device) {
+// "cpu" -> -1; "cuda" -> 0; "cuda:N" -> N; "auto" -> 0 if a CUDA device is present and the CUDA
+// runner supports the model, else -1.
+absl::StatusOr<int> ResolveDevice(const std::string& device, const ModelSpec& spec) {
   if (device == "cpu") return -1;
   if (device == "auto") {
     absl::StatusOr<int> n = kernels::CudaDeviceCount();
-    return n.ok() && *n > 0 ? 0 : -1;
+    if (!n.ok() || *n == 0) return -1;
+    const std::string why = CudaRunnerUnsupported(spec);
+    if (!why.empty()) {
+      TANDEM_LOG_WARN("engine", "running on the CPU although a GPU is present: ", why);
+      return -1;
+    }
+    return 0;
   }
   int index = 0;
   if (device == "cuda" || (device.rfind("cuda:", 0) == 0 && absl::SimpleAtoi(device.substr(5), &index) && index >= 0)) {
@@ -83,7 +91,7 @@ absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const W
         ") must be at least scheduler.max_batch_size (", options.max_batch_size,
         "): every decoding request needs one token per step"));
   }
-  ASSIGN_OR_RETURN(const int device, ResolveDevice(options.device));
+  ASSIGN_OR_RETURN(const int device, ResolveDevice(options.device, source.spec()));
   const RunnerOptions ro{.max_batch_size = options.max_batch_size,
                          .max_tokens_per_step = options.max_tokens_per_step,
                          .kv_capacity_tokens = options.kv_capacity_tokens,

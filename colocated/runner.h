@@ -62,8 +62,10 @@ class ModelRunner {
 // fp32 weights and KV in host memory (the reference).
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCpuRunner(const WeightSource& source,
                                                              const RunnerOptions& options);
+// Empty if the CUDA runner can run models of `spec`, else why not (e.g. an unsupported head_dim).
+std::string CudaRunnerUnsupported(const ModelSpec& spec);
 // bf16 weights and KV on CUDA device `device`; Unavailable when the CUDA backend is not built
-// or the device is absent.
+// or the device is absent, Unimplemented for a model it cannot run (CudaRunnerUnsupported).
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(const WeightSource& source,
                                                               const RunnerOptions& options, int device);
 

@@ -58,12 +58,12 @@ absl::Status Invalid(absl::string_view what) {
 
 // ---- cpu::CounterUniform, bit for bit --------------------------------------------------------
 
-__device__ __forceinline__ uint64_t Mix64(uint64_t z) {
+__host__ __device__ __forceinline__ uint64_t Mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
-__device__ __forceinline__ float CounterUniform(uint64_t seed, uint64_t counter) {
+__host__ __device__ __forceinline__ float CounterUniform(uint64_t seed, uint64_t counter) {
   const uint64_t z = Mix64(Mix64(seed + 0x9E3779B97F4A7C15ull) ^ (counter * 0xD1B54A32D192ED03ull));
   return static_cast<float>(z >> 40) * 0x1.0p-24f;
 }
@@ -551,6 +551,7 @@ __global__ void __launch_bounds__(kThreads, 2) SampleKernel(SampleParams p) {
 
 }  // namespace
 
+// Everything lives in shared memory and registers: no workspace (SampleTokens accepts nullptr).
 int64_t SampleWorkspaceBytes(int64_t rows, int64_t vocab) { return 0; }
 
 absl::Status SampleTokens(const SampleParams& p, void* workspace, cudaStream_t stream) {

@@ -1,7 +1,8 @@
 // cuda::DecodeAttention against cpu::Attention (fp32) on the exact fp32 values of random bf16
 // inputs, through shuffled slot tables whose unused slots hold NaN (a wrong gather shows up as
-// NaN). Every run checks guard regions around out, lse and the workspace, repeats the launch and
-// requires bit-identical results.
+// NaN). Every run checks guard regions around out, lse and the workspace, repeats the launch (3
+// times) and requires bit-identical results; a difference is reported with the shape and the
+// first differing element.
 //
 // Tolerances (reasons):
 //   out: |gpu - ref| <= 2^-7 · |ref| + 1e-4 · max|v|. The output is rounded to bf16 (unit
@@ -17,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -210,9 +212,48 @@ DecodePlan ForcedPlan(const Problem& pb, int splits) {
   return plan;
 }
 
+std::string Describe(const Problem& pb, const DecodePlan& plan) {
+  std::string lens;
+  for (size_t i = 0; i < pb.lens.size() && i < 6; ++i) lens += std::to_string(pb.lens[i]) + " ";
+  if (pb.lens.size() > 6) lens += "...";
+  return "H=" + std::to_string(pb.H) + " KVH=" + std::to_string(pb.KVH) + " D=" + std::to_string(pb.D) +
+         " R=" + std::to_string(pb.R) + " lens=[" + lens + "] splits=" + std::to_string(plan.num_splits);
+}
+
+// Empty when a == b bit for bit; else how many elements of the (rows, heads, cols) arrays differ
+// and where the first one is, e.g. "3 of 4096 elements differ, first at [row 2, head 1, d 17]:
+// bits 0x3f80 vs 0x3f81".
+template <typename T>
+std::string BitDiff(const std::vector<T>& a, const std::vector<T>& b, int64_t heads, int64_t cols) {
+  if (a.size() != b.size())
+    return "sizes differ: " + std::to_string(a.size()) + " vs " + std::to_string(b.size());
+  int64_t count = 0, first = -1;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) {
+      if (first < 0) first = static_cast<int64_t>(i);
+      ++count;
+    }
+  }
+  if (count == 0) return "";
+  uint32_t ba = 0, bb = 0;
+  std::memcpy(&ba, &a[static_cast<size_t>(first)], sizeof(T));
+  std::memcpy(&bb, &b[static_cast<size_t>(first)], sizeof(T));
+  char bits[64];
+  std::snprintf(bits, sizeof(bits), "bits 0x%x vs 0x%x", static_cast<unsigned>(ba),
+                static_cast<unsigned>(bb));
+  std::string at =
+      "row " + std::to_string(first / (heads * cols)) + ", head " + std::to_string(first / cols % heads);
+  if (cols > 1) at += ", d " + std::to_string(first % cols);
+  return std::to_string(count) + " of " + std::to_string(a.size()) + " elements differ, first at [" + at +
+         "]: " + bits;
+}
+
 // Uploads the problem, runs DecodeAttention `repeats` times (in a CUDA graph when `graph`), and
-// returns the last result; fails the test if two runs differ in any bit.
-GpuResult RunOnGpu(const Problem& pb, const DecodePlan& plan, int repeats = 2, bool graph = false) {
+// returns the last result; fails the test (naming the shape) if any run differs from the first in
+// any bit.
+GpuResult RunOnGpu(const Problem& pb, const DecodePlan& plan, int repeats = 3, bool graph = false) {
+  const std::string shape = Describe(pb, plan) + (graph ? " (graph)" : "");
+  SCOPED_TRACE(shape);
   GpuResult res;
   GuardedBuffer<bf16> q(pb.rows * pb.H * pb.D), k(static_cast<int64_t>(pb.k.size())),
       v(static_cast<int64_t>(pb.v.size()));
@@ -227,6 +268,11 @@ GpuResult RunOnGpu(const Problem& pb, const DecodePlan& plan, int repeats = 2, b
   q_indptr.Upload(pb.q_indptr);
   kv_indptr.Upload(pb.kv_indptr);
   kv_slots.Upload(pb.kv_slots);
+  // The uploads (cudaMemcpy from pageable memory) and the sentinel fills (cudaMemset) run on the
+  // legacy default stream; a pageable cudaMemcpy may return before its DMA has landed, and the
+  // non-blocking stream below does not wait for the legacy stream. Without this the first launch
+  // can read the tail of the last upload (kv_slots) still holding the sentinel.
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   AttentionParams p;
   p.q = q.get();
@@ -276,23 +322,17 @@ GpuResult RunOnGpu(const Problem& pb, const DecodePlan& plan, int repeats = 2, b
       first_out = res.out;
       first_lse = res.lse;
     } else {
-      EXPECT_EQ(std::memcmp(first_out.data(), res.out.data(), res.out.size() * sizeof(bf16)), 0)
-          << "out differs between identical runs (repeat " << rep << ")";
-      EXPECT_EQ(std::memcmp(first_lse.data(), res.lse.data(), res.lse.size() * sizeof(float)), 0)
-          << "lse differs between identical runs (repeat " << rep << ")";
+      const std::string out_diff = BitDiff(first_out, res.out, pb.H, pb.D);
+      const std::string lse_diff = BitDiff(first_lse, res.lse, pb.H, 1);
+      EXPECT_TRUE(out_diff.empty()) << shape << ": out differs between identical runs (repeat " << rep
+                                    << " vs 0): " << out_diff;
+      EXPECT_TRUE(lse_diff.empty()) << shape << ": lse differs between identical runs (repeat " << rep
+                                    << " vs 0): " << lse_diff;
     }
   }
   cudaStreamDestroy(stream);
   res.guards_ok = out.GuardsIntact() && lse.GuardsIntact() && workspace.GuardsIntact();
   return res;
-}
-
-std::string Describe(const Problem& pb, const DecodePlan& plan) {
-  std::string lens;
-  for (size_t i = 0; i < pb.lens.size() && i < 6; ++i) lens += std::to_string(pb.lens[i]) + " ";
-  if (pb.lens.size() > 6) lens += "...";
-  return "H=" + std::to_string(pb.H) + " KVH=" + std::to_string(pb.KVH) + " D=" + std::to_string(pb.D) +
-         " R=" + std::to_string(pb.R) + " lens=[" + lens + "] splits=" + std::to_string(plan.num_splits);
 }
 
 void ExpectMatches(const Problem& pb, const Reference& ref, const GpuResult& got, const std::string& what) {
@@ -560,12 +600,16 @@ TEST(CudaDecodeAttention, CapturesInCudaGraph) {
   const Reference ref = CpuReference(pb);
   const DecodePlan plan = PlanFor(pb);
   ASSERT_GT(plan.num_splits, 1);
-  const GpuResult direct = RunOnGpu(pb, plan, 1, /*graph=*/false);
-  const GpuResult graphed = RunOnGpu(pb, plan, 2, /*graph=*/true);
+  const GpuResult direct = RunOnGpu(pb, plan, 3, /*graph=*/false);
+  const GpuResult graphed = RunOnGpu(pb, plan, 3, /*graph=*/true);
   ExpectMatches(pb, ref, graphed, "graph " + Describe(pb, plan));
   ASSERT_EQ(direct.out.size(), graphed.out.size());
-  EXPECT_EQ(std::memcmp(direct.out.data(), graphed.out.data(), direct.out.size() * sizeof(bf16)), 0);
-  EXPECT_EQ(std::memcmp(direct.lse.data(), graphed.lse.data(), direct.lse.size() * sizeof(float)), 0);
+  const std::string out_diff = BitDiff(direct.out, graphed.out, pb.H, pb.D);
+  const std::string lse_diff = BitDiff(direct.lse, graphed.lse, pb.H, 1);
+  EXPECT_TRUE(out_diff.empty()) << Describe(pb, plan)
+                                << ": out differs between direct and graph launch: " << out_diff;
+  EXPECT_TRUE(lse_diff.empty()) << Describe(pb, plan)
+                                << ": lse differs between direct and graph launch: " << lse_diff;
 }
 
 }  // namespace

@@ -23,6 +23,7 @@ std::unique_ptr<WeightSource> Tiny(const std::string& preset, std::vector<int32_
 std::unique_ptr<ColocatedEngine> MakeEngine(const WeightSource& w, int64_t batch, int64_t step_tokens,
                                             int64_t kv = 4096) {
   EngineOptions o;
+  o.device = "cpu";  // the CPU reference engine; tests/reference covers the CUDA one
   o.max_batch_size = batch;
   o.max_tokens_per_step = step_tokens;
   o.kv_capacity_tokens = kv;
@@ -251,6 +252,7 @@ TEST(Engine, BadRequestsAreRefusedWithTheReason) {
 TEST(Engine, OptionsAreChecked) {
   auto w = Tiny("tiny-mha");
   EngineOptions o;
+  o.device = "cpu";
   o.max_batch_size = 16;
   o.max_tokens_per_step = 8;
   auto e = ColocatedEngine::Create(*w, o);
