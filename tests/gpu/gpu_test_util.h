@@ -52,6 +52,8 @@ class GuardedBuffer {
     const size_t bytes = static_cast<size_t>(n_ + 2 * kGuard) * sizeof(T);
     if (cudaMalloc(&base_, bytes) != cudaSuccess) base_ = nullptr;
     if (base_) cudaMemset(base_, kSentinel, bytes);
+    // The legacy-stream memset must be complete before kernels on non-blocking streams run.
+    cudaDeviceSynchronize();
   }
   ~GuardedBuffer() {
     if (base_) cudaFree(base_);
@@ -61,8 +63,11 @@ class GuardedBuffer {
 
   T* get() { return static_cast<T*>(base_) + kGuard; }
   int64_t size() const { return n_; }
+  // A pageable cudaMemcpy may return before the data reaches the device, and kernels on
+  // non-blocking streams do not wait for the legacy stream: synchronise before returning.
   void Upload(const std::vector<T>& host) {
     cudaMemcpy(get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
+    cudaDeviceSynchronize();
   }
   std::vector<T> Download() {
     std::vector<T> host(static_cast<size_t>(n_));
