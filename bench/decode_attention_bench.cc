@@ -6,8 +6,8 @@
 //
 // Per configuration: fresh random bf16 K/V/q (never zeros), a random slot table; several slot
 // tables over disjoint slots when the KV is small, so that consecutive launches never find their
-// KV in L2; L2 flushed before timing. Timed launches are captured in one CUDA graph (no launch
-// gaps between them), each between its own pair of events; the median is reported. Time covers
+// KV in L2; L2 flushed before timing. Timed launches are queued back to back, each between its
+// own pair of events; the median is reported. Time covers
 // the whole DecodeAttention call (split kernel and, with splits, the merge).
 // Rows: kind batch ctx splits time_us GB/s %peak.
 //
@@ -414,28 +414,12 @@ bool RunConfig(const Helpers& h, const Kind& kind, int64_t batch, int64_t ctx, i
 
   std::vector<cudaEvent_t> ev(static_cast<size_t>(2 * iters));
   for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
-  // One graph of all timed launches (falls back to direct launches if capture is refused).
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  bool graphed = cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess;
-  if (graphed) {
-    for (int i = 0; i < iters; ++i) {
-      BENCH_CUDA(cudaEventRecord(ev[2 * i], s));
-      launch(kWarmup + i);
-      BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], s));
-    }
-    graphed = cudaStreamEndCapture(s, &graph) == cudaSuccess &&
-              cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
-    if (graphed) BENCH_CUDA(cudaGraphLaunch(exec, s));
-  }
-  if (!graphed) {
-    (void)cudaGetLastError();
-    std::fprintf(stderr, "note: graph capture failed; timing direct launches\n");
-    for (int i = 0; i < iters; ++i) {
-      BENCH_CUDA(cudaEventRecord(ev[2 * i], s));
-      launch(kWarmup + i);
-      BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], s));
-    }
+  // Direct launches, queued ahead of the GPU (events recorded inside a CUDA graph cannot be
+  // timed with cudaEventElapsedTime).
+  for (int i = 0; i < iters; ++i) {
+    BENCH_CUDA(cudaEventRecord(ev[2 * i], s));
+    launch(kWarmup + i);
+    BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], s));
   }
   BENCH_CUDA(cudaStreamSynchronize(s));
   std::vector<double> times;
@@ -445,8 +429,6 @@ bool RunConfig(const Helpers& h, const Kind& kind, int64_t batch, int64_t ctx, i
     times.push_back(ms * 1e-3);
   }
   for (auto& e : ev) BENCH_CUDA(cudaEventDestroy(e));
-  if (exec) BENCH_CUDA(cudaGraphExecDestroy(exec));
-  if (graph) BENCH_CUDA(cudaGraphDestroy(graph));
 
   // The output must be finite (inputs are finite): a cheap guard against timing a broken kernel.
   std::vector<uint16_t> host_out(static_cast<size_t>(batch * H * D));

@@ -44,10 +44,9 @@ def read_bandwidth(flush, iters=20):
     free, _ = torch.cuda.mem_get_info()
     n = min(4 << 30, free // 4) // 4  # float32 elements, up to 4 GB
     buf = torch.rand(n, device="cuda", dtype=torch.float32) + 0.5
-    out = torch.empty((), device="cuda", dtype=torch.float32)
     for _ in range(3):
-        torch.sum(buf, out=out)
-    times = timed_calls([lambda: torch.sum(buf, out=out)] * iters, flush)
+        buf.sum()
+    times = timed_calls([lambda: buf.sum()] * iters, flush)
     bytes_ = buf.numel() * 4
     del buf
     torch.cuda.empty_cache()

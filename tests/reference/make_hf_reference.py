@@ -88,11 +88,36 @@ def greedy(model, prompt, n):
     return tokens, logprobs, gaps
 
 
+@torch.no_grad()
+def measure_bf16(out):
+    """How far transformers itself moves in bf16: teacher-forced log-probabilities of the reference
+    tokens with the model run in bf16 (on a GPU when present) against the fp32 reference. This is
+    the scale of error a bf16 backend has to be allowed."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for name in MODELS:
+        d = os.path.join(out, name)
+        ref = json.load(open(os.path.join(d, "reference.json")))
+        model = LlamaForCausalLM.from_pretrained(d, dtype=torch.bfloat16, attn_implementation="eager").to(device).eval()
+        worst = 0.0
+        for c in ref["cases"]:
+            ids = torch.tensor([c["prompt_ids"] + c["token_ids"]], device=device)
+            logp = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
+            n = len(c["prompt_ids"])
+            for t, (tok, lp) in enumerate(zip(c["token_ids"], c["logprobs"])):
+                worst = max(worst, abs(float(logp[n - 1 + t, tok]) - lp))
+        print(f"{name}: transformers in bf16 on {device} vs fp32: max |logprob error| {worst:.3g}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--measure-bf16", action="store_true",
+                    help="only measure transformers' own bf16 error on the checkpoints in --out")
     args = ap.parse_args()
+    if args.measure_bf16:
+        measure_bf16(args.out)
+        return
     torch.manual_seed(args.seed)
     for i, (name, spec) in enumerate(MODELS.items()):
         gen = torch.Generator().manual_seed(args.seed + i)
