@@ -232,7 +232,20 @@ int main(int argc, char** argv) {
         r.max_tokens = decode_tokens;
         r.ignore_eos = true;
       }
-      for (auto& r : reqs) (void)(*engine)->Submit(r);
+      bool refused = false;
+      for (auto& r : reqs) {
+        if (absl::StatusOr<int64_t> id = (*engine)->Submit(r); !id.ok()) {
+          std::printf("%-6lld %-6lld refused: %s\n", static_cast<long long>(b), static_cast<long long>(c),
+                      std::string(id.status().message()).c_str());
+          refused = true;
+          break;
+        }
+      }
+      if (refused) {
+        std::vector<std::pair<int64_t, tandem::GenerationResult>> drain;
+        while (!(*engine)->Idle()) (void)(*engine)->Step(&drain);
+        continue;
+      }
       std::vector<std::pair<int64_t, tandem::GenerationResult>> done;
       double decode_s = 0, prefill_s = 0;
       int64_t decode_steps = 0;

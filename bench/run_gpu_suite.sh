@@ -30,11 +30,12 @@ for what in "$@"; do
       "$BUILD/bench/prefill_attention_bench" --json "$out/prefill_attention.json" 2>&1 | tee "$out/prefill.txt" | tail -20 ;;
     engine)
       for m in llama3-8b llama-13b; do
-        "$BUILD/bench/engine_decode_bench" --model "$m" --json "$out/engine_$m.json" 2>&1 | tee "$out/engine_$m.txt"
+        "$BUILD/bench/engine_decode_bench" --model "$m" --batches "${BATCHES:-1,16,64,256}" \
+          --contexts 1024,4096 --json "$out/engine_$m.json" 2>&1 | tee "$out/engine_$m.txt"
       done ;;
     hf)
       for m in llama3-8b llama-13b; do
-        python3 bench/hf_generate_bench.py --model "$m" --batches 1,8,32,64,128 --contexts 1024,4096 \
+        python3 bench/hf_generate_bench.py --model "$m" --batches "${BATCHES:-1,16,64,256}" --contexts 1024,4096 \
           --json "$out/hf_$m.json" 2>&1 | grep -v Warning | tee "$out/hf_$m.txt"
       done ;;
     *) echo "unknown part: $what"; exit 2 ;;

@@ -91,7 +91,8 @@ absl::StatusOr<ModelSpec> ParseHfConfig(std::string_view json_text, std::string_
 //               well emit token 1, so generation can stop early)
 //   "small"     ~125M parameters (500 MB fp32): vocab 32000, hidden 768, heads 12/4 x 64,
 //               ffn 2048, 12 layers, theta 5e5, untied, max_position 4096
-//   "llama-7b", "llama-13b", "llama-33b": Llama 1 (vocab 32000, max_position 2048, eps 1e-6,
+//   "llama-7b", "llama-13b", "llama-33b": Llama 1/2 shapes (vocab 32000, eps 1e-6; max_position
+//               4096 for 7b and 13b as in Llama 2, 2048 for 33b;
 //               bos 1, eos {2}); "llama3-8b", "llama3-70b": Llama 3 (vocab 128256, theta 5e5,
 //               max_position 8192, eps 1e-5, bos 128000, eos {128001, 128009}).
 // Unknown names are NotFound listing the known ones.

@@ -9,10 +9,12 @@
 // after that position is a different continuation), so comparison stops at the first such spot.
 //
 // CUDA backend: weights are the same bf16 values, but activations, the KV cache and attention
-// inputs are rounded to bf16 (8 significant bits, relative error up to 2^-9 per rounding, a few
-// dozen roundings deep; these random models have large activations): logits move by up to about
-// 0.1 (0.095 seen on an H200). Log-probabilities must agree within 0.1 and greedy tokens wherever
-// the reference's top-2 gap is at least 0.2.
+// inputs are rounded to bf16 (8 significant bits, a few dozen roundings deep), and these random
+// models have large activations and logits. The scale to allow is that of transformers itself in
+// bf16 on the same checkpoints (make_hf_reference.py --measure-bf16, on an H200): max |logprob
+// error| 0.54 (llama3-gqa-tied), 0.080 (llama2-mha), 0.086 (mqa-headdim); tandem's CUDA backend
+// measured 0.14, 0.074 and 0.039. Log-probabilities must agree within 0.25, and greedy tokens
+// wherever the reference's top-2 logit gap is at least 0.5.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -34,7 +36,7 @@ struct Tolerance {
   double gap_floor, logprob;
 };
 constexpr Tolerance kCpuTol{1e-3, 1e-3};
-constexpr Tolerance kCudaTol{0.2, 0.1};
+constexpr Tolerance kCudaTol{0.5, 0.25};
 
 bool HaveGpu() {
   absl::StatusOr<int> n = kernels::CudaDeviceCount();

@@ -362,7 +362,7 @@ TEST(PresetTest, PublishedShapes) {
   s = PresetSpec("llama-7b");
   ASSERT_TRUE(s.ok());
   EXPECT_EQ(s->num_parameters(), 6738415616);
-  EXPECT_EQ(s->max_position, 2048);
+  EXPECT_EQ(s->max_position, 4096);  // Llama 2's context for the Llama 1/2 shape
   EXPECT_DOUBLE_EQ(s->rms_norm_eps, 1e-6);
   EXPECT_EQ(s->eos_token_ids, std::vector<int32_t>{2});
 
