@@ -100,6 +100,10 @@ class CudaRunner : public ModelRunner {
     r->max_tokens_ = o.max_tokens_per_step;
     r->max_requests_ = o.max_batch_size;
     ASSIGN_OR_RETURN(r->executor_, CudaLayerExecutor::Create(r->weights_.get(), r->max_tokens_, r->stream_));
+    if (o.profile) {
+      r->timer_.Enable(r->stream_);
+      r->executor_->set_timer(&r->timer_);
+    }
 
     const int64_t t = r->max_tokens_, q_dim = s.q_dim();
     RETURN_IF_ERROR(r->x_.Reserve(t * s.hidden_size * 4));
@@ -142,6 +146,14 @@ class CudaRunner : public ModelRunner {
   const ModelSpec& spec() const override { return weights_->spec(); }
   int64_t kv_capacity() const override { return num_slots_; }
   std::string device() const override { return device_name_; }
+  std::vector<std::pair<std::string, double>> PhaseTotalsMs() const override {
+    std::vector<std::pair<std::string, double>> out;
+    if (!timer_.enabled()) return out;
+    for (int p = 0; p < PhaseTimer::kNumPhases; ++p) {
+      out.emplace_back(PhaseTimer::Name(static_cast<PhaseTimer::Phase>(p)), timer_.totals_ms()[p]);
+    }
+    return out;
+  }
 
   absl::Status Forward(const StepBatch& b, std::vector<int32_t>* tokens, std::vector<float>* logprobs) override {
     const ModelSpec& s = spec();
@@ -152,6 +164,7 @@ class CudaRunner : public ModelRunner {
     if (t > max_tokens_ || num_req > max_requests_ || rows > max_requests_) {
       return absl::InvalidArgumentError("CudaRunner: step larger than the sizes it was created for");
     }
+    timer_.Begin();
     // Metadata, with the single-row and multi-row request groups rebased to start at 0.
     meta_packer_.Reset();
     const int64_t o_tokens = meta_packer_.Add(b.tokens);
@@ -189,6 +202,7 @@ class CudaRunner : public ModelRunner {
     // The previous step synchronised at its end, so the pinned buffer is free to overwrite.
     std::memcpy(host_meta_, mb.data(), mb.size());
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(meta_.ptr, host_meta_, mb.size(), cudaMemcpyHostToDevice, stream_));
+    timer_.Mark(PhaseTimer::kOther);
 
     float* x = x_.as<float>();
     bf16* qkv = qkv_.as<bf16>();
@@ -222,6 +236,7 @@ class CudaRunner : public ModelRunner {
       app.num_slots = num_slots_;
       RETURN_IF_ERROR(kc::KvAppend(app, stream_));
       CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(q, q_dim * 2, qkv, width * 2, q_dim * 2, t, cudaMemcpyDeviceToDevice, stream_));
+      timer_.Mark(PhaseTimer::kOther);
       kc::AttentionParams ap;
       ap.k_cache = kc_layer;
       ap.v_cache = vc_layer;
@@ -253,6 +268,7 @@ class CudaRunner : public ModelRunner {
         p.max_q_len = b.max_q_len;
         RETURN_IF_ERROR(kc::PrefillAttention(p, stream_));
       }
+      timer_.Mark(PhaseTimer::kAttention);
       RETURN_IF_ERROR(executor_->PostAttention(layer, x, attn, t));
     }
     if (rows > 0) {
@@ -270,9 +286,11 @@ class CudaRunner : public ModelRunner {
       sp.rows = rows;
       sp.vocab = s.vocab_size;
       RETURN_IF_ERROR(kc::SampleTokens(sp, sample_ws_.ptr, stream_));
+      timer_.Mark(PhaseTimer::kSampling);
       CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_out_, out_.ptr, static_cast<size_t>(rows * 8), cudaMemcpyDeviceToHost, stream_));
     }
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    timer_.Collect();
     const auto* out_tokens = static_cast<const int32_t*>(host_out_);
     const auto* out_logprobs = reinterpret_cast<const float*>(static_cast<const unsigned char*>(host_out_) + rows * 4);
     tokens->insert(tokens->end(), out_tokens, out_tokens + rows);
@@ -293,6 +311,7 @@ class CudaRunner : public ModelRunner {
   int64_t host_meta_bytes_ = 0;
   void* host_out_ = nullptr;
   MetaPacker meta_packer_;
+  PhaseTimer timer_;
 };
 
 }  // namespace

@@ -95,7 +95,8 @@ absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const W
   const RunnerOptions ro{.max_batch_size = options.max_batch_size,
                          .max_tokens_per_step = options.max_tokens_per_step,
                          .kv_capacity_tokens = options.kv_capacity_tokens,
-                         .kv_memory_fraction = options.kv_memory_fraction};
+                         .kv_memory_fraction = options.kv_memory_fraction,
+                         .profile = options.profile};
   std::unique_ptr<ModelRunner> runner;
   if (device < 0) {
     ASSIGN_OR_RETURN(runner, CreateCpuRunner(source, ro));

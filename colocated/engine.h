@@ -35,6 +35,7 @@ struct EngineOptions {
   int64_t max_tokens_per_step = 2048;   // decode tokens + prefill chunk tokens in one step
   int64_t kv_capacity_tokens = 0;       // KV slots; 0: sized from free device or host memory
   double kv_memory_fraction = 0.9;      // share of free memory (after weights) for KV when auto
+  bool profile = false;                 // per-phase device times (benchmarks; see PhaseTotalsMs)
 };
 
 // The knobs of EngineOptions as config schema sections ("runtime.*", "scheduler.*", "kv.*") and
@@ -89,6 +90,8 @@ class ColocatedEngine {
   const std::string device() const { return runner_->device(); }
   const EngineStats& stats() const { return stats_; }
   int64_t kv_capacity_tokens() const { return allocator_.num_slots(); }
+  // See ModelRunner::PhaseTotalsMs (EngineOptions::profile).
+  std::vector<std::pair<std::string, double>> PhaseTotalsMs() const { return runner_->PhaseTotalsMs(); }
   int64_t kv_free_tokens() const { return allocator_.num_free(); }
 
  private:

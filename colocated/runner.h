@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -44,6 +45,7 @@ struct RunnerOptions {
   int64_t max_tokens_per_step = 2048;
   int64_t kv_capacity_tokens = 0;   // 0: sized from free memory
   double kv_memory_fraction = 0.5;  // share of free memory after weights for KV when sized
+  bool profile = false;             // time phases of each step (CUDA events; for benchmarks)
 };
 
 class ModelRunner {
@@ -57,6 +59,9 @@ class ModelRunner {
   // Runs the step; appends one token and its log-probability per sample row.
   virtual absl::Status Forward(const StepBatch& batch, std::vector<int32_t>* tokens,
                                std::vector<float>* logprobs) = 0;
+  // With RunnerOptions::profile: device time (ms) spent so far per phase ("gemm", "attention",
+  // "other", "sampling"). Empty when not profiling or not supported.
+  virtual std::vector<std::pair<std::string, double>> PhaseTotalsMs() const { return {}; }
 };
 
 // fp32 weights and KV in host memory (the reference).

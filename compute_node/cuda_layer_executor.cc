@@ -129,6 +129,47 @@ CudaModelWeights::~CudaModelWeights() {
   if (base_) cudaFree(base_);
 }
 
+const char* PhaseTimer::Name(Phase p) {
+  static const char* kNames[] = {"gemm", "attention", "other", "sampling"};
+  return kNames[p];
+}
+
+PhaseTimer::~PhaseTimer() {
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);
+}
+
+cudaEvent_t PhaseTimer::Event(size_t i) {
+  while (events_.size() <= i) {
+    cudaEvent_t e = nullptr;
+    cudaEventCreate(&e);
+    events_.push_back(e);
+  }
+  return events_[i];
+}
+
+void PhaseTimer::Begin() {
+  if (!stream_) return;
+  used_ = 1;
+  phases_.clear();
+  cudaEventRecord(Event(0), stream_);
+}
+
+void PhaseTimer::Mark(Phase phase) {
+  if (!stream_ || used_ == 0) return;
+  cudaEventRecord(Event(used_), stream_);
+  phases_.push_back(phase);
+  ++used_;
+}
+
+void PhaseTimer::Collect() {
+  if (!stream_) return;
+  for (size_t i = 0; i + 1 < used_; ++i) {
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, events_[i], events_[i + 1]) == cudaSuccess) totals_[phases_[i]] += ms;
+  }
+  used_ = 0;
+}
+
 absl::StatusOr<std::unique_ptr<CudaLayerExecutor>> CudaLayerExecutor::Create(const CudaModelWeights* weights,
                                                                              int64_t max_tokens, cudaStream_t stream) {
   std::unique_ptr<CudaLayerExecutor> e(new CudaLayerExecutor());
@@ -161,7 +202,9 @@ absl::Status CudaLayerExecutor::Embed(const int32_t* tokens, int64_t num_tokens,
   p.n = num_tokens;
   p.vocab = s.vocab_size;
   p.hidden = s.hidden_size;
-  return kc::Embedding(p, stream_);
+  RETURN_IF_ERROR(kc::Embedding(p, stream_));
+  Mark(PhaseTimer::kOther);
+  return absl::OkStatus();
 }
 
 absl::Status CudaLayerExecutor::PreAttention(int64_t layer, float* x, const int32_t* positions, int64_t num_tokens,
@@ -177,7 +220,9 @@ absl::Status CudaLayerExecutor::PreAttention(int64_t layer, float* x, const int3
   norm.d = s.hidden_size;
   norm.eps = static_cast<float>(s.rms_norm_eps);
   RETURN_IF_ERROR(kc::AddRmsNorm(norm, stream_));
+  Mark(PhaseTimer::kOther);
   RETURN_IF_ERROR(gemm_->Run({.x = normed_, .w = w.wqkv, .y = qkv, .m = num_tokens, .n = qkv_width(), .k = s.hidden_size}));
+  Mark(PhaseTimer::kGemm);
   kc::RopeParams rope;
   rope.q = qkv;
   rope.k = qkv + s.q_dim();
@@ -189,7 +234,9 @@ absl::Status CudaLayerExecutor::PreAttention(int64_t layer, float* x, const int3
   rope.head_dim = s.head_dim;
   rope.q_stride = qkv_width();
   rope.k_stride = qkv_width();
-  return kc::Rope(rope, stream_);
+  RETURN_IF_ERROR(kc::Rope(rope, stream_));
+  Mark(PhaseTimer::kOther);
+  return absl::OkStatus();
 }
 
 absl::Status CudaLayerExecutor::PostAttention(int64_t layer, float* x, const bf16* attn, int64_t num_tokens) {
@@ -198,6 +245,7 @@ absl::Status CudaLayerExecutor::PostAttention(int64_t layer, float* x, const bf1
   const int64_t inter = s.intermediate_size;
   RETURN_IF_ERROR(gemm_->Run({.x = attn, .w = w.wo, .y = x, .y_fp32 = true, .accumulate = true, .m = num_tokens,
                               .n = s.hidden_size, .k = s.q_dim()}));
+  Mark(PhaseTimer::kGemm);
   kc::AddRmsNormParams norm;
   norm.residual = x;
   norm.weight = w.post_norm;
@@ -206,16 +254,21 @@ absl::Status CudaLayerExecutor::PostAttention(int64_t layer, float* x, const bf1
   norm.d = s.hidden_size;
   norm.eps = static_cast<float>(s.rms_norm_eps);
   RETURN_IF_ERROR(kc::AddRmsNorm(norm, stream_));
+  Mark(PhaseTimer::kOther);
   RETURN_IF_ERROR(
       gemm_->Run({.x = normed_, .w = w.w_gate_up, .y = gate_up_, .m = num_tokens, .n = 2 * inter, .k = s.hidden_size}));
+  Mark(PhaseTimer::kGemm);
   kc::SiluMulParams act;
   act.gate_up = gate_up_;
   act.out = act_;
   act.n = num_tokens;
   act.inter = inter;
   RETURN_IF_ERROR(kc::SiluMul(act, stream_));
-  return gemm_->Run({.x = act_, .w = w.w_down, .y = x, .y_fp32 = true, .accumulate = true, .m = num_tokens,
-                     .n = s.hidden_size, .k = inter});
+  Mark(PhaseTimer::kOther);
+  RETURN_IF_ERROR(gemm_->Run({.x = act_, .w = w.w_down, .y = x, .y_fp32 = true, .accumulate = true, .m = num_tokens,
+                              .n = s.hidden_size, .k = inter}));
+  Mark(PhaseTimer::kGemm);
+  return absl::OkStatus();
 }
 
 absl::Status CudaLayerExecutor::Logits(float* x, int64_t num_tokens, const int32_t* rows, int64_t num_rows,
@@ -231,8 +284,11 @@ absl::Status CudaLayerExecutor::Logits(float* x, int64_t num_tokens, const int32
   norm.d = s.hidden_size;
   norm.eps = static_cast<float>(s.rms_norm_eps);
   RETURN_IF_ERROR(kc::AddRmsNorm(norm, stream_));
-  return gemm_->Run({.x = normed_, .w = weights_->lm_head(), .y = logits, .y_fp32 = true, .m = num_rows,
-                     .n = s.vocab_size, .k = s.hidden_size});
+  Mark(PhaseTimer::kOther);
+  RETURN_IF_ERROR(gemm_->Run({.x = normed_, .w = weights_->lm_head(), .y = logits, .y_fp32 = true, .m = num_rows,
+                              .n = s.vocab_size, .k = s.hidden_size}));
+  Mark(PhaseTimer::kGemm);
+  return absl::OkStatus();
 }
 
 }  // namespace tandem

@@ -55,6 +55,35 @@ class CudaModelWeights {
   float* inv_freq_ = nullptr;
 };
 
+// Attributes the GPU time of a step to phases with CUDA events, for benchmarks: each Mark(phase)
+// charges the time since the previous mark to `phase`. Disabled (the default), every call is a
+// no-op. Not thread-safe.
+class PhaseTimer {
+ public:
+  enum Phase { kGemm = 0, kAttention, kOther, kSampling, kNumPhases };
+  static const char* Name(Phase p);
+  PhaseTimer() = default;
+  ~PhaseTimer();
+  PhaseTimer(const PhaseTimer&) = delete;
+  PhaseTimer& operator=(const PhaseTimer&) = delete;
+
+  void Enable(cudaStream_t stream) { stream_ = stream; }
+  bool enabled() const { return stream_ != nullptr; }
+  void Begin();            // starts a step
+  void Mark(Phase phase);  // time since the previous mark goes to `phase`
+  // After the stream has been synchronised: adds the step's times (ms) to the totals.
+  void Collect();
+  const double* totals_ms() const { return totals_; }
+
+ private:
+  cudaEvent_t Event(size_t i);
+  cudaStream_t stream_ = nullptr;
+  std::vector<cudaEvent_t> events_;
+  std::vector<Phase> phases_;  // phases_[i]: the phase that ends at event i + 1
+  size_t used_ = 0;
+  double totals_[kNumPhases] = {0, 0, 0, 0};
+};
+
 class CudaLayerExecutor {
  public:
   using bf16 = __nv_bfloat16;
@@ -67,6 +96,8 @@ class CudaLayerExecutor {
 
   const ModelSpec& spec() const { return weights_->spec(); }
   int64_t qkv_width() const { return spec().q_dim() + 2 * spec().kv_dim(); }
+  // Phases of the executor's work are charged to `timer` (which must outlive the executor).
+  void set_timer(PhaseTimer* timer) { timer_ = timer; }
 
   // x(T, hidden) fp32 = embedding rows of tokens (device ids, validated by the caller).
   absl::Status Embed(const int32_t* tokens, int64_t num_tokens, float* x);
@@ -83,6 +114,10 @@ class CudaLayerExecutor {
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<kernels::cuda::CublasGemm> gemm_;
   int64_t max_tokens_ = 0;
+  PhaseTimer* timer_ = nullptr;
+  void Mark(PhaseTimer::Phase p) {
+    if (timer_) timer_->Mark(p);
+  }
   void* scratch_ = nullptr;
   bf16* normed_ = nullptr;   // (max_tokens, hidden)
   bf16* gate_up_ = nullptr;  // (max_tokens, 2·intermediate)
