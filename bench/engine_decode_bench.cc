@@ -1,7 +1,7 @@
 // Decode throughput of the colocated engine on one GPU, with a breakdown of the step time.
 //
-// For each (batch, context): B requests with random prompts of `context` tokens are prefilled,
-// then decoded for --decode-tokens steps; decode tok/s = B × decode steps / decode time (steps
+// For each (batch, context): B requests with random prompts of `context` − decode-tokens tokens
+// are prefilled, then decoded for --decode-tokens steps (so the context ends at `context`); decode tok/s = B × decode steps / decode time (steps
 // that carry no prefill tokens). The engine runs with phase timing on (CUDA events between the
 // phases of every step), which splits the device time of a decode step into GEMMs (cuBLAS),
 // attention, other kernels (norms, RoPE, SiLU, KV append, embedding, copies) and sampling; the
@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
       }
       std::vector<GenerationRequest> reqs(static_cast<size_t>(b));
       for (auto& r : reqs) {
-        r.prompt.resize(static_cast<size_t>(c));
+        r.prompt.resize(static_cast<size_t>(c - decode_tokens));  // the context reaches c tokens
         for (auto& t : r.prompt) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(spec.vocab_size));
         r.max_tokens = decode_tokens;
         r.ignore_eos = true;

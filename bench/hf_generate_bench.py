@@ -54,7 +54,8 @@ def main():
     print(f"hf transformers generate (static cache), {args.model}, {torch.cuda.get_device_name()}")
     for ctx in map(int, args.contexts.split(",")):
         for b in map(int, args.batches.split(",")):
-            ids = torch.randint(3, cfg.vocab_size, (b, ctx), device="cuda")
+            # As in engine_decode_bench: the context ends at ctx tokens.
+            ids = torch.randint(3, cfg.vocab_size, (b, ctx - args.decode_tokens), device="cuda")
             try:
                 # Warm-up with the exact calls that are timed: with a static cache, transformers
                 # compiles the forward pass per cache shape (prompt + new tokens), so each length
