@@ -11,6 +11,9 @@
 //       p = exp2(s - m) (q is pre-scaled by scale·log2 e), rescale factor for the accumulators.
 //   PV  16 (d128) or 8 (d64) threads per V row, 8 columns each; every thread accumulates all
 //       heads for its columns over its rows of the tile (fp32).
+// That CUDA-core kernel serves MHA (one head per CTA); GQA chunks of 2..8 heads go to
+// DecodeSplitMmaKernel (same loads and ring, QK and PV on tensor cores, one barrier per tile;
+// described at the kernel).
 // Shared-memory K/V rows are XOR-swizzled by 16-byte chunk (chunk ^ (row & 7)), which keeps the
 // cp.async writes, the QK column reads and the PV row reads free of bank conflicts.
 // The CTA's row groups are summed through shared memory at the end (fixed order, so results are
@@ -32,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -389,6 +393,289 @@ __global__ void __launch_bounds__(kThreads, HPB >= 8 ? 3 : 4) DecodeSplitKernel(
   }
 }
 
+// ---- GQA path on tensor cores (groups of 2..8 heads per CTA) ----
+// Same cp.async ring and swizzled stages as DecodeSplitKernel, but warp w owns keys
+// [8w, 8w+8) of every 32-key tile and keeps its own running max, row sums and output for the
+// group (flash-decoding inside the CTA), so the only barrier per tile is the ring's.
+//   QK  mma.m16n8k16 (bf16 in, fp32 accumulate): A = the group's q rows (rows >= nh and 8..15
+//       are zero), B = K^T of the warp's 8 keys (ldmatrix from the swizzled rows). The products
+//       of bf16 values are exact, so this matches the fp32 dot product up to summation order.
+//   softmax  lane (g = lane/4, t = lane%4) holds scores of head g for keys 2t, 2t+1; row max by
+//       two shuffles; base-2 online softmax with the scale applied to the fp32 scores.
+//   PV  transposed, o^T (D × 8 heads) += V^T (D × 16) · P^T (16 × 8 heads): the score fragment
+//       (head g, keys 2t, 2t+1) is already the B fragment, the heads fill n8 exactly, and the
+//       A fragments come from ldmatrix.trans of the V rows. k = 16: keys 0..7 carry bf16(p) and
+//       keys 8..15 the rounding remainder p - bf16(p) against the same V rows (a2 = a0,
+//       a3 = a1), so p is used to ~2^-17 relative precision at no extra cost. The fp32 row sums
+//       use the unrounded p.
+// The warps' (m, l, o) are combined through shared memory in a fixed order at the end.
+__device__ __forceinline__ void MmaBf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* smem) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* smem) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lower address, lower column) = lo
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+constexpr int kMmaMaxHeads = 8;  // rows of the m16 tile that carry heads (lane / 4)
+
+template <int D>
+struct MmaCfg {
+  using C = Cfg<D>;
+  static constexpr int kKeysPerWarp = kTile / kWarps;  // 8
+  static constexpr int kKSteps = D / 16;               // QK k-steps
+  static constexpr int kMTiles = D / 16;               // PV m-tiles of o^T (16 columns of d)
+  static constexpr size_t kStageBytes = sizeof(bf16) * C::kStages * C::kStageElems;
+  static constexpr size_t kRedBytes = sizeof(float) * kWarps * kMmaMaxHeads * (D + 2);
+  static constexpr size_t kSmemBytes = kStageBytes > kRedBytes ? kStageBytes : kRedBytes;
+  static_assert(kKeysPerWarp == 8, "one n8 tile of keys per warp");
+};
+
+template <int D>
+__global__ void __launch_bounds__(kThreads, 4) DecodeSplitMmaKernel(const SplitArgs a) {
+  using C = Cfg<D>;
+  using M = MmaCfg<D>;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* kv_s = reinterpret_cast<bf16*>(smem_raw);  // kStages × (K tile, V tile), swizzled rows
+  // After the loop (aliases the stages): per warp, o (kMmaMaxHeads, D), then m and l (kMmaMaxHeads).
+  float* red_s = reinterpret_cast<float*>(smem_raw);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gq = lane >> 2, tq = lane & 3;
+
+  int64_t bid = blockIdx.x;
+  const int hc = static_cast<int>(bid % a.head_chunks);
+  bid /= a.head_chunks;
+  const int split = static_cast<int>(bid % a.num_splits);
+  bid /= a.num_splits;
+  const int kvh = static_cast<int>(bid % a.num_kv_heads);
+  const int64_t r = bid / a.num_kv_heads;
+
+  const int64_t row = QueryRow(a.q_indptr, r);
+  if (row < 0) return;
+
+  const int64_t kv_begin = a.kv_indptr[r];
+  const int64_t kv_len = int64_t{a.kv_indptr[r + 1]} - kv_begin;
+  const int64_t key_begin = int64_t{split} * a.keys_per_split;
+  int64_t key_end = key_begin + a.keys_per_split;
+  if (split == a.num_splits - 1 || key_end > kv_len) key_end = kv_len;
+  const int n = key_end > key_begin ? static_cast<int>(key_end - key_begin) : 0;
+
+  const int head0_in_group = hc * a.heads_per_chunk;
+  const int nh = min(a.heads_per_chunk, a.group - head0_in_group);  // <= kMmaMaxHeads
+  const int head0 = kvh * a.group + head0_in_group;
+
+  auto write_result = [&](int g, int d, float o, float lse2) {
+    const int64_t h = head0 + g;
+    if (a.num_splits == 1) {
+      a.out[(row * a.num_heads + h) * D + d] = __float2bfloat16_rn(o);
+      if (d == 0 && a.lse != nullptr) a.lse[row * a.num_heads + h] = lse2 * kLn2;
+    } else {
+      const int64_t pair = r * a.num_heads + h;
+      a.part_o[(pair * a.num_splits + split) * D + d] = o;
+      if (d == 0) a.part_lse[pair * a.num_splits + split] = lse2;
+    }
+  };
+
+  if (n == 0) {
+    for (int i = tid; i < nh * D; i += kThreads) write_result(i / D, i % D, 0.0f, -INFINITY);
+    return;
+  }
+
+  const int32_t* slots = a.kv_slots + kv_begin + key_begin;
+  const int ld_chunk = tid % C::kChunks, ld_row = tid / C::kChunks;
+  const int num_tiles = (n + kTile - 1) / kTile;
+
+  auto load_slots = [&](int tile, int(&sl)[C::kRowsPerThread]) {
+#pragma unroll
+    for (int i = 0; i < C::kRowsPerThread; ++i) {
+      const int key = tile * kTile + ld_row + i * C::kRowGroups;
+      sl[i] = (tile < num_tiles && key < n) ? slots[key] : -1;
+    }
+  };
+  auto issue = [&](int stage, const int(&sl)[C::kRowsPerThread]) {
+    bf16* ks = kv_s + stage * C::kStageElems;
+    bf16* vs = ks + kTile * D;
+#pragma unroll
+    for (int i = 0; i < C::kRowsPerThread; ++i) {
+      const int rr = ld_row + i * C::kRowGroups;
+      const bool valid = sl[i] >= 0 && sl[i] < a.num_slots;
+      const int64_t off = valid ? (int64_t{sl[i]} * a.num_kv_heads + kvh) * D + ld_chunk * 8 : 0;
+      const int dst = rr * D + ((ld_chunk ^ (rr & 7)) * 8);
+      CpAsync16(ks + dst, a.k_cache + off, valid);
+    }
+#pragma unroll
+    for (int i = 0; i < C::kRowsPerThread; ++i) {
+      const int rr = ld_row + i * C::kRowGroups;
+      const bool valid = sl[i] >= 0 && sl[i] < a.num_slots;
+      const int64_t off = valid ? (int64_t{sl[i]} * a.num_kv_heads + kvh) * D + ld_chunk * 8 : 0;
+      const int dst = rr * D + ((ld_chunk ^ (rr & 7)) * 8);
+      CpAsync16(vs + dst, a.v_cache + off, valid);
+    }
+  };
+
+  {
+    int pro[C::kStages - 1][C::kRowsPerThread];
+#pragma unroll
+    for (int t = 0; t < C::kStages - 1; ++t) load_slots(t, pro[t]);
+#pragma unroll
+    for (int t = 0; t < C::kStages - 1; ++t) {
+      if (t < num_tiles) issue(t, pro[t]);
+      CpAsyncCommit();
+    }
+  }
+  int next_slots[C::kRowsPerThread];
+  load_slots(C::kStages - 1, next_slots);
+
+  // q as A fragments (bf16, unscaled): a0 = q[gq][16s + 2tq, +1], a2 = q[gq][16s + 8 + 2tq, +1].
+  uint32_t qa[M::kKSteps][2];
+  {
+    const bool has = gq < nh;
+    const uint32_t* qrow =
+        reinterpret_cast<const uint32_t*>(a.q + (row * a.num_heads + head0 + (has ? gq : 0)) * D);
+#pragma unroll
+    for (int s = 0; s < M::kKSteps; ++s) {
+      qa[s][0] = has ? qrow[(16 * s + 2 * tq) / 2] : 0u;
+      qa[s][1] = has ? qrow[(16 * s + 8 + 2 * tq) / 2] : 0u;
+    }
+  }
+
+  // o^T fragments: m-tile j holds (d = 16j + gq, heads 2tq, 2tq+1) and (d = 16j + 8 + gq, same).
+  float o[M::kMTiles][4];
+#pragma unroll
+  for (int j = 0; j < M::kMTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[j][e] = 0.0f;
+  float m_run = -INFINITY, l_lane = 0.0f;  // head gq; l over this lane's keys
+
+  const int key0 = warp * M::kKeysPerWarp;  // first key of the warp in each tile
+  // ldmatrix row addresses: lane provides row (key0 + lane % 8) of matrix lane / 8.
+  const int lm_row = key0 + (lane & 7), lm_mat = lane >> 3;
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    CpAsyncWait<C::kStages - 2>();
+    __syncthreads();  // tile's data visible to all; everyone is done with the stage refilled next
+    {
+      const int nt = tile + C::kStages - 1;
+      if (nt < num_tiles) {
+        issue(nt % C::kStages, next_slots);
+        load_slots(nt + 1, next_slots);
+      }
+      CpAsyncCommit();
+    }
+    const bf16* ks = kv_s + (tile % C::kStages) * C::kStageElems;
+    const bf16* vs = ks + kTile * D;
+    const int tile_n = min(kTile, n - tile * kTile);
+
+    // QK: S (16 × 8 keys), rows gq.
+    float s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int q4 = 0; q4 < C::kChunks / 4; ++q4) {
+      uint32_t kb[4];  // chunks 4·q4 + i of keys key0..key0+7
+      const int c = 4 * q4 + lm_mat;
+      LdMatrixX4(kb, ks + lm_row * D + ((c ^ (lm_row & 7)) * 8));
+      MmaBf16(s4, qa[2 * q4][0], 0u, qa[2 * q4][1], 0u, kb[0], kb[1]);
+      MmaBf16(s4, qa[2 * q4 + 1][0], 0u, qa[2 * q4 + 1][1], 0u, kb[2], kb[3]);
+    }
+
+    // Online softmax for head gq over keys key0 + 2tq, +1.
+    const int k0 = key0 + 2 * tq;
+    const float sa = k0 < tile_n ? s4[0] * a.q_scale : -INFINITY;
+    const float sb = k0 + 1 < tile_n ? s4[1] * a.q_scale : -INFINITY;
+    float mt = fmaxf(sa, sb);
+    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+    const float m_new = fmaxf(m_run, mt);
+    const float alpha = m_run == m_new ? 1.0f : exp2f(m_run - m_new);
+    const float pa = sa == -INFINITY ? 0.0f : exp2f(sa - m_new);
+    const float pb = sb == -INFINITY ? 0.0f : exp2f(sb - m_new);
+    m_run = m_new;
+    l_lane = l_lane * alpha + (pa + pb);
+    const uint32_t p_hi = PackBf16(pa, pb);
+    const __nv_bfloat162 hi2 = *reinterpret_cast<const __nv_bfloat162*>(&p_hi);
+    const uint32_t p_lo = PackBf16(pa - __low2float(hi2), pb - __high2float(hi2));
+
+    // PV: o^T (D × 16) += [V^T | V^T] (D × 16) · [p_hi; p_lo]^T over the warp's 8 keys.
+    const float alpha_a = __shfl_sync(0xffffffffu, alpha, (2 * tq) * 4);      // head 2tq
+    const float alpha_b = __shfl_sync(0xffffffffu, alpha, (2 * tq + 1) * 4);  // head 2tq + 1
+#pragma unroll
+    for (int q4 = 0; q4 < C::kChunks / 4; ++q4) {
+      uint32_t va[4];  // V^T of chunks 4·q4 + i (d rows), keys key0..key0+7
+      const int c = 4 * q4 + lm_mat;
+      LdMatrixX4Trans(va, vs + lm_row * D + ((c ^ (lm_row & 7)) * 8));
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float(&acc)[4] = o[2 * q4 + i];
+        acc[0] *= alpha_a;
+        acc[1] *= alpha_b;
+        acc[2] *= alpha_a;
+        acc[3] *= alpha_b;
+        MmaBf16(acc, va[2 * i], va[2 * i + 1], va[2 * i], va[2 * i + 1], p_hi, p_lo);
+      }
+    }
+  }
+
+  // Combine the warps through shared memory, in a fixed order.
+  CpAsyncWait<0>();
+  __syncthreads();
+  {
+    float l = l_lane;
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    float* ow = red_s + warp * kMmaMaxHeads * (D + 2);
+#pragma unroll
+    for (int j = 0; j < M::kMTiles; ++j) {
+      ow[(2 * tq) * D + 16 * j + gq] = o[j][0];
+      ow[(2 * tq + 1) * D + 16 * j + gq] = o[j][1];
+      ow[(2 * tq) * D + 16 * j + 8 + gq] = o[j][2];
+      ow[(2 * tq + 1) * D + 16 * j + 8 + gq] = o[j][3];
+    }
+    if (tq == 0) {
+      ow[kMmaMaxHeads * D + gq] = m_run;
+      ow[kMmaMaxHeads * D + kMmaMaxHeads + gq] = l;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < nh * D; i += kThreads) {
+    const int g = i / D, d = i % D;
+    float mw[kWarps];
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      mw[w] = red_s[w * kMmaMaxHeads * (D + 2) + kMmaMaxHeads * D + g];
+      m = fmaxf(m, mw[w]);
+    }
+    float acc = 0.0f, l = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float* ow = red_s + w * kMmaMaxHeads * (D + 2);
+      if (mw[w] == -INFINITY) continue;  // the warp saw no keys
+      const float sc = exp2f(mw[w] - m);
+      acc = fmaf(sc, ow[g * D + d], acc);
+      l = fmaf(sc, ow[kMmaMaxHeads * D + kMmaMaxHeads + g], l);
+    }
+    write_result(g, d, acc / l, m + log2f(l));
+  }
+}
+
 // One (request, head) per D/4 threads, 4 columns each. Splits with lse = -inf weigh 0; if all
 // are -inf (no keys) out = 0 and lse = -inf.
 template <int D>
@@ -484,16 +771,23 @@ absl::Status LaunchSplit(const SplitArgs& args, int64_t grid, cudaStream_t strea
 }
 
 template <int D>
+absl::Status LaunchSplitMma(const SplitArgs& args, int64_t grid, cudaStream_t stream) {
+  static_assert(kMaxHeadsPerCta <= kMmaMaxHeads, "a head chunk must fit the mma rows");
+  const size_t smem = MmaCfg<D>::kSmemBytes;
+  CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(DecodeSplitMmaKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+  DecodeSplitMmaKernel<D><<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(args);
+  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+template <int D>
 absl::Status LaunchSplitForBucket(int bucket, const SplitArgs& args, int64_t grid, cudaStream_t stream) {
   switch (bucket) {
     case 1:
       return LaunchSplit<D, 1>(args, grid, stream);
-    case 2:
-      return LaunchSplit<D, 2>(args, grid, stream);
-    case 4:
-      return LaunchSplit<D, 4>(args, grid, stream);
     default:
-      return LaunchSplit<D, 8>(args, grid, stream);
+      return LaunchSplitMma<D>(args, grid, stream);
   }
 }
 
@@ -527,10 +821,34 @@ DecodePlan PlanDecodeAttention(int64_t num_requests, int64_t num_heads, int64_t 
   int64_t splits = (target + ctas_per_split - 1) / ctas_per_split;
   splits = std::min<int64_t>(splits, (max_kv_len + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
   splits = std::clamp<int64_t>(splits, 1, kMaxSplits);
+  // Whole tiles per split, and no split left empty by the rounding.
+  auto rounded = [&](int64_t s) {
+    return s > 1 ? (max_kv_len + KeysPerSplit(max_kv_len, static_cast<int>(s)) - 1) /
+                       KeysPerSplit(max_kv_len, static_cast<int>(s))
+                 : int64_t{1};
+  };
+  splits = rounded(splits);
   if (splits > 1) {
-    // Whole tiles per split, and no split left empty by the rounding.
-    const int keys = KeysPerSplit(max_kv_len, static_cast<int>(splits));
-    splits = (max_kv_len + keys - 1) / keys;
+    // Wave quantisation: with equal CTAs the time is ~ waves · keys per split. Where a nearby
+    // split count is clearly better (e.g. 17 splits = 2.06 waves), take the one closest to it.
+    const int64_t slots = int64_t{num_sms > 0 ? num_sms : 132} * kCtasPerSmEstimate;
+    const int64_t cap = std::min<int64_t>(kMaxSplits, (max_kv_len + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
+    auto cost = [&](int64_t s) {
+      const int64_t keys = s > 1 ? KeysPerSplit(max_kv_len, static_cast<int>(s)) : max_kv_len;
+      return (ctas_per_split * s + slots - 1) / slots * keys;
+    };
+    const int64_t lo = std::max<int64_t>(1, splits / 2), hi = std::min<int64_t>(cap, 2 * splits);
+    int64_t best = splits, best_cost = cost(splits);
+    for (int64_t s = lo; s <= hi; ++s) {
+      const int64_t sr = rounded(s);
+      const int64_t c = cost(sr);
+      const bool closer = std::abs(sr - splits) < std::abs(best - splits);
+      if (c < best_cost || (c == best_cost && closer)) {
+        best = sr;
+        best_cost = c;
+      }
+    }
+    if (best_cost * 20 < cost(splits) * 19) splits = best;  // only for a gain above 5%
   }
   plan.num_splits = static_cast<int>(splits);
   plan.workspace_bytes = WorkspaceBytes(num_requests, num_heads, head_dim, plan.num_splits);

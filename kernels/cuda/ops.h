@@ -25,8 +25,8 @@ namespace tandem::kernels::cuda {
 
 using bf16 = __nv_bfloat16;
 
-// out(n, hidden) fp32 = table(ids[i], :). Ids outside [0, vocab) are clamped to a zero row and
-// counted: the caller validates ids on the host (the engine does, at submission).
+// out(n, hidden) fp32 = table(ids[i], :). Ids outside [0, vocab) give a zero row: the caller
+// validates ids on the host (the engine does, at submission).
 struct EmbeddingParams {
   const int32_t* ids = nullptr;  // (n)
   const bf16* table = nullptr;   // (vocab, hidden)
