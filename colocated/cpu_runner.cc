@@ -2,10 +2,10 @@
 // memory, attention and sampling by the CPU reference ops.
 #include <cmath>
 #include <cstring>
-#include <fstream>
 
 #include "absl/strings/str_cat.h"
 #include "colocated/runner.h"
+#include "common/host_memory.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "compute_node/layer_executor.h"
@@ -15,17 +15,6 @@ namespace tandem {
 namespace cpu = kernels::cpu;
 
 namespace {
-
-// Bytes the kernel reports as available (MemAvailable), or 0 if unknown.
-int64_t HostMemAvailable() {
-  std::ifstream in("/proc/meminfo");
-  std::string key, unit;
-  int64_t kb = 0;
-  while (in >> key >> kb >> unit) {
-    if (key == "MemAvailable:") return kb * 1024;
-  }
-  return 0;
-}
 
 class CpuRunner : public ModelRunner {
  public:
@@ -109,7 +98,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCpuRunner(const WeightSource&
   const int64_t per_token = spec.kv_bytes_per_token(sizeof(float));
   int64_t slots = options.kv_capacity_tokens;
   if (slots == 0) {
-    const int64_t avail = HostMemAvailable();
+    const int64_t avail = AvailableHostBytes();
     const int64_t by_memory = static_cast<int64_t>(static_cast<double>(avail) * options.kv_memory_fraction) / per_token;
     // Never more than the batch could ever use.
     slots = std::min(by_memory, options.max_batch_size * spec.max_position);

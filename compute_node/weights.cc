@@ -22,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "common/host_memory.h"
 #include "common/status.h"
 #include "compute_node/safetensors.h"
 #include "nlohmann/json.hpp"
@@ -252,31 +253,6 @@ class RandomSource : public WeightSource {
 // ---- fp32 host copy ------------------------------------------------------------------------------
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-
-// Bytes this process can still allocate: MemAvailable (else physical memory), capped by a
-// cgroup v2 limit when one is set.
-int64_t AvailableHostBytes(std::string* from) {
-  int64_t avail = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
-  *from = "physical memory";
-  std::ifstream meminfo("/proc/meminfo");
-  for (std::string line; std::getline(meminfo, line);) {
-    int64_t kb = 0;
-    if (absl::StartsWith(line, "MemAvailable:") &&
-        absl::SimpleAtoi(absl::StripSuffix(absl::StripAsciiWhitespace(line.substr(13)), " kB"), &kb)) {
-      avail = std::min(avail, kb * 1024);
-      *from = "MemAvailable";
-    }
-  }
-  std::ifstream max_file("/sys/fs/cgroup/memory.max"), cur_file("/sys/fs/cgroup/memory.current");
-  std::string max_text, cur_text;
-  int64_t max = 0, cur = 0;
-  if (max_file >> max_text && cur_file >> cur_text && absl::SimpleAtoi(max_text, &max) &&
-      absl::SimpleAtoi(cur_text, &cur) && max - cur < avail) {
-    avail = std::max<int64_t>(0, max - cur);
-    *from = "cgroup memory.max";
-  }
-  return avail;
-}
 
 struct FillJob {
   std::string name;
