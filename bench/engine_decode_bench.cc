@@ -1,12 +1,12 @@
 // Decode throughput of the colocated engine on one GPU, with a breakdown of the step time.
 //
 // For each (batch, context): B requests with random prompts of `context` − decode-tokens tokens
-// are prefilled, then decoded for --decode-tokens steps (so the context ends at `context`); decode tok/s = B × decode steps / decode time (steps
-// that carry no prefill tokens). The engine runs with phase timing on (CUDA events between the
-// phases of every step), which splits the device time of a decode step into GEMMs (cuBLAS),
-// attention, other kernels (norms, RoPE, SiLU, KV append, embedding, copies) and sampling; the
-// rest of the wall time is host work and launch gaps. outside = 1 − (GEMM + attention) / step.
-// The events themselves cost a little; tok/s is measured in the same run.
+// are prefilled, then decoded for --decode-tokens steps (so the context ends at `context`); decode tok/s = B
+// × decode steps / decode time (steps that carry no prefill tokens). The engine runs with phase timing on
+// (CUDA events between the phases of every step), which splits the device time of a decode step into GEMMs
+// (cuBLAS), attention, other kernels (norms, RoPE, SiLU, KV append, embedding, copies) and sampling; the rest
+// of the wall time is host work and launch gaps. outside = 1 − (GEMM + attention) / step. The events
+// themselves cost a little; tok/s is measured in the same run.
 //
 // Usage: engine_decode_bench --model llama3-8b [--batches 1,8,32,64,128,256] [--contexts 1024,4096]
 //                            [--decode-tokens 32] [--json PATH]
@@ -53,11 +53,16 @@ int main(int argc, char** argv) {
   int64_t decode_tokens = 32;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--model") model = v;
-    else if (k == "--batches") batches = ParseList(v);
-    else if (k == "--contexts") contexts = ParseList(v);
-    else if (k == "--decode-tokens") decode_tokens = std::max<int64_t>(2, std::stoll(v));
-    else if (k == "--json") json_path = v;
+    if (k == "--model")
+      model = v;
+    else if (k == "--batches")
+      batches = ParseList(v);
+    else if (k == "--contexts")
+      contexts = ParseList(v);
+    else if (k == "--decode-tokens")
+      decode_tokens = std::max<int64_t>(2, std::stoll(v));
+    else if (k == "--json")
+      json_path = v;
     else {
       std::fprintf(stderr, "engine_decode_bench: unknown flag %s\n", k.c_str());
       return 2;
@@ -81,8 +86,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::fprintf(stderr, "loaded %s in %.1f s on %s; KV capacity %lld tokens\n", model.c_str(),
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), (*engine)->device().c_str(),
-               static_cast<long long>((*engine)->kv_capacity_tokens()));
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+               (*engine)->device().c_str(), static_cast<long long>((*engine)->kv_capacity_tokens()));
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
   const tandem::ModelSpec spec = (*engine)->spec();
@@ -97,7 +102,8 @@ int main(int argc, char** argv) {
   for (int64_t c : contexts) {
     for (int64_t b : batches) {
       if (b * (c + decode_tokens) > (*engine)->kv_capacity_tokens()) {
-        std::printf("%-6lld %-6lld does not fit in the KV cache\n", static_cast<long long>(b), static_cast<long long>(c));
+        std::printf("%-6lld %-6lld does not fit in the KV cache\n", static_cast<long long>(b),
+                    static_cast<long long>(c));
         continue;
       }
       std::vector<GenerationRequest> reqs(static_cast<size_t>(b));
@@ -139,7 +145,8 @@ int main(int argc, char** argv) {
           decode_s += dt;
           ++decode_steps;
           const auto totals_after = (*engine)->PhaseTotalsMs();
-          for (int p = 0; p < 4; ++p) phase_ms[p] += PhaseMs(totals_after, kPhases[p]) - PhaseMs(totals_before, kPhases[p]);
+          for (int p = 0; p < 4; ++p)
+            phase_ms[p] += PhaseMs(totals_after, kPhases[p]) - PhaseMs(totals_before, kPhases[p]);
         } else {
           prefill_s += dt;
         }
@@ -152,14 +159,15 @@ int main(int argc, char** argv) {
       const double host_ms = step_ms - (gemm_ms + attn_ms + other_ms + sample_ms);
       const double outside = step_ms > 0 ? 1.0 - (gemm_ms + attn_ms) / step_ms : 0;
       std::printf("%-6lld %-6lld %-9.0f %-9.2f %-9.2f %-9.2f %-9.2f %-9.2f %-9.2f %-8.2f %-9.1f\n",
-                  static_cast<long long>(b), static_cast<long long>(c), tok_s, step_ms, gemm_ms, attn_ms, other_ms,
-                  sample_ms, host_ms, outside, prefill_s);
+                  static_cast<long long>(b), static_cast<long long>(c), tok_s, step_ms, gemm_ms, attn_ms,
+                  other_ms, sample_ms, host_ms, outside, prefill_s);
       std::fflush(stdout);
       if (json.is_open()) {
-        json << (first ? "" : ",\n") << "{\"model\":\"" << model << "\",\"device\":\"" << prop.name << "\",\"batch\":" << b
-             << ",\"context\":" << c << ",\"decode_tok_s\":" << tok_s << ",\"step_ms\":" << step_ms
-             << ",\"gemm_ms\":" << gemm_ms << ",\"attn_ms\":" << attn_ms << ",\"other_ms\":" << other_ms
-             << ",\"sample_ms\":" << sample_ms << ",\"host_ms\":" << host_ms << ",\"outside_share\":" << outside << "}";
+        json << (first ? "" : ",\n") << "{\"model\":\"" << model << "\",\"device\":\"" << prop.name
+             << "\",\"batch\":" << b << ",\"context\":" << c << ",\"decode_tok_s\":" << tok_s
+             << ",\"step_ms\":" << step_ms << ",\"gemm_ms\":" << gemm_ms << ",\"attn_ms\":" << attn_ms
+             << ",\"other_ms\":" << other_ms << ",\"sample_ms\":" << sample_ms << ",\"host_ms\":" << host_ms
+             << ",\"outside_share\":" << outside << "}";
         first = false;
       }
     }

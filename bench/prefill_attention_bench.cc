@@ -33,22 +33,23 @@ namespace {
 using tandem::kernels::cuda::AttentionParams;
 using tandem::kernels::cuda::PrefillAttention;
 
-#define CHECK_CUDA(expr)                                                                          \
-  do {                                                                                           \
-    const cudaError_t e_ = (expr);                                                               \
-    if (e_ != cudaSuccess) {                                                                     \
+#define CHECK_CUDA(expr)                                                                                   \
+  do {                                                                                                     \
+    const cudaError_t e_ = (expr);                                                                         \
+    if (e_ != cudaSuccess) {                                                                               \
       std::fprintf(stderr, "%s failed at %s:%d: %s\n", #expr, __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                              \
-    }                                                                                            \
+      std::exit(1);                                                                                        \
+    }                                                                                                      \
   } while (0)
 
-#define CHECK_CUBLAS(expr)                                                                               \
-  do {                                                                                                  \
-    const cublasStatus_t s_ = (expr);                                                                   \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                  \
-      std::fprintf(stderr, "%s failed at %s:%d: %s\n", #expr, __FILE__, __LINE__, cublasGetStatusString(s_)); \
-      std::exit(1);                                                                                     \
-    }                                                                                                   \
+#define CHECK_CUBLAS(expr)                                                        \
+  do {                                                                            \
+    const cublasStatus_t s_ = (expr);                                             \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                            \
+      std::fprintf(stderr, "%s failed at %s:%d: %s\n", #expr, __FILE__, __LINE__, \
+                   cublasGetStatusString(s_));                                    \
+      std::exit(1);                                                               \
+    }                                                                             \
   } while (0)
 
 // Random bf16 bits of uniform values in [lo, hi) (xorshift64*; fast enough for 10⁸ values).
@@ -150,8 +151,9 @@ int main(int argc, char** argv) {
     CHECK_CUBLAS(cublasSetStream(handle, stream));
     const float alpha = 1.0f, beta = 0.0f;
     gemm_ms = TimeMs(reps, stream, [&] {
-      CHECK_CUBLAS(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b, CUDA_R_16BF,
-                                n, &beta, c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      CHECK_CUBLAS(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b,
+                                CUDA_R_16BF, n, &beta, c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                                CUBLAS_GEMM_DEFAULT));
     });
     gemm_tflops = 2.0 * n * static_cast<double>(n) * n / (gemm_ms * 1e-3) / 1e12;
     CHECK_CUBLAS(cublasDestroy(handle));
@@ -162,9 +164,12 @@ int main(int argc, char** argv) {
 
   // ---- attention inputs, sized for the largest shape ----
   const int64_t kTokens = 16384, kHeads = 32, kMaxKvHeads = 32, kDim = 128;
-  const std::vector<uint16_t> q_h = RandomBf16Bits(static_cast<size_t>(kTokens * kHeads * kDim), -2.0f, 2.0f, 21);
-  const std::vector<uint16_t> k_h = RandomBf16Bits(static_cast<size_t>(kTokens * kMaxKvHeads * kDim), -2.0f, 2.0f, 22);
-  const std::vector<uint16_t> v_h = RandomBf16Bits(static_cast<size_t>(kTokens * kMaxKvHeads * kDim), -1.0f, 1.0f, 23);
+  const std::vector<uint16_t> q_h =
+      RandomBf16Bits(static_cast<size_t>(kTokens * kHeads * kDim), -2.0f, 2.0f, 21);
+  const std::vector<uint16_t> k_h =
+      RandomBf16Bits(static_cast<size_t>(kTokens * kMaxKvHeads * kDim), -2.0f, 2.0f, 22);
+  const std::vector<uint16_t> v_h =
+      RandomBf16Bits(static_cast<size_t>(kTokens * kMaxKvHeads * kDim), -1.0f, 1.0f, 23);
   std::vector<int32_t> slots_h(static_cast<size_t>(kTokens));
   std::iota(slots_h.begin(), slots_h.end(), 0);
   std::shuffle(slots_h.begin(), slots_h.end(), std::mt19937(5));
@@ -189,7 +194,8 @@ int main(int argc, char** argv) {
       const int64_t batch = kTokens / chunk;
       std::vector<int32_t> indptr_h(static_cast<size_t>(batch + 1));
       for (int64_t r = 0; r <= batch; ++r) indptr_h[static_cast<size_t>(r)] = static_cast<int32_t>(r * chunk);
-      CHECK_CUDA(cudaMemcpy(indptr, indptr_h.data(), indptr_h.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+      CHECK_CUDA(
+          cudaMemcpy(indptr, indptr_h.data(), indptr_h.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
       AttentionParams p;
       p.q = reinterpret_cast<const __nv_bfloat16*>(q);
       p.k_cache = reinterpret_cast<const __nv_bfloat16*>(k);
@@ -229,7 +235,8 @@ int main(int argc, char** argv) {
           const int64_t slot = slots_h[static_cast<size_t>(r * chunk + j)];
           double dot = 0.0;
           for (int64_t d = 0; d < kDim; ++d) {
-            dot += static_cast<double>(tandem::Bf16ToFloat(q_h[static_cast<size_t>((t * kHeads + h) * kDim + d)])) *
+            dot += static_cast<double>(
+                       tandem::Bf16ToFloat(q_h[static_cast<size_t>((t * kHeads + h) * kDim + d)])) *
                    tandem::Bf16ToFloat(k_h[static_cast<size_t>((slot * kv_heads + kvh) * kDim + d)]);
           }
           scores[static_cast<size_t>(j)] = dot * p.scale;
@@ -273,8 +280,10 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
   }
-  std::printf("(d128, fresh prefill, %lld tokens per batch, shuffled slot table, median of %d runs; spot checks %s)\n",
-              static_cast<long long>(kTokens), reps, all_checks_ok ? "passed" : "FAILED");
+  std::printf(
+      "(d128, fresh prefill, %lld tokens per batch, shuffled slot table, median of %d runs; spot checks "
+      "%s)\n",
+      static_cast<long long>(kTokens), reps, all_checks_ok ? "passed" : "FAILED");
 
   if (!json_path.empty()) {
     FILE* f = std::fopen(json_path.c_str(), "w");
@@ -288,11 +297,12 @@ int main(int argc, char** argv) {
                  static_cast<long long>(kTokens), reps, all_checks_ok ? "true" : "false");
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
-      std::fprintf(f,
-                   "    {\"kind\": \"%s\", \"chunk\": %lld, \"batch\": %lld, \"time_ms\": %.4f, \"tflops\": %.2f, "
-                   "\"pct_gemm\": %.2f}%s\n",
-                   r.kind.c_str(), static_cast<long long>(r.chunk), static_cast<long long>(r.batch), r.time_ms,
-                   r.tflops, r.pct_gemm, i + 1 < rows.size() ? "," : "");
+      std::fprintf(
+          f,
+          "    {\"kind\": \"%s\", \"chunk\": %lld, \"batch\": %lld, \"time_ms\": %.4f, \"tflops\": %.2f, "
+          "\"pct_gemm\": %.2f}%s\n",
+          r.kind.c_str(), static_cast<long long>(r.chunk), static_cast<long long>(r.batch), r.time_ms,
+          r.tflops, r.pct_gemm, i + 1 < rows.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);

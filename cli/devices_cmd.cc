@@ -13,10 +13,11 @@ void AddDevicesCommand(CLI::App& app) {
     if (!devices.ok()) Fail("devices", devices.status());
     if (devices->empty()) std::printf("no CUDA device found; tandem runs on the CPU backend\n");
     for (const kernels::CudaDeviceInfo& d : *devices) {
-      std::printf("%s\n", absl::StrFormat("cuda:%d  %s  sm_%d%d  %d SMs  %.1f GiB (%.1f GiB free)", d.index,
-                                          d.name, d.compute_major, d.compute_minor, d.multiprocessors,
-                                          d.total_memory_bytes / 1073741824.0, d.free_memory_bytes / 1073741824.0)
-                            .c_str());
+      std::printf("%s\n",
+                  absl::StrFormat("cuda:%d  %s  sm_%d%d  %d SMs  %.1f GiB (%.1f GiB free)", d.index, d.name,
+                                  d.compute_major, d.compute_minor, d.multiprocessors,
+                                  d.total_memory_bytes / 1073741824.0, d.free_memory_bytes / 1073741824.0)
+                      .c_str());
     }
   });
 }

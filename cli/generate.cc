@@ -79,7 +79,8 @@ absl::StatusOr<std::vector<GenerationRequest>> BuildRequests(const GenerateArgs&
 
 absl::Status RunGenerate(const GenerateArgs& a) {
   const std::optional<LogLevel> level = ParseLogLevel(a.log_level);
-  if (!level) return absl::InvalidArgumentError(absl::StrCat("--log-level: unknown level \"", a.log_level, "\""));
+  if (!level)
+    return absl::InvalidArgumentError(absl::StrCat("--log-level: unknown level \"", a.log_level, "\""));
   InitLogging("generate", *level);
   std::vector<std::string> sets = a.sets;
   if (!a.device.empty()) sets.push_back("runtime.device=" + a.device);  // --device wins
@@ -94,8 +95,10 @@ absl::Status RunGenerate(const GenerateArgs& a) {
   TANDEM_LOG_INFO("generate", "loading ", source->Describe());
   ASSIGN_OR_RETURN(std::unique_ptr<ColocatedEngine> engine,
                    ColocatedEngine::Create(*source, EngineOptionsFromConfig(*config)));
-  TANDEM_LOG_INFO("generate", absl::StrFormat("model ready in %.2f s",
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count()));
+  TANDEM_LOG_INFO(
+      "generate",
+      absl::StrFormat("model ready in %.2f s",
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count()));
 
   const auto t0 = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(std::vector<GenerationResult> results, engine->GenerateAll(std::move(requests)));
@@ -119,11 +122,9 @@ absl::Status RunGenerate(const GenerateArgs& a) {
       std::cout << "[" << i << "] " << r.prompt_tokens << " prompt tokens -> " << r.token_ids.size()
                 << " tokens (" << r.finish_reason << "): " << absl::StrJoin(r.token_ids, " ") << "\n";
       if (a.logprobs) {
-        std::cout << "    logprobs: "
-                  << absl::StrJoin(r.logprobs, " ", [](std::string* out, float v) {
-                       absl::StrAppend(out, absl::StrFormat("%.4f", v));
-                     })
-                  << "\n";
+        std::cout << "    logprobs: " << absl::StrJoin(r.logprobs, " ", [](std::string* out, float v) {
+          absl::StrAppend(out, absl::StrFormat("%.4f", v));
+        }) << "\n";
       }
     }
   }
@@ -156,20 +157,28 @@ void AddGenerateCommand(CLI::App& app) {
                                "\"top_k\"?, \"top_p\"?, \"seed\"?}; results print in input order");
   ids->excludes(file);
   cmd->add_option("--max-tokens", a->max_tokens, "tokens to generate per request at most")
-      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--temperature", a->temperature, "sampling temperature; 0 is greedy")
-      ->capture_default_str()->check(CLI::Range(0.0, 1e6));
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e6));
   cmd->add_option("--top-k", a->top_k, "keep the k most likely tokens; 0 keeps all")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--top-p", a->top_p, "nucleus sampling mass in (0, 1]; 1 keeps all")
-      ->capture_default_str()->check(CLI::Range(1e-9, 1.0));
-  cmd->add_option("--seed", a->seed, "sampling seed (per request; same seed, same tokens)")->capture_default_str();
-  cmd->add_option("--weight-seed", a->weight_seed, "seed of a preset's random weights")->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(1e-9, 1.0));
+  cmd->add_option("--seed", a->seed, "sampling seed (per request; same seed, same tokens)")
+      ->capture_default_str();
+  cmd->add_option("--weight-seed", a->weight_seed, "seed of a preset's random weights")
+      ->capture_default_str();
   cmd->add_flag("--logprobs", a->logprobs, "also print the log-probability of each generated token");
-  cmd->add_flag("--json", a->json,
-                "print one JSON object per request: token_ids, logprobs (with --logprobs), finish_reason, usage");
+  cmd->add_flag(
+      "--json", a->json,
+      "print one JSON object per request: token_ids, logprobs (with --logprobs), finish_reason, usage");
   cmd->add_flag("--ignore-eos", a->ignore_eos, "do not stop at end-of-sequence tokens");
-  cmd->add_option("--config", a->config_file, "YAML file with scheduler.* and kv.* settings (see `tandem config help`)")
+  cmd->add_option("--config", a->config_file,
+                  "YAML file with scheduler.* and kv.* settings (see `tandem config help`)")
       ->check(CLI::ExistingFile);
   cmd->add_option("--set", a->sets, "override a setting: --set scheduler.max_batch_size=8 (repeatable)");
   cmd->add_option("--device", a->device,
@@ -177,7 +186,8 @@ void AddGenerateCommand(CLI::App& app) {
   cmd->add_option("--log-level", a->log_level, "debug, info, warn or error")->capture_default_str();
   cmd->callback([a] {
     if (a->prompt_ids.empty() && a->prompts_file.empty()) {
-      Fail("generate", absl::InvalidArgumentError("one of --prompt-ids or --prompts-file is required (see --help)"));
+      Fail("generate",
+           absl::InvalidArgumentError("one of --prompt-ids or --prompts-file is required (see --help)"));
     }
     absl::Status st = RunGenerate(*a);
     if (!st.ok()) Fail("generate", st);

@@ -14,8 +14,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   // One line on bad arguments, non-zero exit (the default prints two).
   app.failure_message([](const CLI::App* failed, const CLI::Error& e) {
-    return std::string("tandem") + (failed->get_parent() ? " " + failed->get_name() : std::string()) +
-           ": " + e.what() + " (see --help)\n";
+    return std::string("tandem") + (failed->get_parent() ? " " + failed->get_name() : std::string()) + ": " +
+           e.what() + " (see --help)\n";
   });
   tandem::cli::AddGenerateCommand(app);
   tandem::cli::AddConfigCommand(app);

@@ -32,7 +32,8 @@ namespace {
 
 using Json = nlohmann::json;
 
-absl::Status KeyError(absl::string_view where, absl::string_view key, absl::string_view what, const Json& got) {
+absl::Status KeyError(absl::string_view where, absl::string_view key, absl::string_view what,
+                      const Json& got) {
   return absl::InvalidArgumentError(absl::StrCat(where, ": key '", key, "': ", what, ", got ", got.dump()));
 }
 
@@ -54,7 +55,8 @@ absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(absl::string_view text
       const std::string& key = it.key();
       const Json& v = it.value();
       if (key == "prompt_ids") {
-        if (!v.is_array() || v.empty()) return KeyError(where, key, "expected a non-empty array of token ids", v);
+        if (!v.is_array() || v.empty())
+          return KeyError(where, key, "expected a non-empty array of token ids", v);
         for (const Json& e : v) {
           if (!e.is_number_integer() || e.get<int64_t>() < 0 || e.get<int64_t>() > INT32_MAX) {
             return KeyError(where, key, "expected non-negative integer token ids", e);
@@ -64,7 +66,8 @@ absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(absl::string_view text
         have_ids = true;
       } else if (key == "max_tokens" || key == "top_k") {
         if (!v.is_number_integer() || v.get<int64_t>() < (key == "max_tokens" ? 1 : 0)) {
-          return KeyError(where, key, key == "max_tokens" ? "expected an integer >= 1" : "expected an integer >= 0", v);
+          return KeyError(where, key,
+                          key == "max_tokens" ? "expected an integer >= 1" : "expected an integer >= 0", v);
         }
         (key == "max_tokens" ? p.max_tokens : p.top_k) = v.get<int64_t>();
       } else if (key == "temperature" || key == "top_p") {
@@ -74,8 +77,9 @@ absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(absl::string_view text
         if (!v.is_number_unsigned()) return KeyError(where, key, "expected a non-negative integer", v);
         p.seed = v.get<uint64_t>();
       } else {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, ": unknown key '", key, "' (known: prompt_ids, max_tokens, temperature, top_k, top_p, seed)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": unknown key '", key,
+                         "' (known: prompt_ids, max_tokens, temperature, top_k, top_p, seed)"));
       }
     }
     if (!have_ids) return absl::InvalidArgumentError(absl::StrCat(where, ": missing key 'prompt_ids'"));

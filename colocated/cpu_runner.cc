@@ -33,7 +33,8 @@ class CpuRunner : public ModelRunner {
   int64_t kv_capacity() const override { return num_slots_; }
   std::string device() const override { return "cpu"; }
 
-  absl::Status Forward(const StepBatch& b, std::vector<int32_t>* tokens, std::vector<float>* logprobs) override {
+  absl::Status Forward(const StepBatch& b, std::vector<int32_t>* tokens,
+                       std::vector<float>* logprobs) override {
     const ModelSpec& s = spec();
     const int64_t t = b.num_tokens();
     const int64_t hidden = s.hidden_size, qd = s.q_dim(), kvd = s.kv_dim();
@@ -99,13 +100,14 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCpuRunner(const WeightSource&
   int64_t slots = options.kv_capacity_tokens;
   if (slots == 0) {
     const int64_t avail = AvailableHostBytes();
-    const int64_t by_memory = static_cast<int64_t>(static_cast<double>(avail) * options.kv_memory_fraction) / per_token;
+    const int64_t by_memory =
+        static_cast<int64_t>(static_cast<double>(avail) * options.kv_memory_fraction) / per_token;
     // Never more than the batch could ever use.
     slots = std::min(by_memory, options.max_batch_size * spec.max_position);
     if (slots < 1) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "no host memory left for the KV cache (", avail >> 20, " MiB available, ", per_token,
-          " bytes per token); set kv.capacity_tokens or use a smaller model"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("no host memory left for the KV cache (", avail >> 20, " MiB available, ", per_token,
+                       " bytes per token); set kv.capacity_tokens or use a smaller model"));
     }
   }
   if (slots > INT32_MAX) return absl::InvalidArgumentError("kv.capacity_tokens exceeds 2^31-1");

@@ -78,8 +78,8 @@ class CudaRunner : public ModelRunner {
     if (stream_) cudaStreamDestroy(stream_);
   }
 
-  static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const WeightSource& source, const RunnerOptions& o,
-                                                             int device) {
+  static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const WeightSource& source,
+                                                             const RunnerOptions& o, int device) {
     if (const std::string why = CudaRunnerUnsupported(source.spec()); !why.empty()) {
       return absl::UnimplementedError(absl::StrCat("runtime.device cuda: ", why));
     }
@@ -111,7 +111,8 @@ class CudaRunner : public ModelRunner {
     RETURN_IF_ERROR(r->q_.Reserve(t * q_dim * 2));
     RETURN_IF_ERROR(r->attn_.Reserve(t * q_dim * 2));
     RETURN_IF_ERROR(r->logits_.Reserve(r->max_requests_ * s.vocab_size * 4));
-    RETURN_IF_ERROR(r->sample_ws_.Reserve(std::max<int64_t>(16, kc::SampleWorkspaceBytes(r->max_requests_, s.vocab_size))));
+    RETURN_IF_ERROR(r->sample_ws_.Reserve(
+        std::max<int64_t>(16, kc::SampleWorkspaceBytes(r->max_requests_, s.vocab_size))));
     RETURN_IF_ERROR(r->out_.Reserve(r->max_requests_ * 8));
     CUDA_RETURN_IF_ERROR(cudaMallocHost(&r->host_out_, static_cast<size_t>(r->max_requests_ * 8)));
 
@@ -121,7 +122,8 @@ class CudaRunner : public ModelRunner {
     size_t free_b = 0, total_b = 0;
     CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_b, &total_b));
     if (slots == 0) {
-      const int64_t by_memory = static_cast<int64_t>(static_cast<double>(free_b) * o.kv_memory_fraction) / per_token;
+      const int64_t by_memory =
+          static_cast<int64_t>(static_cast<double>(free_b) * o.kv_memory_fraction) / per_token;
       slots = std::min<int64_t>({by_memory, o.max_batch_size * s.max_position, INT32_MAX});
       if (slots < 1) {
         return absl::ResourceExhaustedError(absl::StrFormat(
@@ -129,17 +131,20 @@ class CudaRunner : public ModelRunner {
             free_b / 1073741824.0, per_token));
       }
     }
-    RETURN_IF_ERROR(Annotate(r->kv_.Reserve(slots * per_token), "allocating the KV cache (kv.capacity_tokens)"));
+    RETURN_IF_ERROR(
+        Annotate(r->kv_.Reserve(slots * per_token), "allocating the KV cache (kv.capacity_tokens)"));
     r->num_slots_ = slots;
     // Metadata: tokens, positions, slots (3T), indptrs (4R+4), context slots (<= capacity),
     // sample rows and parameters (6R), with 16-byte alignment slack per segment.
-    const int64_t meta_bytes = (3 * t + 4 * (r->max_requests_ + 1) + slots) * 4 + r->max_requests_ * 32 + 16 * 16;
+    const int64_t meta_bytes =
+        (3 * t + 4 * (r->max_requests_ + 1) + slots) * 4 + r->max_requests_ * 32 + 16 * 16;
     RETURN_IF_ERROR(r->meta_.Reserve(meta_bytes));
     CUDA_RETURN_IF_ERROR(cudaMallocHost(&r->host_meta_, static_cast<size_t>(meta_bytes)));
     r->host_meta_bytes_ = meta_bytes;
-    TANDEM_LOG_INFO("engine", s.Summary(), "; device ", r->device_name_,
-                    absl::StrFormat("; weights %.2f GiB bf16; KV cache %d tokens (%.2f GiB bf16)",
-                                    r->weights_->bytes() / 1073741824.0, slots, slots * per_token / 1073741824.0));
+    TANDEM_LOG_INFO(
+        "engine", s.Summary(), "; device ", r->device_name_,
+        absl::StrFormat("; weights %.2f GiB bf16; KV cache %d tokens (%.2f GiB bf16)",
+                        r->weights_->bytes() / 1073741824.0, slots, slots * per_token / 1073741824.0));
     return std::unique_ptr<ModelRunner>(std::move(r));
   }
 
@@ -155,7 +160,8 @@ class CudaRunner : public ModelRunner {
     return out;
   }
 
-  absl::Status Forward(const StepBatch& b, std::vector<int32_t>* tokens, std::vector<float>* logprobs) override {
+  absl::Status Forward(const StepBatch& b, std::vector<int32_t>* tokens,
+                       std::vector<float>* logprobs) override {
     const ModelSpec& s = spec();
     const int64_t t = b.num_tokens();
     const int64_t num_req = b.num_requests();
@@ -198,7 +204,8 @@ class CudaRunner : public ModelRunner {
     const int64_t o_seed = meta_packer_.Add(seed);
     const int64_t o_counter = meta_packer_.Add(b.counters);
     const std::vector<unsigned char>& mb = meta_packer_.bytes();
-    if (static_cast<int64_t>(mb.size()) > host_meta_bytes_) return absl::InternalError("CudaRunner: metadata overflow");
+    if (static_cast<int64_t>(mb.size()) > host_meta_bytes_)
+      return absl::InternalError("CudaRunner: metadata overflow");
     // The previous step synchronised at its end, so the pinned buffer is free to overwrite.
     std::memcpy(host_meta_, mb.data(), mb.size());
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(meta_.ptr, host_meta_, mb.size(), cudaMemcpyHostToDevice, stream_));
@@ -235,7 +242,8 @@ class CudaRunner : public ModelRunner {
       app.kv_dim = kv_dim;
       app.num_slots = num_slots_;
       RETURN_IF_ERROR(kc::KvAppend(app, stream_));
-      CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(q, q_dim * 2, qkv, width * 2, q_dim * 2, t, cudaMemcpyDeviceToDevice, stream_));
+      CUDA_RETURN_IF_ERROR(
+          cudaMemcpy2DAsync(q, q_dim * 2, qkv, width * 2, q_dim * 2, t, cudaMemcpyDeviceToDevice, stream_));
       timer_.Mark(PhaseTimer::kOther);
       kc::AttentionParams ap;
       ap.k_cache = kc_layer;
@@ -287,12 +295,14 @@ class CudaRunner : public ModelRunner {
       sp.vocab = s.vocab_size;
       RETURN_IF_ERROR(kc::SampleTokens(sp, sample_ws_.ptr, stream_));
       timer_.Mark(PhaseTimer::kSampling);
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_out_, out_.ptr, static_cast<size_t>(rows * 8), cudaMemcpyDeviceToHost, stream_));
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_out_, out_.ptr, static_cast<size_t>(rows * 8),
+                                           cudaMemcpyDeviceToHost, stream_));
     }
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     timer_.Collect();
     const auto* out_tokens = static_cast<const int32_t*>(host_out_);
-    const auto* out_logprobs = reinterpret_cast<const float*>(static_cast<const unsigned char*>(host_out_) + rows * 4);
+    const auto* out_logprobs =
+        reinterpret_cast<const float*>(static_cast<const unsigned char*>(host_out_) + rows * 4);
     tokens->insert(tokens->end(), out_tokens, out_tokens + rows);
     logprobs->insert(logprobs->end(), out_logprobs, out_logprobs + rows);
     return absl::OkStatus();
@@ -318,13 +328,14 @@ class CudaRunner : public ModelRunner {
 
 std::string CudaRunnerUnsupported(const ModelSpec& spec) {
   if (spec.head_dim != 64 && spec.head_dim != 128) {
-    return absl::StrCat("head_dim ", spec.head_dim, " is not supported by the CUDA attention kernels (64 or 128)");
+    return absl::StrCat("head_dim ", spec.head_dim,
+                        " is not supported by the CUDA attention kernels (64 or 128)");
   }
   return "";
 }
 
-absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(const WeightSource& source, const RunnerOptions& options,
-                                                              int device) {
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(const WeightSource& source,
+                                                              const RunnerOptions& options, int device) {
   return CudaRunner::Create(source, options, device);
 }
 

@@ -9,7 +9,6 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
-#include "common/log.h"
 #include "common/status.h"
 #include "kernels/cuda/device.h"
 
@@ -21,7 +20,8 @@ void AddEngineKnobs(ConfigSchema* schema) {
   const EngineOptions d;
   schema->String("runtime.device", d.device, "cpu, cuda, cuda:N, or auto (cuda:0 when a GPU is present)")
       .Int("scheduler.max_batch_size", d.max_batch_size,
-           "requests batched in one step; 0: as many as the KV cache holds (at most max_tokens_per_step)", 0, 65536)
+           "requests batched in one step; 0: as many as the KV cache holds (at most max_tokens_per_step)", 0,
+           65536)
       .Int("scheduler.max_tokens_per_step", d.max_tokens_per_step,
            "decode tokens plus prefill-chunk tokens in one step (>= max_batch_size)", 1, 1 << 20)
       .Int("kv.capacity_tokens", d.kv_capacity_tokens,
@@ -70,7 +70,8 @@ absl::StatusOr<int> ResolveDevice(const std::string& device, const ModelSpec& sp
     return 0;
   }
   int index = 0;
-  if (device == "cuda" || (device.rfind("cuda:", 0) == 0 && absl::SimpleAtoi(device.substr(5), &index) && index >= 0)) {
+  if (device == "cuda" ||
+      (device.rfind("cuda:", 0) == 0 && absl::SimpleAtoi(device.substr(5), &index) && index >= 0)) {
     return index;
   }
   return absl::InvalidArgumentError(
@@ -80,16 +81,17 @@ absl::StatusOr<int> ResolveDevice(const std::string& device, const ModelSpec& sp
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const WeightSource& source,
-                                                                          const EngineOptions& requested) {
+                                                                         const EngineOptions& requested) {
   EngineOptions options = requested;
   if (options.max_batch_size < 0) return absl::InvalidArgumentError("scheduler.max_batch_size must be >= 0");
-  if (options.max_tokens_per_step < 1) return absl::InvalidArgumentError("scheduler.max_tokens_per_step must be >= 1");
+  if (options.max_tokens_per_step < 1)
+    return absl::InvalidArgumentError("scheduler.max_tokens_per_step must be >= 1");
   if (options.max_batch_size == 0) options.max_batch_size = options.max_tokens_per_step;  // the KV limits it
   if (options.max_tokens_per_step < options.max_batch_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "scheduler.max_tokens_per_step (", options.max_tokens_per_step,
-        ") must be at least scheduler.max_batch_size (", options.max_batch_size,
-        "): every decoding request needs one token per step"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("scheduler.max_tokens_per_step (", options.max_tokens_per_step,
+                     ") must be at least scheduler.max_batch_size (", options.max_batch_size,
+                     "): every decoding request needs one token per step"));
   }
   ASSIGN_OR_RETURN(const int device, ResolveDevice(options.device, source.spec()));
   const RunnerOptions ro{.max_batch_size = options.max_batch_size,
@@ -115,8 +117,8 @@ absl::StatusOr<int64_t> ColocatedEngine::Submit(GenerationRequest request) {
   for (size_t i = 0; i < request.prompt.size(); ++i) {
     const int32_t t = request.prompt[i];
     if (t < 0 || t >= s.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("prompt token ", i, " is ", t,
-                                                     ", outside the vocabulary [0, ", s.vocab_size, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt token ", i, " is ", t, ", outside the vocabulary [0, ", s.vocab_size, ")"));
     }
   }
   if (request.max_tokens < 1) {
@@ -181,7 +183,8 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
   std::vector<float> logprobs;
   RETURN_IF_ERROR(runner_->Forward(plan, &tokens, &logprobs));
   if (tokens.size() != sampled.size() || logprobs.size() != sampled.size()) {
-    return absl::InternalError(absl::StrCat("runner returned ", tokens.size(), " tokens for ", sampled.size(), " rows"));
+    return absl::InternalError(
+        absl::StrCat("runner returned ", tokens.size(), " tokens for ", sampled.size(), " rows"));
   }
 
   const ModelSpec& s = spec();
@@ -191,8 +194,8 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
     live.result.token_ids.push_back(token);
     live.result.logprobs.push_back(logprobs[i]);
     ++stats_.decode_tokens;
-    const bool eos = !live.request.ignore_eos &&
-                     std::find(s.eos_token_ids.begin(), s.eos_token_ids.end(), token) != s.eos_token_ids.end();
+    const bool eos = !live.request.ignore_eos && std::find(s.eos_token_ids.begin(), s.eos_token_ids.end(),
+                                                           token) != s.eos_token_ids.end();
     if (eos) {
       live.result.finish_reason = "stop";
     } else if (static_cast<int64_t>(live.result.token_ids.size()) == live.request.max_tokens) {

@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/config.h"
 #include "colocated/runner.h"
+#include "common/config.h"
 #include "compute_node/weights.h"
 #include "kernels/cpu/ops.h"
 #include "memory_node/kv_slot_allocator.h"
@@ -29,13 +29,13 @@
 namespace tandem {
 
 struct EngineOptions {
-  std::string device = "auto";          // "cpu", "cuda", "cuda:N", or "auto" (cuda:0 if present)
-  int64_t max_batch_size = 0;           // requests in one step; 0: as many as the KV cache holds
-                                        // (at most max_tokens_per_step)
-  int64_t max_tokens_per_step = 2048;   // decode tokens + prefill chunk tokens in one step
-  int64_t kv_capacity_tokens = 0;       // KV slots; 0: sized from free device or host memory
-  double kv_memory_fraction = 0.9;      // share of free memory (after weights) for KV when auto
-  bool profile = false;                 // per-phase device times (benchmarks; see PhaseTotalsMs)
+  std::string device = "auto";         // "cpu", "cuda", "cuda:N", or "auto" (cuda:0 if present)
+  int64_t max_batch_size = 0;          // requests in one step; 0: as many as the KV cache holds
+                                       // (at most max_tokens_per_step)
+  int64_t max_tokens_per_step = 2048;  // decode tokens + prefill chunk tokens in one step
+  int64_t kv_capacity_tokens = 0;      // KV slots; 0: sized from free device or host memory
+  double kv_memory_fraction = 0.9;     // share of free memory (after weights) for KV when auto
+  bool profile = false;                // per-phase device times (benchmarks; see PhaseTotalsMs)
 };
 
 // The knobs of EngineOptions as config schema sections ("runtime.*", "scheduler.*", "kv.*") and
@@ -44,24 +44,24 @@ void AddEngineKnobs(ConfigSchema* schema);
 EngineOptions EngineOptionsFromConfig(const Config& config);
 
 struct GenerationRequest {
-  std::vector<int32_t> prompt;         // token ids, at least one
-  int64_t max_tokens = 16;             // generated tokens at most, >= 1
+  std::vector<int32_t> prompt;  // token ids, at least one
+  int64_t max_tokens = 16;      // generated tokens at most, >= 1
   kernels::cpu::SamplingParams sampling;
-  bool ignore_eos = false;             // keep going past EOS (benchmarks)
+  bool ignore_eos = false;  // keep going past EOS (benchmarks)
 };
 
 struct GenerationResult {
-  std::vector<int32_t> token_ids;      // generated tokens (EOS included when it stopped there)
-  std::vector<float> logprobs;         // natural log-probability of each generated token
-  std::string finish_reason;           // "stop" (EOS) or "length" (max_tokens or context end)
+  std::vector<int32_t> token_ids;  // generated tokens (EOS included when it stopped there)
+  std::vector<float> logprobs;     // natural log-probability of each generated token
+  std::string finish_reason;       // "stop" (EOS) or "length" (max_tokens or context end)
   int64_t prompt_tokens = 0;
 };
 
 struct EngineStats {
   int64_t steps = 0;
   int64_t prefill_tokens = 0;
-  int64_t decode_tokens = 0;     // generated tokens
-  double busy_seconds = 0;       // wall time inside Step()
+  int64_t decode_tokens = 0;  // generated tokens
+  double busy_seconds = 0;    // wall time inside Step()
 };
 
 class ColocatedEngine {
@@ -70,7 +70,7 @@ class ColocatedEngine {
   // with kv.capacity_tokens 0, from the memory left after the weights, so the batch is limited
   // by the memory the KV needs rather than by a constant.
   static absl::StatusOr<std::unique_ptr<ColocatedEngine>> Create(const WeightSource& source,
-                                                                  const EngineOptions& options);
+                                                                 const EngineOptions& options);
 
   // Queues a request and returns its id (0, 1, 2, ... in submission order). InvalidArgument for
   // an empty prompt, an id outside the vocabulary, max_tokens < 1, bad sampling parameters, or a
@@ -98,8 +98,8 @@ class ColocatedEngine {
   struct Live {
     int64_t id = 0;
     GenerationRequest request;
-    std::vector<int32_t> slots;      // KV slots of tokens processed so far, in position order
-    int64_t prefilled = 0;           // prompt tokens processed
+    std::vector<int32_t> slots;  // KV slots of tokens processed so far, in position order
+    int64_t prefilled = 0;       // prompt tokens processed
     GenerationResult result;
   };
   ColocatedEngine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options);

@@ -23,12 +23,12 @@ namespace tandem {
 // every single-row request (decode, or a one-token prefill chunk) first: the first `num_single`
 // requests have exactly one query row each.
 struct StepBatch {
-  std::vector<int32_t> tokens;      // (T) input token of each row
-  std::vector<int32_t> positions;   // (T) its position in its request's context
-  std::vector<int32_t> new_slots;   // (T) the KV slot its K and V are written to
-  std::vector<int32_t> q_indptr;    // (R + 1) rows of request r: [q_indptr[r], q_indptr[r+1])
-  std::vector<int32_t> kv_indptr;   // (R + 1)
-  std::vector<int32_t> kv_slots;    // slots of each request's whole context, in position order
+  std::vector<int32_t> tokens;     // (T) input token of each row
+  std::vector<int32_t> positions;  // (T) its position in its request's context
+  std::vector<int32_t> new_slots;  // (T) the KV slot its K and V are written to
+  std::vector<int32_t> q_indptr;   // (R + 1) rows of request r: [q_indptr[r], q_indptr[r+1])
+  std::vector<int32_t> kv_indptr;  // (R + 1)
+  std::vector<int32_t> kv_slots;   // slots of each request's whole context, in position order
   int64_t num_single = 0;
   int64_t max_kv_len = 0, max_q_len = 0;
   // Rows whose logits are sampled, with their sampling parameters and counters.

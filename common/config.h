@@ -40,7 +40,7 @@ namespace tandem {
 enum class KnobType : uint8_t { kInt, kDouble, kBool, kString, kEnum };
 
 struct KnobSpec {
-  std::string path;           // dotted YAML path, e.g. "scheduler.max_batch_size"
+  std::string path;  // dotted YAML path, e.g. "scheduler.max_batch_size"
   KnobType type = KnobType::kString;
   std::string default_value;  // text read as a plain YAML scalar (kString: as is); checked on Add
   std::string help;
@@ -55,8 +55,8 @@ struct KnobSpec {
 // Not thread-safe while knobs are added; const use from many threads is fine.
 class ConfigSchema {
  public:
-  ConfigSchema& Int(std::string path, int64_t def, std::string help,
-                    std::optional<double> min = std::nullopt, std::optional<double> max = std::nullopt);
+  ConfigSchema& Int(std::string path, int64_t def, std::string help, std::optional<double> min = std::nullopt,
+                    std::optional<double> max = std::nullopt);
   ConfigSchema& Double(std::string path, double def, std::string help,
                        std::optional<double> min = std::nullopt, std::optional<double> max = std::nullopt);
   ConfigSchema& Bool(std::string path, bool def, std::string help);
@@ -113,8 +113,7 @@ class Config {
 // YAML scalars). Unknown keys, a section where a value is expected (or the reverse), wrong types
 // and out-of-range values are InvalidArgument naming the path and the source.
 absl::StatusOr<Config> LoadConfig(const ConfigSchema& schema, std::string_view yaml_text,
-                                  std::string_view yaml_source,
-                                  const std::vector<std::string>& overrides);
+                                  std::string_view yaml_source, const std::vector<std::string>& overrides);
 // Same, reading the YAML from `path` (NotFound naming the path if it cannot be read).
 absl::StatusOr<Config> LoadConfigFile(const ConfigSchema& schema, const std::string& path,
                                       const std::vector<std::string>& overrides);

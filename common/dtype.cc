@@ -51,12 +51,12 @@ uint16_t FloatToF16(float f) {
   std::memcpy(&bits, &f, 4);
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   const uint32_t abs = bits & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7e00u;     // NaN
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;    // overflow (incl. inf) after rounding
-  if (abs < 0x38800000u) {                          // subnormal or zero in f16
+  if (abs > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // overflow (incl. inf) after rounding
+  if (abs < 0x38800000u) {                        // subnormal or zero in f16
     float a;
     std::memcpy(&a, &abs, 4);
-    float scaled = a * 16777216.0f;                 // 2^24: units of the smallest subnormal
+    float scaled = a * 16777216.0f;                              // 2^24: units of the smallest subnormal
     uint32_t m = static_cast<uint32_t>(std::nearbyint(scaled));  // ties to even (default mode)
     return sign | static_cast<uint16_t>(m);
   }

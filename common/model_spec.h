@@ -28,8 +28,8 @@ struct RopeSpec {
 };
 
 struct ModelSpec {
-  std::string name;         // preset name, or the checkpoint directory
-  std::string model_type;   // "llama", "mistral"
+  std::string name;        // preset name, or the checkpoint directory
+  std::string model_type;  // "llama", "mistral"
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -41,8 +41,8 @@ struct ModelSpec {
   double rms_norm_eps = 1e-5;
   RopeSpec rope;
   bool tie_word_embeddings = false;
-  int32_t bos_token_id = -1;             // -1: none
-  std::vector<int32_t> eos_token_ids;    // generation stops at any of these
+  int32_t bos_token_id = -1;           // -1: none
+  std::vector<int32_t> eos_token_ids;  // generation stops at any of these
   // dtype the checkpoint stores: config.json's torch_dtype / dtype, replaced by OpenCheckpoint
   // with the dtype of the tensors when they all agree (presets: bf16).
   DType weight_dtype = DType::kBF16;
@@ -52,9 +52,7 @@ struct ModelSpec {
   // Parameters including embeddings and LM head (counted once when tied).
   int64_t num_parameters() const;
   // Bytes of K and V for one token over all layers at element size `elem_bytes`.
-  int64_t kv_bytes_per_token(int64_t elem_bytes) const {
-    return 2 * num_layers * kv_dim() * elem_bytes;
-  }
+  int64_t kv_bytes_per_token(int64_t elem_bytes) const { return 2 * num_layers * kv_dim() * elem_bytes; }
 
   // Checks internal consistency: every size positive and at most 2^30, num_kv_heads divides
   // num_heads, head_dim even, at most 10^13 parameters, rms_norm_eps and rope.theta positive,

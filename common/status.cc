@@ -41,8 +41,8 @@ absl::Status ErrnoToStatus(int err, std::string_view what) {
 
 namespace internal {
 void CheckFailed(const char* expr, const char* file, int line, const std::string& msg) {
-  std::fprintf(stderr, "tandem: CHECK failed at %s:%d: %s%s%s\n", file, line, expr,
-               msg.empty() ? "" : ": ", msg.c_str());
+  std::fprintf(stderr, "tandem: CHECK failed at %s:%d: %s%s%s\n", file, line, expr, msg.empty() ? "" : ": ",
+               msg.c_str());
   std::fflush(stderr);
   std::abort();
 }

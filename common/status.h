@@ -46,10 +46,10 @@ namespace internal {
 #define TANDEM_STATUS_CONCAT(a, b) TANDEM_STATUS_CONCAT_INNER(a, b)
 
 // Evaluates `expr` (an absl::Status) and returns it from the enclosing function if not OK.
-#define RETURN_IF_ERROR(expr)                                   \
-  do {                                                          \
-    ::absl::Status tandem_status_ = (expr);                     \
-    if (!tandem_status_.ok()) return tandem_status_;            \
+#define RETURN_IF_ERROR(expr)                        \
+  do {                                               \
+    ::absl::Status tandem_status_ = (expr);          \
+    if (!tandem_status_.ok()) return tandem_status_; \
   } while (0)
 
 // ASSIGN_OR_RETURN(lhs, expr): evaluates `expr` (an absl::StatusOr<T>); on error returns its
@@ -63,12 +63,11 @@ namespace internal {
 
 // Aborts with file:line and the expression when a programmer invariant is broken. Never use it
 // for input that comes from outside the process.
-#define TANDEM_CHECK(cond)                                                              \
-  do {                                                                                  \
+#define TANDEM_CHECK(cond)                                                                  \
+  do {                                                                                      \
     if (!(cond)) ::tandem::internal::CheckFailed(#cond, __FILE__, __LINE__, std::string()); \
   } while (0)
-#define TANDEM_CHECK_MSG(cond, ...)                                                     \
-  do {                                                                                  \
-    if (!(cond))                                                                        \
-      ::tandem::internal::CheckFailed(#cond, __FILE__, __LINE__, ::absl::StrCat(__VA_ARGS__)); \
+#define TANDEM_CHECK_MSG(cond, ...)                                                                       \
+  do {                                                                                                    \
+    if (!(cond)) ::tandem::internal::CheckFailed(#cond, __FILE__, __LINE__, ::absl::StrCat(__VA_ARGS__)); \
   } while (0)

@@ -77,8 +77,8 @@ absl::StatusOr<std::unique_ptr<CudaModelWeights>> CudaModelWeights::Upload(const
   CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_b, &total_b));
   if (static_cast<size_t>(total) > free_b) {
     return absl::ResourceExhaustedError(absl::StrFormat(
-        "%s needs %.1f GiB of device memory for bf16 weights; %.1f GiB of %.1f GiB are free", source.Describe(),
-        total / 1073741824.0, free_b / 1073741824.0, total_b / 1073741824.0));
+        "%s needs %.1f GiB of device memory for bf16 weights; %.1f GiB of %.1f GiB are free",
+        source.Describe(), total / 1073741824.0, free_b / 1073741824.0, total_b / 1073741824.0));
   }
   CUDA_RETURN_IF_ERROR(cudaMalloc(&w->base_, static_cast<size_t>(total)));
   w->bytes_ = total;
@@ -96,8 +96,10 @@ absl::StatusOr<std::unique_ptr<CudaModelWeights>> CudaModelWeights::Upload(const
       b16.resize(static_cast<size_t>(n));
       absl::Status st = source.ReadF32(tensors[i].name, f32.data());
       if (st.ok()) {
-        for (int64_t j = 0; j < n; ++j) b16[static_cast<size_t>(j)] = FloatToBf16(f32[static_cast<size_t>(j)]);
-        const cudaError_t e = cudaMemcpy(base + offset[i], b16.data(), static_cast<size_t>(n) * 2, cudaMemcpyHostToDevice);
+        for (int64_t j = 0; j < n; ++j)
+          b16[static_cast<size_t>(j)] = FloatToBf16(f32[static_cast<size_t>(j)]);
+        const cudaError_t e =
+            cudaMemcpy(base + offset[i], b16.data(), static_cast<size_t>(n) * 2, cudaMemcpyHostToDevice);
         if (e != cudaSuccess) st = kernels::CudaErrorToStatus(e, "cudaMemcpy(weights)", __FILE__, __LINE__);
       }
       errors[i] = st;
@@ -114,14 +116,16 @@ absl::StatusOr<std::unique_ptr<CudaModelWeights>> CudaModelWeights::Upload(const
   w->final_norm_ = at(HfNames::FinalNorm());
   w->lm_head_ = s.tie_word_embeddings ? w->embed_ : at(HfNames::LmHead());
   for (int64_t l = 0; l < s.num_layers; ++l) {
-    w->layers_.push_back({at(HfNames::Layer(l, "input_layernorm.weight")), at(HfNames::Layer(l, "self_attn.q_proj.weight")),
-                          at(HfNames::Layer(l, "self_attn.o_proj.weight")),
-                          at(HfNames::Layer(l, "post_attention_layernorm.weight")),
-                          at(HfNames::Layer(l, "mlp.gate_proj.weight")), at(HfNames::Layer(l, "mlp.down_proj.weight"))});
+    w->layers_.push_back(
+        {at(HfNames::Layer(l, "input_layernorm.weight")), at(HfNames::Layer(l, "self_attn.q_proj.weight")),
+         at(HfNames::Layer(l, "self_attn.o_proj.weight")),
+         at(HfNames::Layer(l, "post_attention_layernorm.weight")),
+         at(HfNames::Layer(l, "mlp.gate_proj.weight")), at(HfNames::Layer(l, "mlp.down_proj.weight"))});
   }
   const std::vector<float> inv_freq = kernels::cpu::RopeInvFreq(s.rope, s.head_dim);
   w->inv_freq_ = reinterpret_cast<float*>(base + inv_freq_offset);
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(w->inv_freq_, inv_freq.data(), inv_freq.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(w->inv_freq_, inv_freq.data(), inv_freq.size() * 4, cudaMemcpyHostToDevice));
   return w;
 }
 
@@ -171,7 +175,8 @@ void PhaseTimer::Collect() {
 }
 
 absl::StatusOr<std::unique_ptr<CudaLayerExecutor>> CudaLayerExecutor::Create(const CudaModelWeights* weights,
-                                                                             int64_t max_tokens, cudaStream_t stream) {
+                                                                             int64_t max_tokens,
+                                                                             cudaStream_t stream) {
   std::unique_ptr<CudaLayerExecutor> e(new CudaLayerExecutor());
   e->weights_ = weights;
   e->stream_ = stream;
@@ -207,11 +212,12 @@ absl::Status CudaLayerExecutor::Embed(const int32_t* tokens, int64_t num_tokens,
   return absl::OkStatus();
 }
 
-absl::Status CudaLayerExecutor::PreAttention(int64_t layer, float* x, const int32_t* positions, int64_t num_tokens,
-                                             bf16* qkv) {
+absl::Status CudaLayerExecutor::PreAttention(int64_t layer, float* x, const int32_t* positions,
+                                             int64_t num_tokens, bf16* qkv) {
   const ModelSpec& s = spec();
   const CudaModelWeights::Layer& w = weights_->layer(layer);
-  if (num_tokens > max_tokens_) return absl::InvalidArgumentError("PreAttention: more rows than the executor holds");
+  if (num_tokens > max_tokens_)
+    return absl::InvalidArgumentError("PreAttention: more rows than the executor holds");
   kc::AddRmsNormParams norm;
   norm.residual = x;
   norm.weight = w.input_norm;
@@ -221,7 +227,8 @@ absl::Status CudaLayerExecutor::PreAttention(int64_t layer, float* x, const int3
   norm.eps = static_cast<float>(s.rms_norm_eps);
   RETURN_IF_ERROR(kc::AddRmsNorm(norm, stream_));
   Mark(PhaseTimer::kOther);
-  RETURN_IF_ERROR(gemm_->Run({.x = normed_, .w = w.wqkv, .y = qkv, .m = num_tokens, .n = qkv_width(), .k = s.hidden_size}));
+  RETURN_IF_ERROR(gemm_->Run(
+      {.x = normed_, .w = w.wqkv, .y = qkv, .m = num_tokens, .n = qkv_width(), .k = s.hidden_size}));
   Mark(PhaseTimer::kGemm);
   kc::RopeParams rope;
   rope.q = qkv;
@@ -243,8 +250,14 @@ absl::Status CudaLayerExecutor::PostAttention(int64_t layer, float* x, const bf1
   const ModelSpec& s = spec();
   const CudaModelWeights::Layer& w = weights_->layer(layer);
   const int64_t inter = s.intermediate_size;
-  RETURN_IF_ERROR(gemm_->Run({.x = attn, .w = w.wo, .y = x, .y_fp32 = true, .accumulate = true, .m = num_tokens,
-                              .n = s.hidden_size, .k = s.q_dim()}));
+  RETURN_IF_ERROR(gemm_->Run({.x = attn,
+                              .w = w.wo,
+                              .y = x,
+                              .y_fp32 = true,
+                              .accumulate = true,
+                              .m = num_tokens,
+                              .n = s.hidden_size,
+                              .k = s.q_dim()}));
   Mark(PhaseTimer::kGemm);
   kc::AddRmsNormParams norm;
   norm.residual = x;
@@ -255,8 +268,8 @@ absl::Status CudaLayerExecutor::PostAttention(int64_t layer, float* x, const bf1
   norm.eps = static_cast<float>(s.rms_norm_eps);
   RETURN_IF_ERROR(kc::AddRmsNorm(norm, stream_));
   Mark(PhaseTimer::kOther);
-  RETURN_IF_ERROR(
-      gemm_->Run({.x = normed_, .w = w.w_gate_up, .y = gate_up_, .m = num_tokens, .n = 2 * inter, .k = s.hidden_size}));
+  RETURN_IF_ERROR(gemm_->Run(
+      {.x = normed_, .w = w.w_gate_up, .y = gate_up_, .m = num_tokens, .n = 2 * inter, .k = s.hidden_size}));
   Mark(PhaseTimer::kGemm);
   kc::SiluMulParams act;
   act.gate_up = gate_up_;
@@ -265,8 +278,14 @@ absl::Status CudaLayerExecutor::PostAttention(int64_t layer, float* x, const bf1
   act.inter = inter;
   RETURN_IF_ERROR(kc::SiluMul(act, stream_));
   Mark(PhaseTimer::kOther);
-  RETURN_IF_ERROR(gemm_->Run({.x = act_, .w = w.w_down, .y = x, .y_fp32 = true, .accumulate = true, .m = num_tokens,
-                              .n = s.hidden_size, .k = inter}));
+  RETURN_IF_ERROR(gemm_->Run({.x = act_,
+                              .w = w.w_down,
+                              .y = x,
+                              .y_fp32 = true,
+                              .accumulate = true,
+                              .m = num_tokens,
+                              .n = s.hidden_size,
+                              .k = inter}));
   Mark(PhaseTimer::kGemm);
   return absl::OkStatus();
 }
@@ -285,8 +304,13 @@ absl::Status CudaLayerExecutor::Logits(float* x, int64_t num_tokens, const int32
   norm.eps = static_cast<float>(s.rms_norm_eps);
   RETURN_IF_ERROR(kc::AddRmsNorm(norm, stream_));
   Mark(PhaseTimer::kOther);
-  RETURN_IF_ERROR(gemm_->Run({.x = normed_, .w = weights_->lm_head(), .y = logits, .y_fp32 = true, .m = num_rows,
-                              .n = s.vocab_size, .k = s.hidden_size}));
+  RETURN_IF_ERROR(gemm_->Run({.x = normed_,
+                              .w = weights_->lm_head(),
+                              .y = logits,
+                              .y_fp32 = true,
+                              .m = num_rows,
+                              .n = s.vocab_size,
+                              .k = s.hidden_size}));
   Mark(PhaseTimer::kGemm);
   return absl::OkStatus();
 }

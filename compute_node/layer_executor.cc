@@ -22,8 +22,8 @@ absl::Status CpuLayerExecutor::Embed(std::span<const int32_t> tokens, float* x) 
                          .hidden = s.hidden_size});
 }
 
-absl::Status CpuLayerExecutor::PreAttention(int64_t layer, const float* x,
-                                            std::span<const int32_t> positions, float* qkv) {
+absl::Status CpuLayerExecutor::PreAttention(int64_t layer, const float* x, std::span<const int32_t> positions,
+                                            float* qkv) {
   const ModelSpec& s = spec();
   const LayerWeightsF32& w = weights_->layers.at(static_cast<size_t>(layer));
   const int64_t t = static_cast<int64_t>(positions.size());
@@ -54,8 +54,13 @@ absl::Status CpuLayerExecutor::PostAttention(int64_t layer, float* x, const floa
   const LayerWeightsF32& w = weights_->layers.at(static_cast<size_t>(layer));
   const int64_t t = num_tokens;
   const int64_t inter = s.intermediate_size;
-  RETURN_IF_ERROR(cpu::Matmul({.x = attn_out, .w = w.wo.data(), .y = x, .m = t, .n = s.hidden_size,
-                               .k = s.q_dim(), .accumulate = true}));
+  RETURN_IF_ERROR(cpu::Matmul({.x = attn_out,
+                               .w = w.wo.data(),
+                               .y = x,
+                               .m = t,
+                               .n = s.hidden_size,
+                               .k = s.q_dim(),
+                               .accumulate = true}));
   normed_.resize(static_cast<size_t>(t * s.hidden_size));
   gate_up_.resize(static_cast<size_t>(t * 2 * inter));
   act_.resize(static_cast<size_t>(t * inter));
@@ -65,11 +70,20 @@ absl::Status CpuLayerExecutor::PostAttention(int64_t layer, float* x, const floa
                                 .n = t,
                                 .d = s.hidden_size,
                                 .eps = static_cast<float>(s.rms_norm_eps)}));
-  RETURN_IF_ERROR(cpu::Matmul({.x = normed_.data(), .w = w.w_gate_up.data(), .y = gate_up_.data(),
-                               .m = t, .n = 2 * inter, .k = s.hidden_size}));
+  RETURN_IF_ERROR(cpu::Matmul({.x = normed_.data(),
+                               .w = w.w_gate_up.data(),
+                               .y = gate_up_.data(),
+                               .m = t,
+                               .n = 2 * inter,
+                               .k = s.hidden_size}));
   RETURN_IF_ERROR(cpu::SiluMul({.gate_up = gate_up_.data(), .out = act_.data(), .n = t, .inter = inter}));
-  return cpu::Matmul({.x = act_.data(), .w = w.w_down.data(), .y = x, .m = t, .n = s.hidden_size,
-                      .k = inter, .accumulate = true});
+  return cpu::Matmul({.x = act_.data(),
+                      .w = w.w_down.data(),
+                      .y = x,
+                      .m = t,
+                      .n = s.hidden_size,
+                      .k = inter,
+                      .accumulate = true});
 }
 
 absl::Status CpuLayerExecutor::Logits(const float* x, std::span<const int32_t> rows, float* logits) {

@@ -34,8 +34,7 @@ class CpuLayerExecutor {
   absl::Status Embed(std::span<const int32_t> tokens, float* x);
   // qkv(T, qkv_width) for layer `layer` from the residual stream x(T, hidden); RoPE applied to
   // q and k at `positions`.
-  absl::Status PreAttention(int64_t layer, const float* x, std::span<const int32_t> positions,
-                            float* qkv);
+  absl::Status PreAttention(int64_t layer, const float* x, std::span<const int32_t> positions, float* qkv);
   // x(T, hidden) += attn_out(T, q_dim)·Woᵀ, then x += FFN(RMSNorm(x)).
   absl::Status PostAttention(int64_t layer, float* x, const float* attn_out, int64_t num_tokens);
   // logits(rows.size(), vocab) for the given rows of x(T, hidden).
@@ -44,9 +43,9 @@ class CpuLayerExecutor {
  private:
   const ModelWeightsF32* weights_;
   std::vector<float> inv_freq_;
-  std::vector<float> normed_;    // (T, hidden)
-  std::vector<float> gate_up_;   // (T, 2·intermediate)
-  std::vector<float> act_;       // (T, intermediate)
+  std::vector<float> normed_;   // (T, hidden)
+  std::vector<float> gate_up_;  // (T, 2·intermediate)
+  std::vector<float> act_;      // (T, intermediate)
 };
 
 }  // namespace tandem

@@ -25,11 +25,11 @@ namespace tandem {
 
 struct SafetensorsTensor {
   std::string name;
-  std::string dtype_name;        // as written in the file: "BF16", "F16", "F32", "I64", ...
-  std::optional<DType> dtype;    // set for the float types tandem loads (BF16, F16, F32)
+  std::string dtype_name;      // as written in the file: "BF16", "F16", "F32", "I64", ...
+  std::optional<DType> dtype;  // set for the float types tandem loads (BF16, F16, F32)
   std::vector<int64_t> shape;
-  const uint8_t* data = nullptr; // into the mapping; valid while the file object lives; may be
-                                 // unaligned for its dtype (offsets need not be multiples)
+  const uint8_t* data = nullptr;  // into the mapping; valid while the file object lives; may be
+                                  // unaligned for its dtype (offsets need not be multiples)
   int64_t nbytes = 0;
 };
 

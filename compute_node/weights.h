@@ -68,8 +68,7 @@ std::unique_ptr<WeightSource> RandomWeights(const ModelSpec& spec, uint64_t seed
 
 // A preset name (see PresetNames(); a preset wins over a directory of the same name) or a
 // checkpoint directory; anything else is NotFound listing the presets.
-absl::StatusOr<std::unique_ptr<WeightSource>> OpenModel(const std::string& dir_or_preset,
-                                                        uint64_t seed = 0);
+absl::StatusOr<std::unique_ptr<WeightSource>> OpenModel(const std::string& dir_or_preset, uint64_t seed = 0);
 
 // fp32 host weights for the CPU backend. Projections are fused for fewer, larger GEMMs:
 // wqkv = [q_proj; k_proj; v_proj] (q_dim + 2·kv_dim, hidden), w_gate_up = [gate; up]
@@ -84,7 +83,7 @@ struct LayerWeightsF32 {
 };
 struct ModelWeightsF32 {
   ModelSpec spec;
-  std::vector<float> embed;       // (vocab, hidden)
+  std::vector<float> embed;  // (vocab, hidden)
   std::vector<LayerWeightsF32> layers;
   std::vector<float> final_norm;  // (hidden)
   std::vector<float> lm_head;     // (vocab, hidden); empty when tied (use embed)

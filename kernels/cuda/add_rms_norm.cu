@@ -22,7 +22,7 @@
 namespace tandem::kernels::cuda {
 namespace {
 
-constexpr int kRegChunks = 4;  // chunks per thread held in registers
+constexpr int kRegChunks = 4;     // chunks per thread held in registers
 constexpr int kMaxThreads = 512;  // registers: up to 128 per thread for the row cache
 constexpr int64_t kMaxGrid = int64_t{1} << 20;
 
@@ -70,7 +70,8 @@ __device__ __forceinline__ void LoadBf16(const bf16* p, float (&v)[kV]) {
 template <int kV>
 __device__ __forceinline__ void StoreBf16(bf16* p, const float (&v)[kV]) {
   if constexpr (kV == 8) {
-    *reinterpret_cast<uint4*>(p) = make_uint4(Pack(v[0], v[1]), Pack(v[2], v[3]), Pack(v[4], v[5]), Pack(v[6], v[7]));
+    *reinterpret_cast<uint4*>(p) =
+        make_uint4(Pack(v[0], v[1]), Pack(v[2], v[3]), Pack(v[4], v[5]), Pack(v[6], v[7]));
   } else {
     *p = __float2bfloat16_rn(v[0]);
   }
@@ -92,10 +93,10 @@ __device__ __forceinline__ double BlockSum(double v, double* scratch) {
 // residual(src) += delta(src) first (only used without out_rows, where src == j is unique).
 // Sources outside [0, n) produce a zero output row.
 template <int kV>
-__global__ void __launch_bounds__(kMaxThreads) AddRmsNormKernel(float* __restrict__ residual, const bf16* __restrict__ delta,
-                                 const bf16* __restrict__ weight, bf16* __restrict__ out,
-                                 const int32_t* __restrict__ out_rows, int64_t rows, int64_t n, int64_t d,
-                                 float eps) {
+__global__ void __launch_bounds__(kMaxThreads)
+    AddRmsNormKernel(float* __restrict__ residual, const bf16* __restrict__ delta,
+                     const bf16* __restrict__ weight, bf16* __restrict__ out,
+                     const int32_t* __restrict__ out_rows, int64_t rows, int64_t n, int64_t d, float eps) {
   __shared__ double scratch[kMaxThreads / 32];
   const int64_t chunks = d / kV;
   for (int64_t j = blockIdx.x; j < rows; j += gridDim.x) {
@@ -110,7 +111,7 @@ __global__ void __launch_bounds__(kMaxThreads) AddRmsNormKernel(float* __restric
     const bf16* dl = delta != nullptr ? delta + src * d : nullptr;
 
     // Pass 1: add, write back, sum of squares; the first kRegChunks chunks stay in registers.
-    auto add_chunk = [&](int64_t c, float (&x)[kV]) {
+    auto add_chunk = [&](int64_t c, float(&x)[kV]) {
       LoadF32<kV>(r + c * kV, x);
       if (dl != nullptr) {
         float y[kV];
@@ -131,7 +132,8 @@ __global__ void __launch_bounds__(kMaxThreads) AddRmsNormKernel(float* __restric
       const int64_t c = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
       if (c < chunks) ss += add_chunk(c, cache[k]);
     }
-    for (int64_t c = threadIdx.x + static_cast<int64_t>(kRegChunks) * blockDim.x; c < chunks; c += blockDim.x) {
+    for (int64_t c = threadIdx.x + static_cast<int64_t>(kRegChunks) * blockDim.x; c < chunks;
+         c += blockDim.x) {
       float x[kV];
       ss += add_chunk(c, x);
     }
@@ -141,7 +143,7 @@ __global__ void __launch_bounds__(kMaxThreads) AddRmsNormKernel(float* __restric
     const float inv = static_cast<float>(1.0 / sqrt(static_cast<double>(__fadd_rn(var, eps))));
 
     // Pass 2: out = weight * (x * inv).
-    auto scale_chunk = [&](int64_t c, float (&x)[kV]) {
+    auto scale_chunk = [&](int64_t c, float(&x)[kV]) {
       float w[kV];
       LoadBf16<kV>(weight + c * kV, w);
 #pragma unroll
@@ -153,7 +155,8 @@ __global__ void __launch_bounds__(kMaxThreads) AddRmsNormKernel(float* __restric
       const int64_t c = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
       if (c < chunks) scale_chunk(c, cache[k]);
     }
-    for (int64_t c = threadIdx.x + static_cast<int64_t>(kRegChunks) * blockDim.x; c < chunks; c += blockDim.x) {
+    for (int64_t c = threadIdx.x + static_cast<int64_t>(kRegChunks) * blockDim.x; c < chunks;
+         c += blockDim.x) {
       float x[kV];
       LoadF32<kV>(r + c * kV, x);  // this thread's own write in pass 1
       scale_chunk(c, x);
@@ -186,7 +189,8 @@ absl::Status Launch(const AddRmsNormParams& p, cudaStream_t stream) {
     CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
   // About two chunks per thread: enough threads to cover the row, registers for the cache.
-  const int threads = static_cast<int>(std::clamp<int64_t>(((chunks + 1) / 2 + 31) / 32 * 32, 32, kMaxThreads));
+  const int threads =
+      static_cast<int>(std::clamp<int64_t>(((chunks + 1) / 2 + 31) / 32 * 32, 32, kMaxThreads));
   const int64_t rows = gather ? p.n_out : p.n;
   const unsigned grid = static_cast<unsigned>(std::min(rows, kMaxGrid));
   AddRmsNormKernel<kV><<<grid, threads, 0, stream>>>(p.residual, gather ? nullptr : p.delta, p.weight, p.out,

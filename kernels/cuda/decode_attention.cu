@@ -774,8 +774,8 @@ template <int D>
 absl::Status LaunchSplitMma(const SplitArgs& args, int64_t grid, cudaStream_t stream) {
   static_assert(kMaxHeadsPerCta <= kMmaMaxHeads, "a head chunk must fit the mma rows");
   const size_t smem = MmaCfg<D>::kSmemBytes;
-  CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(DecodeSplitMmaKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem)));
+  CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      DecodeSplitMmaKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   DecodeSplitMmaKernel<D><<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(args);
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();

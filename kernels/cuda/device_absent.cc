@@ -6,7 +6,8 @@ namespace tandem::kernels {
 bool CudaCompiledIn() { return false; }
 
 absl::StatusOr<int> CudaDeviceCount() {
-  return absl::UnavailableError("this tandem was built without the CUDA backend (TANDEM_CUDA=OFF or no nvcc)");
+  return absl::UnavailableError(
+      "this tandem was built without the CUDA backend (TANDEM_CUDA=OFF or no nvcc)");
 }
 
 absl::StatusOr<std::vector<CudaDeviceInfo>> CudaDevices() {

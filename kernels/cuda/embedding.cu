@@ -16,7 +16,9 @@ namespace {
 
 constexpr int64_t kMaxGrid = int64_t{1} << 20;
 
-absl::Status Invalid(absl::string_view what) { return absl::InvalidArgumentError(absl::StrCat("Embedding: ", what)); }
+absl::Status Invalid(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("Embedding: ", what));
+}
 
 // bf16 → fp32 is exact: the bf16 bits are the high half of the fp32 bits.
 __device__ __forceinline__ float Lo(uint32_t w) { return __uint_as_float(w << 16); }

@@ -8,8 +8,8 @@ namespace tandem::kernels::cuda {
 namespace {
 absl::Status CublasToStatus(cublasStatus_t s, const char* expr, const char* file, int line) {
   if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  const std::string msg =
-      absl::StrCat(expr, " failed at ", file, ":", line, ": ", cublasGetStatusName(s), " (", cublasGetStatusString(s), ")");
+  const std::string msg = absl::StrCat(expr, " failed at ", file, ":", line, ": ", cublasGetStatusName(s),
+                                       " (", cublasGetStatusString(s), ")");
   switch (s) {
     case CUBLAS_STATUS_ALLOC_FAILED:
       return absl::ResourceExhaustedError(msg);
@@ -39,7 +39,8 @@ CublasGemm::~CublasGemm() {
 absl::Status CublasGemm::Run(const GemmParams& p) {
   if (!p.x || !p.w || !p.y) return absl::InvalidArgumentError("Gemm: null pointer");
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("Gemm: sizes must be positive, got m=", p.m, " n=", p.n, " k=", p.k));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Gemm: sizes must be positive, got m=", p.m, " n=", p.n, " k=", p.k));
   }
   if (p.accumulate && !p.y_fp32) return absl::InvalidArgumentError("Gemm: accumulate needs an fp32 output");
   const int64_t ldx = p.x_stride ? p.x_stride : p.k;
@@ -47,11 +48,10 @@ absl::Status CublasGemm::Run(const GemmParams& p) {
   // Row-major y(m,n) = x(m,k)·w(n,k)ᵀ is column-major yᵀ(n,m) = w(n,k)… i.e. op(A)=wᵀ^T: with
   // column-major views, A = w viewed (k, n) with lda k, transposed; B = x viewed (k, m), ld ldx.
   const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
-  CUBLAS_RETURN_IF_ERROR(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(p.n), static_cast<int>(p.m),
-                                      static_cast<int>(p.k), &alpha, p.w, CUDA_R_16BF, static_cast<int>(p.k), p.x,
-                                      CUDA_R_16BF, static_cast<int>(ldx), &beta, p.y,
-                                      p.y_fp32 ? CUDA_R_32F : CUDA_R_16BF, static_cast<int>(ldy),
-                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  CUBLAS_RETURN_IF_ERROR(cublasGemmEx(
+      handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(p.n), static_cast<int>(p.m), static_cast<int>(p.k),
+      &alpha, p.w, CUDA_R_16BF, static_cast<int>(p.k), p.x, CUDA_R_16BF, static_cast<int>(ldx), &beta, p.y,
+      p.y_fp32 ? CUDA_R_32F : CUDA_R_16BF, static_cast<int>(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return absl::OkStatus();
 }
 

@@ -19,15 +19,17 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxGrid = int64_t{1} << 20;
 
-absl::Status Invalid(absl::string_view what) { return absl::InvalidArgumentError(absl::StrCat("KvAppend: ", what)); }
+absl::Status Invalid(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("KvAppend: ", what));
+}
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 template <int kV>
 __global__ void KvAppendKernel(const bf16* __restrict__ k, const bf16* __restrict__ v, int64_t k_stride,
-                               int64_t v_stride, const int32_t* __restrict__ slots, bf16* __restrict__ k_cache,
-                               bf16* __restrict__ v_cache, int64_t per_row, int64_t total, int64_t kv_dim,
-                               int64_t num_slots) {
+                               int64_t v_stride, const int32_t* __restrict__ slots,
+                               bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int64_t per_row,
+                               int64_t total, int64_t kv_dim, int64_t num_slots) {
   using Chunk = typename std::conditional<kV == 8, uint4, uint16_t>::type;
   for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < total;
        c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -64,11 +66,11 @@ absl::Status KvAppend(const KvAppendParams& p, cudaStream_t stream) {
   const int64_t total = p.n * per_row;
   const unsigned grid = static_cast<unsigned>(std::min((total + kThreads - 1) / kThreads, kMaxGrid));
   if (vec) {
-    KvAppendKernel<8><<<grid, kThreads, 0, stream>>>(p.k, p.v, k_stride, v_stride, p.slots, p.k_cache, p.v_cache,
-                                                     per_row, total, p.kv_dim, p.num_slots);
+    KvAppendKernel<8><<<grid, kThreads, 0, stream>>>(p.k, p.v, k_stride, v_stride, p.slots, p.k_cache,
+                                                     p.v_cache, per_row, total, p.kv_dim, p.num_slots);
   } else {
-    KvAppendKernel<1><<<grid, kThreads, 0, stream>>>(p.k, p.v, k_stride, v_stride, p.slots, p.k_cache, p.v_cache,
-                                                     per_row, total, p.kv_dim, p.num_slots);
+    KvAppendKernel<1><<<grid, kThreads, 0, stream>>>(p.k, p.v, k_stride, v_stride, p.slots, p.k_cache,
+                                                     p.v_cache, per_row, total, p.kv_dim, p.num_slots);
   }
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();

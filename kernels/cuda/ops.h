@@ -40,10 +40,10 @@ absl::Status Embedding(const EmbeddingParams& p, cudaStream_t stream);
 // `out_rows`: when not null, only these rows (n_out of them) are normalised, into out(n_out, d)
 // (used before the LM head, which needs only the rows that sample); the add covers all n rows.
 struct AddRmsNormParams {
-  float* residual = nullptr;       // (n, d)
-  const bf16* delta = nullptr;     // (n, d) or nullptr
-  const bf16* weight = nullptr;    // (d)
-  bf16* out = nullptr;             // (n, d), or (n_out, d) with out_rows
+  float* residual = nullptr;     // (n, d)
+  const bf16* delta = nullptr;   // (n, d) or nullptr
+  const bf16* weight = nullptr;  // (d)
+  bf16* out = nullptr;           // (n, d), or (n_out, d) with out_rows
   const int32_t* out_rows = nullptr;
   int64_t n = 0, d = 0, n_out = 0;
   float eps = 1e-5f;
@@ -88,11 +88,11 @@ absl::Status KvAppend(const KvAppendParams& p, cudaStream_t stream);
 // kv_indptr[r+1]) in position order, causal with the queries last; GQA head h reads KV head
 // h / (num_heads / num_kv_heads)). head_dim 64 or 128.
 struct AttentionParams {
-  const bf16* q = nullptr;         // (total_q, num_heads, head_dim)
-  const bf16* k_cache = nullptr;   // (num_slots, num_kv_heads, head_dim)
-  const bf16* v_cache = nullptr;   // (num_slots, num_kv_heads, head_dim)
-  bf16* out = nullptr;             // (total_q, num_heads, head_dim)
-  float* lse = nullptr;            // (total_q, num_heads), optional
+  const bf16* q = nullptr;             // (total_q, num_heads, head_dim)
+  const bf16* k_cache = nullptr;       // (num_slots, num_kv_heads, head_dim)
+  const bf16* v_cache = nullptr;       // (num_slots, num_kv_heads, head_dim)
+  bf16* out = nullptr;                 // (total_q, num_heads, head_dim)
+  float* lse = nullptr;                // (total_q, num_heads), optional
   const int32_t* q_indptr = nullptr;   // device (num_requests + 1)
   const int32_t* kv_indptr = nullptr;  // device (num_requests + 1)
   const int32_t* kv_slots = nullptr;   // device
@@ -123,14 +123,14 @@ absl::Status PrefillAttention(const AttentionParams& p, cudaStream_t stream);
 // temperature <= 0; top-k, then top-p, then inverse-CDF with cpu::CounterUniform(seed, counter))
 // and cpu::TokenLogprob (log-softmax of the raw logits at the chosen token).
 struct SampleParams {
-  const float* logits = nullptr;        // (rows, vocab)
-  const float* temperature = nullptr;   // (rows)
-  const int32_t* top_k = nullptr;       // (rows)
-  const float* top_p = nullptr;         // (rows)
-  const uint64_t* seed = nullptr;       // (rows)
-  const uint64_t* counter = nullptr;    // (rows)
-  int32_t* out_tokens = nullptr;        // (rows)
-  float* out_logprobs = nullptr;        // (rows)
+  const float* logits = nullptr;       // (rows, vocab)
+  const float* temperature = nullptr;  // (rows)
+  const int32_t* top_k = nullptr;      // (rows)
+  const float* top_p = nullptr;        // (rows)
+  const uint64_t* seed = nullptr;      // (rows)
+  const uint64_t* counter = nullptr;   // (rows)
+  int32_t* out_tokens = nullptr;       // (rows)
+  float* out_logprobs = nullptr;       // (rows)
   int64_t rows = 0, vocab = 0;
 };
 int64_t SampleWorkspaceBytes(int64_t rows, int64_t vocab);

@@ -102,8 +102,7 @@ __device__ __forceinline__ void Ldsm4Trans(uint32_t addr, uint32_t (&r)[4]) {
 
 // d += a · b for one m16n8k16 tile (a: 16×16 row-major fragment, b: 16×8 "col" fragment).
 __device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -153,7 +152,8 @@ __global__ void __launch_bounds__(C::kThreads) PrefillAttentionKernel(const Kern
 
   // ---- Q tile (rows past q_len zero-filled) ----
   {
-    const bf16* q_base = a.q + (static_cast<int64_t>(q_start) + m0) * q_row_stride + static_cast<int64_t>(head) * D;
+    const bf16* q_base =
+        a.q + (static_cast<int64_t>(q_start) + m0) * q_row_stride + static_cast<int64_t>(head) * D;
     for (int idx = tid; idx < C::kBlockM * CH; idx += C::kThreads) {
       const int row = idx / CH, chunk = idx % CH;
       const bool valid = row < rows;
@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(C::kThreads) PrefillAttentionKernel(const Kern
     }
   }
 
-  const int g = lane / 4, c = lane % 4;  // MMA fragment coordinates
+  const int g = lane / 4, c = lane % 4;    // MMA fragment coordinates
   const int wr0 = warp * C::kRowsPerWarp;  // first local row of this warp
   // ldmatrix row addresses. Every fragment starts at a row that is a multiple of 8 and at an even
   // chunk, so Swizzle() reduces to a per-lane row offset plus (chunk·16) XOR a per-lane constant:
@@ -375,8 +375,9 @@ __global__ void __launch_bounds__(C::kThreads) PrefillAttentionKernel(const Kern
 #pragma unroll
       for (int db = 0; db < D / 8; ++db) {
         const uint32_t v = PackBf16(o[ma][db][2 * hr] * inv, o[ma][db][2 * hr + 1] * inv);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_q + row * kRowBytes + ((db * 16) ^ (g * 16)) + c * 4), "r"(v)
-                     : "memory");
+        asm volatile(
+            "st.shared.b32 [%0], %1;\n" ::"r"(s_q + row * kRowBytes + ((db * 16) ^ (g * 16)) + c * 4), "r"(v)
+            : "memory");
       }
       if (a.lse != nullptr && c == 0 && row < rows) {
         a.lse[(out_row0 + row) * a.num_heads + head] =
@@ -408,7 +409,8 @@ template <class C>
 absl::Status Launch(const AttentionParams& p, cudaStream_t stream) {
   const int64_t m_tiles = (p.max_q_len + C::kBlockM - 1) / C::kBlockM;
   if (m_tiles > 65535) {
-    return Invalid(absl::StrCat("max_q_len ", p.max_q_len, " needs more than 65535 tiles of ", C::kBlockM, " rows"));
+    return Invalid(
+        absl::StrCat("max_q_len ", p.max_q_len, " needs more than 65535 tiles of ", C::kBlockM, " rows"));
   }
   const int64_t ctas_x = p.num_heads * p.num_requests;
   if (ctas_x > std::numeric_limits<int32_t>::max()) {
@@ -448,9 +450,13 @@ absl::Status Dispatch(const AttentionParams& p, cudaStream_t stream) {
 }  // namespace
 
 absl::Status PrefillAttention(const AttentionParams& p, cudaStream_t stream) {
-  const std::pair<const char*, const void*> pointers[] = {
-      {"q", p.q},     {"k_cache", p.k_cache},   {"v_cache", p.v_cache},   {"out", p.out},
-      {"q_indptr", p.q_indptr}, {"kv_indptr", p.kv_indptr}, {"kv_slots", p.kv_slots}};
+  const std::pair<const char*, const void*> pointers[] = {{"q", p.q},
+                                                          {"k_cache", p.k_cache},
+                                                          {"v_cache", p.v_cache},
+                                                          {"out", p.out},
+                                                          {"q_indptr", p.q_indptr},
+                                                          {"kv_indptr", p.kv_indptr},
+                                                          {"kv_slots", p.kv_slots}};
   for (const auto& pr : pointers) {
     if (pr.second == nullptr) return Invalid(absl::StrCat(pr.first, " is null"));
   }
@@ -465,9 +471,11 @@ absl::Status PrefillAttention(const AttentionParams& p, cudaStream_t stream) {
     return Invalid(absl::StrCat("head_dim ", p.head_dim, " is not supported (64 or 128)"));
   }
   if (p.num_heads % p.num_kv_heads != 0) {
-    return Invalid(absl::StrCat("num_heads ", p.num_heads, " is not a multiple of num_kv_heads ", p.num_kv_heads));
+    return Invalid(
+        absl::StrCat("num_heads ", p.num_heads, " is not a multiple of num_kv_heads ", p.num_kv_heads));
   }
-  if (p.num_heads > std::numeric_limits<int32_t>::max() || p.max_q_len > std::numeric_limits<int32_t>::max() ||
+  if (p.num_heads > std::numeric_limits<int32_t>::max() ||
+      p.max_q_len > std::numeric_limits<int32_t>::max() ||
       p.max_kv_len > std::numeric_limits<int32_t>::max()) {
     return Invalid("num_heads, max_q_len and max_kv_len must fit in int32");
   }

@@ -21,7 +21,9 @@ namespace {
 constexpr int64_t kMaxHeadDim = 8192;  // cos/sin of a row fit in 32 KiB of shared memory
 constexpr int64_t kMaxGrid = int64_t{1} << 20;
 
-absl::Status Invalid(absl::string_view what) { return absl::InvalidArgumentError(absl::StrCat("Rope: ", what)); }
+absl::Status Invalid(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("Rope: ", what));
+}
 
 bool AlignedTo(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
@@ -32,7 +34,8 @@ __device__ __forceinline__ void Load(const bf16* p, float (&v)[kV]) {
     const uint4 w = *reinterpret_cast<const uint4*>(p);
     const uint32_t u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[2 * i] = __uint_as_float(u[i] << 16), v[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    for (int i = 0; i < 4; ++i)
+      v[2 * i] = __uint_as_float(u[i] << 16), v[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
   } else if constexpr (kV == 2) {
     const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
     v[0] = __uint_as_float(w << 16), v[1] = __uint_as_float(w & 0xffff0000u);
@@ -47,7 +50,8 @@ __device__ __forceinline__ uint32_t Pack(float a, float b) {
 template <int kV>
 __device__ __forceinline__ void Store(bf16* p, const float (&v)[kV]) {
   if constexpr (kV == 8) {
-    *reinterpret_cast<uint4*>(p) = make_uint4(Pack(v[0], v[1]), Pack(v[2], v[3]), Pack(v[4], v[5]), Pack(v[6], v[7]));
+    *reinterpret_cast<uint4*>(p) =
+        make_uint4(Pack(v[0], v[1]), Pack(v[2], v[3]), Pack(v[4], v[5]), Pack(v[6], v[7]));
   } else if constexpr (kV == 2) {
     *reinterpret_cast<uint32_t*>(p) = Pack(v[0], v[1]);
   } else {
@@ -119,10 +123,12 @@ absl::Status Rope(const RopeParams& p, cudaStream_t stream) {
   const int64_t q_stride = p.q_stride == 0 ? p.num_heads * p.head_dim : p.q_stride;
   const int64_t k_stride = p.k_stride == 0 ? p.num_kv_heads * p.head_dim : p.k_stride;
   if (q_stride < p.num_heads * p.head_dim) {
-    return Invalid(absl::StrCat("q_stride ", q_stride, " < num_heads * head_dim = ", p.num_heads * p.head_dim));
+    return Invalid(
+        absl::StrCat("q_stride ", q_stride, " < num_heads * head_dim = ", p.num_heads * p.head_dim));
   }
   if (p.k != nullptr && k_stride < p.num_kv_heads * p.head_dim) {
-    return Invalid(absl::StrCat("k_stride ", k_stride, " < num_kv_heads * head_dim = ", p.num_kv_heads * p.head_dim));
+    return Invalid(
+        absl::StrCat("k_stride ", k_stride, " < num_kv_heads * head_dim = ", p.num_kv_heads * p.head_dim));
   }
 
   // Widest access every q and k chunk allows: half, strides and base pointers all aligned.
@@ -140,16 +146,16 @@ absl::Status Rope(const RopeParams& p, cudaStream_t stream) {
   const int hd = static_cast<int>(p.head_dim);
   switch (vec) {
     case 8:
-      RopeKernel<8><<<grid, threads, smem, stream>>>(p.q, p.k, p.positions, p.inv_freq, p.n, nh, nkv, hd, q_stride,
-                                                     k_stride);
+      RopeKernel<8><<<grid, threads, smem, stream>>>(p.q, p.k, p.positions, p.inv_freq, p.n, nh, nkv, hd,
+                                                     q_stride, k_stride);
       break;
     case 2:
-      RopeKernel<2><<<grid, threads, smem, stream>>>(p.q, p.k, p.positions, p.inv_freq, p.n, nh, nkv, hd, q_stride,
-                                                     k_stride);
+      RopeKernel<2><<<grid, threads, smem, stream>>>(p.q, p.k, p.positions, p.inv_freq, p.n, nh, nkv, hd,
+                                                     q_stride, k_stride);
       break;
     default:
-      RopeKernel<1><<<grid, threads, smem, stream>>>(p.q, p.k, p.positions, p.inv_freq, p.n, nh, nkv, hd, q_stride,
-                                                     k_stride);
+      RopeKernel<1><<<grid, threads, smem, stream>>>(p.q, p.k, p.positions, p.inv_freq, p.n, nh, nkv, hd,
+                                                     q_stride, k_stride);
       break;
   }
   CUDA_RETURN_IF_ERROR(cudaGetLastError());

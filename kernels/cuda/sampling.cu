@@ -75,7 +75,7 @@ __host__ __device__ __forceinline__ float CounterUniform(uint64_t seed, uint64_t
 __device__ __forceinline__ uint32_t Key(float l) {
   uint32_t b = __float_as_uint(l);
   if ((b & 0x7fffffffu) > 0x7f800000u) b = 0xff800000u;  // NaN -> -inf
-  if ((b & 0x7fffffffu) == 0) b = 0;                      // -0 -> +0
+  if ((b & 0x7fffffffu) == 0) b = 0;                     // -0 -> +0
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 __device__ __forceinline__ float KeyValue(uint32_t k) {
@@ -298,8 +298,9 @@ __device__ void ScanBins(bool use_mass, bool set_target, double scale, double su
 // Over the tokens with key in [lo, hi] (hi: the row's max key; lo >= k_live), finds the highest
 // key K with W(key >= K) >= target, where W counts tokens (use_mass false) or sums p. With
 // set_target, the target is scale * (W(all keys in [lo, hi]) - sub), fixed after the first pass.
-__device__ Selection BlockSelect(const float* row, int vocab, uint32_t lo, uint32_t hi, bool use_mass, double target,
-                                 bool set_target, double scale, double sub, double m, double inv_t, Shared& sh) {
+__device__ Selection BlockSelect(const float* row, int vocab, uint32_t lo, uint32_t hi, bool use_mass,
+                                 double target, bool set_target, double scale, double sub, double m,
+                                 double inv_t, Shared& sh) {
   Selection r;
   int c_above = 0;
   double w_above = 0.0;
@@ -482,9 +483,9 @@ __global__ void __launch_bounds__(kThreads, 2) SampleKernel(SampleParams p) {
   });
   BlockArgmax(best, best_i, sh);
   const float lse_max = BlockMaxF(run_max, sh);
-  const double lse_sum =
-      BlockSum(run_max > -INFINITY ? run_sum * exp(static_cast<double>(run_max) - static_cast<double>(lse_max)) : 0.0,
-               sh);
+  const double lse_sum = BlockSum(
+      run_max > -INFINITY ? run_sum * exp(static_cast<double>(run_max) - static_cast<double>(lse_max)) : 0.0,
+      sh);
   bad = __syncthreads_or(bad) != 0;
 
   int token = best_i;
@@ -507,7 +508,8 @@ __global__ void __launch_bounds__(kThreads, 2) SampleKernel(SampleParams p) {
       Selection sk;
       int c_k = 0;
       if (use_k) {
-        sk = BlockSelect(row, vocab, k_live, k_max, false, static_cast<double>(top_k), false, 0.0, 0.0, m, inv_t, sh);
+        sk = BlockSelect(row, vocab, k_live, k_max, false, static_cast<double>(top_k), false, 0.0, 0.0, m,
+                         inv_t, sh);
         if (sk.found) c_k = top_k - sk.c_above;
       }
       bool have = false;
@@ -515,9 +517,10 @@ __global__ void __launch_bounds__(kThreads, 2) SampleKernel(SampleParams p) {
       if (use_p) {
         // Mass of the top-k set = mass of keys >= K_k minus the ties of K_k that top-k drops.
         const uint32_t lo = sk.found ? sk.key : k_live;
-        const double sub = sk.found ? static_cast<double>(sk.c_eq - c_k) * Prob(KeyValue(sk.key), m, inv_t) : 0.0;
-        const Selection sp =
-            BlockSelect(row, vocab, lo, k_max, true, 0.0, true, static_cast<double>(top_p), sub, m, inv_t, sh);
+        const double sub =
+            sk.found ? static_cast<double>(sk.c_eq - c_k) * Prob(KeyValue(sk.key), m, inv_t) : 0.0;
+        const Selection sp = BlockSelect(row, vocab, lo, k_max, true, 0.0, true, static_cast<double>(top_p),
+                                         sub, m, inv_t, sh);
         if (sp.found) {
           const double need = sp.target - sp.w_above;
           int j = 1;
@@ -563,7 +566,8 @@ absl::Status SampleTokens(const SampleParams& p, void* workspace, cudaStream_t s
   if (p.counter == nullptr) return Invalid("counter is null");
   if (p.out_tokens == nullptr) return Invalid("out_tokens is null");
   if (p.out_logprobs == nullptr) return Invalid("out_logprobs is null");
-  if (p.rows <= 0 || p.rows > INT_MAX) return Invalid(absl::StrCat("rows must be in [1, 2^31), got ", p.rows));
+  if (p.rows <= 0 || p.rows > INT_MAX)
+    return Invalid(absl::StrCat("rows must be in [1, 2^31), got ", p.rows));
   if (p.vocab <= 0 || p.vocab > kMaxVocab) {
     return Invalid(absl::StrCat("vocab must be in [1, ", kMaxVocab, "], got ", p.vocab));
   }

@@ -18,7 +18,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxGrid = int64_t{1} << 20;
 
-absl::Status Invalid(absl::string_view what) { return absl::InvalidArgumentError(absl::StrCat("SiluMul: ", what)); }
+absl::Status Invalid(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("SiluMul: ", what));
+}
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 

@@ -73,13 +73,15 @@ double Bf16Ulp(float x) {
 // got[i] within tol(want[i]) of want[i] for every i (NaN fails); reports the first few misses.
 template <typename Tol>
 ::testing::AssertionResult AllClose(const std::vector<float>& got, const std::vector<float>& want, Tol tol) {
-  if (got.size() != want.size()) return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
+  if (got.size() != want.size())
+    return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
   int64_t bad = 0;
   std::ostringstream msg;
   for (size_t i = 0; i < got.size(); ++i) {
     const double err = std::abs(static_cast<double>(got[i]) - static_cast<double>(want[i]));
     if (std::isnan(got[i]) || std::isnan(want[i]) || !(err <= tol(want[i]))) {
-      if (bad++ < 5) msg << "\n  [" << i << "] got " << got[i] << " want " << want[i] << " (tol " << tol(want[i]) << ")";
+      if (bad++ < 5)
+        msg << "\n  [" << i << "] got " << got[i] << " want " << want[i] << " (tol " << tol(want[i]) << ")";
     }
   }
   if (bad == 0) return ::testing::AssertionSuccess();
@@ -87,7 +89,8 @@ template <typename Tol>
 }
 
 ::testing::AssertionResult BitEqual(const std::vector<float>& got, const std::vector<float>& want) {
-  if (got.size() != want.size()) return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
+  if (got.size() != want.size())
+    return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
   for (size_t i = 0; i < got.size(); ++i) {
     if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0) {
       return ::testing::AssertionFailure() << "[" << i << "] got " << got[i] << " want " << want[i];
@@ -103,8 +106,8 @@ auto OneBf16Ulp() {
 // ---- Embedding -----------------------------------------------------------------------------------
 
 void CheckEmbedding(int64_t n, int64_t vocab, int64_t hidden, int64_t table_offset) {
-  SCOPED_TRACE("n " + std::to_string(n) + " vocab " + std::to_string(vocab) + " hidden " + std::to_string(hidden) +
-               " table offset " + std::to_string(table_offset));
+  SCOPED_TRACE("n " + std::to_string(n) + " vocab " + std::to_string(vocab) + " hidden " +
+               std::to_string(hidden) + " table offset " + std::to_string(table_offset));
   std::mt19937 rng(static_cast<uint32_t>(hidden * 7 + table_offset));
   std::vector<bf16> table;
   std::vector<float> table_f;
@@ -252,7 +255,8 @@ struct RopeCase {
 void CheckRope(const RopeCase& c) {
   const int64_t n = 17;
   SCOPED_TRACE(std::string(c.type == RopeType::kLlama3 ? "llama3" : "default") + " head_dim " +
-               std::to_string(c.head_dim) + (c.fused ? " fused qkv" : " packed") + (c.with_k ? "" : " q only"));
+               std::to_string(c.head_dim) + (c.fused ? " fused qkv" : " packed") +
+               (c.with_k ? "" : " q only"));
   RopeSpec spec;
   spec.type = c.type;
   if (c.type == RopeType::kLlama3) {
@@ -320,7 +324,8 @@ void CheckRope(const RopeCase& c) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t from = i * width + q_dim + (c.with_k ? kv_dim : 0);
       for (int64_t j = from; j < (i + 1) * width; ++j) {
-        ASSERT_EQ(got_qkv[static_cast<size_t>(j)], qkv_f[static_cast<size_t>(j)]) << "untouched element " << j;
+        ASSERT_EQ(got_qkv[static_cast<size_t>(j)], qkv_f[static_cast<size_t>(j)])
+            << "untouched element " << j;
       }
     }
   }
@@ -385,7 +390,8 @@ TEST(CudaOpsTest, SiluMulMatchesCpu) {
 // ---- KvAppend ------------------------------------------------------------------------------------
 
 void CheckKvAppend(int64_t n, int64_t kv_dim, int64_t num_slots, bool fused) {
-  SCOPED_TRACE("n " + std::to_string(n) + " kv_dim " + std::to_string(kv_dim) + (fused ? " fused" : " packed"));
+  SCOPED_TRACE("n " + std::to_string(n) + " kv_dim " + std::to_string(kv_dim) +
+               (fused ? " fused" : " packed"));
   std::mt19937 rng(static_cast<uint32_t>(n * 10 + kv_dim + (fused ? 1 : 0)));
   // k and v rows: inside fused qkv rows (width q_dim + 2 kv_dim), or packed buffers.
   const int64_t q_dim = 2 * kv_dim;
@@ -399,7 +405,8 @@ void CheckKvAppend(int64_t n, int64_t kv_dim, int64_t num_slots, bool fused) {
   std::shuffle(all.begin(), all.end(), rng);
   const std::vector<int32_t> slots(all.begin(), all.begin() + n);
 
-  GuardedBuffer<bf16> d_k(n * width), d_v(n * width), k_cache(num_slots * kv_dim), v_cache(num_slots * kv_dim);
+  GuardedBuffer<bf16> d_k(n * width), d_v(n * width), k_cache(num_slots * kv_dim),
+      v_cache(num_slots * kv_dim);
   GuardedBuffer<int32_t> d_slots(n);
   d_k.Upload(kin);
   d_v.Upload(vin);  // fused: k at q_dim of d_k's rows, v at q_dim + kv_dim of d_v's rows
@@ -447,10 +454,10 @@ void CheckKvAppend(int64_t n, int64_t kv_dim, int64_t num_slots, bool fused) {
 
 TEST(CudaOpsTest, KvAppendMatchesSlots) {
   TANDEM_SKIP_WITHOUT_GPU();
-  CheckKvAppend(17, 256, 64, /*fused=*/true);   // strided rows, 16-byte path
+  CheckKvAppend(17, 256, 64, /*fused=*/true);  // strided rows, 16-byte path
   CheckKvAppend(17, 256, 64, /*fused=*/false);
-  CheckKvAppend(17, 97, 40, /*fused=*/true);    // odd: scalar path
-  CheckKvAppend(17, 97, 17, /*fused=*/false);   // every slot written
+  CheckKvAppend(17, 97, 40, /*fused=*/true);   // odd: scalar path
+  CheckKvAppend(17, 97, 17, /*fused=*/false);  // every slot written
 }
 
 // ---- capture -------------------------------------------------------------------------------------
@@ -459,7 +466,8 @@ TEST(CudaOpsTest, KvAppendMatchesSlots) {
 // and the graph gives the eager results bit for bit.
 TEST(CudaOpsTest, CapturesInCudaGraph) {
   TANDEM_SKIP_WITHOUT_GPU();
-  constexpr int64_t n = 17, hidden = 256, vocab = 100, heads = 4, kv_heads = 2, hd = 64, inter = 512, slots = 32;
+  constexpr int64_t n = 17, hidden = 256, vocab = 100, heads = 4, kv_heads = 2, hd = 64, inter = 512,
+                    slots = 32;
   constexpr int64_t qkv_w = (heads + 2 * kv_heads) * hd;
   std::mt19937 rng(3);
   std::vector<bf16> table, weight, qkv, gate_up;
@@ -489,12 +497,14 @@ TEST(CudaOpsTest, CapturesInCudaGraph) {
 
   auto run = [&](cudaStream_t s) {
     EmbeddingParams e;
-    e.ids = d_ids.get(), e.table = d_table.get(), e.out = d_res.get(), e.n = n, e.vocab = vocab, e.hidden = hidden;
+    e.ids = d_ids.get(), e.table = d_table.get(), e.out = d_res.get(), e.n = n, e.vocab = vocab,
+    e.hidden = hidden;
     AddRmsNormParams a;
     a.residual = d_res.get(), a.weight = d_weight.get(), a.out = d_norm.get(), a.n = n, a.d = hidden;
     RopeParams r;
     r.q = d_qkv.get(), r.k = d_qkv.get() + heads * hd, r.positions = d_pos.get(), r.inv_freq = d_inv.get();
-    r.n = n, r.num_heads = heads, r.num_kv_heads = kv_heads, r.head_dim = hd, r.q_stride = qkv_w, r.k_stride = qkv_w;
+    r.n = n, r.num_heads = heads, r.num_kv_heads = kv_heads, r.head_dim = hd, r.q_stride = qkv_w,
+    r.k_stride = qkv_w;
     KvAppendParams k;
     k.k = d_qkv.get() + heads * hd, k.v = d_qkv.get() + (heads + kv_heads) * hd, k.k_stride = qkv_w,
     k.v_stride = qkv_w;

@@ -24,8 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "gpu_test_util.h"
+#include "gtest/gtest.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/ops.h"
 
@@ -248,8 +248,8 @@ void ExpectMatches(const Case& c, const Inputs& in, const Reference& ref, const 
     }
   }
   auto where = [&](int64_t row) {
-    const int64_t r =
-        std::upper_bound(in.q_indptr.begin(), in.q_indptr.end(), static_cast<int32_t>(row)) - in.q_indptr.begin() - 1;
+    const int64_t r = std::upper_bound(in.q_indptr.begin(), in.q_indptr.end(), static_cast<int32_t>(row)) -
+                      in.q_indptr.begin() - 1;
     std::ostringstream os;
     os << "request " << r << " row " << row - in.q_indptr[static_cast<size_t>(r)];
     return os.str();
@@ -258,10 +258,11 @@ void ExpectMatches(const Case& c, const Inputs& in, const Reference& ref, const 
   EXPECT_EQ(nan_lse, 0) << "NaN in lse; " << c.Describe();
   const double rel = max_ref > 0.0 ? max_err / max_ref : max_err;
   EXPECT_LE(rel, kOutTol) << c.Describe() << ": max|err| " << max_err << " / max|ref| " << max_ref << " at "
-                          << (worst >= 0 ? where(worst / (H * D)) : "-") << " head " << (worst / D) % H << " dim "
-                          << worst % D;
+                          << (worst >= 0 ? where(worst / (H * D)) : "-") << " head " << (worst / D) % H
+                          << " dim " << worst % D;
   EXPECT_LE(max_lse_err, kLseTol) << c.Describe() << ": lse error at "
-                                  << (worst_lse >= 0 ? where(worst_lse / H) : "-") << " head " << worst_lse % H;
+                                  << (worst_lse >= 0 ? where(worst_lse / H) : "-") << " head "
+                                  << worst_lse % H;
 }
 
 void CheckCase(const Case& c) {
@@ -305,7 +306,9 @@ INSTANTIATE_TEST_SUITE_P(Layouts, PrefillLayoutTest,
                                            Layout{"Gqa8x2D64", 8, 2, 64}, Layout{"Gqa8x2D128", 8, 2, 128},
                                            Layout{"Gqa32x8D64", 32, 8, 64}, Layout{"Gqa32x8D128", 32, 8, 128},
                                            Layout{"Mqa8x1D64", 8, 1, 64}, Layout{"Mqa8x1D128", 8, 1, 128}),
-                         [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           return std::string(info.param.name);
+                         });
 
 // ---- mixed batches ---------------------------------------------------------------------------
 

@@ -125,8 +125,8 @@ GpuResult RunGpu(const Batch& b, bool repeat = true) {
           << "a repeated launch gave other log-probabilities";
     }
   }
-  res.guards_ok = logits.GuardsIntact() && tokens.GuardsIntact() && logprobs.GuardsIntact() &&
-                  workspace.GuardsIntact();
+  res.guards_ok =
+      logits.GuardsIntact() && tokens.GuardsIntact() && logprobs.GuardsIntact() && workspace.GuardsIntact();
   return res;
 }
 
@@ -226,7 +226,8 @@ int64_t CheckBatch(const Batch& b, const GpuResult& g, const std::string& what) 
     const int32_t t = cpu::SampleToken(b.row(r), b.vocab, sp, q.counter);
     want[static_cast<size_t>(r)] = t;
     const int32_t got = g.tokens[static_cast<size_t>(r)];
-    want_lp[static_cast<size_t>(r)] = (got >= 0 && got < b.vocab) ? cpu::TokenLogprob(b.row(r), b.vocab, got) : kNaN;
+    want_lp[static_cast<size_t>(r)] =
+        (got >= 0 && got < b.vocab) ? cpu::TokenLogprob(b.row(r), b.vocab, got) : kNaN;
     float max_logit = -kInf;
     for (int64_t i = 0; i < b.vocab; ++i) {
       if (!std::isnan(b.row(r)[i])) max_logit = std::max(max_logit, b.row(r)[i]);
@@ -234,15 +235,16 @@ int64_t CheckBatch(const Batch& b, const GpuResult& g, const std::string& what) 
     if (Greedy(q) || !std::isfinite(max_logit)) return;  // the argmax, exactly
     const RowAnalysis a = Analyze(b.row(r), b.vocab, q);
     boundary[static_cast<size_t>(r)] = a.margin < kBoundary;
-    filtered[static_cast<size_t>(r)] =
-        got < 0 || got >= b.vocab || !a.keep[static_cast<size_t>(got)] || !(a.prob[static_cast<size_t>(got)] > 0.0);
+    filtered[static_cast<size_t>(r)] = got < 0 || got >= b.vocab || !a.keep[static_cast<size_t>(got)] ||
+                                       !(a.prob[static_cast<size_t>(got)] > 0.0);
   });
   int64_t differ = 0, reported = 0;
   for (int64_t r = 0; r < b.rows; ++r) {
     const RowParams& q = b.params[static_cast<size_t>(r)];
     const int32_t got = g.tokens[static_cast<size_t>(r)], exp = want[static_cast<size_t>(r)];
     const std::string row_desc = what + " row " + std::to_string(r) + " (T=" + std::to_string(q.temperature) +
-                                 " top_k=" + std::to_string(q.top_k) + " top_p=" + std::to_string(q.top_p) + ")";
+                                 " top_k=" + std::to_string(q.top_k) + " top_p=" + std::to_string(q.top_p) +
+                                 ")";
     if (got != exp) {
       ++differ;
       const bool allowed = boundary[static_cast<size_t>(r)] && !Greedy(q);
@@ -299,10 +301,10 @@ void FillRow(std::mt19937& rng, Shape shape, float* row, int64_t vocab) {
 std::vector<RowParams> Configs(int64_t vocab) {
   const int32_t v = static_cast<int32_t>(std::min<int64_t>(vocab, 1 << 30));
   std::vector<RowParams> c = {
-      {1.0f, 0, 1.0f},     {0.7f, 50, 1.0f},     {1.0f, 0, 0.9f},         {1.3f, 40, 0.8f},
-      {0.5f, 1, 1.0f},     {1.0f, v - 1, 0.5f},  {2.0f, 0, 0.2f},         {1.0f, 5, 0.0f},
-      {1.0f, v + 3, 0.999f}, {0.0f, 0, 1.0f},    {1.0f, 0, kNaN},         {0.8f, 37, 0.95f},
-      {1.0f, 2, 0.6f},     {3.0f, 1000, 0.99f},  {0.25f, 0, 0.5f},        {1.0f, -4, 0.7f},
+      {1.0f, 0, 1.0f},       {0.7f, 50, 1.0f},    {1.0f, 0, 0.9f},  {1.3f, 40, 0.8f},
+      {0.5f, 1, 1.0f},       {1.0f, v - 1, 0.5f}, {2.0f, 0, 0.2f},  {1.0f, 5, 0.0f},
+      {1.0f, v + 3, 0.999f}, {0.0f, 0, 1.0f},     {1.0f, 0, kNaN},  {0.8f, 37, 0.95f},
+      {1.0f, 2, 0.6f},       {3.0f, 1000, 0.99f}, {0.25f, 0, 0.5f}, {1.0f, -4, 0.7f},
   };
   return c;
 }
@@ -384,17 +386,17 @@ TEST(CudaSamplingTest, SamplingMatchesCpu) {
     Shape shape;
   };
   const Case cases[] = {
-      {1, 1, Shape::kUniform},         {1, 257, Shape::kUniform},       {17, 1, Shape::kUniform},
-      {17, 257, Shape::kUniform},      {17, 257, Shape::kLevels},       {1000, 1, Shape::kPeaked},
-      {1000, 257, Shape::kUniform},    {1000, 257, Shape::kPeaked},     {1000, 257, Shape::kLevels},
-      {32000, 1, Shape::kUniform},     {32000, 257, Shape::kPeaked},    {32000, 129, Shape::kLevels},
-      {128256, 1, Shape::kPeaked},     {128256, 257, Shape::kUniform},  {128256, 64, Shape::kPeaked},
+      {1, 1, Shape::kUniform},      {1, 257, Shape::kUniform},      {17, 1, Shape::kUniform},
+      {17, 257, Shape::kUniform},   {17, 257, Shape::kLevels},      {1000, 1, Shape::kPeaked},
+      {1000, 257, Shape::kUniform}, {1000, 257, Shape::kPeaked},    {1000, 257, Shape::kLevels},
+      {32000, 1, Shape::kUniform},  {32000, 257, Shape::kPeaked},   {32000, 129, Shape::kLevels},
+      {128256, 1, Shape::kPeaked},  {128256, 257, Shape::kUniform}, {128256, 64, Shape::kPeaked},
   };
   uint32_t seed = 1;
   for (const Case& c : cases) {
     const Batch b = MakeBatch(seed++, c.rows, c.vocab, c.shape);
-    const std::string what = "vocab " + std::to_string(c.vocab) + " rows " + std::to_string(c.rows) + " shape " +
-                             std::to_string(static_cast<int>(c.shape));
+    const std::string what = "vocab " + std::to_string(c.vocab) + " rows " + std::to_string(c.rows) +
+                             " shape " + std::to_string(static_cast<int>(c.shape));
     const GpuResult g = RunGpu(b);
     const int64_t d = CheckBatch(b, g, what);
     total += c.rows;
@@ -417,14 +419,14 @@ TEST(CudaSamplingTest, NanAndInfLogitsInSamplingRows) {
     if (q.temperature <= 0.0f) q.temperature = 1.0f;
     for (int j = 0; j < 50; ++j) row[pick(rng)] = (j % 2 == 0) ? kNaN : -kInf;
     if (r % 8 == 1) row[pick(rng)] = kInf;
-    if (r % 8 == 2) q.temperature = 1e-3f;   // only the maximum survives
-    if (r % 8 == 3) q.temperature = 1e4f;    // nearly uniform over the finite logits
-    if (r % 8 == 4) {  // a single live token
+    if (r % 8 == 2) q.temperature = 1e-3f;  // only the maximum survives
+    if (r % 8 == 3) q.temperature = 1e4f;   // nearly uniform over the finite logits
+    if (r % 8 == 4) {                       // a single live token
       std::fill(row, row + b.vocab, -kInf);
       row[500] = 1.0f;
     }
     if (r % 8 == 5) std::fill(row, row + b.vocab, 0.5f);  // all tied
-    if (r % 8 == 6) {                                    // masked with a finite -1e30: p underflows to 0
+    if (r % 8 == 6) {                                     // masked with a finite -1e30: p underflows to 0
       std::fill(row, row + b.vocab, -1e30f);
       row[3] = row[9] = 2.0f;
     }
@@ -447,7 +449,8 @@ TEST(CudaSamplingTest, RowsAreIndependentOfTheBatch) {
     const GpuResult g = RunGpu(one, false);
     ASSERT_TRUE(g.status.ok()) << g.status;
     EXPECT_EQ(g.tokens[0], all.tokens[static_cast<size_t>(r)]) << "row " << r;
-    EXPECT_EQ(std::memcmp(&g.logprobs[0], &all.logprobs[static_cast<size_t>(r)], sizeof(float)), 0) << "row " << r;
+    EXPECT_EQ(std::memcmp(&g.logprobs[0], &all.logprobs[static_cast<size_t>(r)], sizeof(float)), 0)
+        << "row " << r;
   }
 }
 
@@ -560,8 +563,8 @@ TEST(CudaSamplingTest, FastEnoughForBatch256Vocab128256) {
     float ms = 0.0f;
     CUDA_ASSERT_OK(cudaEventElapsedTime(&ms, start, stop));
     const double per_call = ms / kIters;
-    std::printf("SampleTokens %d x %d, %s: %.3f ms\n", static_cast<int>(kRows), static_cast<int>(kVocab), m.name,
-                per_call);
+    std::printf("SampleTokens %d x %d, %s: %.3f ms\n", static_cast<int>(kRows), static_cast<int>(kVocab),
+                m.name, per_call);
     EXPECT_LT(per_call, m.limit_ms) << m.name;
   }
   cudaEventDestroy(start);

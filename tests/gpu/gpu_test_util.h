@@ -23,21 +23,22 @@ inline std::string NoGpuReason() {
   const cudaError_t err = cudaGetDeviceCount(&n);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    return std::string("no usable CUDA device (") + cudaGetErrorName(err) + ": " + cudaGetErrorString(err) + ")";
+    return std::string("no usable CUDA device (") + cudaGetErrorName(err) + ": " + cudaGetErrorString(err) +
+           ")";
   }
   if (n == 0) return "no CUDA device on this machine";
   return "";
 }
 
-#define TANDEM_SKIP_WITHOUT_GPU()                                  \
-  do {                                                             \
+#define TANDEM_SKIP_WITHOUT_GPU()                                    \
+  do {                                                               \
     const std::string reason = ::tandem::testing_gpu::NoGpuReason(); \
-    if (!reason.empty()) GTEST_SKIP() << reason;                   \
+    if (!reason.empty()) GTEST_SKIP() << reason;                     \
   } while (0)
 
-#define CUDA_ASSERT_OK(expr)                                                           \
-  do {                                                                                 \
-    const cudaError_t e = (expr);                                                      \
+#define CUDA_ASSERT_OK(expr)                                                                           \
+  do {                                                                                                 \
+    const cudaError_t e = (expr);                                                                      \
     ASSERT_EQ(e, cudaSuccess) << #expr << ": " << cudaGetErrorName(e) << " " << cudaGetErrorString(e); \
   } while (0)
 
@@ -103,8 +104,8 @@ inline float ToFloat(__nv_bfloat16 v) { return Bf16ToFloat(BitsOf(v)); }
 inline __nv_bfloat16 ToBf16(float f) { return FromBits(FloatToBf16(f)); }
 
 // Random bf16 values in [lo, hi) and their exact fp32 values (for the CPU reference).
-inline void RandomBf16(std::mt19937& rng, int64_t n, float lo, float hi, std::vector<__nv_bfloat16>* dev_values,
-                       std::vector<float>* exact) {
+inline void RandomBf16(std::mt19937& rng, int64_t n, float lo, float hi,
+                       std::vector<__nv_bfloat16>* dev_values, std::vector<float>* exact) {
   std::uniform_real_distribution<float> u(lo, hi);
   dev_values->resize(static_cast<size_t>(n));
   exact->resize(static_cast<size_t>(n));

@@ -18,15 +18,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <tuple>
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <tuple>
 
 #include "colocated/engine.h"
 #include "compute_node/weights.h"
-#include "kernels/cuda/device.h"
 #include "gtest/gtest.h"
+#include "kernels/cuda/device.h"
 #include "nlohmann/json.hpp"
 
 namespace tandem {
@@ -59,8 +59,9 @@ std::vector<Case> LoadCases(const std::string& dir) {
   nlohmann::json j = nlohmann::json::parse(in);
   std::vector<Case> cases;
   for (const auto& c : j.at("cases")) {
-    cases.push_back({c.at("prompt_ids").get<std::vector<int32_t>>(), c.at("token_ids").get<std::vector<int32_t>>(),
-                     c.at("logprobs").get<std::vector<double>>(), c.at("top2_gaps").get<std::vector<double>>()});
+    cases.push_back(
+        {c.at("prompt_ids").get<std::vector<int32_t>>(), c.at("token_ids").get<std::vector<int32_t>>(),
+         c.at("logprobs").get<std::vector<double>>(), c.at("top2_gaps").get<std::vector<double>>()});
   }
   return cases;
 }
@@ -114,8 +115,8 @@ TEST_P(HfReference, GreedyTokensAndLogprobsMatchTransformers) {
         ++compared;
       }
     }
-    std::printf("%s on %s, step budget %lld: %d positions compared, max |logprob error| %.3g\n", model.c_str(),
-                device.c_str(), static_cast<long long>(step_budget), compared, max_err);
+    std::printf("%s on %s, step budget %lld: %d positions compared, max |logprob error| %.3g\n",
+                model.c_str(), device.c_str(), static_cast<long long>(step_budget), compared, max_err);
     // The data was made with peaked distributions, so on the fp32 backend near-ties are rare:
     // at least three quarters of all positions are compared. In bf16 a free-running
     // continuation stops being comparable at its first gap below 0.1; the teacher-forced test
@@ -149,7 +150,8 @@ TEST_P(HfReference, TeacherForcedTokensAndLogprobsMatchTransformers) {
     for (size_t t = 0; t < cases[i].tokens.size(); ++t) {
       GenerationRequest r;
       r.prompt = cases[i].prompt;
-      r.prompt.insert(r.prompt.end(), cases[i].tokens.begin(), cases[i].tokens.begin() + static_cast<long>(t));
+      r.prompt.insert(r.prompt.end(), cases[i].tokens.begin(),
+                      cases[i].tokens.begin() + static_cast<long>(t));
       r.max_tokens = 1;
       requests.push_back(r);
       where.emplace_back(i, t);
@@ -171,8 +173,8 @@ TEST_P(HfReference, TeacherForcedTokensAndLogprobsMatchTransformers) {
     max_err = std::max(max_err, std::fabs(r.logprobs[0] - c.logprobs[t]));
     ++compared;
   }
-  std::printf("%s on %s, teacher-forced: %d of %zu positions compared, max |logprob error| %.3g\n", model.c_str(),
-              device.c_str(), compared, requests.size(), max_err);
+  std::printf("%s on %s, teacher-forced: %d of %zu positions compared, max |logprob error| %.3g\n",
+              model.c_str(), device.c_str(), compared, requests.size(), max_err);
   // Enough positions clear the gap floor to make the comparison meaningful: nearly all in fp32;
   // at the CUDA floor of 0.5 about a third to nine tenths of them (42, 44, 113 of 120 seen).
   EXPECT_GE(compared, static_cast<int>(requests.size() / (device == "cuda" ? 4 : 2)));
@@ -183,7 +185,8 @@ INSTANTIATE_TEST_SUITE_P(Models, HfReference,
                                             ::testing::Values("cpu", "cuda")),
                          [](const auto& info) {
                            std::string n = std::get<0>(info.param) + "_" + std::get<1>(info.param);
-                           for (char& ch : n) if (ch == '-') ch = '_';
+                           for (char& ch : n)
+                             if (ch == '-') ch = '_';
                            return n;
                          });
 

@@ -83,7 +83,8 @@ TEST_P(EngineBatching, BatchedEqualsAloneForEverySchedule) {
   auto w = Tiny(GetParam());
   const auto reqs = MixedRequests(w->spec().vocab_size);
   const auto alone = RunAlone(*w, reqs);
-  for (auto [batch, step_tokens] : std::vector<std::pair<int64_t, int64_t>>{{8, 4096}, {3, 8}, {7, 7}, {2, 64}}) {
+  for (auto [batch, step_tokens] :
+       std::vector<std::pair<int64_t, int64_t>>{{8, 4096}, {3, 8}, {7, 7}, {2, 64}}) {
     SCOPED_TRACE(testing::Message() << "batch " << batch << " step tokens " << step_tokens);
     auto e = MakeEngine(*w, batch, step_tokens);
     absl::StatusOr<std::vector<GenerationResult>> res = e->GenerateAll(reqs);
@@ -100,7 +101,8 @@ TEST_P(EngineBatching, BatchedEqualsAloneForEverySchedule) {
 INSTANTIATE_TEST_SUITE_P(Presets, EngineBatching, ::testing::Values("tiny-mha", "tiny-gqa", "tiny-mqa"),
                          [](const auto& info) {
                            std::string n = info.param;
-                           for (char& ch : n) if (ch == '-') ch = '_';
+                           for (char& ch : n)
+                             if (ch == '-') ch = '_';
                            return n;
                          });
 

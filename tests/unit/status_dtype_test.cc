@@ -43,7 +43,8 @@ TEST(Status, AnnotateAndErrno) {
 }
 
 TEST(StatusDeathTest, CheckAbortsWithLocation) {
-  EXPECT_DEATH(TANDEM_CHECK_MSG(1 == 2, "value ", 7), "CHECK failed at .*status_dtype_test.cc.*1 == 2: value 7");
+  EXPECT_DEATH(TANDEM_CHECK_MSG(1 == 2, "value ", 7),
+               "CHECK failed at .*status_dtype_test.cc.*1 == 2: value 7");
 }
 
 TEST(DType, NamesParse) {
