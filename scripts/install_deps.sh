@@ -2,7 +2,7 @@
 # Installs what tandem builds with, from Debian 12 packages (README, "Dependencies").
 # Skips apt-get when everything is already installed. Uses sudo when not run as root.
 set -euo pipefail
-pkgs=(cmake ninja-build g++ pkg-config python3
+pkgs=(cmake ninja-build g++ pkg-config python3 git clang-format
       libabsl-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libspdlog-dev
       libgtest-dev libgmock-dev libopenblas-dev)
 missing=()

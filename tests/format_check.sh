@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Fails if any C++/CUDA source differs from what clang-format (the repository's .clang-format)
+# would write. Usage: format_check.sh SOURCE_DIR
+set -u
+cd "$1" || exit 2
+command -v clang-format >/dev/null || { echo "clang-format not installed (scripts/install_deps.sh installs it)"; exit 1; }
+files=$(git ls-files '*.cc' '*.h' '*.cu' '*.cuh' 2>/dev/null)
+[ -n "$files" ] || { echo "no git checkout at $1: nothing to check"; exit 1; }
+# shellcheck disable=SC2086
+if clang-format --dry-run --Werror $files 2>"${TMPDIR:-/tmp}/tandem_format.log"; then
+  echo "$(echo "$files" | wc -l) files formatted"
+else
+  grep -E "error:" "${TMPDIR:-/tmp}/tandem_format.log" | head -20
+  echo "run: clang-format -i \$(git ls-files '*.cc' '*.h' '*.cu')"
+  exit 1
+fi
