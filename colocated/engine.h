@@ -87,7 +87,7 @@ class ColocatedEngine {
   absl::StatusOr<std::vector<GenerationResult>> GenerateAll(std::vector<GenerationRequest> requests);
 
   const ModelSpec& spec() const { return runner_->spec(); }
-  const std::string device() const { return runner_->device(); }
+  std::string device() const { return runner_->device(); }
   const EngineStats& stats() const { return stats_; }
   int64_t kv_capacity_tokens() const { return allocator_.num_slots(); }
   // See ModelRunner::PhaseTotalsMs (EngineOptions::profile).
