@@ -30,7 +30,7 @@
 //   StepRequest record (56 bytes):
 //        0     8  request_id     u64
 //        8     8  seed           u64  sampling seed
-//       16     8  counter        u64  sampling counter (Philox offset of this step's draw)
+//       16     8  counter        u64  sampling counter: index of the token this step draws
 //       24     4  prefix_group   i32  -1: none, else >= 0
 //       28     4  position       i32  >= 0, first position of this step's rows
 //       32     4  q_len          i32  >= 1, rows of this request in this step
@@ -85,14 +85,14 @@ inline constexpr uint16_t kWireVersion = 1;
 inline constexpr uint32_t kStepPlanMagic = 0x50534454;      // "TDSP" on the wire
 inline constexpr uint32_t kLayerMessageMagic = 0x4d4c4454;  // "TDLM" on the wire
 inline constexpr size_t kFrameHeaderBytes = 16;
-inline constexpr size_t kStepPlanFixedBytes = 16;    // step plan body before the requests
-inline constexpr size_t kStepRequestBytes = 56;      // one StepRequest record
+inline constexpr size_t kStepPlanFixedBytes = 16;     // step plan body before the requests
+inline constexpr size_t kStepRequestBytes = 56;       // one StepRequest record
 inline constexpr size_t kLayerMessageBodyBytes = 48;  // layer message header body
 
 // One request's share of a step.
 struct StepRequest {
   uint64_t request_id = 0;
-  uint16_t memory_rank = 0;  // rank that owns the request's KV cache
+  uint16_t memory_rank = 0;   // rank that owns the request's KV cache
   int32_t prefix_group = -1;  // -1: none
   int32_t position = 0;       // first position of this step's rows, >= 0
   int32_t q_len = 1;          // rows in this step, >= 1
