@@ -125,6 +125,68 @@ __device__ __forceinline__ int64_t QueryRow(const int32_t* q_indptr, int64_t r) 
   return e > b ? int64_t{e} - 1 : -1;
 }
 
+// Brings one split's K and V rows, gathered through the slot table, into the shared-memory ring
+// of both decode kernels: tile t (kTile keys) goes to stage t % kStages with 16-byte cp.async
+// copies, rows XOR-swizzled by 16-byte chunk. Keys past the split and slots outside
+// [0, num_slots) read as zero rows. Each thread copies the same chunk of kRowsPerThread rows.
+template <int D>
+struct KvTileLoader {
+  using C = Cfg<D>;
+  const SplitArgs& a;
+  const int32_t* slots;  // the split's first key
+  bf16* kv_s;
+  int n, kvh, ld_chunk, ld_row, num_tiles;
+
+  __device__ KvTileLoader(const SplitArgs& args, const int32_t* split_slots, bf16* ring, int keys,
+                          int kv_head, int tid)
+      : a(args),
+        slots(split_slots),
+        kv_s(ring),
+        n(keys),
+        kvh(kv_head),
+        ld_chunk(tid % C::kChunks),
+        ld_row(tid / C::kChunks),
+        num_tiles((keys + kTile - 1) / kTile) {}
+
+  // The slot indices of this thread's rows of `tile` (-1 past the end).
+  __device__ void LoadSlots(int tile, int (&sl)[C::kRowsPerThread]) const {
+#pragma unroll
+    for (int i = 0; i < C::kRowsPerThread; ++i) {
+      const int key = tile * kTile + ld_row + i * C::kRowGroups;
+      sl[i] = (tile < num_tiles && key < n) ? slots[key] : -1;
+    }
+  }
+
+  // Issues the copies of one tile (slots from LoadSlots) into ring stage `stage`.
+  __device__ void Issue(int stage, const int (&sl)[C::kRowsPerThread]) const {
+    bf16* ks = kv_s + stage * C::kStageElems;
+    bf16* vs = ks + kTile * D;
+#pragma unroll
+    for (int i = 0; i < C::kRowsPerThread; ++i) {
+      const int rr = ld_row + i * C::kRowGroups;
+      const bool valid = sl[i] >= 0 && sl[i] < a.num_slots;  // out-of-range slots read as zeros
+      const int64_t off = valid ? (int64_t{sl[i]} * a.num_kv_heads + kvh) * D + ld_chunk * 8 : 0;
+      const int dst = rr * D + ((ld_chunk ^ (rr & 7)) * 8);
+      CpAsync16(ks + dst, a.k_cache + off, valid);
+      CpAsync16(vs + dst, a.v_cache + off, valid);
+    }
+  }
+
+  // Issues the first kStages - 1 tiles, one commit group each (empty groups past the end keep the
+  // wait_group arithmetic uniform), and loads the slots of tile kStages - 1 into `next`.
+  __device__ void Prologue(int (&next)[C::kRowsPerThread]) const {
+    int pro[C::kStages - 1][C::kRowsPerThread];
+#pragma unroll
+    for (int t = 0; t < C::kStages - 1; ++t) LoadSlots(t, pro[t]);
+#pragma unroll
+    for (int t = 0; t < C::kStages - 1; ++t) {
+      if (t < num_tiles) Issue(t, pro[t]);
+      CpAsyncCommit();
+    }
+    LoadSlots(C::kStages - 1, next);
+  }
+};
+
 template <int D, int HPB>
 __global__ void __launch_bounds__(kThreads, HPB >= 8 ? 3 : 4) DecodeSplitKernel(const SplitArgs a) {
   using C = Cfg<D>;
@@ -190,51 +252,10 @@ __global__ void __launch_bounds__(kThreads, HPB >= 8 ? 3 : 4) DecodeSplitKernel(
     q_s[i] = v;
   }
 
-  const int32_t* slots = a.kv_slots + kv_begin + key_begin;
-  const int ld_chunk = tid % C::kChunks, ld_row = tid / C::kChunks;
-  const int num_tiles = (n + kTile - 1) / kTile;
-
-  auto load_slots = [&](int tile, int(&sl)[C::kRowsPerThread]) {
-#pragma unroll
-    for (int i = 0; i < C::kRowsPerThread; ++i) {
-      const int key = tile * kTile + ld_row + i * C::kRowGroups;
-      sl[i] = (tile < num_tiles && key < n) ? slots[key] : -1;
-    }
-  };
-  auto issue = [&](int stage, const int(&sl)[C::kRowsPerThread]) {
-    bf16* ks = kv_s + stage * C::kStageElems;
-    bf16* vs = ks + kTile * D;
-#pragma unroll
-    for (int i = 0; i < C::kRowsPerThread; ++i) {
-      const int rr = ld_row + i * C::kRowGroups;
-      const bool valid = sl[i] >= 0 && sl[i] < a.num_slots;  // out-of-range slots read as zeros
-      const int64_t off = valid ? (int64_t{sl[i]} * a.num_kv_heads + kvh) * D + ld_chunk * 8 : 0;
-      const int dst = rr * D + ((ld_chunk ^ (rr & 7)) * 8);
-      CpAsync16(ks + dst, a.k_cache + off, valid);
-    }
-#pragma unroll
-    for (int i = 0; i < C::kRowsPerThread; ++i) {
-      const int rr = ld_row + i * C::kRowGroups;
-      const bool valid = sl[i] >= 0 && sl[i] < a.num_slots;
-      const int64_t off = valid ? (int64_t{sl[i]} * a.num_kv_heads + kvh) * D + ld_chunk * 8 : 0;
-      const int dst = rr * D + ((ld_chunk ^ (rr & 7)) * 8);
-      CpAsync16(vs + dst, a.v_cache + off, valid);
-    }
-  };
-
-  // Prologue: slot indices of the first kStages-1 tiles first (independent loads), then copies.
-  {
-    int pro[C::kStages - 1][C::kRowsPerThread];
-#pragma unroll
-    for (int t = 0; t < C::kStages - 1; ++t) load_slots(t, pro[t]);
-#pragma unroll
-    for (int t = 0; t < C::kStages - 1; ++t) {
-      if (t < num_tiles) issue(t, pro[t]);
-      CpAsyncCommit();
-    }
-  }
+  const KvTileLoader<D> loader(a, a.kv_slots + kv_begin + key_begin, kv_s, n, kvh, tid);
+  const int num_tiles = loader.num_tiles;
   int next_slots[C::kRowsPerThread];
-  load_slots(C::kStages - 1, next_slots);
+  loader.Prologue(next_slots);
 
   float acc[HPB][8];
 #pragma unroll
@@ -256,8 +277,8 @@ __global__ void __launch_bounds__(kThreads, HPB >= 8 ? 3 : 4) DecodeSplitKernel(
     {
       const int nt = tile + C::kStages - 1;
       if (nt < num_tiles) {
-        issue(nt % C::kStages, next_slots);
-        load_slots(nt + 1, next_slots);
+        loader.Issue(nt % C::kStages, next_slots);
+        loader.LoadSlots(nt + 1, next_slots);
       }
       CpAsyncCommit();
     }
@@ -500,50 +521,10 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeSplitMmaKernel(const SplitA
     return;
   }
 
-  const int32_t* slots = a.kv_slots + kv_begin + key_begin;
-  const int ld_chunk = tid % C::kChunks, ld_row = tid / C::kChunks;
-  const int num_tiles = (n + kTile - 1) / kTile;
-
-  auto load_slots = [&](int tile, int(&sl)[C::kRowsPerThread]) {
-#pragma unroll
-    for (int i = 0; i < C::kRowsPerThread; ++i) {
-      const int key = tile * kTile + ld_row + i * C::kRowGroups;
-      sl[i] = (tile < num_tiles && key < n) ? slots[key] : -1;
-    }
-  };
-  auto issue = [&](int stage, const int(&sl)[C::kRowsPerThread]) {
-    bf16* ks = kv_s + stage * C::kStageElems;
-    bf16* vs = ks + kTile * D;
-#pragma unroll
-    for (int i = 0; i < C::kRowsPerThread; ++i) {
-      const int rr = ld_row + i * C::kRowGroups;
-      const bool valid = sl[i] >= 0 && sl[i] < a.num_slots;
-      const int64_t off = valid ? (int64_t{sl[i]} * a.num_kv_heads + kvh) * D + ld_chunk * 8 : 0;
-      const int dst = rr * D + ((ld_chunk ^ (rr & 7)) * 8);
-      CpAsync16(ks + dst, a.k_cache + off, valid);
-    }
-#pragma unroll
-    for (int i = 0; i < C::kRowsPerThread; ++i) {
-      const int rr = ld_row + i * C::kRowGroups;
-      const bool valid = sl[i] >= 0 && sl[i] < a.num_slots;
-      const int64_t off = valid ? (int64_t{sl[i]} * a.num_kv_heads + kvh) * D + ld_chunk * 8 : 0;
-      const int dst = rr * D + ((ld_chunk ^ (rr & 7)) * 8);
-      CpAsync16(vs + dst, a.v_cache + off, valid);
-    }
-  };
-
-  {
-    int pro[C::kStages - 1][C::kRowsPerThread];
-#pragma unroll
-    for (int t = 0; t < C::kStages - 1; ++t) load_slots(t, pro[t]);
-#pragma unroll
-    for (int t = 0; t < C::kStages - 1; ++t) {
-      if (t < num_tiles) issue(t, pro[t]);
-      CpAsyncCommit();
-    }
-  }
+  const KvTileLoader<D> loader(a, a.kv_slots + kv_begin + key_begin, kv_s, n, kvh, tid);
+  const int num_tiles = loader.num_tiles;
   int next_slots[C::kRowsPerThread];
-  load_slots(C::kStages - 1, next_slots);
+  loader.Prologue(next_slots);
 
   // q as A fragments (bf16, unscaled): a0 = q[gq][16s + 2tq, +1], a2 = q[gq][16s + 8 + 2tq, +1].
   uint32_t qa[M::kKSteps][2];
@@ -576,8 +557,8 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeSplitMmaKernel(const SplitA
     {
       const int nt = tile + C::kStages - 1;
       if (nt < num_tiles) {
-        issue(nt % C::kStages, next_slots);
-        load_slots(nt + 1, next_slots);
+        loader.Issue(nt % C::kStages, next_slots);
+        loader.LoadSlots(nt + 1, next_slots);
       }
       CpAsyncCommit();
     }
