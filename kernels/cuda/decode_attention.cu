@@ -125,6 +125,50 @@ __device__ __forceinline__ int64_t QueryRow(const int32_t* q_indptr, int64_t r) 
   return e > b ? int64_t{e} - 1 : -1;
 }
 
+// The work of one CTA of either decode kernel: block index = ((request · num_kv_heads + kv head)
+// · num_splits + split) · head_chunks + head chunk. Keys [key_begin, key_begin + n) of the
+// request; the last split runs to the end, so an underestimated max_kv_len is slow, never wrong.
+template <int D>
+struct SplitWork {
+  const SplitArgs& a;
+  int hc, split, kvh;
+  int64_t r, row, kv_begin, key_begin;
+  int n, nh, head0;  // keys of the split; heads of the chunk, the first one's index
+
+  __device__ SplitWork(const SplitArgs& args, int64_t bid) : a(args) {
+    hc = static_cast<int>(bid % a.head_chunks);
+    bid /= a.head_chunks;
+    split = static_cast<int>(bid % a.num_splits);
+    bid /= a.num_splits;
+    kvh = static_cast<int>(bid % a.num_kv_heads);
+    r = bid / a.num_kv_heads;
+    row = QueryRow(a.q_indptr, r);  // < 0: the request has no query row
+    kv_begin = a.kv_indptr[r];
+    const int64_t kv_len = int64_t{a.kv_indptr[r + 1]} - kv_begin;
+    key_begin = int64_t{split} * a.keys_per_split;
+    int64_t key_end = key_begin + a.keys_per_split;
+    if (split == a.num_splits - 1 || key_end > kv_len) key_end = kv_len;
+    n = key_end > key_begin ? static_cast<int>(key_end - key_begin) : 0;
+    const int head0_in_group = hc * a.heads_per_chunk;
+    nh = min(a.heads_per_chunk, a.group - head0_in_group);
+    head0 = kvh * a.group + head0_in_group;
+  }
+
+  // Output element (head g of the chunk, column d) and the base-2 lse: straight to out/lse with
+  // one split, else to the split's partial result for the merge kernel.
+  __device__ void Write(int g, int d, float o, float lse2) const {
+    const int64_t h = head0 + g;
+    if (a.num_splits == 1) {
+      a.out[(row * a.num_heads + h) * D + d] = __float2bfloat16_rn(o);
+      if (d == 0 && a.lse != nullptr) a.lse[row * a.num_heads + h] = lse2 * kLn2;
+    } else {
+      const int64_t pair = r * a.num_heads + h;
+      a.part_o[(pair * a.num_splits + split) * D + d] = o;
+      if (d == 0) a.part_lse[pair * a.num_splits + split] = lse2;
+    }
+  }
+};
+
 // Brings one split's K and V rows, gathered through the slot table, into the shared-memory ring
 // of both decode kernels: tile t (kTile keys) goes to stage t % kStages with 16-byte cp.async
 // copies, rows XOR-swizzled by 16-byte chunk. Keys past the split and slots outside
@@ -204,40 +248,11 @@ __global__ void __launch_bounds__(kThreads, HPB >= 8 ? 3 : 4) DecodeSplitKernel(
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-  int64_t bid = blockIdx.x;
-  const int hc = static_cast<int>(bid % a.head_chunks);
-  bid /= a.head_chunks;
-  const int split = static_cast<int>(bid % a.num_splits);
-  bid /= a.num_splits;
-  const int kvh = static_cast<int>(bid % a.num_kv_heads);
-  const int64_t r = bid / a.num_kv_heads;
-
-  const int64_t row = QueryRow(a.q_indptr, r);
-  if (row < 0) return;  // no query row: nothing to write (the merge skips it too)
-
-  const int64_t kv_begin = a.kv_indptr[r];
-  const int64_t kv_len = int64_t{a.kv_indptr[r + 1]} - kv_begin;
-  const int64_t key_begin = int64_t{split} * a.keys_per_split;
-  // The last split runs to the end, so an underestimated max_kv_len is slow, never wrong.
-  int64_t key_end = key_begin + a.keys_per_split;
-  if (split == a.num_splits - 1 || key_end > kv_len) key_end = kv_len;
-  const int n = key_end > key_begin ? static_cast<int>(key_end - key_begin) : 0;
-
-  const int head0_in_group = hc * a.heads_per_chunk;
-  const int nh = min(a.heads_per_chunk, a.group - head0_in_group);  // <= HPB
-  const int head0 = kvh * a.group + head0_in_group;
-
-  auto write_result = [&](int g, int d, float o, float lse2) {
-    const int64_t h = head0 + g;
-    if (a.num_splits == 1) {
-      a.out[(row * a.num_heads + h) * D + d] = __float2bfloat16_rn(o);
-      if (d == 0 && a.lse != nullptr) a.lse[row * a.num_heads + h] = lse2 * kLn2;
-    } else {
-      const int64_t pair = r * a.num_heads + h;
-      a.part_o[(pair * a.num_splits + split) * D + d] = o;
-      if (d == 0) a.part_lse[pair * a.num_splits + split] = lse2;
-    }
-  };
+  const SplitWork<D> w(a, blockIdx.x);
+  if (w.row < 0) return;  // no query row: nothing to write (the merge skips it too)
+  const int kvh = w.kvh, n = w.n, nh = w.nh, head0 = w.head0;
+  const int64_t row = w.row, kv_begin = w.kv_begin, key_begin = w.key_begin;
+  auto write_result = [&](int g, int d, float o, float lse2) { w.Write(g, d, o, lse2); };
 
   if (n == 0) {  // empty range (or a request without keys): out = 0, lse = -inf
     for (int i = tid; i < nh * D; i += kThreads) write_result(i / D, i % D, 0.0f, -INFINITY);
@@ -482,39 +497,11 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeSplitMmaKernel(const SplitA
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gq = lane >> 2, tq = lane & 3;
 
-  int64_t bid = blockIdx.x;
-  const int hc = static_cast<int>(bid % a.head_chunks);
-  bid /= a.head_chunks;
-  const int split = static_cast<int>(bid % a.num_splits);
-  bid /= a.num_splits;
-  const int kvh = static_cast<int>(bid % a.num_kv_heads);
-  const int64_t r = bid / a.num_kv_heads;
-
-  const int64_t row = QueryRow(a.q_indptr, r);
-  if (row < 0) return;
-
-  const int64_t kv_begin = a.kv_indptr[r];
-  const int64_t kv_len = int64_t{a.kv_indptr[r + 1]} - kv_begin;
-  const int64_t key_begin = int64_t{split} * a.keys_per_split;
-  int64_t key_end = key_begin + a.keys_per_split;
-  if (split == a.num_splits - 1 || key_end > kv_len) key_end = kv_len;
-  const int n = key_end > key_begin ? static_cast<int>(key_end - key_begin) : 0;
-
-  const int head0_in_group = hc * a.heads_per_chunk;
-  const int nh = min(a.heads_per_chunk, a.group - head0_in_group);  // <= kMmaMaxHeads
-  const int head0 = kvh * a.group + head0_in_group;
-
-  auto write_result = [&](int g, int d, float o, float lse2) {
-    const int64_t h = head0 + g;
-    if (a.num_splits == 1) {
-      a.out[(row * a.num_heads + h) * D + d] = __float2bfloat16_rn(o);
-      if (d == 0 && a.lse != nullptr) a.lse[row * a.num_heads + h] = lse2 * kLn2;
-    } else {
-      const int64_t pair = r * a.num_heads + h;
-      a.part_o[(pair * a.num_splits + split) * D + d] = o;
-      if (d == 0) a.part_lse[pair * a.num_splits + split] = lse2;
-    }
-  };
+  const SplitWork<D> w(a, blockIdx.x);
+  if (w.row < 0) return;  // no query row: nothing to write (the merge skips it too)
+  const int kvh = w.kvh, n = w.n, nh = w.nh, head0 = w.head0;
+  const int64_t row = w.row, kv_begin = w.kv_begin, key_begin = w.key_begin;
+  auto write_result = [&](int g, int d, float o, float lse2) { w.Write(g, d, o, lse2); };
 
   if (n == 0) {
     for (int i = tid; i < nh * D; i += kThreads) write_result(i / D, i % D, 0.0f, -INFINITY);
