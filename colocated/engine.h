@@ -3,12 +3,11 @@
 //   * the reference the disaggregated runtime must match token for token, and
 //   * the colocated baseline of cost comparisons (every GPU runs the whole model).
 //
-// Scheduling (FIFO): every step first gives each decoding request one token, then spends the
-// rest of the step's token budget on prefill chunks of admitted requests in arrival order, then
-// admits waiting requests while the batch has room and the KV pool can hold each newcomer's
-// whole context (prompt + max_tokens). Because admission reserves the whole context, a running
-// request never waits for KV and is never preempted; a request that could never fit is refused
-// at submission.
+// It is the disaggregated runtime's parts in one process, with no network between them: the
+// controller (compute_node/controller.h: FIFO continuous batching, chunked prefill, whole-context
+// KV reservation) plans each step for one "memory rank", the KV table (memory_node/kv_table.h)
+// places its rows in KV slots, the compute backend runs the linear layers and sampling, and the
+// attention executor appends KV and runs attention, all on one device and one stream.
 //
 // Thread safety: not thread-safe; one thread drives Submit/Step.
 #pragma once
@@ -20,11 +19,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "colocated/runner.h"
 #include "common/config.h"
+#include "compute_node/compute_backend.h"
+#include "compute_node/controller.h"
 #include "compute_node/weights.h"
-#include "kernels/cpu/ops.h"
-#include "memory_node/kv_slot_allocator.h"
+#include "memory_node/attention_executor.h"
+#include "memory_node/kv_table.h"
 
 namespace tandem {
 
@@ -42,20 +42,6 @@ struct EngineOptions {
 // their conversion; shared by every program that runs an engine.
 void AddEngineKnobs(ConfigSchema* schema);
 EngineOptions EngineOptionsFromConfig(const Config& config);
-
-struct GenerationRequest {
-  std::vector<int32_t> prompt;  // token ids, at least one
-  int64_t max_tokens = 16;      // generated tokens at most, >= 1
-  kernels::cpu::SamplingParams sampling;
-  bool ignore_eos = false;  // keep going past EOS (benchmarks)
-};
-
-struct GenerationResult {
-  std::vector<int32_t> token_ids;  // generated tokens (EOS included when it stopped there)
-  std::vector<float> logprobs;     // natural log-probability of each generated token
-  std::string finish_reason;       // "stop" (EOS) or "length" (max_tokens or context end)
-  int64_t prompt_tokens = 0;
-};
 
 struct EngineStats {
   int64_t steps = 0;
@@ -82,42 +68,31 @@ class ColocatedEngine {
   absl::Status Step(std::vector<std::pair<int64_t, GenerationResult>>* finished);
 
   // True when no request is waiting or running.
-  bool Idle() const { return waiting_.empty() && running_.empty(); }
+  bool Idle() const { return controller_.Idle(); }
   // Submits every request, steps until all finish, returns the results in request order.
   absl::StatusOr<std::vector<GenerationResult>> GenerateAll(std::vector<GenerationRequest> requests);
 
-  const ModelSpec& spec() const { return runner_->spec(); }
-  std::string device() const { return runner_->device(); }
+  const ModelSpec& spec() const { return backend_->spec(); }
+  std::string device() const { return backend_->device(); }
   const EngineStats& stats() const { return stats_; }
-  int64_t kv_capacity_tokens() const { return allocator_.num_slots(); }
-  // See ModelRunner::PhaseTotalsMs (EngineOptions::profile).
-  std::vector<std::pair<std::string, double>> PhaseTotalsMs() const { return runner_->PhaseTotalsMs(); }
-  int64_t kv_free_tokens() const { return allocator_.num_free(); }
+  int64_t kv_capacity_tokens() const { return kv_table_.num_slots(); }
+  // See ComputeBackend::PhaseTotalsMs (EngineOptions::profile).
+  std::vector<std::pair<std::string, double>> PhaseTotalsMs() const { return backend_->PhaseTotalsMs(); }
+  int64_t kv_free_tokens() const { return kv_table_.num_free(); }
+  const Controller& controller() const { return controller_; }
 
  private:
-  struct Live {
-    int64_t id = 0;
-    GenerationRequest request;
-    std::vector<int32_t> slots;  // KV slots of tokens processed so far, in position order
-    int64_t prefilled = 0;       // prompt tokens processed
-    GenerationResult result;
-  };
-  ColocatedEngine(std::unique_ptr<ModelRunner> runner, const EngineOptions& options);
-  int64_t ContextNeed(const GenerationRequest& r) const {
-    return static_cast<int64_t>(r.prompt.size()) + r.max_tokens;
-  }
-  // Places the step's tokens in KV slots and describes them for the runner; `sampled` gets the
-  // requests whose last row produces a token this step, in sample-row order.
-  absl::Status PlanBatch(const std::vector<Live*>& batch, const std::vector<int64_t>& chunk, StepBatch* plan,
-                         std::vector<Live*>* sampled);
+  ColocatedEngine(std::unique_ptr<ComputeBackend> backend, std::unique_ptr<AttentionExecutor> attention,
+                  const EngineOptions& options);
 
-  std::unique_ptr<ModelRunner> runner_;
+  std::unique_ptr<ComputeBackend> backend_;
+  std::unique_ptr<AttentionExecutor> attention_;
   EngineOptions options_;
-  KvSlotAllocator allocator_;
-  int64_t reserved_ = 0;  // slots promised to running requests but not yet allocated
-  int64_t next_id_ = 0;
-  std::deque<Live> waiting_;
-  std::vector<std::unique_ptr<Live>> running_;  // admission order
+  Controller controller_;
+  KvTable kv_table_;
+  PlannedStep step_;
+  AttentionBatch batch_;
+  BackendBuffer qkv_, attn_;  // (max_tokens, qkv_width) and (max_tokens, q_dim) in backend memory
   EngineStats stats_;
 };
 

@@ -1,0 +1,267 @@
+#include "compute_node/controller.h"
+
+#include <algorithm>
+#include <cmath>
+#include <unordered_map>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace tandem {
+
+namespace cpu = kernels::cpu;
+
+namespace {
+
+class FifoPolicy : public SchedulingPolicy {
+ public:
+  std::string name() const override { return "fifo"; }
+  size_t NextToAdmit(std::span<const WaitingRequest>) const override { return 0; }
+};
+
+absl::Status ValidateSampling(const cpu::SamplingParams& s) {
+  if (!std::isfinite(s.temperature) || s.temperature < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("temperature must be >= 0, got ", s.temperature));
+  }
+  if (s.top_k < 0) return absl::InvalidArgumentError(absl::StrCat("top_k must be >= 0, got ", s.top_k));
+  if (!(s.top_p > 0 && s.top_p <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("top_p must be in (0, 1], got ", s.top_p));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::unique_ptr<SchedulingPolicy> MakeFifoPolicy() { return std::make_unique<FifoPolicy>(); }
+
+Controller::Controller(const ModelSpec& spec, std::vector<int64_t> kv_capacity,
+                       const ControllerOptions& options, std::unique_ptr<SchedulingPolicy> policy)
+    : spec_(spec),
+      capacity_(std::move(kv_capacity)),
+      reserved_(capacity_.size(), 0),
+      options_(options),
+      policy_(std::move(policy)) {
+  TANDEM_CHECK(!capacity_.empty());
+  TANDEM_CHECK(options_.max_batch_size >= 1 && options_.max_tokens_per_step >= options_.max_batch_size);
+}
+
+absl::Status Controller::Check(const GenerationRequest& request) const {
+  if (request.prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
+  for (size_t i = 0; i < request.prompt.size(); ++i) {
+    const int32_t t = request.prompt[i];
+    if (t < 0 || t >= spec_.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt token ", i, " is ", t,
+                                                     ", outside the vocabulary [0, ", spec_.vocab_size, ")"));
+    }
+  }
+  if (request.max_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens must be >= 1, got ", request.max_tokens));
+  }
+  RETURN_IF_ERROR(ValidateSampling(request.sampling));
+  const int64_t prompt_len = static_cast<int64_t>(request.prompt.size());
+  if (prompt_len + request.max_tokens > spec_.max_position) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt (", prompt_len, " tokens) + max_tokens (",
+                                                   request.max_tokens, ") exceeds the model's context of ",
+                                                   spec_.max_position, " tokens"));
+  }
+  const int64_t largest = *std::max_element(capacity_.begin(), capacity_.end());
+  if (ContextNeed(request) > largest) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request needs ", ContextNeed(request),
+                     " KV slots (prompt + max_tokens) but the largest KV "
+                     "cache holds ",
+                     largest, " tokens; raise kv.capacity_tokens or shorten the request"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> Controller::Submit(GenerationRequest request) {
+  RETURN_IF_ERROR(Check(request));
+  Live live;
+  live.id = next_id_++;
+  live.result.prompt_tokens = static_cast<int64_t>(request.prompt.size());
+  live.request = std::move(request);
+  waiting_.push_back(std::move(live));
+  return waiting_.back().id;
+}
+
+void Controller::Admit() {
+  std::vector<WaitingRequest> view;
+  while (!waiting_.empty() && static_cast<int64_t>(running_.size()) < options_.max_batch_size) {
+    view.clear();
+    for (const Live& w : waiting_) {
+      view.push_back({.id = w.id,
+                      .prompt_tokens = static_cast<int64_t>(w.request.prompt.size()),
+                      .context_tokens = ContextNeed(w.request)});
+    }
+    const size_t pick = policy_->NextToAdmit(view);
+    TANDEM_CHECK(pick < waiting_.size());
+    const int64_t need = view[pick].context_tokens;
+    // The rank with the most KV not yet promised (lowest index on ties).
+    int best = 0;
+    for (int m = 1; m < num_memory_ranks(); ++m) {
+      if (capacity_[m] - reserved_[m] > capacity_[best] - reserved_[best]) best = m;
+    }
+    if (capacity_[best] - reserved_[best] < need) break;  // waits for KV; no overtaking
+    reserved_[best] += need;
+    auto live = std::make_unique<Live>(std::move(waiting_[pick]));
+    live->memory_rank = best;
+    waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(pick));
+    running_.push_back(std::move(live));
+  }
+}
+
+void Controller::Schedule(PlannedStep* step) {
+  step->plan = StepPlan{};
+  step->rows = StepTokens{};
+  step->rank_rows.assign(capacity_.size() + 1, 0);
+  Admit();
+  // Rows per request: one for each decoding request, then prompt chunks in admission order.
+  std::vector<std::pair<Live*, int64_t>> chosen;
+  int64_t budget = options_.max_tokens_per_step;
+  for (auto& live : running_) {
+    if (live->prefilled == static_cast<int64_t>(live->request.prompt.size())) {
+      chosen.emplace_back(live.get(), 1);
+      --budget;
+    }
+  }
+  for (auto& live : running_) {
+    const int64_t left = static_cast<int64_t>(live->request.prompt.size()) - live->prefilled;
+    if (left > 0 && budget > 0) {
+      const int64_t n = std::min(left, budget);
+      chosen.emplace_back(live.get(), n);
+      budget -= n;
+    }
+  }
+  if (chosen.empty()) return;
+  // Plan order: by memory rank, single-row requests first within a rank (stable otherwise).
+  std::stable_sort(chosen.begin(), chosen.end(), [](const auto& a, const auto& b) {
+    if (a.first->memory_rank != b.first->memory_rank) return a.first->memory_rank < b.first->memory_rank;
+    return (a.second == 1) > (b.second == 1);
+  });
+  step->plan.step_id = next_step_++;
+  StepTokens& rows = step->rows;
+  for (const auto& [live, n] : chosen) {
+    const int64_t prompt_len = static_cast<int64_t>(live->request.prompt.size());
+    const bool prefill = live->prefilled < prompt_len;
+    const int64_t start = live->context;
+    for (int64_t j = 0; j < n; ++j) {
+      rows.tokens.push_back(prefill ? live->request.prompt[static_cast<size_t>(live->prefilled + j)]
+                                    : live->result.token_ids.back());
+      rows.positions.push_back(static_cast<int32_t>(start + j));
+    }
+    const bool sample = !prefill || live->prefilled + n == prompt_len;
+    StepRequest r;
+    r.request_id = static_cast<uint64_t>(live->id);
+    r.memory_rank = static_cast<uint16_t>(live->memory_rank);
+    r.position = static_cast<int32_t>(start);
+    r.q_len = static_cast<int32_t>(n);
+    r.kv_len = static_cast<int32_t>(start + n);
+    r.sample = sample;
+    r.temperature = live->request.sampling.temperature;
+    r.top_k = live->request.sampling.top_k;
+    r.top_p = live->request.sampling.top_p;
+    r.seed = live->request.sampling.seed;
+    r.counter = live->result.token_ids.size();
+    step->plan.requests.push_back(r);
+    step->rank_rows[static_cast<size_t>(live->memory_rank) + 1] += static_cast<int32_t>(n);
+    if (sample) {
+      rows.sample_rows.push_back(static_cast<int32_t>(rows.tokens.size()) - 1);
+      rows.sampling.push_back(live->request.sampling);
+      rows.counters.push_back(live->result.token_ids.size());
+    }
+  }
+  for (size_t m = 1; m < step->rank_rows.size(); ++m) step->rank_rows[m] += step->rank_rows[m - 1];
+}
+
+absl::Status Controller::Complete(const PlannedStep& step, std::span<const int32_t> tokens,
+                                  std::span<const float> logprobs,
+                                  std::vector<std::pair<int64_t, GenerationResult>>* finished,
+                                  std::vector<std::vector<uint64_t>>* released) {
+  released->assign(capacity_.size(), {});
+  if (step.empty()) return absl::OkStatus();
+  if (tokens.size() != step.rows.sample_rows.size() || logprobs.size() != tokens.size()) {
+    return absl::InternalError(absl::StrCat("step ", step.plan.step_id, ": ", tokens.size(), " tokens for ",
+                                            step.rows.sample_rows.size(), " sample rows"));
+  }
+  // Index the running requests by id (the plan names them).
+  std::unordered_map<int64_t, Live*> by_id;
+  for (auto& live : running_) by_id[live->id] = live.get();
+  size_t next_token = 0;
+  for (const StepRequest& r : step.plan.requests) {
+    auto it = by_id.find(static_cast<int64_t>(r.request_id));
+    if (it == by_id.end()) continue;  // cancelled while the step ran
+    Live& live = *it->second;
+    const int64_t prompt_len = static_cast<int64_t>(live.request.prompt.size());
+    if (live.prefilled < prompt_len) {
+      live.prefilled += r.q_len;
+      stats_.prefill_tokens += r.q_len;
+    }
+    live.context += r.q_len;
+    if (!r.sample) continue;
+    const int32_t token = tokens[next_token];
+    live.result.token_ids.push_back(token);
+    live.result.logprobs.push_back(logprobs[next_token]);
+    ++next_token;
+    ++stats_.decode_tokens;
+    const bool eos =
+        !live.request.ignore_eos &&
+        std::find(spec_.eos_token_ids.begin(), spec_.eos_token_ids.end(), token) != spec_.eos_token_ids.end();
+    if (eos) {
+      live.result.finish_reason = "stop";
+    } else if (static_cast<int64_t>(live.result.token_ids.size()) == live.request.max_tokens) {
+      live.result.finish_reason = "length";
+    }
+  }
+  for (auto it = running_.begin(); it != running_.end();) {
+    Live& live = **it;
+    if (live.result.finish_reason.empty()) {
+      ++it;
+      continue;
+    }
+    reserved_[static_cast<size_t>(live.memory_rank)] -= ContextNeed(live.request);
+    (*released)[static_cast<size_t>(live.memory_rank)].push_back(static_cast<uint64_t>(live.id));
+    finished->emplace_back(live.id, std::move(live.result));
+    it = running_.erase(it);
+  }
+  ++stats_.steps;
+  return absl::OkStatus();
+}
+
+absl::Status Controller::Cancel(int64_t id, GenerationResult* result,
+                                std::vector<std::vector<uint64_t>>* released) {
+  released->assign(capacity_.size(), {});
+  for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+    if (it->id != id) continue;
+    *result = std::move(it->result);
+    result->finish_reason = "cancelled";
+    waiting_.erase(it);
+    return absl::OkStatus();
+  }
+  for (auto it = running_.begin(); it != running_.end(); ++it) {
+    Live& live = **it;
+    if (live.id != id) continue;
+    reserved_[static_cast<size_t>(live.memory_rank)] -= ContextNeed(live.request);
+    (*released)[static_cast<size_t>(live.memory_rank)].push_back(static_cast<uint64_t>(id));
+    *result = std::move(live.result);
+    result->finish_reason = "cancelled";
+    running_.erase(it);
+    return absl::OkStatus();
+  }
+  return absl::NotFoundError(absl::StrCat("no live request with id ", id));
+}
+
+std::optional<std::vector<int32_t>> Controller::History(int64_t id) const {
+  auto history = [](const Live& l) {
+    std::vector<int32_t> h = l.request.prompt;
+    h.insert(h.end(), l.result.token_ids.begin(), l.result.token_ids.end());
+    return h;
+  };
+  for (const Live& w : waiting_)
+    if (w.id == id) return history(w);
+  for (const auto& r : running_)
+    if (r->id == id) return history(*r);
+  return std::nullopt;
+}
+
+}  // namespace tandem

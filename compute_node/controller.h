@@ -1,0 +1,157 @@
+// The controller (DESIGN.md, "Processes"): request queue, continuous batching, placement of each
+// request's KV on a memory rank, and the token history of every live request. It plans steps and
+// consumes their sampled tokens; it runs nothing itself. The colocated engine drives it with one
+// "memory rank" (its own KV pool); compute rank 0 drives it with the deployment's memory ranks.
+//
+// Scheduling, per step:
+//   1. admission: the policy picks the next waiting request (FIFO: the oldest); it is placed on
+//      the memory rank with the most KV not yet promised to anyone, if that rank can hold its
+//      whole context (prompt + max_tokens). If no rank can, admission stops for this step (FIFO
+//      does not let later requests overtake) and the request waits; nothing is dropped. Because
+//      the whole context is reserved, a running request never waits for KV and is never
+//      preempted. Admission also stops at scheduler.max_batch_size running requests.
+//   2. every running request that has finished its prompt gets one decode row;
+//   3. the rest of scheduler.max_tokens_per_step goes to prompt chunks (chunked prefill) in
+//      admission order, piggybacked on the decode rows.
+// The plan lists requests grouped by memory rank (rank 0 first) and, within a rank, every
+// single-row request before the multi-row ones; rows follow the same order, so each memory
+// rank's rows are one contiguous range.
+//
+// Stop conditions: an EOS token (unless ignore_eos), max_tokens, or Cancel(). A finished
+// request's KV is released on its rank (Complete()/Cancel() report which ids to release).
+//
+// Thread safety: not thread-safe; one thread drives a controller.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/model_spec.h"
+#include "common/wire.h"
+#include "compute_node/compute_backend.h"
+#include "kernels/cpu/ops.h"
+
+namespace tandem {
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;  // token ids, at least one
+  int64_t max_tokens = 16;      // generated tokens at most, >= 1
+  kernels::cpu::SamplingParams sampling;
+  bool ignore_eos = false;  // keep going past EOS (benchmarks)
+};
+
+struct GenerationResult {
+  std::vector<int32_t> token_ids;  // generated tokens (EOS included when it stopped there)
+  std::vector<float> logprobs;     // natural log-probability of each generated token
+  std::string finish_reason;       // "stop" (EOS), "length" (max_tokens) or "cancelled"
+  int64_t prompt_tokens = 0;
+};
+
+struct ControllerOptions {
+  int64_t max_batch_size = 64;         // running requests at most (>= 1)
+  int64_t max_tokens_per_step = 2048;  // rows per step at most (>= max_batch_size)
+};
+
+// What a policy sees of a waiting request.
+struct WaitingRequest {
+  int64_t id = 0;
+  int64_t prompt_tokens = 0;
+  int64_t context_tokens = 0;  // prompt + max_tokens: the KV it reserves
+};
+
+// Chooses which waiting request to admit next.
+class SchedulingPolicy {
+ public:
+  virtual ~SchedulingPolicy() = default;
+  virtual std::string name() const = 0;
+  // Index into `waiting` (arrival order, never empty) of the request to try next. If it does not
+  // fit, admission stops for this step.
+  virtual size_t NextToAdmit(std::span<const WaitingRequest> waiting) const = 0;
+};
+// First come, first served (admission in arrival order).
+std::unique_ptr<SchedulingPolicy> MakeFifoPolicy();
+
+// One planned step: the plan for the memory ranks and the rows for the compute backend.
+struct PlannedStep {
+  StepPlan plan;
+  StepTokens rows;                 // tokens, positions, sample rows and their parameters
+  std::vector<int32_t> rank_rows;  // (memory ranks + 1): rows of rank m are [rank_rows[m], rank_rows[m+1])
+  bool empty() const { return plan.requests.empty(); }
+};
+
+struct ControllerStats {
+  int64_t steps = 0;
+  int64_t prefill_tokens = 0;
+  int64_t decode_tokens = 0;  // generated tokens
+};
+
+class Controller {
+ public:
+  // `kv_capacity[m]`: KV slots of memory rank m (at least one rank).
+  Controller(const ModelSpec& spec, std::vector<int64_t> kv_capacity, const ControllerOptions& options,
+             std::unique_ptr<SchedulingPolicy> policy = MakeFifoPolicy());
+
+  // InvalidArgument for an empty prompt, an id outside the vocabulary, max_tokens < 1, bad
+  // sampling parameters, or a context longer than the model's; ResourceExhausted if its context
+  // fits on no memory rank even when empty.
+  absl::Status Check(const GenerationRequest& request) const;
+  // Check()s and queues a request; returns its id (0, 1, 2, ... in submission order).
+  absl::StatusOr<int64_t> Submit(GenerationRequest request);
+  // Ends a waiting or running request now with finish_reason "cancelled" (the tokens generated so
+  // far are kept). Its id is appended to released[rank] if it holds KV. NotFound for an unknown id.
+  absl::Status Cancel(int64_t id, GenerationResult* result, std::vector<std::vector<uint64_t>>* released);
+
+  // Plans the next step into `step` (empty when nothing can run).
+  void Schedule(PlannedStep* step);
+  // Applies the sampled tokens of `step` (one per sample row, in order). Finished requests are
+  // appended to `finished`; released[m] gets the ids whose KV rank m can free.
+  absl::Status Complete(const PlannedStep& step, std::span<const int32_t> tokens,
+                        std::span<const float> logprobs,
+                        std::vector<std::pair<int64_t, GenerationResult>>* finished,
+                        std::vector<std::vector<uint64_t>>* released);
+
+  bool Idle() const { return waiting_.empty() && running_.empty(); }
+  int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
+  int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
+  int num_memory_ranks() const { return static_cast<int>(capacity_.size()); }
+  // KV slots of rank m promised to running requests.
+  int64_t kv_reserved(int m) const { return reserved_[static_cast<size_t>(m)]; }
+  // Token history of a live request (prompt, then generated tokens); nullopt if not live.
+  std::optional<std::vector<int32_t>> History(int64_t id) const;
+  const ControllerStats& stats() const { return stats_; }
+  const SchedulingPolicy& policy() const { return *policy_; }
+
+ private:
+  struct Live {
+    int64_t id = 0;
+    GenerationRequest request;
+    GenerationResult result;
+    int memory_rank = -1;
+    int64_t prefilled = 0;  // prompt tokens processed
+    int64_t context = 0;    // tokens whose KV exists on the rank
+  };
+  int64_t ContextNeed(const GenerationRequest& r) const {
+    return static_cast<int64_t>(r.prompt.size()) + r.max_tokens;
+  }
+  void Admit();
+
+  ModelSpec spec_;
+  std::vector<int64_t> capacity_;
+  std::vector<int64_t> reserved_;  // per rank: whole contexts of running requests
+  ControllerOptions options_;
+  std::unique_ptr<SchedulingPolicy> policy_;
+  int64_t next_id_ = 0;
+  uint64_t next_step_ = 0;
+  std::deque<Live> waiting_;
+  std::vector<std::unique_ptr<Live>> running_;  // admission order
+  ControllerStats stats_;
+};
+
+}  // namespace tandem

@@ -1,0 +1,91 @@
+// The CPU compute backend: fp32 weights (CpuLayerExecutor) and sampling by the CPU reference.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "compute_node/compute_backend.h"
+#include "compute_node/layer_executor.h"
+
+namespace tandem {
+
+namespace cpu = kernels::cpu;
+
+namespace {
+
+class CpuComputeBackend : public ComputeBackend {
+ public:
+  CpuComputeBackend(ModelWeightsF32 weights, const ComputeBackendOptions& o)
+      : weights_(std::move(weights)), executor_(&weights_), options_(o) {}
+
+  const ModelSpec& spec() const override { return weights_.spec; }
+  std::string device() const override { return "cpu"; }
+  DType dtype() const override { return DType::kF32; }
+  bool host_memory() const override { return true; }
+
+  absl::Status BeginStep(const StepTokens& step) override {
+    if (step.num_tokens() > options_.max_tokens ||
+        static_cast<int64_t>(step.sample_rows.size()) > options_.max_requests) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step of ", step.num_tokens(), " rows and ", step.sample_rows.size(),
+          " sampled rows exceeds the limits (", options_.max_tokens, ", ", options_.max_requests, ")"));
+    }
+    step_ = &step;
+    x_.resize(static_cast<size_t>(step.num_tokens() * spec().hidden_size));
+    return executor_.Embed(step.tokens, x_.data());
+  }
+  absl::Status PreAttention(int64_t layer, void* qkv) override {
+    return executor_.PreAttention(layer, x_.data(), step_->positions, static_cast<float*>(qkv));
+  }
+  absl::Status PostAttention(int64_t layer, const void* attn) override {
+    return executor_.PostAttention(layer, x_.data(), static_cast<const float*>(attn), step_->num_tokens());
+  }
+  absl::Status Finish(std::vector<int32_t>* tokens, std::vector<float>* logprobs) override {
+    const StepTokens& st = *step_;
+    if (st.sample_rows.empty()) return absl::OkStatus();
+    const int64_t vocab = spec().vocab_size;
+    logits_.resize(st.sample_rows.size() * static_cast<size_t>(vocab));
+    RETURN_IF_ERROR(executor_.Logits(x_.data(), st.sample_rows, logits_.data()));
+    for (size_t i = 0; i < st.sample_rows.size(); ++i) {
+      const float* row = logits_.data() + static_cast<int64_t>(i) * vocab;
+      const int32_t token = cpu::SampleToken(row, vocab, st.sampling[i], st.counters[i]);
+      tokens->push_back(token);
+      logprobs->push_back(cpu::TokenLogprob(row, vocab, token));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<BackendBuffer> Allocate(size_t bytes, bool pinned) override {
+    void* p = std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) / 64 * 64);
+    if (!p)
+      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes of host memory"));
+    return BackendBuffer(p, &std::free);
+  }
+  absl::Status CopyIn(void* dst, const void* src, size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  absl::Status CopyOut(void* dst, const void* src, size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+
+ private:
+  ModelWeightsF32 weights_;
+  CpuLayerExecutor executor_;
+  ComputeBackendOptions options_;
+  const StepTokens* step_ = nullptr;
+  std::vector<float> x_, logits_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ComputeBackend>> CreateCpuComputeBackend(
+    const WeightSource& source, const ComputeBackendOptions& options) {
+  ASSIGN_OR_RETURN(ModelWeightsF32 weights, LoadWeightsF32(source));
+  return std::unique_ptr<ComputeBackend>(new CpuComputeBackend(std::move(weights), options));
+}
+
+}  // namespace tandem

@@ -1,0 +1,214 @@
+// The CUDA compute backend: bf16 weights (CudaLayerExecutor), an fp32 residual stream, sampling
+// on the device. One metadata upload and one result download per step.
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "compute_node/compute_backend.h"
+#include "compute_node/cuda_layer_executor.h"
+#include "kernels/cuda/buffers.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/ops.h"
+
+namespace tandem {
+
+namespace kc = kernels::cuda;
+using bf16 = __nv_bfloat16;
+
+namespace {
+
+void FreeDevice(void* p) { cudaFree(p); }
+void FreePinned(void* p) { cudaFreeHost(p); }
+
+class CudaComputeBackend : public ComputeBackend {
+ public:
+  ~CudaComputeBackend() override {
+    executor_.reset();
+    weights_.reset();
+    if (host_meta_) cudaFreeHost(host_meta_);
+    if (host_out_) cudaFreeHost(host_out_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  static absl::StatusOr<std::unique_ptr<ComputeBackend>> Create(const WeightSource& source,
+                                                                const ComputeBackendOptions& o, int device) {
+    std::unique_ptr<CudaComputeBackend> b(new CudaComputeBackend());
+    ASSIGN_OR_RETURN(const int count, kernels::CudaDeviceCount());
+    if (device < 0 || device >= count) {
+      return absl::UnavailableError(
+          absl::StrCat("cuda:", device, " requested but ", count, " CUDA device(s) are visible"));
+    }
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+    cudaDeviceProp prop;
+    CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+    b->device_name_ = absl::StrCat("cuda:", device, " (", prop.name, ")");
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
+    ASSIGN_OR_RETURN(b->weights_, CudaModelWeights::Upload(source));
+    const ModelSpec& s = b->weights_->spec();
+    b->options_ = o;
+    ASSIGN_OR_RETURN(b->executor_, CudaLayerExecutor::Create(b->weights_.get(), o.max_tokens, b->stream_));
+    if (o.profile) {
+      b->timer_.Enable(b->stream_);
+      b->executor_->set_timer(&b->timer_);
+    }
+    const int64_t t = o.max_tokens, r = o.max_requests;
+    RETURN_IF_ERROR(b->x_.Reserve(t * s.hidden_size * 4));
+    RETURN_IF_ERROR(b->logits_.Reserve(r * s.vocab_size * 4));
+    RETURN_IF_ERROR(b->sample_ws_.Reserve(std::max<int64_t>(16, kc::SampleWorkspaceBytes(r, s.vocab_size))));
+    RETURN_IF_ERROR(b->out_.Reserve(r * 8));
+    CUDA_RETURN_IF_ERROR(cudaMallocHost(&b->host_out_, static_cast<size_t>(r * 8)));
+    // Metadata: tokens, positions (2T), sample rows and parameters (6R), 16-byte slack each.
+    const int64_t meta_bytes = 2 * t * 4 + r * 32 + 16 * 16;
+    RETURN_IF_ERROR(b->meta_.Reserve(meta_bytes));
+    CUDA_RETURN_IF_ERROR(cudaMallocHost(&b->host_meta_, static_cast<size_t>(meta_bytes)));
+    b->host_meta_bytes_ = meta_bytes;
+    TANDEM_LOG_INFO("compute", s.Summary(), "; device ", b->device_name_,
+                    absl::StrFormat("; weights %.2f GiB bf16", b->weights_->bytes() / 1073741824.0));
+    return std::unique_ptr<ComputeBackend>(std::move(b));
+  }
+
+  const ModelSpec& spec() const override { return weights_->spec(); }
+  std::string device() const override { return device_name_; }
+  DType dtype() const override { return DType::kBF16; }
+  bool host_memory() const override { return false; }
+  void* stream() const override { return stream_; }
+
+  absl::Status BeginStep(const StepTokens& st) override {
+    const int64_t t = st.num_tokens(), rows = static_cast<int64_t>(st.sample_rows.size());
+    if (t > options_.max_tokens || rows > options_.max_requests) {
+      return absl::InvalidArgumentError(absl::StrCat("step of ", t, " rows and ", rows,
+                                                     " sampled rows exceeds the limits (",
+                                                     options_.max_tokens, ", ", options_.max_requests, ")"));
+    }
+    t_ = t;
+    rows_ = rows;
+    timer_.Begin();
+    packer_.Reset();
+    const int64_t o_tokens = packer_.Add(st.tokens);
+    o_pos_ = packer_.Add(st.positions);
+    std::vector<float> temperature, top_p;
+    std::vector<int32_t> top_k;
+    std::vector<uint64_t> seed;
+    for (const auto& sp : st.sampling) {
+      temperature.push_back(sp.temperature);
+      top_k.push_back(sp.top_k);
+      top_p.push_back(sp.top_p);
+      seed.push_back(sp.seed);
+    }
+    o_rows_ = packer_.Add(st.sample_rows);
+    o_temp_ = packer_.Add(temperature);
+    o_topk_ = packer_.Add(top_k);
+    o_topp_ = packer_.Add(top_p);
+    o_seed_ = packer_.Add(seed);
+    o_counter_ = packer_.Add(st.counters);
+    const std::vector<unsigned char>& mb = packer_.bytes();
+    if (static_cast<int64_t>(mb.size()) > host_meta_bytes_)
+      return absl::InternalError("step metadata overflow");
+    // The previous step synchronised in Finish, so the pinned buffer is free to overwrite.
+    std::memcpy(host_meta_, mb.data(), mb.size());
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(meta_.ptr, host_meta_, mb.size(), cudaMemcpyHostToDevice, stream_));
+    timer_.Mark(PhaseTimer::kOther);
+    return executor_->Embed(meta_.as<int32_t>(o_tokens), t, x_.as<float>());
+  }
+
+  absl::Status PreAttention(int64_t layer, void* qkv) override {
+    return executor_->PreAttention(layer, x_.as<float>(), meta_.as<int32_t>(o_pos_), t_,
+                                   static_cast<bf16*>(qkv));
+  }
+  absl::Status PostAttention(int64_t layer, const void* attn) override {
+    return executor_->PostAttention(layer, x_.as<float>(), static_cast<const bf16*>(attn), t_);
+  }
+  void MarkAttention() override { timer_.Mark(PhaseTimer::kAttention); }
+
+  absl::Status Finish(std::vector<int32_t>* tokens, std::vector<float>* logprobs) override {
+    const int64_t rows = rows_;
+    if (rows > 0) {
+      float* logits = logits_.as<float>();
+      RETURN_IF_ERROR(executor_->Logits(x_.as<float>(), t_, meta_.as<int32_t>(o_rows_), rows, logits));
+      kc::SampleParams sp;
+      sp.logits = logits;
+      sp.temperature = meta_.as<float>(o_temp_);
+      sp.top_k = meta_.as<int32_t>(o_topk_);
+      sp.top_p = meta_.as<float>(o_topp_);
+      sp.seed = meta_.as<uint64_t>(o_seed_);
+      sp.counter = meta_.as<uint64_t>(o_counter_);
+      sp.out_tokens = out_.as<int32_t>();
+      sp.out_logprobs = out_.as<float>(rows * 4);
+      sp.rows = rows;
+      sp.vocab = spec().vocab_size;
+      RETURN_IF_ERROR(kc::SampleTokens(sp, sample_ws_.ptr, stream_));
+      timer_.Mark(PhaseTimer::kSampling);
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_out_, out_.ptr, static_cast<size_t>(rows * 8),
+                                           cudaMemcpyDeviceToHost, stream_));
+    }
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    timer_.Collect();
+    const auto* out_tokens = static_cast<const int32_t*>(host_out_);
+    const auto* out_logprobs =
+        reinterpret_cast<const float*>(static_cast<const unsigned char*>(host_out_) + rows * 4);
+    tokens->insert(tokens->end(), out_tokens, out_tokens + rows);
+    logprobs->insert(logprobs->end(), out_logprobs, out_logprobs + rows);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<BackendBuffer> Allocate(size_t bytes, bool pinned) override {
+    void* p = nullptr;
+    if (pinned) {
+      CUDA_RETURN_IF_ERROR(cudaMallocHost(&p, std::max<size_t>(bytes, 16)));
+      return BackendBuffer(p, &FreePinned);
+    }
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<size_t>(bytes, 16)));
+    return BackendBuffer(p, &FreeDevice);
+  }
+  absl::Status CopyIn(void* dst, const void* src, size_t bytes) override {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+    return absl::OkStatus();
+  }
+  absl::Status CopyOut(void* dst, const void* src, size_t bytes) override {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    return absl::OkStatus();
+  }
+  absl::Status Synchronize() override {
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return absl::OkStatus();
+  }
+
+  std::vector<std::pair<std::string, double>> PhaseTotalsMs() const override {
+    std::vector<std::pair<std::string, double>> out;
+    if (!timer_.enabled()) return out;
+    for (int p = 0; p < PhaseTimer::kNumPhases; ++p) {
+      out.emplace_back(PhaseTimer::Name(static_cast<PhaseTimer::Phase>(p)), timer_.totals_ms()[p]);
+    }
+    return out;
+  }
+
+ private:
+  CudaComputeBackend() = default;
+  std::string device_name_;
+  cudaStream_t stream_ = nullptr;
+  ComputeBackendOptions options_;
+  std::unique_ptr<CudaModelWeights> weights_;
+  std::unique_ptr<CudaLayerExecutor> executor_;
+  kc::DeviceBuffer x_, logits_, sample_ws_, out_, meta_;
+  void* host_meta_ = nullptr;
+  int64_t host_meta_bytes_ = 0;
+  void* host_out_ = nullptr;
+  kc::MetaPacker packer_;
+  PhaseTimer timer_;
+  int64_t t_ = 0, rows_ = 0;
+  int64_t o_pos_ = 0, o_rows_ = 0, o_temp_ = 0, o_topk_ = 0, o_topp_ = 0, o_seed_ = 0, o_counter_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ComputeBackend>> CreateCudaComputeBackend(const WeightSource& source,
+                                                                         const ComputeBackendOptions& options,
+                                                                         int device) {
+  return CudaComputeBackend::Create(source, options, device);
+}
+
+}  // namespace tandem

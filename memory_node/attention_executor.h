@@ -1,0 +1,111 @@
+// Attention on the device that owns the KV cache: the memory rank's half of DESIGN.md's hot path
+// (and the colocated engine's attention). Per layer it appends each row's K and V to the KV pool
+// and computes the attention of each row's q over its request's context.
+//
+//   BeginStep(batch)                 // once per step: where rows go, what each request reads
+//   for each layer: Layer(l, qkv, out)
+//
+// KV layout is the executor's business: token-granular slots (memory_node/kv_slot_allocator.h
+// hands them out), one K and one V array per layer indexed by slot. The CPU executor keeps fp32
+// in host memory; the CUDA executor bf16 on its device, with the decode kernel for single-row
+// requests and the prefill kernel for chunks.
+//
+// Thread safety: one thread drives an executor.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/backend_buffer.h"
+#include "common/dtype.h"
+
+namespace tandem {
+
+// One step's rows as attention sees them. Requests are ordered with every single-row request
+// (decode, or a one-token prefill chunk) first: requests [0, num_single) have one row each.
+struct AttentionBatch {
+  std::vector<int32_t> new_slots;  // (T) slot that row t's K and V are written to
+  std::vector<int32_t> q_indptr;   // (R + 1) rows of request r: [q_indptr[r], q_indptr[r+1])
+  std::vector<int32_t> kv_indptr;  // (R + 1) context of request r: kv_slots[kv_indptr[r] ..)
+  std::vector<int32_t> kv_slots;   // slots of each request's whole context, in position order
+  int64_t num_single = 0;
+  int64_t max_kv_len = 0, max_q_len = 0;
+
+  int64_t num_tokens() const { return static_cast<int64_t>(new_slots.size()); }
+  int64_t num_requests() const { return q_indptr.empty() ? 0 : static_cast<int64_t>(q_indptr.size()) - 1; }
+  void Clear() {
+    new_slots.clear();
+    q_indptr.assign(1, 0);
+    kv_indptr.assign(1, 0);
+    kv_slots.clear();
+    num_single = max_kv_len = max_q_len = 0;
+  }
+};
+
+// The model dimensions attention needs, and the step limits that size scratch memory.
+struct AttentionShape {
+  int64_t num_layers = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  int64_t max_tokens = 0;    // rows per step at most
+  int64_t max_requests = 0;  // requests per step at most
+  int64_t q_dim() const { return num_heads * head_dim; }
+  int64_t kv_dim() const { return num_kv_heads * head_dim; }
+  // A qkv row: [q (q_dim) | k (kv_dim) | v (kv_dim)].
+  int64_t qkv_width() const { return q_dim() + 2 * kv_dim(); }
+  // KV bytes of one token over all layers.
+  int64_t kv_bytes_per_token(int64_t elem) const { return 2 * num_layers * kv_dim() * elem; }
+};
+
+struct KvPoolOptions {
+  int64_t capacity_tokens = 0;    // slots; 0: sized from free memory
+  double memory_fraction = 0.9;   // share of free memory given to the KV pool when sized
+  int64_t max_useful_tokens = 0;  // cap on automatic sizing (e.g. batch × context); 0: none
+};
+
+class AttentionExecutor {
+ public:
+  virtual ~AttentionExecutor() = default;
+  virtual int64_t kv_capacity() const = 0;  // KV slots
+  virtual std::string device() const = 0;   // "cpu", "cuda:0 (NVIDIA H200)"
+  virtual DType dtype() const = 0;          // of qkv rows and outputs: f32 (cpu), bf16 (cuda)
+  virtual const AttentionShape& shape() const = 0;
+
+  // Takes the step's metadata (the CUDA executor uploads it once). InvalidArgument if the batch
+  // exceeds the shape's limits or names a slot outside the pool.
+  virtual absl::Status BeginStep(const AttentionBatch& batch) = 0;
+  // Layer `layer` of the step: K and V of row t of qkv (T, qkv_width) go to slot new_slots[t];
+  // out (T, q_dim) gets each row's attention output. Pointers are in the executor's memory (host
+  // for cpu, device for cuda); the CUDA executor enqueues on its stream and does not synchronise.
+  virtual absl::Status Layer(int64_t layer, const void* qkv, void* out) = 0;
+
+  // Staging between the network and the executor's memory (for a memory rank).
+  // True when the executor's memory is host memory (then no copies are needed).
+  virtual bool host_memory() const = 0;
+  // `bytes` of the executor's memory (pinned == false) or of host memory that copies to and from
+  // it are fast with (pinned == true; page-locked for CUDA).
+  virtual absl::StatusOr<BackendBuffer> Allocate(size_t bytes, bool pinned) = 0;
+  // Asynchronous copies in the executor's order (its stream), and the wait for all of them.
+  virtual absl::Status CopyIn(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual absl::Status CopyOut(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual absl::Status Synchronize() = 0;
+};
+
+// Checks a batch against an executor's limits and pool: InvalidArgument naming what is wrong.
+absl::Status CheckAttentionBatch(const AttentionBatch& batch, const AttentionShape& shape, int64_t num_slots);
+
+// fp32 KV in host memory; sized from MemAvailable when capacity_tokens is 0.
+absl::StatusOr<std::unique_ptr<AttentionExecutor>> CreateCpuAttentionExecutor(const AttentionShape& shape,
+                                                                              const KvPoolOptions& kv);
+// bf16 KV on CUDA device `device` (made current), work on `stream` (a cudaStream_t; nullptr: the
+// executor creates its own). Sized from cudaMemGetInfo's free memory when capacity_tokens is 0.
+// Unavailable without the CUDA backend or the device; Unimplemented for a head_dim the kernels
+// do not support (CudaAttentionUnsupported).
+absl::StatusOr<std::unique_ptr<AttentionExecutor>> CreateCudaAttentionExecutor(const AttentionShape& shape,
+                                                                               const KvPoolOptions& kv,
+                                                                               int device, void* stream);
+// Empty if the CUDA kernels support `head_dim`, else why not.
+std::string CudaAttentionUnsupported(int64_t head_dim);
+
+}  // namespace tandem

@@ -1,0 +1,239 @@
+// The CUDA attention executor: a bf16 token-granular KV pool on one device; per layer, the KV
+// append, then the decode kernel for the single-row requests and the prefill kernel for chunks.
+// One metadata upload per step.
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "kernels/cuda/buffers.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device.h"
+#include "kernels/cuda/ops.h"
+#include "memory_node/attention_executor.h"
+
+namespace tandem {
+
+namespace kc = kernels::cuda;
+using bf16 = __nv_bfloat16;
+
+namespace {
+
+void FreeDevice(void* p) { cudaFree(p); }
+void FreePinned(void* p) { cudaFreeHost(p); }
+
+class CudaAttentionExecutor : public AttentionExecutor {
+ public:
+  ~CudaAttentionExecutor() override {
+    if (host_meta_) cudaFreeHost(host_meta_);
+    if (own_stream_ && stream_) cudaStreamDestroy(stream_);
+  }
+
+  static absl::StatusOr<std::unique_ptr<AttentionExecutor>> Create(const AttentionShape& shape,
+                                                                   const KvPoolOptions& kv, int device,
+                                                                   void* stream) {
+    if (std::string why = CudaAttentionUnsupported(shape.head_dim); !why.empty()) {
+      return absl::UnimplementedError(why);
+    }
+    ASSIGN_OR_RETURN(const int count, kernels::CudaDeviceCount());
+    if (device < 0 || device >= count) {
+      return absl::UnavailableError(
+          absl::StrCat("cuda:", device, " requested but ", count, " CUDA device(s) are visible"));
+    }
+    std::unique_ptr<CudaAttentionExecutor> e(new CudaAttentionExecutor());
+    e->shape_ = shape;
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+    cudaDeviceProp prop;
+    CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+    e->device_name_ = absl::StrCat("cuda:", device, " (", prop.name, ")");
+    e->num_sms_ = prop.multiProcessorCount;
+    if (stream) {
+      e->stream_ = static_cast<cudaStream_t>(stream);
+    } else {
+      CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&e->stream_, cudaStreamNonBlocking));
+      e->own_stream_ = true;
+    }
+    RETURN_IF_ERROR(e->q_.Reserve(std::max<int64_t>(16, shape.max_tokens * shape.q_dim() * 2)));
+
+    // KV: the configured share of what is free now (after whatever this process loaded before).
+    const int64_t per_token = shape.kv_bytes_per_token(2);
+    int64_t slots = kv.capacity_tokens;
+    size_t free_b = 0, total_b = 0;
+    CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_b, &total_b));
+    if (slots == 0) {
+      slots = static_cast<int64_t>(static_cast<double>(free_b) * kv.memory_fraction) / per_token;
+      if (kv.max_useful_tokens > 0) slots = std::min(slots, kv.max_useful_tokens);
+      slots = std::min<int64_t>(slots, INT32_MAX);
+      if (slots < 1) {
+        return absl::ResourceExhaustedError(absl::StrFormat(
+            "no device memory left for the KV cache on %s (%.2f GiB free, %d bytes per token)",
+            e->device_name_, free_b / 1073741824.0, per_token));
+      }
+    }
+    if (slots > INT32_MAX) return absl::InvalidArgumentError("kv.capacity_tokens exceeds 2^31-1");
+    RETURN_IF_ERROR(Annotate(e->kv_.Reserve(slots * per_token),
+                             absl::StrFormat("allocating the KV cache (%d tokens, %.2f GiB) on %s", slots,
+                                             slots * per_token / 1073741824.0, e->device_name_)));
+    e->num_slots_ = slots;
+    // Metadata: new slots (T), indptrs (3R + 3), context slots (<= capacity), 16-byte slack each.
+    const int64_t meta_bytes = (shape.max_tokens + 3 * (shape.max_requests + 1) + slots) * 4 + 16 * 8;
+    RETURN_IF_ERROR(e->meta_.Reserve(meta_bytes));
+    CUDA_RETURN_IF_ERROR(cudaMallocHost(&e->host_meta_, static_cast<size_t>(meta_bytes)));
+    e->host_meta_bytes_ = meta_bytes;
+    TANDEM_LOG_INFO("attention", absl::StrFormat("device %s; KV cache %d tokens (%.2f GiB bf16)",
+                                                 e->device_name_, slots, slots * per_token / 1073741824.0));
+    return std::unique_ptr<AttentionExecutor>(std::move(e));
+  }
+
+  int64_t kv_capacity() const override { return num_slots_; }
+  std::string device() const override { return device_name_; }
+  DType dtype() const override { return DType::kBF16; }
+  const AttentionShape& shape() const override { return shape_; }
+  bool host_memory() const override { return false; }
+
+  absl::Status BeginStep(const AttentionBatch& b) override {
+    RETURN_IF_ERROR(CheckAttentionBatch(b, shape_, num_slots_));
+    const int64_t num_req = b.num_requests(), ns = b.num_single;
+    t_ = b.num_tokens();
+    ns_ = ns;
+    nm_ = num_req - ns;
+    max_kv_len_ = b.max_kv_len;
+    max_q_len_ = b.max_q_len;
+    // Single-row and multi-row groups rebased to start at 0.
+    packer_.Reset();
+    o_new_ = packer_.Add(b.new_slots);
+    kv_split_ = b.kv_indptr[static_cast<size_t>(ns)];
+    q_split_ = b.q_indptr[static_cast<size_t>(ns)];
+    std::vector<int32_t> kv_s(b.kv_indptr.begin(), b.kv_indptr.begin() + ns + 1);
+    std::vector<int32_t> q_m, kv_m;
+    for (int64_t r = ns; r <= num_req; ++r) {
+      q_m.push_back(b.q_indptr[static_cast<size_t>(r)] - q_split_);
+      kv_m.push_back(b.kv_indptr[static_cast<size_t>(r)] - kv_split_);
+    }
+    o_kv_s_ = packer_.Add(kv_s);
+    o_q_m_ = packer_.Add(q_m);
+    o_kv_m_ = packer_.Add(kv_m);
+    o_slots_ = packer_.Add(b.kv_slots);
+    const std::vector<unsigned char>& mb = packer_.bytes();
+    if (static_cast<int64_t>(mb.size()) > host_meta_bytes_)
+      return absl::InternalError("attention metadata overflow");
+    // The pinned buffer may still feed the previous step's copy: wait for it.
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    std::memcpy(host_meta_, mb.data(), mb.size());
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(meta_.ptr, host_meta_, mb.size(), cudaMemcpyHostToDevice, stream_));
+    if (ns > 0) {
+      plan_ = kc::PlanDecodeAttention(ns, shape_.num_heads, shape_.num_kv_heads, shape_.head_dim,
+                                      b.max_kv_len, num_sms_);
+      RETURN_IF_ERROR(decode_ws_.Reserve(std::max<int64_t>(16, plan_.workspace_bytes)));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Layer(int64_t layer, const void* qkv_v, void* out_v) override {
+    const int64_t width = shape_.qkv_width(), q_dim = shape_.q_dim(), kv_dim = shape_.kv_dim();
+    const int64_t layer_kv = num_slots_ * kv_dim;  // elements of one layer's K (or V)
+    const auto* qkv = static_cast<const bf16*>(qkv_v);
+    auto* out = static_cast<bf16*>(out_v);
+    bf16* q = q_.as<bf16>();
+    bf16* kc_layer = kv_.as<bf16>() + 2 * layer * layer_kv;
+    bf16* vc_layer = kc_layer + layer_kv;
+    kc::KvAppendParams app;
+    app.k = qkv + q_dim;
+    app.v = qkv + q_dim + kv_dim;
+    app.k_stride = width;
+    app.v_stride = width;
+    app.slots = meta_.as<int32_t>(o_new_);
+    app.k_cache = kc_layer;
+    app.v_cache = vc_layer;
+    app.n = t_;
+    app.kv_dim = kv_dim;
+    app.num_slots = num_slots_;
+    RETURN_IF_ERROR(kc::KvAppend(app, stream_));
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpy2DAsync(q, q_dim * 2, qkv, width * 2, q_dim * 2, t_, cudaMemcpyDeviceToDevice, stream_));
+    kc::AttentionParams ap;
+    ap.k_cache = kc_layer;
+    ap.v_cache = vc_layer;
+    ap.num_slots = num_slots_;
+    ap.num_heads = shape_.num_heads;
+    ap.num_kv_heads = shape_.num_kv_heads;
+    ap.head_dim = shape_.head_dim;
+    ap.scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
+    ap.max_kv_len = max_kv_len_;
+    if (ns_ > 0) {
+      kc::AttentionParams d = ap;
+      d.q = q;
+      d.out = out;
+      d.q_indptr = nullptr;
+      d.kv_indptr = meta_.as<int32_t>(o_kv_s_);
+      d.kv_slots = meta_.as<int32_t>(o_slots_);
+      d.num_requests = ns_;
+      d.max_q_len = 1;
+      RETURN_IF_ERROR(kc::DecodeAttention(d, plan_, decode_ws_.ptr, stream_));
+    }
+    if (nm_ > 0) {
+      kc::AttentionParams p = ap;
+      p.q = q + static_cast<int64_t>(q_split_) * q_dim;
+      p.out = out + static_cast<int64_t>(q_split_) * q_dim;
+      p.q_indptr = meta_.as<int32_t>(o_q_m_);
+      p.kv_indptr = meta_.as<int32_t>(o_kv_m_);
+      p.kv_slots = meta_.as<int32_t>(o_slots_) + kv_split_;
+      p.num_requests = nm_;
+      p.max_q_len = max_q_len_;
+      RETURN_IF_ERROR(kc::PrefillAttention(p, stream_));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<BackendBuffer> Allocate(size_t bytes, bool pinned) override {
+    void* p = nullptr;
+    if (pinned) {
+      CUDA_RETURN_IF_ERROR(cudaMallocHost(&p, std::max<size_t>(bytes, 16)));
+      return BackendBuffer(p, &FreePinned);
+    }
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<size_t>(bytes, 16)));
+    return BackendBuffer(p, &FreeDevice);
+  }
+  absl::Status CopyIn(void* dst, const void* src, size_t bytes) override {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+    return absl::OkStatus();
+  }
+  absl::Status CopyOut(void* dst, const void* src, size_t bytes) override {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    return absl::OkStatus();
+  }
+  absl::Status Synchronize() override {
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return absl::OkStatus();
+  }
+
+ private:
+  CudaAttentionExecutor() = default;
+  AttentionShape shape_;
+  std::string device_name_;
+  int num_sms_ = 0;
+  cudaStream_t stream_ = nullptr;
+  bool own_stream_ = false;
+  int64_t num_slots_ = 0;
+  kc::DeviceBuffer kv_, q_, meta_, decode_ws_;
+  void* host_meta_ = nullptr;
+  int64_t host_meta_bytes_ = 0;
+  kc::MetaPacker packer_;
+  kc::DecodePlan plan_;
+  // The current step.
+  int64_t t_ = 0, ns_ = 0, nm_ = 0, max_kv_len_ = 0, max_q_len_ = 0;
+  int32_t kv_split_ = 0, q_split_ = 0;
+  int64_t o_new_ = 0, o_kv_s_ = 0, o_q_m_ = 0, o_kv_m_ = 0, o_slots_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<AttentionExecutor>> CreateCudaAttentionExecutor(const AttentionShape& shape,
+                                                                               const KvPoolOptions& kv,
+                                                                               int device, void* stream) {
+  return CudaAttentionExecutor::Create(shape, kv, device, stream);
+}
+
+}  // namespace tandem
