@@ -1,6 +1,7 @@
 // `tandem generate`: run requests through the colocated engine and print the tokens.
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <optional>
 
@@ -14,6 +15,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "compute_node/weights.h"
+#include "deploy/deployment.h"
 #include "nlohmann/json.hpp"
 
 namespace tandem::cli {
@@ -42,6 +44,7 @@ struct GenerateArgs {
   std::vector<std::string> sets;
   std::string log_level = "info";
   std::string device;
+  std::string deploy;
 };
 
 ConfigSchema& EngineSchema() {
@@ -62,48 +65,18 @@ absl::StatusOr<std::vector<GenerationRequest>> BuildRequests(const GenerateArgs&
   } else {
     ASSIGN_OR_RETURN(specs, ReadPromptsFile(a.prompts_file));
   }
-  std::vector<GenerationRequest> requests;
-  for (const PromptSpec& p : specs) {
-    GenerationRequest r;
-    r.prompt = p.prompt_ids;
-    r.max_tokens = p.max_tokens.value_or(a.max_tokens);
-    r.sampling.temperature = static_cast<float>(p.temperature.value_or(a.temperature));
-    r.sampling.top_k = static_cast<int32_t>(p.top_k.value_or(a.top_k));
-    r.sampling.top_p = static_cast<float>(p.top_p.value_or(a.top_p));
-    r.sampling.seed = p.seed.value_or(a.seed);
-    r.ignore_eos = a.ignore_eos;
-    requests.push_back(std::move(r));
-  }
-  return requests;
+  GenerationRequest d;
+  d.max_tokens = a.max_tokens;
+  d.sampling.temperature = static_cast<float>(a.temperature);
+  d.sampling.top_k = static_cast<int32_t>(a.top_k);
+  d.sampling.top_p = static_cast<float>(a.top_p);
+  d.sampling.seed = a.seed;
+  d.ignore_eos = a.ignore_eos;
+  return RequestsFromPrompts(specs, d);
 }
 
-absl::Status RunGenerate(const GenerateArgs& a) {
-  const std::optional<LogLevel> level = ParseLogLevel(a.log_level);
-  if (!level)
-    return absl::InvalidArgumentError(absl::StrCat("--log-level: unknown level \"", a.log_level, "\""));
-  InitLogging("generate", *level);
-  std::vector<std::string> sets = a.sets;
-  if (!a.device.empty()) sets.push_back("runtime.device=" + a.device);  // --device wins
-  absl::StatusOr<Config> config = a.config_file.empty() ? LoadConfig(EngineSchema(), "", "", sets)
-                                                        : LoadConfigFile(EngineSchema(), a.config_file, sets);
-  RETURN_IF_ERROR(config.status());
-  for (const std::string& line : config->NonDefault()) TANDEM_LOG_INFO("config", line);
-  ASSIGN_OR_RETURN(std::vector<GenerationRequest> requests, BuildRequests(a));
-
-  const auto t_load = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(std::unique_ptr<WeightSource> source, OpenModel(a.model, a.weight_seed));
-  TANDEM_LOG_INFO("generate", "loading ", source->Describe());
-  ASSIGN_OR_RETURN(std::unique_ptr<ColocatedEngine> engine,
-                   ColocatedEngine::Create(*source, EngineOptionsFromConfig(*config)));
-  TANDEM_LOG_INFO(
-      "generate",
-      absl::StrFormat("model ready in %.2f s",
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count()));
-
-  const auto t0 = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(std::vector<GenerationResult> results, engine->GenerateAll(std::move(requests)));
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-
+void PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& results,
+                  const RunStats& stats) {
   int64_t generated = 0, prompt_tokens = 0;
   for (size_t i = 0; i < results.size(); ++i) {
     const GenerationResult& r = results[i];
@@ -129,13 +102,78 @@ absl::Status RunGenerate(const GenerateArgs& a) {
     }
   }
   std::cout.flush();
-  const EngineStats& st = engine->stats();
   std::fprintf(stderr,
                "tandem generate: %zu requests, %lld prompt + %lld generated tokens in %.3f s "
                "(%.1f generated tok/s, %.1f total tok/s, %lld steps, device %s)\n",
                results.size(), static_cast<long long>(prompt_tokens), static_cast<long long>(generated),
-               seconds, generated / seconds, (generated + prompt_tokens) / seconds,
-               static_cast<long long>(st.steps), engine->device().c_str());
+               stats.seconds, generated / stats.seconds, (generated + prompt_tokens) / stats.seconds,
+               static_cast<long long>(stats.steps), stats.device.c_str());
+}
+
+// Runs the requests through a deployment started (and stopped) for them.
+absl::Status RunDeployed(const GenerateArgs& a, std::vector<std::string> sets) {
+  if (!a.model.empty()) sets.push_back("model.path=" + a.model);
+  if (a.weight_seed != 0) sets.push_back(absl::StrCat("model.weight_seed=", a.weight_seed));
+  if (!a.device.empty()) {
+    sets.push_back("compute.device=" + a.device);
+    sets.push_back("memory.devices=" + a.device);
+  }
+  ASSIGN_OR_RETURN(const Config config, LoadConfigFile(DeploySchema(), a.deploy, sets));
+  for (const std::string& line : config.NonDefault()) TANDEM_LOG_INFO("config", line);
+  ASSIGN_OR_RETURN(std::vector<GenerationRequest> requests, BuildRequests(a));
+  ASSIGN_OR_RETURN(const DeployPlan plan, PlanDeployment(config));
+  std::error_code ec;
+  std::filesystem::create_directories(plan.run_dir, ec);
+  const std::string req = (std::filesystem::path(plan.run_dir) / "requests.jsonl").string();
+  const std::string res = (std::filesystem::path(plan.run_dir) / "results.jsonl").string();
+  std::filesystem::remove(res, ec);
+  RETURN_IF_ERROR(WriteRequestsFile(req, requests));
+  RETURN_IF_ERROR(Launch(
+      config, plan,
+      {.tandem_binary = SelfPath(), .log_level = a.log_level, .requests_file = req, .results_file = res}));
+  std::vector<GenerationResult> results;
+  RunStats stats;
+  RETURN_IF_ERROR(ReadResultsFile(res, &results, &stats));
+  if (results.size() != requests.size()) {
+    return absl::DataLossError(
+        absl::StrCat(res, ": ", results.size(), " results for ", requests.size(), " requests"));
+  }
+  stats.device =
+      absl::StrCat("disaggregated: ", stats.device, " + ", plan.memory_devices.size(), " memory rank(s)");
+  PrintResults(a, results, stats);
+  return absl::OkStatus();
+}
+
+absl::Status RunGenerate(const GenerateArgs& a) {
+  const std::optional<LogLevel> level = ParseLogLevel(a.log_level);
+  if (!level)
+    return absl::InvalidArgumentError(absl::StrCat("--log-level: unknown level \"", a.log_level, "\""));
+  InitLogging("generate", *level);
+  if (!a.deploy.empty()) return RunDeployed(a, a.sets);
+  if (a.model.empty()) return absl::InvalidArgumentError("--model is required (without --deploy)");
+  std::vector<std::string> sets = a.sets;
+  if (!a.device.empty()) sets.push_back("runtime.device=" + a.device);  // --device wins
+  absl::StatusOr<Config> config = a.config_file.empty() ? LoadConfig(EngineSchema(), "", "", sets)
+                                                        : LoadConfigFile(EngineSchema(), a.config_file, sets);
+  RETURN_IF_ERROR(config.status());
+  for (const std::string& line : config->NonDefault()) TANDEM_LOG_INFO("config", line);
+  ASSIGN_OR_RETURN(std::vector<GenerationRequest> requests, BuildRequests(a));
+
+  const auto t_load = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(std::unique_ptr<WeightSource> source, OpenModel(a.model, a.weight_seed));
+  TANDEM_LOG_INFO("generate", "loading ", source->Describe());
+  ASSIGN_OR_RETURN(std::unique_ptr<ColocatedEngine> engine,
+                   ColocatedEngine::Create(*source, EngineOptionsFromConfig(*config)));
+  TANDEM_LOG_INFO(
+      "generate",
+      absl::StrFormat("model ready in %.2f s",
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count()));
+
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(std::vector<GenerationResult> results, engine->GenerateAll(std::move(requests)));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  PrintResults(a, results, {.seconds = seconds, .steps = engine->stats().steps, .device = engine->device()});
   return absl::OkStatus();
 }
 
@@ -148,9 +186,12 @@ void AddGenerateCommand(CLI::App& app) {
       "Generate tokens for one or many prompts in one process (the colocated engine).\n"
       "Examples:\n"
       "  tandem generate --model small --prompt-ids 1,15043,3186 --max-tokens 32\n"
-      "  tandem generate --model /models/Llama-3.2-1B --prompts-file prompts.jsonl --json --logprobs");
-  cmd->add_option("--model", a->model, "checkpoint directory (Hugging Face layout) or preset name")
-      ->required();
+      "  tandem generate --model /models/Llama-3.2-1B --prompts-file prompts.jsonl --json --logprobs\n"
+      "  tandem generate --deploy deploy/examples/cpu.yaml --prompt-ids 1,2,3   (disaggregated, on this "
+      "host)");
+  cmd->add_option(
+      "--model", a->model,
+      "checkpoint directory (Hugging Face layout) or preset name (with --deploy: overrides model.path)");
   auto* ids = cmd->add_option("--prompt-ids", a->prompt_ids, "comma-separated prompt token ids, e.g. 1,2,3");
   auto* file = cmd->add_option("--prompts-file", a->prompts_file,
                                "JSON lines: {\"prompt_ids\": [...], \"max_tokens\"?, \"temperature\"?, "
@@ -177,9 +218,15 @@ void AddGenerateCommand(CLI::App& app) {
       "--json", a->json,
       "print one JSON object per request: token_ids, logprobs (with --logprobs), finish_reason, usage");
   cmd->add_flag("--ignore-eos", a->ignore_eos, "do not stop at end-of-sequence tokens");
-  cmd->add_option("--config", a->config_file,
-                  "YAML file with scheduler.* and kv.* settings (see `tandem config help`)")
-      ->check(CLI::ExistingFile);
+  auto* config = cmd->add_option("--config", a->config_file,
+                                 "YAML file with scheduler.* and kv.* settings (see `tandem config help`)")
+                     ->check(CLI::ExistingFile);
+  cmd->add_option(
+         "--deploy", a->deploy,
+         "run through a disaggregated deployment on this host, started from this YAML and stopped after "
+         "(compute rank 0 and memory ranks as separate processes; see deploy/examples/)")
+      ->check(CLI::ExistingFile)
+      ->excludes(config);
   cmd->add_option("--set", a->sets, "override a setting: --set scheduler.max_batch_size=8 (repeatable)");
   cmd->add_option("--device", a->device,
                   "cpu, cuda, cuda:N or auto (cuda:0 when a GPU is present; the default, runtime.device)");

@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   tandem::cli::AddGenerateCommand(app);
   tandem::cli::AddConfigCommand(app);
   tandem::cli::AddDevicesCommand(app);
+  tandem::cli::AddRankCommands(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

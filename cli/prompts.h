@@ -16,7 +16,7 @@ namespace tandem::cli {
 absl::StatusOr<std::vector<int32_t>> ParseIdList(absl::string_view text);
 
 // One line of a prompts file: {"prompt_ids": [..], "max_tokens"?: n, "temperature"?: t,
-// "top_k"?: k, "top_p"?: p, "seed"?: s}. Absent fields take the command line's values.
+// "top_k"?: k, "top_p"?: p, "seed"?: s, "ignore_eos"?: b}. Absent fields take the command line's values.
 struct PromptSpec {
   std::vector<int32_t> prompt_ids;
   std::optional<int64_t> max_tokens;
@@ -24,10 +24,37 @@ struct PromptSpec {
   std::optional<int64_t> top_k;
   std::optional<double> top_p;
   std::optional<uint64_t> seed;
+  std::optional<bool> ignore_eos;
 };
 // Blank lines are skipped; any other key is an error (a misspelt "max_token" must not be
 // silently ignored).
 absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(absl::string_view text, absl::string_view source);
 absl::StatusOr<std::vector<PromptSpec>> ReadPromptsFile(const std::string& path);
+
+}  // namespace tandem::cli
+
+namespace tandem {
+struct GenerationRequest;
+struct GenerationResult;
+}  // namespace tandem
+
+namespace tandem::cli {
+
+// The files `tandem generate --deploy` and compute rank 0 exchange. Requests: one prompts-file
+// line per request with every field given. Results: one line per request, in order,
+// {"token_ids", "logprobs", "finish_reason", "prompt_tokens"}, then {"stats": {"seconds",
+// "steps", "device"}}.
+struct RunStats {
+  double seconds = 0;
+  int64_t steps = 0;
+  std::string device;
+};
+absl::Status WriteRequestsFile(const std::string& path, const std::vector<GenerationRequest>& requests);
+std::vector<GenerationRequest> RequestsFromPrompts(const std::vector<PromptSpec>& specs,
+                                                   const GenerationRequest& defaults);
+absl::Status WriteResultsFile(const std::string& path, const std::vector<GenerationResult>& results,
+                              const RunStats& stats);
+absl::Status ReadResultsFile(const std::string& path, std::vector<GenerationResult>* results,
+                             RunStats* stats);
 
 }  // namespace tandem::cli

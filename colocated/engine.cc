@@ -18,11 +18,17 @@ namespace tandem {
 namespace cpu = kernels::cpu;
 
 void AddEngineKnobs(ConfigSchema* schema) {
+  schema->String("runtime.device", EngineOptions{}.device,
+                 "cpu, cuda, cuda:N, or auto (cuda:0 when a GPU is present)");
+  AddSchedulerKvKnobs(schema);
+}
+
+void AddSchedulerKvKnobs(ConfigSchema* schema) {
   const EngineOptions d;
-  schema->String("runtime.device", d.device, "cpu, cuda, cuda:N, or auto (cuda:0 when a GPU is present)")
-      .Int("scheduler.max_batch_size", d.max_batch_size,
-           "requests batched in one step; 0: as many as the KV cache holds (at most max_tokens_per_step)", 0,
-           65536)
+  schema
+      ->Int("scheduler.max_batch_size", d.max_batch_size,
+            "requests batched in one step; 0: as many as the KV cache holds (at most max_tokens_per_step)", 0,
+            65536)
       .Int("scheduler.max_tokens_per_step", d.max_tokens_per_step,
            "decode tokens plus prefill-chunk tokens in one step (>= max_batch_size)", 1, 1 << 20)
       .Int("kv.capacity_tokens", d.kv_capacity_tokens,
@@ -42,8 +48,6 @@ EngineOptions EngineOptionsFromConfig(const Config& config) {
   o.kv_memory_fraction = config.GetDouble("kv.memory_fraction");
   return o;
 }
-
-namespace {
 
 // "cpu" -> -1; "cuda" -> 0; "cuda:N" -> N; "auto" -> 0 if a CUDA device is present and the CUDA
 // runner supports the model, else -1.
@@ -67,8 +71,6 @@ absl::StatusOr<int> ResolveDevice(const std::string& device, const ModelSpec& sp
   return absl::InvalidArgumentError(
       absl::StrCat("runtime.device: expected cpu, cuda, cuda:N or auto, got \"", device, "\""));
 }
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const WeightSource& source,
                                                                          const EngineOptions& requested) {
@@ -166,22 +168,9 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
 
 absl::StatusOr<std::vector<GenerationResult>> ColocatedEngine::GenerateAll(
     std::vector<GenerationRequest> requests) {
-  if (!Idle()) return absl::FailedPreconditionError("GenerateAll needs an idle engine");
-  // Nothing half-applied: every request is checked before any is queued.
-  for (size_t i = 0; i < requests.size(); ++i) {
-    RETURN_IF_ERROR(Annotate(controller_.Check(requests[i]), absl::StrCat("request ", i)));
-  }
-  std::vector<int64_t> ids;
-  for (GenerationRequest& r : requests) {
-    ASSIGN_OR_RETURN(const int64_t id, Submit(std::move(r)));
-    ids.push_back(id);
-  }
-  std::vector<GenerationResult> results(requests.size());
-  if (ids.empty()) return results;
-  std::vector<std::pair<int64_t, GenerationResult>> done;
-  while (!Idle()) RETURN_IF_ERROR(Step(&done));
-  for (auto& [id, result] : done) results[static_cast<size_t>(id - ids.front())] = std::move(result);
-  return results;
+  return RunToCompletion(
+      controller_, std::move(requests),
+      [this](std::vector<std::pair<int64_t, GenerationResult>>* done) { return Step(done); });
 }
 
 }  // namespace tandem

@@ -42,6 +42,11 @@ struct EngineOptions {
 // their conversion; shared by every program that runs an engine.
 void AddEngineKnobs(ConfigSchema* schema);
 EngineOptions EngineOptionsFromConfig(const Config& config);
+// Only the "scheduler.*" and "kv.*" sections (a deployment's schema has its own device keys).
+void AddSchedulerKvKnobs(ConfigSchema* schema);
+// "cpu" -> -1; "cuda" -> 0; "cuda:N" -> N; "auto" -> 0 if a CUDA device is present and the CUDA
+// kernels support the model, else -1. InvalidArgument for anything else.
+absl::StatusOr<int> ResolveDevice(const std::string& device, const ModelSpec& spec);
 
 struct EngineStats {
   int64_t steps = 0;

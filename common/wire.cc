@@ -87,6 +87,17 @@ class Reader {
     ASSIGN_OR_RETURN(uint32_t v, U32(f));
     return std::bit_cast<float>(v);
   }
+  // Returns the next `n` bytes.
+  absl::StatusOr<absl::Span<const uint8_t>> Bytes(std::string_view field, size_t n) {
+    if (remaining() < n) {
+      return absl::DataLossError(absl::StrCat(ToAbsl(what_), ": truncated: ", ToAbsl(field), " needs ", n,
+                                              " bytes at byte offset ", offset(), " but ", remaining(),
+                                              " remain"));
+    }
+    absl::Span<const uint8_t> out = data_.subspan(pos_, n);
+    pos_ += n;
+    return out;
+  }
   // Reads `n` reserved bytes; each must be 0.
   absl::Status Reserved(std::string_view field, int n) {
     for (int i = 0; i < n; ++i) {
@@ -178,6 +189,65 @@ absl::StatusOr<absl::Span<const uint8_t>> Unframe(absl::Span<const uint8_t> fram
   return body;
 }
 
+// Checks that a fixed-size body has its size (the frame's body_bytes field is at byte offset 8).
+absl::Status CheckBodySize(absl::Span<const uint8_t> body, size_t want, std::string_view what) {
+  if (body.size() != want) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(ToAbsl(what), ": body_bytes ", body.size(), " at byte offset 8 must be ", want));
+  }
+  return absl::OkStatus();
+}
+
+// Checks that `needed` bytes of variable contents (named by `field` = `value`), which start at
+// the reader's position, fill the rest of the body exactly. Called before anything is allocated
+// for them.
+absl::Status CheckRest(const Reader& r, uint64_t needed, std::string_view what, std::string_view field,
+                       uint64_t value, std::string_view contents) {
+  if (needed > r.remaining()) {
+    return absl::DataLossError(absl::StrCat(
+        ToAbsl(what), ": truncated: ", ToAbsl(field), " ", value, " needs ", needed, " bytes of ",
+        ToAbsl(contents), " at byte offset ", r.offset(), " but ", r.remaining(), " remain"));
+  }
+  if (needed < r.remaining()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(ToAbsl(what), ": ", ToAbsl(field), " ", value, " leaves ", r.remaining() - needed,
+                     " unused body bytes at byte offset ", r.offset() + needed));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDType(DType dtype, std::string_view what) {
+  const auto v = static_cast<uint8_t>(dtype);
+  if (v > static_cast<uint8_t>(DType::kBF16)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(ToAbsl(what), ": dtype ", v, " must be 0 (f32), 1 (f16) or 2 (bf16)"));
+  }
+  return absl::OkStatus();
+}
+
+// Reads a 0/1 byte.
+absl::StatusOr<bool> ReadBool(Reader& r, std::string_view field, std::string_view what) {
+  const size_t at = r.offset();
+  ASSIGN_OR_RETURN(uint8_t v, r.U8(field));
+  if (v > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(ToAbsl(what), ": ", ToAbsl(field), " ", v, " at byte offset ", at, " must be 0 or 1"));
+  }
+  return v == 1;
+}
+
+absl::Status CheckNoNul(std::string_view s, std::string_view what, std::string_view field) {
+  const size_t nul = s.find('\0');
+  if (nul != std::string_view::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(ToAbsl(what), ": ", ToAbsl(field), " has a NUL byte at index ", nul));
+  }
+  return absl::OkStatus();
+}
+
+constexpr uint32_t kMinStatusCode = 1;   // absl::StatusCode::kCancelled
+constexpr uint32_t kMaxStatusCode = 16;  // absl::StatusCode::kUnauthenticated
+
 absl::Status ValidateRequest(const StepRequest& q, size_t i) {
   auto bad = [i](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat("step plan: request ", i, ": ", parts...));
@@ -219,11 +289,7 @@ absl::Status ValidateLayerMessageHeader(const LayerMessageHeader& h) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer message header: kind ", kind, " must be 1 (qkv) or 2 (attn_out)"));
   }
-  const auto dtype = static_cast<uint8_t>(h.dtype);
-  if (dtype > static_cast<uint8_t>(DType::kBF16)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer message header: dtype ", dtype, " must be 0 (f32), 1 (f16) or 2 (bf16)"));
-  }
+  RETURN_IF_ERROR(CheckDType(h.dtype, "layer message header"));
   if (h.row_bytes % DTypeSize(h.dtype) != 0) {
     return absl::InvalidArgumentError(absl::StrCat("layer message header: row_bytes ", h.row_bytes,
                                                    " must be a multiple of ", DTypeSize(h.dtype), " (",
@@ -276,17 +342,8 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
   ASSIGN_OR_RETURN(uint32_t count, r.U32("request_count"));
   RETURN_IF_ERROR(r.Reserved("reserved", 4));
   // Bound the count by the bytes present before allocating anything for it.
-  const uint64_t need = static_cast<uint64_t>(count) * kStepRequestBytes;
-  if (need > r.remaining()) {
-    return absl::DataLossError(absl::StrCat("step plan: truncated: request_count ", count, " needs ", need,
-                                            " bytes of requests at byte offset ", r.offset(), " but ",
-                                            r.remaining(), " remain"));
-  }
-  if (need < r.remaining()) {
-    return absl::InvalidArgumentError(absl::StrCat("step plan: request_count ", count, " leaves ",
-                                                   r.remaining() - need, " unused body bytes at byte offset ",
-                                                   r.offset() + need));
-  }
+  RETURN_IF_ERROR(CheckRest(r, static_cast<uint64_t>(count) * kStepRequestBytes, kWhat, "request_count",
+                            count, "requests"));
   plan.requests.resize(count);
   for (uint32_t i = 0; i < count; ++i) {
     StepRequest& q = plan.requests[i];
@@ -334,10 +391,7 @@ std::vector<uint8_t> EncodeLayerMessageHeader(const LayerMessageHeader& h) {
 absl::StatusOr<LayerMessageHeader> DecodeLayerMessageHeader(absl::Span<const uint8_t> frame) {
   constexpr std::string_view kWhat = "layer message header";
   ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kLayerMessageMagic, kWhat));
-  if (body.size() != kLayerMessageBodyBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("layer message header: body_bytes ", body.size(),
-                                                   " at byte offset 8 must be ", kLayerMessageBodyBytes));
-  }
+  RETURN_IF_ERROR(CheckBodySize(body, kLayerMessageBodyBytes, kWhat));
   Reader r(body, kFrameHeaderBytes, kWhat);
   LayerMessageHeader h;
   ASSIGN_OR_RETURN(h.step_id, r.U64("step_id"));
@@ -355,6 +409,314 @@ absl::StatusOr<LayerMessageHeader> DecodeLayerMessageHeader(absl::Span<const uin
   h.dtype = static_cast<DType>(dtype);
   RETURN_IF_ERROR(ValidateLayerMessageHeader(h));
   return h;
+}
+
+// ---- Control messages ----------------------------------------------------------------------
+
+absl::Status ValidateHello(const HelloMessage& h) {
+  auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat("hello: ", parts...)); };
+  if (h.num_memory_ranks < 1) return bad("num_memory_ranks 0 must be >= 1");
+  if (h.memory_rank >= h.num_memory_ranks) {
+    return bad("memory_rank ", h.memory_rank, " must be < num_memory_ranks ", h.num_memory_ranks);
+  }
+  if (h.num_layers < 1) return bad("num_layers 0 must be >= 1");
+  if (h.num_heads < 1) return bad("num_heads 0 must be >= 1");
+  if (h.num_kv_heads < 1) return bad("num_kv_heads 0 must be >= 1");
+  if (h.num_heads % h.num_kv_heads != 0) {
+    return bad("num_kv_heads ", h.num_kv_heads, " must divide num_heads ", h.num_heads);
+  }
+  if (h.head_dim < 1 || h.head_dim > kMaxHeadDim) {
+    return bad("head_dim ", h.head_dim, " must be in [1, ", kMaxHeadDim, "]");
+  }
+  if (h.max_tokens_per_step < 1) return bad("max_tokens_per_step 0 must be >= 1");
+  if (h.max_requests_per_step < 1 || h.max_requests_per_step > h.max_tokens_per_step) {
+    return bad("max_requests_per_step ", h.max_requests_per_step, " must be in [1, max_tokens_per_step ",
+               h.max_tokens_per_step, "]");
+  }
+  if (h.max_position < 1) return bad("max_position 0 must be >= 1");
+  RETURN_IF_ERROR(CheckDType(h.dtype, "hello"));
+  if (h.kv_capacity_tokens > kMaxKvCapacityTokens) {
+    return bad("kv_capacity_tokens ", h.kv_capacity_tokens,
+               " must be 0 (sized from memory) or <= ", kMaxKvCapacityTokens);
+  }
+  if (!(h.kv_memory_fraction > 0.0f && h.kv_memory_fraction <= 1.0f)) {
+    return bad("kv_memory_fraction ", h.kv_memory_fraction, " must be in (0, 1]");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateHelloReply(const HelloReplyMessage& h) {
+  auto bad = [](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("hello reply: ", parts...));
+  };
+  RETURN_IF_ERROR(CheckDType(h.dtype, "hello reply"));
+  if (h.kv_capacity_tokens < 1 || h.kv_capacity_tokens > kMaxKvCapacityTokens) {
+    return bad("kv_capacity_tokens ", h.kv_capacity_tokens, " must be in [1, ", kMaxKvCapacityTokens, "]");
+  }
+  if (h.device.size() > kMaxDeviceBytes) {
+    return bad("device of ", h.device.size(), " bytes exceeds ", kMaxDeviceBytes);
+  }
+  return CheckNoNul(h.device, "hello reply", "device");
+}
+
+absl::Status ValidateHelloReplyMatches(const HelloMessage& hello, const HelloReplyMessage& reply) {
+  auto bad = [](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("hello reply: ", parts...));
+  };
+  if (reply.memory_rank != hello.memory_rank) {
+    return bad("memory_rank ", reply.memory_rank, " must equal the hello's memory_rank ", hello.memory_rank);
+  }
+  if (reply.dtype != hello.dtype) {
+    return bad("dtype ", static_cast<int>(reply.dtype), " must equal the hello's dtype ",
+               static_cast<int>(hello.dtype));
+  }
+  if (hello.kv_capacity_tokens != 0 && reply.kv_capacity_tokens != hello.kv_capacity_tokens) {
+    return bad("kv_capacity_tokens ", reply.kv_capacity_tokens, " must equal the hello's kv_capacity_tokens ",
+               hello.kv_capacity_tokens);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRelease(const ReleaseMessage& m) {
+  if (m.request_ids.size() < 2) return absl::OkStatus();
+  std::vector<uint64_t> sorted = m.request_ids;
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  if (dup == sorted.end()) return absl::OkStatus();
+  const uint64_t id = *dup;
+  const auto first = std::find(m.request_ids.begin(), m.request_ids.end(), id);
+  const auto second = std::find(first + 1, m.request_ids.end(), id);
+  return absl::InvalidArgumentError(absl::StrCat("release: request_id ", id, " at index ",
+                                                 second - m.request_ids.begin(), " repeats index ",
+                                                 first - m.request_ids.begin()));
+}
+
+absl::Status ValidateError(const ErrorMessage& m) {
+  if (m.code < kMinStatusCode || m.code > kMaxStatusCode) {
+    return absl::InvalidArgumentError(absl::StrCat("error message: code ", m.code, " must be in [",
+                                                   kMinStatusCode, ", ", kMaxStatusCode,
+                                                   "] (an absl::StatusCode other than OK)"));
+  }
+  if (m.message.size() > kMaxErrorMessageBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("error message: message of ", m.message.size(),
+                                                   " bytes exceeds ", kMaxErrorMessageBytes));
+  }
+  return CheckNoNul(m.message, "error message", "message");
+}
+
+absl::Status ValidateBye(const ByeMessage&) { return absl::OkStatus(); }
+
+std::vector<uint8_t> EncodeHello(const HelloMessage& h) {
+  std::vector<uint8_t> body;
+  body.reserve(kHelloBodyBytes);
+  Writer w(&body);
+  w.U64(h.kv_capacity_tokens);
+  w.U32(h.num_layers);
+  w.U32(h.num_heads);
+  w.U32(h.num_kv_heads);
+  w.U32(h.head_dim);
+  w.U32(h.max_tokens_per_step);
+  w.U32(h.max_requests_per_step);
+  w.U32(h.max_position);
+  w.F32(h.kv_memory_fraction);
+  w.U32(h.attn_out_buffer);
+  w.U16(h.memory_rank);
+  w.U16(h.num_memory_ranks);
+  w.U8(static_cast<uint8_t>(h.dtype));
+  w.U8(h.checksums ? 1 : 0);
+  w.Zeros(6);
+  return Frame(kHelloMagic, body);
+}
+
+absl::StatusOr<HelloMessage> DecodeHello(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "hello";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kHelloMagic, kWhat));
+  RETURN_IF_ERROR(CheckBodySize(body, kHelloBodyBytes, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  HelloMessage h;
+  ASSIGN_OR_RETURN(h.kv_capacity_tokens, r.U64("kv_capacity_tokens"));
+  ASSIGN_OR_RETURN(h.num_layers, r.U32("num_layers"));
+  ASSIGN_OR_RETURN(h.num_heads, r.U32("num_heads"));
+  ASSIGN_OR_RETURN(h.num_kv_heads, r.U32("num_kv_heads"));
+  ASSIGN_OR_RETURN(h.head_dim, r.U32("head_dim"));
+  ASSIGN_OR_RETURN(h.max_tokens_per_step, r.U32("max_tokens_per_step"));
+  ASSIGN_OR_RETURN(h.max_requests_per_step, r.U32("max_requests_per_step"));
+  ASSIGN_OR_RETURN(h.max_position, r.U32("max_position"));
+  ASSIGN_OR_RETURN(h.kv_memory_fraction, r.F32("kv_memory_fraction"));
+  ASSIGN_OR_RETURN(h.attn_out_buffer, r.U32("attn_out_buffer"));
+  ASSIGN_OR_RETURN(h.memory_rank, r.U16("memory_rank"));
+  ASSIGN_OR_RETURN(h.num_memory_ranks, r.U16("num_memory_ranks"));
+  ASSIGN_OR_RETURN(uint8_t dtype, r.U8("dtype"));
+  ASSIGN_OR_RETURN(h.checksums, ReadBool(r, "checksums", kWhat));
+  RETURN_IF_ERROR(r.Reserved("reserved", 6));
+  h.dtype = static_cast<DType>(dtype);  // checked by ValidateHello before any use as an enum
+  RETURN_IF_ERROR(ValidateHello(h));
+  return h;
+}
+
+std::vector<uint8_t> EncodeHelloReply(const HelloReplyMessage& h) {
+  TANDEM_CHECK_MSG(h.device.size() <= std::numeric_limits<uint16_t>::max(), "hello reply device of ",
+                   h.device.size(), " bytes does not fit in 16 bits");
+  std::vector<uint8_t> body;
+  body.reserve(kHelloReplyFixedBytes + h.device.size());
+  Writer w(&body);
+  w.U64(h.kv_capacity_tokens);
+  w.U32(h.qkv_buffer);
+  w.U16(h.memory_rank);
+  w.U8(static_cast<uint8_t>(h.dtype));
+  w.Zeros(1);
+  w.U16(static_cast<uint16_t>(h.device.size()));
+  body.insert(body.end(), h.device.begin(), h.device.end());
+  return Frame(kHelloReplyMagic, body);
+}
+
+absl::StatusOr<HelloReplyMessage> DecodeHelloReply(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "hello reply";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kHelloReplyMagic, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  HelloReplyMessage h;
+  ASSIGN_OR_RETURN(h.kv_capacity_tokens, r.U64("kv_capacity_tokens"));
+  ASSIGN_OR_RETURN(h.qkv_buffer, r.U32("qkv_buffer"));
+  ASSIGN_OR_RETURN(h.memory_rank, r.U16("memory_rank"));
+  ASSIGN_OR_RETURN(uint8_t dtype, r.U8("dtype"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 1));
+  ASSIGN_OR_RETURN(uint16_t device_bytes, r.U16("device_bytes"));
+  RETURN_IF_ERROR(CheckRest(r, device_bytes, kWhat, "device_bytes", device_bytes, "device"));
+  if (device_bytes > kMaxDeviceBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("hello reply: device_bytes ", device_bytes,
+                                                   " at byte offset 32 must be <= ", kMaxDeviceBytes));
+  }
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> device, r.Bytes("device", device_bytes));
+  h.device.assign(device.begin(), device.end());
+  h.dtype = static_cast<DType>(dtype);  // checked by ValidateHelloReply before any use as an enum
+  RETURN_IF_ERROR(ValidateHelloReply(h));
+  return h;
+}
+
+std::vector<uint8_t> EncodeRelease(const ReleaseMessage& m) {
+  TANDEM_CHECK_MSG(m.request_ids.size() <= (std::numeric_limits<uint32_t>::max() - kReleaseFixedBytes) / 8,
+                   "release of ", m.request_ids.size(), " request ids does not fit in one frame");
+  std::vector<uint8_t> body;
+  body.reserve(kReleaseFixedBytes + 8 * m.request_ids.size());
+  Writer w(&body);
+  w.U64(m.step_id);
+  w.U32(static_cast<uint32_t>(m.request_ids.size()));
+  w.Zeros(4);
+  for (uint64_t id : m.request_ids) w.U64(id);
+  return Frame(kReleaseMagic, body);
+}
+
+absl::StatusOr<ReleaseMessage> DecodeRelease(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "release";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kReleaseMagic, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  ReleaseMessage m;
+  ASSIGN_OR_RETURN(m.step_id, r.U64("step_id"));
+  ASSIGN_OR_RETURN(uint32_t count, r.U32("request_count"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 4));
+  // Bound the count by the bytes present before allocating anything for it.
+  RETURN_IF_ERROR(
+      CheckRest(r, static_cast<uint64_t>(count) * 8, kWhat, "request_count", count, "request ids"));
+  m.request_ids.resize(count);
+  for (uint64_t& id : m.request_ids) {
+    ASSIGN_OR_RETURN(id, r.U64("request_id"));
+  }
+  RETURN_IF_ERROR(ValidateRelease(m));
+  return m;
+}
+
+std::vector<uint8_t> EncodeError(const ErrorMessage& m) {
+  TANDEM_CHECK_MSG(m.message.size() <= std::numeric_limits<uint32_t>::max() - kErrorFixedBytes,
+                   "error message of ", m.message.size(), " bytes does not fit in one frame");
+  std::vector<uint8_t> body;
+  body.reserve(kErrorFixedBytes + m.message.size());
+  Writer w(&body);
+  w.U32(m.code);
+  w.U32(static_cast<uint32_t>(m.message.size()));
+  body.insert(body.end(), m.message.begin(), m.message.end());
+  return Frame(kErrorMagic, body);
+}
+
+absl::StatusOr<ErrorMessage> DecodeError(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "error message";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kErrorMagic, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  ErrorMessage m;
+  ASSIGN_OR_RETURN(m.code, r.U32("code"));
+  ASSIGN_OR_RETURN(uint32_t message_bytes, r.U32("message_bytes"));
+  RETURN_IF_ERROR(CheckRest(r, message_bytes, kWhat, "message_bytes", message_bytes, "message"));
+  if (message_bytes > kMaxErrorMessageBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("error message: message_bytes ", message_bytes,
+                                                   " at byte offset 20 must be <= ", kMaxErrorMessageBytes));
+  }
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> message, r.Bytes("message", message_bytes));
+  m.message.assign(message.begin(), message.end());
+  RETURN_IF_ERROR(ValidateError(m));
+  return m;
+}
+
+std::vector<uint8_t> EncodeBye(const ByeMessage& m) {
+  std::vector<uint8_t> body;
+  body.reserve(kByeBodyBytes);
+  Writer w(&body);
+  w.U64(m.steps);
+  return Frame(kByeMagic, body);
+}
+
+absl::StatusOr<ByeMessage> DecodeBye(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "bye";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kByeMagic, kWhat));
+  RETURN_IF_ERROR(CheckBodySize(body, kByeBodyBytes, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  ByeMessage m;
+  ASSIGN_OR_RETURN(m.steps, r.U64("steps"));
+  RETURN_IF_ERROR(ValidateBye(m));
+  return m;
+}
+
+absl::StatusOr<uint32_t> PeekFrameMagic(absl::Span<const uint8_t> frame) {
+  if (frame.size() < kFrameHeaderBytes) {
+    return absl::DataLossError(absl::StrCat("frame: truncated: a frame header needs ", kFrameHeaderBytes,
+                                            " bytes but ", frame.size(), " are present"));
+  }
+  Reader r(frame.subspan(0, 4), 0, "frame");
+  ASSIGN_OR_RETURN(uint32_t magic, r.U32("magic"));
+  switch (magic) {
+    case kStepPlanMagic:
+    case kLayerMessageMagic:
+    case kHelloMagic:
+    case kHelloReplyMagic:
+    case kReleaseMagic:
+    case kErrorMagic:
+    case kByeMagic:
+      return magic;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrFormat("unknown frame magic 0x%08x ('%s') at byte offset 0", magic, MagicText(magic)));
+  }
+}
+
+ErrorMessage ErrorMessageFromStatus(const absl::Status& status) {
+  ErrorMessage m;
+  const auto code = static_cast<uint32_t>(status.code());
+  if (status.ok()) {
+    m.code = static_cast<uint32_t>(absl::StatusCode::kUnknown);
+    m.message = "(an OK status sent as an error)";
+    return m;
+  }
+  m.code = code >= kMinStatusCode && code <= kMaxStatusCode
+               ? code
+               : static_cast<uint32_t>(absl::StatusCode::kUnknown);
+  m.message = std::string(status.message().substr(0, kMaxErrorMessageBytes));
+  std::replace(m.message.begin(), m.message.end(), '\0', '?');
+  return m;
+}
+
+absl::Status StatusFromErrorMessage(const ErrorMessage& error) {
+  if (error.code < kMinStatusCode || error.code > kMaxStatusCode) {
+    return absl::UnknownError(absl::StrCat("error code ", error.code, ": ", error.message));
+  }
+  return absl::Status(static_cast<absl::StatusCode>(error.code), error.message);
 }
 
 }  // namespace tandem

@@ -1,18 +1,25 @@
 // Wire formats of the disaggregated runtime (DESIGN.md, "Per-step control, per-layer data"):
-// the step plan the controller sends once per step to every rank, and the header that precedes
-// each per-layer payload between compute and memory ranks.
+// the step plan the controller sends once per step to every rank, the header that precedes each
+// per-layer payload between compute and memory ranks, and the control messages of a compute <->
+// memory connection (hello, hello reply, release, error, bye).
 //
 // Every value is written byte by byte, little-endian, at a fixed offset: no struct is copied to
 // the wire, so the layout depends on neither padding nor host byte order. Floats travel as their
 // IEEE-754 binary32 bit pattern. Booleans are one byte, 0 or 1. Reserved bytes are written as 0
-// and must read as 0.
+// and must read as 0. Strings are a length then that many bytes, without a terminator.
 //
-// Frame (both formats): a 16-byte frame header, then the body.
+// Frame (every format): a 16-byte frame header, then the body.
 //
 //   offset  size  field         notes
 //   ------  ----  ------------  ----------------------------------------------------------------
-//        0     4  magic         bytes 'T','D','S','P' (step plan) or 'T','D','L','M' (layer
-//                               message header), in this order: u32 LE 0x50534454 / 0x4d4c4454
+//        0     4  magic         4 ASCII bytes naming the format, in this order (u32 LE value):
+//                                 'T','D','S','P' step plan            0x50534454
+//                                 'T','D','L','M' layer message header 0x4d4c4454
+//                                 'T','D','H','I' hello                0x49484454
+//                                 'T','D','H','R' hello reply          0x52484454
+//                                 'T','D','R','L' release              0x4c524454
+//                                 'T','D','E','R' error                0x52454454
+//                                 'T','D','B','Y' bye                  0x59424454
 //        4     2  version       u16, kWireVersion (1); a newer one decodes as Unimplemented
 //        6     2  header_bytes  u16, size of this frame header: 16 in version 1
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
@@ -58,20 +65,86 @@
 //       41     1  dtype           u8   tandem::DType: 0 (f32), 1 (f16), 2 (bf16)
 //       42     6  reserved        must be 0
 //
+// Hello body (compute rank -> memory rank, the first message on a connection; 56 bytes, a whole
+// frame is 72 bytes):
+//
+//   offset  size  field                  notes
+//   ------  ----  ---------------------  -------------------------------------------------------
+//        0     8  kv_capacity_tokens     u64  0: the memory rank sizes its KV pool from its
+//                                             memory; else that many slots, <= 2^31-1
+//        8     4  num_layers             u32  >= 1
+//       12     4  num_heads              u32  >= 1
+//       16     4  num_kv_heads           u32  >= 1, divides num_heads
+//       20     4  head_dim               u32  in [1, 1024]
+//       24     4  max_tokens_per_step    u32  >= 1: rows of one step at most
+//       28     4  max_requests_per_step  u32  in [1, max_tokens_per_step]
+//       32     4  max_position           u32  >= 1: the model's context length
+//       36     4  kv_memory_fraction     f32  in (0, 1]
+//       40     4  attn_out_buffer        u32  id of the compute rank's buffer where this memory
+//                                             rank writes attention outputs
+//       44     2  memory_rank            u16  the receiver's index in the deployment,
+//                                             < num_memory_ranks
+//       46     2  num_memory_ranks       u16  >= 1
+//       48     1  dtype                  u8   tandem::DType of activations on the wire: 0, 1, 2
+//       49     1  checksums              u8   0 or 1: layer payload crcs are computed and checked
+//       50     6  reserved               must be 0
+//
+// Hello reply body (memory rank -> compute rank; body_bytes = 18 + device_bytes):
+//
+//   offset  size  field               notes
+//   ------  ----  ------------------  ----------------------------------------------------------
+//        0     8  kv_capacity_tokens  u64  KV slots of the memory rank, in [1, 2^31-1]
+//        8     4  qkv_buffer          u32  id of the memory rank's buffer receiving q, k, v rows
+//       12     2  memory_rank         u16
+//       14     1  dtype               u8   tandem::DType the memory rank computes in: 0, 1, 2
+//       15     1  reserved            must be 0
+//       16     2  device_bytes        u16  <= 256
+//       18     n  device              device_bytes bytes of UTF-8 text (not checked to be UTF-8),
+//                                     no NUL byte, e.g. "cuda:0 (NVIDIA H200)"
+//
+// Release body (compute rank -> memory rank: requests that ended or were cancelled, whose KV the
+// memory rank frees; body_bytes = 16 + 8 * request_count):
+//
+//   offset  size  field          notes
+//   ------  ----  -------------  ---------------------------------------------------------------
+//        0     8  step_id        u64  the last step that involved them
+//        8     4  request_count  u32
+//       12     4  reserved       must be 0
+//       16   8*n  request_ids    u64 each, no duplicates
+//
+// Error body (either way: the sender stops because of this error; body_bytes = 8 +
+// message_bytes):
+//
+//   offset  size  field          notes
+//   ------  ----  -------------  ---------------------------------------------------------------
+//        0     4  code           u32  absl::StatusCode value in [1, 16]
+//        4     4  message_bytes  u32  <= 65536
+//        8     n  message        message_bytes bytes, any except NUL
+//
+// Bye body (compute rank -> memory rank: clean shutdown; 8 bytes):
+//
+//   offset  size  field  notes
+//   ------  ----  -----  ----------------------------------------------------------------------
+//        0     8  steps  u64  steps the compute rank ran (informational)
+//
 // Decoders trust nothing: they never read past the span, check every length before reading,
-// bound the request count by the body length before allocating, and check every field's range.
-// Errors (messages start with "step plan: " or "layer message header: " and name the field with
+// bound counts and lengths by the body length before allocating, and check every field's range.
+// Errors (messages start with the format's name: "step plan: ", "layer message header: ",
+// "hello: ", "hello reply: ", "release: ", "error message: ", "bye: ", and name the field with
 // its request index or byte offset):
 //   DataLoss         the span is shorter than the frame or the body shorter than its contents
-//                    claim (truncation), or a crc mismatch
+//                    claim (truncation; checked before the range of a count or length), or a crc
+//                    mismatch
 //   InvalidArgument  wrong magic, version 0, wrong header_bytes, a field out of range, a reserved
-//                    byte not 0, or bytes after the frame (the span must hold exactly one frame)
+//                    byte not 0, body bytes left after the contents, or bytes after the frame (the
+//                    span must hold exactly one frame)
 //   Unimplemented    a version newer than kWireVersion
 //
 // Thread safety: all functions are pure and may be called concurrently.
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -88,6 +161,22 @@ inline constexpr size_t kFrameHeaderBytes = 16;
 inline constexpr size_t kStepPlanFixedBytes = 16;     // step plan body before the requests
 inline constexpr size_t kStepRequestBytes = 56;       // one StepRequest record
 inline constexpr size_t kLayerMessageBodyBytes = 48;  // layer message header body
+
+// Control messages.
+inline constexpr uint32_t kHelloMagic = 0x49484454;       // "TDHI" on the wire
+inline constexpr uint32_t kHelloReplyMagic = 0x52484454;  // "TDHR" on the wire
+inline constexpr uint32_t kReleaseMagic = 0x4c524454;     // "TDRL" on the wire
+inline constexpr uint32_t kErrorMagic = 0x52454454;       // "TDER" on the wire
+inline constexpr uint32_t kByeMagic = 0x59424454;         // "TDBY" on the wire
+inline constexpr size_t kHelloBodyBytes = 56;             // hello body
+inline constexpr size_t kHelloReplyFixedBytes = 18;       // hello reply body before the device
+inline constexpr size_t kReleaseFixedBytes = 16;          // release body before the request ids
+inline constexpr size_t kErrorFixedBytes = 8;             // error body before the message
+inline constexpr size_t kByeBodyBytes = 8;                // bye body
+inline constexpr uint32_t kMaxHeadDim = 1024;
+inline constexpr uint64_t kMaxKvCapacityTokens = (uint64_t{1} << 31) - 1;
+inline constexpr size_t kMaxDeviceBytes = 256;          // HelloReplyMessage::device
+inline constexpr size_t kMaxErrorMessageBytes = 65536;  // ErrorMessage::message
 
 // One request's share of a step.
 struct StepRequest {
@@ -133,6 +222,61 @@ struct LayerMessageHeader {
   friend bool operator==(const LayerMessageHeader&, const LayerMessageHeader&) = default;
 };
 
+// Compute rank -> memory rank, the first message on a connection.
+struct HelloMessage {
+  uint16_t memory_rank = 0;            // the receiver's index in the deployment, < num_memory_ranks
+  uint16_t num_memory_ranks = 1;       // >= 1
+  uint32_t num_layers = 1;             // >= 1
+  uint32_t num_heads = 1;              // >= 1
+  uint32_t num_kv_heads = 1;           // >= 1, divides num_heads
+  uint32_t head_dim = 1;               // in [1, kMaxHeadDim]
+  uint32_t max_tokens_per_step = 1;    // >= 1: rows of one step at most
+  uint32_t max_requests_per_step = 1;  // in [1, max_tokens_per_step]
+  uint32_t max_position = 1;           // >= 1: the model's context length
+  DType dtype = DType::kF32;           // activation element type on the wire
+  uint64_t kv_capacity_tokens = 0;     // 0: sized from memory; else slots, <= kMaxKvCapacityTokens
+  float kv_memory_fraction = 1.0f;     // in (0, 1]
+  uint32_t attn_out_buffer = 0;        // compute rank's buffer for this rank's attention outputs
+  bool checksums = false;              // layer payload crcs are computed and checked
+
+  friend bool operator==(const HelloMessage&, const HelloMessage&) = default;
+};
+
+// Memory rank -> compute rank, the answer to a hello.
+struct HelloReplyMessage {
+  uint16_t memory_rank = 0;
+  DType dtype = DType::kF32;        // what the memory rank computes in; equals the hello's
+  uint64_t kv_capacity_tokens = 1;  // in [1, kMaxKvCapacityTokens]
+  uint32_t qkv_buffer = 0;          // memory rank's buffer receiving q, k, v rows
+  std::string device;               // UTF-8, <= kMaxDeviceBytes bytes, no NUL; "cuda:0 (NVIDIA H200)"
+
+  friend bool operator==(const HelloReplyMessage&, const HelloReplyMessage&) = default;
+};
+
+// Compute rank -> memory rank: requests that ended or were cancelled; the memory rank frees their
+// KV.
+struct ReleaseMessage {
+  uint64_t step_id = 0;               // the last step that involved them
+  std::vector<uint64_t> request_ids;  // no duplicates
+
+  friend bool operator==(const ReleaseMessage&, const ReleaseMessage&) = default;
+};
+
+// Either way: the sender is stopping because of this error.
+struct ErrorMessage {
+  uint32_t code = 2;    // absl::StatusCode value in [1, 16]
+  std::string message;  // <= kMaxErrorMessageBytes bytes, any except NUL
+
+  friend bool operator==(const ErrorMessage&, const ErrorMessage&) = default;
+};
+
+// Compute rank -> memory rank: clean shutdown.
+struct ByeMessage {
+  uint64_t steps = 0;  // steps the compute rank ran (informational)
+
+  friend bool operator==(const ByeMessage&, const ByeMessage&) = default;
+};
+
 // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78, initial and final xor 0xFFFFFFFF), in
 // software. Crc32c("123456789") == 0xE3069283.
 uint32_t Crc32c(absl::Span<const uint8_t> data);
@@ -144,15 +288,52 @@ uint32_t Crc32cExtend(uint32_t crc, absl::Span<const uint8_t> data);
 // request index and field, e.g. "step plan: request 3: q_len 0 must be >= 1".
 absl::Status ValidateStepPlan(const StepPlan& plan);
 absl::Status ValidateLayerMessageHeader(const LayerMessageHeader& header);
+// The same for the control messages, e.g. "hello: num_kv_heads 3 must divide num_heads 32".
+absl::Status ValidateHello(const HelloMessage& hello);
+absl::Status ValidateHelloReply(const HelloReplyMessage& reply);
+absl::Status ValidateRelease(const ReleaseMessage& release);
+absl::Status ValidateError(const ErrorMessage& error);
+absl::Status ValidateBye(const ByeMessage& bye);
+// Checks that `reply` answers `hello` (for the compute rank, after both decoded): the same
+// memory_rank and dtype, and kv_capacity_tokens equal to the hello's where that is not 0.
+// InvalidArgument naming the field otherwise.
+absl::Status ValidateHelloReplyMatches(const HelloMessage& hello, const HelloReplyMessage& reply);
 
 // Encoders write any value as given (they do not validate; a plan that ValidateStepPlan rejects
 // encodes to a frame that DecodeStepPlan rejects). EncodeStepPlan aborts if the body would not
 // fit in body_bytes' 32 bits (more than ~76 million requests): a programmer error.
 std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan);
 std::vector<uint8_t> EncodeLayerMessageHeader(const LayerMessageHeader& header);
+// EncodeHelloReply aborts if the device string exceeds 65535 bytes, EncodeRelease if the body
+// would not fit in 32 bits (more than ~536 million ids), EncodeError if the message exceeds
+// body_bytes' 32 bits: programmer errors (the limits the decoders enforce are far below these).
+std::vector<uint8_t> EncodeHello(const HelloMessage& hello);
+std::vector<uint8_t> EncodeHelloReply(const HelloReplyMessage& reply);
+std::vector<uint8_t> EncodeRelease(const ReleaseMessage& release);
+std::vector<uint8_t> EncodeError(const ErrorMessage& error);
+std::vector<uint8_t> EncodeBye(const ByeMessage& bye);
 
 // `frame` must hold exactly one frame (no trailing bytes). An OK result re-encodes to `frame`.
 absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame);
 absl::StatusOr<LayerMessageHeader> DecodeLayerMessageHeader(absl::Span<const uint8_t> frame);
+absl::StatusOr<HelloMessage> DecodeHello(absl::Span<const uint8_t> frame);
+absl::StatusOr<HelloReplyMessage> DecodeHelloReply(absl::Span<const uint8_t> frame);
+absl::StatusOr<ReleaseMessage> DecodeRelease(absl::Span<const uint8_t> frame);
+absl::StatusOr<ErrorMessage> DecodeError(absl::Span<const uint8_t> frame);
+absl::StatusOr<ByeMessage> DecodeBye(absl::Span<const uint8_t> frame);
+
+// The magic of the frame at the start of `frame` (one of the k*Magic constants above), so that a
+// receiver can dispatch to the decoder; nothing else of the frame is checked. DataLoss if `frame`
+// is shorter than a frame header, InvalidArgument "unknown frame magic 0x........ ('....')" if the
+// magic is none of the known ones.
+absl::StatusOr<uint32_t> PeekFrameMagic(absl::Span<const uint8_t> frame);
+
+// An error message carrying `status`: its code (a code outside [1, 16] becomes Unknown) and its
+// message, NUL bytes replaced by '?' and cut to kMaxErrorMessageBytes, so that the result always
+// passes ValidateError. An OK status becomes Unknown "(an OK status sent as an error)".
+ErrorMessage ErrorMessageFromStatus(const absl::Status& status);
+// The status an error message carries: its code (one outside [1, 16] becomes Unknown, with the
+// code named in the message) and message. Never OK.
+absl::Status StatusFromErrorMessage(const ErrorMessage& error);
 
 }  // namespace tandem

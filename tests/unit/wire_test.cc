@@ -1,7 +1,9 @@
-// Tests of common/wire.h: CRC-32C, step plan and layer message header frames (round trips, golden
-// bytes, truncation, byte flips, forged counts, field ranges, a randomized corpus).
+// Tests of common/wire.h: CRC-32C, step plan, layer message header and control message frames
+// (round trips, golden bytes, truncation, byte flips, forged counts and lengths, field ranges,
+// PeekFrameMagic, status conversions, a randomized corpus).
 #include "common/wire.h"
 
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <chrono>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 
 // Records the largest single allocation while `g_track_allocs` is set, so the forged-count test
@@ -511,6 +514,667 @@ TEST(Wire, FrameHeaderChecks) {
   EXPECT_CONTAINS(std::string(s.message()), "request_count needs 4 bytes at byte offset 24 but 2 remain");
 }
 
+// ---- Control messages ---------------------------------------------------------------------------
+
+// Wire fields of a hello, so tests can write values the struct cannot hold.
+struct RawHello {
+  uint64_t kv_capacity_tokens = 0;
+  uint32_t num_layers = 4;
+  uint32_t num_heads = 8;
+  uint32_t num_kv_heads = 2;
+  uint32_t head_dim = 64;
+  uint32_t max_tokens_per_step = 512;
+  uint32_t max_requests_per_step = 16;
+  uint32_t max_position = 4096;
+  float kv_memory_fraction = 0.9f;
+  uint32_t attn_out_buffer = 3;
+  uint16_t memory_rank = 1;
+  uint16_t num_memory_ranks = 2;
+  uint8_t dtype = 2;
+  uint8_t checksums = 1;
+  uint8_t reserved[6] = {0, 0, 0, 0, 0, 0};
+};
+
+Bytes HelloBody(const RawHello& h) {
+  Le w;
+  w.U64(h.kv_capacity_tokens).U32(h.num_layers).U32(h.num_heads).U32(h.num_kv_heads).U32(h.head_dim);
+  w.U32(h.max_tokens_per_step).U32(h.max_requests_per_step).U32(h.max_position);
+  w.F32(h.kv_memory_fraction).U32(h.attn_out_buffer).U16(h.memory_rank).U16(h.num_memory_ranks);
+  w.U8(h.dtype).U8(h.checksums);
+  for (uint8_t r : h.reserved) w.U8(r);
+  return w.b;
+}
+
+struct RawReply {
+  uint64_t kv_capacity_tokens = 1000;
+  uint32_t qkv_buffer = 5;
+  uint16_t memory_rank = 1;
+  uint8_t dtype = 2;
+  uint8_t reserved = 0;
+  std::optional<uint16_t> device_bytes;  // default: device.size()
+  std::string device = "cuda:0";
+};
+
+Bytes ReplyBody(const RawReply& h) {
+  Le w;
+  w.U64(h.kv_capacity_tokens).U32(h.qkv_buffer).U16(h.memory_rank).U8(h.dtype).U8(h.reserved);
+  w.U16(h.device_bytes ? *h.device_bytes : static_cast<uint16_t>(h.device.size()));
+  w.b.insert(w.b.end(), h.device.begin(), h.device.end());
+  return w.b;
+}
+
+Bytes ReleaseBody(uint64_t step_id, const std::vector<uint64_t>& ids,
+                  std::optional<uint32_t> count = std::nullopt, uint32_t reserved = 0) {
+  Le w;
+  w.U64(step_id).U32(count ? *count : static_cast<uint32_t>(ids.size())).U32(reserved);
+  for (uint64_t id : ids) w.U64(id);
+  return w.b;
+}
+
+Bytes ErrorBody(uint32_t code, const std::string& message, std::optional<uint32_t> length = std::nullopt) {
+  Le w;
+  w.U32(code).U32(length ? *length : static_cast<uint32_t>(message.size()));
+  w.b.insert(w.b.end(), message.begin(), message.end());
+  return w.b;
+}
+
+std::string RandomText(std::mt19937_64& rng, size_t n) {
+  std::string s(n, ' ');
+  for (char& c : s) c = static_cast<char>(1 + rng() % 255);  // any byte but NUL
+  return s;
+}
+
+HelloMessage RandomHello(std::mt19937_64& rng, bool extreme) {
+  auto u = [&](uint64_t lo, uint64_t hi) { return std::uniform_int_distribution<uint64_t>(lo, hi)(rng); };
+  HelloMessage h;
+  if (extreme) {
+    h.num_memory_ranks = 0xffff, h.memory_rank = 0xfffe;
+    h.num_layers = h.num_heads = h.num_kv_heads = kU32Max;
+    h.head_dim = kMaxHeadDim;
+    h.max_tokens_per_step = h.max_requests_per_step = h.max_position = kU32Max;
+    h.dtype = DType::kF32;
+    h.kv_capacity_tokens = kMaxKvCapacityTokens;
+    h.kv_memory_fraction = u(0, 1) ? 1.0f : std::numeric_limits<float>::denorm_min();
+    h.attn_out_buffer = kU32Max;
+    h.checksums = true;
+    return h;
+  }
+  h.num_memory_ranks = static_cast<uint16_t>(u(1, 64));
+  h.memory_rank = static_cast<uint16_t>(u(0, h.num_memory_ranks - 1));
+  h.num_layers = static_cast<uint32_t>(u(1, 128));
+  h.num_kv_heads = static_cast<uint32_t>(1u << u(0, 4));
+  h.num_heads = h.num_kv_heads * static_cast<uint32_t>(u(1, 8));
+  h.head_dim = static_cast<uint32_t>(u(1, kMaxHeadDim));
+  h.max_tokens_per_step = static_cast<uint32_t>(u(1, 1 << 20));
+  h.max_requests_per_step = static_cast<uint32_t>(u(1, h.max_tokens_per_step));
+  h.max_position = static_cast<uint32_t>(u(1, kU32Max));
+  h.dtype = static_cast<DType>(u(0, 2));
+  h.kv_capacity_tokens = u(0, 1) ? 0 : u(1, kMaxKvCapacityTokens);
+  h.kv_memory_fraction = static_cast<float>(u(1, 1 << 24)) / static_cast<float>(1 << 24);
+  h.attn_out_buffer = static_cast<uint32_t>(rng());
+  h.checksums = u(0, 1) == 1;
+  return h;
+}
+
+HelloReplyMessage RandomReply(std::mt19937_64& rng) {
+  HelloReplyMessage h;
+  h.memory_rank = static_cast<uint16_t>(rng());
+  h.dtype = static_cast<DType>(rng() % 3);
+  h.kv_capacity_tokens = 1 + rng() % kMaxKvCapacityTokens;
+  h.qkv_buffer = static_cast<uint32_t>(rng());
+  h.device = RandomText(rng, rng() % (kMaxDeviceBytes + 1));
+  return h;
+}
+
+ReleaseMessage RandomRelease(std::mt19937_64& rng, size_t n) {
+  ReleaseMessage m;
+  m.step_id = rng();
+  for (size_t i = 0; i < n; ++i) m.request_ids.push_back(rng() % 2 ? rng() : i);  // distinct w.h.p.
+  std::sort(m.request_ids.begin(), m.request_ids.end());
+  m.request_ids.erase(std::unique(m.request_ids.begin(), m.request_ids.end()), m.request_ids.end());
+  std::shuffle(m.request_ids.begin(), m.request_ids.end(), rng);
+  return m;
+}
+
+ErrorMessage RandomError(std::mt19937_64& rng, size_t n) {
+  ErrorMessage m;
+  m.code = static_cast<uint32_t>(1 + rng() % 16);
+  m.message = RandomText(rng, n);
+  return m;
+}
+
+// Every decoder, type-erased to its status, with the magic it accepts.
+struct AnyDecoder {
+  const char* name;
+  uint32_t magic;
+  std::function<absl::Status(absl::Span<const uint8_t>)> decode;
+};
+
+template <typename T>
+std::function<absl::Status(absl::Span<const uint8_t>)> StatusOf(
+    absl::StatusOr<T> (*decode)(absl::Span<const uint8_t>)) {
+  return [decode](absl::Span<const uint8_t> f) { return decode(f).status(); };
+}
+
+const std::vector<AnyDecoder>& ControlDecoders() {
+  static const std::vector<AnyDecoder> decoders = {
+      {"hello", kHelloMagic, StatusOf(&DecodeHello)},
+      {"hello reply", kHelloReplyMagic, StatusOf(&DecodeHelloReply)},
+      {"release", kReleaseMagic, StatusOf(&DecodeRelease)},
+      {"error message", kErrorMagic, StatusOf(&DecodeError)},
+      {"bye", kByeMagic, StatusOf(&DecodeBye)},
+  };
+  return decoders;
+}
+
+// One valid frame of each control message, in ControlDecoders() order.
+std::vector<Bytes> ControlFrames() {
+  std::mt19937_64 rng(99);
+  return {EncodeHello(RandomHello(rng, false)), EncodeHelloReply(RandomReply(rng)),
+          EncodeRelease(RandomRelease(rng, 5)), EncodeError(RandomError(rng, 40)), EncodeBye(ByeMessage{77})};
+}
+
+TEST(ControlWire, RoundTrips) {
+  std::mt19937_64 rng(4242);
+  for (int i = 0; i < 300; ++i) {
+    const HelloMessage h = RandomHello(rng, i % 10 == 0);
+    ASSERT_TRUE(ValidateHello(h).ok()) << ValidateHello(h);
+    const Bytes f = EncodeHello(h);
+    ASSERT_EQ(f.size(), kFrameHeaderBytes + kHelloBodyBytes);
+    absl::StatusOr<HelloMessage> back = DecodeHello(f);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_TRUE(*back == h);
+    EXPECT_EQ(EncodeHello(*back), f);
+
+    const HelloReplyMessage r = RandomReply(rng);
+    ASSERT_TRUE(ValidateHelloReply(r).ok()) << ValidateHelloReply(r);
+    const Bytes fr = EncodeHelloReply(r);
+    ASSERT_EQ(fr.size(), kFrameHeaderBytes + kHelloReplyFixedBytes + r.device.size());
+    absl::StatusOr<HelloReplyMessage> rback = DecodeHelloReply(fr);
+    ASSERT_TRUE(rback.ok()) << rback.status();
+    EXPECT_TRUE(*rback == r);
+
+    const ReleaseMessage m = RandomRelease(rng, i % 50);
+    const Bytes fm = EncodeRelease(m);
+    ASSERT_EQ(fm.size(), kFrameHeaderBytes + kReleaseFixedBytes + 8 * m.request_ids.size());
+    absl::StatusOr<ReleaseMessage> mback = DecodeRelease(fm);
+    ASSERT_TRUE(mback.ok()) << mback.status();
+    EXPECT_TRUE(*mback == m);
+
+    const ErrorMessage e = RandomError(rng, rng() % 300);
+    const Bytes fe = EncodeError(e);
+    ASSERT_EQ(fe.size(), kFrameHeaderBytes + kErrorFixedBytes + e.message.size());
+    absl::StatusOr<ErrorMessage> eback = DecodeError(fe);
+    ASSERT_TRUE(eback.ok()) << eback.status();
+    EXPECT_TRUE(*eback == e);
+
+    const ByeMessage b{i == 0 ? kU64Max : rng()};
+    const Bytes fb = EncodeBye(b);
+    ASSERT_EQ(fb.size(), kFrameHeaderBytes + kByeBodyBytes);
+    absl::StatusOr<ByeMessage> bback = DecodeBye(fb);
+    ASSERT_TRUE(bback.ok()) << bback.status();
+    EXPECT_TRUE(*bback == b);
+  }
+  // The largest strings and an empty release.
+  HelloReplyMessage r;
+  r.device = std::string(kMaxDeviceBytes, '\xff');
+  absl::StatusOr<HelloReplyMessage> rback = DecodeHelloReply(EncodeHelloReply(r));
+  ASSERT_TRUE(rback.ok()) << rback.status();
+  EXPECT_TRUE(*rback == r);
+  ErrorMessage e;
+  e.code = 16;
+  e.message = std::string(kMaxErrorMessageBytes, 'x');
+  absl::StatusOr<ErrorMessage> eback = DecodeError(EncodeError(e));
+  ASSERT_TRUE(eback.ok()) << eback.status();
+  EXPECT_TRUE(*eback == e);
+  absl::StatusOr<ReleaseMessage> mback = DecodeRelease(EncodeRelease(ReleaseMessage{}));
+  ASSERT_TRUE(mback.ok()) << mback.status();
+  EXPECT_TRUE(mback->request_ids.empty());
+}
+
+TEST(ControlWire, GoldenBytes) {
+  // Layouts written out by hand; crcs computed independently (bitwise Python reference).
+  HelloMessage h;
+  h.memory_rank = 2, h.num_memory_ranks = 3, h.num_layers = 32, h.num_heads = 32, h.num_kv_heads = 8;
+  h.head_dim = 128, h.max_tokens_per_step = 8192, h.max_requests_per_step = 256, h.max_position = 131072;
+  h.dtype = DType::kBF16, h.kv_capacity_tokens = 0x12345678, h.kv_memory_fraction = 0.5f;
+  h.attn_out_buffer = 0xa1b2c3d4, h.checksums = true;
+  const Bytes hello = {
+      0x54, 0x44, 0x48, 0x49, 0x01, 0x00, 0x10, 0x00,
+      0x38, 0x00, 0x00, 0x00, 0xce, 0xdf, 0x50, 0x33,  // frame
+      0x78, 0x56, 0x34, 0x12, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
+      0x20, 0x00, 0x00, 0x00, 0x20, 0x00, 0x00, 0x00,  // num_layers, num_heads
+      0x08, 0x00, 0x00, 0x00, 0x80, 0x00, 0x00, 0x00,  // num_kv_heads, head_dim
+      0x00, 0x20, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00,  // max_tokens, max_requests
+      0x00, 0x00, 0x02, 0x00, 0x00, 0x00, 0x00, 0x3f,  // max_position, kv_memory_fraction
+      0xd4, 0xc3, 0xb2, 0xa1, 0x02, 0x00, 0x03, 0x00,  // attn_out_buffer, memory_rank, num_memory_ranks
+      0x02, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // dtype, checksums, reserved
+  };
+  EXPECT_EQ(EncodeHello(h), hello);
+  absl::StatusOr<HelloMessage> hb = DecodeHello(hello);
+  ASSERT_TRUE(hb.ok()) << hb.status();
+  EXPECT_TRUE(*hb == h);
+
+  HelloReplyMessage r;
+  r.kv_capacity_tokens = 0x01020304, r.qkv_buffer = 7, r.memory_rank = 2, r.dtype = DType::kBF16;
+  r.device = "cuda:0";
+  const Bytes reply = {
+      0x54, 0x44, 0x48, 0x52, 0x01, 0x00, 0x10, 0x00,
+      0x18, 0x00, 0x00, 0x00, 0xdb, 0xf4, 0x8d, 0x50,  // frame
+      0x04, 0x03, 0x02, 0x01, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
+      0x07, 0x00, 0x00, 0x00, 0x02, 0x00, 0x02, 0x00,  // qkv_buffer, memory_rank, dtype, reserved
+      0x06, 0x00, 'c',  'u',  'd',  'a',  ':',  '0',   // device_bytes, device
+  };
+  EXPECT_EQ(EncodeHelloReply(r), reply);
+  absl::StatusOr<HelloReplyMessage> rb = DecodeHelloReply(reply);
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  EXPECT_TRUE(*rb == r);
+
+  const ReleaseMessage m{0x0102030405060708, {5, kU64Max}};
+  const Bytes release = {
+      0x54, 0x44, 0x52, 0x4c, 0x01, 0x00, 0x10, 0x00,
+      0x20, 0x00, 0x00, 0x00, 0x21, 0x77, 0x58, 0xc2,  // frame
+      0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
+      0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, reserved
+      0x05, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_ids
+      0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+  };
+  EXPECT_EQ(EncodeRelease(m), release);
+  absl::StatusOr<ReleaseMessage> mb = DecodeRelease(release);
+  ASSERT_TRUE(mb.ok()) << mb.status();
+  EXPECT_TRUE(*mb == m);
+
+  const ErrorMessage e{14, "peer gone"};
+  const Bytes error = {
+      0x54, 0x44, 0x45, 0x52, 0x01, 0x00, 0x10, 0x00, 0x11,
+      0x00, 0x00, 0x00, 0x56, 0xa5, 0x51, 0x47,        // frame
+      0x0e, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00,  // code, message_bytes
+      'p',  'e',  'e',  'r',  ' ',  'g',  'o',  'n',  'e',
+  };
+  EXPECT_EQ(EncodeError(e), error);
+  absl::StatusOr<ErrorMessage> eb = DecodeError(error);
+  ASSERT_TRUE(eb.ok()) << eb.status();
+  EXPECT_TRUE(*eb == e);
+
+  const Bytes bye = {
+      0x54, 0x44, 0x42, 0x59, 0x01, 0x00, 0x10, 0x00,
+      0x08, 0x00, 0x00, 0x00, 0xc7, 0xfb, 0x17, 0x55,  // frame
+      0xe8, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // steps
+  };
+  EXPECT_EQ(EncodeBye(ByeMessage{1000}), bye);
+  absl::StatusOr<ByeMessage> bb = DecodeBye(bye);
+  ASSERT_TRUE(bb.ok()) << bb.status();
+  EXPECT_EQ(bb->steps, 1000u);
+
+  // The magic constants are the documented ASCII bytes.
+  for (const Bytes* f : {&hello, &reply, &release, &error, &bye}) {
+    absl::StatusOr<uint32_t> magic = PeekFrameMagic(*f);
+    ASSERT_TRUE(magic.ok()) << magic.status();
+    EXPECT_EQ(*magic, static_cast<uint32_t>((*f)[0]) | (*f)[1] << 8 | (*f)[2] << 16 |
+                          static_cast<uint32_t>((*f)[3]) << 24);
+  }
+}
+
+TEST(ControlWire, EveryStrictPrefixIsDataLoss) {
+  const std::vector<Bytes> frames = ControlFrames();
+  for (size_t k = 0; k < frames.size(); ++k) {
+    const AnyDecoder& d = ControlDecoders()[k];
+    ASSERT_TRUE(d.decode(frames[k]).ok()) << d.name << ": " << d.decode(frames[k]);
+    for (size_t n = 0; n < frames[k].size(); ++n) {
+      absl::Status s = d.decode(absl::MakeConstSpan(frames[k].data(), n));
+      EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << d.name << " prefix " << n << ": " << s;
+      EXPECT_TRUE(absl::StartsWith(s.message(), std::string(d.name) + ": ")) << s;
+    }
+  }
+}
+
+TEST(ControlWire, EverySingleByteChangeIsRejected) {
+  const std::vector<Bytes> frames = ControlFrames();
+  for (size_t k = 0; k < frames.size(); ++k) {
+    const AnyDecoder& d = ControlDecoders()[k];
+    for (size_t pos = 0; pos < frames[k].size(); ++pos) {
+      for (int mask = 1; mask < 256; ++mask) {
+        Bytes f = frames[k];
+        f[pos] ^= static_cast<uint8_t>(mask);
+        ASSERT_FALSE(d.decode(f).ok()) << d.name << ": byte " << pos << " ^ " << mask;
+      }
+    }
+  }
+}
+
+TEST(ControlWire, EachDecoderRejectsOtherFramesAndBadHeaders) {
+  const std::vector<Bytes> frames = ControlFrames();
+  std::vector<Bytes> all = frames;
+  all.push_back(SmallPlanFrame());
+  all.push_back(EncodeLayerMessageHeader(LayerMessageHeader{}));
+  for (size_t k = 0; k < frames.size(); ++k) {
+    const AnyDecoder& d = ControlDecoders()[k];
+    for (size_t j = 0; j < all.size(); ++j) {
+      if (j == k) continue;
+      absl::Status s = d.decode(all[j]);
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << d.name << " on frame " << j << ": " << s;
+      EXPECT_CONTAINS(std::string(s.message()), std::string(d.name) + ": magic 0x");
+    }
+    const Bytes body(frames[k].begin() + kFrameHeaderBytes, frames[k].end());
+    absl::Status s = d.decode(MakeFrame(d.magic, body, 2));
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+    s = d.decode(MakeFrame(d.magic, body, 0));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_CONTAINS(std::string(s.message()), "version 0 at byte offset 4");
+    s = d.decode(MakeFrame(d.magic, body, 1, 17));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_CONTAINS(std::string(s.message()), "header_bytes 17 at byte offset 6 must be 16");
+    s = d.decode(MakeFrame(d.magic, body, 1, 16, Crc32c(body) + 1));
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+    EXPECT_CONTAINS(std::string(s.message()), "body crc32c");
+    Bytes trailing = frames[k];
+    trailing.push_back(0);
+    s = d.decode(trailing);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_CONTAINS(std::string(s.message()), "1 trailing bytes after the frame");
+  }
+}
+
+TEST(ControlWire, ForgedLengthsFailFastWithoutAllocating) {
+  struct Case {
+    const char* name;
+    Bytes frame;
+    std::function<absl::Status(absl::Span<const uint8_t>)> decode;
+    std::string want;
+  };
+  std::vector<Case> cases;
+  for (uint32_t count : {uint32_t{1} << 31, kU32Max, uint32_t{3}}) {
+    cases.push_back(
+        {"release", MakeFrame(kReleaseMagic, ReleaseBody(1, {4, 5}, count)), StatusOf(&DecodeRelease),
+         "release: truncated: request_count " + std::to_string(count) + " needs " +
+             std::to_string(uint64_t{count} * 8) + " bytes of request ids at byte offset 32 but 16"});
+  }
+  for (uint16_t n : {uint16_t{0xffff}, uint16_t{257}, uint16_t{7}}) {
+    RawReply r;
+    r.device_bytes = n;
+    cases.push_back({"hello reply", MakeFrame(kHelloReplyMagic, ReplyBody(r)), StatusOf(&DecodeHelloReply),
+                     "hello reply: truncated: device_bytes " + std::to_string(n) + " needs " +
+                         std::to_string(n) + " bytes of device at byte offset 34 but 6 remain"});
+  }
+  for (uint32_t n : {kU32Max, uint32_t{1} << 31, uint32_t{65537}, uint32_t{10}}) {
+    cases.push_back({"error", MakeFrame(kErrorMagic, ErrorBody(3, "boom", n)), StatusOf(&DecodeError),
+                     "error message: truncated: message_bytes " + std::to_string(n) + " needs " +
+                         std::to_string(n) + " bytes of message at byte offset 24 but 4 remain"});
+  }
+  for (const Case& c : cases) {
+    g_max_alloc = 0;
+    g_track_allocs = true;
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status s = c.decode(c.frame);
+    const auto elapsed = std::chrono::steady_clock::now() - start;
+    g_track_allocs = false;
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << c.name << ": " << s;
+    EXPECT_CONTAINS(std::string(s.message()), c.want);
+    EXPECT_LT(g_max_alloc.load(), 4096u) << c.name;  // only the error message
+    EXPECT_LT(elapsed, std::chrono::milliseconds(50));
+  }
+
+  // Fewer than the bytes present leaves unused bytes.
+  absl::Status s = DecodeRelease(MakeFrame(kReleaseMagic, ReleaseBody(1, {4, 5}, 1))).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()),
+                  "release: request_count 1 leaves 8 unused body bytes at byte offset 40");
+  RawReply r;
+  r.device_bytes = 2;
+  s = DecodeHelloReply(MakeFrame(kHelloReplyMagic, ReplyBody(r))).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()),
+                  "hello reply: device_bytes 2 leaves 4 unused body bytes at byte offset 36");
+  s = DecodeError(MakeFrame(kErrorMagic, ErrorBody(3, "boom", 1))).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()),
+                  "error message: message_bytes 1 leaves 3 unused body bytes at byte offset 25");
+
+  // Lengths over the limits with the bytes present (crc valid).
+  r = RawReply{};
+  r.device = std::string(kMaxDeviceBytes + 1, 'a');
+  s = DecodeHelloReply(MakeFrame(kHelloReplyMagic, ReplyBody(r))).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()), "hello reply: device_bytes 257 at byte offset 32 must be <= 256");
+  s = DecodeError(MakeFrame(kErrorMagic, ErrorBody(3, std::string(kMaxErrorMessageBytes + 1, 'a')))).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()),
+                  "error message: message_bytes 65537 at byte offset 20 must be <= 65536");
+
+  // Bodies shorter than their fixed fields (crc valid).
+  for (const AnyDecoder& d : ControlDecoders()) {
+    s = d.decode(MakeFrame(d.magic, Bytes(3, 0)));
+    EXPECT_TRUE(s.code() == absl::StatusCode::kDataLoss || s.code() == absl::StatusCode::kInvalidArgument)
+        << d.name << ": " << s;
+    EXPECT_TRUE(absl::StartsWith(s.message(), std::string(d.name) + ": ")) << s;
+  }
+  s = DecodeRelease(MakeFrame(kReleaseMagic, Bytes(10, 0))).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_CONTAINS(std::string(s.message()),
+                  "release: truncated: request_count needs 4 bytes at byte offset 24 but 2");
+}
+
+TEST(HelloWire, FieldRangeViolationsNameField) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  struct Case {
+    std::function<void(RawHello&)> mutate;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {[](RawHello& h) { h.num_memory_ranks = 0, h.memory_rank = 0; },
+       "hello: num_memory_ranks 0 must be >= 1"},
+      {[](RawHello& h) { h.memory_rank = 2; }, "hello: memory_rank 2 must be < num_memory_ranks 2"},
+      {[](RawHello& h) { h.num_layers = 0; }, "hello: num_layers 0 must be >= 1"},
+      {[](RawHello& h) { h.num_heads = 0; }, "hello: num_heads 0 must be >= 1"},
+      {[](RawHello& h) { h.num_kv_heads = 0; }, "hello: num_kv_heads 0 must be >= 1"},
+      {[](RawHello& h) { h.num_heads = 32, h.num_kv_heads = 3; },
+       "hello: num_kv_heads 3 must divide num_heads 32"},
+      {[](RawHello& h) { h.num_heads = 8, h.num_kv_heads = 16; },
+       "hello: num_kv_heads 16 must divide num_heads 8"},
+      {[](RawHello& h) { h.head_dim = 0; }, "hello: head_dim 0 must be in [1, 1024]"},
+      {[](RawHello& h) { h.head_dim = 1025; }, "hello: head_dim 1025 must be in [1, 1024]"},
+      {[](RawHello& h) { h.max_tokens_per_step = 0, h.max_requests_per_step = 0; },
+       "hello: max_tokens_per_step 0 must be >= 1"},
+      {[](RawHello& h) { h.max_requests_per_step = 0; },
+       "hello: max_requests_per_step 0 must be in [1, max_tokens_per_step 512]"},
+      {[](RawHello& h) { h.max_requests_per_step = 513; },
+       "hello: max_requests_per_step 513 must be in [1, max_tokens_per_step 512]"},
+      {[](RawHello& h) { h.max_position = 0; }, "hello: max_position 0 must be >= 1"},
+      {[](RawHello& h) { h.dtype = 3; }, "hello: dtype 3 must be 0 (f32), 1 (f16) or 2 (bf16)"},
+      {[](RawHello& h) { h.dtype = 255; }, "hello: dtype 255"},
+      {[](RawHello& h) { h.kv_capacity_tokens = uint64_t{1} << 31; },
+       "hello: kv_capacity_tokens 2147483648 must be 0 (sized from memory) or <= 2147483647"},
+      {[](RawHello& h) { h.kv_capacity_tokens = kU64Max; }, "hello: kv_capacity_tokens 18446744073709551615"},
+      {[](RawHello& h) { h.kv_memory_fraction = 0.0f; }, "hello: kv_memory_fraction 0 must be in (0, 1]"},
+      {[](RawHello& h) { h.kv_memory_fraction = -0.0f; }, "hello: kv_memory_fraction -0 must be in (0, 1]"},
+      {[](RawHello& h) { h.kv_memory_fraction = 1.0001f; }, "hello: kv_memory_fraction 1.0001"},
+      {[&](RawHello& h) { h.kv_memory_fraction = nan; }, "hello: kv_memory_fraction nan"},
+      {[](RawHello& h) { h.kv_memory_fraction = std::numeric_limits<float>::infinity(); },
+       "hello: kv_memory_fraction inf"},
+      {[](RawHello& h) { h.checksums = 2; }, "hello: checksums 2 at byte offset 65 must be 0 or 1"},
+      {[](RawHello& h) { h.reserved[0] = 1; }, "hello: reserved at byte offset 66 is 1, must be 0"},
+      {[](RawHello& h) { h.reserved[5] = 0x80; }, "hello: reserved at byte offset 71 is 128, must be 0"},
+  };
+  ASSERT_TRUE(DecodeHello(MakeFrame(kHelloMagic, HelloBody(RawHello{}))).ok());
+  for (const Case& c : cases) {
+    RawHello h;
+    c.mutate(h);
+    absl::Status s = DecodeHello(MakeFrame(kHelloMagic, HelloBody(h))).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.want << ": " << s;
+    EXPECT_CONTAINS(std::string(s.message()), c.want);
+  }
+  for (size_t size : {55, 57}) {
+    Bytes body = HelloBody(RawHello{});
+    body.resize(size);
+    absl::Status s = DecodeHello(MakeFrame(kHelloMagic, body)).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_CONTAINS(std::string(s.message()),
+                    "hello: body_bytes " + std::to_string(size) + " at byte offset 8 must be 56");
+  }
+  // The struct validator says the same, and the encoder writes invalid values as given.
+  HelloMessage h;
+  h.num_heads = 32, h.num_kv_heads = 3;
+  EXPECT_EQ(ValidateHello(h).message(), "hello: num_kv_heads 3 must divide num_heads 32");
+  EXPECT_EQ(DecodeHello(EncodeHello(h)).status().message(), "hello: num_kv_heads 3 must divide num_heads 32");
+  h = HelloMessage{};
+  h.dtype = static_cast<DType>(7);
+  EXPECT_CONTAINS(std::string(ValidateHello(h).message()), "hello: dtype 7");
+  EXPECT_TRUE(ValidateHello(HelloMessage{}).ok());
+}
+
+TEST(HelloReplyWire, FieldRangeViolationsNameField) {
+  struct Case {
+    std::function<void(RawReply&)> mutate;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {[](RawReply& r) { r.dtype = 3; }, "hello reply: dtype 3 must be 0 (f32), 1 (f16) or 2 (bf16)"},
+      {[](RawReply& r) { r.kv_capacity_tokens = 0; },
+       "hello reply: kv_capacity_tokens 0 must be in [1, 2147483647]"},
+      {[](RawReply& r) { r.kv_capacity_tokens = uint64_t{1} << 31; },
+       "hello reply: kv_capacity_tokens 2147483648 must be in [1, 2147483647]"},
+      {[](RawReply& r) { r.reserved = 9; }, "hello reply: reserved at byte offset 31 is 9, must be 0"},
+      {[](RawReply& r) { r.device = std::string("cuda\0:0", 7); },
+       "hello reply: device has a NUL byte at index 4"},
+      {[](RawReply& r) { r.device = std::string(1, '\0'); }, "hello reply: device has a NUL byte at index 0"},
+  };
+  for (const Case& c : cases) {
+    RawReply r;
+    c.mutate(r);
+    absl::Status s = DecodeHelloReply(MakeFrame(kHelloReplyMagic, ReplyBody(r))).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.want << ": " << s;
+    EXPECT_CONTAINS(std::string(s.message()), c.want);
+  }
+  HelloReplyMessage r;
+  r.device = std::string(kMaxDeviceBytes + 1, 'a');
+  EXPECT_EQ(ValidateHelloReply(r).message(), "hello reply: device of 257 bytes exceeds 256");
+  r.device = "";
+  EXPECT_TRUE(ValidateHelloReply(r).ok());
+
+  // The reply must answer the hello.
+  HelloMessage hello;
+  hello.memory_rank = 3, hello.num_memory_ranks = 4, hello.dtype = DType::kF16;
+  HelloReplyMessage reply;
+  reply.memory_rank = 3, reply.dtype = DType::kF16, reply.kv_capacity_tokens = 12345;
+  EXPECT_TRUE(ValidateHelloReplyMatches(hello, reply).ok());
+  hello.kv_capacity_tokens = 12345;
+  EXPECT_TRUE(ValidateHelloReplyMatches(hello, reply).ok());
+  hello.kv_capacity_tokens = 100;
+  EXPECT_EQ(ValidateHelloReplyMatches(hello, reply).message(),
+            "hello reply: kv_capacity_tokens 12345 must equal the hello's kv_capacity_tokens 100");
+  hello.kv_capacity_tokens = 0;
+  reply.dtype = DType::kBF16;
+  EXPECT_EQ(ValidateHelloReplyMatches(hello, reply).message(),
+            "hello reply: dtype 2 must equal the hello's dtype 1");
+  reply.memory_rank = 0;
+  EXPECT_EQ(ValidateHelloReplyMatches(hello, reply).message(),
+            "hello reply: memory_rank 0 must equal the hello's memory_rank 3");
+}
+
+TEST(ReleaseWire, DuplicatesAndReservedRejected) {
+  absl::Status s = DecodeRelease(MakeFrame(kReleaseMagic, ReleaseBody(1, {4, 9, 7, 9, 4}))).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(), "release: request_id 4 at index 4 repeats index 0");
+  s = DecodeRelease(MakeFrame(kReleaseMagic, ReleaseBody(1, {kU64Max, 0, kU64Max}))).status();
+  EXPECT_EQ(s.message(), "release: request_id 18446744073709551615 at index 2 repeats index 0");
+  s = DecodeRelease(MakeFrame(kReleaseMagic, ReleaseBody(1, {1}, std::nullopt, 0x01000000))).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()), "release: reserved at byte offset 31 is 1, must be 0");
+  EXPECT_EQ(ValidateRelease(ReleaseMessage{5, {1, 2, 2}}).message(),
+            "release: request_id 2 at index 2 repeats index 1");
+  EXPECT_TRUE(ValidateRelease(ReleaseMessage{5, {3, 2, 1}}).ok());
+  // Many distinct ids decode; one repeat among them is found.
+  ReleaseMessage big;
+  for (uint64_t i = 0; i < 20000; ++i) big.request_ids.push_back(i * 0x9e3779b97f4a7c15ull);
+  ASSERT_TRUE(DecodeRelease(EncodeRelease(big)).ok());
+  big.request_ids[17000] = big.request_ids[123];
+  EXPECT_CONTAINS(std::string(DecodeRelease(EncodeRelease(big)).status().message()),
+                  "at index 17000 repeats index 123");
+}
+
+TEST(ErrorWire, FieldRangeViolationsNameField) {
+  for (uint32_t code : {0u, 17u, kU32Max}) {
+    absl::Status s = DecodeError(MakeFrame(kErrorMagic, ErrorBody(code, "x"))).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_EQ(s.message(), "error message: code " + std::to_string(code) +
+                               " must be in [1, 16] (an absl::StatusCode other than OK)");
+  }
+  absl::Status s = DecodeError(MakeFrame(kErrorMagic, ErrorBody(2, std::string("ab\0c", 4)))).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(), "error message: message has a NUL byte at index 2");
+  ErrorMessage e{2, std::string(kMaxErrorMessageBytes + 1, 'a')};
+  EXPECT_EQ(ValidateError(e).message(), "error message: message of 65537 bytes exceeds 65536");
+  EXPECT_TRUE(ValidateError(ErrorMessage{1, ""}).ok());
+  EXPECT_TRUE(ValidateBye(ByeMessage{}).ok());
+  for (size_t size : {7, 9}) {
+    s = DecodeBye(MakeFrame(kByeMagic, Bytes(size, 0))).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_EQ(s.message(), "bye: body_bytes " + std::to_string(size) + " at byte offset 8 must be 8");
+  }
+}
+
+TEST(ErrorWire, StatusConversions) {
+  for (int code = 1; code <= 16; ++code) {
+    const absl::Status st(static_cast<absl::StatusCode>(code), "something failed: x=1");
+    const ErrorMessage e = ErrorMessageFromStatus(st);
+    EXPECT_EQ(e.code, static_cast<uint32_t>(code));
+    ASSERT_TRUE(ValidateError(e).ok()) << ValidateError(e);
+    absl::StatusOr<ErrorMessage> back = DecodeError(EncodeError(e));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(StatusFromErrorMessage(*back), st);
+  }
+  // OK and codes outside [1, 16] become Unknown.
+  ErrorMessage e = ErrorMessageFromStatus(absl::OkStatus());
+  EXPECT_EQ(e.code, 2u);
+  EXPECT_TRUE(ValidateError(e).ok());
+  e = ErrorMessageFromStatus(absl::Status(static_cast<absl::StatusCode>(42), "odd"));
+  EXPECT_EQ(e.code, 2u);
+  EXPECT_TRUE(ValidateError(e).ok());
+  for (uint32_t code : {0u, 17u, 1000u}) {
+    absl::Status st = StatusFromErrorMessage(ErrorMessage{code, "m"});
+    EXPECT_EQ(st.code(), absl::StatusCode::kUnknown);
+    EXPECT_EQ(st.message(), "error code " + std::to_string(code) + ": m");
+  }
+  // NUL bytes and overlong messages are made valid.
+  e = ErrorMessageFromStatus(absl::InternalError(std::string("a\0b", 3)));
+  EXPECT_EQ(e.message, "a?b");
+  e = ErrorMessageFromStatus(absl::InternalError(std::string(kMaxErrorMessageBytes + 10, 'z')));
+  EXPECT_EQ(e.message.size(), kMaxErrorMessageBytes);
+  EXPECT_TRUE(ValidateError(e).ok());
+  EXPECT_TRUE(DecodeError(EncodeError(e)).ok());
+}
+
+TEST(PeekFrameMagic, KnownUnknownAndShort) {
+  std::vector<Bytes> frames = ControlFrames();
+  frames.push_back(SmallPlanFrame());
+  frames.push_back(EncodeLayerMessageHeader(LayerMessageHeader{}));
+  const uint32_t want[] = {kHelloMagic, kHelloReplyMagic, kReleaseMagic,     kErrorMagic,
+                           kByeMagic,   kStepPlanMagic,   kLayerMessageMagic};
+  for (size_t k = 0; k < frames.size(); ++k) {
+    absl::StatusOr<uint32_t> m = PeekFrameMagic(frames[k]);
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_EQ(*m, want[k]);
+    // Only the magic is looked at: a bad version or a truncated body still peeks.
+    Bytes f = frames[k];
+    f[4] = 9;
+    f.resize(kFrameHeaderBytes);
+    EXPECT_EQ(PeekFrameMagic(f).value_or(0), want[k]);
+    for (size_t n = 0; n < kFrameHeaderBytes; ++n) {
+      absl::Status s = PeekFrameMagic(absl::MakeConstSpan(f.data(), n)).status();
+      EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+    }
+  }
+  Bytes f = ControlFrames()[0];
+  f[3] = 'X';
+  absl::Status s = PeekFrameMagic(f).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()), "unknown frame magic 0x58484454 ('TDHX')");
+  f[0] = 0;
+  EXPECT_CONTAINS(std::string(PeekFrameMagic(f).status().message()),
+                  "unknown frame magic 0x58484400 ('.DHX')");
+  EXPECT_CONTAINS(std::string(PeekFrameMagic(Bytes(3, 0)).status().message()), "needs 16 bytes but 3");
+}
+
 // Random and mutated frames: decoding never crashes, and an OK result re-encodes to the input.
 TEST(Wire, RandomizedCorpus) {
   std::mt19937_64 rng(20240601);
@@ -519,6 +1183,40 @@ TEST(Wire, RandomizedCorpus) {
   for (size_t n : {0, 1, 2, 5}) seeds.push_back(EncodeStepPlan(RandomPlan(rng, n, false)));
   seeds.push_back(EncodeStepPlan(RandomPlan(rng, 3, true)));
   for (int i = 0; i < 4; ++i) seeds.push_back(EncodeLayerMessageHeader(RandomHeader(rng)));
+  for (int i = 0; i < 2; ++i) seeds.push_back(EncodeHello(RandomHello(rng, i == 1)));
+  for (size_t n : {0, 9, 40}) {
+    HelloReplyMessage r = RandomReply(rng);
+    r.device = RandomText(rng, n);
+    seeds.push_back(EncodeHelloReply(r));
+  }
+  for (size_t n : {0, 1, 4}) seeds.push_back(EncodeRelease(RandomRelease(rng, n)));
+  for (size_t n : {0, 12}) seeds.push_back(EncodeError(RandomError(rng, n)));
+  seeds.push_back(EncodeBye(ByeMessage{rng()}));
+  // Every decoder with the encoder of its result, type-erased: decodes `f`, and on success checks
+  // that the result re-encodes to `f`.
+  struct Codec {
+    uint32_t magic;
+    std::function<bool(const Bytes&)> decode_reencodes;  // false when decoding fails
+    int ok = 0;
+  };
+  auto codec = [](uint32_t magic, auto decode, auto encode) {
+    return Codec{magic, [decode, encode](const Bytes& f) {
+                   auto v = decode(f);
+                   if (!v.ok()) {
+                     EXPECT_FALSE(v.status().message().empty());
+                     return false;
+                   }
+                   EXPECT_EQ(encode(*v), f);
+                   return true;
+                 }};
+  };
+  std::vector<Codec> codecs = {
+      codec(kHelloMagic, DecodeHello, EncodeHello),
+      codec(kHelloReplyMagic, DecodeHelloReply, EncodeHelloReply),
+      codec(kReleaseMagic, DecodeRelease, EncodeRelease),
+      codec(kErrorMagic, DecodeError, EncodeError),
+      codec(kByeMagic, DecodeBye, EncodeBye),
+  };
 
   const auto start = std::chrono::steady_clock::now();
   int plan_ok = 0, header_ok = 0;
@@ -576,13 +1274,40 @@ TEST(Wire, RandomizedCorpus) {
       ++header_ok;
       ASSERT_EQ(EncodeLayerMessageHeader(*header), f) << "iteration " << iter;
     }
+    int accepted = plan.ok() + header.ok();
+    std::optional<uint32_t> accepted_magic;
+    if (plan.ok()) accepted_magic = kStepPlanMagic;
+    if (header.ok()) accepted_magic = kLayerMessageMagic;
+    // The control decoders see every frame whose magic is theirs, and every 8th frame whatever its
+    // magic (a wrong magic is rejected up front; building that error for all of them, every
+    // frame, would dominate the run time under ASan).
+    const uint32_t magic =
+        f.size() >= 4 ? (f[0] | f[1] << 8 | f[2] << 16 | static_cast<uint32_t>(f[3]) << 24) : 0;
+    for (Codec& c : codecs) {
+      if ((iter % 8 == 0 || magic == c.magic) && c.decode_reencodes(f)) {
+        ++c.ok, ++accepted;
+        accepted_magic = c.magic;
+      }
+    }
+    ASSERT_FALSE(::testing::Test::HasFailure()) << "iteration " << iter;
+    ASSERT_LE(accepted, 1) << "iteration " << iter;
+    absl::StatusOr<uint32_t> peeked = PeekFrameMagic(f);
+    if (f.size() < kFrameHeaderBytes) {
+      ASSERT_EQ(peeked.status().code(), absl::StatusCode::kDataLoss) << "iteration " << iter;
+    } else if (accepted_magic) {
+      ASSERT_EQ(peeked.value_or(0), *accepted_magic) << "iteration " << iter;
+    } else if (!peeked.ok()) {
+      ASSERT_EQ(peeked.status().code(), absl::StatusCode::kInvalidArgument) << "iteration " << iter;
+    }
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   // The corpus must reach the field checks, not just the crc: some mutants stay valid.
   EXPECT_GT(plan_ok, 1000);
   EXPECT_GT(header_ok, 1000);
+  for (const Codec& c : codecs) EXPECT_GT(c.ok, 300) << "magic 0x" << std::hex << c.magic;
   EXPECT_LT(seconds, 5.0);
-  std::printf("corpus: %d frames, %d plans ok, %d headers ok, %.2f s\n", kFrames, plan_ok, header_ok,
+  std::printf("corpus: %d frames, %d plans ok, %d headers ok, %d/%d/%d/%d/%d control ok, %.2f s\n", kFrames,
+              plan_ok, header_ok, codecs[0].ok, codecs[1].ok, codecs[2].ok, codecs[3].ok, codecs[4].ok,
               seconds);
 }
 

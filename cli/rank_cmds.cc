@@ -1,0 +1,201 @@
+// `tandem memory`, `tandem compute` and `tandem launch`: the roles of a deployment as processes,
+// and the launcher that starts them from one YAML file (deploy/deployment.h).
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "cli/commands.h"
+#include "cli/prompts.h"
+#include "common/config.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "compute_node/compute_rank.h"
+#include "compute_node/weights.h"
+#include "deploy/deployment.h"
+#include "deploy/process_group.h"
+#include "memory_node/memory_rank.h"
+
+namespace tandem::cli {
+
+namespace {
+
+absl::Status StartLogging(const std::string& tag, const std::string& level) {
+  const std::optional<LogLevel> l = ParseLogLevel(level);
+  if (!l) return absl::InvalidArgumentError(absl::StrCat("--log-level: unknown level \"", level, "\""));
+  InitLogging(tag, *l);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Config> LoadDeployConfig(const std::string& file, const std::vector<std::string>& sets) {
+  return LoadConfigFile(DeploySchema(), file, sets);
+}
+
+struct MemoryArgs {
+  std::string config, ready_file, listen = "127.0.0.1:0", device = "cpu", log_level = "info";
+  int rank = 0;
+};
+
+absl::Status RunMemory(const MemoryArgs& a) {
+  RETURN_IF_ERROR(StartLogging(absl::StrCat("memory-", a.rank), a.log_level));
+  InstallTerminationSignals();
+  ASSIGN_OR_RETURN(const Config config, LoadDeployConfig(a.config, {}));
+  MemoryRankOptions o;
+  o.rank = a.rank;
+  o.listen_address = a.listen;
+  o.device = a.device;
+  o.startup_timeout = absl::Seconds(config.GetDouble("launch.startup_timeout_s"));
+  o.step_timeout = absl::Seconds(config.GetDouble("launch.step_timeout_s"));
+  o.on_listening = [&](const std::string& address) {
+    return a.ready_file.empty() ? absl::OkStatus() : WriteFileAtomic(a.ready_file, address + "\n");
+  };
+  o.stop_requested = [] { return TerminationSignal() != 0; };
+  return RunMemoryRank(o);
+}
+
+struct ComputeArgs {
+  std::string config, memory, ready_file, requests, results, device = "cpu", log_level = "info";
+};
+
+absl::Status RunCompute(const ComputeArgs& a) {
+  RETURN_IF_ERROR(StartLogging("compute-0", a.log_level));
+  InstallTerminationSignals();
+  ASSIGN_OR_RETURN(const Config c, LoadDeployConfig(a.config, {}));
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<WeightSource> source,
+      OpenModel(c.GetString("model.path"), static_cast<uint64_t>(c.GetInt("model.weight_seed"))));
+  TANDEM_LOG_INFO("compute", "loading ", source->Describe());
+  ComputeRankOptions o;
+  o.device = DeviceIndex(a.device);
+  o.memory_addresses = absl::StrSplit(a.memory, ',');
+  o.scheduler.max_tokens_per_step = c.GetInt("scheduler.max_tokens_per_step");
+  o.scheduler.max_batch_size = c.GetInt("scheduler.max_batch_size");
+  if (o.scheduler.max_batch_size == 0) o.scheduler.max_batch_size = o.scheduler.max_tokens_per_step;
+  if (o.scheduler.max_tokens_per_step < o.scheduler.max_batch_size) {
+    return absl::InvalidArgumentError(
+        "scheduler.max_tokens_per_step must be at least scheduler.max_batch_size");
+  }
+  o.kv_capacity_tokens = c.GetInt("kv.capacity_tokens");
+  o.kv_memory_fraction = c.GetDouble("kv.memory_fraction");
+  o.checksums = c.GetBool("transport.checksums");
+  o.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
+  o.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
+  ASSIGN_OR_RETURN(std::unique_ptr<ComputeRank> rank, ComputeRank::Create(*source, o));
+  if (!a.ready_file.empty()) RETURN_IF_ERROR(WriteFileAtomic(a.ready_file, rank->device() + "\n"));
+  TANDEM_LOG_INFO("compute", "compute rank 0 ready on ", rank->device());
+  if (a.requests.empty()) {
+    // No request API yet: hold the deployment until told to stop.
+    while (TerminationSignal() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    return rank->Shutdown();
+  }
+  ASSIGN_OR_RETURN(const std::vector<PromptSpec> specs, ReadPromptsFile(a.requests));
+  std::vector<GenerationRequest> requests = RequestsFromPrompts(specs, GenerationRequest{});
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<std::vector<GenerationResult>> results = RunToCompletion(
+      rank->controller(), std::move(requests), [&](std::vector<std::pair<int64_t, GenerationResult>>* done) {
+        if (TerminationSignal() != 0) return absl::CancelledError("stopped by a signal");
+        return rank->Step(done);
+      });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!results.ok()) {
+    (void)rank->Shutdown();
+    return results.status();
+  }
+  RETURN_IF_ERROR(WriteResultsFile(
+      a.results, *results, {.seconds = seconds, .steps = rank->stats().steps, .device = rank->device()}));
+  TANDEM_LOG_INFO("compute", results->size(), " requests done in ", seconds, " s, ", rank->stats().steps,
+                  " steps");
+  return rank->Shutdown();
+}
+
+}  // namespace
+
+// The `tandem` executable itself, for the launcher to start ranks with.
+std::string SelfPath() {
+  std::error_code ec;
+  const std::filesystem::path p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string("tandem") : p.string();
+}
+
+absl::StatusOr<DeployPlan> PlanDeployment(const Config& config) {
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<WeightSource> source,
+      OpenModel(config.GetString("model.path"), static_cast<uint64_t>(config.GetInt("model.weight_seed"))));
+  return ResolveDeployment(config, source->spec());
+}
+
+void AddRankCommands(CLI::App& app) {
+  {
+    auto a = std::make_shared<MemoryArgs>();
+    CLI::App* cmd = app.add_subcommand(
+        "memory", "Run one memory rank (KV cache and attention on one device); started by `tandem launch`.");
+    cmd->add_option("--config", a->config, "the deployment's YAML file")
+        ->required()
+        ->check(CLI::ExistingFile);
+    cmd->add_option("--rank", a->rank, "this rank's index")->check(CLI::Range(0, 63));
+    cmd->add_option("--listen", a->listen, "host:port to listen on (port 0: any free port)")
+        ->capture_default_str();
+    cmd->add_option("--device", a->device, "cpu, cuda or cuda:N")->capture_default_str();
+    cmd->add_option("--ready-file", a->ready_file, "file to write this rank's address to once it listens");
+    cmd->add_option("--log-level", a->log_level, "debug, info, warn or error")->capture_default_str();
+    cmd->callback([a] {
+      absl::Status st = RunMemory(*a);
+      if (!st.ok()) Fail("memory", st);
+    });
+  }
+  {
+    auto a = std::make_shared<ComputeArgs>();
+    CLI::App* cmd =
+        app.add_subcommand("compute", "Run compute rank 0 with the controller; started by `tandem launch`.");
+    cmd->add_option("--config", a->config, "the deployment's YAML file")
+        ->required()
+        ->check(CLI::ExistingFile);
+    cmd->add_option("--memory", a->memory,
+                    "transport addresses of the memory ranks, comma-separated, rank order")
+        ->required();
+    cmd->add_option("--device", a->device, "cpu, cuda or cuda:N")->capture_default_str();
+    cmd->add_option("--ready-file", a->ready_file, "file to write once every memory rank has replied");
+    auto* req = cmd->add_option("--requests", a->requests, "JSON lines of requests to run, then exit");
+    cmd->add_option("--results", a->results, "where to write the results of --requests")->needs(req);
+    req->needs(cmd->get_option("--results"));
+    cmd->add_option("--log-level", a->log_level, "debug, info, warn or error")->capture_default_str();
+    cmd->callback([a] {
+      absl::Status st = RunCompute(*a);
+      if (!st.ok()) Fail("compute", st);
+    });
+  }
+  {
+    struct LaunchArgs {
+      std::string file;
+      std::vector<std::string> sets;
+      std::string log_level = "info";
+    };
+    auto a = std::make_shared<LaunchArgs>();
+    CLI::App* cmd = app.add_subcommand("launch",
+                                       "Start a deployment on this host from a YAML file: memory ranks, then "
+                                       "compute rank 0 with the controller,\n"
+                                       "each a process with its own log under launch.run_dir. Runs until "
+                                       "Ctrl-C or SIGTERM, then stops every rank.\n"
+                                       "Example: tandem launch deploy/examples/cpu.yaml");
+    cmd->add_option("file", a->file, "deployment YAML (see `tandem config help --deploy`)")
+        ->required()
+        ->check(CLI::ExistingFile);
+    cmd->add_option("--set", a->sets, "override a setting: --set memory.ranks=3 (repeatable)");
+    cmd->add_option("--log-level", a->log_level, "debug, info, warn or error (for every rank)")
+        ->capture_default_str();
+    cmd->callback([a] {
+      absl::Status st = [&]() -> absl::Status {
+        ASSIGN_OR_RETURN(const Config config, LoadDeployConfig(a->file, a->sets));
+        ASSIGN_OR_RETURN(const DeployPlan plan, PlanDeployment(config));
+        return Launch(config, plan, {.tandem_binary = SelfPath(), .log_level = a->log_level});
+      }();
+      if (!st.ok()) Fail("launch", st);
+    });
+  }
+}
+
+}  // namespace tandem::cli

@@ -1,0 +1,100 @@
+// The transport interface (DESIGN.md, "Transports"): how one rank's process reaches the others.
+//
+// Two kinds of traffic share it:
+//   * control messages: whole byte strings (step plans, hello, release, ...), delivered in order
+//     per peer, received from any peer;
+//   * one-sided writes into registered buffers, each followed by a doorbell: the writer puts
+//     bytes at an offset of a buffer the receiver registered under a small id, then sets that
+//     buffer's doorbell to a sequence number. A receiver that sees the doorbell at `seqno` sees
+//     every byte written before it. This is the per-layer data path; the GPU transports (peer
+//     writes, NCCL, GPUDirect RDMA) implement the same contract with device-side polling.
+//
+// Connections are made from an out-of-band descriptor (address()) that the launcher passes
+// between processes; Connect() does not block (the first operations queue until wire-up), and the
+// listening side learns of a peer through Accept().
+//
+// Nothing a peer sends is trusted: a write outside a registered buffer, to an unknown buffer id,
+// or a malformed transport header is refused and reported (DataLoss naming the peer, buffer,
+// offset and length) by the next WaitDoorbell/Receive; the data is dropped.
+//
+// Errors: every wait has a deadline (DeadlineExceeded naming what was awaited and from whom, with
+// the doorbell value seen); a peer that disconnects or fails makes pending and later operations
+// involving it fail with Unavailable naming the peer.
+//
+// Thread safety: none. One thread drives a Transport; all progress (delivering incoming writes
+// and messages, completing sends) happens inside its calls.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+namespace tandem::transport {
+
+// A connection to one peer, numbered by this Transport (0, 1, 2, ... in order of Connect/Accept).
+using PeerId = uint32_t;
+
+struct Capabilities {
+  std::string name;             // "ucx"
+  bool gpu_memory = false;      // registered buffers may live in device memory
+  bool device_polling = false;  // a kernel can wait on a doorbell
+  bool same_host_only = false;  // peers must be processes of this host
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const Capabilities& capabilities() const = 0;
+
+  // The descriptor peers pass to Connect() to reach this process, e.g. "127.0.0.1:40123"; empty
+  // if this transport does not listen.
+  virtual std::string address() const = 0;
+  // Starts a connection to the process listening at `address` and returns at once.
+  // InvalidArgument for a malformed address; a refused or failed connection surfaces as
+  // Unavailable from the next operation on the peer.
+  virtual absl::StatusOr<PeerId> Connect(const std::string& address) = 0;
+  // Waits for the next incoming connection. FailedPrecondition if not listening.
+  virtual absl::StatusOr<PeerId> Accept(absl::Time deadline) = 0;
+  // Human-readable name of a peer for messages ("127.0.0.1:40123").
+  virtual std::string PeerName(PeerId peer) const = 0;
+
+  // Control messages (1 byte to 1 GiB). Send returns once `message` may be reused.
+  virtual absl::Status Send(PeerId peer, absl::Span<const uint8_t> message) = 0;
+  // The next message from any peer, in arrival order (per peer: in send order).
+  virtual absl::Status Receive(PeerId* from, std::vector<uint8_t>* message, absl::Time deadline) = 0;
+
+  // Lets peers write into [base, base + bytes) as buffer `id`, whose doorbell starts at 0. Host
+  // memory unless capabilities().gpu_memory. The memory must stay valid while the transport
+  // lives. AlreadyExists if `id` is taken.
+  virtual absl::Status RegisterBuffer(uint32_t id, void* base, size_t bytes) = 0;
+  // Writes the concatenation of `pieces` at `offset` of the peer's buffer `buffer`, then sets its
+  // doorbell to `seqno` (> 0, larger than any earlier seqno for that buffer). Returns once the
+  // pieces may be reused (not necessarily once delivered). One writer per remote buffer.
+  virtual absl::Status Write(PeerId peer, uint32_t buffer, uint64_t offset,
+                             absl::Span<const absl::Span<const uint8_t>> pieces, uint64_t seqno) = 0;
+  // Waits until the doorbell of local buffer `buffer` is >= `seqno`. NotFound for an unknown id.
+  virtual absl::Status WaitDoorbell(uint32_t buffer, uint64_t seqno, absl::Time deadline) = 0;
+  // Current doorbell value of a local buffer (0 if unknown).
+  virtual uint64_t Doorbell(uint32_t buffer) const = 0;
+
+  // Waits until every operation started so far has completed (or failed) at the transport level.
+  virtual absl::Status Flush(absl::Time deadline) = 0;
+};
+
+struct UcxOptions {
+  // "host:port" to listen on (port 0: any free port; the chosen one is in address()); empty: do
+  // not listen (a process that only connects).
+  std::string listen_address;
+};
+
+// UCX (the Debian package; tcp, shared memory and whatever else UCX finds): host memory only.
+// Unavailable with UCX's reason if the context, worker or listener cannot be created.
+absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxOptions& options);
+
+}  // namespace tandem::transport

@@ -1,0 +1,815 @@
+// The UCX transport (transport.h): control messages and host-memory writes over UCP Active Messages.
+//
+// Objects: one ucp_context (UCP_FEATURE_AM | UCP_FEATURE_WAKEUP) and one ucp_worker
+// (UCS_THREAD_MODE_SINGLE) per Transport, an optional ucp_listener, and one ucp_ep per peer
+// (client-server mode, UCP_ERR_HANDLING_MODE_PEER). All progress happens inside this object's
+// calls: nothing runs in the background that touches our state.
+//
+// Wire format: two AM ids.
+//   kAmControl  no header; the data is the message.
+//   kAmWrite    a 32-byte little-endian header {magic u32, buffer u32, offset u64, length u64,
+//               seqno u64}, then `length` bytes of payload (sent from the caller's pieces with
+//               UCP_DATATYPE_IOV, so no staging copy on the sender).
+// Every AM is sent with UCP_AM_SEND_FLAG_REPLY; the receiver maps `param->reply_ep` (its own ep of
+// that connection, also for listener-accepted eps) back to a PeerId. An AM from an unknown ep is
+// dropped and reported as DataLoss.
+//
+// Receiving: eager AMs are copied out inside the handler (control: into a new message; write:
+// straight into base + offset). Rendezvous AMs call ucp_am_recv_data_nbx from the handler into
+// the final destination (a message vector, or base + offset of the registered buffer); the
+// completion callback marks the message complete / the write done. Writes are validated before
+// any byte is placed (known buffer, offset + length within it without overflow, seqno > 0,
+// header size and magic, length matches the AM's); a bad one is dropped and recorded as a
+// DataLoss error naming peer, buffer, offset and length, returned (once) by the next
+// WaitDoorbell/Receive.
+//
+// Ordering: UCX invokes the AM handlers of one ep in send order (relied on; the tests check it
+// across eager and rendezvous sizes). Rendezvous completions may finish
+// out of order, so per buffer the writes are queued in arrival order and the doorbell advances
+// to max(seqno) over the completed prefix only: a doorbell at s implies every earlier write is in
+// place. Control messages likewise: Receive returns the oldest complete message whose peer has no
+// older incomplete one (arrival order overall, send order per peer).
+//
+// Waiting (Accept, Receive, WaitDoorbell, Send/Write completion, Flush): progress the worker
+// while it reports work, spin briefly (kSpinTime) re-checking, then arm the worker
+// (ucp_worker_arm) and block in ppoll on its event fd for at most kMaxBlock (a cap that also
+// covers any wakeup UCX might not signal), so an idle rank uses no CPU. Send and Write wait
+// (without deadline) for local completion: eager data was handed to the transport; a rendezvous
+// one completes once the peer fetched it, which needs the peer to be inside a call of its own
+// Transport; a failing peer ends the wait with Unavailable. Flush (ucp_ep_flush_nbx per live
+// peer) likewise needs the peers' progress.
+//
+// Peer failure: the ep error callback marks the peer failed with UCX's reason. Operations on that
+// peer return Unavailable("ucx: peer HOST:PORT disconnected: <reason>"); and every wait
+// (Receive, WaitDoorbell, Flush, a blocked Send/Write) returns that Unavailable as soon as ANY peer
+// has failed, so a rank whose peer died stops instead of waiting to its deadline. A wait whose
+// condition is already met (a queued message, a reached doorbell) still succeeds first. Note that
+// a peer closing its Transport normally also counts as a failure for the other side.
+//
+// Destruction: every ep is force-closed (waiting at most kCloseTimeout for that local step), pending
+// connection requests are rejected, then listener, worker and context are destroyed; the peers see
+// a disconnect. Neither a flush nor a graceful close is attempted: both wait for the peer to
+// progress (measured: a flush to a peer blocked elsewhere never completes), and a process must
+// not hang on exit. Send/Write have already completed locally, which for tcp and shared memory
+// means the bytes were handed to the socket or the peer's FIFO (rendezvous: the peer has them);
+// callers that need more call Flush() before destroying the Transport.
+//
+// UCX configuration comes from the environment (UCX_TLS etc.) as usual; nothing is overridden.
+// Tested here with the defaults and with UCX_TLS=tcp, posix,tcp, sysv,tcp, ^cma. cma needs
+// ptrace permission; UCX leaves it out by itself where yama's ptrace_scope forbids it.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <ucp/api/ucp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "common/transport/transport.h"
+
+namespace tandem::transport {
+namespace {
+
+constexpr unsigned kAmControl = 17;
+constexpr unsigned kAmWrite = 18;
+constexpr uint32_t kWriteMagic = 0x31525754;  // "TWR1"
+constexpr size_t kWriteHeaderBytes = 32;
+constexpr absl::Duration kSpinTime = absl::Microseconds(50);
+constexpr absl::Duration kMaxBlock = absl::Milliseconds(20);
+constexpr absl::Duration kCloseTimeout = absl::Seconds(3);
+
+void PutLe32(uint8_t* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+void PutLe64(uint8_t* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+uint32_t GetLe32(const uint8_t* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(p[i]) << (8 * i);
+  return v;
+}
+uint64_t GetLe64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
+}
+
+absl::Status UcxError(ucs_status_t status, std::string_view what) {
+  return absl::UnavailableError(absl::StrCat("ucx: ", ToAbsl(what), ": ", ucs_status_string(status)));
+}
+
+std::string SockaddrName(const sockaddr_storage& ss) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  uint16_t port = 0;
+  if (ss.ss_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(&ss);
+    inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
+    port = ntohs(in->sin_port);
+    return absl::StrCat(host, ":", port);
+  }
+  if (ss.ss_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&ss);
+    inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof(host));
+    port = ntohs(in6->sin6_port);
+    return absl::StrCat("[", host, "]:", port);
+  }
+  return "unknown-address";
+}
+
+// "host:port" or "[v6]:port" -> host, port. InvalidArgument if malformed.
+absl::Status SplitHostPort(const std::string& address, std::string* host, uint16_t* port) {
+  size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("ucx: address '", address, "' is not host:port"));
+  }
+  *host = address.substr(0, colon);
+  if (host->size() >= 2 && host->front() == '[' && host->back() == ']') {
+    *host = host->substr(1, host->size() - 2);
+  }
+  uint32_t p = 0;
+  if (!absl::SimpleAtoi(absl::string_view(address).substr(colon + 1), &p) || p > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("ucx: address '", address, "' has a bad port"));
+  }
+  *port = static_cast<uint16_t>(p);
+  return absl::OkStatus();
+}
+
+// Resolves host:port to a socket address. Unavailable if the host cannot be resolved.
+absl::Status Resolve(const std::string& host, uint16_t port, bool passive, sockaddr_storage* out,
+                     socklen_t* len) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  addrinfo* res = nullptr;
+  std::string port_text = std::to_string(port);
+  int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port_text.c_str(), &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    return absl::UnavailableError(absl::StrCat("ucx: cannot resolve '", host, "': ", gai_strerror(rc)));
+  }
+  std::memcpy(out, res->ai_addr, res->ai_addrlen);
+  *len = res->ai_addrlen;
+  freeaddrinfo(res);
+  return absl::OkStatus();
+}
+
+class UcxTransport;
+
+struct Peer {
+  UcxTransport* owner = nullptr;
+  PeerId id = 0;
+  ucp_ep_h ep = nullptr;
+  std::string name;
+  bool failed = false;
+  std::string failure;  // UCX's reason
+};
+
+// A control message being received (complete once its data is in `data`).
+struct InMessage {
+  PeerId from = 0;
+  std::vector<uint8_t> data;
+  bool complete = false;
+  bool failed = false;
+};
+
+// A write accepted into a buffer, in arrival order.
+struct InWrite {
+  uint64_t seqno = 0;
+  bool done = false;
+  bool failed = false;
+};
+
+struct Buffer {
+  uint32_t id = 0;
+  uint8_t* base = nullptr;
+  size_t bytes = 0;
+  uint64_t doorbell = 0;
+  std::deque<std::unique_ptr<InWrite>> pending;  // writes whose data may still be arriving
+  std::optional<PeerId> writer;                  // the last peer that wrote to it
+};
+
+// user_data of a rendezvous receive.
+struct RndvRecv {
+  UcxTransport* self = nullptr;
+  InMessage* message = nullptr;  // control message, or
+  Buffer* buffer = nullptr;      // write into this buffer
+  InWrite* write = nullptr;
+  PeerId from = 0;
+  uint64_t offset = 0, length = 0;
+};
+
+class UcxTransport final : public Transport {
+ public:
+  UcxTransport() { caps_.name = "ucx"; }
+  ~UcxTransport() override;
+
+  absl::Status Init(const UcxOptions& options);
+
+  const Capabilities& capabilities() const override { return caps_; }
+  std::string address() const override { return address_; }
+  absl::StatusOr<PeerId> Connect(const std::string& address) override;
+  absl::StatusOr<PeerId> Accept(absl::Time deadline) override;
+  std::string PeerName(PeerId peer) const override {
+    return peer < peers_.size() ? peers_[peer]->name : absl::StrCat("unknown-peer-", peer);
+  }
+  absl::Status Send(PeerId peer, absl::Span<const uint8_t> message) override;
+  absl::Status Receive(PeerId* from, std::vector<uint8_t>* message, absl::Time deadline) override;
+  absl::Status RegisterBuffer(uint32_t id, void* base, size_t bytes) override;
+  absl::Status Write(PeerId peer, uint32_t buffer, uint64_t offset,
+                     absl::Span<const absl::Span<const uint8_t>> pieces, uint64_t seqno) override;
+  absl::Status WaitDoorbell(uint32_t buffer, uint64_t seqno, absl::Time deadline) override;
+  uint64_t Doorbell(uint32_t buffer) const override {
+    auto it = buffers_.find(buffer);
+    return it == buffers_.end() ? 0 : it->second->doorbell;
+  }
+  absl::Status Flush(absl::Time deadline) override;
+
+ private:
+  static void OnConnRequest(ucp_conn_request_h request, void* arg);
+  static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  static ucs_status_t OnControlAm(void* arg, const void* header, size_t header_length, void* data,
+                                  size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnWriteAm(void* arg, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t* param);
+  static void OnRndvDone(void* request, ucs_status_t status, size_t length, void* user_data);
+
+  // Progresses until idle; then, if nothing happened for kSpinTime since `*spin_start`, blocks on
+  // the worker's event fd until an event or min(deadline, now + kMaxBlock).
+  void ProgressOrBlock(absl::Time deadline, absl::Time* spin_start);
+  // Waits for a UCP request (send, flush) to complete; the request is freed. Returns its status.
+  ucs_status_t WaitRequest(void* request);
+  absl::Status PeerFailure(const Peer& peer) const {
+    return absl::UnavailableError(absl::StrCat("ucx: peer ", peer.name, " disconnected: ", peer.failure));
+  }
+  // Unavailable for the first failed peer, or OK.
+  absl::Status AnyPeerFailure() const {
+    for (const auto& p : peers_) {
+      if (p->failed) return PeerFailure(*p);
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<Peer*> LivePeer(PeerId peer);
+  std::optional<PeerId> PeerOf(ucp_ep_h ep) const {
+    auto it = ep_to_peer_.find(ep);
+    if (it == ep_to_peer_.end()) return std::nullopt;
+    return it->second;
+  }
+  void RecordError(absl::Status status) {
+    TANDEM_LOG_WARN("transport", status.message());
+    errors_.push_back(std::move(status));
+  }
+  absl::Status TakeError() {
+    absl::Status s = std::move(errors_.front());
+    errors_.pop_front();
+    return s;
+  }
+  void AdvanceDoorbell(Buffer* buffer);
+  // Validates and places one incoming write; true if a rendezvous receive was started.
+  bool HandleWrite(PeerId from, const uint8_t* header, size_t header_length, void* data, size_t length,
+                   bool rndv);
+  Peer* NewPeer(std::string name);
+
+  Capabilities caps_;
+  std::string address_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  ucp_listener_h listener_ = nullptr;
+  int efd_ = -1;
+  std::vector<std::unique_ptr<Peer>> peers_;
+  std::unordered_map<ucp_ep_h, PeerId> ep_to_peer_;
+  std::deque<ucp_conn_request_h> conn_requests_;
+  std::deque<std::unique_ptr<InMessage>> inbox_;
+  std::unordered_map<uint32_t, std::unique_ptr<Buffer>> buffers_;
+  std::deque<absl::Status> errors_;  // DataLoss records for the next wait
+};
+
+absl::Status UcxTransport::Init(const UcxOptions& options) {
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) return UcxError(st, "ucp_config_read");
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  st = ucp_init(&params, config, &context_);
+  ucp_config_release(config);
+  if (st != UCS_OK) {
+    context_ = nullptr;
+    return UcxError(st, "ucp_init");
+  }
+
+  ucp_worker_params_t wparams{};
+  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+  st = ucp_worker_create(context_, &wparams, &worker_);
+  if (st != UCS_OK) {
+    worker_ = nullptr;
+    return UcxError(st, "ucp_worker_create");
+  }
+  st = ucp_worker_get_efd(worker_, &efd_);
+  if (st != UCS_OK) return UcxError(st, "ucp_worker_get_efd");
+
+  for (unsigned id : {kAmControl, kAmWrite}) {
+    ucp_am_handler_param_t h{};
+    h.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                   UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    h.id = id;
+    h.cb = id == kAmControl ? &OnControlAm : &OnWriteAm;
+    h.arg = this;
+    h.flags = 0;
+    st = ucp_worker_set_am_recv_handler(worker_, &h);
+    if (st != UCS_OK) return UcxError(st, "ucp_worker_set_am_recv_handler");
+  }
+
+  if (!options.listen_address.empty()) {
+    std::string host;
+    uint16_t port = 0;
+    RETURN_IF_ERROR(SplitHostPort(options.listen_address, &host, &port));
+    sockaddr_storage ss{};
+    socklen_t len = 0;
+    RETURN_IF_ERROR(Resolve(host, port, /*passive=*/true, &ss, &len));
+    ucp_listener_params_t lp{};
+    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+    lp.sockaddr.addrlen = len;
+    lp.conn_handler.cb = &OnConnRequest;
+    lp.conn_handler.arg = this;
+    st = ucp_listener_create(worker_, &lp, &listener_);
+    if (st != UCS_OK) {
+      listener_ = nullptr;
+      return UcxError(st, absl::StrCat("ucp_listener_create on ", options.listen_address));
+    }
+    ucp_listener_attr_t attr{};
+    attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    st = ucp_listener_query(listener_, &attr);
+    if (st != UCS_OK) return UcxError(st, "ucp_listener_query");
+    uint16_t actual = attr.sockaddr.ss_family == AF_INET6
+                          ? ntohs(reinterpret_cast<const sockaddr_in6*>(&attr.sockaddr)->sin6_port)
+                          : ntohs(reinterpret_cast<const sockaddr_in*>(&attr.sockaddr)->sin_port);
+    bool v6_literal = host.find(':') != std::string::npos;
+    address_ = v6_literal ? absl::StrCat("[", host, "]:", actual) : absl::StrCat(host, ":", actual);
+  }
+  return absl::OkStatus();
+}
+
+UcxTransport::~UcxTransport() {
+  if (worker_ != nullptr) {
+    // Force-close: a flush or a graceful close would wait for the peer to progress.
+    std::vector<void*> requests;
+    for (auto& p : peers_) {
+      if (p->ep == nullptr) continue;
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      ucs_status_ptr_t req = ucp_ep_close_nbx(p->ep, &rp);
+      if (UCS_PTR_IS_PTR(req)) requests.push_back(req);
+      p->ep = nullptr;
+    }
+    absl::Time deadline = absl::Now() + kCloseTimeout;
+    absl::Time spin_start = absl::Now();
+    for (void* req : requests) {
+      while (ucp_request_check_status(req) == UCS_INPROGRESS && absl::Now() < deadline) {
+        ProgressOrBlock(deadline, &spin_start);
+      }
+      ucp_request_free(req);
+    }
+    for (ucp_conn_request_h r : conn_requests_) ucp_listener_reject(listener_, r);
+    conn_requests_.clear();
+    if (listener_ != nullptr) ucp_listener_destroy(listener_);
+    ucp_worker_destroy(worker_);
+  }
+  if (context_ != nullptr) ucp_cleanup(context_);
+}
+
+void UcxTransport::ProgressOrBlock(absl::Time deadline, absl::Time* spin_start) {
+  if (ucp_worker_progress(worker_) != 0) {
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+    *spin_start = absl::Now();
+    return;
+  }
+  absl::Time now = absl::Now();
+  if (now - *spin_start < kSpinTime || now >= deadline) return;
+  ucs_status_t st = ucp_worker_arm(worker_);
+  if (st == UCS_ERR_BUSY) return;  // events arrived meanwhile: progress again
+  absl::Duration wait = std::min(deadline - now, kMaxBlock);
+  if (st != UCS_OK) wait = std::min(wait, absl::Microseconds(200));  // cannot arm: short sleeps
+  timespec ts = absl::ToTimespec(wait);
+  pollfd pfd{efd_, POLLIN, 0};
+  ppoll(&pfd, 1, &ts, nullptr);
+  *spin_start = absl::Now();
+}
+
+ucs_status_t UcxTransport::WaitRequest(void* request) {
+  if (request == nullptr) return UCS_OK;
+  if (UCS_PTR_IS_ERR(request)) return UCS_PTR_STATUS(request);
+  absl::Time spin_start = absl::Now();
+  ucs_status_t st;
+  while ((st = ucp_request_check_status(request)) == UCS_INPROGRESS) {
+    ProgressOrBlock(absl::InfiniteFuture(), &spin_start);
+  }
+  ucp_request_free(request);
+  return st;
+}
+
+Peer* UcxTransport::NewPeer(std::string name) {
+  auto p = std::make_unique<Peer>();
+  p->owner = this;
+  p->id = static_cast<PeerId>(peers_.size());
+  p->name = std::move(name);
+  peers_.push_back(std::move(p));
+  return peers_.back().get();
+}
+
+absl::StatusOr<Peer*> UcxTransport::LivePeer(PeerId peer) {
+  if (peer >= peers_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("ucx: no peer ", peer, " (", peers_.size(), " known)"));
+  }
+  Peer* p = peers_[peer].get();
+  if (p->failed) return PeerFailure(*p);
+  return p;
+}
+
+void UcxTransport::OnConnRequest(ucp_conn_request_h request, void* arg) {
+  static_cast<UcxTransport*>(arg)->conn_requests_.push_back(request);
+}
+
+void UcxTransport::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  auto* peer = static_cast<Peer*>(arg);
+  if (peer->failed) return;
+  peer->failed = true;
+  peer->failure = ucs_status_string(status);
+  TANDEM_LOG_WARN("transport", "ucx: peer ", peer->name, " disconnected: ", peer->failure);
+}
+
+absl::StatusOr<PeerId> UcxTransport::Connect(const std::string& address) {
+  std::string host;
+  uint16_t port = 0;
+  RETURN_IF_ERROR(SplitHostPort(address, &host, &port));
+  Peer* peer = NewPeer(address);
+  sockaddr_storage ss{};
+  socklen_t len = 0;
+  absl::Status resolved = Resolve(host, port, /*passive=*/false, &ss, &len);
+  if (!resolved.ok()) {
+    peer->failed = true;
+    peer->failure = std::string(resolved.message());
+    return peer->id;
+  }
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+  ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+  ep.sockaddr.addrlen = len;
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = &OnEpError;
+  ep.err_handler.arg = peer;
+  ucs_status_t st = ucp_ep_create(worker_, &ep, &peer->ep);
+  if (st != UCS_OK) {
+    peer->ep = nullptr;
+    peer->failed = true;
+    peer->failure = absl::StrCat("ucp_ep_create: ", ucs_status_string(st));
+    return peer->id;
+  }
+  ep_to_peer_[peer->ep] = peer->id;
+  return peer->id;
+}
+
+absl::StatusOr<PeerId> UcxTransport::Accept(absl::Time deadline) {
+  if (listener_ == nullptr)
+    return absl::FailedPreconditionError("ucx: Accept on a transport that does not listen");
+  absl::Time spin_start = absl::Now();
+  while (conn_requests_.empty()) {
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("ucx: no incoming connection on ", address_, " before the deadline"));
+    }
+    ProgressOrBlock(deadline, &spin_start);
+  }
+  ucp_conn_request_h request = conn_requests_.front();
+  conn_requests_.pop_front();
+  ucp_conn_request_attr_t attr{};
+  attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+  std::string name = "unknown-client";
+  if (ucp_conn_request_query(request, &attr) == UCS_OK) name = SockaddrName(attr.client_address);
+  Peer* peer = NewPeer(name);
+  ucp_ep_params_t ep{};
+  ep.field_mask =
+      UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.conn_request = request;
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = &OnEpError;
+  ep.err_handler.arg = peer;
+  ucs_status_t st = ucp_ep_create(worker_, &ep, &peer->ep);
+  if (st != UCS_OK) {
+    peer->ep = nullptr;
+    peer->failed = true;
+    peer->failure = absl::StrCat("ucp_ep_create: ", ucs_status_string(st));
+    return UcxError(st, absl::StrCat("ucp_ep_create for the connection from ", name));
+  }
+  ep_to_peer_[peer->ep] = peer->id;
+  return peer->id;
+}
+
+absl::Status UcxTransport::Send(PeerId peer_id, absl::Span<const uint8_t> message) {
+  ASSIGN_OR_RETURN(Peer * peer, LivePeer(peer_id));
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = UCP_AM_SEND_FLAG_REPLY;
+  ucs_status_t st =
+      WaitRequest(ucp_am_send_nbx(peer->ep, kAmControl, nullptr, 0, message.data(), message.size(), &rp));
+  if (peer->failed) return PeerFailure(*peer);
+  if (st != UCS_OK) {
+    return UcxError(st, absl::StrCat("sending a ", message.size(), "-byte message to ", peer->name));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status UcxTransport::Receive(PeerId* from, std::vector<uint8_t>* message, absl::Time deadline) {
+  absl::Time spin_start = absl::Now();
+  for (;;) {
+    if (!errors_.empty()) return TakeError();
+    std::erase_if(inbox_, [](const std::unique_ptr<InMessage>& m) { return m->failed; });
+    // The oldest complete message whose peer has no older incomplete one.
+    std::vector<PeerId> blocked;
+    for (auto it = inbox_.begin(); it != inbox_.end(); ++it) {
+      InMessage& m = **it;
+      bool peer_blocked = std::find(blocked.begin(), blocked.end(), m.from) != blocked.end();
+      if (peer_blocked) continue;
+      if (!m.complete) {
+        blocked.push_back(m.from);
+        continue;
+      }
+      *from = m.from;
+      *message = std::move(m.data);
+      inbox_.erase(it);
+      return absl::OkStatus();
+    }
+    RETURN_IF_ERROR(AnyPeerFailure());
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("ucx: no message from any of ", peers_.size(), " peers before the deadline"));
+    }
+    ProgressOrBlock(deadline, &spin_start);
+  }
+}
+
+absl::Status UcxTransport::RegisterBuffer(uint32_t id, void* base, size_t bytes) {
+  if (buffers_.count(id) != 0) {
+    return absl::AlreadyExistsError(absl::StrCat("ucx: buffer id ", id, " is already registered"));
+  }
+  if (base == nullptr && bytes != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ucx: buffer ", id, " has a null base"));
+  }
+  auto b = std::make_unique<Buffer>();
+  b->id = id;
+  b->base = static_cast<uint8_t*>(base);
+  b->bytes = bytes;
+  buffers_[id] = std::move(b);
+  return absl::OkStatus();
+}
+
+absl::Status UcxTransport::Write(PeerId peer_id, uint32_t buffer, uint64_t offset,
+                                 absl::Span<const absl::Span<const uint8_t>> pieces, uint64_t seqno) {
+  ASSIGN_OR_RETURN(Peer * peer, LivePeer(peer_id));
+  if (seqno == 0) return absl::InvalidArgumentError("ucx: Write with seqno 0");
+  std::vector<ucp_dt_iov_t> iov;
+  iov.reserve(pieces.size());
+  uint64_t length = 0;
+  for (const auto& piece : pieces) {
+    if (piece.empty()) continue;
+    iov.push_back({const_cast<uint8_t*>(piece.data()), piece.size()});
+    length += piece.size();
+  }
+  uint8_t header[kWriteHeaderBytes];
+  PutLe32(header, kWriteMagic);
+  PutLe32(header + 4, buffer);
+  PutLe64(header + 8, offset);
+  PutLe64(header + 16, length);
+  PutLe64(header + 24, seqno);
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = UCP_AM_SEND_FLAG_REPLY;
+  const void* data = nullptr;
+  size_t count = 0;
+  if (iov.size() == 1) {
+    data = iov[0].buffer;
+    count = iov[0].length;
+  } else if (iov.size() > 1) {
+    rp.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    rp.datatype = ucp_dt_make_iov();
+    data = iov.data();
+    count = iov.size();
+  }
+  ucs_status_t st =
+      WaitRequest(ucp_am_send_nbx(peer->ep, kAmWrite, header, sizeof(header), data, count, &rp));
+  if (peer->failed) return PeerFailure(*peer);
+  if (st != UCS_OK) {
+    return UcxError(st, absl::StrCat("writing ", length, " bytes at offset ", offset, " of buffer ", buffer,
+                                     " of ", peer->name));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status UcxTransport::WaitDoorbell(uint32_t buffer, uint64_t seqno, absl::Time deadline) {
+  auto it = buffers_.find(buffer);
+  if (it == buffers_.end()) {
+    return absl::NotFoundError(absl::StrCat("ucx: WaitDoorbell on unknown buffer ", buffer));
+  }
+  const Buffer& b = *it->second;
+  absl::Time spin_start = absl::Now();
+  for (;;) {
+    if (!errors_.empty()) return TakeError();
+    if (b.doorbell >= seqno) return absl::OkStatus();
+    RETURN_IF_ERROR(AnyPeerFailure());
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "ucx: doorbell of buffer ", buffer, " did not reach seqno ", seqno, " before the deadline (seen ",
+          b.doorbell, b.writer ? absl::StrCat(", last written by ", PeerName(*b.writer)) : "", ")"));
+    }
+    ProgressOrBlock(deadline, &spin_start);
+  }
+}
+
+absl::Status UcxTransport::Flush(absl::Time deadline) {
+  std::vector<void*> requests;
+  for (auto& p : peers_) {
+    if (p->failed || p->ep == nullptr) continue;
+    ucp_request_param_t rp{};
+    ucs_status_ptr_t req = ucp_ep_flush_nbx(p->ep, &rp);
+    if (UCS_PTR_IS_PTR(req)) requests.push_back(req);
+  }
+  absl::Status result;
+  absl::Time spin_start = absl::Now();
+  for (void* req : requests) {
+    while (result.ok() && ucp_request_check_status(req) == UCS_INPROGRESS) {
+      if (absl::Now() >= deadline) {
+        result = absl::DeadlineExceededError("ucx: Flush did not complete before the deadline");
+        break;
+      }
+      ProgressOrBlock(deadline, &spin_start);
+    }
+    ucp_request_free(req);  // a request still in progress is released when it completes
+  }
+  RETURN_IF_ERROR(result);
+  return AnyPeerFailure();
+}
+
+ucs_status_t UcxTransport::OnControlAm(void* arg, const void* header, size_t header_length, void* data,
+                                       size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxTransport*>(arg);
+  std::optional<PeerId> from;
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0) from = self->PeerOf(param->reply_ep);
+  if (!from) {
+    self->RecordError(absl::DataLossError(
+        absl::StrCat("ucx: dropped a ", length, "-byte control message from an unknown endpoint")));
+    return UCS_OK;
+  }
+  auto message = std::make_unique<InMessage>();
+  message->from = *from;
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
+    const auto* bytes = static_cast<const uint8_t*>(data);
+    message->data.assign(bytes, bytes + length);
+    message->complete = true;
+    self->inbox_.push_back(std::move(message));
+    return UCS_OK;
+  }
+  message->data.resize(length);
+  auto* op = new RndvRecv{.self = self, .message = message.get(), .from = *from, .length = length};
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  rp.cb.recv_am = &OnRndvDone;
+  rp.user_data = op;
+  self->inbox_.push_back(std::move(message));
+  ucs_status_ptr_t req = ucp_am_recv_data_nbx(self->worker_, data, op->message->data.data(), length, &rp);
+  // In progress: OnRndvDone reports completion and frees the request.
+  if (!UCS_PTR_IS_PTR(req)) OnRndvDone(nullptr, UCS_PTR_STATUS(req), length, op);
+  return UCS_INPROGRESS;
+}
+
+ucs_status_t UcxTransport::OnWriteAm(void* arg, const void* header, size_t header_length, void* data,
+                                     size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxTransport*>(arg);
+  std::optional<PeerId> from;
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0) from = self->PeerOf(param->reply_ep);
+  bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  if (!from) {
+    self->RecordError(
+        absl::DataLossError(absl::StrCat("ucx: dropped a ", length, "-byte write from an unknown endpoint")));
+    return UCS_OK;  // dropped; a rendezvous sender completes normally
+  }
+  bool started =
+      self->HandleWrite(*from, static_cast<const uint8_t*>(header), header_length, data, length, rndv);
+  // A rendezvous descriptor passed to ucp_am_recv_data_nbx is UCP's (UCS_INPROGRESS); otherwise
+  // UCS_OK drops it and the sender's request completes.
+  return started ? UCS_INPROGRESS : UCS_OK;
+}
+
+bool UcxTransport::HandleWrite(PeerId from, const uint8_t* header, size_t header_length, void* data,
+                               size_t length, bool rndv) {
+  const std::string& peer = peers_[from]->name;
+  if (header_length != kWriteHeaderBytes || GetLe32(header) != kWriteMagic) {
+    RecordError(absl::DataLossError(absl::StrCat("ucx: dropped a ", length, "-byte write from ", peer,
+                                                 " with a malformed header (", header_length, " bytes)")));
+    return false;
+  }
+  uint32_t id = GetLe32(header + 4);
+  uint64_t offset = GetLe64(header + 8);
+  uint64_t declared = GetLe64(header + 16);
+  uint64_t seqno = GetLe64(header + 24);
+  auto it = buffers_.find(id);
+  std::string what = absl::StrCat("write from ", peer, " to buffer ", id, " at offset ", offset,
+                                  " of length ", declared, " (seqno ", seqno, ")");
+  if (it == buffers_.end()) {
+    RecordError(absl::DataLossError(absl::StrCat("ucx: dropped a ", what, ": unknown buffer id")));
+    return false;
+  }
+  Buffer* b = it->second.get();
+  if (declared != length || seqno == 0 || offset > b->bytes || length > b->bytes - offset) {
+    RecordError(absl::DataLossError(absl::StrCat(
+        "ucx: dropped a ", what, ": ",
+        declared != length ? absl::StrCat("the header says ", declared, " bytes but ", length, " arrived")
+        : seqno == 0       ? std::string("seqno 0")
+                           : absl::StrCat("outside the buffer's ", b->bytes, " bytes"))));
+    return false;
+  }
+  b->writer = from;
+  if (!rndv) {
+    if (length != 0) std::memcpy(b->base + offset, data, length);
+    b->pending.push_back(std::make_unique<InWrite>(InWrite{.seqno = seqno, .done = true}));
+    AdvanceDoorbell(b);
+    return false;
+  }
+  b->pending.push_back(std::make_unique<InWrite>(InWrite{.seqno = seqno}));
+  auto* op = new RndvRecv{.self = this,
+                          .buffer = b,
+                          .write = b->pending.back().get(),
+                          .from = from,
+                          .offset = offset,
+                          .length = length};
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  rp.cb.recv_am = &OnRndvDone;
+  rp.user_data = op;
+  ucs_status_ptr_t req = ucp_am_recv_data_nbx(worker_, data, b->base + offset, length, &rp);
+  // In progress: OnRndvDone reports completion and frees the request.
+  if (!UCS_PTR_IS_PTR(req)) OnRndvDone(nullptr, UCS_PTR_STATUS(req), length, op);
+  return true;
+}
+
+void UcxTransport::OnRndvDone(void* request, ucs_status_t status, size_t length, void* user_data) {
+  std::unique_ptr<RndvRecv> op(static_cast<RndvRecv*>(user_data));
+  if (request != nullptr) ucp_request_free(request);
+  UcxTransport* self = op->self;
+  const std::string& peer = self->peers_[op->from]->name;
+  if (op->message != nullptr) {
+    op->message->complete = true;
+    if (status != UCS_OK) {
+      // The message is lost; the peer's failure (if that is the cause) is reported by the waits.
+      op->message->failed = true;
+      self->RecordError(
+          absl::DataLossError(absl::StrCat("ucx: receiving a ", op->length, "-byte message from ", peer,
+                                           " failed: ", ucs_status_string(status))));
+    }
+    return;
+  }
+  op->write->done = true;
+  if (status != UCS_OK) {
+    op->write->failed = true;
+    self->RecordError(absl::DataLossError(absl::StrCat(
+        "ucx: write from ", peer, " to buffer ", op->buffer->id, " at offset ", op->offset, " of length ",
+        op->length, " (seqno ", op->write->seqno, ") failed: ", ucs_status_string(status))));
+  }
+  self->AdvanceDoorbell(op->buffer);
+}
+
+// The doorbell moves over the completed prefix of the buffer's writes; a failed write stops it.
+void UcxTransport::AdvanceDoorbell(Buffer* buffer) {
+  while (!buffer->pending.empty() && buffer->pending.front()->done && !buffer->pending.front()->failed) {
+    buffer->doorbell = std::max(buffer->doorbell, buffer->pending.front()->seqno);
+    buffer->pending.pop_front();
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxOptions& options) {
+  auto transport = std::make_unique<UcxTransport>();
+  RETURN_IF_ERROR(transport->Init(options));
+  return std::unique_ptr<Transport>(std::move(transport));
+}
+
+}  // namespace tandem::transport

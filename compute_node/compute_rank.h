@@ -1,0 +1,97 @@
+// `tandem compute`: compute rank 0 as a process, with the controller in it (DESIGN.md,
+// "Processes"). It holds the weights and runs every non-attention operator; the memory ranks hold
+// the KV and run attention. Per step the controller's plan goes to every memory rank once; per
+// layer each memory rank gets the q,k,v rows of its requests (one contiguous range, written into
+// its receive buffer with a doorbell) and writes the attention output back the same way.
+//
+// Start-up: connect to every memory rank, load the weights (first, so that a memory rank sharing
+// the GPU sizes its KV from what the weights left), send each a hello with the model's attention
+// shape and the step limits, and wait for the replies that carry each rank's KV capacity. The
+// controller then places requests on ranks by free KV.
+//
+// CUDA ranks stage the rows through pinned host buffers (the GPU transports remove that copy).
+// Every wait has a deadline; a memory rank that reports an error, disconnects or stays silent
+// fails the step with a Status naming it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "compute_node/compute_backend.h"
+#include "compute_node/controller.h"
+#include "compute_node/weights.h"
+
+namespace tandem {
+
+namespace transport {
+class Transport;
+}
+
+struct ComputeRankOptions {
+  int device = -1;                            // -1: cpu, else cuda:N
+  std::vector<std::string> memory_addresses;  // transport address of memory rank m, in rank order
+  ControllerOptions scheduler;
+  int64_t kv_capacity_tokens = 0;  // per memory rank; 0: each sizes its pool from its memory
+  double kv_memory_fraction = 0.9;
+  bool checksums = true;  // crc32c of every layer payload, checked by the receiver
+  bool profile = false;
+  absl::Duration startup_timeout = absl::Minutes(10);
+  absl::Duration step_timeout = absl::Minutes(2);  // for each layer's attention output
+};
+
+class ComputeRank {
+ public:
+  static absl::StatusOr<std::unique_ptr<ComputeRank>> Create(const WeightSource& source,
+                                                             const ComputeRankOptions& options);
+  ~ComputeRank();
+
+  Controller& controller() { return *controller_; }
+  absl::StatusOr<int64_t> Submit(GenerationRequest request) {
+    return controller_->Submit(std::move(request));
+  }
+  // Runs one step; finished requests are appended to `finished`.
+  absl::Status Step(std::vector<std::pair<int64_t, GenerationResult>>* finished);
+  // Submits every request (all checked first), steps until all finish, results in request order.
+  absl::StatusOr<std::vector<GenerationResult>> GenerateAll(std::vector<GenerationRequest> requests);
+  // Tells every memory rank to stop (bye), best effort: it never fails.
+  absl::Status Shutdown();
+
+  std::string device() const { return backend_->device(); }
+  // "memory rank 1: cuda:0 (NVIDIA H200), 123456 KV tokens" per rank.
+  const std::vector<std::string>& memory_ranks() const { return rank_names_; }
+  const ControllerStats& stats() const { return controller_->stats(); }
+  double busy_seconds() const { return busy_seconds_; }
+
+ private:
+  ComputeRank() = default;
+  absl::Status Connect(const WeightSource& source);
+  absl::Status RunLayers(const PlannedStep& step);
+
+  ComputeRankOptions options_;
+  std::unique_ptr<transport::Transport> transport_;
+  std::unique_ptr<ComputeBackend> backend_;
+  std::unique_ptr<Controller> controller_;
+  struct Rank {
+    uint32_t peer = 0;
+    uint32_t qkv_buffer = 0;               // its receive buffer
+    uint32_t attn_buffer = 0;              // ours, for its outputs
+    BackendBuffer recv{nullptr, nullptr};  // attention outputs land here (host)
+    size_t recv_bytes = 0;
+    uint64_t seqno = 0;
+    std::string name;
+  };
+  std::vector<Rank> ranks_;
+  std::vector<std::string> rank_names_;
+  PlannedStep step_;
+  BackendBuffer qkv_{nullptr, nullptr}, attn_{nullptr, nullptr};            // backend memory
+  BackendBuffer qkv_host_{nullptr, nullptr}, attn_host_{nullptr, nullptr};  // staging (CUDA)
+  size_t elem_ = 4;
+  double busy_seconds_ = 0;
+};
+
+}  // namespace tandem

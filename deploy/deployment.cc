@@ -1,0 +1,182 @@
+#include "deploy/deployment.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "colocated/engine.h"
+#include "common/status.h"
+#include "deploy/process_group.h"
+
+namespace tandem {
+
+const ConfigSchema& DeploySchema() {
+  static const ConfigSchema* schema = [] {
+    auto* s = new ConfigSchema();
+    s->String("model.path", "tiny-gqa", "checkpoint directory (Hugging Face layout) or preset name")
+        .Int("model.weight_seed", 0, "seed of a preset's random weights", 0, 1LL << 62)
+        .String("compute.device", "auto", "device of compute rank 0: cpu, cuda, cuda:N or auto")
+        .Int("memory.ranks", 1, "number of memory ranks (processes owning KV and running attention)", 1, 64)
+        .String("memory.devices", "auto",
+                "device of every memory rank (cpu, cuda, cuda:N; auto: the compute rank's), or one per rank "
+                "separated by commas")
+        .String("memory.host", "127.0.0.1", "address the memory ranks listen on")
+        .Int("memory.base_port", 0,
+             "port of memory rank 0 (rank i listens on base_port + i); 0: any free port", 0, 65535)
+        .Enum("transport.kind", "ucx", {"ucx"},
+              "how ranks exchange step plans and per-layer data (ucx: tcp / shared memory, host memory)")
+        .Bool("transport.checksums", true, "crc32c of every per-layer payload, verified by the receiver")
+        .String("launch.run_dir", "tandem-run",
+                "directory for the ranks' logs, ready files and effective config")
+        .Double("launch.startup_timeout_s", 600, "seconds a rank may take to become ready", 1, 86400)
+        .Double("launch.step_timeout_s", 120, "seconds a rank may wait for a peer within a step", 1, 86400);
+    AddSchedulerKvKnobs(s);
+    return s;
+  }();
+  return *schema;
+}
+
+int DeviceIndex(const std::string& device) {
+  if (device == "cpu") return -1;
+  if (device == "cuda") return 0;
+  int i = 0;
+  return absl::SimpleAtoi(device.substr(5), &i) ? i : 0;
+}
+
+absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& spec) {
+  DeployPlan p;
+  p.model = c.GetString("model.path");
+  p.weight_seed = static_cast<uint64_t>(c.GetInt("model.weight_seed"));
+  absl::StatusOr<int> compute = ResolveDevice(c.GetString("compute.device"), spec);
+  if (!compute.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("compute.device: ", compute.status().message()));
+  }
+  p.compute_device = *compute < 0 ? "cpu" : absl::StrCat("cuda:", *compute);
+  const int64_t ranks = c.GetInt("memory.ranks");
+  std::vector<std::string> devices = absl::StrSplit(c.GetString("memory.devices"), ',');
+  if (devices.size() != 1 && static_cast<int64_t>(devices.size()) != ranks) {
+    return absl::InvalidArgumentError(absl::StrCat("memory.devices: ", devices.size(), " devices listed for ",
+                                                   ranks, " ranks (give one for all, or one per rank)"));
+  }
+  for (int64_t i = 0; i < ranks; ++i) {
+    std::string d(absl::StripAsciiWhitespace(devices[devices.size() == 1 ? 0 : static_cast<size_t>(i)]));
+    if (d == "auto") d = p.compute_device;
+    absl::StatusOr<int> idx = ResolveDevice(d, spec);
+    if (!idx.ok() || d == "auto") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("memory.devices: rank ", i, ": expected cpu, cuda, cuda:N or auto, got \"", d, "\""));
+    }
+    d = *idx < 0 ? "cpu" : absl::StrCat("cuda:", *idx);
+    if ((d == "cpu") != (p.compute_device == "cpu")) {
+      return absl::InvalidArgumentError(absl::StrCat("memory.devices: rank ", i, " on ", d,
+                                                     " but compute.device is ", p.compute_device,
+                                                     "; compute and memory ranks exchange activations in the "
+                                                     "backend's dtype (fp32 on cpu, bf16 on cuda), "
+                                                     "so put all ranks on the CPU or all on GPUs"));
+    }
+    p.memory_devices.push_back(d);
+    const int64_t base = c.GetInt("memory.base_port");
+    if (base != 0 && base + i > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("memory.base_port: ", base, " + rank ", i, " exceeds 65535"));
+    }
+    p.listen_addresses.push_back(absl::StrCat(c.GetString("memory.host"), ":", base == 0 ? 0 : base + i));
+  }
+  const int64_t batch = c.GetInt("scheduler.max_batch_size"),
+                tokens = c.GetInt("scheduler.max_tokens_per_step");
+  if (batch > tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("scheduler.max_tokens_per_step (", tokens,
+                                                   ") must be at least scheduler.max_batch_size (", batch,
+                                                   "): every decoding request needs one token per step"));
+  }
+  p.checksums = c.GetBool("transport.checksums");
+  p.run_dir = c.GetString("launch.run_dir");
+  p.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
+  p.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
+  return p;
+}
+
+namespace {
+
+absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPlan& plan,
+                      const LaunchOptions& o) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(plan.run_dir, ec);
+  if (ec)
+    return absl::InternalError(
+        absl::StrCat("launch.run_dir: cannot create ", plan.run_dir, ": ", ec.message()));
+  const std::string cfg = (fs::path(plan.run_dir) / "deploy.yaml").string();
+  RETURN_IF_ERROR(WriteFileAtomic(cfg, config.DumpYaml()));
+  auto path = [&](const std::string& name) { return (fs::path(plan.run_dir) / name).string(); };
+
+  std::vector<std::string> addresses;
+  for (size_t i = 0; i < plan.memory_devices.size(); ++i) {
+    const std::string name = absl::StrCat("memory-", i), ready = path(name + ".ready");
+    fs::remove(ready, ec);  // a stale file from an earlier run must not count as ready
+    fs::remove(path(name + ".log"), ec);
+    RETURN_IF_ERROR(group.Start(name,
+                                {o.tandem_binary, "memory", "--config", cfg, "--rank", std::to_string(i),
+                                 "--listen", plan.listen_addresses[i], "--device", plan.memory_devices[i],
+                                 "--ready-file", ready, "--log-level", o.log_level},
+                                path(name + ".log")));
+  }
+  for (size_t i = 0; i < plan.memory_devices.size(); ++i) {
+    const std::string name = absl::StrCat("memory-", i);
+    ASSIGN_OR_RETURN(std::string address, group.WaitReady(name, path(name + ".ready"), plan.startup_timeout));
+    addresses.emplace_back(absl::StripAsciiWhitespace(address));
+    std::fprintf(stderr, "tandem launch: %s listening on %s (%s)\n", name.c_str(), addresses.back().c_str(),
+                 plan.memory_devices[i].c_str());
+  }
+  const std::string ready = path("compute-0.ready");
+  fs::remove(ready, ec);
+  fs::remove(path("compute-0.log"), ec);
+  std::vector<std::string> argv = {
+      o.tandem_binary, "compute", "--config",    cfg,         "--memory", absl::StrJoin(addresses, ","),
+      "--ready-file",  ready,     "--log-level", o.log_level, "--device", plan.compute_device};
+  if (!o.requests_file.empty()) {
+    argv.insert(argv.end(), {"--requests", o.requests_file, "--results", o.results_file});
+  }
+  RETURN_IF_ERROR(group.Start("compute-0", argv, path("compute-0.log")));
+  ASSIGN_OR_RETURN(const std::string compute, group.WaitReady("compute-0", ready, plan.startup_timeout));
+  std::fprintf(stderr, "tandem launch: compute-0 ready on %s; %zu memory rank(s); logs in %s/\n",
+               std::string(absl::StripAsciiWhitespace(compute)).c_str(), addresses.size(),
+               plan.run_dir.c_str());
+  if (!o.requests_file.empty()) {
+    // Compute rank 0 runs the requests, says bye to the memory ranks and exits; they follow.
+    RETURN_IF_ERROR(group.WaitExit("compute-0"));
+    for (size_t i = 0; i < addresses.size(); ++i) RETURN_IF_ERROR(group.WaitExit(absl::StrCat("memory-", i)));
+    return absl::OkStatus();
+  }
+  std::fprintf(stderr, "tandem launch: running until Ctrl-C or SIGTERM\n");
+  return group.WaitAny();
+}
+
+}  // namespace
+
+absl::Status Launch(const Config& config, const DeployPlan& plan, const LaunchOptions& options) {
+  InstallTerminationSignals();
+  ProcessGroup group;
+  absl::Status st = LaunchIn(group, config, plan, options);
+  const bool interrupted = absl::IsCancelled(st) && TerminationSignal() != 0;
+  if (!st.ok() && !interrupted)
+    std::fprintf(stderr, "tandem launch: stopping the deployment: %s\n", std::string(st.message()).c_str());
+  const std::vector<std::string> killed = group.StopAll(absl::Seconds(10));
+  if (!killed.empty()) {
+    std::fprintf(stderr, "tandem launch: %s did not stop within 10 s of SIGTERM and was killed\n",
+                 absl::StrJoin(killed, ", ").c_str());
+  }
+  if (interrupted) {
+    std::fprintf(stderr, "tandem launch: stopped by signal %d; every rank has exited\n", TerminationSignal());
+    return options.requests_file.empty() ? absl::OkStatus() : st;
+  }
+  return st;
+}
+
+}  // namespace tandem

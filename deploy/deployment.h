@@ -1,0 +1,62 @@
+// A deployment on this host, from one YAML file (DESIGN.md, "Configuration"): the settings every
+// rank reads, and the launcher that starts compute rank 0 (with the controller) and the memory
+// ranks as separate processes, one log per rank, and brings them all down together.
+//
+//   model.path, model.weight_seed      checkpoint directory or preset, and a preset's weight seed
+//   compute.device                     cpu, cuda, cuda:N or auto
+//   memory.ranks, memory.devices       how many memory ranks, and their devices: one value for
+//                                      all ("auto": the compute rank's device) or a comma list
+//   memory.host, memory.base_port      where memory ranks listen (port 0: any free port)
+//   transport.kind, transport.checksums
+//   scheduler.*, kv.*                  as for the colocated engine (kv.* applies to each rank)
+//   launch.*                           run directory, time limits
+//
+// Launch order: memory ranks first (each writes its transport address to a ready file once it
+// listens), then compute rank 0 with those addresses; it loads the weights, sends every memory
+// rank a hello, and is ready when all have replied with their KV capacity. Any rank that exits
+// early brings the deployment down with a message naming it; Ctrl-C or SIGTERM stops every rank
+// and leaves no process behind.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/config.h"
+#include "common/model_spec.h"
+
+namespace tandem {
+
+// The deployment schema (the scheduler and kv knobs included).
+const ConfigSchema& DeploySchema();
+
+// A deployment's settings, resolved against the model and the visible devices.
+struct DeployPlan {
+  std::string model;
+  uint64_t weight_seed = 0;
+  std::string compute_device;                 // "cpu" or "cuda:N"
+  std::vector<std::string> memory_devices;    // per memory rank
+  std::vector<std::string> listen_addresses;  // per memory rank, host:port
+  bool checksums = true;
+  std::string run_dir;
+  absl::Duration startup_timeout, step_timeout;
+};
+// Errors name the YAML path ("memory.devices: 3 devices listed for 2 ranks").
+absl::StatusOr<DeployPlan> ResolveDeployment(const Config& config, const ModelSpec& spec);
+// "cpu" -> -1, "cuda" -> 0, "cuda:N" -> N (already resolved devices only).
+int DeviceIndex(const std::string& device);
+
+struct LaunchOptions {
+  std::string tandem_binary;  // the `tandem` executable the ranks run
+  std::string log_level = "info";
+  std::string requests_file;  // JSON lines for compute rank 0 to run; empty: serve until stopped
+  std::string results_file;   // where compute rank 0 writes the results
+};
+
+// Starts the deployment, runs it (until the requests are done, or until a signal) and stops it.
+// Progress goes to stderr. Writes the effective configuration to <run_dir>/deploy.yaml, which
+// the ranks read.
+absl::Status Launch(const Config& config, const DeployPlan& plan, const LaunchOptions& options);
+
+}  // namespace tandem

@@ -1,0 +1,102 @@
+// The processes of one deployment on this host, as the launcher sees them: started with their
+// output appended to one log file each, watched until they are ready, brought down together.
+//
+// Guarantees:
+//   * a child dies with the launcher (PR_SET_PDEATHSIG = SIGKILL, set before exec and re-checked
+//     against a race with the launcher's own death), so no rank outlives a killed launcher;
+//   * StopAll() sends SIGTERM to every child still running, waits up to `grace`, then SIGKILLs
+//     the rest and reaps all of them: nothing is left behind, not even a zombie;
+//   * a child that exits while the group is expected to be running is reported by name, with its
+//     exit status (or signal) and the last lines of its log.
+//
+// Termination signals: InstallTerminationSignals() makes SIGINT and SIGTERM set a flag (through a
+// self-pipe, async-signal-safe) instead of killing the launcher; every wait of this class returns
+// Cancelled ("interrupted by SIGINT") as soon as one arrives, so the caller can StopAll() and exit.
+//
+// Thread safety: none; one thread drives a ProcessGroup.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace tandem {
+
+// Routes SIGINT and SIGTERM to a flag that ProcessGroup waits observe. Idempotent.
+void InstallTerminationSignals();
+// The termination signal received so far (SIGINT or SIGTERM), or 0.
+int TerminationSignal();
+
+// Writes `content` to `path` atomically (a temporary file in the same directory, fsync, rename),
+// so a reader never sees a partial file. Used by ranks for their ready files.
+absl::Status WriteFileAtomic(const std::string& path, const std::string& content);
+
+class ProcessGroup {
+ public:
+  ProcessGroup() = default;
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+  // StopAll(absl::Seconds(5)) if anything still runs.
+  ~ProcessGroup();
+
+  // Starts argv[0] (a path; not searched in PATH) with `argv`, stdin from /dev/null, stdout and
+  // stderr appended to `log_path` (created, with parent directories). `name` ("memory-1") names
+  // the process in every message; names are unique. Errors: InvalidArgument (empty argv,
+  // duplicate name), or the errno of open/fork/exec (an exec failure is detected here, not later).
+  absl::Status Start(const std::string& name, const std::vector<std::string>& argv,
+                     const std::string& log_path);
+
+  // Waits until `ready_path` exists (it is written with WriteFileAtomic) and returns its content.
+  // Fails with Unavailable naming the process, its exit status and its log's last lines if the
+  // process `name` exits first; DeadlineExceeded after `timeout` (naming the process and the
+  // file); Cancelled on a termination signal.
+  absl::StatusOr<std::string> WaitReady(const std::string& name, const std::string& ready_path,
+                                        absl::Duration timeout);
+
+  // Waits until process `name` exits. OK if it exited with status 0. Otherwise (or if another
+  // process of the group exits first, with any status) Unavailable naming the process that exited:
+  //   "memory-1 (pid 4242) exited with status 3; last lines of logs/memory-1.log:\n..."
+  // or "... was killed by signal 9 (Killed) ...". Cancelled on a termination signal.
+  absl::Status WaitExit(const std::string& name);
+
+  // Waits until any process exits (reported as in WaitExit, even with status 0) or a termination
+  // signal arrives (Cancelled). For a deployment that runs until stopped.
+  absl::Status WaitAny();
+
+  // SIGTERM to every running process, up to `grace` for them to exit, then SIGKILL; reaps all.
+  // Returns the names of the processes that needed SIGKILL (for the launcher's message).
+  std::vector<std::string> StopAll(absl::Duration grace);
+
+  // pid of a started process (0 if unknown); whether it is still running (not yet reaped).
+  pid_t pid(const std::string& name) const;
+  bool running(const std::string& name) const;
+  // The last `n` lines of a process's log ("" if unreadable).
+  std::string LogTail(const std::string& name, int n = 20) const;
+
+ private:
+  struct Child {
+    std::string name;
+    pid_t pid = 0;
+    std::string log_path;
+    bool running = false;
+    int wait_status = 0;    // from waitpid, once reaped (-1: reaped by someone else, status unknown)
+    bool reported = false;  // its exit was returned by a wait (or it was stopped by StopAll)
+  };
+  Child* Find(const std::string& name);
+  const Child* Find(const std::string& name) const;
+  // waitpid(WNOHANG) on every running child; records the exits.
+  void ReapRunning();
+  // The first child that exited and whose exit no wait has returned yet, or null.
+  Child* FirstUnreportedExit();
+  // "<name> (pid N) exited with status 3<context>; last lines of <log>:\n<tail>".
+  std::string DescribeExit(const Child& child, const std::string& context) const;
+  std::vector<Child> children_;
+};
+
+}  // namespace tandem

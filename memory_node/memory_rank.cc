@@ -1,0 +1,250 @@
+#include "memory_node/memory_rank.h"
+
+#include <memory>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/layer_message.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "common/transport/transport.h"
+#include "common/wire.h"
+#include "memory_node/attention_executor.h"
+#include "memory_node/kv_table.h"
+
+namespace tandem {
+
+namespace {
+
+using transport::PeerId;
+using transport::Transport;
+
+constexpr uint32_t kQkvBuffer = 1;  // this rank's receive buffer for q,k,v rows
+constexpr absl::Duration kPoll = absl::Milliseconds(100);
+
+// Parses "cpu" -> -1, "cuda" -> 0, "cuda:N" -> N.
+absl::StatusOr<int> ParseDevice(const std::string& device) {
+  if (device == "cpu") return -1;
+  if (device == "cuda") return 0;
+  int index = 0;
+  if (device.rfind("cuda:", 0) == 0 && absl::SimpleAtoi(device.substr(5), &index) && index >= 0) return index;
+  return absl::InvalidArgumentError(
+      absl::StrCat("memory device: expected cpu, cuda or cuda:N, got \"", device, "\""));
+}
+
+class MemoryRank {
+ public:
+  explicit MemoryRank(const MemoryRankOptions& o) : o_(o) {}
+
+  absl::Status Run() {
+    ASSIGN_OR_RETURN(const int device, ParseDevice(o_.device));
+    ASSIGN_OR_RETURN(transport_, transport::CreateUcxTransport({.listen_address = o_.listen_address}));
+    TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, " listening on ", transport_->address(), " (device ",
+                    o_.device, ")");
+    if (o_.on_listening) RETURN_IF_ERROR(o_.on_listening(transport_->address()));
+    const absl::Time start_deadline = absl::Now() + o_.startup_timeout;
+    ASSIGN_OR_RETURN(peer_, WaitFor([&](absl::Time d) { return transport_->Accept(d); }, start_deadline,
+                                    "the compute rank to connect"));
+    std::vector<uint8_t> msg;
+    RETURN_IF_ERROR(ReceiveFromCompute(&msg, start_deadline, "the compute rank's hello"));
+    absl::Status st = Setup(msg, device);
+    if (!st.ok()) return Fail(st);
+    // Serve until bye, a signal or an error.
+    while (true) {
+      absl::Status r = ReceiveFromCompute(&msg, absl::InfiniteFuture(), "the next step plan");
+      if (absl::IsCancelled(r)) return absl::OkStatus();  // stop requested
+      RETURN_IF_ERROR(r);
+      ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
+      if (magic == kStepPlanMagic) {
+        absl::StatusOr<StepPlan> plan = DecodeStepPlan(msg);
+        st = plan.ok() ? RunStep(*plan) : plan.status();
+        if (!st.ok()) return Fail(st);
+      } else if (magic == kReleaseMagic) {
+        absl::StatusOr<ReleaseMessage> rel = DecodeRelease(msg);
+        if (!rel.ok()) return Fail(rel.status());
+        kv_->Release(rel->request_ids);
+      } else if (magic == kByeMagic) {
+        absl::StatusOr<ByeMessage> bye = DecodeBye(msg);
+        if (!bye.ok()) return Fail(bye.status());
+        TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, ": bye after ", bye->steps, " steps (", steps_,
+                        " with rows here)");
+        return absl::OkStatus();
+      } else if (magic == kErrorMagic) {
+        absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+        if (!err.ok()) return err.status();
+        return Annotate(StatusFromErrorMessage(*err), "the compute rank stopped");
+      } else {
+        return Fail(absl::InvalidArgumentError(
+            absl::StrCat("unexpected message (magic 0x", absl::Hex(magic), ") from the compute rank")));
+      }
+    }
+  }
+
+ private:
+  // Retries `wait` in short slices so that a stop request is noticed.
+  template <typename F>
+  auto WaitFor(F wait, absl::Time deadline, const std::string& what) -> decltype(wait(deadline)) {
+    while (true) {
+      if (o_.stop_requested && o_.stop_requested()) {
+        return absl::CancelledError(absl::StrCat("stopped while waiting for ", what));
+      }
+      const absl::Time slice = std::min(deadline, absl::Now() + kPoll);
+      auto r = wait(slice);
+      if (r.ok() || !absl::IsDeadlineExceeded(r.status()) || absl::Now() >= deadline) {
+        if (!r.ok() && absl::IsDeadlineExceeded(r.status())) {
+          return absl::DeadlineExceededError(
+              absl::StrCat("memory rank ", o_.rank, ": timed out waiting for ", what));
+        }
+        return r;
+      }
+    }
+  }
+
+  absl::Status ReceiveFromCompute(std::vector<uint8_t>* msg, absl::Time deadline, const std::string& what) {
+    PeerId from = 0;
+    absl::StatusOr<bool> r = WaitFor(
+        [&](absl::Time d) -> absl::StatusOr<bool> {
+          RETURN_IF_ERROR(transport_->Receive(&from, msg, d));
+          return true;
+        },
+        deadline, what);
+    if (!r.ok()) return r.status();
+    if (from != peer_) return absl::InvalidArgumentError("message from an unknown peer");
+    return absl::OkStatus();
+  }
+
+  // Tells the compute rank (if it can be reached) why this rank stops, and returns `st`.
+  absl::Status Fail(absl::Status st) {
+    st = Annotate(st, absl::StrCat("memory rank ", o_.rank));
+    if (transport_ && !absl::IsUnavailable(st)) {
+      const std::vector<uint8_t> frame = EncodeError(ErrorMessageFromStatus(st));
+      (void)transport_->Send(peer_, frame);
+      (void)transport_->Flush(absl::Now() + absl::Seconds(2));
+    }
+    return st;
+  }
+
+  absl::Status Setup(const std::vector<uint8_t>& msg, int device) {
+    ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
+    if (magic != kHelloMagic)
+      return absl::InvalidArgumentError("the compute rank's first message is not a hello");
+    ASSIGN_OR_RETURN(hello_, DecodeHello(msg));
+    if (hello_.memory_rank != o_.rank) {
+      return absl::InvalidArgumentError(absl::StrCat("hello addressed to memory rank ", hello_.memory_rank,
+                                                     " reached memory rank ", o_.rank));
+    }
+    shape_ = AttentionShape{.num_layers = hello_.num_layers,
+                            .num_heads = hello_.num_heads,
+                            .num_kv_heads = hello_.num_kv_heads,
+                            .head_dim = hello_.head_dim,
+                            .max_tokens = hello_.max_tokens_per_step,
+                            .max_requests = hello_.max_requests_per_step};
+    const KvPoolOptions kv{
+        .capacity_tokens = static_cast<int64_t>(hello_.kv_capacity_tokens),
+        .memory_fraction = hello_.kv_memory_fraction,
+        .max_useful_tokens = static_cast<int64_t>(hello_.max_requests_per_step) * hello_.max_position};
+    if (device < 0) {
+      ASSIGN_OR_RETURN(exec_, CreateCpuAttentionExecutor(shape_, kv));
+    } else {
+      ASSIGN_OR_RETURN(exec_, CreateCudaAttentionExecutor(shape_, kv, device, nullptr));
+    }
+    if (exec_->dtype() != hello_.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the compute rank sends ", std::string(DTypeName(hello_.dtype)), " activations but memory rank ",
+          o_.rank, " computes in ", std::string(DTypeName(exec_->dtype())), " on ", exec_->device(),
+          "; put both roles on the same kind of device"));
+    }
+    kv_ = std::make_unique<KvTable>(exec_->kv_capacity());
+    elem_ = DTypeSize(exec_->dtype());
+    const size_t qkv_bytes = static_cast<size_t>(shape_.max_tokens * shape_.qkv_width()) * elem_;
+    const size_t out_bytes = static_cast<size_t>(shape_.max_tokens * shape_.q_dim()) * elem_;
+    recv_bytes_ = kLayerMessageHeaderFrameBytes + qkv_bytes;
+    ASSIGN_OR_RETURN(recv_, exec_->Allocate(recv_bytes_, true));
+    ASSIGN_OR_RETURN(send_, exec_->Allocate(out_bytes, true));
+    if (!exec_->host_memory()) {
+      ASSIGN_OR_RETURN(qkv_dev_, exec_->Allocate(qkv_bytes, false));
+      ASSIGN_OR_RETURN(out_dev_, exec_->Allocate(out_bytes, false));
+    }
+    RETURN_IF_ERROR(transport_->RegisterBuffer(kQkvBuffer, recv_.get(), recv_bytes_));
+    HelloReplyMessage reply;
+    reply.memory_rank = static_cast<uint16_t>(o_.rank);
+    reply.dtype = exec_->dtype();
+    reply.kv_capacity_tokens = static_cast<uint64_t>(exec_->kv_capacity());
+    reply.qkv_buffer = kQkvBuffer;
+    reply.device = exec_->device().substr(0, 256);
+    RETURN_IF_ERROR(transport_->Send(peer_, EncodeHelloReply(reply)));
+    TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, ": ", shape_.num_layers, " layers, ", shape_.num_heads,
+                    "/", shape_.num_kv_heads, " heads of ", shape_.head_dim, "; KV ", exec_->kv_capacity(),
+                    " tokens on ", exec_->device());
+    return absl::OkStatus();
+  }
+
+  absl::Status RunStep(const StepPlan& plan) {
+    RETURN_IF_ERROR(kv_->Apply(plan, static_cast<uint16_t>(o_.rank), &batch_));
+    const int64_t t = batch_.num_tokens();
+    if (t == 0) return absl::OkStatus();
+    ++steps_;
+    RETURN_IF_ERROR(exec_->BeginStep(batch_));
+    const uint32_t qkv_row = static_cast<uint32_t>(shape_.qkv_width() * static_cast<int64_t>(elem_));
+    const uint32_t out_row = static_cast<uint32_t>(shape_.q_dim() * static_cast<int64_t>(elem_));
+    const size_t out_bytes = static_cast<size_t>(t) * out_row;
+    for (uint32_t layer = 0; layer < static_cast<uint32_t>(shape_.num_layers); ++layer) {
+      ++seqno_;
+      const LayerMessageExpect in{.step_id = plan.step_id,
+                                  .layer = layer,
+                                  .kind = LayerMessageKind::kQkv,
+                                  .dtype = exec_->dtype(),
+                                  .rows = static_cast<uint32_t>(t),
+                                  .row_bytes = qkv_row,
+                                  .seqno = seqno_,
+                                  .verify_checksum = hello_.checksums};
+      absl::StatusOr<bool> got = WaitFor(
+          [&](absl::Time d) -> absl::StatusOr<bool> {
+            RETURN_IF_ERROR(transport_->WaitDoorbell(kQkvBuffer, seqno_, d));
+            return true;
+          },
+          absl::Now() + o_.step_timeout, absl::StrCat("q,k,v of step ", plan.step_id, " layer ", layer));
+      RETURN_IF_ERROR(got.status());
+      ASSIGN_OR_RETURN(absl::Span<const uint8_t> payload,
+                       ReadLayerMessage({static_cast<const uint8_t*>(recv_.get()), recv_bytes_}, in));
+      void* out = send_.get();
+      if (exec_->host_memory()) {
+        RETURN_IF_ERROR(exec_->Layer(layer, payload.data(), out));
+      } else {
+        RETURN_IF_ERROR(exec_->CopyIn(qkv_dev_.get(), payload.data(), payload.size()));
+        RETURN_IF_ERROR(exec_->Layer(layer, qkv_dev_.get(), out_dev_.get()));
+        RETURN_IF_ERROR(exec_->CopyOut(out, out_dev_.get(), out_bytes));
+        RETURN_IF_ERROR(exec_->Synchronize());
+      }
+      LayerMessageExpect reply = in;
+      reply.kind = LayerMessageKind::kAttnOut;
+      reply.row_bytes = out_row;
+      const absl::Span<const uint8_t> body(static_cast<const uint8_t*>(out), out_bytes);
+      const std::vector<uint8_t> header = MakeLayerMessageHeader(reply, body, hello_.checksums);
+      const absl::Span<const uint8_t> pieces[] = {header, body};
+      RETURN_IF_ERROR(transport_->Write(peer_, hello_.attn_out_buffer, 0, pieces, seqno_));
+    }
+    return absl::OkStatus();
+  }
+
+  MemoryRankOptions o_;
+  std::unique_ptr<Transport> transport_;
+  PeerId peer_ = 0;
+  HelloMessage hello_;
+  AttentionShape shape_;
+  std::unique_ptr<AttentionExecutor> exec_;
+  std::unique_ptr<KvTable> kv_;
+  AttentionBatch batch_;
+  size_t elem_ = 4, recv_bytes_ = 0;
+  BackendBuffer recv_{nullptr, nullptr}, send_{nullptr, nullptr}, qkv_dev_{nullptr, nullptr},
+      out_dev_{nullptr, nullptr};
+  uint64_t seqno_ = 0;
+  int64_t steps_ = 0;
+};
+
+}  // namespace
+
+absl::Status RunMemoryRank(const MemoryRankOptions& options) { return MemoryRank(options).Run(); }
+
+}  // namespace tandem

@@ -1,0 +1,41 @@
+// `tandem memory`: one memory rank as a process (DESIGN.md, "Processes"). It owns a KV pool on one
+// device and runs attention for the requests the controller placed on it.
+//
+// Life of a memory rank:
+//   1. listen (transport address reported through on_listening, which writes the ready file);
+//   2. accept the compute rank; its hello gives the model's attention shape, the step limits,
+//      the wire dtype and how to size the KV pool; the rank sizes its pool from the device memory
+//      it is given (kv.memory_fraction of what is free then, or kv.capacity_tokens) and replies
+//      with its capacity and the id of its q,k,v receive buffer;
+//   3. serve: per step plan, place the step's rows of its requests in KV slots (KvTable) and, per
+//      layer, wait for the q,k,v rows, append K and V, run attention and write the output back;
+//      release messages free the KV of requests that ended; bye ends the rank cleanly.
+// CUDA ranks stage q,k,v and outputs through pinned host buffers (the GPU transports remove that
+// copy). Every wait has a deadline; a malformed or unexpected frame, a peer that disappears or a
+// deadline that passes ends the rank with an error naming it (the compute rank is told first when
+// it can still be reached).
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace tandem {
+
+struct MemoryRankOptions {
+  int rank = 0;                                        // index in the deployment (for messages)
+  std::string listen_address = "127.0.0.1:0";          // host:port; port 0 picks a free one
+  std::string device = "cpu";                          // cpu or cuda:N
+  absl::Duration startup_timeout = absl::Minutes(10);  // to accept the compute rank and get its hello
+  absl::Duration step_timeout = absl::Minutes(2);      // between messages within a step
+  // Called once the rank listens, with its transport address.
+  std::function<absl::Status(const std::string& address)> on_listening;
+  // Polled while idle; true ends the rank (OK status).
+  std::function<bool()> stop_requested;
+};
+
+absl::Status RunMemoryRank(const MemoryRankOptions& options);
+
+}  // namespace tandem
