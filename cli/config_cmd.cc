@@ -1,14 +1,17 @@
-// `tandem config`: explain and check configuration files.
+// `tandem config`: explain and check configuration files (the colocated engine's, or with
+// --deploy a deployment's).
 #include <iostream>
 
+#include "absl/strings/str_join.h"
 #include "cli/commands.h"
 #include "colocated/engine.h"
 #include "common/config.h"
+#include "deploy/deployment.h"
 
 namespace tandem::cli {
 
 namespace {
-const ConfigSchema& Schema() {
+const ConfigSchema& EngineConfigSchema() {
   static const ConfigSchema* schema = [] {
     auto* s = new ConfigSchema();
     AddEngineKnobs(s);
@@ -21,19 +24,36 @@ const ConfigSchema& Schema() {
 void AddConfigCommand(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("config", "Explain and check configuration files");
   cmd->require_subcommand(1);
-  cmd->add_subcommand("help", "List every setting with its type, default and meaning")->callback([] {
-    std::cout << Schema().HelpText();
-  });
+  auto help_deploy = std::make_shared<bool>(false);
+  CLI::App* help = cmd->add_subcommand("help", "List every setting with its type, default and meaning");
+  help->add_flag("--deploy", *help_deploy,
+                 "the settings of a deployment YAML (tandem launch, generate --deploy)");
+  help->callback(
+      [help_deploy] { std::cout << (*help_deploy ? DeploySchema() : EngineConfigSchema()).HelpText(); });
   auto file = std::make_shared<std::string>();
   auto sets = std::make_shared<std::vector<std::string>>();
-  CLI::App* check = cmd->add_subcommand(
-      "check", "Validate a YAML file (and --set overrides) and print the effective configuration");
+  auto deploy = std::make_shared<bool>(false);
+  CLI::App* check = cmd->add_subcommand("check",
+                                        "Validate a YAML file (and --set overrides) and print the effective "
+                                        "configuration; with --deploy, also the "
+                                        "resolved topology (devices and addresses of every rank)");
   check->add_option("file", *file, "YAML configuration file")->required();
   check->add_option("--set", *sets, "override a setting, e.g. --set kv.capacity_tokens=4096 (repeatable)");
-  check->callback([file, sets] {
-    absl::StatusOr<Config> config = LoadConfigFile(Schema(), *file, *sets);
+  check->add_flag("--deploy", *deploy, "the file is a deployment (tandem launch, generate --deploy)");
+  check->callback([file, sets, deploy] {
+    absl::StatusOr<Config> config =
+        LoadConfigFile(*deploy ? DeploySchema() : EngineConfigSchema(), *file, *sets);
     if (!config.ok()) Fail("config check", config.status());
     std::cout << config->DumpYaml();
+    if (!*deploy) return;
+    absl::StatusOr<DeployPlan> plan = PlanDeployment(*config);
+    if (!plan.ok()) Fail("config check", plan.status());
+    std::cout << "# topology (this host):\n#   compute-0: " << plan->compute_device << " (controller, model "
+              << plan->model << ")\n";
+    for (size_t i = 0; i < plan->memory_devices.size(); ++i) {
+      std::cout << "#   memory-" << i << ": " << plan->memory_devices[i] << ", listening on "
+                << plan->listen_addresses[i] << "\n";
+    }
   });
 }
 

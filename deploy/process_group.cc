@@ -444,6 +444,10 @@ absl::Status ProcessGroup::WaitExit(const std::string& name) {
     }
     if (Child* other = FirstUnreportedExit(); other != nullptr) {
       other->reported = true;
+      // A clean exit of another process is not a failure here (a memory rank told to stop by the
+      // compute rank may exit before it); a failure is.
+      const int st = other->wait_status;
+      if (st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0) continue;
       return absl::UnavailableError(
           DescribeExit(*other, absl::StrCat(" while waiting for ", name, " to exit")));
     }

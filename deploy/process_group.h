@@ -60,7 +60,8 @@ class ProcessGroup {
                                         absl::Duration timeout);
 
   // Waits until process `name` exits. OK if it exited with status 0. Otherwise (or if another
-  // process of the group exits first, with any status) Unavailable naming the process that exited:
+  // process of the group fails first: a non-zero status or a signal; another process exiting
+  // with status 0 meanwhile is not an error) Unavailable naming the process that exited:
   //   "memory-1 (pid 4242) exited with status 3; last lines of logs/memory-1.log:\n..."
   // or "... was killed by signal 9 (Killed) ...". Cancelled on a termination signal.
   absl::Status WaitExit(const std::string& name);

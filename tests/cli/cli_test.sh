@@ -120,5 +120,46 @@ expect_ok "$TANDEM" generate --model tiny-mha --prompt-ids 1,2 --max-tokens 2 --
 expect_ok "$TANDEM" config help
 grep -q "scheduler.max_tokens_per_step" "$TMP/out" || bad "config help lacks a knob"
 
+# --- disaggregated deployments: real rank processes on this host ---------------------------------
+cd "$TMP" || exit 1
+printf 'model:\n  path: %s\ncompute:\n  device: cpu\nmemory:\n  ranks: 2\n  devices: cpu\nscheduler:\n  max_batch_size: 4\n  max_tokens_per_step: 24\nkv:\n  capacity_tokens: 4096\nlaunch:\n  run_dir: %s/run\n  step_timeout_s: 20\n' \
+  "$REF" "$TMP" >"$TMP/deploy.yaml"
+# Same requests, same JSON through a deployment (compute rank 0 + 2 memory ranks) as colocated.
+expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs
+cp "$TMP/out" "$TMP/deployed.json"
+grep -q "disaggregated" "$TMP/err" || bad "generate --deploy does not say it ran disaggregated"
+for r in memory-0 memory-1 compute-0; do [ -s "$TMP/run/$r.log" ] || bad "no log for $r"; done
+expect_ok "$TANDEM" generate --model "$REF" --device cpu --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs \
+  --set scheduler.max_batch_size=4 --set scheduler.max_tokens_per_step=24
+cmp -s "$TMP/out" "$TMP/deployed.json" || bad "generate --deploy differs from colocated: $(diff "$TMP/out" "$TMP/deployed.json" | head -5)"
+expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml"
+grep -q "memory-1: cpu" "$TMP/out" || bad "config check --deploy does not print the topology"
+expect_ok "$TANDEM" config help --deploy
+grep -q "memory.ranks" "$TMP/out" || bad "config help --deploy lacks memory.ranks"
+expect_fail "memory.devices: 3 devices listed for 2 ranks" "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompt-ids 1 --set memory.devices=cpu,cpu,cpu
+expect_fail "unknown key 'memory.rank'" "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompt-ids 1 --set memory.rank=2
+expect_fail "exceeds the model's context" "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompt-ids 1 --max-tokens 100000
+pgrep -f "$TMP/run/deploy.yaml" >/dev/null && bad "rank processes left behind after generate --deploy"
+
+# tandem launch: ready, then SIGTERM stops every rank and exits 0, leaving no process behind.
+"$TANDEM" launch "$TMP/deploy.yaml" >"$TMP/launch.out" 2>&1 &
+lpid=$!
+for _ in $(seq 1 200); do grep -q "running until" "$TMP/launch.out" && break; sleep 0.1; done
+grep -q "running until" "$TMP/launch.out" || bad "launch did not become ready: $(cat "$TMP/launch.out")"
+kill -TERM $lpid; wait $lpid; rc=$?
+[ $rc -eq 0 ] || bad "launch exited $rc after SIGTERM: $(tail -3 "$TMP/launch.out")"
+pgrep -f "$TMP/run/deploy.yaml" >/dev/null && bad "rank processes left behind after SIGTERM"
+# A memory rank that dies brings the deployment down with a message naming it.
+"$TANDEM" launch "$TMP/deploy.yaml" >"$TMP/launch.out" 2>&1 &
+lpid=$!
+for _ in $(seq 1 200); do grep -q "running until" "$TMP/launch.out" && break; sleep 0.1; done
+pkill -KILL -f -- "--rank 1 .*$TMP/run" || pkill -KILL -f "memory --config $TMP/run/deploy.yaml --rank 1"
+wait $lpid; rc=$?
+[ $rc -ne 0 ] || bad "launch exited 0 after a memory rank was killed"
+grep -q "memory-1 (pid [0-9]*) was killed by signal 9" "$TMP/launch.out" || bad "launch does not name the dead rank: $(tail -3 "$TMP/launch.out")"
+sleep 0.5
+pgrep -f "$TMP/run/deploy.yaml" >/dev/null && bad "rank processes left behind after a rank died"
+cd "$SRC" || exit 1
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -152,6 +152,14 @@ TEST_F(ProcessGroupTest, WaitExitReportsAnotherProcessThatDiesFirst) {
   EXPECT_TRUE(g.running("compute"));
 }
 
+TEST_F(ProcessGroupTest, WaitExitToleratesAnotherCleanExit) {
+  ProcessGroup g;
+  ASSERT_TRUE(g.Start("compute", Sh("sleep 0.3; exit 0"), Log("compute")).ok());
+  ASSERT_TRUE(g.Start("memory-0", Sh("exit 0"), Log("memory-0")).ok());
+  EXPECT_TRUE(g.WaitExit("compute").ok());
+  EXPECT_TRUE(g.WaitExit("memory-0").ok());
+}
+
 TEST_F(ProcessGroupTest, KilledBySignalIsNamed) {
   ProcessGroup g;
   ASSERT_TRUE(g.Start("victim", Sh("echo before-death; kill -9 $$"), Log("victim")).ok());

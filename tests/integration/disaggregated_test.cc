@@ -1,0 +1,500 @@
+// The disaggregated runtime as it is deployed: memory ranks are real `tandem memory` processes
+// (started with ProcessGroup, each in a fresh temporary directory for its log and ready file),
+// compute rank 0 with the controller runs in this process and reaches them over UCX on loopback.
+//
+// What must hold:
+//   * the same requests on the same arrival schedule give the same tokens, finish reasons and
+//     log-probabilities (within 1e-4) as the colocated engine, with 1, 2 or 3 memory ranks;
+//   * a full KV cache makes requests wait, never drops one; a request that can never fit is
+//     refused at Submit and the deployment keeps working;
+//   * the transformers reference data is met through a deployment as it is by the engine;
+//   * a memory rank that dies, or an address where nothing listens, fails with a status that
+//     says so within the configured timeouts instead of hanging.
+//
+// Needs TANDEM_BINARY (the tandem executable) and TANDEM_SOURCE_DIR, both set by ctest.
+#include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <random>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "colocated/engine.h"
+#include "compute_node/compute_rank.h"
+#include "compute_node/weights.h"
+#include "deploy/process_group.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace tandem {
+namespace {
+
+constexpr double kSameLogprobTol = 1e-4;  // deployment vs colocated engine (usually bit-identical)
+// vs transformers on the CPU backend, as tests/reference/hf_reference_test.cc.
+constexpr double kHfGapFloor = 1e-3, kHfLogprobTol = 1e-3;
+
+std::string SourceDir() {
+  const char* src = std::getenv("TANDEM_SOURCE_DIR");
+  return src ? src : ".";
+}
+std::string ModelDir(const std::string& model) { return SourceDir() + "/tests/data/reference/" + model; }
+
+std::unique_ptr<WeightSource> OpenReference(const std::string& model) {
+  absl::StatusOr<std::unique_ptr<WeightSource>> source = OpenModel(ModelDir(model));
+  EXPECT_TRUE(source.ok()) << source.status();
+  return source.ok() ? std::move(*source) : nullptr;
+}
+
+double Seconds(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+}
+
+// A request and the step after which it is submitted (0: before the first step).
+struct Arrival {
+  int64_t after_step = 0;
+  GenerationRequest request;
+};
+
+GenerationRequest MakeRequest(std::mt19937& rng, int64_t vocab, int64_t prompt_len, int64_t max_tokens,
+                              bool sampled, uint64_t seed) {
+  GenerationRequest r;
+  std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(vocab - 1));
+  for (int64_t i = 0; i < prompt_len; ++i) r.prompt.push_back(id(rng));
+  r.max_tokens = max_tokens;
+  if (sampled) r.sampling = {.temperature = 0.8f, .top_k = 40, .top_p = 0.9f, .seed = seed};
+  return r;
+}
+
+// Submits each arrival after its step and steps until every request finished; the same schedule
+// for the colocated engine and a compute rank (both have Submit and Step). `after_step` is called
+// after every step. Results in arrival order (ids are assigned in submission order).
+template <typename Runner, typename Observer>
+std::vector<GenerationResult> RunSchedule(Runner& runner, const std::vector<Arrival>& arrivals,
+                                          Observer after_step) {
+  std::vector<GenerationResult> results(arrivals.size());
+  size_t submitted = 0, finished_count = 0;
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  for (int64_t step = 0; finished_count < arrivals.size(); ++step) {
+    if (step > 10000) {
+      ADD_FAILURE() << "schedule did not finish in 10000 steps";
+      return {};
+    }
+    while (submitted < arrivals.size() && arrivals[submitted].after_step <= step) {
+      absl::StatusOr<int64_t> id = runner.Submit(arrivals[submitted].request);
+      if (!id.ok()) {
+        ADD_FAILURE() << "request " << submitted << ": " << id.status();
+        return {};
+      }
+      EXPECT_EQ(*id, static_cast<int64_t>(submitted));
+      ++submitted;
+    }
+    finished.clear();
+    const absl::Status st = runner.Step(&finished);
+    if (!st.ok()) {
+      ADD_FAILURE() << "step " << step << ": " << st;
+      return {};
+    }
+    for (auto& [id, result] : finished) {
+      results[static_cast<size_t>(id)] = std::move(result);
+      ++finished_count;
+    }
+    after_step();
+  }
+  return results;
+}
+
+void ExpectSameResults(const std::vector<GenerationResult>& got, const std::vector<GenerationResult>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "request " << i);
+    EXPECT_EQ(got[i].token_ids, want[i].token_ids);
+    EXPECT_EQ(got[i].finish_reason, want[i].finish_reason);
+    EXPECT_EQ(got[i].prompt_tokens, want[i].prompt_tokens);
+    ASSERT_EQ(got[i].logprobs.size(), want[i].logprobs.size());
+    for (size_t t = 0; t < got[i].logprobs.size(); ++t) {
+      EXPECT_NEAR(got[i].logprobs[t], want[i].logprobs[t], kSameLogprobTol) << "position " << t;
+    }
+  }
+}
+
+// Memory ranks as processes and compute rank 0 in this process. TearDown says bye and expects
+// every memory rank to exit 0 within a bound (pidfds, so a missed bye fails instead of hanging),
+// then stops whatever is left.
+class DisaggregatedTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = ::testing::TempDir() + "tandem-disaggregated-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr) << "mkdtemp " << tmpl;
+    dir_ = tmpl;
+    std::ofstream(dir_ + "/deploy.yaml") << "launch:\n  startup_timeout_s: 60\n  step_timeout_s: 20\n";
+  }
+
+  void TearDown() override {
+    if (rank_) {
+      (void)rank_->Shutdown();
+      rank_.reset();
+    }
+    if (expect_clean_exit_) {
+      const absl::Time deadline = absl::Now() + absl::Seconds(20);
+      for (size_t m = 0; m < names_.size(); ++m) {
+        pollfd p{.fd = pidfds_[m], .events = POLLIN, .revents = 0};
+        const int ms = static_cast<int>(std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now())));
+        if (poll(&p, 1, ms) != 1) {
+          ADD_FAILURE() << names_[m] << " did not exit within 20 s of the bye; log:\n" << group_.LogTail(names_[m]);
+          continue;
+        }
+        EXPECT_TRUE(group_.WaitExit(names_[m]).ok()) << names_[m] << " did not exit cleanly";
+      }
+    }
+    const std::vector<std::string> killed = group_.StopAll(absl::Seconds(5));
+    if (expect_clean_exit_) EXPECT_TRUE(killed.empty()) << absl::StrJoin(killed, ", ") << " needed SIGKILL";
+    for (int fd : pidfds_) close(fd);
+    if (HasFailure()) {
+      for (const std::string& name : names_) {
+        std::printf("--- %s log (in %s):\n%s\n", name.c_str(), dir_.c_str(), group_.LogTail(name, 40).c_str());
+      }
+    } else if (!dir_.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(dir_, ec);
+    }
+  }
+
+  // Starts `n` memory ranks and waits until each listens; their addresses go to addresses_.
+  void StartMemoryRanks(int n) {
+    const char* binary = std::getenv("TANDEM_BINARY");
+    ASSERT_NE(binary, nullptr) << "TANDEM_BINARY must name the tandem executable (ctest sets it)";
+    for (int m = 0; m < n; ++m) {
+      const std::string name = absl::StrCat("memory-", m);
+      const std::string ready = absl::StrCat(dir_, "/", name, ".ready");
+      ASSERT_TRUE(group_
+                      .Start(name,
+                             {binary, "memory", "--config", dir_ + "/deploy.yaml", "--rank", std::to_string(m),
+                              "--listen", "127.0.0.1:0", "--device", "cpu", "--ready-file", ready},
+                             absl::StrCat(dir_, "/", name, ".log"))
+                      .ok());
+      const int fd = static_cast<int>(syscall(SYS_pidfd_open, group_.pid(name), 0));
+      ASSERT_GE(fd, 0) << "pidfd_open: " << std::strerror(errno);
+      names_.push_back(name);
+      pidfds_.push_back(fd);
+    }
+    for (const std::string& name : names_) {
+      absl::StatusOr<std::string> address =
+          group_.WaitReady(name, absl::StrCat(dir_, "/", name, ".ready"), absl::Seconds(60));
+      ASSERT_TRUE(address.ok()) << address.status();
+      while (!address->empty() && (address->back() == '\n' || address->back() == '\r')) address->pop_back();
+      ASSERT_FALSE(address->empty()) << name << " wrote an empty ready file";
+      addresses_.push_back(*address);
+    }
+  }
+
+  static ComputeRankOptions Options(int64_t max_batch_size, int64_t max_tokens_per_step, int64_t kv_capacity) {
+    ComputeRankOptions o;
+    o.device = -1;
+    o.scheduler.max_batch_size = max_batch_size;
+    o.scheduler.max_tokens_per_step = max_tokens_per_step;
+    o.kv_capacity_tokens = kv_capacity;
+    o.startup_timeout = absl::Seconds(60);
+    o.step_timeout = absl::Seconds(20);
+    return o;
+  }
+
+  // StartMemoryRanks(n), then compute rank 0 connected to them.
+  void StartDeployment(const WeightSource& source, int n, ComputeRankOptions options) {
+    ASSERT_NO_FATAL_FAILURE(StartMemoryRanks(n));
+    options.memory_addresses = addresses_;
+    absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(source, options);
+    ASSERT_TRUE(rank.ok()) << rank.status();
+    rank_ = std::move(*rank);
+    ASSERT_EQ(rank_->controller().num_memory_ranks(), n);
+  }
+
+  std::unique_ptr<ColocatedEngine> Engine(const WeightSource& source, int64_t max_batch_size,
+                                          int64_t max_tokens_per_step) {
+    EngineOptions o;
+    o.device = "cpu";
+    o.max_batch_size = max_batch_size;
+    o.max_tokens_per_step = max_tokens_per_step;
+    o.kv_capacity_tokens = 8192;
+    absl::StatusOr<std::unique_ptr<ColocatedEngine>> engine = ColocatedEngine::Create(source, o);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return engine.ok() ? std::move(*engine) : nullptr;
+  }
+
+  std::string dir_;
+  ProcessGroup group_;
+  std::vector<std::string> names_, addresses_;
+  std::vector<int> pidfds_;
+  std::unique_ptr<ComputeRank> rank_;
+  bool expect_clean_exit_ = true;
+};
+
+// ---------------------------------------------------------------------------------------------
+// 1. A mixed batch with staggered arrivals equals the colocated engine.
+
+class MixedBatch : public DisaggregatedTest,
+                   public ::testing::WithParamInterface<std::tuple<std::string, int>> {};
+
+TEST_P(MixedBatch, EqualsColocated) {
+  const auto& [model, n] = GetParam();
+  std::unique_ptr<WeightSource> source = OpenReference(model);
+  ASSERT_NE(source, nullptr);
+  constexpr int64_t kBatch = 8, kStepTokens = 24;  // prompts are prefilled in chunks beside decodes
+
+  // Prompt lengths 1..60, some requests done after 1-3 tokens, half sampled; arrivals staggered.
+  struct Shape {
+    int64_t prompt, max_tokens, after_step;
+  };
+  const Shape shapes[] = {{1, 16, 0}, {60, 2, 0}, {7, 20, 0},  {33, 1, 2},
+                          {3, 14, 2}, {45, 3, 5}, {12, 18, 8}, {20, 12, 11}};
+  std::mt19937 rng(1234);
+  std::vector<Arrival> arrivals;
+  for (size_t i = 0; i < std::size(shapes); ++i) {
+    arrivals.push_back({shapes[i].after_step, MakeRequest(rng, source->spec().vocab_size, shapes[i].prompt,
+                                                          shapes[i].max_tokens, i % 2 == 1, 100 + i)});
+  }
+
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, kBatch, kStepTokens);
+  ASSERT_NE(engine, nullptr);
+  const std::vector<GenerationResult> want = RunSchedule(*engine, arrivals, [] {});
+  ASSERT_FALSE(HasFailure());
+
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, n, Options(kBatch, kStepTokens, 4096)));
+  int most_ranks_in_use = 0;
+  const std::vector<GenerationResult> got = RunSchedule(*rank_, arrivals, [&] {
+    int in_use = 0;
+    for (int m = 0; m < n; ++m) in_use += rank_->controller().kv_reserved(m) > 0 ? 1 : 0;
+    most_ranks_in_use = std::max(most_ranks_in_use, in_use);
+  });
+  ASSERT_FALSE(HasFailure());
+  ExpectSameResults(got, want);
+  EXPECT_EQ(most_ranks_in_use, n) << "requests were not spread over every memory rank";
+  EXPECT_EQ(rank_->stats().steps, engine->stats().steps);
+}
+
+INSTANTIATE_TEST_SUITE_P(ModelsAndRanks, MixedBatch,
+                         ::testing::Combine(::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim"),
+                                            ::testing::Values(1, 2, 3)),
+                         [](const auto& info) {
+                           std::string s = absl::StrCat(std::get<0>(info.param), "_", std::get<1>(info.param),
+                                                        "_memory_ranks");
+                           std::replace(s.begin(), s.end(), '-', '_');
+                           return s;
+                         });
+
+// ---------------------------------------------------------------------------------------------
+// 2. KV full: requests wait for KV and none is dropped.
+
+TEST_F(DisaggregatedTest, FullKvMakesRequestsWaitAndDropsNone) {
+  std::unique_ptr<WeightSource> source = OpenReference("llama3-gqa-tied");
+  ASSERT_NE(source, nullptr);
+  constexpr int64_t kBatch = 8, kStepTokens = 24, kKv = 96;  // per rank: two of these at most
+  const int64_t shapes[][2] = {{30, 16}, {25, 20}, {40, 12}, {35, 18}, {20, 20}, {28, 14}, {38, 16}};
+  std::mt19937 rng(99);
+  std::vector<Arrival> arrivals;
+  for (size_t i = 0; i < std::size(shapes); ++i) {
+    arrivals.push_back(
+        {0, MakeRequest(rng, source->spec().vocab_size, shapes[i][0], shapes[i][1], i % 2 == 0, 7 + i)});
+  }
+
+  // The reference: each request alone.
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, kBatch, kStepTokens);
+  ASSERT_NE(engine, nullptr);
+  std::vector<GenerationResult> want;
+  for (const Arrival& a : arrivals) {
+    absl::StatusOr<std::vector<GenerationResult>> r = engine->GenerateAll({a.request});
+    ASSERT_TRUE(r.ok()) << r.status();
+    want.push_back((*r)[0]);
+  }
+
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, Options(kBatch, kStepTokens, kKv)));
+  bool waited_while_running = false;
+  int64_t most_running = 0;
+  const std::vector<GenerationResult> got = RunSchedule(*rank_, arrivals, [&] {
+    const Controller& c = rank_->controller();
+    if (c.num_waiting() > 0 && c.num_running() > 0) waited_while_running = true;
+    most_running = std::max(most_running, c.num_running());
+    for (int m = 0; m < 2; ++m) EXPECT_LE(c.kv_reserved(m), kKv);
+  });
+  ASSERT_FALSE(HasFailure());
+  ExpectSameResults(got, want);
+  EXPECT_TRUE(waited_while_running);
+  EXPECT_LE(most_running, 4);
+  EXPECT_GE(most_running, 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. A request that fits on no memory rank is refused; the deployment keeps working.
+
+TEST_F(DisaggregatedTest, RequestThatFitsNowhereIsRefused) {
+  std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
+  ASSERT_NE(source, nullptr);
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, Options(8, 24, 96)));
+  std::mt19937 rng(5);
+  const absl::StatusOr<int64_t> refused =
+      rank_->Submit(MakeRequest(rng, source->spec().vocab_size, 50, 60, false, 0));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("110"), std::string::npos) << refused.status();
+  EXPECT_NE(refused.status().message().find("96"), std::string::npos) << refused.status();
+  EXPECT_TRUE(rank_->controller().Idle());
+
+  const GenerationRequest ok = MakeRequest(rng, source->spec().vocab_size, 10, 8, true, 3);
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, 8, 24);
+  ASSERT_NE(engine, nullptr);
+  absl::StatusOr<std::vector<GenerationResult>> want = engine->GenerateAll({ok});
+  ASSERT_TRUE(want.ok()) << want.status();
+  absl::StatusOr<std::vector<GenerationResult>> got = rank_->GenerateAll({ok});
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectSameResults(*got, *want);
+  EXPECT_FALSE((*got)[0].token_ids.empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. The transformers reference through a deployment of two memory ranks.
+
+struct HfCase {
+  std::vector<int32_t> prompt, tokens;
+  std::vector<double> logprobs, gaps;
+};
+
+std::vector<HfCase> LoadHfCases(const std::string& model) {
+  std::ifstream in(ModelDir(model) + "/reference.json");
+  EXPECT_TRUE(in.good()) << "missing " << ModelDir(model) << "/reference.json";
+  if (!in.good()) return {};
+  const nlohmann::json j = nlohmann::json::parse(in);
+  std::vector<HfCase> cases;
+  for (const auto& c : j.at("cases")) {
+    cases.push_back({c.at("prompt_ids").get<std::vector<int32_t>>(), c.at("token_ids").get<std::vector<int32_t>>(),
+                     c.at("logprobs").get<std::vector<double>>(), c.at("top2_gaps").get<std::vector<double>>()});
+  }
+  return cases;
+}
+
+class HfReferenceDeployed : public DisaggregatedTest, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(HfReferenceDeployed, GreedyTokensAndLogprobsMatchTransformers) {
+  const std::string model = GetParam();
+  std::unique_ptr<WeightSource> source = OpenReference(model);
+  ASSERT_NE(source, nullptr);
+  const std::vector<HfCase> cases = LoadHfCases(model);
+  ASSERT_FALSE(cases.empty());
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, Options(8, 16, 2048)));
+  std::vector<GenerationRequest> requests;
+  for (const HfCase& c : cases) {
+    GenerationRequest r;
+    r.prompt = c.prompt;
+    r.max_tokens = static_cast<int64_t>(c.tokens.size());
+    r.ignore_eos = true;  // the reference does not stop at EOS
+    requests.push_back(r);
+  }
+  absl::StatusOr<std::vector<GenerationResult>> results = rank_->GenerateAll(requests);
+  ASSERT_TRUE(results.ok()) << results.status();
+  int compared = 0, total = 0;
+  double max_err = 0;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const HfCase& c = cases[i];
+    const GenerationResult& r = (*results)[i];
+    ASSERT_EQ(r.token_ids.size(), c.tokens.size());
+    total += static_cast<int>(c.tokens.size());
+    for (size_t t = 0; t < c.tokens.size(); ++t) {
+      if (c.gaps[t] < kHfGapFloor) break;  // near-tie: the continuation may legitimately differ
+      ASSERT_EQ(r.token_ids[t], c.tokens[t]) << "prompt " << i << " position " << t;
+      ASSERT_FALSE(std::isnan(r.logprobs[t]));
+      EXPECT_NEAR(r.logprobs[t], c.logprobs[t], kHfLogprobTol) << "prompt " << i << " position " << t;
+      max_err = std::max(max_err, std::fabs(r.logprobs[t] - c.logprobs[t]));
+      ++compared;
+    }
+  }
+  std::printf("%s, 2 memory ranks: %d of %d positions compared, max |logprob error| %.3g\n", model.c_str(),
+              compared, total, max_err);
+  EXPECT_GE(compared, total * 3 / 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, HfReferenceDeployed,
+                         ::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim"), [](const auto& info) {
+                           std::string s = info.param;
+                           std::replace(s.begin(), s.end(), '-', '_');
+                           return s;
+                         });
+
+// ---------------------------------------------------------------------------------------------
+// 5. A memory rank killed mid-run fails the next steps, naming it, instead of hanging.
+
+TEST_F(DisaggregatedTest, MemoryRankKilledMidRunFailsTheStep) {
+  std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
+  ASSERT_NE(source, nullptr);
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, Options(8, 24, 1024)));
+  expect_clean_exit_ = false;  // the survivor may be stuck in a step; TearDown stops it
+  std::mt19937 rng(11);
+  for (int i = 0; i < 4; ++i) {
+    GenerationRequest r = MakeRequest(rng, source->spec().vocab_size, 8, 200, false, 0);
+    r.ignore_eos = true;
+    ASSERT_TRUE(rank_->Submit(r).ok());
+  }
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  for (int step = 0; step < 4; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
+  ASSERT_GT(rank_->controller().kv_reserved(0), 0);
+  ASSERT_GT(rank_->controller().kv_reserved(1), 0);
+  ASSERT_TRUE(finished.empty());
+
+  ASSERT_EQ(kill(group_.pid("memory-1"), SIGKILL), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status st;
+  int steps = 0;
+  while (st.ok() && Seconds(t0) < 60 && steps < 1000) {
+    st = rank_->Step(&finished);
+    ++steps;
+  }
+  const double seconds = Seconds(t0);
+  std::printf("failed after %d step(s), %.2f s: %s\n", steps, seconds, st.ToString().c_str());
+  ASSERT_FALSE(st.ok()) << "steps kept succeeding after memory rank 1 was killed";
+  EXPECT_LT(seconds, 25.0) << "took longer than the step timeout (20 s) to notice";
+  const std::string message(st.message());
+  EXPECT_NE(message.find("memory rank 1"), std::string::npos) << st;
+  EXPECT_NE(message.find(addresses_[1]), std::string::npos) << st;
+  // It stays failed; nothing hangs.
+  const auto t1 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(rank_->Step(&finished).ok());
+  EXPECT_LT(Seconds(t1), 25.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. A memory-rank address where nothing listens fails Create within the startup timeout.
+
+TEST_F(DisaggregatedTest, NothingListeningFailsCreateWithinTheStartupTimeout) {
+  std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
+  ASSERT_NE(source, nullptr);
+  ComputeRankOptions o = Options(8, 24, 1024);
+  o.memory_addresses = {"127.0.0.1:1"};
+  o.startup_timeout = absl::Seconds(5);
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(*source, o);
+  const double seconds = Seconds(t0);
+  std::printf("Create failed after %.2f s: %s\n", seconds, rank.status().ToString().c_str());
+  ASSERT_FALSE(rank.ok());
+  EXPECT_LT(seconds, 15.0);
+  EXPECT_NE(rank.status().message().find("127.0.0.1:1"), std::string::npos) << rank.status();
+}
+
+}  // namespace
+}  // namespace tandem
