@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Builds tandem with the CUDA backend and runs, on a GPU machine, the GPU tests and/or the
 # benchmarks, writing logs and JSON to OUTDIR and printing a short summary last.
-# Usage: bench/run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf]
+# Usage: bench/run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf] [deploy]
 #   tests    ctest (all tests, the gpu-labelled ones included)
 #   kernels  decode and prefill attention benchmarks, torch SDPA baseline
 #   engine   colocated engine decode throughput (llama3-8b, llama-13b presets)
 #   hf       Hugging Face transformers generate baseline for the same shapes
+#   deploy   the one-GPU deployment (deploy/examples/gpu.yaml) against the colocated CUDA engine:
+#            same tokens on the reference models and the small preset, then tokens/s of both
 set -uo pipefail
 out=${1:?usage: run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf]}
 shift
@@ -38,6 +40,8 @@ for what in "$@"; do
         python3 bench/hf_generate_bench.py --model "$m" --batches "${BATCHES:-1,16,64,256}" --contexts 1024,4096 \
           --json "$out/hf_$m.json" 2>&1 | grep -v Warning | tee "$out/hf_$m.txt"
       done ;;
+    deploy)
+      bash bench/deploy_vs_colocated.sh "$BUILD/tandem" "$out/deploy" 2>&1 | tee "$out/deploy.txt" | tail -30 ;;
     *) echo "unknown part: $what"; exit 2 ;;
   esac
 done

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The disaggregated runtime on one GPU (compute rank 0 and memory ranks as separate processes,
+# deploy/examples/gpu.yaml) against the colocated CUDA engine: the same tokens, then tokens/s.
+# Usage: bench/deploy_vs_colocated.sh path/to/tandem OUTDIR
+set -uo pipefail
+TANDEM=${1:?usage: deploy_vs_colocated.sh TANDEM OUTDIR}
+out=${2:?usage: deploy_vs_colocated.sh TANDEM OUTDIR}
+mkdir -p "$out"
+src=$(cd "$(dirname "$0")/.." && pwd)
+cd "$out" || exit 1
+fail=0
+# Mixed requests: prompt lengths 1-300, some end early, greedy and sampled.
+python3 - >mixed.jsonl <<'PY'
+import json, random
+r = random.Random(7)
+for i in range(24):
+    n = r.choice([1, 3, 17, 64, 150, 200])
+    print(json.dumps({"prompt_ids": [r.randrange(1, 250) for _ in range(n)], "max_tokens": r.choice([2, 9, 24]),
+                      "temperature": r.choice([0.0, 0.8]), "top_k": r.choice([0, 20]), "seed": i}))
+PY
+same() {  # same NAME ARGS...: deploy vs colocated, identical JSON output expected
+  local name=$1; shift
+  "$TANDEM" generate --deploy "$src/deploy/examples/gpu.yaml" "$@" --json --logprobs --set launch.run_dir="$out/run-$name" \
+    >"$name.deploy.json" 2>"$name.deploy.err" || { echo "FAIL $name: deploy run failed: $(tail -3 "$name.deploy.err")"; fail=1; return; }
+  "$TANDEM" generate --device cuda "$@" --json --logprobs --set scheduler.max_batch_size=64 \
+    --set scheduler.max_tokens_per_step=1024 >"$name.colocated.json" 2>"$name.colocated.err" ||
+    { echo "FAIL $name: colocated run failed: $(tail -3 "$name.colocated.err")"; fail=1; return; }
+  if cmp -s "$name.deploy.json" "$name.colocated.json"; then
+    echo "same tokens and logprobs: $name ($(wc -l <"$name.deploy.json") requests)"
+  else
+    echo "FAIL $name: deployment and colocated outputs differ"; diff "$name.deploy.json" "$name.colocated.json" | head -4; fail=1
+  fi
+}
+same small --model small --prompts-file mixed.jsonl
+for m in llama3-gqa-tied llama2-mha mqa-headdim; do
+  same "$m" --model "$src/tests/data/reference/$m" --prompts-file mixed.jsonl
+done
+# Throughput: B requests of P prompt tokens, G generated tokens each (ignore EOS).
+for spec in "small 64 512 64" "llama3-8b 64 512 64" "llama3-8b 256 512 32"; do
+  set -- $spec
+  model=$1 b=$2 p=$3 g=$4
+  python3 -c "
+import json, random
+r = random.Random(1)
+for i in range($b): print(json.dumps({'prompt_ids': [r.randrange(1, 30000) for _ in range($p)]}))" >tp.jsonl
+  for mode in deploy colocated; do
+    if [ $mode = deploy ]; then
+      args=(--deploy "$src/deploy/examples/gpu.yaml" --set scheduler.max_batch_size=$b --set scheduler.max_tokens_per_step=$((b > 1024 ? b : 1024)) --set launch.run_dir="$out/run-tp")
+    else
+      args=(--device cuda --set scheduler.max_batch_size=$b --set scheduler.max_tokens_per_step=$((b > 1024 ? b : 1024)))
+    fi
+    "$TANDEM" generate "${args[@]}" --model "$model" --prompts-file tp.jsonl --max-tokens "$g" --ignore-eos >/dev/null 2>"tp.$mode.err" ||
+      { echo "FAIL throughput $mode $spec: $(tail -2 "tp.$mode.err")"; fail=1; continue; }
+    echo "$model batch $b prompt $p gen $g $mode: $(grep 'tandem generate:' "tp.$mode.err" | sed 's/.*tokens in/in/')"
+  done
+done
+exit $fail
