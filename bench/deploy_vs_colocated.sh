@@ -7,6 +7,8 @@ TANDEM=${1:?usage: deploy_vs_colocated.sh TANDEM OUTDIR}
 out=${2:?usage: deploy_vs_colocated.sh TANDEM OUTDIR}
 mkdir -p "$out"
 src=$(cd "$(dirname "$0")/.." && pwd)
+LIMIT=${LIMIT:-240}  # seconds per run
+SPECS=${SPECS:-"small 64 512 64;llama3-8b 64 512 64"}  # model batch prompt_tokens generated_tokens
 cd "$out" || exit 1
 fail=0
 # Mixed requests: prompt lengths 1-300, some end early, greedy and sampled.
@@ -20,9 +22,9 @@ for i in range(24):
 PY
 same() {  # same NAME ARGS...: deploy vs colocated, identical JSON output expected
   local name=$1; shift
-  "$TANDEM" generate --deploy "$src/deploy/examples/gpu.yaml" "$@" --json --logprobs --set launch.run_dir="$out/run-$name" \
+  timeout "$LIMIT" "$TANDEM" generate --deploy "$src/deploy/examples/gpu.yaml" "$@" --json --logprobs --set launch.run_dir="$out/run-$name" \
     >"$name.deploy.json" 2>"$name.deploy.err" || { echo "FAIL $name: deploy run failed: $(tail -3 "$name.deploy.err")"; fail=1; return; }
-  "$TANDEM" generate --device cuda "$@" --json --logprobs --set scheduler.max_batch_size=64 \
+  timeout "$LIMIT" "$TANDEM" generate --device cuda "$@" --json --logprobs --set scheduler.max_batch_size=64 \
     --set scheduler.max_tokens_per_step=1024 >"$name.colocated.json" 2>"$name.colocated.err" ||
     { echo "FAIL $name: colocated run failed: $(tail -3 "$name.colocated.err")"; fail=1; return; }
   if cmp -s "$name.deploy.json" "$name.colocated.json"; then
@@ -36,7 +38,8 @@ for m in llama3-gqa-tied llama2-mha mqa-headdim; do
   same "$m" --model "$src/tests/data/reference/$m" --prompts-file mixed.jsonl
 done
 # Throughput: B requests of P prompt tokens, G generated tokens each (ignore EOS).
-for spec in "small 64 512 64" "llama3-8b 64 512 64" "llama3-8b 256 512 32"; do
+IFS=';' read -r -a specs <<<"$SPECS"
+for spec in "${specs[@]}"; do
   set -- $spec
   model=$1 b=$2 p=$3 g=$4
   python3 -c "
@@ -49,7 +52,7 @@ for i in range($b): print(json.dumps({'prompt_ids': [r.randrange(1, 30000) for _
     else
       args=(--device cuda --set scheduler.max_batch_size=$b --set scheduler.max_tokens_per_step=$((b > 1024 ? b : 1024)))
     fi
-    "$TANDEM" generate "${args[@]}" --model "$model" --prompts-file tp.jsonl --max-tokens "$g" --ignore-eos >/dev/null 2>"tp.$mode.err" ||
+    timeout "$LIMIT" "$TANDEM" generate "${args[@]}" --model "$model" --prompts-file tp.jsonl --max-tokens "$g" --ignore-eos >/dev/null 2>"tp.$mode.err" ||
       { echo "FAIL throughput $mode $spec: $(tail -2 "tp.$mode.err")"; fail=1; continue; }
     echo "$model batch $b prompt $p gen $g $mode: $(grep 'tandem generate:' "tp.$mode.err" | sed 's/.*tokens in/in/')"
   done
