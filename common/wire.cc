@@ -4,6 +4,7 @@
 #include <array>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <string_view>
@@ -269,10 +270,42 @@ absl::Status ValidateRequest(const StepRequest& q, size_t i) {
 
 }  // namespace
 
+namespace {
+
+uint32_t Crc32cSoftware(uint32_t crc, const uint8_t* p, size_t n) {
+  for (size_t i = 0; i < n; ++i) crc = kCrc32cTable[(crc ^ p[i]) & 0xffu] ^ (crc >> 8);
+  return crc;
+}
+
+#if defined(__x86_64__)
+// The SSE4.2 crc32 instruction computes CRC-32C (same polynomial, reflected): 8 bytes per
+// instruction, ~10x the table loop. Chosen at run time, so the build needs no -msse4.2.
+__attribute__((target("sse4.2"))) uint32_t Crc32cSse42(uint32_t crc, const uint8_t* p, size_t n) {
+  uint64_t c = crc;
+  for (; n >= 8; n -= 8, p += 8) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    c = __builtin_ia32_crc32di(c, v);
+  }
+  uint32_t c32 = static_cast<uint32_t>(c);
+  for (; n > 0; --n, ++p) c32 = __builtin_ia32_crc32qi(c32, *p);
+  return c32;
+}
+const bool kHaveSse42 = __builtin_cpu_supports("sse4.2");
+#endif
+
+}  // namespace
+
 uint32_t Crc32cExtend(uint32_t crc, absl::Span<const uint8_t> data) {
   crc = ~crc;
-  for (uint8_t b : data) crc = kCrc32cTable[(crc ^ b) & 0xffu] ^ (crc >> 8);
-  return ~crc;
+#if defined(__x86_64__)
+  if (kHaveSse42) return ~Crc32cSse42(crc, data.data(), data.size());
+#endif
+  return ~Crc32cSoftware(crc, data.data(), data.size());
+}
+
+uint32_t Crc32cPortableForTest(absl::Span<const uint8_t> data) {
+  return ~Crc32cSoftware(~0u, data.data(), data.size());
 }
 
 uint32_t Crc32c(absl::Span<const uint8_t> data) { return Crc32cExtend(0, data); }

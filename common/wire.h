@@ -277,12 +277,14 @@ struct ByeMessage {
   friend bool operator==(const ByeMessage&, const ByeMessage&) = default;
 };
 
-// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78, initial and final xor 0xFFFFFFFF), in
-// software. Crc32c("123456789") == 0xE3069283.
+// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78, initial and final xor 0xFFFFFFFF): the
+// SSE4.2 instruction where the CPU has it, else a table. Crc32c("123456789") == 0xE3069283.
 uint32_t Crc32c(absl::Span<const uint8_t> data);
 // Continues a CRC-32C: Crc32cExtend(Crc32c(a), b) == Crc32c(a followed by b); Crc32cExtend(0, a)
 // == Crc32c(a).
 uint32_t Crc32cExtend(uint32_t crc, absl::Span<const uint8_t> data);
+// The table-driven CRC-32C that Crc32c uses where the CPU lacks SSE4.2 (for tests to compare).
+uint32_t Crc32cPortableForTest(absl::Span<const uint8_t> data);
 
 // Checks every field range listed in the table above; the error is InvalidArgument and names the
 // request index and field, e.g. "step plan: request 3: q_len 0 must be >= 1".
