@@ -116,8 +116,9 @@ absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const W
       new ColocatedEngine(std::move(backend), std::move(attention), options));
   const int64_t t = options.max_tokens_per_step;
   const size_t elem = DTypeSize(engine->backend_->dtype());
-  ASSIGN_OR_RETURN(engine->qkv_, engine->backend_->Allocate(t * engine->backend_->qkv_width() * elem, false));
-  ASSIGN_OR_RETURN(engine->attn_, engine->backend_->Allocate(t * spec.q_dim() * elem, false));
+  ASSIGN_OR_RETURN(engine->qkv_,
+                   engine->backend_->memory().Allocate(t * engine->backend_->qkv_width() * elem, false));
+  ASSIGN_OR_RETURN(engine->attn_, engine->backend_->memory().Allocate(t * spec.q_dim() * elem, false));
   TANDEM_LOG_INFO("engine", spec.Summary(), "; device ", engine->device(), "; KV cache ",
                   engine->kv_capacity_tokens(), " tokens");
   return engine;

@@ -9,8 +9,8 @@
 //   Finish(&tokens, &logprobs)              // logits of the sample rows, sampling, results
 //
 // qkv and attn live in the backend's memory (device for CUDA, host for CPU); staging to and from
-// the network goes through Allocate(pinned)/CopyIn/CopyOut/Synchronize. The CPU backend computes
-// in fp32, the CUDA backend in bf16 (fp32 residual stream and accumulation).
+// the network goes through memory() (Allocate(pinned), CopyIn, CopyOut, Synchronize). The CPU backend
+// computes in fp32, the CUDA backend in bf16 (fp32 residual stream and accumulation).
 //
 // Thread safety: one thread drives a backend.
 #pragma once
@@ -62,12 +62,8 @@ class ComputeBackend {
   // Appends one token and its log-probability per sample row; waits for the step's work.
   virtual absl::Status Finish(std::vector<int32_t>* tokens, std::vector<float>* logprobs) = 0;
 
-  // Staging (see the file comment). host_memory(): the backend's memory is host memory.
-  virtual bool host_memory() const = 0;
-  virtual absl::StatusOr<BackendBuffer> Allocate(size_t bytes, bool pinned) = 0;
-  virtual absl::Status CopyIn(void* dst, const void* host_src, size_t bytes) = 0;
-  virtual absl::Status CopyOut(void* host_dst, const void* src, size_t bytes) = 0;
-  virtual absl::Status Synchronize() = 0;
+  // Where qkv and attn live, for staging to and from the network (see the file comment).
+  virtual MemorySpace& memory() = 0;
   // The CUDA stream the backend enqueues on (cudaStream_t), so attention can share it; nullptr
   // on the CPU.
   virtual void* stream() const { return nullptr; }

@@ -50,16 +50,16 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
   const size_t t = static_cast<size_t>(o.scheduler.max_tokens_per_step);
   const size_t qkv_bytes = t * static_cast<size_t>(backend_->qkv_width()) * elem_;
   const size_t attn_bytes = t * static_cast<size_t>(s.q_dim()) * elem_;
-  ASSIGN_OR_RETURN(qkv_, backend_->Allocate(qkv_bytes, false));
-  ASSIGN_OR_RETURN(attn_, backend_->Allocate(attn_bytes, false));
-  if (!backend_->host_memory()) {
-    ASSIGN_OR_RETURN(qkv_host_, backend_->Allocate(qkv_bytes, true));
+  ASSIGN_OR_RETURN(qkv_, backend_->memory().Allocate(qkv_bytes, false));
+  ASSIGN_OR_RETURN(attn_, backend_->memory().Allocate(attn_bytes, false));
+  if (!backend_->memory().host()) {
+    ASSIGN_OR_RETURN(qkv_host_, backend_->memory().Allocate(qkv_bytes, true));
   }
   for (size_t m = 0; m < ranks_.size(); ++m) {
     Rank& rank = ranks_[m];
     rank.attn_buffer = kAttnBufferBase + static_cast<uint32_t>(m);
     rank.recv_bytes = kLayerMessageHeaderFrameBytes + attn_bytes;
-    ASSIGN_OR_RETURN(rank.recv, backend_->Allocate(rank.recv_bytes, true));
+    ASSIGN_OR_RETURN(rank.recv, backend_->memory().Allocate(rank.recv_bytes, true));
     RETURN_IF_ERROR(transport_->RegisterBuffer(rank.attn_buffer, rank.recv.get(), rank.recv_bytes));
     HelloMessage hello;
     hello.memory_rank = static_cast<uint16_t>(m);
@@ -138,14 +138,15 @@ absl::Status ComputeRank::RunLayers(const PlannedStep& step) {
   const int64_t t = step.rows.num_tokens();
   const size_t qkv_row = static_cast<size_t>(backend_->qkv_width()) * elem_;
   const size_t attn_row = static_cast<size_t>(s.q_dim()) * elem_;
-  const bool host = backend_->host_memory();
+  const bool host = backend_->memory().host();
   auto* qkv_rows = static_cast<uint8_t*>(host ? qkv_.get() : qkv_host_.get());
   RETURN_IF_ERROR(backend_->BeginStep(step.rows));
   for (uint32_t layer = 0; layer < static_cast<uint32_t>(s.num_layers); ++layer) {
     RETURN_IF_ERROR(backend_->PreAttention(layer, qkv_.get()));
     if (!host) {
-      RETURN_IF_ERROR(backend_->CopyOut(qkv_host_.get(), qkv_.get(), static_cast<size_t>(t) * qkv_row));
-      RETURN_IF_ERROR(backend_->Synchronize());
+      RETURN_IF_ERROR(
+          backend_->memory().CopyOut(qkv_host_.get(), qkv_.get(), static_cast<size_t>(t) * qkv_row));
+      RETURN_IF_ERROR(backend_->memory().Synchronize());
     }
     // Each memory rank's rows are one contiguous range of the step's rows.
     for (size_t m = 0; m < ranks_.size(); ++m) {
@@ -194,8 +195,8 @@ absl::Status ComputeRank::RunLayers(const PlannedStep& step) {
       absl::StatusOr<absl::Span<const uint8_t>> payload =
           ReadLayerMessage({static_cast<const uint8_t*>(rank.recv.get()), rank.recv_bytes}, expect);
       if (!payload.ok()) return Annotate(payload.status(), rank.name);
-      RETURN_IF_ERROR(backend_->CopyIn(static_cast<uint8_t*>(attn_.get()) + begin * attn_row, payload->data(),
-                                       payload->size()));
+      RETURN_IF_ERROR(backend_->memory().CopyIn(static_cast<uint8_t*>(attn_.get()) + begin * attn_row,
+                                                payload->data(), payload->size()));
     }
     backend_->MarkAttention();
     RETURN_IF_ERROR(backend_->PostAttention(layer, attn_.get()));

@@ -22,7 +22,6 @@ class CpuComputeBackend : public ComputeBackend {
   const ModelSpec& spec() const override { return weights_.spec; }
   std::string device() const override { return "cpu"; }
   DType dtype() const override { return DType::kF32; }
-  bool host_memory() const override { return true; }
 
   absl::Status BeginStep(const StepTokens& step) override {
     if (step.num_tokens() > options_.max_tokens ||
@@ -56,23 +55,10 @@ class CpuComputeBackend : public ComputeBackend {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<BackendBuffer> Allocate(size_t bytes, bool pinned) override {
-    void* p = std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) / 64 * 64);
-    if (!p)
-      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes of host memory"));
-    return BackendBuffer(p, &std::free);
-  }
-  absl::Status CopyIn(void* dst, const void* src, size_t bytes) override {
-    if (bytes) std::memcpy(dst, src, bytes);
-    return absl::OkStatus();
-  }
-  absl::Status CopyOut(void* dst, const void* src, size_t bytes) override {
-    if (bytes) std::memcpy(dst, src, bytes);
-    return absl::OkStatus();
-  }
-  absl::Status Synchronize() override { return absl::OkStatus(); }
+  MemorySpace& memory() override { return memory_; }
 
  private:
+  HostMemorySpace memory_;
   ModelWeightsF32 weights_;
   CpuLayerExecutor executor_;
   ComputeBackendOptions options_;

@@ -21,9 +21,6 @@ using bf16 = __nv_bfloat16;
 
 namespace {
 
-void FreeDevice(void* p) { cudaFree(p); }
-void FreePinned(void* p) { cudaFreeHost(p); }
-
 class CudaComputeBackend : public ComputeBackend {
  public:
   ~CudaComputeBackend() override {
@@ -47,6 +44,7 @@ class CudaComputeBackend : public ComputeBackend {
     CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
     b->device_name_ = absl::StrCat("cuda:", device, " (", prop.name, ")");
     CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
+    b->memory_.set_stream(b->stream_);
     ASSIGN_OR_RETURN(b->weights_, CudaModelWeights::Upload(source));
     const ModelSpec& s = b->weights_->spec();
     b->options_ = o;
@@ -74,7 +72,6 @@ class CudaComputeBackend : public ComputeBackend {
   const ModelSpec& spec() const override { return weights_->spec(); }
   std::string device() const override { return device_name_; }
   DType dtype() const override { return DType::kBF16; }
-  bool host_memory() const override { return false; }
   void* stream() const override { return stream_; }
 
   absl::Status BeginStep(const StepTokens& st) override {
@@ -155,27 +152,7 @@ class CudaComputeBackend : public ComputeBackend {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<BackendBuffer> Allocate(size_t bytes, bool pinned) override {
-    void* p = nullptr;
-    if (pinned) {
-      CUDA_RETURN_IF_ERROR(cudaMallocHost(&p, std::max<size_t>(bytes, 16)));
-      return BackendBuffer(p, &FreePinned);
-    }
-    CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<size_t>(bytes, 16)));
-    return BackendBuffer(p, &FreeDevice);
-  }
-  absl::Status CopyIn(void* dst, const void* src, size_t bytes) override {
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
-    return absl::OkStatus();
-  }
-  absl::Status CopyOut(void* dst, const void* src, size_t bytes) override {
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
-    return absl::OkStatus();
-  }
-  absl::Status Synchronize() override {
-    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    return absl::OkStatus();
-  }
+  MemorySpace& memory() override { return memory_; }
 
   std::vector<std::pair<std::string, double>> PhaseTotalsMs() const override {
     std::vector<std::pair<std::string, double>> out;
@@ -187,6 +164,7 @@ class CudaComputeBackend : public ComputeBackend {
   }
 
  private:
+  kc::CudaMemorySpace memory_;
   CudaComputeBackend() = default;
   std::string device_name_;
   cudaStream_t stream_ = nullptr;

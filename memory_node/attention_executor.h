@@ -80,16 +80,8 @@ class AttentionExecutor {
   // for cpu, device for cuda); the CUDA executor enqueues on its stream and does not synchronise.
   virtual absl::Status Layer(int64_t layer, const void* qkv, void* out) = 0;
 
-  // Staging between the network and the executor's memory (for a memory rank).
-  // True when the executor's memory is host memory (then no copies are needed).
-  virtual bool host_memory() const = 0;
-  // `bytes` of the executor's memory (pinned == false) or of host memory that copies to and from
-  // it are fast with (pinned == true; page-locked for CUDA).
-  virtual absl::StatusOr<BackendBuffer> Allocate(size_t bytes, bool pinned) = 0;
-  // Asynchronous copies in the executor's order (its stream), and the wait for all of them.
-  virtual absl::Status CopyIn(void* dst, const void* host_src, size_t bytes) = 0;
-  virtual absl::Status CopyOut(void* host_dst, const void* src, size_t bytes) = 0;
-  virtual absl::Status Synchronize() = 0;
+  // Where qkv and out live, for staging to and from the network (a memory rank's buffers).
+  virtual MemorySpace& memory() = 0;
 };
 
 // Checks a batch against an executor's limits and pool: InvalidArgument naming what is wrong.

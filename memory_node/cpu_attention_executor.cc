@@ -30,7 +30,6 @@ class CpuAttentionExecutor : public AttentionExecutor {
   std::string device() const override { return "cpu"; }
   DType dtype() const override { return DType::kF32; }
   const AttentionShape& shape() const override { return shape_; }
-  bool host_memory() const override { return true; }
 
   absl::Status BeginStep(const AttentionBatch& batch) override {
     RETURN_IF_ERROR(CheckAttentionBatch(batch, shape_, num_slots_));
@@ -67,23 +66,10 @@ class CpuAttentionExecutor : public AttentionExecutor {
                                     .scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim))});
   }
 
-  absl::StatusOr<BackendBuffer> Allocate(size_t bytes, bool pinned) override {
-    void* p = std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) / 64 * 64);
-    if (!p)
-      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes of host memory"));
-    return BackendBuffer(p, &std::free);
-  }
-  absl::Status CopyIn(void* dst, const void* src, size_t bytes) override {
-    if (bytes) std::memcpy(dst, src, bytes);
-    return absl::OkStatus();
-  }
-  absl::Status CopyOut(void* dst, const void* src, size_t bytes) override {
-    if (bytes) std::memcpy(dst, src, bytes);
-    return absl::OkStatus();
-  }
-  absl::Status Synchronize() override { return absl::OkStatus(); }
+  MemorySpace& memory() override { return memory_; }
 
  private:
+  HostMemorySpace memory_;
   AttentionShape shape_;
   int64_t num_slots_;
   const AttentionBatch* batch_ = nullptr;

@@ -21,9 +21,6 @@ using bf16 = __nv_bfloat16;
 
 namespace {
 
-void FreeDevice(void* p) { cudaFree(p); }
-void FreePinned(void* p) { cudaFreeHost(p); }
-
 class CudaAttentionExecutor : public AttentionExecutor {
  public:
   ~CudaAttentionExecutor() override {
@@ -55,6 +52,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
       CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&e->stream_, cudaStreamNonBlocking));
       e->own_stream_ = true;
     }
+    e->memory_.set_stream(e->stream_);
     RETURN_IF_ERROR(e->q_.Reserve(std::max<int64_t>(16, shape.max_tokens * shape.q_dim() * 2)));
 
     // KV: the configured share of what is free now (after whatever this process loaded before).
@@ -91,7 +89,6 @@ class CudaAttentionExecutor : public AttentionExecutor {
   std::string device() const override { return device_name_; }
   DType dtype() const override { return DType::kBF16; }
   const AttentionShape& shape() const override { return shape_; }
-  bool host_memory() const override { return false; }
 
   absl::Status BeginStep(const AttentionBatch& b) override {
     RETURN_IF_ERROR(CheckAttentionBatch(b, shape_, num_slots_));
@@ -187,29 +184,10 @@ class CudaAttentionExecutor : public AttentionExecutor {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<BackendBuffer> Allocate(size_t bytes, bool pinned) override {
-    void* p = nullptr;
-    if (pinned) {
-      CUDA_RETURN_IF_ERROR(cudaMallocHost(&p, std::max<size_t>(bytes, 16)));
-      return BackendBuffer(p, &FreePinned);
-    }
-    CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<size_t>(bytes, 16)));
-    return BackendBuffer(p, &FreeDevice);
-  }
-  absl::Status CopyIn(void* dst, const void* src, size_t bytes) override {
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
-    return absl::OkStatus();
-  }
-  absl::Status CopyOut(void* dst, const void* src, size_t bytes) override {
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
-    return absl::OkStatus();
-  }
-  absl::Status Synchronize() override {
-    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    return absl::OkStatus();
-  }
+  MemorySpace& memory() override { return memory_; }
 
  private:
+  kc::CudaMemorySpace memory_;
   CudaAttentionExecutor() = default;
   AttentionShape shape_;
   std::string device_name_;

@@ -160,11 +160,11 @@ class MemoryRank {
     const size_t qkv_bytes = static_cast<size_t>(shape_.max_tokens * shape_.qkv_width()) * elem_;
     const size_t out_bytes = static_cast<size_t>(shape_.max_tokens * shape_.q_dim()) * elem_;
     recv_bytes_ = kLayerMessageHeaderFrameBytes + qkv_bytes;
-    ASSIGN_OR_RETURN(recv_, exec_->Allocate(recv_bytes_, true));
-    ASSIGN_OR_RETURN(send_, exec_->Allocate(out_bytes, true));
-    if (!exec_->host_memory()) {
-      ASSIGN_OR_RETURN(qkv_dev_, exec_->Allocate(qkv_bytes, false));
-      ASSIGN_OR_RETURN(out_dev_, exec_->Allocate(out_bytes, false));
+    ASSIGN_OR_RETURN(recv_, exec_->memory().Allocate(recv_bytes_, true));
+    ASSIGN_OR_RETURN(send_, exec_->memory().Allocate(out_bytes, true));
+    if (!exec_->memory().host()) {
+      ASSIGN_OR_RETURN(qkv_dev_, exec_->memory().Allocate(qkv_bytes, false));
+      ASSIGN_OR_RETURN(out_dev_, exec_->memory().Allocate(out_bytes, false));
     }
     RETURN_IF_ERROR(transport_->RegisterBuffer(kQkvBuffer, recv_.get(), recv_bytes_));
     HelloReplyMessage reply;
@@ -209,13 +209,13 @@ class MemoryRank {
       ASSIGN_OR_RETURN(absl::Span<const uint8_t> payload,
                        ReadLayerMessage({static_cast<const uint8_t*>(recv_.get()), recv_bytes_}, in));
       void* out = send_.get();
-      if (exec_->host_memory()) {
+      if (exec_->memory().host()) {
         RETURN_IF_ERROR(exec_->Layer(layer, payload.data(), out));
       } else {
-        RETURN_IF_ERROR(exec_->CopyIn(qkv_dev_.get(), payload.data(), payload.size()));
+        RETURN_IF_ERROR(exec_->memory().CopyIn(qkv_dev_.get(), payload.data(), payload.size()));
         RETURN_IF_ERROR(exec_->Layer(layer, qkv_dev_.get(), out_dev_.get()));
-        RETURN_IF_ERROR(exec_->CopyOut(out, out_dev_.get(), out_bytes));
-        RETURN_IF_ERROR(exec_->Synchronize());
+        RETURN_IF_ERROR(exec_->memory().CopyOut(out, out_dev_.get(), out_bytes));
+        RETURN_IF_ERROR(exec_->memory().Synchronize());
       }
       LayerMessageExpect reply = in;
       reply.kind = LayerMessageKind::kAttnOut;

@@ -61,3 +61,41 @@ class MetaPacker {
 };
 
 }  // namespace tandem::kernels::cuda
+
+#include "common/backend_buffer.h"
+
+namespace tandem::kernels::cuda {
+
+// Device memory of the current device, and pinned host memory, ordered on one stream.
+class CudaMemorySpace : public MemorySpace {
+ public:
+  explicit CudaMemorySpace(cudaStream_t stream = nullptr) : stream_(stream) {}
+  void set_stream(cudaStream_t stream) { stream_ = stream; }
+  bool host() const override { return false; }
+  absl::StatusOr<BackendBuffer> Allocate(size_t bytes, bool pinned) override {
+    void* p = nullptr;
+    if (pinned) {
+      CUDA_RETURN_IF_ERROR(cudaMallocHost(&p, bytes < 16 ? 16 : bytes));
+      return BackendBuffer(p, [](void* q) { cudaFreeHost(q); });
+    }
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&p, bytes < 16 ? 16 : bytes));
+    return BackendBuffer(p, [](void* q) { cudaFree(q); });
+  }
+  absl::Status CopyIn(void* dst, const void* src, size_t bytes) override {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+    return absl::OkStatus();
+  }
+  absl::Status CopyOut(void* dst, const void* src, size_t bytes) override {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    return absl::OkStatus();
+  }
+  absl::Status Synchronize() override {
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return absl::OkStatus();
+  }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace tandem::kernels::cuda
