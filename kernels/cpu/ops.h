@@ -104,6 +104,55 @@ struct AttentionParams {
 };
 absl::Status Attention(const AttentionParams& p);
 
+// Shared-prefix ("cascade") attention, part 1: every query row attends to the same KV range
+// prefix_slots[0 .. prefix_len), unmasked (each row is at a position after the whole prefix).
+// Same conventions as Attention (GQA mapping, scale, s = (q·k) * scale, softmax with the max
+// subtracted, natural-log lse). The result is a partial state: out is normalised over the prefix
+// keys only and lse = max + log Σ exp(s - max) over them; MergeAttentionStates combines it with
+// the state of the request's own (suffix) keys from Attention. For a prefix fully visible to a
+// row the result equals Attention over those keys bit for bit (same dot, sum and weight order).
+// Each K/V row of the prefix is read once per block of rows and per KV head, for all query heads
+// of that KV head (a (rows·group) × prefix_len product), not once per row.
+// prefix_len == 0 is allowed (prefix_slots may then be null): out = 0 and lse = -infinity for
+// every row and head, the empty state that MergeAttentionStates treats as contributing nothing.
+// rows == 0 is a no-op. Sizes other than rows and prefix_len must be positive; scale > 0.
+struct PrefixAttentionParams {
+  const float* q = nullptr;               // (rows, num_heads, head_dim)
+  const float* k_cache = nullptr;         // (num_slots, num_kv_heads, head_dim)
+  const float* v_cache = nullptr;         // (num_slots, num_kv_heads, head_dim)
+  const int32_t* prefix_slots = nullptr;  // (prefix_len), each in [0, num_slots)
+  float* out = nullptr;                   // (rows, num_heads, head_dim)
+  float* lse = nullptr;                   // (rows, num_heads), natural log; required
+  int64_t rows = 0, prefix_len = 0, num_slots = 0;
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  float scale = 0.0f;
+};
+absl::Status PrefixAttention(const PrefixAttentionParams& p);
+
+// Merges two partial attention states over disjoint key sets of the same query rows/heads:
+//   out = (e^{lse_a}·out_a + e^{lse_b}·out_b) / (e^{lse_a} + e^{lse_b}),
+//   lse = log(e^{lse_a} + e^{lse_b}),
+// computed with the larger lse subtracted (no overflow for any finite lse). A state with
+// lse = -inf is empty and contributes nothing: the other state is copied exactly (its out values
+// are not even read); both empty gives out = 0, lse = -inf. NaN lse propagates.
+// Gathering: row i of state a (and of the output) pairs with row rows_b[i] of state b, so one
+// group's prefix state (num_rows_b rows) can be merged into the rows of many requests without a
+// copy; rows_b == nullptr means rows_b[i] = i (state b then has `rows` rows, num_rows_b ignored).
+// Aliasing: out may equal out_a and lse may equal lse_a (in place). out/lse may equal out_b/lse_b
+// only when rows_b is null (rejected otherwise); no other overlap is allowed. lse may be null
+// (not written). rows == 0 is a no-op; num_heads and head_dim must be positive.
+struct MergeAttentionStatesParams {
+  const float* out_a = nullptr;     // (rows, num_heads, head_dim)
+  const float* lse_a = nullptr;     // (rows, num_heads)
+  const float* out_b = nullptr;     // (num_rows_b or rows, num_heads, head_dim)
+  const float* lse_b = nullptr;     // (num_rows_b or rows, num_heads)
+  const int32_t* rows_b = nullptr;  // (rows), each in [0, num_rows_b); optional
+  float* out = nullptr;             // (rows, num_heads, head_dim)
+  float* lse = nullptr;             // (rows, num_heads); optional
+  int64_t rows = 0, num_rows_b = 0, num_heads = 0, head_dim = 0;
+};
+absl::Status MergeAttentionStates(const MergeAttentionStatesParams& p);
+
 // Sampling of one token from one row of logits.
 struct SamplingParams {
   float temperature = 0.0f;  // 0: greedy (argmax, lowest id on ties)
