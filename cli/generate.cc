@@ -121,14 +121,14 @@ absl::Status RunDeployed(const GenerateArgs& a, std::vector<std::string> sets) {
   ASSIGN_OR_RETURN(const Config config, LoadConfigFile(DeploySchema(), a.deploy, sets));
   for (const std::string& line : config.NonDefault()) TANDEM_LOG_INFO("config", line);
   ASSIGN_OR_RETURN(std::vector<GenerationRequest> requests, BuildRequests(a));
-  ASSIGN_OR_RETURN(const DeployPlan plan, PlanDeployment(config));
-  {
-    // Refuse bad requests here, before any rank starts (the KV sizes are checked by the ranks).
-    ASSIGN_OR_RETURN(std::unique_ptr<WeightSource> source, OpenModel(plan.model, plan.weight_seed));
-    const Controller check(source->spec(), {INT64_MAX}, {.max_batch_size = 1, .max_tokens_per_step = 1});
-    for (size_t i = 0; i < requests.size(); ++i) {
-      RETURN_IF_ERROR(Annotate(check.Check(requests[i]), absl::StrCat("request ", i)));
-    }
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<WeightSource> source,
+      OpenModel(config.GetString("model.path"), static_cast<uint64_t>(config.GetInt("model.weight_seed"))));
+  ASSIGN_OR_RETURN(const DeployPlan plan, ResolveDeployment(config, source->spec()));
+  // Refuse bad requests here, before any rank starts (the KV sizes are checked by the ranks).
+  const Controller check(source->spec(), {INT64_MAX}, {.max_batch_size = 1, .max_tokens_per_step = 1});
+  for (size_t i = 0; i < requests.size(); ++i) {
+    RETURN_IF_ERROR(Annotate(check.Check(requests[i]), absl::StrCat("request ", i)));
   }
   std::error_code ec;
   std::filesystem::create_directories(plan.run_dir, ec);

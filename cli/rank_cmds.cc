@@ -11,6 +11,7 @@
 #include "absl/strings/str_split.h"
 #include "cli/commands.h"
 #include "cli/prompts.h"
+#include "colocated/engine.h"
 #include "common/config.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -70,15 +71,10 @@ absl::Status RunCompute(const ComputeArgs& a) {
       OpenModel(c.GetString("model.path"), static_cast<uint64_t>(c.GetInt("model.weight_seed"))));
   TANDEM_LOG_INFO("compute", "loading ", source->Describe());
   ComputeRankOptions o;
-  o.device = DeviceIndex(a.device);
+  ASSIGN_OR_RETURN(o.device, ResolveDevice(a.device, source->spec()));
   o.memory_addresses = absl::StrSplit(a.memory, ',');
-  o.scheduler.max_tokens_per_step = c.GetInt("scheduler.max_tokens_per_step");
-  o.scheduler.max_batch_size = c.GetInt("scheduler.max_batch_size");
-  if (o.scheduler.max_batch_size == 0) o.scheduler.max_batch_size = o.scheduler.max_tokens_per_step;
-  if (o.scheduler.max_tokens_per_step < o.scheduler.max_batch_size) {
-    return absl::InvalidArgumentError(
-        "scheduler.max_tokens_per_step must be at least scheduler.max_batch_size");
-  }
+  ASSIGN_OR_RETURN(o.scheduler, ResolveSchedulerOptions(c.GetInt("scheduler.max_batch_size"),
+                                                        c.GetInt("scheduler.max_tokens_per_step")));
   o.kv_capacity_tokens = c.GetInt("kv.capacity_tokens");
   o.kv_memory_fraction = c.GetDouble("kv.memory_fraction");
   o.checksums = c.GetBool("transport.checksums");

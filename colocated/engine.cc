@@ -75,16 +75,9 @@ absl::StatusOr<int> ResolveDevice(const std::string& device, const ModelSpec& sp
 absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const WeightSource& source,
                                                                          const EngineOptions& requested) {
   EngineOptions options = requested;
-  if (options.max_batch_size < 0) return absl::InvalidArgumentError("scheduler.max_batch_size must be >= 0");
-  if (options.max_tokens_per_step < 1)
-    return absl::InvalidArgumentError("scheduler.max_tokens_per_step must be >= 1");
-  if (options.max_batch_size == 0) options.max_batch_size = options.max_tokens_per_step;  // the KV limits it
-  if (options.max_tokens_per_step < options.max_batch_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("scheduler.max_tokens_per_step (", options.max_tokens_per_step,
-                     ") must be at least scheduler.max_batch_size (", options.max_batch_size,
-                     "): every decoding request needs one token per step"));
-  }
+  ASSIGN_OR_RETURN(const ControllerOptions scheduler,
+                   ResolveSchedulerOptions(options.max_batch_size, options.max_tokens_per_step));
+  options.max_batch_size = scheduler.max_batch_size;
   const ModelSpec& spec = source.spec();
   ASSIGN_OR_RETURN(const int device, ResolveDevice(options.device, spec));
   const ComputeBackendOptions co{.max_tokens = options.max_tokens_per_step,

@@ -88,8 +88,8 @@ class ComputeRank {
   std::vector<Rank> ranks_;
   std::vector<std::string> rank_names_;
   PlannedStep step_;
-  BackendBuffer qkv_{nullptr, nullptr}, attn_{nullptr, nullptr};            // backend memory
-  BackendBuffer qkv_host_{nullptr, nullptr}, attn_host_{nullptr, nullptr};  // staging (CUDA)
+  BackendBuffer qkv_{nullptr, nullptr}, attn_{nullptr, nullptr};  // backend memory
+  BackendBuffer qkv_host_{nullptr, nullptr};                      // staging of qkv rows (CUDA)
   size_t elem_ = 4;
   double busy_seconds_ = 0;
 };

@@ -34,6 +34,21 @@ absl::Status ValidateSampling(const cpu::SamplingParams& s) {
 
 std::unique_ptr<SchedulingPolicy> MakeFifoPolicy() { return std::make_unique<FifoPolicy>(); }
 
+absl::StatusOr<ControllerOptions> ResolveSchedulerOptions(int64_t max_batch_size,
+                                                          int64_t max_tokens_per_step) {
+  if (max_batch_size < 0) return absl::InvalidArgumentError("scheduler.max_batch_size must be >= 0");
+  if (max_tokens_per_step < 1)
+    return absl::InvalidArgumentError("scheduler.max_tokens_per_step must be >= 1");
+  if (max_batch_size == 0) max_batch_size = max_tokens_per_step;  // the KV cache limits the batch
+  if (max_tokens_per_step < max_batch_size) {
+    return absl::InvalidArgumentError(absl::StrCat("scheduler.max_tokens_per_step (", max_tokens_per_step,
+                                                   ") must be at least scheduler.max_batch_size (",
+                                                   max_batch_size,
+                                                   "): every decoding request needs one token per step"));
+  }
+  return ControllerOptions{.max_batch_size = max_batch_size, .max_tokens_per_step = max_tokens_per_step};
+}
+
 Controller::Controller(const ModelSpec& spec, std::vector<int64_t> kv_capacity,
                        const ControllerOptions& options, std::unique_ptr<SchedulingPolicy> policy)
     : spec_(spec),

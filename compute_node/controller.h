@@ -60,6 +60,12 @@ struct ControllerOptions {
   int64_t max_tokens_per_step = 2048;  // rows per step at most (>= max_batch_size)
 };
 
+// scheduler.max_batch_size and scheduler.max_tokens_per_step as the controller takes them: a
+// batch size of 0 means "as many as the KV cache holds" (at most max_tokens_per_step). Errors name
+// the setting (every decoding request needs one token per step, so tokens >= batch).
+absl::StatusOr<ControllerOptions> ResolveSchedulerOptions(int64_t max_batch_size,
+                                                          int64_t max_tokens_per_step);
+
 // What a policy sees of a waiting request.
 struct WaitingRequest {
   int64_t id = 0;

@@ -42,13 +42,6 @@ const ConfigSchema& DeploySchema() {
   return *schema;
 }
 
-int DeviceIndex(const std::string& device) {
-  if (device == "cpu") return -1;
-  if (device == "cuda") return 0;
-  int i = 0;
-  return absl::SimpleAtoi(device.substr(5), &i) ? i : 0;
-}
-
 absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& spec) {
   DeployPlan p;
   p.model = c.GetString("model.path");
@@ -88,13 +81,10 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
     }
     p.listen_addresses.push_back(absl::StrCat(c.GetString("memory.host"), ":", base == 0 ? 0 : base + i));
   }
-  const int64_t batch = c.GetInt("scheduler.max_batch_size"),
-                tokens = c.GetInt("scheduler.max_tokens_per_step");
-  if (batch > tokens) {
-    return absl::InvalidArgumentError(absl::StrCat("scheduler.max_tokens_per_step (", tokens,
-                                                   ") must be at least scheduler.max_batch_size (", batch,
-                                                   "): every decoding request needs one token per step"));
-  }
+  // Checked here so that a bad pair stops the launch before any rank starts.
+  RETURN_IF_ERROR(
+      ResolveSchedulerOptions(c.GetInt("scheduler.max_batch_size"), c.GetInt("scheduler.max_tokens_per_step"))
+          .status());
   p.checksums = c.GetBool("transport.checksums");
   p.run_dir = c.GetString("launch.run_dir");
   p.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));

@@ -44,8 +44,6 @@ struct DeployPlan {
 };
 // Errors name the YAML path ("memory.devices: 3 devices listed for 2 ranks").
 absl::StatusOr<DeployPlan> ResolveDeployment(const Config& config, const ModelSpec& spec);
-// "cpu" -> -1, "cuda" -> 0, "cuda:N" -> N (already resolved devices only).
-int DeviceIndex(const std::string& device);
 
 struct LaunchOptions {
   std::string tandem_binary;  // the `tandem` executable the ranks run
