@@ -77,11 +77,12 @@ absl::StatusOr<std::vector<GenerationRequest>> BuildRequests(const GenerateArgs&
 
 void PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& results,
                   const RunStats& stats) {
-  int64_t generated = 0, prompt_tokens = 0;
+  int64_t generated = 0, prompt_tokens = 0, cached = 0;
   for (size_t i = 0; i < results.size(); ++i) {
     const GenerationResult& r = results[i];
     generated += static_cast<int64_t>(r.token_ids.size());
     prompt_tokens += r.prompt_tokens;
+    cached += r.cached_tokens;
     if (a.json) {
       nlohmann::json j;
       j["index"] = i;
@@ -89,7 +90,8 @@ void PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& re
       if (a.logprobs) j["logprobs"] = r.logprobs;
       j["finish_reason"] = r.finish_reason;
       j["usage"] = {{"prompt_tokens", r.prompt_tokens},
-                    {"completion_tokens", static_cast<int64_t>(r.token_ids.size())}};
+                    {"completion_tokens", static_cast<int64_t>(r.token_ids.size())},
+                    {"cached_tokens", r.cached_tokens}};
       std::cout << j.dump() << "\n";
     } else {
       std::cout << "[" << i << "] " << r.prompt_tokens << " prompt tokens -> " << r.token_ids.size()
@@ -103,11 +105,12 @@ void PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& re
   }
   std::cout.flush();
   std::fprintf(stderr,
-               "tandem generate: %zu requests, %lld prompt + %lld generated tokens in %.3f s "
+               "tandem generate: %zu requests, %lld prompt (%lld cached) + %lld generated tokens in %.3f s "
                "(%.1f generated tok/s, %.1f total tok/s, %lld steps, device %s)\n",
-               results.size(), static_cast<long long>(prompt_tokens), static_cast<long long>(generated),
-               stats.seconds, generated / stats.seconds, (generated + prompt_tokens) / stats.seconds,
-               static_cast<long long>(stats.steps), stats.device.c_str());
+               results.size(), static_cast<long long>(prompt_tokens), static_cast<long long>(cached),
+               static_cast<long long>(generated), stats.seconds, generated / stats.seconds,
+               (generated + prompt_tokens) / stats.seconds, static_cast<long long>(stats.steps),
+               stats.device.c_str());
 }
 
 // Runs the requests through a deployment started (and stopped) for them.

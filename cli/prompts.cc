@@ -152,6 +152,7 @@ absl::Status WriteResultsFile(const std::string& path, const std::vector<Generat
     j["logprobs"] = r.logprobs;
     j["finish_reason"] = r.finish_reason;
     j["prompt_tokens"] = r.prompt_tokens;
+    j["cached_tokens"] = r.cached_tokens;
     out << j.dump() << "\n";
   }
   out << nlohmann::json{{"stats",
@@ -187,6 +188,7 @@ absl::Status ReadResultsFile(const std::string& path, std::vector<GenerationResu
       r.logprobs = j.at("logprobs").get<std::vector<float>>();
       r.finish_reason = j.at("finish_reason").get<std::string>();
       r.prompt_tokens = j.at("prompt_tokens").get<int64_t>();
+      r.cached_tokens = j.at("cached_tokens").get<int64_t>();
       results->push_back(std::move(r));
     } catch (const nlohmann::json::exception& e) {
       return absl::DataLossError(absl::StrCat(path, ":", n, ": ", e.what()));

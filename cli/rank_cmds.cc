@@ -75,6 +75,8 @@ absl::Status RunCompute(const ComputeArgs& a) {
   o.memory_addresses = absl::StrSplit(a.memory, ',');
   ASSIGN_OR_RETURN(o.scheduler, ResolveSchedulerOptions(c.GetInt("scheduler.max_batch_size"),
                                                         c.GetInt("scheduler.max_tokens_per_step")));
+  RETURN_IF_ERROR(ResolvePrefixOptions(c.GetBool("kv.prefix_cache"), c.GetInt("kv.prefix_block_tokens"),
+                                       c.GetString("kv.prefix_sharing"), &o.scheduler));
   o.kv_capacity_tokens = c.GetInt("kv.capacity_tokens");
   o.kv_memory_fraction = c.GetDouble("kv.memory_fraction");
   o.checksums = c.GetBool("transport.checksums");

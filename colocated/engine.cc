@@ -36,7 +36,36 @@ void AddSchedulerKvKnobs(ConfigSchema* schema) {
       .Double("kv.memory_fraction", d.kv_memory_fraction,
               "share of free device (or host) memory, after the weights, given to the KV cache when sized "
               "automatically",
-              0.01, 0.98);
+              0.01, 0.98)
+      .Bool("kv.prefix_cache", d.prefix_cache,
+            "keep the KV of prompt blocks after a request ends and reuse it for prompts that start with "
+            "them (evicted least recently used when the cache is full)")
+      .Int("kv.prefix_block_tokens", d.prefix_block_tokens,
+           "tokens per prefix-cache block: prompts share KV in whole blocks", 1, 4096)
+      .Enum("kv.prefix_sharing", d.prefix_sharing, {"auto", "on", "off"},
+            "attention reads a prefix shared by several requests of a step once for all of them: auto "
+            "where the measured crossover says it pays, on always, off never (needs kv.prefix_cache)");
+}
+
+absl::Status ResolvePrefixOptions(bool prefix_cache, int64_t block_tokens, const std::string& sharing,
+                                  ControllerOptions* options) {
+  if (block_tokens < 1 || block_tokens > 4096)
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv.prefix_block_tokens must be in [1, 4096], got ", block_tokens));
+  options->prefix_block_tokens = prefix_cache ? block_tokens : 0;
+  if (sharing == "off") {
+    options->prefix_sharing = PrefixSharing::kOff;
+  } else if (sharing == "on" || sharing == "auto") {
+    if (!prefix_cache && sharing == "on")
+      return absl::InvalidArgumentError("kv.prefix_sharing: on needs kv.prefix_cache: true");
+    options->prefix_sharing = !prefix_cache     ? PrefixSharing::kOff
+                              : sharing == "on" ? PrefixSharing::kOn
+                                                : PrefixSharing::kAuto;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv.prefix_sharing: expected auto, on or off, got \"", sharing, "\""));
+  }
+  return absl::OkStatus();
 }
 
 EngineOptions EngineOptionsFromConfig(const Config& config) {
@@ -46,6 +75,9 @@ EngineOptions EngineOptionsFromConfig(const Config& config) {
   o.max_tokens_per_step = config.GetInt("scheduler.max_tokens_per_step");
   o.kv_capacity_tokens = config.GetInt("kv.capacity_tokens");
   o.kv_memory_fraction = config.GetDouble("kv.memory_fraction");
+  o.prefix_cache = config.GetBool("kv.prefix_cache");
+  o.prefix_block_tokens = config.GetInt("kv.prefix_block_tokens");
+  o.prefix_sharing = config.GetString("kv.prefix_sharing");
   return o;
 }
 
@@ -75,8 +107,10 @@ absl::StatusOr<int> ResolveDevice(const std::string& device, const ModelSpec& sp
 absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const WeightSource& source,
                                                                          const EngineOptions& requested) {
   EngineOptions options = requested;
-  ASSIGN_OR_RETURN(const ControllerOptions scheduler,
+  ASSIGN_OR_RETURN(ControllerOptions scheduler,
                    ResolveSchedulerOptions(options.max_batch_size, options.max_tokens_per_step));
+  RETURN_IF_ERROR(ResolvePrefixOptions(options.prefix_cache, options.prefix_block_tokens,
+                                       options.prefix_sharing, &scheduler));
   options.max_batch_size = scheduler.max_batch_size;
   const ModelSpec& spec = source.spec();
   ASSIGN_OR_RETURN(const int device, ResolveDevice(options.device, spec));
@@ -106,7 +140,7 @@ absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const W
     ASSIGN_OR_RETURN(attention, CreateCudaAttentionExecutor(shape, kv, device, backend->stream()));
   }
   auto engine = std::unique_ptr<ColocatedEngine>(
-      new ColocatedEngine(std::move(backend), std::move(attention), options));
+      new ColocatedEngine(std::move(backend), std::move(attention), options, scheduler));
   const int64_t t = options.max_tokens_per_step;
   const size_t elem = DTypeSize(engine->backend_->dtype());
   ASSIGN_OR_RETURN(engine->qkv_,
@@ -118,16 +152,20 @@ absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const W
 }
 
 ColocatedEngine::ColocatedEngine(std::unique_ptr<ComputeBackend> backend,
-                                 std::unique_ptr<AttentionExecutor> attention, const EngineOptions& options)
+                                 std::unique_ptr<AttentionExecutor> attention, const EngineOptions& options,
+                                 const ControllerOptions& scheduler)
     : backend_(std::move(backend)),
       attention_(std::move(attention)),
       options_(options),
-      controller_(
-          backend_->spec(), {attention_->kv_capacity()},
-          {.max_batch_size = options.max_batch_size, .max_tokens_per_step = options.max_tokens_per_step}),
-      kv_table_(attention_->kv_capacity()),
+      controller_(backend_->spec(), {attention_->kv_capacity()}, scheduler),
+      kv_table_(attention_->kv_capacity(), scheduler.prefix_block_tokens),
       qkv_(nullptr, &std::free),
-      attn_(nullptr, &std::free) {}
+      attn_(nullptr, &std::free) {
+  AttentionExecutor* exec = attention_.get();
+  kv_table_.SetPrefixSharing(scheduler.prefix_sharing, [exec](int64_t rows, int64_t tokens) {
+    return exec->CascadePays(rows, tokens);
+  });
+}
 
 absl::StatusOr<int64_t> ColocatedEngine::Submit(GenerationRequest request) {
   return controller_.Submit(std::move(request));
@@ -156,6 +194,7 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
   stats_.steps = cs.steps;
   stats_.prefill_tokens = cs.prefill_tokens;
   stats_.decode_tokens = cs.decode_tokens;
+  stats_.cached_tokens = cs.cached_tokens;
   stats_.busy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return absl::OkStatus();
 }

@@ -29,13 +29,16 @@
 namespace tandem {
 
 struct EngineOptions {
-  std::string device = "auto";         // "cpu", "cuda", "cuda:N", or "auto" (cuda:0 if present)
-  int64_t max_batch_size = 0;          // requests in one step; 0: as many as the KV cache holds
-                                       // (at most max_tokens_per_step)
-  int64_t max_tokens_per_step = 2048;  // decode tokens + prefill chunk tokens in one step
-  int64_t kv_capacity_tokens = 0;      // KV slots; 0: sized from free device or host memory
-  double kv_memory_fraction = 0.9;     // share of free memory (after weights) for KV when auto
-  bool profile = false;                // per-phase device times (benchmarks; see PhaseTotalsMs)
+  std::string device = "auto";          // "cpu", "cuda", "cuda:N", or "auto" (cuda:0 if present)
+  int64_t max_batch_size = 0;           // requests in one step; 0: as many as the KV cache holds
+                                        // (at most max_tokens_per_step)
+  int64_t max_tokens_per_step = 2048;   // decode tokens + prefill chunk tokens in one step
+  int64_t kv_capacity_tokens = 0;       // KV slots; 0: sized from free device or host memory
+  double kv_memory_fraction = 0.9;      // share of free memory (after weights) for KV when auto
+  bool prefix_cache = true;             // reuse registered prompt blocks' KV (kv.prefix_cache)
+  int64_t prefix_block_tokens = 64;     // tokens per registered block
+  std::string prefix_sharing = "auto";  // shared-prefix attention: auto, on or off
+  bool profile = false;                 // per-phase device times (benchmarks; see PhaseTotalsMs)
 };
 
 // The knobs of EngineOptions as config schema sections ("runtime.*", "scheduler.*", "kv.*") and
@@ -44,6 +47,10 @@ void AddEngineKnobs(ConfigSchema* schema);
 EngineOptions EngineOptionsFromConfig(const Config& config);
 // Only the "scheduler.*" and "kv.*" sections (a deployment's schema has its own device keys).
 void AddSchedulerKvKnobs(ConfigSchema* schema);
+// The controller's prefix settings from kv.prefix_cache, kv.prefix_block_tokens and
+// kv.prefix_sharing (sharing needs the cache: on without it is an error naming both keys).
+absl::Status ResolvePrefixOptions(bool prefix_cache, int64_t block_tokens, const std::string& sharing,
+                                  ControllerOptions* options);
 // "cpu" -> -1; "cuda" -> 0; "cuda:N" -> N; "auto" -> 0 if a CUDA device is present and the CUDA
 // kernels support the model, else -1. InvalidArgument for anything else.
 absl::StatusOr<int> ResolveDevice(const std::string& device, const ModelSpec& spec);
@@ -52,6 +59,7 @@ struct EngineStats {
   int64_t steps = 0;
   int64_t prefill_tokens = 0;
   int64_t decode_tokens = 0;  // generated tokens
+  int64_t cached_tokens = 0;  // prompt tokens reused from the prefix registry
   double busy_seconds = 0;    // wall time inside Step()
 };
 
@@ -84,11 +92,13 @@ class ColocatedEngine {
   // See ComputeBackend::PhaseTotalsMs (EngineOptions::profile).
   std::vector<std::pair<std::string, double>> PhaseTotalsMs() const { return backend_->PhaseTotalsMs(); }
   int64_t kv_free_tokens() const { return kv_table_.num_free(); }
+  // KV held by registered prefix blocks (kept after their requests end, for reuse).
+  int64_t kv_registered_tokens() const { return kv_table_.num_blocks() * kv_table_.block_tokens(); }
   const Controller& controller() const { return controller_; }
 
  private:
   ColocatedEngine(std::unique_ptr<ComputeBackend> backend, std::unique_ptr<AttentionExecutor> attention,
-                  const EngineOptions& options);
+                  const EngineOptions& options, const ControllerOptions& scheduler);
 
   std::unique_ptr<ComputeBackend> backend_;
   std::unique_ptr<AttentionExecutor> attention_;

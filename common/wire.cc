@@ -8,6 +8,8 @@
 #include <limits>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -249,6 +251,24 @@ absl::Status CheckNoNul(std::string_view s, std::string_view what, std::string_v
 constexpr uint32_t kMinStatusCode = 1;   // absl::StatusCode::kCancelled
 constexpr uint32_t kMaxStatusCode = 16;  // absl::StatusCode::kUnauthenticated
 
+// Reads the `n` reserved bytes of step plan record `index` (a `record`: "request", "group", ...);
+// each must be 0. The field name is built only for an error.
+absl::Status RecordReserved(Reader& r, std::string_view record, size_t index, int n) {
+  const size_t at = r.offset();
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> bytes, r.Bytes("reserved", n));
+  for (int k = 0; k < n; ++k) {
+    if (bytes[k] != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("step plan: ", ToAbsl(record), " ", index,
+                                                     ": reserved at byte offset ", at + k, " is ", bytes[k],
+                                                     ", must be 0"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A block hash as errors print it.
+std::string Hash(uint64_t h) { return absl::StrFormat("0x%016x", h); }
+
 absl::Status ValidateRequest(const StepRequest& q, size_t i) {
   auto bad = [i](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat("step plan: request ", i, ": ", parts...));
@@ -265,7 +285,119 @@ absl::Status ValidateRequest(const StepRequest& q, size_t i) {
   }
   if (q.top_k < 0) return bad("top_k ", q.top_k, " must be >= 0");
   if (!(q.top_p > 0.0f && q.top_p <= 1.0f)) return bad("top_p ", q.top_p, " must be in (0, 1]");
+  if (q.attach_hash != 0 && q.position < 1) {
+    return bad("attach_hash ", Hash(q.attach_hash), " needs position > 0, not ", q.position,
+               " (0: no attach)");
+  }
   return absl::OkStatus();
+}
+
+// Checks group `i` of `groups` (its parent, an earlier group, already checked).
+absl::Status ValidateGroup(absl::Span<const PrefixGroup> groups, size_t i) {
+  const PrefixGroup& g = groups[i];
+  auto bad = [i](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("step plan: group ", i, ": ", parts...));
+  };
+  if (g.prefix_tokens < 1) return bad("prefix_tokens ", g.prefix_tokens, " must be >= 1");
+  if (g.parent < -1 || g.parent >= static_cast<int64_t>(i)) {
+    return bad("parent ", g.parent, " must be -1 or < ", i);
+  }
+  if (g.parent >= 0) {
+    const PrefixGroup& p = groups[g.parent];
+    if (p.memory_rank != g.memory_rank) {
+      return bad("memory_rank ", g.memory_rank, " must equal parent group ", g.parent, "'s memory_rank ",
+                 p.memory_rank);
+    }
+    if (p.prefix_tokens >= g.prefix_tokens) {
+      return bad("prefix_tokens ", g.prefix_tokens, " must be > parent group ", g.parent, "'s prefix_tokens ",
+                 p.prefix_tokens);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePublish(const PrefixPublish& p, size_t i) {
+  auto bad = [i](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("step plan: publish ", i, ": ", parts...));
+  };
+  if (p.block_index < 0) return bad("block_index ", p.block_index, " must be >= 0");
+  if (p.block_index == 0 && p.parent_hash != 0) {
+    return bad("parent_hash ", Hash(p.parent_hash), " must be 0 when block_index is 0");
+  }
+  return absl::OkStatus();
+}
+
+// The first record (lowest index) whose (memory_rank, block_hash) an earlier record has:
+// "<what> j: memory_rank r, block_hash h repeats <what> i". OK when there is none.
+template <typename Record>
+absl::Status CheckNoRepeatedBlocks(const std::vector<Record>& records, std::string_view what) {
+  if (records.size() < 2) return absl::OkStatus();
+  struct Key {
+    uint16_t rank;
+    uint64_t hash;
+    size_t index;
+  };
+  std::vector<Key> keys(records.size());
+  for (size_t i = 0; i < records.size(); ++i) keys[i] = {records[i].memory_rank, records[i].block_hash, i};
+  auto less = [](const Key& a, const Key& b) {
+    return std::tie(a.rank, a.hash, a.index) < std::tie(b.rank, b.hash, b.index);
+  };
+  std::sort(keys.begin(), keys.end(), less);
+  // In each run of equal blocks, the second record repeats the first; report the earliest repeat.
+  size_t first = 0, repeat = records.size();
+  for (size_t k = 1; k < keys.size(); ++k) {
+    if (keys[k].rank == keys[k - 1].rank && keys[k].hash == keys[k - 1].hash &&
+        (k < 2 || keys[k - 2].rank != keys[k].rank || keys[k - 2].hash != keys[k].hash) &&
+        keys[k].index < repeat) {
+      first = keys[k - 1].index, repeat = keys[k].index;
+    }
+  }
+  if (repeat == records.size()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("step plan: ", ToAbsl(what), " ", repeat, ": memory_rank ", records[repeat].memory_rank,
+                   ", block_hash ", Hash(records[repeat].block_hash), " repeats ", ToAbsl(what), " ", first));
+}
+
+// The checks between records (each record's own fields already checked).
+absl::Status ValidatePlanLinks(const StepPlan& plan) {
+  for (size_t i = 0; i < plan.requests.size(); ++i) {
+    const StepRequest& q = plan.requests[i];
+    if (q.prefix_group == -1) continue;
+    if (static_cast<uint64_t>(q.prefix_group) >= plan.groups.size()) {  // >= 0: ValidateRequest
+      return absl::InvalidArgumentError(absl::StrCat("step plan: request ", i, ": prefix_group ",
+                                                     q.prefix_group, " must be -1 (none) or < ",
+                                                     plan.groups.size(), " (the group count)"));
+    }
+    const PrefixGroup& g = plan.groups[q.prefix_group];
+    if (g.memory_rank != q.memory_rank) {
+      return absl::InvalidArgumentError(absl::StrCat("step plan: request ", i, ": memory_rank ",
+                                                     q.memory_rank, " must equal group ", q.prefix_group,
+                                                     "'s memory_rank ", g.memory_rank));
+    }
+  }
+  if (!plan.publishes.empty()) {
+    // (request_id, memory_rank) of every request, sorted, to look publishes up.
+    std::vector<std::pair<uint64_t, uint16_t>> owners(plan.requests.size());
+    for (size_t i = 0; i < plan.requests.size(); ++i) {
+      owners[i] = {plan.requests[i].request_id, plan.requests[i].memory_rank};
+    }
+    std::sort(owners.begin(), owners.end());
+    for (size_t i = 0; i < plan.publishes.size(); ++i) {
+      const PrefixPublish& p = plan.publishes[i];
+      const auto it = std::lower_bound(owners.begin(), owners.end(), std::pair(p.request_id, uint16_t{0}));
+      if (it == owners.end() || it->first != p.request_id) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("step plan: publish ", i, ": request ", p.request_id, " is not in the plan"));
+      }
+      if (!std::binary_search(owners.begin(), owners.end(), std::pair(p.request_id, p.memory_rank))) {
+        return absl::InvalidArgumentError(absl::StrCat("step plan: publish ", i, ": memory_rank ",
+                                                       p.memory_rank, " must equal request ", p.request_id,
+                                                       "'s memory_rank ", it->second));
+      }
+    }
+  }
+  RETURN_IF_ERROR(CheckNoRepeatedBlocks(plan.publishes, "publish"));
+  return CheckNoRepeatedBlocks(plan.evictions, "eviction");
 }
 
 }  // namespace
@@ -312,7 +444,9 @@ uint32_t Crc32c(absl::Span<const uint8_t> data) { return Crc32cExtend(0, data); 
 
 absl::Status ValidateStepPlan(const StepPlan& plan) {
   for (size_t i = 0; i < plan.requests.size(); ++i) RETURN_IF_ERROR(ValidateRequest(plan.requests[i], i));
-  return absl::OkStatus();
+  for (size_t i = 0; i < plan.groups.size(); ++i) RETURN_IF_ERROR(ValidateGroup(plan.groups, i));
+  for (size_t i = 0; i < plan.publishes.size(); ++i) RETURN_IF_ERROR(ValidatePublish(plan.publishes[i], i));
+  return ValidatePlanLinks(plan);
 }
 
 absl::Status ValidateLayerMessageHeader(const LayerMessageHeader& h) {
@@ -339,19 +473,33 @@ absl::Status ValidateLayerMessageHeader(const LayerMessageHeader& h) {
 }
 
 std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
-  TANDEM_CHECK_MSG(plan.requests.size() <=
-                       (std::numeric_limits<uint32_t>::max() - kStepPlanFixedBytes) / kStepRequestBytes,
-                   "step plan of ", plan.requests.size(), " requests does not fit in one frame");
+  // Each count is bounded before it is multiplied, so the sum cannot wrap.
+  constexpr uint64_t kMaxBody = std::numeric_limits<uint32_t>::max();
+  uint64_t body_bytes = kStepPlanFixedBytes;
+  bool fits = true;
+  for (const auto& [count, record_bytes] :
+       {std::pair{plan.requests.size(), kStepRequestBytes}, std::pair{plan.groups.size(), kPrefixGroupBytes},
+        std::pair{plan.publishes.size(), kPrefixPublishBytes},
+        std::pair{plan.evictions.size(), kPrefixEvictBytes}}) {
+    fits = fits && count <= (kMaxBody - body_bytes) / record_bytes;
+    if (fits) body_bytes += count * record_bytes;
+  }
+  TANDEM_CHECK_MSG(fits, "step plan of ", plan.requests.size(), " requests, ", plan.groups.size(),
+                   " groups, ", plan.publishes.size(), " publishes and ", plan.evictions.size(),
+                   " evictions does not fit in one frame");
   std::vector<uint8_t> body;
-  body.reserve(kStepPlanFixedBytes + kStepRequestBytes * plan.requests.size());
+  body.reserve(body_bytes);
   Writer w(&body);
   w.U64(plan.step_id);
   w.U32(static_cast<uint32_t>(plan.requests.size()));
-  w.Zeros(4);
+  w.U32(static_cast<uint32_t>(plan.groups.size()));
+  w.U32(static_cast<uint32_t>(plan.publishes.size()));
+  w.U32(static_cast<uint32_t>(plan.evictions.size()));
   for (const StepRequest& q : plan.requests) {
     w.U64(q.request_id);
     w.U64(q.seed);
     w.U64(q.counter);
+    w.U64(q.attach_hash);
     w.I32(q.prefix_group);
     w.I32(q.position);
     w.I32(q.q_len);
@@ -363,6 +511,26 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
     w.U8(q.sample ? 1 : 0);
     w.Zeros(1);
   }
+  for (const PrefixGroup& g : plan.groups) {
+    w.U64(g.block_hash);
+    w.I32(g.prefix_tokens);
+    w.I32(g.parent);
+    w.U16(g.memory_rank);
+    w.Zeros(6);
+  }
+  for (const PrefixPublish& p : plan.publishes) {
+    w.U64(p.request_id);
+    w.U64(p.block_hash);
+    w.U64(p.parent_hash);
+    w.I32(p.block_index);
+    w.U16(p.memory_rank);
+    w.Zeros(2);
+  }
+  for (const PrefixEvict& e : plan.evictions) {
+    w.U64(e.block_hash);
+    w.U16(e.memory_rank);
+    w.Zeros(6);
+  }
   return Frame(kStepPlanMagic, body);
 }
 
@@ -372,17 +540,46 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
   Reader r(body, kFrameHeaderBytes, kWhat);
   StepPlan plan;
   ASSIGN_OR_RETURN(plan.step_id, r.U64("step_id"));
-  ASSIGN_OR_RETURN(uint32_t count, r.U32("request_count"));
-  RETURN_IF_ERROR(r.Reserved("reserved", 4));
-  // Bound the count by the bytes present before allocating anything for it.
-  RETURN_IF_ERROR(CheckRest(r, static_cast<uint64_t>(count) * kStepRequestBytes, kWhat, "request_count",
-                            count, "requests"));
-  plan.requests.resize(count);
-  for (uint32_t i = 0; i < count; ++i) {
+  ASSIGN_OR_RETURN(uint32_t request_count, r.U32("request_count"));
+  ASSIGN_OR_RETURN(uint32_t group_count, r.U32("group_count"));
+  ASSIGN_OR_RETURN(uint32_t publish_count, r.U32("publish_count"));
+  ASSIGN_OR_RETURN(uint32_t evict_count, r.U32("evict_count"));
+  // Bound every count by the bytes present before allocating anything: each area, in order, must
+  // fit in what the areas before it leave, and together they must fill the body exactly.
+  struct Area {
+    std::string_view field;
+    uint32_t count;
+    size_t record_bytes;
+    std::string_view contents;
+  };
+  const Area areas[] = {{"request_count", request_count, kStepRequestBytes, "requests"},
+                        {"group_count", group_count, kPrefixGroupBytes, "groups"},
+                        {"publish_count", publish_count, kPrefixPublishBytes, "publishes"},
+                        {"evict_count", evict_count, kPrefixEvictBytes, "evictions"}};
+  uint64_t used = 0;  // at most 4 * 2^32 * 64: cannot wrap
+  for (const Area& a : areas) {
+    const uint64_t needed = static_cast<uint64_t>(a.count) * a.record_bytes;
+    if (needed > r.remaining() - used) {
+      return absl::DataLossError(absl::StrCat(ToAbsl(kWhat), ": truncated: ", ToAbsl(a.field), " ", a.count,
+                                              " needs ", needed, " bytes of ", ToAbsl(a.contents),
+                                              " at byte offset ", r.offset() + used, " but ",
+                                              r.remaining() - used, " remain"));
+    }
+    used += needed;
+  }
+  if (used < r.remaining()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(ToAbsl(kWhat), ": request_count ", request_count, ", group_count ", group_count,
+                     ", publish_count ", publish_count, " and evict_count ", evict_count, " leave ",
+                     r.remaining() - used, " unused body bytes at byte offset ", r.offset() + used));
+  }
+  plan.requests.resize(request_count);
+  for (uint32_t i = 0; i < request_count; ++i) {
     StepRequest& q = plan.requests[i];
     ASSIGN_OR_RETURN(q.request_id, r.U64("request_id"));
     ASSIGN_OR_RETURN(q.seed, r.U64("seed"));
     ASSIGN_OR_RETURN(q.counter, r.U64("counter"));
+    ASSIGN_OR_RETURN(q.attach_hash, r.U64("attach_hash"));
     ASSIGN_OR_RETURN(q.prefix_group, r.I32("prefix_group"));
     ASSIGN_OR_RETURN(q.position, r.I32("position"));
     ASSIGN_OR_RETURN(q.q_len, r.I32("q_len"));
@@ -398,9 +595,35 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
                                                      " at byte offset ", sample_at, " must be 0 or 1"));
     }
     q.sample = sample == 1;
-    RETURN_IF_ERROR(r.Reserved(absl::StrCat("request ", i, ": reserved"), 1));
-    RETURN_IF_ERROR(ValidateRequest(q, i));
+    RETURN_IF_ERROR(RecordReserved(r, "request", i, 1));
   }
+  plan.groups.resize(group_count);
+  for (uint32_t i = 0; i < group_count; ++i) {
+    PrefixGroup& g = plan.groups[i];
+    ASSIGN_OR_RETURN(g.block_hash, r.U64("block_hash"));
+    ASSIGN_OR_RETURN(g.prefix_tokens, r.I32("prefix_tokens"));
+    ASSIGN_OR_RETURN(g.parent, r.I32("parent"));
+    ASSIGN_OR_RETURN(g.memory_rank, r.U16("memory_rank"));
+    RETURN_IF_ERROR(RecordReserved(r, "group", i, 6));
+  }
+  plan.publishes.resize(publish_count);
+  for (uint32_t i = 0; i < publish_count; ++i) {
+    PrefixPublish& p = plan.publishes[i];
+    ASSIGN_OR_RETURN(p.request_id, r.U64("request_id"));
+    ASSIGN_OR_RETURN(p.block_hash, r.U64("block_hash"));
+    ASSIGN_OR_RETURN(p.parent_hash, r.U64("parent_hash"));
+    ASSIGN_OR_RETURN(p.block_index, r.I32("block_index"));
+    ASSIGN_OR_RETURN(p.memory_rank, r.U16("memory_rank"));
+    RETURN_IF_ERROR(RecordReserved(r, "publish", i, 2));
+  }
+  plan.evictions.resize(evict_count);
+  for (uint32_t i = 0; i < evict_count; ++i) {
+    PrefixEvict& e = plan.evictions[i];
+    ASSIGN_OR_RETURN(e.block_hash, r.U64("block_hash"));
+    ASSIGN_OR_RETURN(e.memory_rank, r.U16("memory_rank"));
+    RETURN_IF_ERROR(RecordReserved(r, "eviction", i, 6));
+  }
+  RETURN_IF_ERROR(ValidateStepPlan(plan));
   return plan;
 }
 
@@ -474,6 +697,16 @@ absl::Status ValidateHello(const HelloMessage& h) {
   }
   if (!(h.kv_memory_fraction > 0.0f && h.kv_memory_fraction <= 1.0f)) {
     return bad("kv_memory_fraction ", h.kv_memory_fraction, " must be in (0, 1]");
+  }
+  if (h.prefix_block_tokens > kMaxPrefixBlockTokens) {
+    return bad("prefix_block_tokens ", h.prefix_block_tokens, " must be 0 (no prefix registry) or in [1, ",
+               kMaxPrefixBlockTokens, "]");
+  }
+  if (h.prefix_sharing > static_cast<uint8_t>(PrefixSharing::kAuto)) {
+    return bad("prefix_sharing ", h.prefix_sharing, " must be 0 (off), 1 (on) or 2 (auto)");
+  }
+  if (h.prefix_sharing != static_cast<uint8_t>(PrefixSharing::kOff) && h.prefix_block_tokens == 0) {
+    return bad("prefix_sharing ", h.prefix_sharing, " needs prefix_block_tokens >= 1 (a prefix registry)");
   }
   return absl::OkStatus();
 }
@@ -557,7 +790,9 @@ std::vector<uint8_t> EncodeHello(const HelloMessage& h) {
   w.U16(h.num_memory_ranks);
   w.U8(static_cast<uint8_t>(h.dtype));
   w.U8(h.checksums ? 1 : 0);
-  w.Zeros(6);
+  w.U16(h.prefix_block_tokens);
+  w.U8(h.prefix_sharing);
+  w.Zeros(3);
   return Frame(kHelloMagic, body);
 }
 
@@ -581,7 +816,9 @@ absl::StatusOr<HelloMessage> DecodeHello(absl::Span<const uint8_t> frame) {
   ASSIGN_OR_RETURN(h.num_memory_ranks, r.U16("num_memory_ranks"));
   ASSIGN_OR_RETURN(uint8_t dtype, r.U8("dtype"));
   ASSIGN_OR_RETURN(h.checksums, ReadBool(r, "checksums", kWhat));
-  RETURN_IF_ERROR(r.Reserved("reserved", 6));
+  ASSIGN_OR_RETURN(h.prefix_block_tokens, r.U16("prefix_block_tokens"));
+  ASSIGN_OR_RETURN(h.prefix_sharing, r.U8("prefix_sharing"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 3));
   h.dtype = static_cast<DType>(dtype);  // checked by ValidateHello before any use as an enum
   RETURN_IF_ERROR(ValidateHello(h));
   return h;

@@ -25,30 +25,62 @@
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
 //
-// Step plan body (body_bytes = 16 + 56 * request_count):
+// Step plan body (body_bytes = 24 + 64 * request_count + 24 * group_count + 32 * publish_count +
+// 16 * evict_count; the records fill the body exactly):
 //
 //   offset  size  field          notes
 //   ------  ----  -------------  ---------------------------------------------------------------
 //        0     8  step_id        u64
-//        8     4  request_count  u32
-//       12     4  reserved       must be 0
-//       16  56*n  requests[n]    StepRequest records, each laid out as below (offsets relative)
+//        8     4  request_count  u32  r: requests in the plan
+//       12     4  group_count    u32  g: prefix groups
+//       16     4  publish_count  u32  p: blocks to register
+//       20     4  evict_count    u32  e: registered blocks to drop
+//       24  64*r  requests[r]    StepRequest records, each laid out as below (offsets relative)
+//        R  24*g  groups[g]      PrefixGroup records; R = 24 + 64*r
+//        G  32*p  publishes[p]   PrefixPublish records; G = R + 24*g
+//        P  16*e  evictions[e]   PrefixEvict records; P = G + 32*p, and the body ends at P + 16*e
 //
-//   StepRequest record (56 bytes):
+//   StepRequest record (64 bytes):
 //        0     8  request_id     u64
 //        8     8  seed           u64  sampling seed
 //       16     8  counter        u64  sampling counter: index of the token this step draws
-//       24     4  prefix_group   i32  -1: none, else >= 0
-//       28     4  position       i32  >= 0, first position of this step's rows
-//       32     4  q_len          i32  >= 1, rows of this request in this step
-//       36     4  kv_len         i32  >= q_len, context length after this step;
+//       24     8  attach_hash    u64  0: the step attaches no registered prefix blocks; else the
+//                                     hash of the block that ends the chain it attaches (which
+//                                     covers exactly `position` tokens); not 0 needs position > 0
+//       32     4  prefix_group   i32  -1: none, else < group_count: index of the request's
+//                                     (deepest) group, whose memory_rank is the request's
+//       36     4  position       i32  >= 0, first position of this step's rows
+//       40     4  q_len          i32  >= 1, rows of this request in this step
+//       44     4  kv_len         i32  >= q_len, context length after this step;
 //                                     position + q_len <= kv_len
-//       40     4  temperature    f32  finite, >= 0 (0: greedy)
-//       44     4  top_k          i32  >= 0 (0: no top-k cut)
-//       48     4  top_p          f32  in (0, 1]
-//       52     2  memory_rank    u16  rank that owns the request's KV cache
-//       54     1  sample         u8   0 or 1: the request's last row produces a token
-//       55     1  reserved       must be 0
+//       48     4  temperature    f32  finite, >= 0 (0: greedy)
+//       52     4  top_k          i32  >= 0 (0: no top-k cut)
+//       56     4  top_p          f32  in (0, 1]
+//       60     2  memory_rank    u16  rank that owns the request's KV cache
+//       62     1  sample         u8   0 or 1: the request's last row produces a token
+//       63     1  reserved       must be 0
+//
+//   PrefixGroup record (24 bytes):
+//        0     8  block_hash     u64  hash of the registered block that ends the group's prefix
+//        8     4  prefix_tokens  i32  >= 1, tokens of the prefix
+//       12     4  parent         i32  -1: none, else < this group's index: the enclosing group,
+//                                     with the same memory_rank and fewer prefix_tokens
+//       16     2  memory_rank    u16
+//       18     6  reserved       must be 0
+//
+//   PrefixPublish record (32 bytes; no two with the same memory_rank and block_hash):
+//        0     8  request_id     u64  a request of this plan with the same memory_rank
+//        8     8  block_hash     u64  hash the block is registered under
+//       16     8  parent_hash    u64  hash of the block before it; 0 when block_index is 0
+//       24     4  block_index    i32  >= 0: the block holds positions [block_index * B,
+//                                     (block_index + 1) * B), B = the hello's prefix_block_tokens
+//       28     2  memory_rank    u16
+//       30     2  reserved       must be 0
+//
+//   PrefixEvict record (16 bytes; no two with the same memory_rank and block_hash):
+//        0     8  block_hash     u64  hash of the registered block to drop
+//        8     2  memory_rank    u16
+//       10     6  reserved       must be 0
 //
 // Layer message header body (48 bytes; a whole frame is 64 bytes):
 //
@@ -87,7 +119,11 @@
 //       46     2  num_memory_ranks       u16  >= 1
 //       48     1  dtype                  u8   tandem::DType of activations on the wire: 0, 1, 2
 //       49     1  checksums              u8   0 or 1: layer payload crcs are computed and checked
-//       50     6  reserved               must be 0
+//       50     2  prefix_block_tokens    u16  0: no prefix registry; else in [1, 4096], tokens per
+//                                             registered prefix block
+//       52     1  prefix_sharing         u8   PrefixSharing: 0 (off), 1 (on), 2 (auto); 1 and 2
+//                                             need prefix_block_tokens >= 1
+//       53     3  reserved               must be 0
 //
 // Hello reply body (memory rank -> compute rank; body_bytes = 18 + device_bytes):
 //
@@ -131,7 +167,7 @@
 // bound counts and lengths by the body length before allocating, and check every field's range.
 // Errors (messages start with the format's name: "step plan: ", "layer message header: ",
 // "hello: ", "hello reply: ", "release: ", "error message: ", "bye: ", and name the field with
-// its request index or byte offset):
+// its record ("request 3: ", "group 0: ", "publish 1: ", "eviction 2: ") or byte offset):
 //   DataLoss         the span is shorter than the frame or the body shorter than its contents
 //                    claim (truncation; checked before the range of a count or length), or a crc
 //                    mismatch
@@ -158,8 +194,11 @@ inline constexpr uint16_t kWireVersion = 1;
 inline constexpr uint32_t kStepPlanMagic = 0x50534454;      // "TDSP" on the wire
 inline constexpr uint32_t kLayerMessageMagic = 0x4d4c4454;  // "TDLM" on the wire
 inline constexpr size_t kFrameHeaderBytes = 16;
-inline constexpr size_t kStepPlanFixedBytes = 16;     // step plan body before the requests
-inline constexpr size_t kStepRequestBytes = 56;       // one StepRequest record
+inline constexpr size_t kStepPlanFixedBytes = 24;     // step plan body before the requests
+inline constexpr size_t kStepRequestBytes = 64;       // one StepRequest record
+inline constexpr size_t kPrefixGroupBytes = 24;       // one PrefixGroup record
+inline constexpr size_t kPrefixPublishBytes = 32;     // one PrefixPublish record
+inline constexpr size_t kPrefixEvictBytes = 16;       // one PrefixEvict record
 inline constexpr size_t kLayerMessageBodyBytes = 48;  // layer message header body
 
 // Control messages.
@@ -174,6 +213,7 @@ inline constexpr size_t kReleaseFixedBytes = 16;          // release body before
 inline constexpr size_t kErrorFixedBytes = 8;             // error body before the message
 inline constexpr size_t kByeBodyBytes = 8;                // bye body
 inline constexpr uint32_t kMaxHeadDim = 1024;
+inline constexpr uint16_t kMaxPrefixBlockTokens = 4096;  // HelloMessage::prefix_block_tokens
 inline constexpr uint64_t kMaxKvCapacityTokens = (uint64_t{1} << 31) - 1;
 inline constexpr size_t kMaxDeviceBytes = 256;          // HelloReplyMessage::device
 inline constexpr size_t kMaxErrorMessageBytes = 65536;  // ErrorMessage::message
@@ -181,12 +221,17 @@ inline constexpr size_t kMaxErrorMessageBytes = 65536;  // ErrorMessage::message
 // One request's share of a step.
 struct StepRequest {
   uint64_t request_id = 0;
-  uint16_t memory_rank = 0;   // rank that owns the request's KV cache
-  int32_t prefix_group = -1;  // -1: none
-  int32_t position = 0;       // first position of this step's rows, >= 0
-  int32_t q_len = 1;          // rows in this step, >= 1
-  int32_t kv_len = 1;         // context length after this step, >= position + q_len
-  bool sample = false;        // the last row produces a token
+  uint16_t memory_rank = 0;  // rank that owns the request's KV cache
+  // -1: none; else index into StepPlan::groups (the deepest group), of the same memory_rank.
+  int32_t prefix_group = -1;
+  // A request's first step with position > 0 may attach registered prefix blocks: the chain that
+  // ends at the block with this hash, which covers exactly `position` tokens. 0: the step attaches
+  // nothing (always so when position is 0).
+  uint64_t attach_hash = 0;
+  int32_t position = 0;  // first position of this step's rows, >= 0
+  int32_t q_len = 1;     // rows in this step, >= 1
+  int32_t kv_len = 1;    // context length after this step, >= position + q_len
+  bool sample = false;   // the last row produces a token
   // Sampling parameters (meaningful when `sample`, validated always).
   float temperature = 0.0f;  // finite, >= 0; 0 is greedy
   int32_t top_k = 0;         // >= 0; 0 is no top-k cut
@@ -197,13 +242,56 @@ struct StepRequest {
   friend bool operator==(const StepRequest&, const StepRequest&) = default;
 };
 
-// Sent once per step by the controller to every rank.
+// A prefix group (DESIGN.md, "KV cache on a memory rank"): requests of one memory rank whose
+// contexts start with the same registered blocks. Its prefix is the chain of registered blocks
+// ending at `block_hash` (prefix_tokens tokens); a nested group's parent is an earlier group of the
+// same rank whose prefix is a proper prefix of this one's.
+struct PrefixGroup {
+  uint64_t block_hash = 0;
+  int32_t prefix_tokens = 0;  // >= 1; more than the parent's
+  int32_t parent = -1;        // -1: none; else < this group's index, a group of the same memory_rank
+  uint16_t memory_rank = 0;
+
+  friend bool operator==(const PrefixGroup&, const PrefixGroup&) = default;
+};
+
+// Registers block `block_index` of a request's context (positions [block_index * B, (block_index +
+// 1) * B) for the rank's block size B) under `block_hash`, as the child of the block `parent_hash`
+// (0 when block_index is 0). The request appears in the same plan, with the same memory_rank; no two
+// publishes of a plan register the same (memory_rank, block_hash).
+struct PrefixPublish {
+  uint64_t request_id = 0;
+  uint64_t block_hash = 0;
+  uint64_t parent_hash = 0;  // 0 when block_index is 0
+  int32_t block_index = 0;   // >= 0
+  uint16_t memory_rank = 0;
+
+  friend bool operator==(const PrefixPublish&, const PrefixPublish&) = default;
+};
+
+// Drops a registered block (leaves first, never one a live request uses). No two evictions of a plan
+// name the same (memory_rank, block_hash).
+struct PrefixEvict {
+  uint64_t block_hash = 0;
+  uint16_t memory_rank = 0;
+
+  friend bool operator==(const PrefixEvict&, const PrefixEvict&) = default;
+};
+
+// Sent once per step by the controller to every rank. A memory rank applies it in this order:
+// evictions, requests (attach and new slots), publishes; then it resolves the groups.
 struct StepPlan {
   uint64_t step_id = 0;
   std::vector<StepRequest> requests;
+  std::vector<PrefixGroup> groups;
+  std::vector<PrefixPublish> publishes;
+  std::vector<PrefixEvict> evictions;
 
   friend bool operator==(const StepPlan&, const StepPlan&) = default;
 };
+
+// kv.prefix_sharing: whether attention reads a group's shared prefix once for all its rows.
+enum class PrefixSharing : uint8_t { kOff = 0, kOn = 1, kAuto = 2 };
 
 enum class LayerMessageKind : uint8_t { kQkv = 1, kAttnOut = 2 };
 
@@ -238,6 +326,9 @@ struct HelloMessage {
   float kv_memory_fraction = 1.0f;     // in (0, 1]
   uint32_t attn_out_buffer = 0;        // compute rank's buffer for this rank's attention outputs
   bool checksums = false;              // layer payload crcs are computed and checked
+  uint16_t prefix_block_tokens = 0;    // tokens per prefix block, <= kMaxPrefixBlockTokens; 0: no
+                                       // prefix registry
+  uint8_t prefix_sharing = 0;          // PrefixSharing: 0 off, 1 on, 2 auto; not off needs a registry
 
   friend bool operator==(const HelloMessage&, const HelloMessage&) = default;
 };
@@ -286,8 +377,12 @@ uint32_t Crc32cExtend(uint32_t crc, absl::Span<const uint8_t> data);
 // The table-driven CRC-32C that Crc32c uses where the CPU lacks SSE4.2 (for tests to compare).
 uint32_t Crc32cPortableForTest(absl::Span<const uint8_t> data);
 
-// Checks every field range listed in the table above; the error is InvalidArgument and names the
-// request index and field, e.g. "step plan: request 3: q_len 0 must be >= 1".
+// Checks every field range listed in the table above and the links between records: a request's
+// prefix_group, a group's parent and a publish's request_id name existing records of the same
+// memory_rank, and no two publishes or two evictions share (memory_rank, block_hash). The error is
+// InvalidArgument and names the record and field, e.g. "step plan: request 3: q_len 0 must be >= 1",
+// "step plan: group 2: parent 3 must be -1 or < 2", "step plan: publish 0: request 17 is not in
+// the plan".
 absl::Status ValidateStepPlan(const StepPlan& plan);
 absl::Status ValidateLayerMessageHeader(const LayerMessageHeader& header);
 // The same for the control messages, e.g. "hello: num_kv_heads 3 must divide num_heads 32".
@@ -303,7 +398,8 @@ absl::Status ValidateHelloReplyMatches(const HelloMessage& hello, const HelloRep
 
 // Encoders write any value as given (they do not validate; a plan that ValidateStepPlan rejects
 // encodes to a frame that DecodeStepPlan rejects). EncodeStepPlan aborts if the body would not
-// fit in body_bytes' 32 bits (more than ~76 million requests): a programmer error.
+// fit in body_bytes' 32 bits (more than ~67 million requests, or the records together over 4 GiB): a
+// programmer error.
 std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan);
 std::vector<uint8_t> EncodeLayerMessageHeader(const LayerMessageHeader& header);
 // EncodeHelloReply aborts if the device string exceeds 65535 bytes, EncodeRelease if the body

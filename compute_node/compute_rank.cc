@@ -76,6 +76,8 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
     hello.kv_memory_fraction = static_cast<float>(o.kv_memory_fraction);
     hello.attn_out_buffer = rank.attn_buffer;
     hello.checksums = o.checksums;
+    hello.prefix_block_tokens = static_cast<uint16_t>(o.scheduler.prefix_block_tokens);
+    hello.prefix_sharing = static_cast<uint8_t>(o.scheduler.prefix_sharing);
     RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, EncodeHello(hello)), rank.name));
   }
   // Replies, in any order.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
@@ -58,6 +59,13 @@ Controller::Controller(const ModelSpec& spec, std::vector<int64_t> kv_capacity,
       policy_(std::move(policy)) {
   TANDEM_CHECK(!capacity_.empty());
   TANDEM_CHECK(options_.max_batch_size >= 1 && options_.max_tokens_per_step >= options_.max_batch_size);
+  TANDEM_CHECK(options_.prefix_block_tokens >= 0);
+  evicted_.resize(capacity_.size());
+  if (options_.prefix_block_tokens > 0) {
+    for (size_t m = 0; m < capacity_.size(); ++m) {
+      index_.push_back(std::make_unique<PrefixIndex>(options_.prefix_block_tokens));
+    }
+  }
 }
 
 absl::Status Controller::Check(const GenerationRequest& request) const {
@@ -111,18 +119,139 @@ void Controller::Admit() {
     }
     const size_t pick = policy_->NextToAdmit(view);
     TANDEM_CHECK(pick < waiting_.size());
-    const int64_t need = view[pick].context_tokens;
-    // The rank with the most KV not yet promised (lowest index on ties).
-    int best = 0;
-    for (int m = 1; m < num_memory_ranks(); ++m) {
-      if (capacity_[m] - reserved_[m] > capacity_[best] - reserved_[best]) best = m;
+    const std::vector<int32_t>& prompt = waiting_[pick].request.prompt;
+    // Per rank: the registered prefix it would reuse, the KV it then needs, and what the rank can
+    // give (free, plus unused registered blocks other than the reused ones, which eviction frees).
+    int best = -1;
+    std::vector<int32_t> best_match;
+    int64_t best_need = 0, best_avail = 0;
+    for (int m = 0; m < num_memory_ranks(); ++m) {
+      const size_t mi = static_cast<size_t>(m);
+      std::vector<int32_t> match;
+      int64_t avail = capacity_[mi] - reserved_[mi];
+      if (!index_.empty()) {
+        const PrefixIndex& index = *index_[mi];
+        const int64_t bt = index.block_tokens();
+        match = index.Match(prompt, (static_cast<int64_t>(prompt.size()) - 1) / bt);
+        int64_t reused_unused = 0;
+        for (int32_t id : match) reused_unused += index.users(id) == 0 ? bt : 0;
+        avail += index.unused_tokens() - index.stats().tokens_held - reused_unused;
+      }
+      const int64_t need =
+          view[pick].context_tokens - static_cast<int64_t>(match.size()) * options_.prefix_block_tokens;
+      if (need > avail) continue;
+      if (best < 0 || match.size() > best_match.size() ||
+          (match.size() == best_match.size() && avail - need > best_avail - best_need)) {
+        best = m;
+        best_match = std::move(match);
+        best_need = need;
+        best_avail = avail;
+      }
     }
-    if (capacity_[best] - reserved_[best] < need) break;  // waits for KV; no overtaking
-    reserved_[best] += need;
+    if (best < 0) break;  // waits for KV; no overtaking
+    const size_t bi = static_cast<size_t>(best);
     auto live = std::make_unique<Live>(std::move(waiting_[pick]));
-    live->memory_rank = best;
     waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(pick));
+    live->memory_rank = best;
+    live->reserve = best_need;
+    if (!index_.empty()) {
+      PrefixIndex& index = *index_[bi];
+      index.Acquire(best_match);
+      const int64_t cached = static_cast<int64_t>(best_match.size()) * index.block_tokens();
+      index.CountLookup(static_cast<int64_t>(live->request.prompt.size()), cached);
+      const int64_t free = capacity_[bi] - reserved_[bi] - index.stats().tokens_held;
+      if (free < best_need) index.Evict(best_need - free, &evicted_[bi]);
+      live->chain = std::move(best_match);
+      live->prefilled = live->context = live->result.cached_tokens = cached;
+      stats_.cached_tokens += cached;
+    }
+    reserved_[bi] += best_need;
     running_.push_back(std::move(live));
+  }
+}
+
+void Controller::Retire(Live& live, std::vector<std::vector<uint64_t>>* released) {
+  const size_t m = static_cast<size_t>(live.memory_rank);
+  reserved_[m] -= live.reserve;
+  if (!index_.empty()) index_[m]->Release(live.chain);
+  (*released)[m].push_back(static_cast<uint64_t>(live.id));
+}
+
+void Controller::Publish(Live& live, StepPlan* plan) {
+  PrefixIndex& index = *index_[static_cast<size_t>(live.memory_rank)];
+  const int64_t blocks = static_cast<int64_t>(live.request.prompt.size()) / index.block_tokens();
+  for (int64_t i = static_cast<int64_t>(live.chain.size()); i < blocks; ++i) {
+    const int32_t parent = live.chain.empty() ? -1 : live.chain.back();
+    const int32_t id = index.Insert(live.request.prompt, i, parent);
+    // Registered meanwhile by a request that prefilled the same prompt (or a hash collision): the
+    // rest of this prompt's KV stays private, so every registered chain is one request's slots.
+    if (id < 0) break;
+    index.Acquire({&id, 1});
+    live.chain.push_back(id);
+    live.reserve -= index.block_tokens();
+    reserved_[static_cast<size_t>(live.memory_rank)] -= index.block_tokens();
+    plan->publishes.push_back({.request_id = static_cast<uint64_t>(live.id),
+                               .block_hash = index.hash(id),
+                               .parent_hash = parent < 0 ? 0 : index.hash(parent),
+                               .block_index = static_cast<int32_t>(i),
+                               .memory_rank = static_cast<uint16_t>(live.memory_rank)});
+  }
+}
+
+void Controller::Group(int m, const std::vector<std::pair<Live*, int64_t>>& chosen, StepPlan* plan) const {
+  const PrefixIndex& index = *index_[static_cast<size_t>(m)];
+  std::unordered_map<uint64_t, int32_t> deepest;  // request id -> its deepest group
+  // `members` share chain[0, depth) and the block chain[depth]; the group covers the longest run
+  // they all share, and subsets sharing more become nested groups.
+  std::function<void(const std::vector<const Live*>&, size_t, int32_t)> build =
+      [&](const std::vector<const Live*>& members, size_t depth, int32_t parent) {
+        size_t d = depth;
+        for (;; ++d) {
+          const Live* first = members.front();
+          if (first->chain.size() <= d) break;
+          const bool all = std::all_of(members.begin(), members.end(), [&](const Live* l) {
+            return l->chain.size() > d && l->chain[d] == first->chain[d];
+          });
+          if (!all) break;
+        }
+        const int32_t g = static_cast<int32_t>(plan->groups.size());
+        plan->groups.push_back({.block_hash = index.hash(members.front()->chain[d - 1]),
+                                .prefix_tokens = static_cast<int32_t>(d * index.block_tokens()),
+                                .parent = parent,
+                                .memory_rank = static_cast<uint16_t>(m)});
+        std::vector<std::pair<int32_t, std::vector<const Live*>>> parts;  // by next block, in order
+        for (const Live* l : members) {
+          deepest[static_cast<uint64_t>(l->id)] = g;
+          if (l->chain.size() == d) continue;
+          auto it =
+              std::find_if(parts.begin(), parts.end(), [&](const auto& p) { return p.first == l->chain[d]; });
+          if (it == parts.end()) {
+            parts.push_back({l->chain[d], {l}});
+          } else {
+            it->second.push_back(l);
+          }
+        }
+        for (const auto& [block, part] : parts) {
+          if (part.size() >= 2) build(part, d, g);
+        }
+      };
+  std::vector<std::pair<int32_t, std::vector<const Live*>>> roots;
+  for (const auto& [live, n] : chosen) {
+    if (live->memory_rank != m || live->chain.empty()) continue;
+    auto it =
+        std::find_if(roots.begin(), roots.end(), [&](const auto& p) { return p.first == live->chain[0]; });
+    if (it == roots.end()) {
+      roots.push_back({live->chain[0], {live}});
+    } else {
+      it->second.push_back(live);
+    }
+  }
+  for (const auto& [block, members] : roots) {
+    if (members.size() >= 2) build(members, 0, -1);
+  }
+  for (StepRequest& r : plan->requests) {
+    auto it = deepest.find(r.request_id);
+    if (r.memory_rank == m && it != deepest.end()) r.prefix_group = it->second;
   }
 }
 
@@ -178,6 +307,9 @@ void Controller::Schedule(PlannedStep* step) {
     r.top_p = live->request.sampling.top_p;
     r.seed = live->request.sampling.seed;
     r.counter = live->result.token_ids.size();
+    if (!live->started && start > 0)
+      r.attach_hash = index_[static_cast<size_t>(live->memory_rank)]->hash(live->chain.back());
+    live->started = true;
     step->plan.requests.push_back(r);
     step->rank_rows[static_cast<size_t>(live->memory_rank) + 1] += static_cast<int32_t>(n);
     if (sample) {
@@ -187,6 +319,25 @@ void Controller::Schedule(PlannedStep* step) {
     }
   }
   for (size_t m = 1; m < step->rank_rows.size(); ++m) step->rank_rows[m] += step->rank_rows[m - 1];
+  if (index_.empty()) return;
+  // Prefix work of the step, in the order a memory rank applies it: evictions (made by this
+  // step's admissions), then the groups over blocks registered before the step, then the blocks
+  // of prompts that finish prefilling in it.
+  for (size_t m = 0; m < evicted_.size(); ++m) {
+    for (uint64_t h : evicted_[m])
+      step->plan.evictions.push_back({.block_hash = h, .memory_rank = static_cast<uint16_t>(m)});
+    evicted_[m].clear();
+  }
+  if (options_.prefix_sharing != PrefixSharing::kOff) {
+    for (int m = 0; m < num_memory_ranks(); ++m) Group(m, chosen, &step->plan);
+    for (const StepRequest& r : step->plan.requests) stats_.grouped_rows += r.prefix_group >= 0 ? r.q_len : 0;
+  }
+  for (const auto& [live, n] : chosen) {
+    if (live->prefilled < static_cast<int64_t>(live->request.prompt.size()) &&
+        live->prefilled + n == static_cast<int64_t>(live->request.prompt.size())) {
+      Publish(*live, &step->plan);
+    }
+  }
 }
 
 absl::Status Controller::Complete(const PlannedStep& step, std::span<const int32_t> tokens,
@@ -234,8 +385,7 @@ absl::Status Controller::Complete(const PlannedStep& step, std::span<const int32
       ++it;
       continue;
     }
-    reserved_[static_cast<size_t>(live.memory_rank)] -= ContextNeed(live.request);
-    (*released)[static_cast<size_t>(live.memory_rank)].push_back(static_cast<uint64_t>(live.id));
+    Retire(live, released);
     finished->emplace_back(live.id, std::move(live.result));
     it = running_.erase(it);
   }
@@ -256,8 +406,7 @@ absl::Status Controller::Cancel(int64_t id, GenerationResult* result,
   for (auto it = running_.begin(); it != running_.end(); ++it) {
     Live& live = **it;
     if (live.id != id) continue;
-    reserved_[static_cast<size_t>(live.memory_rank)] -= ContextNeed(live.request);
-    (*released)[static_cast<size_t>(live.memory_rank)].push_back(static_cast<uint64_t>(id));
+    Retire(live, released);
     *result = std::move(live.result);
     result->finish_reason = "cancelled";
     running_.erase(it);

@@ -5,17 +5,27 @@
 //
 // Scheduling, per step:
 //   1. admission: the policy picks the next waiting request (FIFO: the oldest); it is placed on
-//      the memory rank with the most KV not yet promised to anyone, if that rank can hold its
-//      whole context (prompt + max_tokens). If no rank can, admission stops for this step (FIFO
-//      does not let later requests overtake) and the request waits; nothing is dropped. Because
-//      the whole context is reserved, a running request never waits for KV and is never
-//      preempted. Admission also stops at scheduler.max_batch_size running requests.
+//      a memory rank that can hold its whole context (prompt + max_tokens, less the prompt blocks
+//      that rank already has registered, evicting unused registered blocks if needed): the one
+//      with the longest registered prefix of its prompt, then the one with the most KV not yet
+//      promised. If no rank can, admission stops for this step (FIFO does not let later requests
+//      overtake) and the request waits; nothing is dropped. Because the whole context is
+//      reserved, a running request never waits for KV and is never preempted. Admission also
+//      stops at scheduler.max_batch_size running requests. A request reuses the registered
+//      blocks' KV (attach) and starts its prefill after them; at least one prompt token is always
+//      prefilled, since its logits give the first token.
 //   2. every running request that has finished its prompt gets one decode row;
 //   3. the rest of scheduler.max_tokens_per_step goes to prompt chunks (chunked prefill) in
 //      admission order, piggybacked on the decode rows.
 // The plan lists requests grouped by memory rank (rank 0 first) and, within a rank, every
 // single-row request before the multi-row ones; rows follow the same order, so each memory
 // rank's rows are one contiguous range.
+//
+// Prefix registry (options.prefix_block_tokens > 0; compute_node/prefix_index.h): when a
+// request's prefill ends, its full prompt blocks are registered on its rank (publish) and stay
+// after it ends, until admission needs their KV (LRU eviction). With prefix_sharing on or auto,
+// the requests of a step that use the same registered blocks form prefix groups (nested where
+// they share different depths), which let attention read those blocks once per step.
 //
 // Stop conditions: an EOS token (unless ignore_eos), max_tokens, or Cancel(). A finished
 // request's KV is released on its rank (Complete()/Cancel() report which ids to release).
@@ -37,6 +47,7 @@
 #include "common/model_spec.h"
 #include "common/wire.h"
 #include "compute_node/compute_backend.h"
+#include "compute_node/prefix_index.h"
 #include "kernels/cpu/ops.h"
 
 namespace tandem {
@@ -53,11 +64,16 @@ struct GenerationResult {
   std::vector<float> logprobs;     // natural log-probability of each generated token
   std::string finish_reason;       // "stop" (EOS), "length" (max_tokens) or "cancelled"
   int64_t prompt_tokens = 0;
+  int64_t cached_tokens = 0;  // prompt tokens whose KV was reused from the prefix registry
 };
 
 struct ControllerOptions {
   int64_t max_batch_size = 64;         // running requests at most (>= 1)
   int64_t max_tokens_per_step = 2048;  // rows per step at most (>= max_batch_size)
+  // Prefix registry (kv.prefix_cache, kv.prefix_block_tokens): 0 turns it off.
+  int64_t prefix_block_tokens = 0;
+  // kv.prefix_sharing: off puts no prefix groups in the plans (the memory rank decides auto/on).
+  PrefixSharing prefix_sharing = PrefixSharing::kOff;
 };
 
 // scheduler.max_batch_size and scheduler.max_tokens_per_step as the controller takes them: a
@@ -97,6 +113,8 @@ struct ControllerStats {
   int64_t steps = 0;
   int64_t prefill_tokens = 0;
   int64_t decode_tokens = 0;  // generated tokens
+  int64_t cached_tokens = 0;  // prompt tokens reused from the prefix registry (not prefilled)
+  int64_t grouped_rows = 0;   // rows planned inside a prefix group
 };
 
 class Controller {
@@ -128,8 +146,12 @@ class Controller {
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int num_memory_ranks() const { return static_cast<int>(capacity_.size()); }
-  // KV slots of rank m promised to running requests.
+  // KV slots of rank m promised to running requests (beyond the registered blocks they use).
   int64_t kv_reserved(int m) const { return reserved_[static_cast<size_t>(m)]; }
+  // The prefix registry of rank m; nullptr when it is off.
+  const PrefixIndex* prefix_index(int m) const {
+    return index_.empty() ? nullptr : index_[static_cast<size_t>(m)].get();
+  }
   // Token history of a live request (prompt, then generated tokens); nullopt if not live.
   std::optional<std::vector<int32_t>> History(int64_t id) const;
   const ControllerStats& stats() const { return stats_; }
@@ -141,17 +163,28 @@ class Controller {
     GenerationRequest request;
     GenerationResult result;
     int memory_rank = -1;
-    int64_t prefilled = 0;  // prompt tokens processed
-    int64_t context = 0;    // tokens whose KV exists on the rank
+    int64_t prefilled = 0;       // prompt tokens processed (or reused)
+    int64_t context = 0;         // tokens whose KV exists on the rank
+    int64_t reserve = 0;         // KV slots promised to it beyond registered blocks
+    bool started = false;        // has been in a step
+    std::vector<int32_t> chain;  // registered blocks it uses (attached, then published), in order
   };
   int64_t ContextNeed(const GenerationRequest& r) const {
     return static_cast<int64_t>(r.prompt.size()) + r.max_tokens;
   }
   void Admit();
+  // Ends a running request's claims: its reservation and its use of registered blocks.
+  void Retire(Live& live, std::vector<std::vector<uint64_t>>* released);
+  // Registers the full prompt blocks of a request whose prefill ends in this step.
+  void Publish(Live& live, StepPlan* plan);
+  // Prefix groups of rank m's requests in the step; sets each request's prefix_group.
+  void Group(int m, const std::vector<std::pair<Live*, int64_t>>& chosen, StepPlan* plan) const;
 
   ModelSpec spec_;
   std::vector<int64_t> capacity_;
-  std::vector<int64_t> reserved_;  // per rank: whole contexts of running requests
+  std::vector<int64_t> reserved_;                    // per rank: reservations of running requests
+  std::vector<std::unique_ptr<PrefixIndex>> index_;  // per rank, when the registry is on
+  std::vector<std::vector<uint64_t>> evicted_;       // per rank: for the next plan
   ControllerOptions options_;
   std::unique_ptr<SchedulingPolicy> policy_;
   int64_t next_id_ = 0;

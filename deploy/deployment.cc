@@ -85,6 +85,9 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   RETURN_IF_ERROR(
       ResolveSchedulerOptions(c.GetInt("scheduler.max_batch_size"), c.GetInt("scheduler.max_tokens_per_step"))
           .status());
+  ControllerOptions prefix;
+  RETURN_IF_ERROR(ResolvePrefixOptions(c.GetBool("kv.prefix_cache"), c.GetInt("kv.prefix_block_tokens"),
+                                       c.GetString("kv.prefix_sharing"), &prefix));
   p.checksums = c.GetBool("transport.checksums");
   p.run_dir = c.GetString("launch.run_dir");
   p.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));

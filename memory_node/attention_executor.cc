@@ -24,6 +24,43 @@ absl::Status CheckAttentionBatch(const AttentionBatch& b, const AttentionShape& 
     if (s < 0 || s >= num_slots)
       return absl::InvalidArgumentError(absl::StrCat("attention batch: slot ", s, " outside the pool"));
   }
+  for (int64_t r = 0; r < b.num_requests(); ++r) {
+    const size_t i = static_cast<size_t>(r);
+    if (b.kv_indptr[i + 1] - b.kv_indptr[i] < b.q_indptr[i + 1] - b.q_indptr[i]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention batch: request ", r, " reads fewer keys than it has rows"));
+    }
+  }
+  // Groups: consistent arrays, rows inside the batch and ascending, parents earlier, levels nested.
+  const int64_t g = b.num_groups();
+  if (static_cast<int64_t>(b.group_row_indptr.size()) != g + 1 ||
+      static_cast<int64_t>(b.group_parent.size()) != g || static_cast<int64_t>(b.group_level.size()) != g ||
+      b.group_kv_indptr.front() != 0 || b.group_row_indptr.front() != 0 ||
+      b.group_kv_indptr.back() != static_cast<int32_t>(b.group_kv_slots.size()) ||
+      b.group_row_indptr.back() != static_cast<int32_t>(b.group_rows.size())) {
+    return absl::InvalidArgumentError("attention batch: inconsistent group arrays");
+  }
+  for (int64_t i = 0; i < g; ++i) {
+    const size_t gi = static_cast<size_t>(i);
+    const int32_t parent = b.group_parent[gi];
+    if (parent < -1 || parent >= i ||
+        b.group_level[gi] != (parent < 0 ? 0 : b.group_level[static_cast<size_t>(parent)] + 1) ||
+        b.group_kv_indptr[gi + 1] <= b.group_kv_indptr[gi] ||
+        b.group_row_indptr[gi + 1] <= b.group_row_indptr[gi]) {
+      return absl::InvalidArgumentError(absl::StrCat("attention batch: group ", i, " is malformed"));
+    }
+    for (int32_t k = b.group_row_indptr[gi]; k < b.group_row_indptr[gi + 1]; ++k) {
+      const int32_t row = b.group_rows[static_cast<size_t>(k)];
+      if (row < 0 || row >= t ||
+          (k > b.group_row_indptr[gi] && row <= b.group_rows[static_cast<size_t>(k) - 1])) {
+        return absl::InvalidArgumentError(absl::StrCat("attention batch: group ", i, " has a bad row ", row));
+      }
+    }
+  }
+  for (int32_t s : b.group_kv_slots) {
+    if (s < 0 || s >= num_slots)
+      return absl::InvalidArgumentError(absl::StrCat("attention batch: group slot ", s, " outside the pool"));
+  }
   return absl::OkStatus();
 }
 

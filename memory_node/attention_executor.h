@@ -26,22 +26,49 @@ namespace tandem {
 
 // One step's rows as attention sees them. Requests are ordered with every single-row request
 // (decode, or a one-token prefill chunk) first: requests [0, num_single) have one row each.
+//
+// Shared prefixes (cascade attention): a group's keys are read once for all of its rows, and each
+// request reads only its own suffix; the partial states are merged by log-sum-exp. Group g reads
+// group_kv_slots[group_kv_indptr[g] .. group_kv_indptr[g+1]) for the batch rows
+// group_rows[group_row_indptr[g] .. group_row_indptr[g+1]) (ascending), and every one of those
+// rows is at a position after all of those keys (no mask). Groups nest: group_parent[g] is -1 or
+// an earlier group whose rows include g's, and g's keys continue where its parent's end.
+// group_level[g] is 0 for a group without parent, else its parent's level + 1; a row belongs to at
+// most one group per level. kv_indptr/kv_slots then hold, for each request, only the keys after its
+// deepest group's (its suffix: at least its own new rows). Without groups, the whole context.
 struct AttentionBatch {
   std::vector<int32_t> new_slots;  // (T) slot that row t's K and V are written to
   std::vector<int32_t> q_indptr;   // (R + 1) rows of request r: [q_indptr[r], q_indptr[r+1])
-  std::vector<int32_t> kv_indptr;  // (R + 1) context of request r: kv_slots[kv_indptr[r] ..)
-  std::vector<int32_t> kv_slots;   // slots of each request's whole context, in position order
+  std::vector<int32_t> kv_indptr;  // (R + 1) keys of request r: kv_slots[kv_indptr[r] ..)
+  std::vector<int32_t> kv_slots;   // slots of each request's keys (context or suffix), in position order
   int64_t num_single = 0;
   int64_t max_kv_len = 0, max_q_len = 0;
+  std::vector<int32_t> group_kv_indptr;   // (G + 1)
+  std::vector<int32_t> group_kv_slots;    // each group's own prefix keys, in position order
+  std::vector<int32_t> group_row_indptr;  // (G + 1)
+  std::vector<int32_t> group_rows;        // batch rows of each group
+  std::vector<int32_t> group_parent;      // (G)
+  std::vector<int32_t> group_level;       // (G)
+  int64_t max_group_rows = 0, max_group_kv = 0;
 
   int64_t num_tokens() const { return static_cast<int64_t>(new_slots.size()); }
   int64_t num_requests() const { return q_indptr.empty() ? 0 : static_cast<int64_t>(q_indptr.size()) - 1; }
+  int64_t num_groups() const {
+    return group_kv_indptr.empty() ? 0 : static_cast<int64_t>(group_kv_indptr.size()) - 1;
+  }
   void Clear() {
     new_slots.clear();
     q_indptr.assign(1, 0);
     kv_indptr.assign(1, 0);
     kv_slots.clear();
     num_single = max_kv_len = max_q_len = 0;
+    group_kv_indptr.assign(1, 0);
+    group_kv_slots.clear();
+    group_row_indptr.assign(1, 0);
+    group_rows.clear();
+    group_parent.clear();
+    group_level.clear();
+    max_group_rows = max_group_kv = 0;
   }
 };
 
@@ -82,9 +109,14 @@ class AttentionExecutor {
 
   // Where qkv and out live, for staging to and from the network (a memory rank's buffers).
   virtual MemorySpace& memory() = 0;
+
+  // Whether reading `prefix_tokens` shared keys once for `rows` rows (then merging) is faster here
+  // than each row reading them itself: the measured crossover of kv.prefix_sharing: auto.
+  virtual bool CascadePays(int64_t rows, int64_t prefix_tokens) const = 0;
 };
 
-// Checks a batch against an executor's limits and pool: InvalidArgument naming what is wrong.
+// Checks a batch against an executor's limits and pool (group arrays included): InvalidArgument
+// naming what is wrong.
 absl::Status CheckAttentionBatch(const AttentionBatch& batch, const AttentionShape& shape, int64_t num_slots);
 
 // fp32 KV in host memory; sized from MemAvailable when capacity_tokens is 0.

@@ -35,6 +35,12 @@ class CpuAttentionExecutor : public AttentionExecutor {
     RETURN_IF_ERROR(CheckAttentionBatch(batch, shape_, num_slots_));
     batch_ = &batch;
     q_.resize(static_cast<size_t>(batch.num_tokens() * shape_.q_dim()));
+    if (batch.num_groups() > 0) {
+      lse_.resize(static_cast<size_t>(batch.num_tokens() * shape_.num_heads));
+      group_q_.resize(static_cast<size_t>(batch.max_group_rows * shape_.q_dim()));
+      group_out_.resize(group_q_.size());
+      group_lse_.resize(static_cast<size_t>(batch.max_group_rows * shape_.num_heads));
+    }
     return absl::OkStatus();
   }
 
@@ -51,19 +57,67 @@ class CpuAttentionExecutor : public AttentionExecutor {
       std::memcpy(kc + slot * kvd, row + qd, static_cast<size_t>(kvd) * sizeof(float));
       std::memcpy(vc + slot * kvd, row + qd + kvd, static_cast<size_t>(kvd) * sizeof(float));
     }
-    return kernels::cpu::Attention({.q = q_.data(),
-                                    .k_cache = kc,
-                                    .v_cache = vc,
-                                    .out = static_cast<float*>(out),
-                                    .q_indptr = b.q_indptr.data(),
-                                    .kv_indptr = b.kv_indptr.data(),
-                                    .kv_slots = b.kv_slots.data(),
-                                    .num_requests = b.num_requests(),
-                                    .num_slots = num_slots_,
-                                    .num_heads = shape_.num_heads,
-                                    .num_kv_heads = shape_.num_kv_heads,
-                                    .head_dim = shape_.head_dim,
-                                    .scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim))});
+    const int64_t heads = shape_.num_heads, groups = b.num_groups();
+    const float scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
+    auto* o = static_cast<float*>(out);
+    // Each request's own keys (its suffix when it is in a group), with the lse for the merges.
+    RETURN_IF_ERROR(kernels::cpu::Attention({.q = q_.data(),
+                                             .k_cache = kc,
+                                             .v_cache = vc,
+                                             .out = o,
+                                             .lse = groups > 0 ? lse_.data() : nullptr,
+                                             .q_indptr = b.q_indptr.data(),
+                                             .kv_indptr = b.kv_indptr.data(),
+                                             .kv_slots = b.kv_slots.data(),
+                                             .num_requests = b.num_requests(),
+                                             .num_slots = num_slots_,
+                                             .num_heads = heads,
+                                             .num_kv_heads = shape_.num_kv_heads,
+                                             .head_dim = shape_.head_dim,
+                                             .scale = scale}));
+    // Each group's shared keys once for all its rows, merged into each row's state.
+    for (int64_t g = 0; g < groups; ++g) {
+      const int32_t row0 = b.group_row_indptr[static_cast<size_t>(g)];
+      const int64_t n = b.group_row_indptr[static_cast<size_t>(g) + 1] - row0;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = b.group_rows[static_cast<size_t>(row0 + i)];
+        std::memcpy(group_q_.data() + i * qd, q_.data() + row * qd, static_cast<size_t>(qd) * sizeof(float));
+      }
+      const int32_t kv0 = b.group_kv_indptr[static_cast<size_t>(g)];
+      RETURN_IF_ERROR(
+          kernels::cpu::PrefixAttention({.q = group_q_.data(),
+                                         .k_cache = kc,
+                                         .v_cache = vc,
+                                         .prefix_slots = b.group_kv_slots.data() + kv0,
+                                         .out = group_out_.data(),
+                                         .lse = group_lse_.data(),
+                                         .rows = n,
+                                         .prefix_len = b.group_kv_indptr[static_cast<size_t>(g) + 1] - kv0,
+                                         .num_slots = num_slots_,
+                                         .num_heads = heads,
+                                         .num_kv_heads = shape_.num_kv_heads,
+                                         .head_dim = shape_.head_dim,
+                                         .scale = scale}));
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = b.group_rows[static_cast<size_t>(row0 + i)];
+        RETURN_IF_ERROR(kernels::cpu::MergeAttentionStates({.out_a = o + row * qd,
+                                                            .lse_a = lse_.data() + row * heads,
+                                                            .out_b = group_out_.data() + i * qd,
+                                                            .lse_b = group_lse_.data() + i * heads,
+                                                            .out = o + row * qd,
+                                                            .lse = lse_.data() + row * heads,
+                                                            .rows = 1,
+                                                            .num_heads = heads,
+                                                            .head_dim = shape_.head_dim}));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // The CPU prefix op reads each shared key once per 64 rows instead of once per row; below a few
+  // rows or a short prefix the gather and merge cost more than the reads they save.
+  bool CascadePays(int64_t rows, int64_t prefix_tokens) const override {
+    return rows >= kCascadeMinRows && prefix_tokens >= kCascadeMinPrefix;
   }
 
   MemorySpace& memory() override { return memory_; }
@@ -74,7 +128,9 @@ class CpuAttentionExecutor : public AttentionExecutor {
   int64_t num_slots_;
   const AttentionBatch* batch_ = nullptr;
   std::vector<std::unique_ptr<float[]>> k_cache_, v_cache_;  // per layer (slots, kv_dim)
-  std::vector<float> q_;
+  std::vector<float> q_, lse_;                               // (T, q_dim), (T, heads)
+  std::vector<float> group_q_, group_out_, group_lse_;       // one group's rows
+  static constexpr int64_t kCascadeMinRows = 2, kCascadeMinPrefix = 32;
 };
 
 }  // namespace

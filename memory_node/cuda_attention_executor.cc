@@ -113,11 +113,51 @@ class CudaAttentionExecutor : public AttentionExecutor {
     o_q_m_ = packer_.Add(q_m);
     o_kv_m_ = packer_.Add(kv_m);
     o_slots_ = packer_.Add(b.kv_slots);
+    // Groups: the gathered rows of every group (its "requests" for the prefix call), and per level
+    // the pairs (batch row, row of the group states) to merge; a row is in one group per level.
+    groups_ = b.num_groups();
+    group_rows_ = static_cast<int64_t>(b.group_rows.size());
+    max_group_rows_ = b.max_group_rows;
+    max_group_kv_ = b.max_group_kv;
+    levels_.clear();
+    if (groups_ > 0) {
+      o_g_rows_ = packer_.Add(b.group_rows);
+      o_g_q_ = packer_.Add(b.group_row_indptr);
+      o_g_kv_ = packer_.Add(b.group_kv_indptr);
+      o_g_slots_ = packer_.Add(b.group_kv_slots);
+      int32_t num_levels = 0;
+      for (int32_t l : b.group_level) num_levels = std::max(num_levels, l + 1);
+      std::vector<std::vector<int32_t>> rows_a(static_cast<size_t>(num_levels)), rows_b(rows_a.size());
+      for (int64_t g = 0; g < groups_; ++g) {
+        const size_t l = static_cast<size_t>(b.group_level[static_cast<size_t>(g)]);
+        for (int32_t k = b.group_row_indptr[static_cast<size_t>(g)];
+             k < b.group_row_indptr[static_cast<size_t>(g) + 1]; ++k) {
+          rows_a[l].push_back(b.group_rows[static_cast<size_t>(k)]);
+          rows_b[l].push_back(k);
+        }
+      }
+      for (size_t l = 0; l < rows_a.size(); ++l) {
+        levels_.push_back(
+            {packer_.Add(rows_a[l]), packer_.Add(rows_b[l]), static_cast<int64_t>(rows_a[l].size())});
+      }
+      RETURN_IF_ERROR(lse_.Reserve(std::max<int64_t>(16, t_ * shape_.num_heads * 4)));
+      RETURN_IF_ERROR(group_q_.Reserve(std::max<int64_t>(16, group_rows_ * shape_.q_dim() * 2)));
+      RETURN_IF_ERROR(group_out_.Reserve(std::max<int64_t>(16, group_rows_ * shape_.q_dim() * 2)));
+      RETURN_IF_ERROR(group_lse_.Reserve(std::max<int64_t>(16, group_rows_ * shape_.num_heads * 4)));
+    }
     const std::vector<unsigned char>& mb = packer_.bytes();
-    if (static_cast<int64_t>(mb.size()) > host_meta_bytes_)
-      return absl::InternalError("attention metadata overflow");
     // The pinned buffer may still feed the previous step's copy: wait for it.
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    if (static_cast<int64_t>(mb.size()) > host_meta_bytes_) {
+      // Contexts that share attached prefix blocks can list more slots than the pool has.
+      const int64_t grown = static_cast<int64_t>(mb.size()) * 3 / 2;
+      CUDA_RETURN_IF_ERROR(cudaFreeHost(host_meta_));
+      host_meta_ = nullptr;
+      host_meta_bytes_ = 0;
+      CUDA_RETURN_IF_ERROR(cudaMallocHost(&host_meta_, static_cast<size_t>(grown)));
+      host_meta_bytes_ = grown;
+      RETURN_IF_ERROR(meta_.Reserve(grown));
+    }
     std::memcpy(host_meta_, mb.data(), mb.size());
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(meta_.ptr, host_meta_, mb.size(), cudaMemcpyHostToDevice, stream_));
     if (ns > 0) {
@@ -168,6 +208,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
       d.kv_slots = meta_.as<int32_t>(o_slots_);
       d.num_requests = ns_;
       d.max_q_len = 1;
+      if (groups_ > 0) d.lse = lse_.as<float>();
       RETURN_IF_ERROR(kc::DecodeAttention(d, plan_, decode_ws_.ptr, stream_));
     }
     if (nm_ > 0) {
@@ -179,9 +220,53 @@ class CudaAttentionExecutor : public AttentionExecutor {
       p.kv_slots = meta_.as<int32_t>(o_slots_) + kv_split_;
       p.num_requests = nm_;
       p.max_q_len = max_q_len_;
+      if (groups_ > 0) p.lse = lse_.as<float>() + static_cast<int64_t>(q_split_) * shape_.num_heads;
       RETURN_IF_ERROR(kc::PrefillAttention(p, stream_));
     }
+    if (groups_ > 0) RETURN_IF_ERROR(SharedPrefixes(ap, q, out));
     return absl::OkStatus();
+  }
+
+  // Cascade: every group's shared keys once for all its rows (tensor cores, no mask), then each
+  // row's state merged with its groups' states, one level at a time.
+  absl::Status SharedPrefixes(const kc::AttentionParams& ap, const bf16* q, bf16* out) {
+    RETURN_IF_ERROR(kc::GatherRows({.src = q,
+                                    .dst = group_q_.as<bf16>(),
+                                    .rows = meta_.as<int32_t>(o_g_rows_),
+                                    .n = group_rows_,
+                                    .width = shape_.q_dim(),
+                                    .src_stride = shape_.q_dim()},
+                                   stream_));
+    kc::AttentionParams p = ap;
+    p.causal = false;
+    p.q = group_q_.as<bf16>();
+    p.out = group_out_.as<bf16>();
+    p.lse = group_lse_.as<float>();
+    p.q_indptr = meta_.as<int32_t>(o_g_q_);
+    p.kv_indptr = meta_.as<int32_t>(o_g_kv_);
+    p.kv_slots = meta_.as<int32_t>(o_g_slots_);
+    p.num_requests = groups_;
+    p.max_q_len = max_group_rows_;
+    p.max_kv_len = max_group_kv_;
+    RETURN_IF_ERROR(kc::PrefillAttention(p, stream_));
+    for (const Level& l : levels_) {
+      RETURN_IF_ERROR(kc::MergeStates({.out = out,
+                                       .lse = lse_.as<float>(),
+                                       .out_b = group_out_.as<bf16>(),
+                                       .lse_b = group_lse_.as<float>(),
+                                       .rows_a = meta_.as<int32_t>(l.rows_a),
+                                       .rows_b = meta_.as<int32_t>(l.rows_b),
+                                       .n = l.n,
+                                       .num_heads = shape_.num_heads,
+                                       .head_dim = shape_.head_dim},
+                                      stream_));
+    }
+    return absl::OkStatus();
+  }
+
+  // Measured on an H200 with bench/prefix_attention_bench --crossover (docs/benchmarks.md).
+  bool CascadePays(int64_t rows, int64_t prefix_tokens) const override {
+    return rows >= kCascadeMinRows && prefix_tokens >= kCascadeMinPrefix;
   }
 
   MemorySpace& memory() override { return memory_; }
@@ -204,6 +289,15 @@ class CudaAttentionExecutor : public AttentionExecutor {
   int64_t t_ = 0, ns_ = 0, nm_ = 0, max_kv_len_ = 0, max_q_len_ = 0;
   int32_t kv_split_ = 0, q_split_ = 0;
   int64_t o_new_ = 0, o_kv_s_ = 0, o_q_m_ = 0, o_kv_m_ = 0, o_slots_ = 0;
+  // Shared-prefix groups of the current step.
+  struct Level {
+    int64_t rows_a = 0, rows_b = 0, n = 0;  // metadata offsets, pair count
+  };
+  kc::DeviceBuffer lse_, group_q_, group_out_, group_lse_;
+  int64_t groups_ = 0, group_rows_ = 0, max_group_rows_ = 0, max_group_kv_ = 0;
+  int64_t o_g_rows_ = 0, o_g_q_ = 0, o_g_kv_ = 0, o_g_slots_ = 0;
+  std::vector<Level> levels_;
+  static constexpr int64_t kCascadeMinRows = 2, kCascadeMinPrefix = 64;
 };
 
 }  // namespace

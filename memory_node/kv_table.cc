@@ -4,73 +4,305 @@
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/status.h"
 
 namespace tandem {
+namespace {
+
+std::string Hex(uint64_t h) { return absl::StrFormat("%016x", h); }
+
+}  // namespace
+
+std::vector<uint64_t> KvTable::ChainTo(uint64_t hash) const {
+  const Block* b = &blocks_.at(hash);
+  std::vector<uint64_t> chain(static_cast<size_t>(b->depth));
+  for (int32_t d = b->depth; d >= 1; --d) {
+    chain[static_cast<size_t>(d - 1)] = hash;
+    if (d > 1) {
+      hash = b->parent;
+      b = &blocks_.at(hash);
+    }
+  }
+  return chain;
+}
+
+absl::Status KvTable::Check(const StepPlan& plan, uint16_t memory_rank,
+                            std::vector<const StepRequest*>* mine) const {
+  const std::string step = absl::StrCat("step ", plan.step_id, ": ");
+  auto bad = [&](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(step, parts...)); };
+  const bool registry = block_tokens_ > 0;
+
+  // Evictions, in order (leaves first): what they free and which hashes they remove.
+  std::unordered_set<uint64_t> evicted;
+  std::unordered_map<uint64_t, int32_t> children_gone;
+  int64_t freed = 0;
+  for (const PrefixEvict& e : plan.evictions) {
+    if (e.memory_rank != memory_rank) continue;
+    if (!registry) return bad("evicts block ", Hex(e.block_hash), " but this rank has no prefix registry");
+    auto it = blocks_.find(e.block_hash);
+    if (it == blocks_.end() || evicted.contains(e.block_hash))
+      return bad("evicts block ", Hex(e.block_hash), ", which is not registered");
+    const Block& b = it->second;
+    if (b.users > 0) return bad("evicts block ", Hex(e.block_hash), ", which ", b.users, " request(s) use");
+    if (b.num_children > children_gone[e.block_hash])
+      return bad("evicts block ", Hex(e.block_hash), " before its children");
+    evicted.insert(e.block_hash);
+    if (b.depth > 1) ++children_gone[b.parent];
+    for (int32_t s : b.slots) freed += allocator_.refcount(s) == 1;
+  }
+  auto registered = [&](uint64_t h) { return blocks_.contains(h) && !evicted.contains(h); };
+
+  // Requests.
+  int64_t new_rows = 0;
+  bool seen_multi = false;
+  std::unordered_map<uint64_t, const StepRequest*> by_id;
+  for (const StepRequest& r : plan.requests) {
+    if (r.memory_rank != memory_rank) continue;
+    const std::string who = absl::StrCat("request ", r.request_id, ": ");
+    if (!by_id.emplace(r.request_id, &r).second) return bad(who, "listed twice");
+    auto known = contexts_.find(r.request_id);
+    if (known == contexts_.end() && r.position > 0) {
+      if (!registry) {
+        return bad(who, "position ", r.position, " but this rank holds 0 tokens of its context");
+      }
+      if (!registered(r.attach_hash)) {
+        return bad(who, "attaches block ", Hex(r.attach_hash), ", which is not registered");
+      }
+      const int64_t covers = blocks_.at(r.attach_hash).depth * block_tokens_;
+      if (covers != r.position) {
+        return bad(who, "position ", r.position, " but the attached blocks cover ", covers, " tokens");
+      }
+    } else if (r.position != context_length(r.request_id)) {
+      return bad(who, "position ", r.position, " but this rank holds ", context_length(r.request_id),
+                 " tokens of its context");
+    }
+    if (r.q_len < 1 || static_cast<int64_t>(r.kv_len) != static_cast<int64_t>(r.position) + r.q_len) {
+      return bad(who, "kv_len ", r.kv_len, " != position ", r.position, " + q_len ", r.q_len);
+    }
+    if (r.q_len == 1 && seen_multi) return bad(who, "single-row request after a multi-row one");
+    seen_multi |= r.q_len > 1;
+    new_rows += r.q_len;
+    mine->push_back(&r);
+  }
+  if (new_rows > allocator_.num_free() + freed) {
+    return absl::ResourceExhaustedError(absl::StrCat(step, new_rows, " new KV slots needed but ",
+                                                     allocator_.num_free() + freed, " of ",
+                                                     allocator_.num_slots(), " are free"));
+  }
+  // A request's chain at the start of the step: its own, or the one it attaches.
+  auto chain_of = [&](const StepRequest& r) {
+    auto known = contexts_.find(r.request_id);
+    if (known != contexts_.end()) return known->second.chain;
+    return r.position > 0 ? ChainTo(r.attach_hash) : std::vector<uint64_t>{};
+  };
+
+  // Publishes extend their request's chain one block at a time, inside its context.
+  std::unordered_map<uint64_t, std::vector<uint64_t>> grown;
+  std::unordered_set<uint64_t> published;
+  for (const PrefixPublish& p : plan.publishes) {
+    if (p.memory_rank != memory_rank) continue;
+    const std::string what = absl::StrCat("publish of block ", Hex(p.block_hash), ": ");
+    if (!registry) return bad(what, "this rank has no prefix registry");
+    auto r = by_id.find(p.request_id);
+    if (r == by_id.end())
+      return bad(what, "request ", p.request_id, " has no rows on this rank in this step");
+    auto [chain, fresh] = grown.try_emplace(p.request_id);
+    if (fresh) chain->second = chain_of(*r->second);
+    if (p.block_index != static_cast<int64_t>(chain->second.size())) {
+      return bad(what, "block_index ", p.block_index, " but request ", p.request_id, " holds ",
+                 chain->second.size(), " registered blocks");
+    }
+    if (!chain->second.empty() && p.parent_hash != chain->second.back()) {
+      return bad(what, "parent ", Hex(p.parent_hash), " is not the last block of request ", p.request_id);
+    }
+    if ((static_cast<int64_t>(p.block_index) + 1) * block_tokens_ > r->second->kv_len) {
+      return bad(what, "block ", p.block_index, " ends past request ", p.request_id, "'s context of ",
+                 r->second->kv_len, " tokens");
+    }
+    if (registered(p.block_hash) || !published.insert(p.block_hash).second) {
+      return bad(what, "already registered");
+    }
+    chain->second.push_back(p.block_hash);
+  }
+
+  // Groups: registered before this step, nested along one chain, held by their members.
+  for (size_t g = 0; g < plan.groups.size(); ++g) {
+    const PrefixGroup& grp = plan.groups[g];
+    if (grp.memory_rank != memory_rank) continue;
+    const std::string what = absl::StrCat("group ", g, ": ");
+    if (!registry) return bad(what, "this rank has no prefix registry");
+    if (!registered(grp.block_hash)) return bad(what, "block ", Hex(grp.block_hash), " is not registered");
+    const int32_t depth = blocks_.at(grp.block_hash).depth;
+    if (depth * block_tokens_ != grp.prefix_tokens) {
+      return bad(what, "prefix_tokens ", grp.prefix_tokens, " but its block ends at token ",
+                 depth * block_tokens_);
+    }
+    if (grp.parent >= 0) {
+      const PrefixGroup& parent = plan.groups[static_cast<size_t>(grp.parent)];
+      const int64_t parent_depth = parent.prefix_tokens / block_tokens_;
+      if (ChainTo(grp.block_hash)[static_cast<size_t>(parent_depth - 1)] != parent.block_hash) {
+        return bad(what, "its parent group ", grp.parent, " is not a prefix of it");
+      }
+    }
+  }
+  for (const StepRequest* r : *mine) {
+    if (r->prefix_group < 0) continue;
+    const PrefixGroup& grp = plan.groups[static_cast<size_t>(r->prefix_group)];
+    const std::string who = absl::StrCat("request ", r->request_id, ": group ", r->prefix_group, ": ");
+    if (grp.memory_rank != memory_rank) return bad(who, "belongs to memory rank ", grp.memory_rank);
+    if (r->position < grp.prefix_tokens) {
+      return bad(who, "prefix of ", grp.prefix_tokens, " tokens overlaps the rows from position ",
+                 r->position);
+    }
+    const std::vector<uint64_t> chain = chain_of(*r);
+    const size_t depth = static_cast<size_t>(grp.prefix_tokens / block_tokens_);
+    if (chain.size() < depth || chain[depth - 1] != grp.block_hash) {
+      return bad(who, "the request does not hold block ", Hex(grp.block_hash));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::Status KvTable::Apply(const StepPlan& plan, uint16_t memory_rank, AttentionBatch* batch) {
   batch->Clear();
   // Check everything first: nothing may change if the step is refused.
-  int64_t new_rows = 0;
-  bool seen_multi = false;
-  std::unordered_set<uint64_t> ids;
   std::vector<const StepRequest*> mine;
-  for (size_t i = 0; i < plan.requests.size(); ++i) {
-    const StepRequest& r = plan.requests[i];
-    if (r.memory_rank != memory_rank) continue;
-    const std::string where = absl::StrCat("step ", plan.step_id, ": request ", r.request_id, ": ");
-    if (!ids.insert(r.request_id).second)
-      return absl::InvalidArgumentError(absl::StrCat(where, "listed twice"));
-    const int64_t have = context_length(r.request_id);
-    if (r.position != have) {
-      return absl::InvalidArgumentError(absl::StrCat(where, "position ", r.position, " but this rank holds ",
-                                                     have, " tokens of its context"));
-    }
-    if (r.q_len < 1 || static_cast<int64_t>(r.kv_len) != static_cast<int64_t>(r.position) + r.q_len) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, "kv_len ", r.kv_len, " != position ", r.position, " + q_len ", r.q_len));
-    }
-    if (r.q_len == 1 && seen_multi) {
-      return absl::InvalidArgumentError(absl::StrCat(where, "single-row request after a multi-row one"));
-    }
-    seen_multi |= r.q_len > 1;
-    new_rows += r.q_len;
-    mine.push_back(&r);
-  }
-  if (new_rows > allocator_.num_free()) {
-    return absl::ResourceExhaustedError(absl::StrCat("step ", plan.step_id, ": ", new_rows,
-                                                     " new KV slots needed but ", allocator_.num_free(),
-                                                     " of ", allocator_.num_slots(), " are free"));
+  RETURN_IF_ERROR(Check(plan, memory_rank, &mine));
+
+  for (const PrefixEvict& e : plan.evictions) {
+    if (e.memory_rank != memory_rank) continue;
+    auto it = blocks_.find(e.block_hash);
+    allocator_.Release(it->second.slots);
+    if (it->second.depth > 1) --blocks_.at(it->second.parent).num_children;
+    blocks_.erase(it);
   }
   for (const StepRequest* r : mine) {
-    std::vector<int32_t>& slots = contexts_[r->request_id];
-    const size_t start = slots.size();
+    auto [it, fresh] = contexts_.try_emplace(r->request_id);
+    Context& c = it->second;
+    if (fresh && r->position > 0) {  // attach: the chain's slots become the context's start
+      c.chain = ChainTo(r->attach_hash);
+      for (uint64_t h : c.chain) {
+        Block& b = blocks_.at(h);
+        ++b.users;
+        c.slots.insert(c.slots.end(), b.slots.begin(), b.slots.end());
+      }
+      allocator_.Retain(c.slots);
+    }
+    const size_t start = c.slots.size();
     // Cannot fail: the total was checked against the free count above.
-    TANDEM_CHECK(allocator_.Allocate(r->q_len, &slots).ok());
-    batch->new_slots.insert(batch->new_slots.end(), slots.begin() + static_cast<std::ptrdiff_t>(start),
-                            slots.end());
+    TANDEM_CHECK(allocator_.Allocate(r->q_len, &c.slots).ok());
+    batch->new_slots.insert(batch->new_slots.end(), c.slots.begin() + static_cast<std::ptrdiff_t>(start),
+                            c.slots.end());
     batch->q_indptr.push_back(batch->q_indptr.back() + r->q_len);
-    batch->kv_slots.insert(batch->kv_slots.end(), slots.begin(), slots.end());
-    batch->kv_indptr.push_back(static_cast<int32_t>(batch->kv_slots.size()));
     if (r->q_len == 1) ++batch->num_single;
     batch->max_q_len = std::max<int64_t>(batch->max_q_len, r->q_len);
-    batch->max_kv_len = std::max<int64_t>(batch->max_kv_len, static_cast<int64_t>(slots.size()));
   }
+  for (const PrefixPublish& p : plan.publishes) {
+    if (p.memory_rank != memory_rank) continue;
+    Context& c = contexts_.at(p.request_id);
+    Block b;
+    b.parent = p.parent_hash;
+    b.depth = p.block_index + 1;
+    b.users = 1;
+    const auto first = c.slots.begin() + static_cast<std::ptrdiff_t>(p.block_index * block_tokens_);
+    b.slots.assign(first, first + static_cast<std::ptrdiff_t>(block_tokens_));
+    allocator_.Retain(b.slots);
+    if (p.block_index > 0) ++blocks_.at(p.parent_hash).num_children;
+    blocks_.emplace(p.block_hash, std::move(b));
+    c.chain.push_back(p.block_hash);
+  }
+  BuildGroups(plan, memory_rank, mine, batch);
   return absl::OkStatus();
+}
+
+void KvTable::BuildGroups(const StepPlan& plan, uint16_t memory_rank,
+                          const std::vector<const StepRequest*>& mine, AttentionBatch* batch) const {
+  // Plan groups of this rank: their rows (members and members of nested groups) and whether each
+  // takes the cascade path. A refused group's rows stay with its nearest taken ancestor.
+  const size_t num_plan_groups = plan.groups.size();
+  std::vector<std::vector<int32_t>> rows(num_plan_groups);
+  std::vector<int32_t> suffix_start(mine.size(), 0);
+  if (sharing_ != PrefixSharing::kOff) {
+    int32_t row = 0;
+    for (const StepRequest* r : mine) {
+      for (int32_t g = r->prefix_group; g >= 0; g = plan.groups[static_cast<size_t>(g)].parent) {
+        for (int32_t i = 0; i < r->q_len; ++i) rows[static_cast<size_t>(g)].push_back(row + i);
+      }
+      row += r->q_len;
+    }
+  }
+  std::vector<int32_t> emitted(num_plan_groups, -1);  // batch group of a taken plan group
+  std::vector<int32_t> taken_ancestor(num_plan_groups, -1);
+  for (size_t g = 0; g < num_plan_groups; ++g) {
+    const PrefixGroup& grp = plan.groups[g];
+    if (grp.memory_rank != memory_rank || rows[g].empty()) continue;
+    const int32_t parent = grp.parent;
+    const int32_t anc = parent < 0 ? -1
+                                   : (emitted[static_cast<size_t>(parent)] >= 0
+                                          ? parent
+                                          : taken_ancestor[static_cast<size_t>(parent)]);
+    taken_ancestor[g] = anc;
+    const int32_t start = anc < 0 ? 0 : plan.groups[static_cast<size_t>(anc)].prefix_tokens;
+    const int64_t own = grp.prefix_tokens - start;
+    const int64_t n = static_cast<int64_t>(rows[g].size());
+    if (sharing_ == PrefixSharing::kAuto && !(filter_ && filter_(n, own))) continue;
+    emitted[g] = static_cast<int32_t>(batch->num_groups());
+    batch->group_parent.push_back(anc < 0 ? -1 : emitted[static_cast<size_t>(anc)]);
+    batch->group_level.push_back(
+        anc < 0 ? 0 : batch->group_level[static_cast<size_t>(emitted[static_cast<size_t>(anc)])] + 1);
+    batch->group_rows.insert(batch->group_rows.end(), rows[g].begin(), rows[g].end());
+    batch->group_row_indptr.push_back(static_cast<int32_t>(batch->group_rows.size()));
+    batch->max_group_rows = std::max(batch->max_group_rows, n);
+    batch->max_group_kv = std::max(batch->max_group_kv, own);
+  }
+  // Each taken group's keys come from any member (they all hold the same blocks), and each
+  // request's suffix starts after its deepest taken group.
+  for (size_t i = 0; i < mine.size(); ++i) {
+    int32_t g = mine[i]->prefix_group;
+    if (g >= 0 && emitted[static_cast<size_t>(g)] < 0) g = taken_ancestor[static_cast<size_t>(g)];
+    if (g >= 0 && sharing_ != PrefixSharing::kOff)
+      suffix_start[i] = plan.groups[static_cast<size_t>(g)].prefix_tokens;
+  }
+  for (size_t g = 0; g < num_plan_groups; ++g) {
+    if (emitted[g] < 0) continue;
+    // Find a member (a request whose group chain passes through g).
+    const std::vector<int32_t>* slots = nullptr;
+    for (const StepRequest* r : mine) {
+      for (int32_t x = r->prefix_group; x >= 0 && slots == nullptr;
+           x = plan.groups[static_cast<size_t>(x)].parent) {
+        if (x == static_cast<int32_t>(g)) slots = &contexts_.at(r->request_id).slots;
+      }
+      if (slots) break;
+    }
+    const int32_t anc = taken_ancestor[g];
+    const int32_t start = anc < 0 ? 0 : plan.groups[static_cast<size_t>(anc)].prefix_tokens;
+    batch->group_kv_slots.insert(batch->group_kv_slots.end(), slots->begin() + start,
+                                 slots->begin() + plan.groups[g].prefix_tokens);
+    batch->group_kv_indptr.push_back(static_cast<int32_t>(batch->group_kv_slots.size()));
+  }
+  for (size_t i = 0; i < mine.size(); ++i) {
+    const std::vector<int32_t>& slots = contexts_.at(mine[i]->request_id).slots;
+    batch->kv_slots.insert(batch->kv_slots.end(), slots.begin() + suffix_start[i], slots.end());
+    batch->kv_indptr.push_back(static_cast<int32_t>(batch->kv_slots.size()));
+    batch->max_kv_len =
+        std::max<int64_t>(batch->max_kv_len, static_cast<int64_t>(slots.size()) - suffix_start[i]);
+  }
 }
 
 void KvTable::Release(std::span<const uint64_t> request_ids) {
   for (uint64_t id : request_ids) {
     auto it = contexts_.find(id);
     if (it == contexts_.end()) continue;
-    allocator_.Release(it->second);
+    for (uint64_t h : it->second.chain) --blocks_.at(h).users;
+    allocator_.Release(it->second.slots);
     contexts_.erase(it);
   }
 }
 
 int64_t KvTable::context_length(uint64_t request_id) const {
   auto it = contexts_.find(request_id);
-  return it == contexts_.end() ? 0 : static_cast<int64_t>(it->second.size());
+  return it == contexts_.end() ? 0 : static_cast<int64_t>(it->second.slots.size());
 }
 
 }  // namespace tandem

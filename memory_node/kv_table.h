@@ -1,16 +1,27 @@
-// The requests whose KV lives on one memory rank (or in the colocated engine), and the slots of
-// their contexts. Turns the requests of a step plan into the attention executor's batch:
-// allocates slots for each request's new rows and lists every slot its attention reads.
+// The requests whose KV lives on one memory rank (or in the colocated engine), the slots of their
+// contexts, and the registered prefix blocks they share. Turns a step plan into the attention
+// executor's batch: applies the plan's prefix evictions, attaches and publishes, allocates slots
+// for each request's new rows, lists the keys each row reads, and resolves the plan's prefix
+// groups into cascade groups (DESIGN.md, "KV cache on a memory rank").
+//
+// Registered blocks: the controller (compute_node/prefix_index.h) decides what is registered,
+// reused and evicted; this table keeps the result, block hash -> {parent, slots}, holding one
+// reference on each block's slots (KvSlotAllocator counts), so a block outlives the request that
+// published it until the controller evicts it.
 //
 // A step plan comes from the network, so Apply checks it against this table before changing
-// anything: a new request starts at position 0, a known one continues where its context ends,
-// kv_len = position + q_len, single-row requests come before multi-row ones. Any violation, or
-// too few free slots, fails the whole step with nothing applied.
+// anything: a new request starts at position 0 or attaches a registered chain of exactly
+// `position` tokens; a known one continues where its context ends; kv_len = position + q_len;
+// single-row requests come before multi-row ones; an evicted block exists and has neither users nor
+// children; a published block extends its request's chain by one and lies within its context; a
+// group's block exists, its members hold it and start after it. Any violation, or too few free
+// slots, fails the whole step with nothing applied.
 //
 // Thread safety: not thread-safe; the owning rank serialises calls.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <unordered_map>
 #include <vector>
@@ -24,25 +35,62 @@ namespace tandem {
 
 class KvTable {
  public:
-  explicit KvTable(int64_t num_slots) : allocator_(num_slots) {}
+  // Whether a group of `rows` rows should read its `prefix_tokens` shared keys once (cascade).
+  using CascadeFilter = std::function<bool(int64_t rows, int64_t prefix_tokens)>;
+
+  // block_tokens: tokens per registered block (0: no registry; plans that attach, publish, evict or
+  // group are refused).
+  explicit KvTable(int64_t num_slots, int64_t block_tokens = 0)
+      : allocator_(num_slots), block_tokens_(block_tokens) {}
+
+  // How groups are used: off ignores them (every request reads its whole context), on takes every
+  // group, auto the groups `filter` accepts (a group it refuses hands its rows to its parent).
+  void SetPrefixSharing(PrefixSharing mode, CascadeFilter filter = nullptr) {
+    sharing_ = mode;
+    filter_ = std::move(filter);
+  }
 
   // Fills `batch` with the rows of the plan's requests owned by `memory_rank`, in plan order,
-  // allocating their new slots. Errors (nothing changed): InvalidArgument naming the request and
-  // the rule it breaks; ResourceExhausted when the pool lacks free slots.
+  // allocating their new slots. Errors (nothing changed): InvalidArgument naming the request,
+  // block or group and the rule it breaks; ResourceExhausted when the pool lacks free slots.
   absl::Status Apply(const StepPlan& plan, uint16_t memory_rank, AttentionBatch* batch);
-  // Frees the KV of requests that ended or were cancelled. Ids not in the table are ignored (a
-  // request may end before its first step reached this rank).
+  // Frees the KV of requests that ended or were cancelled (registered blocks stay). Ids not in the
+  // table are ignored (a request may end before its first step reached this rank).
   void Release(std::span<const uint64_t> request_ids);
 
   int64_t num_slots() const { return allocator_.num_slots(); }
   int64_t num_free() const { return allocator_.num_free(); }
   int64_t num_requests() const { return static_cast<int64_t>(contexts_.size()); }
+  int64_t num_blocks() const { return static_cast<int64_t>(blocks_.size()); }
+  int64_t block_tokens() const { return block_tokens_; }
   // Tokens of context held for a request (0 if unknown).
   int64_t context_length(uint64_t request_id) const;
 
  private:
+  struct Block {
+    uint64_t parent = 0;  // hash; meaningless at depth 1
+    int32_t depth = 0;    // blocks in the chain up to and including this one
+    int32_t num_children = 0;
+    int32_t users = 0;           // requests whose chain holds it
+    std::vector<int32_t> slots;  // block_tokens; the table holds one reference on each
+  };
+  struct Context {
+    std::vector<int32_t> slots;   // by position
+    std::vector<uint64_t> chain;  // hashes of the registered blocks it holds, from block 0
+  };
+
+  // The chain of hashes from block 0 to `hash` (which must be registered).
+  std::vector<uint64_t> ChainTo(uint64_t hash) const;
+  absl::Status Check(const StepPlan& plan, uint16_t memory_rank, std::vector<const StepRequest*>* mine) const;
+  void BuildGroups(const StepPlan& plan, uint16_t memory_rank, const std::vector<const StepRequest*>& mine,
+                   AttentionBatch* batch) const;
+
   KvSlotAllocator allocator_;
-  std::unordered_map<uint64_t, std::vector<int32_t>> contexts_;  // request id -> slots by position
+  int64_t block_tokens_;
+  PrefixSharing sharing_ = PrefixSharing::kOff;
+  CascadeFilter filter_;
+  std::unordered_map<uint64_t, Context> contexts_;  // request id -> its KV
+  std::unordered_map<uint64_t, Block> blocks_;      // registered blocks by hash
 };
 
 }  // namespace tandem

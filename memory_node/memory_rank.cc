@@ -155,7 +155,10 @@ class MemoryRank {
           o_.rank, " computes in ", std::string(DTypeName(exec_->dtype())), " on ", exec_->device(),
           "; put both roles on the same kind of device"));
     }
-    kv_ = std::make_unique<KvTable>(exec_->kv_capacity());
+    kv_ = std::make_unique<KvTable>(exec_->kv_capacity(), hello_.prefix_block_tokens);
+    AttentionExecutor* exec = exec_.get();
+    kv_->SetPrefixSharing(static_cast<PrefixSharing>(hello_.prefix_sharing),
+                          [exec](int64_t rows, int64_t tokens) { return exec->CascadePays(rows, tokens); });
     elem_ = DTypeSize(exec_->dtype());
     const size_t qkv_bytes = static_cast<size_t>(shape_.max_tokens * shape_.qkv_width()) * elem_;
     const size_t out_bytes = static_cast<size_t>(shape_.max_tokens * shape_.q_dim()) * elem_;

@@ -86,7 +86,8 @@ absl::Status KvAppend(const KvAppendParams& p, cudaStream_t stream);
 // Attention over token-granular KV for a ragged batch; same semantics as cpu::AttentionParams
 // (request r: query rows [q_indptr[r], q_indptr[r+1]), keys kv_slots[kv_indptr[r] ..
 // kv_indptr[r+1]) in position order, causal with the queries last; GQA head h reads KV head
-// h / (num_heads / num_kv_heads)). head_dim 64 or 128.
+// h / (num_heads / num_kv_heads)). head_dim 64 or 128. With causal == false (PrefillAttention
+// only) every row sees all keys of its request: the semantics of cpu::PrefixAttention per request.
 struct AttentionParams {
   const bf16* q = nullptr;             // (total_q, num_heads, head_dim)
   const bf16* k_cache = nullptr;       // (num_slots, num_kv_heads, head_dim)
@@ -101,6 +102,14 @@ struct AttentionParams {
   float scale = 0.0f;
   int64_t max_kv_len = 0;  // host-known upper bound of any request's kv length (for planning)
   int64_t max_q_len = 0;   // host-known upper bound of any request's query rows
+  // true: causal with the queries last (row i of a request with q_len rows and kv_len keys sees
+  // keys 0 .. kv_len - q_len + i). false: no mask, every query row of a request sees all kv_len
+  // keys and q_len may exceed kv_len. That is the shared-prefix part of cascade attention: a
+  // "request" is a prefix group, its query rows are the gathered rows of the group's members
+  // (GatherRows) and its keys are the prefix slots; the result (with lse) is then merged into the
+  // members' own-suffix results by MergeStates. Read by PrefillAttention only: DecodeAttention
+  // ignores it (a decode row is the last of its request and sees all of its keys either way).
+  bool causal = true;
 };
 
 // Decode attention: every request has exactly one query row (q_indptr may be null: row r is
@@ -116,8 +125,56 @@ absl::Status DecodeAttention(const AttentionParams& p, const DecodePlan& plan, v
                              cudaStream_t stream);
 
 // Prefill-chunk attention (many query rows per request, causal) on tensor cores. Works for any
-// q_len >= 1, including a batch mixing chunks and single rows.
+// q_len >= 1, including a batch mixing chunks and single rows. With p.causal == false it is the
+// prefix part of cascade attention (see AttentionParams::causal): any q_len and kv_len; a request
+// with kv_len == 0 gets out = 0 and lse = -inf (the empty state), as cpu::PrefixAttention does.
+// Every row and head of a request is computed by one CTA per tile of rows and head over the
+// request's whole key range (no split-KV): a long prefix with few rows uses few SMs, and the
+// caller may split the prefix into several requests (each with its own copy of the rows) and
+// merge their states with MergeStates.
 absl::Status PrefillAttention(const AttentionParams& p, cudaStream_t stream);
+
+// Cascade attention, the merge: in place, for i in [0, n): a = rows_a[i], b = rows_b[i],
+//   (out[a], lse[a]) = merge((out[a], lse[a]), (out_b[b], lse_b[b]))   for every head,
+// where merge is cpu::MergeAttentionStates' math: over disjoint key sets,
+//   out = (e^{lse_a}·out_a + e^{lse_b}·out_b) / (e^{lse_a} + e^{lse_b}), lse = log(e^{lse_a} + e^{lse_b}),
+// in fp32 with the larger lse subtracted (weights e^{l - max}), then out rounded to bf16. An
+// empty state (lse = -inf) contributes nothing and its out is not read: the other state is
+// copied exactly (bits); both empty gives out = 0 and lse = -inf; a NaN lse propagates.
+// Typical use: state a = each member row's attention over its own (suffix) keys, from
+// DecodeAttention / PrefillAttention with lse; state b = its group's prefix state, from
+// PrefillAttention with causal == false over the gathered rows (rows_b[i] = the row's index in
+// the gathered batch). Preconditions (device data, not checked): the entries of rows_a are
+// distinct (the merge is in place) and index rows of out/lse, those of rows_b rows of
+// out_b/lse_b; a negative entry in either skips pair i. rows_a or rows_b may be null: identity
+// (rows_a[i] = i, rows_b[i] = i). out/lse must not overlap out_b/lse_b. Rows are (num_heads,
+// head_dim) packed; lse rows (num_heads). n == 0 is a no-op (nothing else is checked then).
+// 16-byte accesses where head_dim % 8 == 0 and out, out_b are 16-byte aligned, else 2-byte.
+struct MergeStatesParams {
+  bf16* out = nullptr;              // (rows of a, num_heads, head_dim), merged in place
+  float* lse = nullptr;             // (rows of a, num_heads), natural log, in place
+  const bf16* out_b = nullptr;      // (rows of b, num_heads, head_dim)
+  const float* lse_b = nullptr;     // (rows of b, num_heads), natural log
+  const int32_t* rows_a = nullptr;  // device (n), distinct; null: identity
+  const int32_t* rows_b = nullptr;  // device (n); null: identity
+  int64_t n = 0, num_heads = 0, head_dim = 0;
+};
+absl::Status MergeStates(const MergeStatesParams& p, cudaStream_t stream);
+
+// dst(i, :) = src(rows[i], :) for i in [0, n); src rows are src_stride elements apart (0: packed,
+// i.e. width), dst is packed (n, width). Used to collect the query rows of a prefix group's
+// members (all heads of a row: width = num_heads · head_dim) into one "request" for
+// PrefillAttention with causal == false. rows[i] must index a row of src (device data, not
+// checked); a negative entry zero-fills dst row i. dst must not overlap src. n == 0 is a no-op.
+// 16-byte accesses where width and src_stride are multiples of 8 and src, dst are 16-byte
+// aligned, else 2-byte.
+struct GatherRowsParams {
+  const bf16* src = nullptr;
+  bf16* dst = nullptr;
+  const int32_t* rows = nullptr;  // device (n)
+  int64_t n = 0, width = 0, src_stride = 0;
+};
+absl::Status GatherRows(const GatherRowsParams& p, cudaStream_t stream);
 
 // Per-row sampling over fp32 logits(rows, vocab): the semantics of cpu::SampleToken (greedy when
 // temperature <= 0; top-k, then top-p, then inverse-CDF with cpu::CounterUniform(seed, counter))

@@ -13,6 +13,13 @@
 // ldmatrix from XOR-swizzled tiles (conflict-free); the online softmax runs in fp32 registers
 // in the log2 domain; P is rounded to bf16 for P·V while the row sums use the fp32 values.
 // The output tile goes back through shared memory for 16-byte stores.
+//
+// Causal or not (AttentionParams::causal) is a template parameter, so the causal kernel is the
+// same code as before the flag existed. Both are one rule, "local row i sees keys 0 .. limit(i)":
+// causal limit(i) = kv_len - q_len + m0 + i, non-causal limit(i) = kv_len - 1 for every row. The
+// non-causal kernel thus visits all ceil(kv_len / kBlockN) key tiles for every tile of rows
+// (whatever q_len is), and only the last key tile, where it extends past kv_len, is masked: its
+// zero-filled rows past kv_len would otherwise score 0 instead of -inf.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -121,7 +128,7 @@ __device__ __forceinline__ float Exp2(float x) {  // 2^x; -inf -> +0
   return y;
 }
 
-template <class C>
+template <class C, bool kCausal>
 __global__ void __launch_bounds__(C::kThreads) PrefillAttentionKernel(const KernelArgs a) {
   constexpr int D = C::kHeadDim, BN = C::kBlockN, MA = C::kMAtoms, CH = C::kChunks;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -139,9 +146,11 @@ __global__ void __launch_bounds__(C::kThreads) PrefillAttentionKernel(const Kern
   const int kv_start = a.kv_indptr[req];
   const int kv_len = a.kv_indptr[req + 1] - kv_start;
   const int rows = min(C::kBlockM, q_len - m0);
-  // Local row i (query row m0 + i) sees keys 0 .. base_limit + i.
-  const int base_limit = kv_len - q_len + m0;
-  const int n_end = base_limit + rows;  // keys [0, n_end) are visible to some row of the tile
+  // Causal: local row i (query row m0 + i) sees keys 0 .. base_limit + i. Non-causal: every row
+  // sees keys 0 .. base_limit = kv_len - 1.
+  const int base_limit = kCausal ? kv_len - q_len + m0 : kv_len - 1;
+  // Keys [0, n_end) are visible to some row of the tile.
+  const int n_end = kCausal ? base_limit + rows : kv_len;
   const int n_tiles = n_end > 0 ? (n_end + BN - 1) / BN : 0;
   const int kv_head = head / (a.num_heads / a.num_kv_heads);
 
@@ -224,8 +233,9 @@ __global__ void __launch_bounds__(C::kThreads) PrefillAttentionKernel(const Kern
   const uint32_t q_frag_base = s_q + (wr0 + (lane & 15)) * kRowBytes;
   const uint32_t k_frag_off = ((lane & 7) + ((lane >> 4) << 3)) * kRowBytes;
   const uint32_t v_frag_off = (lane & 15) * kRowBytes;
-  const int warp_first_limit = base_limit + wr0;
-  const int warp_last_limit = warp_first_limit + C::kRowsPerWarp - 1;
+  // Key limits of the warp's first and last rows (all rows share base_limit when not causal).
+  const int warp_first_limit = kCausal ? base_limit + wr0 : base_limit;
+  const int warp_last_limit = kCausal ? warp_first_limit + C::kRowsPerWarp - 1 : base_limit;
 
   for (int it = 0; it < n_tiles; ++it) {
     const int t = n_tiles - 1 - it;
@@ -276,7 +286,8 @@ __global__ void __launch_bounds__(C::kThreads) PrefillAttentionKernel(const Kern
           }
         }
       }
-      // Causal mask, only where some key of the tile is past this warp's first row's limit.
+      // Causal mask, only where some key of the tile is past this warp's first row's limit (not
+      // causal: the end of the keys, in the last tile only).
       if (n0 + BN - 1 > warp_first_limit) {
 #pragma unroll
         for (int ma = 0; ma < MA; ++ma) {
@@ -284,7 +295,8 @@ __global__ void __launch_bounds__(C::kThreads) PrefillAttentionKernel(const Kern
           for (int nb = 0; nb < BN / 8; ++nb) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const int limit = warp_first_limit + ma * 16 + g + (e >= 2 ? 8 : 0);
+              const int limit =
+                  kCausal ? warp_first_limit + ma * 16 + g + (e >= 2 ? 8 : 0) : warp_first_limit;
               const int key = n0 + nb * 8 + 2 * c + (e & 1);
               if (key > limit) s[ma][nb][e] = -INFINITY;
             }
@@ -430,7 +442,7 @@ absl::Status Launch(const AttentionParams& p, cudaStream_t stream) {
   args.num_kv_heads = static_cast<int>(p.num_kv_heads);
   args.scale = p.scale;
   args.scale_log2 = p.scale * 1.4426950408889634f;
-  auto* kernel = &PrefillAttentionKernel<C>;
+  auto* kernel = p.causal ? &PrefillAttentionKernel<C, true> : &PrefillAttentionKernel<C, false>;
   // A host-side attribute, not a stream operation: allowed while a graph is being captured.
   CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));

@@ -63,7 +63,7 @@ assert len(lines) == 1, lines
 j = json.loads(lines[0])
 assert len(j["token_ids"]) == 8 and len(j["logprobs"]) == 8, j
 assert all(lp <= 0 for lp in j["logprobs"]), j
-assert j["usage"] == {"prompt_tokens": 3, "completion_tokens": 8}, j
+assert j["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "cached_tokens": 0}, j
 assert j["finish_reason"] == "length", j
 PY
 grep -q "tok/s" "$TMP/err" || bad "generate prints no throughput"
@@ -84,6 +84,22 @@ assert [r["usage"]["completion_tokens"] for r in rows] == [4, 6, 6], rows
 assert [r["usage"]["prompt_tokens"] for r in rows] == [3, 11, 1], rows
 assert "logprobs" not in rows[0]
 PY
+# Prefix cache: the second of two equal 40-token prompts reuses 4 blocks of 8 (one token is always
+# prefilled), prints the same tokens, and usage says so; with the cache off nothing is reused.
+python3 -c 'import json; p = list(range(3, 43)); [print(json.dumps({"prompt_ids": p})) for _ in range(2)]' >"$TMP/shared.jsonl"
+for cache in true false; do
+  expect_ok "$TANDEM" generate --model tiny-gqa --prompts-file "$TMP/shared.jsonl" --max-tokens 5 --json --ignore-eos \
+    --set scheduler.max_batch_size=1 --set kv.prefix_block_tokens=8 --set kv.prefix_cache=$cache
+  python3 - "$TMP/out" "$cache" <<'PY' || bad "prefix cache ($cache): usage.cached_tokens or tokens wrong"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]).read().splitlines()]
+want = [0, 32] if sys.argv[2] == "true" else [0, 0]
+assert [r["usage"]["cached_tokens"] for r in rows] == want, rows
+assert rows[0]["token_ids"] == rows[1]["token_ids"], rows
+PY
+  [ "$cache" = false ] || grep -q "(32 cached)" "$TMP/err" || bad "generate does not report cached prompt tokens"
+done
+
 printf '{"prompt_ids": [1], "max_token": 3}\n' >"$TMP/typo.jsonl"
 expect_fail "unknown key 'max_token'" "$TANDEM" generate --model tiny-mha --prompts-file "$TMP/typo.jsonl"
 printf '{"prompt_ids": [1]}\n{"prompt_ids": "1"}\n' >"$TMP/badtype.jsonl"

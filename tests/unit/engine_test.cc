@@ -3,6 +3,7 @@
 #include "colocated/engine.h"
 
 #include <cmath>
+#include <tuple>
 
 #include "gtest/gtest.h"
 
@@ -94,7 +95,8 @@ TEST_P(EngineBatching, BatchedEqualsAloneForEverySchedule) {
       EXPECT_EQ((*res)[i].token_ids.size(), static_cast<size_t>(reqs[i].max_tokens));
       EXPECT_EQ((*res)[i].prompt_tokens, static_cast<int64_t>(reqs[i].prompt.size()));
     }
-    EXPECT_EQ(e->kv_free_tokens(), e->kv_capacity_tokens()) << "KV leaked";
+    // Only registered prompt blocks (kept for reuse) may hold KV once every request is done.
+    EXPECT_EQ(e->kv_free_tokens() + e->kv_registered_tokens(), e->kv_capacity_tokens()) << "KV leaked";
   }
 }
 
@@ -130,6 +132,126 @@ TEST(Engine, RequestsArrivingWhileOthersRunGetTheSameTokens) {
   ExpectSameResults(got, alone);
 }
 
+// Prompts that share prefixes at several depths (blocks of 8): a 24-token system prompt for all,
+// then one of two 16-token few-shot blocks for most, then each request's own tail (some tails
+// shorter than a block, one request that is the system prompt alone plus one token).
+std::vector<GenerationRequest> SharedPrefixRequests(int64_t vocab) {
+  uint32_t x = 777;
+  auto tokens = [&](int n) {
+    std::vector<int32_t> t;
+    for (int j = 0; j < n; ++j) {
+      x = x * 1664525u + 1013904223u;
+      t.push_back(static_cast<int32_t>(2 + (x >> 8) % static_cast<uint32_t>(vocab - 2)));
+    }
+    return t;
+  };
+  const std::vector<int32_t> system = tokens(24), shot_a = tokens(16), shot_b = tokens(16);
+  const std::vector<int> tail = {5, 13, 1, 8, 21, 3, 9, 2, 17, 6, 11, 4};
+  std::vector<GenerationRequest> out;
+  for (size_t i = 0; i < tail.size(); ++i) {
+    GenerationRequest r;
+    r.prompt = system;
+    if (i % 4 != 3) {
+      const std::vector<int32_t>& shot = i % 2 == 0 ? shot_a : shot_b;
+      r.prompt.insert(r.prompt.end(), shot.begin(), shot.end());
+    }
+    const std::vector<int32_t> own = tokens(tail[i]);
+    r.prompt.insert(r.prompt.end(), own.begin(), own.end());
+    r.max_tokens = 4 + static_cast<int64_t>(i % 5) * 3;
+    r.ignore_eos = true;
+    if (i % 3 == 1) r.sampling = {.temperature = 0.8f, .top_k = 50, .top_p = 0.9f, .seed = 11 + i};
+    out.push_back(r);
+  }
+  // The system prompt alone plus one token: it can reuse all three system blocks.
+  GenerationRequest s;
+  s.prompt = system;
+  s.prompt.push_back(5);
+  s.max_tokens = 6;
+  s.ignore_eos = true;
+  out.push_back(s);
+  return out;
+}
+
+struct PrefixVariant {
+  bool cache;
+  const char* sharing;
+};
+
+class EnginePrefix : public ::testing::TestWithParam<std::string> {};
+
+// The prefix cache (reused KV) and shared-prefix attention (cascade: the prefix read once per
+// group and merged by log-sum-exp) change which KV a request reads and the order of the sums, never
+// the tokens: every variant equals the cache-off run, and the logprobs agree to rounding.
+TEST_P(EnginePrefix, CacheAndSharingChangeNoToken) {
+  auto w = Tiny(GetParam());
+  const auto reqs = SharedPrefixRequests(w->spec().vocab_size);
+  auto run = [&](PrefixVariant v, int64_t batch, int64_t step_tokens, int64_t kv,
+                 const ControllerStats** stats) {
+    EngineOptions o;
+    o.device = "cpu";
+    o.max_batch_size = batch;
+    o.max_tokens_per_step = step_tokens;
+    o.kv_capacity_tokens = kv;
+    o.prefix_cache = v.cache;
+    o.prefix_block_tokens = 8;
+    o.prefix_sharing = v.sharing;
+    absl::StatusOr<std::unique_ptr<ColocatedEngine>> e = ColocatedEngine::Create(*w, o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    absl::StatusOr<std::vector<GenerationResult>> res = (*e)->GenerateAll(reqs);
+    EXPECT_TRUE(res.ok()) << res.status();
+    static ControllerStats last;
+    last = (*e)->controller().stats();
+    *stats = &last;
+    // Only registered blocks may hold KV once all requests are done.
+    EXPECT_EQ((*e)->kv_free_tokens() + (*e)->kv_registered_tokens(), (*e)->kv_capacity_tokens());
+    return *res;
+  };
+  const ControllerStats* stats = nullptr;
+  const std::vector<GenerationResult> base = run({false, "off"}, 4, 32, 4096, &stats);
+  for (const GenerationResult& r : base) EXPECT_EQ(r.cached_tokens, 0);
+  for (PrefixVariant v :
+       {PrefixVariant{true, "off"}, PrefixVariant{true, "on"}, PrefixVariant{true, "auto"}}) {
+    // Batch 4: the first requests publish their blocks, later ones attach them and share them
+    // within a step. 32 tokens per step: prompts are prefilled in chunks.
+    for (auto [batch, step_tokens, kv] :
+         std::vector<std::tuple<int64_t, int64_t, int64_t>>{{4, 32, 4096}, {13, 512, 4096}, {3, 16, 150}}) {
+      SCOPED_TRACE(testing::Message() << "sharing " << v.sharing << " batch " << batch << " step tokens "
+                                      << step_tokens << " kv " << kv);
+      const std::vector<GenerationResult> got = run(v, batch, step_tokens, kv, &stats);
+      ExpectSameResults(got, base);
+      int64_t cached = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_EQ(got[i].cached_tokens % 8, 0);
+        EXPECT_LT(got[i].cached_tokens, static_cast<int64_t>(reqs[i].prompt.size()));
+        cached += got[i].cached_tokens;
+      }
+      EXPECT_EQ(stats->cached_tokens, cached);
+      EXPECT_EQ(stats->prefill_tokens + cached, [&] {
+        int64_t n = 0;
+        for (const auto& r : reqs) n += static_cast<int64_t>(r.prompt.size());
+        return n;
+      }());
+      if (batch == 4) {
+        EXPECT_GT(cached, 0);
+      }
+      if (batch == 4 && std::string(v.sharing) == "on") {
+        EXPECT_GT(stats->grouped_rows, 0);
+      }
+      if (std::string(v.sharing) == "off") {
+        EXPECT_EQ(stats->grouped_rows, 0);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, EnginePrefix, ::testing::Values("tiny-mha", "tiny-gqa", "tiny-mqa"),
+                         [](const auto& info) {
+                           std::string n = info.param;
+                           for (char& ch : n)
+                             if (ch == '-') ch = '_';
+                           return n;
+                         });
+
 TEST(Engine, KvFullMakesRequestsWaitNotFail) {
   auto w = Tiny("tiny-mha");
   const auto reqs = MixedRequests(w->spec().vocab_size);
@@ -139,7 +261,7 @@ TEST(Engine, KvFullMakesRequestsWaitNotFail) {
   absl::StatusOr<std::vector<GenerationResult>> res = e->GenerateAll(reqs);
   ASSERT_TRUE(res.ok()) << res.status();
   ExpectSameResults(*res, alone);
-  EXPECT_EQ(e->kv_free_tokens(), 80);
+  EXPECT_EQ(e->kv_free_tokens() + e->kv_registered_tokens(), 80);
 }
 
 TEST(Engine, RequestThatCanNeverFitIsRefusedAndChangesNothing) {

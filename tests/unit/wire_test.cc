@@ -1,6 +1,6 @@
 // Tests of common/wire.h: CRC-32C, step plan, layer message header and control message frames
-// (round trips, golden bytes, truncation, byte flips, forged counts and lengths, field ranges,
-// PeekFrameMagic, status conversions, a randomized corpus).
+// (round trips, golden bytes, truncation, byte flips, forged counts and lengths, field ranges, the
+// links between step plan records, PeekFrameMagic, status conversions, a randomized corpus).
 #include "common/wire.h"
 
 #include <algorithm>
@@ -91,11 +91,13 @@ Bytes MakeFrame(uint32_t magic, const Bytes& body, uint16_t version = 1, uint16_
   return f.b;
 }
 
-// A step request as raw wire fields, so tests can write values the struct cannot hold.
+// Step plan records as raw wire fields, so tests can write values the structs cannot hold. The
+// defaults make a valid plan: every record of memory rank 1, each publish naming request 7.
 struct RawRequest {
   uint64_t request_id = 7;
   uint64_t seed = 1;
   uint64_t counter = 2;
+  uint64_t attach_hash = 0;
   int32_t prefix_group = -1;
   int32_t position = 10;
   int32_t q_len = 2;
@@ -108,17 +110,93 @@ struct RawRequest {
   uint8_t reserved = 0;
 };
 
-Bytes PlanBody(uint64_t step_id, const std::vector<RawRequest>& reqs,
-               std::optional<uint32_t> count = std::nullopt, uint32_t reserved = 0) {
+struct RawGroup {
+  uint64_t block_hash = 0xb10c;
+  int32_t prefix_tokens = 16;
+  int32_t parent = -1;
+  uint16_t memory_rank = 1;
+  uint8_t reserved[6] = {0, 0, 0, 0, 0, 0};
+};
+
+struct RawPublish {
+  uint64_t request_id = 7;
+  uint64_t block_hash = 0x9b;
+  uint64_t parent_hash = 0x9a;
+  int32_t block_index = 1;
+  uint16_t memory_rank = 1;
+  uint8_t reserved[2] = {0, 0};
+};
+
+struct RawEvict {
+  uint64_t block_hash = 0xe1;
+  uint16_t memory_rank = 1;
+  uint8_t reserved[6] = {0, 0, 0, 0, 0, 0};
+};
+
+struct RawPlan {
+  uint64_t step_id = 3;
+  std::vector<RawRequest> requests;
+  std::vector<RawGroup> groups;
+  std::vector<RawPublish> publishes;
+  std::vector<RawEvict> evictions;
+  // Counts written instead of the vectors' sizes.
+  std::optional<uint32_t> request_count, group_count, publish_count, evict_count;
+};
+
+Bytes PlanBody(const RawPlan& p) {
+  auto count = [](std::optional<uint32_t> forced, size_t n) {
+    return forced ? *forced : static_cast<uint32_t>(n);
+  };
   Le w;
-  w.U64(step_id).U32(count ? *count : static_cast<uint32_t>(reqs.size())).U32(reserved);
-  for (const RawRequest& q : reqs) {
-    w.U64(q.request_id).U64(q.seed).U64(q.counter);
+  w.U64(p.step_id).U32(count(p.request_count, p.requests.size())).U32(count(p.group_count, p.groups.size()));
+  w.U32(count(p.publish_count, p.publishes.size())).U32(count(p.evict_count, p.evictions.size()));
+  for (const RawRequest& q : p.requests) {
+    w.U64(q.request_id).U64(q.seed).U64(q.counter).U64(q.attach_hash);
     w.I32(q.prefix_group).I32(q.position).I32(q.q_len).I32(q.kv_len);
     w.F32(q.temperature).I32(q.top_k).F32(q.top_p);
     w.U16(q.memory_rank).U8(q.sample).U8(q.reserved);
   }
+  for (const RawGroup& g : p.groups) {
+    w.U64(g.block_hash).I32(g.prefix_tokens).I32(g.parent).U16(g.memory_rank);
+    for (uint8_t r : g.reserved) w.U8(r);
+  }
+  for (const RawPublish& x : p.publishes) {
+    w.U64(x.request_id).U64(x.block_hash).U64(x.parent_hash).I32(x.block_index).U16(x.memory_rank);
+    for (uint8_t r : x.reserved) w.U8(r);
+  }
+  for (const RawEvict& e : p.evictions) {
+    w.U64(e.block_hash).U16(e.memory_rank);
+    for (uint8_t r : e.reserved) w.U8(r);
+  }
   return w.b;
+}
+
+Bytes PlanFrame(const RawPlan& p) { return MakeFrame(kStepPlanMagic, PlanBody(p)); }
+
+// A valid plan of 5 requests (ids 100..104; request 4 in group 2 of rank 2, requests 1 and 2 in
+// the nested group 1, request 3 attaching), 3 groups, 2 publishes and 2 evictions. Frame offsets:
+// requests at 40, groups at 360, publishes at 432, evictions at 496, end at 528.
+RawPlan FullRawPlan() {
+  RawPlan p;
+  p.step_id = 9;
+  p.requests.resize(5);
+  for (size_t i = 0; i < 5; ++i) p.requests[i].request_id = 100 + i;
+  p.requests[0].prefix_group = 0;
+  p.requests[1].prefix_group = p.requests[2].prefix_group = 1;
+  p.requests[3].attach_hash = 0xa77ac4;
+  p.requests[4].memory_rank = 2, p.requests[4].prefix_group = 2;
+  p.groups.resize(3);
+  p.groups[0].block_hash = 0x10, p.groups[0].prefix_tokens = 16;
+  p.groups[1].block_hash = 0x11, p.groups[1].prefix_tokens = 32, p.groups[1].parent = 0;
+  p.groups[2].block_hash = 0x10, p.groups[2].prefix_tokens = 16, p.groups[2].memory_rank = 2;
+  p.publishes.resize(2);
+  p.publishes[0].request_id = 101, p.publishes[0].block_hash = 0x20, p.publishes[0].block_index = 0;
+  p.publishes[0].parent_hash = 0;
+  p.publishes[1].request_id = 104, p.publishes[1].block_hash = 0x20, p.publishes[1].memory_rank = 2;
+  p.evictions.resize(2);
+  p.evictions[0].block_hash = 0x30;
+  p.evictions[1].block_hash = 0x30, p.evictions[1].memory_rank = 2;
+  return p;
 }
 
 struct RawHeader {
@@ -148,10 +226,10 @@ StepRequest RandomRequest(std::mt19937_64& rng, bool extreme) {
   if (!extreme) {
     q.request_id = rng();
     q.memory_rank = static_cast<uint16_t>(u(0, 7));
-    q.prefix_group = static_cast<int32_t>(u(0, 4)) - 1;
     q.position = static_cast<int32_t>(u(0, 4096));
     q.q_len = static_cast<int32_t>(u(1, 512));
     q.kv_len = q.position + q.q_len + static_cast<int32_t>(u(0, 2));
+    if (q.position > 0 && u(0, 2) == 0) q.attach_hash = rng() | 1;
     q.sample = u(0, 1) == 1;
     q.temperature = std::uniform_real_distribution<float>(0.0f, 2.0f)(rng);
     q.top_k = static_cast<int32_t>(u(0, 100));
@@ -166,13 +244,13 @@ StepRequest RandomRequest(std::mt19937_64& rng, bool extreme) {
                           std::numeric_limits<float>::min()};
   q.request_id = u(0, 1) ? kU64Max : 0;
   q.memory_rank = u(0, 1) ? 0xffff : 0;
-  q.prefix_group = u(0, 1) ? kI32Max : -1;
   switch (u(0, 2)) {
     case 0:
       q.position = 0, q.q_len = kI32Max, q.kv_len = kI32Max;
       break;
     case 1:
       q.position = kI32Max - 1, q.q_len = 1, q.kv_len = kI32Max;
+      q.attach_hash = u(0, 1) ? kU64Max : 1;
       break;
     default:
       q.position = 0, q.q_len = 1, q.kv_len = kI32Max;
@@ -186,11 +264,80 @@ StepRequest RandomRequest(std::mt19937_64& rng, bool extreme) {
   return q;
 }
 
+// A valid plan of `n` requests with prefix groups (some nested), publishes and evictions: at least
+// one of each when n >= 1 (evictions and groups also when n == 0). `extreme` uses limit values.
 StepPlan RandomPlan(std::mt19937_64& rng, size_t n, bool extreme) {
+  auto u = [&](uint64_t lo, uint64_t hi) { return std::uniform_int_distribution<uint64_t>(lo, hi)(rng); };
   StepPlan plan;
   plan.step_id = extreme ? kU64Max : rng();
   for (size_t i = 0; i < n; ++i) plan.requests.push_back(RandomRequest(rng, extreme));
+  if (extreme) {
+    // Groups 0 <- 1 of rank 0xffff, group 2 of rank 0; requests join the deepest or none.
+    plan.groups = {{kU64Max, 1, -1, 0xffff}, {0, kI32Max, 0, 0xffff}, {kU64Max, kI32Max, -1, 0}};
+    for (StepRequest& q : plan.requests) {
+      q.prefix_group = q.memory_rank == 0 ? (u(0, 1) ? 2 : -1) : static_cast<int32_t>(u(0, 1));
+    }
+    for (size_t i = 0; i < std::min<size_t>(n, 2); ++i) {
+      const StepRequest& q = plan.requests[i];
+      plan.publishes.push_back(i == 0 ? PrefixPublish{q.request_id, kU64Max, kU64Max, kI32Max, q.memory_rank}
+                                      : PrefixPublish{q.request_id, 0, 0, 0, q.memory_rank});
+    }
+    plan.evictions = {{kU64Max, 0xffff}, {0, 0}, {kU64Max, 0}, {0, 0xffff}};
+    return plan;
+  }
+  // Groups: some nest in an earlier group of their rank with a shorter prefix.
+  const size_t num_groups = u(1, 6);
+  for (size_t i = 0; i < num_groups; ++i) {
+    PrefixGroup g;
+    g.block_hash = rng();
+    g.memory_rank = static_cast<uint16_t>(u(0, 3));
+    g.prefix_tokens = static_cast<int32_t>(u(1, 4096));
+    std::vector<int32_t> parents;
+    for (size_t j = 0; j < i; ++j) {
+      const PrefixGroup& p = plan.groups[j];
+      if (p.memory_rank == g.memory_rank && p.prefix_tokens < g.prefix_tokens) {
+        parents.push_back(static_cast<int32_t>(j));
+      }
+    }
+    if (!parents.empty() && u(0, 3) != 0) g.parent = parents[u(0, parents.size() - 1)];
+    plan.groups.push_back(g);
+  }
+  for (StepRequest& q : plan.requests) {
+    if (u(0, 2) == 0) continue;
+    q.prefix_group = static_cast<int32_t>(u(0, plan.groups.size() - 1));
+    q.memory_rank = plan.groups[q.prefix_group].memory_rank;
+  }
+  // Publishes and evictions of distinct (memory_rank, block_hash) each (random hashes; rarely
+  // repeated by chance, and then dropped).
+  auto distinct = [](const auto& records, uint16_t rank, uint64_t hash) {
+    return std::none_of(records.begin(), records.end(),
+                        [&](const auto& x) { return x.memory_rank == rank && x.block_hash == hash; });
+  };
+  const size_t num_publishes = n == 0 ? 0 : u(1, std::min<size_t>(n, 8));
+  for (size_t i = 0; i < num_publishes; ++i) {
+    const StepRequest& q = plan.requests[u(0, n - 1)];
+    PrefixPublish x;
+    x.request_id = q.request_id, x.memory_rank = q.memory_rank;
+    x.block_hash = u(0, 3) == 0 ? plan.groups[0].block_hash : rng();  // a group's hash on another rank
+    x.block_index = static_cast<int32_t>(u(0, 2) == 0 ? 0 : u(1, 1000));
+    x.parent_hash = x.block_index == 0 ? 0 : rng();
+    if (distinct(plan.publishes, x.memory_rank, x.block_hash)) plan.publishes.push_back(x);
+  }
+  const size_t num_evictions = u(1, 6);
+  for (size_t i = 0; i < num_evictions; ++i) {
+    PrefixEvict e;
+    e.block_hash = u(0, 3) == 0 && !plan.publishes.empty() ? plan.publishes[0].block_hash : rng();
+    e.memory_rank = static_cast<uint16_t>(u(0, 3));
+    if (distinct(plan.evictions, e.memory_rank, e.block_hash)) plan.evictions.push_back(e);
+  }
   return plan;
+}
+
+// The frame size of `plan`.
+size_t PlanFrameBytes(const StepPlan& plan) {
+  return kFrameHeaderBytes + kStepPlanFixedBytes + kStepRequestBytes * plan.requests.size() +
+         kPrefixGroupBytes * plan.groups.size() + kPrefixPublishBytes * plan.publishes.size() +
+         kPrefixEvictBytes * plan.evictions.size();
 }
 
 LayerMessageHeader RandomHeader(std::mt19937_64& rng) {
@@ -207,9 +354,11 @@ LayerMessageHeader RandomHeader(std::mt19937_64& rng) {
   return h;
 }
 
-// A small valid plan of `n` RawRequests (defaults).
+// A small valid plan of `n` RawRequests (defaults), nothing else.
 Bytes SmallPlanFrame(size_t n = 1) {
-  return MakeFrame(kStepPlanMagic, PlanBody(3, std::vector<RawRequest>(n)));
+  RawPlan p;
+  p.requests.resize(n);
+  return PlanFrame(p);
 }
 
 // The instruction path (where the CPU has SSE4.2) and the table agree on every length and
@@ -249,8 +398,11 @@ TEST(StepPlanWire, RoundTripsRandomPlans) {
     for (bool extreme : {false, true}) {
       const StepPlan plan = RandomPlan(rng, n, extreme);
       ASSERT_TRUE(ValidateStepPlan(plan).ok()) << ValidateStepPlan(plan);
+      ASSERT_FALSE(plan.groups.empty());
+      ASSERT_FALSE(plan.evictions.empty());
+      ASSERT_EQ(plan.publishes.empty(), n == 0);
       const Bytes frame = EncodeStepPlan(plan);
-      ASSERT_EQ(frame.size(), kFrameHeaderBytes + kStepPlanFixedBytes + n * kStepRequestBytes);
+      ASSERT_EQ(frame.size(), PlanFrameBytes(plan));
       absl::StatusOr<StepPlan> back = DecodeStepPlan(frame);
       ASSERT_TRUE(back.ok()) << "n=" << n << " extreme=" << extreme << ": " << back.status();
       EXPECT_TRUE(*back == plan) << "n=" << n << " extreme=" << extreme;
@@ -270,7 +422,8 @@ TEST(StepPlanWire, GoldenBytes) {
   StepRequest q;
   q.request_id = 0x1122334455667788;
   q.memory_rank = 0x0203;
-  q.prefix_group = -1;
+  q.prefix_group = 0;
+  q.attach_hash = 0x0a0b0c0d0e0f1011;
   q.position = 5;
   q.q_len = 3;
   q.kv_len = 8;
@@ -281,19 +434,34 @@ TEST(StepPlanWire, GoldenBytes) {
   q.seed = 42;
   q.counter = 7;
   plan.requests.push_back(q);
-  // crc computed independently (bitwise Python reference).
+  plan.groups.push_back(PrefixGroup{0x2122232425262728, 5, -1, 0x0203});
+  plan.publishes.push_back(
+      PrefixPublish{0x1122334455667788, 0x3132333435363738, 0x4142434445464748, 1, 0x0203});
+  plan.evictions.push_back(PrefixEvict{0x5152535455565758, 0x0405});
+  // Layout written out by hand; crc computed independently (bitwise Python reference).
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x01, 0x00, 0x10, 0x00, 0x48, 0x00, 0x00, 0x00,
-      0x47, 0x7f, 0x31, 0x31,  // frame
-      0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01, 0x01, 0x00, 0x00, 0x00,
-      0x00, 0x00, 0x00, 0x00,                          // plan
-      0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11,  // id
+      0x54, 0x44, 0x53, 0x50, 0x01, 0x00, 0x10, 0x00,
+      0xa0, 0x00, 0x00, 0x00, 0x32, 0x10, 0x58, 0x9b,  // frame: body_bytes 160
+      0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
+      0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // request_count, group_count
+      0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // publish_count, evict_count
+      0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11,  // request 0: request_id
       0x2a, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // seed
       0x07, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // counter
-      0xff, 0xff, 0xff, 0xff, 0x05, 0x00, 0x00, 0x00, 0x03, 0x00, 0x00, 0x00,
-      0x08, 0x00, 0x00, 0x00,                                                  // grp..kv
-      0x00, 0x00, 0x00, 0x3f, 0x28, 0x00, 0x00, 0x00, 0x66, 0x66, 0x66, 0x3f,  // t, k, p
-      0x03, 0x02, 0x01, 0x00,                                                  // rank..
+      0x11, 0x10, 0x0f, 0x0e, 0x0d, 0x0c, 0x0b, 0x0a,  // attach_hash
+      0x00, 0x00, 0x00, 0x00, 0x05, 0x00, 0x00, 0x00,  // prefix_group, position
+      0x03, 0x00, 0x00, 0x00, 0x08, 0x00, 0x00, 0x00,  // q_len, kv_len
+      0x00, 0x00, 0x00, 0x3f, 0x28, 0x00, 0x00, 0x00,  // temperature, top_k
+      0x66, 0x66, 0x66, 0x3f, 0x03, 0x02, 0x01, 0x00,  // top_p, memory_rank, sample, reserved
+      0x28, 0x27, 0x26, 0x25, 0x24, 0x23, 0x22, 0x21,  // group 0: block_hash
+      0x05, 0x00, 0x00, 0x00, 0xff, 0xff, 0xff, 0xff,  // prefix_tokens, parent
+      0x03, 0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // memory_rank, reserved
+      0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11,  // publish 0: request_id
+      0x38, 0x37, 0x36, 0x35, 0x34, 0x33, 0x32, 0x31,  // block_hash
+      0x48, 0x47, 0x46, 0x45, 0x44, 0x43, 0x42, 0x41,  // parent_hash
+      0x01, 0x00, 0x00, 0x00, 0x03, 0x02, 0x00, 0x00,  // block_index, memory_rank, reserved
+      0x58, 0x57, 0x56, 0x55, 0x54, 0x53, 0x52, 0x51,  // eviction 0: block_hash
+      0x05, 0x04, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // memory_rank, reserved
   };
   EXPECT_EQ(EncodeStepPlan(plan), golden);
   absl::StatusOr<StepPlan> back = DecodeStepPlan(golden);
@@ -339,15 +507,27 @@ TEST(LayerMessageWire, RoundTripsAndGoldenBytes) {
 }
 
 TEST(StepPlanWire, HandBuiltBodyMatchesEncoder) {
-  const Bytes frame = SmallPlanFrame(3);
-  absl::StatusOr<StepPlan> plan = DecodeStepPlan(frame);
-  ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_EQ(EncodeStepPlan(*plan), frame);
+  for (const Bytes& frame : {SmallPlanFrame(3), PlanFrame(FullRawPlan()), PlanFrame(RawPlan{})}) {
+    absl::StatusOr<StepPlan> plan = DecodeStepPlan(frame);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(EncodeStepPlan(*plan), frame);
+  }
+  const Bytes full = PlanFrame(FullRawPlan());
+  ASSERT_EQ(full.size(), 528u);
+  const StepPlan plan = DecodeStepPlan(full).value();
+  EXPECT_EQ(plan.requests.size(), 5u);
+  EXPECT_EQ(plan.requests[3].attach_hash, 0xa77ac4u);
+  EXPECT_EQ(plan.requests[4].prefix_group, 2);
+  EXPECT_TRUE(plan.groups[1] == (PrefixGroup{0x11, 32, 0, 1}));
+  EXPECT_TRUE(plan.publishes[1] == (PrefixPublish{104, 0x20, 0x9a, 1, 2}));
+  EXPECT_TRUE(plan.evictions[1] == (PrefixEvict{0x30, 2}));
 }
 
 TEST(Wire, EveryStrictPrefixIsDataLoss) {
   std::mt19937_64 rng(1);
-  const Bytes plan = EncodeStepPlan(RandomPlan(rng, 17, false));
+  const StepPlan random_plan = RandomPlan(rng, 17, false);
+  ASSERT_FALSE(random_plan.groups.empty() || random_plan.publishes.empty() || random_plan.evictions.empty());
+  const Bytes plan = EncodeStepPlan(random_plan);
   for (size_t n = 0; n < plan.size(); ++n) {
     absl::Status s = DecodeStepPlan(absl::MakeConstSpan(plan.data(), n)).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << "prefix " << n << ": " << s;
@@ -363,7 +543,7 @@ TEST(Wire, EveryStrictPrefixIsDataLoss) {
 
 TEST(Wire, EverySingleByteChangeIsRejected) {
   std::mt19937_64 rng(2);
-  const Bytes plan = SmallPlanFrame(2);
+  const Bytes plan = PlanFrame(FullRawPlan());  // every record kind; the crc covers them all
   const Bytes header = EncodeLayerMessageHeader(RandomHeader(rng));
   for (size_t pos = 0; pos < plan.size(); ++pos) {
     for (int mask = 1; mask < 256; ++mask) {
@@ -381,25 +561,77 @@ TEST(Wire, EverySingleByteChangeIsRejected) {
   }
 }
 
-TEST(StepPlanWire, ForgedRequestCountFailsFastWithoutAllocating) {
-  for (uint32_t count : {uint32_t{1} << 31, kU32Max, uint32_t{2}}) {
-    const Bytes frame = MakeFrame(kStepPlanMagic, PlanBody(1, {RawRequest{}}, count));
-    g_max_alloc = 0;
-    g_track_allocs = true;
-    const auto start = std::chrono::steady_clock::now();
-    absl::Status s = DecodeStepPlan(frame).status();
-    const auto elapsed = std::chrono::steady_clock::now() - start;
-    g_track_allocs = false;
-    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
-    EXPECT_CONTAINS(std::string(s.message()), "request_count " + std::to_string(count));
-    EXPECT_LT(g_max_alloc.load(), 4096u) << "count " << count;  // only the error message
-    EXPECT_LT(elapsed, std::chrono::milliseconds(50));
+TEST(StepPlanWire, ForgedCountsFailFastWithoutAllocating) {
+  // One record of each kind present: requests at frame offset 40, the group at 104, the publish
+  // at 128, the eviction at 160, the end at 176.
+  RawPlan base;
+  base.requests.resize(1), base.groups.resize(1), base.publishes.resize(1), base.evictions.resize(1);
+  ASSERT_TRUE(DecodeStepPlan(PlanFrame(base)).ok());
+  struct Case {
+    std::optional<uint32_t> RawPlan::*count;
+    const char* field;
+    size_t record_bytes;
+    const char* contents;
+    size_t at;         // frame offset of the area
+    size_t remaining;  // body bytes from there
+  };
+  const Case cases[] = {
+      {&RawPlan::request_count, "request_count", 64, "requests", 40, 136},
+      {&RawPlan::group_count, "group_count", 24, "groups", 104, 72},
+      {&RawPlan::publish_count, "publish_count", 32, "publishes", 128, 48},
+      {&RawPlan::evict_count, "evict_count", 16, "evictions", 160, 16},
+  };
+  for (const Case& c : cases) {
+    // The last: one record more than the bytes from the area to the end hold.
+    for (uint32_t count : {uint32_t{1} << 31, kU32Max, uint32_t{1} << 28,
+                           static_cast<uint32_t>(c.remaining / c.record_bytes + 1)}) {
+      RawPlan p = base;
+      p.*c.count = count;
+      const Bytes frame = PlanFrame(p);
+      g_max_alloc = 0;
+      g_track_allocs = true;
+      const auto start = std::chrono::steady_clock::now();
+      absl::Status s = DecodeStepPlan(frame).status();
+      const auto elapsed = std::chrono::steady_clock::now() - start;
+      g_track_allocs = false;
+      EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+      EXPECT_EQ(s.message(), "step plan: truncated: " + std::string(c.field) + " " + std::to_string(count) +
+                                 " needs " + std::to_string(uint64_t{count} * c.record_bytes) + " bytes of " +
+                                 c.contents + " at byte offset " + std::to_string(c.at) + " but " +
+                                 std::to_string(c.remaining) + " remain");
+      EXPECT_LT(g_max_alloc.load(), 4096u) << c.field << " " << count;  // only the error message
+      EXPECT_LT(elapsed, std::chrono::milliseconds(50));
+    }
   }
-  // A count smaller than the records present leaves unused bytes.
-  absl::Status s =
-      DecodeStepPlan(MakeFrame(kStepPlanMagic, PlanBody(1, {RawRequest{}, RawRequest{}}, 1))).status();
+  // All four forged at once: the first area that does not fit is named; nothing wraps.
+  RawPlan p = base;
+  p.request_count = p.group_count = p.publish_count = p.evict_count = kU32Max;
+  absl::Status s = DecodeStepPlan(PlanFrame(p)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_CONTAINS(std::string(s.message()), "request_count 4294967295 needs 274877906880 bytes");
+  // Areas that fit one by one but not together: three groups fit in the bytes after the
+  // request, but then the publish does not.
+  p = base;
+  p.group_count = 3;
+  s = DecodeStepPlan(PlanFrame(p)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_EQ(
+      s.message(),
+      "step plan: truncated: publish_count 1 needs 32 bytes of publishes at byte offset 176 but 0 remain");
+
+  // Counts smaller than the records present leave unused bytes.
+  p = base;
+  p.evict_count = 0;
+  s = DecodeStepPlan(PlanFrame(p)).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_CONTAINS(std::string(s.message()), "request_count 1 leaves 56 unused body bytes at byte offset 88");
+  EXPECT_EQ(s.message(),
+            "step plan: request_count 1, group_count 1, publish_count 1 and evict_count 0 leave 16 unused "
+            "body bytes at byte offset 160");
+  s = DecodeStepPlan(MakeFrame(kStepPlanMagic, PlanBody(RawPlan{.requests = {RawRequest{}, RawRequest{}},
+                                                                .request_count = 1})))
+          .status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()), "evict_count 0 leave 64 unused body bytes at byte offset 104");
 }
 
 TEST(StepPlanWire, FieldRangeViolationsNameFieldAndRequest) {
@@ -428,25 +660,146 @@ TEST(StepPlanWire, FieldRangeViolationsNameFieldAndRequest) {
       {[](RawRequest& q) { q.top_p = 1.5f; }, "request 3: top_p 1.5"},
       {[&](RawRequest& q) { q.top_p = nan; }, "request 3: top_p nan"},
       {[](RawRequest& q) { q.top_p = -0.0f; }, "request 3: top_p -0"},
-      {[](RawRequest& q) { q.sample = 2; }, "request 3: sample 2 at byte offset 254 must be 0 or 1"},
-      {[](RawRequest& q) { q.reserved = 1; }, "request 3: reserved at byte offset 255 is 1, must be 0"},
+      {[](RawRequest& q) { q.position = 0, q.attach_hash = 1; },
+       "request 3: attach_hash 0x0000000000000001 needs position > 0, not 0 (0: no attach)"},
+      {[](RawRequest& q) { q.sample = 2; }, "request 3: sample 2 at byte offset 294 must be 0 or 1"},
+      {[](RawRequest& q) { q.reserved = 1; }, "request 3: reserved at byte offset 295 is 1, must be 0"},
   };
+  ASSERT_TRUE(DecodeStepPlan(PlanFrame(FullRawPlan())).ok());
   for (const Case& c : cases) {
-    std::vector<RawRequest> reqs(5);
-    c.mutate(reqs[3]);
-    absl::Status s = DecodeStepPlan(MakeFrame(kStepPlanMagic, PlanBody(9, reqs))).status();
+    RawPlan p = FullRawPlan();
+    c.mutate(p.requests[3]);
+    absl::Status s = DecodeStepPlan(PlanFrame(p)).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.want << ": " << s;
     EXPECT_CONTAINS(std::string(s.message()), c.want);
   }
-  absl::Status s = DecodeStepPlan(MakeFrame(kStepPlanMagic, PlanBody(9, {}, std::nullopt, 0x100))).status();
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_CONTAINS(std::string(s.message()), "reserved at byte offset 29 is 1, must be 0");
+  // Reserved bytes of the other records (offsets: see FullRawPlan).
+  const std::vector<std::pair<std::function<void(RawPlan&)>, std::string>> reserved = {
+      {[](RawPlan& p) { p.groups[1].reserved[0] = 1; },
+       "step plan: group 1: reserved at byte offset 402 is 1"},
+      {[](RawPlan& p) { p.groups[2].reserved[5] = 0x80; },
+       "step plan: group 2: reserved at byte offset 431 is 128, must be 0"},
+      {[](RawPlan& p) { p.publishes[0].reserved[0] = 2; },
+       "step plan: publish 0: reserved at byte offset 462 is 2, must be 0"},
+      {[](RawPlan& p) { p.publishes[1].reserved[1] = 3; },
+       "step plan: publish 1: reserved at byte offset 495 is 3, must be 0"},
+      {[](RawPlan& p) { p.evictions[0].reserved[0] = 4; },
+       "step plan: eviction 0: reserved at byte offset 506 is 4, must be 0"},
+      {[](RawPlan& p) { p.evictions[1].reserved[5] = 5; },
+       "step plan: eviction 1: reserved at byte offset 527 is 5, must be 0"},
+  };
+  for (const auto& [mutate, want] : reserved) {
+    RawPlan p = FullRawPlan();
+    mutate(p);
+    absl::Status s = DecodeStepPlan(PlanFrame(p)).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << want << ": " << s;
+    EXPECT_CONTAINS(std::string(s.message()), want);
+  }
   // The struct validator says the same.
   StepPlan plan;
   plan.requests.resize(2);
   plan.requests[1].q_len = 0;
   EXPECT_CONTAINS(std::string(ValidateStepPlan(plan).message()),
                   "step plan: request 1: q_len 0 must be >= 1");
+}
+
+// Checks between records: ValidateStepPlan and the decoder (on the encoded plan) report the same
+// error, naming the record and field.
+TEST(StepPlanWire, PlanLevelViolationsNameRecord) {
+  const StepPlan base = DecodeStepPlan(PlanFrame(FullRawPlan())).value();
+  ASSERT_TRUE(ValidateStepPlan(base).ok());
+  struct Case {
+    std::function<void(StepPlan&)> mutate;
+    std::string want;  // the whole message
+  };
+  const std::vector<Case> cases = {
+      // Groups.
+      {[](StepPlan& p) { p.groups[1].prefix_tokens = 0; },
+       "step plan: group 1: prefix_tokens 0 must be >= 1"},
+      {[](StepPlan& p) { p.groups[2].prefix_tokens = -4; },
+       "step plan: group 2: prefix_tokens -4 must be >= 1"},
+      {[](StepPlan& p) { p.groups[2].parent = 3; }, "step plan: group 2: parent 3 must be -1 or < 2"},
+      {[](StepPlan& p) { p.groups[2].parent = 2; }, "step plan: group 2: parent 2 must be -1 or < 2"},
+      {[](StepPlan& p) { p.groups[0].parent = 0; }, "step plan: group 0: parent 0 must be -1 or < 0"},
+      {[](StepPlan& p) { p.groups[1].parent = -2; }, "step plan: group 1: parent -2 must be -1 or < 1"},
+      {[](StepPlan& p) { p.groups[1].parent = kI32Max; },
+       "step plan: group 1: parent 2147483647 must be -1 or < 1"},
+      {[](StepPlan& p) { p.groups[2].parent = 0; },
+       "step plan: group 2: memory_rank 2 must equal parent group 0's memory_rank 1"},
+      {[](StepPlan& p) { p.groups[1].prefix_tokens = 16; },
+       "step plan: group 1: prefix_tokens 16 must be > parent group 0's prefix_tokens 16"},
+      {[](StepPlan& p) { p.groups[1].prefix_tokens = 15; },
+       "step plan: group 1: prefix_tokens 15 must be > parent group 0's prefix_tokens 16"},
+      // Requests' groups and attach hashes.
+      {[](StepPlan& p) { p.requests[3].prefix_group = 3; },
+       "step plan: request 3: prefix_group 3 must be -1 (none) or < 3 (the group count)"},
+      {[](StepPlan& p) { p.requests[3].prefix_group = kI32Max; },
+       "step plan: request 3: prefix_group 2147483647 must be -1 (none) or < 3 (the group count)"},
+      {[](StepPlan& p) { p.requests[3].prefix_group = -2; },
+       "step plan: request 3: prefix_group -2 must be -1 (none) or >= 0"},
+      {[](StepPlan& p) { p.requests[3].prefix_group = 2; },
+       "step plan: request 3: memory_rank 1 must equal group 2's memory_rank 2"},
+      {[](StepPlan& p) { p.groups.clear(); },
+       "step plan: request 0: prefix_group 0 must be -1 (none) or < 0 (the group count)"},
+      {[](StepPlan& p) { p.requests[1].position = 0, p.requests[1].attach_hash = kU64Max; },
+       "step plan: request 1: attach_hash 0xffffffffffffffff needs position > 0, not 0 (0: no attach)"},
+      // Publishes.
+      {[](StepPlan& p) { p.publishes[1].block_index = -1; },
+       "step plan: publish 1: block_index -1 must be >= 0"},
+      {[](StepPlan& p) { p.publishes[1].block_index = 0; },
+       "step plan: publish 1: parent_hash 0x000000000000009a must be 0 when block_index is 0"},
+      {[](StepPlan& p) { p.publishes[0].request_id = 17; },
+       "step plan: publish 0: request 17 is not in the plan"},
+      {[](StepPlan& p) { p.requests.clear(), p.groups.clear(); },
+       "step plan: publish 0: request 101 is not in the plan"},
+      {[](StepPlan& p) { p.publishes[1].memory_rank = 1; },
+       "step plan: publish 1: memory_rank 1 must equal request 104's memory_rank 2"},
+      {[](StepPlan& p) { p.publishes[0].memory_rank = 2; },
+       "step plan: publish 0: memory_rank 2 must equal request 101's memory_rank 1"},
+      {[](StepPlan& p) {
+         p.publishes.push_back(p.publishes[0]);
+         p.publishes.back().block_index = 7, p.publishes.back().parent_hash = 3;
+       },
+       "step plan: publish 2: memory_rank 1, block_hash 0x0000000000000020 repeats publish 0"},
+      {[](StepPlan& p) {
+         p.publishes.push_back(p.publishes[1]);
+         p.publishes.push_back(p.publishes[0]);
+       },
+       "step plan: publish 2: memory_rank 2, block_hash 0x0000000000000020 repeats publish 1"},
+      // Evictions.
+      {[](StepPlan& p) { p.evictions.push_back(p.evictions[1]); },
+       "step plan: eviction 2: memory_rank 2, block_hash 0x0000000000000030 repeats eviction 1"},
+      {[](StepPlan& p) {
+         // Several repeats: the earliest repeating record is named.
+         p.evictions = {{5, 1}, {6, 1}, {7, 1}, {6, 1}, {5, 1}, {5, 1}};
+       },
+       "step plan: eviction 3: memory_rank 1, block_hash 0x0000000000000006 repeats eviction 1"},
+  };
+  for (const Case& c : cases) {
+    StepPlan plan = base;
+    c.mutate(plan);
+    const absl::Status v = ValidateStepPlan(plan);
+    EXPECT_EQ(v.code(), absl::StatusCode::kInvalidArgument) << c.want << ": " << v;
+    EXPECT_EQ(v.message(), c.want);
+    const absl::Status d = DecodeStepPlan(EncodeStepPlan(plan)).status();
+    EXPECT_EQ(d, v) << c.want;
+  }
+  // Valid plans: the same block hash on different ranks, or published and evicted in one step; a
+  // request id that appears twice (on two ranks) published on either; group chains of any depth.
+  StepPlan plan = base;
+  plan.publishes[0].block_hash = plan.evictions[0].block_hash;
+  plan.evictions.push_back({0x20, 1});
+  plan.requests.push_back(plan.requests[4]);
+  plan.requests.back().request_id = 101, plan.requests.back().prefix_group = -1;
+  plan.publishes.push_back({101, 0x21, 0, 0, 2});
+  for (int32_t i = 0; i < 50; ++i) {
+    plan.groups.push_back(
+        {static_cast<uint64_t>(i), 100 + i, i == 0 ? 1 : static_cast<int32_t>(plan.groups.size()) - 1, 1});
+  }
+  EXPECT_TRUE(ValidateStepPlan(plan).ok()) << ValidateStepPlan(plan);
+  absl::StatusOr<StepPlan> back = DecodeStepPlan(EncodeStepPlan(plan));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == plan);
 }
 
 TEST(LayerMessageWire, FieldRangeViolationsNameField) {
@@ -487,7 +840,7 @@ TEST(LayerMessageWire, FieldRangeViolationsNameField) {
 }
 
 TEST(Wire, FrameHeaderChecks) {
-  const Bytes body = PlanBody(1, {RawRequest{}});
+  const Bytes body = PlanBody(RawPlan{.requests = {RawRequest{}}});
   auto code_and_message = [](const Bytes& f) { return DecodeStepPlan(f).status(); };
 
   absl::Status s = code_and_message(MakeFrame(kLayerMessageMagic, body));
@@ -514,7 +867,7 @@ TEST(Wire, FrameHeaderChecks) {
   trailing.push_back(0);
   s = code_and_message(trailing);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_CONTAINS(std::string(s.message()), "1 trailing bytes after the frame at byte offset 88");
+  EXPECT_CONTAINS(std::string(s.message()), "1 trailing bytes after the frame at byte offset 104");
 
   // A body that claims a request it lacks (crc recomputed): truncated inside the body.
   Bytes short_body = body;
@@ -522,10 +875,17 @@ TEST(Wire, FrameHeaderChecks) {
   s = code_and_message(MakeFrame(kStepPlanMagic, short_body));
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_CONTAINS(std::string(s.message()),
-                  "request_count 1 needs 56 bytes of requests at byte offset 32 but 20");
+                  "request_count 1 needs 64 bytes of requests at byte offset 40 but 20 remain");
   s = code_and_message(MakeFrame(kStepPlanMagic, Bytes(10, 0)));
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_CONTAINS(std::string(s.message()), "request_count needs 4 bytes at byte offset 24 but 2 remain");
+  s = code_and_message(MakeFrame(kStepPlanMagic, Bytes(kStepPlanFixedBytes - 1, 0)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_EQ(s.message(), "step plan: truncated: evict_count needs 4 bytes at byte offset 36 but 3 remain");
+  // An empty plan is the fixed fields alone.
+  absl::StatusOr<StepPlan> empty = DecodeStepPlan(MakeFrame(kStepPlanMagic, Bytes(kStepPlanFixedBytes, 0)));
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_TRUE(*empty == StepPlan{});
 }
 
 // ---- Control messages ---------------------------------------------------------------------------
@@ -546,7 +906,9 @@ struct RawHello {
   uint16_t num_memory_ranks = 2;
   uint8_t dtype = 2;
   uint8_t checksums = 1;
-  uint8_t reserved[6] = {0, 0, 0, 0, 0, 0};
+  uint16_t prefix_block_tokens = 16;
+  uint8_t prefix_sharing = 2;
+  uint8_t reserved[3] = {0, 0, 0};
 };
 
 Bytes HelloBody(const RawHello& h) {
@@ -554,7 +916,7 @@ Bytes HelloBody(const RawHello& h) {
   w.U64(h.kv_capacity_tokens).U32(h.num_layers).U32(h.num_heads).U32(h.num_kv_heads).U32(h.head_dim);
   w.U32(h.max_tokens_per_step).U32(h.max_requests_per_step).U32(h.max_position);
   w.F32(h.kv_memory_fraction).U32(h.attn_out_buffer).U16(h.memory_rank).U16(h.num_memory_ranks);
-  w.U8(h.dtype).U8(h.checksums);
+  w.U8(h.dtype).U8(h.checksums).U16(h.prefix_block_tokens).U8(h.prefix_sharing);
   for (uint8_t r : h.reserved) w.U8(r);
   return w.b;
 }
@@ -611,6 +973,8 @@ HelloMessage RandomHello(std::mt19937_64& rng, bool extreme) {
     h.kv_memory_fraction = u(0, 1) ? 1.0f : std::numeric_limits<float>::denorm_min();
     h.attn_out_buffer = kU32Max;
     h.checksums = true;
+    h.prefix_block_tokens = kMaxPrefixBlockTokens;
+    h.prefix_sharing = static_cast<uint8_t>(PrefixSharing::kAuto);
     return h;
   }
   h.num_memory_ranks = static_cast<uint16_t>(u(1, 64));
@@ -627,6 +991,8 @@ HelloMessage RandomHello(std::mt19937_64& rng, bool extreme) {
   h.kv_memory_fraction = static_cast<float>(u(1, 1 << 24)) / static_cast<float>(1 << 24);
   h.attn_out_buffer = static_cast<uint32_t>(rng());
   h.checksums = u(0, 1) == 1;
+  h.prefix_block_tokens = static_cast<uint16_t>(u(0, 1) ? 0 : u(1, kMaxPrefixBlockTokens));
+  h.prefix_sharing = static_cast<uint8_t>(h.prefix_block_tokens == 0 ? 0 : u(0, 2));
   return h;
 }
 
@@ -753,16 +1119,18 @@ TEST(ControlWire, GoldenBytes) {
   h.head_dim = 128, h.max_tokens_per_step = 8192, h.max_requests_per_step = 256, h.max_position = 131072;
   h.dtype = DType::kBF16, h.kv_capacity_tokens = 0x12345678, h.kv_memory_fraction = 0.5f;
   h.attn_out_buffer = 0xa1b2c3d4, h.checksums = true;
+  h.prefix_block_tokens = 0x0810, h.prefix_sharing = static_cast<uint8_t>(PrefixSharing::kAuto);
   const Bytes hello = {
       0x54, 0x44, 0x48, 0x49, 0x01, 0x00, 0x10, 0x00,
-      0x38, 0x00, 0x00, 0x00, 0xce, 0xdf, 0x50, 0x33,  // frame
+      0x38, 0x00, 0x00, 0x00, 0xe0, 0xc7, 0x5c, 0x89,  // frame
       0x78, 0x56, 0x34, 0x12, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x20, 0x00, 0x00, 0x00, 0x20, 0x00, 0x00, 0x00,  // num_layers, num_heads
       0x08, 0x00, 0x00, 0x00, 0x80, 0x00, 0x00, 0x00,  // num_kv_heads, head_dim
       0x00, 0x20, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00,  // max_tokens, max_requests
       0x00, 0x00, 0x02, 0x00, 0x00, 0x00, 0x00, 0x3f,  // max_position, kv_memory_fraction
       0xd4, 0xc3, 0xb2, 0xa1, 0x02, 0x00, 0x03, 0x00,  // attn_out_buffer, memory_rank, num_memory_ranks
-      0x02, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // dtype, checksums, reserved
+      0x02, 0x01, 0x10, 0x08, 0x02, 0x00, 0x00, 0x00,  // dtype, checksums, prefix_block_tokens,
+                                                       // prefix_sharing, reserved
   };
   EXPECT_EQ(EncodeHello(h), hello);
   absl::StatusOr<HelloMessage> hb = DecodeHello(hello);
@@ -1006,9 +1374,28 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
       {[](RawHello& h) { h.kv_memory_fraction = std::numeric_limits<float>::infinity(); },
        "hello: kv_memory_fraction inf"},
       {[](RawHello& h) { h.checksums = 2; }, "hello: checksums 2 at byte offset 65 must be 0 or 1"},
-      {[](RawHello& h) { h.reserved[0] = 1; }, "hello: reserved at byte offset 66 is 1, must be 0"},
-      {[](RawHello& h) { h.reserved[5] = 0x80; }, "hello: reserved at byte offset 71 is 128, must be 0"},
+      {[](RawHello& h) { h.prefix_block_tokens = 4097; },
+       "hello: prefix_block_tokens 4097 must be 0 (no prefix registry) or in [1, 4096]"},
+      {[](RawHello& h) { h.prefix_block_tokens = 0xffff; }, "hello: prefix_block_tokens 65535"},
+      {[](RawHello& h) { h.prefix_sharing = 3; },
+       "hello: prefix_sharing 3 must be 0 (off), 1 (on) or 2 (auto)"},
+      {[](RawHello& h) { h.prefix_sharing = 255; }, "hello: prefix_sharing 255 must be"},
+      {[](RawHello& h) { h.prefix_block_tokens = 0, h.prefix_sharing = 1; },
+       "hello: prefix_sharing 1 needs prefix_block_tokens >= 1 (a prefix registry)"},
+      {[](RawHello& h) { h.prefix_block_tokens = 0, h.prefix_sharing = 2; },
+       "hello: prefix_sharing 2 needs prefix_block_tokens >= 1"},
+      {[](RawHello& h) { h.reserved[0] = 1; }, "hello: reserved at byte offset 69 is 1, must be 0"},
+      {[](RawHello& h) { h.reserved[2] = 0x80; }, "hello: reserved at byte offset 71 is 128, must be 0"},
   };
+  // The limits and combinations that are valid.
+  for (auto [tokens, sharing] : {std::pair<uint16_t, uint8_t>{0, 0}, {1, 0}, {1, 1}, {4096, 2}, {4096, 0}}) {
+    RawHello h;
+    h.prefix_block_tokens = tokens, h.prefix_sharing = sharing;
+    absl::StatusOr<HelloMessage> m = DecodeHello(MakeFrame(kHelloMagic, HelloBody(h)));
+    ASSERT_TRUE(m.ok()) << tokens << " " << int{sharing} << ": " << m.status();
+    EXPECT_EQ(m->prefix_block_tokens, tokens);
+    EXPECT_EQ(m->prefix_sharing, sharing);
+  }
   ASSERT_TRUE(DecodeHello(MakeFrame(kHelloMagic, HelloBody(RawHello{}))).ok());
   for (const Case& c : cases) {
     RawHello h;
@@ -1033,6 +1420,11 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
   h = HelloMessage{};
   h.dtype = static_cast<DType>(7);
   EXPECT_CONTAINS(std::string(ValidateHello(h).message()), "hello: dtype 7");
+  h = HelloMessage{};
+  h.prefix_sharing = static_cast<uint8_t>(PrefixSharing::kOn);
+  EXPECT_EQ(ValidateHello(h).message(),
+            "hello: prefix_sharing 1 needs prefix_block_tokens >= 1 (a prefix registry)");
+  EXPECT_EQ(DecodeHello(EncodeHello(h)).status(), ValidateHello(h));
   EXPECT_TRUE(ValidateHello(HelloMessage{}).ok());
 }
 

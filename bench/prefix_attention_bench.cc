@@ -1,0 +1,699 @@
+// Cascade (shared-prefix) attention against plain decode attention: what does computing a shared
+// prefix once for a group of decode rows save? Not a test: prints figures.
+//
+//   prefix_attention_bench [--models llama3-8b,llama-13b] [--batches 64,128,256,512]
+//                          [--prefixes 1024,4096,16384,32768] [--suffixes 64,256,1024,2048]
+//                          [--reps N] [--quick] [--crossover]
+//
+// Main table (default): B decode rows share one prefix of P keys and each has S keys of its own
+// (the suffix, its newest key included). One layer's KV pool in bf16, P + B·S slots in a random
+// permutation (no context is contiguous), K/V filled with fresh random values (never zeros), q
+// random in [-4, 4) (scores of std ≈ 0.8: the softmax neither flat nor one-hot).
+//   plain    DecodeAttention over every row's whole context (prefix slots, then suffix slots),
+//            with its PlanDecodeAttention workspace.
+//   cascade  GatherRows of the B q rows (a copy the engine makes too, so it is timed) + one
+//            PrefillAttention with causal == false over the prefix for all B rows as one group
+//            (tensor cores; each prefix K/V tile is read once per tile of 64/128 rows and head)
+//            + DecodeAttention over the suffixes with lse + MergeStates.
+//   split    the cascade with the prefix cut into K chunks, each a "request" of its own with its
+//            own gathered copy of the B rows, merged by K MergeStates calls: PrefillAttention has
+//            no split-KV, so one group of few rows over a long prefix runs on few SMs (B = 64,
+//            32 heads: 32 CTAs); K is chosen so that the prefix launch fills about one wave.
+// Each figure is the median of --reps runs (default 10) after 2 warm-up runs, timed with CUDA
+// events; the L2 is flushed (a 4×L2 write) before every run, outside the timed span, as the
+// other layers of a real step would. Columns: plain µs and its KV read rate (GB/s, the bytes
+// of every row's K and V over the time); cascade µs, its parts (gather, prefix, suffix,
+// merge µs), speedup plain / cascade, the prefix part's effective TFLOP/s (4·B·heads·P·head_dim
+// flops over the PrefillAttention time); split K, µs and speedup. Every configuration checks
+// once that both cascade outputs match the plain output: max|diff| and max|diff| / max|plain|
+// are printed, and a relative difference above 2e-2 (bf16: each path rounds its partial results
+// to bf16) or a non-finite value marks the row MISMATCH and makes the exit status 1.
+//
+// --crossover: which is faster for a small group? For llama3-8b and llama-13b, a group of G rows
+// (G in 1..64) sharing a prefix of P keys (P in 16..4096) with 32 own keys each, in a batch with
+// 64 other decode rows of 1024 keys. plain: one DecodeAttention over all rows; cascade: one
+// DecodeAttention over every row's own keys (the group's suffixes, the others' contexts) with
+// lse + GatherRows + non-causal PrefillAttention (G rows, P keys) + MergeStates. Prints each
+// (G, P) with the winner and the ratio, then per G the smallest P at which the cascade wins.
+//
+// The fill kernel is PTX loaded at run time through cudaLibraryLoadData (this target is compiled
+// as host C++); it is bench_fill_bf16 from decode_attention_bench.cc (source there).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <iterator>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "kernels/cuda/ops.h"
+
+namespace {
+
+namespace kc = ::tandem::kernels::cuda;
+
+constexpr const char* kFillPtx = R"PTX(
+.version 9.0
+.target sm_90
+.address_size 64
+.visible .entry bench_fill_bf16(
+	.param .u64 bench_fill_bf16_param_0,
+	.param .u64 bench_fill_bf16_param_1,
+	.param .u64 bench_fill_bf16_param_2
+)
+.maxntid 256, 1, 1
+{
+	.reg .pred 	%p<3>;
+	.reg .b32 	%r<13>;
+	.reg .b64 	%rd<34>;
+	ld.param.u64 	%rd7, [bench_fill_bf16_param_0];
+	ld.param.u64 	%rd8, [bench_fill_bf16_param_1];
+	ld.param.u64 	%rd9, [bench_fill_bf16_param_2];
+	mov.u32 	%r1, %ntid.x;
+	cvt.u64.u32 	%rd1, %r1;
+	mov.u32 	%r2, %ctaid.x;
+	mul.wide.u32 	%rd10, %r2, %r1;
+	mov.u32 	%r3, %tid.x;
+	cvt.u64.u32 	%rd11, %r3;
+	add.s64 	%rd33, %rd10, %rd11;
+	setp.ge.u64 	%p1, %rd33, %rd8;
+	@%p1 bra 	$L__BB1_3;
+	mul.lo.s64 	%rd3, %rd9, -7046029254386353131;
+	mov.u32 	%r4, %nctaid.x;
+	cvt.u64.u32 	%rd12, %r4;
+	mul.lo.s64 	%rd4, %rd12, %rd1;
+	cvta.to.global.u64 	%rd30, %rd7;
+$L__BB1_2:
+	add.s64 	%rd13, %rd33, %rd3;
+	shr.u64 	%rd14, %rd13, 30;
+	xor.b64  	%rd15, %rd14, %rd13;
+	mul.lo.s64 	%rd16, %rd15, -4658895280553007687;
+	shr.u64 	%rd17, %rd16, 27;
+	xor.b64  	%rd18, %rd17, %rd16;
+	mul.lo.s64 	%rd19, %rd18, -7723592293110705685;
+	shr.u64 	%rd20, %rd19, 31;
+	xor.b64  	%rd21, %rd20, %rd19;
+	cvt.u32.u64 	%r5, %rd21;
+	shr.u64 	%rd22, %rd21, 1;
+	mul.hi.u64 	%rd23, %rd22, 2635249153387078803;
+	sub.s64 	%rd24, %rd22, %rd23;
+	shr.u64 	%rd25, %rd24, 1;
+	add.s64 	%rd26, %rd25, %rd23;
+	shr.u64 	%rd27, %rd26, 2;
+	mul.lo.s64 	%rd28, %rd27, 7;
+	sub.s64 	%rd29, %rd22, %rd28;
+	cvt.u32.u64 	%r6, %rd29;
+	shr.u32 	%r7, %r5, 8;
+	and.b32  	%r8, %r7, 127;
+	shl.b32 	%r9, %r6, 7;
+	bfi.b32 	%r10, %r5, %r8, 15, 17;
+	or.b32  	%r11, %r10, %r9;
+	or.b32  	%r12, %r11, 15360;
+	shl.b64 	%rd31, %rd33, 1;
+	add.s64 	%rd32, %rd30, %rd31;
+	st.global.u16 	[%rd32], %r12;
+	add.s64 	%rd33, %rd33, %rd4;
+	setp.lt.u64 	%p2, %rd33, %rd8;
+	@%p2 bra 	$L__BB1_2;
+$L__BB1_3:
+	ret;
+})PTX";
+
+#define BENCH_CUDA(expr)                                                          \
+  do {                                                                            \
+    const cudaError_t bench_err_ = (expr);                                        \
+    if (bench_err_ != cudaSuccess) {                                              \
+      std::fprintf(stderr, "%s failed at %s:%d: %s\n", #expr, __FILE__, __LINE__, \
+                   cudaGetErrorString(bench_err_));                               \
+      std::exit(1);                                                               \
+    }                                                                             \
+  } while (0)
+
+#define BENCH_OK(expr)                                                            \
+  do {                                                                            \
+    const absl::Status bench_st_ = (expr);                                        \
+    if (!bench_st_.ok()) {                                                        \
+      std::fprintf(stderr, "%s failed at %s:%d: %s\n", #expr, __FILE__, __LINE__, \
+                   std::string(bench_st_.ToString()).c_str());                    \
+      std::exit(1);                                                               \
+    }                                                                             \
+  } while (0)
+
+int g_sms = 0;
+cudaKernel_t g_fill = nullptr;
+
+void LoadFill() {
+  cudaLibrary_t lib = nullptr;
+  BENCH_CUDA(cudaLibraryLoadData(&lib, kFillPtx, nullptr, nullptr, 0, nullptr, nullptr, 0));
+  BENCH_CUDA(cudaLibraryGetKernel(&g_fill, lib, "bench_fill_bf16"));  // loaded for the process
+}
+
+// bf16 values ±[2^-7, 1), never zero, inf or NaN.
+void FillBf16(void* p, uint64_t n, uint64_t seed, cudaStream_t s) {
+  unsigned long long n_arg = n, seed_arg = seed;
+  void* args[] = {&p, &n_arg, &seed_arg};
+  BENCH_CUDA(cudaLaunchKernel(reinterpret_cast<const void*>(g_fill), dim3(g_sms * 8), dim3(256), args, 0, s));
+}
+
+// A device allocation freed at scope exit.
+class DevBuf {
+ public:
+  explicit DevBuf(size_t bytes) {
+    if (bytes > 0) BENCH_CUDA(cudaMalloc(&p_, bytes));
+  }
+  ~DevBuf() {
+    if (p_ != nullptr) cudaFree(p_);
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+  void* get() const { return p_; }
+
+ private:
+  void* p_ = nullptr;
+};
+
+template <typename T>
+void Upload(const DevBuf& d, const std::vector<T>& h) {
+  BENCH_CUDA(cudaMemcpy(d.get(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+template <typename T>
+size_t Bytes(const std::vector<T>& v) {
+  return std::max<size_t>(1, v.size()) * sizeof(T);
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Flushes the L2 by writing a buffer several times its size.
+struct L2Flusher {
+  void* buf = nullptr;
+  size_t bytes = 0;
+  void operator()(cudaStream_t s) const { FillBf16(buf, bytes / 2, 777, s); }
+};
+
+// Runs `stages` in order, `warmup` untimed times then `reps` timed times, the L2 flushed before
+// each run. Returns the median µs of each stage, then of the whole run.
+std::vector<double> TimeStages(const std::vector<std::function<void()>>& stages, int warmup, int reps,
+                               const L2Flusher& flush, cudaStream_t s) {
+  const size_t ns = stages.size();
+  for (int i = 0; i < warmup; ++i) {
+    flush(s);
+    for (const auto& f : stages) f();
+  }
+  std::vector<cudaEvent_t> ev(static_cast<size_t>(reps) * (ns + 1));
+  for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
+  for (int r = 0; r < reps; ++r) {
+    flush(s);
+    cudaEvent_t* e = ev.data() + static_cast<size_t>(r) * (ns + 1);
+    BENCH_CUDA(cudaEventRecord(e[0], s));
+    for (size_t i = 0; i < ns; ++i) {
+      stages[i]();
+      BENCH_CUDA(cudaEventRecord(e[i + 1], s));
+    }
+  }
+  BENCH_CUDA(cudaStreamSynchronize(s));
+  std::vector<std::vector<double>> t(ns + 1);
+  for (int r = 0; r < reps; ++r) {
+    cudaEvent_t* e = ev.data() + static_cast<size_t>(r) * (ns + 1);
+    float ms = 0;
+    for (size_t i = 0; i < ns; ++i) {
+      BENCH_CUDA(cudaEventElapsedTime(&ms, e[i], e[i + 1]));
+      t[i].push_back(ms * 1e3);
+    }
+    BENCH_CUDA(cudaEventElapsedTime(&ms, e[0], e[ns]));
+    t[ns].push_back(ms * 1e3);
+  }
+  for (auto& e : ev) BENCH_CUDA(cudaEventDestroy(e));
+  std::vector<double> med;
+  for (auto& v : t) med.push_back(Median(v));
+  return med;
+}
+
+struct Model {
+  const char* name;
+  int64_t heads, kv_heads, head_dim;
+};
+const Model kModels[] = {{"llama3-8b", 32, 8, 128}, {"llama-13b", 40, 40, 128}};
+
+// One batch: rows [0, G) share a prefix of P keys and have S own keys each; rows [G, G + U) are
+// ungrouped with C keys each.
+struct Scenario {
+  Model m;
+  int64_t G = 0, P = 0, S = 0, U = 0, C = 0;
+  std::vector<int> splits;  // prefix split counts to time (1: the plain cascade)
+  int reps = 10;
+  uint64_t seed = 1;
+};
+
+struct Result {
+  double plain_us = 0, plain_gbps = 0;
+  struct Cascade {
+    int k = 1;
+    std::vector<double> us;  // gather, prefix, suffix, merge, total
+    double max_abs = 0, rel = 0;
+    bool finite = true;
+  };
+  std::vector<Cascade> cascades;
+  bool ok = true;
+};
+
+// Host copy of a bf16 device array as floats.
+std::vector<float> DownloadBf16(const DevBuf& d, size_t n) {
+  std::vector<uint16_t> bits(n);
+  BENCH_CUDA(cudaMemcpy(bits.data(), d.get(), n * 2, cudaMemcpyDeviceToHost));
+  std::vector<float> f(n);
+  for (size_t i = 0; i < n; ++i) f[i] = tandem::Bf16ToFloat(bits[i]);
+  return f;
+}
+
+Result RunScenario(const Scenario& sc, const L2Flusher& flush, cudaStream_t s) {
+  const int64_t H = sc.m.heads, KVH = sc.m.kv_heads, D = sc.m.head_dim;
+  const int64_t G = sc.G, P = sc.P, S = sc.S, U = sc.U, C = sc.C, N = G + U;
+  const int64_t num_slots = P + G * S + U * C;
+  const int64_t token_elems = KVH * D;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+
+  // KV pool and slot permutation: prefix = perm[0, P), suffix g, then ungrouped contexts.
+  DevBuf k(static_cast<size_t>(num_slots * token_elems * 2)),
+      v(static_cast<size_t>(num_slots * token_elems * 2));
+  FillBf16(k.get(), static_cast<uint64_t>(num_slots * token_elems), sc.seed * 4 + 1, s);
+  FillBf16(v.get(), static_cast<uint64_t>(num_slots * token_elems), sc.seed * 4 + 2, s);
+  std::vector<int32_t> perm(static_cast<size_t>(num_slots));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::mt19937_64 rng(sc.seed);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  auto slots_of = [&](int64_t begin, int64_t n) {
+    return std::vector<int32_t>(perm.begin() + begin, perm.begin() + begin + n);
+  };
+  const std::vector<int32_t> prefix = slots_of(0, P);
+
+  // plain: whole contexts; cascade: own keys (group suffixes, ungrouped contexts).
+  std::vector<int32_t> plain_indptr = {0}, plain_slots, own_indptr = {0}, own_slots;
+  plain_slots.reserve(static_cast<size_t>(G * (P + S) + U * C));
+  for (int64_t g = 0; g < G; ++g) {
+    const std::vector<int32_t> suf = slots_of(P + g * S, S);
+    plain_slots.insert(plain_slots.end(), prefix.begin(), prefix.end());
+    plain_slots.insert(plain_slots.end(), suf.begin(), suf.end());
+    own_slots.insert(own_slots.end(), suf.begin(), suf.end());
+    plain_indptr.push_back(static_cast<int32_t>(plain_slots.size()));
+    own_indptr.push_back(static_cast<int32_t>(own_slots.size()));
+  }
+  for (int64_t u = 0; u < U; ++u) {
+    const std::vector<int32_t> ctx = slots_of(P + G * S + u * C, C);
+    plain_slots.insert(plain_slots.end(), ctx.begin(), ctx.end());
+    own_slots.insert(own_slots.end(), ctx.begin(), ctx.end());
+    plain_indptr.push_back(static_cast<int32_t>(plain_slots.size()));
+    own_indptr.push_back(static_cast<int32_t>(own_slots.size()));
+  }
+  const int64_t plain_max = std::max(P + S, U > 0 ? C : 0), own_max = std::max(S, U > 0 ? C : 0);
+
+  // q in [-4, 4).
+  std::vector<uint16_t> q_host(static_cast<size_t>(N * H * D));
+  std::uniform_real_distribution<float> uq(-4.0f, 4.0f);
+  for (auto& x : q_host) x = tandem::FloatToBf16(uq(rng));
+
+  const int kmax = *std::max_element(sc.splits.begin(), sc.splits.end());
+  DevBuf q(Bytes(q_host)), plain_indptr_d(Bytes(plain_indptr)), plain_slots_d(Bytes(plain_slots)),
+      own_indptr_d(Bytes(own_indptr)), own_slots_d(Bytes(own_slots)), prefix_d(Bytes(prefix));
+  Upload(q, q_host);
+  Upload(plain_indptr_d, plain_indptr);
+  Upload(plain_slots_d, plain_slots);
+  Upload(own_indptr_d, own_indptr);
+  Upload(own_slots_d, own_slots);
+  Upload(prefix_d, prefix);
+  DevBuf out_plain(static_cast<size_t>(N * H * D * 2)), out(static_cast<size_t>(N * H * D * 2)),
+      lse(static_cast<size_t>(N * H * 4));
+  DevBuf q_pre(static_cast<size_t>(kmax * G * H * D * 2)), out_pre(static_cast<size_t>(kmax * G * H * D * 2)),
+      lse_pre(static_cast<size_t>(kmax * G * H * 4));
+  // Gathered rows: [0, G) once per split; split indptrs (over the prefix slots) per split count.
+  std::vector<int32_t> gather_rows;
+  for (int r = 0; r < kmax; ++r)
+    for (int64_t g = 0; g < G; ++g) gather_rows.push_back(static_cast<int32_t>(g));
+  DevBuf gather_rows_d(Bytes(gather_rows));
+  Upload(gather_rows_d, gather_rows);
+
+  kc::AttentionParams base;
+  base.k_cache = k.as<kc::bf16>();
+  base.v_cache = v.as<kc::bf16>();
+  base.num_slots = num_slots;
+  base.num_heads = H;
+  base.num_kv_heads = KVH;
+  base.head_dim = D;
+  base.scale = scale;
+
+  Result res;
+  // ---- plain ----
+  const kc::DecodePlan plain_plan = kc::PlanDecodeAttention(N, H, KVH, D, plain_max, g_sms);
+  DevBuf plain_ws(static_cast<size_t>(plain_plan.workspace_bytes));
+  kc::AttentionParams pp = base;
+  pp.q = q.as<kc::bf16>();
+  pp.out = out_plain.as<kc::bf16>();
+  pp.kv_indptr = plain_indptr_d.as<int32_t>();
+  pp.kv_slots = plain_slots_d.as<int32_t>();
+  pp.num_requests = N;
+  pp.max_q_len = 1;
+  pp.max_kv_len = plain_max;
+  const std::vector<double> plain_t = TimeStages(
+      {[&] { BENCH_OK(kc::DecodeAttention(pp, plain_plan, plain_ws.get(), s)); }}, 2, sc.reps, flush, s);
+  res.plain_us = plain_t.back();
+  res.plain_gbps =
+      2.0 * static_cast<double>(plain_slots.size()) * token_elems * 2 / (res.plain_us * 1e-6) * 1e-9;
+  const std::vector<float> ref = DownloadBf16(out_plain, static_cast<size_t>(N * H * D));
+  float max_ref = 0.0f;
+  bool ref_finite = true;
+  for (float x : ref) {
+    if (!std::isfinite(x)) ref_finite = false;
+    max_ref = std::max(max_ref, std::fabs(x));
+  }
+
+  // ---- cascade, per split count ----
+  const kc::DecodePlan own_plan = kc::PlanDecodeAttention(N, H, KVH, D, own_max, g_sms);
+  DevBuf own_ws(static_cast<size_t>(own_plan.workspace_bytes));
+  for (int ksplit : sc.splits) {
+    // Split r covers prefix keys [r·P/K, (r+1)·P/K) for the r-th copy of the G rows.
+    std::vector<int32_t> pre_q_indptr = {0}, pre_kv_indptr = {0};
+    int64_t pre_max_kv = 1;
+    for (int r = 0; r < ksplit; ++r) {
+      pre_q_indptr.push_back(static_cast<int32_t>((r + 1) * G));
+      pre_kv_indptr.push_back(static_cast<int32_t>(P * (r + 1) / ksplit));
+      pre_max_kv = std::max<int64_t>(pre_max_kv, pre_kv_indptr[r + 1] - pre_kv_indptr[r]);
+    }
+    DevBuf pre_q_indptr_d(Bytes(pre_q_indptr)), pre_kv_indptr_d(Bytes(pre_kv_indptr));
+    Upload(pre_q_indptr_d, pre_q_indptr);
+    Upload(pre_kv_indptr_d, pre_kv_indptr);
+
+    kc::GatherRowsParams gp;
+    gp.src = q.as<kc::bf16>();
+    gp.dst = q_pre.as<kc::bf16>();
+    gp.rows = gather_rows_d.as<int32_t>();
+    gp.n = ksplit * G;
+    gp.width = H * D;
+    kc::AttentionParams prep = base;
+    prep.q = q_pre.as<kc::bf16>();
+    prep.out = out_pre.as<kc::bf16>();
+    prep.lse = lse_pre.as<float>();
+    prep.q_indptr = pre_q_indptr_d.as<int32_t>();
+    prep.kv_indptr = pre_kv_indptr_d.as<int32_t>();
+    prep.kv_slots = prefix_d.as<int32_t>();
+    prep.num_requests = ksplit;
+    prep.max_q_len = G;
+    prep.max_kv_len = pre_max_kv;
+    prep.causal = false;
+    kc::AttentionParams own = base;
+    own.q = q.as<kc::bf16>();
+    own.out = out.as<kc::bf16>();
+    own.lse = lse.as<float>();
+    own.kv_indptr = own_indptr_d.as<int32_t>();
+    own.kv_slots = own_slots_d.as<int32_t>();
+    own.num_requests = N;
+    own.max_q_len = 1;
+    own.max_kv_len = own_max;
+    auto merge = [&] {
+      for (int r = 0; r < ksplit; ++r) {  // rows [0, G) of out with rows [r·G, (r+1)·G) of the prefix states
+        kc::MergeStatesParams mp;
+        mp.out = out.as<kc::bf16>();
+        mp.lse = lse.as<float>();
+        mp.out_b = out_pre.as<kc::bf16>() + r * G * H * D;
+        mp.lse_b = lse_pre.as<float>() + r * G * H;
+        mp.n = G;
+        mp.num_heads = H;
+        mp.head_dim = D;
+        BENCH_OK(kc::MergeStates(mp, s));
+      }
+    };
+    Result::Cascade cr;
+    cr.k = ksplit;
+    cr.us = TimeStages(
+        {[&] { BENCH_OK(kc::GatherRows(gp, s)); }, [&] { BENCH_OK(kc::PrefillAttention(prep, s)); },
+         [&] { BENCH_OK(kc::DecodeAttention(own, own_plan, own_ws.get(), s)); }, merge},
+        2, sc.reps, flush, s);
+    const std::vector<float> got = DownloadBf16(out, static_cast<size_t>(N * H * D));
+    cr.finite = ref_finite;
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (!std::isfinite(got[i])) cr.finite = false;
+      cr.max_abs = std::max<double>(cr.max_abs, std::fabs(got[i] - ref[i]));
+    }
+    cr.rel = max_ref > 0 ? cr.max_abs / max_ref : cr.max_abs;
+    if (!cr.finite || !(cr.rel <= 2e-2)) res.ok = false;
+    res.cascades.push_back(cr);
+  }
+  return res;
+}
+
+// Prefix splits that make the non-causal PrefillAttention launch about one wave (two CTAs per SM:
+// 80-96 KB of shared memory each), each split at least 512 keys.
+int AutoSplits(int64_t rows, int64_t heads, int64_t prefix) {
+  const int64_t tile = rows <= 64 ? 64 : 128;
+  const int64_t ctas = heads * ((rows + tile - 1) / tile);
+  const int64_t want = (2 * int64_t{g_sms} + ctas - 1) / ctas;
+  return static_cast<int>(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, prefix / 512)));
+}
+
+std::vector<int64_t> ParseList(const char* s) {
+  std::vector<int64_t> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (!item.empty()) v.push_back(std::atoll(item.c_str()));
+  }
+  return v;
+}
+
+struct Options {
+  std::vector<std::string> models = {"llama3-8b", "llama-13b"};
+  std::vector<int64_t> batches = {64, 128, 256, 512};
+  std::vector<int64_t> prefixes = {1024, 4096, 16384, 32768};
+  std::vector<int64_t> suffixes = {64, 256, 1024, 2048};
+  int reps = 10;
+  bool crossover = false;
+};
+
+Options ParseArgs(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool has_value = i + 1 < argc;
+    if (a == "--models" && has_value) {
+      o.models.clear();
+      std::stringstream ss(argv[++i]);
+      std::string item;
+      while (std::getline(ss, item, ',')) o.models.push_back(item);
+    } else if (a == "--batches" && has_value) {
+      o.batches = ParseList(argv[++i]);
+    } else if (a == "--prefixes" && has_value) {
+      o.prefixes = ParseList(argv[++i]);
+    } else if (a == "--suffixes" && has_value) {
+      o.suffixes = ParseList(argv[++i]);
+    } else if (a == "--reps" && has_value) {
+      o.reps = std::max(3, std::atoi(argv[++i]));
+    } else if (a == "--quick") {
+      o.batches = {64, 512};
+      o.prefixes = {4096, 32768};
+      o.suffixes = {256, 2048};
+    } else if (a == "--crossover") {
+      o.crossover = true;
+    } else {
+      std::fprintf(stderr,
+                   "usage: %s [--models llama3-8b,llama-13b] [--batches 64,128,256,512]\n"
+                   "  [--prefixes 1024,4096,16384,32768] [--suffixes 64,256,1024,2048] [--reps N] [--quick]\n"
+                   "  [--crossover]\n",
+                   argv[0]);
+      std::exit(a == "--help" || a == "-h" ? 0 : 2);
+    }
+  }
+  return o;
+}
+
+std::vector<Model> SelectModels(const Options& o) {
+  std::vector<Model> out;
+  for (const std::string& name : o.models) {
+    bool found = false;
+    for (const Model& m : kModels) {
+      if (name == m.name) {
+        out.push_back(m);
+        found = true;
+      }
+    }
+    if (!found) {
+      std::fprintf(stderr, "unknown model %s (llama3-8b, llama-13b)\n", name.c_str());
+      std::exit(2);
+    }
+  }
+  return out;
+}
+
+double KvBytes(const Model& m, int64_t slots) {
+  return 2.0 * static_cast<double>(slots) * m.kv_heads * m.head_dim * 2;
+}
+
+int RunMain(const Options& o, const L2Flusher& flush, double budget, cudaStream_t s) {
+  std::printf("%-9s %4s %6s %5s | %9s %6s | %9s %7s %8s %7s %6s %7s %6s | %2s %9s %7s | %8s %8s\n", "model",
+              "B", "P", "S", "plain_us", "GB/s", "casc_us", "gather", "prefix", "suffix", "merge", "speedup",
+              "TFLOPs", "K", "split_us", "speedup", "max|d|", "rel");
+  bool all_ok = true;
+  uint64_t seed = 1;
+  const std::vector<Model> models = SelectModels(o);
+  const size_t total = models.size() * o.batches.size() * o.prefixes.size() * o.suffixes.size();
+  size_t done = 0;
+  for (const Model& m : models) {
+    for (int64_t B : o.batches) {
+      for (int64_t P : o.prefixes) {
+        for (int64_t S : o.suffixes) {
+          ++done;
+          std::fprintf(stderr, "[%zu/%zu] %s B=%lld P=%lld S=%lld\n", done, total, m.name,
+                       static_cast<long long>(B), static_cast<long long>(P), static_cast<long long>(S));
+          const double kv = KvBytes(m, P + B * S);
+          const double tables = 4.0 * B * (P + S) * 1.05;
+          if (kv + tables > budget) {
+            std::printf("%-9s %4lld %6lld %5lld   skipped: %.1f GB > 60%% of free memory\n", m.name,
+                        static_cast<long long>(B), static_cast<long long>(P), static_cast<long long>(S),
+                        (kv + tables) / 1e9);
+            continue;
+          }
+          Scenario sc;
+          sc.m = m;
+          sc.G = B;
+          sc.P = P;
+          sc.S = S;
+          sc.reps = o.reps;
+          sc.seed = seed++;
+          sc.splits = {1};
+          const int k = AutoSplits(B, m.heads, P);
+          if (k > 1) sc.splits.push_back(k);
+          const Result r = RunScenario(sc, flush, s);
+          const Result::Cascade& c1 = r.cascades[0];
+          const Result::Cascade& ck = r.cascades.back();
+          double max_abs = 0, rel = 0;
+          for (const auto& c : r.cascades) {
+            max_abs = std::max(max_abs, c.max_abs);
+            rel = std::max(rel, c.rel);
+          }
+          const double tflops = 4.0 * B * m.heads * P * m.head_dim / (c1.us[1] * 1e-6) * 1e-12;
+          std::printf(
+              "%-9s %4lld %6lld %5lld | %9.1f %6.0f | %9.1f %7.1f %8.1f %7.1f %6.1f %6.2fx %6.1f | %2d %9.1f "
+              "%6.2fx | %8.1e %8.1e%s\n",
+              m.name, static_cast<long long>(B), static_cast<long long>(P), static_cast<long long>(S),
+              r.plain_us, r.plain_gbps, c1.us[4], c1.us[0], c1.us[1], c1.us[2], c1.us[3],
+              r.plain_us / c1.us[4], tflops, ck.k, ck.us[4], r.plain_us / ck.us[4], max_abs, rel,
+              r.ok ? "" : "  MISMATCH");
+          std::fflush(stdout);
+          all_ok = all_ok && r.ok;
+        }
+      }
+    }
+  }
+  return all_ok ? 0 : 1;
+}
+
+int RunCrossover(const Options& o, const L2Flusher& flush, cudaStream_t s) {
+  const int64_t groups[] = {1, 2, 4, 8, 16, 32, 64};
+  const int64_t prefixes[] = {16, 32, 64, 128, 256, 512, 1024, 4096};
+  constexpr int64_t kSuffix = 32, kOthers = 64, kOtherCtx = 1024;
+  std::printf(
+      "crossover: a group of G rows sharing P prefix keys (+%lld own keys each) in a batch with %lld other "
+      "decode rows of %lld keys\n",
+      static_cast<long long>(kSuffix), static_cast<long long>(kOthers), static_cast<long long>(kOtherCtx));
+  std::printf("%-9s %3s %5s | %9s %9s | %-7s %7s | %8s\n", "model", "G", "P", "plain_us", "casc_us", "faster",
+              "by", "rel");
+  bool all_ok = true;
+  uint64_t seed = 1000;
+  const std::vector<Model> models = SelectModels(o);
+  struct Summary {
+    const Model* m;
+    int64_t g;
+    int64_t first_win = -1;
+    bool monotone = true;
+  };
+  std::vector<Summary> summary;
+  const size_t total = models.size() * std::size(groups) * std::size(prefixes);
+  size_t done = 0;
+  for (const Model& m : models) {
+    for (int64_t G : groups) {
+      Summary sm{&m, G};
+      bool won_before = false;
+      for (int64_t P : prefixes) {
+        ++done;
+        std::fprintf(stderr, "[%zu/%zu] crossover %s G=%lld P=%lld\n", done, total, m.name,
+                     static_cast<long long>(G), static_cast<long long>(P));
+        Scenario sc;
+        sc.m = m;
+        sc.G = G;
+        sc.P = P;
+        sc.S = kSuffix;
+        sc.U = kOthers;
+        sc.C = kOtherCtx;
+        sc.reps = std::max(o.reps, 30);
+        sc.seed = seed++;
+        sc.splits = {1};
+        const Result r = RunScenario(sc, flush, s);
+        const double casc = r.cascades[0].us[4];
+        const bool wins = casc < r.plain_us;
+        if (wins && sm.first_win < 0) sm.first_win = P;
+        if (!wins && won_before) sm.monotone = false;
+        won_before = won_before || wins;
+        std::printf("%-9s %3lld %5lld | %9.1f %9.1f | %-7s %6.2fx | %8.1e%s\n", m.name,
+                    static_cast<long long>(G), static_cast<long long>(P), r.plain_us, casc,
+                    wins ? "cascade" : "plain", wins ? r.plain_us / casc : casc / r.plain_us,
+                    r.cascades[0].rel, r.ok ? "" : "  MISMATCH");
+        std::fflush(stdout);
+        all_ok = all_ok && r.ok;
+      }
+      summary.push_back(sm);
+    }
+  }
+  std::printf("\nsmallest prefix P at which the cascade is faster (P tested: 16..4096):\n");
+  for (const Summary& sm : summary) {
+    if (sm.first_win < 0) {
+      std::printf("  %-9s G=%-3lld never\n", sm.m->name, static_cast<long long>(sm.g));
+    } else {
+      std::printf("  %-9s G=%-3lld P >= %lld%s\n", sm.m->name, static_cast<long long>(sm.g),
+                  static_cast<long long>(sm.first_win),
+                  sm.monotone ? "" : "  (but slower again at some larger P)");
+    }
+  }
+  return all_ok ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options opt = ParseArgs(argc, argv);
+  int dev = 0;
+  BENCH_CUDA(cudaSetDevice(dev));
+  cudaDeviceProp prop;
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, dev));
+  g_sms = prop.multiProcessorCount;
+  cudaStream_t s;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  LoadFill();
+
+  L2Flusher flush;
+  flush.bytes = std::max<size_t>(4 * static_cast<size_t>(prop.l2CacheSize), size_t{256} << 20);
+  BENCH_CUDA(cudaMalloc(&flush.buf, flush.bytes));
+  size_t free_b = 0, total_b = 0;
+  BENCH_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  std::printf("device: %s (%d SMs, L2 %.0f MB, %.1f GB free); medians of %d runs, L2 flushed before each\n",
+              prop.name, g_sms, prop.l2CacheSize / 1e6, free_b / 1e9,
+              opt.crossover ? std::max(opt.reps, 30) : opt.reps);
+  const int rc = opt.crossover ? RunCrossover(opt, flush, s) : RunMain(opt, flush, 0.6 * free_b, s);
+  BENCH_CUDA(cudaFree(flush.buf));
+  return rc;
+}

@@ -1,0 +1,169 @@
+#include "compute_node/prefix_index.h"
+
+#include <algorithm>
+#include <iterator>
+
+#include "common/status.h"
+
+namespace tandem {
+namespace {
+
+// splitmix64's finaliser: a bijection on 64 bits with full avalanche.
+uint64_t Mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+uint64_t DefaultBlockHash(uint64_t parent_hash, std::span<const int32_t> tokens) {
+  // FNV-1a structure (xor the input in, then scramble), with Mix64 instead of the FNV multiply.
+  uint64_t h = parent_hash;
+  for (int32_t t : tokens) h = Mix64(h ^ static_cast<uint32_t>(t));
+  return Mix64(h ^ (static_cast<uint64_t>(tokens.size()) << 32));
+}
+
+PrefixIndex::PrefixIndex(int64_t block_tokens, BlockHashFn hash) : block_tokens_(block_tokens), hash_(hash) {
+  TANDEM_CHECK(hash_ != nullptr);
+  TANDEM_CHECK_MSG(block_tokens_ >= 1, "block_tokens ", block_tokens_);
+}
+
+int32_t PrefixIndex::FindHash(uint64_t hash) const {
+  auto it = by_hash_.find(hash);
+  return it == by_hash_.end() ? -1 : it->second;
+}
+
+void PrefixIndex::Touch(int32_t id) {
+  Block& b = blocks_[static_cast<size_t>(id)];
+  b.last_used = ++tick_;
+  lru_.splice(lru_.end(), lru_, b.lru_it);
+}
+
+std::vector<int32_t> PrefixIndex::Match(std::span<const int32_t> tokens, int64_t max_blocks) const {
+  std::vector<int32_t> ids;
+  const size_t bt = static_cast<size_t>(block_tokens_);
+  uint64_t hash = kSeed;
+  int32_t parent = -1;
+  for (size_t start = 0; start + bt <= tokens.size() && static_cast<int64_t>(ids.size()) < max_blocks;
+       start += bt) {
+    const std::span<const int32_t> block = tokens.subspan(start, bt);
+    hash = hash_(hash, block);
+    const int32_t id = FindHash(hash);
+    if (id < 0) break;
+    const Block& b = blocks_[static_cast<size_t>(id)];
+    // The hash only picks the candidate: the prefix must really be equal.
+    if (b.parent != parent || !std::equal(b.tokens.begin(), b.tokens.end(), block.begin(), block.end()))
+      break;
+    ids.push_back(id);
+    parent = id;
+  }
+  return ids;
+}
+
+void PrefixIndex::Acquire(std::span<const int32_t> blocks) {
+  for (int32_t id : blocks) {
+    Block& b = blocks_[static_cast<size_t>(id)];
+    TANDEM_CHECK(b.live);
+    if (b.users++ == 0) --unused_blocks_;
+    Touch(id);
+  }
+}
+
+void PrefixIndex::Release(std::span<const int32_t> blocks) {
+  for (int32_t id : blocks) {
+    Block& b = blocks_[static_cast<size_t>(id)];
+    TANDEM_CHECK_MSG(b.live && b.users > 0, "PrefixIndex::Release of block ", id, " without users");
+    if (--b.users == 0) ++unused_blocks_;
+  }
+}
+
+int32_t PrefixIndex::Insert(std::span<const int32_t> tokens, int64_t index, int32_t parent) {
+  const size_t bt = static_cast<size_t>(block_tokens_);
+  TANDEM_CHECK_MSG(tokens.size() >= (static_cast<size_t>(index) + 1) * bt, "Insert: block ", index, " of ",
+                   tokens.size(), " tokens");
+  TANDEM_CHECK((index == 0) == (parent < 0));
+  TANDEM_CHECK(parent < 0 ||
+               (static_cast<size_t>(parent) < blocks_.size() && blocks_[static_cast<size_t>(parent)].live));
+  const uint64_t parent_hash = parent < 0 ? kSeed : blocks_[static_cast<size_t>(parent)].hash;
+  const std::span<const int32_t> block = tokens.subspan(static_cast<size_t>(index) * bt, bt);
+  const uint64_t hash = hash_(parent_hash, block);
+  // Registered already (equal prefix), or a collision with a different prefix: either way the hash
+  // is taken, and a second block under it would make the wire name ambiguous.
+  // 0 is never a block's name: the plan uses attach_hash 0 for "attaches nothing".
+  if (hash == 0 || FindHash(hash) >= 0) return -1;
+  int32_t id;
+  if (free_ids_.empty()) {
+    id = static_cast<int32_t>(blocks_.size());
+    blocks_.emplace_back();
+  } else {
+    id = free_ids_.back();
+    free_ids_.pop_back();
+  }
+  Block& b = blocks_[static_cast<size_t>(id)];
+  b.hash = hash;
+  b.parent = parent;
+  b.num_children = 0;
+  b.users = 0;
+  b.live = true;
+  b.tokens.assign(block.begin(), block.end());
+  b.last_used = ++tick_;
+  b.lru_it = lru_.insert(lru_.end(), id);
+  by_hash_.emplace(hash, id);
+  if (parent >= 0) ++blocks_[static_cast<size_t>(parent)].num_children;
+  ++unused_blocks_;
+  ++stats_.blocks;
+  stats_.tokens_held += block_tokens_;
+  return id;
+}
+
+void PrefixIndex::Remove(int32_t id) {
+  Block& b = blocks_[static_cast<size_t>(id)];
+  by_hash_.erase(b.hash);
+  if (b.parent >= 0) --blocks_[static_cast<size_t>(b.parent)].num_children;
+  lru_.erase(b.lru_it);
+  b.live = false;
+  b.tokens.clear();
+  free_ids_.push_back(id);
+  --unused_blocks_;
+  --stats_.blocks;
+  stats_.tokens_held -= block_tokens_;
+}
+
+int64_t PrefixIndex::Evict(int64_t need, std::vector<uint64_t>* evicted) {
+  int64_t freed = 0;
+  // One pass from least to most recently used. Blocks behind the cursor were not evictable and
+  // stay so, except the parent of a block just evicted, which may have become a leaf: the scan
+  // resumes there if it lies behind the cursor (less recently used).
+  auto it = lru_.begin();
+  while (freed < need && it != lru_.end()) {
+    const int32_t id = *it;
+    const Block& b = blocks_[static_cast<size_t>(id)];
+    if (b.users != 0 || b.num_children != 0) {
+      ++it;
+      continue;
+    }
+    const int32_t parent = b.parent;
+    it = std::next(it);
+    evicted->push_back(b.hash);
+    Remove(id);
+    ++stats_.evictions;
+    freed += block_tokens_;
+    if (parent >= 0) {
+      const Block& p = blocks_[static_cast<size_t>(parent)];
+      if (p.num_children == 0 && p.users == 0 &&
+          (it == lru_.end() || p.last_used < blocks_[static_cast<size_t>(*it)].last_used)) {
+        it = p.lru_it;
+      }
+    }
+  }
+  return freed;
+}
+
+void PrefixIndex::CountLookup(int64_t prompt_tokens, int64_t matched_tokens) {
+  stats_.looked_up_tokens += prompt_tokens;
+  stats_.matched_tokens += matched_tokens;
+}
+
+}  // namespace tandem

@@ -1,0 +1,116 @@
+// The controller's prefix registry (DESIGN.md, "KV cache on a memory rank"): for one memory rank,
+// the prompt blocks whose KV that rank holds, so that a request whose prompt starts with
+// registered blocks reuses them instead of prefilling them again, and so that requests sharing
+// blocks can be grouped for shared-prefix attention.
+//
+// The controller decides and the memory rank follows: every registration (publish), reuse
+// (attach) and eviction chosen here travels in the step plan, keyed by the block's hash, and the
+// memory rank applies it to its own hash -> slots map (memory_node/kv_table.h). No slot ids live
+// here; the index counts tokens.
+//
+// Prompts are cut into blocks of `block_tokens` tokens; only full blocks are registered. Block i is
+// keyed by a chained hash, hash(i) = H(hash(i-1), tokens of block i), hash(-1) = kSeed, so a block's
+// key stands for the whole prefix up to its end. The hash only picks a bucket: every block also
+// stores its tokens and its parent block, and a lookup compares both, so a hash collision can never
+// match a different prefix. Two different registered blocks never carry the same hash (Insert
+// refuses the second), so the hash alone names a block on the wire.
+//
+// The default H (DefaultBlockHash) is our own FNV-1a-style loop over 32-bit tokens with a
+// splitmix64 finaliser per token: fixed constants, no per-process seed, so keys are equal across
+// processes and runs (unlike std::hash or absl::Hash). It can be replaced (constructor argument),
+// e.g. by a test that forces collisions.
+//
+// Users: a live request whose context holds a block's KV (attached or published by it) is a user
+// of that block and of every block before it in its chain. A block with users is never evicted.
+// Eviction takes blocks without users, least recently used first, leaves first (a chain is never
+// broken in the middle; a block without users has no descendant with users, since users hold
+// whole chains).
+//
+// Thread safety: not thread-safe; the controller serialises calls.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+namespace tandem {
+
+// hash of a block given its parent's hash (kSeed for block 0) and its tokens.
+using BlockHashFn = uint64_t (*)(uint64_t parent_hash, std::span<const int32_t> tokens);
+
+uint64_t DefaultBlockHash(uint64_t parent_hash, std::span<const int32_t> tokens);
+
+class PrefixIndex {
+ public:
+  static constexpr uint64_t kSeed = 0x7a6e64656d505258ULL;  // parent hash of block 0
+
+  struct Stats {
+    int64_t blocks = 0;            // registered blocks now
+    int64_t tokens_held = 0;       // blocks * block_tokens
+    int64_t matched_tokens = 0;    // cumulative: tokens of blocks attached by requests
+    int64_t looked_up_tokens = 0;  // cumulative: prompt tokens of admitted requests
+    int64_t evictions = 0;         // cumulative: blocks evicted
+  };
+
+  // block_tokens >= 1.
+  explicit PrefixIndex(int64_t block_tokens, BlockHashFn hash = &DefaultBlockHash);
+  PrefixIndex(const PrefixIndex&) = delete;
+  PrefixIndex& operator=(const PrefixIndex&) = delete;
+
+  // Ids of the longest run of registered leading full blocks of `tokens`, at most `max_blocks`,
+  // in chain order. Changes nothing.
+  std::vector<int32_t> Match(std::span<const int32_t> tokens, int64_t max_blocks) const;
+  // Adds one user to each block and marks it most recently used.
+  void Acquire(std::span<const int32_t> blocks);
+  // Removes one user from each block (each must have one).
+  void Release(std::span<const int32_t> blocks);
+  // Registers block `index` of `tokens` (which holds at least index + 1 full blocks) as the child
+  // of `parent`, the registered block index - 1 of the same tokens (-1 for index 0). Returns its
+  // id, or -1 if that block is already registered or another block has its hash (the caller then
+  // keeps its own KV private). A new block has no users.
+  int32_t Insert(std::span<const int32_t> tokens, int64_t index, int32_t parent);
+  // Evicts blocks without users (see top) until `need` tokens are freed or none is left; appends
+  // the evicted blocks' hashes to `evicted`, children before parents. Returns the tokens freed.
+  int64_t Evict(int64_t need, std::vector<uint64_t>* evicted);
+
+  int64_t block_tokens() const { return block_tokens_; }
+  uint64_t hash(int32_t id) const { return blocks_[static_cast<size_t>(id)].hash; }
+  int32_t parent(int32_t id) const { return blocks_[static_cast<size_t>(id)].parent; }
+  int32_t users(int32_t id) const { return blocks_[static_cast<size_t>(id)].users; }
+  // Tokens held by blocks without users: what Evict could free.
+  int64_t unused_tokens() const { return unused_blocks_ * block_tokens_; }
+  // Counts a request's prompt tokens and the part of them it attached (for Stats).
+  void CountLookup(int64_t prompt_tokens, int64_t matched_tokens);
+  const Stats& stats() const { return stats_; }
+
+ private:
+  struct Block {
+    uint64_t hash = 0;
+    int32_t parent = -1;  // block id, -1 for block 0 of a prompt
+    int32_t num_children = 0;
+    int32_t users = 0;
+    bool live = false;
+    std::vector<int32_t> tokens;  // block_tokens
+    uint64_t last_used = 0;       // tick of the last Acquire/Insert that touched it
+    std::list<int32_t>::iterator lru_it;
+  };
+
+  // Id of the registered block with this hash, or -1.
+  int32_t FindHash(uint64_t hash) const;
+  void Touch(int32_t id);
+  void Remove(int32_t id);
+
+  int64_t block_tokens_;
+  BlockHashFn hash_;
+  std::vector<Block> blocks_;                      // by id; dead ones are reused
+  std::vector<int32_t> free_ids_;                  // dead block ids
+  std::unordered_map<uint64_t, int32_t> by_hash_;  // chained hash -> block id
+  std::list<int32_t> lru_;                         // front: least recently used
+  int64_t unused_blocks_ = 0;
+  uint64_t tick_ = 0;
+  Stats stats_;
+};
+
+}  // namespace tandem
