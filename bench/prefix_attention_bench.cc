@@ -16,25 +16,33 @@
 //            (tensor cores; each prefix K/V tile is read once per tile of 64/128 rows and head)
 //            + DecodeAttention over the suffixes with lse + MergeStates.
 //   split    the cascade with the prefix cut into K chunks, each a "request" of its own with its
-//            own gathered copy of the B rows, merged by K MergeStates calls: PrefillAttention has
-//            no split-KV, so one group of few rows over a long prefix runs on few SMs (B = 64,
-//            32 heads: 32 CTAs); K is chosen so that the prefix launch fills about one wave.
+//            own gathered copy of the B rows, the K partial states merged pairwise (ceil(log2 K)
+//            MergeStates calls) before the final merge: PrefillAttention has no split-KV, so one
+//            group of few rows over a long prefix runs on few SMs (B = 64, 32 heads: 32 CTAs).
+//            K = 1 where the (tile of rows, head) CTAs already cover every SM, else enough for
+//            about one full wave, at least 512 keys per chunk (AutoSplits).
+//   ovl      the split cascade with GatherRows + PrefillAttention on a second stream, concurrent
+//            with the suffix DecodeAttention; the merges after both (an event join).
 // Each figure is the median of --reps runs (default 10) after 2 warm-up runs, timed with CUDA
 // events; the L2 is flushed (a 4×L2 write) before every run, outside the timed span, as the
-// other layers of a real step would. Columns: plain µs and its KV read rate (GB/s, the bytes
-// of every row's K and V over the time); cascade µs, its parts (gather, prefix, suffix,
-// merge µs), speedup plain / cascade, the prefix part's effective TFLOP/s (4·B·heads·P·head_dim
-// flops over the PrefillAttention time); split K, µs and speedup. Every configuration checks
-// once that both cascade outputs match the plain output: max|diff| and max|diff| / max|plain|
-// are printed, and a relative difference above 2e-2 (bf16: each path rounds its partial results
-// to bf16) or a non-finite value marks the row MISMATCH and makes the exit status 1.
+// other layers of a real step would. Columns: plain µs and its KV rate (GB/s: every row's K and V
+// bytes over the time; the shared prefix is mostly served from L2, so this can exceed the HBM
+// rate); cascade µs, its parts (gather, prefix, suffix, merge µs), speedup plain / cascade, the
+// prefix part's effective TFLOP/s (4·B·heads·P·head_dim flops over the PrefillAttention time);
+// split K, µs and speedup; ovl µs and speedup. Every configuration checks that each cascade
+// variant's output matches the plain output: max|diff| and max|diff| / max|plain| (worst over
+// the variants) are printed, and a relative difference above 2e-2 (bf16: each path rounds its
+// partial results to bf16) or a non-finite value marks the row MISMATCH and makes the exit
+// status 1.
 //
 // --crossover: which is faster for a small group? For llama3-8b and llama-13b, a group of G rows
 // (G in 1..64) sharing a prefix of P keys (P in 16..4096) with 32 own keys each, in a batch with
 // 64 other decode rows of 1024 keys. plain: one DecodeAttention over all rows; cascade: one
 // DecodeAttention over every row's own keys (the group's suffixes, the others' contexts) with
-// lse + GatherRows + non-causal PrefillAttention (G rows, P keys) + MergeStates. Prints each
-// (G, P) with the winner and the ratio, then per G the smallest P at which the cascade wins.
+// lse + GatherRows + non-causal PrefillAttention (G rows, P keys) + MergeStates, sequential (the
+// faster of K = 1 and K = auto) and overlapped (ovl). Medians of max(--reps, 30) runs. Prints
+// each (G, P) with the winner and the ratio, then per G the smallest P at which each cascade
+// variant wins.
 //
 // The fill kernel is PTX loaded at run time through cudaLibraryLoadData (this target is compiled
 // as host C++); it is bench_fill_bf16 from decode_attention_bench.cc (source there).
@@ -259,6 +267,7 @@ struct Scenario {
   Model m;
   int64_t G = 0, P = 0, S = 0, U = 0, C = 0;
   std::vector<int> splits;  // prefix split counts to time (1: the plain cascade)
+  bool overlap = false;     // also time the last split count with the prefix on a second stream
   int reps = 10;
   uint64_t seed = 1;
 };
@@ -267,7 +276,8 @@ struct Result {
   double plain_us = 0, plain_gbps = 0;
   struct Cascade {
     int k = 1;
-    std::vector<double> us;  // gather, prefix, suffix, merge, total
+    bool overlapped = false;
+    std::vector<double> us;  // sequential: gather, prefix, suffix, merge, total; overlapped: total
     double max_abs = 0, rel = 0;
     bool finite = true;
   };
@@ -284,7 +294,7 @@ std::vector<float> DownloadBf16(const DevBuf& d, size_t n) {
   return f;
 }
 
-Result RunScenario(const Scenario& sc, const L2Flusher& flush, cudaStream_t s) {
+Result RunScenario(const Scenario& sc, const L2Flusher& flush, cudaStream_t s, cudaStream_t s2) {
   const int64_t H = sc.m.heads, KVH = sc.m.kv_heads, D = sc.m.head_dim;
   const int64_t G = sc.G, P = sc.P, S = sc.S, U = sc.U, C = sc.C, N = G + U;
   const int64_t num_slots = P + G * S + U * C;
@@ -426,43 +436,85 @@ Result RunScenario(const Scenario& sc, const L2Flusher& flush, cudaStream_t s) {
     own.num_requests = N;
     own.max_q_len = 1;
     own.max_kv_len = own_max;
-    auto merge = [&] {
-      for (int r = 0; r < ksplit; ++r) {  // rows [0, G) of out with rows [r·G, (r+1)·G) of the prefix states
-        kc::MergeStatesParams mp;
-        mp.out = out.as<kc::bf16>();
-        mp.lse = lse.as<float>();
-        mp.out_b = out_pre.as<kc::bf16>() + r * G * H * D;
-        mp.lse_b = lse_pre.as<float>() + r * G * H;
-        mp.n = G;
-        mp.num_heads = H;
-        mp.head_dim = D;
-        BENCH_OK(kc::MergeStates(mp, s));
+    // Merges: the K partial prefix states pairwise into the first (upper half into lower half,
+    // ceil(log2 K) calls), then that one into each row's own-keys state.
+    auto merge = [&](cudaStream_t st) {
+      kc::MergeStatesParams mp;
+      mp.num_heads = H;
+      mp.head_dim = D;
+      for (int m = ksplit; m > 1;) {
+        const int half = m / 2;  // copies [m - half, m) into [0, half)
+        mp.out = out_pre.as<kc::bf16>();
+        mp.lse = lse_pre.as<float>();
+        mp.out_b = out_pre.as<kc::bf16>() + (m - half) * G * H * D;
+        mp.lse_b = lse_pre.as<float>() + (m - half) * G * H;
+        mp.n = half * G;
+        BENCH_OK(kc::MergeStates(mp, st));
+        m -= half;
       }
+      mp.out = out.as<kc::bf16>();
+      mp.lse = lse.as<float>();
+      mp.out_b = out_pre.as<kc::bf16>();
+      mp.lse_b = lse_pre.as<float>();
+      mp.n = G;
+      BENCH_OK(kc::MergeStates(mp, st));
+    };
+    auto check = [&](Result::Cascade* cr) {
+      const std::vector<float> got = DownloadBf16(out, static_cast<size_t>(N * H * D));
+      cr->finite = ref_finite;
+      for (size_t i = 0; i < got.size(); ++i) {
+        if (!std::isfinite(got[i])) cr->finite = false;
+        cr->max_abs = std::max<double>(cr->max_abs, std::fabs(got[i] - ref[i]));
+      }
+      cr->rel = max_ref > 0 ? cr->max_abs / max_ref : cr->max_abs;
+      if (!cr->finite || !(cr->rel <= 2e-2)) res.ok = false;
     };
     Result::Cascade cr;
     cr.k = ksplit;
     cr.us = TimeStages(
         {[&] { BENCH_OK(kc::GatherRows(gp, s)); }, [&] { BENCH_OK(kc::PrefillAttention(prep, s)); },
-         [&] { BENCH_OK(kc::DecodeAttention(own, own_plan, own_ws.get(), s)); }, merge},
+         [&] { BENCH_OK(kc::DecodeAttention(own, own_plan, own_ws.get(), s)); }, [&] { merge(s); }},
         2, sc.reps, flush, s);
-    const std::vector<float> got = DownloadBf16(out, static_cast<size_t>(N * H * D));
-    cr.finite = ref_finite;
-    for (size_t i = 0; i < got.size(); ++i) {
-      if (!std::isfinite(got[i])) cr.finite = false;
-      cr.max_abs = std::max<double>(cr.max_abs, std::fabs(got[i] - ref[i]));
-    }
-    cr.rel = max_ref > 0 ? cr.max_abs / max_ref : cr.max_abs;
-    if (!cr.finite || !(cr.rel <= 2e-2)) res.ok = false;
+    check(&cr);
     res.cascades.push_back(cr);
+    if (sc.overlap && ksplit == sc.splits.back()) {
+      // The prefix part (gather, prefill) on a second stream, concurrent with the own-keys decode;
+      // the merges after both.
+      cudaEvent_t fork, join;
+      BENCH_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+      BENCH_CUDA(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+      Result::Cascade ov;
+      ov.k = ksplit;
+      ov.overlapped = true;
+      ov.us = TimeStages({[&] {
+                           BENCH_CUDA(cudaEventRecord(fork, s));
+                           BENCH_CUDA(cudaStreamWaitEvent(s2, fork, 0));
+                           BENCH_OK(kc::GatherRows(gp, s2));
+                           BENCH_OK(kc::PrefillAttention(prep, s2));
+                           BENCH_CUDA(cudaEventRecord(join, s2));
+                           BENCH_OK(kc::DecodeAttention(own, own_plan, own_ws.get(), s));
+                           BENCH_CUDA(cudaStreamWaitEvent(s, join, 0));
+                           merge(s);
+                         }},
+                         2, sc.reps, flush, s);
+      BENCH_CUDA(cudaStreamSynchronize(s));
+      BENCH_CUDA(cudaEventDestroy(fork));
+      BENCH_CUDA(cudaEventDestroy(join));
+      check(&ov);
+      res.cascades.push_back(ov);
+    }
   }
   return res;
 }
 
-// Prefix splits that make the non-causal PrefillAttention launch about one wave (two CTAs per SM:
-// 80-96 KB of shared memory each), each split at least 512 keys.
+// Prefix splits for the non-causal PrefillAttention launch: none when one CTA per (tile of rows,
+// head) already covers every SM, else enough for about one full wave (two CTAs per SM: 80-96 KB of
+// shared memory each), each split at least 512 keys (8 key tiles: the Q load and the epilogue
+// amortised).
 int AutoSplits(int64_t rows, int64_t heads, int64_t prefix) {
   const int64_t tile = rows <= 64 ? 64 : 128;
   const int64_t ctas = heads * ((rows + tile - 1) / tile);
+  if (ctas >= g_sms) return 1;
   const int64_t want = (2 * int64_t{g_sms} + ctas - 1) / ctas;
   return static_cast<int>(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, prefix / 512)));
 }
@@ -544,10 +596,20 @@ double KvBytes(const Model& m, int64_t slots) {
   return 2.0 * static_cast<double>(slots) * m.kv_heads * m.head_dim * 2;
 }
 
-int RunMain(const Options& o, const L2Flusher& flush, double budget, cudaStream_t s) {
-  std::printf("%-9s %4s %6s %5s | %9s %6s | %9s %7s %8s %7s %6s %7s %6s | %2s %9s %7s | %8s %8s\n", "model",
-              "B", "P", "S", "plain_us", "GB/s", "casc_us", "gather", "prefix", "suffix", "merge", "speedup",
-              "TFLOPs", "K", "split_us", "speedup", "max|d|", "rel");
+// Max |diff| and max relative diff over every timed cascade variant.
+void WorstDiff(const Result& r, double* max_abs, double* rel) {
+  *max_abs = 0;
+  *rel = 0;
+  for (const auto& c : r.cascades) {
+    *max_abs = std::max(*max_abs, c.max_abs);
+    *rel = std::max(*rel, c.rel);
+  }
+}
+
+int RunMain(const Options& o, const L2Flusher& flush, double budget, cudaStream_t s, cudaStream_t s2) {
+  std::printf("%-9s %4s %6s %5s | %9s %6s | %9s %7s %8s %7s %6s %7s %6s | %2s %9s %7s | %9s %7s | %8s %8s\n",
+              "model", "B", "P", "S", "plain_us", "GB/s", "casc_us", "gather", "prefix", "suffix", "merge",
+              "speedup", "TFLOPs", "K", "split_us", "speedup", "ovl_us", "speedup", "max|d|", "rel");
   bool all_ok = true;
   uint64_t seed = 1;
   const std::vector<Model> models = SelectModels(o);
@@ -578,22 +640,21 @@ int RunMain(const Options& o, const L2Flusher& flush, double budget, cudaStream_
           sc.splits = {1};
           const int k = AutoSplits(B, m.heads, P);
           if (k > 1) sc.splits.push_back(k);
-          const Result r = RunScenario(sc, flush, s);
+          sc.overlap = true;
+          const Result r = RunScenario(sc, flush, s, s2);
           const Result::Cascade& c1 = r.cascades[0];
-          const Result::Cascade& ck = r.cascades.back();
-          double max_abs = 0, rel = 0;
-          for (const auto& c : r.cascades) {
-            max_abs = std::max(max_abs, c.max_abs);
-            rel = std::max(rel, c.rel);
-          }
+          const Result::Cascade& ck = r.cascades[r.cascades.size() - 2];  // the last sequential one
+          const Result::Cascade& ov = r.cascades.back();
+          double max_abs, rel;
+          WorstDiff(r, &max_abs, &rel);
           const double tflops = 4.0 * B * m.heads * P * m.head_dim / (c1.us[1] * 1e-6) * 1e-12;
           std::printf(
               "%-9s %4lld %6lld %5lld | %9.1f %6.0f | %9.1f %7.1f %8.1f %7.1f %6.1f %6.2fx %6.1f | %2d %9.1f "
-              "%6.2fx | %8.1e %8.1e%s\n",
+              "%6.2fx | %9.1f %6.2fx | %8.1e %8.1e%s\n",
               m.name, static_cast<long long>(B), static_cast<long long>(P), static_cast<long long>(S),
               r.plain_us, r.plain_gbps, c1.us[4], c1.us[0], c1.us[1], c1.us[2], c1.us[3],
-              r.plain_us / c1.us[4], tflops, ck.k, ck.us[4], r.plain_us / ck.us[4], max_abs, rel,
-              r.ok ? "" : "  MISMATCH");
+              r.plain_us / c1.us[4], tflops, ck.k, ck.us[4], r.plain_us / ck.us[4], ov.us.back(),
+              r.plain_us / ov.us.back(), max_abs, rel, r.ok ? "" : "  MISMATCH");
           std::fflush(stdout);
           all_ok = all_ok && r.ok;
         }
@@ -603,24 +664,27 @@ int RunMain(const Options& o, const L2Flusher& flush, double budget, cudaStream_
   return all_ok ? 0 : 1;
 }
 
-int RunCrossover(const Options& o, const L2Flusher& flush, cudaStream_t s) {
+int RunCrossover(const Options& o, const L2Flusher& flush, cudaStream_t s, cudaStream_t s2) {
   const int64_t groups[] = {1, 2, 4, 8, 16, 32, 64};
   const int64_t prefixes[] = {16, 32, 64, 128, 256, 512, 1024, 4096};
   constexpr int64_t kSuffix = 32, kOthers = 64, kOtherCtx = 1024;
   std::printf(
       "crossover: a group of G rows sharing P prefix keys (+%lld own keys each) in a batch with %lld other "
-      "decode rows of %lld keys\n",
+      "decode rows of %lld keys\n"
+      "  seq: the cascade on one stream, the faster of K = 1 and K = auto prefix splits (K shown);\n"
+      "  ovl: K = auto, gather + prefix on a second stream concurrent with the own-keys decode\n",
       static_cast<long long>(kSuffix), static_cast<long long>(kOthers), static_cast<long long>(kOtherCtx));
-  std::printf("%-9s %3s %5s | %9s %9s | %-7s %7s | %8s\n", "model", "G", "P", "plain_us", "casc_us", "faster",
-              "by", "rel");
+  std::printf("%-9s %3s %5s | %9s | %9s %2s %-7s %6s | %9s %-7s %6s | %8s\n", "model", "G", "P", "plain_us",
+              "seq_us", "K", "faster", "by", "ovl_us", "faster", "by", "rel");
   bool all_ok = true;
   uint64_t seed = 1000;
   const std::vector<Model> models = SelectModels(o);
   struct Summary {
     const Model* m;
     int64_t g;
-    int64_t first_win = -1;
-    bool monotone = true;
+    int64_t first_win[2] = {-1, -1};  // seq, ovl
+    bool monotone[2] = {true, true};
+    bool won[2] = {false, false};
   };
   std::vector<Summary> summary;
   const size_t total = models.size() * std::size(groups) * std::size(prefixes);
@@ -628,7 +692,6 @@ int RunCrossover(const Options& o, const L2Flusher& flush, cudaStream_t s) {
   for (const Model& m : models) {
     for (int64_t G : groups) {
       Summary sm{&m, G};
-      bool won_before = false;
       for (int64_t P : prefixes) {
         ++done;
         std::fprintf(stderr, "[%zu/%zu] crossover %s G=%lld P=%lld\n", done, total, m.name,
@@ -643,16 +706,29 @@ int RunCrossover(const Options& o, const L2Flusher& flush, cudaStream_t s) {
         sc.reps = std::max(o.reps, 30);
         sc.seed = seed++;
         sc.splits = {1};
-        const Result r = RunScenario(sc, flush, s);
-        const double casc = r.cascades[0].us[4];
-        const bool wins = casc < r.plain_us;
-        if (wins && sm.first_win < 0) sm.first_win = P;
-        if (!wins && won_before) sm.monotone = false;
-        won_before = won_before || wins;
-        std::printf("%-9s %3lld %5lld | %9.1f %9.1f | %-7s %6.2fx | %8.1e%s\n", m.name,
-                    static_cast<long long>(G), static_cast<long long>(P), r.plain_us, casc,
-                    wins ? "cascade" : "plain", wins ? r.plain_us / casc : casc / r.plain_us,
-                    r.cascades[0].rel, r.ok ? "" : "  MISMATCH");
+        const int k = AutoSplits(G, m.heads, P);
+        if (k > 1) sc.splits.push_back(k);
+        sc.overlap = true;
+        const Result r = RunScenario(sc, flush, s, s2);
+        const Result::Cascade* best = &r.cascades[0];
+        for (const auto& c : r.cascades) {
+          if (!c.overlapped && c.us.back() < best->us.back()) best = &c;
+        }
+        const double t[2] = {best->us.back(), r.cascades.back().us.back()};
+        bool wins[2];
+        for (int v = 0; v < 2; ++v) {
+          wins[v] = t[v] < r.plain_us;
+          if (wins[v] && sm.first_win[v] < 0) sm.first_win[v] = P;
+          if (!wins[v] && sm.won[v]) sm.monotone[v] = false;
+          sm.won[v] = sm.won[v] || wins[v];
+        }
+        double max_abs, rel;
+        WorstDiff(r, &max_abs, &rel);
+        std::printf("%-9s %3lld %5lld | %9.1f | %9.1f %2d %-7s %5.2fx | %9.1f %-7s %5.2fx | %8.1e%s\n",
+                    m.name, static_cast<long long>(G), static_cast<long long>(P), r.plain_us, t[0], best->k,
+                    wins[0] ? "cascade" : "plain", wins[0] ? r.plain_us / t[0] : t[0] / r.plain_us, t[1],
+                    wins[1] ? "cascade" : "plain", wins[1] ? r.plain_us / t[1] : t[1] / r.plain_us, rel,
+                    r.ok ? "" : "  MISMATCH");
         std::fflush(stdout);
         all_ok = all_ok && r.ok;
       }
@@ -660,14 +736,15 @@ int RunCrossover(const Options& o, const L2Flusher& flush, cudaStream_t s) {
     }
   }
   std::printf("\nsmallest prefix P at which the cascade is faster (P tested: 16..4096):\n");
+  std::printf("  %-9s %-5s %-28s %s\n", "model", "G", "seq", "ovl");
   for (const Summary& sm : summary) {
-    if (sm.first_win < 0) {
-      std::printf("  %-9s G=%-3lld never\n", sm.m->name, static_cast<long long>(sm.g));
-    } else {
-      std::printf("  %-9s G=%-3lld P >= %lld%s\n", sm.m->name, static_cast<long long>(sm.g),
-                  static_cast<long long>(sm.first_win),
-                  sm.monotone ? "" : "  (but slower again at some larger P)");
+    std::string col[2];
+    for (int v = 0; v < 2; ++v) {
+      col[v] = sm.first_win[v] < 0 ? "never" : "P >= " + std::to_string(sm.first_win[v]);
+      if (sm.first_win[v] >= 0 && !sm.monotone[v]) col[v] += " (not at every larger P)";
     }
+    std::printf("  %-9s %-5lld %-28s %s\n", sm.m->name, static_cast<long long>(sm.g), col[0].c_str(),
+                col[1].c_str());
   }
   return all_ok ? 0 : 1;
 }
@@ -681,8 +758,9 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   BENCH_CUDA(cudaGetDeviceProperties(&prop, dev));
   g_sms = prop.multiProcessorCount;
-  cudaStream_t s;
+  cudaStream_t s, s2;
   BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  BENCH_CUDA(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
   LoadFill();
 
   L2Flusher flush;
@@ -693,7 +771,7 @@ int main(int argc, char** argv) {
   std::printf("device: %s (%d SMs, L2 %.0f MB, %.1f GB free); medians of %d runs, L2 flushed before each\n",
               prop.name, g_sms, prop.l2CacheSize / 1e6, free_b / 1e9,
               opt.crossover ? std::max(opt.reps, 30) : opt.reps);
-  const int rc = opt.crossover ? RunCrossover(opt, flush, s) : RunMain(opt, flush, 0.6 * free_b, s);
+  const int rc = opt.crossover ? RunCrossover(opt, flush, s, s2) : RunMain(opt, flush, 0.6 * free_b, s, s2);
   BENCH_CUDA(cudaFree(flush.buf));
   return rc;
 }

@@ -651,6 +651,57 @@ TEST(CudaPrefixAttention, MergeStatesNegativeRowsAreSkippedAndZeroPairsIsANoOp) 
   EXPECT_TRUE(MergeStates(none, nullptr).ok());
 }
 
+// out_b may point into out's buffer when the rows read are not rows written: here the upper
+// third of a buffer of three partial states is merged into its lower third (a tree merge step).
+TEST(CudaPrefixAttention, MergeStatesWithinOneBuffer) {
+  TANDEM_SKIP_WITHOUT_GPU();
+  const int64_t H = 4, D = 64, n = 10;
+  std::mt19937 rng(77);
+  std::vector<bf16> buf;
+  std::vector<float> buf_f;
+  RandomBf16(rng, 3 * n * H * D, -1.0f, 1.0f, &buf, &buf_f);
+  std::vector<float> lse(static_cast<size_t>(3 * n * H));
+  std::uniform_real_distribution<float> ul(-5.0f, 5.0f);
+  for (float& x : lse) x = ul(rng);
+  std::vector<float> ref_out(static_cast<size_t>(n * H * D)), ref_lse(static_cast<size_t>(n * H));
+  cpu::MergeAttentionStatesParams mp;
+  mp.out_a = buf_f.data();
+  mp.lse_a = lse.data();
+  mp.out_b = buf_f.data() + 2 * n * H * D;
+  mp.lse_b = lse.data() + 2 * n * H;
+  mp.out = ref_out.data();
+  mp.lse = ref_lse.data();
+  mp.rows = n;
+  mp.num_heads = H;
+  mp.head_dim = D;
+  ASSERT_TRUE(cpu::MergeAttentionStates(mp).ok());
+
+  auto buf_d = Device(buf);
+  auto lse_d = Device(lse);
+  MergeStatesParams p;
+  p.out = buf_d->get();
+  p.lse = lse_d->get();
+  p.out_b = buf_d->get() + 2 * n * H * D;
+  p.lse_b = lse_d->get() + 2 * n * H;
+  p.n = n;
+  p.num_heads = H;
+  p.head_dim = D;
+  ASSERT_TRUE(MergeStates(p, nullptr).ok());
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  const std::vector<bf16> got = buf_d->Download();
+  const std::vector<float> got_lse = lse_d->Download();
+  for (int64_t i = 0; i < n * H * D; ++i) {
+    const float r = ref_out[static_cast<size_t>(i)], g = ToFloat(got[static_cast<size_t>(i)]);
+    ASSERT_LE(std::fabs(g - r), std::ldexp(std::fabs(r), -8) + 1e-5) << "element " << i;
+  }
+  for (int64_t i = 0; i < n * H; ++i) {
+    ASSERT_NEAR(got_lse[static_cast<size_t>(i)], ref_lse[static_cast<size_t>(i)], 1e-4) << i;
+  }
+  // The other two thirds are untouched.
+  EXPECT_EQ(std::memcmp(got.data() + n * H * D, buf.data() + n * H * D, 2 * n * H * D * sizeof(bf16)), 0);
+  EXPECT_EQ(std::memcmp(got_lse.data() + n * H, lse.data() + n * H, 2 * n * H * sizeof(float)), 0);
+}
+
 // ---- (c) GatherRows --------------------------------------------------------------------------
 
 TEST(CudaPrefixAttention, GatherRowsCopiesBits) {

@@ -324,6 +324,64 @@ INSTANTIATE_TEST_SUITE_P(ModelsAndRanks, MixedBatch,
                          });
 
 // ---------------------------------------------------------------------------------------------
+// 1b. Shared prefixes: the memory ranks reuse registered blocks (prefix cache) and read a group's
+// shared blocks once (cascade), and the tokens still equal the colocated engine without either.
+
+class SharedPrefixDeployed : public DisaggregatedTest, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(SharedPrefixDeployed, EqualsColocatedWithoutSharing) {
+  std::unique_ptr<WeightSource> source = OpenReference("llama3-gqa-tied");
+  ASSERT_NE(source, nullptr);
+  constexpr int64_t kBatch = 6, kStepTokens = 32, kBlock = 8;
+  std::mt19937 rng(99);
+  const int64_t vocab = source->spec().vocab_size;
+  // A 16-token system prompt for all, one of two 16-token examples for most, then own tails;
+  // arrivals staggered so that later requests find the earlier ones' blocks registered.
+  const GenerationRequest system = MakeRequest(rng, vocab, 16, 1, false, 0);
+  const GenerationRequest shots[2] = {MakeRequest(rng, vocab, 16, 1, false, 0),
+                                      MakeRequest(rng, vocab, 16, 1, false, 0)};
+  std::vector<Arrival> arrivals;
+  for (int i = 0; i < 14; ++i) {
+    GenerationRequest r = MakeRequest(rng, vocab, 1 + (i * 7) % 19, 3 + i % 6, i % 3 == 1, 500 + i);
+    std::vector<int32_t> prompt = system.prompt;
+    if (i % 5 != 4) prompt.insert(prompt.end(), shots[i % 2].prompt.begin(), shots[i % 2].prompt.end());
+    prompt.insert(prompt.end(), r.prompt.begin(), r.prompt.end());
+    r.prompt = prompt;
+    arrivals.push_back({i < 4 ? 0 : 3 + i, r});
+  }
+  EngineOptions eo;
+  eo.device = "cpu";
+  eo.max_batch_size = kBatch;
+  eo.max_tokens_per_step = kStepTokens;
+  eo.kv_capacity_tokens = 8192;
+  eo.prefix_cache = false;
+  absl::StatusOr<std::unique_ptr<ColocatedEngine>> engine = ColocatedEngine::Create(*source, eo);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const std::vector<GenerationResult> want = RunSchedule(**engine, arrivals, [] {});
+  ASSERT_FALSE(HasFailure());
+
+  ComputeRankOptions o = Options(kBatch, kStepTokens, 4096);
+  ASSERT_TRUE(ResolvePrefixOptions(true, kBlock, GetParam(), &o.scheduler).ok());
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, o));
+  const std::vector<GenerationResult> got = RunSchedule(*rank_, arrivals, [] {});
+  ASSERT_FALSE(HasFailure());
+  int64_t cached = 0;
+  for (const GenerationResult& r : got) cached += r.cached_tokens;
+  const ControllerStats& stats = rank_->controller().stats();
+  std::printf("prefix_sharing %s: %lld prompt tokens reused, %lld rows in prefix groups, max |logprob "
+              "difference| %.3g\n",
+              GetParam().c_str(), static_cast<long long>(cached), static_cast<long long>(stats.grouped_rows),
+              ExpectSameResults(got, want));
+  EXPECT_GT(cached, 0);
+  EXPECT_EQ(stats.cached_tokens, cached);
+  if (GetParam() == "on") {
+    EXPECT_GT(stats.grouped_rows, 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sharing, SharedPrefixDeployed, ::testing::Values("on", "off", "auto"));
+
+// ---------------------------------------------------------------------------------------------
 // 2. KV full: requests wait for KV and none is dropped.
 
 TEST_F(DisaggregatedTest, FullKvMakesRequestsWaitAndDropsNone) {
