@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -177,9 +178,41 @@ void Controller::Retire(Live& live, std::vector<std::vector<uint64_t>>* released
   (*released)[m].push_back(static_cast<uint64_t>(live.id));
 }
 
-void Controller::Publish(Live& live, StepPlan* plan) {
+void Controller::Rematch(Live& live) {
   PrefixIndex& index = *index_[static_cast<size_t>(live.memory_rank)];
-  const int64_t blocks = static_cast<int64_t>(live.request.prompt.size()) / index.block_tokens();
+  const int64_t bt = index.block_tokens();
+  std::vector<int32_t> match =
+      index.Match(live.request.prompt, (static_cast<int64_t>(live.request.prompt.size()) - 1) / bt);
+  // Blocks in use are never evicted, so the blocks attached at admission are a prefix of `match`.
+  if (match.size() <= live.chain.size()) return;
+  const std::span<const int32_t> extra = std::span(match).subspan(live.chain.size());
+  index.Acquire(extra);
+  const int64_t tokens = static_cast<int64_t>(extra.size()) * bt;
+  index.CountLookup(0, tokens);
+  live.reserve -= tokens;
+  reserved_[static_cast<size_t>(live.memory_rank)] -= tokens;
+  live.chain = std::move(match);
+  live.prefilled = live.context = live.result.cached_tokens = static_cast<int64_t>(live.chain.size()) * bt;
+  stats_.cached_tokens += tokens;
+}
+
+std::vector<uint64_t> Controller::PendingBlockHashes(const Live& live, int64_t end_tokens) const {
+  const PrefixIndex& index = *index_[static_cast<size_t>(live.memory_rank)];
+  const int64_t bt = index.block_tokens();
+  std::vector<uint64_t> hashes;
+  uint64_t parent = live.chain.empty() ? PrefixIndex::kSeed : index.hash(live.chain.back());
+  for (int64_t i = static_cast<int64_t>(live.chain.size()); (i + 1) * bt <= end_tokens; ++i) {
+    parent = index.HashBlock(
+        parent, std::span(live.request.prompt).subspan(static_cast<size_t>(i * bt), static_cast<size_t>(bt)));
+    hashes.push_back(parent);
+  }
+  return hashes;
+}
+
+void Controller::Publish(Live& live, int64_t rows, StepPlan* plan) {
+  PrefixIndex& index = *index_[static_cast<size_t>(live.memory_rank)];
+  const int64_t blocks =
+      std::min<int64_t>(live.request.prompt.size(), live.prefilled + rows) / index.block_tokens();
   for (int64_t i = static_cast<int64_t>(live.chain.size()); i < blocks; ++i) {
     const int32_t parent = live.chain.empty() ? -1 : live.chain.back();
     const int32_t id = index.Insert(live.request.prompt, i, parent);
@@ -269,12 +302,25 @@ void Controller::Schedule(PlannedStep* step) {
       --budget;
     }
   }
+  // Blocks that this step's prompt chunks complete, by rank: a request that has not started and
+  // whose next block is among them waits one step, then reuses it instead of computing it again
+  // (many requests arriving together with one system prompt prefill it once).
+  std::vector<std::unordered_set<uint64_t>> inflight(index_.size());
   for (auto& live : running_) {
+    if (!index_.empty() && !live->started) {
+      Rematch(*live);
+      const std::vector<uint64_t> next = PendingBlockHashes(*live, live->context + index_[0]->block_tokens());
+      if (!next.empty() && inflight[static_cast<size_t>(live->memory_rank)].contains(next[0])) continue;
+    }
     const int64_t left = static_cast<int64_t>(live->request.prompt.size()) - live->prefilled;
     if (left > 0 && budget > 0) {
       const int64_t n = std::min(left, budget);
       chosen.emplace_back(live.get(), n);
       budget -= n;
+      if (!index_.empty()) {
+        for (uint64_t h : PendingBlockHashes(*live, live->prefilled + n))
+          inflight[static_cast<size_t>(live->memory_rank)].insert(h);
+      }
     }
   }
   if (chosen.empty()) return;
@@ -333,10 +379,7 @@ void Controller::Schedule(PlannedStep* step) {
     for (const StepRequest& r : step->plan.requests) stats_.grouped_rows += r.prefix_group >= 0 ? r.q_len : 0;
   }
   for (const auto& [live, n] : chosen) {
-    if (live->prefilled < static_cast<int64_t>(live->request.prompt.size()) &&
-        live->prefilled + n == static_cast<int64_t>(live->request.prompt.size())) {
-      Publish(*live, &step->plan);
-    }
+    if (live->prefilled < static_cast<int64_t>(live->request.prompt.size())) Publish(*live, n, &step->plan);
   }
 }
 

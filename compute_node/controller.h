@@ -21,9 +21,11 @@
 // single-row request before the multi-row ones; rows follow the same order, so each memory
 // rank's rows are one contiguous range.
 //
-// Prefix registry (options.prefix_block_tokens > 0; compute_node/prefix_index.h): when a
-// request's prefill ends, its full prompt blocks are registered on its rank (publish) and stay
-// after it ends, until admission needs their KV (LRU eviction). With prefix_sharing on or auto,
+// Prefix registry (options.prefix_block_tokens > 0; compute_node/prefix_index.h): as a request's
+// prompt chunks complete full blocks, they are registered on its rank (publish) and stay after it
+// ends, until admission needs their KV (LRU eviction). A request matches the registry when admitted
+// and again just before its first chunk; if its next block is being computed in this step by
+// another request of its rank, it waits one step and then reuses it. With prefix_sharing on or auto,
 // the requests of a step that use the same registered blocks form prefix groups (nested where
 // they share different depths), which let attention read those blocks once per step.
 //
@@ -175,8 +177,13 @@ class Controller {
   void Admit();
   // Ends a running request's claims: its reservation and its use of registered blocks.
   void Retire(Live& live, std::vector<std::vector<uint64_t>>* released);
-  // Registers the full prompt blocks of a request whose prefill ends in this step.
-  void Publish(Live& live, StepPlan* plan);
+  // Registers the full prompt blocks that the request's KV covers once this step's `rows` rows are
+  // in (prefill chunks publish as they go, so that requests behind them can reuse the blocks).
+  void Publish(Live& live, int64_t rows, StepPlan* plan);
+  // Before a request's first step: reuse the blocks registered since its admission.
+  void Rematch(Live& live);
+  // Hashes of the prompt blocks [live.chain.size(), end_tokens / block) of a request.
+  std::vector<uint64_t> PendingBlockHashes(const Live& live, int64_t end_tokens) const;
   // Prefix groups of rank m's requests in the step; sets each request's prefix_group.
   void Group(int m, const std::vector<std::pair<Live*, int64_t>>& chosen, StepPlan* plan) const;
 

@@ -76,6 +76,10 @@ class PrefixIndex {
   int64_t Evict(int64_t need, std::vector<uint64_t>* evicted);
 
   int64_t block_tokens() const { return block_tokens_; }
+  // The chained hash of a block of tokens after the block `parent_hash` (kSeed for block 0).
+  uint64_t HashBlock(uint64_t parent_hash, std::span<const int32_t> block) const {
+    return hash_(parent_hash, block);
+  }
   uint64_t hash(int32_t id) const { return blocks_[static_cast<size_t>(id)].hash; }
   int32_t parent(int32_t id) const { return blocks_[static_cast<size_t>(id)].parent; }
   int32_t users(int32_t id) const { return blocks_[static_cast<size_t>(id)].users; }

@@ -128,16 +128,17 @@ absl::Status DecodeAttention(const AttentionParams& p, const DecodePlan& plan, v
 // q_len >= 1, including a batch mixing chunks and single rows. With p.causal == false it is the
 // prefix part of cascade attention (see AttentionParams::causal): any q_len and kv_len; a request
 // with kv_len == 0 gets out = 0 and lse = -inf (the empty state), as cpu::PrefixAttention does.
-// Every row and head of a request is computed by one CTA per tile of rows and head over the
-// request's whole key range (no split-KV): a long prefix with few rows uses few SMs, and the
-// caller may split the prefix into several requests (each with its own copy of the rows) and
-// merge their states with MergeStates.
+// One CTA per (tile of 64 or 128 rows, head) of a request runs over the request's whole key range
+// (no split-KV): a long prefix with few rows uses few SMs (64 rows, 32 heads: 32 CTAs). The caller
+// may then split the prefix into several requests, each with its own copy of the rows
+// (GatherRows), and merge their states with MergeStates (bench/prefix_attention_bench.cc: "split").
 absl::Status PrefillAttention(const AttentionParams& p, cudaStream_t stream);
 
 // Cascade attention, the merge: in place, for i in [0, n): a = rows_a[i], b = rows_b[i],
 //   (out[a], lse[a]) = merge((out[a], lse[a]), (out_b[b], lse_b[b]))   for every head,
 // where merge is cpu::MergeAttentionStates' math: over disjoint key sets,
-//   out = (e^{lse_a}·out_a + e^{lse_b}·out_b) / (e^{lse_a} + e^{lse_b}), lse = log(e^{lse_a} + e^{lse_b}),
+//   out = (e^{lse_a}·out_a + e^{lse_b}·out_b) / (e^{lse_a} + e^{lse_b}),
+//   lse = log(e^{lse_a} + e^{lse_b}),
 // in fp32 with the larger lse subtracted (weights e^{l - max}), then out rounded to bf16. An
 // empty state (lse = -inf) contributes nothing and its out is not read: the other state is
 // copied exactly (bits); both empty gives out = 0 and lse = -inf; a NaN lse propagates.

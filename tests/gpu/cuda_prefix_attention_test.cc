@@ -23,6 +23,8 @@
 //     end); lse |gpu - ref| <= 1e-4 (expf/logf against glibc, O(80) values); exact bits where the
 //     contract says "copied exactly" (one side empty).
 //   GatherRows: exact bits.
+// MergeStatesAndGatherRowsRejectInvalidParams touches no device memory and runs without a GPU;
+// every other test skips there, with the reason.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

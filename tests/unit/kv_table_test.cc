@@ -478,6 +478,56 @@ TEST(KvTable, AutoAcceptingEverythingMatchesOn) {
   EXPECT_EQ(x.group_level, y.group_level);
 }
 
+TEST(KvTable, NestedGroupUnderASecondRootPointsAtItsOwnParent) {
+  KvTable t(64, 4);
+  AttentionBatch b;
+  // Two chains: kH1 -> kH2 (request 1, slots 0..7) and kH4 -> kH5 (request 2, slots 8..15).
+  StepPlan p1 = Plan({Req(1, 0, 8), Req(2, 0, 8)}, 1);
+  p1.publishes = {Pub(1, kH1, 0, 0), Pub(1, kH2, kH1, 1), Pub(2, kH4, 0, 0), Pub(2, kH5, kH4, 1)};
+  ASSERT_TRUE(t.Apply(p1, 0, &b).ok());
+  t.SetPrefixSharing(PrefixSharing::kOn);
+  // Group 0: kH1 (requests 1 and 3); group 1: kH4, and its child group 2: kH5 (requests 2 and 4).
+  StepPlan p2 = Plan(
+      {InGroup(Req(1, 8, 1), 0), Attach(3, 4, 1, kH1, 0), InGroup(Req(2, 8, 1), 2), Attach(4, 8, 1, kH5, 2)},
+      2);
+  p2.groups = {Group(kH1, 4), Group(kH4, 4), Group(kH5, 8, 1)};
+  ASSERT_TRUE(ValidateStepPlan(p2).ok());
+  ASSERT_TRUE(t.Apply(p2, 0, &b).ok());
+  ExpectGroups(b, {{.rows = {0, 1}, .keys = Range(0, 4), .parent = -1, .level = 0},
+                   {.rows = {2, 3}, .keys = Range(8, 12), .parent = -1, .level = 0},
+                   {.rows = {2, 3}, .keys = Range(12, 16), .parent = 1, .level = 1}});
+  EXPECT_EQ(Keys(b, 0), Cat(Range(4, 8), NewSlots(b, 0)));
+  EXPECT_EQ(Keys(b, 1), NewSlots(b, 1));
+  EXPECT_EQ(Keys(b, 2), NewSlots(b, 2));
+  EXPECT_EQ(Keys(b, 3), NewSlots(b, 3));
+  EXPECT_EQ(b.max_group_rows, 2);
+  EXPECT_EQ(b.max_group_kv, 4);
+  EXPECT_TRUE(CheckAttentionBatch(b, Shape(), t.num_slots()).ok());
+}
+
+TEST(KvTable, ThreeNestedGroupsChainTheirParentsAndLevels) {
+  std::map<uint64_t, std::vector<int32_t>> ctx;
+  std::unique_ptr<KvTable> t = ChainTable(&ctx);
+  t->SetPrefixSharing(PrefixSharing::kOn);
+  AttentionBatch b;
+  // Groups kH1 (4) > kH2 (8) > kH3 (12). Request 2 (holds kH2) is in group 1, 4 (holds kH3) in
+  // group 2, 3 (attaches kH1) in group 0, 5 (attaches kH3) in group 2. Rows 0, 1, 2, 3.
+  StepPlan p = Plan({InGroup(Req(2, 10, 1), 1), InGroup(Req(4, 14, 1), 2), Attach(3, 4, 1, kH1, 0),
+                     Attach(5, 12, 1, kH3, 2)},
+                    3);
+  p.groups = {Group(kH1, 4), Group(kH2, 8, 0), Group(kH3, 12, 1)};
+  ASSERT_TRUE(ValidateStepPlan(p).ok());
+  ASSERT_TRUE(t->Apply(p, 0, &b).ok());
+  ExpectGroups(b, {{.rows = {0, 1, 2, 3}, .keys = Range(0, 4), .parent = -1, .level = 0},
+                   {.rows = {0, 1, 3}, .keys = Range(4, 8), .parent = 0, .level = 1},
+                   {.rows = {1, 3}, .keys = Range(8, 12), .parent = 1, .level = 2}});
+  EXPECT_EQ(Keys(b, 0), Cat(Tail(ctx[2], 8), NewSlots(b, 0)));
+  EXPECT_EQ(Keys(b, 1), Cat(Tail(ctx[4], 12), NewSlots(b, 1)));
+  EXPECT_EQ(Keys(b, 2), NewSlots(b, 2));
+  EXPECT_EQ(Keys(b, 3), NewSlots(b, 3));
+  EXPECT_TRUE(CheckAttentionBatch(b, Shape(), t->num_slots()).ok());
+}
+
 // ---- 3. Bad prefix plans change nothing --------------------------------------------------------
 
 struct TableState {
@@ -676,9 +726,9 @@ uint64_t Mix(uint64_t x) {  // splitmix64's finaliser
 
 TEST(KvTable, RandomizedControllerKeepsSlotsAndTokensConsistent) {
   constexpr int32_t kB = 4;
-  constexpr int64_t kSlots = 128;
+  constexpr int64_t kSlots = 160;
   constexpr int kSteps = 400;
-  constexpr size_t kMaxLive = 4;
+  constexpr size_t kMaxLive = 6;
   constexpr int32_t kMaxRows = 24;
   std::mt19937 rng(20240611);
   auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
@@ -690,6 +740,8 @@ TEST(KvTable, RandomizedControllerKeepsSlotsAndTokensConsistent) {
     for (int i = 0; i < len; ++i) h.push_back(uniform(1, 999));
     heads.push_back(h);
   }
+  // Heads 1 and 2 share their first 2 blocks: chains that part below a common root (nested groups).
+  std::copy(heads[1].begin(), heads[1].begin() + 2 * kB, heads[2].begin());
   int32_t next_unique_token = 1000;  // tails and generated tokens never repeat
 
   // The controller's view (a mirror of what the table should hold), and the pool's contents.
@@ -729,14 +781,15 @@ TEST(KvTable, RandomizedControllerKeepsSlotsAndTokensConsistent) {
   for (int step = 1; step <= kSteps; ++step) {
     SCOPED_TRACE(::testing::Message() << "step " << step);
     // New requests.
-    if (live.size() < kMaxLive && (live.empty() || uniform(0, 2) == 0)) {
+    if (live.size() < kMaxLive && (live.empty() || uniform(0, 1) == 0)) {
       SimRequest r;
       const auto& head = heads[static_cast<size_t>(uniform(0, 2))];
-      const int cut = uniform(0, static_cast<int>(head.size()));
+      const int cut =
+          uniform(0, 2) == 0 ? static_cast<int>(head.size()) : uniform(0, static_cast<int>(head.size()));
       r.tokens.assign(head.begin(), head.begin() + cut);
       for (int i = uniform(cut == 0 ? 1 : 0, 6); i > 0; --i) r.tokens.push_back(next_unique_token++);
       r.prompt_len = static_cast<int32_t>(r.tokens.size());
-      for (int i = uniform(0, 5); i > 0; --i) r.tokens.push_back(next_unique_token++);
+      for (int i = uniform(0, 8); i > 0; --i) r.tokens.push_back(next_unique_token++);
       live.emplace(next_id++, std::move(r));
     }
 
