@@ -1,6 +1,8 @@
 // What both attention executors share: the batch check and the CUDA kernels' head_dim support.
 #include "memory_node/attention_executor.h"
 
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 
 namespace tandem {
@@ -24,8 +26,14 @@ absl::Status CheckAttentionBatch(const AttentionBatch& b, const AttentionShape& 
     if (s < 0 || s >= num_slots)
       return absl::InvalidArgumentError(absl::StrCat("attention batch: slot ", s, " outside the pool"));
   }
+  if (b.q_indptr.front() != 0 || b.kv_indptr.front() != 0) {
+    return absl::InvalidArgumentError("attention batch: indptr arrays must start at 0");
+  }
   for (int64_t r = 0; r < b.num_requests(); ++r) {
     const size_t i = static_cast<size_t>(r);
+    if (b.q_indptr[i + 1] <= b.q_indptr[i]) {
+      return absl::InvalidArgumentError(absl::StrCat("attention batch: request ", r, " has no rows"));
+    }
     if (b.kv_indptr[i + 1] - b.kv_indptr[i] < b.q_indptr[i + 1] - b.q_indptr[i]) {
       return absl::InvalidArgumentError(
           absl::StrCat("attention batch: request ", r, " reads fewer keys than it has rows"));
@@ -49,12 +57,23 @@ absl::Status CheckAttentionBatch(const AttentionBatch& b, const AttentionShape& 
         b.group_row_indptr[gi + 1] <= b.group_row_indptr[gi]) {
       return absl::InvalidArgumentError(absl::StrCat("attention batch: group ", i, " is malformed"));
     }
+  }
+  // Rows (the indptrs are now known to be increasing and within the arrays): one group per level,
+  // a child's rows within its parent's. owner[level][row]: the group of that level holding the row.
+  std::vector<std::vector<int32_t>> owner;
+  for (int64_t i = 0; i < g; ++i) {
+    const size_t gi = static_cast<size_t>(i);
+    const size_t level = static_cast<size_t>(b.group_level[gi]);
+    if (owner.size() <= level) owner.resize(level + 1, std::vector<int32_t>(static_cast<size_t>(t), -1));
     for (int32_t k = b.group_row_indptr[gi]; k < b.group_row_indptr[gi + 1]; ++k) {
       const int32_t row = b.group_rows[static_cast<size_t>(k)];
       if (row < 0 || row >= t ||
-          (k > b.group_row_indptr[gi] && row <= b.group_rows[static_cast<size_t>(k) - 1])) {
+          (k > b.group_row_indptr[gi] && row <= b.group_rows[static_cast<size_t>(k) - 1]) ||
+          owner[level][static_cast<size_t>(row)] >= 0 ||
+          (level > 0 && owner[level - 1][static_cast<size_t>(row)] != b.group_parent[gi])) {
         return absl::InvalidArgumentError(absl::StrCat("attention batch: group ", i, " has a bad row ", row));
       }
+      owner[level][static_cast<size_t>(row)] = static_cast<int32_t>(i);
     }
   }
   for (int32_t s : b.group_kv_slots) {

@@ -247,7 +247,7 @@ void KvTable::BuildGroups(const StepPlan& plan, uint16_t memory_rank,
     const int64_t own = grp.prefix_tokens - start;
     const int64_t n = static_cast<int64_t>(rows[g].size());
     if (sharing_ == PrefixSharing::kAuto && !(filter_ && filter_(n, own))) continue;
-    emitted[g] = static_cast<int32_t>(batch->num_groups());
+    emitted[g] = static_cast<int32_t>(batch->group_parent.size());
     batch->group_parent.push_back(anc < 0 ? -1 : emitted[static_cast<size_t>(anc)]);
     batch->group_level.push_back(
         anc < 0 ? 0 : batch->group_level[static_cast<size_t>(emitted[static_cast<size_t>(anc)])] + 1);

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "colocated/engine.h"
-#include "gtest/gtest.h"
 #include "gpu_test_util.h"
+#include "gtest/gtest.h"
 
 namespace tandem {
 namespace {
@@ -95,11 +95,12 @@ TEST_P(CudaPrefixEngine, SameGreedyTokensWithAndWithoutSharing) {
                                                                       base.results[i].logprobs[t])));
         }
       }
-      std::printf("%s sharing %s batch %lld: %lld prompt tokens reused, %lld rows in prefix groups, max "
-                  "|logprob difference| %.3g\n",
-                  model.c_str(), sharing, static_cast<long long>(batch),
-                  static_cast<long long>(got.stats.cached_tokens), static_cast<long long>(got.stats.grouped_rows),
-                  max_diff);
+      std::printf(
+          "%s sharing %s batch %lld: %lld prompt tokens reused, %lld rows in prefix groups, max "
+          "|logprob difference| %.3g\n",
+          model.c_str(), sharing, static_cast<long long>(batch),
+          static_cast<long long>(got.stats.cached_tokens), static_cast<long long>(got.stats.grouped_rows),
+          max_diff);
       // bf16 KV and activations: reused KV was computed in another batch, and the cascade sums in
       // another order; both move logprobs by rounding only.
       EXPECT_LT(max_diff, 0.05);

@@ -368,10 +368,11 @@ TEST_P(SharedPrefixDeployed, EqualsColocatedWithoutSharing) {
   int64_t cached = 0;
   for (const GenerationResult& r : got) cached += r.cached_tokens;
   const ControllerStats& stats = rank_->controller().stats();
-  std::printf("prefix_sharing %s: %lld prompt tokens reused, %lld rows in prefix groups, max |logprob "
-              "difference| %.3g\n",
-              GetParam().c_str(), static_cast<long long>(cached), static_cast<long long>(stats.grouped_rows),
-              ExpectSameResults(got, want));
+  std::printf(
+      "prefix_sharing %s: %lld prompt tokens reused, %lld rows in prefix groups, max |logprob "
+      "difference| %.3g\n",
+      GetParam().c_str(), static_cast<long long>(cached), static_cast<long long>(stats.grouped_rows),
+      ExpectSameResults(got, want));
   EXPECT_GT(cached, 0);
   EXPECT_EQ(stats.cached_tokens, cached);
   if (GetParam() == "on") {

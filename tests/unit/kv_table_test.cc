@@ -478,6 +478,9 @@ TEST(KvTable, AutoAcceptingEverythingMatchesOn) {
   EXPECT_EQ(x.group_level, y.group_level);
 }
 
+// group_parent/group_level name batch groups. (Fails as of this writing: BuildGroups numbers every
+// taken group batch->num_groups(), which is 0 until group_kv_indptr is filled in its later loop, so
+// each nested group's parent is batch group 0; with 3 levels a row lands in two groups of level 1.)
 TEST(KvTable, NestedGroupUnderASecondRootPointsAtItsOwnParent) {
   KvTable t(64, 4);
   AttentionBatch b;
@@ -526,6 +529,55 @@ TEST(KvTable, ThreeNestedGroupsChainTheirParentsAndLevels) {
   EXPECT_EQ(Keys(b, 2), NewSlots(b, 2));
   EXPECT_EQ(Keys(b, 3), NewSlots(b, 3));
   EXPECT_TRUE(CheckAttentionBatch(b, Shape(), t->num_slots()).ok());
+}
+
+// CheckAttentionBatch must refuse batches an executor would read out of bounds with, and group
+// arrays that break AttentionBatch's documented nesting (a row in one group per level, a child's
+// rows within its parent's): the nesting bug of the test above passed it.
+TEST(KvTable, CheckAttentionBatchRefusesBrokenBatches) {
+  auto base = [] {
+    AttentionBatch b;
+    b.Clear();
+    b.new_slots = {0, 1};
+    b.q_indptr = {0, 1, 2};
+    b.kv_indptr = {0, 1, 2};
+    b.kv_slots = {0, 1};
+    b.max_q_len = b.max_kv_len = 1;
+    return b;
+  };
+  auto with_groups = [&](std::vector<int32_t> rows, std::vector<int32_t> parent, std::vector<int32_t> level) {
+    AttentionBatch b = base();
+    b.group_kv_indptr = {0, 1, 2};
+    b.group_kv_slots = {3, 4};
+    b.group_row_indptr = {0, 1, 2};
+    b.group_rows = std::move(rows);
+    b.group_parent = std::move(parent);
+    b.group_level = std::move(level);
+    b.max_group_rows = b.max_group_kv = 1;
+    return b;
+  };
+  ASSERT_TRUE(CheckAttentionBatch(base(), Shape(), 16).ok());
+  ASSERT_TRUE(CheckAttentionBatch(with_groups({0, 0}, {-1, 0}, {0, 1}), Shape(), 16).ok());
+  std::vector<std::pair<std::string, AttentionBatch>> bad;
+  bad.emplace_back("q_indptr decreasing: request 0 claims 3 of 2 rows", base());
+  bad.back().second.q_indptr = {0, 3, 2};
+  bad.back().second.kv_indptr = {0, 3, 5};
+  bad.back().second.kv_slots = {0, 1, 2, 3, 4};
+  bad.emplace_back("q_indptr not from 0: row 0 in no request", base());
+  bad.back().second.q_indptr = {1, 2};
+  bad.back().second.kv_indptr = {0, 1};
+  bad.back().second.kv_slots = {0};
+  bad.emplace_back("kv_indptr from -2: reads kv_slots[-2]", base());
+  bad.back().second.q_indptr = {0, 1};
+  bad.back().second.new_slots = {0};
+  bad.back().second.kv_indptr = {-2, 1};
+  bad.back().second.kv_slots = {0};
+  bad.emplace_back("child group's row not in its parent", with_groups({0, 1}, {-1, 0}, {0, 1}));
+  bad.emplace_back("row 0 in two groups of level 0", with_groups({0, 0}, {-1, -1}, {0, 0}));
+  for (const auto& [name, b] : bad) {
+    const absl::Status s = CheckAttentionBatch(b, Shape(), 16);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << name << ": " << s;
+  }
 }
 
 // ---- 3. Bad prefix plans change nothing --------------------------------------------------------
@@ -837,9 +889,9 @@ TEST(KvTable, RandomizedControllerKeepsSlotsAndTokensConsistent) {
       for (const auto& [h, blk] : blocks) children[h] = blk.children;
       int64_t needed = 0;
       for (const Entry& e : entries) needed += e.q_len;
-      int64_t free = kSlots - static_cast<int64_t>(referenced().size());
+      int64_t free_slots = kSlots - static_cast<int64_t>(referenced().size());
       bool extra = uniform(0, 9) == 0;
-      while (needed > free || extra) {
+      while (needed > free_slots || extra) {
         extra = false;
         std::vector<uint64_t> leaves;
         for (const auto& [h, blk] : blocks) {
@@ -851,11 +903,11 @@ TEST(KvTable, RandomizedControllerKeepsSlotsAndTokensConsistent) {
         const uint64_t h = leaves[static_cast<size_t>(uniform(0, static_cast<int>(leaves.size()) - 1))];
         evict.push_back(h);
         if (children.contains(blocks.at(h).parent)) --children[blocks.at(h).parent];
-        free += kB;
+        free_slots += kB;
       }
-      if (needed <= free) break;
+      if (needed <= free_slots) break;
       ASSERT_FALSE(entries.empty());
-      entries.pop_back();  // cannot happen with these sizes, but a controller would do this
+      entries.pop_back();  // still short (live contexts fill the pool): run fewer requests
     }
     auto registered = [&](uint64_t h) {
       return blocks.contains(h) && std::find(evict.begin(), evict.end(), h) == evict.end();
@@ -1061,12 +1113,12 @@ TEST(KvTable, RandomizedControllerKeepsSlotsAndTokensConsistent) {
   }
 
   // The run exercised what it is meant to.
-  EXPECT_GT(attaches, 20);
-  EXPECT_GT(publishes, 20);
-  EXPECT_GT(evictions, 10);
-  EXPECT_GT(groups_taken, 10);
-  EXPECT_GT(nested_taken, 0);
-  EXPECT_GT(releases, 50);
+  EXPECT_GT(attaches, 100);
+  EXPECT_GT(publishes, 80);
+  EXPECT_GT(evictions, 50);
+  EXPECT_GT(groups_taken, 60);
+  EXPECT_GT(nested_taken, 5);
+  EXPECT_GT(releases, 150);
 
   // End everything; evicting every block, leaves first, returns every slot.
   std::vector<uint64_t> ids;
