@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Builds tandem with the CUDA backend and runs, on a GPU machine, the GPU tests and/or the
 # benchmarks, writing logs and JSON to OUTDIR and printing a short summary last.
-# Usage: bench/run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf] [deploy]
+# Usage: bench/run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf] [deploy] [prefix]
 #   tests    ctest (all tests, the gpu-labelled ones included)
 #   kernels  decode and prefill attention benchmarks, torch SDPA baseline
 #   engine   colocated engine decode throughput (llama3-8b, llama-13b presets)
 #   hf       Hugging Face transformers generate baseline for the same shapes
 #   deploy   the one-GPU deployment (deploy/examples/gpu.yaml) against the colocated CUDA engine:
 #            same tokens on the reference models and the small preset, then tokens/s of both
+#   prefix   shared-prefix attention: cascade vs plain kernel and the crossover, then the engine
+#            with the prefix cache and sharing on and off (bench/prefix_sharing_bench.sh)
 set -uo pipefail
 out=${1:?usage: run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf]}
 shift
@@ -42,6 +44,11 @@ for what in "$@"; do
       done ;;
     deploy)
       bash bench/deploy_vs_colocated.sh "$BUILD/tandem" "$out/deploy" 2>&1 | tee "$out/deploy.txt" | tail -30 ;;
+    prefix)
+      "$BUILD/bench/prefix_attention_bench" 2>&1 | tee "$out/prefix_attention.txt" | tail -40
+      "$BUILD/bench/prefix_attention_bench" --crossover 2>&1 | tee "$out/prefix_crossover.txt" | tail -30
+      bash bench/prefix_sharing_bench.sh "$BUILD/tandem" "$out/prefix" "${PREFIX_MODEL:-llama3-8b}" 2>&1 |
+        tee "$out/prefix_sharing.txt" | tail -20 ;;
     *) echo "unknown part: $what"; exit 2 ;;
   esac
 done

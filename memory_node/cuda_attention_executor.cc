@@ -113,38 +113,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
     o_q_m_ = packer_.Add(q_m);
     o_kv_m_ = packer_.Add(kv_m);
     o_slots_ = packer_.Add(b.kv_slots);
-    // Groups: the gathered rows of every group (its "requests" for the prefix call), and per level
-    // the pairs (batch row, row of the group states) to merge; a row is in one group per level.
-    groups_ = b.num_groups();
-    group_rows_ = static_cast<int64_t>(b.group_rows.size());
-    max_group_rows_ = b.max_group_rows;
-    max_group_kv_ = b.max_group_kv;
-    levels_.clear();
-    if (groups_ > 0) {
-      o_g_rows_ = packer_.Add(b.group_rows);
-      o_g_q_ = packer_.Add(b.group_row_indptr);
-      o_g_kv_ = packer_.Add(b.group_kv_indptr);
-      o_g_slots_ = packer_.Add(b.group_kv_slots);
-      int32_t num_levels = 0;
-      for (int32_t l : b.group_level) num_levels = std::max(num_levels, l + 1);
-      std::vector<std::vector<int32_t>> rows_a(static_cast<size_t>(num_levels)), rows_b(rows_a.size());
-      for (int64_t g = 0; g < groups_; ++g) {
-        const size_t l = static_cast<size_t>(b.group_level[static_cast<size_t>(g)]);
-        for (int32_t k = b.group_row_indptr[static_cast<size_t>(g)];
-             k < b.group_row_indptr[static_cast<size_t>(g) + 1]; ++k) {
-          rows_a[l].push_back(b.group_rows[static_cast<size_t>(k)]);
-          rows_b[l].push_back(k);
-        }
-      }
-      for (size_t l = 0; l < rows_a.size(); ++l) {
-        levels_.push_back(
-            {packer_.Add(rows_a[l]), packer_.Add(rows_b[l]), static_cast<int64_t>(rows_a[l].size())});
-      }
-      RETURN_IF_ERROR(lse_.Reserve(std::max<int64_t>(16, t_ * shape_.num_heads * 4)));
-      RETURN_IF_ERROR(group_q_.Reserve(std::max<int64_t>(16, group_rows_ * shape_.q_dim() * 2)));
-      RETURN_IF_ERROR(group_out_.Reserve(std::max<int64_t>(16, group_rows_ * shape_.q_dim() * 2)));
-      RETURN_IF_ERROR(group_lse_.Reserve(std::max<int64_t>(16, group_rows_ * shape_.num_heads * 4)));
-    }
+    RETURN_IF_ERROR(PlanGroups(b));
     const std::vector<unsigned char>& mb = packer_.bytes();
     // The pinned buffer may still feed the previous step's copy: wait for it.
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
@@ -227,8 +196,91 @@ class CudaAttentionExecutor : public AttentionExecutor {
     return absl::OkStatus();
   }
 
+  // Shared-prefix metadata of a step. The prefix launch has one "request" per (group, split):
+  // PrefillAttention has no split over keys, so a group whose (row tile, head) CTAs would leave
+  // SMs idle cuts its keys into splits (about one wave, at least 512 keys each), each reading the
+  // same gathered rows. Split states are merged pairwise into split 0 (upper half into lower half,
+  // all groups per round), then each group's split 0 into its rows' states, one level at a time
+  // (a row is in one group per level).
+  absl::Status PlanGroups(const AttentionBatch& b) {
+    groups_ = b.num_groups();
+    levels_.clear();
+    rounds_.clear();
+    if (groups_ == 0) return absl::OkStatus();
+    const auto at = [](const std::vector<int32_t>& v, int64_t i) { return v[static_cast<size_t>(i)]; };
+    const int64_t tile = b.max_group_rows <= 64 ? 64 : 128;
+    int64_t ctas = 0;
+    for (int64_t g = 0; g < groups_; ++g) {
+      ctas +=
+          shape_.num_heads * ((at(b.group_row_indptr, g + 1) - at(b.group_row_indptr, g) + tile - 1) / tile);
+    }
+    const int64_t want = ctas >= num_sms_ ? 1 : (2 * num_sms_ + ctas - 1) / ctas;
+    std::vector<int32_t> gather, q_indptr{0}, kv_indptr{0}, base(static_cast<size_t>(groups_)), splits;
+    int64_t max_chunk = 0;
+    for (int64_t g = 0; g < groups_; ++g) {
+      const int32_t r0 = at(b.group_row_indptr, g), rows = at(b.group_row_indptr, g + 1) - r0;
+      const int32_t k0 = at(b.group_kv_indptr, g), keys = at(b.group_kv_indptr, g + 1) - k0;
+      const int32_t k = static_cast<int32_t>(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, keys / 512)));
+      base[static_cast<size_t>(g)] = static_cast<int32_t>(gather.size());
+      splits.push_back(k);
+      for (int32_t j = 0; j < k; ++j) {
+        gather.insert(gather.end(), b.group_rows.begin() + r0, b.group_rows.begin() + r0 + rows);
+        q_indptr.push_back(static_cast<int32_t>(gather.size()));
+        const int32_t end = k0 + static_cast<int32_t>(static_cast<int64_t>(keys) * (j + 1) / k);
+        max_chunk = std::max<int64_t>(max_chunk, end - kv_indptr.back());
+        kv_indptr.push_back(end);
+      }
+    }
+    // kv_indptr above is relative to group_kv_slots: pairs cover each group's keys in order.
+    prefix_requests_ = static_cast<int64_t>(q_indptr.size()) - 1;
+    group_rows_ = static_cast<int64_t>(gather.size());
+    max_group_rows_ = b.max_group_rows;
+    max_group_kv_ = max_chunk;
+    o_g_rows_ = packer_.Add(gather);
+    o_g_q_ = packer_.Add(q_indptr);
+    o_g_kv_ = packer_.Add(kv_indptr);
+    o_g_slots_ = packer_.Add(b.group_kv_slots);
+    // Split reduction rounds: for every group with m > 1 live splits, [m - m/2, m) into [0, m/2).
+    std::vector<int32_t> live = splits;
+    for (bool more = true; more;) {
+      more = false;
+      std::vector<int32_t> ra, rb;
+      for (int64_t g = 0; g < groups_; ++g) {
+        int32_t& m = live[static_cast<size_t>(g)];
+        if (m <= 1) continue;
+        const int32_t rows = at(b.group_row_indptr, g + 1) - at(b.group_row_indptr, g), half = m / 2;
+        for (int32_t i = 0; i < half * rows; ++i) {
+          ra.push_back(base[static_cast<size_t>(g)] + i);
+          rb.push_back(base[static_cast<size_t>(g)] + (m - half) * rows + i);
+        }
+        m -= half;
+        more = true;
+      }
+      if (!ra.empty()) rounds_.push_back({packer_.Add(ra), packer_.Add(rb), static_cast<int64_t>(ra.size())});
+    }
+    int32_t num_levels = 0;
+    for (int32_t l : b.group_level) num_levels = std::max(num_levels, l + 1);
+    std::vector<std::vector<int32_t>> rows_a(static_cast<size_t>(num_levels)), rows_b(rows_a.size());
+    for (int64_t g = 0; g < groups_; ++g) {
+      const size_t l = static_cast<size_t>(at(b.group_level, g));
+      for (int32_t k = at(b.group_row_indptr, g); k < at(b.group_row_indptr, g + 1); ++k) {
+        rows_a[l].push_back(b.group_rows[static_cast<size_t>(k)]);
+        rows_b[l].push_back(base[static_cast<size_t>(g)] + k - at(b.group_row_indptr, g));
+      }
+    }
+    for (size_t l = 0; l < rows_a.size(); ++l) {
+      levels_.push_back(
+          {packer_.Add(rows_a[l]), packer_.Add(rows_b[l]), static_cast<int64_t>(rows_a[l].size())});
+    }
+    RETURN_IF_ERROR(lse_.Reserve(std::max<int64_t>(16, t_ * shape_.num_heads * 4)));
+    RETURN_IF_ERROR(group_q_.Reserve(std::max<int64_t>(16, group_rows_ * shape_.q_dim() * 2)));
+    RETURN_IF_ERROR(group_out_.Reserve(std::max<int64_t>(16, group_rows_ * shape_.q_dim() * 2)));
+    RETURN_IF_ERROR(group_lse_.Reserve(std::max<int64_t>(16, group_rows_ * shape_.num_heads * 4)));
+    return absl::OkStatus();
+  }
+
   // Cascade: every group's shared keys once for all its rows (tensor cores, no mask), then each
-  // row's state merged with its groups' states, one level at a time.
+  // row's state merged with its groups' states (see PlanGroups).
   absl::Status SharedPrefixes(const kc::AttentionParams& ap, const bf16* q, bf16* out) {
     RETURN_IF_ERROR(kc::GatherRows({.src = q,
                                     .dst = group_q_.as<bf16>(),
@@ -245,28 +297,33 @@ class CudaAttentionExecutor : public AttentionExecutor {
     p.q_indptr = meta_.as<int32_t>(o_g_q_);
     p.kv_indptr = meta_.as<int32_t>(o_g_kv_);
     p.kv_slots = meta_.as<int32_t>(o_g_slots_);
-    p.num_requests = groups_;
+    p.num_requests = prefix_requests_;
     p.max_q_len = max_group_rows_;
     p.max_kv_len = max_group_kv_;
     RETURN_IF_ERROR(kc::PrefillAttention(p, stream_));
-    for (const Level& l : levels_) {
-      RETURN_IF_ERROR(kc::MergeStates({.out = out,
-                                       .lse = lse_.as<float>(),
-                                       .out_b = group_out_.as<bf16>(),
-                                       .lse_b = group_lse_.as<float>(),
-                                       .rows_a = meta_.as<int32_t>(l.rows_a),
-                                       .rows_b = meta_.as<int32_t>(l.rows_b),
-                                       .n = l.n,
-                                       .num_heads = shape_.num_heads,
-                                       .head_dim = shape_.head_dim},
-                                      stream_));
-    }
+    auto merge = [&](const Merge& m, bf16* o, float* lse) {
+      return kc::MergeStates({.out = o,
+                              .lse = lse,
+                              .out_b = group_out_.as<bf16>(),
+                              .lse_b = group_lse_.as<float>(),
+                              .rows_a = meta_.as<int32_t>(m.rows_a),
+                              .rows_b = meta_.as<int32_t>(m.rows_b),
+                              .n = m.n,
+                              .num_heads = shape_.num_heads,
+                              .head_dim = shape_.head_dim},
+                             stream_);
+    };
+    for (const Merge& m : rounds_) RETURN_IF_ERROR(merge(m, group_out_.as<bf16>(), group_lse_.as<float>()));
+    for (const Merge& m : levels_) RETURN_IF_ERROR(merge(m, out, lse_.as<float>()));
     return absl::OkStatus();
   }
 
-  // Measured on an H200 with bench/prefix_attention_bench --crossover (docs/benchmarks.md).
+  // Measured on an H200 (bench/prefix_attention_bench --crossover; docs/benchmarks.md): below 16
+  // rows the gather, the extra launch and the merges (about 20 µs a layer) never pay; from 16 rows
+  // the cascade wins once the plain kernel would read about 80M shared K/V elements a layer (rows x
+  // prefix x kv_dim: 64 rows x 1K keys on llama3-8b, 16 rows x 1K on llama-13b).
   bool CascadePays(int64_t rows, int64_t prefix_tokens) const override {
-    return rows >= kCascadeMinRows && prefix_tokens >= kCascadeMinPrefix;
+    return rows >= kCascadeMinRows && rows * prefix_tokens * shape_.kv_dim() >= kCascadeMinElements;
   }
 
   MemorySpace& memory() override { return memory_; }
@@ -290,14 +347,14 @@ class CudaAttentionExecutor : public AttentionExecutor {
   int32_t kv_split_ = 0, q_split_ = 0;
   int64_t o_new_ = 0, o_kv_s_ = 0, o_q_m_ = 0, o_kv_m_ = 0, o_slots_ = 0;
   // Shared-prefix groups of the current step.
-  struct Level {
+  struct Merge {
     int64_t rows_a = 0, rows_b = 0, n = 0;  // metadata offsets, pair count
   };
   kc::DeviceBuffer lse_, group_q_, group_out_, group_lse_;
-  int64_t groups_ = 0, group_rows_ = 0, max_group_rows_ = 0, max_group_kv_ = 0;
+  int64_t groups_ = 0, prefix_requests_ = 0, group_rows_ = 0, max_group_rows_ = 0, max_group_kv_ = 0;
   int64_t o_g_rows_ = 0, o_g_q_ = 0, o_g_kv_ = 0, o_g_slots_ = 0;
-  std::vector<Level> levels_;
-  static constexpr int64_t kCascadeMinRows = 2, kCascadeMinPrefix = 64;
+  std::vector<Merge> rounds_, levels_;  // split reduction rounds; per level, groups into rows
+  static constexpr int64_t kCascadeMinRows = 16, kCascadeMinElements = 80'000'000;
 };
 
 }  // namespace

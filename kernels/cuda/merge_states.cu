@@ -209,11 +209,14 @@ absl::Status MergeStates(const MergeStatesParams& p, cudaStream_t stream) {
     if (pr.second > INT32_MAX) return invalid(absl::StrCat(pr.first, " must fit in int32, got ", pr.second));
   }
   if (p.n > INT64_MAX / p.num_heads / p.head_dim) return invalid("n * num_heads * head_dim overflows");
-  if (static_cast<const void*>(p.out) == static_cast<const void*>(p.out_b)) {
-    return invalid("out aliases out_b (the merge is in place into out; out_b must be another buffer)");
+  // With both row lists, one buffer may hold both states (rows read and rows written are disjoint
+  // by precondition); with an identity list, equal pointers would merge a row into itself.
+  const bool lists = p.rows_a != nullptr && p.rows_b != nullptr;
+  if (!lists && static_cast<const void*>(p.out) == static_cast<const void*>(p.out_b)) {
+    return invalid("out aliases out_b without rows_a and rows_b (the merge would read the rows it writes)");
   }
-  if (static_cast<const void*>(p.lse) == static_cast<const void*>(p.lse_b)) {
-    return invalid("lse aliases lse_b (the merge is in place into lse; lse_b must be another buffer)");
+  if (!lists && static_cast<const void*>(p.lse) == static_cast<const void*>(p.lse_b)) {
+    return invalid("lse aliases lse_b without rows_a and rows_b (the merge would read the rows it writes)");
   }
 
   const bool vec = p.head_dim % 8 == 0 && Aligned16(p.out) && Aligned16(p.out_b);

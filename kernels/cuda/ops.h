@@ -150,8 +150,8 @@ absl::Status PrefillAttention(const AttentionParams& p, cudaStream_t stream);
 // out_b/lse_b; a negative entry in either skips pair i. rows_a or rows_b may be null: identity
 // (rows_a[i] = i, rows_b[i] = i). No row of out_b/lse_b that is read may be a row of out/lse
 // that is written (out_b may point into out's buffer, e.g. to merge the upper half of a set of
-// partial states into the lower half; out == out_b is rejected). Rows are (num_heads, head_dim)
-// packed; lse rows (num_heads). n == 0 is a no-op (nothing else is checked then).
+// partial states into the lower half; out == out_b is rejected unless both row lists are given). Rows are
+// (num_heads, head_dim) packed; lse rows (num_heads). n == 0 is a no-op (nothing else is checked then).
 // 16-byte accesses where head_dim % 8 == 0 and out, out_b are 16-byte aligned, else 2-byte.
 struct MergeStatesParams {
   bf16* out = nullptr;              // (rows of a, num_heads, head_dim), merged in place

@@ -1056,8 +1056,17 @@ TEST(CudaPrefixAttention, MergeStatesAndGatherRowsRejectInvalidParams) {
       {"n", [](MergeStatesParams* p) { p->n = -1; }},
       {"num_heads", [](MergeStatesParams* p) { p->num_heads = 0; }},
       {"head_dim", [](MergeStatesParams* p) { p->head_dim = -3; }},
-      {"out_b", [](MergeStatesParams* p) { p->out_b = p->out; }},
-      {"lse_b", [](MergeStatesParams* p) { p->lse_b = p->lse; }},
+      // One buffer for both states needs both row lists (disjoint rows by precondition).
+      {"out_b",
+       [](MergeStatesParams* p) {
+         p->out_b = p->out;
+         p->rows_b = nullptr;
+       }},
+      {"lse_b",
+       [](MergeStatesParams* p) {
+         p->lse_b = p->lse;
+         p->rows_a = nullptr;
+       }},
   };
   for (const MergeMutation& m : merge_mutations) {
     MergeStatesParams p = good;

@@ -48,12 +48,12 @@ std::vector<GenerationRequest> SharedRequests(int64_t vocab) {
   return out;
 }
 
-struct Run {
+struct EngineRun {
   std::vector<GenerationResult> results;
   ControllerStats stats;
 };
 
-Run Generate(const std::string& model, bool cache, const std::string& sharing, int64_t batch) {
+EngineRun Generate(const std::string& model, bool cache, const std::string& sharing, int64_t batch) {
   absl::StatusOr<std::unique_ptr<WeightSource>> source = OpenModel(ModelDir(model), 0);
   EXPECT_TRUE(source.ok()) << source.status();
   if (!source.ok()) return {};
@@ -80,12 +80,12 @@ class CudaPrefixEngine : public ::testing::TestWithParam<std::string> {};
 TEST_P(CudaPrefixEngine, SameGreedyTokensWithAndWithoutSharing) {
   TANDEM_SKIP_WITHOUT_GPU();
   const std::string model = GetParam();
-  const Run base = Generate(model, false, "off", 24);
+  const EngineRun base = Generate(model, false, "off", 24);
   ASSERT_FALSE(base.results.empty());
   for (const char* sharing : {"off", "on", "auto"}) {
     for (int64_t batch : {24, 6}) {
       SCOPED_TRACE(testing::Message() << model << " sharing " << sharing << " batch " << batch);
-      const Run got = Generate(model, true, sharing, batch);
+      const EngineRun got = Generate(model, true, sharing, batch);
       ASSERT_EQ(got.results.size(), base.results.size());
       double max_diff = 0;
       for (size_t i = 0; i < got.results.size(); ++i) {
