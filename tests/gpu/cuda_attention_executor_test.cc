@@ -170,6 +170,17 @@ TEST_P(CudaExecutorCascade, MatchesCpuExecutorWithAndWithoutGroups) {
                     mine[r]->q_len, static_cast<long long>(row - b_cpu.q_indptr[r]), e);
         ++printed;
       }
+      double sq_cascade = 0, sq_plain = 0, sq_ref = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        sq_cascade += (got[i] - out_cpu[i]) * (got[i] - out_cpu[i]);
+        sq_plain += (plain[i] - out_cpu[i]) * (plain[i] - out_cpu[i]);
+        sq_ref += out_cpu[i] * out_cpu[i];
+      }
+      std::printf(
+          "step %llu layer %lld: vs fp32 CPU, max |error| plain %.3g cascade %.3g; relative RMS plain "
+          "%.3g cascade %.3g\n",
+          static_cast<unsigned long long>(plan.step_id), static_cast<long long>(layer), max_plain,
+          max_cascade, std::sqrt(sq_plain / sq_ref), std::sqrt(sq_cascade / sq_ref));
       EXPECT_LT(max_plain, 3e-2) << "layer " << layer << " (plain CUDA vs CPU)";
       EXPECT_LT(max_cascade, 3e-2) << "layer " << layer << ": worst row " << worst / qd << " head "
                                    << (worst % qd) / sh.head_dim;
