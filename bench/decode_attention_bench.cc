@@ -11,40 +11,6 @@
 // the whole DecodeAttention call (split kernel and, with splits, the merge).
 // Rows: kind batch ctx splits time_us GB/s %peak.
 //
-// The helper kernels (fill, read-sum) are PTX loaded at run time through cudaLibraryLoadData,
-// because this target is compiled as host C++. Source (nvcc -arch=compute_90 -O3 -ptx):
-//
-//   extern "C" __global__ void __launch_bounds__(256) bench_read_sum(const uint4* __restrict__ p,
-//       unsigned long long n, unsigned int* __restrict__ out) {
-//     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-//     unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-//     unsigned int acc = 0;
-//     for (; i + 3 * stride < n; i += 4 * stride) {   // four 16-byte loads in flight
-//       const uint4 a = __ldg(p + i), b = __ldg(p + i + stride), c = __ldg(p + i + 2 * stride),
-//                   d = __ldg(p + i + 3 * stride);
-//       acc += (a.x + a.y + a.z + a.w) + (b.x + b.y + b.z + b.w) + (c.x + c.y + c.z + c.w) +
-//              (d.x + d.y + d.z + d.w);
-//     }
-//     for (; i < n; i += stride) { const uint4 a = __ldg(p + i); acc += a.x + a.y + a.z + a.w; }
-//     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-//     if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
-//   }
-//   // bf16 values ±[2^-7, 1): random sign, exponent and mantissa; never zero, inf or NaN.
-//   extern "C" __global__ void __launch_bounds__(256) bench_fill_bf16(unsigned short* __restrict__ p,
-//       unsigned long long n, unsigned long long seed) {
-//     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-//     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-//          i += stride) {
-//       unsigned long long z = i + seed * 0x9E3779B97F4A7C15ull;          // splitmix64
-//       z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-//       z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-//       z ^= z >> 31;
-//       const unsigned int sign = (unsigned int)(z & 1) << 15;
-//       const unsigned int exponent = 120u + (unsigned int)((z >> 1) % 7);
-//       const unsigned int mantissa = (unsigned int)(z >> 8) & 0x7f;
-//       p[i] = (unsigned short)(sign | (exponent << 7) | mantissa);
-//     }
-//   }
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -58,214 +24,19 @@
 #include <string>
 #include <vector>
 
+#include "bench_cuda.h"
 #include "kernels/cuda/ops.h"
 
 namespace {
 
 namespace kc = ::tandem::kernels::cuda;
-
-constexpr const char* kHelperPtx = R"PTX(
-.version 9.0
-.target sm_90
-.address_size 64
-.visible .entry bench_read_sum(
-	.param .u64 bench_read_sum_param_0,
-	.param .u64 bench_read_sum_param_1,
-	.param .u64 bench_read_sum_param_2
-)
-.maxntid 256, 1, 1
-{
-	.reg .pred 	%p<11>;
-	.reg .b32 	%r<76>;
-	.reg .b64 	%rd<36>;
-	ld.param.u64 	%rd14, [bench_read_sum_param_0];
-	ld.param.u64 	%rd15, [bench_read_sum_param_1];
-	ld.param.u64 	%rd16, [bench_read_sum_param_2];
-	mov.u32 	%r9, %nctaid.x;
-	cvt.u64.u32 	%rd1, %r9;
-	mov.u32 	%r10, %ntid.x;
-	mul.wide.u32 	%rd2, %r9, %r10;
-	mov.u32 	%r11, %ctaid.x;
-	mul.wide.u32 	%rd17, %r11, %r10;
-	mov.u32 	%r12, %tid.x;
-	cvt.u64.u32 	%rd18, %r12;
-	add.s64 	%rd34, %rd17, %rd18;
-	mul.lo.s64 	%rd4, %rd2, 3;
-	add.s64 	%rd19, %rd34, %rd4;
-	setp.ge.u64 	%p1, %rd19, %rd15;
-	mov.u32 	%r75, 0;
-	@%p1 bra 	$L__BB0_3;
-	shl.b64 	%rd20, %rd34, 4;
-	add.s64 	%rd33, %rd14, %rd20;
-	cvt.u64.u32 	%rd21, %r10;
-	mul.lo.s64 	%rd22, %rd1, %rd21;
-	shl.b64 	%rd6, %rd22, 4;
-	mov.u32 	%r75, 0;
-$L__BB0_2:
-	ld.global.nc.v4.u32 {%r15,%r16,%r17,%r18}, [%rd33];
-	add.s64 	%rd24, %rd33, %rd6;
-	ld.global.nc.v4.u32 {%r19,%r20,%r21,%r22}, [%rd24];
-	add.s64 	%rd25, %rd24, %rd6;
-	ld.global.nc.v4.u32 {%r23,%r24,%r25,%r26}, [%rd25];
-	add.s64 	%rd26, %rd25, %rd6;
-	add.s64 	%rd33, %rd26, %rd6;
-	ld.global.nc.v4.u32 {%r27,%r28,%r29,%r30}, [%rd26];
-	add.s32 	%r31, %r16, %r75;
-	add.s32 	%r32, %r31, %r15;
-	add.s32 	%r33, %r32, %r17;
-	add.s32 	%r34, %r33, %r18;
-	add.s32 	%r35, %r34, %r20;
-	add.s32 	%r36, %r35, %r19;
-	add.s32 	%r37, %r36, %r21;
-	add.s32 	%r38, %r37, %r22;
-	add.s32 	%r39, %r38, %r24;
-	add.s32 	%r40, %r39, %r23;
-	add.s32 	%r41, %r40, %r25;
-	add.s32 	%r42, %r41, %r26;
-	add.s32 	%r43, %r42, %r28;
-	add.s32 	%r44, %r43, %r27;
-	add.s32 	%r45, %r44, %r29;
-	add.s32 	%r75, %r45, %r30;
-	add.s64 	%rd27, %rd34, %rd2;
-	add.s64 	%rd34, %rd4, %rd27;
-	add.s64 	%rd28, %rd34, %rd4;
-	setp.lt.u64 	%p2, %rd28, %rd15;
-	@%p2 bra 	$L__BB0_2;
-$L__BB0_3:
-	setp.ge.u64 	%p3, %rd34, %rd15;
-	@%p3 bra 	$L__BB0_5;
-$L__BB0_4:
-	shl.b64 	%rd30, %rd34, 4;
-	add.s64 	%rd29, %rd14, %rd30;
-	ld.global.nc.v4.u32 {%r46,%r47,%r48,%r49}, [%rd29];
-	add.s32 	%r50, %r47, %r75;
-	add.s32 	%r51, %r50, %r46;
-	add.s32 	%r52, %r51, %r48;
-	add.s32 	%r75, %r52, %r49;
-	add.s64 	%rd34, %rd34, %rd2;
-	setp.lt.u64 	%p4, %rd34, %rd15;
-	@%p4 bra 	$L__BB0_4;
-$L__BB0_5:
-	mov.u32 	%r53, 31;
-	mov.u32 	%r54, 16;
-	mov.u32 	%r55, -1;
-	shfl.sync.bfly.b32 	%r56|%p5, %r75, %r54, %r53, %r55;
-	add.s32 	%r57, %r56, %r75;
-	mov.u32 	%r58, 8;
-	shfl.sync.bfly.b32 	%r59|%p6, %r57, %r58, %r53, %r55;
-	add.s32 	%r60, %r59, %r57;
-	mov.u32 	%r61, 4;
-	shfl.sync.bfly.b32 	%r62|%p7, %r60, %r61, %r53, %r55;
-	add.s32 	%r63, %r62, %r60;
-	mov.u32 	%r64, 2;
-	shfl.sync.bfly.b32 	%r65|%p8, %r63, %r64, %r53, %r55;
-	add.s32 	%r66, %r65, %r63;
-	mov.u32 	%r67, 1;
-	shfl.sync.bfly.b32 	%r68|%p9, %r66, %r67, %r53, %r55;
-	add.s32 	%r7, %r68, %r66;
-	and.b32  	%r70, %r12, 31;
-	setp.ne.s32 	%p10, %r70, 0;
-	@%p10 bra 	$L__BB0_7;
-	cvta.to.global.u64 	%rd31, %rd16;
-	atom.global.add.u32 	%r71, [%rd31], %r7;
-$L__BB0_7:
-	ret;
-}
-.visible .entry bench_fill_bf16(
-	.param .u64 bench_fill_bf16_param_0,
-	.param .u64 bench_fill_bf16_param_1,
-	.param .u64 bench_fill_bf16_param_2
-)
-.maxntid 256, 1, 1
-{
-	.reg .pred 	%p<3>;
-	.reg .b32 	%r<13>;
-	.reg .b64 	%rd<34>;
-	ld.param.u64 	%rd7, [bench_fill_bf16_param_0];
-	ld.param.u64 	%rd8, [bench_fill_bf16_param_1];
-	ld.param.u64 	%rd9, [bench_fill_bf16_param_2];
-	mov.u32 	%r1, %ntid.x;
-	cvt.u64.u32 	%rd1, %r1;
-	mov.u32 	%r2, %ctaid.x;
-	mul.wide.u32 	%rd10, %r2, %r1;
-	mov.u32 	%r3, %tid.x;
-	cvt.u64.u32 	%rd11, %r3;
-	add.s64 	%rd33, %rd10, %rd11;
-	setp.ge.u64 	%p1, %rd33, %rd8;
-	@%p1 bra 	$L__BB1_3;
-	mul.lo.s64 	%rd3, %rd9, -7046029254386353131;
-	mov.u32 	%r4, %nctaid.x;
-	cvt.u64.u32 	%rd12, %r4;
-	mul.lo.s64 	%rd4, %rd12, %rd1;
-	cvta.to.global.u64 	%rd30, %rd7;
-$L__BB1_2:
-	add.s64 	%rd13, %rd33, %rd3;
-	shr.u64 	%rd14, %rd13, 30;
-	xor.b64  	%rd15, %rd14, %rd13;
-	mul.lo.s64 	%rd16, %rd15, -4658895280553007687;
-	shr.u64 	%rd17, %rd16, 27;
-	xor.b64  	%rd18, %rd17, %rd16;
-	mul.lo.s64 	%rd19, %rd18, -7723592293110705685;
-	shr.u64 	%rd20, %rd19, 31;
-	xor.b64  	%rd21, %rd20, %rd19;
-	cvt.u32.u64 	%r5, %rd21;
-	shr.u64 	%rd22, %rd21, 1;
-	mul.hi.u64 	%rd23, %rd22, 2635249153387078803;
-	sub.s64 	%rd24, %rd22, %rd23;
-	shr.u64 	%rd25, %rd24, 1;
-	add.s64 	%rd26, %rd25, %rd23;
-	shr.u64 	%rd27, %rd26, 2;
-	mul.lo.s64 	%rd28, %rd27, 7;
-	sub.s64 	%rd29, %rd22, %rd28;
-	cvt.u32.u64 	%r6, %rd29;
-	shr.u32 	%r7, %r5, 8;
-	and.b32  	%r8, %r7, 127;
-	shl.b32 	%r9, %r6, 7;
-	bfi.b32 	%r10, %r5, %r8, 15, 17;
-	or.b32  	%r11, %r10, %r9;
-	or.b32  	%r12, %r11, 15360;
-	shl.b64 	%rd31, %rd33, 1;
-	add.s64 	%rd32, %rd30, %rd31;
-	st.global.u16 	[%rd32], %r12;
-	add.s64 	%rd33, %rd33, %rd4;
-	setp.lt.u64 	%p2, %rd33, %rd8;
-	@%p2 bra 	$L__BB1_2;
-$L__BB1_3:
-	ret;
-}
-)PTX";
-
-#define BENCH_CUDA(expr)                                                          \
-  do {                                                                            \
-    const cudaError_t bench_err_ = (expr);                                        \
-    if (bench_err_ != cudaSuccess) {                                              \
-      std::fprintf(stderr, "%s failed at %s:%d: %s\n", #expr, __FILE__, __LINE__, \
-                   cudaGetErrorString(bench_err_));                               \
-      std::exit(1);                                                               \
-    }                                                                             \
-  } while (0)
-
-struct Helpers {
-  cudaKernel_t read_sum = nullptr;
-  cudaKernel_t fill_bf16 = nullptr;
-};
-
-Helpers LoadHelpers() {
-  cudaLibrary_t lib = nullptr;
-  BENCH_CUDA(cudaLibraryLoadData(&lib, kHelperPtx, nullptr, nullptr, 0, nullptr, nullptr, 0));
-  Helpers h;
-  BENCH_CUDA(cudaLibraryGetKernel(&h.read_sum, lib, "bench_read_sum"));
-  BENCH_CUDA(cudaLibraryGetKernel(&h.fill_bf16, lib, "bench_fill_bf16"));
-  return h;  // the library stays loaded for the life of the process
-}
+using ::tandem::bench::Helpers;
+using ::tandem::bench::LoadHelpers;
 
 int g_sms = 0;
 
 void FillBf16(const Helpers& h, void* p, uint64_t n, uint64_t seed, cudaStream_t s) {
-  unsigned long long n_arg = n, seed_arg = seed;
-  void* args[] = {&p, &n_arg, &seed_arg};
-  BENCH_CUDA(
-      cudaLaunchKernel(reinterpret_cast<const void*>(h.fill_bf16), dim3(g_sms * 8), dim3(256), args, 0, s));
+  tandem::bench::FillBf16(h, p, n, seed, g_sms, s);
 }
 
 void ReadSum(const Helpers& h, const void* p, uint64_t n16, unsigned int* out, cudaStream_t s) {
