@@ -62,6 +62,7 @@ Controller::Controller(const ModelSpec& spec, std::vector<int64_t> kv_capacity,
   TANDEM_CHECK(options_.max_batch_size >= 1 && options_.max_tokens_per_step >= options_.max_batch_size);
   TANDEM_CHECK(options_.prefix_block_tokens >= 0);
   evicted_.resize(capacity_.size());
+  pending_.resize(capacity_.size());
   if (options_.prefix_block_tokens > 0) {
     for (size_t m = 0; m < capacity_.size(); ++m) {
       index_.push_back(std::make_unique<PrefixIndex>(options_.prefix_block_tokens));
@@ -121,11 +122,25 @@ void Controller::Admit() {
     const size_t pick = policy_->NextToAdmit(view);
     TANDEM_CHECK(pick < waiting_.size());
     const std::vector<int32_t>& prompt = waiting_[pick].request.prompt;
+    // The prompt's block hashes (all ranks hash alike), for blocks that running requests are
+    // computing: a rank where the prompt's leading blocks are registered or about to be is
+    // preferred, so that requests arriving together with one prompt share it on one rank.
+    std::vector<uint64_t> hashes;
+    if (!index_.empty()) {
+      const int64_t bt = options_.prefix_block_tokens;
+      uint64_t h = PrefixIndex::kSeed;
+      for (int64_t i = 0; (i + 1) * bt <= static_cast<int64_t>(prompt.size()) - 1; ++i) {
+        h = index_[0]->HashBlock(
+            h, std::span(prompt).subspan(static_cast<size_t>(i * bt), static_cast<size_t>(bt)));
+        hashes.push_back(h);
+      }
+    }
     // Per rank: the registered prefix it would reuse, the KV it then needs, and what the rank can
     // give (free, plus unused registered blocks other than the reused ones, which eviction frees).
     int best = -1;
     std::vector<int32_t> best_match;
     int64_t best_need = 0, best_avail = 0;
+    size_t best_shared = 0;
     for (int m = 0; m < num_memory_ranks(); ++m) {
       const size_t mi = static_cast<size_t>(m);
       std::vector<int32_t> match;
@@ -141,12 +156,17 @@ void Controller::Admit() {
       const int64_t need =
           view[pick].context_tokens - static_cast<int64_t>(match.size()) * options_.prefix_block_tokens;
       if (need > avail) continue;
-      if (best < 0 || match.size() > best_match.size() ||
-          (match.size() == best_match.size() && avail - need > best_avail - best_need)) {
+      size_t shared = match.size();
+      if (!index_.empty()) {
+        while (shared < hashes.size() && pending_[mi].contains(hashes[shared])) ++shared;
+      }
+      if (best < 0 || shared > best_shared ||
+          (shared == best_shared && avail - need > best_avail - best_need)) {
         best = m;
         best_match = std::move(match);
         best_need = need;
         best_avail = avail;
+        best_shared = shared;
       }
     }
     if (best < 0) break;  // waits for KV; no overtaking
@@ -165,16 +185,30 @@ void Controller::Admit() {
       live->chain = std::move(best_match);
       live->prefilled = live->context = live->result.cached_tokens = cached;
       stats_.cached_tokens += cached;
+      live->pending = PendingBlockHashes(*live, static_cast<int64_t>(live->request.prompt.size()));
+      for (uint64_t h : live->pending) ++pending_[bi][h];
     }
     reserved_[bi] += best_need;
     running_.push_back(std::move(live));
   }
 }
 
+void Controller::DropPending(Live& live) {
+  auto& pending = pending_[static_cast<size_t>(live.memory_rank)];
+  for (uint64_t h : live.pending) {
+    auto it = pending.find(h);
+    if (--it->second == 0) pending.erase(it);
+  }
+  live.pending.clear();
+}
+
 void Controller::Retire(Live& live, std::vector<std::vector<uint64_t>>* released) {
   const size_t m = static_cast<size_t>(live.memory_rank);
   reserved_[m] -= live.reserve;
-  if (!index_.empty()) index_[m]->Release(live.chain);
+  if (!index_.empty()) {
+    index_[m]->Release(live.chain);
+    DropPending(live);
+  }
   (*released)[m].push_back(static_cast<uint64_t>(live.id));
 }
 
@@ -211,8 +245,9 @@ std::vector<uint64_t> Controller::PendingBlockHashes(const Live& live, int64_t e
 
 void Controller::Publish(Live& live, int64_t rows, StepPlan* plan) {
   PrefixIndex& index = *index_[static_cast<size_t>(live.memory_rank)];
-  const int64_t blocks =
-      std::min<int64_t>(live.request.prompt.size(), live.prefilled + rows) / index.block_tokens();
+  const int64_t end = std::min<int64_t>(live.request.prompt.size(), live.prefilled + rows);
+  if (end == static_cast<int64_t>(live.request.prompt.size())) DropPending(live);  // prefill ends here
+  const int64_t blocks = end / index.block_tokens();
   for (int64_t i = static_cast<int64_t>(live.chain.size()); i < blocks; ++i) {
     const int32_t parent = live.chain.empty() ? -1 : live.chain.back();
     const int32_t id = index.Insert(live.request.prompt, i, parent);

@@ -7,13 +7,13 @@
 //   1. admission: the policy picks the next waiting request (FIFO: the oldest); it is placed on
 //      a memory rank that can hold its whole context (prompt + max_tokens, less the prompt blocks
 //      that rank already has registered, evicting unused registered blocks if needed): the one
-//      with the longest registered prefix of its prompt, then the one with the most KV not yet
-//      promised. If no rank can, admission stops for this step (FIFO does not let later requests
-//      overtake) and the request waits; nothing is dropped. Because the whole context is
-//      reserved, a running request never waits for KV and is never preempted. Admission also
-//      stops at scheduler.max_batch_size running requests. A request reuses the registered
-//      blocks' KV (attach) and starts its prefill after them; at least one prompt token is always
-//      prefilled, since its logits give the first token.
+//      with the longest prefix of its prompt registered or being computed by a running request,
+//      then the one with the most KV not yet promised. If no rank can, admission stops for this step (FIFO
+//      does not let later requests overtake) and the request waits; nothing is dropped. Because the whole
+//      context is reserved, a running request never waits for KV and is never preempted. Admission also stops
+//      at scheduler.max_batch_size running requests. A request reuses the registered blocks' KV (attach) and
+//      starts its prefill after them; at least one prompt token is always prefilled, since its logits give
+//      the first token.
 //   2. every running request that has finished its prompt gets one decode row;
 //   3. the rest of scheduler.max_tokens_per_step goes to prompt chunks (chunked prefill) in
 //      admission order, piggybacked on the decode rows.
@@ -42,6 +42,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -165,16 +166,19 @@ class Controller {
     GenerationRequest request;
     GenerationResult result;
     int memory_rank = -1;
-    int64_t prefilled = 0;       // prompt tokens processed (or reused)
-    int64_t context = 0;         // tokens whose KV exists on the rank
-    int64_t reserve = 0;         // KV slots promised to it beyond registered blocks
-    bool started = false;        // has been in a step
-    std::vector<int32_t> chain;  // registered blocks it uses (attached, then published), in order
+    int64_t prefilled = 0;          // prompt tokens processed (or reused)
+    int64_t context = 0;            // tokens whose KV exists on the rank
+    int64_t reserve = 0;            // KV slots promised to it beyond registered blocks
+    bool started = false;           // has been in a step
+    std::vector<int32_t> chain;     // registered blocks it uses (attached, then published), in order
+    std::vector<uint64_t> pending;  // hashes of prompt blocks it will compute (counted in pending_)
   };
   int64_t ContextNeed(const GenerationRequest& r) const {
     return static_cast<int64_t>(r.prompt.size()) + r.max_tokens;
   }
   void Admit();
+  // Forgets the blocks a request was going to compute (its prefill ended, or it did).
+  void DropPending(Live& live);
   // Ends a running request's claims: its reservation and its use of registered blocks.
   void Retire(Live& live, std::vector<std::vector<uint64_t>>* released);
   // Registers the full prompt blocks that the request's KV covers once this step's `rows` rows are
@@ -192,6 +196,8 @@ class Controller {
   std::vector<int64_t> reserved_;                    // per rank: reservations of running requests
   std::vector<std::unique_ptr<PrefixIndex>> index_;  // per rank, when the registry is on
   std::vector<std::vector<uint64_t>> evicted_;       // per rank: for the next plan
+  // Per rank: block hash -> running requests that will compute it (placement looks ahead).
+  std::vector<std::unordered_map<uint64_t, int32_t>> pending_;
   ControllerOptions options_;
   std::unique_ptr<SchedulingPolicy> policy_;
   int64_t next_id_ = 0;
