@@ -16,12 +16,14 @@
 //            cpu::PrefixAttention over the P prefix slots for the G rows, then one
 //            cpu::MergeAttentionStates (rows = 1, in place) per row.
 // The q copy and KV writes that both paths of the executor make are not timed. Each figure is
-// the median wall time (std::chrono::steady_clock) of up to --reps runs (default 21) after
-// warm-up runs (3 when a pair of runs is cheap, else 1); a configuration whose pair of runs
-// takes more than ~50 ms gets fewer runs (as many as fit in about 1 s, at least 3). Plain and
-// cascade runs alternate, so both see the same machine state. The pool is not flushed from the
-// caches between runs: both paths read the same slots, so the cold misses of the first pass
-// over the prefix are the same for both and the difference is in the repeated reads.
+// the median wall time (std::chrono::steady_clock) of up to --reps runs (default 201) after
+// warm-up runs (3 when a pair of runs takes under 10 ms, else 1); a configuration gets about 1 s
+// of timed pairs at most, so one whose pair takes more than 1 s / --reps gets fewer runs (at
+// least 3). Plain and cascade runs alternate, so both see the same machine state. Caches are not
+// flushed between runs (a real step reads the other layers' KV in between): a cold cache would
+// add the misses of one first pass over the prefix and the suffixes to both paths alike.
+// Figures of a few tens of µs are dominated by the thread pool's wake-ups and vary from run to
+// run on a loaded or virtualised machine; compare the crossovers of a few runs.
 // Once per configuration the two outputs are compared: max |plain - cascade| is printed; a
 // difference >= 1e-4 or a non-finite value prints a MISMATCH line and makes the exit status 1.
 //
@@ -68,7 +70,7 @@ struct Options {
   std::vector<int64_t> groups = {1, 2, 4, 8, 16, 32, 64};
   std::vector<int64_t> prefixes = {16, 32, 64, 128, 256, 512, 1024, 4096};
   int64_t suffix = 32;
-  int reps = 21;
+  int reps = 201;
 };
 
 void Check(const absl::Status& st, const char* what) {
@@ -299,7 +301,6 @@ Result Measure(Config& c, int max_reps) {
   }
   r.reps = static_cast<int>(std::clamp<double>(std::floor(kConfigBudgetS / std::max(pair, 1e-9)), kMinReps,
                                                std::max(max_reps, kMinReps)));
-  r.reps = std::min(r.reps, std::max(max_reps, kMinReps));
   std::vector<double> plain, cascade;
   for (int i = 0; i < r.reps; ++i) {
     // Alternate which path goes first, so neither always follows the other.
@@ -367,10 +368,10 @@ std::vector<Shape> ParseShapes(const char* s) {
 void Usage(const char* argv0, FILE* f) {
   std::fprintf(f,
                "usage: %s [--shapes 8/2/64,32/8/128] [--groups 1,2,4,8,16,32,64]\n"
-               "  [--prefixes 16,32,64,128,256,512,1024,4096] [--suffix 32] [--reps 21]\n"
+               "  [--prefixes 16,32,64,128,256,512,1024,4096] [--suffix 32] [--reps 201]\n"
                "  shapes are heads/kv_heads/head_dim; --reps is the most timed runs per configuration\n"
-               "  (fewer, at least 3, for configurations slower than ~50 ms a pair). Threads: set\n"
-               "  TANDEM_CPU_THREADS=<n> (default: hardware threads).\n",
+               "  (about 1 s of runs at most, at least 3). Threads: set TANDEM_CPU_THREADS=<n>\n"
+               "  (default: hardware threads).\n",
                argv0);
 }
 
@@ -423,8 +424,8 @@ int main(int argc, char** argv) {
   struct Summary {
     std::string shape;
     int64_t g = 0;
-    int64_t first_win = -1;  // smallest P with a win
-    int64_t stable_win = -1;  // smallest P from which every larger P tested wins
+    std::vector<int64_t> win_ps;  // every P at which the cascade won
+    int64_t stable_win = -1;      // smallest P from which every larger P tested wins
   };
   std::vector<Summary> summary;
   bool all_ok = true;
@@ -445,7 +446,7 @@ int main(int argc, char** argv) {
         const Result r = Measure(c, opt.reps);
         const bool win = r.cascade_us < r.plain_us;
         wins.push_back(win);
-        if (win && sm.first_win < 0) sm.first_win = p;
+        if (win) sm.win_ps.push_back(p);
         const bool ok = r.max_diff < kMaxDiff;
         all_ok = all_ok && ok;
         std::printf("%-10s %3lld %5lld | %10.1f %10.1f %7.2fx %-7s | %4d %9.1e\n", sh.Name().c_str(),
@@ -463,15 +464,20 @@ int main(int argc, char** argv) {
     }
   }
 
-  std::printf("\nsmallest prefix P from which the cascade is faster at every larger P tested (P: %lld..%lld, S = %lld):\n",
-              static_cast<long long>(opt.prefixes.front()), static_cast<long long>(opt.prefixes.back()),
-              static_cast<long long>(opt.suffix));
+  std::printf(
+      "\nsmallest prefix P from which the cascade is faster at every larger P tested (P: %lld..%lld, S = "
+      "%lld):\n",
+      static_cast<long long>(opt.prefixes.front()), static_cast<long long>(opt.prefixes.back()),
+      static_cast<long long>(opt.suffix));
   std::printf("  %-10s %3s  %s\n", "shape", "G", "cascade faster");
   for (const Summary& sm : summary) {
     std::string col = sm.stable_win < 0 ? "never" : "P >= " + std::to_string(sm.stable_win);
-    if (sm.first_win >= 0 && sm.first_win != sm.stable_win) {
-      col += " (also at P = " + std::to_string(sm.first_win) + ", not at every P above)";
+    std::string isolated;  // wins below the stable range, if any
+    for (int64_t p : sm.win_ps) {
+      if (sm.stable_win < 0 || p < sm.stable_win)
+        isolated += (isolated.empty() ? "" : ", ") + std::to_string(p);
     }
+    if (!isolated.empty()) col += " (also faster at P = " + isolated + ")";
     std::printf("  %-10s %3lld  %s\n", sm.shape.c_str(), static_cast<long long>(sm.g), col.c_str());
   }
   std::fprintf(stderr, "done in %.0f s\n",

@@ -114,10 +114,11 @@ class CpuAttentionExecutor : public AttentionExecutor {
     return absl::OkStatus();
   }
 
-  // The CPU prefix op reads each shared key once per 64 rows instead of once per row; below a few
-  // rows or a short prefix the gather and merge cost more than the reads they save.
+  // Measured with bench/cpu_prefix_attention_bench (docs/benchmarks.md, 2 threads): the cascade
+  // wins from about 256 shared keys with kv_dim 128 and 32-128 keys with kv_dim 1024, noisy at the
+  // edge; the rule keeps to the safe side: at least 2 rows and prefix x kv_dim >= 64K elements.
   bool CascadePays(int64_t rows, int64_t prefix_tokens) const override {
-    return rows >= kCascadeMinRows && prefix_tokens >= kCascadeMinPrefix;
+    return rows >= kCascadeMinRows && prefix_tokens * shape_.kv_dim() >= kCascadeMinElements;
   }
 
   MemorySpace& memory() override { return memory_; }
@@ -130,7 +131,7 @@ class CpuAttentionExecutor : public AttentionExecutor {
   std::vector<std::unique_ptr<float[]>> k_cache_, v_cache_;  // per layer (slots, kv_dim)
   std::vector<float> q_, lse_;                               // (T, q_dim), (T, heads)
   std::vector<float> group_q_, group_out_, group_lse_;       // one group's rows
-  static constexpr int64_t kCascadeMinRows = 2, kCascadeMinPrefix = 32;
+  static constexpr int64_t kCascadeMinRows = 2, kCascadeMinElements = 65536;
 };
 
 }  // namespace
