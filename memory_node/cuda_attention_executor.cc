@@ -21,11 +21,19 @@ using bf16 = __nv_bfloat16;
 
 namespace {
 
+// One MergeStates launch of a step: metadata offsets of its row lists, and the pair count.
+struct Merge {
+  int64_t rows_a = 0, rows_b = 0, n = 0;
+};
+
 class CudaAttentionExecutor : public AttentionExecutor {
  public:
   ~CudaAttentionExecutor() override {
     if (host_meta_) cudaFreeHost(host_meta_);
     if (own_stream_ && stream_) cudaStreamDestroy(stream_);
+    if (side_) cudaStreamDestroy(side_);
+    if (q_ready_) cudaEventDestroy(q_ready_);
+    if (prefix_done_) cudaEventDestroy(prefix_done_);
   }
 
   static absl::StatusOr<std::unique_ptr<AttentionExecutor>> Create(const AttentionShape& shape,
@@ -53,6 +61,10 @@ class CudaAttentionExecutor : public AttentionExecutor {
       e->own_stream_ = true;
     }
     e->memory_.set_stream(e->stream_);
+    // Shared-prefix work runs beside the suffix kernels on a second stream (SharedPrefixes).
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&e->side_, cudaStreamNonBlocking));
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e->q_ready_, cudaEventDisableTiming));
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e->prefix_done_, cudaEventDisableTiming));
     RETURN_IF_ERROR(e->q_.Reserve(std::max<int64_t>(16, shape.max_tokens * shape.q_dim() * 2)));
 
     // KV: the configured share of what is free now (after whatever this process loaded before).
@@ -168,6 +180,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
     ap.head_dim = shape_.head_dim;
     ap.scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
     ap.max_kv_len = max_kv_len_;
+    if (groups_ > 0) RETURN_IF_ERROR(SharedPrefixes(ap, q));
     if (ns_ > 0) {
       kc::AttentionParams d = ap;
       d.q = q;
@@ -192,7 +205,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
       if (groups_ > 0) p.lse = lse_.as<float>() + static_cast<int64_t>(q_split_) * shape_.num_heads;
       RETURN_IF_ERROR(kc::PrefillAttention(p, stream_));
     }
-    if (groups_ > 0) RETURN_IF_ERROR(SharedPrefixes(ap, q, out));
+    if (groups_ > 0) RETURN_IF_ERROR(MergeSharedPrefixes(out));
     return absl::OkStatus();
   }
 
@@ -208,11 +221,14 @@ class CudaAttentionExecutor : public AttentionExecutor {
     rounds_.clear();
     if (groups_ == 0) return absl::OkStatus();
     const auto at = [](const std::vector<int32_t>& v, int64_t i) { return v[static_cast<size_t>(i)]; };
-    const int64_t tile = b.max_group_rows <= 64 ? 64 : 128;
+    // GQA: the query heads that share a KV head are packed as rows of that KV head (see
+    // GatherRowsParams::pack), so each K/V tile is read once for all of them.
+    pack_ = shape_.num_heads / shape_.num_kv_heads;
+    const int64_t tile = b.max_group_rows * pack_ <= 64 ? 64 : 128;
     int64_t ctas = 0;
     for (int64_t g = 0; g < groups_; ++g) {
-      ctas +=
-          shape_.num_heads * ((at(b.group_row_indptr, g + 1) - at(b.group_row_indptr, g) + tile - 1) / tile);
+      const int64_t rows = (at(b.group_row_indptr, g + 1) - at(b.group_row_indptr, g)) * pack_;
+      ctas += shape_.num_kv_heads * ((rows + tile - 1) / tile);
     }
     const int64_t want = ctas >= num_sms_ ? 1 : (2 * num_sms_ + ctas - 1) / ctas;
     std::vector<int32_t> gather, q_indptr{0}, kv_indptr{0}, base(static_cast<size_t>(groups_)), splits;
@@ -225,7 +241,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
       splits.push_back(k);
       for (int32_t j = 0; j < k; ++j) {
         gather.insert(gather.end(), b.group_rows.begin() + r0, b.group_rows.begin() + r0 + rows);
-        q_indptr.push_back(static_cast<int32_t>(gather.size()));
+        q_indptr.push_back(static_cast<int32_t>(static_cast<int64_t>(gather.size()) * pack_));
         const int32_t end = k0 + static_cast<int32_t>(static_cast<int64_t>(keys) * (j + 1) / k);
         max_chunk = std::max<int64_t>(max_chunk, end - kv_indptr.back());
         kv_indptr.push_back(end);
@@ -234,7 +250,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
     // kv_indptr above is relative to group_kv_slots: pairs cover each group's keys in order.
     prefix_requests_ = static_cast<int64_t>(q_indptr.size()) - 1;
     group_rows_ = static_cast<int64_t>(gather.size());
-    max_group_rows_ = b.max_group_rows;
+    max_group_rows_ = b.max_group_rows * pack_;
     max_group_kv_ = max_chunk;
     o_g_rows_ = packer_.Add(gather);
     o_g_q_ = packer_.Add(q_indptr);
@@ -279,18 +295,25 @@ class CudaAttentionExecutor : public AttentionExecutor {
     return absl::OkStatus();
   }
 
-  // Cascade: every group's shared keys once for all its rows (tensor cores, no mask), then each
-  // row's state merged with its groups' states (see PlanGroups).
-  absl::Status SharedPrefixes(const kc::AttentionParams& ap, const bf16* q, bf16* out) {
+  // Cascade, part 1: every group's shared keys once for all its rows (tensor cores, no mask) on
+  // the side stream, concurrent with the rows' own keys on the main stream (see PlanGroups). The
+  // prefix keys were written in earlier steps; q is ready once the main stream gets here.
+  absl::Status SharedPrefixes(const kc::AttentionParams& ap, const bf16* q) {
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(q_ready_, stream_));
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, q_ready_, 0));
     RETURN_IF_ERROR(kc::GatherRows({.src = q,
                                     .dst = group_q_.as<bf16>(),
                                     .rows = meta_.as<int32_t>(o_g_rows_),
                                     .n = group_rows_,
                                     .width = shape_.q_dim(),
-                                    .src_stride = shape_.q_dim()},
-                                   stream_));
+                                    .src_stride = shape_.q_dim(),
+                                    .pack = pack_,
+                                    .head_dim = shape_.head_dim},
+                                   side_));
     kc::AttentionParams p = ap;
     p.causal = false;
+    p.num_heads = shape_.num_kv_heads;  // packed: rows x pack query rows per KV head
+    p.num_kv_heads = shape_.num_kv_heads;
     p.q = group_q_.as<bf16>();
     p.out = group_out_.as<bf16>();
     p.lse = group_lse_.as<float>();
@@ -300,22 +323,36 @@ class CudaAttentionExecutor : public AttentionExecutor {
     p.num_requests = prefix_requests_;
     p.max_q_len = max_group_rows_;
     p.max_kv_len = max_group_kv_;
-    RETURN_IF_ERROR(kc::PrefillAttention(p, stream_));
-    auto merge = [&](const Merge& m, bf16* o, float* lse) {
-      return kc::MergeStates({.out = o,
-                              .lse = lse,
-                              .out_b = group_out_.as<bf16>(),
-                              .lse_b = group_lse_.as<float>(),
-                              .rows_a = meta_.as<int32_t>(m.rows_a),
-                              .rows_b = meta_.as<int32_t>(m.rows_b),
-                              .n = m.n,
-                              .num_heads = shape_.num_heads,
-                              .head_dim = shape_.head_dim},
-                             stream_);
-    };
-    for (const Merge& m : rounds_) RETURN_IF_ERROR(merge(m, group_out_.as<bf16>(), group_lse_.as<float>()));
-    for (const Merge& m : levels_) RETURN_IF_ERROR(merge(m, out, lse_.as<float>()));
+    RETURN_IF_ERROR(kc::PrefillAttention(p, side_));
+    for (const Merge& m : rounds_) {
+      RETURN_IF_ERROR(Merge1(m, group_out_.as<bf16>(), group_lse_.as<float>(), 1, side_));
+    }
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(prefix_done_, side_));
     return absl::OkStatus();
+  }
+
+  // Cascade, part 2 (main stream, after the rows' own keys): each group's state merged into its
+  // rows, one level at a time.
+  absl::Status MergeSharedPrefixes(bf16* out) {
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, prefix_done_, 0));
+    for (const Merge& m : levels_) RETURN_IF_ERROR(Merge1(m, out, lse_.as<float>(), pack_, stream_));
+    return absl::OkStatus();
+  }
+
+  // Split states merge among themselves in their packed head order (elementwise, so any order
+  // works); the merge into the rows unpacks them (b_pack).
+  absl::Status Merge1(const Merge& m, bf16* o, float* lse, int64_t b_pack, cudaStream_t stream) {
+    return kc::MergeStates({.out = o,
+                            .lse = lse,
+                            .out_b = group_out_.as<bf16>(),
+                            .lse_b = group_lse_.as<float>(),
+                            .rows_a = meta_.as<int32_t>(m.rows_a),
+                            .rows_b = meta_.as<int32_t>(m.rows_b),
+                            .n = m.n,
+                            .num_heads = shape_.num_heads,
+                            .head_dim = shape_.head_dim,
+                            .b_pack = b_pack},
+                           stream);
   }
 
   // Measured on an H200 (bench/prefix_attention_bench --crossover; docs/benchmarks.md): below 16
@@ -347,10 +384,10 @@ class CudaAttentionExecutor : public AttentionExecutor {
   int32_t kv_split_ = 0, q_split_ = 0;
   int64_t o_new_ = 0, o_kv_s_ = 0, o_q_m_ = 0, o_kv_m_ = 0, o_slots_ = 0;
   // Shared-prefix groups of the current step.
-  struct Merge {
-    int64_t rows_a = 0, rows_b = 0, n = 0;  // metadata offsets, pair count
-  };
   kc::DeviceBuffer lse_, group_q_, group_out_, group_lse_;
+  cudaStream_t side_ = nullptr;  // shared-prefix work, beside the main stream
+  cudaEvent_t q_ready_ = nullptr, prefix_done_ = nullptr;
+  int64_t pack_ = 1;  // query heads per KV head, packed as rows in the prefix launch
   int64_t groups_ = 0, prefix_requests_ = 0, group_rows_ = 0, max_group_rows_ = 0, max_group_kv_ = 0;
   int64_t o_g_rows_ = 0, o_g_q_ = 0, o_g_kv_ = 0, o_g_slots_ = 0;
   std::vector<Merge> rounds_, levels_;  // split reduction rounds; per level, groups into rows

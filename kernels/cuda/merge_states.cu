@@ -95,6 +95,7 @@ struct MergeArgs {
   int chunks;       // head_dim / kVec
   int group_lanes;  // lanes per pair: power of two, >= min(chunks, 32)
   int group_shift;  // log2(group_lanes)
+  int b_pack;       // state b's heads stored j-major (see MergeStatesParams::b_pack)
 };
 
 template <int kVec>
@@ -118,7 +119,8 @@ __global__ void __launch_bounds__(kThreads) MergeStatesKernel(const MergeArgs a)
     float la = 0.0f, lb = 0.0f, new_lse = 0.0f;
     bool write_lse = false;
     if (work) {
-      const int64_t hrow_a = ra * a.num_heads + h, hrow_b = rb * a.num_heads + h;
+      const int hb = a.b_pack == 1 ? h : (h % a.b_pack) * (a.num_heads / a.b_pack) + h / a.b_pack;
+      const int64_t hrow_a = ra * a.num_heads + h, hrow_b = rb * a.num_heads + hb;
       la = a.lse[hrow_a];
       lb = a.lse_b[hrow_b];
       bf16* o = a.out + hrow_a * a.head_dim;
@@ -164,7 +166,8 @@ struct GatherArgs {
   bf16* dst;
   const int32_t* rows;
   int64_t n, width, src_stride;
-  int64_t chunks;  // width / kVec
+  int64_t chunks;          // width / kVec
+  int64_t pack, head_dim;  // pack > 1: heads reordered (see GatherRowsParams::pack)
 };
 
 template <int kVec>
@@ -178,7 +181,12 @@ __global__ void __launch_bounds__(kThreads) GatherRowsKernel(const GatherArgs a)
     if (r < 0) {
       Zero<kVec>(d);
     } else {
-      CopyBits<kVec>(d, a.src + r * a.src_stride + c * kVec);
+      int64_t e = c * kVec;  // element of the destination row
+      if (a.pack > 1) {      // destination head j·(H/pack) + g comes from source head g·pack + j
+        const int64_t kv = a.width / a.head_dim / a.pack, head = e / a.head_dim;
+        e = ((head % kv) * a.pack + head / kv) * a.head_dim + e % a.head_dim;
+      }
+      CopyBits<kVec>(d, a.src + r * a.src_stride + e);
     }
   }
 }
@@ -209,6 +217,9 @@ absl::Status MergeStates(const MergeStatesParams& p, cudaStream_t stream) {
     if (pr.second > INT32_MAX) return invalid(absl::StrCat(pr.first, " must fit in int32, got ", pr.second));
   }
   if (p.n > INT64_MAX / p.num_heads / p.head_dim) return invalid("n * num_heads * head_dim overflows");
+  if (p.b_pack < 1 || p.num_heads % p.b_pack != 0) {
+    return invalid(absl::StrCat("b_pack ", p.b_pack, " must be >= 1 and divide num_heads ", p.num_heads));
+  }
   // With both row lists, one buffer may hold both states (rows read and rows written are disjoint
   // by precondition); with an identity list, equal pointers would merge a row into itself.
   const bool lists = p.rows_a != nullptr && p.rows_b != nullptr;
@@ -234,6 +245,7 @@ absl::Status MergeStates(const MergeStatesParams& p, cudaStream_t stream) {
   a.group_shift = 0;
   while ((1 << a.group_shift) < a.chunks && a.group_shift < 5) ++a.group_shift;
   a.group_lanes = 1 << a.group_shift;
+  a.b_pack = static_cast<int>(p.b_pack);
   const int64_t pairs_per_warp = 32 / a.group_lanes;
   const unsigned blocks = Blocks((a.num_pairs + pairs_per_warp - 1) / pairs_per_warp * 32);
   if (vec) {
@@ -262,8 +274,14 @@ absl::Status GatherRows(const GatherRowsParams& p, cudaStream_t stream) {
         absl::StrCat("src_stride ", p.src_stride, " is less than width ", p.width, " (0 means packed)"));
   }
   if (p.n > INT64_MAX / p.width) return invalid("n * width overflows");
+  if (p.pack < 1) return invalid(absl::StrCat("pack must be >= 1, got ", p.pack));
+  if (p.pack > 1 && (p.head_dim <= 0 || p.width % (p.head_dim * p.pack) != 0)) {
+    return invalid(absl::StrCat("pack ", p.pack, " needs head_dim > 0 with width ", p.width,
+                                " a multiple of head_dim * pack (head_dim ", p.head_dim, ")"));
+  }
 
-  const bool vec = p.width % 8 == 0 && stride % 8 == 0 && Aligned16(p.src) && Aligned16(p.dst);
+  const bool vec = p.width % 8 == 0 && stride % 8 == 0 && Aligned16(p.src) && Aligned16(p.dst) &&
+                   (p.pack == 1 || p.head_dim % 8 == 0);
   GatherArgs a;
   a.src = p.src;
   a.dst = p.dst;
@@ -272,6 +290,8 @@ absl::Status GatherRows(const GatherRowsParams& p, cudaStream_t stream) {
   a.width = p.width;
   a.src_stride = stride;
   a.chunks = vec ? p.width / 8 : p.width;
+  a.pack = p.pack;
+  a.head_dim = p.pack > 1 ? p.head_dim : 1;
   const unsigned blocks = Blocks(p.n * a.chunks);
   if (vec) {
     GatherRowsKernel<8><<<blocks, kThreads, 0, stream>>>(a);

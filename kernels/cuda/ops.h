@@ -161,6 +161,10 @@ struct MergeStatesParams {
   const int32_t* rows_a = nullptr;  // device (n), distinct; null: identity
   const int32_t* rows_b = nullptr;  // device (n); null: identity
   int64_t n = 0, num_heads = 0, head_dim = 0;
+  // > 1: state b comes from a GQA-packed prefix launch (GatherRowsParams::pack): its row holds
+  // the heads j-major, head g·b_pack + j (g < num_heads / b_pack, j < b_pack) stored at position
+  // j·(num_heads / b_pack) + g. Must divide num_heads.
+  int64_t b_pack = 1;
 };
 absl::Status MergeStates(const MergeStatesParams& p, cudaStream_t stream);
 
@@ -171,11 +175,17 @@ absl::Status MergeStates(const MergeStatesParams& p, cudaStream_t stream);
 // checked); a negative entry zero-fills dst row i. dst must not overlap src. n == 0 is a no-op.
 // 16-byte accesses where width and src_stride are multiples of 8 and src, dst are 16-byte
 // aligned, else 2-byte.
+// pack > 1 (GQA packing for the shared-prefix launch): a row holds H = width / head_dim heads, and
+// dst stores them j-major: dst head j·(H/pack) + g = src head g·pack + j. Seen as (n·pack, H/pack,
+// head_dim), dst row i·pack + j, head g is query head g·pack + j of row i: the pack query heads
+// that share KV head g (GQA) become rows of one KV head, so PrefillAttention with num_heads =
+// num_kv_heads = H/pack reads each K/V tile once for all of them.
 struct GatherRowsParams {
   const bf16* src = nullptr;
   bf16* dst = nullptr;
   const int32_t* rows = nullptr;  // device (n)
   int64_t n = 0, width = 0, src_stride = 0;
+  int64_t pack = 1, head_dim = 0;  // head_dim: needed when pack > 1
 };
 absl::Status GatherRows(const GatherRowsParams& p, cudaStream_t stream);
 

@@ -38,6 +38,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gpu_test_util.h"
@@ -753,6 +754,119 @@ TEST(CudaPrefixAttention, GatherRowsCopiesBits) {
     if (g.misalign) {
       ASSERT_EQ(BitsOf(got[0]), BitsOf(kNaNBf16)) << "wrote before dst";
     }
+  }
+}
+
+// GQA packing: dst head j·(H/pack) + g is src head g·pack + j, bits exact.
+TEST(CudaPrefixAttention, GatherRowsPacksHeadsOfOneKvHead) {
+  TANDEM_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(19);
+  for (auto [heads, pack, d] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {32, 4, 128}, {4, 2, 64}, {8, 8, 128}, {6, 3, 10}}) {
+    SCOPED_TRACE(::testing::Message() << "heads " << heads << " pack " << pack << " head_dim " << d);
+    const int64_t width = heads * d, src_rows = 40, n = 33;
+    std::vector<bf16> src;
+    std::vector<float> unused;
+    RandomBf16(rng, src_rows * width, -3.0f, 3.0f, &src, &unused);
+    std::vector<int32_t> rows(static_cast<size_t>(n));
+    std::uniform_int_distribution<int32_t> ur(0, static_cast<int32_t>(src_rows - 1));
+    for (int32_t& r : rows) r = ur(rng);
+    auto src_d = Device(src);
+    auto rows_d = Device(rows);
+    auto dst_d = Filled<bf16>(n * width, kNaNBf16);
+    GatherRowsParams p;
+    p.src = src_d->get();
+    p.dst = dst_d->get();
+    p.rows = rows_d->get();
+    p.n = n;
+    p.width = width;
+    p.pack = pack;
+    p.head_dim = d;
+    const absl::Status st = GatherRows(p, nullptr);
+    ASSERT_TRUE(st.ok()) << st;
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+    ASSERT_TRUE(dst_d->GuardsIntact());
+    const std::vector<bf16> got = dst_d->Download();
+    const int64_t kv = heads / pack;
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t g = 0; g < kv; ++g) {
+        for (int64_t j = 0; j < pack; ++j) {
+          for (int64_t e = 0; e < d; ++e) {
+            const size_t want =
+                static_cast<size_t>(rows[static_cast<size_t>(i)] * width + (g * pack + j) * d + e);
+            const size_t have = static_cast<size_t>(i * width + (j * kv + g) * d + e);
+            ASSERT_EQ(BitsOf(got[have]), BitsOf(src[want])) << "row " << i << " kv head " << g << " j " << j;
+          }
+        }
+      }
+    }
+  }
+}
+
+// b_pack: merging a packed state b equals merging the same state unpacked on the host (whose
+// merge MergeStatesMatchesCpu compares with cpu::MergeAttentionStates), bit for bit.
+TEST(CudaPrefixAttention, MergeStatesUnpacksPackedStates) {
+  TANDEM_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(23);
+  for (auto [heads, pack, d] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t>>{{32, 4, 128}, {4, 2, 64}, {8, 8, 64}}) {
+    SCOPED_TRACE(::testing::Message() << "heads " << heads << " pack " << pack << " head_dim " << d);
+    const int64_t rows = 50, kv = heads / pack;
+    std::vector<bf16> a, b_packed;
+    std::vector<float> unused;
+    RandomBf16(rng, rows * heads * d, -2.0f, 2.0f, &a, &unused);
+    RandomBf16(rng, rows * heads * d, -2.0f, 2.0f, &b_packed, &unused);
+    std::uniform_real_distribution<float> ul(-5.0f, 5.0f);
+    std::vector<float> lse_a(static_cast<size_t>(rows * heads)), lse_b_packed(lse_a.size());
+    for (float& x : lse_a) x = ul(rng);
+    for (float& x : lse_b_packed) x = ul(rng);
+    lse_b_packed[7] = -std::numeric_limits<float>::infinity();
+    std::vector<bf16> b_plain(b_packed.size());
+    std::vector<float> lse_b_plain(lse_b_packed.size());
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t stored = (h % pack) * kv + h / pack;
+        lse_b_plain[static_cast<size_t>(r * heads + h)] =
+            lse_b_packed[static_cast<size_t>(r * heads + stored)];
+        for (int64_t e = 0; e < d; ++e) {
+          b_plain[static_cast<size_t>((r * heads + h) * d + e)] =
+              b_packed[static_cast<size_t>((r * heads + stored) * d + e)];
+        }
+      }
+    }
+    std::vector<int32_t> rows_a(static_cast<size_t>(rows)), rows_b(static_cast<size_t>(rows));
+    for (int32_t i = 0; i < rows; ++i) {
+      rows_a[static_cast<size_t>(i)] = (i * 7) % static_cast<int32_t>(rows);
+      rows_b[static_cast<size_t>(i)] = (i * 3 + 1) % static_cast<int32_t>(rows);
+    }
+    auto ra_d = Device(rows_a);
+    auto rb_d = Device(rows_b);
+    std::vector<bf16> outs[2];
+    std::vector<float> lses[2];
+    for (int packed = 0; packed < 2; ++packed) {
+      auto out_d = Device(a);
+      auto lse_d = Device(lse_a);
+      auto b_d = Device(packed ? b_packed : b_plain);
+      auto lb_d = Device(packed ? lse_b_packed : lse_b_plain);
+      MergeStatesParams p;
+      p.out = out_d->get();
+      p.lse = lse_d->get();
+      p.out_b = b_d->get();
+      p.lse_b = lb_d->get();
+      p.rows_a = ra_d->get();
+      p.rows_b = rb_d->get();
+      p.n = rows;
+      p.num_heads = heads;
+      p.head_dim = d;
+      p.b_pack = packed ? pack : 1;
+      const absl::Status st = MergeStates(p, nullptr);
+      ASSERT_TRUE(st.ok()) << st;
+      CUDA_ASSERT_OK(cudaDeviceSynchronize());
+      outs[packed] = out_d->Download();
+      lses[packed] = lse_d->Download();
+    }
+    ASSERT_EQ(lses[0], lses[1]);
+    ASSERT_EQ(std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(bf16)), 0);
   }
 }
 
