@@ -14,24 +14,37 @@
 //   cascade  GatherRows of the B q rows (a copy the engine makes too, so it is timed) + one
 //            PrefillAttention with causal == false over the prefix for all B rows as one group
 //            (tensor cores; each prefix K/V tile is read once per tile of 64/128 rows and head)
-//            + DecodeAttention over the suffixes with lse + MergeStates.
+//            + DecodeAttention over the suffixes with lse + MergeStates. GQA packing, as the
+//            engine does (memory_node/cuda_attention_executor.cc), wherever heads > kv_heads:
+//            GatherRows with pack = heads / kv_heads stores each row's heads j-major, so that the
+//            prefix launch sees B·pack rows of kv_heads heads (num_heads = num_kv_heads =
+//            kv_heads): the pack query heads that share a KV head are rows of it, and each K/V
+//            tile is read once for all of them; the final MergeStates unpacks (b_pack = pack).
+//            MHA (llama-13b): pack = 1, nothing changes.
 //   split    the cascade with the prefix cut into K chunks, each a "request" of its own with its
 //            own gathered copy of the B rows, the K partial states merged pairwise (ceil(log2 K)
-//            MergeStates calls) before the final merge: PrefillAttention has no split-KV, so one
-//            group of few rows over a long prefix runs on few SMs (B = 64, 32 heads: 32 CTAs).
-//            K = 1 where the (tile of rows, head) CTAs already cover every SM, else enough for
-//            about one full wave, at least 512 keys per chunk (AutoSplits).
+//            MergeStates calls, elementwise on the packed states: b_pack = 1) before the final
+//            merge: PrefillAttention has no split-KV, so one group of few rows over a long prefix
+//            runs on few SMs (B = 64 on llama3-8b: 16 CTAs packed, 32 unpacked). K = 1 where the
+//            (tile of rows, head) CTAs already cover every SM, else enough for about one full
+//            wave, at least 512 keys per chunk (AutoSplits; CTAs counted as the engine does:
+//            kv_heads × ceil(B·pack / tile), tile 64 if B·pack <= 64 else 128).
 //   ovl      the split cascade with GatherRows + PrefillAttention on a second stream, concurrent
 //            with the suffix DecodeAttention; the merges after both (an event join).
+//   nopack   the split cascade without GQA packing (pack = 1: B rows of heads query heads over
+//            kv_heads KV heads, K from AutoSplits with heads × ceil(B / tile) CTAs): what the
+//            engine did before packing, for comparison. Timed only where heads > kv_heads; "-"
+//            for MHA, where it would be the split cascade again.
 // Each figure is the median of --reps runs (default 10) after 2 warm-up runs, timed with CUDA
 // events; the L2 is flushed (a 4×L2 write) before every run, outside the timed span, as the
 // other layers of a real step would. Columns: plain µs and its KV rate (GB/s: every row's K and V
 // bytes over the time; the shared prefix is mostly served from L2, so this can exceed the HBM
 // rate); cascade µs, its parts (gather, prefix, suffix, merge µs), speedup plain / cascade, the
 // prefix part's effective TFLOP/s (4·B·heads·P·head_dim flops over the PrefillAttention time);
-// split K, µs and speedup; ovl µs and speedup. Every configuration checks that each cascade
-// variant's output matches the plain output: max|diff| and max|diff| / max|plain| (worst over
-// the variants) are printed, and a relative difference above 2e-2 (bf16: each path rounds its
+// split K, µs and speedup; ovl µs and speedup; nopack µs and speedup (all speedups are plain µs
+// over the variant's µs). Every configuration checks that each cascade variant's output (packed
+// and unpacked) matches the plain output: max|diff| and max|diff| / max|plain| (worst over the
+// variants) are printed, and a relative difference above 2e-2 (bf16: each path rounds its
 // partial results to bf16) or a non-finite value marks the row MISMATCH and makes the exit
 // status 1.
 //
@@ -39,10 +52,10 @@
 // (G in 1..64) sharing a prefix of P keys (P in 16..4096) with 32 own keys each, in a batch with
 // 64 other decode rows of 1024 keys. plain: one DecodeAttention over all rows; cascade: one
 // DecodeAttention over every row's own keys (the group's suffixes, the others' contexts) with
-// lse + GatherRows + non-causal PrefillAttention (G rows, P keys) + MergeStates, sequential (the
-// faster of K = 1 and K = auto) and overlapped (ovl). Medians of max(--reps, 30) runs. Prints
-// each (G, P) with the winner and the ratio, then per G the smallest P at which each cascade
-// variant wins.
+// lse + GatherRows + non-causal PrefillAttention (G rows, P keys; GQA-packed as above) +
+// MergeStates, sequential (the faster of K = 1 and K = auto) and overlapped (ovl). Medians of
+// max(--reps, 30) runs. Prints each (G, P) with the winner and the ratio, then per G the smallest
+// P at which each cascade variant wins.
 //
 // Random inputs come from the fill kernel of bench/bench_cuda.h.
 #include <cuda_bf16.h>
@@ -178,13 +191,22 @@ struct Model {
 };
 const Model kModels[] = {{"llama3-8b", 32, 8, 128}, {"llama-13b", 40, 40, 128}};
 
+// Query heads per KV head: the engine's GQA packing of the prefix launch (1 for MHA).
+int64_t GqaPack(const Model& m) { return m.heads / m.kv_heads; }
+
+// One cascade variant to time.
+struct Variant {
+  int k = 1;                // prefix splits (1: the plain cascade)
+  int64_t pack = 1;         // GatherRowsParams::pack of the prefix launch (1: unpacked)
+  bool overlapped = false;  // gather + prefix on a second stream, concurrent with the suffix decode
+};
+
 // One batch: rows [0, G) share a prefix of P keys and have S own keys each; rows [G, G + U) are
 // ungrouped with C keys each.
 struct Scenario {
   Model m;
   int64_t G = 0, P = 0, S = 0, U = 0, C = 0;
-  std::vector<int> splits;  // prefix split counts to time (1: the plain cascade)
-  bool overlap = false;     // also time the last split count with the prefix on a second stream
+  std::vector<Variant> variants;  // cascade variants to time, in this order
   int reps = 10;
   uint64_t seed = 1;
 };
@@ -192,13 +214,12 @@ struct Scenario {
 struct Result {
   double plain_us = 0, plain_gbps = 0;
   struct Cascade {
-    int k = 1;
-    bool overlapped = false;
+    Variant v;
     std::vector<double> us;  // sequential: gather, prefix, suffix, merge, total; overlapped: total
     double max_abs = 0, rel = 0;
     bool finite = true;
   };
-  std::vector<Cascade> cascades;
+  std::vector<Cascade> cascades;  // one per Scenario::variants entry, in that order
   bool ok = true;
 };
 
@@ -257,7 +278,8 @@ Result RunScenario(const Scenario& sc, const L2Flusher& flush, cudaStream_t s, c
   std::uniform_real_distribution<float> uq(-4.0f, 4.0f);
   for (auto& x : q_host) x = tandem::FloatToBf16(uq(rng));
 
-  const int kmax = *std::max_element(sc.splits.begin(), sc.splits.end());
+  int kmax = 1;
+  for (const Variant& var : sc.variants) kmax = std::max(kmax, var.k);
   DevBuf q(Bytes(q_host)), plain_indptr_d(Bytes(plain_indptr)), plain_slots_d(Bytes(plain_slots)),
       own_indptr_d(Bytes(own_indptr)), own_slots_d(Bytes(own_slots)), prefix_d(Bytes(prefix));
   Upload(q, q_host);
@@ -311,15 +333,37 @@ Result RunScenario(const Scenario& sc, const L2Flusher& flush, cudaStream_t s, c
     max_ref = std::max(max_ref, std::fabs(x));
   }
 
-  // ---- cascade, per split count ----
+  // ---- cascade, per variant ----
   const kc::DecodePlan own_plan = kc::PlanDecodeAttention(N, H, KVH, D, own_max, g_sms);
   DevBuf own_ws(static_cast<size_t>(own_plan.workspace_bytes));
-  for (int ksplit : sc.splits) {
-    // Split r covers prefix keys [r·P/K, (r+1)·P/K) for the r-th copy of the G rows.
+  kc::AttentionParams own = base;
+  own.q = q.as<kc::bf16>();
+  own.out = out.as<kc::bf16>();
+  own.lse = lse.as<float>();
+  own.kv_indptr = own_indptr_d.as<int32_t>();
+  own.kv_slots = own_slots_d.as<int32_t>();
+  own.num_requests = N;
+  own.max_q_len = 1;
+  own.max_kv_len = own_max;
+  auto check = [&](Result::Cascade* cr) {
+    const std::vector<float> got = DownloadBf16(out, static_cast<size_t>(N * H * D));
+    cr->finite = ref_finite;
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (!std::isfinite(got[i])) cr->finite = false;
+      cr->max_abs = std::max<double>(cr->max_abs, std::fabs(got[i] - ref[i]));
+    }
+    cr->rel = max_ref > 0 ? cr->max_abs / max_ref : cr->max_abs;
+    if (!cr->finite || !(cr->rel <= 2e-2)) res.ok = false;
+  };
+  for (const Variant& var : sc.variants) {
+    const int ksplit = var.k;
+    const int64_t pack = var.pack;
+    // Split r covers prefix keys [r·P/K, (r+1)·P/K) for the r-th copy of the G rows; packed, each
+    // copy is G·pack rows of H / pack (= KVH) heads.
     std::vector<int32_t> pre_q_indptr = {0}, pre_kv_indptr = {0};
     int64_t pre_max_kv = 1;
     for (int r = 0; r < ksplit; ++r) {
-      pre_q_indptr.push_back(static_cast<int32_t>((r + 1) * G));
+      pre_q_indptr.push_back(static_cast<int32_t>((r + 1) * G * pack));
       pre_kv_indptr.push_back(static_cast<int32_t>(P * (r + 1) / ksplit));
       pre_max_kv = std::max<int64_t>(pre_max_kv, pre_kv_indptr[r + 1] - pre_kv_indptr[r]);
     }
@@ -333,6 +377,8 @@ Result RunScenario(const Scenario& sc, const L2Flusher& flush, cudaStream_t s, c
     gp.rows = gather_rows_d.as<int32_t>();
     gp.n = ksplit * G;
     gp.width = H * D;
+    gp.pack = pack;
+    gp.head_dim = D;
     kc::AttentionParams prep = base;
     prep.q = q_pre.as<kc::bf16>();
     prep.out = out_pre.as<kc::bf16>();
@@ -341,20 +387,14 @@ Result RunScenario(const Scenario& sc, const L2Flusher& flush, cudaStream_t s, c
     prep.kv_indptr = pre_kv_indptr_d.as<int32_t>();
     prep.kv_slots = prefix_d.as<int32_t>();
     prep.num_requests = ksplit;
-    prep.max_q_len = G;
+    prep.num_heads = H / pack;  // packed: G·pack query rows per KV head
+    prep.num_kv_heads = KVH;
+    prep.max_q_len = G * pack;
     prep.max_kv_len = pre_max_kv;
     prep.causal = false;
-    kc::AttentionParams own = base;
-    own.q = q.as<kc::bf16>();
-    own.out = out.as<kc::bf16>();
-    own.lse = lse.as<float>();
-    own.kv_indptr = own_indptr_d.as<int32_t>();
-    own.kv_slots = own_slots_d.as<int32_t>();
-    own.num_requests = N;
-    own.max_q_len = 1;
-    own.max_kv_len = own_max;
     // Merges: the K partial prefix states pairwise into the first (upper half into lower half,
-    // ceil(log2 K) calls), then that one into each row's own-keys state.
+    // ceil(log2 K) calls; elementwise, so in their packed head order: b_pack = 1), then that one
+    // into each row's own-keys state (unpacked: b_pack = pack).
     auto merge = [&](cudaStream_t st) {
       kc::MergeStatesParams mp;
       mp.num_heads = H;
@@ -366,6 +406,7 @@ Result RunScenario(const Scenario& sc, const L2Flusher& flush, cudaStream_t s, c
         mp.out_b = out_pre.as<kc::bf16>() + (m - half) * G * H * D;
         mp.lse_b = lse_pre.as<float>() + (m - half) * G * H;
         mp.n = half * G;
+        mp.b_pack = 1;
         BENCH_OK(kc::MergeStates(mp, st));
         m -= half;
       }
@@ -374,36 +415,23 @@ Result RunScenario(const Scenario& sc, const L2Flusher& flush, cudaStream_t s, c
       mp.out_b = out_pre.as<kc::bf16>();
       mp.lse_b = lse_pre.as<float>();
       mp.n = G;
+      mp.b_pack = pack;
       BENCH_OK(kc::MergeStates(mp, st));
     };
-    auto check = [&](Result::Cascade* cr) {
-      const std::vector<float> got = DownloadBf16(out, static_cast<size_t>(N * H * D));
-      cr->finite = ref_finite;
-      for (size_t i = 0; i < got.size(); ++i) {
-        if (!std::isfinite(got[i])) cr->finite = false;
-        cr->max_abs = std::max<double>(cr->max_abs, std::fabs(got[i] - ref[i]));
-      }
-      cr->rel = max_ref > 0 ? cr->max_abs / max_ref : cr->max_abs;
-      if (!cr->finite || !(cr->rel <= 2e-2)) res.ok = false;
-    };
     Result::Cascade cr;
-    cr.k = ksplit;
-    cr.us = TimeStages(
-        {[&] { BENCH_OK(kc::GatherRows(gp, s)); }, [&] { BENCH_OK(kc::PrefillAttention(prep, s)); },
-         [&] { BENCH_OK(kc::DecodeAttention(own, own_plan, own_ws.get(), s)); }, [&] { merge(s); }},
-        2, sc.reps, flush, s);
-    check(&cr);
-    res.cascades.push_back(cr);
-    if (sc.overlap && ksplit == sc.splits.back()) {
+    cr.v = var;
+    if (!var.overlapped) {
+      cr.us = TimeStages(
+          {[&] { BENCH_OK(kc::GatherRows(gp, s)); }, [&] { BENCH_OK(kc::PrefillAttention(prep, s)); },
+           [&] { BENCH_OK(kc::DecodeAttention(own, own_plan, own_ws.get(), s)); }, [&] { merge(s); }},
+          2, sc.reps, flush, s);
+    } else {
       // The prefix part (gather, prefill) on a second stream, concurrent with the own-keys decode;
       // the merges after both.
       cudaEvent_t fork, join;
       BENCH_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
       BENCH_CUDA(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
-      Result::Cascade ov;
-      ov.k = ksplit;
-      ov.overlapped = true;
-      ov.us = TimeStages({[&] {
+      cr.us = TimeStages({[&] {
                            BENCH_CUDA(cudaEventRecord(fork, s));
                            BENCH_CUDA(cudaStreamWaitEvent(s2, fork, 0));
                            BENCH_OK(kc::GatherRows(gp, s2));
@@ -417,23 +445,52 @@ Result RunScenario(const Scenario& sc, const L2Flusher& flush, cudaStream_t s, c
       BENCH_CUDA(cudaStreamSynchronize(s));
       BENCH_CUDA(cudaEventDestroy(fork));
       BENCH_CUDA(cudaEventDestroy(join));
-      check(&ov);
-      res.cascades.push_back(ov);
     }
+    check(&cr);
+    res.cascades.push_back(cr);
   }
   return res;
 }
 
-// Prefix splits for the non-causal PrefillAttention launch: none when one CTA per (tile of rows,
-// head) already covers every SM, else enough for about one full wave (two CTAs per SM: 80-96 KB of
-// shared memory each), each split at least 512 keys (8 key tiles: the Q load and the epilogue
-// amortised).
-int AutoSplits(int64_t rows, int64_t heads, int64_t prefix) {
-  const int64_t tile = rows <= 64 ? 64 : 128;
-  const int64_t ctas = heads * ((rows + tile - 1) / tile);
+// Prefix splits for the non-causal PrefillAttention launch of `rows` rows, GQA-packed by `pack`
+// (GqaPack, or 1 unpacked), as the engine plans them (PlanGroups in
+// memory_node/cuda_attention_executor.cc): none when one CTA per (tile of rows·pack rows, head of
+// heads / pack) already covers every SM, else enough for about one full wave (two CTAs per SM:
+// 80-96 KB of shared memory each), each split at least 512 keys (8 key tiles: the Q load and the
+// epilogue amortised).
+int AutoSplits(const Model& m, int64_t rows, int64_t prefix, int64_t pack) {
+  const int64_t packed_rows = rows * pack, launch_heads = m.heads / pack;
+  const int64_t tile = packed_rows <= 64 ? 64 : 128;
+  const int64_t ctas = launch_heads * ((packed_rows + tile - 1) / tile);
   if (ctas >= g_sms) return 1;
   const int64_t want = (2 * int64_t{g_sms} + ctas - 1) / ctas;
   return static_cast<int>(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, prefix / 512)));
+}
+
+// The cascade variants of a configuration, GQA-packed as the engine does: casc (K = 1), split
+// (K = auto; the same as casc where that is 1), ovl (split, overlapped) and, with `nopack` where
+// the model has heads > kv_heads, the split cascade unpacked (its own K = auto).
+struct VariantSet {
+  std::vector<Variant> variants;
+  size_t casc = 0, split = 0, ovl = 0;  // indices into variants (and Result::cascades)
+  int nopack = -1;                      // index, -1 where not timed
+};
+VariantSet PlanVariants(const Model& m, int64_t rows, int64_t prefix, bool nopack) {
+  VariantSet vs;
+  const int64_t pack = GqaPack(m);
+  const int k = AutoSplits(m, rows, prefix, pack);
+  vs.variants.push_back({1, pack, false});
+  if (k > 1) {
+    vs.split = vs.variants.size();
+    vs.variants.push_back({k, pack, false});
+  }
+  vs.ovl = vs.variants.size();
+  vs.variants.push_back({k, pack, true});
+  if (nopack && pack > 1) {
+    vs.nopack = static_cast<int>(vs.variants.size());
+    vs.variants.push_back({AutoSplits(m, rows, prefix, 1), 1, false});
+  }
+  return vs;
 }
 
 std::vector<int64_t> ParseList(const char* s) {
@@ -524,9 +581,14 @@ void WorstDiff(const Result& r, double* max_abs, double* rel) {
 }
 
 int RunMain(const Options& o, const L2Flusher& flush, double budget, cudaStream_t s, cudaStream_t s2) {
-  std::printf("%-9s %4s %6s %5s | %9s %6s | %9s %7s %8s %7s %6s %7s %6s | %2s %9s %7s | %9s %7s | %8s %8s\n",
-              "model", "B", "P", "S", "plain_us", "GB/s", "casc_us", "gather", "prefix", "suffix", "merge",
-              "speedup", "TFLOPs", "K", "split_us", "speedup", "ovl_us", "speedup", "max|d|", "rel");
+  std::printf(
+      "casc, split, ovl: the prefix launch GQA-packed where heads > kv_heads (pack = heads / kv_heads), as "
+      "the engine does; nopack: split without packing\n");
+  std::printf(
+      "%-9s %4s %6s %5s | %9s %6s | %9s %7s %8s %7s %6s %7s %6s | %2s %9s %7s | %9s %7s | %9s %7s | %8s "
+      "%8s\n",
+      "model", "B", "P", "S", "plain_us", "GB/s", "casc_us", "gather", "prefix", "suffix", "merge", "speedup",
+      "TFLOPs", "K", "split_us", "speedup", "ovl_us", "speedup", "nopack_us", "speedup", "max|d|", "rel");
   bool all_ok = true;
   uint64_t seed = 1;
   const std::vector<Model> models = SelectModels(o);
@@ -554,24 +616,28 @@ int RunMain(const Options& o, const L2Flusher& flush, double budget, cudaStream_
           sc.S = S;
           sc.reps = o.reps;
           sc.seed = seed++;
-          sc.splits = {1};
-          const int k = AutoSplits(B, m.heads, P);
-          if (k > 1) sc.splits.push_back(k);
-          sc.overlap = true;
+          const VariantSet vs = PlanVariants(m, B, P, /*nopack=*/true);
+          sc.variants = vs.variants;
           const Result r = RunScenario(sc, flush, s, s2);
-          const Result::Cascade& c1 = r.cascades[0];
-          const Result::Cascade& ck = r.cascades[r.cascades.size() - 2];  // the last sequential one
-          const Result::Cascade& ov = r.cascades.back();
+          const Result::Cascade& c1 = r.cascades[vs.casc];
+          const Result::Cascade& ck = r.cascades[vs.split];
+          const Result::Cascade& ov = r.cascades[vs.ovl];
+          char nopack[2][32] = {"-", "-"};
+          if (vs.nopack >= 0) {
+            const double np = r.cascades[static_cast<size_t>(vs.nopack)].us.back();
+            std::snprintf(nopack[0], sizeof(nopack[0]), "%.1f", np);
+            std::snprintf(nopack[1], sizeof(nopack[1]), "%.2fx", r.plain_us / np);
+          }
           double max_abs, rel;
           WorstDiff(r, &max_abs, &rel);
           const double tflops = 4.0 * B * m.heads * P * m.head_dim / (c1.us[1] * 1e-6) * 1e-12;
           std::printf(
               "%-9s %4lld %6lld %5lld | %9.1f %6.0f | %9.1f %7.1f %8.1f %7.1f %6.1f %6.2fx %6.1f | %2d %9.1f "
-              "%6.2fx | %9.1f %6.2fx | %8.1e %8.1e%s\n",
+              "%6.2fx | %9.1f %6.2fx | %9s %7s | %8.1e %8.1e%s\n",
               m.name, static_cast<long long>(B), static_cast<long long>(P), static_cast<long long>(S),
               r.plain_us, r.plain_gbps, c1.us[4], c1.us[0], c1.us[1], c1.us[2], c1.us[3],
-              r.plain_us / c1.us[4], tflops, ck.k, ck.us[4], r.plain_us / ck.us[4], ov.us.back(),
-              r.plain_us / ov.us.back(), max_abs, rel, r.ok ? "" : "  MISMATCH");
+              r.plain_us / c1.us[4], tflops, ck.v.k, ck.us[4], r.plain_us / ck.us[4], ov.us.back(),
+              r.plain_us / ov.us.back(), nopack[0], nopack[1], max_abs, rel, r.ok ? "" : "  MISMATCH");
           std::fflush(stdout);
           all_ok = all_ok && r.ok;
         }
@@ -589,7 +655,8 @@ int RunCrossover(const Options& o, const L2Flusher& flush, cudaStream_t s, cudaS
       "crossover: a group of G rows sharing P prefix keys (+%lld own keys each) in a batch with %lld other "
       "decode rows of %lld keys\n"
       "  seq: the cascade on one stream, the faster of K = 1 and K = auto prefix splits (K shown);\n"
-      "  ovl: K = auto, gather + prefix on a second stream concurrent with the own-keys decode\n",
+      "  ovl: K = auto, gather + prefix on a second stream concurrent with the own-keys decode;\n"
+      "  the prefix launch GQA-packed where heads > kv_heads, as the engine does\n",
       static_cast<long long>(kSuffix), static_cast<long long>(kOthers), static_cast<long long>(kOtherCtx));
   std::printf("%-9s %3s %5s | %9s | %9s %2s %-7s %6s | %9s %-7s %6s | %8s\n", "model", "G", "P", "plain_us",
               "seq_us", "K", "faster", "by", "ovl_us", "faster", "by", "rel");
@@ -622,16 +689,12 @@ int RunCrossover(const Options& o, const L2Flusher& flush, cudaStream_t s, cudaS
         sc.C = kOtherCtx;
         sc.reps = std::max(o.reps, 30);
         sc.seed = seed++;
-        sc.splits = {1};
-        const int k = AutoSplits(G, m.heads, P);
-        if (k > 1) sc.splits.push_back(k);
-        sc.overlap = true;
+        const VariantSet vs = PlanVariants(m, G, P, /*nopack=*/false);
+        sc.variants = vs.variants;
         const Result r = RunScenario(sc, flush, s, s2);
-        const Result::Cascade* best = &r.cascades[0];
-        for (const auto& c : r.cascades) {
-          if (!c.overlapped && c.us.back() < best->us.back()) best = &c;
-        }
-        const double t[2] = {best->us.back(), r.cascades.back().us.back()};
+        const Result::Cascade* best = &r.cascades[vs.casc];
+        if (r.cascades[vs.split].us.back() < best->us.back()) best = &r.cascades[vs.split];
+        const double t[2] = {best->us.back(), r.cascades[vs.ovl].us.back()};
         bool wins[2];
         for (int v = 0; v < 2; ++v) {
           wins[v] = t[v] < r.plain_us;
@@ -642,7 +705,7 @@ int RunCrossover(const Options& o, const L2Flusher& flush, cudaStream_t s, cudaS
         double max_abs, rel;
         WorstDiff(r, &max_abs, &rel);
         std::printf("%-9s %3lld %5lld | %9.1f | %9.1f %2d %-7s %5.2fx | %9.1f %-7s %5.2fx | %8.1e%s\n",
-                    m.name, static_cast<long long>(G), static_cast<long long>(P), r.plain_us, t[0], best->k,
+                    m.name, static_cast<long long>(G), static_cast<long long>(P), r.plain_us, t[0], best->v.k,
                     wins[0] ? "cascade" : "plain", wins[0] ? r.plain_us / t[0] : t[0] / r.plain_us, t[1],
                     wins[1] ? "cascade" : "plain", wins[1] ? r.plain_us / t[1] : t[1] / r.plain_us, rel,
                     r.ok ? "" : "  MISMATCH");

@@ -221,9 +221,11 @@ class CudaAttentionExecutor : public AttentionExecutor {
     rounds_.clear();
     if (groups_ == 0) return absl::OkStatus();
     const auto at = [](const std::vector<int32_t>& v, int64_t i) { return v[static_cast<size_t>(i)]; };
-    // GQA: the query heads that share a KV head are packed as rows of that KV head (see
-    // GatherRowsParams::pack), so each K/V tile is read once for all of them.
-    pack_ = shape_.num_heads / shape_.num_kv_heads;
+    // GQA packing (the query heads of a KV head as rows of one launch, GatherRowsParams::pack)
+    // halves the CTAs per K/V tile read and measured no faster on llama3-8b (bench/
+    // prefix_attention_bench, nopack column: 0.85-1.1x), so the prefix launch keeps one query
+    // head per CTA; pack_ stays 1 until a prefix kernel that gains from it.
+    pack_ = 1;
     const int64_t tile = b.max_group_rows * pack_ <= 64 ? 64 : 128;
     int64_t ctas = 0;
     for (int64_t g = 0; g < groups_; ++g) {
