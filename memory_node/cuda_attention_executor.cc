@@ -314,8 +314,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
                                    side_));
     kc::AttentionParams p = ap;
     p.causal = false;
-    p.num_heads = shape_.num_kv_heads;  // packed: rows x pack query rows per KV head
-    p.num_kv_heads = shape_.num_kv_heads;
+    p.num_heads = shape_.num_heads / pack_;  // packed: rows x pack query rows per KV head
     p.q = group_q_.as<bf16>();
     p.out = group_out_.as<bf16>();
     p.lse = group_lse_.as<float>();
