@@ -151,6 +151,70 @@ class KvPool {
   std::unique_ptr<GuardedBuffer<bf16>> k_dev_, v_dev_;
 };
 
+// The largest step between neighbours of an indptr (0 for fewer than two entries).
+int64_t MaxStep(const std::vector<int32_t>& indptr) {
+  int64_t m = 0;
+  for (size_t i = 1; i < indptr.size(); ++i) m = std::max<int64_t>(m, indptr[i] - indptr[i - 1]);
+  return m;
+}
+
+// The request tables of one attention call on the device: request r has the query rows
+// q_indptr[r] .. q_indptr[r + 1] - 1 and the keys in slots kv_slots[kv_indptr[r] ..
+// kv_indptr[r + 1] - 1]. An empty q_indptr is left null on the device: request r is query row r
+// alone (decode). The bounds the kernels plan by are taken from the tables (at least 1).
+struct DeviceTables {
+  DeviceTables(const std::vector<int32_t>& q_indptr, const std::vector<int32_t>& kv_indptr,
+               const std::vector<int32_t>& kv_slots)
+      : q_indptr_d(q_indptr.empty() ? nullptr : Device(q_indptr)),
+        kv_indptr_d(Device(kv_indptr)),
+        kv_slots_d(Device(kv_slots)),
+        num_requests(static_cast<int64_t>(kv_indptr.size()) - 1),
+        max_q_len(std::max<int64_t>(1, MaxStep(q_indptr))),
+        max_kv_len(std::max<int64_t>(1, MaxStep(kv_indptr))) {}
+
+  std::unique_ptr<GuardedBuffer<int32_t>> q_indptr_d, kv_indptr_d, kv_slots_d;
+  int64_t num_requests, max_q_len, max_kv_len;
+};
+
+// One attention call: the requests of `tables` over the K/V cache of `pool` in layout l, scaled by
+// 1/sqrt(head_dim); query rows read from q, results written to out and lse (device pointers).
+AttentionParams PoolAttention(const KvPool& pool, const Layout& l, const DeviceTables& tables, const bf16* q,
+                              bf16* out, float* lse, bool causal) {
+  return {.q = q,
+          .k_cache = pool.k(),
+          .v_cache = pool.v(),
+          .out = out,
+          .lse = lse,
+          .q_indptr = tables.q_indptr_d ? tables.q_indptr_d->get() : nullptr,
+          .kv_indptr = tables.kv_indptr_d->get(),
+          .kv_slots = tables.kv_slots_d->get(),
+          .num_requests = tables.num_requests,
+          .num_slots = pool.num_slots(),
+          .num_heads = l.heads,
+          .num_kv_heads = l.kv_heads,
+          .head_dim = l.head_dim,
+          .scale = 1.0f / std::sqrt(static_cast<float>(l.head_dim)),
+          .max_kv_len = tables.max_kv_len,
+          .max_q_len = tables.max_q_len,
+          .causal = causal};
+}
+
+// Merges n pairs of rows, each of `heads` heads of head_dim: row rows_b[i] of state b (out_b,
+// lse_b) into row rows_a[i] of state a (out, lse), in place (null rows: row i). Device pointers.
+MergeStatesParams MergeParams(bf16* out, float* lse, const int32_t* rows_a, const bf16* out_b,
+                              const float* lse_b, const int32_t* rows_b, int64_t n, int64_t heads,
+                              int64_t head_dim) {
+  return {.out = out,
+          .lse = lse,
+          .out_b = out_b,
+          .lse_b = lse_b,
+          .rows_a = rows_a,
+          .rows_b = rows_b,
+          .n = n,
+          .num_heads = heads,
+          .head_dim = head_dim};
+}
+
 // max|gpu - ref| / max|ref| over `out` and max|gpu - ref| over lse (an lse of -inf must match
 // exactly); any NaN in the GPU results fails. `what` names the case.
 void ExpectClose(const std::string& what, const std::vector<float>& ref_out,
@@ -198,6 +262,18 @@ void ExpectClose(const std::string& what, const std::vector<float>& ref_out,
                                   << worst_lse % heads;
 }
 
+// ExpectClose on the leading rows of the device results out_d and lse_d (as many as the reference
+// has).
+void ExpectDeviceClose(const std::string& what, const std::vector<float>& ref_out,
+                       const std::vector<float>& ref_lse, GuardedBuffer<bf16>& out_d,
+                       GuardedBuffer<float>& lse_d, int64_t heads, int64_t head_dim) {
+  std::vector<float> out = ToFloats(out_d.Download());
+  std::vector<float> lse = lse_d.Download();
+  out.resize(ref_out.size());
+  lse.resize(ref_lse.size());
+  ExpectClose(what, ref_out, ref_lse, out, lse, heads, head_dim);
+}
+
 // ---- (a) non-causal PrefillAttention against cpu::PrefixAttention ----------------------------
 
 struct Group {
@@ -217,12 +293,9 @@ void CheckPrefixGroups(const Layout& l, const std::vector<Group>& groups, uint32
   const int64_t H = l.heads, KVH = l.kv_heads, D = l.head_dim;
   std::mt19937 rng(seed);
   std::vector<int32_t> q_indptr = {0}, kv_indptr = {0};
-  int64_t max_rows = 1, max_prefix = 1;
   for (const Group& g : groups) {
     q_indptr.push_back(q_indptr.back() + g.rows);
     kv_indptr.push_back(kv_indptr.back() + g.prefix_len);
-    max_rows = std::max<int64_t>(max_rows, g.rows);
-    max_prefix = std::max<int64_t>(max_prefix, g.prefix_len);
   }
   const int64_t total_q = q_indptr.back(), total_kv = kv_indptr.back();
   KvPool pool(rng, total_kv, 97, KVH, D);
@@ -255,39 +328,16 @@ void CheckPrefixGroups(const Layout& l, const std::vector<Group>& groups, uint32
 
   pool.Upload();
   auto q_d = Device(q);
-  auto q_indptr_d = Device(q_indptr);
-  auto kv_indptr_d = Device(kv_indptr);
-  auto kv_slots_d = Device(kv_slots);
+  const DeviceTables tables(q_indptr, kv_indptr, kv_slots);
   auto out_d = Filled<bf16>(total_q * H * D, kNaNBf16);
   auto lse_d = Filled<float>(total_q * H, kNaN);
-  AttentionParams p;
-  p.q = q_d->get();
-  p.k_cache = pool.k();
-  p.v_cache = pool.v();
-  p.out = out_d->get();
-  p.lse = lse_d->get();
-  p.q_indptr = q_indptr_d->get();
-  p.kv_indptr = kv_indptr_d->get();
-  p.kv_slots = kv_slots_d->get();
-  p.num_requests = static_cast<int64_t>(groups.size());
-  p.num_slots = pool.num_slots();
-  p.num_heads = H;
-  p.num_kv_heads = KVH;
-  p.head_dim = D;
-  p.scale = 1.0f / std::sqrt(static_cast<float>(D));
-  p.max_q_len = max_rows;
-  p.max_kv_len = max_prefix;
-  p.causal = false;
-  const absl::Status st = PrefillAttention(p, nullptr);
+  const absl::Status st = PrefillAttention(
+      PoolAttention(pool, l, tables, q_d->get(), out_d->get(), lse_d->get(), /*causal=*/false), nullptr);
   ASSERT_TRUE(st.ok()) << st;
   CUDA_ASSERT_OK(cudaDeviceSynchronize());
   ASSERT_TRUE(out_d->GuardsIntact()) << "write outside out";
   ASSERT_TRUE(lse_d->GuardsIntact()) << "write outside lse";
-  std::vector<float> out = ToFloats(out_d->Download());
-  std::vector<float> lse = lse_d->Download();
-  out.resize(ref_out.size());
-  lse.resize(ref_lse.size());
-  ExpectClose(desc.str(), ref_out, ref_lse, out, lse, H, D);
+  ExpectDeviceClose(desc.str(), ref_out, ref_lse, *out_d, *lse_d, H, D);
 }
 
 class PrefixLayoutTest : public ::testing::TestWithParam<Layout> {};
@@ -349,32 +399,13 @@ TEST(CudaPrefixAttention, SingleRowNonCausalIsBitIdenticalToCausal) {
     RandomBf16(rng, R * H * D, -2.0f, 2.0f, &q, &q_f);
     pool.Upload();
     auto q_d = Device(q);
-    auto qi_d = Device(q_indptr);
-    auto ki_d = Device(kv_indptr);
-    auto s_d = Device(slots);
+    const DeviceTables tables(q_indptr, kv_indptr, slots);  // max_q_len 1, max_kv_len 1000
     std::vector<float> outs[2], lses[2];
     for (int causal = 0; causal < 2; ++causal) {
       auto out_d = Filled<bf16>(R * H * D, kNaNBf16);
       auto lse_d = Filled<float>(R * H, kNaN);
-      AttentionParams p;
-      p.q = q_d->get();
-      p.k_cache = pool.k();
-      p.v_cache = pool.v();
-      p.out = out_d->get();
-      p.lse = lse_d->get();
-      p.q_indptr = qi_d->get();
-      p.kv_indptr = ki_d->get();
-      p.kv_slots = s_d->get();
-      p.num_requests = R;
-      p.num_slots = pool.num_slots();
-      p.num_heads = H;
-      p.num_kv_heads = KVH;
-      p.head_dim = D;
-      p.scale = 1.0f / std::sqrt(static_cast<float>(D));
-      p.max_q_len = 1;
-      p.max_kv_len = 1000;
-      p.causal = causal == 1;
-      const absl::Status st = PrefillAttention(p, nullptr);
+      const absl::Status st = PrefillAttention(
+          PoolAttention(pool, l, tables, q_d->get(), out_d->get(), lse_d->get(), causal == 1), nullptr);
       ASSERT_TRUE(st.ok()) << st;
       CUDA_ASSERT_OK(cudaDeviceSynchronize());
       outs[causal] = ToFloats(out_d->Download());
@@ -507,16 +538,9 @@ void CheckMerge(const MergeCase& c) {
   auto lseb_d = Device(lse_b);
   auto ra_d = Device(rows_a);
   auto rb_d = Device(rows_b);
-  MergeStatesParams p;
-  p.out = out_d->get() + off;
-  p.lse = lse_d->get();
-  p.out_b = outb_d->get() + off;
-  p.lse_b = lseb_d->get();
-  p.rows_a = c.identity ? nullptr : ra_d->get();
-  p.rows_b = c.identity ? nullptr : rb_d->get();
-  p.n = c.n;
-  p.num_heads = H;
-  p.head_dim = D;
+  const MergeStatesParams p =
+      MergeParams(out_d->get() + off, lse_d->get(), c.identity ? nullptr : ra_d->get(), outb_d->get() + off,
+                  lseb_d->get(), c.identity ? nullptr : rb_d->get(), c.n, H, D);
   const absl::Status st = MergeStates(p, nullptr);
   ASSERT_TRUE(st.ok()) << st;
   CUDA_ASSERT_OK(cudaDeviceSynchronize());
@@ -627,16 +651,8 @@ TEST(CudaPrefixAttention, MergeStatesNegativeRowsAreSkippedAndZeroPairsIsANoOp) 
   auto lseb_d = Device(lb);
   auto ra_d = Device(std::vector<int32_t>{-1, 1, 2});
   auto rb_d = Device(std::vector<int32_t>{0, -5, 2});
-  MergeStatesParams p;
-  p.out = out_d->get();
-  p.lse = lse_d->get();
-  p.out_b = outb_d->get();
-  p.lse_b = lseb_d->get();
-  p.rows_a = ra_d->get();
-  p.rows_b = rb_d->get();
-  p.n = 3;
-  p.num_heads = H;
-  p.head_dim = D;
+  const MergeStatesParams p = MergeParams(out_d->get(), lse_d->get(), ra_d->get(), outb_d->get(),
+                                          lseb_d->get(), rb_d->get(), /*n=*/3, H, D);
   ASSERT_TRUE(MergeStates(p, nullptr).ok());
   CUDA_ASSERT_OK(cudaDeviceSynchronize());
   const std::vector<bf16> got = out_d->Download();
@@ -681,14 +697,9 @@ TEST(CudaPrefixAttention, MergeStatesWithinOneBuffer) {
 
   auto buf_d = Device(buf);
   auto lse_d = Device(lse);
-  MergeStatesParams p;
-  p.out = buf_d->get();
-  p.lse = lse_d->get();
-  p.out_b = buf_d->get() + 2 * n * H * D;
-  p.lse_b = lse_d->get() + 2 * n * H;
-  p.n = n;
-  p.num_heads = H;
-  p.head_dim = D;
+  const MergeStatesParams p =
+      MergeParams(buf_d->get(), lse_d->get(), /*rows_a=*/nullptr, buf_d->get() + 2 * n * H * D,
+                  lse_d->get() + 2 * n * H, /*rows_b=*/nullptr, n, H, D);
   ASSERT_TRUE(MergeStates(p, nullptr).ok());
   CUDA_ASSERT_OK(cudaDeviceSynchronize());
   const std::vector<bf16> got = buf_d->Download();
@@ -848,16 +859,8 @@ TEST(CudaPrefixAttention, MergeStatesUnpacksPackedStates) {
       auto lse_d = Device(lse_a);
       auto b_d = Device(packed ? b_packed : b_plain);
       auto lb_d = Device(packed ? lse_b_packed : lse_b_plain);
-      MergeStatesParams p;
-      p.out = out_d->get();
-      p.lse = lse_d->get();
-      p.out_b = b_d->get();
-      p.lse_b = lb_d->get();
-      p.rows_a = ra_d->get();
-      p.rows_b = rb_d->get();
-      p.n = rows;
-      p.num_heads = heads;
-      p.head_dim = d;
+      MergeStatesParams p = MergeParams(out_d->get(), lse_d->get(), ra_d->get(), b_d->get(), lb_d->get(),
+                                        rb_d->get(), rows, heads, d);
       p.b_pack = packed ? pack : 1;
       const absl::Status st = MergeStates(p, nullptr);
       ASSERT_TRUE(st.ok()) << st;
@@ -957,33 +960,26 @@ void CheckCascade(const CascadeCase& c) {
   // Device inputs: own-key tables of the decode rows and of the chunks; the members' rows and the
   // prefix tables, group by group.
   std::vector<int32_t> dec_kv_indptr = {0}, dec_slots, chk_q_indptr = {0}, chk_kv_indptr = {0}, chk_slots;
-  int64_t dec_max_kv = 1, chk_max_q = 1, chk_max_kv = 1;
   for (size_t r = 0; r < c.requests.size(); ++r) {
     const CascadeRequest& req = c.requests[r];
     if (req.q_len == 1) {
       dec_slots.insert(dec_slots.end(), own[r].begin(), own[r].end());
       dec_kv_indptr.push_back(static_cast<int32_t>(dec_slots.size()));
-      dec_max_kv = std::max<int64_t>(dec_max_kv, req.own);
     } else {
       chk_slots.insert(chk_slots.end(), own[r].begin(), own[r].end());
       chk_kv_indptr.push_back(static_cast<int32_t>(chk_slots.size()));
       chk_q_indptr.push_back(chk_q_indptr.back() + req.q_len);
-      chk_max_q = std::max<int64_t>(chk_max_q, req.q_len);
-      chk_max_kv = std::max<int64_t>(chk_max_kv, req.own);
     }
   }
   std::vector<int32_t> member_rows, pre_q_indptr = {0}, pre_kv_indptr = {0}, pre_slots;
-  int64_t pre_max_q = 1, pre_max_kv = 1;
   for (size_t g = 0; g < c.prefix_lens.size(); ++g) {
     for (size_t r = 0; r < c.requests.size(); ++r) {
       if (c.requests[r].group != static_cast<int>(g)) continue;
       for (int i = 0; i < c.requests[r].q_len; ++i) member_rows.push_back(q_indptr[r] + i);
     }
     pre_q_indptr.push_back(static_cast<int32_t>(member_rows.size()));
-    pre_max_q = std::max<int64_t>(pre_max_q, pre_q_indptr.back() - pre_q_indptr[g]);
     pre_slots.insert(pre_slots.end(), prefix[g].begin(), prefix[g].end());
     pre_kv_indptr.push_back(static_cast<int32_t>(pre_slots.size()));
-    pre_max_kv = std::max<int64_t>(pre_max_kv, c.prefix_lens[g]);
   }
   const int64_t n_members = static_cast<int64_t>(member_rows.size());
   std::vector<int32_t> member_index(static_cast<size_t>(n_members));
@@ -993,58 +989,30 @@ void CheckCascade(const CascadeCase& c) {
   auto q_d = Device(q);
   auto out_d = Filled<bf16>(total_q * H * D, kNaNBf16);
   auto lse_d = Filled<float>(total_q * H, kNaN);
-  auto dec_kv_indptr_d = Device(dec_kv_indptr);
-  auto dec_slots_d = Device(dec_slots);
-  auto chk_q_indptr_d = Device(chk_q_indptr);
-  auto chk_kv_indptr_d = Device(chk_kv_indptr);
-  auto chk_slots_d = Device(chk_slots);
+  const DeviceTables dec({}, dec_kv_indptr, dec_slots);  // no q_indptr: one row per request
+  const DeviceTables chunks(chk_q_indptr, chk_kv_indptr, chk_slots);
+  const DeviceTables prefixes(pre_q_indptr, pre_kv_indptr, pre_slots);
   auto members_d = Device(member_rows);
   auto member_index_d = Device(member_index);
-  auto pre_q_indptr_d = Device(pre_q_indptr);
-  auto pre_kv_indptr_d = Device(pre_kv_indptr);
-  auto pre_slots_d = Device(pre_slots);
   auto q_pre_d = Filled<bf16>(n_members * H * D, kNaNBf16);
   auto out_pre_d = Filled<bf16>(n_members * H * D, kNaNBf16);
   auto lse_pre_d = Filled<float>(n_members * H, kNaN);
 
-  AttentionParams base;
-  base.k_cache = pool.k();
-  base.v_cache = pool.v();
-  base.num_slots = pool.num_slots();
-  base.num_heads = H;
-  base.num_kv_heads = KVH;
-  base.head_dim = D;
-  base.scale = scale;
-
   // 1. Own keys: decode rows (rows [0, n_dec), one per request, q_indptr null) ...
-  const DecodePlan plan = PlanDecodeAttention(std::max<int64_t>(n_dec, 1), H, KVH, D, dec_max_kv, NumSms());
+  const DecodePlan plan =
+      PlanDecodeAttention(std::max<int64_t>(n_dec, 1), H, KVH, D, dec.max_kv_len, NumSms());
   auto ws_d = Filled<unsigned char>(plan.workspace_bytes + 16, 0);
   if (n_dec > 0) {
-    AttentionParams p = base;
-    p.q = q_d->get();
-    p.out = out_d->get();
-    p.lse = lse_d->get();
-    p.kv_indptr = dec_kv_indptr_d->get();
-    p.kv_slots = dec_slots_d->get();
-    p.num_requests = n_dec;
-    p.max_q_len = 1;
-    p.max_kv_len = dec_max_kv;
+    const AttentionParams p =
+        PoolAttention(pool, l, dec, q_d->get(), out_d->get(), lse_d->get(), /*causal=*/true);
     const absl::Status st = DecodeAttention(p, plan, ws_d->get(), nullptr);
     ASSERT_TRUE(st.ok()) << st;
   }
   // ... and the chunks (the rows after them), causal over their own keys.
-  const int64_t n_chunks = static_cast<int64_t>(chk_q_indptr.size()) - 1;
-  if (n_chunks > 0) {
-    AttentionParams p = base;
-    p.q = q_d->get() + n_dec * H * D;
-    p.out = out_d->get() + n_dec * H * D;
-    p.lse = lse_d->get() + n_dec * H;
-    p.q_indptr = chk_q_indptr_d->get();
-    p.kv_indptr = chk_kv_indptr_d->get();
-    p.kv_slots = chk_slots_d->get();
-    p.num_requests = n_chunks;
-    p.max_q_len = chk_max_q;
-    p.max_kv_len = chk_max_kv;
+  if (chunks.num_requests > 0) {
+    const AttentionParams p = PoolAttention(pool, l, chunks, q_d->get() + n_dec * H * D,
+                                            out_d->get() + n_dec * H * D, lse_d->get() + n_dec * H,
+                                            /*causal=*/true);
     const absl::Status st = PrefillAttention(p, nullptr);
     ASSERT_TRUE(st.ok()) << st;
   }
@@ -1057,30 +1025,13 @@ void CheckCascade(const CascadeCase& c) {
     gp.n = n_members;
     gp.width = H * D;
     ASSERT_TRUE(GatherRows(gp, nullptr).ok());
-    AttentionParams p = base;
-    p.q = q_pre_d->get();
-    p.out = out_pre_d->get();
-    p.lse = lse_pre_d->get();
-    p.q_indptr = pre_q_indptr_d->get();
-    p.kv_indptr = pre_kv_indptr_d->get();
-    p.kv_slots = pre_slots_d->get();
-    p.num_requests = static_cast<int64_t>(c.prefix_lens.size());
-    p.max_q_len = pre_max_q;
-    p.max_kv_len = pre_max_kv;
-    p.causal = false;
+    const AttentionParams p = PoolAttention(pool, l, prefixes, q_pre_d->get(), out_pre_d->get(),
+                                            lse_pre_d->get(), /*causal=*/false);
     const absl::Status st = PrefillAttention(p, nullptr);
     ASSERT_TRUE(st.ok()) << st;
     // 4. Merge each member row's prefix state into its own-keys state.
-    MergeStatesParams mp;
-    mp.out = out_d->get();
-    mp.lse = lse_d->get();
-    mp.out_b = out_pre_d->get();
-    mp.lse_b = lse_pre_d->get();
-    mp.rows_a = members_d->get();
-    mp.rows_b = member_index_d->get();
-    mp.n = n_members;
-    mp.num_heads = H;
-    mp.head_dim = D;
+    const MergeStatesParams mp = MergeParams(out_d->get(), lse_d->get(), members_d->get(), out_pre_d->get(),
+                                             lse_pre_d->get(), member_index_d->get(), n_members, H, D);
     ASSERT_TRUE(MergeStates(mp, nullptr).ok());
   }
   CUDA_ASSERT_OK(cudaDeviceSynchronize());
@@ -1088,11 +1039,7 @@ void CheckCascade(const CascadeCase& c) {
   ASSERT_TRUE(q_pre_d->GuardsIntact() && out_pre_d->GuardsIntact() && lse_pre_d->GuardsIntact())
       << "write outside the prefix buffers";
   ASSERT_TRUE(ws_d->GuardsIntact()) << "write outside the decode workspace";
-  std::vector<float> out = ToFloats(out_d->Download());
-  std::vector<float> lse = lse_d->Download();
-  out.resize(ref_out.size());
-  lse.resize(ref_lse.size());
-  ExpectClose(desc.str(), ref_out, ref_lse, out, lse, H, D);
+  ExpectDeviceClose(desc.str(), ref_out, ref_lse, *out_d, *lse_d, H, D);
 }
 
 TEST(CudaPrefixAttention, CascadeMatchesPlainAttention) {
@@ -1144,25 +1091,35 @@ TEST(CudaPrefixAttention, CausalPrefillStillMatchesAttention) {
 
 // ---- parameter validation (host only: fails before any device access) -------------------------
 
+// One invalid parameter: `apply` spoils a copy of valid params in `field`.
+template <typename Params>
+struct Mutation {
+  const char* field;
+  void (*apply)(Params*);
+};
+
+// Every mutation of `good` makes `call` (the op named `name`) fail with kInvalidArgument and a
+// message that names the field and the op.
+template <typename Params>
+void ExpectRejected(absl::Status (*call)(const Params&, cudaStream_t), const char* name, const Params& good,
+                    const std::vector<Mutation<Params>>& mutations) {
+  for (const Mutation<Params>& m : mutations) {
+    Params p = good;
+    m.apply(&p);
+    const absl::Status st = call(p, nullptr);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << m.field << ": " << st;
+    EXPECT_NE(std::string(st.message()).find(m.field), std::string::npos) << st;
+    EXPECT_NE(std::string(st.message()).find(name), std::string::npos) << st;
+  }
+}
+
 TEST(CudaPrefixAttention, MergeStatesAndGatherRowsRejectInvalidParams) {
   alignas(16) static bf16 dummy_bf16[64];
   alignas(16) static float dummy_f32[64];
   alignas(16) static int32_t dummy_i32[4];
-  MergeStatesParams good;
-  good.out = dummy_bf16;
-  good.lse = dummy_f32;
-  good.out_b = dummy_bf16 + 32;
-  good.lse_b = dummy_f32 + 32;
-  good.rows_a = dummy_i32;
-  good.rows_b = dummy_i32;
-  good.n = 2;
-  good.num_heads = 2;
-  good.head_dim = 8;
-  struct MergeMutation {
-    const char* field;
-    void (*apply)(MergeStatesParams*);
-  };
-  const MergeMutation merge_mutations[] = {
+  const MergeStatesParams good = MergeParams(dummy_bf16, dummy_f32, dummy_i32, dummy_bf16 + 32,
+                                             dummy_f32 + 32, dummy_i32, /*n=*/2, /*heads=*/2, /*head_dim=*/8);
+  const std::vector<Mutation<MergeStatesParams>> merge_mutations = {
       {"out", [](MergeStatesParams* p) { p->out = nullptr; }},
       {"lse", [](MergeStatesParams* p) { p->lse = nullptr; }},
       {"out_b", [](MergeStatesParams* p) { p->out_b = nullptr; }},
@@ -1182,14 +1139,7 @@ TEST(CudaPrefixAttention, MergeStatesAndGatherRowsRejectInvalidParams) {
          p->rows_a = nullptr;
        }},
   };
-  for (const MergeMutation& m : merge_mutations) {
-    MergeStatesParams p = good;
-    m.apply(&p);
-    const absl::Status st = MergeStates(p, nullptr);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << m.field << ": " << st;
-    EXPECT_NE(std::string(st.message()).find(m.field), std::string::npos) << st;
-    EXPECT_NE(std::string(st.message()).find("MergeStates"), std::string::npos) << st;
-  }
+  ExpectRejected(MergeStates, "MergeStates", good, merge_mutations);
 
   GatherRowsParams g;
   g.src = dummy_bf16;
@@ -1197,11 +1147,7 @@ TEST(CudaPrefixAttention, MergeStatesAndGatherRowsRejectInvalidParams) {
   g.rows = dummy_i32;
   g.n = 2;
   g.width = 8;
-  struct GatherMutation {
-    const char* field;
-    void (*apply)(GatherRowsParams*);
-  };
-  const GatherMutation gather_mutations[] = {
+  const std::vector<Mutation<GatherRowsParams>> gather_mutations = {
       {"src", [](GatherRowsParams* p) { p->src = nullptr; }},
       {"dst", [](GatherRowsParams* p) { p->dst = nullptr; }},
       {"rows", [](GatherRowsParams* p) { p->rows = nullptr; }},
@@ -1209,14 +1155,7 @@ TEST(CudaPrefixAttention, MergeStatesAndGatherRowsRejectInvalidParams) {
       {"width", [](GatherRowsParams* p) { p->width = 0; }},
       {"src_stride", [](GatherRowsParams* p) { p->src_stride = 4; }},
   };
-  for (const GatherMutation& m : gather_mutations) {
-    GatherRowsParams p = g;
-    m.apply(&p);
-    const absl::Status st = GatherRows(p, nullptr);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << m.field << ": " << st;
-    EXPECT_NE(std::string(st.message()).find(m.field), std::string::npos) << st;
-    EXPECT_NE(std::string(st.message()).find("GatherRows"), std::string::npos) << st;
-  }
+  ExpectRejected(GatherRows, "GatherRows", g, gather_mutations);
   GatherRowsParams empty;  // n == 0: no-op, nothing checked
   EXPECT_TRUE(GatherRows(empty, nullptr).ok());
   MergeStatesParams empty_merge;
