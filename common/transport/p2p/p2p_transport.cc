@@ -1,0 +1,366 @@
+// The p2p transport (DESIGN.md, "Transports"): GPUs of one host. Registered buffers live in
+// device memory; a writer copies the payload straight into the receiver's buffer (CUDA IPC
+// mapping; NVLink or PCIe peer copy, or a copy within one GPU when both processes share it) and
+// then copies the sequence number into the receiver's doorbell, on one stream, so the doorbell
+// can only change after the payload has landed.
+//
+// Control messages, connections and peer-failure detection are the UCX transport's (an inner
+// transport this one wraps). Buffer descriptors travel on that channel: RegisterBuffer sends the
+// buffer's IPC handle, offset, size and doorbell slot to every connected peer, and a new
+// connection gets every buffer registered so far. The channel is ordered per peer, so a
+// descriptor always arrives before any message the owner sends after registering; control
+// frames of this transport are consumed inside its calls and never reach the caller.
+//
+// Doorbells: one device page of 64-bit counters per process, exported once; buffer `id` owns slot
+// `id % kSlots` (ids must be distinct modulo kSlots). Receivers poll their own page from the
+// host (a 8-byte device-to-host copy per poll, about 5 us); the device-side wait of issue 5 is the
+// next step.
+//
+// Trust: a peer with an IPC mapping can write anywhere in the mapped buffer, so bounds are checked
+// by the writer (an out-of-bounds Write is InvalidArgument before any copy); a malicious peer is
+// outside this transport's model, as it is for NVLink itself.
+#include "common/transport/p2p/p2p_transport.h"
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status.h"
+
+namespace tandem::transport {
+namespace {
+
+constexpr uint32_t kDescriptorMagic = 0x42503254;  // "T2PB" on the wire: a buffer descriptor
+constexpr uint32_t kHelloMagic = 0x48503254;       // "T2PH": the sender's doorbell page
+constexpr size_t kSlots = 512;                     // doorbells per process
+
+#define P2P_CUDA(expr)                                                                                     \
+  do {                                                                                                     \
+    const cudaError_t p2p_err_ = (expr);                                                                   \
+    if (p2p_err_ != cudaSuccess) {                                                                         \
+      return absl::InternalError(                                                                          \
+          absl::StrCat(#expr, ": ", cudaGetErrorName(p2p_err_), " (", cudaGetErrorString(p2p_err_), ")")); \
+    }                                                                                                      \
+  } while (0)
+
+// Fixed little-endian frames: magic, then fields. Both sides are this code on one host.
+struct DescriptorFrame {
+  uint32_t magic = kDescriptorMagic;
+  uint32_t buffer = 0;
+  uint64_t offset = 0;  // of the buffer inside the exported allocation
+  uint64_t bytes = 0;
+  cudaIpcMemHandle_t handle{};
+};
+struct HelloFrame {
+  uint32_t magic = kHelloMagic;
+  int32_t device = 0;
+  cudaIpcMemHandle_t doorbells{};
+};
+
+template <typename T>
+std::vector<uint8_t> ToBytes(const T& frame) {
+  std::vector<uint8_t> v(sizeof(T));
+  std::memcpy(v.data(), &frame, sizeof(T));
+  return v;
+}
+
+uint32_t MagicOf(const std::vector<uint8_t>& m) {
+  uint32_t magic = 0;
+  if (m.size() >= 4) std::memcpy(&magic, m.data(), 4);
+  return magic;
+}
+
+class P2pTransport : public Transport {
+ public:
+  P2pTransport(std::unique_ptr<Transport> control, int device)
+      : control_(std::move(control)), device_(device) {
+    caps_.name = "p2p";
+    caps_.gpu_memory = true;
+    caps_.device_polling = false;
+    caps_.same_host_only = true;
+  }
+
+  ~P2pTransport() override {
+    cudaSetDevice(device_);
+    for (auto& [peer, p] : peers_) {
+      for (auto& [id, r] : p.buffers) {
+        if (r.mapped) cudaIpcCloseMemHandle(r.mapped);
+      }
+      if (p.doorbells) cudaIpcCloseMemHandle(p.doorbells);
+    }
+    if (stream_) cudaStreamDestroy(stream_);
+    if (doorbells_) cudaFree(doorbells_);
+    if (seqnos_) cudaFreeHost(seqnos_);
+  }
+
+  absl::Status Init() {
+    P2P_CUDA(cudaSetDevice(device_));
+    P2P_CUDA(cudaMalloc(&doorbells_, kSlots * sizeof(uint64_t)));
+    P2P_CUDA(cudaMemset(doorbells_, 0, kSlots * sizeof(uint64_t)));
+    P2P_CUDA(cudaIpcGetMemHandle(&doorbell_handle_, doorbells_));
+    P2P_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    P2P_CUDA(cudaMallocHost(&seqnos_, sizeof(uint64_t)));
+    P2P_CUDA(cudaDeviceSynchronize());
+    return absl::OkStatus();
+  }
+
+  const Capabilities& capabilities() const override { return caps_; }
+  std::string address() const override { return control_->address(); }
+  std::string PeerName(PeerId peer) const override { return control_->PeerName(peer); }
+
+  absl::StatusOr<PeerId> Connect(const std::string& address) override {
+    ASSIGN_OR_RETURN(const PeerId peer, control_->Connect(address));
+    RETURN_IF_ERROR(Greet(peer));
+    return peer;
+  }
+
+  absl::StatusOr<PeerId> Accept(absl::Time deadline) override {
+    ASSIGN_OR_RETURN(const PeerId peer, control_->Accept(deadline));
+    RETURN_IF_ERROR(Greet(peer));
+    return peer;
+  }
+
+  absl::Status Send(PeerId peer, absl::Span<const uint8_t> message) override {
+    return control_->Send(peer, message);
+  }
+
+  absl::Status Receive(PeerId* from, std::vector<uint8_t>* message, absl::Time deadline) override {
+    if (!stash_.empty()) {
+      *from = stash_.front().first;
+      *message = std::move(stash_.front().second);
+      stash_.pop_front();
+      return absl::OkStatus();
+    }
+    while (true) {
+      RETURN_IF_ERROR(control_->Receive(from, message, deadline));
+      ASSIGN_OR_RETURN(const bool ours, Consume(*from, *message));
+      if (!ours) return absl::OkStatus();
+    }
+  }
+
+  absl::Status RegisterBuffer(uint32_t id, void* base, size_t bytes) override {
+    if (local_.contains(id)) return absl::AlreadyExistsError(absl::StrCat("buffer ", id, " is registered"));
+    for (const auto& [other, b] : local_) {
+      if (other % kSlots == id % kSlots) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("buffer ", id, " shares doorbell slot ", id % kSlots, " with buffer ", other));
+      }
+    }
+    cudaPointerAttributes attr{};
+    P2P_CUDA(cudaPointerGetAttributes(&attr, base));
+    if (attr.type != cudaMemoryTypeDevice || attr.device != device_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("p2p buffer ", id, " must be device memory of cuda:", device_));
+    }
+    // The IPC handle names a whole allocation: find the one holding `base`. The driver call comes
+    // through the runtime's entry-point lookup, so nothing links libcuda (absent without a driver).
+    using AddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    P2P_CUDA(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found));
+    if (fn == nullptr || found != cudaDriverEntryPointSuccess) {
+      return absl::InternalError("the CUDA driver has no cuMemGetAddressRange");
+    }
+    CUdeviceptr alloc = 0;
+    size_t alloc_bytes = 0;
+    if (reinterpret_cast<AddressRangeFn>(fn)(&alloc, &alloc_bytes, reinterpret_cast<CUdeviceptr>(base)) !=
+        CUDA_SUCCESS) {
+      return absl::InternalError(absl::StrCat("cuMemGetAddressRange failed for buffer ", id));
+    }
+    DescriptorFrame d;
+    d.buffer = id;
+    d.offset = reinterpret_cast<CUdeviceptr>(base) - alloc;
+    d.bytes = bytes;
+    if (d.offset + bytes > alloc_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("buffer ", id, " runs past its allocation"));
+    }
+    P2P_CUDA(cudaIpcGetMemHandle(&d.handle, reinterpret_cast<void*>(alloc)));
+    local_[id] = d;
+    for (const auto& [peer, p] : peers_) RETURN_IF_ERROR(control_->Send(peer, ToBytes(d)));
+    return absl::OkStatus();
+  }
+
+  absl::Status Write(PeerId peer, uint32_t buffer, uint64_t offset,
+                     absl::Span<const absl::Span<const uint8_t>> pieces, uint64_t seqno) override {
+    ASSIGN_OR_RETURN(Remote * r, RemoteBuffer(peer, buffer, absl::Now() + absl::Seconds(30)));
+    uint64_t total = 0;
+    for (const auto& p : pieces) total += p.size();
+    if (offset > r->bytes || total > r->bytes - offset) {
+      return absl::InvalidArgumentError(absl::StrCat("write of ", total, " bytes at offset ", offset,
+                                                     " outside buffer ", buffer, " (", r->bytes,
+                                                     " bytes) of ", PeerName(peer)));
+    }
+    P2P_CUDA(cudaSetDevice(device_));
+    auto* dst = static_cast<uint8_t*>(r->mapped) + r->offset + offset;
+    for (const auto& p : pieces) {
+      if (p.empty()) continue;
+      P2P_CUDA(cudaMemcpyAsync(dst, p.data(), p.size(), cudaMemcpyDefault, stream_));
+      dst += p.size();
+    }
+    // The doorbell after the payload, on the same stream: it lands only once the payload has.
+    Peer& pr = peers_.at(peer);
+    *seqnos_ = seqno;
+    P2P_CUDA(cudaMemcpyAsync(static_cast<uint64_t*>(pr.doorbells) + buffer % kSlots, seqnos_,
+                             sizeof(uint64_t), cudaMemcpyHostToDevice, stream_));
+    P2P_CUDA(cudaStreamSynchronize(stream_));  // pieces (and the staged seqno) reusable on return
+    return absl::OkStatus();
+  }
+
+  absl::Status WaitDoorbell(uint32_t buffer, uint64_t seqno, absl::Time deadline) override {
+    if (!local_.contains(buffer)) return absl::NotFoundError(absl::StrCat("no buffer ", buffer));
+    for (int spins = 0;; ++spins) {
+      ASSIGN_OR_RETURN(const uint64_t seen, ReadDoorbell(buffer));
+      if (seen >= seqno) return absl::OkStatus();
+      // Keep the control channel moving: descriptors from peers, and failures of peers.
+      RETURN_IF_ERROR(Pump());
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("waiting for doorbell ", seqno, " of buffer ", buffer, " (it is at ", seen, ")"));
+      }
+      if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  uint64_t Doorbell(uint32_t buffer) const override {
+    absl::StatusOr<uint64_t> v = const_cast<P2pTransport*>(this)->ReadDoorbell(buffer);
+    return v.ok() ? *v : 0;
+  }
+
+  absl::Status Flush(absl::Time deadline) override {
+    P2P_CUDA(cudaStreamSynchronize(stream_));
+    return control_->Flush(deadline);
+  }
+
+ private:
+  struct Remote {
+    void* mapped = nullptr;  // the peer's allocation, mapped here
+    uint64_t offset = 0, bytes = 0;
+  };
+  struct Peer {
+    bool greeted = false;  // its hello (doorbell page) arrived
+    void* doorbells = nullptr;
+    std::map<uint32_t, DescriptorFrame> descriptors;  // received, not yet mapped
+    std::map<uint32_t, Remote> buffers;               // mapped
+  };
+
+  // A new connection: our doorbell page, then every buffer registered so far.
+  absl::Status Greet(PeerId peer) {
+    peers_[peer];
+    HelloFrame h;
+    h.device = device_;
+    h.doorbells = doorbell_handle_;
+    RETURN_IF_ERROR(control_->Send(peer, ToBytes(h)));
+    for (const auto& [id, d] : local_) RETURN_IF_ERROR(control_->Send(peer, ToBytes(d)));
+    return absl::OkStatus();
+  }
+
+  // A control frame of this transport is applied and consumed (true); anything else is the
+  // caller's (false).
+  absl::StatusOr<bool> Consume(PeerId from, const std::vector<uint8_t>& m) {
+    const uint32_t magic = MagicOf(m);
+    if (magic == kHelloMagic && m.size() == sizeof(HelloFrame)) {
+      HelloFrame h;
+      std::memcpy(&h, m.data(), sizeof(h));
+      Peer& p = peers_[from];
+      if (p.greeted) return absl::DataLossError(absl::StrCat("second p2p hello from ", PeerName(from)));
+      P2P_CUDA(cudaSetDevice(device_));
+      P2P_CUDA(cudaIpcOpenMemHandle(&p.doorbells, h.doorbells, cudaIpcMemLazyEnablePeerAccess));
+      p.greeted = true;
+      return true;
+    }
+    if (magic == kDescriptorMagic && m.size() == sizeof(DescriptorFrame)) {
+      DescriptorFrame d;
+      std::memcpy(&d, m.data(), sizeof(d));
+      peers_[from].descriptors[d.buffer] = d;
+      return true;
+    }
+    return false;
+  }
+
+  // Handles the control frames that have arrived, without waiting; the caller's messages are kept
+  // for Receive. A failed peer surfaces here as Unavailable.
+  absl::Status Pump() {
+    PeerId from;
+    std::vector<uint8_t> m;
+    while (true) {
+      const absl::Status s = control_->Receive(&from, &m, absl::Now());
+      if (absl::IsDeadlineExceeded(s)) return absl::OkStatus();
+      RETURN_IF_ERROR(s);
+      ASSIGN_OR_RETURN(const bool ours, Consume(from, m));
+      if (!ours) stash_.emplace_back(from, std::move(m));
+    }
+  }
+
+  absl::StatusOr<Remote*> RemoteBuffer(PeerId peer, uint32_t buffer, absl::Time deadline) {
+    if (!peers_.contains(peer)) return absl::NotFoundError(absl::StrCat("no peer ", peer));
+    while (true) {
+      Peer& p = peers_.at(peer);
+      auto it = p.buffers.find(buffer);
+      if (it != p.buffers.end()) return &it->second;
+      auto d = p.descriptors.find(buffer);
+      if (p.greeted && d != p.descriptors.end()) {
+        P2P_CUDA(cudaSetDevice(device_));
+        Remote r;
+        P2P_CUDA(cudaIpcOpenMemHandle(&r.mapped, d->second.handle, cudaIpcMemLazyEnablePeerAccess));
+        r.offset = d->second.offset;
+        r.bytes = d->second.bytes;
+        p.descriptors.erase(d);
+        return &(p.buffers[buffer] = r);
+      }
+      RETURN_IF_ERROR(Pump());
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("buffer ", buffer, " of ", PeerName(peer), " was never registered"));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  absl::StatusOr<uint64_t> ReadDoorbell(uint32_t buffer) {
+    uint64_t v = 0;
+    P2P_CUDA(cudaSetDevice(device_));
+    P2P_CUDA(cudaMemcpy(&v, static_cast<uint64_t*>(doorbells_) + buffer % kSlots, sizeof(v),
+                        cudaMemcpyDeviceToHost));
+    return v;
+  }
+
+  std::unique_ptr<Transport> control_;
+  int device_;
+  Capabilities caps_;
+  void* doorbells_ = nullptr;  // kSlots u64 counters, device memory, exported
+  cudaIpcMemHandle_t doorbell_handle_{};
+  cudaStream_t stream_ = nullptr;
+  uint64_t* seqnos_ = nullptr;  // pinned staging for the doorbell value
+  std::map<uint32_t, DescriptorFrame> local_;
+  std::map<PeerId, Peer> peers_;
+  std::deque<std::pair<PeerId, std::vector<uint8_t>>> stash_;  // caller's messages seen by Pump
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateP2pTransport(const P2pOptions& options) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    return absl::UnavailableError("p2p transport: no CUDA device");
+  }
+  if (options.device < 0 || options.device >= count) {
+    return absl::InvalidArgumentError(absl::StrCat("p2p transport: cuda:", options.device, " requested but ",
+                                                   count, " device(s) are visible"));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Transport> control,
+                   CreateUcxTransport({.listen_address = options.listen_address}));
+  auto t = std::make_unique<P2pTransport>(std::move(control), options.device);
+  RETURN_IF_ERROR(t->Init());
+  return std::unique_ptr<Transport>(std::move(t));
+}
+
+}  // namespace tandem::transport

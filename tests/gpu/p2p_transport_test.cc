@@ -1,0 +1,226 @@
+// The p2p transport between two processes: this test (listening, cuda:0) and a child process
+// (this binary in helper mode; cuda:1 when there are two GPUs, else cuda:0 as well). The child
+// writes payloads that record their origin, 16 B to 64 MB, each followed by its doorbell; the
+// parent checks every byte, then writes back. Also: gathered pieces, bounds, deadlines, and
+// registration errors. Skips without a GPU. Prints one-way host-driven write times.
+#include "common/transport/p2p/p2p_transport.h"
+
+#include <cuda_runtime.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gpu_test_util.h"
+#include "gtest/gtest.h"
+
+extern char** environ;
+
+namespace tandem::transport {
+namespace {
+
+constexpr char kAddressEnv[] = "TANDEM_P2P_TEST_CONNECT_TO";
+constexpr size_t kBufferBytes = (64u << 20) + 64;
+const size_t kSizes[] = {16, 4096, 65536, 1u << 20, 16u << 20, 64u << 20};
+
+absl::Time In(absl::Duration d) { return absl::Now() + d; }
+
+// Bytes that say who wrote them and for which message: word i = mix(origin, seq, i).
+std::vector<uint8_t> Payload(uint64_t origin, uint64_t seq, size_t bytes) {
+  std::vector<uint8_t> v(bytes);
+  for (size_t i = 0; i < bytes; i += 8) {
+    uint64_t z = origin * 0x9E3779B97F4A7C15ull + seq * 0xBF58476D1CE4E5B9ull + i;
+    z = (z ^ (z >> 31)) * 0x94D049BB133111EBull;
+    z ^= z >> 29;
+    std::memcpy(v.data() + i, &z, std::min<size_t>(8, bytes - i));
+  }
+  return v;
+}
+
+std::vector<uint8_t> Text(const std::string& s) { return {s.begin(), s.end()}; }
+
+int Devices() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+struct DeviceMemory {
+  void* p = nullptr;
+  explicit DeviceMemory(size_t bytes) { cudaMalloc(&p, bytes); }
+  ~DeviceMemory() { cudaFree(p); }
+  std::vector<uint8_t> Read(size_t bytes) const {
+    std::vector<uint8_t> v(bytes);
+    cudaMemcpy(v.data(), p, bytes, cudaMemcpyDeviceToHost);
+    return v;
+  }
+};
+
+void ExpectMessage(Transport& t, const std::string& want) {
+  PeerId from;
+  std::vector<uint8_t> m;
+  const absl::Status s = t.Receive(&from, &m, In(absl::Seconds(60)));
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_EQ(std::string(m.begin(), m.end()), want);
+}
+
+// The child: connects, registers buffer 2, writes every size into the parent's buffer 1 (waiting
+// for the parent's "ack k" before overwriting), prints its write times, then checks the parent's
+// write into buffer 2.
+TEST(P2pChildHelper, DISABLED_WriteAllSizes) {
+  const char* address = std::getenv(kAddressEnv);
+  if (address == nullptr) GTEST_SKIP() << "helper for P2pTransport.TwoProcesses; run by it";
+  const int device = Devices() >= 2 ? 1 : 0;
+  ASSERT_EQ(cudaSetDevice(device), cudaSuccess);
+  auto t = CreateP2pTransport({.listen_address = "", .device = device});
+  ASSERT_TRUE(t.ok()) << t.status();
+  DeviceMemory mine(kBufferBytes);
+  ASSERT_TRUE((*t)->RegisterBuffer(2, mine.p, kBufferBytes).ok());
+  auto peer = (*t)->Connect(address);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  ASSERT_TRUE((*t)->Send(*peer, Text(absl::StrCat("hello from cuda:", device))).ok());
+  uint64_t seq = 0;
+  for (size_t bytes : kSizes) {
+    // Device-resident source, as a memory rank's attention output is.
+    DeviceMemory src(bytes);
+    const std::vector<uint8_t> data = Payload(getpid(), seq + 1, bytes);  // the size's first seqno
+    ASSERT_EQ(cudaMemcpy(src.p, data.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    double best_us = 1e30;
+    for (int rep = 0; rep < 5; ++rep) {
+      ++seq;
+      absl::Span<const uint8_t> piece(static_cast<const uint8_t*>(src.p), bytes);
+      const auto t0 = std::chrono::steady_clock::now();
+      const absl::Status s = (*t)->Write(*peer, 1, 0, {&piece, 1}, seq);
+      const double us =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      ASSERT_TRUE(s.ok()) << s;
+      best_us = std::min(best_us, us);
+      ExpectMessage(**t, absl::StrCat("ack ", seq));
+      if (HasFatalFailure()) return;
+    }
+    std::printf("p2p write cuda:%d -> cuda:0, %zu bytes: %.1f us (best of 5), %.2f GB/s\n", device, bytes,
+                best_us, bytes / best_us / 1e3);
+  }
+  // Gathered pieces from host memory, at an offset.
+  ++seq;
+  const std::vector<uint8_t> a = Payload(getpid(), 1000, 40), b = Payload(getpid(), 1001, 4096);
+  const absl::Span<const uint8_t> pieces[] = {a, b};
+  ASSERT_TRUE((*t)->Write(*peer, 1, 64, pieces, seq).ok());
+  ExpectMessage(**t, absl::StrCat("ack ", seq));
+  // Out of bounds: refused before any copy.
+  const std::vector<uint8_t> big(128);
+  absl::Span<const uint8_t> over(big);
+  const absl::Status oob = (*t)->Write(*peer, 1, kBufferBytes - 64, {&over, 1}, seq + 1);
+  EXPECT_EQ(oob.code(), absl::StatusCode::kInvalidArgument) << oob;
+  ASSERT_TRUE((*t)->Send(*peer, Text("done")).ok());
+  // The parent's write into buffer 2.
+  ASSERT_TRUE((*t)->WaitDoorbell(2, 7, In(absl::Seconds(60))).ok());
+  EXPECT_TRUE(mine.Read(1u << 20) == Payload(4242, 7, 1u << 20));
+  ASSERT_TRUE((*t)->Send(*peer, Text("bye")).ok());
+  ASSERT_TRUE((*t)->Flush(In(absl::Seconds(10))).ok());
+}
+
+pid_t SpawnChild(const std::string& address) {
+  std::string exe(4096, '\0');
+  const ssize_t n = readlink("/proc/self/exe", exe.data(), exe.size() - 1);
+  if (n <= 0) return -1;
+  exe.resize(static_cast<size_t>(n));
+  std::string env_var = absl::StrCat(kAddressEnv, "=", address);
+  std::vector<char*> envp;
+  for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
+  envp.push_back(env_var.data());
+  envp.push_back(nullptr);
+  std::string filter = "--gtest_filter=P2pChildHelper.DISABLED_WriteAllSizes";
+  std::string disabled = "--gtest_also_run_disabled_tests";
+  std::vector<char*> argv = {exe.data(), filter.data(), disabled.data(), nullptr};
+  const pid_t pid = fork();
+  if (pid == 0) {
+    execve(exe.c_str(), argv.data(), envp.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+TEST(P2pTransport, TwoProcessesEverySizeAndBack) {
+  TANDEM_SKIP_WITHOUT_GPU();
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  auto t = CreateP2pTransport({.listen_address = "127.0.0.1:0", .device = 0});
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->capabilities().name, "p2p");
+  DeviceMemory buffer(kBufferBytes);
+  ASSERT_TRUE((*t)->RegisterBuffer(1, buffer.p, kBufferBytes).ok());
+  const pid_t child = SpawnChild((*t)->address());
+  ASSERT_GT(child, 0);
+  auto peer = (*t)->Accept(In(absl::Seconds(60)));
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  PeerId from;
+  std::vector<uint8_t> m;
+  ASSERT_TRUE((*t)->Receive(&from, &m, In(absl::Seconds(60))).ok());
+  std::printf("child says: %s (%d GPU(s) here)\n", std::string(m.begin(), m.end()).c_str(), Devices());
+  uint64_t seq = 0;
+  for (size_t bytes : kSizes) {
+    const std::vector<uint8_t> want = Payload(child, seq + 1, bytes);  // the child sends it 5 times
+    for (int rep = 0; rep < 5; ++rep) {
+      ++seq;
+      const absl::Status s = (*t)->WaitDoorbell(1, seq, In(absl::Seconds(60)));
+      ASSERT_TRUE(s.ok()) << s;
+      EXPECT_EQ((*t)->Doorbell(1), seq);
+      ASSERT_TRUE(buffer.Read(bytes) == want) << bytes << " bytes, message " << seq;
+      ASSERT_EQ(cudaMemset(buffer.p, 0xEE, bytes), cudaSuccess);  // the next message must rewrite it
+      ASSERT_TRUE((*t)->Send(*peer, Text(absl::StrCat("ack ", seq))).ok());
+    }
+  }
+  ++seq;
+  ASSERT_TRUE((*t)->WaitDoorbell(1, seq, In(absl::Seconds(60))).ok());
+  std::vector<uint8_t> want = Payload(child, 1000, 40);
+  const std::vector<uint8_t> second = Payload(child, 1001, 4096);
+  want.insert(want.end(), second.begin(), second.end());
+  const std::vector<uint8_t> got = buffer.Read(64 + want.size());
+  EXPECT_TRUE(std::equal(want.begin(), want.end(), got.begin() + 64)) << "gathered pieces";
+  ASSERT_TRUE((*t)->Send(*peer, Text(absl::StrCat("ack ", seq))).ok());
+  ExpectMessage(**t, "done");
+  // Back: a device buffer of this process into the child's buffer 2.
+  DeviceMemory src(1u << 20);
+  const std::vector<uint8_t> back = Payload(4242, 7, 1u << 20);
+  ASSERT_EQ(cudaMemcpy(src.p, back.data(), back.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  absl::Span<const uint8_t> piece(static_cast<const uint8_t*>(src.p), back.size());
+  ASSERT_TRUE((*t)->Write(*peer, 2, 0, {&piece, 1}, 7).ok());
+  ExpectMessage(**t, "bye");
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child failed; status " << status;
+}
+
+TEST(P2pTransport, RegistrationErrorsAndDeadlines) {
+  TANDEM_SKIP_WITHOUT_GPU();
+  auto t = CreateP2pTransport({.listen_address = "127.0.0.1:0", .device = 0});
+  ASSERT_TRUE(t.ok()) << t.status();
+  DeviceMemory a(4096);
+  ASSERT_TRUE((*t)->RegisterBuffer(3, a.p, 4096).ok());
+  EXPECT_EQ((*t)->RegisterBuffer(3, a.p, 4096).code(), absl::StatusCode::kAlreadyExists);
+  std::vector<uint8_t> host(4096);
+  EXPECT_EQ((*t)->RegisterBuffer(4, host.data(), host.size()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*t)->RegisterBuffer(3 + 512, a.p, 64).code(), absl::StatusCode::kInvalidArgument)
+      << "two buffers on one doorbell slot";
+  EXPECT_EQ((*t)->WaitDoorbell(9, 1, In(absl::Milliseconds(10))).code(), absl::StatusCode::kNotFound);
+  const absl::Time start = absl::Now();
+  const absl::Status s = (*t)->WaitDoorbell(3, 1, In(absl::Milliseconds(200)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(std::string(s.message()).find("buffer 3"), std::string::npos) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(CreateP2pTransport({.listen_address = "", .device = 1000}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace tandem::transport
