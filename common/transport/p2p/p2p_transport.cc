@@ -219,8 +219,9 @@ class P2pTransport : public Transport {
     for (int spins = 0;; ++spins) {
       ASSIGN_OR_RETURN(const uint64_t seen, ReadDoorbell(buffer));
       if (seen >= seqno) return absl::OkStatus();
-      // Keep the control channel moving: descriptors from peers, and failures of peers.
-      RETURN_IF_ERROR(Pump());
+      // Keep the control channel moving (descriptors from peers, failures of peers), every 16th
+      // poll so that the doorbell itself is read every few microseconds.
+      if (spins % 16 == 15) RETURN_IF_ERROR(Pump());
       if (absl::Now() >= deadline) {
         return absl::DeadlineExceededError(
             absl::StrCat("waiting for doorbell ", seqno, " of buffer ", buffer, " (it is at ", seen, ")"));
@@ -285,13 +286,14 @@ class P2pTransport : public Transport {
     return false;
   }
 
-  // Handles the control frames that have arrived, without waiting; the caller's messages are kept
-  // for Receive. A failed peer surfaces here as Unavailable.
-  absl::Status Pump() {
+  // Handles the control frames that have arrived, waiting at most `wait` for the first; the
+  // caller's messages are kept for Receive. A failed peer surfaces here as Unavailable. The wait
+  // must be positive: the UCX transport only makes progress before a deadline it has not reached.
+  absl::Status Pump(absl::Duration wait = absl::Microseconds(50)) {
     PeerId from;
     std::vector<uint8_t> m;
     while (true) {
-      const absl::Status s = control_->Receive(&from, &m, absl::Now());
+      const absl::Status s = control_->Receive(&from, &m, absl::Now() + wait);
       if (absl::IsDeadlineExceeded(s)) return absl::OkStatus();
       RETURN_IF_ERROR(s);
       ASSIGN_OR_RETURN(const bool ours, Consume(from, m));
