@@ -184,7 +184,6 @@ void Controller::Admit() {
       if (free < best_need) index.Evict(best_need - free, &evicted_[bi]);
       live->chain = std::move(best_match);
       live->prefilled = live->context = live->result.cached_tokens = cached;
-      stats_.cached_tokens += cached;
       live->pending = PendingBlockHashes(*live, static_cast<int64_t>(live->request.prompt.size()));
       for (uint64_t h : live->pending) ++pending_[bi][h];
     }
@@ -227,7 +226,6 @@ void Controller::Rematch(Live& live) {
   reserved_[static_cast<size_t>(live.memory_rank)] -= tokens;
   live.chain = std::move(match);
   live.prefilled = live.context = live.result.cached_tokens = static_cast<int64_t>(live.chain.size()) * bt;
-  stats_.cached_tokens += tokens;
 }
 
 std::vector<uint64_t> Controller::PendingBlockHashes(const Live& live, int64_t end_tokens) const {
@@ -390,6 +388,7 @@ void Controller::Schedule(PlannedStep* step) {
     r.counter = live->result.token_ids.size();
     if (!live->started && start > 0)
       r.attach_hash = index_[static_cast<size_t>(live->memory_rank)]->hash(live->chain.back());
+    if (!live->started) stats_.cached_tokens += live->result.cached_tokens;  // reused from now on
     live->started = true;
     step->plan.requests.push_back(r);
     step->rank_rows[static_cast<size_t>(live->memory_rank) + 1] += static_cast<int32_t>(n);
@@ -487,6 +486,7 @@ absl::Status Controller::Cancel(int64_t id, GenerationResult* result,
     Retire(live, released);
     *result = std::move(live.result);
     result->finish_reason = "cancelled";
+    if (!live.started) result->cached_tokens = 0;  // it never ran: nothing was reused
     running_.erase(it);
     return absl::OkStatus();
   }

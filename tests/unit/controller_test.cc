@@ -1,0 +1,179 @@
+// The controller's prefix cache against the memory ranks' KV tables: a randomized run in which
+// every plan the controller makes is applied to one KvTable per memory rank (as the memory ranks
+// do), with prompts drawn from shared system prompts and few-shot blocks, arrivals in bursts,
+// cancellations, and KV pools small enough to force eviction. Checked after every step:
+//   * every plan applies (the controller never promises KV a rank does not have, never attaches,
+//     publishes, evicts or groups a block the rank does not hold as it says);
+//   * the controller's view of each rank (reserved + registered tokens) covers what the rank
+//     really uses, and its registered blocks are exactly the rank's;
+//   * every request finishes with its max_tokens (ignore_eos), none is lost, and cached_tokens
+//     counts whole blocks that were really attached.
+#include "compute_node/controller.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "memory_node/kv_table.h"
+
+namespace tandem {
+namespace {
+
+struct Scenario {
+  int ranks;
+  int64_t capacity;  // KV slots per rank
+  int64_t block;
+  int64_t batch, step_tokens;
+  PrefixSharing sharing;
+  uint32_t seed;
+};
+
+class ControllerPrefix : public ::testing::TestWithParam<Scenario> {};
+
+TEST_P(ControllerPrefix, PlansAlwaysApplyAndAccountingCoversTheRanks) {
+  const Scenario sc = GetParam();
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gqa");
+  ASSERT_TRUE(spec.ok());
+  ControllerOptions o;
+  o.max_batch_size = sc.batch;
+  o.max_tokens_per_step = sc.step_tokens;
+  o.prefix_block_tokens = sc.block;
+  o.prefix_sharing = sc.sharing;
+  Controller c(*spec, std::vector<int64_t>(static_cast<size_t>(sc.ranks), sc.capacity), o);
+  std::vector<std::unique_ptr<KvTable>> tables;
+  for (int m = 0; m < sc.ranks; ++m) {
+    tables.push_back(std::make_unique<KvTable>(sc.capacity, sc.block));
+    tables.back()->SetPrefixSharing(sc.sharing, [](int64_t rows, int64_t) { return rows >= 2; });
+  }
+
+  std::mt19937 rng(sc.seed);
+  auto rnd = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  auto tokens = [&](int n) {
+    std::vector<int32_t> t;
+    for (int i = 0; i < n; ++i) t.push_back(rnd(2, static_cast<int>(spec->vocab_size) - 1));
+    return t;
+  };
+  std::vector<std::vector<int32_t>> systems, shots;
+  for (int i = 0; i < 3; ++i) systems.push_back(tokens(rnd(1, 5) * static_cast<int>(sc.block) + rnd(0, 3)));
+  for (int i = 0; i < 4; ++i) shots.push_back(tokens(rnd(0, 3) * static_cast<int>(sc.block)));
+
+  std::map<int64_t, GenerationRequest> live;  // submitted, not finished
+  int64_t submitted = 0, finished_count = 0, cancelled = 0, attached_tokens = 0;
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  std::vector<std::vector<uint64_t>> released;
+  for (int step = 0; step < 600; ++step) {
+    // Bursts of arrivals sharing prompts.
+    if (step < 450 && rnd(0, 3) == 0) {
+      for (int k = rnd(1, 6); k > 0; --k) {
+        GenerationRequest r;
+        r.prompt = systems[static_cast<size_t>(rnd(0, 2))];
+        if (rnd(0, 2) != 0) {
+          const auto& s = shots[static_cast<size_t>(rnd(0, 3))];
+          r.prompt.insert(r.prompt.end(), s.begin(), s.end());
+        }
+        const std::vector<int32_t> own = tokens(rnd(0, 2 * static_cast<int>(sc.block)));
+        r.prompt.insert(r.prompt.end(), own.begin(), own.end());
+        if (r.prompt.empty()) r.prompt.push_back(3);
+        r.max_tokens = rnd(1, 12);
+        r.ignore_eos = true;
+        if (c.Check(r).code() == absl::StatusCode::kResourceExhausted) continue;  // can never fit
+        absl::StatusOr<int64_t> id = c.Submit(r);
+        ASSERT_TRUE(id.ok()) << id.status();
+        live[*id] = r;
+        ++submitted;
+      }
+    }
+    // Now and then a cancellation (waiting or running).
+    if (!live.empty() && rnd(0, 19) == 0) {
+      auto it = live.begin();
+      std::advance(it, rnd(0, static_cast<int>(live.size()) - 1));
+      GenerationResult res;
+      ASSERT_TRUE(c.Cancel(it->first, &res, &released).ok());
+      EXPECT_EQ(res.finish_reason, "cancelled");
+      for (int m = 0; m < sc.ranks; ++m)
+        tables[static_cast<size_t>(m)]->Release(released[static_cast<size_t>(m)]);
+      live.erase(it);
+      ++cancelled;
+    }
+    PlannedStep ps;
+    c.Schedule(&ps);
+    if (ps.empty()) {
+      if (c.Idle() && step >= 450) break;
+      continue;
+    }
+    for (int m = 0; m < sc.ranks; ++m) {
+      AttentionBatch batch;
+      const absl::Status s = tables[static_cast<size_t>(m)]->Apply(ps.plan, static_cast<uint16_t>(m), &batch);
+      ASSERT_TRUE(s.ok()) << "step " << step << " rank " << m << ": " << s;
+      ASSERT_EQ(batch.num_tokens(),
+                ps.rank_rows[static_cast<size_t>(m) + 1] - ps.rank_rows[static_cast<size_t>(m)]);
+    }
+    for (const StepRequest& r : ps.plan.requests) {
+      if (r.attach_hash != 0) attached_tokens += r.position;
+    }
+    // Any token will do (ignore_eos): the prefix logic does not look at generated tokens.
+    std::vector<int32_t> sampled(ps.rows.sample_rows.size(), 5);
+    std::vector<float> logprobs(sampled.size(), -1.0f);
+    finished.clear();
+    ASSERT_TRUE(c.Complete(ps, sampled, logprobs, &finished, &released).ok());
+    for (int m = 0; m < sc.ranks; ++m)
+      tables[static_cast<size_t>(m)]->Release(released[static_cast<size_t>(m)]);
+    for (auto& [id, res] : finished) {
+      auto it = live.find(id);
+      ASSERT_NE(it, live.end());
+      EXPECT_EQ(static_cast<int64_t>(res.token_ids.size()), it->second.max_tokens);
+      EXPECT_EQ(res.cached_tokens % sc.block, 0);
+      EXPECT_LT(res.cached_tokens, static_cast<int64_t>(it->second.prompt.size()));
+      live.erase(it);
+      ++finished_count;
+    }
+    // The controller's accounting covers each rank's real use, and the registries agree.
+    for (int m = 0; m < sc.ranks; ++m) {
+      const KvTable& t = *tables[static_cast<size_t>(m)];
+      const PrefixIndex* index = c.prefix_index(m);
+      ASSERT_NE(index, nullptr);
+      ASSERT_EQ(index->stats().blocks, t.num_blocks()) << "rank " << m << " step " << step;
+      const int64_t used = t.num_slots() - t.num_free();
+      ASSERT_LE(used, c.kv_reserved(m) + index->stats().tokens_held) << "rank " << m << " step " << step;
+      ASSERT_LE(c.kv_reserved(m) + index->stats().tokens_held, sc.capacity)
+          << "rank " << m << " step " << step;
+    }
+  }
+  EXPECT_TRUE(c.Idle());
+  EXPECT_TRUE(live.empty());
+  EXPECT_EQ(finished_count + cancelled, submitted);
+  EXPECT_EQ(c.stats().cached_tokens, attached_tokens);
+  EXPECT_GT(attached_tokens, 0) << "no prompt ever reused a block";
+  if (sc.sharing != PrefixSharing::kOff) {
+    EXPECT_GT(c.stats().grouped_rows, 0);
+  }
+  int64_t evictions = 0;
+  for (int m = 0; m < sc.ranks; ++m) evictions += c.prefix_index(m)->stats().evictions;
+  std::printf(
+      "%d rank(s), %lld slots each: %lld requests (%lld cancelled), %lld prompt tokens reused, %lld "
+      "rows in groups, %lld blocks evicted\n",
+      sc.ranks, static_cast<long long>(sc.capacity), static_cast<long long>(submitted),
+      static_cast<long long>(cancelled), static_cast<long long>(attached_tokens),
+      static_cast<long long>(c.stats().grouped_rows), static_cast<long long>(evictions));
+}
+
+INSTANTIATE_TEST_SUITE_P(Scenarios, ControllerPrefix,
+                         ::testing::Values(Scenario{1, 4096, 8, 16, 128, PrefixSharing::kOn, 1},
+                                           Scenario{2, 600, 8, 12, 64, PrefixSharing::kOn,
+                                                    2},  // eviction pressure
+                                           Scenario{3, 400, 4, 24, 48, PrefixSharing::kAuto, 3},
+                                           Scenario{2, 2048, 16, 32, 512, PrefixSharing::kOff, 4},
+                                           Scenario{1, 300, 8, 8, 32, PrefixSharing::kOn, 5}),
+                         [](const ::testing::TestParamInfo<Scenario>& info) {
+                           const Scenario& s = info.param;
+                           const char* sharing = s.sharing == PrefixSharing::kOn     ? "on"
+                                                 : s.sharing == PrefixSharing::kAuto ? "auto"
+                                                                                     : "off";
+                           return absl::StrCat(s.ranks, "ranks_", s.capacity, "slots_block", s.block,
+                                               "_sharing_", sharing);
+                         });
+
+}  // namespace
+}  // namespace tandem
