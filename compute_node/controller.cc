@@ -243,14 +243,26 @@ std::vector<uint64_t> Controller::PendingBlockHashes(const Live& live, int64_t e
 
 void Controller::Publish(Live& live, int64_t rows, StepPlan* plan) {
   PrefixIndex& index = *index_[static_cast<size_t>(live.memory_rank)];
-  const int64_t end = std::min<int64_t>(live.request.prompt.size(), live.prefilled + rows);
-  if (end == static_cast<int64_t>(live.request.prompt.size())) DropPending(live);  // prefill ends here
+  const int64_t prompt_len = static_cast<int64_t>(live.request.prompt.size());
+  if (live.prefilled < prompt_len && live.prefilled + rows == prompt_len) DropPending(live);  // prefill ends
+  const int64_t end = live.context + rows;  // positions whose KV exists once this step is done
   const int64_t blocks = end / index.block_tokens();
+  if (blocks <= static_cast<int64_t>(live.chain.size())) return;
+  // The tokens at those positions: the prompt, then the generated ones (a decode row's input is
+  // the last token sampled), so a follow-up turn that repeats this conversation reuses its KV.
+  std::vector<int32_t> history;
+  std::span<const int32_t> tokens(live.request.prompt);
+  if (end > prompt_len) {
+    history = live.request.prompt;
+    history.insert(history.end(), live.result.token_ids.begin(), live.result.token_ids.end());
+    tokens = history;
+  }
+  TANDEM_CHECK(static_cast<int64_t>(tokens.size()) >= end);
   for (int64_t i = static_cast<int64_t>(live.chain.size()); i < blocks; ++i) {
     const int32_t parent = live.chain.empty() ? -1 : live.chain.back();
-    const int32_t id = index.Insert(live.request.prompt, i, parent);
-    // Registered meanwhile by a request that prefilled the same prompt (or a hash collision): the
-    // rest of this prompt's KV stays private, so every registered chain is one request's slots.
+    const int32_t id = index.Insert(tokens, i, parent);
+    // Registered meanwhile by a request that computed the same tokens (or a hash collision): the
+    // rest of this request's KV stays private, so every registered chain is one request's slots.
     if (id < 0) break;
     index.Acquire({&id, 1});
     live.chain.push_back(id);
@@ -413,7 +425,7 @@ void Controller::Schedule(PlannedStep* step) {
     for (const StepRequest& r : step->plan.requests) stats_.grouped_rows += r.prefix_group >= 0 ? r.q_len : 0;
   }
   for (const auto& [live, n] : chosen) {
-    if (live->prefilled < static_cast<int64_t>(live->request.prompt.size())) Publish(*live, n, &step->plan);
+    Publish(*live, n, &step->plan);
   }
 }
 

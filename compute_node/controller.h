@@ -22,8 +22,10 @@
 // rank's rows are one contiguous range.
 //
 // Prefix registry (options.prefix_block_tokens > 0; compute_node/prefix_index.h): as a request's
-// prompt chunks complete full blocks, they are registered on its rank (publish) and stay after it
-// ends, until admission needs their KV (LRU eviction). A request matches the registry when admitted
+// prompt chunks and decode steps complete full blocks (prompt, then generated tokens), they are
+// registered on its rank (publish) and stay after it ends, until admission needs their KV (LRU
+// eviction): a later request that starts with them, such as the next turn of a conversation,
+// reuses their KV. A request matches the registry when admitted
 // and again just before its first chunk; if its next block is being computed in this step by
 // another request of its rank, it waits one step and then reuses it. With prefix_sharing on or auto,
 // the requests of a step that use the same registered blocks form prefix groups (nested where
@@ -181,8 +183,9 @@ class Controller {
   void DropPending(Live& live);
   // Ends a running request's claims: its reservation and its use of registered blocks.
   void Retire(Live& live, std::vector<std::vector<uint64_t>>* released);
-  // Registers the full prompt blocks that the request's KV covers once this step's `rows` rows are
-  // in (prefill chunks publish as they go, so that requests behind them can reuse the blocks).
+  // Registers the full blocks that the request's KV covers once this step's `rows` rows are in
+  // (prefill chunks publish as they go, so that requests behind them can reuse the blocks; decode
+  // steps publish blocks of generated tokens, for a conversation's next turn).
   void Publish(Live& live, int64_t rows, StepPlan* plan);
   // Before a request's first step: reuse the blocks registered since its admission.
   void Rematch(Live& live);

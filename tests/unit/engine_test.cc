@@ -243,6 +243,48 @@ TEST_P(EnginePrefix, CacheAndSharingChangeNoToken) {
   }
 }
 
+// A conversation's next turn repeats the previous prompt and answer: their KV (generated tokens
+// included) is reused, and the tokens equal a run without the cache.
+TEST(Engine, NextTurnReusesThePreviousAnswer) {
+  auto w = Tiny("tiny-gqa");
+  const auto first = SharedPrefixRequests(w->spec().vocab_size)[0];  // 24 + 16 + 5 prompt tokens
+  auto engine = [&](bool cache) {
+    EngineOptions o;
+    o.device = "cpu";
+    o.max_batch_size = 4;
+    o.max_tokens_per_step = 64;
+    o.kv_capacity_tokens = 4096;
+    o.prefix_cache = cache;
+    o.prefix_block_tokens = 8;
+    absl::StatusOr<std::unique_ptr<ColocatedEngine>> e = ColocatedEngine::Create(*w, o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return std::move(*e);
+  };
+  for (bool cache : {false, true}) {
+    SCOPED_TRACE(cache ? "cache on" : "cache off");
+    auto e = engine(cache);
+    GenerationRequest turn1 = first;
+    turn1.max_tokens = 30;
+    absl::StatusOr<std::vector<GenerationResult>> r1 = e->GenerateAll({turn1});
+    ASSERT_TRUE(r1.ok()) << r1.status();
+    GenerationRequest turn2 = turn1;
+    turn2.prompt.insert(turn2.prompt.end(), (*r1)[0].token_ids.begin(), (*r1)[0].token_ids.end());
+    for (int32_t t : {7, 8, 9}) turn2.prompt.push_back(t);  // the user's next message
+    turn2.max_tokens = 10;
+    absl::StatusOr<std::vector<GenerationResult>> r2 = e->GenerateAll({turn2});
+    ASSERT_TRUE(r2.ok()) << r2.status();
+    static std::vector<GenerationResult> without;
+    if (!cache) {
+      without = *r2;
+      EXPECT_EQ((*r2)[0].cached_tokens, 0);
+      continue;
+    }
+    // Turn 1 left KV for 45 + 30 - 1 = 74 positions: 9 full blocks of 8, answer included.
+    EXPECT_EQ((*r2)[0].cached_tokens, 72);
+    ExpectSameResults(*r2, without);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Presets, EnginePrefix, ::testing::Values("tiny-mha", "tiny-gqa", "tiny-mqa"),
                          [](const auto& info) {
                            std::string n = info.param;
