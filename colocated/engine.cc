@@ -38,8 +38,9 @@ void AddSchedulerKvKnobs(ConfigSchema* schema) {
               "automatically",
               0.01, 0.98)
       .Bool("kv.prefix_cache", d.prefix_cache,
-            "keep the KV of prompt blocks after a request ends and reuse it for prompts that start with "
-            "them (evicted least recently used when the cache is full)")
+            "keep the KV of full token blocks (prompt and generated) after a request ends and reuse it for "
+            "prompts that start with them, such as a conversation's next turn (evicted least recently used "
+            "when the cache is full)")
       .Int("kv.prefix_block_tokens", d.prefix_block_tokens,
            "tokens per prefix-cache block: prompts share KV in whole blocks", 1, 4096)
       .Enum("kv.prefix_sharing", d.prefix_sharing, {"auto", "on", "off"},
