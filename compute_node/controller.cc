@@ -412,9 +412,9 @@ void Controller::Schedule(PlannedStep* step) {
   }
   for (size_t m = 1; m < step->rank_rows.size(); ++m) step->rank_rows[m] += step->rank_rows[m - 1];
   if (index_.empty()) return;
-  // Prefix work of the step, in the order a memory rank applies it: evictions (made by this
-  // step's admissions), then the groups over blocks registered before the step, then the blocks
-  // of prompts that finish prefilling in it.
+  // Prefix work of the step, in the order a memory rank applies it: evictions (made by admissions
+  // since the last plan), then the groups over blocks registered before the step, then the blocks
+  // that this step's rows complete (prompt chunks and decode rows).
   for (size_t m = 0; m < evicted_.size(); ++m) {
     for (uint64_t h : evicted_[m])
       step->plan.evictions.push_back({.block_hash = h, .memory_rank = static_cast<uint16_t>(m)});
