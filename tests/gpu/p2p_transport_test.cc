@@ -177,6 +177,7 @@ TEST(P2pTransport, TwoProcessesEverySizeAndBack) {
       EXPECT_EQ((*t)->Doorbell(1), seq);
       ASSERT_TRUE(buffer.Read(bytes) == want) << bytes << " bytes, message " << seq;
       ASSERT_EQ(cudaMemset(buffer.p, 0xEE, bytes), cudaSuccess);  // the next message must rewrite it
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);            // before the ack lets it come
       ASSERT_TRUE((*t)->Send(*peer, Text(absl::StrCat("ack ", seq))).ok());
     }
   }
