@@ -4,7 +4,8 @@
 # and with both (on), checking that greedy tokens are equal and printing tokens/s.
 #
 # Workloads:
-#   trace   a window of the Mooncake conversation trace (../shared/traces or TRACE=path): each
+#   trace   a window of the Mooncake conversation trace (TRACE=path/to/mooncake_conversation_trace.jsonl,
+#           the FAST'25 release's JSON lines: timestamp, input_length, output_length, hash_ids): each
 #           request's hash_ids become token blocks, equal ids giving equal tokens, so requests that
 #           share leading ids share that prefix. Blocks are scaled from 512 to BLOCK tokens
 #           (default 64) so that a window of WINDOW requests (default 256) fits one GPU's KV.
@@ -16,7 +17,7 @@ TANDEM=${1:?usage: prefix_sharing_bench.sh TANDEM OUTDIR [MODEL]}
 out=${2:?usage: prefix_sharing_bench.sh TANDEM OUTDIR [MODEL]}
 MODEL=${3:-llama3-8b}
 src=$(cd "$(dirname "$0")/.." && pwd)
-TRACE=${TRACE:-$src/../shared/traces/mooncake_conversation_trace.jsonl}
+TRACE=${TRACE:-}
 WINDOW=${WINDOW:-256} START=${START:-0} BLOCK=${BLOCK:-64} GEN=${GEN:-64}
 MAXPROMPT=${MAXPROMPT:-8000}  # prompts are cut to the model's context (llama3-8b: 8192)
 BATCH=${BATCH:-256} PREFIX=${PREFIX:-4096} SUFFIX=${SUFFIX:-64}
@@ -50,7 +51,7 @@ print(f"trace window: {len(rows)} requests, {total} prompt tokens, {shared} in b
       f"of the window has ({100.0 * shared / max(total, 1):.1f}%)", file=sys.stderr)
 PY
 else
-  echo "no trace at $TRACE: skipping the trace workload"
+  echo "TRACE is not set to a Mooncake trace file: skipping the trace workload"
 fi
 python3 - "$BATCH" "$PREFIX" "$SUFFIX" >fanout.jsonl <<'PY'
 import json, random, sys
