@@ -221,6 +221,7 @@ absl::Status ComputeRank::Shutdown() {
   bye.steps = static_cast<uint64_t>(controller_ ? controller_->stats().steps : 0);
   const std::vector<uint8_t> frame = EncodeBye(bye);
   for (Rank& rank : ranks_) {
+    transport_->Close(rank.peer);  // it exits once the bye arrives: not a failure
     absl::Status st = transport_->Send(rank.peer, frame);
     if (!st.ok()) TANDEM_LOG_INFO("compute", rank.name, ": bye not delivered: ", st.message());
   }

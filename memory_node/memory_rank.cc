@@ -69,6 +69,7 @@ class MemoryRank {
         if (!bye.ok()) return Fail(bye.status());
         TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, ": bye after ", bye->steps, " steps (", steps_,
                         " with rows here)");
+        transport_->Close(peer_);  // the compute rank is done with us too
         return absl::OkStatus();
       } else if (magic == kErrorMagic) {
         absl::StatusOr<ErrorMessage> err = DecodeError(msg);

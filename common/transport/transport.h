@@ -85,6 +85,11 @@ class Transport {
 
   // Waits until every operation started so far has completed (or failed) at the transport level.
   virtual absl::Status Flush(absl::Time deadline) = 0;
+
+  // This side is done with `peer` (after a clean goodbye): its disconnect is expected from now on
+  // and is logged at debug level instead of as a warning. Operations on the peer still work until
+  // it goes, and then fail with Unavailable as before.
+  virtual void Close(PeerId peer) = 0;
 };
 
 struct UcxOptions {

@@ -235,6 +235,8 @@ class P2pTransport : public Transport {
     return v.ok() ? *v : 0;
   }
 
+  void Close(PeerId peer) override { control_->Close(peer); }
+
   absl::Status Flush(absl::Time deadline) override {
     P2P_CUDA(cudaStreamSynchronize(stream_));
     return control_->Flush(deadline);

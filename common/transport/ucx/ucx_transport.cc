@@ -175,7 +175,8 @@ struct Peer {
   ucp_ep_h ep = nullptr;
   std::string name;
   bool failed = false;
-  std::string failure;  // UCX's reason
+  bool closing = false;  // Close() was called: a disconnect is expected
+  std::string failure;   // UCX's reason
 };
 
 // A control message being received (complete once its data is in `data`).
@@ -237,6 +238,9 @@ class UcxTransport final : public Transport {
     return it == buffers_.end() ? 0 : it->second->doorbell;
   }
   absl::Status Flush(absl::Time deadline) override;
+  void Close(PeerId peer) override {
+    if (peer < peers_.size()) peers_[peer]->closing = true;
+  }
 
  private:
   static void OnConnRequest(ucp_conn_request_h request, void* arg);
@@ -452,7 +456,11 @@ void UcxTransport::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
   if (peer->failed) return;
   peer->failed = true;
   peer->failure = ucs_status_string(status);
-  TANDEM_LOG_WARN("transport", "ucx: peer ", peer->name, " disconnected: ", peer->failure);
+  if (peer->closing) {
+    TANDEM_LOG_DEBUG("transport", "ucx: peer ", peer->name, " gone after close: ", peer->failure);
+  } else {
+    TANDEM_LOG_WARN("transport", "ucx: peer ", peer->name, " disconnected: ", peer->failure);
+  }
 }
 
 absl::StatusOr<PeerId> UcxTransport::Connect(const std::string& address) {
