@@ -10,6 +10,7 @@
 #include "common/status.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/vec.h"
 
 namespace tandem::kernels::cpu {
 namespace {
@@ -18,28 +19,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 absl::Status Invalid(absl::string_view op, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(op, ": ", what));
-}
-
-// Same arithmetic as Attention's helpers (attention.cc), so a fully visible prefix gives the same
-// bits: fp32 dot with 8 partial sums in a fixed order, and acc += w · v.
-float Dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-#pragma GCC unroll 8
-    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
-  }
-  for (; i < n; ++i) acc[0] += a[i] * b[i];
-  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-}
-
-void Axpy(float w, const float* __restrict v, float* __restrict acc, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-#pragma GCC unroll 8
-    for (int l = 0; l < 8; ++l) acc[i + l] += w * v[i + l];
-  }
-  for (; i < n; ++i) acc[i] += w * v[i];
 }
 
 absl::Status ValidatePrefix(const PrefixAttentionParams& p) {
