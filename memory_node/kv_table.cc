@@ -91,10 +91,13 @@ absl::Status KvTable::Check(const StepPlan& plan, uint16_t memory_rank,
                                                      allocator_.num_slots(), " are free"));
   }
   // A request's chain at the start of the step: its own, or the one it attaches.
-  auto chain_of = [&](const StepRequest& r) {
+  // (A reference to the table's own chain; only an attaching request's is built, into `attaching`.)
+  std::vector<uint64_t> attaching;
+  auto chain_of = [&](const StepRequest& r) -> const std::vector<uint64_t>& {
     auto known = contexts_.find(r.request_id);
     if (known != contexts_.end()) return known->second.chain;
-    return r.position > 0 ? ChainTo(r.attach_hash) : std::vector<uint64_t>{};
+    attaching = r.position > 0 ? ChainTo(r.attach_hash) : std::vector<uint64_t>{};
+    return attaching;
   };
 
   // Publishes extend their request's chain one block at a time, inside its context.
@@ -155,7 +158,7 @@ absl::Status KvTable::Check(const StepPlan& plan, uint16_t memory_rank,
       return bad(who, "prefix of ", grp.prefix_tokens, " tokens overlaps the rows from position ",
                  r->position);
     }
-    const std::vector<uint64_t> chain = chain_of(*r);
+    const std::vector<uint64_t>& chain = chain_of(*r);
     const size_t depth = static_cast<size_t>(grp.prefix_tokens / block_tokens_);
     if (chain.size() < depth || chain[depth - 1] != grp.block_hash) {
       return bad(who, "the request does not hold block ", Hex(grp.block_hash));
@@ -222,12 +225,13 @@ void KvTable::BuildGroups(const StepPlan& plan, uint16_t memory_rank,
   // takes the cascade path. A refused group's rows stay with its nearest taken ancestor.
   const size_t num_plan_groups = plan.groups.size();
   std::vector<std::vector<int32_t>> rows(num_plan_groups);
-  std::vector<int32_t> suffix_start(mine.size(), 0);
+  std::vector<const StepRequest*> member(num_plan_groups, nullptr);  // any one: all hold the blocks
   if (sharing_ != PrefixSharing::kOff) {
     int32_t row = 0;
     for (const StepRequest* r : mine) {
       for (int32_t g = r->prefix_group; g >= 0; g = plan.groups[static_cast<size_t>(g)].parent) {
         for (int32_t i = 0; i < r->q_len; ++i) rows[static_cast<size_t>(g)].push_back(row + i);
+        if (member[static_cast<size_t>(g)] == nullptr) member[static_cast<size_t>(g)] = r;
       }
       row += r->q_len;
     }
@@ -255,31 +259,18 @@ void KvTable::BuildGroups(const StepPlan& plan, uint16_t memory_rank,
     batch->group_row_indptr.push_back(static_cast<int32_t>(batch->group_rows.size()));
     batch->max_group_rows = std::max(batch->max_group_rows, n);
     batch->max_group_kv = std::max(batch->max_group_kv, own);
+    // Its own keys: positions [start, prefix_tokens) of any member's context.
+    const std::vector<int32_t>& slots = contexts_.at(member[g]->request_id).slots;
+    batch->group_kv_slots.insert(batch->group_kv_slots.end(), slots.begin() + start,
+                                 slots.begin() + grp.prefix_tokens);
+    batch->group_kv_indptr.push_back(static_cast<int32_t>(batch->group_kv_slots.size()));
   }
-  // Each taken group's keys come from any member (they all hold the same blocks), and each
-  // request's suffix starts after its deepest taken group.
+  // Each request's own keys start after its deepest taken group (none taken: its whole context).
+  std::vector<int32_t> suffix_start(mine.size(), 0);
   for (size_t i = 0; i < mine.size(); ++i) {
     int32_t g = mine[i]->prefix_group;
     if (g >= 0 && emitted[static_cast<size_t>(g)] < 0) g = taken_ancestor[static_cast<size_t>(g)];
-    if (g >= 0 && sharing_ != PrefixSharing::kOff)
-      suffix_start[i] = plan.groups[static_cast<size_t>(g)].prefix_tokens;
-  }
-  for (size_t g = 0; g < num_plan_groups; ++g) {
-    if (emitted[g] < 0) continue;
-    // Find a member (a request whose group chain passes through g).
-    const std::vector<int32_t>* slots = nullptr;
-    for (const StepRequest* r : mine) {
-      for (int32_t x = r->prefix_group; x >= 0 && slots == nullptr;
-           x = plan.groups[static_cast<size_t>(x)].parent) {
-        if (x == static_cast<int32_t>(g)) slots = &contexts_.at(r->request_id).slots;
-      }
-      if (slots) break;
-    }
-    const int32_t anc = taken_ancestor[g];
-    const int32_t start = anc < 0 ? 0 : plan.groups[static_cast<size_t>(anc)].prefix_tokens;
-    batch->group_kv_slots.insert(batch->group_kv_slots.end(), slots->begin() + start,
-                                 slots->begin() + plan.groups[g].prefix_tokens);
-    batch->group_kv_indptr.push_back(static_cast<int32_t>(batch->group_kv_slots.size()));
+    if (g >= 0) suffix_start[i] = plan.groups[static_cast<size_t>(g)].prefix_tokens;
   }
   for (size_t i = 0; i < mine.size(); ++i) {
     const std::vector<int32_t>& slots = contexts_.at(mine[i]->request_id).slots;
