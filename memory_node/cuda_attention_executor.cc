@@ -221,16 +221,14 @@ class CudaAttentionExecutor : public AttentionExecutor {
     rounds_.clear();
     if (groups_ == 0) return absl::OkStatus();
     const auto at = [](const std::vector<int32_t>& v, int64_t i) { return v[static_cast<size_t>(i)]; };
-    // GQA packing (the query heads of a KV head as rows of one launch, GatherRowsParams::pack)
-    // halves the CTAs per K/V tile read and measured no faster on llama3-8b (bench/
-    // prefix_attention_bench, nopack column: 0.85-1.1x), so the prefix launch keeps one query
-    // head per CTA; pack_ stays 1 until a prefix kernel that gains from it.
-    pack_ = 1;
-    const int64_t tile = b.max_group_rows * pack_ <= 64 ? 64 : 128;
+    // One query head per CTA. GQA packing (a KV head's query heads as rows of one launch,
+    // GatherRowsParams::pack) measured no faster on llama3-8b (bench/prefix_attention_bench,
+    // nopack column: 0.85-1.1x), so it is not used here.
+    const int64_t tile = b.max_group_rows <= 64 ? 64 : 128;
     int64_t ctas = 0;
     for (int64_t g = 0; g < groups_; ++g) {
-      const int64_t rows = (at(b.group_row_indptr, g + 1) - at(b.group_row_indptr, g)) * pack_;
-      ctas += shape_.num_kv_heads * ((rows + tile - 1) / tile);
+      const int64_t rows = at(b.group_row_indptr, g + 1) - at(b.group_row_indptr, g);
+      ctas += shape_.num_heads * ((rows + tile - 1) / tile);
     }
     const int64_t want = ctas >= num_sms_ ? 1 : (2 * num_sms_ + ctas - 1) / ctas;
     std::vector<int32_t> gather, q_indptr{0}, kv_indptr{0}, base(static_cast<size_t>(groups_)), splits;
@@ -243,7 +241,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
       splits.push_back(k);
       for (int32_t j = 0; j < k; ++j) {
         gather.insert(gather.end(), b.group_rows.begin() + r0, b.group_rows.begin() + r0 + rows);
-        q_indptr.push_back(static_cast<int32_t>(static_cast<int64_t>(gather.size()) * pack_));
+        q_indptr.push_back(static_cast<int32_t>(gather.size()));
         const int32_t end = k0 + static_cast<int32_t>(static_cast<int64_t>(keys) * (j + 1) / k);
         max_chunk = std::max<int64_t>(max_chunk, end - kv_indptr.back());
         kv_indptr.push_back(end);
@@ -252,7 +250,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
     // kv_indptr above is relative to group_kv_slots: pairs cover each group's keys in order.
     prefix_requests_ = static_cast<int64_t>(q_indptr.size()) - 1;
     group_rows_ = static_cast<int64_t>(gather.size());
-    max_group_rows_ = b.max_group_rows * pack_;
+    max_group_rows_ = b.max_group_rows;
     max_group_kv_ = max_chunk;
     o_g_rows_ = packer_.Add(gather);
     o_g_q_ = packer_.Add(q_indptr);
@@ -308,13 +306,10 @@ class CudaAttentionExecutor : public AttentionExecutor {
                                     .rows = meta_.as<int32_t>(o_g_rows_),
                                     .n = group_rows_,
                                     .width = shape_.q_dim(),
-                                    .src_stride = shape_.q_dim(),
-                                    .pack = pack_,
-                                    .head_dim = shape_.head_dim},
+                                    .src_stride = shape_.q_dim()},
                                    side_));
     kc::AttentionParams p = ap;
     p.causal = false;
-    p.num_heads = shape_.num_heads / pack_;  // packed: rows x pack query rows per KV head
     p.q = group_q_.as<bf16>();
     p.out = group_out_.as<bf16>();
     p.lse = group_lse_.as<float>();
@@ -326,7 +321,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
     p.max_kv_len = max_group_kv_;
     RETURN_IF_ERROR(kc::PrefillAttention(p, side_));
     for (const Merge& m : rounds_) {
-      RETURN_IF_ERROR(Merge1(m, group_out_.as<bf16>(), group_lse_.as<float>(), 1, side_));
+      RETURN_IF_ERROR(Merge1(m, group_out_.as<bf16>(), group_lse_.as<float>(), side_));
     }
     CUDA_RETURN_IF_ERROR(cudaEventRecord(prefix_done_, side_));
     return absl::OkStatus();
@@ -336,13 +331,12 @@ class CudaAttentionExecutor : public AttentionExecutor {
   // rows, one level at a time.
   absl::Status MergeSharedPrefixes(bf16* out) {
     CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, prefix_done_, 0));
-    for (const Merge& m : levels_) RETURN_IF_ERROR(Merge1(m, out, lse_.as<float>(), pack_, stream_));
+    for (const Merge& m : levels_) RETURN_IF_ERROR(Merge1(m, out, lse_.as<float>(), stream_));
     return absl::OkStatus();
   }
 
-  // Split states merge among themselves in their packed head order (elementwise, so any order
-  // works); the merge into the rows unpacks them (b_pack).
-  absl::Status Merge1(const Merge& m, bf16* o, float* lse, int64_t b_pack, cudaStream_t stream) {
+  // One MergeStates launch into (o, lse) from the group states.
+  absl::Status Merge1(const Merge& m, bf16* o, float* lse, cudaStream_t stream) {
     return kc::MergeStates({.out = o,
                             .lse = lse,
                             .out_b = group_out_.as<bf16>(),
@@ -351,8 +345,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
                             .rows_b = meta_.as<int32_t>(m.rows_b),
                             .n = m.n,
                             .num_heads = shape_.num_heads,
-                            .head_dim = shape_.head_dim,
-                            .b_pack = b_pack},
+                            .head_dim = shape_.head_dim},
                            stream);
   }
 
@@ -388,7 +381,6 @@ class CudaAttentionExecutor : public AttentionExecutor {
   kc::DeviceBuffer lse_, group_q_, group_out_, group_lse_;
   cudaStream_t side_ = nullptr;  // shared-prefix work, beside the main stream
   cudaEvent_t q_ready_ = nullptr, prefix_done_ = nullptr;
-  int64_t pack_ = 1;  // query heads per KV head, packed as rows in the prefix launch
   int64_t groups_ = 0, prefix_requests_ = 0, group_rows_ = 0, max_group_rows_ = 0, max_group_kv_ = 0;
   int64_t o_g_rows_ = 0, o_g_q_ = 0, o_g_kv_ = 0, o_g_slots_ = 0;
   std::vector<Merge> rounds_, levels_;  // split reduction rounds; per level, groups into rows
