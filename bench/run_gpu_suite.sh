@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds tandem with the CUDA backend and runs, on a GPU machine, the GPU tests and/or the
 # benchmarks, writing logs and JSON to OUTDIR and printing a short summary last.
-# Usage: bench/run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf] [deploy] [prefix]
+# Usage: bench/run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf] [deploy] [prefix] [transport] [steps]
 #   tests    ctest (all tests, the gpu-labelled ones included)
 #   kernels  decode and prefill attention benchmarks, torch SDPA baseline
 #   engine   colocated engine decode throughput (llama3-8b, llama-13b presets)
@@ -10,6 +10,11 @@
 #            same tokens on the reference models and the small preset, then tokens/s of both
 #   prefix   shared-prefix attention: cascade vs plain kernel and the crossover, then the engine
 #            with the prefix cache and sharing on and off (bench/prefix_sharing_bench.sh)
+#   transport  transport one-way latency and bandwidth between two processes (cuda:0 and cuda:1),
+#            host-driven and device-polled, for p2p, nccl and ucx (KINDS, SIZES, ITERS override)
+#   steps    a deployment's decode step (compute rank cuda:0, memory ranks cuda:1..) split into
+#            compute, attention, exchange and idle per transport, beside the colocated engine
+#            (llama3-8b, llama-13b; MODELS, BATCHES, CONTEXTS, TRANSPORTS, MEMORY_RANKS override)
 set -uo pipefail
 out=${1:?usage: run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf]}
 shift
@@ -49,6 +54,24 @@ for what in "$@"; do
       "$BUILD/bench/prefix_attention_bench" --crossover 2>&1 | tee "$out/prefix_crossover.txt" | tail -30
       bash bench/prefix_sharing_bench.sh "$BUILD/tandem" "$out/prefix" "${PREFIX_MODEL:-llama3-8b}" 2>&1 |
         tee "$out/prefix_sharing.txt" | tail -20 ;;
+    transport)
+      "$BUILD/bench/transport_bench" --kinds "${KINDS:-p2p,nccl,ucx}" \
+        --sizes "${SIZES:-16,4096,65536,1048576,16777216,67108864}" --iters "${ITERS:-100}" \
+        --json "$out/transport.json" >"$out/transport.txt" 2>"$out/transport.log"
+      rc=$?
+      cat "$out/transport.txt"
+      [ $rc -eq 0 ] || { echo "transport_bench failed (exit $rc):"; tail -20 "$out/transport.log"; } ;;
+    steps)
+      models=${MODELS:-llama3-8b,llama-13b}
+      for m in ${models//,/ }; do
+        "$BUILD/bench/deploy_step_bench" --model "$m" --tandem "$BUILD/tandem" \
+          --transports "${TRANSPORTS:-ucx,p2p,nccl}" --batches "${BATCHES:-64,256}" \
+          --contexts "${CONTEXTS:-1024,4096}" --decode-tokens 16 --memory-ranks "${MEMORY_RANKS:-1}" \
+          --json "$out/steps_$m.json" >"$out/steps_$m.txt" 2>"$out/steps_$m.log"
+        rc=$?
+        cat "$out/steps_$m.txt"
+        [ $rc -eq 0 ] || { echo "deploy_step_bench $m failed (exit $rc):"; tail -20 "$out/steps_$m.log"; }
+      done ;;
     *) echo "unknown part: $what"; exit 2 ;;
   esac
 done

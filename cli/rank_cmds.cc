@@ -37,7 +37,8 @@ absl::StatusOr<Config> LoadDeployConfig(const std::string& file, const std::vect
 }
 
 struct MemoryArgs {
-  std::string config, ready_file, listen = "127.0.0.1:0", device = "cpu", log_level = "info";
+  std::string config, ready_file, listen = "127.0.0.1:0", device = "cpu", log_level = "info",
+                                  transport = "ucx";
   int rank = 0;
 };
 
@@ -49,6 +50,7 @@ absl::Status RunMemory(const MemoryArgs& a) {
   o.rank = a.rank;
   o.listen_address = a.listen;
   o.device = a.device;
+  ASSIGN_OR_RETURN(o.transport, transport::ParseTransportKind(a.transport));
   o.startup_timeout = absl::Seconds(config.GetDouble("launch.startup_timeout_s"));
   o.step_timeout = absl::Seconds(config.GetDouble("launch.step_timeout_s"));
   o.on_listening = [&](const std::string& address) {
@@ -59,7 +61,8 @@ absl::Status RunMemory(const MemoryArgs& a) {
 }
 
 struct ComputeArgs {
-  std::string config, memory, ready_file, requests, results, device = "cpu", log_level = "info";
+  std::string config, memory, ready_file, requests, results, device = "cpu", log_level = "info",
+                                                             transport = "ucx";
 };
 
 absl::Status RunCompute(const ComputeArgs& a) {
@@ -72,6 +75,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
   TANDEM_LOG_INFO("compute", "loading ", source->Describe());
   ComputeRankOptions o;
   ASSIGN_OR_RETURN(o.device, ResolveDevice(a.device, source->spec()));
+  ASSIGN_OR_RETURN(o.transport, transport::ParseTransportKind(a.transport));
   o.memory_addresses = absl::StrSplit(a.memory, ',');
   ASSIGN_OR_RETURN(o.scheduler, ResolveSchedulerOptions(c.GetInt("scheduler.max_batch_size"),
                                                         c.GetInt("scheduler.max_tokens_per_step")));
@@ -138,6 +142,8 @@ void AddRankCommands(CLI::App& app) {
     cmd->add_option("--listen", a->listen, "host:port to listen on (port 0: any free port)")
         ->capture_default_str();
     cmd->add_option("--device", a->device, "cpu, cuda or cuda:N")->capture_default_str();
+    cmd->add_option("--transport", a->transport, "ucx, p2p, nccl or verbs (the compute rank's too)")
+        ->capture_default_str();
     cmd->add_option("--ready-file", a->ready_file, "file to write this rank's address to once it listens");
     cmd->add_option("--log-level", a->log_level, "debug, info, warn or error")->capture_default_str();
     cmd->callback([a] {
@@ -156,6 +162,8 @@ void AddRankCommands(CLI::App& app) {
                     "transport addresses of the memory ranks, comma-separated, rank order")
         ->required();
     cmd->add_option("--device", a->device, "cpu, cuda or cuda:N")->capture_default_str();
+    cmd->add_option("--transport", a->transport, "ucx, p2p, nccl or verbs (the memory ranks' too)")
+        ->capture_default_str();
     cmd->add_option("--ready-file", a->ready_file, "file to write once every memory rank has replied");
     auto* req = cmd->add_option("--requests", a->requests, "JSON lines of requests to run, then exit");
     cmd->add_option("--results", a->results, "where to write the results of --requests")->needs(req);

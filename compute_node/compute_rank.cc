@@ -6,6 +6,7 @@
 #include "common/layer_message.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "common/transport/factory.h"
 #include "common/transport/transport.h"
 #include "common/wire.h"
 
@@ -29,7 +30,7 @@ absl::StatusOr<std::unique_ptr<ComputeRank>> ComputeRank::Create(const WeightSou
 absl::Status ComputeRank::Connect(const WeightSource& source) {
   const ComputeRankOptions& o = options_;
   const absl::Time deadline = absl::Now() + o.startup_timeout;
-  ASSIGN_OR_RETURN(transport_, transport::CreateUcxTransport({}));
+  ASSIGN_OR_RETURN(transport_, transport::CreateTransport({.kind = o.transport, .device = o.device}));
   for (size_t m = 0; m < o.memory_addresses.size(); ++m) {
     Rank rank;
     ASSIGN_OR_RETURN(rank.peer, transport_->Connect(o.memory_addresses[m]));
@@ -52,15 +53,21 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
   const size_t attn_bytes = t * static_cast<size_t>(s.q_dim()) * elem_;
   ASSIGN_OR_RETURN(qkv_, backend_->memory().Allocate(qkv_bytes, false));
   ASSIGN_OR_RETURN(attn_, backend_->memory().Allocate(attn_bytes, false));
-  if (!backend_->memory().host()) {
+  device_path_ = !backend_->memory().host() && transport_->capabilities().device_polling;
+  if (!backend_->memory().host() && !device_path_) {
     ASSIGN_OR_RETURN(qkv_host_, backend_->memory().Allocate(qkv_bytes, true));
   }
   for (size_t m = 0; m < ranks_.size(); ++m) {
     Rank& rank = ranks_[m];
     rank.attn_buffer = kAttnBufferBase + static_cast<uint32_t>(m);
-    rank.recv_bytes = kLayerMessageHeaderFrameBytes + attn_bytes;
-    ASSIGN_OR_RETURN(rank.recv, backend_->memory().Allocate(rank.recv_bytes, true));
-    RETURN_IF_ERROR(transport_->RegisterBuffer(rank.attn_buffer, rank.recv.get(), rank.recv_bytes));
+    if (device_path_) {
+      // Every rank writes its rows' outputs straight into the attention buffer, at its offset.
+      RETURN_IF_ERROR(transport_->RegisterBuffer(rank.attn_buffer, attn_.get(), attn_bytes));
+    } else {
+      rank.recv_bytes = kLayerMessageHeaderFrameBytes + attn_bytes;
+      ASSIGN_OR_RETURN(rank.recv, backend_->memory().Allocate(rank.recv_bytes, true));
+      RETURN_IF_ERROR(transport_->RegisterBuffer(rank.attn_buffer, rank.recv.get(), rank.recv_bytes));
+    }
     HelloMessage hello;
     hello.memory_rank = static_cast<uint16_t>(m);
     hello.num_memory_ranks = static_cast<uint16_t>(ranks_.size());
@@ -109,6 +116,9 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
     TANDEM_LOG_INFO("compute", rank_names_.back());
   }
   controller_ = std::make_unique<Controller>(s, capacity, o.scheduler);
+  TANDEM_LOG_INFO(
+      "compute", "transport ", transport_->capabilities().name, ", ",
+      device_path_ ? "device data path (whole steps enqueued, device-side waits)" : "host-staged data path");
   return absl::OkStatus();
 }
 
@@ -118,7 +128,7 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   if (step_.empty()) return absl::OkStatus();
   const std::vector<uint8_t> plan = EncodeStepPlan(step_.plan);
   for (Rank& rank : ranks_) RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, plan), rank.name));
-  RETURN_IF_ERROR(RunLayers(step_));
+  RETURN_IF_ERROR(device_path_ ? RunLayersOnDevice(step_) : RunLayers(step_));
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
   RETURN_IF_ERROR(backend_->Finish(&tokens, &logprobs));
@@ -202,6 +212,52 @@ absl::Status ComputeRank::RunLayers(const PlannedStep& step) {
     }
     backend_->MarkAttention();
     RETURN_IF_ERROR(backend_->PostAttention(layer, attn_.get()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ComputeRank::RunLayersOnDevice(const PlannedStep& step) {
+  const ModelSpec& s = backend_->spec();
+  const size_t qkv_row = static_cast<size_t>(backend_->qkv_width()) * elem_;
+  const size_t attn_row = static_cast<size_t>(s.q_dim()) * elem_;
+  auto* qkv = static_cast<const uint8_t*>(qkv_.get());
+  void* stream = backend_->stream();
+  RETURN_IF_ERROR(backend_->BeginStep(step.rows));
+  for (uint32_t layer = 0; layer < static_cast<uint32_t>(s.num_layers); ++layer) {
+    RETURN_IF_ERROR(backend_->PreAttention(layer, qkv_.get()));
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      Rank& rank = ranks_[m];
+      const int32_t begin = step.rank_rows[m], end = step.rank_rows[m + 1];
+      if (begin == end) continue;
+      RETURN_IF_ERROR(
+          Annotate(transport_->EnqueueWrite(rank.peer, rank.qkv_buffer, 0, qkv + begin * qkv_row,
+                                            static_cast<size_t>(end - begin) * qkv_row, ++rank.seqno, stream),
+                   rank.name));
+    }
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      Rank& rank = ranks_[m];
+      const int32_t begin = step.rank_rows[m], end = step.rank_rows[m + 1];
+      if (begin == end) continue;
+      RETURN_IF_ERROR(transport_->EnqueueWait(rank.peer, rank.attn_buffer, begin * attn_row,
+                                              static_cast<size_t>(end - begin) * attn_row, rank.seqno,
+                                              options_.step_timeout,
+                                              absl::StrCat("compute rank: attention output of ", rank.name,
+                                                           ", step ", step.plan.step_id, " layer ", layer),
+                                              stream));
+    }
+    backend_->MarkAttention();
+    RETURN_IF_ERROR(backend_->PostAttention(layer, attn_.get()));
+  }
+  const absl::Status synced = transport_->SyncStream(stream, absl::Now() + 2 * options_.step_timeout);
+  if (!synced.ok()) {
+    // A memory rank that stopped says why in an error message; prefer that to the wait's error.
+    transport::PeerId from = 0;
+    std::vector<uint8_t> msg;
+    if (transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(100)).ok()) {
+      absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+      if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
+    }
+    return Annotate(synced, absl::StrCat("step ", step.plan.step_id));
   }
   return absl::OkStatus();
 }

@@ -9,7 +9,14 @@
 // shape and the step limits, and wait for the replies that carry each rank's KV capacity. The
 // controller then places requests on ranks by free KV.
 //
-// CUDA ranks stage the rows through pinned host buffers (the GPU transports remove that copy).
+// Two data paths, by transport:
+//   * host-staged (ucx): per layer, the q,k,v rows go device -> pinned host -> network, each with a
+//     layer message header (and crc); the host waits for each rank's output and copies it in;
+//   * device (p2p, nccl, verbs: a transport with device polling, CUDA ranks): the whole step is
+//     enqueued at once on the backend's stream, per layer: QKV -> write each rank's rows straight
+//     into its GPU buffer (payload, then doorbell) -> device-side waits for every rank's output,
+//     which lands directly in the attention buffer at the rank's row offset -> the rest of the
+//     layer. The host waits once per step (SyncStream), and each device wait has the step timeout.
 // Every wait has a deadline; a memory rank that reports an error, disconnects or stays silent
 // fails the step with a Status naming it.
 #pragma once
@@ -22,18 +29,16 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/transport/factory.h"
 #include "compute_node/compute_backend.h"
 #include "compute_node/controller.h"
 #include "compute_node/weights.h"
 
 namespace tandem {
 
-namespace transport {
-class Transport;
-}
-
 struct ComputeRankOptions {
-  int device = -1;                            // -1: cpu, else cuda:N
+  int device = -1;                                                      // -1: cpu, else cuda:N
+  transport::TransportKind transport = transport::TransportKind::kUcx;  // as the memory ranks
   std::vector<std::string> memory_addresses;  // transport address of memory rank m, in rank order
   ControllerOptions scheduler;
   int64_t kv_capacity_tokens = 0;  // per memory rank; 0: each sizes its pool from its memory
@@ -66,11 +71,16 @@ class ComputeRank {
   const std::vector<std::string>& memory_ranks() const { return rank_names_; }
   const ControllerStats& stats() const { return controller_->stats(); }
   double busy_seconds() const { return busy_seconds_; }
+  // With ComputeRankOptions::profile: the backend's device time per phase so far (see
+  // ComputeBackend::PhaseTotalsMs); "attention" is the time from the QKV rows being ready to the
+  // last memory rank's output being in place: the exchange both ways plus the remote attention.
+  std::vector<std::pair<std::string, double>> PhaseTotalsMs() const { return backend_->PhaseTotalsMs(); }
 
  private:
   ComputeRank() = default;
   absl::Status Connect(const WeightSource& source);
   absl::Status RunLayers(const PlannedStep& step);
+  absl::Status RunLayersOnDevice(const PlannedStep& step);
 
   ComputeRankOptions options_;
   std::unique_ptr<transport::Transport> transport_;
@@ -90,6 +100,7 @@ class ComputeRank {
   PlannedStep step_;
   BackendBuffer qkv_{nullptr, nullptr}, attn_{nullptr, nullptr};  // backend memory
   BackendBuffer qkv_host_{nullptr, nullptr};                      // staging of qkv rows (CUDA)
+  bool device_path_ = false;  // the whole step on the device (see the file comment)
   size_t elem_ = 4;
   double busy_seconds_ = 0;
 };

@@ -29,9 +29,14 @@ const ConfigSchema& DeploySchema() {
         .String("memory.host", "127.0.0.1", "address the memory ranks listen on")
         .Int("memory.base_port", 0,
              "port of memory rank 0 (rank i listens on base_port + i); 0: any free port", 0, 65535)
-        .Enum("transport.kind", "ucx", {"ucx"},
-              "how ranks exchange step plans and per-layer data (ucx: tcp / shared memory, host memory)")
-        .Bool("transport.checksums", true, "crc32c of every per-layer payload, verified by the receiver")
+        .Enum("transport.kind", "auto", {"auto", "ucx", "p2p", "nccl", "verbs"},
+              "how ranks exchange per-layer data: ucx (tcp / shared memory, staged through host memory), "
+              "p2p (CUDA IPC peer writes between GPUs of this host), nccl (ncclSend/ncclRecv), verbs "
+              "(RDMA WRITE into GPU memory); the GPU ones enqueue whole steps with device-side waits. "
+              "auto: p2p when the compute rank and every memory rank are on CUDA devices and no memory "
+              "rank shares the compute rank's GPU, else ucx")
+        .Bool("transport.checksums", true,
+              "crc32c of every per-layer payload of the host-staged path (ucx), verified by the receiver")
         .String("launch.run_dir", "tandem-run",
                 "directory for the ranks' logs, ready files and effective config")
         .Double("launch.startup_timeout_s", 600, "seconds a rank may take to become ready", 1, 86400)
@@ -41,6 +46,43 @@ const ConfigSchema& DeploySchema() {
   }();
   return *schema;
 }
+
+namespace {
+
+// transport.kind against the ranks' devices. The GPU transports poll doorbells with kernels, so a
+// memory rank that shares the compute rank's GPU would spin against it (time-sliced contexts):
+// refused for p2p and nccl (NCCL also refuses two ranks on one GPU), never chosen by auto.
+absl::StatusOr<std::string> ResolveTransport(const std::string& kind, const DeployPlan& p) {
+  using transport::TransportKind;
+  const bool gpus = p.compute_device != "cpu";
+  std::string shared;  // a memory rank on the compute rank's GPU
+  for (size_t i = 0; i < p.memory_devices.size(); ++i) {
+    if (p.memory_devices[i] == p.compute_device && shared.empty()) shared = absl::StrCat("memory rank ", i);
+  }
+  if (kind == "auto") {
+    return gpus && shared.empty() && transport::TransportBuilt(TransportKind::kP2p) ? "p2p" : "ucx";
+  }
+  ASSIGN_OR_RETURN(const TransportKind k, transport::ParseTransportKind(kind));
+  if (!transport::TransportBuilt(k)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("transport.kind: ", kind, " is not in this build (it needs the CUDA build)"));
+  }
+  if (k == TransportKind::kUcx || k == TransportKind::kVerbs) return kind;
+  if (!gpus) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("transport.kind: ", kind, " moves data between GPUs, but the ranks run on the CPU"));
+  }
+  if (!shared.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("transport.kind: ", kind,
+                                                   " needs every memory rank on a GPU other "
+                                                   "than the compute rank's, but ",
+                                                   shared, " is on ", p.compute_device,
+                                                   " too (use ucx or auto)"));
+  }
+  return kind;
+}
+
+}  // namespace
 
 absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& spec) {
   DeployPlan p;
@@ -88,6 +130,7 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   ControllerOptions prefix;
   RETURN_IF_ERROR(ResolvePrefixOptions(c.GetBool("kv.prefix_cache"), c.GetInt("kv.prefix_block_tokens"),
                                        c.GetString("kv.prefix_sharing"), &prefix));
+  ASSIGN_OR_RETURN(p.transport, ResolveTransport(c.GetString("transport.kind"), p));
   p.checksums = c.GetBool("transport.checksums");
   p.run_dir = c.GetString("launch.run_dir");
   p.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
@@ -114,11 +157,12 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
     const std::string name = absl::StrCat("memory-", i), ready = path(name + ".ready");
     fs::remove(ready, ec);  // a stale file from an earlier run must not count as ready
     fs::remove(path(name + ".log"), ec);
-    RETURN_IF_ERROR(group.Start(name,
-                                {o.tandem_binary, "memory", "--config", cfg, "--rank", std::to_string(i),
-                                 "--listen", plan.listen_addresses[i], "--device", plan.memory_devices[i],
-                                 "--ready-file", ready, "--log-level", o.log_level},
-                                path(name + ".log")));
+    RETURN_IF_ERROR(
+        group.Start(name,
+                    {o.tandem_binary, "memory", "--config", cfg, "--rank", std::to_string(i), "--listen",
+                     plan.listen_addresses[i], "--device", plan.memory_devices[i], "--transport",
+                     plan.transport, "--ready-file", ready, "--log-level", o.log_level},
+                    path(name + ".log")));
   }
   for (size_t i = 0; i < plan.memory_devices.size(); ++i) {
     const std::string name = absl::StrCat("memory-", i);
@@ -131,8 +175,9 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
   fs::remove(ready, ec);
   fs::remove(path("compute-0.log"), ec);
   std::vector<std::string> argv = {
-      o.tandem_binary, "compute", "--config",    cfg,         "--memory", absl::StrJoin(addresses, ","),
-      "--ready-file",  ready,     "--log-level", o.log_level, "--device", plan.compute_device};
+      o.tandem_binary, "compute",     "--config",    cfg,         "--memory", absl::StrJoin(addresses, ","),
+      "--ready-file",  ready,         "--log-level", o.log_level, "--device", plan.compute_device,
+      "--transport",   plan.transport};
   if (!o.requests_file.empty()) {
     argv.insert(argv.end(), {"--requests", o.requests_file, "--results", o.results_file});
   }

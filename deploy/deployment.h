@@ -7,7 +7,9 @@
 //   memory.ranks, memory.devices       how many memory ranks, and their devices: one value for
 //                                      all ("auto": the compute rank's device) or a comma list
 //   memory.host, memory.base_port      where memory ranks listen (port 0: any free port)
-//   transport.kind, transport.checksums
+//   transport.kind                     auto, ucx, p2p, nccl or verbs (one kind for the deployment;
+//                                      auto: p2p when every rank has its own GPU, else ucx)
+//   transport.checksums                crc32c of the host-staged path's per-layer payloads
 //   scheduler.*, kv.*                  as for the colocated engine (kv.* applies to each rank)
 //   launch.*                           run directory, time limits
 //
@@ -25,6 +27,7 @@
 #include "absl/time/time.h"
 #include "common/config.h"
 #include "common/model_spec.h"
+#include "common/transport/factory.h"
 
 namespace tandem {
 
@@ -38,6 +41,7 @@ struct DeployPlan {
   std::string compute_device;                 // "cpu" or "cuda:N"
   std::vector<std::string> memory_devices;    // per memory rank
   std::vector<std::string> listen_addresses;  // per memory rank, host:port
+  std::string transport = "ucx";              // resolved transport.kind: ucx, p2p, nccl, verbs
   bool checksums = true;
   std::string run_dir;
   absl::Duration startup_timeout, step_timeout;

@@ -109,6 +109,9 @@ class AttentionExecutor {
 
   // Where qkv and out live, for staging to and from the network (a memory rank's buffers).
   virtual MemorySpace& memory() = 0;
+  // The CUDA stream Layer enqueues on (cudaStream_t), so that a transport's device-side waits and
+  // writes order with it; nullptr on the CPU.
+  virtual void* stream() const { return nullptr; }
 
   // Whether reading `prefix_tokens` shared keys once for `rows` rows (then merging) is faster here
   // than each row reading them itself: the measured crossover of kv.prefix_sharing: auto.

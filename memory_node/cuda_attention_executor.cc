@@ -358,6 +358,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
   }
 
   MemorySpace& memory() override { return memory_; }
+  void* stream() const override { return stream_; }
 
  private:
   kc::CudaMemorySpace memory_;

@@ -39,7 +39,9 @@ class MemoryRank {
 
   absl::Status Run() {
     ASSIGN_OR_RETURN(const int device, ParseDevice(o_.device));
-    ASSIGN_OR_RETURN(transport_, transport::CreateUcxTransport({.listen_address = o_.listen_address}));
+    ASSIGN_OR_RETURN(transport_,
+                     transport::CreateTransport(
+                         {.kind = o_.transport, .listen_address = o_.listen_address, .device = device}));
     TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, " listening on ", transport_->address(), " (device ",
                     o_.device, ")");
     if (o_.on_listening) RETURN_IF_ERROR(o_.on_listening(transport_->address()));
@@ -58,7 +60,7 @@ class MemoryRank {
       ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
       if (magic == kStepPlanMagic) {
         absl::StatusOr<StepPlan> plan = DecodeStepPlan(msg);
-        st = plan.ok() ? RunStep(*plan) : plan.status();
+        st = !plan.ok() ? plan.status() : device_path_ ? RunStepOnDevice(*plan) : RunStep(*plan);
         if (!st.ok()) return Fail(st);
       } else if (magic == kReleaseMagic) {
         absl::StatusOr<ReleaseMessage> rel = DecodeRelease(msg);
@@ -163,14 +165,20 @@ class MemoryRank {
     elem_ = DTypeSize(exec_->dtype());
     const size_t qkv_bytes = static_cast<size_t>(shape_.max_tokens * shape_.qkv_width()) * elem_;
     const size_t out_bytes = static_cast<size_t>(shape_.max_tokens * shape_.q_dim()) * elem_;
-    recv_bytes_ = kLayerMessageHeaderFrameBytes + qkv_bytes;
-    ASSIGN_OR_RETURN(recv_, exec_->memory().Allocate(recv_bytes_, true));
-    ASSIGN_OR_RETURN(send_, exec_->memory().Allocate(out_bytes, true));
+    device_path_ = !exec_->memory().host() && transport_->capabilities().device_polling;
     if (!exec_->memory().host()) {
       ASSIGN_OR_RETURN(qkv_dev_, exec_->memory().Allocate(qkv_bytes, false));
       ASSIGN_OR_RETURN(out_dev_, exec_->memory().Allocate(out_bytes, false));
     }
-    RETURN_IF_ERROR(transport_->RegisterBuffer(kQkvBuffer, recv_.get(), recv_bytes_));
+    if (device_path_) {
+      // q,k,v rows land straight in the executor's input buffer; no header, no staging.
+      RETURN_IF_ERROR(transport_->RegisterBuffer(kQkvBuffer, qkv_dev_.get(), qkv_bytes));
+    } else {
+      recv_bytes_ = kLayerMessageHeaderFrameBytes + qkv_bytes;
+      ASSIGN_OR_RETURN(recv_, exec_->memory().Allocate(recv_bytes_, true));
+      ASSIGN_OR_RETURN(send_, exec_->memory().Allocate(out_bytes, true));
+      RETURN_IF_ERROR(transport_->RegisterBuffer(kQkvBuffer, recv_.get(), recv_bytes_));
+    }
     HelloReplyMessage reply;
     reply.memory_rank = static_cast<uint16_t>(o_.rank);
     reply.dtype = exec_->dtype();
@@ -180,7 +188,8 @@ class MemoryRank {
     RETURN_IF_ERROR(transport_->Send(peer_, EncodeHelloReply(reply)));
     TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, ": ", shape_.num_layers, " layers, ", shape_.num_heads,
                     "/", shape_.num_kv_heads, " heads of ", shape_.head_dim, "; KV ", exec_->kv_capacity(),
-                    " tokens on ", exec_->device());
+                    " tokens on ", exec_->device(), "; transport ", transport_->capabilities().name, ", ",
+                    device_path_ ? "device data path" : "host-staged data path");
     return absl::OkStatus();
   }
 
@@ -232,6 +241,42 @@ class MemoryRank {
     return absl::OkStatus();
   }
 
+  // The whole step enqueued on the executor's stream (see memory_rank.h); the host waits once.
+  absl::Status RunStepOnDevice(const StepPlan& plan) {
+    RETURN_IF_ERROR(kv_->Apply(plan, static_cast<uint16_t>(o_.rank), &batch_));
+    const int64_t t = batch_.num_tokens();
+    if (t == 0) return absl::OkStatus();
+    // Rows are in rank order in the step (the compute rank's attention buffer holds rank m's rows
+    // at the sum of the lower ranks' rows): find ours, and refuse a plan that breaks the order.
+    uint64_t row_offset = 0;
+    uint16_t last_rank = 0;
+    for (const StepRequest& r : plan.requests) {
+      if (r.memory_rank < last_rank) {
+        return absl::InvalidArgumentError(absl::StrCat("step ", plan.step_id,
+                                                       ": requests are not in memory rank order (rank ",
+                                                       r.memory_rank, " after rank ", last_rank, ")"));
+      }
+      last_rank = r.memory_rank;
+      if (r.memory_rank < o_.rank) row_offset += static_cast<uint64_t>(r.q_len);
+    }
+    ++steps_;
+    RETURN_IF_ERROR(exec_->BeginStep(batch_));
+    void* stream = exec_->stream();
+    const size_t qkv_row = static_cast<size_t>(shape_.qkv_width()) * elem_;
+    const size_t out_row = static_cast<size_t>(shape_.q_dim()) * elem_;
+    for (uint32_t layer = 0; layer < static_cast<uint32_t>(shape_.num_layers); ++layer) {
+      ++seqno_;
+      RETURN_IF_ERROR(transport_->EnqueueWait(
+          peer_, kQkvBuffer, 0, static_cast<size_t>(t) * qkv_row, seqno_, o_.step_timeout,
+          absl::StrCat("memory rank ", o_.rank, ": q,k,v of step ", plan.step_id, " layer ", layer), stream));
+      RETURN_IF_ERROR(exec_->Layer(layer, qkv_dev_.get(), out_dev_.get()));
+      RETURN_IF_ERROR(transport_->EnqueueWrite(peer_, hello_.attn_out_buffer, row_offset * out_row,
+                                               out_dev_.get(), static_cast<size_t>(t) * out_row, seqno_,
+                                               stream));
+    }
+    return transport_->SyncStream(stream, absl::Now() + 2 * o_.step_timeout);
+  }
+
   MemoryRankOptions o_;
   std::unique_ptr<Transport> transport_;
   PeerId peer_ = 0;
@@ -245,6 +290,7 @@ class MemoryRank {
       out_dev_{nullptr, nullptr};
   uint64_t seqno_ = 0;
   int64_t steps_ = 0;
+  bool device_path_ = false;
 };
 
 }  // namespace

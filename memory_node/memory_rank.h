@@ -10,10 +10,14 @@
 //   3. serve: per step plan, place the step's rows of its requests in KV slots (KvTable) and, per
 //      layer, wait for the q,k,v rows, append K and V, run attention and write the output back;
 //      release messages free the KV of requests that ended; bye ends the rank cleanly.
-// CUDA ranks stage q,k,v and outputs through pinned host buffers (the GPU transports remove that
-// copy). Every wait has a deadline; a malformed or unexpected frame, a peer that disappears or a
-// deadline that passes ends the rank with an error naming it (the compute rank is told first when
-// it can still be reached).
+// With the host-staged transport (ucx), CUDA ranks stage q,k,v and outputs through pinned host
+// buffers, layer by layer. With a device-polling transport (p2p, nccl, verbs) a CUDA rank
+// enqueues the whole step at once on its executor's stream, per layer: a device-side wait for
+// the q,k,v rows (written straight into its GPU buffer) -> KV append and attention -> the write of
+// the output straight into the compute rank's attention buffer at this rank's row offset; it then
+// waits once for the step. Every wait has a deadline; a malformed or unexpected frame, a peer that disappears
+// or a deadline that passes ends the rank with an error naming it (the compute rank is told first when it can
+// still be reached).
 #pragma once
 
 #include <functional>
@@ -21,13 +25,15 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/transport/factory.h"
 
 namespace tandem {
 
 struct MemoryRankOptions {
-  int rank = 0;                                        // index in the deployment (for messages)
-  std::string listen_address = "127.0.0.1:0";          // host:port; port 0 picks a free one
-  std::string device = "cpu";                          // cpu or cuda:N
+  int rank = 0;                                // index in the deployment (for messages)
+  std::string listen_address = "127.0.0.1:0";  // host:port; port 0 picks a free one
+  std::string device = "cpu";                  // cpu or cuda:N
+  transport::TransportKind transport = transport::TransportKind::kUcx;  // as the compute rank's
   absl::Duration startup_timeout = absl::Minutes(10);  // to accept the compute rank and get its hello
   absl::Duration step_timeout = absl::Minutes(2);      // between messages within a step
   // Called once the rank listens, with its transport address.

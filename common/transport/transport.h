@@ -90,6 +90,51 @@ class Transport {
   // and is logged at debug level instead of as a warning. Operations on the peer still work until
   // it goes, and then fail with Unavailable as before.
   virtual void Close(PeerId peer) = 0;
+
+  // ---- The device data path (capabilities().device_polling) ------------------------------------
+  // Work enqueued on one of the caller's CUDA streams (a cudaStream_t, passed as void* so that
+  // this header stays CUDA-free), in stream order with the caller's kernels. A rank enqueues a
+  // whole step this way (per layer: wait for the input -> compute -> write the output) and then
+  // waits once, so no CPU is on the per-layer path. Registered buffers are device memory of the
+  // transport's GPU. Transports without a device path return Unimplemented.
+
+  // Enqueues the write of `bytes` at `src` (device memory of this process's GPU) to `offset` of
+  // the peer's buffer `buffer`, then the doorbell set to `seqno`, both once the stream reaches
+  // this point. `src` must hold still until the stream has passed it. Bounds are checked here:
+  // InvalidArgument before anything is enqueued.
+  virtual absl::Status EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t offset, const void* src,
+                                    size_t bytes, uint64_t seqno, void* stream) {
+    (void)peer, (void)buffer, (void)offset, (void)src, (void)bytes, (void)seqno, (void)stream;
+    return Unsupported("EnqueueWrite");
+  }
+  // Enqueues a wait until local buffer `buffer`'s doorbell reaches `seqno`, for the write of
+  // `bytes` at `offset` that `peer` makes with that seqno (two-sided transports receive exactly
+  // that; one-sided ones check the doorbell only). The stream's later work sees the bytes. The
+  // wait gives up `timeout` after the stream reaches it; SyncStream then reports DeadlineExceeded
+  // with `label` (who waits for what: "memory rank 1: attention output of step 7 layer 3"), the
+  // seqno and the doorbell value seen, and every later wait falls through at once.
+  virtual absl::Status EnqueueWait(PeerId peer, uint32_t buffer, uint64_t offset, size_t bytes,
+                                   uint64_t seqno, absl::Duration timeout, const std::string& label,
+                                   void* stream) {
+    (void)peer, (void)buffer, (void)offset, (void)bytes, (void)seqno, (void)timeout, (void)label,
+        (void)stream;
+    return Unsupported("EnqueueWait");
+  }
+  // Waits until the work enqueued so far on `stream` has run, keeping the control plane moving.
+  // Returns the first expired device wait (see EnqueueWait), Unavailable naming a peer that
+  // failed (its pending waits are released rather than left to time out), a device error, or
+  // DeadlineExceeded at `deadline`. After an error the device path stays failed: later calls
+  // return FailedPrecondition with the first error.
+  virtual absl::Status SyncStream(void* stream, absl::Time deadline) {
+    (void)stream, (void)deadline;
+    return Unsupported("SyncStream");
+  }
+
+ protected:
+  absl::Status Unsupported(const char* what) const {
+    return absl::UnimplementedError(std::string("the ") + capabilities().name +
+                                    " transport has no device data path (" + what + ")");
+  }
 };
 
 struct UcxOptions {

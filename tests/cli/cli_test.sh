@@ -152,6 +152,10 @@ expect_ok "$TANDEM" generate --model "$REF" --device cpu --prompts-file "$TMP/pr
 cmp -s "$TMP/out" "$TMP/deployed.json" || bad "generate --deploy differs from colocated: $(diff "$TMP/out" "$TMP/deployed.json" | head -5)"
 expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml"
 grep -q "memory-1: cpu" "$TMP/out" || bad "config check --deploy does not print the topology"
+grep -q "transport: ucx" "$TMP/out" || bad "transport.kind auto does not resolve to ucx on the CPU"
+expect_fail "transport.kind: p2p" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set transport.kind=p2p
+expect_fail "transport.kind: nccl" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set transport.kind=nccl
+expect_fail "one of [auto, ucx, p2p, nccl, verbs]" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set transport.kind=tcp
 expect_ok "$TANDEM" config help --deploy
 grep -q "memory.ranks" "$TMP/out" || bad "config help --deploy lacks memory.ranks"
 expect_fail "memory.devices: 3 devices listed for 2 ranks" "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompt-ids 1 --set memory.devices=cpu,cpu,cpu

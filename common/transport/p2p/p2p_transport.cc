@@ -12,9 +12,16 @@
 // frames of this transport are consumed inside its calls and never reach the caller.
 //
 // Doorbells: one device page of 64-bit counters per process, exported once; buffer `id` owns slot
-// `id % kSlots` (ids must be distinct modulo kSlots). Receivers poll their own page from the
-// host (a 8-byte device-to-host copy per poll, about 5 us); the device-side wait of issue 5 is the
-// next step.
+// `id % kSlots` (ids must be distinct modulo kSlots).
+//
+// Two data paths share the buffers and doorbells:
+//   * host-driven (Write / WaitDoorbell): the payload and then the seqno go by cudaMemcpyAsync on
+//     the transport's stream, which the call waits for; the receiver polls its doorbell from the
+//     host (an 8-byte device-to-host copy per poll, a few microseconds each);
+//   * device (EnqueueWrite / EnqueueWait / SyncStream): on the caller's stream, one kernel copies
+//     the payload into the peer's mapped buffer and stores the doorbell after a system-wide fence,
+//     and the receiver's wait is a kernel that polls its doorbell with a deadline
+//     (common/transport/device). No host call sits between the layers of a step.
 //
 // Trust: a peer with an IPC mapping can write anywhere in the mapped buffer, so bounds are checked
 // by the writer (an out-of-bounds Write is InvalidArgument before any copy); a malicious peer is
@@ -34,6 +41,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
+#include "common/transport/device/device_path.h"
 
 namespace tandem::transport {
 namespace {
@@ -84,16 +92,15 @@ class P2pTransport : public Transport {
       : control_(std::move(control)), device_(device) {
     caps_.name = "p2p";
     caps_.gpu_memory = true;
-    caps_.device_polling = false;
+    caps_.device_polling = true;
     caps_.same_host_only = true;
   }
 
   ~P2pTransport() override {
     cudaSetDevice(device_);
+    device_path_.reset();  // aborts and drains any wait still enqueued
     for (auto& [peer, p] : peers_) {
-      for (auto& [id, r] : p.buffers) {
-        if (r.mapped) cudaIpcCloseMemHandle(r.mapped);
-      }
+      for (auto& [handle, mapped] : p.mappings) cudaIpcCloseMemHandle(mapped);
       if (p.doorbells) cudaIpcCloseMemHandle(p.doorbells);
     }
     if (stream_) cudaStreamDestroy(stream_);
@@ -109,6 +116,7 @@ class P2pTransport : public Transport {
     P2P_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     P2P_CUDA(cudaMallocHost(&seqnos_, sizeof(uint64_t)));
     P2P_CUDA(cudaDeviceSynchronize());
+    ASSIGN_OR_RETURN(device_path_, DevicePath::Create(device_));
     return absl::OkStatus();
   }
 
@@ -237,6 +245,41 @@ class P2pTransport : public Transport {
 
   void Close(PeerId peer) override { control_->Close(peer); }
 
+  absl::Status EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t offset, const void* src, size_t bytes,
+                            uint64_t seqno, void* stream) override {
+    ASSIGN_OR_RETURN(Remote * r, RemoteBuffer(peer, buffer, absl::Now() + absl::Seconds(30)));
+    if (offset > r->bytes || bytes > r->bytes - offset) {
+      return absl::InvalidArgumentError(absl::StrCat("write of ", bytes, " bytes at offset ", offset,
+                                                     " outside buffer ", buffer, " (", r->bytes,
+                                                     " bytes) of ", PeerName(peer)));
+    }
+    P2P_CUDA(cudaSetDevice(device_));
+    auto* dst = static_cast<uint8_t*>(r->mapped) + r->offset + offset;
+    auto* bell = static_cast<uint64_t*>(peers_.at(peer).doorbells) + buffer % kSlots;
+    return device_path_->EnqueueWriteWithDoorbell(dst, src, bytes, bell, seqno, stream);
+  }
+
+  absl::Status EnqueueWait(PeerId peer, uint32_t buffer, uint64_t offset, size_t bytes, uint64_t seqno,
+                           absl::Duration timeout, const std::string& label, void* stream) override {
+    auto it = local_.find(buffer);
+    if (it == local_.end()) return absl::NotFoundError(absl::StrCat("no buffer ", buffer));
+    if (offset > it->second.bytes || bytes > it->second.bytes - offset) {
+      return absl::InvalidArgumentError(absl::StrCat("wait for ", bytes, " bytes at offset ", offset,
+                                                     " outside buffer ", buffer, " (", it->second.bytes,
+                                                     " bytes)"));
+    }
+    if (!peers_.contains(peer)) return absl::NotFoundError(absl::StrCat("no peer ", peer));
+    P2P_CUDA(cudaSetDevice(device_));
+    return device_path_->EnqueueWait(static_cast<const uint64_t*>(doorbells_) + buffer % kSlots, seqno,
+                                     timeout, label, stream);
+  }
+
+  absl::Status SyncStream(void* stream, absl::Time deadline) override {
+    P2P_CUDA(cudaSetDevice(device_));
+    // The pump notices a failed peer (Unavailable), which releases the waits at once.
+    return device_path_->Sync(stream, deadline, [this] { return Pump(absl::Microseconds(20)); });
+  }
+
   absl::Status Flush(absl::Time deadline) override {
     P2P_CUDA(cudaStreamSynchronize(stream_));
     return control_->Flush(deadline);
@@ -252,6 +295,9 @@ class P2pTransport : public Transport {
     void* doorbells = nullptr;
     std::map<uint32_t, DescriptorFrame> descriptors;  // received, not yet mapped
     std::map<uint32_t, Remote> buffers;               // mapped
+    // Allocations opened through IPC, by handle: several buffers of one allocation share one
+    // mapping (a handle is opened once per process).
+    std::map<std::string, void*> mappings;
   };
 
   // A new connection: our doorbell page, then every buffer registered so far.
@@ -313,7 +359,14 @@ class P2pTransport : public Transport {
       if (p.greeted && d != p.descriptors.end()) {
         P2P_CUDA(cudaSetDevice(device_));
         Remote r;
-        P2P_CUDA(cudaIpcOpenMemHandle(&r.mapped, d->second.handle, cudaIpcMemLazyEnablePeerAccess));
+        const std::string key(reinterpret_cast<const char*>(&d->second.handle), sizeof(cudaIpcMemHandle_t));
+        auto m = p.mappings.find(key);
+        if (m == p.mappings.end()) {
+          void* mapped = nullptr;
+          P2P_CUDA(cudaIpcOpenMemHandle(&mapped, d->second.handle, cudaIpcMemLazyEnablePeerAccess));
+          m = p.mappings.emplace(key, mapped).first;
+        }
+        r.mapped = m->second;
         r.offset = d->second.offset;
         r.bytes = d->second.bytes;
         p.descriptors.erase(d);
@@ -346,6 +399,7 @@ class P2pTransport : public Transport {
   std::map<uint32_t, DescriptorFrame> local_;
   std::map<PeerId, Peer> peers_;
   std::deque<std::pair<PeerId, std::vector<uint8_t>>> stash_;  // caller's messages seen by Pump
+  std::unique_ptr<DevicePath> device_path_;
 };
 
 }  // namespace

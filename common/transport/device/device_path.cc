@@ -1,0 +1,154 @@
+#include "common/transport/device/device_path.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/transport/device/device_path_kernels.h"
+
+namespace tandem::transport {
+namespace {
+
+constexpr int kCounters = 256;  // write kernels that may be in flight at once
+
+#define DP_CUDA(expr)                                                                                    \
+  do {                                                                                                   \
+    const cudaError_t dp_err_ = (expr);                                                                  \
+    if (dp_err_ != cudaSuccess) {                                                                        \
+      return absl::InternalError(                                                                        \
+          absl::StrCat(#expr, ": ", cudaGetErrorName(dp_err_), " (", cudaGetErrorString(dp_err_), ")")); \
+    }                                                                                                    \
+  } while (0)
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DevicePath>> DevicePath::Create(int device) {
+  std::unique_ptr<DevicePath> p(new DevicePath());
+  p->device_ = device;
+  DP_CUDA(cudaSetDevice(device));
+  void* host = nullptr;
+  DP_CUDA(cudaHostAlloc(&host, sizeof(DeviceWaitRecord), cudaHostAllocMapped));
+  p->record_ = static_cast<DeviceWaitRecord*>(host);
+  *p->record_ = DeviceWaitRecord{};
+  void* dev = nullptr;
+  DP_CUDA(cudaHostGetDevicePointer(&dev, host, 0));
+  p->record_dev_ = static_cast<DeviceWaitRecord*>(dev);
+  DP_CUDA(cudaMalloc(&p->counters_, kCounters * sizeof(uint32_t)));
+  DP_CUDA(cudaMemset(p->counters_, 0, kCounters * sizeof(uint32_t)));
+  DP_CUDA(cudaDeviceSynchronize());
+  return p;
+}
+
+DevicePath::~DevicePath() {
+  cudaSetDevice(device_);
+  if (record_ != nullptr) {
+    record_->abort = 1;  // nothing may spin on memory about to be freed
+    cudaDeviceSynchronize();
+    cudaFreeHost(record_);
+  }
+  if (counters_ != nullptr) cudaFree(counters_);
+}
+
+absl::Status DevicePath::EnqueueWait(const uint64_t* doorbell, uint64_t seqno, absl::Duration timeout,
+                                     std::string label, void* stream) {
+  if (!failure_.ok())
+    return absl::FailedPreconditionError(absl::StrCat("device path failed: ", failure_.message()));
+  const uint64_t timeout_ns = static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Nanoseconds(timeout)));
+  const uint32_t index = static_cast<uint32_t>(labels_.size());
+  labels_.push_back(std::move(label));
+  waits_.emplace_back(seqno, timeout);
+  DP_CUDA(LaunchWaitDoorbell(doorbell, seqno, timeout_ns, record_dev_, index, stream));
+  return absl::OkStatus();
+}
+
+absl::Status DevicePath::EnqueueWriteWithDoorbell(void* dst, const void* src, size_t bytes,
+                                                  uint64_t* doorbell, uint64_t seqno, void* stream) {
+  if (!failure_.ok())
+    return absl::FailedPreconditionError(absl::StrCat("device path failed: ", failure_.message()));
+  uint32_t* counter = counters_ + (next_counter_++ % kCounters);
+  DP_CUDA(LaunchWriteWithDoorbell(dst, src, bytes, doorbell, seqno, counter, stream));
+  return absl::OkStatus();
+}
+
+absl::Status DevicePath::EnqueueDoorbell(uint64_t* doorbell, uint64_t seqno, void* stream) {
+  if (!failure_.ok())
+    return absl::FailedPreconditionError(absl::StrCat("device path failed: ", failure_.message()));
+  DP_CUDA(LaunchDoorbell(doorbell, seqno, stream));
+  return absl::OkStatus();
+}
+
+void DevicePath::Abort() { reinterpret_cast<volatile DeviceWaitRecord*>(record_)->abort = 1; }
+
+absl::Status DevicePath::Sync(void* stream, absl::Time deadline, const std::function<absl::Status()>& pump) {
+  if (!failure_.ok())
+    return absl::FailedPreconditionError(absl::StrCat("device path failed: ", failure_.message()));
+  DP_CUDA(cudaSetDevice(device_));
+  cudaEvent_t done = nullptr;
+  DP_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  const cudaError_t rec = cudaEventRecord(done, static_cast<cudaStream_t>(stream));
+  absl::Status st;
+  // Drains the stream after an abort (the waits fall through at once), so that nothing still runs
+  // on buffers the caller may free after this error.
+  auto drain = [&] {
+    Abort();
+    const absl::Time until = absl::Now() + absl::Seconds(2);
+    while (cudaEventQuery(done) == cudaErrorNotReady && absl::Now() < until) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  };
+  if (rec != cudaSuccess) {
+    st = absl::InternalError(absl::StrCat("cudaEventRecord: ", cudaGetErrorString(rec)));
+  } else {
+    auto last_pump = std::chrono::steady_clock::now();
+    for (uint32_t polls = 0;; ++polls) {
+      const cudaError_t q = cudaEventQuery(done);
+      if (q == cudaSuccess) break;
+      if (q != cudaErrorNotReady) {
+        st = absl::InternalError(
+            absl::StrCat("the stream failed: ", cudaGetErrorName(q), " (", cudaGetErrorString(q), ")"));
+        break;
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (pump && now - last_pump > std::chrono::milliseconds(1)) {
+        last_pump = now;
+        st = pump();
+        if (!st.ok()) {
+          drain();
+          break;
+        }
+      }
+      if (absl::Now() >= deadline) {
+        st = absl::DeadlineExceededError("the step's device work did not finish before its deadline");
+        drain();
+        break;
+      }
+      if (polls > 256) std::this_thread::sleep_for(std::chrono::microseconds(5));
+    }
+  }
+  cudaEventDestroy(done);
+  const volatile DeviceWaitRecord* r = record_;
+  if (st.ok() && r->failed != 0) {
+    const uint32_t i = r->wait;
+    if (i < labels_.size()) {
+      st = absl::DeadlineExceededError(
+          absl::StrCat(labels_[i], ": ", r->failed == 1 ? "waited " : "aborted after less than ",
+                       absl::FormatDuration(waits_[i].second), " for doorbell seqno ", waits_[i].first,
+                       ", it is at ", r->seen));
+      if (r->failed == 2) st = absl::AbortedError(st.message());
+    } else {
+      st = absl::InternalError("a device wait failed outside the waits enqueued since the last sync");
+    }
+  }
+  labels_.clear();
+  waits_.clear();
+  if (!st.ok()) {
+    Abort();
+    failure_ = st;
+  }
+  return st;
+}
+
+}  // namespace tandem::transport

@@ -1,0 +1,345 @@
+// The disaggregated runtime on several GPUs of one host with a GPU transport (p2p, nccl): memory
+// ranks are `tandem memory` processes on cuda:1.., compute rank 0 runs in this process on cuda:0,
+// and each step is enqueued whole on both sides with device-side waits. What must hold:
+//   * the same requests give the same tokens and log-probabilities as the colocated CUDA engine on
+//     cuda:0, with 1 memory rank (2 GPUs) and with 3 (4 GPUs), on the reference checkpoints and on
+//     the llama3-8b preset;
+//   * a memory rank that stops answering fails the step within the step timeout with a status
+//     naming the rank and the layer; one that dies fails it at once (its waits are released).
+// Skips with the reason when there are too few GPUs or the transport is not in the build.
+// Needs TANDEM_BINARY and TANDEM_SOURCE_DIR (set by ctest). Labels gpu, multi_gpu.
+#include <cuda_runtime.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "colocated/engine.h"
+#include "common/transport/factory.h"
+#include "compute_node/compute_rank.h"
+#include "compute_node/weights.h"
+#include "deploy/process_group.h"
+#include "gtest/gtest.h"
+
+namespace tandem {
+namespace {
+
+constexpr double kLogprobTol = 1e-4;  // same kernels on the same kind of GPU: usually bit-identical
+
+int Gpus() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+double Seconds(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+}
+
+std::unique_ptr<WeightSource> Open(const std::string& model) {
+  const char* src = std::getenv("TANDEM_SOURCE_DIR");
+  absl::StatusOr<std::unique_ptr<WeightSource>> source =
+      model == "llama3-8b" ? OpenModel(model, 7)  // a preset with random weights
+                           : OpenModel(std::string(src ? src : ".") + "/tests/data/reference/" + model);
+  EXPECT_TRUE(source.ok()) << source.status();
+  return source.ok() ? std::move(*source) : nullptr;
+}
+
+// Staggered arrivals of mixed requests: prompts of 1-60 tokens (prefilled in chunks beside
+// decodes), some ending after 1-3 tokens, half sampled.
+struct Arrival {
+  int64_t after_step;
+  GenerationRequest request;
+};
+std::vector<Arrival> Workload(int64_t vocab, int count) {
+  std::mt19937 rng(4321);
+  std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(vocab - 1));
+  const int64_t prompts[] = {1, 60, 7, 33, 3, 45, 12, 20, 58, 2, 17, 40};
+  const int64_t max_tokens[] = {16, 2, 20, 1, 14, 3, 18, 12, 9, 24, 5, 11};
+  std::vector<Arrival> out;
+  for (int i = 0; i < count; ++i) {
+    GenerationRequest r;
+    for (int64_t t = 0; t < prompts[i % 12]; ++t) r.prompt.push_back(id(rng));
+    r.max_tokens = max_tokens[i % 12];
+    if (i % 2 == 1) r.sampling = {.temperature = 0.8f, .top_k = 40, .top_p = 0.9f, .seed = 300u + i};
+    out.push_back({i < 4 ? 0 : (i - 2) * 2, r});
+  }
+  return out;
+}
+
+// Submit and Step of an engine or a compute rank, on the same schedule; results in arrival order.
+template <typename Runner>
+std::vector<GenerationResult> RunSchedule(Runner& runner, const std::vector<Arrival>& arrivals) {
+  std::vector<GenerationResult> results(arrivals.size());
+  size_t submitted = 0, done = 0;
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  for (int64_t step = 0; done < arrivals.size(); ++step) {
+    if (step > 5000) {
+      ADD_FAILURE() << "did not finish in 5000 steps";
+      return {};
+    }
+    while (submitted < arrivals.size() && arrivals[submitted].after_step <= step) {
+      absl::StatusOr<int64_t> id = runner.Submit(arrivals[submitted++].request);
+      if (!id.ok()) {
+        ADD_FAILURE() << id.status();
+        return {};
+      }
+    }
+    finished.clear();
+    const absl::Status st = runner.Step(&finished);
+    if (!st.ok()) {
+      ADD_FAILURE() << "step " << step << ": " << st;
+      return {};
+    }
+    for (auto& [id, r] : finished) {
+      results[static_cast<size_t>(id)] = std::move(r);
+      ++done;
+    }
+  }
+  return results;
+}
+
+class MultiGpuDeploy : public ::testing::Test {
+ protected:
+  // Skips unless `gpus` GPUs and the transport are there.
+  void Require(int gpus, const std::string& kind) {
+    const int have = Gpus();
+    if (have < gpus) GTEST_SKIP() << "needs " << gpus << " GPUs, this machine has " << have;
+    absl::StatusOr<transport::TransportKind> k = transport::ParseTransportKind(kind);
+    ASSERT_TRUE(k.ok()) << k.status();
+    if (!transport::TransportBuilt(*k)) GTEST_SKIP() << kind << " is not in this build";
+    kind_ = *k;
+    std::string tmpl = ::testing::TempDir() + "tandem-multigpu-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+    std::ofstream(dir_ + "/deploy.yaml")
+        << "launch:\n  startup_timeout_s: 120\n  step_timeout_s: " << step_timeout_s_ << "\n";
+  }
+
+  void TearDown() override {
+    if (rank_) {
+      (void)rank_->Shutdown();
+      rank_.reset();
+    }
+    if (expect_clean_exit_) {
+      for (const std::string& name : names_) {
+        absl::Status st = group_.WaitExit(name);
+        EXPECT_TRUE(st.ok()) << name << ": " << st;
+      }
+    }
+    group_.StopAll(absl::Seconds(5));
+    if (HasFailure()) {
+      for (const std::string& name : names_) {
+        std::printf("--- %s log:\n%s\n", name.c_str(), group_.LogTail(name, 30).c_str());
+      }
+    } else if (!dir_.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(dir_, ec);
+    }
+  }
+
+  // Memory ranks m = 0..n-1 on cuda:1+m, then compute rank 0 on cuda:0.
+  void Start(const WeightSource& source, int n, int64_t batch, int64_t step_tokens) {
+    const char* binary = std::getenv("TANDEM_BINARY");
+    ASSERT_NE(binary, nullptr) << "TANDEM_BINARY must name the tandem executable (ctest sets it)";
+    std::vector<std::string> addresses;
+    for (int m = 0; m < n; ++m) {
+      const std::string name = absl::StrCat("memory-", m);
+      ASSERT_TRUE(
+          group_
+              .Start(name,
+                     {binary, "memory", "--config", dir_ + "/deploy.yaml", "--rank", std::to_string(m),
+                      "--listen", "127.0.0.1:0", "--device", absl::StrCat("cuda:", 1 + m), "--transport",
+                      transport::TransportKindName(kind_), "--ready-file", dir_ + "/" + name + ".ready"},
+                     dir_ + "/" + name + ".log")
+              .ok());
+      names_.push_back(name);
+    }
+    for (const std::string& name : names_) {
+      absl::StatusOr<std::string> address =
+          group_.WaitReady(name, dir_ + "/" + name + ".ready", absl::Seconds(120));
+      ASSERT_TRUE(address.ok()) << address.status();
+      while (!address->empty() && address->back() == '\n') address->pop_back();
+      addresses.push_back(*address);
+    }
+    ComputeRankOptions o;
+    o.device = 0;
+    o.transport = kind_;
+    o.memory_addresses = addresses;
+    o.scheduler.max_batch_size = batch;
+    o.scheduler.max_tokens_per_step = step_tokens;
+    o.kv_capacity_tokens = 4096;
+    o.startup_timeout = absl::Seconds(120);
+    o.step_timeout = absl::Seconds(step_timeout_s_);
+    absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(source, o);
+    ASSERT_TRUE(rank.ok()) << rank.status();
+    rank_ = std::move(*rank);
+  }
+
+  transport::TransportKind kind_ = transport::TransportKind::kP2p;
+  int step_timeout_s_ = 60;
+  std::string dir_;
+  ProcessGroup group_;
+  std::vector<std::string> names_;
+  std::unique_ptr<ComputeRank> rank_;
+  bool expect_clean_exit_ = true;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Same tokens as the colocated CUDA engine.
+
+class SameTokens : public MultiGpuDeploy,
+                   public ::testing::WithParamInterface<std::tuple<std::string, std::string, int>> {};
+
+TEST_P(SameTokens, AsTheColocatedEngine) {
+  const auto& [kind, model, memory_ranks] = GetParam();
+  ASSERT_NO_FATAL_FAILURE(Require(1 + memory_ranks, kind));
+  if (IsSkipped()) return;
+  std::unique_ptr<WeightSource> source = Open(model);
+  ASSERT_NE(source, nullptr);
+  const bool big = model == "llama3-8b";
+  const int64_t batch = 8, step_tokens = 24;
+  const std::vector<Arrival> arrivals = Workload(source->spec().vocab_size, big ? 8 : 12);
+
+  std::vector<GenerationResult> want;
+  {
+    EngineOptions eo;
+    eo.device = "cuda:0";
+    eo.max_batch_size = batch;
+    eo.max_tokens_per_step = step_tokens;
+    eo.kv_capacity_tokens = 8192;
+    eo.prefix_cache = false;
+    absl::StatusOr<std::unique_ptr<ColocatedEngine>> engine = ColocatedEngine::Create(*source, eo);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    want = RunSchedule(**engine, arrivals);
+    ASSERT_FALSE(HasFailure());
+  }  // the engine's weights leave cuda:0 before the compute rank loads its own
+
+  ASSERT_NO_FATAL_FAILURE(Start(*source, memory_ranks, batch, step_tokens));
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<GenerationResult> got = RunSchedule(*rank_, arrivals);
+  const double seconds = Seconds(t0);
+  ASSERT_FALSE(HasFailure());
+  ASSERT_EQ(got.size(), want.size());
+  double max_diff = 0;
+  int64_t tokens = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "request " << i);
+    EXPECT_EQ(got[i].token_ids, want[i].token_ids);
+    EXPECT_EQ(got[i].finish_reason, want[i].finish_reason);
+    ASSERT_EQ(got[i].logprobs.size(), want[i].logprobs.size());
+    for (size_t t = 0; t < got[i].logprobs.size(); ++t) {
+      EXPECT_NEAR(got[i].logprobs[t], want[i].logprobs[t], kLogprobTol) << "position " << t;
+      max_diff = std::max(max_diff, std::fabs(static_cast<double>(got[i].logprobs[t] - want[i].logprobs[t])));
+    }
+    tokens += static_cast<int64_t>(got[i].token_ids.size());
+  }
+  std::printf(
+      "%s, %s, 1 compute + %d memory rank(s) on %d GPUs: %lld tokens in %lld steps (%.2f s), max "
+      "|logprob difference| %.3g\n",
+      kind.c_str(), model.c_str(), memory_ranks, 1 + memory_ranks, static_cast<long long>(tokens),
+      static_cast<long long>(rank_->stats().steps), seconds, max_diff);
+}
+
+std::string Name(const ::testing::TestParamInfo<std::tuple<std::string, std::string, int>>& info) {
+  std::string s = absl::StrCat(std::get<0>(info.param), "_", std::get<1>(info.param), "_1_plus_",
+                               std::get<2>(info.param));
+  std::replace(s.begin(), s.end(), '-', '_');
+  return s;
+}
+
+INSTANTIATE_TEST_SUITE_P(TwoGpus, SameTokens,
+                         ::testing::Combine(::testing::Values("p2p", "nccl"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim",
+                                                              "llama3-8b"),
+                                            ::testing::Values(1)),
+                         Name);
+INSTANTIATE_TEST_SUITE_P(FourGpus, SameTokens,
+                         ::testing::Combine(::testing::Values("p2p", "nccl"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim",
+                                                              "llama3-8b"),
+                                            ::testing::Values(3)),
+                         Name);
+
+// ---------------------------------------------------------------------------------------------
+// Failures: a silent memory rank (stopped) and a dead one.
+
+class Failures : public MultiGpuDeploy, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(Failures, StoppedMemoryRankFailsTheStepWithinTheTimeoutNamingTheLayer) {
+  step_timeout_s_ = 3;
+  ASSERT_NO_FATAL_FAILURE(Require(2, GetParam()));
+  if (IsSkipped()) return;
+  std::unique_ptr<WeightSource> source = Open("mqa-headdim");
+  ASSERT_NE(source, nullptr);
+  ASSERT_NO_FATAL_FAILURE(Start(*source, 1, 8, 24));
+  expect_clean_exit_ = false;
+  GenerationRequest r;
+  r.prompt = {5, 6, 7, 8};
+  r.max_tokens = 400;
+  r.ignore_eos = true;
+  ASSERT_TRUE(rank_->Submit(r).ok());
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  for (int step = 0; step < 3; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
+  ASSERT_EQ(kill(group_.pid("memory-0"), SIGSTOP), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  const absl::Status st = rank_->Step(&finished);
+  const double seconds = Seconds(t0);
+  kill(group_.pid("memory-0"), SIGKILL);
+  std::printf("%s: the step failed after %.2f s: %s\n", GetParam().c_str(), seconds, st.ToString().c_str());
+  ASSERT_FALSE(st.ok());
+  EXPECT_LT(seconds, 3.0 * 2 + 5) << "the device waits outlived their deadline";
+  const std::string message(st.message());
+  EXPECT_NE(message.find("memory rank 0"), std::string::npos) << st;
+  EXPECT_NE(message.find("layer"), std::string::npos) << st;
+  // It stays failed and says so at once.
+  const auto t1 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(rank_->Step(&finished).ok());
+  EXPECT_LT(Seconds(t1), 5.0);
+}
+
+TEST_P(Failures, KilledMemoryRankFailsTheStepAtOnce) {
+  ASSERT_NO_FATAL_FAILURE(Require(2, GetParam()));
+  if (IsSkipped()) return;
+  std::unique_ptr<WeightSource> source = Open("mqa-headdim");
+  ASSERT_NE(source, nullptr);
+  ASSERT_NO_FATAL_FAILURE(Start(*source, 1, 8, 24));
+  expect_clean_exit_ = false;
+  GenerationRequest r;
+  r.prompt = {5, 6, 7, 8};
+  r.max_tokens = 400;
+  r.ignore_eos = true;
+  ASSERT_TRUE(rank_->Submit(r).ok());
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  for (int step = 0; step < 3; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
+  ASSERT_EQ(kill(group_.pid("memory-0"), SIGKILL), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status st;
+  for (int i = 0; i < 100 && st.ok(); ++i) st = rank_->Step(&finished);
+  const double seconds = Seconds(t0);
+  std::printf("%s: failed after %.2f s: %s\n", GetParam().c_str(), seconds, st.ToString().c_str());
+  ASSERT_FALSE(st.ok());
+  EXPECT_LT(seconds, 30.0) << "a dead peer must not wait out the 60 s step timeout";
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, Failures, ::testing::Values("p2p", "nccl"));
+
+}  // namespace
+}  // namespace tandem

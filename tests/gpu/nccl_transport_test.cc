@@ -1,0 +1,421 @@
+// The NCCL transport between two processes: this test (listening, cuda:0) and a child process
+// (this binary again, in helper mode, on cuda:1). NCCL refuses two ranks on one GPU, so the
+// two-process test skips with fewer than two GPUs. The child writes payloads that say who wrote
+// them and for which seqno, 16 B to 64 MiB, first through the host path (Write; the parent checks
+// every byte) and then through the device path (EnqueueWrite; the parent's EnqueueWait and a copy
+// behind it on the same stream, compared by hash). Then bounds errors, writes in the other
+// direction, and a device wait that expires. Also: registration errors, an invalid device, and the
+// machine without a GPU (Unavailable). Prints one-way write times.
+#include "common/transport/nccl/nccl_transport.h"
+
+#include <cuda_runtime.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gpu_test_util.h"
+#include "gtest/gtest.h"
+
+extern char** environ;
+
+namespace tandem::transport {
+namespace {
+
+constexpr char kAddressEnv[] = "TANDEM_NCCL_TEST_CONNECT_TO";
+constexpr size_t kBufferBytes = (64u << 20) + 8192;
+const size_t kSizes[] = {16, 4096, 65536, 1u << 20, 16u << 20, 64u << 20};
+constexpr int kReps = 5;
+constexpr uint64_t kOddOffset = 4104;  // a device-path receive away from the buffer's start
+constexpr size_t kBackBytes = 1u << 20;
+constexpr uint64_t kBackOrigin = 4242;
+
+absl::Time In(absl::Duration d) { return absl::Now() + d; }
+
+// Bytes that name their writer and message: 64-bit word i is a mix of (origin, seq, i).
+std::vector<uint8_t> Payload(uint64_t origin, uint64_t seq, size_t bytes) {
+  std::vector<uint8_t> v(bytes);
+  for (size_t i = 0; i < bytes; i += 8) {
+    uint64_t z = (origin << 40) ^ (seq * 0xD6E8FEB86659FD93ull) ^ (i * 0x9E3779B97F4A7C15ull);
+    z ^= z >> 32;
+    z *= 0xD6E8FEB86659FD93ull;
+    z ^= z >> 32;
+    std::memcpy(v.data() + i, &z, std::min<size_t>(8, bytes - i));
+  }
+  return v;
+}
+
+uint64_t Hash(const uint8_t* p, size_t n) {
+  uint64_t h = 0xCBF29CE484222325ull ^ n;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    h = (h ^ w) * 0x100000001B3ull;
+    h ^= h >> 29;
+  }
+  for (; i < n; ++i) h = (h ^ p[i]) * 0x100000001B3ull;
+  return h;
+}
+uint64_t Hash(const std::vector<uint8_t>& v) { return Hash(v.data(), v.size()); }
+
+std::vector<uint8_t> Text(const std::string& s) { return {s.begin(), s.end()}; }
+
+int Devices() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+// Empty when two GPUs are usable, else why the two-process test cannot run.
+std::string TwoGpusMissing() {
+  std::string reason = testing_gpu::NoGpuReason();
+  if (!reason.empty()) return reason;
+  if (Devices() < 2) return "NCCL needs a GPU per rank and this machine has one GPU";
+  return "";
+}
+
+struct DeviceMemory {
+  void* p = nullptr;
+  explicit DeviceMemory(size_t bytes) {
+    if (cudaMalloc(&p, bytes) != cudaSuccess) p = nullptr;
+  }
+  ~DeviceMemory() { cudaFree(p); }
+  std::vector<uint8_t> Read(size_t bytes, size_t offset = 0) const {
+    std::vector<uint8_t> v(bytes);
+    cudaMemcpy(v.data(), static_cast<const uint8_t*>(p) + offset, bytes, cudaMemcpyDeviceToHost);
+    return v;
+  }
+};
+
+struct PinnedHost {
+  uint8_t* p = nullptr;
+  explicit PinnedHost(size_t bytes) {
+    if (cudaMallocHost(&p, bytes) != cudaSuccess) p = nullptr;
+  }
+  ~PinnedHost() { cudaFreeHost(p); }
+};
+
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking); }
+  ~Stream() { cudaStreamDestroy(s); }
+};
+
+void ExpectMessage(Transport& t, const std::string& want) {
+  PeerId from;
+  std::vector<uint8_t> m;
+  const absl::Status s = t.Receive(&from, &m, In(absl::Seconds(120)));
+  ASSERT_TRUE(s.ok()) << s << " (waiting for \"" << want << "\")";
+  ASSERT_EQ(std::string(m.begin(), m.end()), want);
+}
+
+double MicrosSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The child (cuda:1): connects; writes every size into the parent's buffer 1, host path (waiting
+// for "ack <seq>" before the next) and then device path; checks bounds errors; receives the
+// parent's writes into its buffer 2; waits for "bye" while the parent lets a wait expire.
+TEST(NcclChildHelper, DISABLED_Peer) {
+  const char* address = std::getenv(kAddressEnv);
+  if (address == nullptr) GTEST_SKIP() << "helper for NcclTransport.TwoProcesses; run by it";
+  CUDA_ASSERT_OK(cudaSetDevice(1));
+  auto t = CreateNcclTransport({.listen_address = "", .device = 1});
+  ASSERT_TRUE(t.ok()) << t.status();
+  Transport& tr = **t;
+  DeviceMemory mine(kBufferBytes);
+  ASSERT_NE(mine.p, nullptr);
+  ASSERT_TRUE(tr.RegisterBuffer(2, mine.p, kBufferBytes).ok());
+  auto peer = tr.Connect(address);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  ASSERT_TRUE(tr.Send(*peer, Text("hello from cuda:1")).ok());
+  const uint64_t origin = static_cast<uint64_t>(getpid());
+  DeviceMemory src(64u << 20);
+  ASSERT_NE(src.p, nullptr);
+
+  // Host path, from device memory.
+  uint64_t seq = 0;
+  for (size_t bytes : kSizes) {
+    double best_us = 1e30;
+    for (int rep = 0; rep < kReps; ++rep) {
+      ++seq;
+      const std::vector<uint8_t> data = Payload(origin, seq, bytes);
+      CUDA_ASSERT_OK(cudaMemcpy(src.p, data.data(), bytes, cudaMemcpyHostToDevice));
+      const absl::Span<const uint8_t> piece(static_cast<const uint8_t*>(src.p), bytes);
+      const auto t0 = std::chrono::steady_clock::now();
+      const absl::Status s = tr.Write(*peer, 1, 0, {&piece, 1}, seq);
+      best_us = std::min(best_us, MicrosSince(t0));
+      ASSERT_TRUE(s.ok()) << s;
+      ExpectMessage(tr, absl::StrCat("ack ", seq));
+      if (HasFatalFailure()) return;
+    }
+    std::printf("nccl host-path write cuda:1 -> cuda:0, %zu bytes: %.1f us (best of %d), %.2f GB/s\n", bytes,
+                best_us, kReps, bytes / best_us / 1e3);
+  }
+  // Gathered pieces from host memory, at an offset.
+  ++seq;
+  const std::vector<uint8_t> a = Payload(origin, 1000, 40), b = Payload(origin, 1001, 4096);
+  const absl::Span<const uint8_t> pieces[] = {a, b};
+  ASSERT_TRUE(tr.Write(*peer, 1, 64, pieces, seq).ok());
+  ExpectMessage(tr, absl::StrCat("ack ", seq));
+  if (HasFatalFailure()) return;
+
+  // Bounds: refused before anything is sent (the device path below would be out of step otherwise).
+  Stream stream;
+  const std::vector<uint8_t> big(128);
+  const absl::Span<const uint8_t> over(big);
+  absl::Status s = tr.Write(*peer, 1, kBufferBytes - 64, {&over, 1}, seq + 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  s = tr.EnqueueWrite(*peer, 1, kBufferBytes - 64, src.p, 128, seq + 1, stream.s);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  s = tr.EnqueueWrite(*peer, 1, 0, big.data(), big.size(), seq + 1, stream.s);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "host memory as the source: " << s;
+  ASSERT_TRUE(tr.Send(*peer, Text("bounds checked")).ok());
+
+  // Device path: every size, each write synchronised before the source is refilled.
+  for (size_t bytes : kSizes) {
+    double best_us = 1e30;
+    for (int rep = 0; rep < kReps; ++rep) {
+      ++seq;
+      const std::vector<uint8_t> data = Payload(origin, seq, bytes);
+      CUDA_ASSERT_OK(cudaMemcpy(src.p, data.data(), bytes, cudaMemcpyHostToDevice));
+      const auto t0 = std::chrono::steady_clock::now();
+      s = tr.EnqueueWrite(*peer, 1, 0, src.p, bytes, seq, stream.s);
+      ASSERT_TRUE(s.ok()) << s;
+      s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
+      ASSERT_TRUE(s.ok()) << s;
+      best_us = std::min(best_us, MicrosSince(t0));
+    }
+    std::printf("nccl device-path write+sync cuda:1 -> cuda:0, %zu bytes: %.1f us (best of %d), %.2f GB/s\n",
+                bytes, best_us, kReps, bytes / best_us / 1e3);
+  }
+  ++seq;  // the parent receives this one at kOddOffset
+  const std::vector<uint8_t> odd = Payload(origin, seq, 4096);
+  CUDA_ASSERT_OK(cudaMemcpy(src.p, odd.data(), odd.size(), cudaMemcpyHostToDevice));
+  ASSERT_TRUE(tr.EnqueueWrite(*peer, 1, kOddOffset, src.p, odd.size(), seq, stream.s).ok());
+  s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
+  ASSERT_TRUE(s.ok()) << s;
+
+  // The other direction: the parent's host-path write (seqno 7), then its device-path write (8).
+  s = tr.WaitDoorbell(2, 7, In(absl::Seconds(60)));
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(mine.Read(kBackBytes) == Payload(kBackOrigin, 7, kBackBytes))
+      << "host-path write from the parent";
+  PinnedHost back(kBackBytes);
+  ASSERT_NE(back.p, nullptr);
+  s = tr.EnqueueWait(*peer, 2, 0, kBackBytes, 8, absl::Seconds(30), "child: the parent's device write",
+                     stream.s);
+  ASSERT_TRUE(s.ok()) << s;
+  CUDA_ASSERT_OK(cudaMemcpyAsync(back.p, mine.p, kBackBytes, cudaMemcpyDeviceToHost, stream.s));
+  s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(Hash(back.p, kBackBytes), Hash(Payload(kBackOrigin, 8, kBackBytes)))
+      << "device-path write from the parent";
+  EXPECT_EQ(tr.Doorbell(2), 8u);
+  ASSERT_TRUE(tr.Send(*peer, Text("done")).ok());
+
+  // The parent now lets a wait for a write of ours expire, which must not disturb us.
+  ExpectMessage(tr, "bye");
+  ASSERT_TRUE(tr.Flush(In(absl::Seconds(10))).ok());
+}
+
+pid_t StartChild(const std::string& address) {
+  std::vector<char> self(4096, '\0');
+  const ssize_t n = readlink("/proc/self/exe", self.data(), self.size() - 1);
+  if (n <= 0) return -1;
+  std::string connect_to = absl::StrCat(kAddressEnv, "=", address);
+  std::string filter = "--gtest_filter=NcclChildHelper.DISABLED_Peer";
+  std::string also_disabled = "--gtest_also_run_disabled_tests";
+  std::vector<char*> env;
+  for (char** e = environ; *e != nullptr; ++e) env.push_back(*e);
+  env.push_back(connect_to.data());
+  env.push_back(nullptr);
+  std::vector<char*> args = {self.data(), filter.data(), also_disabled.data(), nullptr};
+  const pid_t pid = fork();
+  if (pid == 0) {
+    execve(self.data(), args.data(), env.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+TEST(NcclTransport, TwoProcesses) {
+  const std::string missing = TwoGpusMissing();
+  if (!missing.empty()) GTEST_SKIP() << missing;
+  CUDA_ASSERT_OK(cudaSetDevice(0));
+  auto t = CreateNcclTransport({.listen_address = "127.0.0.1:0", .device = 0});
+  ASSERT_TRUE(t.ok()) << t.status();
+  Transport& tr = **t;
+  EXPECT_EQ(tr.capabilities().name, "nccl");
+  EXPECT_TRUE(tr.capabilities().gpu_memory);
+  EXPECT_TRUE(tr.capabilities().device_polling);
+  EXPECT_FALSE(tr.capabilities().same_host_only);
+  DeviceMemory buffer(kBufferBytes);
+  ASSERT_NE(buffer.p, nullptr);
+  ASSERT_TRUE(tr.RegisterBuffer(1, buffer.p, kBufferBytes).ok());
+  const pid_t child = StartChild(tr.address());
+  ASSERT_GT(child, 0);
+  const auto reap = [&] {
+    int status = 0;
+    return waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  };
+  auto peer = tr.Accept(In(absl::Seconds(60)));
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  PeerId from;
+  std::vector<uint8_t> m;
+  ASSERT_TRUE(tr.Receive(&from, &m, In(absl::Seconds(60))).ok());
+  std::printf("child says: %s\n", std::string(m.begin(), m.end()).c_str());
+  const uint64_t origin = static_cast<uint64_t>(child);
+
+  // Host path: every byte of every message.
+  uint64_t seq = 0;
+  for (size_t bytes : kSizes) {
+    for (int rep = 0; rep < kReps; ++rep) {
+      ++seq;
+      const absl::Status s = tr.WaitDoorbell(1, seq, In(absl::Seconds(60)));
+      ASSERT_TRUE(s.ok()) << s;
+      EXPECT_EQ(tr.Doorbell(1), seq);
+      ASSERT_TRUE(buffer.Read(bytes) == Payload(origin, seq, bytes)) << bytes << " bytes, seqno " << seq;
+      CUDA_ASSERT_OK(cudaMemset(buffer.p, 0xEE, bytes));  // the next message must rewrite it
+      CUDA_ASSERT_OK(cudaDeviceSynchronize());
+      ASSERT_TRUE(tr.Send(*peer, Text(absl::StrCat("ack ", seq))).ok());
+    }
+  }
+  ++seq;
+  ASSERT_TRUE(tr.WaitDoorbell(1, seq, In(absl::Seconds(60))).ok());
+  std::vector<uint8_t> want = Payload(origin, 1000, 40);
+  const std::vector<uint8_t> second = Payload(origin, 1001, 4096);
+  want.insert(want.end(), second.begin(), second.end());
+  EXPECT_TRUE(buffer.Read(want.size(), 64) == want) << "gathered pieces";
+  ASSERT_TRUE(tr.Send(*peer, Text(absl::StrCat("ack ", seq))).ok());
+
+  // Bounds: InvalidArgument (NotFound for an unknown buffer) before anything is enqueued or sent.
+  Stream stream;
+  DeviceMemory src(kBackBytes);
+  ASSERT_NE(src.p, nullptr);
+  absl::Status s =
+      tr.EnqueueWait(*peer, 1, kBufferBytes - 64, 128, seq + 1, absl::Seconds(1), "bounds", stream.s);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  s = tr.EnqueueWait(*peer, 99, 0, 16, seq + 1, absl::Seconds(1), "unknown buffer", stream.s);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  const std::vector<uint8_t> big(128);
+  const absl::Span<const uint8_t> over(big);
+  s = tr.Write(*peer, 2, kBufferBytes - 64, {&over, 1}, 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  s = tr.EnqueueWrite(*peer, 2, kBufferBytes, src.p, 1, 1, stream.s);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  ExpectMessage(tr, "bounds checked");
+  if (HasFatalFailure()) return;
+
+  // Device path: the wait, then a copy behind it on the same stream, one synchronisation.
+  PinnedHost host(64u << 20);
+  ASSERT_NE(host.p, nullptr);
+  for (size_t bytes : kSizes) {
+    for (int rep = 0; rep < kReps; ++rep) {
+      ++seq;
+      s = tr.EnqueueWait(*peer, 1, 0, bytes, seq, absl::Seconds(30), absl::StrCat("parent: message ", seq),
+                         stream.s);
+      ASSERT_TRUE(s.ok()) << s;
+      CUDA_ASSERT_OK(cudaMemcpyAsync(host.p, buffer.p, bytes, cudaMemcpyDeviceToHost, stream.s));
+      s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
+      ASSERT_TRUE(s.ok()) << s;
+      ASSERT_EQ(Hash(host.p, bytes), Hash(Payload(origin, seq, bytes))) << bytes << " bytes, seqno " << seq;
+      EXPECT_EQ(tr.Doorbell(1), seq);
+    }
+  }
+  ++seq;
+  ASSERT_TRUE(
+      tr.EnqueueWait(*peer, 1, kOddOffset, 4096, seq, absl::Seconds(30), "parent: odd offset", stream.s)
+          .ok());
+  CUDA_ASSERT_OK(cudaMemcpyAsync(host.p, static_cast<uint8_t*>(buffer.p) + kOddOffset, 4096,
+                                 cudaMemcpyDeviceToHost, stream.s));
+  s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(Hash(host.p, 4096), Hash(Payload(origin, seq, 4096))) << "received at offset " << kOddOffset;
+
+  // The other direction: host path (seqno 7), then device path (8), into the child's buffer 2.
+  const std::vector<uint8_t> back7 = Payload(kBackOrigin, 7, kBackBytes);
+  CUDA_ASSERT_OK(cudaMemcpy(src.p, back7.data(), kBackBytes, cudaMemcpyHostToDevice));
+  const absl::Span<const uint8_t> piece(static_cast<const uint8_t*>(src.p), kBackBytes);
+  s = tr.Write(*peer, 2, 0, {&piece, 1}, 7);
+  ASSERT_TRUE(s.ok()) << s;
+  const std::vector<uint8_t> back8 = Payload(kBackOrigin, 8, kBackBytes);
+  CUDA_ASSERT_OK(cudaMemcpy(src.p, back8.data(), kBackBytes, cudaMemcpyHostToDevice));
+  ASSERT_TRUE(tr.EnqueueWrite(*peer, 2, 0, src.p, kBackBytes, 8, stream.s).ok());
+  s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
+  ASSERT_TRUE(s.ok()) << s;
+  ExpectMessage(tr, "done");
+  if (HasFatalFailure()) return;
+
+  // A device wait for a write that never comes expires with its label; the device path then stays
+  // failed, and the control plane still works.
+  const std::string label = "parent: a write the child never sends";
+  const absl::Time start = absl::Now();
+  s = tr.EnqueueWait(*peer, 1, 0, 4096, seq + 1, absl::Milliseconds(300), label, stream.s);
+  ASSERT_TRUE(s.ok()) << s;
+  s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(std::string(s.message()).find(label), std::string::npos) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  s = tr.EnqueueWait(*peer, 1, 0, 4096, seq + 2, absl::Seconds(1), "after the failure", stream.s);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  s = tr.EnqueueWrite(*peer, 2, 0, src.p, 16, 9, stream.s);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  s = tr.SyncStream(stream.s, In(absl::Seconds(5)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  ASSERT_TRUE(tr.Send(*peer, Text("bye")).ok());
+  EXPECT_TRUE(reap()) << "the child failed (its output is above)";
+}
+
+TEST(NcclTransport, RegistrationErrorsAndDeadlines) {
+  TANDEM_SKIP_WITHOUT_GPU();
+  CUDA_ASSERT_OK(cudaSetDevice(0));
+  auto t = CreateNcclTransport({.listen_address = "127.0.0.1:0", .device = 0});
+  ASSERT_TRUE(t.ok()) << t.status();
+  Transport& tr = **t;
+  DeviceMemory a(4096);
+  ASSERT_NE(a.p, nullptr);
+  ASSERT_TRUE(tr.RegisterBuffer(3, a.p, 4096).ok());
+  EXPECT_EQ(tr.RegisterBuffer(3, a.p, 4096).code(), absl::StatusCode::kAlreadyExists);
+  std::vector<uint8_t> host(4096);
+  EXPECT_EQ(tr.RegisterBuffer(4, host.data(), host.size()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(tr.WaitDoorbell(9, 1, In(absl::Milliseconds(10))).code(), absl::StatusCode::kNotFound);
+  const absl::Time start = absl::Now();
+  const absl::Status s = tr.WaitDoorbell(3, 1, In(absl::Milliseconds(200)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(std::string(s.message()).find("buffer 3"), std::string::npos) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  Stream stream;
+  EXPECT_EQ(tr.EnqueueWait(7, 3, 0, 16, 1, absl::Seconds(1), "no such peer", stream.s).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(tr.SyncStream(stream.s, In(absl::Seconds(5))).ok()) << "a stream with nothing enqueued";
+}
+
+TEST(NcclTransport, InvalidDevice) {
+  TANDEM_SKIP_WITHOUT_GPU();
+  EXPECT_EQ(CreateNcclTransport({.listen_address = "", .device = 1000}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateNcclTransport({.listen_address = "", .device = -1}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// Runs where there is no GPU (CI): the transport says it cannot work instead of pretending.
+TEST(NcclTransport, UnavailableWithoutGpu) {
+  if (Devices() > 0) GTEST_SKIP() << "this machine has a CUDA device; the test is for machines without one";
+  auto t = CreateNcclTransport({.listen_address = "", .device = 0});
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kUnavailable) << t.status();
+}
+
+}  // namespace
+}  // namespace tandem::transport
