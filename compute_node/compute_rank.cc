@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/layer_message.h"
 #include "common/log.h"
@@ -256,6 +257,12 @@ absl::Status ComputeRank::RunLayersOnDevice(const PlannedStep& step) {
     if (transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(100)).ok()) {
       absl::StatusOr<ErrorMessage> err = DecodeError(msg);
       if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
+    }
+    // A failed peer is named by its address: say which memory rank that is.
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      if (absl::StrContains(synced.message(), options_.memory_addresses[m])) {
+        return Annotate(synced, absl::StrCat(ranks_[m].name, ", step ", step.plan.step_id));
+      }
     }
     return Annotate(synced, absl::StrCat("step ", step.plan.step_id));
   }

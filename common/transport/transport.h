@@ -75,7 +75,9 @@ class Transport {
   virtual absl::Status RegisterBuffer(uint32_t id, void* base, size_t bytes) = 0;
   // Writes the concatenation of `pieces` at `offset` of the peer's buffer `buffer`, then sets its
   // doorbell to `seqno` (> 0, larger than any earlier seqno for that buffer). Returns once the
-  // pieces may be reused (not necessarily once delivered). One writer per remote buffer.
+  // pieces may be reused (not necessarily once delivered). One writer per remote buffer. Pieces
+  // in device memory (GPU transports) must be complete: the transport's own stream does not wait
+  // for the caller's streams (synchronize them first; the device path orders by stream instead).
   virtual absl::Status Write(PeerId peer, uint32_t buffer, uint64_t offset,
                              absl::Span<const absl::Span<const uint8_t>> pieces, uint64_t seqno) = 0;
   // Waits until the doorbell of local buffer `buffer` is >= `seqno`. NotFound for an unknown id.

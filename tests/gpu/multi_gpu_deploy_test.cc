@@ -293,9 +293,10 @@ TEST_P(Failures, StoppedMemoryRankFailsTheStepWithinTheTimeoutNamingTheLayer) {
   expect_clean_exit_ = false;
   GenerationRequest r;
   r.prompt = {5, 6, 7, 8};
-  r.max_tokens = 400;
+  r.max_tokens = 200;  // the model's context is 256
   r.ignore_eos = true;
-  ASSERT_TRUE(rank_->Submit(r).ok());
+  const absl::StatusOr<int64_t> id = rank_->Submit(r);
+  ASSERT_TRUE(id.ok()) << id.status();
   std::vector<std::pair<int64_t, GenerationResult>> finished;
   for (int step = 0; step < 3; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
   ASSERT_EQ(kill(group_.pid("memory-0"), SIGSTOP), 0);
@@ -324,9 +325,10 @@ TEST_P(Failures, KilledMemoryRankFailsTheStepAtOnce) {
   expect_clean_exit_ = false;
   GenerationRequest r;
   r.prompt = {5, 6, 7, 8};
-  r.max_tokens = 400;
+  r.max_tokens = 200;  // the model's context is 256
   r.ignore_eos = true;
-  ASSERT_TRUE(rank_->Submit(r).ok());
+  const absl::StatusOr<int64_t> id = rank_->Submit(r);
+  ASSERT_TRUE(id.ok()) << id.status();
   std::vector<std::pair<int64_t, GenerationResult>> finished;
   for (int step = 0; step < 3; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
   ASSERT_EQ(kill(group_.pid("memory-0"), SIGKILL), 0);
@@ -339,7 +341,8 @@ TEST_P(Failures, KilledMemoryRankFailsTheStepAtOnce) {
   EXPECT_LT(seconds, 30.0) << "a dead peer must not wait out the 60 s step timeout";
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, Failures, ::testing::Values("p2p", "nccl"));
+INSTANTIATE_TEST_SUITE_P(Transports, Failures, ::testing::Values("p2p", "nccl"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 }  // namespace
 }  // namespace tandem

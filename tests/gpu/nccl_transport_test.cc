@@ -9,6 +9,7 @@
 #include "common/transport/nccl/nccl_transport.h"
 
 #include <cuda_runtime.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gpu_test_util.h"
 #include "gtest/gtest.h"
 
@@ -225,9 +227,15 @@ TEST(NcclChildHelper, DISABLED_Peer) {
   EXPECT_EQ(tr.Doorbell(2), 8u);
   ASSERT_TRUE(tr.Send(*peer, Text("done")).ok());
 
-  // The parent now lets a wait for a write of ours expire, which must not disturb us.
+  // The parent now lets a wait for a write of ours expire (and aborts its communicator from us),
+  // which must not disturb us: nothing of ours is pending, so Flush succeeds. The parent keeps
+  // its transport going until "closing", so that the flush can complete; then both tear down at
+  // once (the transport's teardown is bounded either way).
   ExpectMessage(tr, "bye");
-  ASSERT_TRUE(tr.Flush(In(absl::Seconds(10))).ok());
+  if (HasFatalFailure()) return;
+  s = tr.Flush(In(absl::Seconds(10)));
+  EXPECT_TRUE(s.ok()) << "Flush after the parent's abort: " << s;
+  ASSERT_TRUE(tr.Send(*peer, Text("closing")).ok());
 }
 
 pid_t StartChild(const std::string& address) {
@@ -250,6 +258,32 @@ pid_t StartChild(const std::string& address) {
   return pid;
 }
 
+// Reaps the child: true if it exited with status 0 before `deadline`; past it, the child is killed
+// (so that this binary never hangs on it).
+bool Reap(pid_t child, absl::Time deadline) {
+  int status = 0;
+  while (true) {
+    const pid_t r = waitpid(child, &status, WNOHANG);
+    if (r == child) return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (r < 0) return false;
+    if (absl::Now() >= deadline) {
+      std::fprintf(stderr, "the child did not exit in time; killing it\n");
+      kill(child, SIGKILL);
+      waitpid(child, &status, 0);
+      return false;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+}
+
+// Kills and reaps the child when the test ends early (a failed assertion).
+struct ChildGuard {
+  pid_t pid = -1;
+  ~ChildGuard() {
+    if (pid > 0) (void)Reap(pid, absl::Now());
+  }
+};
+
 TEST(NcclTransport, TwoProcesses) {
   const std::string missing = TwoGpusMissing();
   if (!missing.empty()) GTEST_SKIP() << missing;
@@ -266,10 +300,7 @@ TEST(NcclTransport, TwoProcesses) {
   ASSERT_TRUE(tr.RegisterBuffer(1, buffer.p, kBufferBytes).ok());
   const pid_t child = StartChild(tr.address());
   ASSERT_GT(child, 0);
-  const auto reap = [&] {
-    int status = 0;
-    return waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  };
+  ChildGuard guard{child};
   auto peer = tr.Accept(In(absl::Seconds(60)));
   ASSERT_TRUE(peer.ok()) << peer.status();
   PeerId from;
@@ -375,7 +406,13 @@ TEST(NcclTransport, TwoProcesses) {
   s = tr.SyncStream(stream.s, In(absl::Seconds(5)));
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   ASSERT_TRUE(tr.Send(*peer, Text("bye")).ok());
-  EXPECT_TRUE(reap()) << "the child failed (its output is above)";
+  // Pumping (for the child's Flush) until it is done with the control plane; then both tear down.
+  ExpectMessage(tr, "closing");
+  const absl::Time teardown = absl::Now();
+  t->reset();
+  EXPECT_LT(absl::Now() - teardown, absl::Seconds(10)) << "tearing down the transport";
+  guard.pid = -1;
+  EXPECT_TRUE(Reap(child, In(absl::Seconds(60)))) << "the child failed (its output is above)";
 }
 
 TEST(NcclTransport, RegistrationErrorsAndDeadlines) {

@@ -95,6 +95,9 @@ TEST(P2pChildHelper, DISABLED_WriteAllSizes) {
     DeviceMemory src(bytes);
     const std::vector<uint8_t> data = Payload(getpid(), seq + 1, bytes);  // the size's first seqno
     ASSERT_EQ(cudaMemcpy(src.p, data.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    // A copy from pageable memory may return before its DMA is done, and the transport's stream
+    // does not wait for the legacy stream: the source must be complete before Write.
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     double best_us = 1e30;
     for (int rep = 0; rep < 5; ++rep) {
       ++seq;
@@ -194,6 +197,7 @@ TEST(P2pTransport, TwoProcessesEverySizeAndBack) {
   DeviceMemory src(1u << 20);
   const std::vector<uint8_t> back = Payload(4242, 7, 1u << 20);
   ASSERT_EQ(cudaMemcpy(src.p, back.data(), back.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   absl::Span<const uint8_t> piece(static_cast<const uint8_t*>(src.p), back.size());
   ASSERT_TRUE((*t)->Write(*peer, 2, 0, {&piece, 1}, 7).ok());
   ExpectMessage(**t, "bye");

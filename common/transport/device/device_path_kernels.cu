@@ -107,9 +107,9 @@ cudaError_t LaunchWriteWithDoorbell(void* dst, const void* src, size_t bytes, ui
     cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
     return std::max(1, n);
   }();
-  // About 64 KiB per block, at most one block per SM: small messages take few blocks (less to
-  // count before the doorbell), large ones every SM (peer bandwidth).
-  const size_t blocks = std::clamp<size_t>((bytes + 65535) / 65536, 1, static_cast<size_t>(sms));
+  // About 8 KiB per block (one pass of 512 threads × 16 B), at most one block per SM: a layer
+  // message of tens of KiB goes out from several SMs at once, large ones from every SM.
+  const size_t blocks = std::clamp<size_t>((bytes + 8191) / 8192, 1, static_cast<size_t>(sms));
   WriteWithDoorbellKernel<<<static_cast<unsigned>(blocks), kWriteThreads, 0,
                             static_cast<cudaStream_t>(stream)>>>(
       static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes, bell, seqno, counter);

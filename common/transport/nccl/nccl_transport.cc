@@ -50,9 +50,17 @@
 // error). Host-path and device-path writes must not both be in flight on one peer in one
 // direction: their receives would be posted in an order the sender cannot know.
 //
-// Teardown: healthy, idle communicators are finalized and destroyed (ncclCommFinalize is local:
-// it waits for the communicator's own work); ones with work that can no longer complete, that
-// failed, or that do not finalize within kCloseTimeout are aborted.
+// Teardown: healthy, idle communicators are finalized and destroyed; ones with work that can no
+// longer complete, that failed, or that do not finalize within kFinalizeTimeout are aborted.
+// Neither finalize, destroy nor abort is bounded in NCCL: finalize waits for the communicator to
+// be quiescent on both sides, and destroy/abort join NCCL's proxy thread, which stays while the
+// peer process still holds connections to it (a peer that is alive but not tearing down, e.g.
+// waiting for this process to exit). So every ncclCommAbort/Destroy/Finalize of this transport runs
+// on a helper thread that is waited for a bounded time (RunBounded); one that does not return in
+// time is left running (its communicator and, in the destructor, the streams and buffers NCCL may
+// still touch are leaked) and the process goes on. Communicators of a peer that was Close()d do not
+// fail the transport when they report an error (the peer leaving is expected), and are not torn
+// down at all: teardown waits on the peer, and one cut short crashes NCCL at process exit.
 #include "common/transport/nccl/nccl_transport.h"
 
 #include <cuda_runtime.h>
@@ -60,9 +68,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string_view>
@@ -93,7 +105,11 @@ constexpr absl::Duration kSetupTimeout = absl::Seconds(60);
 constexpr absl::Duration kHostWriteTimeout = absl::Seconds(120);
 constexpr absl::Duration kPump = absl::Microseconds(50);  // one short control-plane wait
 constexpr absl::Duration kIdleWait = absl::Milliseconds(20);
+// Teardown: all finalizes together, then the whole of destroy/abort (see the file comment).
+constexpr absl::Duration kFinalizeTimeout = absl::Seconds(2);
 constexpr absl::Duration kCloseTimeout = absl::Seconds(5);
+// One ncclCommAbort during operation (its kernels return as soon as it has started).
+constexpr absl::Duration kAbortTimeout = absl::Seconds(2);
 constexpr absl::Duration kDrainTimeout = absl::Seconds(5);
 // Another peer's set-up phase, awaited before aborting a communicator.
 constexpr absl::Duration kSettleTimeout = absl::Seconds(10);
@@ -152,6 +168,44 @@ absl::Status CudaError(cudaError_t err, std::string_view call, std::string_view 
 
 // An NCCL failure as a Status: what failed, for which peer, NCCL's code and its last message.
 // Network and remote failures are Unavailable, the rest Internal.
+// Runs `fn` on a helper thread and waits for it at most `limit`. True if it returned; otherwise
+// the thread is left running (detached) and `what` is logged. `fn` must own what it uses.
+bool RunBounded(std::function<void()> fn, absl::Duration limit, std::string_view what) {
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto state = std::make_shared<State>();
+  std::thread t([state, fn = std::move(fn)] {
+    fn();
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->done = true;
+    state->cv.notify_all();
+  });
+  bool done = false;
+  {
+    std::unique_lock<std::mutex> lock(state->mu);
+    done = state->cv.wait_for(lock, absl::ToChronoNanoseconds(limit), [&] { return state->done; });
+  }
+  if (done) {
+    t.join();
+  } else {
+    t.detach();
+    TANDEM_LOG_WARN("transport", "nccl: ", ToAbsl(what), " did not return within ",
+                    absl::FormatDuration(limit), "; left running");
+  }
+  return done;
+}
+
+// ncclCommAbort, bounded: its kernels return as soon as it has started; the rest of it (joining
+// NCCL's threads) may wait for the peer process.
+void Abort(ncclComm_t comm, std::string_view who) {
+  if (comm == nullptr) return;
+  (void)RunBounded([comm] { ncclCommAbort(comm); }, kAbortTimeout,
+                   absl::StrCat("ncclCommAbort of the communicator ", ToAbsl(who)));
+}
+
 absl::Status NcclError(ncclResult_t r, std::string_view call, std::string_view context) {
   const char* last = ncclGetLastError(nullptr);
   std::string msg =
@@ -197,6 +251,7 @@ struct Comm {
 struct Peer {
   std::string name;
   bool greeted = false;  // our hello went out
+  bool closed = false;   // Close()d: its communicators failing is expected, not the transport's failure
   Setup setup = Setup::kAwaitingHello;
   absl::Status setup_failure;
   ncclUniqueId mine{}, theirs{};        // of the communicator we write on / the peer writes on
@@ -302,7 +357,11 @@ class NcclTransport : public Transport {
   }
 
   absl::Status Flush(absl::Time deadline) override;
-  void Close(PeerId peer) override { control_->Close(peer); }
+  void Close(PeerId peer) override {
+    auto it = peers_.find(peer);
+    if (it != peers_.end()) it->second.closed = true;
+    control_->Close(peer);
+  }
 
   absl::Status EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t offset, const void* src, size_t bytes,
                             uint64_t seqno, void* stream) override;
@@ -518,7 +577,7 @@ void NcclTransport::PollSetup() {
 void NcclTransport::FailSetup(PeerId peer, absl::Status why, bool genuine) {
   Peer& p = peers_.at(peer);
   for (Comm* c : {&p.send, &p.recv}) {
-    if (c->comm != nullptr) ncclCommAbort(c->comm);
+    Abort(c->comm, Direction(peer, c == &p.send));
     c->comm = nullptr;
     if (c->failure.ok()) c->failure = why;
   }
@@ -562,10 +621,8 @@ absl::Status NcclTransport::FailComm(PeerId peer, bool sender, absl::Status why,
     }
   }
   Comm& c = CommOf(peer, sender);
-  if (c.comm != nullptr) {
-    ncclCommAbort(c.comm);
-    c.comm = nullptr;
-  }
+  Abort(c.comm, Direction(peer, sender));
+  c.comm = nullptr;
   if (c.failure.ok()) {
     c.failure = why;
     TANDEM_LOG_WARN("transport", "nccl: communicator ", Direction(peer, sender), " aborted: ", why.message());
@@ -714,7 +771,7 @@ absl::Status NcclTransport::Advance() {
       const ncclResult_t r = ncclCommGetAsyncError(c.comm, &state);
       if (r != ncclSuccess) state = r;
       if (state != ncclSuccess && state != ncclInProgress) {
-        (void)FailComm(id, sender, NcclError(state, "communicator", Direction(id, sender)), true);
+        (void)FailComm(id, sender, NcclError(state, "communicator", Direction(id, sender)), !p.closed);
       }
     }
   }
@@ -1169,47 +1226,70 @@ absl::Status NcclTransport::Grow(void** buffer, uint64_t* size, uint64_t bytes, 
 NcclTransport::~NcclTransport() {
   cudaSetDevice(device_);
   // A set-up in flight is abandoned; communicators with work that can no longer complete are
-  // aborted; the others are finalized (local: waits for the communicator's own work) one at a
-  // time, since each is a non-blocking NCCL job, and destroyed.
-  if (job_) {
-    for (Comm* c : {&peers_.at(*job_).send, &peers_.at(*job_).recv}) {
-      if (c->comm != nullptr) ncclCommAbort(c->comm);
-      c->comm = nullptr;
-    }
-    job_.reset();
-  }
+  // aborted; the others are finalized (all started together, so that two processes tearing down at
+  // once do not wait for each other in turn) and destroyed. All of it on a helper thread, bounded.
+  struct Teardown {
+    ncclComm_t comm;
+    bool finalize;
+    std::string who;
+  };
+  std::vector<Teardown> comms;
   std::set<std::pair<PeerId, bool>> stuck;
   for (const HostRecv& r : host_recvs_) stuck.insert({r.peer, false});
   for (const auto& [stream, work] : streams_) {
     for (PeerId p : work.sends_to) stuck.insert({p, true});
     for (PeerId p : work.receives_from) stuck.insert({p, false});
   }
-  const absl::Time until = absl::Now() + kCloseTimeout;
+  size_t left = 0;
   for (auto& [id, p] : peers_) {
     for (bool sender : {true, false}) {
       Comm& c = sender ? p.send : p.recv;
       if (c.comm == nullptr) continue;
-      bool finalized = false;
-      if (p.setup == Setup::kReady && !stuck.contains({id, sender}) && absl::Now() < until) {
-        ncclResult_t state = ncclCommFinalize(c.comm);
-        while (state == ncclInProgress && absl::Now() < until) {
-          std::this_thread::sleep_for(std::chrono::microseconds(100));
-          if (ncclCommGetAsyncError(c.comm, &state) != ncclSuccess) state = ncclInternalError;
-        }
-        finalized = state == ncclSuccess;
-        if (state == ncclInProgress) {
-          TANDEM_LOG_WARN("transport", "nccl: the communicator ", Direction(id, sender),
-                          " did not finalize within ", absl::FormatDuration(kCloseTimeout), "; aborting it");
-        }
+      if (p.closed) {
+        // The peer said goodbye and is tearing down (or gone) on its own schedule: NCCL's finalize,
+        // destroy and abort all wait on it, and a teardown cut short by the bound below leaves an
+        // NCCL thread that crashes when the process exits (seen on 4×H200 with NCCL 2.28). Its
+        // communicators are left to the process's exit instead.
+        c.comm = nullptr;
+        ++left;
+        continue;
       }
-      if (finalized) {
-        ncclCommDestroy(c.comm);
-      } else {
-        ncclCommAbort(c.comm);
-      }
+      const bool finalize = !(job_ == id) && p.setup == Setup::kReady && !stuck.contains({id, sender});
+      comms.push_back({c.comm, finalize, Direction(id, sender)});
       c.comm = nullptr;
     }
   }
+  job_.reset();
+  if (left > 0) TANDEM_LOG_DEBUG("transport", "nccl: ", left, " communicator(s) of closed peers left to exit");
+  const int device = device_;
+  auto teardown = [comms, device] {
+    cudaSetDevice(device);
+    std::vector<ncclResult_t> state(comms.size(), ncclSuccess);
+    for (size_t i = 0; i < comms.size(); ++i) {
+      if (comms[i].finalize) state[i] = ncclCommFinalize(comms[i].comm);
+    }
+    const absl::Time until = absl::Now() + kFinalizeTimeout;
+    for (size_t i = 0; i < comms.size(); ++i) {
+      if (!comms[i].finalize) continue;
+      while (state[i] == ncclInProgress && absl::Now() < until) {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+        if (ncclCommGetAsyncError(comms[i].comm, &state[i]) != ncclSuccess) state[i] = ncclInternalError;
+      }
+      if (state[i] == ncclInProgress) {
+        TANDEM_LOG_WARN("transport", "nccl: the communicator ", comms[i].who, " did not finalize within ",
+                        absl::FormatDuration(kFinalizeTimeout), "; aborting it");
+      }
+    }
+    for (size_t i = 0; i < comms.size(); ++i) {
+      if (comms[i].finalize && state[i] == ncclSuccess) {
+        ncclCommDestroy(comms[i].comm);
+      } else {
+        ncclCommAbort(comms[i].comm);
+      }
+    }
+    (void)cudaGetLastError();
+  };
+  const bool done = comms.empty() || RunBounded(teardown, kCloseTimeout, "tearing down the communicators");
   for (HostRecv& r : host_recvs_) {
     if (r.done != nullptr) cudaEventDestroy(r.done);
   }
@@ -1220,17 +1300,24 @@ NcclTransport::~NcclTransport() {
     }
   }
   for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
-  if (stream_ != nullptr) {
-    if (staging_ != nullptr) cudaFreeAsync(staging_, stream_);
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
+  if (done) {
+    // Bounded waits: an aborted communicator's kernels return by themselves.
+    // (cudaFree synchronises the device, so first_ is freed only once both streams are idle.)
+    const absl::Time until = absl::Now() + kDrainTimeout;
+    bool idle = true;
+    for (cudaStream_t s : {stream_, recv_stream_}) {
+      if (s == nullptr) continue;
+      if (s == stream_ && staging_ != nullptr) cudaFreeAsync(staging_, s);
+      if (s == recv_stream_ && scratch_ != nullptr) cudaFreeAsync(scratch_, s);
+      while (cudaStreamQuery(s) == cudaErrorNotReady && absl::Now() < until) {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+      if (cudaStreamQuery(s) == cudaErrorNotReady) idle = false;
+      cudaStreamDestroy(s);
+    }
+    if (first_ != nullptr && idle) cudaFree(first_);
   }
-  if (recv_stream_ != nullptr) {
-    if (scratch_ != nullptr) cudaFreeAsync(scratch_, recv_stream_);
-    cudaStreamSynchronize(recv_stream_);
-    cudaStreamDestroy(recv_stream_);
-  }
-  if (first_ != nullptr) cudaFree(first_);
+  // Otherwise NCCL may still use the streams and buffers: they are leaked with its communicators.
   (void)cudaGetLastError();
   control_.reset();
 }

@@ -1,8 +1,8 @@
 // The p2p transport (DESIGN.md, "Transports"): GPUs of one host. Registered buffers live in
-// device memory; a writer copies the payload straight into the receiver's buffer (CUDA IPC
-// mapping; NVLink or PCIe peer copy, or a copy within one GPU when both processes share it) and
-// then copies the sequence number into the receiver's doorbell, on one stream, so the doorbell
-// can only change after the payload has landed.
+// device memory; a writer's kernel copies the payload straight into the receiver's buffer (CUDA
+// IPC mapping; NVLink or PCIe, or within one GPU when both processes share it) and then, after a
+// system-wide fence, stores the sequence number into the receiver's doorbell, so the doorbell can
+// only change after the payload has landed (common/transport/device).
 //
 // Control messages, connections and peer-failure detection are the UCX transport's (an inner
 // transport this one wraps). Buffer descriptors travel on that channel: RegisterBuffer sends the
@@ -15,9 +15,11 @@
 // `id % kSlots` (ids must be distinct modulo kSlots).
 //
 // Two data paths share the buffers and doorbells:
-//   * host-driven (Write / WaitDoorbell): the payload and then the seqno go by cudaMemcpyAsync on
-//     the transport's stream, which the call waits for; the receiver polls its doorbell from the
-//     host (an 8-byte device-to-host copy per poll, a few microseconds each);
+//   * host-driven (Write / WaitDoorbell): the pieces (gathered into device staging unless they are
+//     one device buffer) go by the write kernel below on the transport's stream, which the call
+//     waits for; the receiver polls its doorbell from the host (an 8-byte device-to-host copy per
+//     poll, a few microseconds each). Plain copies, payload then seqno in stream order, let the
+//     doorbell overtake the payload between GPUs (seen on NVLink);
 //   * device (EnqueueWrite / EnqueueWait / SyncStream): on the caller's stream, one kernel copies
 //     the payload into the peer's mapped buffer and stores the doorbell after a system-wide fence,
 //     and the receiver's wait is a kernel that polls its doorbell with a deadline
@@ -105,7 +107,7 @@ class P2pTransport : public Transport {
     }
     if (stream_) cudaStreamDestroy(stream_);
     if (doorbells_) cudaFree(doorbells_);
-    if (seqnos_) cudaFreeHost(seqnos_);
+    if (staging_) cudaFree(staging_);
   }
 
   absl::Status Init() {
@@ -114,7 +116,6 @@ class P2pTransport : public Transport {
     P2P_CUDA(cudaMemset(doorbells_, 0, kSlots * sizeof(uint64_t)));
     P2P_CUDA(cudaIpcGetMemHandle(&doorbell_handle_, doorbells_));
     P2P_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    P2P_CUDA(cudaMallocHost(&seqnos_, sizeof(uint64_t)));
     P2P_CUDA(cudaDeviceSynchronize());
     ASSIGN_OR_RETURN(device_path_, DevicePath::Create(device_));
     return absl::OkStatus();
@@ -207,18 +208,34 @@ class P2pTransport : public Transport {
                                                      " bytes) of ", PeerName(peer)));
     }
     P2P_CUDA(cudaSetDevice(device_));
-    auto* dst = static_cast<uint8_t*>(r->mapped) + r->offset + offset;
-    for (const auto& p : pieces) {
-      if (p.empty()) continue;
-      P2P_CUDA(cudaMemcpyAsync(dst, p.data(), p.size(), cudaMemcpyDefault, stream_));
-      dst += p.size();
+    // The payload must reach the peer before its doorbell. Two copies in stream order do not
+    // promise that (a peer copy's completion does not order its remote writes before a later
+    // copy's), so the write kernel copies and then stores the doorbell after a system-wide fence.
+    // Its source is one device buffer of this GPU: a single device piece as it is, anything else
+    // gathered into local staging first.
+    const void* src = nullptr;
+    if (pieces.size() == 1 && IsOurDeviceMemory(pieces[0].data())) {
+      src = pieces[0].data();
+    } else {
+      if (total > staging_bytes_) {
+        if (staging_ != nullptr) P2P_CUDA(cudaFree(staging_));
+        staging_ = nullptr;
+        staging_bytes_ = 0;
+        P2P_CUDA(cudaMalloc(&staging_, total));
+        staging_bytes_ = total;
+      }
+      auto* at = static_cast<uint8_t*>(staging_);
+      for (const auto& p : pieces) {
+        if (p.empty()) continue;
+        P2P_CUDA(cudaMemcpyAsync(at, p.data(), p.size(), cudaMemcpyDefault, stream_));
+        at += p.size();
+      }
+      src = staging_;
     }
-    // The doorbell after the payload, on the same stream: it lands only once the payload has.
-    Peer& pr = peers_.at(peer);
-    *seqnos_ = seqno;
-    P2P_CUDA(cudaMemcpyAsync(static_cast<uint64_t*>(pr.doorbells) + buffer % kSlots, seqnos_,
-                             sizeof(uint64_t), cudaMemcpyHostToDevice, stream_));
-    P2P_CUDA(cudaStreamSynchronize(stream_));  // pieces (and the staged seqno) reusable on return
+    auto* dst = static_cast<uint8_t*>(r->mapped) + r->offset + offset;
+    auto* bell = static_cast<uint64_t*>(peers_.at(peer).doorbells) + buffer % kSlots;
+    RETURN_IF_ERROR(device_path_->EnqueueWriteWithDoorbell(dst, src, total, bell, seqno, stream_));
+    P2P_CUDA(cudaStreamSynchronize(stream_));  // the pieces are reusable on return
     return absl::OkStatus();
   }
 
@@ -381,6 +398,15 @@ class P2pTransport : public Transport {
     }
   }
 
+  bool IsOurDeviceMemory(const void* p) const {
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return attr.type == cudaMemoryTypeDevice && attr.device == device_;
+  }
+
   absl::StatusOr<uint64_t> ReadDoorbell(uint32_t buffer) {
     uint64_t v = 0;
     P2P_CUDA(cudaSetDevice(device_));
@@ -395,7 +421,8 @@ class P2pTransport : public Transport {
   void* doorbells_ = nullptr;  // kSlots u64 counters, device memory, exported
   cudaIpcMemHandle_t doorbell_handle_{};
   cudaStream_t stream_ = nullptr;
-  uint64_t* seqnos_ = nullptr;  // pinned staging for the doorbell value
+  void* staging_ = nullptr;  // device: gathered pieces of host-driven writes
+  uint64_t staging_bytes_ = 0;
   std::map<uint32_t, DescriptorFrame> local_;
   std::map<PeerId, Peer> peers_;
   std::deque<std::pair<PeerId, std::vector<uint8_t>>> stash_;  // caller's messages seen by Pump
