@@ -1260,7 +1260,8 @@ NcclTransport::~NcclTransport() {
     }
   }
   job_.reset();
-  if (left > 0) TANDEM_LOG_DEBUG("transport", "nccl: ", left, " communicator(s) of closed peers left to exit");
+  if (left > 0)
+    TANDEM_LOG_DEBUG("transport", "nccl: ", left, " communicator(s) of closed peers left to exit");
   const int device = device_;
   auto teardown = [comms, device] {
     cudaSetDevice(device);
