@@ -46,6 +46,7 @@ function(tandem_add_test name)
   cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
   add_executable(${name} ${ARG_SOURCES})
   target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gmock GTest::gtest GTest::gtest_main)
+  target_include_directories(${name} PRIVATE ${CMAKE_SOURCE_DIR}/tests)  # shared test helpers
   tandem_target_flags(${name})
   if(NOT ARG_TIMEOUT)
     set(ARG_TIMEOUT 300)

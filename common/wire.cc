@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/byte_writer.h"
 #include "common/status.h"
 
 namespace tandem {
@@ -29,24 +30,7 @@ constexpr std::array<uint32_t, 256> MakeCrc32cTable() {
 }
 constexpr std::array<uint32_t, 256> kCrc32cTable = MakeCrc32cTable();
 
-// Appends little-endian values to a byte vector.
-class Writer {
- public:
-  explicit Writer(std::vector<uint8_t>* out) : out_(out) {}
-  void U8(uint8_t v) { out_->push_back(v); }
-  void U16(uint16_t v) { Le(v, 2); }
-  void U32(uint32_t v) { Le(v, 4); }
-  void U64(uint64_t v) { Le(v, 8); }
-  void I32(int32_t v) { U32(static_cast<uint32_t>(v)); }
-  void F32(float v) { U32(std::bit_cast<uint32_t>(v)); }
-  void Zeros(size_t n) { out_->insert(out_->end(), n, 0); }
-
- private:
-  void Le(uint64_t v, int n) {
-    for (int i = 0; i < n; ++i) out_->push_back(static_cast<uint8_t>(v >> (8 * i)));
-  }
-  std::vector<uint8_t>* out_;
-};
+using Writer = ByteWriter;
 
 // Reads little-endian values; every read checks the remaining length first. `base` is the byte
 // offset of data[0] in the frame, so errors name frame offsets.

@@ -30,6 +30,16 @@ inline std::string NoGpuReason() {
   return "";
 }
 
+// CUDA devices visible to this process (0 without a usable driver).
+inline int GpuCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
 #define TANDEM_SKIP_WITHOUT_GPU()                                    \
   do {                                                               \
     const std::string reason = ::tandem::testing_gpu::NoGpuReason(); \

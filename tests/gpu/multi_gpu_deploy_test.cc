@@ -33,21 +33,13 @@
 #include "compute_node/compute_rank.h"
 #include "compute_node/weights.h"
 #include "deploy/process_group.h"
+#include "gpu_test_util.h"
 #include "gtest/gtest.h"
 
 namespace tandem {
 namespace {
 
 constexpr double kLogprobTol = 1e-4;  // same kernels on the same kind of GPU: usually bit-identical
-
-int Gpus() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
 
 double Seconds(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
@@ -120,7 +112,7 @@ class MultiGpuDeploy : public ::testing::Test {
  protected:
   // Skips unless `gpus` GPUs and the transport are there.
   void Require(int gpus, const std::string& kind) {
-    const int have = Gpus();
+    const int have = testing_gpu::GpuCount();
     if (have < gpus) GTEST_SKIP() << "needs " << gpus << " GPUs, this machine has " << have;
     absl::StatusOr<transport::TransportKind> k = transport::ParseTransportKind(kind);
     ASSERT_TRUE(k.ok()) << k.status();
@@ -281,24 +273,32 @@ INSTANTIATE_TEST_SUITE_P(FourGpus, SameTokens,
 // ---------------------------------------------------------------------------------------------
 // Failures: a silent memory rank (stopped) and a dead one.
 
-class Failures : public MultiGpuDeploy, public ::testing::WithParamInterface<std::string> {};
+class Failures : public MultiGpuDeploy, public ::testing::WithParamInterface<std::string> {
+ protected:
+  // One memory rank on cuda:1, one long request, three good steps; the rank may then be stopped.
+  void StartAndRunThreeSteps() {
+    source_ = Open("mqa-headdim");
+    ASSERT_NE(source_, nullptr);
+    ASSERT_NO_FATAL_FAILURE(Start(*source_, 1, 8, 24));
+    expect_clean_exit_ = false;
+    GenerationRequest r;
+    r.prompt = {5, 6, 7, 8};
+    r.max_tokens = 200;  // the model's context is 256
+    r.ignore_eos = true;
+    const absl::StatusOr<int64_t> id = rank_->Submit(r);
+    ASSERT_TRUE(id.ok()) << id.status();
+    std::vector<std::pair<int64_t, GenerationResult>> finished;
+    for (int step = 0; step < 3; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
+  }
+  std::unique_ptr<WeightSource> source_;
+};
 
 TEST_P(Failures, StoppedMemoryRankFailsTheStepWithinTheTimeoutNamingTheLayer) {
   step_timeout_s_ = 3;
   ASSERT_NO_FATAL_FAILURE(Require(2, GetParam()));
   if (IsSkipped()) return;
-  std::unique_ptr<WeightSource> source = Open("mqa-headdim");
-  ASSERT_NE(source, nullptr);
-  ASSERT_NO_FATAL_FAILURE(Start(*source, 1, 8, 24));
-  expect_clean_exit_ = false;
-  GenerationRequest r;
-  r.prompt = {5, 6, 7, 8};
-  r.max_tokens = 200;  // the model's context is 256
-  r.ignore_eos = true;
-  const absl::StatusOr<int64_t> id = rank_->Submit(r);
-  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_NO_FATAL_FAILURE(StartAndRunThreeSteps());
   std::vector<std::pair<int64_t, GenerationResult>> finished;
-  for (int step = 0; step < 3; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
   ASSERT_EQ(kill(group_.pid("memory-0"), SIGSTOP), 0);
   const auto t0 = std::chrono::steady_clock::now();
   const absl::Status st = rank_->Step(&finished);
@@ -319,18 +319,8 @@ TEST_P(Failures, StoppedMemoryRankFailsTheStepWithinTheTimeoutNamingTheLayer) {
 TEST_P(Failures, KilledMemoryRankFailsTheStepAtOnce) {
   ASSERT_NO_FATAL_FAILURE(Require(2, GetParam()));
   if (IsSkipped()) return;
-  std::unique_ptr<WeightSource> source = Open("mqa-headdim");
-  ASSERT_NE(source, nullptr);
-  ASSERT_NO_FATAL_FAILURE(Start(*source, 1, 8, 24));
-  expect_clean_exit_ = false;
-  GenerationRequest r;
-  r.prompt = {5, 6, 7, 8};
-  r.max_tokens = 200;  // the model's context is 256
-  r.ignore_eos = true;
-  const absl::StatusOr<int64_t> id = rank_->Submit(r);
-  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_NO_FATAL_FAILURE(StartAndRunThreeSteps());
   std::vector<std::pair<int64_t, GenerationResult>> finished;
-  for (int step = 0; step < 3; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
   ASSERT_EQ(kill(group_.pid("memory-0"), SIGKILL), 0);
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status st;

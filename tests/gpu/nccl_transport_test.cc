@@ -25,11 +25,14 @@
 #include "absl/time/clock.h"
 #include "gpu_test_util.h"
 #include "gtest/gtest.h"
-
-extern char** environ;
+#include "transport_test_util.h"
 
 namespace tandem::transport {
 namespace {
+
+using testing_transport::Fnv1a;
+using testing_transport::Payload;
+using testing_transport::Text;
 
 constexpr char kAddressEnv[] = "TANDEM_NCCL_TEST_CONNECT_TO";
 constexpr size_t kBufferBytes = (64u << 20) + 8192;
@@ -41,49 +44,11 @@ constexpr uint64_t kBackOrigin = 4242;
 
 absl::Time In(absl::Duration d) { return absl::Now() + d; }
 
-// Bytes that name their writer and message: 64-bit word i is a mix of (origin, seq, i).
-std::vector<uint8_t> Payload(uint64_t origin, uint64_t seq, size_t bytes) {
-  std::vector<uint8_t> v(bytes);
-  for (size_t i = 0; i < bytes; i += 8) {
-    uint64_t z = (origin << 40) ^ (seq * 0xD6E8FEB86659FD93ull) ^ (i * 0x9E3779B97F4A7C15ull);
-    z ^= z >> 32;
-    z *= 0xD6E8FEB86659FD93ull;
-    z ^= z >> 32;
-    std::memcpy(v.data() + i, &z, std::min<size_t>(8, bytes - i));
-  }
-  return v;
-}
-
-uint64_t Hash(const uint8_t* p, size_t n) {
-  uint64_t h = 0xCBF29CE484222325ull ^ n;
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t w;
-    std::memcpy(&w, p + i, 8);
-    h = (h ^ w) * 0x100000001B3ull;
-    h ^= h >> 29;
-  }
-  for (; i < n; ++i) h = (h ^ p[i]) * 0x100000001B3ull;
-  return h;
-}
-uint64_t Hash(const std::vector<uint8_t>& v) { return Hash(v.data(), v.size()); }
-
-std::vector<uint8_t> Text(const std::string& s) { return {s.begin(), s.end()}; }
-
-int Devices() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-
 // Empty when two GPUs are usable, else why the two-process test cannot run.
 std::string TwoGpusMissing() {
   std::string reason = testing_gpu::NoGpuReason();
   if (!reason.empty()) return reason;
-  if (Devices() < 2) return "NCCL needs a GPU per rank and this machine has one GPU";
+  if (testing_gpu::GpuCount() < 2) return "NCCL needs a GPU per rank and this machine has one GPU";
   return "";
 }
 
@@ -222,7 +187,7 @@ TEST(NcclChildHelper, DISABLED_Peer) {
   CUDA_ASSERT_OK(cudaMemcpyAsync(back.p, mine.p, kBackBytes, cudaMemcpyDeviceToHost, stream.s));
   s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
   ASSERT_TRUE(s.ok()) << s;
-  EXPECT_EQ(Hash(back.p, kBackBytes), Hash(Payload(kBackOrigin, 8, kBackBytes)))
+  EXPECT_EQ(Fnv1a(back.p, kBackBytes), Fnv1a(Payload(kBackOrigin, 8, kBackBytes)))
       << "device-path write from the parent";
   EXPECT_EQ(tr.Doorbell(2), 8u);
   ASSERT_TRUE(tr.Send(*peer, Text("done")).ok());
@@ -239,23 +204,8 @@ TEST(NcclChildHelper, DISABLED_Peer) {
 }
 
 pid_t StartChild(const std::string& address) {
-  std::vector<char> self(4096, '\0');
-  const ssize_t n = readlink("/proc/self/exe", self.data(), self.size() - 1);
-  if (n <= 0) return -1;
-  std::string connect_to = absl::StrCat(kAddressEnv, "=", address);
-  std::string filter = "--gtest_filter=NcclChildHelper.DISABLED_Peer";
-  std::string also_disabled = "--gtest_also_run_disabled_tests";
-  std::vector<char*> env;
-  for (char** e = environ; *e != nullptr; ++e) env.push_back(*e);
-  env.push_back(connect_to.data());
-  env.push_back(nullptr);
-  std::vector<char*> args = {self.data(), filter.data(), also_disabled.data(), nullptr};
-  const pid_t pid = fork();
-  if (pid == 0) {
-    execve(self.data(), args.data(), env.data());
-    _exit(127);
-  }
-  return pid;
+  return testing_transport::SpawnSelf("NcclChildHelper.DISABLED_Peer",
+                                      {absl::StrCat(kAddressEnv, "=", address)});
 }
 
 // Reaps the child: true if it exited with status 0 before `deadline`; past it, the child is killed
@@ -361,7 +311,7 @@ TEST(NcclTransport, TwoProcesses) {
       CUDA_ASSERT_OK(cudaMemcpyAsync(host.p, buffer.p, bytes, cudaMemcpyDeviceToHost, stream.s));
       s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
       ASSERT_TRUE(s.ok()) << s;
-      ASSERT_EQ(Hash(host.p, bytes), Hash(Payload(origin, seq, bytes))) << bytes << " bytes, seqno " << seq;
+      ASSERT_EQ(Fnv1a(host.p, bytes), Fnv1a(Payload(origin, seq, bytes))) << bytes << " bytes, seqno " << seq;
       EXPECT_EQ(tr.Doorbell(1), seq);
     }
   }
@@ -373,7 +323,7 @@ TEST(NcclTransport, TwoProcesses) {
                                  cudaMemcpyDeviceToHost, stream.s));
   s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
   ASSERT_TRUE(s.ok()) << s;
-  EXPECT_EQ(Hash(host.p, 4096), Hash(Payload(origin, seq, 4096))) << "received at offset " << kOddOffset;
+  EXPECT_EQ(Fnv1a(host.p, 4096), Fnv1a(Payload(origin, seq, 4096))) << "received at offset " << kOddOffset;
 
   // The other direction: host path (seqno 7), then device path (8), into the child's buffer 2.
   const std::vector<uint8_t> back7 = Payload(kBackOrigin, 7, kBackBytes);
@@ -449,7 +399,8 @@ TEST(NcclTransport, InvalidDevice) {
 
 // Runs where there is no GPU (CI): the transport says it cannot work instead of pretending.
 TEST(NcclTransport, UnavailableWithoutGpu) {
-  if (Devices() > 0) GTEST_SKIP() << "this machine has a CUDA device; the test is for machines without one";
+  if (testing_gpu::GpuCount() > 0)
+    GTEST_SKIP() << "this machine has a CUDA device; the test is for machines without one";
   auto t = CreateNcclTransport({.listen_address = "", .device = 0});
   EXPECT_EQ(t.status().code(), absl::StatusCode::kUnavailable) << t.status();
 }

@@ -20,40 +20,19 @@
 #include "absl/strings/str_cat.h"
 #include "gpu_test_util.h"
 #include "gtest/gtest.h"
-
-extern char** environ;
+#include "transport_test_util.h"
 
 namespace tandem::transport {
 namespace {
+
+using testing_transport::Payload;
+using testing_transport::Text;
 
 constexpr char kAddressEnv[] = "TANDEM_P2P_TEST_CONNECT_TO";
 constexpr size_t kBufferBytes = (64u << 20) + 64;
 const size_t kSizes[] = {16, 4096, 65536, 1u << 20, 16u << 20, 64u << 20};
 
 absl::Time In(absl::Duration d) { return absl::Now() + d; }
-
-// Bytes that say who wrote them and for which message: word i = mix(origin, seq, i).
-std::vector<uint8_t> Payload(uint64_t origin, uint64_t seq, size_t bytes) {
-  std::vector<uint8_t> v(bytes);
-  for (size_t i = 0; i < bytes; i += 8) {
-    uint64_t z = origin * 0x9E3779B97F4A7C15ull + seq * 0xBF58476D1CE4E5B9ull + i;
-    z = (z ^ (z >> 31)) * 0x94D049BB133111EBull;
-    z ^= z >> 29;
-    std::memcpy(v.data() + i, &z, std::min<size_t>(8, bytes - i));
-  }
-  return v;
-}
-
-std::vector<uint8_t> Text(const std::string& s) { return {s.begin(), s.end()}; }
-
-int Devices() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
 
 struct DeviceMemory {
   void* p = nullptr;
@@ -80,7 +59,7 @@ void ExpectMessage(Transport& t, const std::string& want) {
 TEST(P2pChildHelper, DISABLED_WriteAllSizes) {
   const char* address = std::getenv(kAddressEnv);
   if (address == nullptr) GTEST_SKIP() << "helper for P2pTransport.TwoProcesses; run by it";
-  const int device = Devices() >= 2 ? 1 : 0;
+  const int device = testing_gpu::GpuCount() >= 2 ? 1 : 0;
   ASSERT_EQ(cudaSetDevice(device), cudaSuccess);
   auto t = CreateP2pTransport({.listen_address = "", .device = device});
   ASSERT_TRUE(t.ok()) << t.status();
@@ -133,27 +112,6 @@ TEST(P2pChildHelper, DISABLED_WriteAllSizes) {
   ASSERT_TRUE((*t)->Flush(In(absl::Seconds(10))).ok());
 }
 
-pid_t SpawnChild(const std::string& address) {
-  std::string exe(4096, '\0');
-  const ssize_t n = readlink("/proc/self/exe", exe.data(), exe.size() - 1);
-  if (n <= 0) return -1;
-  exe.resize(static_cast<size_t>(n));
-  std::string env_var = absl::StrCat(kAddressEnv, "=", address);
-  std::vector<char*> envp;
-  for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
-  envp.push_back(env_var.data());
-  envp.push_back(nullptr);
-  std::string filter = "--gtest_filter=P2pChildHelper.DISABLED_WriteAllSizes";
-  std::string disabled = "--gtest_also_run_disabled_tests";
-  std::vector<char*> argv = {exe.data(), filter.data(), disabled.data(), nullptr};
-  const pid_t pid = fork();
-  if (pid == 0) {
-    execve(exe.c_str(), argv.data(), envp.data());
-    _exit(127);
-  }
-  return pid;
-}
-
 TEST(P2pTransport, TwoProcessesEverySizeAndBack) {
   TANDEM_SKIP_WITHOUT_GPU();
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
@@ -162,14 +120,16 @@ TEST(P2pTransport, TwoProcessesEverySizeAndBack) {
   EXPECT_EQ((*t)->capabilities().name, "p2p");
   DeviceMemory buffer(kBufferBytes);
   ASSERT_TRUE((*t)->RegisterBuffer(1, buffer.p, kBufferBytes).ok());
-  const pid_t child = SpawnChild((*t)->address());
+  const pid_t child = testing_transport::SpawnSelf("P2pChildHelper.DISABLED_WriteAllSizes",
+                                                   {absl::StrCat(kAddressEnv, "=", (*t)->address())});
   ASSERT_GT(child, 0);
   auto peer = (*t)->Accept(In(absl::Seconds(60)));
   ASSERT_TRUE(peer.ok()) << peer.status();
   PeerId from;
   std::vector<uint8_t> m;
   ASSERT_TRUE((*t)->Receive(&from, &m, In(absl::Seconds(60))).ok());
-  std::printf("child says: %s (%d GPU(s) here)\n", std::string(m.begin(), m.end()).c_str(), Devices());
+  std::printf("child says: %s (%d GPU(s) here)\n", std::string(m.begin(), m.end()).c_str(),
+              testing_gpu::GpuCount());
   uint64_t seq = 0;
   for (size_t bytes : kSizes) {
     const std::vector<uint8_t> want = Payload(child, seq + 1, bytes);  // the child sends it 5 times

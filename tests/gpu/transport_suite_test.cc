@@ -39,11 +39,14 @@
 #include "common/transport/factory.h"
 #include "gpu_test_util.h"
 #include "gtest/gtest.h"
-
-extern char** environ;
+#include "transport_test_util.h"
 
 namespace tandem::transport {
 namespace {
+
+using testing_transport::Fnv1a;
+using testing_transport::Payload;
+using testing_transport::Text;
 
 constexpr char kAddressEnv[] = "TANDEM_TRANSPORT_SUITE_CONNECT_TO";
 constexpr char kKindEnv[] = "TANDEM_TRANSPORT_SUITE_KIND";
@@ -65,36 +68,6 @@ constexpr uint64_t kNeverWrittenSeq = 2 * kNumSizes * kRepeats + 1;
 constexpr uint64_t kErrorKeyFirst = 1001, kErrorKeyLast = 1003;
 
 absl::Time In(absl::Duration d) { return absl::Now() + d; }
-
-uint64_t Fnv1a(const uint8_t* p, size_t n) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
-  return h;
-}
-uint64_t Fnv1a(const std::vector<uint8_t>& v) { return Fnv1a(v.data(), v.size()); }
-
-// Bytes that say who wrote them and for which message: word i = mix(origin, key, i).
-std::vector<uint8_t> Payload(uint64_t origin, uint64_t key, size_t bytes) {
-  std::vector<uint8_t> v(bytes);
-  for (size_t i = 0; i < bytes; i += 8) {
-    uint64_t z = origin * 0x9E3779B97F4A7C15ull + key * 0xBF58476D1CE4E5B9ull + i;
-    z = (z ^ (z >> 31)) * 0x94D049BB133111EBull;
-    z ^= z >> 29;
-    std::memcpy(v.data() + i, &z, std::min<size_t>(8, bytes - i));
-  }
-  return v;
-}
-
-std::vector<uint8_t> Text(const std::string& s) { return {s.begin(), s.end()}; }
-
-int Devices() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
 
 std::string CudaError(cudaError_t e) {
   return absl::StrCat(cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
@@ -317,7 +290,7 @@ TEST(TransportSuiteChild, DISABLED_Run) {
   if (address == nullptr || kind_name == nullptr) GTEST_SKIP() << "helper for TransportSuite; run by it";
   const absl::StatusOr<TransportKind> kind = ParseTransportKind(kind_name);
   ASSERT_TRUE(kind.ok()) << kind.status();
-  const int device = Devices() >= 2 ? 1 : 0;
+  const int device = testing_gpu::GpuCount() >= 2 ? 1 : 0;
   SUITE_CUDA_ASSERT(cudaSetDevice(device));
   auto t = CreateTransport({.kind = *kind, .listen_address = "", .device = device});
   ASSERT_TRUE(t.ok()) << t.status();
@@ -330,26 +303,9 @@ TEST(TransportSuiteChild, DISABLED_Run) {
 // ---- The parent: checks every message ---------------------------------------------------------
 
 pid_t SpawnChild(const std::string& kind, const std::string& address) {
-  std::string exe(4096, '\0');
-  const ssize_t n = readlink("/proc/self/exe", exe.data(), exe.size() - 1);
-  if (n <= 0) return -1;
-  exe.resize(static_cast<size_t>(n));
-  std::string address_var = absl::StrCat(kAddressEnv, "=", address);
-  std::string kind_var = absl::StrCat(kKindEnv, "=", kind);
-  std::vector<char*> envp;
-  for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
-  envp.push_back(address_var.data());
-  envp.push_back(kind_var.data());
-  envp.push_back(nullptr);
-  std::string filter = "--gtest_filter=TransportSuiteChild.DISABLED_Run";
-  std::string disabled = "--gtest_also_run_disabled_tests";
-  std::vector<char*> argv = {exe.data(), filter.data(), disabled.data(), nullptr};
-  const pid_t pid = fork();
-  if (pid == 0) {
-    execve(exe.c_str(), argv.data(), envp.data());
-    _exit(127);
-  }
-  return pid;
+  return testing_transport::SpawnSelf(
+      "TransportSuiteChild.DISABLED_Run",
+      {absl::StrCat(kAddressEnv, "=", address), absl::StrCat(kKindEnv, "=", kind)});
 }
 
 class TransportSuite : public ::testing::TestWithParam<std::string> {
@@ -557,7 +513,7 @@ TEST_P(TransportSuite, TwoProcesses) {
   }
   const std::string no_gpu = testing_gpu::NoGpuReason();
   if (!no_gpu.empty()) GTEST_SKIP() << no_gpu;
-  const int gpus = Devices();
+  const int gpus = testing_gpu::GpuCount();
   if (*kind == TransportKind::kNccl && gpus < 2) {
     GTEST_SKIP() << "nccl needs two GPUs (NCCL refuses two ranks on one GPU); this machine has " << gpus;
   }

@@ -26,13 +26,14 @@
 #include "common/wire.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-
-extern char** environ;
+#include "transport_test_util.h"
 
 namespace tandem::transport {
 namespace {
 
 using ::testing::HasSubstr;
+using testing_transport::Payload;
+using testing_transport::Text;
 using namespace verbs;  // NOLINT: the unit under test
 
 constexpr uint64_t kMax64 = std::numeric_limits<uint64_t>::max();
@@ -479,20 +480,6 @@ const size_t kSizes[] = {16, 4096, 65536, 1u << 20, 16u << 20, 64u << 20};
 
 absl::Time In(absl::Duration d) { return absl::Now() + d; }
 
-// Bytes that say who wrote them and for which message: word i = mix(origin, seq, i).
-std::vector<uint8_t> Payload(uint64_t origin, uint64_t seq, size_t bytes) {
-  std::vector<uint8_t> v(bytes);
-  for (size_t i = 0; i < bytes; i += 8) {
-    uint64_t z = origin * 0x9E3779B97F4A7C15ull + seq * 0xBF58476D1CE4E5B9ull + i;
-    z = (z ^ (z >> 31)) * 0x94D049BB133111EBull;
-    z ^= z >> 29;
-    std::memcpy(v.data() + i, &z, std::min<size_t>(8, bytes - i));
-  }
-  return v;
-}
-
-std::vector<uint8_t> Text(const std::string& s) { return {s.begin(), s.end()}; }
-
 void ExpectMessage(Transport& t, const std::string& want) {
   PeerId from;
   std::vector<uint8_t> m;
@@ -574,24 +561,8 @@ TEST(VerbsChildHelper, DISABLED_WriteAllSizes) {
 }
 
 pid_t SpawnChild(const std::string& address) {
-  std::string exe(4096, '\0');
-  const ssize_t n = readlink("/proc/self/exe", exe.data(), exe.size() - 1);
-  if (n <= 0) return -1;
-  exe.resize(static_cast<size_t>(n));
-  std::string env_var = absl::StrCat(kAddressEnv, "=", address);
-  std::vector<char*> envp;
-  for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
-  envp.push_back(env_var.data());
-  envp.push_back(nullptr);
-  std::string filter = "--gtest_filter=VerbsChildHelper.DISABLED_WriteAllSizes";
-  std::string disabled = "--gtest_also_run_disabled_tests";
-  std::vector<char*> argv = {exe.data(), filter.data(), disabled.data(), nullptr};
-  const pid_t pid = fork();
-  if (pid == 0) {
-    execve(exe.c_str(), argv.data(), envp.data());
-    _exit(127);
-  }
-  return pid;
+  return testing_transport::SpawnSelf("VerbsChildHelper.DISABLED_WriteAllSizes",
+                                      {absl::StrCat(kAddressEnv, "=", address)});
 }
 
 TEST(VerbsTransport, TwoProcessesEverySizeAndBack) {

@@ -86,6 +86,7 @@
 #include "absl/time/clock.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "common/transport/control_plane.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
 #error "the nccl transport needs NCCL 2.18 or newer"
@@ -136,19 +137,6 @@ struct WriteFrame {
 static_assert(sizeof(HelloFrame) == 8 + NCCL_UNIQUE_ID_BYTES);
 static_assert(sizeof(DescriptorFrame) == 16);
 static_assert(sizeof(WriteFrame) == 32);
-
-template <typename T>
-std::vector<uint8_t> ToBytes(const T& frame) {
-  std::vector<uint8_t> v(sizeof(T));
-  std::memcpy(v.data(), &frame, sizeof(T));
-  return v;
-}
-
-uint32_t MagicOf(const std::vector<uint8_t>& m) {
-  uint32_t magic = 0;
-  if (m.size() >= 4) std::memcpy(&magic, m.data(), 4);
-  return magic;
-}
 
 absl::Status CudaError(cudaError_t err, std::string_view call, std::string_view context) {
   return absl::InternalError(absl::StrCat("nccl transport: ", ToAbsl(call), context.empty() ? "" : " (",
@@ -294,10 +282,10 @@ struct StreamWork {
   std::set<PeerId> sends_to, receives_from;  // communicators the stream's NCCL kernels use
 };
 
-class NcclTransport : public Transport {
+class NcclTransport : public ControlPlaneTransport {
  public:
   NcclTransport(std::unique_ptr<Transport> control, int device)
-      : control_(std::move(control)), device_(device) {
+      : ControlPlaneTransport(std::move(control)), device_(device) {
     caps_.name = "nccl";
     caps_.gpu_memory = true;
     caps_.device_polling = true;
@@ -317,14 +305,6 @@ class NcclTransport : public Transport {
   }
 
   const Capabilities& capabilities() const override { return caps_; }
-  std::string address() const override { return control_->address(); }
-  std::string PeerName(PeerId peer) const override { return control_->PeerName(peer); }
-
-  absl::StatusOr<PeerId> Connect(const std::string& address) override {
-    ASSIGN_OR_RETURN(const PeerId peer, control_->Connect(address));
-    RETURN_IF_ERROR(Greet(peer));
-    return peer;
-  }
 
   absl::StatusOr<PeerId> Accept(absl::Time deadline) override {
     // In slices, so that other peers' set-up keeps going meanwhile.
@@ -332,17 +312,13 @@ class NcclTransport : public Transport {
       RETURN_IF_ERROR(Advance());
       const absl::Time now = absl::Now();
       const absl::Time until = std::min(deadline, now + (Busy() ? kPump : kIdleWait));
-      absl::StatusOr<PeerId> peer = control_->Accept(std::max(until, now + absl::Microseconds(1)));
+      absl::StatusOr<PeerId> peer = control().Accept(std::max(until, now + absl::Microseconds(1)));
       if (peer.ok()) {
-        RETURN_IF_ERROR(Greet(*peer));
+        RETURN_IF_ERROR(OnNewPeer(*peer));
         return *peer;
       }
       if (!absl::IsDeadlineExceeded(peer.status()) || absl::Now() >= deadline) return peer.status();
     }
-  }
-
-  absl::Status Send(PeerId peer, absl::Span<const uint8_t> message) override {
-    return control_->Send(peer, message);
   }
 
   absl::Status Receive(PeerId* from, std::vector<uint8_t>* message, absl::Time deadline) override;
@@ -360,7 +336,7 @@ class NcclTransport : public Transport {
   void Close(PeerId peer) override {
     auto it = peers_.find(peer);
     if (it != peers_.end()) it->second.closed = true;
-    control_->Close(peer);
+    ControlPlaneTransport::Close(peer);
   }
 
   absl::Status EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t offset, const void* src, size_t bytes,
@@ -371,7 +347,7 @@ class NcclTransport : public Transport {
 
  private:
   // ---- connections and communicators ----
-  absl::Status Greet(PeerId peer);
+  absl::Status OnNewPeer(PeerId peer) override;
   // Starts the set-up of the first queued peer, if no NCCL job is in flight.
   void StartNextSetup();
   // Advances the set-up in flight (job_) once NCCL has finished its current phase.
@@ -407,9 +383,7 @@ class NcclTransport : public Transport {
   // ---- progress ----
   // Pumps the control plane (waiting at most `wait` for the first frame), then Advance().
   absl::Status Progress(absl::Duration wait);
-  // Handles the control frames that have arrived; caller's messages are stashed.
-  absl::Status Pump(absl::Duration wait);
-  absl::StatusOr<bool> Consume(PeerId from, const std::vector<uint8_t>& m);
+  absl::StatusOr<bool> Consume(PeerId from, const std::vector<uint8_t>& m) override;
   // Set-up, posting announced receives, completing them; returns the first genuine failure.
   absl::Status Advance();
   absl::Status PostReceive(PeerId peer, const WriteFrame& w);
@@ -448,7 +422,6 @@ class NcclTransport : public Transport {
     return s;
   }
 
-  std::unique_ptr<Transport> control_;
   int device_;
   Capabilities caps_;
   cudaStream_t stream_ = nullptr;       // host-path sends (staging copies, then ncclSend)
@@ -460,10 +433,9 @@ class NcclTransport : public Transport {
   uint64_t scratch_bytes_ = 0;
   std::map<uint32_t, Local> local_;
   std::map<PeerId, Peer> peers_;
-  std::optional<PeerId> job_;                                  // the peer whose set-up job NCCL is running
-  std::deque<std::pair<PeerId, std::vector<uint8_t>>> stash_;  // caller's messages seen while pumping
-  std::deque<absl::Status> errors_;                            // refused writes, for WaitDoorbell/Receive
-  absl::Status broken_;                                        // first genuine communicator failure
+  std::optional<PeerId> job_;        // the peer whose set-up job NCCL is running
+  std::deque<absl::Status> errors_;  // refused writes, for WaitDoorbell/Receive
+  absl::Status broken_;              // first genuine communicator failure
   std::deque<HostRecv> host_recvs_;
   std::map<void*, StreamWork> streams_;
   std::vector<cudaEvent_t> free_events_;
@@ -474,7 +446,7 @@ class NcclTransport : public Transport {
 
 // A new connection: our hello (the id of the communicator we write on), then every buffer
 // registered so far. The set-up starts once the peer's hello has arrived.
-absl::Status NcclTransport::Greet(PeerId peer) {
+absl::Status NcclTransport::OnNewPeer(PeerId peer) {
   Peer& p = peers_[peer];
   p.name = PeerName(peer);
   HelloFrame h;
@@ -484,12 +456,12 @@ absl::Status NcclTransport::Greet(PeerId peer) {
                                                ncclGetErrorString(r), " (", ncclGetLastError(nullptr), ")"));
   }
   p.mine = h.id;
-  RETURN_IF_ERROR(control_->Send(peer, ToBytes(h)));
+  RETURN_IF_ERROR(control().Send(peer, ToBytes(h)));
   for (const auto& [id, b] : local_) {
     DescriptorFrame d;
     d.buffer = id;
     d.bytes = b.bytes;
-    RETURN_IF_ERROR(control_->Send(peer, ToBytes(d)));
+    RETURN_IF_ERROR(control().Send(peer, ToBytes(d)));
   }
   p.greeted = true;
   return absl::OkStatus();
@@ -707,22 +679,6 @@ absl::Status NcclTransport::Progress(absl::Duration wait) {
   return Advance();
 }
 
-// The wait must be positive: the UCX transport only makes progress before a deadline it has not
-// reached. After the first frame, what has already arrived is drained without waiting further,
-// so that an announced write's receive is posted at once.
-absl::Status NcclTransport::Pump(absl::Duration wait) {
-  PeerId from;
-  std::vector<uint8_t> m;
-  while (true) {
-    const absl::Status s = control_->Receive(&from, &m, absl::Now() + wait);
-    if (absl::IsDeadlineExceeded(s)) return absl::OkStatus();
-    RETURN_IF_ERROR(s);
-    ASSIGN_OR_RETURN(const bool ours, Consume(from, m));
-    if (!ours) stash_.emplace_back(from, std::move(m));
-    wait = absl::Microseconds(1);
-  }
-}
-
 // A frame of this transport is applied and consumed (true); anything else is the caller's (false).
 absl::StatusOr<bool> NcclTransport::Consume(PeerId from, const std::vector<uint8_t>& m) {
   const uint32_t magic = MagicOf(m);
@@ -868,19 +824,14 @@ bool NcclTransport::Busy() const {
 absl::Status NcclTransport::Receive(PeerId* from, std::vector<uint8_t>* message, absl::Time deadline) {
   while (true) {
     if (!errors_.empty()) return TakeError();
-    if (!stash_.empty()) {
-      *from = stash_.front().first;
-      *message = std::move(stash_.front().second);
-      stash_.pop_front();
-      return absl::OkStatus();
-    }
+    if (TakeKept(from, message)) return absl::OkStatus();
     RETURN_IF_ERROR(Advance());
     const absl::Time now = absl::Now();
     if (now >= deadline) {
       return absl::DeadlineExceededError(absl::StrCat("nccl transport: no message from any of ",
                                                       peers_.size(), " peers before the deadline"));
     }
-    const absl::Status s = control_->Receive(from, message, std::min(deadline, now + WaitFor(deadline)));
+    const absl::Status s = control().Receive(from, message, std::min(deadline, now + WaitFor(deadline)));
     if (absl::IsDeadlineExceeded(s)) continue;
     RETURN_IF_ERROR(s);
     ASSIGN_OR_RETURN(const bool ours, Consume(*from, *message));
@@ -908,7 +859,7 @@ absl::Status NcclTransport::RegisterBuffer(uint32_t id, void* base, size_t bytes
   DescriptorFrame d;
   d.buffer = id;
   d.bytes = bytes;
-  for (const auto& [peer, p] : peers_) RETURN_IF_ERROR(control_->Send(peer, ToBytes(d)));
+  for (const auto& [peer, p] : peers_) RETURN_IF_ERROR(control().Send(peer, ToBytes(d)));
   return absl::OkStatus();
 }
 
@@ -932,7 +883,7 @@ absl::Status NcclTransport::Write(PeerId peer, uint32_t buffer, uint64_t offset,
   w.offset = offset;
   w.bytes = total;
   w.seqno = seqno;
-  RETURN_IF_ERROR(control_->Send(peer, ToBytes(w)));
+  RETURN_IF_ERROR(control().Send(peer, ToBytes(w)));
   if (total == 0) return absl::OkStatus();
 
   NCCL_T_CUDA(cudaSetDevice(device_), name);
@@ -1005,7 +956,7 @@ absl::Status NcclTransport::Flush(absl::Time deadline) {
     }
     RETURN_IF_ERROR(Progress(kPump));
   }
-  return control_->Flush(deadline);
+  return control().Flush(deadline);
 }
 
 // ---- device path ----------------------------------------------------------------------------------
@@ -1320,7 +1271,7 @@ NcclTransport::~NcclTransport() {
   }
   // Otherwise NCCL may still use the streams and buffers: they are leaked with its communicators.
   (void)cudaGetLastError();
-  control_.reset();
+  ResetControl();
 }
 
 }  // namespace

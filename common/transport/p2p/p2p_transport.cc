@@ -5,7 +5,8 @@
 // only change after the payload has landed (common/transport/device).
 //
 // Control messages, connections and peer-failure detection are the UCX transport's (an inner
-// transport this one wraps). Buffer descriptors travel on that channel: RegisterBuffer sends the
+// transport this one wraps: common/transport/control_plane.h). Buffer descriptors travel on that
+// channel: RegisterBuffer sends the
 // buffer's IPC handle, offset, size and doorbell slot to every connected peer, and a new
 // connection gets every buffer registered so far. The channel is ordered per peer, so a
 // descriptor always arrives before any message the owner sends after registering; control
@@ -35,7 +36,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <deque>
 #include <map>
 #include <thread>
 #include <utility>
@@ -43,6 +43,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
+#include "common/transport/control_plane.h"
 #include "common/transport/device/device_path.h"
 
 namespace tandem::transport {
@@ -75,23 +76,10 @@ struct HelloFrame {
   cudaIpcMemHandle_t doorbells{};
 };
 
-template <typename T>
-std::vector<uint8_t> ToBytes(const T& frame) {
-  std::vector<uint8_t> v(sizeof(T));
-  std::memcpy(v.data(), &frame, sizeof(T));
-  return v;
-}
-
-uint32_t MagicOf(const std::vector<uint8_t>& m) {
-  uint32_t magic = 0;
-  if (m.size() >= 4) std::memcpy(&magic, m.data(), 4);
-  return magic;
-}
-
-class P2pTransport : public Transport {
+class P2pTransport : public ControlPlaneTransport {
  public:
   P2pTransport(std::unique_ptr<Transport> control, int device)
-      : control_(std::move(control)), device_(device) {
+      : ControlPlaneTransport(std::move(control)), device_(device) {
     caps_.name = "p2p";
     caps_.gpu_memory = true;
     caps_.device_polling = true;
@@ -122,38 +110,6 @@ class P2pTransport : public Transport {
   }
 
   const Capabilities& capabilities() const override { return caps_; }
-  std::string address() const override { return control_->address(); }
-  std::string PeerName(PeerId peer) const override { return control_->PeerName(peer); }
-
-  absl::StatusOr<PeerId> Connect(const std::string& address) override {
-    ASSIGN_OR_RETURN(const PeerId peer, control_->Connect(address));
-    RETURN_IF_ERROR(Greet(peer));
-    return peer;
-  }
-
-  absl::StatusOr<PeerId> Accept(absl::Time deadline) override {
-    ASSIGN_OR_RETURN(const PeerId peer, control_->Accept(deadline));
-    RETURN_IF_ERROR(Greet(peer));
-    return peer;
-  }
-
-  absl::Status Send(PeerId peer, absl::Span<const uint8_t> message) override {
-    return control_->Send(peer, message);
-  }
-
-  absl::Status Receive(PeerId* from, std::vector<uint8_t>* message, absl::Time deadline) override {
-    if (!stash_.empty()) {
-      *from = stash_.front().first;
-      *message = std::move(stash_.front().second);
-      stash_.pop_front();
-      return absl::OkStatus();
-    }
-    while (true) {
-      RETURN_IF_ERROR(control_->Receive(from, message, deadline));
-      ASSIGN_OR_RETURN(const bool ours, Consume(*from, *message));
-      if (!ours) return absl::OkStatus();
-    }
-  }
 
   absl::Status RegisterBuffer(uint32_t id, void* base, size_t bytes) override {
     if (local_.contains(id)) return absl::AlreadyExistsError(absl::StrCat("buffer ", id, " is registered"));
@@ -193,7 +149,7 @@ class P2pTransport : public Transport {
     }
     P2P_CUDA(cudaIpcGetMemHandle(&d.handle, reinterpret_cast<void*>(alloc)));
     local_[id] = d;
-    for (const auto& [peer, p] : peers_) RETURN_IF_ERROR(control_->Send(peer, ToBytes(d)));
+    for (const auto& [peer, p] : peers_) RETURN_IF_ERROR(control().Send(peer, ToBytes(d)));
     return absl::OkStatus();
   }
 
@@ -260,8 +216,6 @@ class P2pTransport : public Transport {
     return v.ok() ? *v : 0;
   }
 
-  void Close(PeerId peer) override { control_->Close(peer); }
-
   absl::Status EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t offset, const void* src, size_t bytes,
                             uint64_t seqno, void* stream) override {
     ASSIGN_OR_RETURN(Remote * r, RemoteBuffer(peer, buffer, absl::Now() + absl::Seconds(30)));
@@ -299,7 +253,7 @@ class P2pTransport : public Transport {
 
   absl::Status Flush(absl::Time deadline) override {
     P2P_CUDA(cudaStreamSynchronize(stream_));
-    return control_->Flush(deadline);
+    return control().Flush(deadline);
   }
 
  private:
@@ -318,19 +272,19 @@ class P2pTransport : public Transport {
   };
 
   // A new connection: our doorbell page, then every buffer registered so far.
-  absl::Status Greet(PeerId peer) {
+  absl::Status OnNewPeer(PeerId peer) override {
     peers_[peer];
     HelloFrame h;
     h.device = device_;
     h.doorbells = doorbell_handle_;
-    RETURN_IF_ERROR(control_->Send(peer, ToBytes(h)));
-    for (const auto& [id, d] : local_) RETURN_IF_ERROR(control_->Send(peer, ToBytes(d)));
+    RETURN_IF_ERROR(control().Send(peer, ToBytes(h)));
+    for (const auto& [id, d] : local_) RETURN_IF_ERROR(control().Send(peer, ToBytes(d)));
     return absl::OkStatus();
   }
 
   // A control frame of this transport is applied and consumed (true); anything else is the
   // caller's (false).
-  absl::StatusOr<bool> Consume(PeerId from, const std::vector<uint8_t>& m) {
+  absl::StatusOr<bool> Consume(PeerId from, const std::vector<uint8_t>& m) override {
     const uint32_t magic = MagicOf(m);
     if (magic == kHelloMagic && m.size() == sizeof(HelloFrame)) {
       HelloFrame h;
@@ -349,21 +303,6 @@ class P2pTransport : public Transport {
       return true;
     }
     return false;
-  }
-
-  // Handles the control frames that have arrived, waiting at most `wait` for the first; the
-  // caller's messages are kept for Receive. A failed peer surfaces here as Unavailable. The wait
-  // must be positive: the UCX transport only makes progress before a deadline it has not reached.
-  absl::Status Pump(absl::Duration wait = absl::Microseconds(50)) {
-    PeerId from;
-    std::vector<uint8_t> m;
-    while (true) {
-      const absl::Status s = control_->Receive(&from, &m, absl::Now() + wait);
-      if (absl::IsDeadlineExceeded(s)) return absl::OkStatus();
-      RETURN_IF_ERROR(s);
-      ASSIGN_OR_RETURN(const bool ours, Consume(from, m));
-      if (!ours) stash_.emplace_back(from, std::move(m));
-    }
   }
 
   absl::StatusOr<Remote*> RemoteBuffer(PeerId peer, uint32_t buffer, absl::Time deadline) {
@@ -415,7 +354,6 @@ class P2pTransport : public Transport {
     return v;
   }
 
-  std::unique_ptr<Transport> control_;
   int device_;
   Capabilities caps_;
   void* doorbells_ = nullptr;  // kSlots u64 counters, device memory, exported
@@ -425,7 +363,6 @@ class P2pTransport : public Transport {
   uint64_t staging_bytes_ = 0;
   std::map<uint32_t, DescriptorFrame> local_;
   std::map<PeerId, Peer> peers_;
-  std::deque<std::pair<PeerId, std::vector<uint8_t>>> stash_;  // caller's messages seen by Pump
   std::unique_ptr<DevicePath> device_path_;
 };
 

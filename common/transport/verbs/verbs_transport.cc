@@ -50,7 +50,6 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <map>
 #include <mutex>
 #include <random>
@@ -61,6 +60,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/status.h"
+#include "common/transport/control_plane.h"
 #include "common/transport/verbs/verbs_qp.h"
 #include "common/transport/verbs/verbs_wire.h"
 
@@ -86,7 +86,7 @@ constexpr int kSendQueueDepth = 64;                        // work requests per 
 constexpr uint64_t kMaxChunk = uint64_t{1} << 30;          // bytes per work request, at most
 constexpr absl::Duration kRemoteWait = absl::Seconds(30);  // for a peer's ready and descriptors
 constexpr absl::Duration kCompletionWait = absl::Seconds(60);
-constexpr absl::Duration kPumpWait = absl::Microseconds(20);  // positive: see Pump
+constexpr absl::Duration kPumpWait = absl::Microseconds(20);  // positive: see ControlPlaneTransport::Pump
 constexpr absl::Duration kPumpEvery = absl::Microseconds(200);
 constexpr absl::Duration kSpinTime = absl::Milliseconds(2);  // WaitDoorbell spins hot this long
 constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
@@ -176,10 +176,10 @@ struct LocalBuffer {
   BufferDescriptor descriptor;
 };
 
-class VerbsTransport : public Transport {
+class VerbsTransport : public ControlPlaneTransport {
  public:
   VerbsTransport(std::unique_ptr<Transport> control, ibv_context* context, const VerbsOptions& options)
-      : control_(std::move(control)), context_(context), options_(options) {
+      : ControlPlaneTransport(std::move(control)), context_(context), options_(options) {
     caps_.name = "verbs";
     caps_.gpu_memory = kCuda && options.device >= 0;
     caps_.device_polling = caps_.gpu_memory;
@@ -274,38 +274,6 @@ class VerbsTransport : public Transport {
   }
 
   const Capabilities& capabilities() const override { return caps_; }
-  std::string address() const override { return control_->address(); }
-  std::string PeerName(PeerId peer) const override { return control_->PeerName(peer); }
-
-  absl::StatusOr<PeerId> Connect(const std::string& address) override {
-    ASSIGN_OR_RETURN(const PeerId peer, control_->Connect(address));
-    RETURN_IF_ERROR(AddPeer(peer));
-    return peer;
-  }
-
-  absl::StatusOr<PeerId> Accept(absl::Time deadline) override {
-    ASSIGN_OR_RETURN(const PeerId peer, control_->Accept(deadline));
-    RETURN_IF_ERROR(AddPeer(peer));
-    return peer;
-  }
-
-  absl::Status Send(PeerId peer, absl::Span<const uint8_t> message) override {
-    return control_->Send(peer, message);
-  }
-
-  absl::Status Receive(PeerId* from, std::vector<uint8_t>* message, absl::Time deadline) override {
-    if (!stash_.empty()) {
-      *from = stash_.front().first;
-      *message = std::move(stash_.front().second);
-      stash_.pop_front();
-      return absl::OkStatus();
-    }
-    while (true) {
-      RETURN_IF_ERROR(control_->Receive(from, message, deadline));
-      ASSIGN_OR_RETURN(const bool ours, Consume(*from, *message));
-      if (!ours) return absl::OkStatus();
-    }
-  }
 
   absl::Status RegisterBuffer(uint32_t id, void* base, size_t bytes) override {
     std::vector<uint32_t> ids;
@@ -342,7 +310,7 @@ class VerbsTransport : public Transport {
     const std::vector<uint8_t> frame = verbs::EncodeDescriptor(b->descriptor);
     local_[id] = std::move(b);
     for (const auto& [peer, p] : peers_) {
-      RETURN_IF_ERROR(Annotate(control_->Send(peer, frame), absl::StrCat("verbs: descriptor of ", what)));
+      RETURN_IF_ERROR(Annotate(control().Send(peer, frame), absl::StrCat("verbs: descriptor of ", what)));
     }
     return absl::OkStatus();
   }
@@ -391,7 +359,7 @@ class VerbsTransport : public Transport {
         }
         // Past kSpinTime, every check pumps: the control channel's wait is where this one rests.
         if (now - last_pump >= kPumpEvery || now - start >= kSpinTime) {
-          RETURN_IF_ERROR(Pump());
+          RETURN_IF_ERROR(Pump(kPumpWait));
           last_pump = absl::Now();
         }
       }
@@ -406,9 +374,7 @@ class VerbsTransport : public Transport {
 
   // Writes complete inside Write (and inside the device path's host functions), so only the
   // control channel can have work in flight.
-  absl::Status Flush(absl::Time deadline) override { return control_->Flush(deadline); }
-
-  void Close(PeerId peer) override { control_->Close(peer); }
+  absl::Status Flush(absl::Time deadline) override { return control().Flush(deadline); }
 
 #if TANDEM_VERBS_CUDA
   absl::Status EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t offset, const void* src, size_t bytes,
@@ -465,7 +431,7 @@ class VerbsTransport : public Transport {
   }
 
   // A new connection: its queue pair (to INIT), then our QP info and every buffer so far.
-  absl::Status AddPeer(PeerId id) {
+  absl::Status OnNewPeer(PeerId id) override {
     const std::string name = PeerName(id);
     auto p = std::make_unique<Peer>(name);
     const std::string what = absl::StrCat("verbs: queue pair to ", name);
@@ -495,9 +461,9 @@ class VerbsTransport : public Transport {
     p->local.info.psn = std::random_device{}() & 0xFFFFFF;
     RETURN_IF_ERROR(p->machine.ToInit(port_.info.port, Apply(p->qp)));
     Peer& peer = *(peers_[id] = std::move(p));
-    RETURN_IF_ERROR(Annotate(control_->Send(id, verbs::EncodeQpInfo(peer.local.info)), "verbs: QP info"));
+    RETURN_IF_ERROR(Annotate(control().Send(id, verbs::EncodeQpInfo(peer.local.info)), "verbs: QP info"));
     for (const auto& [buffer, b] : local_) {
-      RETURN_IF_ERROR(Annotate(control_->Send(id, verbs::EncodeDescriptor(b->descriptor)),
+      RETURN_IF_ERROR(Annotate(control().Send(id, verbs::EncodeDescriptor(b->descriptor)),
                                absl::StrCat("verbs: descriptor of buffer ", buffer)));
     }
     return absl::OkStatus();
@@ -509,7 +475,7 @@ class VerbsTransport : public Transport {
 
   // A control frame of this transport is applied and consumed (true); anything else is the
   // caller's (false). A malformed frame is DataLoss naming the peer.
-  absl::StatusOr<bool> Consume(PeerId from, const std::vector<uint8_t>& m) {
+  absl::StatusOr<bool> Consume(PeerId from, const std::vector<uint8_t>& m) override {
     const std::optional<uint32_t> magic = verbs::OurMagic(m);
     if (!magic) return false;
     const std::string who = absl::StrCat("verbs: from ", PeerName(from));
@@ -528,7 +494,7 @@ class VerbsTransport : public Transport {
       p.remote_info = *info;
       RETURN_IF_ERROR(p.machine.ToRtr(p.local, *info, Apply(p.qp)));
       RETURN_IF_ERROR(p.machine.ToRts(p.local, Apply(p.qp)));
-      RETURN_IF_ERROR(Annotate(control_->Send(from, verbs::EncodeReady({.qp_num = p.local.info.qp_num})),
+      RETURN_IF_ERROR(Annotate(control().Send(from, verbs::EncodeReady({.qp_num = p.local.info.qp_num})),
                                "verbs: ready"));
     } else if (*magic == verbs::kReadyMagic) {
       absl::StatusOr<verbs::ReadyFrame> ready = verbs::DecodeReady(m);
@@ -551,21 +517,6 @@ class VerbsTransport : public Transport {
     return true;
   }
 
-  // Handles the control frames that have arrived, waiting at most `wait` for the first; the
-  // caller's messages are kept for Receive. A failed peer surfaces here as Unavailable. The wait
-  // must be positive: the UCX transport only makes progress before a deadline it has not reached.
-  absl::Status Pump(absl::Duration wait = kPumpWait) {
-    PeerId from;
-    std::vector<uint8_t> m;
-    while (true) {
-      const absl::Status s = control_->Receive(&from, &m, absl::Now() + wait);
-      if (absl::IsDeadlineExceeded(s)) return absl::OkStatus();
-      RETURN_IF_ERROR(s);
-      ASSIGN_OR_RETURN(const bool ours, Consume(from, m));
-      if (!ours) stash_.emplace_back(from, std::move(m));
-    }
-  }
-
   // The descriptor of the peer's `buffer`, once the peer's queue pair is ready for our writes.
   absl::StatusOr<BufferDescriptor> RemoteBuffer(Peer& p, PeerId peer, uint32_t buffer, absl::Time deadline) {
     while (true) {
@@ -578,7 +529,7 @@ class VerbsTransport : public Transport {
         auto it = p.buffers.find(buffer);
         if (it != p.buffers.end()) return it->second;
       }
-      RETURN_IF_ERROR(Pump());
+      RETURN_IF_ERROR(Pump(kPumpWait));
       if (absl::Now() >= deadline) {
         if (p.machine.state() != QpState::kRts || !p.remote_ready) {
           return absl::DeadlineExceededError(
@@ -837,7 +788,7 @@ class VerbsTransport : public Transport {
       std::unique_lock<std::mutex> lock(p->mu, std::try_to_lock);  // a host function may be polling
       if (lock.owns_lock() && !p->failure.ok()) return p->failure;
     }
-    return Pump();
+    return Pump(kPumpWait);
   }
 
   std::unique_ptr<DevicePath> device_path_;
@@ -845,7 +796,6 @@ class VerbsTransport : public Transport {
   absl::Status async_failure_;  // the first failed host write
 #endif
 
-  std::unique_ptr<Transport> control_;
   ibv_context* context_ = nullptr;
   VerbsOptions options_;
   Capabilities caps_;
@@ -859,7 +809,6 @@ class VerbsTransport : public Transport {
   Mr staging_mr_;
   std::map<uint32_t, std::unique_ptr<LocalBuffer>> local_;
   std::map<PeerId, std::unique_ptr<Peer>> peers_;
-  std::deque<std::pair<PeerId, std::vector<uint8_t>>> stash_;  // caller's messages seen by Pump
 };
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/byte_writer.h"
 #include "common/status.h"
 #include "common/wire.h"
 
@@ -16,21 +17,7 @@ namespace {
 
 constexpr size_t kHeaderBytes = 8;
 
-class Writer {
- public:
-  explicit Writer(std::vector<uint8_t>* out) : out_(out) {}
-  void U8(uint8_t v) { out_->push_back(v); }
-  void U16(uint16_t v) { Le(v, 2); }
-  void U32(uint32_t v) { Le(v, 4); }
-  void U64(uint64_t v) { Le(v, 8); }
-  void Bytes(absl::Span<const uint8_t> b) { out_->insert(out_->end(), b.begin(), b.end()); }
-
- private:
-  void Le(uint64_t v, int n) {
-    for (int i = 0; i < n; ++i) out_->push_back(static_cast<uint8_t>(v >> (8 * i)));
-  }
-  std::vector<uint8_t>* out_;
-};
+using Writer = ByteWriter;
 
 uint64_t Le(absl::Span<const uint8_t> b, size_t at, int n) {
   uint64_t v = 0;
