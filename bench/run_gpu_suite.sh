@@ -56,7 +56,7 @@ for what in "$@"; do
         tee "$out/prefix_sharing.txt" | tail -20 ;;
     transport)
       "$BUILD/bench/transport_bench" --kinds "${KINDS:-p2p,nccl,ucx}" \
-        --sizes "${SIZES:-16,4096,65536,1048576,16777216,67108864}" --iters "${ITERS:-100}" \
+        --sizes "${SIZES:-16,4096,65536,1048576,16777216,67108864}" --iters "${ITERS:-200}" \
         --json "$out/transport.json" >"$out/transport.txt" 2>"$out/transport.log"
       rc=$?
       cat "$out/transport.txt"

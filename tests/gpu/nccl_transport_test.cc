@@ -119,6 +119,7 @@ TEST(NcclChildHelper, DISABLED_Peer) {
       ++seq;
       const std::vector<uint8_t> data = Payload(origin, seq, bytes);
       CUDA_ASSERT_OK(cudaMemcpy(src.p, data.data(), bytes, cudaMemcpyHostToDevice));
+      CUDA_ASSERT_OK(cudaDeviceSynchronize());  // a pageable upload may still be in flight
       const absl::Span<const uint8_t> piece(static_cast<const uint8_t*>(src.p), bytes);
       const auto t0 = std::chrono::steady_clock::now();
       const absl::Status s = tr.Write(*peer, 1, 0, {&piece, 1}, seq);
@@ -157,6 +158,7 @@ TEST(NcclChildHelper, DISABLED_Peer) {
       ++seq;
       const std::vector<uint8_t> data = Payload(origin, seq, bytes);
       CUDA_ASSERT_OK(cudaMemcpy(src.p, data.data(), bytes, cudaMemcpyHostToDevice));
+      CUDA_ASSERT_OK(cudaDeviceSynchronize());  // a pageable upload may still be in flight
       const auto t0 = std::chrono::steady_clock::now();
       s = tr.EnqueueWrite(*peer, 1, 0, src.p, bytes, seq, stream.s);
       ASSERT_TRUE(s.ok()) << s;
@@ -170,6 +172,7 @@ TEST(NcclChildHelper, DISABLED_Peer) {
   ++seq;  // the parent receives this one at kOddOffset
   const std::vector<uint8_t> odd = Payload(origin, seq, 4096);
   CUDA_ASSERT_OK(cudaMemcpy(src.p, odd.data(), odd.size(), cudaMemcpyHostToDevice));
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());  // a pageable upload may still be in flight
   ASSERT_TRUE(tr.EnqueueWrite(*peer, 1, kOddOffset, src.p, odd.size(), seq, stream.s).ok());
   s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
   ASSERT_TRUE(s.ok()) << s;
@@ -328,11 +331,13 @@ TEST(NcclTransport, TwoProcesses) {
   // The other direction: host path (seqno 7), then device path (8), into the child's buffer 2.
   const std::vector<uint8_t> back7 = Payload(kBackOrigin, 7, kBackBytes);
   CUDA_ASSERT_OK(cudaMemcpy(src.p, back7.data(), kBackBytes, cudaMemcpyHostToDevice));
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());  // a pageable upload may still be in flight
   const absl::Span<const uint8_t> piece(static_cast<const uint8_t*>(src.p), kBackBytes);
   s = tr.Write(*peer, 2, 0, {&piece, 1}, 7);
   ASSERT_TRUE(s.ok()) << s;
   const std::vector<uint8_t> back8 = Payload(kBackOrigin, 8, kBackBytes);
   CUDA_ASSERT_OK(cudaMemcpy(src.p, back8.data(), kBackBytes, cudaMemcpyHostToDevice));
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());  // a pageable upload may still be in flight
   ASSERT_TRUE(tr.EnqueueWrite(*peer, 2, 0, src.p, kBackBytes, 8, stream.s).ok());
   s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
   ASSERT_TRUE(s.ok()) << s;
