@@ -150,6 +150,8 @@ for r in memory-0 memory-1 compute-0; do [ -s "$TMP/run/$r.log" ] || bad "no log
 expect_ok "$TANDEM" generate --model "$REF" --device cpu --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs \
   --set scheduler.max_batch_size=4 --set scheduler.max_tokens_per_step=24
 cmp -s "$TMP/out" "$TMP/deployed.json" || bad "generate --deploy differs from colocated: $(diff "$TMP/out" "$TMP/deployed.json" | head -5)"
+expect_ok "$TANDEM" devices
+grep -q "transports in this build: ucx" "$TMP/out" || bad "devices does not list the transports"
 expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml"
 grep -q "memory-1: cpu" "$TMP/out" || bad "config check --deploy does not print the topology"
 grep -q "transport: ucx" "$TMP/out" || bad "transport.kind auto does not resolve to ucx on the CPU"
