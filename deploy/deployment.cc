@@ -47,22 +47,24 @@ const ConfigSchema& DeploySchema() {
   return *schema;
 }
 
-namespace {
-
 // transport.kind against the ranks' devices. The GPU transports poll doorbells with kernels, so a
 // memory rank that shares the compute rank's GPU would spin against it (time-sliced contexts):
 // refused for p2p and nccl (NCCL also refuses two ranks on one GPU), never chosen by auto.
 absl::StatusOr<std::string> ResolveTransport(const std::string& kind, const DeployPlan& p) {
   using transport::TransportKind;
-  const bool gpus = p.compute_device != "cpu";
+  bool gpus = p.compute_device != "cpu";
   std::string shared;  // a memory rank on the compute rank's GPU
   for (size_t i = 0; i < p.memory_devices.size(); ++i) {
+    gpus = gpus && p.memory_devices[i] != "cpu";
     if (p.memory_devices[i] == p.compute_device && shared.empty()) shared = absl::StrCat("memory rank ", i);
   }
   if (kind == "auto") {
     return gpus && shared.empty() && transport::TransportBuilt(TransportKind::kP2p) ? "p2p" : "ucx";
   }
-  ASSIGN_OR_RETURN(const TransportKind k, transport::ParseTransportKind(kind));
+  const absl::StatusOr<TransportKind> parsed = transport::ParseTransportKind(kind);
+  if (!parsed.ok())
+    return absl::InvalidArgumentError(absl::StrCat("transport.kind: ", parsed.status().message()));
+  const TransportKind k = *parsed;
   if (!transport::TransportBuilt(k)) {
     return absl::InvalidArgumentError(
         absl::StrCat("transport.kind: ", kind, " is not in this build (it needs the CUDA build)"));
@@ -70,7 +72,7 @@ absl::StatusOr<std::string> ResolveTransport(const std::string& kind, const Depl
   if (k == TransportKind::kUcx || k == TransportKind::kVerbs) return kind;
   if (!gpus) {
     return absl::InvalidArgumentError(
-        absl::StrCat("transport.kind: ", kind, " moves data between GPUs, but the ranks run on the CPU"));
+        absl::StrCat("transport.kind: ", kind, " moves data between GPUs, but ranks run on the CPU"));
   }
   if (!shared.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("transport.kind: ", kind,
@@ -81,8 +83,6 @@ absl::StatusOr<std::string> ResolveTransport(const std::string& kind, const Depl
   }
   return kind;
 }
-
-}  // namespace
 
 absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& spec) {
   DeployPlan p;

@@ -48,6 +48,11 @@ struct DeployPlan {
 };
 // Errors name the YAML path ("memory.devices: 3 devices listed for 2 ranks").
 absl::StatusOr<DeployPlan> ResolveDeployment(const Config& config, const ModelSpec& spec);
+// transport.kind ("auto", "ucx", "p2p", "nccl", "verbs") against plan's compute and memory devices:
+// the kind to run. auto: p2p when every rank is on a CUDA device and no memory rank shares the
+// compute rank's GPU (and the build has p2p), else ucx. p2p and nccl refuse CPU ranks and a
+// memory rank on the compute GPU; a kind this build lacks is refused. Errors name transport.kind.
+absl::StatusOr<std::string> ResolveTransport(const std::string& kind, const DeployPlan& plan);
 
 struct LaunchOptions {
   std::string tandem_binary;  // the `tandem` executable the ranks run
