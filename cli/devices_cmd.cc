@@ -18,9 +18,14 @@ void AddDevicesCommand(CLI::App& app) {
                      "this build has")
       ->callback([] {
         absl::StatusOr<std::vector<kernels::CudaDeviceInfo>> devices = kernels::CudaDevices();
-        if (!devices.ok()) Fail("devices", devices.status());
-        if (devices->empty()) std::printf("no CUDA device found; tandem runs on the CPU backend\n");
-        for (const kernels::CudaDeviceInfo& d : *devices) {
+        if (!devices.ok()) {
+          std::printf("%s; tandem runs on the CPU backend\n",
+                      std::string(devices.status().message()).c_str());
+        } else if (devices->empty()) {
+          std::printf("no CUDA device found; tandem runs on the CPU backend\n");
+        }
+        for (const kernels::CudaDeviceInfo& d :
+             devices.ok() ? *devices : std::vector<kernels::CudaDeviceInfo>{}) {
           std::printf("%s\n",
                       absl::StrFormat("cuda:%d  %s  sm_%d%d  %d SMs  %.1f GiB (%.1f GiB free)", d.index,
                                       d.name, d.compute_major, d.compute_minor, d.multiprocessors,
