@@ -346,6 +346,13 @@ absl::Status CheckNoRepeatedBlocks(const std::vector<Record>& records, std::stri
 absl::Status ValidatePlanLinks(const StepPlan& plan) {
   for (size_t i = 0; i < plan.requests.size(); ++i) {
     const StepRequest& q = plan.requests[i];
+    // Each rank's rows are one range of the step's rows, ranks in order: a GPU data path writes
+    // rank m's outputs after the lower ranks' rows.
+    if (i > 0 && q.memory_rank < plan.requests[i - 1].memory_rank) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step plan: request ", i, ": memory_rank ", q.memory_rank, " after request ", i - 1,
+          "'s memory_rank ", plan.requests[i - 1].memory_rank, " (requests go in memory rank order)"));
+    }
     if (q.prefix_group == -1) continue;
     if (static_cast<uint64_t>(q.prefix_group) >= plan.groups.size()) {  // >= 0: ValidateRequest
       return absl::InvalidArgumentError(absl::StrCat("step plan: request ", i, ": prefix_group ",

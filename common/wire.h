@@ -379,7 +379,8 @@ uint32_t Crc32cPortableForTest(absl::Span<const uint8_t> data);
 
 // Checks every field range listed in the table above and the links between records: a request's
 // prefix_group, a group's parent and a publish's request_id name existing records of the same
-// memory_rank, and no two publishes or two evictions share (memory_rank, block_hash). The error is
+// memory_rank, requests come in memory_rank order (each rank's rows one range of the step's rows,
+// lower ranks first), and no two publishes or two evictions share (memory_rank, block_hash). The error is
 // InvalidArgument and names the record and field, e.g. "step plan: request 3: q_len 0 must be >= 1",
 // "step plan: group 2: parent 3 must be -1 or < 2", "step plan: publish 0: request 17 is not in
 // the plan".

@@ -60,7 +60,7 @@ class MemoryRank {
       ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
       if (magic == kStepPlanMagic) {
         absl::StatusOr<StepPlan> plan = DecodeStepPlan(msg);
-        st = !plan.ok() ? plan.status() : device_path_ ? RunStepOnDevice(*plan) : RunStep(*plan);
+        st = plan.ok() ? RunStep(*plan) : plan.status();
         if (!st.ok()) return Fail(st);
       } else if (magic == kReleaseMagic) {
         absl::StatusOr<ReleaseMessage> rel = DecodeRelease(msg);
@@ -194,17 +194,28 @@ class MemoryRank {
   }
 
   absl::Status RunStep(const StepPlan& plan) {
+    // Requests come in memory rank order (the decoder checked it), so this rank's rows start
+    // after the lower ranks' rows in the compute rank's attention buffer.
+    uint64_t row_offset = 0;
+    for (const StepRequest& r : plan.requests) {
+      if (r.memory_rank < o_.rank) row_offset += static_cast<uint64_t>(r.q_len);
+    }
     RETURN_IF_ERROR(kv_->Apply(plan, static_cast<uint16_t>(o_.rank), &batch_));
     const int64_t t = batch_.num_tokens();
     if (t == 0) return absl::OkStatus();
     ++steps_;
     RETURN_IF_ERROR(exec_->BeginStep(batch_));
+    return device_path_ ? LayersOnDevice(plan.step_id, t, row_offset) : Layers(plan.step_id, t);
+  }
+
+  // Host-staged: per layer, wait for the q,k,v message, run the layer, write the output back.
+  absl::Status Layers(uint64_t step_id, int64_t t) {
     const uint32_t qkv_row = static_cast<uint32_t>(shape_.qkv_width() * static_cast<int64_t>(elem_));
     const uint32_t out_row = static_cast<uint32_t>(shape_.q_dim() * static_cast<int64_t>(elem_));
     const size_t out_bytes = static_cast<size_t>(t) * out_row;
     for (uint32_t layer = 0; layer < static_cast<uint32_t>(shape_.num_layers); ++layer) {
       ++seqno_;
-      const LayerMessageExpect in{.step_id = plan.step_id,
+      const LayerMessageExpect in{.step_id = step_id,
                                   .layer = layer,
                                   .kind = LayerMessageKind::kQkv,
                                   .dtype = exec_->dtype(),
@@ -217,7 +228,7 @@ class MemoryRank {
             RETURN_IF_ERROR(transport_->WaitDoorbell(kQkvBuffer, seqno_, d));
             return true;
           },
-          absl::Now() + o_.step_timeout, absl::StrCat("q,k,v of step ", plan.step_id, " layer ", layer));
+          absl::Now() + o_.step_timeout, absl::StrCat("q,k,v of step ", step_id, " layer ", layer));
       RETURN_IF_ERROR(got.status());
       ASSIGN_OR_RETURN(absl::Span<const uint8_t> payload,
                        ReadLayerMessage({static_cast<const uint8_t*>(recv_.get()), recv_bytes_}, in));
@@ -242,25 +253,7 @@ class MemoryRank {
   }
 
   // The whole step enqueued on the executor's stream (see memory_rank.h); the host waits once.
-  absl::Status RunStepOnDevice(const StepPlan& plan) {
-    RETURN_IF_ERROR(kv_->Apply(plan, static_cast<uint16_t>(o_.rank), &batch_));
-    const int64_t t = batch_.num_tokens();
-    if (t == 0) return absl::OkStatus();
-    // Rows are in rank order in the step (the compute rank's attention buffer holds rank m's rows
-    // at the sum of the lower ranks' rows): find ours, and refuse a plan that breaks the order.
-    uint64_t row_offset = 0;
-    uint16_t last_rank = 0;
-    for (const StepRequest& r : plan.requests) {
-      if (r.memory_rank < last_rank) {
-        return absl::InvalidArgumentError(absl::StrCat("step ", plan.step_id,
-                                                       ": requests are not in memory rank order (rank ",
-                                                       r.memory_rank, " after rank ", last_rank, ")"));
-      }
-      last_rank = r.memory_rank;
-      if (r.memory_rank < o_.rank) row_offset += static_cast<uint64_t>(r.q_len);
-    }
-    ++steps_;
-    RETURN_IF_ERROR(exec_->BeginStep(batch_));
+  absl::Status LayersOnDevice(uint64_t step_id, int64_t t, uint64_t row_offset) {
     void* stream = exec_->stream();
     const size_t qkv_row = static_cast<size_t>(shape_.qkv_width()) * elem_;
     const size_t out_row = static_cast<size_t>(shape_.q_dim()) * elem_;
@@ -268,7 +261,7 @@ class MemoryRank {
       ++seqno_;
       RETURN_IF_ERROR(transport_->EnqueueWait(
           peer_, kQkvBuffer, 0, static_cast<size_t>(t) * qkv_row, seqno_, o_.step_timeout,
-          absl::StrCat("memory rank ", o_.rank, ": q,k,v of step ", plan.step_id, " layer ", layer), stream));
+          absl::StrCat("memory rank ", o_.rank, ": q,k,v of step ", step_id, " layer ", layer), stream));
       RETURN_IF_ERROR(exec_->Layer(layer, qkv_dev_.get(), out_dev_.get()));
       RETURN_IF_ERROR(transport_->EnqueueWrite(peer_, hello_.attn_out_buffer, row_offset * out_row,
                                                out_dev_.get(), static_cast<size_t>(t) * out_row, seqno_,

@@ -271,7 +271,13 @@ StepPlan RandomPlan(std::mt19937_64& rng, size_t n, bool extreme) {
   StepPlan plan;
   plan.step_id = extreme ? kU64Max : rng();
   for (size_t i = 0; i < n; ++i) plan.requests.push_back(RandomRequest(rng, extreme));
+  auto by_rank = [&] {  // a valid plan lists its requests in memory rank order
+    std::stable_sort(
+        plan.requests.begin(), plan.requests.end(),
+        [](const StepRequest& a, const StepRequest& b) { return a.memory_rank < b.memory_rank; });
+  };
   if (extreme) {
+    by_rank();
     // Groups 0 <- 1 of rank 0xffff, group 2 of rank 0; requests join the deepest or none.
     plan.groups = {{kU64Max, 1, -1, 0xffff}, {0, kI32Max, 0, 0xffff}, {kU64Max, kI32Max, -1, 0}};
     for (StepRequest& q : plan.requests) {
@@ -307,6 +313,7 @@ StepPlan RandomPlan(std::mt19937_64& rng, size_t n, bool extreme) {
     q.prefix_group = static_cast<int32_t>(u(0, plan.groups.size() - 1));
     q.memory_rank = plan.groups[q.prefix_group].memory_rank;
   }
+  by_rank();  // joining a group moved requests between ranks
   // Publishes and evictions of distinct (memory_rank, block_hash) each (random hashes; rarely
   // repeated by chance, and then dropped).
   auto distinct = [](const auto& records, uint16_t rank, uint64_t hash) {
@@ -730,6 +737,10 @@ TEST(StepPlanWire, PlanLevelViolationsNameRecord) {
        "step plan: group 1: prefix_tokens 16 must be > parent group 0's prefix_tokens 16"},
       {[](StepPlan& p) { p.groups[1].prefix_tokens = 15; },
        "step plan: group 1: prefix_tokens 15 must be > parent group 0's prefix_tokens 16"},
+      // Request order.
+      {[](StepPlan& p) { std::swap(p.requests[3], p.requests[4]); },
+       "step plan: request 4: memory_rank 1 after request 3's memory_rank 2 (requests go in memory rank "
+       "order)"},
       // Requests' groups and attach hashes.
       {[](StepPlan& p) { p.requests[3].prefix_group = 3; },
        "step plan: request 3: prefix_group 3 must be -1 (none) or < 3 (the group count)"},

@@ -57,9 +57,8 @@ absl::Status DevicePath::EnqueueWait(const uint64_t* doorbell, uint64_t seqno, a
   if (!failure_.ok())
     return absl::FailedPreconditionError(absl::StrCat("device path failed: ", failure_.message()));
   const uint64_t timeout_ns = static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Nanoseconds(timeout)));
-  const uint32_t index = static_cast<uint32_t>(labels_.size());
-  labels_.push_back(std::move(label));
-  waits_.emplace_back(seqno, timeout);
+  const uint32_t index = static_cast<uint32_t>(waits_.size());
+  waits_.push_back({std::move(label), seqno, timeout});
   DP_CUDA(LaunchWaitDoorbell(doorbell, seqno, timeout_ns, record_dev_, index, stream));
   return absl::OkStatus();
 }
@@ -70,13 +69,6 @@ absl::Status DevicePath::EnqueueWriteWithDoorbell(void* dst, const void* src, si
     return absl::FailedPreconditionError(absl::StrCat("device path failed: ", failure_.message()));
   uint32_t* counter = counters_ + (next_counter_++ % kCounters);
   DP_CUDA(LaunchWriteWithDoorbell(dst, src, bytes, doorbell, seqno, counter, stream));
-  return absl::OkStatus();
-}
-
-absl::Status DevicePath::EnqueueDoorbell(uint64_t* doorbell, uint64_t seqno, void* stream) {
-  if (!failure_.ok())
-    return absl::FailedPreconditionError(absl::StrCat("device path failed: ", failure_.message()));
-  DP_CUDA(LaunchDoorbell(doorbell, seqno, stream));
   return absl::OkStatus();
 }
 
@@ -132,17 +124,16 @@ absl::Status DevicePath::Sync(void* stream, absl::Time deadline, const std::func
   const volatile DeviceWaitRecord* r = record_;
   if (st.ok() && r->failed != 0) {
     const uint32_t i = r->wait;
-    if (i < labels_.size()) {
-      st = absl::DeadlineExceededError(
-          absl::StrCat(labels_[i], ": ", r->failed == 1 ? "waited " : "aborted after less than ",
-                       absl::FormatDuration(waits_[i].second), " for doorbell seqno ", waits_[i].first,
-                       ", it is at ", r->seen));
+    if (i < waits_.size()) {
+      const Wait& w = waits_[i];
+      st = absl::DeadlineExceededError(absl::StrCat(
+          w.label, ": ", r->failed == 1 ? "waited " : "aborted after less than ",
+          absl::FormatDuration(w.timeout), " for doorbell seqno ", w.seqno, ", it is at ", r->seen));
       if (r->failed == 2) st = absl::AbortedError(st.message());
     } else {
       st = absl::InternalError("a device wait failed outside the waits enqueued since the last sync");
     }
   }
-  labels_.clear();
   waits_.clear();
   if (!st.ok()) {
     Abort();

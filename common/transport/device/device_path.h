@@ -44,8 +44,6 @@ class DevicePath {
   // sees the doorbell sees the bytes. bytes may be 0 (doorbell only); no alignment needed.
   absl::Status EnqueueWriteWithDoorbell(void* dst, const void* src, size_t bytes, uint64_t* doorbell,
                                         uint64_t seqno, void* stream);
-  // Enqueues on `stream` the store of `seqno` to `doorbell` after a system-wide fence.
-  absl::Status EnqueueDoorbell(uint64_t* doorbell, uint64_t seqno, void* stream);
 
   // Waits until the work enqueued on `stream` so far has run. Calls `pump` about every 100 us
   // (the control plane: peer failures); an error from it aborts every pending wait and is
@@ -56,8 +54,6 @@ class DevicePath {
 
   // Makes every pending and later wait fall through (recorded as aborted).
   void Abort();
-  // The first error, or OK.
-  const absl::Status& failure() const { return failure_; }
 
  private:
   DevicePath() = default;
@@ -67,8 +63,12 @@ class DevicePath {
   DeviceWaitRecord* record_dev_ = nullptr;  // its device address
   uint32_t* counters_ = nullptr;            // device: per-launch block counters of the write kernel
   uint32_t next_counter_ = 0;
-  std::vector<std::string> labels_;  // of the waits enqueued since the last successful Sync
-  std::vector<std::pair<uint64_t, absl::Duration>> waits_;  // seqno, timeout of each
+  struct Wait {
+    std::string label;
+    uint64_t seqno;
+    absl::Duration timeout;
+  };
+  std::vector<Wait> waits_;  // enqueued since the last Sync, by the index the kernel records
   absl::Status failure_;
 };
 

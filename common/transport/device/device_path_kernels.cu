@@ -86,11 +86,6 @@ __global__ void WriteWithDoorbellKernel(uint8_t* dst, const uint8_t* src, size_t
   }
 }
 
-__global__ void DoorbellKernel(uint64_t* bell, uint64_t seqno) {
-  __threadfence_system();
-  StoreRelease(bell, seqno);
-}
-
 }  // namespace
 
 cudaError_t LaunchWaitDoorbell(const uint64_t* bell, uint64_t seqno, uint64_t timeout_ns,
@@ -113,11 +108,6 @@ cudaError_t LaunchWriteWithDoorbell(void* dst, const void* src, size_t bytes, ui
   WriteWithDoorbellKernel<<<static_cast<unsigned>(blocks), kWriteThreads, 0,
                             static_cast<cudaStream_t>(stream)>>>(
       static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes, bell, seqno, counter);
-  return cudaGetLastError();
-}
-
-cudaError_t LaunchDoorbell(uint64_t* bell, uint64_t seqno, void* stream) {
-  DoorbellKernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(bell, seqno);
   return cudaGetLastError();
 }
 

@@ -23,6 +23,5 @@ cudaError_t LaunchWaitDoorbell(const uint64_t* bell, uint64_t seqno, uint64_t ti
 // `counter`: a zeroed device word no other launch in flight uses; the kernel leaves it zeroed.
 cudaError_t LaunchWriteWithDoorbell(void* dst, const void* src, size_t bytes, uint64_t* bell, uint64_t seqno,
                                     uint32_t* counter, void* stream);
-cudaError_t LaunchDoorbell(uint64_t* bell, uint64_t seqno, void* stream);
 
 }  // namespace tandem::transport
