@@ -80,6 +80,7 @@
 #include "compute_node/controller.h"
 #include "compute_node/weights.h"
 #include "deploy/process_group.h"
+#include "linear_floor.h"
 
 #ifndef TANDEM_BINARY_DEFAULT
 #define TANDEM_BINARY_DEFAULT "tandem"
@@ -97,7 +98,7 @@ constexpr const char* kUsage =
     "usage: deploy_step_bench --model NAME [--transports ucx,p2p,nccl] [--batches 64,256]\n"
     "                         [--contexts 1024,4096] [--decode-tokens 16] [--memory-ranks 1]\n"
     "                         [--json PATH] [--tandem PATH] [--run-timeout S] [--startup-timeout S]\n"
-    "                         [--checksums 0|1]\n"
+    "                         [--checksums 0|1] [--max-tokens-per-step N] [--cuda-graphs 0|1]\n"
     "Decode step time of a deployment (compute rank on cuda:0, memory ranks on cuda:1..) per\n"
     "transport, split into compute, attention, exchange and idle, beside the colocated engine.\n"
     "  --model            preset name (random weights, seed 0) or checkpoint directory\n"
@@ -110,7 +111,11 @@ constexpr const char* kUsage =
     "  --tandem           the tandem executable that runs the memory ranks\n"
     "  --run-timeout      wall limit of one (transport, batch, context) run, seconds (600)\n"
     "  --startup-timeout  limit for loading weights and starting a deployment, seconds (600)\n"
-    "  --checksums        crc32c of the host-staged (ucx) payloads, as a deployment's default (1)\n";
+    "  --checksums        crc32c of the host-staged (ucx) payloads, as a deployment's default (1)\n"
+    "  --max-tokens-per-step  rows per step (decode + prefill chunk), both sides (max(8192, batch))\n"
+    "  --cuda-graphs      layer parts as CUDA graphs on both sides (1), or launched one by one (0)\n"
+    "Per decode step it also prints rows (decode rows actually run), linear (gemm + other, ms) and\n"
+    "floor (the same matrix products as bare cuBLAS calls in one CUDA graph, measured first).\n";
 
 absl::StatusOr<std::vector<int64_t>> ParseList(const std::string& flag, const std::string& s) {
   std::vector<int64_t> out;
@@ -196,14 +201,24 @@ struct Combo {
   int64_t batch = 0, context = 0;
 };
 
-// The requests of one (B, C): the same tokens for the engine and every transport.
-std::vector<GenerationRequest> MakeRequests(const Combo& c, int64_t decode_tokens, int64_t vocab) {
+// The requests of one (B, C): the same tokens for the engine and every transport. Chunked prefill
+// admits about max_tokens / C requests per step, and requests prefilled early decode meanwhile;
+// so that all B decode together, each request generates `ramp` (the prefill steps of the batch)
+// tokens more than `decode_tokens`, from a prompt that much shorter: contexts still end at C.
+int64_t RampTokens(const Combo& c, int64_t decode_tokens, int64_t max_tokens) {
+  const int64_t prompt = c.context - decode_tokens;
+  return std::min(prompt / 2, (c.batch * prompt + max_tokens - 1) / max_tokens + 1);
+}
+
+std::vector<GenerationRequest> MakeRequests(const Combo& c, int64_t decode_tokens, int64_t vocab,
+                                            int64_t max_tokens) {
   std::mt19937 rng(static_cast<uint32_t>(11 + 7919 * c.batch + c.context));
+  const int64_t ramp = RampTokens(c, decode_tokens, max_tokens);
   std::vector<GenerationRequest> reqs(static_cast<size_t>(c.batch));
   for (GenerationRequest& r : reqs) {
-    r.prompt.resize(static_cast<size_t>(c.context - decode_tokens));
+    r.prompt.resize(static_cast<size_t>(c.context - decode_tokens - ramp));
     for (int32_t& t : r.prompt) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
-    r.max_tokens = decode_tokens;
+    r.max_tokens = decode_tokens + ramp;
     r.ignore_eos = true;
   }
   return reqs;
@@ -212,13 +227,15 @@ std::vector<GenerationRequest> MakeRequests(const Combo& c, int64_t decode_token
 // Totals over the decode steps of one run.
 struct Figures {
   int64_t decode_steps = 0, decode_tokens = 0;
+  int64_t max_rows = 0;  // most rows seen in a decode step (< the batch: capped)
   double decode_s = 0, prefill_s = 0;
   double phase_ms[4] = {0, 0, 0, 0};  // gemm, attention, other, sampling
 };
 constexpr const char* kPhases[4] = {"gemm", "attention", "other", "sampling"};
 
-// Submits the requests and steps until `idle()`; the engine and a compute rank alike. Fails when
-// a step fails, makes no progress, or the run passes `limit_s`.
+// Submits the requests and steps until `idle()`; the engine and a compute rank alike. Counts the
+// decode steps that run every request (all of them when none does: see Figures::max_rows).
+// Fails when a step fails, makes no progress, or the run passes `limit_s`.
 template <typename Runner, typename IdleFn>
 absl::StatusOr<Figures> RunWorkload(Runner& runner, IdleFn idle, std::vector<GenerationRequest> requests,
                                     double limit_s) {
@@ -227,7 +244,8 @@ absl::StatusOr<Figures> RunWorkload(Runner& runner, IdleFn idle, std::vector<Gen
     absl::StatusOr<int64_t> id = runner.Submit(std::move(requests[i]));
     if (!id.ok()) return tandem::Annotate(id.status(), absl::StrCat("submitting request ", i));
   }
-  Figures f;
+  const int64_t batch = static_cast<int64_t>(requests.size());
+  Figures f, partial;  // decode steps of the whole batch, and the others
   std::vector<std::pair<int64_t, GenerationResult>> done;
   int64_t steps = 0;
   while (!idle()) {
@@ -251,17 +269,24 @@ absl::StatusOr<Figures> RunWorkload(Runner& runner, IdleFn idle, std::vector<Gen
           absl::StrCat("step ", steps - 1, " made no progress (the requests are not all admitted?)"));
     }
     if (prefilled == 0) {
-      f.decode_s += dt;
-      ++f.decode_steps;
-      f.decode_tokens += decoded;
+      Figures& into = decoded == batch ? f : partial;
+      into.decode_s += dt;
+      ++into.decode_steps;
+      into.decode_tokens += decoded;
+      f.max_rows = std::max(f.max_rows, decoded);
       const auto totals_after = runner.PhaseTotalsMs();
       for (int p = 0; p < 4; ++p)
-        f.phase_ms[p] += PhaseMs(totals_after, kPhases[p]) - PhaseMs(totals_before, kPhases[p]);
+        into.phase_ms[p] += PhaseMs(totals_after, kPhases[p]) - PhaseMs(totals_before, kPhases[p]);
     } else {
       f.prefill_s += dt;
     }
   }
-  if (f.decode_steps == 0) return absl::InternalError("the run had no decode steps");
+  if (f.decode_steps == 0) {
+    if (partial.decode_steps == 0) return absl::InternalError("the run had no decode steps");
+    partial.prefill_s = f.prefill_s;
+    partial.max_rows = f.max_rows;
+    return partial;
+  }
   return f;
 }
 
@@ -296,6 +321,8 @@ Row MakeRow(const std::string& transport, int order, const Combo& c, const Figur
   r.idle_ms = r.step_ms - (r.compute_ms + r.phase_ms);
   r.tok_s = f.decode_s > 0 ? static_cast<double>(f.decode_tokens) / f.decode_s : 0;
   r.prefill_s = f.prefill_s;
+  if (f.max_rows < c.batch)
+    r.note = absl::StrFormat("capped at %d rows per step (KV cache or --max-tokens-per-step)", f.max_rows);
   return r;
 }
 
@@ -350,6 +377,7 @@ struct Settings {
   int64_t max_batch = 0, max_tokens = 0, kv_tokens = 0;
   double startup_s = 600, step_timeout_s = 120;
   bool checksums = true;
+  bool cuda_graphs = true;
 };
 
 absl::Status StartDeployment(const tandem::WeightSource& source, transport::TransportKind kind,
@@ -395,6 +423,7 @@ absl::Status StartDeployment(const tandem::WeightSource& source, transport::Tran
   o.kv_capacity_tokens = s.kv_tokens;
   o.checksums = s.checksums;
   o.profile = true;
+  o.cuda_graphs = s.cuda_graphs;
   o.startup_timeout = absl::Seconds(s.startup_s);
   o.step_timeout = absl::Seconds(s.step_timeout_s);
   std::fprintf(stderr, "  loading the weights on cuda:0 and connecting to %d memory rank(s)\n",
@@ -450,9 +479,9 @@ int main(int argc, char** argv) {
   std::string model = "llama3-8b", json_path, tandem_binary = TANDEM_BINARY_DEFAULT;
   std::string transports_flag = "ucx,p2p,nccl";
   std::vector<int64_t> batches = {64, 256}, contexts = {1024, 4096};
-  int64_t decode_tokens = 16, memory_ranks = 1;
+  int64_t decode_tokens = 16, memory_ranks = 1, max_tokens_flag = 0;
   double run_timeout_s = 600, startup_s = 600;
-  bool checksums = true;
+  bool checksums = true, cuda_graphs = true;
   auto fail = [](const absl::Status& st) {
     std::fprintf(stderr, "deploy_step_bench: %s\n", std::string(st.message()).c_str());
     return 1;
@@ -494,6 +523,12 @@ int main(int argc, char** argv) {
     } else if (k == "--checksums") {
       if (v != "0" && v != "1") st = absl::InvalidArgumentError("--checksums: 0 or 1");
       checksums = v == "1";
+    } else if (k == "--cuda-graphs") {
+      if (v != "0" && v != "1") st = absl::InvalidArgumentError("--cuda-graphs: 0 or 1");
+      cuda_graphs = v == "1";
+    } else if (k == "--max-tokens-per-step") {
+      if (!absl::SimpleAtoi(v, &max_tokens_flag) || max_tokens_flag < 1)
+        st = absl::InvalidArgumentError(absl::StrCat(k, ": '", v, "' is not a positive integer"));
     } else {
       std::fprintf(stderr, "deploy_step_bench: unknown flag %s\n%s", k.c_str(), kUsage);
       return 2;
@@ -548,7 +583,20 @@ int main(int argc, char** argv) {
   for (int64_t c : contexts)
     for (int64_t b : batches) combos.push_back({b, c});
   const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
-  const int64_t max_tokens = std::max<int64_t>(8192, max_batch);
+  const int64_t max_tokens =
+      max_tokens_flag > 0 ? std::max(max_tokens_flag, max_batch) : std::max<int64_t>(8192, max_batch);
+  // The linear layers' floor for every batch (the rows of a decode step that runs all of them).
+  std::vector<int64_t> batch_rows;
+  for (const Combo& c : combos)
+    if (std::find(batch_rows.begin(), batch_rows.end(), c.batch) == batch_rows.end())
+      batch_rows.push_back(c.batch);
+  std::fprintf(stderr, "measuring the linear layers' floor (cuBLAS in one CUDA graph) on cuda:0\n");
+  const std::vector<double> floor_ms = tandem::bench::LinearFloorMs(spec, batch_rows);
+  auto floor_of = [&](int64_t rows) -> std::optional<double> {
+    for (size_t i = 0; i < floor_ms.size(); ++i)
+      if (batch_rows[i] == rows) return floor_ms[i];
+    return std::nullopt;
+  };
 
   std::vector<Row> rows;
   std::vector<std::string> notes;  // skipped and failed runs, printed under the table
@@ -581,6 +629,7 @@ int main(int argc, char** argv) {
     eo.prefix_cache = false;
     eo.prefix_sharing = "off";
     eo.profile = true;
+    eo.cuda_graphs = cuda_graphs;
     std::fprintf(stderr, "loading %s into the colocated engine on cuda:0\n", model.c_str());
     watchdog.Arm("loading the colocated engine", startup_s);
     const auto t0 = std::chrono::steady_clock::now();
@@ -600,8 +649,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "  running %s\n", Label("colocated", c).c_str());
       watchdog.Arm(Label("colocated", c), run_timeout_s + 60);
       absl::StatusOr<Figures> f = RunWorkload(
-          **engine, [&] { return (*engine)->Idle(); }, MakeRequests(c, decode_tokens, spec.vocab_size),
-          run_timeout_s);
+          **engine, [&] { return (*engine)->Idle(); },
+          MakeRequests(c, decode_tokens, spec.vocab_size, max_tokens), run_timeout_s);
       watchdog.Disarm();
       if (!f.ok()) return fail(tandem::Annotate(f.status(), Label("colocated", c)));
       Row r = MakeRow("colocated", 0, c, *f);
@@ -637,7 +686,8 @@ int main(int argc, char** argv) {
                     .kv_tokens = kv_tokens + 256,
                     .startup_s = startup_s,
                     .step_timeout_s = std::min(120.0, run_timeout_s),
-                    .checksums = checksums};
+                    .checksums = checksums,
+                    .cuda_graphs = cuda_graphs};
   for (size_t k = 0; k < kinds.size(); ++k) {
     const std::string name = transport::TransportKindName(kinds[k]);
     std::string skip;
@@ -676,7 +726,7 @@ int main(int argc, char** argv) {
         watchdog.Arm(Label(name, c), run_timeout_s + 60);
         absl::StatusOr<Figures> f = RunWorkload(
             *d.rank, [&] { return d.rank->controller().Idle(); },
-            MakeRequests(c, decode_tokens, spec.vocab_size), run_timeout_s);
+            MakeRequests(c, decode_tokens, spec.vocab_size, max_tokens), run_timeout_s);
         watchdog.Disarm();
         if (!f.ok()) {
           st = tandem::Annotate(f.status(), Label(name, c));
@@ -689,10 +739,12 @@ int main(int argc, char** argv) {
           r.floored = exchange < 0;
           r.exchange_ms = std::max(0.0, exchange);
           if (r.floored)
-            r.note = absl::StrFormat("exchange floored at 0: attention phase %.2f < colocated %.2f",
-                                     r.phase_ms, *baseline[i]);
+            r.note =
+                absl::StrCat(r.note, r.note.empty() ? "" : "; ",
+                             absl::StrFormat("exchange floored at 0: attention phase %.2f < colocated %.2f",
+                                             r.phase_ms, *baseline[i]));
         } else {
-          r.note = "no colocated baseline";
+          r.note = absl::StrCat(r.note, r.note.empty() ? "" : "; ", "no colocated baseline");
         }
         progress(r);
         record(std::move(r));
@@ -719,13 +771,15 @@ int main(int argc, char** argv) {
       "request; per decode step, ms: step = compute + attention + exchange + idle\n",
       model.c_str(), device_name.c_str(), static_cast<long long>(memory_ranks),
       static_cast<long long>(decode_tokens));
-  std::printf("%-10s %-6s %-7s %-9s %-9s %-9s %-9s %-9s %-9s %s\n", "transport", "batch", "context",
-              "step_ms", "compute", "attention", "exchange", "idle", "tok/s", "note");
+  std::printf("%-10s %-6s %-7s %-6s %-8s %-8s %-8s %-8s %-9s %-9s %-8s %-8s %s\n", "transport", "batch",
+              "context", "rows", "step_ms", "compute", "linear", "floor", "attention", "exchange", "idle",
+              "tok/s", "note");
   for (const Row& r : rows) {
-    std::printf("%-10s %-6lld %-7lld %-9.2f %-9.2f %-9s %-9s %-9.2f %-9.0f %s\n", r.transport.c_str(),
-                static_cast<long long>(r.combo.batch), static_cast<long long>(r.combo.context), r.step_ms,
-                r.compute_ms, Fmt(r.attention_ms).c_str(), Fmt(r.exchange_ms).c_str(), r.idle_ms, r.tok_s,
-                r.note.c_str());
+    std::printf("%-10s %-6lld %-7lld %-6.1f %-8.2f %-8.2f %-8.2f %-8s %-9s %-9s %-8.2f %-8.0f %s\n",
+                r.transport.c_str(), static_cast<long long>(r.combo.batch),
+                static_cast<long long>(r.combo.context), r.rows_per_step, r.step_ms, r.compute_ms,
+                r.gemm_ms + r.other_ms, Fmt(floor_of(static_cast<int64_t>(r.rows_per_step + 0.5))).c_str(),
+                Fmt(r.attention_ms).c_str(), Fmt(r.exchange_ms).c_str(), r.idle_ms, r.tok_s, r.note.c_str());
   }
   for (const std::string& n : notes) std::printf("%s\n", n.c_str());
   return failed ? 1 : 0;

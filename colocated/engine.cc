@@ -117,7 +117,8 @@ absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const W
   ASSIGN_OR_RETURN(const int device, ResolveDevice(options.device, spec));
   const ComputeBackendOptions co{.max_tokens = options.max_tokens_per_step,
                                  .max_requests = options.max_batch_size,
-                                 .profile = options.profile};
+                                 .profile = options.profile,
+                                 .cuda_graphs = options.cuda_graphs};
   const AttentionShape shape{.num_layers = spec.num_layers,
                              .num_heads = spec.num_heads,
                              .num_kv_heads = spec.num_kv_heads,

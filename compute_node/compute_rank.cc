@@ -41,7 +41,8 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
   // Weights first: a memory rank on the same GPU sizes its KV from what is left after them.
   const ComputeBackendOptions bo{.max_tokens = o.scheduler.max_tokens_per_step,
                                  .max_requests = o.scheduler.max_batch_size,
-                                 .profile = o.profile};
+                                 .profile = o.profile,
+                                 .cuda_graphs = o.cuda_graphs};
   if (o.device < 0) {
     ASSIGN_OR_RETURN(backend_, CreateCpuComputeBackend(source, bo));
   } else {

@@ -1,7 +1,18 @@
 // The CUDA compute backend: bf16 weights (CudaLayerExecutor), an fp32 residual stream, sampling
 // on the device. One metadata upload and one result download per step.
+//
+// Layer parts as CUDA graphs (ComputeBackendOptions::cuda_graphs). Enqueueing a layer's linear
+// part eagerly costs a dozen API calls (kernels, cuBLAS, events), and on the measured hosts the
+// host took longer to enqueue a decode step than the GPU took to run it, so the GEMMs waited for
+// their launches. Each (layer, pre/post, row bucket, buffer) gets a graph captured at first use;
+// a step of t rows replays the graphs of bucket T >= t. The T - t padding rows are row-local
+// work that nothing reads: x is zeroed there at BeginStep, their positions are whatever follows
+// the step's positions in the metadata (RoPE of any integer is finite), and their qkv and attn
+// rows lie inside buffers sized for max_tokens rows.
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -24,6 +35,7 @@ namespace {
 class CudaComputeBackend : public ComputeBackend {
  public:
   ~CudaComputeBackend() override {
+    for (auto& [key, g] : graphs_) cudaGraphExecDestroy(g.exec);
     executor_.reset();
     weights_.reset();
     if (host_meta_) cudaFreeHost(host_meta_);
@@ -48,6 +60,7 @@ class CudaComputeBackend : public ComputeBackend {
     ASSIGN_OR_RETURN(b->weights_, CudaModelWeights::Upload(source));
     const ModelSpec& s = b->weights_->spec();
     b->options_ = o;
+    b->graphs_on_ = o.cuda_graphs;
     ASSIGN_OR_RETURN(b->executor_, CudaLayerExecutor::Create(b->weights_.get(), o.max_tokens, b->stream_));
     if (o.profile) {
       b->timer_.Enable(b->stream_);
@@ -55,6 +68,7 @@ class CudaComputeBackend : public ComputeBackend {
     }
     const int64_t t = o.max_tokens, r = o.max_requests;
     RETURN_IF_ERROR(b->x_.Reserve(t * s.hidden_size * 4));
+    CUDA_RETURN_IF_ERROR(cudaMemset(b->x_.ptr, 0, static_cast<size_t>(t * s.hidden_size * 4)));
     RETURN_IF_ERROR(b->logits_.Reserve(r * s.vocab_size * 4));
     RETURN_IF_ERROR(b->sample_ws_.Reserve(std::max<int64_t>(16, kc::SampleWorkspaceBytes(r, s.vocab_size))));
     RETURN_IF_ERROR(b->out_.Reserve(r * 8));
@@ -83,10 +97,11 @@ class CudaComputeBackend : public ComputeBackend {
     }
     t_ = t;
     rows_ = rows;
+    graph_rows_ = GraphRows(t);
     timer_.Begin();
     packer_.Reset();
+    o_pos_ = packer_.Add(st.positions);  // first, at a fixed address for the graphs
     const int64_t o_tokens = packer_.Add(st.tokens);
-    o_pos_ = packer_.Add(st.positions);
     std::vector<float> temperature, top_p;
     std::vector<int32_t> top_k;
     std::vector<uint64_t> seed;
@@ -108,16 +123,25 @@ class CudaComputeBackend : public ComputeBackend {
     // The previous step synchronised in Finish, so the pinned buffer is free to overwrite.
     std::memcpy(host_meta_, mb.data(), mb.size());
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(meta_.ptr, host_meta_, mb.size(), cudaMemcpyHostToDevice, stream_));
+    if (graph_rows_ > t) {
+      const size_t row = static_cast<size_t>(spec().hidden_size) * 4;
+      CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(x_.as<float>() + t * spec().hidden_size, 0, (graph_rows_ - t) * row, stream_));
+    }
     timer_.Mark(PhaseTimer::kOther);
     return executor_->Embed(meta_.as<int32_t>(o_tokens), t, x_.as<float>());
   }
 
   absl::Status PreAttention(int64_t layer, void* qkv) override {
-    return executor_->PreAttention(layer, x_.as<float>(), meta_.as<int32_t>(o_pos_), t_,
-                                   static_cast<bf16*>(qkv));
+    return RunLayerPart(layer, false, qkv, [&](int64_t rows) {
+      return executor_->PreAttention(layer, x_.as<float>(), meta_.as<int32_t>(o_pos_), rows,
+                                     static_cast<bf16*>(qkv));
+    });
   }
   absl::Status PostAttention(int64_t layer, const void* attn) override {
-    return executor_->PostAttention(layer, x_.as<float>(), static_cast<const bf16*>(attn), t_);
+    return RunLayerPart(layer, true, attn, [&](int64_t rows) {
+      return executor_->PostAttention(layer, x_.as<float>(), static_cast<const bf16*>(attn), rows);
+    });
   }
   void MarkAttention() override { timer_.Mark(PhaseTimer::kAttention); }
 
@@ -164,6 +188,66 @@ class CudaComputeBackend : public ComputeBackend {
   }
 
  private:
+  struct LayerGraph {
+    cudaGraphExec_t exec = nullptr;
+    PhaseTimer::Marks marks;
+  };
+  static constexpr int64_t kGraphBuckets[] = {1,  2,   4,   8,   16,  24,  32,  40,  48,  56,  64, 80,
+                                              96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512};
+
+  // The rows a step of t rows runs as graphs (its bucket), or 0 to run it eagerly.
+  int64_t GraphRows(int64_t t) const {
+    if (!graphs_on_) return 0;
+    for (int64_t b : kGraphBuckets)
+      if (b >= t) return std::min(b, options_.max_tokens);
+    return 0;
+  }
+
+  // Runs enqueue(rows) for the step: as the graph of (layer, part, bucket, buffer), captured
+  // the first time, or eagerly with the step's rows. A capture that fails turns graphs off for
+  // this backend (logged once) and the part runs eagerly.
+  template <typename Enqueue>
+  absl::Status RunLayerPart(int64_t layer, bool post, const void* buffer, Enqueue&& enqueue) {
+    if (graph_rows_ == 0) return enqueue(t_);
+    const auto key = std::make_tuple(graph_rows_, layer, post, buffer);
+    auto it = graphs_.find(key);
+    if (it == graphs_.end()) {
+      absl::StatusOr<LayerGraph> g = Capture(enqueue);
+      if (!g.ok()) {
+        TANDEM_LOG_WARN("compute", "CUDA graphs off: capturing layer ", layer,
+                        " failed: ", g.status().message());
+        graphs_on_ = false;
+        graph_rows_ = 0;
+        return enqueue(t_);
+      }
+      it = graphs_.emplace(key, *std::move(g)).first;
+    }
+    CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second.exec, stream_));
+    timer_.Replayed(it->second.marks);
+    return absl::OkStatus();
+  }
+
+  template <typename Enqueue>
+  absl::StatusOr<LayerGraph> Capture(Enqueue& enqueue) {
+    CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    timer_.BeginCapture();
+    const absl::Status enqueued = enqueue(graph_rows_);
+    LayerGraph g;
+    g.marks = timer_.EndCapture();
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+    if (!enqueued.ok() || ended != cudaSuccess) {
+      if (graph) cudaGraphDestroy(graph);
+      (void)cudaGetLastError();
+      RETURN_IF_ERROR(enqueued);
+      CUDA_RETURN_IF_ERROR(ended);
+    }
+    const cudaError_t made = cudaGraphInstantiate(&g.exec, graph, 0);
+    cudaGraphDestroy(graph);
+    CUDA_RETURN_IF_ERROR(made);
+    return g;
+  }
+
   kc::CudaMemorySpace memory_;
   CudaComputeBackend() = default;
   std::string device_name_;
@@ -178,6 +262,9 @@ class CudaComputeBackend : public ComputeBackend {
   kc::MetaPacker packer_;
   PhaseTimer timer_;
   int64_t t_ = 0, rows_ = 0;
+  bool graphs_on_ = false;
+  int64_t graph_rows_ = 0;  // this step's bucket, or 0: eager
+  std::map<std::tuple<int64_t, int64_t, bool, const void*>, LayerGraph> graphs_;
   int64_t o_pos_ = 0, o_rows_ = 0, o_temp_ = 0, o_topk_ = 0, o_topp_ = 0, o_seed_ = 0, o_counter_ = 0;
 };
 

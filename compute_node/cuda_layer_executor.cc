@@ -139,39 +139,59 @@ const char* PhaseTimer::Name(Phase p) {
 }
 
 PhaseTimer::~PhaseTimer() {
-  for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  for (cudaEvent_t e : pool_) cudaEventDestroy(e);
+  for (cudaEvent_t e : owned_) cudaEventDestroy(e);
 }
 
-cudaEvent_t PhaseTimer::Event(size_t i) {
-  while (events_.size() <= i) {
-    cudaEvent_t e = nullptr;
-    cudaEventCreate(&e);
-    events_.push_back(e);
-  }
-  return events_[i];
+cudaEvent_t PhaseTimer::NewEvent() {
+  cudaEvent_t e = nullptr;
+  cudaEventCreate(&e);
+  return e;
 }
 
 void PhaseTimer::Begin() {
   if (!stream_) return;
-  used_ = 1;
-  phases_.clear();
-  cudaEventRecord(Event(0), stream_);
+  step_.clear();
+  pool_used_ = 0;
+  Mark(kOther);  // the step's start; its phase is never charged
 }
 
 void PhaseTimer::Mark(Phase phase) {
-  if (!stream_ || used_ == 0) return;
-  cudaEventRecord(Event(used_), stream_);
-  phases_.push_back(phase);
-  ++used_;
+  if (!stream_) return;
+  if (capturing_) {
+    owned_.push_back(NewEvent());
+    cudaEventRecordWithFlags(owned_.back(), stream_, cudaEventRecordExternal);
+    captured_.emplace_back(owned_.back(), phase);
+    return;
+  }
+  if (pool_used_ == pool_.size()) pool_.push_back(NewEvent());
+  cudaEvent_t e = pool_[pool_used_++];
+  cudaEventRecord(e, stream_);
+  step_.emplace_back(e, phase);
+}
+
+void PhaseTimer::BeginCapture() {
+  capturing_ = enabled();
+  captured_.clear();
+}
+
+PhaseTimer::Marks PhaseTimer::EndCapture() {
+  capturing_ = false;
+  return std::move(captured_);
+}
+
+void PhaseTimer::Replayed(const Marks& marks) {
+  if (stream_) step_.insert(step_.end(), marks.begin(), marks.end());
 }
 
 void PhaseTimer::Collect() {
   if (!stream_) return;
-  for (size_t i = 0; i + 1 < used_; ++i) {
+  for (size_t i = 1; i < step_.size(); ++i) {
     float ms = 0;
-    if (cudaEventElapsedTime(&ms, events_[i], events_[i + 1]) == cudaSuccess) totals_[phases_[i]] += ms;
+    if (cudaEventElapsedTime(&ms, step_[i - 1].first, step_[i].first) == cudaSuccess)
+      totals_[step_[i].second] += ms;
   }
-  used_ = 0;
+  step_.clear();
 }
 
 absl::StatusOr<std::unique_ptr<CudaLayerExecutor>> CudaLayerExecutor::Create(const CudaModelWeights* weights,

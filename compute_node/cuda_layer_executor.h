@@ -57,10 +57,14 @@ class CudaModelWeights {
 
 // Attributes the GPU time of a step to phases with CUDA events, for benchmarks: each Mark(phase)
 // charges the time since the previous mark to `phase`. Disabled (the default), every call is a
-// no-op. Not thread-safe.
+// no-op. Work captured into a CUDA graph keeps its marks: between BeginCapture and EndCapture,
+// Mark records events as graph nodes (cudaEventRecordExternal) that belong to that graph, and
+// Replayed(marks) puts them into the current step each time the graph is launched. Not
+// thread-safe.
 class PhaseTimer {
  public:
   enum Phase { kGemm = 0, kAttention, kOther, kSampling, kNumPhases };
+  using Marks = std::vector<std::pair<cudaEvent_t, Phase>>;  // events of one captured graph
   static const char* Name(Phase p);
   PhaseTimer() = default;
   ~PhaseTimer();
@@ -71,16 +75,24 @@ class PhaseTimer {
   bool enabled() const { return stream_ != nullptr; }
   void Begin();            // starts a step
   void Mark(Phase phase);  // time since the previous mark goes to `phase`
+  // Capture of a graph on the timer's stream: the marks in between become the graph's own.
+  void BeginCapture();
+  Marks EndCapture();
+  // A graph whose capture produced `marks` was launched on the stream (after the last mark).
+  void Replayed(const Marks& marks);
   // After the stream has been synchronised: adds the step's times (ms) to the totals.
   void Collect();
   const double* totals_ms() const { return totals_; }
 
  private:
-  cudaEvent_t Event(size_t i);
+  cudaEvent_t NewEvent();
   cudaStream_t stream_ = nullptr;
-  std::vector<cudaEvent_t> events_;
-  std::vector<Phase> phases_;  // phases_[i]: the phase that ends at event i + 1
-  size_t used_ = 0;
+  std::vector<cudaEvent_t> pool_;  // events of eager marks, reused every step
+  size_t pool_used_ = 0;
+  std::vector<cudaEvent_t> owned_;  // events of captured graphs
+  Marks step_;                      // this step's marks in stream order; step_[0] is its start
+  bool capturing_ = false;
+  Marks captured_;
   double totals_[kNumPhases] = {0, 0, 0, 0};
 };
 

@@ -29,11 +29,17 @@ absl::StatusOr<std::unique_ptr<CublasGemm>> CublasGemm::Create(cudaStream_t stre
   std::unique_ptr<CublasGemm> g(new CublasGemm());
   CUBLAS_RETURN_IF_ERROR(cublasCreate(&g->handle_));
   CUBLAS_RETURN_IF_ERROR(cublasSetStream(g->handle_, stream));
+  if (cudaMalloc(&g->workspace_, kWorkspaceBytes) != cudaSuccess) {
+    g->workspace_ = nullptr;
+    return absl::ResourceExhaustedError("cuBLAS workspace: cudaMalloc of 32 MiB failed");
+  }
+  CUBLAS_RETURN_IF_ERROR(cublasSetWorkspace(g->handle_, g->workspace_, kWorkspaceBytes));
   return g;
 }
 
 CublasGemm::~CublasGemm() {
   if (handle_) cublasDestroy(handle_);
+  if (workspace_) cudaFree(workspace_);
 }
 
 absl::Status CublasGemm::Run(const GemmParams& p) {

@@ -24,7 +24,9 @@ struct GemmParams {
   int64_t x_stride = 0, y_stride = 0;
 };
 
-// One cuBLAS handle bound to a stream. Not thread-safe; one per executor.
+// One cuBLAS handle bound to a stream, with a workspace of its own (kWorkspaceBytes), so that
+// split-K algorithms allocate nothing while a CUDA graph is being captured. Not thread-safe; one
+// per executor.
 class CublasGemm {
  public:
   static absl::StatusOr<std::unique_ptr<CublasGemm>> Create(cudaStream_t stream);
@@ -34,8 +36,10 @@ class CublasGemm {
   absl::Status Run(const GemmParams& p);
 
  private:
+  static constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's default on Hopper
   CublasGemm() = default;
   cublasHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
 };
 
 }  // namespace tandem::kernels::cuda
