@@ -16,7 +16,9 @@
 //
 // Usage: engine_decode_bench --model llama3-8b [--batches 1,8,32,64,128,256] [--contexts 1024,4096]
 //                            [--decode-tokens 32] [--cuda-graphs on|off|both] [--kv-tokens N]
-//                            [--floor 1] [--json PATH]
+//                            [--floor 1] [--profile 1] [--json PATH]
+// --profile 0 turns the phase timing off (its events cost host and device time): then only rows,
+// tok/s and step_ms are meaningful.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -61,7 +63,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> batches = {1, 8, 32, 64, 128, 256}, contexts = {1024, 4096};
   int64_t decode_tokens = 32, kv_tokens = 0;
   std::string graphs = "on";
-  bool floor = true;
+  bool floor = true, profile = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--model")
@@ -78,6 +80,8 @@ int main(int argc, char** argv) {
       kv_tokens = std::stoll(v);
     else if (k == "--floor")
       floor = v != "0";
+    else if (k == "--profile")
+      profile = v != "0";
     else if (k == "--cuda-graphs" && (v == "on" || v == "off" || v == "both"))
       graphs = v;
     else {
@@ -107,7 +111,7 @@ int main(int argc, char** argv) {
     opt.device = "cuda";
     opt.max_batch_size = max_b;
     opt.max_tokens_per_step = std::max<int64_t>(8192, max_b);
-    opt.profile = true;
+    opt.profile = profile;
     opt.kv_capacity_tokens = kv_tokens;
     opt.cuda_graphs = on;
     auto t0 = std::chrono::steady_clock::now();

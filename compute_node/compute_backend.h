@@ -63,6 +63,9 @@ class ComputeBackend {
   // InvalidArgument if the step exceeds the limits the backend was created with.
   virtual absl::Status BeginStep(const StepTokens& step) = 0;
   virtual absl::Status PreAttention(int64_t layer, void* qkv) = 0;
+  // May hold its work until the next PreAttention or Finish, which enqueue it first (the CUDA
+  // backend does, to run it and the next layer's PreAttention as one graph): attn must stay
+  // unchanged until then.
   virtual absl::Status PostAttention(int64_t layer, const void* attn) = 0;
   // Appends one token and its log-probability per sample row; waits for the step's work.
   virtual absl::Status Finish(std::vector<int32_t>* tokens, std::vector<float>* logprobs) = 0;

@@ -2,13 +2,14 @@
 // on the device. One metadata upload and one result download per step.
 //
 // Layer parts as CUDA graphs (ComputeBackendOptions::cuda_graphs). Enqueueing a layer's linear
-// part eagerly costs a dozen API calls (kernels, cuBLAS, events), and on the measured hosts the
+// part eagerly costs a dozen API calls (kernels, cuBLAS, events), and on some measured hosts the
 // host took longer to enqueue a decode step than the GPU took to run it, so the GEMMs waited for
-// their launches. Each (layer, pre/post, row bucket, buffer) gets a graph captured at first use;
-// a step of t rows replays the graphs of bucket T >= t. The T - t padding rows are row-local
-// work that nothing reads: x is zeroed there at BeginStep, their positions are whatever follows
-// the step's positions in the metadata (RoPE of any integer is finite), and their qkv and attn
-// rows lie inside buffers sized for max_tokens rows.
+// their launches. Layer l's post-attention part and layer l + 1's pre-attention part become one
+// graph (PostAttention is held until the next call), captured at first use for each (layer, row
+// bucket, buffers); a step of t rows replays the graphs of bucket T >= t. The T - t padding rows are
+// row-local work that nothing reads: x is zeroed there at BeginStep, their positions are whatever follows the
+// step's positions in the metadata (RoPE of any integer is finite), and their qkv and attn rows lie inside
+// buffers sized for max_tokens rows.
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -98,6 +99,7 @@ class CudaComputeBackend : public ComputeBackend {
     t_ = t;
     rows_ = rows;
     graph_rows_ = GraphRows(t);
+    held_post_ = -1;
     timer_.Begin();
     packer_.Reset();
     o_pos_ = packer_.Add(st.positions);  // first, at a fixed address for the graphs
@@ -132,20 +134,38 @@ class CudaComputeBackend : public ComputeBackend {
     return executor_->Embed(meta_.as<int32_t>(o_tokens), t, x_.as<float>());
   }
 
+  // With graphs, layer l's post-attention part and layer l + 1's pre-attention part run as one
+  // graph: PostAttention(l) is held until PreAttention(l + 1) (or Finish) enqueues it.
   absl::Status PreAttention(int64_t layer, void* qkv) override {
-    return RunLayerPart(layer, false, qkv, [&](int64_t rows) {
+    auto pre = [this, layer, qkv](int64_t rows) {
       return executor_->PreAttention(layer, x_.as<float>(), meta_.as<int32_t>(o_pos_), rows,
                                      static_cast<bf16*>(qkv));
-    });
+    };
+    if (held_post_ == layer - 1 && layer > 0) {
+      held_post_ = -1;
+      const int64_t prev = layer - 1;
+      const void* attn = held_attn_;
+      return RunLayerPart(layer, Part::kPostPre, attn, qkv, [&](int64_t rows) {
+        RETURN_IF_ERROR(executor_->PostAttention(prev, x_.as<float>(), static_cast<const bf16*>(attn), rows));
+        return pre(rows);
+      });
+    }
+    RETURN_IF_ERROR(ReleaseHeldPost());
+    return RunLayerPart(layer, Part::kPre, qkv, nullptr, pre);
   }
   absl::Status PostAttention(int64_t layer, const void* attn) override {
-    return RunLayerPart(layer, true, attn, [&](int64_t rows) {
-      return executor_->PostAttention(layer, x_.as<float>(), static_cast<const bf16*>(attn), rows);
-    });
+    RETURN_IF_ERROR(ReleaseHeldPost());
+    if (graph_rows_ > 0 && layer + 1 < spec().num_layers) {
+      held_post_ = layer;
+      held_attn_ = attn;
+      return absl::OkStatus();
+    }
+    return RunPost(layer, attn);
   }
   void MarkAttention() override { timer_.Mark(PhaseTimer::kAttention); }
 
   absl::Status Finish(std::vector<int32_t>* tokens, std::vector<float>* logprobs) override {
+    RETURN_IF_ERROR(ReleaseHeldPost());
     const int64_t rows = rows_;
     if (rows > 0) {
       float* logits = logits_.as<float>();
@@ -195,6 +215,20 @@ class CudaComputeBackend : public ComputeBackend {
   static constexpr int64_t kGraphBuckets[] = {1,  2,   4,   8,   16,  24,  32,  40,  48,  56,  64, 80,
                                               96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512};
 
+  enum class Part { kPre, kPost, kPostPre };
+
+  absl::Status RunPost(int64_t layer, const void* attn) {
+    return RunLayerPart(layer, Part::kPost, attn, nullptr, [&](int64_t rows) {
+      return executor_->PostAttention(layer, x_.as<float>(), static_cast<const bf16*>(attn), rows);
+    });
+  }
+  absl::Status ReleaseHeldPost() {
+    if (held_post_ < 0) return absl::OkStatus();
+    const int64_t layer = held_post_;
+    held_post_ = -1;
+    return RunPost(layer, held_attn_);
+  }
+
   // The rows a step of t rows runs as graphs (its bucket), or 0 to run it eagerly.
   int64_t GraphRows(int64_t t) const {
     if (!graphs_on_) return 0;
@@ -203,13 +237,13 @@ class CudaComputeBackend : public ComputeBackend {
     return 0;
   }
 
-  // Runs enqueue(rows) for the step: as the graph of (layer, part, bucket, buffer), captured
+  // Runs enqueue(rows) for the step: as the graph of (layer, part, bucket, buffers), captured
   // the first time, or eagerly with the step's rows. A capture that fails turns graphs off for
   // this backend (logged once) and the part runs eagerly.
   template <typename Enqueue>
-  absl::Status RunLayerPart(int64_t layer, bool post, const void* buffer, Enqueue&& enqueue) {
+  absl::Status RunLayerPart(int64_t layer, Part part, const void* a, const void* b, Enqueue&& enqueue) {
     if (graph_rows_ == 0) return enqueue(t_);
-    const auto key = std::make_tuple(graph_rows_, layer, post, buffer);
+    const auto key = std::make_tuple(graph_rows_, layer, part, a, b);
     auto it = graphs_.find(key);
     if (it == graphs_.end()) {
       absl::StatusOr<LayerGraph> g = Capture(enqueue);
@@ -264,7 +298,9 @@ class CudaComputeBackend : public ComputeBackend {
   int64_t t_ = 0, rows_ = 0;
   bool graphs_on_ = false;
   int64_t graph_rows_ = 0;  // this step's bucket, or 0: eager
-  std::map<std::tuple<int64_t, int64_t, bool, const void*>, LayerGraph> graphs_;
+  int64_t held_post_ = -1;  // layer whose PostAttention waits for the next call (graphs)
+  const void* held_attn_ = nullptr;
+  std::map<std::tuple<int64_t, int64_t, Part, const void*, const void*>, LayerGraph> graphs_;
   int64_t o_pos_ = 0, o_rows_ = 0, o_temp_ = 0, o_topk_ = 0, o_topp_ = 0, o_seed_ = 0, o_counter_ = 0;
 };
 
