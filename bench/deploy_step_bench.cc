@@ -113,7 +113,7 @@ constexpr const char* kUsage =
     "  --startup-timeout  limit for loading weights and starting a deployment, seconds (600)\n"
     "  --checksums        crc32c of the host-staged (ucx) payloads, as a deployment's default (1)\n"
     "  --max-tokens-per-step  rows per step (decode + prefill chunk), both sides (max(8192, batch))\n"
-    "  --cuda-graphs      layer parts as CUDA graphs on both sides (1), or launched one by one (0)\n"
+    "  --cuda-graphs      layer parts as CUDA graphs on both sides (1), or launched one by one (0, the default)\n"
     "Per decode step it also prints rows (decode rows actually run), linear (gemm + other, ms) and\n"
     "floor (the same matrix products as bare cuBLAS calls in one CUDA graph, measured first).\n";
 
@@ -377,7 +377,7 @@ struct Settings {
   int64_t max_batch = 0, max_tokens = 0, kv_tokens = 0;
   double startup_s = 600, step_timeout_s = 120;
   bool checksums = true;
-  bool cuda_graphs = true;
+  bool cuda_graphs = false;
 };
 
 absl::Status StartDeployment(const tandem::WeightSource& source, transport::TransportKind kind,
@@ -481,7 +481,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> batches = {64, 256}, contexts = {1024, 4096};
   int64_t decode_tokens = 16, memory_ranks = 1, max_tokens_flag = 0;
   double run_timeout_s = 600, startup_s = 600;
-  bool checksums = true, cuda_graphs = true;
+  bool checksums = true, cuda_graphs = false;
   auto fail = [](const absl::Status& st) {
     std::fprintf(stderr, "deploy_step_bench: %s\n", std::string(st.message()).c_str());
     return 1;

@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
   std::string model = "llama3-8b", json_path;
   std::vector<int64_t> batches = {1, 8, 32, 64, 128, 256}, contexts = {1024, 4096};
   int64_t decode_tokens = 32, kv_tokens = 0;
-  std::string graphs = "on";
+  std::string graphs = "off";
   bool floor = true, profile = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];

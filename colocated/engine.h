@@ -39,7 +39,7 @@ struct EngineOptions {
   int64_t prefix_block_tokens = 64;     // tokens per registered block
   std::string prefix_sharing = "auto";  // shared-prefix attention: auto, on or off
   bool profile = false;                 // per-phase device times (benchmarks; see PhaseTotalsMs)
-  bool cuda_graphs = true;              // layer parts as CUDA graphs (ComputeBackendOptions)
+  bool cuda_graphs = false;             // layer parts as CUDA graphs (ComputeBackendOptions)
 };
 
 // The knobs of EngineOptions as config schema sections ("runtime.*", "scheduler.*", "kv.*") and

@@ -45,11 +45,12 @@ struct ComputeBackendOptions {
   int64_t max_tokens = 2048;  // rows per step at most
   int64_t max_requests = 64;  // sampled rows per step at most
   bool profile = false;       // per-phase device times (CUDA events; benchmarks)
-  // CUDA: replay each layer's linear part as a CUDA graph for steps of up to 512 rows (rows
-  // padded up to a bucket: 1, 2, 4, 8, 16, 24, ..., 512), captured on first use. One graph
-  // launch replaces about a dozen kernel launches and events, so the GPU no longer idles while
-  // the host enqueues (docs/benchmarks.md, "Linear layers"). Ignored on the CPU.
-  bool cuda_graphs = true;
+  // CUDA: run each layer's linear parts as CUDA graphs for steps of up to 512 rows (rows padded
+  // up to a bucket: 1, 2, 4, 8, 16, 24, ..., 512), captured on first use. Off by default: on an
+  // H200 host that enqueues quickly, graphs measured 0-10% slower than launching each kernel
+  // (docs/benchmarks.md, "Linear layers"); they are for hosts whose launches cannot keep up with
+  // the GPU. Ignored on the CPU.
+  bool cuda_graphs = false;
 };
 
 class ComputeBackend {

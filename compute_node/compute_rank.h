@@ -45,7 +45,7 @@ struct ComputeRankOptions {
   double kv_memory_fraction = 0.9;
   bool checksums = true;  // crc32c of every layer payload, checked by the receiver
   bool profile = false;
-  bool cuda_graphs = true;  // ComputeBackendOptions::cuda_graphs
+  bool cuda_graphs = false;  // ComputeBackendOptions::cuda_graphs
   absl::Duration startup_timeout = absl::Minutes(10);
   absl::Duration step_timeout = absl::Minutes(2);  // for each layer's attention output
 };
