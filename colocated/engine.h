@@ -22,38 +22,24 @@
 #include "common/config.h"
 #include "compute_node/compute_backend.h"
 #include "compute_node/controller.h"
+#include "compute_node/controller_settings.h"
 #include "compute_node/weights.h"
 #include "memory_node/attention_executor.h"
 #include "memory_node/kv_table.h"
 
 namespace tandem {
 
-struct EngineOptions {
-  std::string device = "auto";          // "cpu", "cuda", "cuda:N", or "auto" (cuda:0 if present)
-  int64_t max_batch_size = 0;           // requests in one step; 0: as many as the KV cache holds
-                                        // (at most max_tokens_per_step)
-  int64_t max_tokens_per_step = 2048;   // decode tokens + prefill chunk tokens in one step
-  int64_t kv_capacity_tokens = 0;       // KV slots; 0: sized from free device or host memory
-  double kv_memory_fraction = 0.9;      // share of free memory (after weights) for KV when auto
-  bool prefix_cache = true;             // reuse registered prompt blocks' KV (kv.prefix_cache)
-  int64_t prefix_block_tokens = 64;     // tokens per registered block
-  std::string prefix_sharing = "auto";  // shared-prefix attention: auto, on or off
-  bool profile = false;                 // per-phase device times (benchmarks; see PhaseTotalsMs)
+// The engine's settings: the scheduler and KV knobs (compute_node/controller_settings.h), the
+// device, and profiling.
+struct EngineOptions : SchedulerKvSettings {
+  std::string device = "auto";  // "cpu", "cuda", "cuda:N", or "auto" (cuda:0 if present)
+  bool profile = false;         // per-phase device times (benchmarks; see PhaseTotalsMs)
 };
 
-// The knobs of EngineOptions as config schema sections ("runtime.*", "scheduler.*", "kv.*") and
-// their conversion; shared by every program that runs an engine.
+// The engine's config schema sections: "runtime.device" and the scheduler and KV knobs
+// (AddSchedulerKvKnobs), and their conversion.
 void AddEngineKnobs(ConfigSchema* schema);
 EngineOptions EngineOptionsFromConfig(const Config& config);
-// Only the "scheduler.*" and "kv.*" sections (a deployment's schema has its own device keys).
-void AddSchedulerKvKnobs(ConfigSchema* schema);
-// The controller's prefix settings from kv.prefix_cache, kv.prefix_block_tokens and
-// kv.prefix_sharing (sharing needs the cache: on without it is an error naming both keys).
-absl::Status ResolvePrefixOptions(bool prefix_cache, int64_t block_tokens, const std::string& sharing,
-                                  ControllerOptions* options);
-// "cpu" -> -1; "cuda" -> 0; "cuda:N" -> N; "auto" -> 0 if a CUDA device is present and the CUDA
-// kernels support the model, else -1. InvalidArgument for anything else.
-absl::StatusOr<int> ResolveDevice(const std::string& device, const ModelSpec& spec);
 
 struct EngineStats {
   int64_t steps = 0;

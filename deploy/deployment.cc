@@ -10,9 +10,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "colocated/engine.h"
 #include "common/status.h"
+#include "compute_node/controller_settings.h"
 #include "deploy/process_group.h"
+#include "kernels/cuda/device_choice.h"
 
 namespace tandem {
 
@@ -88,7 +89,7 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   DeployPlan p;
   p.model = c.GetString("model.path");
   p.weight_seed = static_cast<uint64_t>(c.GetInt("model.weight_seed"));
-  absl::StatusOr<int> compute = ResolveDevice(c.GetString("compute.device"), spec);
+  absl::StatusOr<int> compute = kernels::ResolveDevice(c.GetString("compute.device"), spec);
   if (!compute.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("compute.device: ", compute.status().message()));
   }
@@ -102,7 +103,7 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   for (int64_t i = 0; i < ranks; ++i) {
     std::string d(absl::StripAsciiWhitespace(devices[devices.size() == 1 ? 0 : static_cast<size_t>(i)]));
     if (d == "auto") d = p.compute_device;
-    absl::StatusOr<int> idx = ResolveDevice(d, spec);
+    absl::StatusOr<int> idx = kernels::ResolveDevice(d, spec);
     if (!idx.ok() || d == "auto") {
       return absl::InvalidArgumentError(
           absl::StrCat("memory.devices: rank ", i, ": expected cpu, cuda, cuda:N or auto, got \"", d, "\""));
@@ -124,12 +125,7 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
     p.listen_addresses.push_back(absl::StrCat(c.GetString("memory.host"), ":", base == 0 ? 0 : base + i));
   }
   // Checked here so that a bad pair stops the launch before any rank starts.
-  RETURN_IF_ERROR(
-      ResolveSchedulerOptions(c.GetInt("scheduler.max_batch_size"), c.GetInt("scheduler.max_tokens_per_step"))
-          .status());
-  ControllerOptions prefix;
-  RETURN_IF_ERROR(ResolvePrefixOptions(c.GetBool("kv.prefix_cache"), c.GetInt("kv.prefix_block_tokens"),
-                                       c.GetString("kv.prefix_sharing"), &prefix));
+  RETURN_IF_ERROR(ResolveControllerOptions(SchedulerKvSettingsFromConfig(c)).status());
   ASSIGN_OR_RETURN(p.transport, ResolveTransport(c.GetString("transport.kind"), p));
   p.checksums = c.GetBool("transport.checksums");
   p.run_dir = c.GetString("launch.run_dir");

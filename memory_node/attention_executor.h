@@ -128,11 +128,9 @@ absl::StatusOr<std::unique_ptr<AttentionExecutor>> CreateCpuAttentionExecutor(co
 // bf16 KV on CUDA device `device` (made current), work on `stream` (a cudaStream_t; nullptr: the
 // executor creates its own). Sized from cudaMemGetInfo's free memory when capacity_tokens is 0.
 // Unavailable without the CUDA backend or the device; Unimplemented for a head_dim the kernels
-// do not support (CudaAttentionUnsupported).
+// do not support (kernels::CudaAttentionUnsupported, kernels/cuda/device_choice.h).
 absl::StatusOr<std::unique_ptr<AttentionExecutor>> CreateCudaAttentionExecutor(const AttentionShape& shape,
                                                                                const KvPoolOptions& kv,
                                                                                int device, void* stream);
-// Empty if the CUDA kernels support `head_dim`, else why not.
-std::string CudaAttentionUnsupported(int64_t head_dim);
 
 }  // namespace tandem

@@ -361,7 +361,10 @@ TEST_P(SharedPrefixDeployed, EqualsColocatedWithoutSharing) {
   ASSERT_FALSE(HasFailure());
 
   ComputeRankOptions o = Options(kBatch, kStepTokens, 4096);
-  ASSERT_TRUE(ResolvePrefixOptions(true, kBlock, GetParam(), &o.scheduler).ok());
+  absl::StatusOr<PrefixOptions> prefix = ResolvePrefixOptions(true, kBlock, GetParam());
+  ASSERT_TRUE(prefix.ok()) << prefix.status();
+  o.scheduler.prefix_block_tokens = prefix->block_tokens;
+  o.scheduler.prefix_sharing = prefix->sharing;
   ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, o));
   const std::vector<GenerationResult> got = RunSchedule(*rank_, arrivals, [] {});
   ASSERT_FALSE(HasFailure());
