@@ -95,20 +95,16 @@ absl::Status RunCompute(const ComputeArgs& a) {
   }
   ASSIGN_OR_RETURN(const std::vector<PromptSpec> specs, ReadPromptsFile(a.requests));
   std::vector<GenerationRequest> requests = RequestsFromPrompts(specs, GenerationRequest{});
-  const auto t0 = std::chrono::steady_clock::now();
-  absl::StatusOr<std::vector<GenerationResult>> results = RunToCompletion(
-      rank->controller(), std::move(requests), [&](std::vector<std::pair<int64_t, GenerationResult>>* done) {
-        if (TerminationSignal() != 0) return absl::CancelledError("stopped by a signal");
-        return rank->Step(done);
-      });
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  RunStats stats;
+  absl::StatusOr<std::vector<GenerationResult>> results = RunRequests(*rank, std::move(requests), &stats, [] {
+    return TerminationSignal() != 0 ? absl::CancelledError("stopped by a signal") : absl::OkStatus();
+  });
   if (!results.ok()) {
     (void)rank->Shutdown();
     return results.status();
   }
-  RETURN_IF_ERROR(WriteResultsFile(
-      a.results, *results, {.seconds = seconds, .steps = rank->stats().steps, .device = rank->device()}));
-  TANDEM_LOG_INFO("compute", results->size(), " requests done in ", seconds, " s, ", rank->stats().steps,
+  RETURN_IF_ERROR(WriteResultsFile(a.results, *results, stats));
+  TANDEM_LOG_INFO("compute", results->size(), " requests done in ", stats.seconds, " s, ", stats.steps,
                   " steps");
   return rank->Shutdown();
 }

@@ -121,11 +121,12 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<GenerationResult>> ColocatedEngine::GenerateAll(
-    std::vector<GenerationRequest> requests) {
-  return RunToCompletion(
-      controller_, std::move(requests),
-      [this](std::vector<std::pair<int64_t, GenerationResult>>* done) { return Step(done); });
+absl::StatusOr<GenerationResult> ColocatedEngine::Cancel(int64_t id) {
+  GenerationResult result;
+  std::vector<std::vector<uint64_t>> released;
+  RETURN_IF_ERROR(controller_.Cancel(id, &result, &released));
+  kv_table_.Release(released[0]);
+  return result;
 }
 
 }  // namespace tandem

@@ -9,6 +9,8 @@
 // places its rows in KV slots, the compute backend runs the linear layers and sampling, and the
 // attention executor appends KV and runs attention, all on one device and one stream.
 //
+// It implements the Engine interface (compute_node/engine.h), as compute rank 0 of a deployment does.
+//
 // Thread safety: not thread-safe; one thread drives Submit/Step.
 #pragma once
 
@@ -23,6 +25,7 @@
 #include "compute_node/compute_backend.h"
 #include "compute_node/controller.h"
 #include "compute_node/controller_settings.h"
+#include "compute_node/engine.h"
 #include "compute_node/weights.h"
 #include "memory_node/attention_executor.h"
 #include "memory_node/kv_table.h"
@@ -41,15 +44,7 @@ struct EngineOptions : SchedulerKvSettings {
 void AddEngineKnobs(ConfigSchema* schema);
 EngineOptions EngineOptionsFromConfig(const Config& config);
 
-struct EngineStats {
-  int64_t steps = 0;
-  int64_t prefill_tokens = 0;
-  int64_t decode_tokens = 0;  // generated tokens
-  int64_t cached_tokens = 0;  // prompt tokens reused from the prefix registry
-  double busy_seconds = 0;    // wall time inside Step()
-};
-
-class ColocatedEngine {
+class ColocatedEngine : public Engine {
  public:
   // Picks the device, loads all weights from `source` (all or nothing) and sizes the KV pool:
   // with kv.capacity_tokens 0, from the memory left after the weights, so the batch is limited
@@ -57,23 +52,17 @@ class ColocatedEngine {
   static absl::StatusOr<std::unique_ptr<ColocatedEngine>> Create(const WeightSource& source,
                                                                  const EngineOptions& options);
 
-  // Queues a request and returns its id (0, 1, 2, ... in submission order). InvalidArgument for
-  // an empty prompt, an id outside the vocabulary, max_tokens < 1, bad sampling parameters, or a
-  // context longer than the model supports; ResourceExhausted if its context could never fit in
-  // the KV pool. A refused request leaves the engine unchanged.
-  absl::StatusOr<int64_t> Submit(GenerationRequest request);
+  // The Engine interface (compute_node/engine.h). Submit: ResourceExhausted if the request's
+  // context could never fit in this engine's KV pool.
+  absl::Status Check(const GenerationRequest& request) const override { return controller_.Check(request); }
+  absl::StatusOr<int64_t> Submit(GenerationRequest request) override;
+  absl::Status Step(std::vector<std::pair<int64_t, GenerationResult>>* finished) override;
+  absl::StatusOr<GenerationResult> Cancel(int64_t id) override;
+  bool Idle() const override { return controller_.Idle(); }
+  EngineStats stats() const override { return stats_; }
+  const ModelSpec& spec() const override { return backend_->spec(); }
+  std::string device() const override { return backend_->device(); }
 
-  // Runs one step. Requests that finished in it are appended to `finished` as (id, result).
-  absl::Status Step(std::vector<std::pair<int64_t, GenerationResult>>* finished);
-
-  // True when no request is waiting or running.
-  bool Idle() const { return controller_.Idle(); }
-  // Submits every request, steps until all finish, returns the results in request order.
-  absl::StatusOr<std::vector<GenerationResult>> GenerateAll(std::vector<GenerationRequest> requests);
-
-  const ModelSpec& spec() const { return backend_->spec(); }
-  std::string device() const { return backend_->device(); }
-  const EngineStats& stats() const { return stats_; }
   int64_t kv_capacity_tokens() const { return kv_table_.num_slots(); }
   // See ComputeBackend::PhaseTotalsMs (EngineOptions::profile).
   std::vector<std::pair<std::string, double>> PhaseTotalsMs() const { return backend_->PhaseTotalsMs(); }
