@@ -1,4 +1,4 @@
-// `tandem compute`: compute rank 0 as a process, with the controller in it (DESIGN.md,
+// `tandem compute`: compute rank 0 as a process, with the controller in it (docs/architecture.md,
 // "Processes"). It holds the weights and runs every non-attention operator; the memory ranks hold
 // the KV and run attention. Per step the controller's plan goes to every memory rank once; per
 // layer each memory rank gets the q,k,v rows of its requests (one contiguous range, written into

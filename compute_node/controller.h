@@ -1,4 +1,4 @@
-// The controller (DESIGN.md, "Processes"): request queue, continuous batching, placement of each
+// The controller (docs/architecture.md, "Processes"): request queue, continuous batching, placement of each
 // request's KV on a memory rank, and the token history of every live request. It plans steps and
 // consumes their sampled tokens; it runs nothing itself. The colocated engine drives it with one
 // "memory rank" (its own KV pool); compute rank 0 drives it with the deployment's memory ranks.

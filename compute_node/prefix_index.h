@@ -1,4 +1,4 @@
-// The controller's prefix registry (DESIGN.md, "KV cache on a memory rank"): for one memory rank,
+// The controller's prefix registry (docs/architecture.md, "KV cache on a memory rank"): for one memory rank,
 // the prompt blocks whose KV that rank holds, so that a request whose prompt starts with
 // registered blocks reuses them instead of prefilling them again, and so that requests sharing
 // blocks can be grouped for shared-prefix attention.

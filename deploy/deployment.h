@@ -1,4 +1,4 @@
-// A deployment on this host, from one YAML file (DESIGN.md, "Configuration"): the settings every
+// A deployment on this host, from one YAML file (docs/architecture.md, "Configuration"): the settings every
 // rank reads, and the launcher that starts compute rank 0 (with the controller) and the memory
 // ranks as separate processes, one log per rank, and brings them all down together.
 //

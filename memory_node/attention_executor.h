@@ -1,6 +1,7 @@
-// Attention on the device that owns the KV cache: the memory rank's half of DESIGN.md's hot path
-// (and the colocated engine's attention). Per layer it appends each row's K and V to the KV pool
-// and computes the attention of each row's q over its request's context.
+// Attention on the device that owns the KV cache: the memory rank's half of the hot path
+// (docs/architecture.md, "One layer of a decode step"), and the colocated engine's attention.
+// Per layer it appends each row's K and V to the KV pool and computes the attention of each
+// row's q over its request's context.
 //
 //   BeginStep(batch)                 // once per step: where rows go, what each request reads
 //   for each layer: Layer(l, qkv, out)
