@@ -10,7 +10,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "cli/prompts.h"
+#include "cli/run_files.h"
 #include "common/config.h"
 #include "compute_node/engine.h"
 #include "deploy/deployment.h"

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "cli/commands.h"
 #include "cli/prompts.h"
+#include "cli/run_files.h"
 #include "colocated/engine.h"
 #include "common/config.h"
 #include "common/log.h"

@@ -11,6 +11,7 @@
 #include "absl/strings/str_split.h"
 #include "cli/commands.h"
 #include "cli/prompts.h"
+#include "cli/run_files.h"
 #include "common/config.h"
 #include "common/log.h"
 #include "common/status.h"
