@@ -3,12 +3,16 @@
 // with the exit code after printing a one-line error to stderr.
 #pragma once
 
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "cli/run_files.h"
 #include "common/config.h"
+#include "compute_node/engine.h"
 #include "deploy/deployment.h"
 
 namespace tandem::cli {
@@ -19,12 +23,20 @@ void AddDevicesCommand(CLI::App& app);
 // memory, compute and launch (cli/rank_cmds.cc).
 void AddRankCommands(CLI::App& app);
 
-// Prints "tandem <command>: <status message>" to stderr and throws CLI::RuntimeError(1).
+// Runs `requests` through `engine` to completion (Engine::GenerateAll) and times it: the one
+// code path of `tandem generate`, whether the engine is the colocated one in this process or
+// compute rank 0 of a deployment (`tandem compute --requests`, which `generate --deploy`
+// starts). `stats` gets the wall time, the engine's step count and device.
+absl::StatusOr<std::vector<GenerationResult>> RunRequests(
+    Engine& engine, std::vector<GenerationRequest> requests, RunStats* stats,
+    const std::function<absl::Status()>& before_step = nullptr);
+
 // The path of the running `tandem` executable.
 std::string SelfPath();
 // Opens the deployment's model (for its shape) and resolves devices and addresses.
 absl::StatusOr<DeployPlan> PlanDeployment(const Config& config);
 
+// Prints "tandem <command>: <status message>" to stderr and throws CLI::RuntimeError(1).
 [[noreturn]] void Fail(const std::string& command, const absl::Status& status);
 
 }  // namespace tandem::cli

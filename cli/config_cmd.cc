@@ -49,7 +49,7 @@ void AddConfigCommand(CLI::App& app) {
     absl::StatusOr<DeployPlan> plan = PlanDeployment(*config);
     if (!plan.ok()) Fail("config check", plan.status());
     std::cout << "# topology (this host):\n#   compute-0: " << plan->compute_device << " (controller, model "
-              << plan->model << ")\n#   transport: " << plan->transport << "\n";
+              << plan->model << ")\n#   transport: " << transport::TransportKindName(plan->transport) << "\n";
     for (size_t i = 0; i < plan->memory_devices.size(); ++i) {
       std::cout << "#   memory-" << i << ": " << plan->memory_devices[i] << ", listening on "
                 << plan->listen_addresses[i] << "\n";

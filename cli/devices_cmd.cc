@@ -32,11 +32,9 @@ void AddDevicesCommand(CLI::App& app) {
                                       d.total_memory_bytes / 1073741824.0, d.free_memory_bytes / 1073741824.0)
                           .c_str());
         }
-        using transport::TransportKind;
         std::vector<std::string> built;
-        for (TransportKind k :
-             {TransportKind::kUcx, TransportKind::kP2p, TransportKind::kNccl, TransportKind::kVerbs}) {
-          if (transport::TransportBuilt(k)) built.push_back(transport::TransportKindName(k));
+        for (const transport::TransportInfo& t : transport::TransportTable()) {
+          if (t.built) built.push_back(t.name);
         }
         const std::vector<std::string> rdma = transport::RdmaDeviceNames();
         std::printf("transports in this build: %s\n", absl::StrJoin(built, ", ").c_str());

@@ -1,4 +1,6 @@
-// `tandem generate`: run requests through the colocated engine and print the tokens.
+// `tandem generate`: run requests through an Engine (compute_node/engine.h) and print the tokens:
+// the colocated engine in this process, or with --deploy a deployment on this host whose compute
+// rank 0 runs them through the same RunRequests (cli/rank_cmds.cc) and hands back a results file.
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -10,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "cli/commands.h"
 #include "cli/prompts.h"
+#include "cli/run_files.h"
 #include "colocated/engine.h"
 #include "common/config.h"
 #include "common/log.h"
@@ -23,6 +26,19 @@ namespace tandem::cli {
 void Fail(const std::string& command, const absl::Status& status) {
   std::fprintf(stderr, "tandem %s: %s\n", command.c_str(), std::string(status.message()).c_str());
   throw CLI::RuntimeError(1);
+}
+
+absl::StatusOr<std::vector<GenerationResult>> RunRequests(Engine& engine,
+                                                          std::vector<GenerationRequest> requests,
+                                                          RunStats* stats,
+                                                          const std::function<absl::Status()>& before_step) {
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<std::vector<GenerationResult>> results =
+      engine.GenerateAll(std::move(requests), before_step);
+  stats->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  stats->steps = engine.stats().steps;
+  stats->device = engine.device();
+  return results;
 }
 
 namespace {
@@ -173,18 +189,16 @@ absl::Status RunGenerate(const GenerateArgs& a) {
   const auto t_load = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(std::unique_ptr<WeightSource> source, OpenModel(a.model, a.weight_seed));
   TANDEM_LOG_INFO("generate", "loading ", source->Describe());
-  ASSIGN_OR_RETURN(std::unique_ptr<ColocatedEngine> engine,
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
                    ColocatedEngine::Create(*source, EngineOptionsFromConfig(*config)));
   TANDEM_LOG_INFO(
       "generate",
       absl::StrFormat("model ready in %.2f s",
                       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count()));
 
-  const auto t0 = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(std::vector<GenerationResult> results, engine->GenerateAll(std::move(requests)));
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-
-  PrintResults(a, results, {.seconds = seconds, .steps = engine->stats().steps, .device = engine->device()});
+  RunStats stats;
+  ASSIGN_OR_RETURN(std::vector<GenerationResult> results, RunRequests(*engine, std::move(requests), &stats));
+  PrintResults(a, results, stats);
   return absl::OkStatus();
 }
 

@@ -1,4 +1,4 @@
-// tandem: one executable, one subcommand per role or tool (DESIGN.md, "Processes").
+// tandem: one executable, one subcommand per role or tool (docs/architecture.md, "Processes").
 #include <cstdio>
 
 #include "CLI/CLI.hpp"

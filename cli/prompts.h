@@ -35,26 +35,12 @@ absl::StatusOr<std::vector<PromptSpec>> ReadPromptsFile(const std::string& path)
 
 namespace tandem {
 struct GenerationRequest;
-struct GenerationResult;
 }  // namespace tandem
 
 namespace tandem::cli {
 
-// The files `tandem generate --deploy` and compute rank 0 exchange. Requests: one prompts-file
-// line per request with every field given. Results: one line per request, in order,
-// {"token_ids", "logprobs", "finish_reason", "prompt_tokens"}, then {"stats": {"seconds",
-// "steps", "device"}}.
-struct RunStats {
-  double seconds = 0;
-  int64_t steps = 0;
-  std::string device;
-};
-absl::Status WriteRequestsFile(const std::string& path, const std::vector<GenerationRequest>& requests);
+// The requests of prompt specs: a field a spec leaves out takes its value from `defaults`.
 std::vector<GenerationRequest> RequestsFromPrompts(const std::vector<PromptSpec>& specs,
                                                    const GenerationRequest& defaults);
-absl::Status WriteResultsFile(const std::string& path, const std::vector<GenerationResult>& results,
-                              const RunStats& stats);
-absl::Status ReadResultsFile(const std::string& path, std::vector<GenerationResult>* results,
-                             RunStats* stats);
 
 }  // namespace tandem::cli

@@ -11,14 +11,16 @@
 #include "absl/strings/str_split.h"
 #include "cli/commands.h"
 #include "cli/prompts.h"
-#include "colocated/engine.h"
+#include "cli/run_files.h"
 #include "common/config.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "compute_node/compute_rank.h"
+#include "compute_node/controller_settings.h"
 #include "compute_node/weights.h"
 #include "deploy/deployment.h"
 #include "deploy/process_group.h"
+#include "kernels/cuda/device_choice.h"
 #include "memory_node/memory_rank.h"
 
 namespace tandem::cli {
@@ -74,15 +76,13 @@ absl::Status RunCompute(const ComputeArgs& a) {
       OpenModel(c.GetString("model.path"), static_cast<uint64_t>(c.GetInt("model.weight_seed"))));
   TANDEM_LOG_INFO("compute", "loading ", source->Describe());
   ComputeRankOptions o;
-  ASSIGN_OR_RETURN(o.device, ResolveDevice(a.device, source->spec()));
+  ASSIGN_OR_RETURN(o.device, kernels::ResolveDevice(a.device, source->spec()));
   ASSIGN_OR_RETURN(o.transport, transport::ParseTransportKind(a.transport));
   o.memory_addresses = absl::StrSplit(a.memory, ',');
-  ASSIGN_OR_RETURN(o.scheduler, ResolveSchedulerOptions(c.GetInt("scheduler.max_batch_size"),
-                                                        c.GetInt("scheduler.max_tokens_per_step")));
-  RETURN_IF_ERROR(ResolvePrefixOptions(c.GetBool("kv.prefix_cache"), c.GetInt("kv.prefix_block_tokens"),
-                                       c.GetString("kv.prefix_sharing"), &o.scheduler));
-  o.kv_capacity_tokens = c.GetInt("kv.capacity_tokens");
-  o.kv_memory_fraction = c.GetDouble("kv.memory_fraction");
+  const SchedulerKvSettings settings = SchedulerKvSettingsFromConfig(c);
+  ASSIGN_OR_RETURN(o.scheduler, ResolveControllerOptions(settings));
+  o.kv_capacity_tokens = settings.kv_capacity_tokens;
+  o.kv_memory_fraction = settings.kv_memory_fraction;
   o.checksums = c.GetBool("transport.checksums");
   o.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   o.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
@@ -96,20 +96,16 @@ absl::Status RunCompute(const ComputeArgs& a) {
   }
   ASSIGN_OR_RETURN(const std::vector<PromptSpec> specs, ReadPromptsFile(a.requests));
   std::vector<GenerationRequest> requests = RequestsFromPrompts(specs, GenerationRequest{});
-  const auto t0 = std::chrono::steady_clock::now();
-  absl::StatusOr<std::vector<GenerationResult>> results = RunToCompletion(
-      rank->controller(), std::move(requests), [&](std::vector<std::pair<int64_t, GenerationResult>>* done) {
-        if (TerminationSignal() != 0) return absl::CancelledError("stopped by a signal");
-        return rank->Step(done);
-      });
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  RunStats stats;
+  absl::StatusOr<std::vector<GenerationResult>> results = RunRequests(*rank, std::move(requests), &stats, [] {
+    return TerminationSignal() != 0 ? absl::CancelledError("stopped by a signal") : absl::OkStatus();
+  });
   if (!results.ok()) {
     (void)rank->Shutdown();
     return results.status();
   }
-  RETURN_IF_ERROR(WriteResultsFile(
-      a.results, *results, {.seconds = seconds, .steps = rank->stats().steps, .device = rank->device()}));
-  TANDEM_LOG_INFO("compute", results->size(), " requests done in ", seconds, " s, ", rank->stats().steps,
+  RETURN_IF_ERROR(WriteResultsFile(a.results, *results, stats));
+  TANDEM_LOG_INFO("compute", results->size(), " requests done in ", stats.seconds, " s, ", stats.steps,
                   " steps");
   return rank->Shutdown();
 }

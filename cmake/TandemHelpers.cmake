@@ -1,8 +1,9 @@
 # Helpers shared by every folder's CMakeLists.txt.
 #
-# Layering (DESIGN.md, "Folders"): each folder is one library whose public include directory
-# exposes that folder alone, as "<folder>/<header>". A target sees another folder's headers only
-# if it links that folder's library, so an include across a forbidden edge fails to compile.
+# Layering (docs/architecture.md, "Folders and libraries" and "Dependency rules"): each folder is
+# one library whose public include directory exposes that folder alone, as "<folder>/<header>". A
+# target sees another folder's headers only if it links that folder's library, so an include
+# across a forbidden edge fails to compile (tests/layering checks the rules).
 
 set(TANDEM_INCLUDE_ROOT ${CMAKE_BINARY_DIR}/include_roots)
 

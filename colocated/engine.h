@@ -9,6 +9,8 @@
 // places its rows in KV slots, the compute backend runs the linear layers and sampling, and the
 // attention executor appends KV and runs attention, all on one device and one stream.
 //
+// It implements the Engine interface (compute_node/engine.h), as compute rank 0 of a deployment does.
+//
 // Thread safety: not thread-safe; one thread drives Submit/Step.
 #pragma once
 
@@ -22,49 +24,28 @@
 #include "common/config.h"
 #include "compute_node/compute_backend.h"
 #include "compute_node/controller.h"
+#include "compute_node/controller_settings.h"
+#include "compute_node/engine.h"
 #include "compute_node/weights.h"
 #include "memory_node/attention_executor.h"
 #include "memory_node/kv_table.h"
 
 namespace tandem {
 
-struct EngineOptions {
-  std::string device = "auto";          // "cpu", "cuda", "cuda:N", or "auto" (cuda:0 if present)
-  int64_t max_batch_size = 0;           // requests in one step; 0: as many as the KV cache holds
-                                        // (at most max_tokens_per_step)
-  int64_t max_tokens_per_step = 2048;   // decode tokens + prefill chunk tokens in one step
-  int64_t kv_capacity_tokens = 0;       // KV slots; 0: sized from free device or host memory
-  double kv_memory_fraction = 0.9;      // share of free memory (after weights) for KV when auto
-  bool prefix_cache = true;             // reuse registered prompt blocks' KV (kv.prefix_cache)
-  int64_t prefix_block_tokens = 64;     // tokens per registered block
-  std::string prefix_sharing = "auto";  // shared-prefix attention: auto, on or off
-  bool profile = false;                 // per-phase device times (benchmarks; see PhaseTotalsMs)
-  bool cuda_graphs = false;             // layer parts as CUDA graphs (ComputeBackendOptions)
+// The engine's settings: the scheduler and KV knobs (compute_node/controller_settings.h), the
+// device, and profiling.
+struct EngineOptions : SchedulerKvSettings {
+  std::string device = "auto";  // "cpu", "cuda", "cuda:N", or "auto" (cuda:0 if present)
+  bool profile = false;         // per-phase device times (benchmarks; see PhaseTotalsMs)
+  bool cuda_graphs = false;     // layer parts as CUDA graphs (ComputeBackendOptions)
 };
 
-// The knobs of EngineOptions as config schema sections ("runtime.*", "scheduler.*", "kv.*") and
-// their conversion; shared by every program that runs an engine.
+// The engine's config schema sections: "runtime.device" and the scheduler and KV knobs
+// (AddSchedulerKvKnobs), and their conversion.
 void AddEngineKnobs(ConfigSchema* schema);
 EngineOptions EngineOptionsFromConfig(const Config& config);
-// Only the "scheduler.*" and "kv.*" sections (a deployment's schema has its own device keys).
-void AddSchedulerKvKnobs(ConfigSchema* schema);
-// The controller's prefix settings from kv.prefix_cache, kv.prefix_block_tokens and
-// kv.prefix_sharing (sharing needs the cache: on without it is an error naming both keys).
-absl::Status ResolvePrefixOptions(bool prefix_cache, int64_t block_tokens, const std::string& sharing,
-                                  ControllerOptions* options);
-// "cpu" -> -1; "cuda" -> 0; "cuda:N" -> N; "auto" -> 0 if a CUDA device is present and the CUDA
-// kernels support the model, else -1. InvalidArgument for anything else.
-absl::StatusOr<int> ResolveDevice(const std::string& device, const ModelSpec& spec);
 
-struct EngineStats {
-  int64_t steps = 0;
-  int64_t prefill_tokens = 0;
-  int64_t decode_tokens = 0;  // generated tokens
-  int64_t cached_tokens = 0;  // prompt tokens reused from the prefix registry
-  double busy_seconds = 0;    // wall time inside Step()
-};
-
-class ColocatedEngine {
+class ColocatedEngine : public Engine {
  public:
   // Picks the device, loads all weights from `source` (all or nothing) and sizes the KV pool:
   // with kv.capacity_tokens 0, from the memory left after the weights, so the batch is limited
@@ -72,23 +53,17 @@ class ColocatedEngine {
   static absl::StatusOr<std::unique_ptr<ColocatedEngine>> Create(const WeightSource& source,
                                                                  const EngineOptions& options);
 
-  // Queues a request and returns its id (0, 1, 2, ... in submission order). InvalidArgument for
-  // an empty prompt, an id outside the vocabulary, max_tokens < 1, bad sampling parameters, or a
-  // context longer than the model supports; ResourceExhausted if its context could never fit in
-  // the KV pool. A refused request leaves the engine unchanged.
-  absl::StatusOr<int64_t> Submit(GenerationRequest request);
+  // The Engine interface (compute_node/engine.h). Submit: ResourceExhausted if the request's
+  // context could never fit in this engine's KV pool.
+  absl::Status Check(const GenerationRequest& request) const override { return controller_.Check(request); }
+  absl::StatusOr<int64_t> Submit(GenerationRequest request) override;
+  absl::Status Step(std::vector<std::pair<int64_t, GenerationResult>>* finished) override;
+  absl::StatusOr<GenerationResult> Cancel(int64_t id) override;
+  bool Idle() const override { return controller_.Idle(); }
+  EngineStats stats() const override { return stats_; }
+  const ModelSpec& spec() const override { return backend_->spec(); }
+  std::string device() const override { return backend_->device(); }
 
-  // Runs one step. Requests that finished in it are appended to `finished` as (id, result).
-  absl::Status Step(std::vector<std::pair<int64_t, GenerationResult>>* finished);
-
-  // True when no request is waiting or running.
-  bool Idle() const { return controller_.Idle(); }
-  // Submits every request, steps until all finish, returns the results in request order.
-  absl::StatusOr<std::vector<GenerationResult>> GenerateAll(std::vector<GenerationRequest> requests);
-
-  const ModelSpec& spec() const { return backend_->spec(); }
-  std::string device() const { return backend_->device(); }
-  const EngineStats& stats() const { return stats_; }
   int64_t kv_capacity_tokens() const { return kv_table_.num_slots(); }
   // See ComputeBackend::PhaseTotalsMs (EngineOptions::profile).
   std::vector<std::pair<std::string, double>> PhaseTotalsMs() const { return backend_->PhaseTotalsMs(); }

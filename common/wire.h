@@ -1,4 +1,4 @@
-// Wire formats of the disaggregated runtime (DESIGN.md, "Per-step control, per-layer data"):
+// Wire formats of the disaggregated runtime (docs/architecture.md, "Per-step control, per-layer data"):
 // the step plan the controller sends once per step to every rank, the header that precedes each
 // per-layer payload between compute and memory ranks, and the control messages of a compute <->
 // memory connection (hello, hello reply, release, error, bye).
@@ -242,7 +242,7 @@ struct StepRequest {
   friend bool operator==(const StepRequest&, const StepRequest&) = default;
 };
 
-// A prefix group (DESIGN.md, "KV cache on a memory rank"): requests of one memory rank whose
+// A prefix group (docs/architecture.md, "KV cache on a memory rank"): requests of one memory rank whose
 // contexts start with the same registered blocks. Its prefix is the chain of registered blocks
 // ending at `block_hash` (prefix_tokens tokens); a nested group's parent is an earlier group of the
 // same rank whose prefix is a proper prefix of this one's.

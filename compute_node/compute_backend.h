@@ -1,6 +1,7 @@
-// The compute half of a decode step on one device (DESIGN.md's hot path without attention):
-// embedding, per layer the linear parts before and after attention, then logits and sampling.
-// Attention happens elsewhere: on a memory rank, or in the colocated engine's attention executor.
+// The compute half of a decode step on one device (docs/architecture.md, "One layer of a decode
+// step", without attention): embedding, per layer the linear parts before and after attention,
+// then logits and sampling. Attention happens elsewhere: on a memory rank, or in the colocated
+// engine's attention executor.
 //
 //   BeginStep(step)                         // upload the step's tokens, positions, sampling; embed
 //   for each layer:  PreAttention(l, qkv)   // norm, QKV GEMM, RoPE -> qkv (T, qkv_width)

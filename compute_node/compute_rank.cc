@@ -270,11 +270,27 @@ absl::Status ComputeRank::RunLayersOnDevice(const PlannedStep& step) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<GenerationResult>> ComputeRank::GenerateAll(
-    std::vector<GenerationRequest> requests) {
-  return RunToCompletion(
-      *controller_, std::move(requests),
-      [this](std::vector<std::pair<int64_t, GenerationResult>>* done) { return Step(done); });
+absl::StatusOr<GenerationResult> ComputeRank::Cancel(int64_t id) {
+  GenerationResult result;
+  std::vector<std::vector<uint64_t>> released;
+  RETURN_IF_ERROR(controller_->Cancel(id, &result, &released));
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    if (released[m].empty()) continue;
+    ReleaseMessage rel;
+    rel.step_id = step_.plan.step_id;  // the last step planned (the memory rank does not use it)
+    rel.request_ids = std::move(released[m]);
+    RETURN_IF_ERROR(Annotate(transport_->Send(ranks_[m].peer, EncodeRelease(rel)), ranks_[m].name));
+  }
+  return result;
+}
+
+EngineStats ComputeRank::stats() const {
+  const ControllerStats& cs = controller_->stats();
+  return {.steps = cs.steps,
+          .prefill_tokens = cs.prefill_tokens,
+          .decode_tokens = cs.decode_tokens,
+          .cached_tokens = cs.cached_tokens,
+          .busy_seconds = busy_seconds_};
 }
 
 absl::Status ComputeRank::Shutdown() {

@@ -1,4 +1,4 @@
-// `tandem compute`: compute rank 0 as a process, with the controller in it (DESIGN.md,
+// `tandem compute`: compute rank 0 as a process, with the controller in it (docs/architecture.md,
 // "Processes"). It holds the weights and runs every non-attention operator; the memory ranks hold
 // the KV and run attention. Per step the controller's plan goes to every memory rank once; per
 // layer each memory rank gets the q,k,v rows of its requests (one contiguous range, written into
@@ -32,6 +32,7 @@
 #include "common/transport/factory.h"
 #include "compute_node/compute_backend.h"
 #include "compute_node/controller.h"
+#include "compute_node/engine.h"
 #include "compute_node/weights.h"
 
 namespace tandem {
@@ -50,28 +51,34 @@ struct ComputeRankOptions {
   absl::Duration step_timeout = absl::Minutes(2);  // for each layer's attention output
 };
 
-class ComputeRank {
+// Compute rank 0 implements the Engine interface (compute_node/engine.h): the same requests give
+// the same tokens as the colocated engine.
+class ComputeRank : public Engine {
  public:
   static absl::StatusOr<std::unique_ptr<ComputeRank>> Create(const WeightSource& source,
                                                              const ComputeRankOptions& options);
-  ~ComputeRank();
+  ~ComputeRank() override;
 
   Controller& controller() { return *controller_; }
-  absl::StatusOr<int64_t> Submit(GenerationRequest request) {
+  // The Engine interface. Step: a memory rank that reports an error, disconnects or stays silent
+  // past the step timeout fails it with a Status naming the rank. Cancel: the memory rank that
+  // holds the request's KV is told to free it (a release message, as for a finished request).
+  absl::Status Check(const GenerationRequest& request) const override { return controller_->Check(request); }
+  absl::StatusOr<int64_t> Submit(GenerationRequest request) override {
     return controller_->Submit(std::move(request));
   }
-  // Runs one step; finished requests are appended to `finished`.
-  absl::Status Step(std::vector<std::pair<int64_t, GenerationResult>>* finished);
-  // Submits every request (all checked first), steps until all finish, results in request order.
-  absl::StatusOr<std::vector<GenerationResult>> GenerateAll(std::vector<GenerationRequest> requests);
+  absl::Status Step(std::vector<std::pair<int64_t, GenerationResult>>* finished) override;
+  absl::StatusOr<GenerationResult> Cancel(int64_t id) override;
+  bool Idle() const override { return controller_->Idle(); }
+  EngineStats stats() const override;
+  const ModelSpec& spec() const override { return backend_->spec(); }
+  std::string device() const override { return backend_->device(); }
+
   // Tells every memory rank to stop (bye), best effort: it never fails.
   absl::Status Shutdown();
 
-  std::string device() const { return backend_->device(); }
   // "memory rank 1: cuda:0 (NVIDIA H200), 123456 KV tokens" per rank.
   const std::vector<std::string>& memory_ranks() const { return rank_names_; }
-  const ControllerStats& stats() const { return controller_->stats(); }
-  double busy_seconds() const { return busy_seconds_; }
   // With ComputeRankOptions::profile: the backend's device time per phase so far (see
   // ComputeBackend::PhaseTotalsMs); "attention" is the time from the QKV rows being ready to the
   // last memory rank's output being in place: the exchange both ways plus the remote attention.

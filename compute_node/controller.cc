@@ -518,25 +518,4 @@ std::optional<std::vector<int32_t>> Controller::History(int64_t id) const {
   return std::nullopt;
 }
 
-absl::StatusOr<std::vector<GenerationResult>> RunToCompletion(
-    Controller& controller, std::vector<GenerationRequest> requests,
-    const std::function<absl::Status(std::vector<std::pair<int64_t, GenerationResult>>*)>& step) {
-  if (!controller.Idle()) return absl::FailedPreconditionError("RunToCompletion needs an idle controller");
-  // Nothing half-applied: every request is checked before any is queued.
-  for (size_t i = 0; i < requests.size(); ++i) {
-    RETURN_IF_ERROR(Annotate(controller.Check(requests[i]), absl::StrCat("request ", i)));
-  }
-  std::vector<int64_t> ids;
-  for (GenerationRequest& r : requests) {
-    ASSIGN_OR_RETURN(const int64_t id, controller.Submit(std::move(r)));
-    ids.push_back(id);
-  }
-  std::vector<GenerationResult> results(requests.size());
-  if (ids.empty()) return results;
-  std::vector<std::pair<int64_t, GenerationResult>> done;
-  while (!controller.Idle()) RETURN_IF_ERROR(step(&done));
-  for (auto& [id, result] : done) results[static_cast<size_t>(id - ids.front())] = std::move(result);
-  return results;
-}
-
 }  // namespace tandem

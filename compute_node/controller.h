@@ -1,4 +1,4 @@
-// The controller (DESIGN.md, "Processes"): request queue, continuous batching, placement of each
+// The controller (docs/architecture.md, "Processes"): request queue, continuous batching, placement of each
 // request's KV on a memory rank, and the token history of every live request. It plans steps and
 // consumes their sampled tokens; it runs nothing itself. The colocated engine drives it with one
 // "memory rank" (its own KV pool); compute rank 0 drives it with the deployment's memory ranks.
@@ -39,7 +39,6 @@
 
 #include <cstdint>
 #include <deque>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -209,11 +208,5 @@ class Controller {
   std::vector<std::unique_ptr<Live>> running_;  // admission order
   ControllerStats stats_;
 };
-
-// Runs `requests` to completion through `controller`, calling `step` until it is idle: the loop
-// the colocated engine and the compute rank share. Every request is checked before any is queued.
-absl::StatusOr<std::vector<GenerationResult>> RunToCompletion(
-    Controller& controller, std::vector<GenerationRequest> requests,
-    const std::function<absl::Status(std::vector<std::pair<int64_t, GenerationResult>>*)>& step);
 
 }  // namespace tandem

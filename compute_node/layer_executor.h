@@ -1,6 +1,6 @@
 // The non-attention half of a Llama decoder on the CPU backend (fp32): embedding, norms,
 // projections, RoPE, SwiGLU FFN and the LM head. Attention is the caller's (a memory rank, or the
-// colocated engine), which is the split DESIGN.md's hot path describes:
+// colocated engine), which is the split of docs/architecture.md, "One layer of a decode step":
 //
 //   x = Embed(tokens)
 //   for each layer:  qkv = PreAttention(layer, x, positions)     // norm, QKV GEMM, RoPE

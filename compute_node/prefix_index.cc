@@ -3,9 +3,32 @@
 #include <algorithm>
 #include <iterator>
 
+#include "absl/strings/str_cat.h"
 #include "common/status.h"
 
 namespace tandem {
+
+absl::StatusOr<PrefixOptions> ResolvePrefixOptions(bool prefix_cache, int64_t block_tokens,
+                                                   std::string_view sharing) {
+  if (block_tokens < 1 || block_tokens > 4096)
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv.prefix_block_tokens must be in [1, 4096], got ", block_tokens));
+  PrefixOptions options;
+  options.block_tokens = prefix_cache ? block_tokens : 0;
+  if (sharing == "off") {
+    options.sharing = PrefixSharing::kOff;
+  } else if (sharing == "on" || sharing == "auto") {
+    if (!prefix_cache && sharing == "on")
+      return absl::InvalidArgumentError("kv.prefix_sharing: on needs kv.prefix_cache: true");
+    options.sharing = !prefix_cache     ? PrefixSharing::kOff
+                      : sharing == "on" ? PrefixSharing::kOn
+                                        : PrefixSharing::kAuto;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv.prefix_sharing: expected auto, on or off, got \"", ToAbsl(sharing), "\""));
+  }
+  return options;
+}
 namespace {
 
 // splitmix64's finaliser: a bijection on 64 bits with full avalanche.

@@ -1,4 +1,4 @@
-// The controller's prefix registry (DESIGN.md, "KV cache on a memory rank"): for one memory rank,
+// The controller's prefix registry (docs/architecture.md, "KV cache on a memory rank"): for one memory rank,
 // the prompt blocks whose KV that rank holds, so that a request whose prompt starts with
 // registered blocks reuses them instead of prefilling them again, and so that requests sharing
 // blocks can be grouped for shared-prefix attention.
@@ -32,10 +32,26 @@
 #include <cstdint>
 #include <list>
 #include <span>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "common/wire.h"
+
 namespace tandem {
+
+// The prefix settings as the controller takes them (ControllerOptions::prefix_block_tokens and
+// ::prefix_sharing).
+struct PrefixOptions {
+  int64_t block_tokens = 0;  // 0: no registry
+  PrefixSharing sharing = PrefixSharing::kOff;
+};
+// From kv.prefix_cache, kv.prefix_block_tokens and kv.prefix_sharing ("auto", "on", "off"): the
+// registry is off without the cache, and so is sharing (which needs it: "on" without the cache is
+// an error naming both keys). InvalidArgument naming the key otherwise.
+absl::StatusOr<PrefixOptions> ResolvePrefixOptions(bool prefix_cache, int64_t block_tokens,
+                                                   std::string_view sharing);
 
 // hash of a block given its parent's hash (kSeed for block 0) and its tokens.
 using BlockHashFn = uint64_t (*)(uint64_t parent_hash, std::span<const int32_t> tokens);

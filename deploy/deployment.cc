@@ -10,9 +10,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "colocated/engine.h"
 #include "common/status.h"
+#include "compute_node/controller_settings.h"
 #include "deploy/process_group.h"
+#include "kernels/cuda/device_choice.h"
 
 namespace tandem {
 
@@ -47,48 +48,40 @@ const ConfigSchema& DeploySchema() {
   return *schema;
 }
 
-// transport.kind against the ranks' devices. The GPU transports poll doorbells with kernels, so a
-// memory rank that shares the compute rank's GPU would spin against it (time-sliced contexts):
-// refused for p2p and nccl (NCCL also refuses two ranks on one GPU), never chosen by auto.
-absl::StatusOr<std::string> ResolveTransport(const std::string& kind, const DeployPlan& p) {
-  using transport::TransportKind;
-  bool gpus = p.compute_device != "cpu";
-  std::string shared;  // a memory rank on the compute rank's GPU
-  for (size_t i = 0; i < p.memory_devices.size(); ++i) {
-    gpus = gpus && p.memory_devices[i] != "cpu";
-    if (p.memory_devices[i] == p.compute_device && shared.empty()) shared = absl::StrCat("memory rank ", i);
-  }
-  if (kind == "auto") {
-    return gpus && shared.empty() && transport::TransportBuilt(TransportKind::kP2p) ? "p2p" : "ucx";
-  }
-  const absl::StatusOr<TransportKind> parsed = transport::ParseTransportKind(kind);
-  if (!parsed.ok())
-    return absl::InvalidArgumentError(absl::StrCat("transport.kind: ", parsed.status().message()));
-  const TransportKind k = *parsed;
-  if (!transport::TransportBuilt(k)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("transport.kind: ", kind, " is not in this build (it needs the CUDA build)"));
-  }
-  if (k == TransportKind::kUcx || k == TransportKind::kVerbs) return kind;
-  if (!gpus) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("transport.kind: ", kind, " moves data between GPUs, but ranks run on the CPU"));
-  }
-  if (!shared.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("transport.kind: ", kind,
-                                                   " needs every memory rank on a GPU other "
-                                                   "than the compute rank's, but ",
-                                                   shared, " is on ", p.compute_device,
-                                                   " too (use ucx or auto)"));
-  }
-  return kind;
+absl::StatusOr<std::optional<transport::TransportKind>> ParseTransportSetting(std::string_view value) {
+  if (value == "auto") return std::nullopt;
+  absl::StatusOr<transport::TransportKind> kind = transport::ParseTransportKind(value);
+  if (!kind.ok())
+    return absl::InvalidArgumentError(absl::StrCat("transport.kind: ", kind.status().message()));
+  return *kind;
+}
+
+namespace {
+
+// "cpu" -> -1, "cuda:N" -> N (the plan's devices are resolved already).
+int DeviceIndex(const std::string& device) {
+  int index = -1;
+  if (device.rfind("cuda:", 0) == 0 && !absl::SimpleAtoi(device.substr(5), &index)) index = -1;
+  return index;
+}
+
+}  // namespace
+
+absl::StatusOr<transport::TransportKind> ResolveTransport(std::optional<transport::TransportKind> requested,
+                                                          const DeployPlan& p) {
+  transport::RankLayout layout{.compute_device = DeviceIndex(p.compute_device)};
+  for (const std::string& d : p.memory_devices) layout.memory_devices.push_back(DeviceIndex(d));
+  if (!requested) return transport::PickTransport(layout);
+  const std::string why = transport::GetTransportInfo(*requested).CannotConnect(layout);
+  if (!why.empty()) return absl::InvalidArgumentError(absl::StrCat("transport.kind: ", why));
+  return *requested;
 }
 
 absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& spec) {
   DeployPlan p;
   p.model = c.GetString("model.path");
   p.weight_seed = static_cast<uint64_t>(c.GetInt("model.weight_seed"));
-  absl::StatusOr<int> compute = ResolveDevice(c.GetString("compute.device"), spec);
+  absl::StatusOr<int> compute = kernels::ResolveDevice(c.GetString("compute.device"), spec);
   if (!compute.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("compute.device: ", compute.status().message()));
   }
@@ -102,7 +95,7 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   for (int64_t i = 0; i < ranks; ++i) {
     std::string d(absl::StripAsciiWhitespace(devices[devices.size() == 1 ? 0 : static_cast<size_t>(i)]));
     if (d == "auto") d = p.compute_device;
-    absl::StatusOr<int> idx = ResolveDevice(d, spec);
+    absl::StatusOr<int> idx = kernels::ResolveDevice(d, spec);
     if (!idx.ok() || d == "auto") {
       return absl::InvalidArgumentError(
           absl::StrCat("memory.devices: rank ", i, ": expected cpu, cuda, cuda:N or auto, got \"", d, "\""));
@@ -124,13 +117,10 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
     p.listen_addresses.push_back(absl::StrCat(c.GetString("memory.host"), ":", base == 0 ? 0 : base + i));
   }
   // Checked here so that a bad pair stops the launch before any rank starts.
-  RETURN_IF_ERROR(
-      ResolveSchedulerOptions(c.GetInt("scheduler.max_batch_size"), c.GetInt("scheduler.max_tokens_per_step"))
-          .status());
-  ControllerOptions prefix;
-  RETURN_IF_ERROR(ResolvePrefixOptions(c.GetBool("kv.prefix_cache"), c.GetInt("kv.prefix_block_tokens"),
-                                       c.GetString("kv.prefix_sharing"), &prefix));
-  ASSIGN_OR_RETURN(p.transport, ResolveTransport(c.GetString("transport.kind"), p));
+  RETURN_IF_ERROR(ResolveControllerOptions(SchedulerKvSettingsFromConfig(c)).status());
+  ASSIGN_OR_RETURN(const std::optional<transport::TransportKind> kind,
+                   ParseTransportSetting(c.GetString("transport.kind")));
+  ASSIGN_OR_RETURN(p.transport, ResolveTransport(kind, p));
   p.checksums = c.GetBool("transport.checksums");
   p.run_dir = c.GetString("launch.run_dir");
   p.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
@@ -157,12 +147,12 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
     const std::string name = absl::StrCat("memory-", i), ready = path(name + ".ready");
     fs::remove(ready, ec);  // a stale file from an earlier run must not count as ready
     fs::remove(path(name + ".log"), ec);
-    RETURN_IF_ERROR(
-        group.Start(name,
-                    {o.tandem_binary, "memory", "--config", cfg, "--rank", std::to_string(i), "--listen",
-                     plan.listen_addresses[i], "--device", plan.memory_devices[i], "--transport",
-                     plan.transport, "--ready-file", ready, "--log-level", o.log_level},
-                    path(name + ".log")));
+    RETURN_IF_ERROR(group.Start(
+        name,
+        {o.tandem_binary, "memory", "--config", cfg, "--rank", std::to_string(i), "--listen",
+         plan.listen_addresses[i], "--device", plan.memory_devices[i], "--transport",
+         transport::TransportKindName(plan.transport), "--ready-file", ready, "--log-level", o.log_level},
+        path(name + ".log")));
   }
   for (size_t i = 0; i < plan.memory_devices.size(); ++i) {
     const std::string name = absl::StrCat("memory-", i);
@@ -174,10 +164,13 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
   const std::string ready = path("compute-0.ready");
   fs::remove(ready, ec);
   fs::remove(path("compute-0.log"), ec);
-  std::vector<std::string> argv = {
-      o.tandem_binary, "compute",     "--config",    cfg,         "--memory", absl::StrJoin(addresses, ","),
-      "--ready-file",  ready,         "--log-level", o.log_level, "--device", plan.compute_device,
-      "--transport",   plan.transport};
+  std::vector<std::string> argv = {o.tandem_binary, "compute",
+                                   "--config",      cfg,
+                                   "--memory",      absl::StrJoin(addresses, ","),
+                                   "--ready-file",  ready,
+                                   "--log-level",   o.log_level,
+                                   "--device",      plan.compute_device,
+                                   "--transport",   transport::TransportKindName(plan.transport)};
   if (!o.requests_file.empty()) {
     argv.insert(argv.end(), {"--requests", o.requests_file, "--results", o.results_file});
   }

@@ -1,4 +1,4 @@
-// A deployment on this host, from one YAML file (DESIGN.md, "Configuration"): the settings every
+// A deployment on this host, from one YAML file (docs/architecture.md, "Configuration"): the settings every
 // rank reads, and the launcher that starts compute rank 0 (with the controller) and the memory
 // ranks as separate processes, one log per rank, and brings them all down together.
 //
@@ -8,7 +8,7 @@
 //                                      all ("auto": the compute rank's device) or a comma list
 //   memory.host, memory.base_port      where memory ranks listen (port 0: any free port)
 //   transport.kind                     auto, ucx, p2p, nccl or verbs (one kind for the deployment;
-//                                      auto: p2p when every rank has its own GPU, else ucx)
+//                                      auto: a lookup over the transport table, see ResolveTransport)
 //   transport.checksums                crc32c of the host-staged path's per-layer payloads
 //   scheduler.*, kv.*                  as for the colocated engine (kv.* applies to each rank)
 //   launch.*                           run directory, time limits
@@ -20,7 +20,9 @@
 // and leaves no process behind.
 #pragma once
 
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -38,21 +40,27 @@ const ConfigSchema& DeploySchema();
 struct DeployPlan {
   std::string model;
   uint64_t weight_seed = 0;
-  std::string compute_device;                 // "cpu" or "cuda:N"
-  std::vector<std::string> memory_devices;    // per memory rank
-  std::vector<std::string> listen_addresses;  // per memory rank, host:port
-  std::string transport = "ucx";              // resolved transport.kind: ucx, p2p, nccl, verbs
+  std::string compute_device;                                           // "cpu" or "cuda:N"
+  std::vector<std::string> memory_devices;                              // per memory rank
+  std::vector<std::string> listen_addresses;                            // per memory rank, host:port
+  transport::TransportKind transport = transport::TransportKind::kUcx;  // resolved transport.kind
   bool checksums = true;
   std::string run_dir;
   absl::Duration startup_timeout, step_timeout;
 };
 // Errors name the YAML path ("memory.devices: 3 devices listed for 2 ranks").
 absl::StatusOr<DeployPlan> ResolveDeployment(const Config& config, const ModelSpec& spec);
-// transport.kind ("auto", "ucx", "p2p", "nccl", "verbs") against plan's compute and memory devices:
-// the kind to run. auto: p2p when every rank is on a CUDA device and no memory rank shares the
-// compute rank's GPU (and the build has p2p), else ucx. p2p and nccl refuse CPU ranks and a
-// memory rank on the compute GPU; a kind this build lacks is refused. Errors name transport.kind.
-absl::StatusOr<std::string> ResolveTransport(const std::string& kind, const DeployPlan& plan);
+// The value of transport.kind: nullopt for "auto", else the kind. InvalidArgument naming
+// transport.kind for anything else. Parsed once, when the deployment is resolved.
+absl::StatusOr<std::optional<transport::TransportKind>> ParseTransportSetting(std::string_view value);
+// The kind to run, from the transport table (common/transport/factory.h) and the plan's compute
+// and memory devices: `requested`, if it can connect them, or for auto (nullopt) what
+// transport::PickTransport chooses (p2p when every rank is on a CUDA device and no memory rank
+// shares the compute rank's GPU, else ucx). A kind that cannot connect them (p2p and nccl refuse
+// CPU ranks and a memory rank on the compute GPU; a kind this build lacks) is InvalidArgument
+// naming transport.kind and the reason.
+absl::StatusOr<transport::TransportKind> ResolveTransport(std::optional<transport::TransportKind> requested,
+                                                          const DeployPlan& plan);
 
 struct LaunchOptions {
   std::string tandem_binary;  // the `tandem` executable the ranks run

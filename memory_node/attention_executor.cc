@@ -83,11 +83,4 @@ absl::Status CheckAttentionBatch(const AttentionBatch& b, const AttentionShape& 
   return absl::OkStatus();
 }
 
-std::string CudaAttentionUnsupported(int64_t head_dim) {
-  if (head_dim != 64 && head_dim != 128) {
-    return absl::StrCat("head_dim ", head_dim, " is not supported by the CUDA attention kernels (64 or 128)");
-  }
-  return "";
-}
-
 }  // namespace tandem

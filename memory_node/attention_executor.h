@@ -1,6 +1,7 @@
-// Attention on the device that owns the KV cache: the memory rank's half of DESIGN.md's hot path
-// (and the colocated engine's attention). Per layer it appends each row's K and V to the KV pool
-// and computes the attention of each row's q over its request's context.
+// Attention on the device that owns the KV cache: the memory rank's half of the hot path
+// (docs/architecture.md, "One layer of a decode step"), and the colocated engine's attention.
+// Per layer it appends each row's K and V to the KV pool and computes the attention of each
+// row's q over its request's context.
 //
 //   BeginStep(batch)                 // once per step: where rows go, what each request reads
 //   for each layer: Layer(l, qkv, out)
@@ -128,11 +129,9 @@ absl::StatusOr<std::unique_ptr<AttentionExecutor>> CreateCpuAttentionExecutor(co
 // bf16 KV on CUDA device `device` (made current), work on `stream` (a cudaStream_t; nullptr: the
 // executor creates its own). Sized from cudaMemGetInfo's free memory when capacity_tokens is 0.
 // Unavailable without the CUDA backend or the device; Unimplemented for a head_dim the kernels
-// do not support (CudaAttentionUnsupported).
+// do not support (kernels::CudaAttentionUnsupported, kernels/cuda/device_choice.h).
 absl::StatusOr<std::unique_ptr<AttentionExecutor>> CreateCudaAttentionExecutor(const AttentionShape& shape,
                                                                                const KvPoolOptions& kv,
                                                                                int device, void* stream);
-// Empty if the CUDA kernels support `head_dim`, else why not.
-std::string CudaAttentionUnsupported(int64_t head_dim);
 
 }  // namespace tandem

@@ -11,6 +11,7 @@
 #include "kernels/cuda/buffers.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device.h"
+#include "kernels/cuda/device_choice.h"
 #include "kernels/cuda/ops.h"
 #include "memory_node/attention_executor.h"
 
@@ -39,7 +40,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
   static absl::StatusOr<std::unique_ptr<AttentionExecutor>> Create(const AttentionShape& shape,
                                                                    const KvPoolOptions& kv, int device,
                                                                    void* stream) {
-    if (std::string why = CudaAttentionUnsupported(shape.head_dim); !why.empty()) {
+    if (std::string why = kernels::CudaAttentionUnsupported(shape.head_dim); !why.empty()) {
       return absl::UnimplementedError(why);
     }
     ASSIGN_OR_RETURN(const int count, kernels::CudaDeviceCount());

@@ -2,7 +2,7 @@
 // contexts, and the registered prefix blocks they share. Turns a step plan into the attention
 // executor's batch: applies the plan's prefix evictions, attaches and publishes, allocates slots
 // for each request's new rows, lists the keys each row reads, and resolves the plan's prefix
-// groups into cascade groups (DESIGN.md, "KV cache on a memory rank").
+// groups into cascade groups (docs/architecture.md, "KV cache on a memory rank").
 //
 // Registered blocks: the controller (compute_node/prefix_index.h) decides what is registered,
 // reused and evicted; this table keeps the result, block hash -> {parent, slots}, holding one

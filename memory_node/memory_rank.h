@@ -1,4 +1,4 @@
-// `tandem memory`: one memory rank as a process (DESIGN.md, "Processes"). It owns a KV pool on one
+// `tandem memory`: one memory rank as a process (docs/architecture.md, "Processes"). It owns a KV pool on one
 // device and runs attention for the requests the controller placed on it.
 //
 // Life of a memory rank:

@@ -1,6 +1,7 @@
 #include "common/transport/factory.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 #if TANDEM_TRANSPORT_P2P
 #include "common/transport/p2p/p2p_transport.h"
@@ -12,41 +13,104 @@
 
 namespace tandem::transport {
 
+namespace {
+
+constexpr bool kCudaBuild = TANDEM_TRANSPORT_P2P != 0;  // p2p is built exactly in CUDA builds
+
+// Rows in TransportKind order; see TransportInfo for the columns.
+constexpr TransportInfo kTable[] = {
+    {.kind = TransportKind::kUcx,
+     .name = "ucx",
+     .built = true,
+     .needs_gpus = false,
+     .same_host_only = false,
+     .device_polling = false,
+     .shares_compute_gpu = true,
+     .chosen_by_auto = true},
+    {.kind = TransportKind::kP2p,
+     .name = "p2p",
+     .built = TANDEM_TRANSPORT_P2P != 0,
+     .needs_gpus = true,
+     .same_host_only = true,
+     .device_polling = true,
+     .shares_compute_gpu = false,
+     .chosen_by_auto = true},
+    {.kind = TransportKind::kNccl,
+     .name = "nccl",
+     .built = TANDEM_TRANSPORT_NCCL != 0,
+     .needs_gpus = true,
+     .same_host_only = false,
+     .device_polling = true,
+     .shares_compute_gpu = false,  // NCCL also refuses two ranks on one GPU
+     .chosen_by_auto = false},
+    // Today's verbs rows run on any device and share the compute GPU (its waits are only on the
+    // layers' doorbells); it fails at start where there is no RDMA device.
+    {.kind = TransportKind::kVerbs,
+     .name = "verbs",
+     .built = true,
+     .needs_gpus = false,
+     .same_host_only = false,
+     .device_polling = kCudaBuild,  // GPUDirect RDMA with device-side doorbell waits
+     .shares_compute_gpu = true,
+     .chosen_by_auto = false},
+};
+
+std::string DeviceName(int device) { return device < 0 ? "cpu" : absl::StrCat("cuda:", device); }
+
+}  // namespace
+
+std::string TransportInfo::CannotConnect(const RankLayout& layout) const {
+  if (!built) return absl::StrCat(name, " is not in this build (it needs the CUDA build)");
+  bool gpus = layout.compute_device >= 0;
+  std::string shared;  // a memory rank on the compute rank's GPU
+  for (size_t i = 0; i < layout.memory_devices.size(); ++i) {
+    gpus = gpus && layout.memory_devices[i] >= 0;
+    if (layout.memory_devices[i] == layout.compute_device && shared.empty()) {
+      shared = absl::StrCat("memory rank ", i);
+    }
+  }
+  if (needs_gpus && !gpus) return absl::StrCat(name, " moves data between GPUs, but ranks run on the CPU");
+  if (same_host_only && !layout.one_host) {
+    return absl::StrCat(name, " connects processes of one host only, but the ranks are on several hosts");
+  }
+  if (!shares_compute_gpu && !shared.empty() && layout.compute_device >= 0) {
+    return absl::StrCat(name, " needs every memory rank on a GPU other than the compute rank's, but ", shared,
+                        " is on ", DeviceName(layout.compute_device), " too (use ucx or auto)");
+  }
+  return "";
+}
+
+std::span<const TransportInfo> TransportTable() { return kTable; }
+
+const TransportInfo& GetTransportInfo(TransportKind kind) {
+  for (const TransportInfo& t : kTable) {
+    if (t.kind == kind) return t;
+  }
+  TANDEM_CHECK_MSG(false, "transport kind ", static_cast<int>(kind), " missing from the table");
+  return kTable[0];
+}
+
+TransportKind PickTransport(const RankLayout& layout) {
+  const TransportInfo* pick = nullptr;
+  for (const TransportInfo& t : kTable) {
+    if (!t.chosen_by_auto || !t.CannotConnect(layout).empty()) continue;
+    if (pick == nullptr || (t.device_polling && !pick->device_polling)) pick = &t;
+  }
+  TANDEM_CHECK_MSG(pick != nullptr, "no transport connects the layout (ucx connects every one)");
+  return pick->kind;
+}
+
 absl::StatusOr<TransportKind> ParseTransportKind(std::string_view name) {
-  for (TransportKind k :
-       {TransportKind::kUcx, TransportKind::kP2p, TransportKind::kNccl, TransportKind::kVerbs}) {
-    if (name == TransportKindName(k)) return k;
+  for (const TransportInfo& t : kTable) {
+    if (name == t.name) return t.kind;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown transport \"", std::string(name), "\"; expected ucx, p2p, nccl or verbs"));
 }
 
-const char* TransportKindName(TransportKind kind) {
-  switch (kind) {
-    case TransportKind::kUcx:
-      return "ucx";
-    case TransportKind::kP2p:
-      return "p2p";
-    case TransportKind::kNccl:
-      return "nccl";
-    case TransportKind::kVerbs:
-      return "verbs";
-  }
-  return "?";
-}
+const char* TransportKindName(TransportKind kind) { return GetTransportInfo(kind).name; }
 
-bool TransportBuilt(TransportKind kind) {
-  switch (kind) {
-    case TransportKind::kUcx:
-    case TransportKind::kVerbs:
-      return true;
-    case TransportKind::kP2p:
-      return TANDEM_TRANSPORT_P2P != 0;
-    case TransportKind::kNccl:
-      return TANDEM_TRANSPORT_NCCL != 0;
-  }
-  return false;
-}
+bool TransportBuilt(TransportKind kind) { return GetTransportInfo(kind).built; }
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& o) {
   if (!TransportBuilt(o.kind)) {

@@ -1,11 +1,17 @@
-// Choosing a transport by name (the deployment's `transport.kind`): which ones this build has,
-// and creating one. A transport that is not compiled in says so; one that finds no hardware
-// fails with Unavailable and the reason (DESIGN.md: it never pretends).
+// The transport table and the factory: every transport kind this project knows, what each can
+// connect, and creating one by kind (the deployment's `transport.kind`). In the spirit of NCCL's
+// transport table: a deployment does not guess which data path fits its layout, it asks each
+// transport (CannotConnect) and takes the first that says yes. A transport that is not compiled
+// in says so; one that finds no hardware fails with Unavailable and the reason
+// (docs/architecture.md, "Transports": it never pretends).
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/transport/transport.h"
@@ -13,6 +19,41 @@
 namespace tandem::transport {
 
 enum class TransportKind : uint8_t { kUcx, kP2p, kNccl, kVerbs };
+
+// Where a deployment's ranks run, as a transport sees it. Devices: -1 for the CPU, N for cuda:N.
+struct RankLayout {
+  int compute_device = -1;          // compute rank 0
+  std::vector<int> memory_devices;  // memory rank m's device
+  bool one_host = true;             // every rank is a process of one host (all the launcher starts today)
+};
+
+// One row of the transport table. The flags describe the kind, not an instance: an instance's
+// Capabilities may say less (verbs polls on the device only for ranks on a GPU).
+struct TransportInfo {
+  TransportKind kind;
+  const char* name;         // "ucx", as in transport.kind and --transport
+  bool built;               // compiled into this build (p2p and nccl need the CUDA build)
+  bool needs_gpus;          // every rank on a CUDA device
+  bool same_host_only;      // every rank on one host
+  bool device_polling;      // CUDA ranks enqueue whole steps with device-side waits (no host per layer)
+  bool shares_compute_gpu;  // a memory rank may run on the compute rank's GPU (a device-polling
+                            // kernel would spin against the compute rank's kernels there)
+  bool chosen_by_auto;      // transport.kind auto may pick it
+  // Empty when this transport can connect `layout`, else why not, naming the kind ("p2p moves
+  // data between GPUs, but ranks run on the CPU"). Checks, in order: built, needs_gpus,
+  // same_host_only, shares_compute_gpu.
+  std::string CannotConnect(const RankLayout& layout) const;
+};
+
+// Every kind, in TransportKind order (ucx, p2p, nccl, verbs).
+std::span<const TransportInfo> TransportTable();
+const TransportInfo& GetTransportInfo(TransportKind kind);
+// transport.kind auto: among the kinds chosen by auto that can connect `layout`, one with device
+// polling if there is one, else the first. ucx connects every layout, so there is always one:
+// today p2p when every rank has a GPU and no memory rank shares the compute rank's, else ucx.
+// (nccl is never chosen: on one host p2p connects every layout it does; verbs is never chosen:
+// it needs an RDMA device that a layout does not show.)
+TransportKind PickTransport(const RankLayout& layout);
 
 struct TransportOptions {
   TransportKind kind = TransportKind::kUcx;
@@ -25,7 +66,7 @@ struct TransportOptions {
 // "ucx", "p2p", "nccl", "verbs"; InvalidArgument naming the choices otherwise.
 absl::StatusOr<TransportKind> ParseTransportKind(std::string_view name);
 const char* TransportKindName(TransportKind kind);
-// Whether this build contains the transport (p2p and nccl need the CUDA build).
+// Whether this build contains the transport (GetTransportInfo(kind).built).
 bool TransportBuilt(TransportKind kind);
 // Unavailable for a transport this build lacks ("nccl: not built (this build has no CUDA)").
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& options);

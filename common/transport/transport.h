@@ -1,4 +1,4 @@
-// The transport interface (DESIGN.md, "Transports"): how one rank's process reaches the others.
+// The transport interface (docs/architecture.md, "Transports"): how one rank's process reaches the others.
 //
 // Two kinds of traffic share it:
 //   * control messages: whole byte strings (step plans, hello, release, ...), delivered in order

@@ -361,7 +361,10 @@ TEST_P(SharedPrefixDeployed, EqualsColocatedWithoutSharing) {
   ASSERT_FALSE(HasFailure());
 
   ComputeRankOptions o = Options(kBatch, kStepTokens, 4096);
-  ASSERT_TRUE(ResolvePrefixOptions(true, kBlock, GetParam(), &o.scheduler).ok());
+  absl::StatusOr<PrefixOptions> prefix = ResolvePrefixOptions(true, kBlock, GetParam());
+  ASSERT_TRUE(prefix.ok()) << prefix.status();
+  o.scheduler.prefix_block_tokens = prefix->block_tokens;
+  o.scheduler.prefix_sharing = prefix->sharing;
   ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, o));
   const std::vector<GenerationResult> got = RunSchedule(*rank_, arrivals, [] {});
   ASSERT_FALSE(HasFailure());
@@ -449,6 +452,55 @@ TEST_F(DisaggregatedTest, RequestThatFitsNowhereIsRefused) {
   ASSERT_TRUE(got.ok()) << got.status();
   ExpectSameResults(*got, *want);
   EXPECT_FALSE((*got)[0].token_ids.empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3b. Cancel through the Engine interface: the request ends at once with its tokens so far, and
+// the memory rank frees its KV (told by a release message). The KV holds one request at a time,
+// so the waiting request can only run, and match the colocated engine, once the memory rank has
+// freed the cancelled one's slots.
+
+TEST_F(DisaggregatedTest, CancelFreesTheRequestsKvOnItsMemoryRank) {
+  std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
+  ASSERT_NE(source, nullptr);
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 1, Options(4, 32, 128)));
+  tandem::Engine& engine = *rank_;
+  std::mt19937 rng(11);
+  const int64_t vocab = source->spec().vocab_size;
+  const GenerationRequest first = MakeRequest(rng, vocab, 60, 60, false, 0);
+  const GenerationRequest second = MakeRequest(rng, vocab, 50, 70, true, 5);
+  const GenerationRequest third = MakeRequest(rng, vocab, 5, 4, false, 0);
+  absl::StatusOr<int64_t> a = engine.Submit(first), b = engine.Submit(second), c = engine.Submit(third);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  for (int step = 0; step < 4; ++step) ASSERT_TRUE(engine.Step(&finished).ok());
+  ASSERT_TRUE(finished.empty());
+
+  // The waiting one first (it holds no KV), then the running one.
+  absl::StatusOr<GenerationResult> cancelled_waiting = engine.Cancel(*c);
+  ASSERT_TRUE(cancelled_waiting.ok()) << cancelled_waiting.status();
+  EXPECT_EQ(cancelled_waiting->finish_reason, "cancelled");
+  EXPECT_TRUE(cancelled_waiting->token_ids.empty());
+  absl::StatusOr<GenerationResult> cancelled = engine.Cancel(*a);
+  ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+  EXPECT_EQ(cancelled->finish_reason, "cancelled");
+  EXPECT_GE(cancelled->token_ids.size(), 1u);  // prefilled in two steps, then decoding
+  EXPECT_LT(cancelled->token_ids.size(), 60u);
+  EXPECT_EQ(engine.Cancel(*a).status().code(), absl::StatusCode::kNotFound);
+
+  while (!engine.Idle()) ASSERT_TRUE(engine.Step(&finished).ok());
+  ASSERT_EQ(finished.size(), 1u);
+  EXPECT_EQ(finished[0].first, *b);
+
+  std::unique_ptr<ColocatedEngine> colocated = Engine(*source, 4, 32);
+  ASSERT_NE(colocated, nullptr);
+  absl::StatusOr<std::vector<GenerationResult>> want = colocated->GenerateAll({first, second});
+  ASSERT_TRUE(want.ok()) << want.status();
+  ExpectSameResults({finished[0].second}, {(*want)[1]});
+  // The cancelled request's tokens are the start of what it would have generated.
+  ASSERT_LE(cancelled->token_ids.size(), (*want)[0].token_ids.size());
+  EXPECT_TRUE(
+      std::equal(cancelled->token_ids.begin(), cancelled->token_ids.end(), (*want)[0].token_ids.begin()));
 }
 
 // ---------------------------------------------------------------------------------------------

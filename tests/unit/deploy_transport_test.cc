@@ -1,5 +1,8 @@
-// transport.kind resolution against a deployment's devices (deploy/deployment.h ResolveTransport):
-// what auto picks, and which layouts the GPU transports refuse, with errors naming the YAML key.
+// The transport table (common/transport/factory.h) and transport.kind resolution against a
+// deployment's devices (deploy/deployment.h ParseTransportSetting, ResolveTransport): what each
+// kind states, what auto picks, and which layouts the GPU transports refuse, with errors naming
+// the YAML key.
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,9 +25,59 @@ DeployPlan Plan(const std::string& compute, std::vector<std::string> memory) {
   return p;
 }
 
+// transport.kind's value resolved against the plan: the kind's name, or the error message.
 std::string Resolve(const std::string& kind, const DeployPlan& p) {
-  absl::StatusOr<std::string> r = ResolveTransport(kind, p);
-  return r.ok() ? *r : std::string(r.status().message());
+  absl::StatusOr<std::optional<TransportKind>> parsed = ParseTransportSetting(kind);
+  if (!parsed.ok()) return std::string(parsed.status().message());
+  absl::StatusOr<TransportKind> r = ResolveTransport(*parsed, p);
+  return r.ok() ? transport::TransportKindName(*r) : std::string(r.status().message());
+}
+
+TEST(TransportTable, EveryKindOnceInKindOrderWithItsName) {
+  const std::vector<std::string> names = {"ucx", "p2p", "nccl", "verbs"};
+  ASSERT_EQ(transport::TransportTable().size(), names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    const transport::TransportInfo& t = transport::TransportTable()[i];
+    EXPECT_EQ(static_cast<size_t>(t.kind), i);
+    EXPECT_EQ(t.name, names[i]);
+    EXPECT_EQ(&transport::GetTransportInfo(t.kind), &t);
+    absl::StatusOr<TransportKind> parsed = transport::ParseTransportKind(names[i]);
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_EQ(*parsed, t.kind);
+    EXPECT_EQ(TransportBuilt(t.kind), t.built);
+  }
+  // What each kind states about itself.
+  const transport::TransportInfo& ucx = transport::GetTransportInfo(TransportKind::kUcx);
+  EXPECT_TRUE(ucx.built);
+  EXPECT_FALSE(ucx.needs_gpus || ucx.same_host_only || ucx.device_polling);
+  const transport::TransportInfo& p2p = transport::GetTransportInfo(TransportKind::kP2p);
+  EXPECT_TRUE(p2p.needs_gpus && p2p.same_host_only && p2p.device_polling);
+  const transport::TransportInfo& nccl = transport::GetTransportInfo(TransportKind::kNccl);
+  EXPECT_TRUE(nccl.needs_gpus && nccl.device_polling);
+  EXPECT_FALSE(nccl.same_host_only);
+  EXPECT_TRUE(transport::GetTransportInfo(TransportKind::kVerbs).built);
+  EXPECT_EQ(p2p.built, nccl.built);  // both come with the CUDA build
+}
+
+TEST(TransportTable, CannotConnectSaysWhy) {
+  const transport::TransportInfo& p2p = transport::GetTransportInfo(TransportKind::kP2p);
+  const transport::TransportInfo& ucx = transport::GetTransportInfo(TransportKind::kUcx);
+  const transport::RankLayout gpus{.compute_device = 0, .memory_devices = {1, 2}};
+  const transport::RankLayout cpus{.compute_device = -1, .memory_devices = {-1}};
+  const transport::RankLayout shared{.compute_device = 0, .memory_devices = {1, 0}};
+  const transport::RankLayout hosts{.compute_device = 0, .memory_devices = {1}, .one_host = false};
+  for (const transport::RankLayout& l : {gpus, cpus, shared, hosts}) EXPECT_EQ(ucx.CannotConnect(l), "");
+  if (!p2p.built) {
+    EXPECT_THAT(p2p.CannotConnect(gpus), HasSubstr("p2p is not in this build"));
+    return;
+  }
+  EXPECT_EQ(p2p.CannotConnect(gpus), "");
+  EXPECT_THAT(p2p.CannotConnect(cpus), HasSubstr("ranks run on the CPU"));
+  EXPECT_THAT(p2p.CannotConnect(shared), HasSubstr("memory rank 1 is on cuda:0 too"));
+  EXPECT_THAT(p2p.CannotConnect(hosts), HasSubstr("one host only"));
+  EXPECT_EQ(transport::GetTransportInfo(TransportKind::kNccl).CannotConnect(hosts), "");
+  EXPECT_EQ(transport::PickTransport(gpus), TransportKind::kP2p);
+  EXPECT_EQ(transport::PickTransport(hosts), TransportKind::kUcx);  // nccl is never chosen by auto
 }
 
 TEST(ResolveTransport, AutoPicksP2pOnlyWhenEveryRankHasItsOwnGpu) {
@@ -58,14 +111,18 @@ TEST(ResolveTransport, ExplicitKinds) {
 
 TEST(ResolveTransport, ErrorsNameTheKey) {
   for (const std::string kind : {"tcp", "", "P2P"}) {
-    absl::StatusOr<std::string> r = ResolveTransport(kind, Plan("cuda:0", {"cuda:1"}));
+    absl::StatusOr<std::optional<TransportKind>> r = ParseTransportSetting(kind);
     ASSERT_FALSE(r.ok()) << kind;
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(r.status().message()), HasSubstr("transport.kind"));
   }
-  absl::StatusOr<std::string> r = ResolveTransport("p2p", Plan("cuda:0", {"cuda:0"}));
+  absl::StatusOr<std::optional<TransportKind>> automatic = ParseTransportSetting("auto");
+  ASSERT_TRUE(automatic.ok());
+  EXPECT_FALSE(automatic->has_value());
+  absl::StatusOr<TransportKind> r = ResolveTransport(TransportKind::kP2p, Plan("cuda:0", {"cuda:0"}));
   if (TransportBuilt(TransportKind::kP2p)) {
     ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(r.status().message()), HasSubstr("transport.kind: p2p"));
   }
 }

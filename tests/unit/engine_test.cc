@@ -2,6 +2,7 @@
 // stop conditions and bad requests behave as documented in colocated/engine.h.
 #include "colocated/engine.h"
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 
@@ -76,6 +77,47 @@ std::vector<GenerationResult> RunAlone(const WeightSource& w, const std::vector<
     out.push_back((*res)[0]);
   }
   return out;
+}
+
+// Cancel (the Engine interface): a running or waiting request ends at once with the tokens so
+// far and finish_reason "cancelled", its KV is freed, it is never reported by Step, and the other
+// requests' tokens do not change.
+TEST(EngineCancel, EndsTheRequestFreesItsKvAndLeavesTheOthersAlone) {
+  auto w = Tiny("tiny-gqa");
+  const auto reqs = MixedRequests(w->spec().vocab_size);
+  const auto alone = RunAlone(*w, reqs);
+  auto e = MakeEngine(*w, 3, 16);
+  Engine& engine = *e;  // only the interface from here on
+  for (const GenerationRequest& r : reqs) ASSERT_TRUE(engine.Submit(r).ok());
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  // Batch 3, 16 tokens a step: request 2 (17 prompt tokens, 20 to generate) is prefilled in two
+  // steps and decoding after four; request 6 is still waiting.
+  for (int step = 0; step < 4; ++step) ASSERT_TRUE(engine.Step(&finished).ok());
+  absl::StatusOr<GenerationResult> running = engine.Cancel(2);
+  ASSERT_TRUE(running.ok()) << running.status();
+  EXPECT_EQ(running->finish_reason, "cancelled");
+  EXPECT_EQ(running->prompt_tokens, 17);
+  ASSERT_GE(running->token_ids.size(), 1u);
+  ASSERT_LT(running->token_ids.size(), 20u);
+  EXPECT_TRUE(std::equal(running->token_ids.begin(), running->token_ids.end(), alone[2].token_ids.begin()));
+  absl::StatusOr<GenerationResult> waiting = engine.Cancel(6);
+  ASSERT_TRUE(waiting.ok()) << waiting.status();
+  EXPECT_EQ(waiting->finish_reason, "cancelled");
+  EXPECT_TRUE(waiting->token_ids.empty());
+  EXPECT_EQ(engine.Cancel(2).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine.Cancel(99).status().code(), absl::StatusCode::kNotFound);
+
+  while (!engine.Idle()) ASSERT_TRUE(engine.Step(&finished).ok());
+  ASSERT_EQ(finished.size(), reqs.size() - 2);
+  for (const auto& [id, result] : finished) {
+    SCOPED_TRACE(testing::Message() << "request " << id);
+    ASSERT_NE(id, 2);
+    ASSERT_NE(id, 6);
+    EXPECT_EQ(result.token_ids, alone[static_cast<size_t>(id)].token_ids);
+    EXPECT_EQ(result.finish_reason, alone[static_cast<size_t>(id)].finish_reason);
+  }
+  EXPECT_EQ(e->kv_free_tokens() + e->kv_registered_tokens(), e->kv_capacity_tokens()) << "KV leaked";
+  EXPECT_EQ(engine.stats().decode_tokens, e->controller().stats().decode_tokens);
 }
 
 class EngineBatching : public ::testing::TestWithParam<std::string> {};

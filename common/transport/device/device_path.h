@@ -1,4 +1,4 @@
-// The device side of the GPU transports (DESIGN.md, "Transports"): doorbell waits that run as
+// The device side of the GPU transports (docs/architecture.md, "Transports"): doorbell waits that run as
 // kernels with deadlines, the write that puts a payload and then its doorbell into a peer's
 // memory, and the host's wait for a stream that keeps the control plane moving. Shared by p2p,
 // nccl and verbs; CUDA builds only (target tandem_transport_device). Streams are cudaStream_t

@@ -1,4 +1,4 @@
-// The p2p transport (DESIGN.md, "Transports"): GPUs of one host. Registered buffers live in
+// The p2p transport (docs/architecture.md, "Transports"): GPUs of one host. Registered buffers live in
 // device memory; a writer's kernel copies the payload straight into the receiver's buffer (CUDA
 // IPC mapping; NVLink or PCIe, or within one GPU when both processes share it) and then, after a
 // system-wide fence, stores the sequence number into the receiver's doorbell, so the doorbell can

@@ -1,4 +1,4 @@
-// The verbs transport (DESIGN.md, "Transports"): hosts joined by an RDMA fabric (InfiniBand or
+// The verbs transport (docs/architecture.md, "Transports"): hosts joined by an RDMA fabric (InfiniBand or
 // RoCE). A writer puts the payload straight into the receiver's registered buffer with RDMA
 // WRITE, then writes the sequence number into the receiver's doorbell with a second RDMA WRITE
 // on the same reliable-connected (RC) queue pair; RC executes a queue pair's requests in order,

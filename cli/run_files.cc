@@ -1,0 +1,88 @@
+#include "cli/run_files.h"
+
+#include <cstdio>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "compute_node/controller.h"
+#include "nlohmann/json.hpp"
+
+namespace tandem::cli {
+
+absl::Status WriteRequestsFile(const std::string& path, const std::vector<GenerationRequest>& requests) {
+  std::ofstream out(path, std::ios::trunc);
+  for (const GenerationRequest& r : requests) {
+    nlohmann::json j;
+    j["prompt_ids"] = r.prompt;
+    j["max_tokens"] = r.max_tokens;
+    // Floats go through double exactly; parsing back as double and narrowing gives the same float.
+    j["temperature"] = static_cast<double>(r.sampling.temperature);
+    j["top_k"] = r.sampling.top_k;
+    j["top_p"] = static_cast<double>(r.sampling.top_p);
+    j["seed"] = r.sampling.seed;
+    j["ignore_eos"] = r.ignore_eos;
+    out << j.dump() << "\n";
+  }
+  out.close();
+  if (!out) return absl::InternalError(absl::StrCat("cannot write ", path));
+  return absl::OkStatus();
+}
+
+absl::Status WriteResultsFile(const std::string& path, const std::vector<GenerationResult>& results,
+                              const RunStats& stats) {
+  const std::string tmp = path + ".tmp";
+  std::ofstream out(tmp, std::ios::trunc);
+  for (const GenerationResult& r : results) {
+    nlohmann::json j;
+    j["token_ids"] = r.token_ids;
+    j["logprobs"] = r.logprobs;
+    j["finish_reason"] = r.finish_reason;
+    j["prompt_tokens"] = r.prompt_tokens;
+    j["cached_tokens"] = r.cached_tokens;
+    out << j.dump() << "\n";
+  }
+  out << nlohmann::json{{"stats",
+                         {{"seconds", stats.seconds}, {"steps", stats.steps}, {"device", stats.device}}}}
+             .dump()
+      << "\n";
+  out.close();
+  if (!out || std::rename(tmp.c_str(), path.c_str()) != 0)
+    return absl::InternalError(absl::StrCat("cannot write ", path));
+  return absl::OkStatus();
+}
+
+absl::Status ReadResultsFile(const std::string& path, std::vector<GenerationResult>* results,
+                             RunStats* stats) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read the results file ", path));
+  std::string line;
+  int n = 0;
+  bool have_stats = false;
+  while (std::getline(in, line)) {
+    ++n;
+    try {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (j.contains("stats")) {
+        stats->seconds = j["stats"].at("seconds").get<double>();
+        stats->steps = j["stats"].at("steps").get<int64_t>();
+        stats->device = j["stats"].at("device").get<std::string>();
+        have_stats = true;
+        continue;
+      }
+      GenerationResult r;
+      r.token_ids = j.at("token_ids").get<std::vector<int32_t>>();
+      r.logprobs = j.at("logprobs").get<std::vector<float>>();
+      r.finish_reason = j.at("finish_reason").get<std::string>();
+      r.prompt_tokens = j.at("prompt_tokens").get<int64_t>();
+      r.cached_tokens = j.at("cached_tokens").get<int64_t>();
+      results->push_back(std::move(r));
+    } catch (const nlohmann::json::exception& e) {
+      return absl::DataLossError(absl::StrCat(path, ":", n, ": ", e.what()));
+    }
+  }
+  if (!have_stats)
+    return absl::DataLossError(absl::StrCat(path, ": no stats line (the compute rank did not finish)"));
+  return absl::OkStatus();
+}
+
+}  // namespace tandem::cli

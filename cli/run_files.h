@@ -1,0 +1,34 @@
+// The files `tandem generate --deploy` and compute rank 0 (`tandem compute --requests --results`)
+// exchange. Requests: one prompts-file line (cli/prompts.h) per request with every field given.
+// Results: one line per request, in order, {"token_ids", "logprobs", "finish_reason",
+// "prompt_tokens", "cached_tokens"}, then {"stats": {"seconds", "steps", "device"}}. The results
+// file appears whole (written to a temporary name, then renamed).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace tandem {
+struct GenerationRequest;
+struct GenerationResult;
+}  // namespace tandem
+
+namespace tandem::cli {
+
+// How a run went: wall time, the engine's steps and its device.
+struct RunStats {
+  double seconds = 0;
+  int64_t steps = 0;
+  std::string device;
+};
+absl::Status WriteRequestsFile(const std::string& path, const std::vector<GenerationRequest>& requests);
+absl::Status WriteResultsFile(const std::string& path, const std::vector<GenerationResult>& results,
+                              const RunStats& stats);
+// DataLoss naming the file and line for a malformed line or a missing stats line.
+absl::Status ReadResultsFile(const std::string& path, std::vector<GenerationResult>* results,
+                             RunStats* stats);
+
+}  // namespace tandem::cli

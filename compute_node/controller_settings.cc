@@ -1,0 +1,54 @@
+#include "compute_node/controller_settings.h"
+
+#include "common/status.h"
+
+namespace tandem {
+
+void AddSchedulerKvKnobs(ConfigSchema* schema) {
+  const SchedulerKvSettings d;
+  schema
+      ->Int("scheduler.max_batch_size", d.max_batch_size,
+            "requests batched in one step; 0: as many as the KV cache holds (at most max_tokens_per_step)", 0,
+            65536)
+      .Int("scheduler.max_tokens_per_step", d.max_tokens_per_step,
+           "decode tokens plus prefill-chunk tokens in one step (>= max_batch_size)", 1, 1 << 20)
+      .Int("kv.capacity_tokens", d.kv_capacity_tokens,
+           "KV cache size in tokens; 0 sizes it from free memory (kv.memory_fraction)", 0, 1LL << 31)
+      .Double("kv.memory_fraction", d.kv_memory_fraction,
+              "share of free device (or host) memory, after the weights, given to the KV cache when sized "
+              "automatically",
+              0.01, 0.98)
+      .Bool("kv.prefix_cache", d.prefix_cache,
+            "keep the KV of full token blocks (prompt and generated) after a request ends and reuse it for "
+            "prompts that start with them, such as a conversation's next turn (evicted least recently used "
+            "when the cache is full)")
+      .Int("kv.prefix_block_tokens", d.prefix_block_tokens,
+           "tokens per prefix-cache block: prompts share KV in whole blocks", 1, 4096)
+      .Enum("kv.prefix_sharing", d.prefix_sharing, {"auto", "on", "off"},
+            "attention reads a prefix shared by several requests of a step once for all of them: auto "
+            "where the measured crossover says it pays, on always, off never (needs kv.prefix_cache)");
+}
+
+SchedulerKvSettings SchedulerKvSettingsFromConfig(const Config& config) {
+  SchedulerKvSettings s;
+  s.max_batch_size = config.GetInt("scheduler.max_batch_size");
+  s.max_tokens_per_step = config.GetInt("scheduler.max_tokens_per_step");
+  s.kv_capacity_tokens = config.GetInt("kv.capacity_tokens");
+  s.kv_memory_fraction = config.GetDouble("kv.memory_fraction");
+  s.prefix_cache = config.GetBool("kv.prefix_cache");
+  s.prefix_block_tokens = config.GetInt("kv.prefix_block_tokens");
+  s.prefix_sharing = config.GetString("kv.prefix_sharing");
+  return s;
+}
+
+absl::StatusOr<ControllerOptions> ResolveControllerOptions(const SchedulerKvSettings& s) {
+  ASSIGN_OR_RETURN(ControllerOptions options,
+                   ResolveSchedulerOptions(s.max_batch_size, s.max_tokens_per_step));
+  ASSIGN_OR_RETURN(const PrefixOptions prefix,
+                   ResolvePrefixOptions(s.prefix_cache, s.prefix_block_tokens, s.prefix_sharing));
+  options.prefix_block_tokens = prefix.block_tokens;
+  options.prefix_sharing = prefix.sharing;
+  return options;
+}
+
+}  // namespace tandem

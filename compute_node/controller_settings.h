@@ -1,0 +1,46 @@
+// The "scheduler.*" and "kv.*" settings, shared by every schema that runs a controller (the
+// colocated engine's and a deployment's; see docs/architecture.md, "Configuration"), and their
+// conversion into the controller's options.
+//
+//   scheduler.max_batch_size       requests in one step; 0: as many as the KV cache holds
+//   scheduler.max_tokens_per_step  decode tokens + prefill-chunk tokens in one step
+//   kv.capacity_tokens             KV slots (per memory rank); 0: sized from free memory
+//   kv.memory_fraction             share of free memory (after weights) for KV when sized
+//   kv.prefix_cache                keep full blocks' KV after a request ends and reuse it
+//   kv.prefix_block_tokens         tokens per registered block
+//   kv.prefix_sharing              shared-prefix attention: auto, on or off
+//
+// The kv.capacity_tokens and kv.memory_fraction values are not the controller's: they size the
+// KV pool of whoever owns it (the colocated engine, or each memory rank through the hello).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/config.h"
+#include "compute_node/controller.h"
+
+namespace tandem {
+
+// The values of the settings above; the defaults are the schema's.
+struct SchedulerKvSettings {
+  int64_t max_batch_size = 0;           // requests in one step; 0: as many as the KV cache holds
+                                        // (at most max_tokens_per_step)
+  int64_t max_tokens_per_step = 2048;   // decode tokens + prefill chunk tokens in one step
+  int64_t kv_capacity_tokens = 0;       // KV slots; 0: sized from free device or host memory
+  double kv_memory_fraction = 0.9;      // share of free memory (after weights) for KV when auto
+  bool prefix_cache = true;             // reuse registered prompt blocks' KV (kv.prefix_cache)
+  int64_t prefix_block_tokens = 64;     // tokens per registered block
+  std::string prefix_sharing = "auto";  // shared-prefix attention: auto, on or off
+};
+
+// Adds the "scheduler.*" and "kv.*" knobs (type, default, range, help) to `schema`.
+void AddSchedulerKvKnobs(ConfigSchema* schema);
+// Reads them from a config whose schema has them (AddSchedulerKvKnobs).
+SchedulerKvSettings SchedulerKvSettingsFromConfig(const Config& config);
+// The controller's options: ResolveSchedulerOptions and ResolvePrefixOptions together. Errors
+// name the setting at fault.
+absl::StatusOr<ControllerOptions> ResolveControllerOptions(const SchedulerKvSettings& settings);
+
+}  // namespace tandem

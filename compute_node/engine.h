@@ -1,0 +1,73 @@
+// The engine interface: what a front end drives to serve requests, whatever runs them. Two
+// implementations today, with the same tokens for the same requests:
+//   * ColocatedEngine (colocated/engine.h): weights and KV in this process;
+//   * ComputeRank (compute_node/compute_rank.h): compute rank 0 of a deployment, whose memory
+//     ranks (other processes) hold the KV and run attention.
+// `tandem generate` runs requests through this interface only (cli/generate.cc, RunRequests), and
+// so will the OpenAI-compatible server and the benchmarks (docs/architecture.md, "Engines").
+//
+// Contract:
+//   * Submit() checks a request (as Check()) and queues it; ids are 0, 1, 2, ... in submission
+//     order. A refused request leaves the engine unchanged.
+//   * Step() runs one step of continuous batching (decode rows, then prefill chunks, then
+//     admission) and appends every request that finished in it to `finished` as (id, result).
+//     A step that fails leaves the engine unusable: the error names the device or rank at fault.
+//   * Cancel() ends a waiting or running request now; it returns the tokens generated so far
+//     with finish_reason "cancelled" and frees its KV (on every memory rank that held it). It is
+//     not reported by a later Step(). NotFound for an id that is not live (never submitted, or
+//     already finished or cancelled).
+//   * Idle(): nothing is waiting or running.
+//   * Tokens: a request's tokens depend only on the request (its seed, for sampling), never on
+//     what else is in the batch or on which implementation runs it.
+//
+// Thread safety: none; one thread drives an engine (a server queues its requests to that thread).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/model_spec.h"
+#include "compute_node/controller.h"
+
+namespace tandem {
+
+struct EngineStats {
+  int64_t steps = 0;
+  int64_t prefill_tokens = 0;
+  int64_t decode_tokens = 0;  // generated tokens
+  int64_t cached_tokens = 0;  // prompt tokens reused from the prefix registry
+  double busy_seconds = 0;    // wall time inside Step()
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  // Whether Submit() would take `request` (see Controller::Check): InvalidArgument for an empty
+  // prompt, an id outside the vocabulary, max_tokens < 1, bad sampling parameters, or a context
+  // longer than the model supports; ResourceExhausted if its context could never fit in the KV.
+  virtual absl::Status Check(const GenerationRequest& request) const = 0;
+  virtual absl::StatusOr<int64_t> Submit(GenerationRequest request) = 0;
+  virtual absl::Status Step(std::vector<std::pair<int64_t, GenerationResult>>* finished) = 0;
+  virtual absl::StatusOr<GenerationResult> Cancel(int64_t id) = 0;
+  virtual bool Idle() const = 0;
+
+  virtual EngineStats stats() const = 0;
+  virtual const ModelSpec& spec() const = 0;
+  // Where it runs: "cpu", "cuda:0 (NVIDIA H200)", ... (compute rank 0's device for a deployment).
+  virtual std::string device() const = 0;
+
+  // Checks every request (nothing is queued if one is refused: InvalidArgument or
+  // ResourceExhausted naming "request i"), submits them all, and steps until the engine is idle;
+  // results in request order. `before_step`, when given, runs before every step and ends the
+  // run with its error (a stop signal). FailedPrecondition unless the engine is idle.
+  absl::StatusOr<std::vector<GenerationResult>> GenerateAll(
+      std::vector<GenerationRequest> requests, const std::function<absl::Status()>& before_step = nullptr);
+};
+
+}  // namespace tandem
