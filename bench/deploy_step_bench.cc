@@ -113,7 +113,8 @@ constexpr const char* kUsage =
     "  --startup-timeout  limit for loading weights and starting a deployment, seconds (600)\n"
     "  --checksums        crc32c of the host-staged (ucx) payloads, as a deployment's default (1)\n"
     "  --max-tokens-per-step  rows per step (decode + prefill chunk), both sides (max(8192, batch))\n"
-    "  --cuda-graphs      layer parts as CUDA graphs on both sides (1), or launched one by one (0, the default)\n"
+    "  --cuda-graphs      layer parts as CUDA graphs on both sides (1), or launched one by one (0, the "
+    "default)\n"
     "Per decode step it also prints rows (decode rows actually run), linear (gemm + other, ms) and\n"
     "floor (the same matrix products as bare cuBLAS calls in one CUDA graph, measured first).\n";
 
