@@ -1,4 +1,4 @@
-// The NCCL transport (common/transport/nccl/nccl_transport.cc): GPUs of one host or of several,
+// The NCCL transport (design: common/transport/nccl/nccl_internal.h): GPUs of one host or of several,
 // payloads carried by NCCL point-to-point transfers between 2-rank communicators, control plane
 // over UCX. Has the device data path of transport.h (EnqueueWrite / EnqueueWait / SyncStream).
 // Part of the CUDA build only (target tandem_transport_nccl).

@@ -1,0 +1,189 @@
+// The NCCL transport's device path: transfers enqueued on the caller's stream, watched from the host (see
+// nccl_internal.h for the design).
+#include "common/transport/nccl/nccl_internal.h"
+
+namespace tandem::transport::nccl_internal {
+
+// ---- device path ----------------------------------------------------------------------------------
+
+absl::Status NcclTransport::EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t offset, const void* src,
+                                         size_t bytes, uint64_t seqno, void* stream) {
+  if (!device_failure_.ok()) return DeviceFailed();
+  if (seqno == 0) return absl::InvalidArgumentError("nccl transport: EnqueueWrite with seqno 0");
+  ASSIGN_OR_RETURN(const uint64_t size, RemoteBytes(peer, buffer));
+  const std::string& name = peers_.at(peer).name;
+  if (offset > size || bytes > size - offset) {
+    return absl::InvalidArgumentError(absl::StrCat("nccl transport: device write of ", bytes,
+                                                   " bytes at offset ", offset, " outside buffer ", buffer,
+                                                   " (", size, " bytes) of ", name));
+  }
+  if (bytes == 0) return absl::OkStatus();  // nothing to match: the receiver enqueues no receive either
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, src) != cudaSuccess) {
+    (void)cudaGetLastError();
+    attr.type = cudaMemoryTypeUnregistered;
+  }
+  if ((attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) || attr.device != device_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("nccl transport: EnqueueWrite's source must be device memory of cuda:", device_));
+  }
+  ASSIGN_OR_RETURN(ncclComm_t comm, ReadyComm(peer, true));
+  NCCL_T_CUDA(cudaSetDevice(device_), name);
+  StreamWork& work = streams_[stream];
+  work.sends_to.insert(peer);
+  return Issued(peer, true, ncclSend(src, bytes, ncclUint8, 1, comm, static_cast<cudaStream_t>(stream)),
+                "ncclSend");
+}
+
+absl::Status NcclTransport::EnqueueWait(PeerId peer, uint32_t buffer, uint64_t offset, size_t bytes,
+                                        uint64_t seqno, absl::Duration timeout, const std::string& label,
+                                        void* stream) {
+  if (!device_failure_.ok()) return DeviceFailed();
+  auto it = local_.find(buffer);
+  if (it == local_.end()) return absl::NotFoundError(absl::StrCat("nccl transport: no buffer ", buffer));
+  if (!peers_.contains(peer)) return absl::NotFoundError(absl::StrCat("nccl transport: no peer ", peer));
+  if (seqno == 0) return absl::InvalidArgumentError("nccl transport: EnqueueWait with seqno 0");
+  if (offset > it->second.bytes || bytes > it->second.bytes - offset) {
+    return absl::InvalidArgumentError(absl::StrCat("nccl transport: ", label, ": a wait for ", bytes,
+                                                   " bytes at offset ", offset, " outside buffer ", buffer,
+                                                   " (", it->second.bytes, " bytes)"));
+  }
+  ASSIGN_OR_RETURN(ncclComm_t comm, ReadyComm(peer, false));
+  const std::string& name = peers_.at(peer).name;
+  NCCL_T_CUDA(cudaSetDevice(device_), name);
+  auto s = static_cast<cudaStream_t>(stream);
+  DeviceWait w;
+  w.peer = peer;
+  w.buffer = buffer;
+  w.seqno = seqno;
+  w.timeout = timeout;
+  w.label = label;
+  ASSIGN_OR_RETURN(w.before, RecordEvent(s, name));
+  StreamWork& work = streams_[stream];
+  work.receives_from.insert(peer);
+  if (bytes > 0) {
+    const absl::Status issued =
+        Issued(peer, false, ncclRecv(it->second.base + offset, bytes, ncclUint8, 0, comm, s), "ncclRecv");
+    if (!issued.ok()) {
+      cudaEventDestroy(w.before);
+      return issued;
+    }
+  }
+  absl::StatusOr<cudaEvent_t> after = RecordEvent(s, name);
+  if (!after.ok()) {
+    cudaEventDestroy(w.before);
+    return after.status();
+  }
+  w.after = *after;
+  work.waits.push_back(std::move(w));
+  return absl::OkStatus();
+}
+
+absl::Status NcclTransport::SyncStream(void* stream, absl::Time deadline) {
+  if (!device_failure_.ok()) return DeviceFailed();
+  NCCL_T_CUDA(cudaSetDevice(device_), "SyncStream");
+  ASSIGN_OR_RETURN(cudaEvent_t done, RecordEvent(static_cast<cudaStream_t>(stream), "SyncStream"));
+  StreamWork& work = streams_[stream];
+  while (true) {
+    const cudaError_t q = cudaEventQuery(done);
+    if (q == cudaSuccess) break;
+    absl::Status s;
+    if (q != cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      s = CudaError(q, "cudaEventQuery", "SyncStream");
+    }
+    if (s.ok()) s = Progress(kPump);
+    if (s.ok()) {
+      for (PeerId p : work.sends_to) {
+        if (s.ok()) s = CommOf(p, true).failure;
+      }
+      for (PeerId p : work.receives_from) {
+        if (s.ok()) s = CommOf(p, false).failure;
+      }
+    }
+    if (s.ok()) s = CheckWaits(work);
+    if (s.ok() && absl::Now() >= deadline) {
+      std::string pending;
+      for (const DeviceWait& w : work.waits) {
+        if (!w.done) {
+          pending = absl::StrCat("; first pending wait: ", w.label, " (seqno ", w.seqno, ")");
+          break;
+        }
+      }
+      s = absl::DeadlineExceededError(
+          absl::StrCat("nccl transport: the stream's work did not finish before the deadline", pending));
+    }
+    if (!s.ok()) return FailStream(stream, done, std::move(s));
+  }
+  for (DeviceWait& w : work.waits) {
+    uint64_t& doorbell = local_.at(w.buffer).doorbell;
+    doorbell = std::max(doorbell, w.seqno);
+    ReleaseEvent(w.before);
+    ReleaseEvent(w.after);
+  }
+  streams_.erase(stream);
+  ReleaseEvent(done);
+  return absl::OkStatus();
+}
+
+// The waits of one stream complete in stream order: the first one not yet done decides.
+absl::Status NcclTransport::CheckWaits(StreamWork& work) {
+  const absl::Time now = absl::Now();
+  for (DeviceWait& w : work.waits) {
+    if (w.done) continue;
+    if (!w.reached) {
+      const cudaError_t q = cudaEventQuery(w.before);
+      if (q == cudaErrorNotReady) return absl::OkStatus();
+      if (q != cudaSuccess) {
+        (void)cudaGetLastError();
+        return CudaError(q, "cudaEventQuery", w.label);
+      }
+      w.reached = now;
+    }
+    const cudaError_t q = cudaEventQuery(w.after);
+    if (q == cudaSuccess) {
+      w.done = true;
+      uint64_t& doorbell = local_.at(w.buffer).doorbell;
+      doorbell = std::max(doorbell, w.seqno);
+      continue;
+    }
+    if (q != cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return CudaError(q, "cudaEventQuery", w.label);
+    }
+    if (now - *w.reached > w.timeout) {
+      return absl::DeadlineExceededError(absl::StrCat(w.label, ": waited ", absl::FormatDuration(w.timeout),
+                                                      " for seqno ", w.seqno, " (buffer ", w.buffer, " from ",
+                                                      peers_.at(w.peer).name, "; its doorbell is at ",
+                                                      local_.at(w.buffer).doorbell, ")"));
+    }
+    return absl::OkStatus();
+  }
+  return absl::OkStatus();
+}
+
+// Aborts the communicators the stream's NCCL kernels use, so that they return instead of waiting
+// forever, and keeps the device path failed.
+absl::Status NcclTransport::FailStream(void* stream, cudaEvent_t done, absl::Status why) {
+  device_failure_ = why;
+  TANDEM_LOG_WARN("transport", "nccl: device path failed: ", why.message());
+  StreamWork& work = streams_[stream];
+  const absl::Status aborted = absl::FailedPreconditionError(
+      absl::StrCat("nccl transport: communicator aborted after a device-path failure: ", why.message()));
+  for (PeerId p : work.sends_to) {
+    if (CommOf(p, true).failure.ok()) (void)FailComm(p, true, aborted, false);
+  }
+  for (PeerId p : work.receives_from) {
+    if (CommOf(p, false).failure.ok()) (void)FailComm(p, false, aborted, false);
+  }
+  Drain(done, kDrainTimeout);
+  cudaEventDestroy(done);
+  for (DeviceWait& w : work.waits) {
+    cudaEventDestroy(w.before);
+    cudaEventDestroy(w.after);
+  }
+  streams_.erase(stream);
+  return why;
+}
+
+}  // namespace tandem::transport::nccl_internal

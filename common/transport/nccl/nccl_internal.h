@@ -1,0 +1,450 @@
+// Internals of the NCCL transport, shared by its three source files (not a public header):
+//   nccl_setup.cc        connections, communicator set-up, progress, control messages, teardown
+//   nccl_host_path.cc    Write / WaitDoorbell / Flush (staged sends, receives posted on frames)
+//   nccl_device_path.cc  EnqueueWrite / EnqueueWait / SyncStream and their watchdog
+// The design, as one text:
+//
+// The NCCL transport (docs/architecture.md, "Transports"): payloads move as NCCL point-to-point transfers
+// between device buffers, on one host (NVLink, PCIe) or across hosts (InfiniBand, RoCE, sockets:
+// whatever NCCL finds). Registered buffers are device memory of this process's GPU.
+//
+// Control plane. Connections, control messages and peer-failure detection are the UCX
+// transport's (an inner transport this one wraps, as the p2p transport does). This transport's
+// own frames travel on that channel and are consumed inside its calls; the caller's messages
+// that arrive meanwhile are kept for Receive. Frames (fixed layout, magic first):
+//   hello       {magic, protocol, ncclUniqueId}  sent once per connection, by both sides
+//   descriptor  {magic, buffer, bytes}           a registered buffer's size, for bounds checks
+//   write       {magic, buffer, offset, bytes, seqno}  announces a host-path write
+//
+// Communicators. Each connection has two 2-rank NCCL communicators, one per direction: the side
+// that writes is rank 0 and made the ncclUniqueId (sent in its hello), the side that receives is
+// rank 1. One communicator per direction, because NCCL runs the transfers of a communicator one
+// after the other in the order they were issued: with a single one, a write in each direction
+// (each waiting for the other side to receive) could never both complete. Communicators are
+// non-blocking (config.blocking = 0), so no call of this transport waits inside NCCL for the
+// peer; set-up runs in NCCL's threads and is finished lazily, by polling ncclCommGetAsyncError
+// inside every call. Once both hellos are known, a peer's two communicators are initialised in one group, and
+// then connected in one group by a one-byte transfer each way of our own, so that NCCL's
+// connection set-up (which needs both sides) never runs inside a caller's transfer. NCCL keeps
+// the state of a non-blocking group in the calling thread (in some versions, one at a time), so
+// this transport has at most one NCCL job in flight: peers are set up one after the other, and a
+// transfer waits until no set-up is running. An operation that needs a communicator waits for it
+// (pumping the control plane) up to kSetupTimeout, then fails with DeadlineExceeded naming the
+// peer.
+//
+// Host path (Write / WaitDoorbell / Doorbell). Write checks bounds against the peer's descriptor,
+// sends the write frame, stages the pieces (host or device memory) into a device staging buffer
+// and ncclSends it on this transport's stream, then waits for the send to complete so that the
+// pieces may be reused (pumping meanwhile, and receiving the peer's writes, so that writes in
+// both directions make progress). The receiver, when it meets a write frame (inside any of its
+// calls), posts the matching ncclRecv into the registered buffer on its receive stream and, once
+// that completes, sets the buffer's doorbell (a host-side counter). A frame outside the buffer is
+// refused with DataLoss (returned by the next WaitDoorbell/Receive) and its bytes are still
+// received, into scratch, so that the communicator stays in step with the sender.
+//
+// Device path (EnqueueWrite / EnqueueWait / SyncStream). EnqueueWrite is an ncclSend from the
+// caller's device memory on the caller's stream; EnqueueWait an ncclRecv into the registered
+// buffer at the offset. Offsets and seqnos do not travel: NCCL matches sends and receives of a
+// communicator in order, so the k-th EnqueueWrite to a peer lands where that peer's k-th
+// EnqueueWait from us says. NCCL's kernels wait on the device and cannot be given a timeout, so
+// the host watches them: EnqueueWait records a CUDA event before and after its receive, and
+// SyncStream polls the stream while, every ~100 us, it pumps the control plane, checks every
+// communicator for asynchronous errors and checks the pending waits (a wait whose "before" event
+// has completed but whose "after" event has not, `timeout` after it was first seen reached, has
+// expired). On an error or at the deadline it aborts the communicators the stream uses, which
+// makes their kernels return, and the device path stays failed (FailedPrecondition with the first
+// error). Host-path and device-path writes must not both be in flight on one peer in one
+// direction: their receives would be posted in an order the sender cannot know.
+//
+// Teardown: healthy, idle communicators are finalized and destroyed; ones with work that can no
+// longer complete, that failed, or that do not finalize within kFinalizeTimeout are aborted.
+// Neither finalize, destroy nor abort is bounded in NCCL: finalize waits for the communicator to
+// be quiescent on both sides, and destroy/abort join NCCL's proxy thread, which stays while the
+// peer process still holds connections to it (a peer that is alive but not tearing down, e.g.
+// waiting for this process to exit). So every ncclCommAbort/Destroy/Finalize of this transport runs
+// on a helper thread that is waited for a bounded time (RunBounded); one that does not return in
+// time is left running (its communicator and, in the destructor, the streams and buffers NCCL may
+// still touch are leaked) and the process goes on. Communicators of a peer that was Close()d do not
+// fail the transport when they report an error (the peer leaving is expected), and are not torn
+// down at all: teardown waits on the peer, and one cut short crashes NCCL at process exit.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "common/transport/control_plane.h"
+
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
+#error "the nccl transport needs NCCL 2.18 or newer"
+#endif
+
+namespace tandem::transport::nccl_internal {
+
+constexpr uint32_t kHelloMagic = 0x48434e54;       // "TNCH" on the wire
+constexpr uint32_t kDescriptorMagic = 0x42434e54;  // "TNCB"
+constexpr uint32_t kWriteMagic = 0x57434e54;       // "TNCW"
+constexpr uint32_t kProtocol = 1;
+
+// Communicator set-up (init and first connection) or a peer's descriptor, awaited by an operation.
+constexpr absl::Duration kSetupTimeout = absl::Seconds(60);
+// A host-path write whose receiver never receives it.
+constexpr absl::Duration kHostWriteTimeout = absl::Seconds(120);
+constexpr absl::Duration kPump = absl::Microseconds(50);  // one short control-plane wait
+constexpr absl::Duration kIdleWait = absl::Milliseconds(20);
+// Teardown: all finalizes together, then the whole of destroy/abort (see the file comment).
+constexpr absl::Duration kFinalizeTimeout = absl::Seconds(2);
+constexpr absl::Duration kCloseTimeout = absl::Seconds(5);
+// One ncclCommAbort during operation (its kernels return as soon as it has started).
+constexpr absl::Duration kAbortTimeout = absl::Seconds(2);
+constexpr absl::Duration kDrainTimeout = absl::Seconds(5);
+// Another peer's set-up phase, awaited before aborting a communicator.
+constexpr absl::Duration kSettleTimeout = absl::Seconds(10);
+// A refused write larger than this is not drained (the communicator from that peer is aborted).
+constexpr uint64_t kMaxDrainBytes = uint64_t{1} << 30;
+
+struct HelloFrame {
+  uint32_t magic = kHelloMagic;
+  uint32_t protocol = kProtocol;
+  ncclUniqueId id{};
+};
+struct DescriptorFrame {
+  uint32_t magic = kDescriptorMagic;
+  uint32_t buffer = 0;
+  uint64_t bytes = 0;
+};
+struct WriteFrame {
+  uint32_t magic = kWriteMagic;
+  uint32_t buffer = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  uint64_t seqno = 0;
+};
+static_assert(sizeof(HelloFrame) == 8 + NCCL_UNIQUE_ID_BYTES);
+static_assert(sizeof(DescriptorFrame) == 16);
+static_assert(sizeof(WriteFrame) == 32);
+
+inline absl::Status CudaError(cudaError_t err, std::string_view call, std::string_view context) {
+  return absl::InternalError(absl::StrCat("nccl transport: ", ToAbsl(call), context.empty() ? "" : " (",
+                                          ToAbsl(context), context.empty() ? "" : ")", ": ",
+                                          cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+}
+
+// Returns the CUDA error of `expr` as an Internal status naming the call and `context`.
+#define NCCL_T_CUDA(expr, context)                   \
+  do {                                               \
+    const cudaError_t nccl_t_err_ = (expr);          \
+    if (nccl_t_err_ != cudaSuccess) {                \
+      (void)cudaGetLastError();                      \
+      return CudaError(nccl_t_err_, #expr, context); \
+    }                                                \
+  } while (0)
+
+// An NCCL failure as a Status: what failed, for which peer, NCCL's code and its last message.
+// Network and remote failures are Unavailable, the rest Internal.
+// Runs `fn` on a helper thread and waits for it at most `limit`. True if it returned; otherwise
+// the thread is left running (detached) and `what` is logged. `fn` must own what it uses.
+inline bool RunBounded(std::function<void()> fn, absl::Duration limit, std::string_view what) {
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto state = std::make_shared<State>();
+  std::thread t([state, fn = std::move(fn)] {
+    fn();
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->done = true;
+    state->cv.notify_all();
+  });
+  bool done = false;
+  {
+    std::unique_lock<std::mutex> lock(state->mu);
+    done = state->cv.wait_for(lock, absl::ToChronoNanoseconds(limit), [&] { return state->done; });
+  }
+  if (done) {
+    t.join();
+  } else {
+    t.detach();
+    TANDEM_LOG_WARN("transport", "nccl: ", ToAbsl(what), " did not return within ",
+                    absl::FormatDuration(limit), "; left running");
+  }
+  return done;
+}
+
+// ncclCommAbort, bounded: its kernels return as soon as it has started; the rest of it (joining
+// NCCL's threads) may wait for the peer process.
+inline void Abort(ncclComm_t comm, std::string_view who) {
+  if (comm == nullptr) return;
+  (void)RunBounded([comm] { ncclCommAbort(comm); }, kAbortTimeout,
+                   absl::StrCat("ncclCommAbort of the communicator ", ToAbsl(who)));
+}
+
+inline absl::Status NcclError(ncclResult_t r, std::string_view call, std::string_view context) {
+  const char* last = ncclGetLastError(nullptr);
+  std::string msg =
+      absl::StrCat("nccl transport: ", ToAbsl(call), " (", ToAbsl(context), "): ", ncclGetErrorString(r));
+  if (last != nullptr && last[0] != '\0') absl::StrAppend(&msg, " (NCCL: ", last, ")");
+  if (r == ncclSystemError || r == ncclRemoteError) return absl::UnavailableError(msg);
+  return absl::InternalError(msg);
+}
+
+// Set-up of a peer's pair of communicators.
+enum class Setup : uint8_t {
+  kAwaitingHello,  // the peer's ncclUniqueId has not arrived yet
+  kQueued,         // both ids known; waits for its turn (one NCCL job at a time)
+  kInit,           // both ncclCommInitRankConfig running, in one group
+  kConnecting,     // the one-byte first transfers running, in one group (NCCL connects)
+  kReady,
+  kFailed,  // both communicators aborted; `setup_failure` says why
+};
+
+inline const char* SetupName(Setup s) {
+  switch (s) {
+    case Setup::kAwaitingHello:
+      return "no hello from the peer yet";
+    case Setup::kQueued:
+      return "waiting for another peer's set-up";
+    case Setup::kInit:
+      return "initialising";
+    case Setup::kConnecting:
+      return "connecting";
+    case Setup::kReady:
+      return "ready";
+    case Setup::kFailed:
+      return "failed";
+  }
+  return "?";
+}
+
+struct Comm {
+  ncclComm_t comm = nullptr;
+  absl::Status failure;  // not OK: aborted, for this reason
+};
+
+struct Peer {
+  std::string name;
+  bool greeted = false;  // our hello went out
+  bool closed = false;   // Close()d: its communicators failing is expected, not the transport's failure
+  Setup setup = Setup::kAwaitingHello;
+  absl::Status setup_failure;
+  ncclUniqueId mine{}, theirs{};        // of the communicator we write on / the peer writes on
+  Comm send;                            // this side is rank 0 and writes
+  Comm recv;                            // this side is rank 1 and receives
+  std::map<uint32_t, uint64_t> remote;  // the peer's buffers: id -> bytes
+  std::deque<WriteFrame> incoming;      // announced host-path writes, receive not posted yet
+};
+
+struct Local {
+  uint8_t* base = nullptr;
+  uint64_t bytes = 0;
+  uint64_t doorbell = 0;
+};
+
+// A posted host-path receive; completes in posting order on the receive stream.
+struct HostRecv {
+  PeerId peer = 0;
+  uint32_t buffer = 0;
+  uint64_t seqno = 0;
+  bool valid = true;           // false: refused (drained into scratch) or its communicator aborted
+  cudaEvent_t done = nullptr;  // null for a 0-byte write
+};
+
+// A device-path wait enqueued on a caller's stream.
+struct DeviceWait {
+  PeerId peer = 0;
+  uint32_t buffer = 0;
+  uint64_t seqno = 0;
+  absl::Duration timeout;
+  std::string label;
+  cudaEvent_t before = nullptr, after = nullptr;
+  std::optional<absl::Time> reached;  // when `before` was first seen complete
+  bool done = false;
+};
+
+// The device-path work enqueued on one caller stream since its last SyncStream.
+struct StreamWork {
+  std::vector<DeviceWait> waits;
+  std::set<PeerId> sends_to, receives_from;  // communicators the stream's NCCL kernels use
+};
+
+class NcclTransport : public ControlPlaneTransport {
+ public:
+  NcclTransport(std::unique_ptr<Transport> control, int device)
+      : ControlPlaneTransport(std::move(control)), device_(device) {
+    caps_.name = "nccl";
+    caps_.gpu_memory = true;
+    caps_.device_polling = true;
+    caps_.same_host_only = false;
+  }
+
+  ~NcclTransport() override;
+
+  absl::Status Init() {
+    NCCL_T_CUDA(cudaSetDevice(device_), "");
+    NCCL_T_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "");
+    NCCL_T_CUDA(cudaStreamCreateWithFlags(&recv_stream_, cudaStreamNonBlocking), "");
+    NCCL_T_CUDA(cudaMalloc(&first_, 64), "first-transfer bytes");
+    NCCL_T_CUDA(cudaMemset(first_, 0, 64), "");
+    NCCL_T_CUDA(cudaDeviceSynchronize(), "");
+    return absl::OkStatus();
+  }
+
+  const Capabilities& capabilities() const override { return caps_; }
+
+  absl::StatusOr<PeerId> Accept(absl::Time deadline) override {
+    // In slices, so that other peers' set-up keeps going meanwhile.
+    while (true) {
+      RETURN_IF_ERROR(Advance());
+      const absl::Time now = absl::Now();
+      const absl::Time until = std::min(deadline, now + (Busy() ? kPump : kIdleWait));
+      absl::StatusOr<PeerId> peer = control().Accept(std::max(until, now + absl::Microseconds(1)));
+      if (peer.ok()) {
+        RETURN_IF_ERROR(OnNewPeer(*peer));
+        return *peer;
+      }
+      if (!absl::IsDeadlineExceeded(peer.status()) || absl::Now() >= deadline) return peer.status();
+    }
+  }
+
+  absl::Status Receive(PeerId* from, std::vector<uint8_t>* message, absl::Time deadline) override;
+  absl::Status RegisterBuffer(uint32_t id, void* base, size_t bytes) override;
+  absl::Status Write(PeerId peer, uint32_t buffer, uint64_t offset,
+                     absl::Span<const absl::Span<const uint8_t>> pieces, uint64_t seqno) override;
+  absl::Status WaitDoorbell(uint32_t buffer, uint64_t seqno, absl::Time deadline) override;
+
+  uint64_t Doorbell(uint32_t buffer) const override {
+    auto it = local_.find(buffer);
+    return it == local_.end() ? 0 : it->second.doorbell;
+  }
+
+  absl::Status Flush(absl::Time deadline) override;
+  void Close(PeerId peer) override {
+    auto it = peers_.find(peer);
+    if (it != peers_.end()) it->second.closed = true;
+    ControlPlaneTransport::Close(peer);
+  }
+
+  absl::Status EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t offset, const void* src, size_t bytes,
+                            uint64_t seqno, void* stream) override;
+  absl::Status EnqueueWait(PeerId peer, uint32_t buffer, uint64_t offset, size_t bytes, uint64_t seqno,
+                           absl::Duration timeout, const std::string& label, void* stream) override;
+  absl::Status SyncStream(void* stream, absl::Time deadline) override;
+
+ private:
+  // ---- connections and communicators ----
+  absl::Status OnNewPeer(PeerId peer) override;
+  // Starts the set-up of the first queued peer, if no NCCL job is in flight.
+  void StartNextSetup();
+  // Advances the set-up in flight (job_) once NCCL has finished its current phase.
+  void PollSetup();
+  // Whether both communicators of `p` are done with their current NCCL job (or have failed).
+  bool PhaseDone(const Peer& p, absl::Status* failure) const;
+  // After a non-blocking job of `comm` completed: lets NCCL reap it (a query that waits for the
+  // communicator to be ready), so that the next job starts from a clean slate.
+  static void Settle(ncclComm_t comm) {
+    int ranks = 0;
+    (void)ncclCommCount(comm, &ranks);
+  }
+  // Aborts both communicators of a peer whose set-up failed; a genuine failure (NCCL's, the
+  // peer's) also fails every later wait, as a lost peer does.
+  void FailSetup(PeerId peer, absl::Status why, bool genuine = true);
+  // Aborts one communicator (its kernels return) and marks it failed with `why`; a genuine failure
+  // (an NCCL error, not our decision) also fails every later wait, as a lost peer does.
+  absl::Status FailComm(PeerId peer, bool sender, absl::Status why, bool genuine);
+  // Waits (pumping) until the peer's communicator is ready and no NCCL job is in flight.
+  absl::StatusOr<ncclComm_t> ReadyComm(PeerId peer, bool sender);
+  // After a transfer call: ncclInProgress (the launch runs in an NCCL thread) is waited out, since
+  // the stream holds the transfer only once it has run; an error aborts the communicator.
+  absl::Status Issued(PeerId peer, bool sender, ncclResult_t r, std::string_view call);
+  absl::StatusOr<uint64_t> RemoteBytes(PeerId peer, uint32_t buffer);
+  Comm& CommOf(PeerId peer, bool sender) {
+    Peer& p = peers_.at(peer);
+    return sender ? p.send : p.recv;
+  }
+  std::string Direction(PeerId peer, bool sender) const {
+    return absl::StrCat(sender ? "to " : "from ", peers_.at(peer).name);
+  }
+
+  // ---- progress ----
+  // Pumps the control plane (waiting at most `wait` for the first frame), then Advance().
+  absl::Status Progress(absl::Duration wait);
+  absl::StatusOr<bool> Consume(PeerId from, const std::vector<uint8_t>& m) override;
+  // Set-up, posting announced receives, completing them; returns the first genuine failure.
+  absl::Status Advance();
+  absl::Status PostReceive(PeerId peer, const WriteFrame& w);
+  absl::Status CompleteReceives();
+  // Whether something is in flight that host polling must finish (set-up, receives).
+  bool Busy() const;
+  absl::Duration WaitFor(absl::Time deadline) const {
+    if (Busy()) return kPump;
+    return std::clamp(deadline - absl::Now(), absl::Microseconds(1), kIdleWait);
+  }
+
+  // ---- device path ----
+  absl::Status DeviceFailed() const {
+    return absl::FailedPreconditionError(
+        absl::StrCat("nccl transport: the device path failed earlier: ", device_failure_.ToString()));
+  }
+  absl::Status CheckWaits(StreamWork& work);
+  absl::Status FailStream(void* stream, cudaEvent_t done, absl::Status why);
+
+  // ---- CUDA resources ----
+  absl::StatusOr<cudaEvent_t> RecordEvent(cudaStream_t stream, std::string_view context);
+  void ReleaseEvent(cudaEvent_t e) { free_events_.push_back(e); }
+  absl::Status Grow(void** buffer, uint64_t* size, uint64_t bytes, cudaStream_t stream);
+  // Waits (at most `limit`) for `e`, without pumping: after an abort, kernels return by themselves.
+  void Drain(cudaEvent_t e, absl::Duration limit) {
+    const absl::Time until = absl::Now() + limit;
+    while (cudaEventQuery(e) == cudaErrorNotReady && absl::Now() < until) {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    (void)cudaGetLastError();
+  }
+
+  absl::Status TakeError() {
+    absl::Status s = std::move(errors_.front());
+    errors_.pop_front();
+    return s;
+  }
+
+  int device_;
+  Capabilities caps_;
+  cudaStream_t stream_ = nullptr;       // host-path sends (staging copies, then ncclSend)
+  cudaStream_t recv_stream_ = nullptr;  // host-path receives
+  uint8_t* first_ = nullptr;            // the bytes of each communicator's first transfer
+  void* staging_ = nullptr;
+  uint64_t staging_bytes_ = 0;
+  void* scratch_ = nullptr;  // where refused writes are drained
+  uint64_t scratch_bytes_ = 0;
+  std::map<uint32_t, Local> local_;
+  std::map<PeerId, Peer> peers_;
+  std::optional<PeerId> job_;        // the peer whose set-up job NCCL is running
+  std::deque<absl::Status> errors_;  // refused writes, for WaitDoorbell/Receive
+  absl::Status broken_;              // first genuine communicator failure
+  std::deque<HostRecv> host_recvs_;
+  std::map<void*, StreamWork> streams_;
+  std::vector<cudaEvent_t> free_events_;
+  absl::Status device_failure_;
+};
+
+}  // namespace tandem::transport::nccl_internal
