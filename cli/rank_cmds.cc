@@ -84,6 +84,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
   o.kv_capacity_tokens = settings.kv_capacity_tokens;
   o.kv_memory_fraction = settings.kv_memory_fraction;
   o.checksums = c.GetBool("transport.checksums");
+  o.cuda_graphs = c.GetBool("compute.cuda_graphs");
   o.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   o.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
   ASSIGN_OR_RETURN(std::unique_ptr<ComputeRank> rank, ComputeRank::Create(*source, o));

@@ -19,6 +19,9 @@ namespace cpu = kernels::cpu;
 void AddEngineKnobs(ConfigSchema* schema) {
   schema->String("runtime.device", EngineOptions{}.device,
                  "cpu, cuda, cuda:N, or auto (cuda:0 when a GPU is present)");
+  schema->Bool("runtime.cuda_graphs", EngineOptions{}.cuda_graphs,
+               "CUDA: run each layer's linear parts as CUDA graphs (pays where the host launches kernels "
+               "slower than the GPU runs them; docs/benchmarks.md, \"Linear layers\")");
   AddSchedulerKvKnobs(schema);
 }
 
@@ -26,6 +29,7 @@ EngineOptions EngineOptionsFromConfig(const Config& config) {
   EngineOptions o;
   static_cast<SchedulerKvSettings&>(o) = SchedulerKvSettingsFromConfig(config);
   o.device = config.GetString("runtime.device");
+  o.cuda_graphs = config.GetBool("runtime.cuda_graphs");
   return o;
 }
 

@@ -23,6 +23,9 @@ const ConfigSchema& DeploySchema() {
     s->String("model.path", "tiny-gqa", "checkpoint directory (Hugging Face layout) or preset name")
         .Int("model.weight_seed", 0, "seed of a preset's random weights", 0, 1LL << 62)
         .String("compute.device", "auto", "device of compute rank 0: cpu, cuda, cuda:N or auto")
+        .Bool("compute.cuda_graphs", false,
+              "CUDA: run each layer's linear parts as CUDA graphs (pays where the host launches kernels "
+              "slower than the GPU runs them; docs/benchmarks.md, \"Linear layers\")")
         .Int("memory.ranks", 1, "number of memory ranks (processes owning KV and running attention)", 1, 64)
         .String("memory.devices", "auto",
                 "device of every memory rank (cpu, cuda, cuda:N; auto: the compute rank's), or one per rank "
