@@ -18,6 +18,8 @@
 namespace tandem::cli {
 
 void AddGenerateCommand(CLI::App& app);
+// The OpenAI-compatible HTTP API over the colocated engine (cli/serve.cc).
+void AddServeCommand(CLI::App& app);
 void AddConfigCommand(CLI::App& app);
 void AddDevicesCommand(CLI::App& app);
 // memory, compute and launch (cli/rank_cmds.cc).

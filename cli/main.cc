@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
            e.what() + " (see --help)\n";
   });
   tandem::cli::AddGenerateCommand(app);
+  tandem::cli::AddServeCommand(app);
   tandem::cli::AddConfigCommand(app);
   tandem::cli::AddDevicesCommand(app);
   tandem::cli::AddRankCommands(app);

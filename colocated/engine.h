@@ -60,6 +60,9 @@ class ColocatedEngine : public Engine {
   absl::Status Step(std::vector<std::pair<int64_t, GenerationResult>>* finished) override;
   absl::StatusOr<GenerationResult> Cancel(int64_t id) override;
   bool Idle() const override { return controller_.Idle(); }
+  const GenerationResult* Progress(int64_t id) const override { return controller_.Progress(id); }
+  int64_t num_waiting() const override { return controller_.num_waiting(); }
+  int64_t num_running() const override { return controller_.num_running(); }
   EngineStats stats() const override { return stats_; }
   const ModelSpec& spec() const override { return backend_->spec(); }
   std::string device() const override { return backend_->device(); }

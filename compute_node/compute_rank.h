@@ -70,6 +70,9 @@ class ComputeRank : public Engine {
   absl::Status Step(std::vector<std::pair<int64_t, GenerationResult>>* finished) override;
   absl::StatusOr<GenerationResult> Cancel(int64_t id) override;
   bool Idle() const override { return controller_->Idle(); }
+  const GenerationResult* Progress(int64_t id) const override { return controller_->Progress(id); }
+  int64_t num_waiting() const override { return controller_->num_waiting(); }
+  int64_t num_running() const override { return controller_->num_running(); }
   EngineStats stats() const override;
   const ModelSpec& spec() const override { return backend_->spec(); }
   std::string device() const override { return backend_->device(); }

@@ -505,6 +505,14 @@ absl::Status Controller::Cancel(int64_t id, GenerationResult* result,
   return absl::NotFoundError(absl::StrCat("no live request with id ", id));
 }
 
+const GenerationResult* Controller::Progress(int64_t id) const {
+  for (const Live& w : waiting_)
+    if (w.id == id) return &w.result;
+  for (const auto& r : running_)
+    if (r->id == id) return &r->result;
+  return nullptr;
+}
+
 std::optional<std::vector<int32_t>> Controller::History(int64_t id) const {
   auto history = [](const Live& l) {
     std::vector<int32_t> h = l.request.prompt;

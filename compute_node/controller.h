@@ -158,6 +158,9 @@ class Controller {
   }
   // Token history of a live request (prompt, then generated tokens); nullopt if not live.
   std::optional<std::vector<int32_t>> History(int64_t id) const;
+  // A live request's result so far (tokens and log-probabilities generated up to the last
+  // Complete), or nullptr when `id` is not live. Valid until the next Submit, Complete or Cancel.
+  const GenerationResult* Progress(int64_t id) const;
   const ControllerStats& stats() const { return stats_; }
   const SchedulingPolicy& policy() const { return *policy_; }
 

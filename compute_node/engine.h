@@ -56,6 +56,12 @@ class Engine {
   virtual absl::Status Step(std::vector<std::pair<int64_t, GenerationResult>>* finished) = 0;
   virtual absl::StatusOr<GenerationResult> Cancel(int64_t id) = 0;
   virtual bool Idle() const = 0;
+  // A live request's tokens and log-probabilities so far (what streaming front ends send as the
+  // steps go), or nullptr when `id` is not live. Valid until the next Submit, Step or Cancel.
+  virtual const GenerationResult* Progress(int64_t id) const = 0;
+  // Requests queued for admission, and requests in the running batch.
+  virtual int64_t num_waiting() const = 0;
+  virtual int64_t num_running() const = 0;
 
   virtual EngineStats stats() const = 0;
   virtual const ModelSpec& spec() const = 0;

@@ -1,0 +1,84 @@
+// The OpenAI-compatible HTTP API over an EngineLoop (HTTP/1.1 through cpp-httplib, which Debian
+// packages and which gives a thread per connection, chunked responses for server-sent events and a
+// body-size limit; the API is JSON in and out, so its cost is parsing, not the server).
+//
+// Routes:
+//   POST /v1/completions   prompt as token ids (a list, or a list of lists); text prompts answer 400
+//                          until a tokenizer is loaded. Fields: model, max_tokens (16), temperature
+//                          (1), top_p, top_k, seed, n (choice i samples with seed + i), stream,
+//                          stream_options.include_usage, ignore_eos, logprobs (the chosen tokens'
+//                          log-probabilities). Each choice carries `token_ids` (an extension).
+//   POST /v1/chat/completions   400 until a tokenizer and a chat template are loaded.
+//   GET  /v1/models, /health (503 until ready and while shutting down), /version, /metrics.
+// Errors are OpenAI error objects ({"error": {"message", "type", "param", "code"}}): 400 bad JSON
+// or field (the field named in `param`), 401 bad or missing key, 404 unknown model or route, 413
+// body too large, 429 with Retry-After when api.max_waiting requests already wait, 503 not ready or
+// shutting down. With api.key set, /v1/* and /metrics need "Authorization: Bearer <key>"
+// (compared in constant time). A streaming client that disconnects cancels its requests.
+//
+// Thread safety: Start/Stop from one thread; handlers run on the server's connection threads.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "common/config.h"
+#include "server/engine_loop.h"
+#include "server/metrics.h"
+
+namespace httplib {
+class Server;
+}
+
+namespace tandem::server {
+
+struct ApiOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;  // 0: any free port (see ApiServer::port)
+  std::string key;  // empty: no authentication
+  int64_t max_body_bytes = 1 << 20;
+  int max_connections = 512;  // connection threads
+  std::string served_model_name = "tandem";
+  int64_t max_n = 16;            // choices per request
+  double shutdown_grace_s = 30;  // SIGTERM: requests in flight may finish for this long
+};
+
+// The "api.*" settings (host, port, key, max_waiting, max_body_bytes, max_connections,
+// served_model_name, shutdown_grace_s) and their conversion.
+void AddApiKnobs(ConfigSchema* schema);
+ApiOptions ApiOptionsFromConfig(const Config& config);
+LoopOptions LoopOptionsFromConfig(const Config& config);
+
+class ApiServer {
+ public:
+  // Binds the socket and starts serving on a thread of its own; /health answers 503 until
+  // SetLoop(). Unavailable naming host:port when the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<ApiServer>> Start(const ApiOptions& options);
+  ~ApiServer();
+  ApiServer(const ApiServer&) = delete;
+  ApiServer& operator=(const ApiServer&) = delete;
+
+  int port() const { return port_; }
+  // Ready: requests go to `loop` (which must outlive the server or be detached by Draining()).
+  void SetLoop(EngineLoop* loop, ServerMetrics* metrics);
+  // Shutting down: /health answers 503 and new requests 503; streams in flight go on.
+  void Draining();
+  // Stops listening and joins the server thread.
+  void Stop();
+
+ private:
+  ApiServer() = default;
+  void Routes();
+  ApiOptions options_;
+  std::unique_ptr<httplib::Server> http_;
+  std::thread thread_;
+  int port_ = 0;
+  std::atomic<EngineLoop*> loop_{nullptr};
+  std::atomic<ServerMetrics*> metrics_{nullptr};
+  std::atomic<bool> draining_{false};
+};
+
+}  // namespace tandem::server

@@ -1,0 +1,88 @@
+#include "server/metrics.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace tandem::server {
+
+namespace {
+const std::vector<double> kLatencyBuckets = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                                             0.75,  1.0,   2.5,  5.0,  7.5,  10,   20,   40,  80,   160};
+const std::vector<double> kTokenBuckets = {0.001, 0.0025, 0.005, 0.0075, 0.01,  0.015, 0.02,
+                                           0.025, 0.03,   0.04,  0.05,   0.075, 0.1,   0.15,
+                                           0.2,   0.3,    0.4,   0.5,    0.75,  1.0,   2.5};
+
+std::string Num(double v) { return absl::StrFormat("%.9g", v); }
+}  // namespace
+
+void Histogram::Observe(double v) {
+  size_t i = 0;
+  while (i < bounds_.size() && v > bounds_[i]) ++i;
+  ++counts_[i];
+  sum_ += v;
+  ++count_;
+}
+
+void Histogram::Render(const std::string& name, const std::string& help, std::string* out) const {
+  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " histogram\n");
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i < bounds_.size(); ++i) {
+    cumulative += counts_[i];
+    absl::StrAppend(out, name, "_bucket{le=\"", Num(bounds_[i]), "\"} ", cumulative, "\n");
+  }
+  absl::StrAppend(out, name, "_bucket{le=\"+Inf\"} ", count_, "\n", name, "_sum ", Num(sum_), "\n", name,
+                  "_count ", count_, "\n");
+}
+
+ServerMetrics::ServerMetrics()
+    : ttft_(kLatencyBuckets), tpot_(kTokenBuckets), e2e_(kLatencyBuckets), queue_(kLatencyBuckets) {}
+
+void ServerMetrics::Observe(const GenerationResult& result, const RequestTimes& t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  queue_.Observe(absl::ToDoubleSeconds(t.admitted - t.submitted));
+  e2e_.Observe(absl::ToDoubleSeconds(t.finished - t.submitted));
+  if (result.token_ids.empty()) return;
+  ttft_.Observe(absl::ToDoubleSeconds(t.first_token - t.submitted));
+  if (result.token_ids.size() > 1) {
+    tpot_.Observe(absl::ToDoubleSeconds(t.finished - t.first_token) /
+                  static_cast<double>(result.token_ids.size() - 1));
+  }
+}
+
+std::string ServerMetrics::Render(const LoopStats& s, const std::string& model_name) const {
+  std::string out;
+  const std::string label = absl::StrCat("{model_name=\"", model_name, "\"}");
+  auto metric = [&](const char* name, const char* type, const char* help, double v) {
+    absl::StrAppend(&out, "# HELP tandem:", name, " ", help, "\n# TYPE tandem:", name, " ", type,
+                    "\ntandem:", name, label, " ", Num(v), "\n");
+  };
+  metric("num_requests_running", "gauge", "Requests in the running batch.", static_cast<double>(s.running));
+  metric("num_requests_waiting", "gauge", "Requests queued for admission.", static_cast<double>(s.waiting));
+  metric("healthy", "gauge", "1 while the engine works, 0 after a step failed.", s.healthy ? 1 : 0);
+  metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+         static_cast<double>(s.prompt_tokens));
+  metric("generation_tokens_total", "counter", "Tokens generated for finished requests.",
+         static_cast<double>(s.generation_tokens));
+  metric("prefix_cache_hit_tokens_total", "counter",
+         "Prompt tokens whose KV was reused from the prefix cache.", static_cast<double>(s.cached_tokens));
+  metric("request_success_total", "counter", "Requests that finished (stop or length).",
+         static_cast<double>(s.finished));
+  metric("request_cancelled_total", "counter", "Requests cancelled (client gone, shutdown).",
+         static_cast<double>(s.cancelled));
+  metric("request_failed_total", "counter", "Requests ended by an engine failure.",
+         static_cast<double>(s.failed));
+  metric("request_refused_total", "counter", "Requests refused at submission (queue full, bad request).",
+         static_cast<double>(s.refused));
+  metric("engine_steps_total", "counter", "Engine steps run.", static_cast<double>(s.steps));
+  metric("engine_step_seconds_total", "counter", "Wall time inside engine steps.", s.step_seconds);
+  std::lock_guard<std::mutex> lock(mu_);
+  ttft_.Render("tandem:time_to_first_token_seconds", "Time from arrival to the first generated token.", &out);
+  tpot_.Render("tandem:time_per_output_token_seconds", "Mean time between a request's generated tokens.",
+               &out);
+  e2e_.Render("tandem:e2e_request_latency_seconds", "Time from arrival to the last token.", &out);
+  queue_.Render("tandem:request_queue_time_seconds", "Time from arrival until the engine took the request.",
+                &out);
+  return out;
+}
+
+}  // namespace tandem::server
