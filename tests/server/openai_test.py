@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""`tandem serve` as a user meets it: the `openai` Python client (PyPI) against a real server process.
+
+Checks, on the CPU with the `small` preset (random weights):
+  * completions, plain and streamed, n > 1, logprobs: the same tokens (and log-probabilities) as
+    `tandem generate` for the same prompts and seeds;
+  * concurrent streaming clients, some disconnecting mid-stream: every completed request equals its
+    offline result, the cancelled ones are counted, and nothing stays running;
+  * bad requests get their 4xx OpenAI error objects (bad JSON, unknown field, wrong model, text prompt
+    without a tokenizer, missing key, a body over api.max_body_bytes, unknown route) and the server
+    keeps serving;
+  * SIGTERM drains and exits 0.
+Exits 77 (ctest: skipped) when the `openai` package is not installed (scripts/install_deps.sh puts
+it into .cache/venv).
+Usage: openai_test.py TANDEM_BINARY
+"""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+try:
+    import openai
+except ImportError:
+    print("skipped: the openai package is not installed (scripts/install_deps.sh installs it into .cache/venv)")
+    sys.exit(77)
+
+TANDEM = sys.argv[1]
+KEY = "test-key-123"
+MODEL = "small-test"
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what, flush=True)
+
+
+def start_server(tmp):
+    ready = os.path.join(tmp, "ready")
+    log = open(os.path.join(tmp, "serve.log"), "w")
+    p = subprocess.Popen(
+        [TANDEM, "serve", "--model", "small", "--device", "cpu", "--ready-file", ready,
+         "--set", "api.port=0", "--set", f"api.key={KEY}", "--set", f"api.served_model_name={MODEL}",
+         "--set", "api.max_body_bytes=65536", "--set", "kv.capacity_tokens=16384",
+         "--set", "scheduler.max_batch_size=16", "--set", "api.shutdown_grace_s=20"],
+        stdout=log, stderr=subprocess.STDOUT)
+    for _ in range(600):
+        if os.path.exists(ready) and open(ready).read().strip():
+            return p, open(ready).read().strip(), log.name
+        if p.poll() is not None:
+            break
+        time.sleep(0.1)
+    print(open(log.name).read())
+    sys.exit("tandem serve did not become ready")
+
+
+def offline(tmp, requests):
+    """`tandem generate` for the same requests: the reference tokens."""
+    path = os.path.join(tmp, "prompts.jsonl")
+    with open(path, "w") as f:
+        for r in requests:
+            f.write(json.dumps(r) + "\n")
+    out = subprocess.run([TANDEM, "generate", "--model", "small", "--device", "cpu", "--prompts-file", path,
+                          "--json", "--logprobs", "--set", "kv.capacity_tokens=16384", "--log-level", "warn"],
+                         check=True, capture_output=True, text=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def raw(url, body, headers=None, method="POST"):
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="tandem-serve-test-")
+    server, base, log = start_server(tmp)
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    try:
+        rng = random.Random(5)
+        prompts = [[rng.randrange(3, 32000) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
+
+        # Greedy and sampled completions against `tandem generate`.
+        reqs = [{"prompt_ids": p, "max_tokens": 12, "temperature": 0.0} for p in prompts[:3]]
+        reqs += [{"prompt_ids": prompts[3], "max_tokens": 10, "temperature": 0.9, "seed": 41 + i} for i in range(2)]
+        ref = offline(tmp, reqs)
+        for p, r in zip(prompts[:3], ref[:3]):
+            c = client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0, logprobs=1)
+            ch = c.choices[0]
+            check(ch.model_extra["token_ids"] == r["token_ids"], f"greedy tokens {ch.model_extra['token_ids']} != {r['token_ids']}")
+            check(all(abs(a - b) < 1e-4 for a, b in zip(ch.logprobs.token_logprobs, r["logprobs"])), "logprobs differ")
+            check(c.usage.prompt_tokens == len(p) and c.usage.completion_tokens == 12, f"usage {c.usage}")
+        c = client.completions.create(model=MODEL, prompt=prompts[3], max_tokens=10, temperature=0.9, seed=41, n=2)
+        got = sorted(c.choices, key=lambda x: x.index)
+        check([x.model_extra["token_ids"] for x in got] == [ref[3]["token_ids"], ref[4]["token_ids"]],
+              "n=2 choices are not seeds 41 and 42")
+
+        # Streaming: the chunks add up to the same tokens; usage comes last.
+        stream = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=12, temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+        toks, finish, usage = [], None, None
+        for chunk in stream:
+            for ch in chunk.choices:
+                toks += ch.model_extra["token_ids"]
+                finish = ch.finish_reason or finish
+            usage = chunk.usage or usage
+        check(toks == ref[0]["token_ids"], "streamed tokens differ")
+        check(finish == "length" and usage is not None and usage.completion_tokens == 12, f"stream end {finish} {usage}")
+
+        # Many concurrent streaming clients, 10% of them hanging up early.
+        n_clients = 40
+        work = [{"prompt_ids": [rng.randrange(3, 32000) for _ in range(rng.randrange(1, 60))],
+                 "max_tokens": rng.randrange(1, 24), "temperature": 0.0} for _ in range(n_clients)]
+        ref = offline(tmp, work)
+        quit_early = set(rng.sample(range(n_clients), n_clients // 10))
+        results = [None] * n_clients
+
+        def run(i):
+            s = client.completions.create(model=MODEL, prompt=work[i]["prompt_ids"], max_tokens=work[i]["max_tokens"],
+                                          temperature=0, stream=True)
+            got = []
+            for chunk in s:
+                for ch in chunk.choices:
+                    got += ch.model_extra["token_ids"]
+                if i in quit_early and got:
+                    s.close()
+                    return
+            results[i] = got
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(n_clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for i in range(n_clients):
+            if i not in quit_early:
+                check(results[i] == ref[i]["token_ids"], f"concurrent client {i}: {results[i]} != {ref[i]['token_ids']}")
+        time.sleep(1.0)
+        status, metrics = raw(base + "/metrics", None, {"Authorization": f"Bearer {KEY}"}, "GET")
+        metrics = metrics.decode()
+        check(status == 200 and f'tandem:num_requests_running{{model_name="{MODEL}"}} 0' in metrics,
+              "requests still running after every client left")
+        check("tandem:time_to_first_token_seconds_count" in metrics, "no TTFT histogram")
+
+        # Bad requests: each a 4xx error object, and the server keeps serving.
+        auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        url = base + "/v1/completions"
+        cases = [
+            (b'{"model": "small-test", "prompt": [1, 2', auth, 400, None),
+            (json.dumps({"model": MODEL, "prompt": [1], "bogus": 1}).encode(), auth, 400, "bogus"),
+            (json.dumps({"model": MODEL, "prompt": [1], "max_tokens": "3"}).encode(), auth, 400, "max_tokens"),
+            (json.dumps({"model": MODEL, "prompt": [1], "max_tokens": 10**30}).encode(), auth, 400, "max_tokens"),
+            (json.dumps({"model": MODEL, "prompt": [99999999]}).encode(), auth, 400, "prompt"),
+            (json.dumps({"model": MODEL, "prompt": "text"}).encode(), auth, 400, "prompt"),
+            (json.dumps({"model": "other", "prompt": [1]}).encode(), auth, 404, "model"),
+            (json.dumps({"model": MODEL, "prompt": [1]}).encode(), {"Content-Type": "application/json"}, 401, None),
+            (json.dumps({"model": MODEL, "prompt": [1]}).encode(), {"Authorization": "Bearer wrong"}, 401, None),
+            (b"x" * 200000, auth, 413, None),
+        ]
+        for body, headers, want, param in cases:
+            status, out = raw(url, body, headers)
+            check(status == want, f"{body[:60]!r}: status {status}, want {want}")
+            try:
+                err = json.loads(out)["error"]
+                check(param is None or err.get("param") == param, f"{body[:60]!r}: param {err.get('param')}")
+            except (ValueError, KeyError):
+                check(False, f"{body[:60]!r}: not an OpenAI error object: {out[:100]!r}")
+        status, _ = raw(base + "/nowhere", None, auth, "GET")
+        check(status == 404, "unknown route")
+        status, _ = raw(base + "/health", None, {}, "GET")
+        check(status == 200, "health after the bad requests")
+        c = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=3, temperature=0)
+        check(len(c.choices[0].model_extra["token_ids"]) == 3, "serving after the bad requests")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            code = server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            code = "hung"
+        check(code == 0, f"SIGTERM: exit {code}")
+        if failures:
+            print(open(log).read()[-3000:])
+    print(f"{'FAILED' if failures else 'passed'}: {len(failures)} failure(s)")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
