@@ -22,6 +22,9 @@
 #include "deploy/process_group.h"
 #include "kernels/cuda/device_choice.h"
 #include "memory_node/memory_rank.h"
+#include "server/api_server.h"
+#include "server/engine_loop.h"
+#include "server/metrics.h"
 
 namespace tandem::cli {
 
@@ -87,14 +90,31 @@ absl::Status RunCompute(const ComputeArgs& a) {
   o.cuda_graphs = c.GetBool("compute.cuda_graphs");
   o.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   o.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
+  if (a.requests.empty()) {
+    // Serving: the OpenAI-compatible API (api.*) over this rank, until SIGTERM drains it. The socket
+    // is bound before the weights load, so a port in use fails the deployment at once.
+    const server::ApiOptions api = server::ApiOptionsFromConfig(c);
+    ASSIGN_OR_RETURN(std::unique_ptr<server::ApiServer> http, server::ApiServer::Start(api));
+    ASSIGN_OR_RETURN(std::unique_ptr<ComputeRank> rank, ComputeRank::Create(*source, o));
+    server::ServerMetrics metrics;
+    server::EngineLoop loop(
+        rank.get(), server::LoopOptionsFromConfig(c),
+        [&metrics](const GenerationResult& r, const server::RequestTimes& t) { metrics.Observe(r, t); });
+    http->SetLoop(&loop, &metrics);
+    const std::string url = absl::StrCat("http://", api.host, ":", http->port(), "/v1");
+    if (!a.ready_file.empty())
+      RETURN_IF_ERROR(WriteFileAtomic(a.ready_file, absl::StrCat(rank->device(), "; API ", url, "\n")));
+    TANDEM_LOG_INFO("compute", "compute rank 0 ready on ", rank->device(), "; API at ", url);
+    while (TerminationSignal() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    TANDEM_LOG_INFO("compute", "draining the API (api.shutdown_grace_s ", api.shutdown_grace_s, ")");
+    http->Draining();
+    loop.Shutdown(absl::Seconds(api.shutdown_grace_s));
+    http->Stop();
+    return rank->Shutdown();
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<ComputeRank> rank, ComputeRank::Create(*source, o));
   if (!a.ready_file.empty()) RETURN_IF_ERROR(WriteFileAtomic(a.ready_file, rank->device() + "\n"));
   TANDEM_LOG_INFO("compute", "compute rank 0 ready on ", rank->device());
-  if (a.requests.empty()) {
-    // No request API yet: hold the deployment until told to stop.
-    while (TerminationSignal() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    return rank->Shutdown();
-  }
   ASSIGN_OR_RETURN(const std::vector<PromptSpec> specs, ReadPromptsFile(a.requests));
   std::vector<GenerationRequest> requests = RequestsFromPrompts(specs, GenerationRequest{});
   RunStats stats;

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <thread>
@@ -22,6 +23,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "compute_node/weights.h"
+#include "deploy/deployment.h"
 #include "server/api_server.h"
 #include "server/engine_loop.h"
 #include "server/metrics.h"
@@ -31,6 +33,7 @@ namespace tandem::cli {
 namespace {
 
 struct ServeArgs {
+  std::string deploy;
   std::string model;
   uint64_t weight_seed = 0;
   std::string config_file;
@@ -79,8 +82,23 @@ class Signals {
   int fds_[2] = {-1, -1};
 };
 
+// --deploy: the launcher starts the memory ranks and compute rank 0, which serves the API; the
+// launcher stays in the foreground and drains compute rank 0 first on SIGTERM.
+absl::Status RunServeDeployed(const ServeArgs& a) {
+  std::vector<std::string> sets = a.sets;
+  if (!a.model.empty()) sets.push_back("model.path=" + a.model);
+  ASSIGN_OR_RETURN(const Config config, LoadConfigFile(DeploySchema(), a.deploy, sets));
+  ASSIGN_OR_RETURN(const DeployPlan plan, PlanDeployment(config));
+  std::string ready;
+  if (!a.ready_file.empty()) ready = std::filesystem::absolute(a.ready_file).string();
+  return Launch(config, plan,
+                {.tandem_binary = SelfPath(), .log_level = a.log_level, .api_ready_file = ready});
+}
+
 absl::Status RunServe(const ServeArgs& a) {
-  Signals signals;  // first: every thread started after this inherits the blocked mask
+  if (!a.deploy.empty()) return RunServeDeployed(a);
+  if (a.model.empty()) return absl::InvalidArgumentError("--model is required (without --deploy)");
+  Signals signals;
   const std::optional<LogLevel> level = ParseLogLevel(a.log_level);
   if (!level)
     return absl::InvalidArgumentError(absl::StrCat("--log-level: unknown level \"", a.log_level, "\""));
@@ -137,10 +155,17 @@ void AddServeCommand(CLI::App& app) {
       "colocated engine. Prompts are token ids until a tokenizer is loaded.\n"
       "Example:\n"
       "  tandem serve --model small --set api.port=8000\n"
+      "  tandem serve --deploy deploy/examples/cpu.yaml --set api.port=8000   (disaggregated, on this host)\n"
       "  curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
       "    -d '{\"model\": \"tandem\", \"prompt\": [1, 450, 4996], \"max_tokens\": 8}'");
-  cmd->add_option("--model", a->model, "checkpoint directory (Hugging Face layout) or preset name")
-      ->required();
+  cmd->add_option(
+      "--model", a->model,
+      "checkpoint directory (Hugging Face layout) or preset name (with --deploy: overrides model.path)");
+  cmd->add_option(
+         "--deploy", a->deploy,
+         "serve through a disaggregated deployment on this host, started from this YAML: compute rank 0 "
+         "serves the API (api.* settings in the YAML), memory ranks hold the KV")
+      ->check(CLI::ExistingFile);
   cmd->add_option("--weight-seed", a->weight_seed, "seed of a preset's random weights")
       ->capture_default_str();
   cmd->add_option("--config", a->config_file,

@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -14,6 +15,7 @@
 #include "compute_node/controller_settings.h"
 #include "deploy/process_group.h"
 #include "kernels/cuda/device_choice.h"
+#include "server/api_server.h"
 
 namespace tandem {
 
@@ -46,6 +48,7 @@ const ConfigSchema& DeploySchema() {
         .Double("launch.startup_timeout_s", 600, "seconds a rank may take to become ready", 1, 86400)
         .Double("launch.step_timeout_s", 120, "seconds a rank may wait for a peer within a step", 1, 86400);
     AddSchedulerKvKnobs(s);
+    server::AddApiKnobs(s);  // compute rank 0 serves the API (cli/rank_cmds.cc)
     return s;
   }();
   return *schema;
@@ -188,7 +191,12 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
     for (size_t i = 0; i < addresses.size(); ++i) RETURN_IF_ERROR(group.WaitExit(absl::StrCat("memory-", i)));
     return absl::OkStatus();
   }
-  std::fprintf(stderr, "tandem launch: running until Ctrl-C or SIGTERM\n");
+  if (!o.api_ready_file.empty()) {
+    const size_t at = compute.find("API ");
+    if (at == std::string::npos) return absl::InternalError("compute-0 did not report its API address");
+    std::ofstream(o.api_ready_file) << absl::StripAsciiWhitespace(compute.substr(at + 4)) << "\n";
+  }
+  std::fprintf(stderr, "tandem launch: serving the API; running until Ctrl-C or SIGTERM\n");
   return group.WaitAny();
 }
 
@@ -199,6 +207,13 @@ absl::Status Launch(const Config& config, const DeployPlan& plan, const LaunchOp
   ProcessGroup group;
   absl::Status st = LaunchIn(group, config, plan, options);
   const bool interrupted = absl::IsCancelled(st) && TerminationSignal() != 0;
+  if (interrupted && options.requests_file.empty() && group.running("compute-0")) {
+    // Compute rank 0 serves the API: it drains first (api.shutdown_grace_s), while the memory
+    // ranks still hold the KV of the requests it finishes; then everything stops.
+    const double grace = config.GetDouble("api.shutdown_grace_s");
+    std::fprintf(stderr, "tandem launch: draining the API (up to %.0f s), then stopping the ranks\n", grace);
+    (void)group.Stop("compute-0", absl::Seconds(grace + 10));
+  }
   if (!st.ok() && !interrupted)
     std::fprintf(stderr, "tandem launch: stopping the deployment: %s\n", std::string(st.message()).c_str());
   const std::vector<std::string> killed = group.StopAll(absl::Seconds(10));

@@ -65,8 +65,9 @@ absl::StatusOr<transport::TransportKind> ResolveTransport(std::optional<transpor
 struct LaunchOptions {
   std::string tandem_binary;  // the `tandem` executable the ranks run
   std::string log_level = "info";
-  std::string requests_file;  // JSON lines for compute rank 0 to run; empty: serve until stopped
-  std::string results_file;   // where compute rank 0 writes the results
+  std::string requests_file;   // JSON lines for compute rank 0 to run; empty: serve until stopped
+  std::string results_file;    // where compute rank 0 writes the results
+  std::string api_ready_file;  // serving: the API's base URL is written here once it is ready
 };
 
 // Starts the deployment, runs it (until the requests are done, or until a signal) and stops it.

@@ -514,6 +514,20 @@ pid_t ProcessGroup::pid(const std::string& name) const {
   return c == nullptr ? 0 : c->pid;
 }
 
+bool ProcessGroup::Stop(const std::string& name, absl::Duration grace) {
+  Child* c = Find(name);
+  if (c == nullptr) return true;
+  ReapRunning();
+  if (!c->running) return true;
+  kill(c->pid, SIGTERM);
+  const absl::Time deadline = absl::Now() + grace;
+  while (c->running && absl::Now() < deadline) {
+    poll(nullptr, 0, 10);
+    ReapRunning();
+  }
+  return !c->running;
+}
+
 bool ProcessGroup::running(const std::string& name) const {
   const Child* c = Find(name);
   return c != nullptr && c->running;

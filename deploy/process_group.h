@@ -73,6 +73,8 @@ class ProcessGroup {
   // SIGTERM to every running process, up to `grace` for them to exit, then SIGKILL; reaps all.
   // Returns the names of the processes that needed SIGKILL (for the launcher's message).
   std::vector<std::string> StopAll(absl::Duration grace);
+  // SIGTERM to process `name` alone and up to `grace` for it to exit (reaped); true if it did.
+  bool Stop(const std::string& name, absl::Duration grace);
 
   // pid of a started process (0 if unknown); whether it is still running (not yet reaped).
   pid_t pid(const std::string& name) const;

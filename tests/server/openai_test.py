@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """`tandem serve` as a user meets it: the `openai` Python client (PyPI) against a real server process.
 
-Checks, on the CPU with the `small` preset (random weights):
+Checks, on the CPU with the `small` preset (random weights), against the colocated engine and
+against a CPU deployment (deploy/examples/cpu.yaml: compute rank 0 serves, two memory ranks):
   * completions, plain and streamed, n > 1, logprobs: the same tokens (and log-probabilities) as
     `tandem generate` for the same prompts and seeds;
   * concurrent streaming clients, some disconnecting mid-stream: every completed request equals its
@@ -44,18 +45,20 @@ def check(cond, what):
         print("FAIL:", what, flush=True)
 
 
-def start_server(tmp):
+def start_server(tmp, deploy):
     ready = os.path.join(tmp, "ready")
     log = open(os.path.join(tmp, "serve.log"), "w")
+    where = ["--deploy", deploy, "--set", f"launch.run_dir={tmp}/run"] if deploy else ["--device", "cpu"]
     p = subprocess.Popen(
-        [TANDEM, "serve", "--model", "small", "--device", "cpu", "--ready-file", ready,
-         "--set", "api.port=0", "--set", f"api.key={KEY}", "--set", f"api.served_model_name={MODEL}",
+        [TANDEM, "serve", "--model", "small", "--ready-file", ready] + where +
+        ["--set", "api.port=0", "--set", f"api.key={KEY}", "--set", f"api.served_model_name={MODEL}",
          "--set", "api.max_body_bytes=65536", "--set", "kv.capacity_tokens=16384",
          "--set", "scheduler.max_batch_size=16", "--set", "api.shutdown_grace_s=20"],
         stdout=log, stderr=subprocess.STDOUT)
     for _ in range(600):
         if os.path.exists(ready) and open(ready).read().strip():
-            return p, open(ready).read().strip(), log.name
+            url = open(ready).read().strip()
+            return p, url[:-3] if url.endswith("/v1") else url, log.name
         if p.poll() is not None:
             break
         time.sleep(0.1)
@@ -84,9 +87,11 @@ def raw(url, body, headers=None, method="POST"):
         return e.code, e.read()
 
 
-def main():
+def run(deploy):
+    """The whole check against one server: colocated (deploy None) or a CPU deployment."""
+    print(f"== tandem serve {'--deploy ' + deploy if deploy else '(colocated)'}", flush=True)
     tmp = tempfile.mkdtemp(prefix="tandem-serve-test-")
-    server, base, log = start_server(tmp)
+    server, base, log = start_server(tmp, deploy)
     client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
     try:
         rng = random.Random(5)
@@ -127,7 +132,7 @@ def main():
         quit_early = set(rng.sample(range(n_clients), n_clients // 10))
         results = [None] * n_clients
 
-        def run(i):
+        def client_run(i):
             s = client.completions.create(model=MODEL, prompt=work[i]["prompt_ids"], max_tokens=work[i]["max_tokens"],
                                           temperature=0, stream=True)
             got = []
@@ -139,7 +144,7 @@ def main():
                     return
             results[i] = got
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(n_clients)]
+        threads = [threading.Thread(target=client_run, args=(i,)) for i in range(n_clients)]
         for t in threads:
             t.start()
         for t in threads:
@@ -193,6 +198,11 @@ def main():
         check(code == 0, f"SIGTERM: exit {code}")
         if failures:
             print(open(log).read()[-3000:])
+
+
+def main():
+    run(None)
+    run(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "deploy", "examples", "cpu.yaml"))
     print(f"{'FAILED' if failures else 'passed'}: {len(failures)} failure(s)")
     sys.exit(1 if failures else 0)
 
