@@ -9,6 +9,9 @@ Sources (installed by scripts/install_deps.sh with `pip install --no-deps --targ
       mistral_instruct_tokenizer_240323.model.v3 (control tokens [INST] ...) -> copied as
       <name>/tokenizer.model, and converted to tokenizer.json as transformers' LlamaConverter does
       (SentencePiece-style BPE with byte fallback and the metaspace).
+  llama-models 0.3.0 (Llama 3 Community License): llama_models/llama3/tokenizer.model (tiktoken
+      ranks) -> llama3/tokenizer.json as transformers' TikTokenConverter writes it (byte-level
+      BPE, Llama 3 Split regex, ignore_merges, 256 special tokens, <|begin_of_text|> first).
 
 Usage: tokenizer_files.py [--models .cache/pip-models] [--out .cache/tokenizers]
 """
@@ -203,6 +206,81 @@ def mistral(models, out):
             json.dump(sp_to_tokenizer_json(read_sp_pieces(src)), f, ensure_ascii=False)
 
 
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def byte_chars():
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def llama3(models, out):
+    src = os.path.join(models, "llama_models", "llama3", "tokenizer.model")
+    if not os.path.exists(src):
+        print(f"skip llama3: {src} absent", file=sys.stderr)
+        return
+    import base64
+    ranks = {}
+    for line in open(src, "rb"):
+        if line.strip():
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok)] = int(rank)
+    bc = byte_chars()
+    to_str = lambda b: "".join(bc[x] for x in b)
+    merges = []
+    for tok, rank in ranks.items():
+        local = [(tok[:k], tok[k:], rank) for k in range(1, len(tok)) if tok[:k] in ranks and tok[k:] in ranks]
+        local.sort(key=lambda x: (ranks[x[0]], ranks[x[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda x: x[2])
+    n = len(ranks)
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+                "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+                "<|eot_id|>", "<|python_tag|>"]
+    specials += [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(specials))]
+    added = [{"id": n + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True} for i, t in enumerate(specials)]
+    bos = specials[0]
+    tj = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "post_processor": {"type": "Sequence", "processors": [
+            {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
+            {"type": "TemplateProcessing",
+             "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+             "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                      {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+             "special_tokens": {bos: {"id": bos, "ids": [n], "tokens": [bos]}}}]},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                  "vocab": {to_str(t): r for t, r in ranks.items()},
+                  "merges": [[to_str(l), to_str(r)] for l, r, _ in merges]},
+    }
+    d = os.path.join(out, "llama3")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(tj, f, ensure_ascii=False)
+    # The same vocabulary as a GGUF file of Llama 3 carries it (llama.cpp's convert_hf_to_gguf.py).
+    tokens = [to_str(t) for t, _ in sorted(ranks.items(), key=lambda x: x[1])] + specials
+    vocab = {"model": "gpt2", "pre": "llama-bpe", "tokens": tokens,
+             "merges": [f"{to_str(l)} {to_str(r)}" for l, r, _ in merges],
+             "token_type": [1] * n + [3] * len(specials), "bos_token_id": n, "eos_token_id": n + 1,
+             "unk_token_id": None, "add_bos_token": True}
+    with open(os.path.join(d, "vocab.json"), "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -211,6 +289,7 @@ def main():
     a = ap.parse_args()
     smollm2(a.models, a.out)
     mistral(a.models, a.out)
+    llama3(a.models, a.out)
 
 
 if __name__ == "__main__":

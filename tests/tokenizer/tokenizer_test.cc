@@ -121,6 +121,8 @@ INSTANTIATE_TEST_SUITE_P(
     Files, ReferenceTest,
     ::testing::Values(RefCase{"smollm2.hf", "smollm2/tokenizer.json", RefCase::kHfJson},
                       RefCase{"smollm2.hf", "smollm2/vocab.json", RefCase::kGgufVocab},
+                      RefCase{"llama3.hf", "llama3/tokenizer.json", RefCase::kHfJson},
+                      RefCase{"llama3.hf", "llama3/vocab.json", RefCase::kGgufVocab},
                       RefCase{"mistral_v1.hf", "mistral_v1/tokenizer.json", RefCase::kHfJson},
                       RefCase{"mistral_v3.hf", "mistral_v3/tokenizer.json", RefCase::kHfJson},
                       RefCase{"mistral_v1.sp", "mistral_v1/tokenizer.model", RefCase::kSentencePiece},
