@@ -1,8 +1,12 @@
 // BpeVocab (GGUF tokenizer.ggml.*) -> the same BPE pipeline HF tokenizer.json files describe.
+#include <algorithm>
+#include <unordered_map>
+
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/tokenizer.h"
+#include "tokenizer/utf8.h"
 
 namespace tandem::tokenizer {
 namespace {
@@ -26,6 +30,37 @@ absl::Status AddSplit(const char* pattern, BpeConfig* c) {
   ASSIGN_OR_RETURN(s.regex, Regex::Compile(pattern, false));
   c->pre_tokenizer.push_back(std::move(s));
   return absl::OkStatus();
+}
+
+// transformers' SentencePieceExtractor: for every piece (in id order) each split into two pieces
+// of the vocabulary, ordered by the halves' ids; then all by the merged piece's score, highest
+// first (stable).
+std::vector<std::pair<std::string, std::string>> MergesFromScores(const std::vector<std::string>& tokens,
+                                                                  const std::vector<float>& scores) {
+  std::unordered_map<std::string, int32_t> ids;
+  for (size_t i = 0; i < tokens.size(); ++i) ids.emplace(tokens[i], static_cast<int32_t>(i));
+  struct M {
+    int32_t l, r;
+    float score;
+  };
+  std::vector<M> all;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const std::string& p = tokens[i];
+    std::vector<M> local;
+    for (size_t k = internal::Utf8CharLen(static_cast<unsigned char>(p[0])); k < p.size();
+         k += internal::Utf8CharLen(static_cast<unsigned char>(p[k]))) {
+      auto l = ids.find(p.substr(0, k)), r = ids.find(p.substr(k));
+      if (l != ids.end() && r != ids.end()) local.push_back({l->second, r->second, scores[i]});
+    }
+    std::sort(local.begin(), local.end(),
+              [](const M& a, const M& b) { return a.l != b.l ? a.l < b.l : a.r < b.r; });
+    all.insert(all.end(), local.begin(), local.end());
+  }
+  std::stable_sort(all.begin(), all.end(), [](const M& a, const M& b) { return a.score > b.score; });
+  std::vector<std::pair<std::string, std::string>> out;
+  out.reserve(all.size());
+  for (const M& m : all) out.emplace_back(tokens[m.l], tokens[m.r]);
+  return out;
 }
 
 }  // namespace
@@ -54,8 +89,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> MakeBpeTokenizer(const BpeVocab& v) {
   // the text before the model, as llama.cpp and HF do).
   for (int32_t i = 0; i < static_cast<int32_t>(v.token_types.size()); ++i) {
     int32_t t = v.token_types[i];
-    if (t == BpeVocab::kControl || t == BpeVocab::kUserDefined) {
-      c.added.push_back({i, v.tokens[i], t == BpeVocab::kControl, false, false, false});
+    if (t == BpeVocab::kControl || t == BpeVocab::kUserDefined || t == BpeVocab::kUnknown) {
+      c.added.push_back({i, v.tokens[i], t != BpeVocab::kUserDefined, false, false, false});
     }
   }
   c.bos_id = v.bos_id;
@@ -85,7 +120,12 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> MakeBpeTokenizer(const BpeVocab& v) {
     c.decoder.push_back({DecoderStep::kByteLevel});
   } else if (v.model == "llama") {
     if (v.merges.empty()) {
-      return absl::UnimplementedError("tokenizer: SentencePiece vocabulary without merges is not supported");
+      if (v.scores.size() != v.tokens.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tokenizer: a \"llama\" vocabulary without merges needs one score per token (",
+                         v.scores.size(), " scores for ", n, " tokens)"));
+      }
+      c.merges = MergesFromScores(v.tokens, v.scores);
     }
     c.byte_fallback = true;
     c.fuse_unk = true;

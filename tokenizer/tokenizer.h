@@ -96,10 +96,15 @@ struct BpeVocab {
   std::vector<std::string> tokens;   // tokenizer.ggml.tokens, index = id
   std::vector<std::string> merges;   // tokenizer.ggml.merges, "left right", highest priority first
   std::vector<int32_t> token_types;  // tokenizer.ggml.token_type (empty: all normal)
+  // tokenizer.ggml.scores: for "llama" vocabularies without merges, the merges are derived from
+  // them as transformers does (every split of a piece into two pieces, by the piece's score).
+  std::vector<float> scores;
   std::optional<TokenId> bos_id, eos_id, unk_id;
   bool add_bos = false;  // tokenizer.ggml.add_bos_token
   // tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE with byte
-  // fallback; needs scores-free merges).
+  // fallback and the metaspace, as Llama 2 / Mistral tokenizer.json; merges or scores).
+  // Control, user-defined and unknown tokens are matched in the text before the model (special
+  // when control or unknown), as llama.cpp and HF do.
   std::string model = "gpt2";
   // tokenizer.ggml.pre for byte-level BPE: "llama-bpe" (Llama 3), "smollm", "gpt2", "qwen2",
   // "default"; others are refused naming them.

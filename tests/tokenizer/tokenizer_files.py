@@ -202,8 +202,15 @@ def mistral(models, out):
         d = os.path.join(out, name)
         os.makedirs(d, exist_ok=True)
         shutil.copyfile(src, os.path.join(d, "tokenizer.model"))
+        pieces = read_sp_pieces(src)
         with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
-            json.dump(sp_to_tokenizer_json(read_sp_pieces(src)), f, ensure_ascii=False)
+            json.dump(sp_to_tokenizer_json(pieces), f, ensure_ascii=False)
+        # As a GGUF file of a Llama 2 / Mistral model carries it (scores, no merges).
+        vocab = {"model": "llama", "pre": "default", "tokens": [p for p, _, _ in pieces],
+                 "scores": [s for _, s, _ in pieces], "merges": [], "token_type": [t for _, _, t in pieces],
+                 "bos_token_id": 1, "eos_token_id": 2, "unk_token_id": 0, "add_bos_token": True}
+        with open(os.path.join(d, "vocab.json"), "w", encoding="utf-8") as f:
+            json.dump(vocab, f, ensure_ascii=False)
 
 
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"

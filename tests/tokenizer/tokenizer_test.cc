@@ -98,6 +98,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufVocab(const std::string& path
   if (v["bos_token_id"].is_number()) b.bos_id = v["bos_token_id"].get<int32_t>();
   if (v["eos_token_id"].is_number()) b.eos_id = v["eos_token_id"].get<int32_t>();
   b.add_bos = v["add_bos_token"].get<bool>();
+  if (v.contains("scores")) b.scores = v["scores"].get<std::vector<float>>();
+  if (v["unk_token_id"].is_number()) b.unk_id = v["unk_token_id"].get<int32_t>();
   return MakeBpeTokenizer(b);
 }
 
@@ -125,6 +127,8 @@ INSTANTIATE_TEST_SUITE_P(
                       RefCase{"llama3.hf", "llama3/vocab.json", RefCase::kGgufVocab},
                       RefCase{"mistral_v1.hf", "mistral_v1/tokenizer.json", RefCase::kHfJson},
                       RefCase{"mistral_v3.hf", "mistral_v3/tokenizer.json", RefCase::kHfJson},
+                      RefCase{"mistral_v1.hf", "mistral_v1/vocab.json", RefCase::kGgufVocab},
+                      RefCase{"mistral_v3.hf", "mistral_v3/vocab.json", RefCase::kGgufVocab},
                       RefCase{"mistral_v1.sp", "mistral_v1/tokenizer.model", RefCase::kSentencePiece},
                       RefCase{"mistral_v3.sp", "mistral_v3/tokenizer.model", RefCase::kSentencePiece}),
     [](const auto& info) {
