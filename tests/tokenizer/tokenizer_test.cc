@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 
 #include "nlohmann/json.hpp"
@@ -75,6 +76,7 @@ void CheckReference(const Tokenizer& tok, const json& ref, bool check_decoded_sp
       EXPECT_EQ(*dec_all, cases[i]["decoded"].get<std::string>()) << "line " << i;
     }
     EXPECT_EQ(Stream(tok, want, true), want_skip) << "streamed, line " << i;
+    EXPECT_EQ(Stream(tok, want, false), *tok.Decode(want, false)) << "streamed with specials, line " << i;
     if (*got != want || *dec != want_skip) ++failures;
   }
 }
@@ -117,6 +119,22 @@ TEST_P(ReferenceTest, MatchesReference) {
                                                        : LoadSentencePieceTokenizer(path);
   ASSERT_TRUE(tok.ok()) << tok.status();
   CheckReference(**tok, ref, c.kind == RefCase::kHfJson);
+  // Streams of random ids (byte tokens in any order, pieces of characters): the pieces are whole
+  // UTF-8 and add up to Decode wherever the bytes form UTF-8; invalid byte runs become U+FFFD
+  // (one per maximal invalid subsequence, where HF's ByteFallback writes one per byte).
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<TokenId> any(0, (*tok)->vocab_size() - 1);
+  for (int round = 0; round < 200; ++round) {
+    std::vector<TokenId> ids(1 + rng() % 12);
+    for (TokenId& id : ids) {
+      id = any(rng);
+      while (!(*tok)->IdToToken(id)) id = any(rng);
+    }
+    absl::StatusOr<std::string> bytes = (*tok)->DecodeBytes(ids, true);
+    ASSERT_TRUE(bytes.ok());
+    if (!ValidateUtf8(*bytes).ok()) continue;
+    EXPECT_EQ(Stream(**tok, ids, true), *(*tok)->Decode(ids, true)) << "random ids, round " << round;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
