@@ -35,15 +35,27 @@ absl::StatusOr<std::shared_ptr<Regex>> Regex::Compile(const std::string& pattern
 
 Regex::~Regex() { pcre2_code_free(static_cast<pcre2_code*>(code_)); }
 
-std::vector<std::pair<size_t, size_t>> Regex::FindAll(std::string_view text) const {
+absl::StatusOr<std::vector<std::pair<size_t, size_t>>> Regex::FindAll(std::string_view text) const {
   std::vector<std::pair<size_t, size_t>> out;
   auto* code = static_cast<pcre2_code*>(code_);
-  pcre2_match_data* md = pcre2_match_data_create_from_pattern(code, nullptr);
+  std::unique_ptr<pcre2_match_data, void (*)(pcre2_match_data*)> holder(
+      pcre2_match_data_create_from_pattern(code, nullptr), pcre2_match_data_free);
+  pcre2_match_data* md = holder.get();
   size_t pos = 0;
   while (pos <= text.size()) {
     int rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), pos,
                          PCRE2_NO_UTF_CHECK, md, nullptr);
-    if (rc < 0) break;
+    if (rc == PCRE2_ERROR_JIT_STACKLIMIT) {  // the JIT's small stack: the interpreter uses the heap
+      rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), pos,
+                       PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, md, nullptr);
+    }
+    if (rc == PCRE2_ERROR_NOMATCH) break;
+    if (rc < 0) {
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(rc, msg, sizeof(msg));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("pre-tokenizer regex at byte ", pos, ": ", reinterpret_cast<const char*>(msg)));
+    }
     PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
     size_t b = ov[0], e = ov[1];
     if (e == b) {  // empty match: skip one character
@@ -54,7 +66,6 @@ std::vector<std::pair<size_t, size_t>> Regex::FindAll(std::string_view text) con
     out.emplace_back(b, e);
     pos = e;
   }
-  pcre2_match_data_free(md);
   return out;
 }
 
@@ -107,6 +118,9 @@ class BpeTokenizer final : public Tokenizer {
     for (size_t i = 0; i < c_.added.size(); ++i) {
       added_by_id_[c_.added[i].id] = static_cast<int>(i);
       added_vocab_[c_.added[i].content] = c_.added[i].id;
+      if (!c_.added[i].content.empty()) {
+        added_by_first_[static_cast<unsigned char>(c_.added[i].content[0])].push_back(static_cast<int>(i));
+      }
     }
     for (size_t r = 0; r < c_.merges.size(); ++r) {
       auto l = vocab_.find(c_.merges[r].first), rr = vocab_.find(c_.merges[r].second);
@@ -146,11 +160,13 @@ class BpeTokenizer final : public Tokenizer {
         ++i;
         continue;
       }
-      if (mb > seg_begin) EncodeSegment(text.substr(seg_begin, mb - seg_begin), seg_begin == 0, &ids);
+      if (mb > seg_begin) {
+        RETURN_IF_ERROR(EncodeSegment(text.substr(seg_begin, mb - seg_begin), seg_begin == 0, &ids));
+      }
       ids.push_back(tok->id);
       seg_begin = i = me;
     }
-    if (seg_begin < text.size()) EncodeSegment(text.substr(seg_begin), seg_begin == 0, &ids);
+    if (seg_begin < text.size()) RETURN_IF_ERROR(EncodeSegment(text.substr(seg_begin), seg_begin == 0, &ids));
     if (add_special) ids.insert(ids.end(), c_.suffix_ids.begin(), c_.suffix_ids.end());
     return ids;
   }
@@ -193,8 +209,9 @@ class BpeTokenizer final : public Tokenizer {
   const AddedToken* MatchAdded(std::string_view text, size_t i, size_t seg_begin, size_t* mb,
                                size_t* me) const {
     const AddedToken* best = nullptr;
-    for (const AddedToken& a : c_.added) {
-      if (a.content.empty() || text.compare(i, a.content.size(), a.content) != 0) continue;
+    for (int k : added_by_first_[static_cast<unsigned char>(text[i])]) {
+      const AddedToken& a = c_.added[k];
+      if (text.compare(i, a.content.size(), a.content) != 0) continue;
       if (best != nullptr && best->content.size() >= a.content.size()) continue;
       size_t end = i + a.content.size();
       if (a.single_word &&
@@ -215,7 +232,7 @@ class BpeTokenizer final : public Tokenizer {
     return best;
   }
 
-  void EncodeSegment(std::string_view segment, bool at_start, std::vector<TokenId>* ids) const {
+  absl::Status EncodeSegment(std::string_view segment, bool at_start, std::vector<TokenId>* ids) const {
     std::string s(segment);
     for (const NormalizerStep& n : c_.normalizer) {
       if (n.kind == NormalizerStep::kPrepend) {
@@ -224,18 +241,21 @@ class BpeTokenizer final : public Tokenizer {
         s = ReplaceAll(s, n.a, n.b);
       }
     }
-    if (s.empty()) return;
+    if (s.empty()) return absl::OkStatus();
     std::vector<Piece> pieces{{std::move(s), at_start}};
-    for (const PreTokenizerStep& p : c_.pre_tokenizer) pieces = PreTokenize(p, std::move(pieces));
+    for (const PreTokenizerStep& p : c_.pre_tokenizer) {
+      ASSIGN_OR_RETURN(pieces, PreTokenize(p, std::move(pieces)));
+    }
     for (const Piece& p : pieces) Model(p.text, ids);
+    return absl::OkStatus();
   }
 
-  static std::vector<Piece> SplitPieces(const Regex& re, PreTokenizerStep::Behavior behavior,
-                                        std::vector<Piece> in) {
+  static absl::StatusOr<std::vector<Piece>> SplitPieces(const Regex& re, PreTokenizerStep::Behavior behavior,
+                                                        std::vector<Piece> in) {
     std::vector<Piece> out;
     for (Piece& p : in) {
       std::string_view t = p.text;
-      auto matches = re.FindAll(t);
+      ASSIGN_OR_RETURN(auto matches, re.FindAll(t));
       size_t prev = 0;
       std::vector<std::pair<std::pair<size_t, size_t>, bool>> parts;  // span, is_match
       for (auto [b, e] : matches) {
@@ -281,7 +301,7 @@ class BpeTokenizer final : public Tokenizer {
     return out;
   }
 
-  std::vector<Piece> PreTokenize(const PreTokenizerStep& p, std::vector<Piece> in) const {
+  absl::StatusOr<std::vector<Piece>> PreTokenize(const PreTokenizerStep& p, std::vector<Piece> in) const {
     switch (p.kind) {
       case PreTokenizerStep::kSplit:
         return SplitPieces(*p.regex, p.behavior, std::move(in));
@@ -291,7 +311,9 @@ class BpeTokenizer final : public Tokenizer {
             if (!x.text.empty() && x.text[0] != ' ') x.text = " " + x.text;
           }
         }
-        if (p.use_regex) in = SplitPieces(*p.regex, PreTokenizerStep::kIsolated, std::move(in));
+        if (p.use_regex) {
+          ASSIGN_OR_RETURN(in, SplitPieces(*p.regex, PreTokenizerStep::kIsolated, std::move(in)));
+        }
         const auto& table = ByteToUnicode();
         for (Piece& x : in) {
           std::string m;
@@ -308,7 +330,9 @@ class BpeTokenizer final : public Tokenizer {
           if (prepend && x.text.compare(0, p.replacement.size(), p.replacement) != 0)
             x.text = p.replacement + x.text;
         }
-        if (p.split) in = SplitPieces(*p.regex, PreTokenizerStep::kMergedWithNext, std::move(in));
+        if (p.split) {
+          ASSIGN_OR_RETURN(in, SplitPieces(*p.regex, PreTokenizerStep::kMergedWithNext, std::move(in)));
+        }
         return in;
       }
     }
@@ -488,6 +512,7 @@ class BpeTokenizer final : public Tokenizer {
   int32_t vocab_size_ = 0;
   std::unordered_map<std::string, TokenId> vocab_, added_vocab_;
   std::vector<int> added_by_id_;                                      // id -> index in c_.added, or -1
+  std::array<std::vector<int>, 256> added_by_first_;                  // first byte -> indices in c_.added
   std::unordered_map<uint64_t, std::pair<int32_t, TokenId>> merges_;  // (left, right) -> (rank, merged)
   std::array<TokenId, 256> byte_ids_;
   std::unordered_map<std::string, char> char_to_byte_;

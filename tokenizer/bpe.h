@@ -20,8 +20,9 @@ class Regex {
  public:
   static absl::StatusOr<std::shared_ptr<Regex>> Compile(const std::string& pattern, bool literal);
   ~Regex();
-  // Non-overlapping matches [begin, end) in `text`, left to right.
-  std::vector<std::pair<size_t, size_t>> FindAll(std::string_view text) const;
+  // Non-overlapping matches [begin, end) in `text` (valid UTF-8), left to right. Fails only where
+  // PCRE2 runs out of its match limits (a pathological pattern on a huge input).
+  absl::StatusOr<std::vector<std::pair<size_t, size_t>>> FindAll(std::string_view text) const;
 
  private:
   void* code_ = nullptr;

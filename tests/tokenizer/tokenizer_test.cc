@@ -157,6 +157,30 @@ INSTANTIATE_TEST_SUITE_P(
       return n;
     });
 
+// Long inputs (long runs of one character class stress PCRE2's stacks and the BPE merge loop):
+// encoded without error and decoded back to the same text.
+TEST(LongInput, RoundTrips) {
+  int tested = 0;
+  for (const char* name : {"llama3", "smollm2", "mistral_v1"}) {
+    std::string path = FilesDir() + "/" + name + "/tokenizer.json";
+    if (!fs::exists(path)) continue;
+    auto tok = LoadHfTokenizer(path);
+    ASSERT_TRUE(tok.ok()) << tok.status();
+    std::string mixed;
+    for (int i = 0; i < 5000; ++i) mixed += "Hello, world! 123 \xC3\xBCn\xC3\xAF \xF0\x9F\x98\x80\tx\n";
+    for (const std::string& text : {std::string(1 << 20, ' '), std::string(200000, 'a'),
+                                    std::string(100000, '\n'), std::string(100000, '7'), mixed}) {
+      auto ids = (*tok)->Encode(text, false);
+      ASSERT_TRUE(ids.ok()) << name << ": " << ids.status();
+      auto back = (*tok)->Decode(*ids, true);
+      ASSERT_TRUE(back.ok());
+      EXPECT_TRUE(*back == text) << name << ": round trip of " << text.size() << " bytes differs";
+    }
+    ++tested;
+  }
+  if (tested == 0) GTEST_SKIP() << "no tokenizer files under " << FilesDir() << " (scripts/install_deps.sh)";
+}
+
 // ---- a small SentencePiece-style BPE written here ---------------------------------------------
 // Vocabulary: <unk> <s> </s>, bytes <0x00>..<0xFF> (ids 3..258), then pieces.
 std::string SmallSpJson(const std::string& extra_added = "") {
