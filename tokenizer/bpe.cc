@@ -18,7 +18,7 @@ namespace tandem::tokenizer::internal {
 absl::StatusOr<std::shared_ptr<Regex>> Regex::Compile(const std::string& pattern, bool literal) {
   int err = 0;
   PCRE2_SIZE offset = 0;
-  uint32_t options = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
+  uint32_t options = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);  // UCP is refused with LITERAL
   pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), options,
                                    &err, &offset, nullptr);
   if (code == nullptr) {
@@ -274,25 +274,30 @@ class BpeTokenizer final : public Tokenizer {
             if (!m) spans.push_back(sp);
           }
           break;
-        case PreTokenizerStep::kMergedWithPrevious:
+        // As HF: a delimiter joins its neighbour unless that neighbour is a delimiter too.
+        case PreTokenizerStep::kMergedWithPrevious: {
+          bool prev_match = false;
           for (auto& [sp, m] : parts) {
-            if (m && !spans.empty()) {
+            if (m && !prev_match && !spans.empty()) {
               spans.back().second = sp.second;
             } else {
               spans.push_back(sp);
             }
+            prev_match = m;
           }
           break;
+        }
         case PreTokenizerStep::kMergedWithNext: {
-          bool pending = false;
-          for (auto& [sp, m] : parts) {
-            if (pending) {
-              spans.back().second = sp.second;
+          bool next_match = false;
+          for (auto it = parts.rbegin(); it != parts.rend(); ++it) {
+            if (it->second && !next_match && !spans.empty()) {
+              spans.back().first = it->first.first;
             } else {
-              spans.push_back(sp);
+              spans.push_back(it->first);
             }
-            pending = m;
+            next_match = it->second;
           }
+          std::reverse(spans.begin(), spans.end());
           break;
         }
       }

@@ -205,6 +205,17 @@ def mistral(models, out):
         pieces = read_sp_pieces(src)
         with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
             json.dump(sp_to_tokenizer_json(pieces), f, ensure_ascii=False)
+        if name == "mistral_v1":
+            # transformers' non-legacy conversion (legacy=False): no normalizer, a Metaspace
+            # pre-tokenizer prepending only at the start of the text; and the same splitting words.
+            for variant, split in [("mistral_v1_metaspace", False), ("mistral_v1_metaspace_split", True)]:
+                tj = sp_to_tokenizer_json(pieces)
+                tj["normalizer"] = None
+                tj["pre_tokenizer"] = {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": "first",
+                                       "split": split}
+                os.makedirs(os.path.join(out, variant), exist_ok=True)
+                with open(os.path.join(out, variant, "tokenizer.json"), "w", encoding="utf-8") as f:
+                    json.dump(tj, f, ensure_ascii=False)
         # As a GGUF file of a Llama 2 / Mistral model carries it (scores, no merges).
         vocab = {"model": "llama", "pre": "default", "tokens": [p for p, _, _ in pieces],
                  "scores": [s for _, s, _ in pieces], "merges": [], "token_type": [t for _, _, t in pieces],
