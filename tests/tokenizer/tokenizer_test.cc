@@ -4,6 +4,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -280,6 +281,21 @@ TEST(SmallBpe, EncodeDecode) {
   EXPECT_EQ(tok->IdToToken(272), "\xE2\x96\x81hello");
   EXPECT_TRUE(tok->IsSpecial(1));
   EXPECT_FALSE(tok->IsSpecial(272));
+}
+
+TEST(SmallBpe, TokenizerConfigNamesBosEos) {
+  fs::path dir = fs::temp_directory_path() / ("tandem_tok_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "tokenizer.json")
+      << SmallSpJson(R"({"id": 300, "content": "<|eot|>", "special": true})");
+  std::ofstream(dir / "tokenizer_config.json")
+      << R"({"bos_token": {"content": "<s>"}, "eos_token": "<|eot|>"})";
+  auto tok = LoadHfTokenizer((dir / "tokenizer.json").string());
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_EQ((*tok)->bos_id(), 1);
+  EXPECT_EQ((*tok)->eos_id(), 300);
+  EXPECT_EQ((*tok)->vocab_size(), 301);
+  fs::remove_all(dir);
 }
 
 TEST(SmallBpe, SpecialTokensInText) {
