@@ -88,6 +88,8 @@ struct RefCase {
   enum Kind { kHfJson, kGgufVocab, kSentencePiece } kind;
 };
 
+void PrintTo(const RefCase& c, std::ostream* os) { *os << c.file << " vs " << c.ref; }
+
 class ReferenceTest : public ::testing::TestWithParam<RefCase> {};
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadGgufVocab(const std::string& path) {
