@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -207,6 +208,29 @@ std::vector<uint8_t> EncodeAs(GgmlType type, const std::vector<float>& v) {
       out.push_back(static_cast<uint8_t>(b & 0xff));
       out.push_back(static_cast<uint8_t>(b >> 8));
     }
+  } else if (type == GgmlType::kF16) {
+    for (float x : v) PutF16(out, x);
+  } else if (type == GgmlType::kQ4_0 || type == GgmlType::kQ4_1) {  // as ggml's reference quantizers
+    for (size_t b = 0; b < v.size() / 32; ++b) {
+      const float* x = &v[b * 32];
+      std::vector<int> q(32);
+      if (type == GgmlType::kQ4_0) {
+        float amax = 0, max = 0;
+        for (int k = 0; k < 32; ++k) {
+          if (std::fabs(x[k]) > amax) amax = std::fabs(x[k]), max = x[k];
+        }
+        const float d = max / -8, id = d != 0 ? 1 / d : 0;
+        for (int k = 0; k < 32; ++k) q[k] = std::min(15, static_cast<int>(x[k] * id + 8.5f));
+        PutF16(out, d);
+      } else {
+        const float lo = *std::min_element(x, x + 32), hi = *std::max_element(x, x + 32);
+        const float d = (hi - lo) / 15, id = d != 0 ? 1 / d : 0;
+        for (int k = 0; k < 32; ++k) q[k] = std::min(15, static_cast<int>((x[k] - lo) * id + 0.5f));
+        PutF16(out, d);
+        PutF16(out, lo);
+      }
+      for (int k = 0; k < 16; ++k) out.push_back(static_cast<uint8_t>(q[k] | (q[k + 16] << 4)));
+    }
   } else {  // Q8_0, round to nearest as ggml's reference quantizer
     for (size_t b = 0; b < v.size() / 32; ++b) {
       float amax = 0;
@@ -226,8 +250,12 @@ struct Converted {
   std::vector<GgufWriteTensor> tensors;
 };
 
-// The checkpoint `src` as convert_hf_to_gguf would write it, every tensor of `type` (norms F32).
-Converted Convert(const WeightSource& src, GgmlType type) {
+constexpr GgmlType kAllTypes[] = {GgmlType::kF32,  GgmlType::kF16,  GgmlType::kBF16,
+                                  GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1};
+
+// The checkpoint `src` as convert_hf_to_gguf would write it, every tensor of `type` (norms F32);
+// with `mixed`, tensor i of type kAllTypes[i % 6] instead.
+Converted Convert(const WeightSource& src, GgmlType type, bool mixed = false) {
   const ModelSpec& s = src.spec();
   Converted c;
   c.metadata["general.architecture"] = GgufString("llama");
@@ -254,7 +282,7 @@ Converted Convert(const WeightSource& src, GgmlType type) {
       v = PermuteLikeLlamaCpp(v, s.num_heads, e.shape[0], e.shape[1]);
     if (absl::EndsWith(e.name, "k_proj.weight"))
       v = PermuteLikeLlamaCpp(v, s.num_kv_heads, e.shape[0], e.shape[1]);
-    const GgmlType t = e.shape.size() == 1 ? GgmlType::kF32 : type;
+    const GgmlType t = mixed ? kAllTypes[c.tensors.size() % 6] : e.shape.size() == 1 ? GgmlType::kF32 : type;
     c.tensors.push_back({GgufTensorName(e.name), static_cast<uint32_t>(t), e.shape, EncodeAs(t, v)});
   }
   return c;
@@ -343,6 +371,86 @@ TEST_P(GgufReference, PermutationUndoneAndSameTokensAsSafetensors) {
   for (size_t i = 0; i < x.size(); ++i)
     err = std::max(err, std::fabs(double{x[i]} - y[i])), mag = std::max(mag, std::fabs(double{x[i]}));
   EXPECT_LT(err, mag / 100);
+}
+
+// Element i of a tensor stored as `type`, decoded straight from the format's definition (one
+// element at a time, unlike DequantizeGgml's block loops).
+double DecodeElement(GgmlType type, const std::vector<uint8_t>& bytes, int64_t i) {
+  auto f16 = [&](size_t at) { return F16ToFloat(static_cast<uint16_t>(bytes[at] | (bytes[at + 1] << 8))); };
+  const int64_t b = i / 32, j = i % 32;
+  switch (type) {
+    case GgmlType::kF32: {
+      float x;
+      std::memcpy(&x, &bytes[i * 4], 4);
+      return x;
+    }
+    case GgmlType::kF16:
+      return f16(i * 2);
+    case GgmlType::kBF16:
+      return Bf16ToFloat(static_cast<uint16_t>(bytes[i * 2] | (bytes[i * 2 + 1] << 8)));
+    case GgmlType::kQ8_0:
+      return f16(b * 34) * static_cast<int8_t>(bytes[b * 34 + 2 + j]);
+    case GgmlType::kQ4_0: {
+      const uint8_t byte = bytes[b * 18 + 2 + j % 16];
+      return f16(b * 18) * ((j < 16 ? byte & 15 : byte >> 4) - 8);
+    }
+    case GgmlType::kQ4_1: {
+      const uint8_t byte = bytes[b * 20 + 4 + j % 16];
+      return f16(b * 20) * (j < 16 ? byte & 15 : byte >> 4) + f16(b * 20 + 2);
+    }
+  }
+  return 0;
+}
+
+TEST_P(GgufReference, AllSixTensorTypesInOneFile) {
+  auto ref = Reference(GetParam());
+  ASSERT_NE(ref, nullptr);
+  Converted c = Convert(*ref, GgmlType::kF32, /*mixed=*/true);
+  const std::string path = TempPath(absl::StrCat(GetParam(), "_mixed.gguf"));
+  ASSERT_TRUE(WriteGguf(path, c.metadata, c.tensors).ok());
+  auto g = OpenGguf(path);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_THAT((*g)->Describe(), HasSubstr("Q4_0"));
+  const ModelSpec& s = ref->spec();
+  std::set<uint32_t> seen;
+  for (const ExpectedTensor& e : ExpectedTensors(s)) {
+    const GgufWriteTensor& t = *std::find_if(c.tensors.begin(), c.tensors.end(),
+                                             [&](const auto& x) { return x.name == GgufTensorName(e.name); });
+    seen.insert(t.type);
+    int64_t n = 1;
+    for (int64_t d : e.shape) n *= d;
+    std::vector<float> original(n), got(n);
+    ASSERT_TRUE(ref->ReadF32(e.name, original.data()).ok());
+    ASSERT_TRUE((*g)->ReadF32(e.name, got.data()).ok()) << e.name;
+    // What the file holds is in llama.cpp's row order; bring ours there to compare element-wise.
+    if (absl::EndsWith(e.name, "q_proj.weight"))
+      got = PermuteLikeLlamaCpp(got, s.num_heads, e.shape[0], e.shape[1]);
+    if (absl::EndsWith(e.name, "k_proj.weight")) {
+      got = PermuteLikeLlamaCpp(got, s.num_kv_heads, e.shape[0], e.shape[1]);
+    }
+    double max_err = 0, max_abs = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double want = DecodeElement(static_cast<GgmlType>(t.type), t.bytes, i);
+      ASSERT_NEAR(got[i], want, 1e-6 * std::max(1.0, std::fabs(want)))
+          << e.name << " " << GgmlTypeName(t.type) << " " << i;
+      max_abs = std::max(max_abs, std::fabs(static_cast<double>(original[i])));
+    }
+    // And the quantized values stay near the weights they encode (4 bits: within a 16th of the
+    // block range, plus f16 rounding of the scales).
+    std::vector<float> orig_perm = original;
+    if (absl::EndsWith(e.name, "q_proj.weight"))
+      orig_perm = PermuteLikeLlamaCpp(original, s.num_heads, e.shape[0], e.shape[1]);
+    if (absl::EndsWith(e.name, "k_proj.weight"))
+      orig_perm = PermuteLikeLlamaCpp(original, s.num_kv_heads, e.shape[0], e.shape[1]);
+    for (int64_t i = 0; i < n; ++i)
+      max_err = std::max(max_err, std::fabs(static_cast<double>(got[i]) - orig_perm[i]));
+    EXPECT_LE(max_err, max_abs / 7) << e.name << " " << GgmlTypeName(t.type);
+  }
+  EXPECT_EQ(seen.size(), 6u);
+  // It runs: the CPU engine generates from it.
+  auto res = Greedy(**g, {{1, 15, 300, 7}}, 4);
+  ASSERT_EQ(res.size(), 1u);
+  for (float lp : res[0].logprobs) EXPECT_TRUE(std::isfinite(lp));
 }
 
 INSTANTIATE_TEST_SUITE_P(Checkpoints, GgufReference, ::testing::Values("llama2-mha", "mqa-headdim"));
