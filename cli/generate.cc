@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
@@ -20,6 +21,8 @@
 #include "compute_node/weights.h"
 #include "deploy/deployment.h"
 #include "nlohmann/json.hpp"
+#include "text/text_model.h"
+#include "tokenizer/tokenizer.h"
 
 namespace tandem::cli {
 
@@ -46,6 +49,10 @@ namespace {
 struct GenerateArgs {
   std::string model;
   std::string prompt_ids;
+  std::string prompt;              // text
+  std::string chat;                // a user message, through the chat template
+  std::string system;              // with --chat: a system message first
+  std::vector<std::string> stops;  // stop strings
   std::string prompts_file;
   int64_t max_tokens = 16;
   double temperature = 0.0;
@@ -72,14 +79,61 @@ ConfigSchema& EngineSchema() {
   return *schema;
 }
 
-absl::StatusOr<std::vector<GenerationRequest>> BuildRequests(const GenerateArgs& a) {
+// The model's tokenizer and chat template, when it ships them (text::TextModel). nullptr for a
+// preset or a checkpoint without a tokenizer: then only token ids go in and come out. Text input
+// (`needed`) without one is an error naming the model.
+absl::StatusOr<std::unique_ptr<text::TextModel>> LoadText(const std::string& model, bool needed) {
+  absl::StatusOr<std::unique_ptr<text::TextModel>> tm = text::TextModel::Load(model);
+  if (tm.ok()) return tm;
+  if (needed) return Annotate(tm.status(), "text prompts need the model's tokenizer");
+  if (!absl::IsNotFound(tm.status()))
+    TANDEM_LOG_WARN("generate", "printing token ids only: ", tm.status().message());
+  return std::unique_ptr<text::TextModel>();
+}
+
+bool NeedsText(const GenerateArgs& a, const std::vector<PromptSpec>& specs) {
+  if (!a.stops.empty()) return true;
+  for (const PromptSpec& p : specs)
+    if (p.prompt || !p.messages.empty()) return true;
+  return false;
+}
+
+absl::StatusOr<std::vector<PromptSpec>> BuildSpecs(const GenerateArgs& a) {
   std::vector<PromptSpec> specs;
   if (!a.prompt_ids.empty()) {
     absl::StatusOr<std::vector<int32_t>> ids = ParseIdList(a.prompt_ids);
     if (!ids.ok()) return Annotate(ids.status(), "--prompt-ids");
     specs.push_back({.prompt_ids = *std::move(ids)});
+  } else if (!a.prompt.empty()) {
+    specs.push_back({.prompt = a.prompt});
+  } else if (!a.chat.empty()) {
+    PromptSpec p;
+    if (!a.system.empty()) p.messages.emplace_back("system", a.system);
+    p.messages.emplace_back("user", a.chat);
+    specs.push_back(std::move(p));
   } else {
     ASSIGN_OR_RETURN(specs, ReadPromptsFile(a.prompts_file));
+  }
+  return specs;
+}
+
+absl::StatusOr<std::vector<GenerationRequest>> BuildRequests(const GenerateArgs& a,
+                                                             std::vector<PromptSpec> specs,
+                                                             const text::TextModel* tm) {
+  for (size_t i = 0; i < specs.size(); ++i) {
+    PromptSpec& p = specs[i];
+    const std::string which = specs.size() == 1 ? std::string("the prompt") : absl::StrCat("prompt ", i);
+    if (p.prompt) {
+      absl::StatusOr<std::vector<int32_t>> ids = tm->EncodePrompt(*p.prompt);
+      if (!ids.ok()) return Annotate(ids.status(), which);
+      p.prompt_ids = *std::move(ids);
+    } else if (!p.messages.empty()) {
+      std::vector<ChatMessage> messages;
+      for (const auto& [role, content] : p.messages) messages.push_back({role, content});
+      absl::StatusOr<std::vector<int32_t>> ids = tm->EncodeChat(messages);
+      if (!ids.ok()) return Annotate(ids.status(), which);
+      p.prompt_ids = *std::move(ids);
+    }
   }
   GenerationRequest d;
   d.max_tokens = a.max_tokens;
@@ -91,8 +145,87 @@ absl::StatusOr<std::vector<GenerationRequest>> BuildRequests(const GenerateArgs&
   return RequestsFromPrompts(specs, d);
 }
 
+// Runs requests with stop strings: the engine is stepped here, each live request's new tokens are
+// decoded as they come, and one whose text reaches a stop string is cancelled at once (its result
+// says finish_reason "stop"); `texts` gets each output, ending before the stop string.
+absl::StatusOr<std::vector<GenerationResult>> RunWithStops(Engine& engine,
+                                                           std::vector<GenerationRequest> requests,
+                                                           const std::vector<std::string>& stops,
+                                                           const text::TextModel& tm,
+                                                           std::vector<std::string>* texts, RunStats* stats) {
+  const auto t0 = std::chrono::steady_clock::now();
+  struct Stream {
+    size_t index;
+    tokenizer::IncrementalDecoder decoder;
+    text::StopMatcher stop;
+    size_t seen = 0;
+  };
+  std::map<int64_t, Stream> live;
+  std::vector<GenerationResult> results(requests.size());
+  texts->assign(requests.size(), "");
+  for (size_t i = 0; i < requests.size(); ++i)
+    RETURN_IF_ERROR(Annotate(engine.Check(requests[i]), absl::StrCat("request ", i)));
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSIGN_OR_RETURN(const int64_t id, engine.Submit(std::move(requests[i])));
+    live.emplace(id, Stream{i, tokenizer::IncrementalDecoder(tm.tokenizer()), text::StopMatcher(stops)});
+  }
+  // Feeds a request's tokens from `seen` on; true when its text reached a stop string.
+  auto feed = [&](Stream& s, const std::vector<int32_t>& tokens) -> absl::StatusOr<bool> {
+    for (; s.seen < tokens.size() && !s.stop.stopped(); ++s.seen) {
+      ASSIGN_OR_RETURN(const std::string piece, s.decoder.Add(tokens[s.seen]));
+      (*texts)[s.index] += s.stop.Add(piece);
+    }
+    return s.stop.stopped();
+  };
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  while (!engine.Idle()) {
+    finished.clear();
+    RETURN_IF_ERROR(engine.Step(&finished));
+    for (auto& [id, r] : finished) {
+      Stream& s = live.at(id);
+      ASSIGN_OR_RETURN(const bool stopped, feed(s, r.token_ids));
+      if (stopped) {
+        r.finish_reason = "stop";
+      } else {
+        (*texts)[s.index] += s.stop.Add(s.decoder.Flush());
+        (*texts)[s.index] += s.stop.Flush();
+      }
+      results[s.index] = std::move(r);
+      live.erase(id);
+    }
+    std::vector<int64_t> ended;
+    for (auto& [id, s] : live) {
+      const GenerationResult* p = engine.Progress(id);
+      if (p == nullptr) continue;
+      ASSIGN_OR_RETURN(const bool stopped, feed(s, p->token_ids));
+      if (!stopped) continue;
+      ASSIGN_OR_RETURN(GenerationResult r, engine.Cancel(id));
+      r.finish_reason = "stop";
+      results[s.index] = std::move(r);
+      ended.push_back(id);
+    }
+    for (int64_t id : ended) live.erase(id);
+  }
+  stats->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  stats->steps = engine.stats().steps;
+  stats->device = engine.device();
+  return results;
+}
+
+// The text of each result (special tokens left out), where the model has a tokenizer.
+absl::StatusOr<std::vector<std::string>> DecodeAll(const text::TextModel* tm,
+                                                   const std::vector<GenerationResult>& results) {
+  std::vector<std::string> texts;
+  if (tm == nullptr) return texts;
+  for (const GenerationResult& r : results) {
+    ASSIGN_OR_RETURN(std::string t, tm->tokenizer().Decode(r.token_ids, /*skip_special=*/true));
+    texts.push_back(std::move(t));
+  }
+  return texts;
+}
+
 void PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& results,
-                  const RunStats& stats) {
+                  const std::vector<std::string>& texts, const RunStats& stats) {
   int64_t generated = 0, prompt_tokens = 0, cached = 0;
   for (size_t i = 0; i < results.size(); ++i) {
     const GenerationResult& r = results[i];
@@ -102,6 +235,7 @@ void PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& re
     if (a.json) {
       nlohmann::json j;
       j["index"] = i;
+      if (i < texts.size()) j["text"] = texts[i];
       j["token_ids"] = r.token_ids;
       if (a.logprobs) j["logprobs"] = r.logprobs;
       j["finish_reason"] = r.finish_reason;
@@ -109,6 +243,10 @@ void PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& re
                     {"completion_tokens", static_cast<int64_t>(r.token_ids.size())},
                     {"cached_tokens", r.cached_tokens}};
       std::cout << j.dump() << "\n";
+    } else if (i < texts.size()) {
+      if (results.size() > 1) std::cout << "[" << i << "] ";
+      std::cout << texts[i] << "\n";
+      if (results.size() > 1) std::cout << "\n";
     } else {
       std::cout << "[" << i << "] " << r.prompt_tokens << " prompt tokens -> " << r.token_ids.size()
                 << " tokens (" << r.finish_reason << "): " << absl::StrJoin(r.token_ids, " ") << "\n";
@@ -139,7 +277,11 @@ absl::Status RunDeployed(const GenerateArgs& a, std::vector<std::string> sets) {
   }
   ASSIGN_OR_RETURN(const Config config, LoadConfigFile(DeploySchema(), a.deploy, sets));
   for (const std::string& line : config.NonDefault()) TANDEM_LOG_INFO("config", line);
-  ASSIGN_OR_RETURN(std::vector<GenerationRequest> requests, BuildRequests(a));
+  if (!a.stops.empty()) return absl::UnimplementedError("--stop with --deploy is not supported yet");
+  ASSIGN_OR_RETURN(std::vector<PromptSpec> specs, BuildSpecs(a));
+  ASSIGN_OR_RETURN(std::unique_ptr<text::TextModel> tm,
+                   LoadText(config.GetString("model.path"), NeedsText(a, specs)));
+  ASSIGN_OR_RETURN(std::vector<GenerationRequest> requests, BuildRequests(a, std::move(specs), tm.get()));
   ASSIGN_OR_RETURN(
       std::unique_ptr<WeightSource> source,
       OpenModel(config.GetString("model.path"), static_cast<uint64_t>(config.GetInt("model.weight_seed"))));
@@ -167,7 +309,8 @@ absl::Status RunDeployed(const GenerateArgs& a, std::vector<std::string> sets) {
   }
   stats.device =
       absl::StrCat("disaggregated: ", stats.device, " + ", plan.memory_devices.size(), " memory rank(s)");
-  PrintResults(a, results, stats);
+  ASSIGN_OR_RETURN(const std::vector<std::string> texts, DecodeAll(tm.get(), results));
+  PrintResults(a, results, texts, stats);
   return absl::OkStatus();
 }
 
@@ -184,7 +327,9 @@ absl::Status RunGenerate(const GenerateArgs& a) {
                                                         : LoadConfigFile(EngineSchema(), a.config_file, sets);
   RETURN_IF_ERROR(config.status());
   for (const std::string& line : config->NonDefault()) TANDEM_LOG_INFO("config", line);
-  ASSIGN_OR_RETURN(std::vector<GenerationRequest> requests, BuildRequests(a));
+  ASSIGN_OR_RETURN(std::vector<PromptSpec> specs, BuildSpecs(a));
+  ASSIGN_OR_RETURN(std::unique_ptr<text::TextModel> tm, LoadText(a.model, NeedsText(a, specs)));
+  ASSIGN_OR_RETURN(std::vector<GenerationRequest> requests, BuildRequests(a, std::move(specs), tm.get()));
 
   const auto t_load = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(std::unique_ptr<WeightSource> source, OpenModel(a.model, a.weight_seed));
@@ -197,8 +342,15 @@ absl::Status RunGenerate(const GenerateArgs& a) {
                       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count()));
 
   RunStats stats;
-  ASSIGN_OR_RETURN(std::vector<GenerationResult> results, RunRequests(*engine, std::move(requests), &stats));
-  PrintResults(a, results, stats);
+  std::vector<GenerationResult> results;
+  std::vector<std::string> texts;
+  if (!a.stops.empty()) {
+    ASSIGN_OR_RETURN(results, RunWithStops(*engine, std::move(requests), a.stops, *tm, &texts, &stats));
+  } else {
+    ASSIGN_OR_RETURN(results, RunRequests(*engine, std::move(requests), &stats));
+    ASSIGN_OR_RETURN(texts, DecodeAll(tm.get(), results));
+  }
+  PrintResults(a, results, texts, stats);
   return absl::OkStatus();
 }
 
@@ -210,6 +362,7 @@ void AddGenerateCommand(CLI::App& app) {
       "generate",
       "Generate tokens for one or many prompts in one process (the colocated engine).\n"
       "Examples:\n"
+      "  tandem generate --model SmolLM2-135M-Instruct.Q4_1.gguf --chat 'What is the capital of France?'\n"
       "  tandem generate --model small --prompt-ids 1,15043,3186 --max-tokens 32\n"
       "  tandem generate --model /models/Llama-3.2-1B --prompts-file prompts.jsonl --json --logprobs\n"
       "  tandem generate --deploy deploy/examples/cpu.yaml --prompt-ids 1,2,3   (disaggregated, on this "
@@ -218,10 +371,19 @@ void AddGenerateCommand(CLI::App& app) {
       "--model", a->model,
       "checkpoint directory (Hugging Face layout) or preset name (with --deploy: overrides model.path)");
   auto* ids = cmd->add_option("--prompt-ids", a->prompt_ids, "comma-separated prompt token ids, e.g. 1,2,3");
-  auto* file = cmd->add_option("--prompts-file", a->prompts_file,
-                               "JSON lines: {\"prompt_ids\": [...], \"max_tokens\"?, \"temperature\"?, "
-                               "\"top_k\"?, \"top_p\"?, \"seed\"?}; results print in input order");
-  ids->excludes(file);
+  auto* text = cmd->add_option("--prompt", a->prompt, "prompt text (the model's tokenizer encodes it)");
+  auto* chat = cmd->add_option("--chat", a->chat, "a user message, formatted by the model's chat template");
+  cmd->add_option("--system", a->system, "with --chat: a system message before it")->needs(chat);
+  cmd->add_option("--stop", a->stops,
+                  "stop when the generated text contains this string (repeatable; the text ends before it)");
+  auto* file =
+      cmd->add_option("--prompts-file", a->prompts_file,
+                      "JSON lines: {\"prompt_ids\": [...]} or {\"prompt\": \"text\"} or {\"messages\": "
+                      "[{\"role\", \"content\"}]}, with \"max_tokens\"?, \"temperature\"?, \"top_k\"?, "
+                      "\"top_p\"?, \"seed\"?; results print in input order");
+  ids->excludes(file)->excludes(text)->excludes(chat);
+  text->excludes(file)->excludes(chat);
+  chat->excludes(file);
   cmd->add_option("--max-tokens", a->max_tokens, "tokens to generate per request at most")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
@@ -257,9 +419,10 @@ void AddGenerateCommand(CLI::App& app) {
                   "cpu, cuda, cuda:N or auto (cuda:0 when a GPU is present; the default, runtime.device)");
   cmd->add_option("--log-level", a->log_level, "debug, info, warn or error")->capture_default_str();
   cmd->callback([a] {
-    if (a->prompt_ids.empty() && a->prompts_file.empty()) {
+    if (a->prompt_ids.empty() && a->prompts_file.empty() && a->prompt.empty() && a->chat.empty()) {
       Fail("generate",
-           absl::InvalidArgumentError("one of --prompt-ids or --prompts-file is required (see --help)"));
+           absl::InvalidArgumentError(
+               "one of --prompt, --chat, --prompt-ids or --prompts-file is required (see --help)"));
     }
     absl::Status st = RunGenerate(*a);
     if (!st.ok()) Fail("generate", st);

@@ -52,7 +52,7 @@ absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(absl::string_view text
     if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(where, ": not valid JSON"));
     if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, ": expected a JSON object"));
     PromptSpec p;
-    bool have_ids = false;
+    int inputs = 0;
     for (auto it = j.begin(); it != j.end(); ++it) {
       const std::string& key = it.key();
       const Json& v = it.value();
@@ -65,7 +65,22 @@ absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(absl::string_view text
           }
           p.prompt_ids.push_back(static_cast<int32_t>(e.get<int64_t>()));
         }
-        have_ids = true;
+        ++inputs;
+      } else if (key == "prompt") {
+        if (!v.is_string() || v.get<std::string>().empty())
+          return KeyError(where, key, "expected non-empty text", v);
+        p.prompt = v.get<std::string>();
+        ++inputs;
+      } else if (key == "messages") {
+        if (!v.is_array() || v.empty())
+          return KeyError(where, key, "expected a non-empty array of messages", v);
+        for (const Json& m : v) {
+          if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
+              !m["content"].is_string() || m.size() != 2)
+            return KeyError(where, key, "expected messages {\"role\": string, \"content\": string}", m);
+          p.messages.emplace_back(m["role"].get<std::string>(), m["content"].get<std::string>());
+        }
+        ++inputs;
       } else if (key == "max_tokens" || key == "top_k") {
         if (!v.is_number_integer() || v.get<int64_t>() < (key == "max_tokens" ? 1 : 0)) {
           return KeyError(where, key,
@@ -82,12 +97,15 @@ absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(absl::string_view text
         if (!v.is_boolean()) return KeyError(where, key, "expected true or false", v);
         p.ignore_eos = v.get<bool>();
       } else {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": unknown key '", key,
-                         "' (known: prompt_ids, max_tokens, temperature, top_k, top_p, seed, ignore_eos)"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": unknown key '", key,
+            "' (known: prompt_ids, prompt, messages, max_tokens, temperature, top_k, top_p, seed, "
+            "ignore_eos)"));
       }
     }
-    if (!have_ids) return absl::InvalidArgumentError(absl::StrCat(where, ": missing key 'prompt_ids'"));
+    if (inputs != 1)
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": expected exactly one of 'prompt_ids', 'prompt' or 'messages'"));
     out.push_back(std::move(p));
   }
   if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(source, ": no prompts"));

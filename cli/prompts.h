@@ -15,10 +15,14 @@ namespace tandem::cli {
 // "1,2, 3" -> {1, 2, 3}. Every element must be a non-negative 32-bit integer.
 absl::StatusOr<std::vector<int32_t>> ParseIdList(absl::string_view text);
 
-// One line of a prompts file: {"prompt_ids": [..], "max_tokens"?: n, "temperature"?: t,
-// "top_k"?: k, "top_p"?: p, "seed"?: s, "ignore_eos"?: b}. Absent fields take the command line's values.
+// One line of a prompts file: exactly one of {"prompt_ids": [..]}, {"prompt": "text"} or
+// {"messages": [{"role": r, "content": c}, ...]} (a chat, through the model's template), and
+// "max_tokens"?: n, "temperature"?: t, "top_k"?: k, "top_p"?: p, "seed"?: s, "ignore_eos"?: b.
+// Absent fields take the command line's values. Text needs a model that ships a tokenizer.
 struct PromptSpec {
   std::vector<int32_t> prompt_ids;
+  std::optional<std::string> prompt;                          // text
+  std::vector<std::pair<std::string, std::string>> messages;  // (role, content)
   std::optional<int64_t> max_tokens;
   std::optional<double> temperature;
   std::optional<int64_t> top_k;
