@@ -14,6 +14,7 @@
 #include "common/config.h"
 #include "compute_node/engine.h"
 #include "deploy/deployment.h"
+#include "text/text_model.h"
 
 namespace tandem::cli {
 
@@ -32,6 +33,10 @@ void AddRankCommands(CLI::App& app);
 absl::StatusOr<std::vector<GenerationResult>> RunRequests(
     Engine& engine, std::vector<GenerationRequest> requests, RunStats* stats,
     const std::function<absl::Status()>& before_step = nullptr);
+
+// The model's tokenizer and chat template for `tandem serve` and compute rank 0's API, or nullptr
+// (token ids only; logged) when the model ships none or they do not load.
+std::unique_ptr<text::TextModel> LoadServeText(const std::string& model);
 
 // The path of the running `tandem` executable.
 std::string SelfPath();

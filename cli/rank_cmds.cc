@@ -96,6 +96,8 @@ absl::Status RunCompute(const ComputeArgs& a) {
     const server::ApiOptions api = server::ApiOptionsFromConfig(c);
     ASSIGN_OR_RETURN(std::unique_ptr<server::ApiServer> http, server::ApiServer::Start(api));
     ASSIGN_OR_RETURN(std::unique_ptr<ComputeRank> rank, ComputeRank::Create(*source, o));
+    std::unique_ptr<text::TextModel> text = LoadServeText(c.GetString("model.path"));
+    http->SetText(text.get());
     server::ServerMetrics metrics;
     server::EngineLoop loop(
         rank.get(), server::LoopOptionsFromConfig(c),

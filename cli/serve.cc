@@ -27,6 +27,7 @@
 #include "server/api_server.h"
 #include "server/engine_loop.h"
 #include "server/metrics.h"
+#include "text/text_model.h"
 
 namespace tandem::cli {
 
@@ -82,6 +83,22 @@ class Signals {
   int fds_[2] = {-1, -1};
 };
 
+}  // namespace
+
+// The model's tokenizer and chat template for the API, or nullptr (token ids only) with a note.
+std::unique_ptr<text::TextModel> LoadServeText(const std::string& model) {
+  absl::StatusOr<std::unique_ptr<text::TextModel>> tm = text::TextModel::Load(model);
+  if (tm.ok()) {
+    TANDEM_LOG_INFO("serve", "text: ", (*tm)->source(),
+                    (*tm)->has_chat_template() ? ", with a chat template" : "");
+    return *std::move(tm);
+  }
+  TANDEM_LOG_WARN("serve", "token ids only (no text, chat or stop strings): ", tm.status().message());
+  return nullptr;
+}
+
+namespace {
+
 // --deploy: the launcher starts the memory ranks and compute rank 0, which serves the API; the
 // launcher stays in the foreground and drains compute rank 0 first on SIGTERM.
 absl::Status RunServeDeployed(const ServeArgs& a) {
@@ -119,6 +136,8 @@ absl::Status RunServe(const ServeArgs& a) {
   ASSIGN_OR_RETURN(std::unique_ptr<WeightSource> source, OpenModel(a.model, a.weight_seed));
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
                    ColocatedEngine::Create(*source, EngineOptionsFromConfig(config)));
+  std::unique_ptr<text::TextModel> text = LoadServeText(a.model);
+  http->SetText(text.get());
   server::ServerMetrics metrics;
   server::EngineLoop loop(
       engine.get(), server::LoopOptionsFromConfig(config),

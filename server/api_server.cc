@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <random>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -12,6 +13,8 @@
 #include "absl/time/clock.h"
 #include "common/log.h"
 #include "nlohmann/json.hpp"
+#include "text/text_model.h"
+#include "tokenizer/tokenizer.h"
 
 #ifndef TANDEM_VERSION
 #define TANDEM_VERSION "unknown"
@@ -64,12 +67,15 @@ bool ConstantTimeEquals(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
+// One API call, parsed: the prompts (token ids; text already encoded) and the sampling fields.
 struct Completion {
+  bool chat = false;
   std::vector<std::vector<int32_t>> prompts;
   int64_t max_tokens = 16, top_k = 0, n = 1;
   double temperature = 1.0, top_p = 1.0;
   std::optional<uint64_t> seed;
   bool stream = false, include_usage = false, ignore_eos = false, logprobs = false;
+  std::vector<std::string> stop;
 };
 
 // Reads an integer field in [lo, hi].
@@ -111,41 +117,17 @@ std::optional<FieldError> TokenList(const json& v, int64_t vocab, std::vector<in
   return std::nullopt;
 }
 
-std::optional<FieldError> ParseCompletion(const json& body, const ApiOptions& o, const ModelSpec& spec,
-                                          Completion* c) {
-  static const std::set<std::string> kKnown = {
-      "model", "prompt", "max_tokens", "temperature",       "top_p",           "top_k",
-      "seed",  "n",      "stream",     "stream_options",    "ignore_eos",      "logprobs",
-      "echo",  "stop",   "user",       "frequency_penalty", "presence_penalty"};
-  if (!body.is_object()) return FieldError{"", "the body must be a JSON object"};
-  for (const auto& [k, v] : body.items()) {
-    if (!kKnown.contains(k)) return FieldError{k, absl::StrCat("unknown field \"", k, "\"")};
-  }
+// The fields both endpoints share (sampling, streaming, stop).
+std::optional<FieldError> ParseCommon(const json& body, const ApiOptions& o, const ModelSpec& spec,
+                                      const text::TextModel* tm, Completion* c) {
   for (const char* k : {"frequency_penalty", "presence_penalty"}) {
     if (body.contains(k) && !(body[k].is_number() && body[k].get<double>() == 0.0))
       return FieldError{k, absl::StrCat(k, " is not supported (only 0)")};
   }
-  if (body.contains("echo") && body["echo"] != json(false))
-    return FieldError{"echo", "echo is not supported yet"};
-  if (body.contains("stop") && !body["stop"].is_null() && !(body["stop"].is_array() && body["stop"].empty()))
-    return FieldError{"stop", "stop strings need a tokenizer; this server has none yet"};
-  if (!body.contains("prompt")) return FieldError{"prompt", "prompt is required"};
-  const json& p = body["prompt"];
-  if (p.is_string() || (p.is_array() && !p.empty() && p[0].is_string()))
-    return FieldError{"prompt", "text prompts need a tokenizer; this server has none yet: send token ids"};
-  if (!p.is_array() || p.empty())
-    return FieldError{"prompt", "prompt must be a list of token ids or of such lists"};
-  if (p[0].is_array()) {
-    for (const json& one : p) {
-      if (!one.is_array()) return FieldError{"prompt", "prompt: mixes token ids and lists"};
-      c->prompts.emplace_back();
-      if (auto e = TokenList(one, spec.vocab_size, &c->prompts.back())) return e;
-    }
-  } else {
-    c->prompts.emplace_back();
-    if (auto e = TokenList(p, spec.vocab_size, &c->prompts.back())) return e;
-  }
   if (auto e = Int(body, "max_tokens", 1, spec.max_position, &c->max_tokens)) return e;
+  if (c->chat) {
+    if (auto e = Int(body, "max_completion_tokens", 1, spec.max_position, &c->max_tokens)) return e;
+  }
   if (auto e = Int(body, "top_k", 0, spec.vocab_size, &c->top_k)) return e;
   if (auto e = Int(body, "n", 1, o.max_n, &c->n)) return e;
   if (auto e = Real(body, "temperature", 0, 2, &c->temperature)) return e;
@@ -157,13 +139,6 @@ std::optional<FieldError> ParseCompletion(const json& body, const ApiOptions& o,
   }
   if (auto e = Bool(body, "stream", &c->stream)) return e;
   if (auto e = Bool(body, "ignore_eos", &c->ignore_eos)) return e;
-  if (body.contains("logprobs") && !body["logprobs"].is_null()) {
-    int64_t k = 0;
-    if (auto e = Int(body, "logprobs", 0, 1, &k))
-      return FieldError{"logprobs",
-                        "logprobs must be 0 or 1 (the chosen token's log-probability; no alternatives)"};
-    c->logprobs = k > 0;
-  }
   if (body.contains("stream_options") && !body["stream_options"].is_null()) {
     const json& so = body["stream_options"];
     if (!so.is_object()) return FieldError{"stream_options", "stream_options must be an object"};
@@ -171,12 +146,149 @@ std::optional<FieldError> ParseCompletion(const json& body, const ApiOptions& o,
       return FieldError{"stream_options.include_usage", e->message};
   }
   if (body.contains("user") && !body["user"].is_string()) return FieldError{"user", "user must be a string"};
+  if (body.contains("stop") && !body["stop"].is_null()) {
+    const json& st = body["stop"];
+    if (st.is_string()) {
+      c->stop.push_back(st.get<std::string>());
+    } else if (st.is_array() && st.size() <= 4) {
+      for (const json& x : st) {
+        if (!x.is_string()) return FieldError{"stop", "stop must be a string or a list of up to 4 strings"};
+        c->stop.push_back(x.get<std::string>());
+      }
+    } else {
+      return FieldError{"stop", "stop must be a string or a list of up to 4 strings"};
+    }
+    for (const std::string& s : c->stop)
+      if (s.empty()) return FieldError{"stop", "stop strings must not be empty"};
+    if (!c->stop.empty() && tm == nullptr)
+      return FieldError{"stop", "stop strings need the model's tokenizer; this model ships none"};
+  }
   return std::nullopt;
+}
+
+std::optional<FieldError> ParseCompletion(const json& body, const ApiOptions& o, const ModelSpec& spec,
+                                          const text::TextModel* tm, Completion* c) {
+  static const std::set<std::string> kKnown = {
+      "model", "prompt", "max_tokens", "temperature",       "top_p",           "top_k",
+      "seed",  "n",      "stream",     "stream_options",    "ignore_eos",      "logprobs",
+      "echo",  "stop",   "user",       "frequency_penalty", "presence_penalty"};
+  for (const auto& [k, v] : body.items()) {
+    if (!kKnown.contains(k)) return FieldError{k, absl::StrCat("unknown field \"", k, "\"")};
+  }
+  if (body.contains("echo") && body["echo"] != json(false))
+    return FieldError{"echo", "echo is not supported yet"};
+  if (!body.contains("prompt")) return FieldError{"prompt", "prompt is required"};
+  const json& p = body["prompt"];
+  auto encode = [&](const std::string& text) -> std::optional<FieldError> {
+    if (tm == nullptr)
+      return FieldError{"prompt",
+                        "text prompts need the model's tokenizer; this model ships none: send token ids"};
+    absl::StatusOr<std::vector<int32_t>> ids = tm->EncodePrompt(text);
+    if (!ids.ok()) return FieldError{"prompt", absl::StrCat("prompt: ", ids.status().message())};
+    if (ids->empty()) return FieldError{"prompt", "prompt: the text encodes to no tokens"};
+    c->prompts.push_back(*std::move(ids));
+    return std::nullopt;
+  };
+  if (p.is_string()) {
+    if (auto e = encode(p.get<std::string>())) return e;
+  } else if (!p.is_array() || p.empty()) {
+    return FieldError{"prompt",
+                      "prompt must be text, a list of texts, token ids or a list of token id lists"};
+  } else if (p[0].is_string()) {
+    for (const json& one : p) {
+      if (!one.is_string()) return FieldError{"prompt", "prompt: mixes texts and other values"};
+      if (auto e = encode(one.get<std::string>())) return e;
+    }
+  } else if (p[0].is_array()) {
+    for (const json& one : p) {
+      if (!one.is_array()) return FieldError{"prompt", "prompt: mixes token ids and lists"};
+      c->prompts.emplace_back();
+      if (auto e = TokenList(one, spec.vocab_size, &c->prompts.back())) return e;
+    }
+  } else {
+    c->prompts.emplace_back();
+    if (auto e = TokenList(p, spec.vocab_size, &c->prompts.back())) return e;
+  }
+  if (body.contains("logprobs") && !body["logprobs"].is_null()) {
+    int64_t k = 0;
+    if (Int(body, "logprobs", 0, 1, &k))
+      return FieldError{"logprobs",
+                        "logprobs must be 0 or 1 (the chosen token's log-probability; no alternatives)"};
+    c->logprobs = k > 0;
+  }
+  return ParseCommon(body, o, spec, tm, c);
+}
+
+std::optional<FieldError> ParseChat(const json& body, const ApiOptions& o, const ModelSpec& spec,
+                                    const text::TextModel* tm, Completion* c) {
+  static const std::set<std::string> kKnown = {"model",
+                                               "messages",
+                                               "max_tokens",
+                                               "max_completion_tokens",
+                                               "temperature",
+                                               "top_p",
+                                               "top_k",
+                                               "seed",
+                                               "n",
+                                               "stream",
+                                               "stream_options",
+                                               "ignore_eos",
+                                               "logprobs",
+                                               "top_logprobs",
+                                               "stop",
+                                               "user",
+                                               "frequency_penalty",
+                                               "presence_penalty"};
+  c->chat = true;
+  for (const auto& [k, v] : body.items()) {
+    if (!kKnown.contains(k)) return FieldError{k, absl::StrCat("unknown field \"", k, "\"")};
+  }
+  if (tm == nullptr || !tm->has_chat_template())
+    return FieldError{"messages",
+                      "chat needs the model's tokenizer and chat template; this model ships none"};
+  if (!body.contains("messages") || !body["messages"].is_array() || body["messages"].empty())
+    return FieldError{"messages", "messages must be a non-empty list"};
+  std::vector<ChatMessage> messages;
+  for (size_t i = 0; i < body["messages"].size(); ++i) {
+    const json& m = body["messages"][i];
+    const std::string where = absl::StrCat("messages[", i, "]");
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+      return FieldError{where, absl::StrCat(where, " must be an object with a string role")};
+    std::string content;
+    if (m.contains("content") && m["content"].is_string()) {
+      content = m["content"].get<std::string>();
+    } else if (m.contains("content") && m["content"].is_array()) {
+      for (const json& part : m["content"]) {
+        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+            !part["text"].is_string())
+          return FieldError{where, absl::StrCat(where, ".content: only text parts are supported")};
+        content += part["text"].get<std::string>();
+      }
+    } else if (!(m.contains("content") && m["content"].is_null())) {
+      return FieldError{where, absl::StrCat(where, ".content must be a string or a list of text parts")};
+    }
+    messages.push_back({m["role"].get<std::string>(), std::move(content)});
+  }
+  absl::StatusOr<std::vector<int32_t>> ids = tm->EncodeChat(messages);
+  if (!ids.ok()) return FieldError{"messages", absl::StrCat("messages: ", ids.status().message())};
+  if (ids->empty()) return FieldError{"messages", "messages: the chat encodes to no tokens"};
+  c->prompts.push_back(*std::move(ids));
+  if (auto e = Bool(body, "logprobs", &c->logprobs)) return e;
+  if (body.contains("top_logprobs") && !(body["top_logprobs"].is_null() || body["top_logprobs"] == json(0)))
+    return FieldError{"top_logprobs", "top_logprobs is not supported (only 0)"};
+  return ParseCommon(body, o, spec, tm, c);
 }
 
 int64_t NowUnix() { return absl::ToUnixSeconds(absl::Now()); }
 
-json LogprobsJson(const std::vector<int32_t>& tokens, const std::vector<float>& lp) {
+json LogprobsJson(const std::vector<int32_t>& tokens, const std::vector<float>& lp, bool chat) {
+  if (chat) {
+    json content = json::array();
+    for (size_t i = 0; i < tokens.size(); ++i)
+      content.push_back(
+          {{"token", absl::StrCat(tokens[i])}, {"logprob", lp[i]}, {"top_logprobs", json::array()}});
+    return {{"content", content}};
+  }
   json ts = json::array(), ls = json::array();
   for (size_t i = 0; i < tokens.size(); ++i) {
     ts.push_back(absl::StrCat(tokens[i]));
@@ -192,17 +304,79 @@ json Usage(int64_t prompt, int64_t completion, int64_t cached) {
           {"prompt_tokens_details", {{"cached_tokens", cached}}}};
 }
 
+// One choice of a call: its request's stream, and its text as it grows (decoded incrementally;
+// a stop string cancels the request and ends the text before it).
+struct Choice {
+  std::shared_ptr<RequestStream> stream;
+  std::unique_ptr<tokenizer::IncrementalDecoder> decoder;
+  std::unique_ptr<text::StopMatcher> stop;
+  bool done = false, first = true;
+  GenerationResult result;
+  std::string finish_reason;
+};
+
+// What one event adds to a choice.
+struct Delta {
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs;
+  std::string text;
+  bool finished = false;
+};
+
 // The requests of one API call, as submitted to the loop; cancelled together.
 struct Call {
   EngineLoop* loop = nullptr;
-  std::vector<std::shared_ptr<RequestStream>> streams;
-  std::vector<bool> done;
-  std::vector<GenerationResult> results;
+  std::vector<Choice> choices;
   std::string id;
   int64_t created = 0;
+  size_t per_prompt = 1;
   void CancelAll() {
-    for (size_t i = 0; i < streams.size(); ++i)
-      if (!done[i]) loop->Cancel(streams[i]->key());
+    for (Choice& c : choices)
+      if (!c.done) loop->Cancel(c.stream->key());
+  }
+  // Folds an event into choice `i`. A stop string seen in the text cancels the request; the
+  // tokens after the one that completed it are not reported.
+  Delta Apply(size_t i, StreamEvent& e) {
+    Choice& c = choices[i];
+    Delta d;
+    const bool stopped_before = c.stop && c.stop->stopped();
+    if (!stopped_before) {
+      for (size_t k = 0; k < e.tokens.size(); ++k) {
+        d.tokens.push_back(e.tokens[k]);
+        d.logprobs.push_back(e.logprobs[k]);
+        if (c.decoder) {
+          absl::StatusOr<std::string> piece = c.decoder->Add(e.tokens[k]);
+          if (piece.ok()) d.text += c.stop ? c.stop->Add(*piece) : *piece;
+          if (c.stop && c.stop->stopped()) {
+            loop->Cancel(c.stream->key());
+            break;
+          }
+        }
+      }
+    }
+    if (e.done) {
+      c.done = true;
+      d.finished = true;
+      const bool stopped = c.stop && c.stop->stopped();
+      if (!stopped && c.decoder) {
+        const std::string tail = c.decoder->Flush();
+        d.text += c.stop ? c.stop->Add(tail) + c.stop->Flush() : tail;
+      }
+      c.finish_reason = stopped ? "stop" : e.result.finish_reason;
+      c.result = std::move(e.result);
+    }
+    return d;
+  }
+  json UsageJson() const {
+    int64_t prompt_tokens = 0, completion = 0, cached = 0;
+    for (size_t i = 0; i < choices.size(); ++i) {
+      if (i % per_prompt == 0) {
+        prompt_tokens += choices[i].result.prompt_tokens;
+        cached += choices[i].result.cached_tokens;
+      }
+      completion += static_cast<int64_t>(choices[i].result.token_ids.size());
+    }
+    return Usage(prompt_tokens, completion, cached);
   }
 };
 
@@ -328,181 +502,186 @@ void ApiServer::Routes() {
     if (loop == nullptr || metrics == nullptr) return SendError(res, 503, "loading the model");
     res.set_content(metrics->Render(loop->stats(), options_.served_model_name), "text/plain; version=0.0.4");
   });
-  h.Post("/v1/chat/completions", [](const httplib::Request&, httplib::Response& res) {
-    SendError(res, 400, "chat needs a tokenizer and a chat template; this server has none yet", "messages");
-  });
-  h.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    EngineLoop* loop = loop_;
-    if (loop == nullptr) return SendError(res, 503, "loading the model");
-    if (draining_) return SendError(res, 503, "shutting down");
-    json body = json::parse(req.body, nullptr, false);
-    if (body.is_discarded()) return SendError(res, 400, "the body is not valid JSON");
-    if (!body.is_object()) return SendError(res, 400, "the body must be a JSON object");
-    if (!body.contains("model") || !body["model"].is_string())
-      return SendError(res, 400, "model is required", "model");
-    if (body["model"].get<std::string>() != options_.served_model_name)
-      return SendError(
-          res, 404, absl::StrCat("model \"", body["model"].get<std::string>(), "\" does not exist"), "model");
-    Completion c;
-    if (std::optional<FieldError> e = ParseCompletion(body, options_, loop->spec(), &c))
-      return SendError(res, 400, e->message, e->param);
-    auto call = std::make_shared<Call>();
-    call->loop = loop;
-    call->created = NowUnix();
-    const uint64_t base_seed = c.seed ? *c.seed : std::random_device{}();
-    for (const std::vector<int32_t>& prompt : c.prompts) {
-      for (int64_t i = 0; i < c.n; ++i) {
-        GenerationRequest r;
-        r.prompt = prompt;
-        r.max_tokens = c.max_tokens;
-        r.ignore_eos = c.ignore_eos;
-        r.sampling.temperature = static_cast<float>(c.temperature);
-        r.sampling.top_p = static_cast<float>(c.top_p);
-        r.sampling.top_k = static_cast<int32_t>(c.top_k);
-        r.sampling.seed = base_seed + static_cast<uint64_t>(i);
-        absl::StatusOr<std::shared_ptr<RequestStream>> s = loop->Submit(std::move(r));
-        if (!s.ok()) {
-          call->done.assign(call->streams.size(), false);
-          call->CancelAll();  // nothing half-applied
-          if (absl::IsResourceExhausted(s.status())) {
-            res.set_header("Retry-After", "1");
-            return SendError(res, 429, std::string(s.status().message()));
-          }
-          if (absl::IsUnavailable(s.status())) return SendError(res, 503, std::string(s.status().message()));
-          return SendError(res, 400, std::string(s.status().message()), "prompt");
+  h.Post("/v1/completions",
+         [this](const httplib::Request& req, httplib::Response& res) { Complete(req, res, false); });
+  h.Post("/v1/chat/completions",
+         [this](const httplib::Request& req, httplib::Response& res) { Complete(req, res, true); });
+}
+
+void ApiServer::Complete(const httplib::Request& req, httplib::Response& res, bool chat) {
+  EngineLoop* loop = loop_;
+  if (loop == nullptr) return SendError(res, 503, "loading the model");
+  if (draining_) return SendError(res, 503, "shutting down");
+  json body = json::parse(req.body, nullptr, false);
+  if (body.is_discarded()) return SendError(res, 400, "the body is not valid JSON");
+  if (!body.is_object()) return SendError(res, 400, "the body must be a JSON object");
+  if (!body.contains("model") || !body["model"].is_string())
+    return SendError(res, 400, "model is required", "model");
+  if (body["model"].get<std::string>() != options_.served_model_name)
+    return SendError(
+        res, 404, absl::StrCat("model \"", body["model"].get<std::string>(), "\" does not exist"), "model");
+  Completion c;
+  const std::optional<FieldError> bad = chat ? ParseChat(body, options_, loop->spec(), text_, &c)
+                                             : ParseCompletion(body, options_, loop->spec(), text_, &c);
+  if (bad) return SendError(res, 400, bad->message, bad->param);
+  auto call = std::make_shared<Call>();
+  call->loop = loop;
+  call->created = NowUnix();
+  call->per_prompt = static_cast<size_t>(c.n);
+  const uint64_t base_seed = c.seed ? *c.seed : std::random_device{}();
+  for (const std::vector<int32_t>& prompt : c.prompts) {
+    for (int64_t i = 0; i < c.n; ++i) {
+      GenerationRequest r;
+      r.prompt = prompt;
+      r.max_tokens = c.max_tokens;
+      r.ignore_eos = c.ignore_eos;
+      r.sampling.temperature = static_cast<float>(c.temperature);
+      r.sampling.top_p = static_cast<float>(c.top_p);
+      r.sampling.top_k = static_cast<int32_t>(c.top_k);
+      r.sampling.seed = base_seed + static_cast<uint64_t>(i);
+      absl::StatusOr<std::shared_ptr<RequestStream>> s = loop->Submit(std::move(r));
+      if (!s.ok()) {
+        call->CancelAll();  // nothing half-applied
+        if (absl::IsResourceExhausted(s.status())) {
+          res.set_header("Retry-After", "1");
+          return SendError(res, 429, std::string(s.status().message()));
         }
-        call->streams.push_back(*std::move(s));
+        if (absl::IsUnavailable(s.status())) return SendError(res, 503, std::string(s.status().message()));
+        return SendError(res, 400, std::string(s.status().message()), chat ? "messages" : "prompt");
+      }
+      Choice ch;
+      ch.stream = *std::move(s);
+      if (text_ != nullptr) ch.decoder = std::make_unique<tokenizer::IncrementalDecoder>(text_->tokenizer());
+      if (!c.stop.empty()) ch.stop = std::make_unique<text::StopMatcher>(c.stop);
+      call->choices.push_back(std::move(ch));
+    }
+  }
+  call->id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", call->choices.front().stream->key());
+  const std::string model = options_.served_model_name;
+  const bool logprobs = c.logprobs, include_usage = c.include_usage;
+  const char* object = chat ? "chat.completion" : "text_completion";
+  if (!c.stream) {
+    std::vector<std::string> texts(call->choices.size());
+    std::vector<std::vector<float>> lps(call->choices.size());
+    std::vector<std::vector<int32_t>> toks(call->choices.size());
+    for (size_t i = 0; i < call->choices.size(); ++i) {
+      while (!call->choices[i].done) {
+        std::optional<StreamEvent> e = call->choices[i].stream->Next(absl::InfiniteFuture());
+        if (!e) continue;
+        if (e->done && !e->error.ok()) {
+          call->choices[i].done = true;
+          call->CancelAll();
+          return SendError(res, 500, absl::StrCat("the engine failed: ", e->error.message()));
+        }
+        Delta d = call->Apply(i, *e);
+        texts[i] += d.text;
+        toks[i].insert(toks[i].end(), d.tokens.begin(), d.tokens.end());
+        lps[i].insert(lps[i].end(), d.logprobs.begin(), d.logprobs.end());
       }
     }
-    call->done.assign(call->streams.size(), false);
-    call->results.resize(call->streams.size());
-    call->id = absl::StrCat("cmpl-", call->streams.front()->key());
-    const std::string model = options_.served_model_name;
-    if (!c.stream) {
-      for (size_t i = 0; i < call->streams.size(); ++i) {
-        while (!call->done[i]) {
-          std::optional<StreamEvent> e = call->streams[i]->Next(absl::InfiniteFuture());
-          if (!e || !e->done) continue;
-          call->done[i] = true;
-          if (!e->error.ok()) {
-            call->CancelAll();
-            return SendError(res, 500, absl::StrCat("the engine failed: ", e->error.message()));
-          }
-          call->results[i] = std::move(e->result);
-        }
+    json choices = json::array();
+    for (size_t i = 0; i < call->choices.size(); ++i) {
+      json ch = {{"index", i},
+                 {"finish_reason", call->choices[i].finish_reason},
+                 {"token_ids", toks[i]},
+                 {"logprobs", logprobs ? LogprobsJson(toks[i], lps[i], chat) : json(nullptr)}};
+      if (chat) {
+        ch["message"] = {{"role", "assistant"}, {"content", texts[i]}};
+      } else {
+        ch["text"] = texts[i];
       }
-      json choices = json::array();
-      int64_t prompt_tokens = 0, completion = 0, cached = 0;
-      for (size_t i = 0; i < call->results.size(); ++i) {
-        const GenerationResult& r = call->results[i];
-        json ch = {{"index", i},
-                   {"text", ""},
-                   {"token_ids", r.token_ids},
-                   {"finish_reason", r.finish_reason},
-                   {"logprobs", c.logprobs ? LogprobsJson(r.token_ids, r.logprobs) : json(nullptr)}};
-        choices.push_back(ch);
-        if (i % static_cast<size_t>(c.n) == 0) {
-          prompt_tokens += r.prompt_tokens;
-          cached += r.cached_tokens;
-        }
-        completion += static_cast<int64_t>(r.token_ids.size());
-      }
-      json out = {{"id", call->id},           {"object", "text_completion"},
-                  {"created", call->created}, {"model", model},
-                  {"choices", choices},       {"usage", Usage(prompt_tokens, completion, cached)}};
-      res.set_content(out.dump(), "application/json");
-      return;
+      choices.push_back(ch);
     }
-    const bool logprobs = c.logprobs, include_usage = c.include_usage;
-    const size_t per_prompt = static_cast<size_t>(c.n);
-    res.set_chunked_content_provider(
-        "text/event-stream",
-        [call, model, logprobs, include_usage, per_prompt](size_t, httplib::DataSink& sink) {
-          auto send = [&](const json& j) {
-            const std::string line = absl::StrCat("data: ", j.dump(), "\n\n");
-            return sink.write(line.data(), line.size());
-          };
-          auto chunk = [&](size_t index, const std::vector<int32_t>& tokens, const std::vector<float>& lp,
-                           const json& finish) {
-            json ch = {{"index", index},
-                       {"text", ""},
-                       {"token_ids", tokens},
-                       {"finish_reason", finish},
-                       {"logprobs", logprobs ? LogprobsJson(tokens, lp) : json(nullptr)}};
-            return send({{"id", call->id},
-                         {"object", "text_completion"},
-                         {"created", call->created},
-                         {"model", model},
-                         {"choices", json::array({ch})}});
-          };
-          // One pass over the streams: whatever events are ready, or a keep-alive comment after a
-          // second of silence (a write is how a disconnected client is noticed).
-          const absl::Time until = absl::Now() + absl::Seconds(1);
-          bool wrote = false, all_done = true;
-          for (size_t i = 0; i < call->streams.size(); ++i) {
-            if (call->done[i]) continue;
-            const absl::Duration slice = std::max(
-                absl::ZeroDuration(), (until - absl::Now()) / static_cast<int64_t>(call->streams.size()));
-            while (std::optional<StreamEvent> e =
-                       call->streams[i]->Next(absl::Now() + (wrote ? absl::ZeroDuration() : slice))) {
-              wrote = true;
-              if (e->done) {
-                call->done[i] = true;
-                if (!e->error.ok()) {
-                  send({{"error",
-                         {{"message", absl::StrCat("the engine failed: ", e->error.message())},
-                          {"type", "server_error"},
-                          {"code", 500}}}});
-                  call->CancelAll();
-                  sink.done();
-                  return true;
-                }
-                if (!chunk(i, {}, {}, e->result.finish_reason)) {
-                  call->CancelAll();
-                  return false;
-                }
-                call->results[i] = std::move(e->result);
-                break;
-              }
-              if (!chunk(i, e->tokens, e->logprobs, nullptr)) {
-                call->CancelAll();
-                return false;
-              }
+    json out = {{"id", call->id}, {"object", object},   {"created", call->created},
+                {"model", model}, {"choices", choices}, {"usage", call->UsageJson()}};
+    res.set_content(out.dump(), "application/json");
+    return;
+  }
+  const char* chunk_object = chat ? "chat.completion.chunk" : "text_completion";
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [call, model, logprobs, include_usage, chat, chunk_object](size_t, httplib::DataSink& sink) {
+        auto send = [&](const json& j) {
+          const std::string line = absl::StrCat("data: ", j.dump(), "\n\n");
+          return sink.write(line.data(), line.size());
+        };
+        auto chunk = [&](size_t index, const Delta& d, const json& finish) {
+          Choice& c = call->choices[index];
+          json ch = {{"index", index},
+                     {"token_ids", d.tokens},
+                     {"finish_reason", finish},
+                     {"logprobs", logprobs ? LogprobsJson(d.tokens, d.logprobs, chat) : json(nullptr)}};
+          if (chat) {
+            json delta = json::object();
+            if (c.first) delta["role"] = "assistant";
+            if (!d.text.empty() || finish.is_null()) delta["content"] = d.text;
+            ch["delta"] = delta;
+          } else {
+            ch["text"] = d.text;
+          }
+          c.first = false;
+          return send({{"id", call->id},
+                       {"object", chunk_object},
+                       {"created", call->created},
+                       {"model", model},
+                       {"choices", json::array({ch})}});
+        };
+        // One pass over the choices: whatever events are ready, or a keep-alive comment after a
+        // second of silence (a write is how a disconnected client is noticed).
+        const absl::Time until = absl::Now() + absl::Seconds(1);
+        bool wrote = false, all_done = true;
+        const int64_t n = static_cast<int64_t>(call->choices.size());
+        for (size_t i = 0; i < call->choices.size(); ++i) {
+          if (call->choices[i].done) continue;
+          const absl::Duration slice = std::max(absl::ZeroDuration(), (until - absl::Now()) / n);
+          while (std::optional<StreamEvent> e =
+                     call->choices[i].stream->Next(absl::Now() + (wrote ? absl::ZeroDuration() : slice))) {
+            wrote = true;
+            if (e->done && !e->error.ok()) {
+              call->choices[i].done = true;
+              send({{"error",
+                     {{"message", absl::StrCat("the engine failed: ", e->error.message())},
+                      {"type", "server_error"},
+                      {"code", 500}}}});
+              call->CancelAll();
+              sink.done();
+              return true;
             }
-            if (!call->done[i]) all_done = false;
-          }
-          if (!all_done) {
-            if (!wrote && !sink.write(": keep-alive\n\n", 14)) {
+            const Delta d = call->Apply(i, *e);
+            const bool ok = d.finished ? (d.tokens.empty() && d.text.empty() ? true : chunk(i, d, nullptr)) &&
+                                             chunk(i, Delta{}, call->choices[i].finish_reason)
+                                       : (d.tokens.empty() && d.text.empty() ? true : chunk(i, d, nullptr));
+            if (!ok) {
               call->CancelAll();
               return false;
             }
-            return true;
+            if (d.finished) break;
           }
-          if (include_usage) {
-            int64_t prompt_tokens = 0, completion = 0, cached = 0;
-            for (size_t i = 0; i < call->results.size(); ++i) {
-              if (i % per_prompt == 0) {
-                prompt_tokens += call->results[i].prompt_tokens;
-                cached += call->results[i].cached_tokens;
-              }
-              completion += static_cast<int64_t>(call->results[i].token_ids.size());
-            }
-            send({{"id", call->id},
-                  {"object", "text_completion"},
-                  {"created", call->created},
-                  {"model", model},
-                  {"choices", json::array()},
-                  {"usage", Usage(prompt_tokens, completion, cached)}});
+          if (!call->choices[i].done) all_done = false;
+        }
+        if (!all_done) {
+          if (!wrote && !sink.write(": keep-alive\n\n", 14)) {
+            call->CancelAll();
+            return false;
           }
-          const std::string done = "data: [DONE]\n\n";
-          sink.write(done.data(), done.size());
-          sink.done();
           return true;
-        },
-        [call](bool success) {
-          if (!success) call->CancelAll();
-        });
-  });
+        }
+        if (include_usage) {
+          send({{"id", call->id},
+                {"object", chunk_object},
+                {"created", call->created},
+                {"model", model},
+                {"choices", json::array()},
+                {"usage", call->UsageJson()}});
+        }
+        const std::string done = "data: [DONE]\n\n";
+        sink.write(done.data(), done.size());
+        sink.done();
+        return true;
+      },
+      [call](bool success) {
+        if (!success) call->CancelAll();
+      });
 }
 
 }  // namespace tandem::server

@@ -3,12 +3,15 @@
 // body-size limit; the API is JSON in and out, so its cost is parsing, not the server).
 //
 // Routes:
-//   POST /v1/completions   prompt as token ids (a list, or a list of lists); text prompts answer 400
-//                          until a tokenizer is loaded. Fields: model, max_tokens (16), temperature
+//   POST /v1/completions   prompt as text, a list of texts, token ids or a list of id lists (text
+//                          needs the model's tokenizer). Fields: model, max_tokens (16), temperature
 //                          (1), top_p, top_k, seed, n (choice i samples with seed + i), stream,
-//                          stream_options.include_usage, ignore_eos, logprobs (the chosen tokens'
-//                          log-probabilities). Each choice carries `token_ids` (an extension).
-//   POST /v1/chat/completions   400 until a tokenizer and a chat template are loaded.
+//                          stream_options.include_usage, ignore_eos, stop (up to 4 strings: the
+//                          request is cancelled when its text reaches one, and the text ends before
+//                          it), logprobs (0 or 1: the chosen tokens' log-probabilities). Each choice
+//                          carries `token_ids` (an extension) beside its text.
+//   POST /v1/chat/completions   messages (text content) through the model's chat template; the same
+//                          fields (logprobs true/false, max_completion_tokens); streamed as deltas.
 //   GET  /v1/models, /health (503 until ready and while shutting down), /version, /metrics.
 // Errors are OpenAI error objects ({"error": {"message", "type", "param", "code"}}): 400 bad JSON
 // or field (the field named in `param`), 401 bad or missing key, 404 unknown model or route, 413
@@ -31,6 +34,12 @@
 
 namespace httplib {
 class Server;
+struct Request;
+struct Response;
+}  // namespace httplib
+
+namespace tandem::text {
+class TextModel;
 }
 
 namespace tandem::server {
@@ -63,6 +72,9 @@ class ApiServer {
 
   int port() const { return port_; }
   // Ready: requests go to `loop` (which must outlive the server or be detached by Draining()).
+  // With `text` (may be null: token ids only), prompts may be text, chats go through its template,
+  // stop strings work and choices carry text. Call before SetLoop.
+  void SetText(const text::TextModel* text) { text_ = text; }
   void SetLoop(EngineLoop* loop, ServerMetrics* metrics);
   // Shutting down: /health answers 503 and new requests 503; streams in flight go on.
   void Draining();
@@ -72,6 +84,8 @@ class ApiServer {
  private:
   ApiServer() = default;
   void Routes();
+  void Complete(const httplib::Request& req, httplib::Response& res, bool chat);
+  const text::TextModel* text_ = nullptr;
   ApiOptions options_;
   std::unique_ptr<httplib::Server> http_;
   std::thread thread_;

