@@ -72,7 +72,11 @@ absl::StatusOr<std::string> ChatTemplate::Render(const std::vector<ChatMessage>&
   globals["eos_token"] = Value::Str(impl_->options.eos_token);
   globals["tools"] = Value::None();
   globals["documents"] = Value::None();
-  for (const char* f : {"raise_exception", "namespace", "range", "dict"}) globals[f] = Value::Builtin(f);
+  for (const char* f : {"raise_exception", "namespace", "range", "dict", "strftime_now"}) {
+    globals[f] = Value::Builtin(f);
+  }
+  if (impl_->options.fixed_time >= 0)
+    globals[std::string(jinja::kFixedTimeVariable)] = Value::Int(impl_->options.fixed_time);
   try {
     return jinja::Render(impl_->body, globals);
   } catch (const jinja::JinjaError& e) {

@@ -9,8 +9,10 @@
 //   messages               a list of {"role": ..., "content": ...} (strings)
 //   add_generation_prompt  bool
 //   bos_token, eos_token   strings (LoadOptions)
-//   tools                  none (also documents, and `strftime_now` is not defined)
-//   raise_exception(msg)   a function that fails the render with `msg`.
+//   tools                  none (also documents)
+//   raise_exception(msg)   a function that fails the render with `msg`
+//   strftime_now(fmt)      the time formatted by strftime, as transformers' datetime.now()
+//                          (local time), or LoadOptions::fixed_time (UTC) when set.
 //
 // Supported Jinja:
 //   {{ expr }}, {% stmt %}, {# comment #}, whitespace control ({%- -%}, {{- -}}, {#- -#}, and {%+ to
@@ -44,6 +46,7 @@
 // Strings are UTF-8; length, indexing and slicing count code points as Python does.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -62,6 +65,8 @@ class ChatTemplate {
   struct LoadOptions {
     std::string bos_token;
     std::string eos_token;
+    // Seconds since the epoch that strftime_now formats (as UTC); -1: the current local time.
+    int64_t fixed_time = -1;
   };
   // Parses `source`. Errors are InvalidArgument ("chat template: line 3, column 12: ...") for a
   // syntax error and Unimplemented naming the unsupported construct and its position.

@@ -139,6 +139,9 @@ struct Node {
   std::vector<ExprPtr> defaults;    // kMacro: one per param (null: none)
 };
 
+// A global no template can name (not an identifier): strftime_now's fixed time, when set.
+inline constexpr const char* kFixedTimeVariable = " fixed_time";
+
 // Parses a template (after jinja2's trim_blocks / lstrip_blocks / whitespace control).
 Body Parse(const std::string& source);
 

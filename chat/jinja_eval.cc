@@ -3,6 +3,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <set>
 
 #include "chat/jinja.h"
@@ -959,6 +960,21 @@ class Evaluator {
       }
       for (const auto& [k, v] : args.kw) ns.dict->Set(k, v);
       return ns;
+    }
+    if (f.s == "strftime_now") {
+      const Value fixed = Lookup(kFixedTimeVariable);
+      const std::time_t t =
+          fixed.kind == Value::kInt ? static_cast<std::time_t>(fixed.i) : std::time(nullptr);
+      std::tm tm{};
+      if (fixed.kind == Value::kInt) {
+        gmtime_r(&t, &tm);
+      } else {
+        localtime_r(&t, &tm);
+      }
+      const std::string fmt = ToString(args.Get(0, "format"));
+      char buf[512];
+      const size_t n = fmt.empty() ? 0 : std::strftime(buf, sizeof(buf), fmt.c_str(), &tm);
+      return Value::Str(std::string(buf, n));
     }
     if (f.s == "range") {
       int64_t start = 0, stop, step = 1;

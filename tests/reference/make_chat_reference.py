@@ -4,7 +4,7 @@
 Each *.jinja file there is rendered with Python's jinja2 exactly as Hugging Face transformers'
 apply_chat_template(tokenize=False) renders it (ImmutableSandboxedEnvironment with trim_blocks,
 lstrip_blocks and the loopcontrols extension; transformers' own tojson filter and
-raise_exception; variables messages, add_generation_prompt, bos_token, eos_token, tools=None,
+raise_exception, and strftime_now at a fixed instant; variables messages, add_generation_prompt, bos_token, eos_token, tools=None,
 documents=None), over the message lists below, with and without add_generation_prompt. The
 result, tests/data/chat_templates/reference.json, is what chat_template_test compares
 tandem's interpreter against. Needs only jinja2 (Debian python3-jinja2 or pip jinja2):
@@ -13,6 +13,7 @@ tandem's interpreter against. Needs only jinja2 (Debian python3-jinja2 or pip ji
     python3 tests/reference/make_chat_reference.py --check    # exit 1 if it would change
 """
 import argparse
+import datetime
 import json
 import pathlib
 import sys
@@ -28,6 +29,7 @@ except ImportError:
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DIR = ROOT / "tests" / "data" / "chat_templates"
 BOS, EOS = "<s>", "</s>"
+FIXED_TIME = 1735787045  # 2025-01-02 03:04:05 UTC: what strftime_now formats (chat_template_test sets the same)
 
 
 def U(text):
@@ -72,10 +74,16 @@ def raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
 
 
+def strftime_now(format):
+    # transformers formats datetime.now(); the references use a fixed instant instead
+    return datetime.datetime.fromtimestamp(FIXED_TIME, tz=datetime.timezone.utc).strftime(format)
+
+
 def environment():
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
     return env
 
 
@@ -105,7 +113,7 @@ def build():
                 case = {"template": path.name, "messages": messages, "add_generation_prompt": gen}
                 case.update(render(env, source, messages, gen))
                 cases.append(case)
-    return {"bos_token": BOS, "eos_token": EOS, "jinja2_version": jinja2.__version__, "cases": cases}
+    return {"bos_token": BOS, "eos_token": EOS, "fixed_time": FIXED_TIME, "jinja2_version": jinja2.__version__, "cases": cases}
 
 
 def main():

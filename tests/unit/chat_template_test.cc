@@ -37,7 +37,8 @@ TEST(ChatTemplate, MatchesJinja2OnEveryReferenceCase) {
   ASSERT_FALSE(text.empty()) << dir << "reference.json";
   const nlohmann::json ref = nlohmann::json::parse(text);
   const ChatTemplate::LoadOptions options{ref["bos_token"].get<std::string>(),
-                                          ref["eos_token"].get<std::string>()};
+                                          ref["eos_token"].get<std::string>(),
+                                          ref["fixed_time"].get<int64_t>()};
   std::map<std::string, ChatTemplate> templates;
   int checked = 0;
   for (const auto& c : ref["cases"]) {
@@ -143,6 +144,15 @@ TEST(ChatTemplate, MacrosScopesAndLoopControls) {
       "%}{{ i }}{% endfor %} "
       "{% for i in [] %}x{% else %}empty{% endfor %}");
   EXPECT_EQ(*t.Render({}, false), "1-2 1-3 outer 02 empty");
+}
+
+TEST(ChatTemplate, StrftimeNow) {
+  absl::StatusOr<ChatTemplate> fixed =
+      ChatTemplate::Load("{{ strftime_now('%Y-%m-%d %H:%M') }}", {"", "", 0});
+  ASSERT_TRUE(fixed.ok());
+  EXPECT_EQ(*fixed->Render({}, false), "1970-01-01 00:00");
+  ChatTemplate now = MustLoad("{{ strftime_now('%Y') | int > 2000 }}");
+  EXPECT_EQ(*now.Render({}, false), "True");
 }
 
 }  // namespace

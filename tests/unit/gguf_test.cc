@@ -488,6 +488,31 @@ TEST_F(GgufBadFile, Truncated) {
   EXPECT_THAT(Msg(s), HasSubstr("truncated"));
 }
 
+TEST_F(GgufBadFile, EveryTruncationAndHeaderByteFlipIsRefusedOrHarmless) {
+  ASSERT_TRUE(Open(good_, "fuzz.gguf").ok());
+  std::ifstream in(path_, std::ios::binary);
+  const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string cut = TempPath("fuzz_cut.gguf");
+  const size_t header = data.find("output.weight") + 64;  // past the last tensor info
+  for (size_t len = 0; len < data.size(); len += (len < 256 ? 1 : len < header ? 7 : 4099)) {
+    std::ofstream(cut, std::ios::binary).write(data.data(), static_cast<std::streamsize>(len));
+    absl::Status s = OpenGguf(cut).status();
+    EXPECT_FALSE(s.ok()) << "length " << len;
+    EXPECT_THAT(Msg(s), HasSubstr(cut)) << "length " << len;
+  }
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 300; ++trial) {
+    std::string flipped = data;
+    flipped[rng() % header] ^= static_cast<char>(1 << (rng() % 8));
+    std::ofstream(cut, std::ios::binary).write(flipped.data(), static_cast<std::streamsize>(flipped.size()));
+    auto g = OpenGguf(cut);  // refused, or a consistent file that reads
+    if (g.ok()) {
+      std::vector<float> buf(static_cast<size_t>((*g)->spec().vocab_size * (*g)->spec().hidden_size));
+      EXPECT_TRUE((*g)->ReadF32(HfNames::Embed(), buf.data()).ok());
+    }
+  }
+}
+
 TEST_F(GgufBadFile, BadMagicAndVersion) {
   ASSERT_TRUE(Open(good_, "magic.gguf").ok());
   {
