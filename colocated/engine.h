@@ -63,6 +63,7 @@ class ColocatedEngine : public Engine {
   const GenerationResult* Progress(int64_t id) const override { return controller_.Progress(id); }
   int64_t num_waiting() const override { return controller_.num_waiting(); }
   int64_t num_running() const override { return controller_.num_running(); }
+  std::vector<KvUsage> kv_usage() const override { return KvUsageOf(controller_); }
   EngineStats stats() const override { return stats_; }
   const ModelSpec& spec() const override { return backend_->spec(); }
   std::string device() const override { return backend_->device(); }

@@ -152,6 +152,7 @@ class Controller {
   int num_memory_ranks() const { return static_cast<int>(capacity_.size()); }
   // KV slots of rank m promised to running requests (beyond the registered blocks they use).
   int64_t kv_reserved(int m) const { return reserved_[static_cast<size_t>(m)]; }
+  int64_t kv_capacity(int m) const { return capacity_[static_cast<size_t>(m)]; }
   // The prefix registry of rank m; nullptr when it is off.
   const PrefixIndex* prefix_index(int m) const {
     return index_.empty() ? nullptr : index_[static_cast<size_t>(m)].get();

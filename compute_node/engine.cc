@@ -28,4 +28,15 @@ absl::StatusOr<std::vector<GenerationResult>> Engine::GenerateAll(
   return results;
 }
 
+std::vector<KvUsage> KvUsageOf(const Controller& controller) {
+  std::vector<KvUsage> out;
+  for (int m = 0; m < controller.num_memory_ranks(); ++m) {
+    const PrefixIndex* index = controller.prefix_index(m);
+    out.push_back({.capacity = controller.kv_capacity(m),
+                   .reserved = controller.kv_reserved(m),
+                   .cached = index ? index->unused_tokens() : 0});
+  }
+  return out;
+}
+
 }  // namespace tandem

@@ -44,6 +44,16 @@ struct EngineStats {
   double busy_seconds = 0;    // wall time inside Step()
 };
 
+// KV of one memory rank, in tokens (slots).
+struct KvUsage {
+  int64_t capacity = 0;
+  int64_t reserved = 0;  // promised to running requests (beyond the prefix blocks they use)
+  int64_t cached = 0;    // held by registered prefix blocks no running request uses (evictable)
+};
+
+// kv_usage() of an engine whose KV is planned by `controller`.
+std::vector<KvUsage> KvUsageOf(const Controller& controller);
+
 class Engine {
  public:
   virtual ~Engine() = default;
@@ -62,6 +72,8 @@ class Engine {
   // Requests queued for admission, and requests in the running batch.
   virtual int64_t num_waiting() const = 0;
   virtual int64_t num_running() const = 0;
+  // Per memory rank (one for the colocated engine).
+  virtual std::vector<KvUsage> kv_usage() const = 0;
 
   virtual EngineStats stats() const = 0;
   virtual const ModelSpec& spec() const = 0;

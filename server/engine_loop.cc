@@ -29,6 +29,7 @@ void RequestStream::Push(StreamEvent e) {
 
 EngineLoop::EngineLoop(Engine* engine, LoopOptions options, FinishHook on_finish)
     : engine_(engine), spec_(engine->spec()), options_(options), on_finish_(std::move(on_finish)) {
+  stats_.kv = engine_->kv_usage();
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -182,6 +183,7 @@ void EngineLoop::Run() {
     if (engine_->Idle()) {
       std::lock_guard<std::mutex> lock(mu_);
       stats_.running = stats_.waiting = 0;
+      stats_.kv = engine_->kv_usage();
       continue;
     }
     finished.clear();
@@ -209,6 +211,7 @@ void EngineLoop::Run() {
     stats_.step_seconds += dt;
     stats_.running = engine_->num_running();
     stats_.waiting = engine_->num_waiting();
+    stats_.kv = engine_->kv_usage();
   }
 }
 

@@ -75,6 +75,7 @@ struct LoopStats {
   int64_t steps = 0;
   double step_seconds = 0;
   bool healthy = true;
+  std::vector<KvUsage> kv;  // per memory rank, after the last step
 };
 
 // Called on the loop's thread when a request ends (metrics); must not block.

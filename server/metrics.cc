@@ -75,6 +75,30 @@ std::string ServerMetrics::Render(const LoopStats& s, const std::string& model_n
          static_cast<double>(s.refused));
   metric("engine_steps_total", "counter", "Engine steps run.", static_cast<double>(s.steps));
   metric("engine_step_seconds_total", "counter", "Wall time inside engine steps.", s.step_seconds);
+  absl::StrAppend(
+      &out, "# HELP tandem:kv_cache_usage_perc KV slots promised to running requests, per memory rank.\n",
+      "# TYPE tandem:kv_cache_usage_perc gauge\n");
+  for (size_t m = 0; m < s.kv.size(); ++m) {
+    const double used = s.kv[m].capacity > 0 ? static_cast<double>(s.kv[m].reserved) / s.kv[m].capacity : 0;
+    absl::StrAppend(&out, "tandem:kv_cache_usage_perc{model_name=\"", model_name, "\",rank=\"", m, "\"} ",
+                    Num(used), "\n");
+  }
+  absl::StrAppend(&out, "# HELP tandem:kv_cache_reserved_tokens KV slots promised to running requests.\n",
+                  "# TYPE tandem:kv_cache_reserved_tokens gauge\n");
+  for (size_t m = 0; m < s.kv.size(); ++m)
+    absl::StrAppend(&out, "tandem:kv_cache_reserved_tokens{model_name=\"", model_name, "\",rank=\"", m,
+                    "\"} ", s.kv[m].reserved, "\n");
+  absl::StrAppend(&out, "# HELP tandem:kv_cache_capacity_tokens KV slots of each memory rank.\n",
+                  "# TYPE tandem:kv_cache_capacity_tokens gauge\n");
+  for (size_t m = 0; m < s.kv.size(); ++m)
+    absl::StrAppend(&out, "tandem:kv_cache_capacity_tokens{model_name=\"", model_name, "\",rank=\"", m,
+                    "\"} ", s.kv[m].capacity, "\n");
+  absl::StrAppend(&out,
+                  "# HELP tandem:prefix_cache_tokens KV held by prefix blocks no running request uses.\n",
+                  "# TYPE tandem:prefix_cache_tokens gauge\n");
+  for (size_t m = 0; m < s.kv.size(); ++m)
+    absl::StrAppend(&out, "tandem:prefix_cache_tokens{model_name=\"", model_name, "\",rank=\"", m, "\"} ",
+                    s.kv[m].cached, "\n");
   std::lock_guard<std::mutex> lock(mu_);
   ttft_.Render("tandem:time_to_first_token_seconds", "Time from arrival to the first generated token.", &out);
   tpot_.Render("tandem:time_per_output_token_seconds", "Mean time between a request's generated tokens.",

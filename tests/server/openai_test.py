@@ -129,9 +129,9 @@ def run(deploy):
         check(finish == "length" and usage is not None and usage.completion_tokens == 12, f"stream end {finish} {usage}")
 
         # Many concurrent streaming clients, 10% of them hanging up early.
-        n_clients = 40
+        n_clients = 200
         work = [{"prompt_ids": [rng.randrange(3, 32000) for _ in range(rng.randrange(1, 60))],
-                 "max_tokens": rng.randrange(1, 24), "temperature": 0.0} for _ in range(n_clients)]
+                 "max_tokens": rng.randrange(1, 16), "temperature": 0.0} for _ in range(n_clients)]
         ref = offline(tmp, work)
         quit_early = set(rng.sample(range(n_clients), n_clients // 10))
         results = [None] * n_clients
@@ -162,6 +162,12 @@ def run(deploy):
         check(status == 200 and f'tandem:num_requests_running{{model_name="{MODEL}"}} 0' in metrics,
               "requests still running after every client left")
         check("tandem:time_to_first_token_seconds_count" in metrics, "no TTFT histogram")
+        reserved = [line for line in metrics.splitlines() if line.startswith("tandem:kv_cache_reserved_tokens{")]
+        check(reserved and all(line.endswith(" 0") for line in reserved), f"KV still reserved: {reserved}")
+        # A client that hangs up after its first tokens cancels its request, unless it finished first.
+        cancelled = [float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith("tandem:request_cancelled_total{")]
+        check(cancelled and 0 < cancelled[0] <= len(quit_early), f"cancelled requests: {cancelled}")
 
         # Bad requests: each a 4xx error object, and the server keeps serving.
         auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
@@ -186,6 +192,31 @@ def run(deploy):
                 check(param is None or err.get("param") == param, f"{body[:60]!r}: param {err.get('param')}")
             except (ValueError, KeyError):
                 check(False, f"{body[:60]!r}: not an OpenAI error object: {out[:100]!r}")
+        # A 100 MB body (refused from its Content-Length), a client that sends a byte a second, and
+        # 100 idle connections: each is dealt with, and a normal request still gets through.
+        import socket
+        host, port = base.split("//")[1].split(":")
+        big = socket.create_connection((host, int(port)), timeout=10)
+        big.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {100 * 1024 * 1024}\r\n\r\n".encode())
+        chunk = b"{" * (1 << 20)
+        try:
+            for _ in range(100):
+                big.sendall(chunk)
+        except OSError:
+            pass  # the server may answer and close before the whole body is sent
+        reply = big.recv(4096).decode(errors="replace")
+        check(reply.startswith("HTTP/1.1 413"), f"100 MB body: {reply[:40]!r}")
+        big.close()
+        idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(100)]
+        slow = socket.create_connection((host, int(port)), timeout=30)
+        for ch in b"POST /v1/completions HTTP/1.1\r\n":
+            slow.sendall(bytes([ch]))
+            time.sleep(0.02)
+        c = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=2, temperature=0)
+        check(len(c.choices[0].model_extra["token_ids"]) == 2, "serving beside idle and slow connections")
+        for sock in idle + [slow]:
+            sock.close()
         status, _ = raw(base + "/nowhere", None, auth, "GET")
         check(status == 404, "unknown route")
         status, _ = raw(base + "/health", None, {}, "GET")
