@@ -422,6 +422,7 @@ absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Start(const ApiOptions& op
   s->http_->set_read_timeout(10, 0);
   s->http_->set_write_timeout(10, 0);
   s->http_->set_keep_alive_timeout(5);
+  s->http_->set_tcp_nodelay(true);  // one SSE event per step: never held back for an ACK (Nagle)
   s->Routes();
   if (options.port == 0) {
     s->port_ = s->http_->bind_to_any_port(options.host);
