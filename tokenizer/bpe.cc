@@ -112,6 +112,10 @@ class BpeTokenizer final : public Tokenizer {
     for (size_t i = 0; i < c_.id_to_token.size(); ++i) {
       if (!c_.id_to_token[i].empty()) vocab_.emplace(c_.id_to_token[i], static_cast<TokenId>(i));
     }
+    // An added token whose text the model's vocabulary has takes the model's id (as HF does).
+    for (AddedToken& a : c_.added) {
+      if (auto it = vocab_.find(a.content); it != vocab_.end()) a.id = it->second;
+    }
     vocab_size_ = static_cast<int32_t>(c_.id_to_token.size());
     for (const AddedToken& a : c_.added) vocab_size_ = std::max(vocab_size_, a.id + 1);
     added_by_id_.resize(vocab_size_, -1);

@@ -146,6 +146,7 @@ INSTANTIATE_TEST_SUITE_P(
                       RefCase{"smollm2.hf", "smollm2/vocab.json", RefCase::kGgufVocab},
                       RefCase{"llama3.hf", "llama3/tokenizer.json", RefCase::kHfJson},
                       RefCase{"llama3.hf", "llama3/vocab.json", RefCase::kGgufVocab},
+                      RefCase{"tekken.hf", "tekken/tokenizer.json", RefCase::kHfJson},
                       RefCase{"mistral_v1.hf", "mistral_v1/tokenizer.json", RefCase::kHfJson},
                       RefCase{"mistral_v3.hf", "mistral_v3/tokenizer.json", RefCase::kHfJson},
                       RefCase{"mistral_v1_metaspace.hf", "mistral_v1_metaspace/tokenizer.json",
