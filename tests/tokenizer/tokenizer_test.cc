@@ -439,6 +439,26 @@ TEST(GgufVocab, ByteLevelPreNames) {
     EXPECT_EQ(*(*tok)->Decode(*ids, true), "hello 1234") << pre;
     EXPECT_EQ((*tok)->eos_id(), 16);
   }
+  // Byte-level tokens that each carry part of a character: "é" is C3 A9, the characters Ã and ©.
+  {
+    BpeVocab b = v;
+    b.pre = "gpt2";
+    b.tokens.push_back("\xC3\x83");  // Ã = byte C3
+    b.tokens.push_back("\xC2\xA9");  // © = byte A9
+    b.token_types.assign(b.tokens.size(), BpeVocab::kNormal);
+    auto tok = MakeBpeTokenizer(b);
+    ASSERT_TRUE(tok.ok()) << tok.status();
+    TokenId c3 = static_cast<TokenId>(b.tokens.size() - 2), a9 = c3 + 1;
+    EXPECT_THAT(*(*tok)->Encode("h\xC3\xA9", false), ElementsAre(0, c3, a9));
+    IncrementalDecoder dec(**tok);
+    EXPECT_EQ(*dec.Add(0), "h");
+    EXPECT_EQ(*dec.Add(c3), "");  // half of é: held
+    EXPECT_EQ(*dec.Add(a9), "\xC3\xA9");
+    EXPECT_EQ(*dec.Add(c3), "");
+    EXPECT_EQ(dec.Flush(), "\xEF\xBF\xBD");  // the stream ended inside a character
+    std::vector<TokenId> cut = {c3};
+    EXPECT_EQ(*(*tok)->Decode(cut), "\xEF\xBF\xBD");
+  }
   v.pre = "deepseek-coder";
   auto bad = MakeBpeTokenizer(v);
   ASSERT_FALSE(bad.ok());
