@@ -17,6 +17,15 @@
 //     `tokenizer.json: model.type "WordPiece" is not supported`; nothing is half supported.
 //   - A Tokenizer is immutable after loading and safe to use from several threads at once
 //     (an IncrementalDecoder is one stream's state: one thread at a time).
+//   - Known differences from HF, none met by the files tested: added tokens marked "normalized"
+//     are matched in the raw text, not the normalized one; "single_word" treats ASCII letters,
+//     digits, '_' and every non-ASCII character as word characters; added tokens keep the ids the
+//     file gives them (HF renumbers those absent from the model vocabulary after it). A stream
+//     that contains an invalid byte sequence gets one U+FFFD per maximal invalid subsequence
+//     where HF's ByteFallback decoder writes one per byte (Decode itself writes what HF does).
+//   - SentencePiece (tokenizer.model): control pieces (<s>, </s>, [INST], ...) in the text are
+//     special tokens, matched as above (sentencepiece alone would split them into pieces); the
+//     text between them is encoded by libsentencepiece.
 #pragma once
 
 #include <cstdint>
