@@ -282,6 +282,9 @@ TEST(SmallBpe, EncodeDecode) {
   EXPECT_EQ(*tok->Decode(*ids), "h\xC3\xA9");
   EXPECT_EQ(tok->TokenToId("<0x0A>"), 3 + 0x0A);
   EXPECT_EQ(tok->IdToToken(272), "\xE2\x96\x81hello");
+  EXPECT_EQ(tok->TokenToId("<|unknown_special|>"), std::nullopt);  // not a token: plain text when encoded
+  EXPECT_EQ(tok->IdToToken(100000), std::nullopt);
+  EXPECT_EQ(tok->IdToToken(-1), std::nullopt);
   EXPECT_TRUE(tok->IsSpecial(1));
   EXPECT_FALSE(tok->IsSpecial(272));
 }
