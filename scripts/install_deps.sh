@@ -7,7 +7,7 @@ set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config python3 git clang-format
       libabsl-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libspdlog-dev
       libgtest-dev libgmock-dev libopenblas-dev libucx-dev libibverbs-dev
-      libpcre2-dev libsentencepiece-dev python3-pip)
+      libpcre2-dev libsentencepiece-dev libutf8proc-dev python3-pip)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -108,7 +108,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> MakeBpeTokenizer(const BpeVocab& v) {
     } else if (p == "gpt2" || p == "default" || p.empty()) {
       RETURN_IF_ERROR(AddSplit(kGpt2, &c));
     } else if (p == "qwen2") {
-      RETURN_IF_ERROR(AddSplit(kQwen2, &c));  // Qwen2's NFC normalizer is not applied
+      RETURN_IF_ERROR(AddSplit(kQwen2, &c));
+      c.normalizer.push_back({NormalizerStep::kUnicode, "NFC", ""});  // as Qwen2's tokenizer.json
     } else {
       return absl::UnimplementedError(absl::StrCat("tokenizer: pre-tokenizer \"", p, "\" is not supported"));
     }

@@ -318,6 +318,10 @@ def llama3(models, out):
     tj, vocab = tiktoken_to_tokenizer_json(ranks, specials, LLAMA3_REGEX, specials[0], special_first=False)
     vocab.update({"pre": "llama-bpe", "eos_token_id": len(ranks) + 1})
     write_pair(out, "llama3", tj, vocab)
+    # The same with each Unicode normalizer in front (Qwen2's files use NFC).
+    for form in ("NFC", "NFKC", "NFD"):
+        tj["normalizer"] = {"type": form}
+        write_pair(out, f"llama3_{form.lower()}", tj, None)
 
 
 TEKKEN_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",

@@ -147,6 +147,9 @@ INSTANTIATE_TEST_SUITE_P(
                       RefCase{"llama3.hf", "llama3/tokenizer.json", RefCase::kHfJson},
                       RefCase{"llama3.hf", "llama3/vocab.json", RefCase::kGgufVocab},
                       RefCase{"tekken.hf", "tekken/tokenizer.json", RefCase::kHfJson},
+                      RefCase{"llama3_nfc.hf", "llama3_nfc/tokenizer.json", RefCase::kHfJson},
+                      RefCase{"llama3_nfkc.hf", "llama3_nfkc/tokenizer.json", RefCase::kHfJson},
+                      RefCase{"llama3_nfd.hf", "llama3_nfd/tokenizer.json", RefCase::kHfJson},
                       RefCase{"mistral_v1.hf", "mistral_v1/tokenizer.json", RefCase::kHfJson},
                       RefCase{"mistral_v3.hf", "mistral_v3/tokenizer.json", RefCase::kHfJson},
                       RefCase{"mistral_v1_metaspace.hf", "mistral_v1_metaspace/tokenizer.json",
@@ -402,8 +405,8 @@ TEST(BadInput, UnsupportedComponentsNamed) {
   absl::Status s = with("model.type", "WordPiece");
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
   EXPECT_EQ(s.message(), "tokenizer.json: model.type \"WordPiece\" is not supported");
-  s = with("normalizer", json::parse(R"({"type": "NFKC"})"));
-  EXPECT_EQ(s.message(), "tokenizer.json: normalizer.type \"NFKC\" is not supported");
+  s = with("normalizer", json::parse(R"({"type": "BertNormalizer"})"));
+  EXPECT_EQ(s.message(), "tokenizer.json: normalizer.type \"BertNormalizer\" is not supported");
   s = with("pre_tokenizer", json::parse(R"({"type": "BertPreTokenizer"})"));
   EXPECT_EQ(s.message(), "tokenizer.json: pre_tokenizer.type \"BertPreTokenizer\" is not supported");
   s = with("decoder", json::parse(R"({"type": "WordPiece"})"));
