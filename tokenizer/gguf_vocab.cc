@@ -131,14 +131,16 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> MakeBpeTokenizer(const BpeVocab& v) {
     c.byte_fallback = true;
     c.fuse_unk = true;
     const std::string sp = "\xE2\x96\x81";
-    c.normalizer.push_back({NormalizerStep::kPrepend, sp, ""});
+    if (v.add_space_prefix) c.normalizer.push_back({NormalizerStep::kPrepend, sp, ""});
     c.normalizer.push_back({NormalizerStep::kReplace, " ", sp});
     c.decoder.push_back({DecoderStep::kReplace, sp, " "});
     c.decoder.push_back({DecoderStep::kByteFallback});
     c.decoder.push_back({DecoderStep::kFuse});
-    DecoderStep strip{DecoderStep::kStrip, " ", ""};
-    strip.start = 1;
-    c.decoder.push_back(strip);
+    if (v.add_space_prefix) {
+      DecoderStep strip{DecoderStep::kStrip, " ", ""};
+      strip.start = 1;
+      c.decoder.push_back(strip);
+    }
   } else {
     return absl::UnimplementedError(absl::StrCat("tokenizer: model \"", v.model, "\" is not supported"));
   }

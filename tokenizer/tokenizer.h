@@ -110,6 +110,8 @@ struct BpeVocab {
   std::vector<float> scores;
   std::optional<TokenId> bos_id, eos_id, unk_id;
   bool add_bos = false;  // tokenizer.ggml.add_bos_token
+  // tokenizer.ggml.add_space_prefix ("llama" only): prepend "▁" to the text, as SentencePiece.
+  bool add_space_prefix = true;
   // tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE with byte
   // fallback and the metaspace, as Llama 2 / Mistral tokenizer.json; merges or scores).
   // Control, user-defined and unknown tokens are matched in the text before the model (special

@@ -474,5 +474,37 @@ TEST(GgufVocab, ByteLevelPreNames) {
   EXPECT_THAT(MakeBpeTokenizer(v).status().message(), HasSubstr("outside the vocabulary"));
 }
 
+// A "llama" (SentencePiece-style) GGUF vocabulary: the small vocabulary above as GGUF fields.
+TEST(GgufVocab, SentencePieceStyle) {
+  json j = json::parse(SmallSpJson());
+  BpeVocab v;
+  v.model = "llama";
+  v.tokens.resize(j["model"]["vocab"].size());
+  for (const auto& [tok, id] : j["model"]["vocab"].items()) v.tokens[id.get<int>()] = tok;
+  for (const json& m : j["model"]["merges"])
+    v.merges.push_back(m[0].get<std::string>() + " " + m[1].get<std::string>());
+  v.token_types.assign(v.tokens.size(), BpeVocab::kNormal);
+  v.token_types[0] = BpeVocab::kUnknown;
+  v.token_types[1] = v.token_types[2] = BpeVocab::kControl;
+  for (int b = 0; b < 256; ++b) v.token_types[3 + b] = BpeVocab::kByte;
+  v.bos_id = 1;
+  v.eos_id = 2;
+  v.unk_id = 0;
+  v.add_bos = true;
+  auto tok = MakeBpeTokenizer(v);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_THAT(*(*tok)->Encode("hello world</s>"), ElementsAre(1, 272, 276, 2));
+  EXPECT_EQ(*(*tok)->Decode(*(*tok)->Encode("hello world</s>"), true), "hello world");
+  // Without the space prefix the first word has no "▁": h e llo -> he llo.
+  v.add_space_prefix = false;
+  tok = MakeBpeTokenizer(v);
+  ASSERT_TRUE(tok.ok());
+  EXPECT_THAT(*(*tok)->Encode("hello world", false), ElementsAre(267, 271, 276));
+  EXPECT_EQ(*(*tok)->Decode(*(*tok)->Encode("hello world", false)), "hello world");
+  // Merges absent: they come from the scores, which must be there.
+  v.merges.clear();
+  EXPECT_THAT(MakeBpeTokenizer(v).status().message(), HasSubstr("needs one score per token"));
+}
+
 }  // namespace
 }  // namespace tandem::tokenizer
