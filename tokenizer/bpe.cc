@@ -2,8 +2,10 @@
 #include "tokenizer/bpe.h"
 
 #include <pcre2.h>
+#include <utf8proc.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <queue>
 
 #include "absl/strings/ascii.h"
@@ -92,6 +94,31 @@ const std::array<std::string, 256>& ByteToUnicode() {
   return table;
 }
 
+absl::StatusOr<std::string> UnicodeNormalize(std::string_view text, std::string_view form) {
+  int options = UTF8PROC_STABLE;
+  if (form == "NFC") {
+    options |= UTF8PROC_COMPOSE;
+  } else if (form == "NFD") {
+    options |= UTF8PROC_DECOMPOSE;
+  } else if (form == "NFKC") {
+    options |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
+  } else if (form == "NFKD") {
+    options |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("unknown normalization form ", ToAbsl(form)));
+  }
+  utf8proc_uint8_t* out = nullptr;
+  utf8proc_ssize_t n =
+      utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
+                   static_cast<utf8proc_ssize_t>(text.size()), &out, static_cast<utf8proc_option_t>(options));
+  if (n < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(ToAbsl(form), ": ", utf8proc_errmsg(n)));
+  }
+  std::string result(reinterpret_cast<const char*>(out), static_cast<size_t>(n));
+  std::free(out);
+  return result;
+}
+
 namespace {
 
 struct Piece {
@@ -111,6 +138,10 @@ class BpeTokenizer final : public Tokenizer {
     eos_id_ = c_.eos_id;
     for (size_t i = 0; i < c_.id_to_token.size(); ++i) {
       if (!c_.id_to_token[i].empty()) vocab_.emplace(c_.id_to_token[i], static_cast<TokenId>(i));
+    }
+    // An added token whose text the model's vocabulary has takes the model's id (as HF does).
+    for (AddedToken& a : c_.added) {
+      if (auto it = vocab_.find(a.content); it != vocab_.end()) a.id = it->second;
     }
     vocab_size_ = static_cast<int32_t>(c_.id_to_token.size());
     for (const AddedToken& a : c_.added) vocab_size_ = std::max(vocab_size_, a.id + 1);
@@ -237,8 +268,10 @@ class BpeTokenizer final : public Tokenizer {
     for (const NormalizerStep& n : c_.normalizer) {
       if (n.kind == NormalizerStep::kPrepend) {
         if (!s.empty()) s = n.a + s;
-      } else {
+      } else if (n.kind == NormalizerStep::kReplace) {
         s = ReplaceAll(s, n.a, n.b);
+      } else {
+        ASSIGN_OR_RETURN(s, UnicodeNormalize(s, n.a));
       }
     }
     if (s.empty()) return absl::OkStatus();

@@ -29,8 +29,8 @@ class Regex {
 };
 
 struct NormalizerStep {
-  enum Kind { kPrepend, kReplace } kind;
-  std::string a, b;  // prepend: a; replace: a -> b
+  enum Kind { kPrepend, kReplace, kUnicode } kind;
+  std::string a, b;  // prepend: a; replace: a -> b; unicode: a = "NFC", "NFD", "NFKC" or "NFKD"
 };
 
 struct PreTokenizerStep {
@@ -76,6 +76,9 @@ struct BpeConfig {
 };
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> MakeBpe(BpeConfig config);
+
+// Unicode normalization ("NFC", "NFD", "NFKC", "NFKD") through utf8proc.
+absl::StatusOr<std::string> UnicodeNormalize(std::string_view text, std::string_view form);
 
 // GPT-2's byte <-> printable character map (ByteLevel pre-tokenizer and decoder).
 const std::array<std::string, 256>& ByteToUnicode();

@@ -108,7 +108,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> MakeBpeTokenizer(const BpeVocab& v) {
     } else if (p == "gpt2" || p == "default" || p.empty()) {
       RETURN_IF_ERROR(AddSplit(kGpt2, &c));
     } else if (p == "qwen2") {
-      RETURN_IF_ERROR(AddSplit(kQwen2, &c));  // Qwen2's NFC normalizer is not applied
+      RETURN_IF_ERROR(AddSplit(kQwen2, &c));
+      c.normalizer.push_back({NormalizerStep::kUnicode, "NFC", ""});  // as Qwen2's tokenizer.json
     } else {
       return absl::UnimplementedError(absl::StrCat("tokenizer: pre-tokenizer \"", p, "\" is not supported"));
     }
@@ -130,14 +131,16 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> MakeBpeTokenizer(const BpeVocab& v) {
     c.byte_fallback = true;
     c.fuse_unk = true;
     const std::string sp = "\xE2\x96\x81";
-    c.normalizer.push_back({NormalizerStep::kPrepend, sp, ""});
+    if (v.add_space_prefix) c.normalizer.push_back({NormalizerStep::kPrepend, sp, ""});
     c.normalizer.push_back({NormalizerStep::kReplace, " ", sp});
     c.decoder.push_back({DecoderStep::kReplace, sp, " "});
     c.decoder.push_back({DecoderStep::kByteFallback});
     c.decoder.push_back({DecoderStep::kFuse});
-    DecoderStep strip{DecoderStep::kStrip, " ", ""};
-    strip.start = 1;
-    c.decoder.push_back(strip);
+    if (v.add_space_prefix) {
+      DecoderStep strip{DecoderStep::kStrip, " ", ""};
+      strip.start = 1;
+      c.decoder.push_back(strip);
+    }
   } else {
     return absl::UnimplementedError(absl::StrCat("tokenizer: model \"", v.model, "\" is not supported"));
   }

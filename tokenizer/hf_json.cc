@@ -47,6 +47,8 @@ absl::Status Normalizer(const json& n, BpeConfig* c) {
   std::string t = Type(n);
   if (t == "Sequence") {
     for (const json& x : n["normalizers"]) RETURN_IF_ERROR(Normalizer(x, c));
+  } else if (t == "NFC" || t == "NFD" || t == "NFKC" || t == "NFKD") {
+    c->normalizer.push_back({NormalizerStep::kUnicode, t, ""});
   } else if (t == "Prepend") {
     c->normalizer.push_back({NormalizerStep::kPrepend, n["prepend"].get<std::string>(), ""});
   } else if (t == "Replace") {

@@ -17,6 +17,15 @@
 //     `tokenizer.json: model.type "WordPiece" is not supported`; nothing is half supported.
 //   - A Tokenizer is immutable after loading and safe to use from several threads at once
 //     (an IncrementalDecoder is one stream's state: one thread at a time).
+//   - Known differences from HF, none met by the files tested: added tokens marked "normalized"
+//     are matched in the raw text, not the normalized one; "single_word" treats ASCII letters,
+//     digits, '_' and every non-ASCII character as word characters; added tokens keep the ids the
+//     file gives them (HF renumbers those absent from the model vocabulary after it). A stream
+//     that contains an invalid byte sequence gets one U+FFFD per maximal invalid subsequence
+//     where HF's ByteFallback decoder writes one per byte (Decode itself writes what HF does).
+//   - SentencePiece (tokenizer.model): control pieces (<s>, </s>, [INST], ...) in the text are
+//     special tokens, matched as above (sentencepiece alone would split them into pieces); the
+//     text between them is encoded by libsentencepiece.
 #pragma once
 
 #include <cstdint>
@@ -101,6 +110,8 @@ struct BpeVocab {
   std::vector<float> scores;
   std::optional<TokenId> bos_id, eos_id, unk_id;
   bool add_bos = false;  // tokenizer.ggml.add_bos_token
+  // tokenizer.ggml.add_space_prefix ("llama" only): prepend "▁" to the text, as SentencePiece.
+  bool add_space_prefix = true;
   // tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE with byte
   // fallback and the metaspace, as Llama 2 / Mistral tokenizer.json; merges or scores).
   // Control, user-defined and unknown tokens are matched in the text before the model (special

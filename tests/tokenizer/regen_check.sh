@@ -4,8 +4,10 @@
 # where the Python libraries or the tokenizer files are missing. Usage: regen_check.sh SOURCE_DIR
 set -u
 src="$1"
+# scripts/install_deps.sh unpacks the pinned libraries here; an installed copy works too.
+[ -d "$src/.cache/pip-models/py" ] && export PYTHONPATH="$src/.cache/pip-models/py${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import tokenizers, sentencepiece" 2>/dev/null ||
-  { echo "skipped: python packages tokenizers and sentencepiece not installed (pip install tokenizers sentencepiece)"; exit 77; }
+  { echo "skipped: python packages tokenizers and sentencepiece not installed (scripts/install_deps.sh unpacks them into .cache/pip-models/py)"; exit 77; }
 [ -d "$src/.cache/tokenizers" ] || { echo "skipped: $src/.cache/tokenizers absent (scripts/install_deps.sh)"; exit 77; }
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT

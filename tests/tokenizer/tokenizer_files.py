@@ -11,7 +11,9 @@ Sources (installed by scripts/install_deps.sh with `pip install --no-deps --targ
       (SentencePiece-style BPE with byte fallback and the metaspace).
   llama-models 0.3.0 (Llama 3 Community License): llama_models/llama3/tokenizer.model (tiktoken
       ranks) -> llama3/tokenizer.json as transformers' TikTokenConverter writes it (byte-level
-      BPE, Llama 3 Split regex, ignore_merges, 256 special tokens, <|begin_of_text|> first).
+      BPE, Llama 3 Split regex, ignore_merges, 256 special tokens, <|begin_of_text|> first);
+      mistral-common's tekken_240911.json (Mistral NeMo, tiktoken-style) -> tekken/tokenizer.json
+      the same way.
 
 Usage: tokenizer_files.py [--models .cache/pip-models] [--out .cache/tokenizers]
 """
@@ -240,6 +242,64 @@ def byte_chars():
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
+def tiktoken_to_tokenizer_json(ranks, specials, regex, bos, special_first):
+    """tiktoken ranks (bytes -> rank) as transformers' TikTokenConverter writes them: byte-level
+    BPE, merges from every split of a token into two tokens, by the token's rank. Special tokens
+    take ids before (special_first) or after the ranks."""
+    bc = byte_chars()
+    to_str = lambda b: "".join(bc[x] for x in b)
+    merges = []
+    for tok, rank in ranks.items():
+        local = [(tok[:k], tok[k:], rank) for k in range(1, len(tok)) if tok[:k] in ranks and tok[k:] in ranks]
+        local.sort(key=lambda x: (ranks[x[0]], ranks[x[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda x: x[2])
+    off, sp_off = (len(specials), 0) if special_first else (0, len(ranks))
+    added = [{"id": sp_off + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True} for i, t in enumerate(specials)]
+    bos_id = sp_off + specials.index(bos)
+    tj = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "post_processor": {"type": "Sequence", "processors": [
+            {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
+            {"type": "TemplateProcessing",
+             "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+             "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                      {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+             "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}]},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                  "vocab": {to_str(t): off + r for t, r in ranks.items()},
+                  "merges": [[to_str(l), to_str(r)] for l, r, _ in merges]},
+    }
+    # The same vocabulary as a GGUF file carries it (llama.cpp's convert_hf_to_gguf.py).
+    tokens = [None] * (len(ranks) + len(specials))
+    for t, r in ranks.items():
+        tokens[off + r] = to_str(t)
+    for i, t in enumerate(specials):
+        tokens[sp_off + i] = t
+    types = [1] * len(tokens)
+    for i in range(len(specials)):
+        types[sp_off + i] = 3
+    vocab = {"model": "gpt2", "tokens": tokens, "merges": [f"{to_str(l)} {to_str(r)}" for l, r, _ in merges],
+             "token_type": types, "bos_token_id": bos_id, "unk_token_id": None, "add_bos_token": True}
+    return tj, vocab
+
+
+def write_pair(out, name, tj, vocab):
+    d = os.path.join(out, name)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(tj, f, ensure_ascii=False)
+    if vocab is not None:
+        with open(os.path.join(d, "vocab.json"), "w", encoding="utf-8") as f:
+            json.dump(vocab, f, ensure_ascii=False)
+
+
 def llama3(models, out):
     src = os.path.join(models, "llama_models", "llama3", "tokenizer.model")
     if not os.path.exists(src):
@@ -251,52 +311,46 @@ def llama3(models, out):
         if line.strip():
             tok, rank = line.split()
             ranks[base64.b64decode(tok)] = int(rank)
-    bc = byte_chars()
-    to_str = lambda b: "".join(bc[x] for x in b)
-    merges = []
-    for tok, rank in ranks.items():
-        local = [(tok[:k], tok[k:], rank) for k in range(1, len(tok)) if tok[:k] in ranks and tok[k:] in ranks]
-        local.sort(key=lambda x: (ranks[x[0]], ranks[x[1]]))
-        merges.extend(local)
-    merges.sort(key=lambda x: x[2])
-    n = len(ranks)
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
                 "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
                 "<|eot_id|>", "<|python_tag|>"]
     specials += [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(specials))]
-    added = [{"id": n + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": True} for i, t in enumerate(specials)]
-    bos = specials[0]
-    tj = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX}, "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
-        "post_processor": {"type": "Sequence", "processors": [
-            {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
-            {"type": "TemplateProcessing",
-             "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-             "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                      {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-             "special_tokens": {bos: {"id": bos, "ids": [n], "tokens": [bos]}}}]},
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
-                  "vocab": {to_str(t): r for t, r in ranks.items()},
-                  "merges": [[to_str(l), to_str(r)] for l, r, _ in merges]},
-    }
-    d = os.path.join(out, "llama3")
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
-        json.dump(tj, f, ensure_ascii=False)
-    # The same vocabulary as a GGUF file of Llama 3 carries it (llama.cpp's convert_hf_to_gguf.py).
-    tokens = [to_str(t) for t, _ in sorted(ranks.items(), key=lambda x: x[1])] + specials
-    vocab = {"model": "gpt2", "pre": "llama-bpe", "tokens": tokens,
-             "merges": [f"{to_str(l)} {to_str(r)}" for l, r, _ in merges],
-             "token_type": [1] * n + [3] * len(specials), "bos_token_id": n, "eos_token_id": n + 1,
-             "unk_token_id": None, "add_bos_token": True}
-    with open(os.path.join(d, "vocab.json"), "w", encoding="utf-8") as f:
-        json.dump(vocab, f, ensure_ascii=False)
+    tj, vocab = tiktoken_to_tokenizer_json(ranks, specials, LLAMA3_REGEX, specials[0], special_first=False)
+    vocab.update({"pre": "llama-bpe", "eos_token_id": len(ranks) + 1})
+    write_pair(out, "llama3", tj, vocab)
+    # The same with each Unicode normalizer in front (Qwen2's files use NFC).
+    for form in ("NFC", "NFKC", "NFD"):
+        tj["normalizer"] = {"type": form}
+        write_pair(out, f"llama3_{form.lower()}", tj, None)
+
+
+TEKKEN_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                   "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]",
+                   "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]"]
+
+
+def tekken(models, out):
+    """mistral-common's tekken_240911.json (Mistral NeMo's tiktoken-style vocabulary): 1000 special
+    tokens first (mistral-common's defaults and <SPECIAL_i> fillers), then the ranks up to the
+    default vocabulary size; its own pre-tokenizer regex (upper/lower-case letter classes)."""
+    src = os.path.join(models, "mistral_common", "data", "tekken_240911.json")
+    if not os.path.exists(src):
+        print(f"skip tekken: {src} absent", file=sys.stderr)
+        return
+    import base64
+    j = json.load(open(src, encoding="utf-8"))
+    cfg = j["config"]
+    n_special = cfg["default_num_special_tokens"]
+    n_ranks = cfg["default_vocab_size"] - n_special
+    ranks = {base64.b64decode(v["token_bytes"]): v["rank"] for v in j["vocab"][:n_ranks]}
+    specials = TEKKEN_SPECIALS + [f"<SPECIAL_{i}>" for i in range(len(TEKKEN_SPECIALS), n_special)]
+    tj, vocab = tiktoken_to_tokenizer_json(ranks, specials, cfg["pattern"], "<s>", special_first=True)
+    # HF numbers added tokens that are not in the model vocabulary after it (whatever id the file
+    # gives them), so the special tokens go into the model vocabulary too, as HF's own files do.
+    v = tj["model"]["vocab"]
+    for i, t in enumerate(specials):
+        v.setdefault(t, i)
+    write_pair(out, "tekken", tj, None)
 
 
 def main():
@@ -308,6 +362,7 @@ def main():
     smollm2(a.models, a.out)
     mistral(a.models, a.out)
     llama3(a.models, a.out)
+    tekken(a.models, a.out)
 
 
 if __name__ == "__main__":

@@ -146,6 +146,10 @@ INSTANTIATE_TEST_SUITE_P(
                       RefCase{"smollm2.hf", "smollm2/vocab.json", RefCase::kGgufVocab},
                       RefCase{"llama3.hf", "llama3/tokenizer.json", RefCase::kHfJson},
                       RefCase{"llama3.hf", "llama3/vocab.json", RefCase::kGgufVocab},
+                      RefCase{"tekken.hf", "tekken/tokenizer.json", RefCase::kHfJson},
+                      RefCase{"llama3_nfc.hf", "llama3_nfc/tokenizer.json", RefCase::kHfJson},
+                      RefCase{"llama3_nfkc.hf", "llama3_nfkc/tokenizer.json", RefCase::kHfJson},
+                      RefCase{"llama3_nfd.hf", "llama3_nfd/tokenizer.json", RefCase::kHfJson},
                       RefCase{"mistral_v1.hf", "mistral_v1/tokenizer.json", RefCase::kHfJson},
                       RefCase{"mistral_v3.hf", "mistral_v3/tokenizer.json", RefCase::kHfJson},
                       RefCase{"mistral_v1_metaspace.hf", "mistral_v1_metaspace/tokenizer.json",
@@ -281,6 +285,9 @@ TEST(SmallBpe, EncodeDecode) {
   EXPECT_EQ(*tok->Decode(*ids), "h\xC3\xA9");
   EXPECT_EQ(tok->TokenToId("<0x0A>"), 3 + 0x0A);
   EXPECT_EQ(tok->IdToToken(272), "\xE2\x96\x81hello");
+  EXPECT_EQ(tok->TokenToId("<|unknown_special|>"), std::nullopt);  // not a token: plain text when encoded
+  EXPECT_EQ(tok->IdToToken(100000), std::nullopt);
+  EXPECT_EQ(tok->IdToToken(-1), std::nullopt);
   EXPECT_TRUE(tok->IsSpecial(1));
   EXPECT_FALSE(tok->IsSpecial(272));
 }
@@ -398,8 +405,8 @@ TEST(BadInput, UnsupportedComponentsNamed) {
   absl::Status s = with("model.type", "WordPiece");
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
   EXPECT_EQ(s.message(), "tokenizer.json: model.type \"WordPiece\" is not supported");
-  s = with("normalizer", json::parse(R"({"type": "NFKC"})"));
-  EXPECT_EQ(s.message(), "tokenizer.json: normalizer.type \"NFKC\" is not supported");
+  s = with("normalizer", json::parse(R"({"type": "BertNormalizer"})"));
+  EXPECT_EQ(s.message(), "tokenizer.json: normalizer.type \"BertNormalizer\" is not supported");
   s = with("pre_tokenizer", json::parse(R"({"type": "BertPreTokenizer"})"));
   EXPECT_EQ(s.message(), "tokenizer.json: pre_tokenizer.type \"BertPreTokenizer\" is not supported");
   s = with("decoder", json::parse(R"({"type": "WordPiece"})"));
@@ -438,6 +445,26 @@ TEST(GgufVocab, ByteLevelPreNames) {
     EXPECT_EQ(*(*tok)->Decode(*ids, true), "hello 1234") << pre;
     EXPECT_EQ((*tok)->eos_id(), 16);
   }
+  // Byte-level tokens that each carry part of a character: "é" is C3 A9, the characters Ã and ©.
+  {
+    BpeVocab b = v;
+    b.pre = "gpt2";
+    b.tokens.push_back("\xC3\x83");  // Ã = byte C3
+    b.tokens.push_back("\xC2\xA9");  // © = byte A9
+    b.token_types.assign(b.tokens.size(), BpeVocab::kNormal);
+    auto tok = MakeBpeTokenizer(b);
+    ASSERT_TRUE(tok.ok()) << tok.status();
+    TokenId c3 = static_cast<TokenId>(b.tokens.size() - 2), a9 = c3 + 1;
+    EXPECT_THAT(*(*tok)->Encode("h\xC3\xA9", false), ElementsAre(0, c3, a9));
+    IncrementalDecoder dec(**tok);
+    EXPECT_EQ(*dec.Add(0), "h");
+    EXPECT_EQ(*dec.Add(c3), "");  // half of é: held
+    EXPECT_EQ(*dec.Add(a9), "\xC3\xA9");
+    EXPECT_EQ(*dec.Add(c3), "");
+    EXPECT_EQ(dec.Flush(), "\xEF\xBF\xBD");  // the stream ended inside a character
+    std::vector<TokenId> cut = {c3};
+    EXPECT_EQ(*(*tok)->Decode(cut), "\xEF\xBF\xBD");
+  }
   v.pre = "deepseek-coder";
   auto bad = MakeBpeTokenizer(v);
   ASSERT_FALSE(bad.ok());
@@ -445,6 +472,38 @@ TEST(GgufVocab, ByteLevelPreNames) {
   v.pre = "gpt2";
   v.bos_id = 1000;
   EXPECT_THAT(MakeBpeTokenizer(v).status().message(), HasSubstr("outside the vocabulary"));
+}
+
+// A "llama" (SentencePiece-style) GGUF vocabulary: the small vocabulary above as GGUF fields.
+TEST(GgufVocab, SentencePieceStyle) {
+  json j = json::parse(SmallSpJson());
+  BpeVocab v;
+  v.model = "llama";
+  v.tokens.resize(j["model"]["vocab"].size());
+  for (const auto& [tok, id] : j["model"]["vocab"].items()) v.tokens[id.get<int>()] = tok;
+  for (const json& m : j["model"]["merges"])
+    v.merges.push_back(m[0].get<std::string>() + " " + m[1].get<std::string>());
+  v.token_types.assign(v.tokens.size(), BpeVocab::kNormal);
+  v.token_types[0] = BpeVocab::kUnknown;
+  v.token_types[1] = v.token_types[2] = BpeVocab::kControl;
+  for (int b = 0; b < 256; ++b) v.token_types[3 + b] = BpeVocab::kByte;
+  v.bos_id = 1;
+  v.eos_id = 2;
+  v.unk_id = 0;
+  v.add_bos = true;
+  auto tok = MakeBpeTokenizer(v);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_THAT(*(*tok)->Encode("hello world</s>"), ElementsAre(1, 272, 276, 2));
+  EXPECT_EQ(*(*tok)->Decode(*(*tok)->Encode("hello world</s>"), true), "hello world");
+  // Without the space prefix the first word has no "▁": h e llo -> he llo.
+  v.add_space_prefix = false;
+  tok = MakeBpeTokenizer(v);
+  ASSERT_TRUE(tok.ok());
+  EXPECT_THAT(*(*tok)->Encode("hello world", false), ElementsAre(267, 271, 276));
+  EXPECT_EQ(*(*tok)->Decode(*(*tok)->Encode("hello world", false)), "hello world");
+  // Merges absent: they come from the scores, which must be there.
+  v.merges.clear();
+  EXPECT_THAT(MakeBpeTokenizer(v).status().message(), HasSubstr("needs one score per token"));
 }
 
 }  // namespace
