@@ -23,6 +23,8 @@ void AddGenerateCommand(CLI::App& app);
 void AddServeCommand(CLI::App& app);
 void AddConfigCommand(CLI::App& app);
 void AddDevicesCommand(CLI::App& app);
+// tokenize and detokenize (cli/tokenize_cmd.cc).
+void AddTokenizeCommands(CLI::App& app);
 // memory, compute and launch (cli/rank_cmds.cc).
 void AddRankCommands(CLI::App& app);
 

@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   tandem::cli::AddServeCommand(app);
   tandem::cli::AddConfigCommand(app);
   tandem::cli::AddDevicesCommand(app);
+  tandem::cli::AddTokenizeCommands(app);
   tandem::cli::AddRankCommands(app);
   CLI11_PARSE(app, argc, argv);
   return 0;

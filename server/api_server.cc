@@ -75,7 +75,7 @@ struct Completion {
   int64_t max_tokens = 16, top_k = 0, n = 1;
   double temperature = 1.0, top_p = 1.0;
   std::optional<uint64_t> seed;
-  bool stream = false, include_usage = false, ignore_eos = false, logprobs = false;
+  bool stream = false, include_usage = false, ignore_eos = false, logprobs = false, echo = false;
   std::vector<std::string> stop;
 };
 
@@ -176,8 +176,9 @@ std::optional<FieldError> ParseCompletion(const json& body, const ApiOptions& o,
   for (const auto& [k, v] : body.items()) {
     if (!kKnown.contains(k)) return FieldError{k, absl::StrCat("unknown field \"", k, "\"")};
   }
-  if (body.contains("echo") && body["echo"] != json(false))
-    return FieldError{"echo", "echo is not supported yet"};
+  if (auto e = Bool(body, "echo", &c->echo)) return e;
+  if (c->echo && tm == nullptr)
+    return FieldError{"echo", "echo needs the model's tokenizer (the prompt comes back as text)"};
   if (!body.contains("prompt")) return FieldError{"prompt", "prompt is required"};
   const json& p = body["prompt"];
   auto encode = [&](const std::string& text) -> std::optional<FieldError> {
@@ -309,6 +310,7 @@ json Usage(int64_t prompt, int64_t completion, int64_t cached) {
 // a stop string cancels the request and ends the text before it).
 struct Choice {
   std::shared_ptr<RequestStream> stream;
+  std::string echo;  // the prompt's text, put before the completion (echo)
   std::unique_ptr<tokenizer::IncrementalDecoder> decoder;
   std::unique_ptr<text::StopMatcher> stop;
   bool done = false, first = true;
@@ -562,6 +564,10 @@ void ApiServer::Complete(const httplib::Request& req, httplib::Response& res, bo
       }
       Choice ch;
       ch.stream = *std::move(s);
+      if (c.echo) {
+        absl::StatusOr<std::string> p = text_->tokenizer().Decode(prompt, /*skip_special=*/true);
+        if (p.ok()) ch.echo = *std::move(p);
+      }
       if (text_ != nullptr) ch.decoder = std::make_unique<tokenizer::IncrementalDecoder>(text_->tokenizer());
       if (!c.stop.empty()) ch.stop = std::make_unique<text::StopMatcher>(c.stop);
       call->choices.push_back(std::move(ch));
@@ -576,6 +582,7 @@ void ApiServer::Complete(const httplib::Request& req, httplib::Response& res, bo
     std::vector<std::vector<float>> lps(call->choices.size());
     std::vector<std::vector<int32_t>> toks(call->choices.size());
     for (size_t i = 0; i < call->choices.size(); ++i) {
+      texts[i] = call->choices[i].echo;
       while (!call->choices[i].done) {
         std::optional<StreamEvent> e = call->choices[i].stream->Next(absl::InfiniteFuture());
         if (!e) continue;
@@ -622,13 +629,18 @@ void ApiServer::Complete(const httplib::Request& req, httplib::Response& res, bo
                      {"token_ids", d.tokens},
                      {"finish_reason", finish},
                      {"logprobs", logprobs ? LogprobsJson(d.tokens, d.logprobs, chat) : json(nullptr)}};
+          std::string text = d.text;
+          if (!c.echo.empty()) {
+            text = c.echo + text;
+            c.echo.clear();
+          }
           if (chat) {
             json delta = json::object();
             if (c.first) delta["role"] = "assistant";
-            if (!d.text.empty() || finish.is_null()) delta["content"] = d.text;
+            if (!text.empty() || finish.is_null()) delta["content"] = text;
             ch["delta"] = delta;
           } else {
-            ch["text"] = d.text;
+            ch["text"] = text;
           }
           c.first = false;
           return send({{"id", call->id},
@@ -659,7 +671,9 @@ void ApiServer::Complete(const httplib::Request& req, httplib::Response& res, bo
               return true;
             }
             const Delta d = call->Apply(i, *e);
-            const bool ok = d.finished ? (d.tokens.empty() && d.text.empty() ? true : chunk(i, d, nullptr)) &&
+            const bool ok = d.finished ? (d.tokens.empty() && d.text.empty() && call->choices[i].echo.empty()
+                                              ? true
+                                              : chunk(i, d, nullptr)) &&
                                              chunk(i, Delta{}, call->choices[i].finish_reason)
                                        : (d.tokens.empty() && d.text.empty() ? true : chunk(i, d, nullptr));
             if (!ok) {

@@ -60,6 +60,11 @@ if [ -f "$SMOL" ]; then
   if grep -q "Paris" "$TMP/out"; then ok; else bad "SmolLM2 chat answer without Paris: $(cat "$TMP/out")"; fi
   expect_ok "$TANDEM" generate --device cpu --model "$SMOL" --prompt "Once upon a time" --max-tokens 24 --stop "," --json
   if python3 -c 'import json,sys; r=json.loads(open(sys.argv[1]).read().splitlines()[-1]); assert r["finish_reason"]=="stop" and "," not in r["text"], r' "$TMP/out"; then ok; else bad "stop string: $(cat "$TMP/out")"; fi
+  expect_ok "$TANDEM" tokenize --model "$SMOL" --text "Hello, world! 你好 👋" --json
+  ids=$(python3 -c 'import json,sys; print(",".join(map(str, json.load(open(sys.argv[1]))["ids"])))' "$TMP/out")
+  expect_ok "$TANDEM" detokenize --model "$SMOL" --ids "$ids"
+  if [ "$(cat "$TMP/out")" = "Hello, world! 你好 👋" ]; then ok; else bad "tokenize/detokenize round trip: $(cat "$TMP/out")"; fi
+  expect_fail "ships no tokenizer" "$TANDEM" tokenize --model tiny-mha --text hi
 else
   echo "skipped the SmolLM2 checks: $SMOL is absent (scripts/install_deps.sh downloads it)"
 fi

@@ -148,6 +148,12 @@ def run(deploy):
                     return
             results[i] = got
 
+        def resources():
+            """The server's open file descriptors and threads (colocated: the serve process itself)."""
+            pid = server.pid
+            return len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
+
+        before = resources() if not deploy else None
         threads = [threading.Thread(target=client_run, args=(i,)) for i in range(n_clients)]
         for t in threads:
             t.start()
@@ -157,6 +163,10 @@ def run(deploy):
             if i not in quit_early:
                 check(results[i] == ref[i]["token_ids"], f"concurrent client {i}: {results[i]} != {ref[i]['token_ids']}")
         time.sleep(1.0)
+        if before is not None:
+            after = resources()
+            check(after[0] <= before[0] + 2 and after[1] <= before[1],
+                  f"leaked file descriptors or threads: {before} before the clients, {after} after")
         status, metrics = raw(base + "/metrics", None, {"Authorization": f"Bearer {KEY}"}, "GET")
         metrics = metrics.decode()
         check(status == 200 and f'tandem:num_requests_running{{model_name="{MODEL}"}} 0' in metrics,
@@ -268,6 +278,9 @@ def run_text():
         check(c.choices[0].text == ref["text"] and c.choices[0].finish_reason == "stop",
               f"stop: {c.choices[0].text!r} ({c.choices[0].finish_reason}) != {ref['text']!r}")
         check("," not in c.choices[0].text, "the stop string leaked into the text")
+        c = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, echo=True)
+        check(c.choices[0].text.startswith("Once upon a time") and len(c.choices[0].text) > len("Once upon a time"),
+              f"echo: {c.choices[0].text!r}")
         status, out = raw(base + "/v1/completions", json.dumps({"model": MODEL, "prompt": "abc\udc80"}).encode(),
                           {"Authorization": f"Bearer {KEY}"})
         check(status == 400, f"invalid UTF-8 prompt: status {status}")
