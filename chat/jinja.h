@@ -161,4 +161,7 @@ bool KnownMethod(const std::string& name);
 // 1-based line and column of byte `pos` in `source`.
 std::pair<int, int> LineColumn(const std::string& source, int64_t pos);
 
+// Appends code point `cp` to `out` as UTF-8 (the lexer and the evaluator both build strings).
+void AppendUtf8(std::string& out, uint32_t cp);
+
 }  // namespace tandem::jinja

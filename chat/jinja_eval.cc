@@ -33,24 +33,7 @@ std::vector<uint32_t> Decode(const std::string& s) {
 
 std::string Encode(const std::vector<uint32_t>& cps, size_t begin, size_t end) {
   std::string out;
-  for (size_t k = begin; k < end; ++k) {
-    const uint32_t cp = cps[k];
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xc0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3f));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xe0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-      out += static_cast<char>(0x80 | (cp & 0x3f));
-    } else {
-      out += static_cast<char>(0xf0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3f));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-      out += static_cast<char>(0x80 | (cp & 0x3f));
-    }
-  }
+  for (size_t k = begin; k < end; ++k) AppendUtf8(out, cps[k]);
   return out;
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "colocated/engine.h"
+#include "engine_compare.h"
 #include "gpu_test_util.h"
 #include "gtest/gtest.h"
 
@@ -75,23 +76,10 @@ TEST_P(CudaGraphsEngine, SameTokensAsEagerLaunches) {
   ASSERT_EQ(graphs.results.size(), 40u);
   // A padded step runs its GEMMs with more rows, for which cuBLAS may pick another kernel (another
   // summation order): logprobs may move by fp32/bf16 rounding, and a rounding may flip a near-tie.
-  // Tokens agree up to the first difference; there both chosen tokens are near-ties.
-  double max_diff = 0;
-  int diverged = 0;
-  for (size_t i = 0; i < eager.results.size(); ++i) {
-    const GenerationResult& a = eager.results[i];
-    const GenerationResult& b = graphs.results[i];
-    ASSERT_EQ(a.token_ids.size(), b.token_ids.size()) << "request " << i;
-    size_t k = 0;
-    while (k < a.token_ids.size() && a.token_ids[k] == b.token_ids[k]) ++k;
-    for (size_t j = 0; j < k; ++j)
-      max_diff = std::max(max_diff, std::fabs(static_cast<double>(a.logprobs[j] - b.logprobs[j])));
-    if (k < a.token_ids.size()) {
-      ++diverged;
-      EXPECT_LT(std::fabs(static_cast<double>(a.logprobs[k] - b.logprobs[k])), 0.05)
-          << "request " << i << " token " << k << " is not a near-tie";
-    }
-  }
+  const testing_gpu::RunComparison cmp =
+      testing_gpu::CompareUpToNearTies(eager.results, graphs.results, 0.05);
+  const int diverged = cmp.diverged;
+  const double max_diff = cmp.max_diff;
   std::printf("%s: %d/40 requests differ (at near-ties), max |logprob difference| before that %.3g\n",
               GetParam().c_str(), diverged, max_diff);
   EXPECT_LT(max_diff, 0.05);

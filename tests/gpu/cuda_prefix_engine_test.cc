@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "colocated/engine.h"
+#include "engine_compare.h"
 #include "gpu_test_util.h"
 #include "gtest/gtest.h"
 
@@ -92,26 +93,9 @@ TEST_P(CudaPrefixEngine, TokensAgreeWithAndWithoutSharing) {
       // only. On these small checkpoints a rounding can flip a near-tie, after which the two runs
       // continue from different tokens: tokens must agree up to the first difference, logprobs
       // before it must agree to rounding, and at it both runs' chosen tokens must be (near) ties.
-      double max_diff = 0, max_tie_gap = 0;
-      int diverged = 0;
-      for (size_t i = 0; i < got.results.size(); ++i) {
-        const GenerationResult& a = base.results[i];
-        const GenerationResult& b = got.results[i];
-        ASSERT_EQ(a.token_ids.size(), b.token_ids.size());
-        size_t k = 0;
-        while (k < a.token_ids.size() && a.token_ids[k] == b.token_ids[k]) ++k;
-        for (size_t j = 0; j < k; ++j) {
-          max_diff = std::max(max_diff, std::fabs(static_cast<double>(a.logprobs[j] - b.logprobs[j])));
-        }
-        if (k < a.token_ids.size()) {
-          ++diverged;
-          const double gap = std::fabs(static_cast<double>(a.logprobs[k] - b.logprobs[k]));
-          max_tie_gap = std::max(max_tie_gap, gap);
-          EXPECT_LT(gap, 0.1) << "request " << i << " token " << k << ": " << a.token_ids[k] << " (logprob "
-                              << a.logprobs[k] << ") vs " << b.token_ids[k] << " (logprob " << b.logprobs[k]
-                              << ") is not a near-tie";
-        }
-      }
+      const testing_gpu::RunComparison cmp = testing_gpu::CompareUpToNearTies(base.results, got.results, 0.1);
+      const double max_diff = cmp.max_diff, max_tie_gap = cmp.max_tie_gap;
+      const int diverged = cmp.diverged;
       std::printf(
           "%s sharing %s batch %lld: %lld prompt tokens reused, %lld rows in prefix groups, %d/%zu "
           "requests differ from the run without (at near-ties, logprob gap <= %.3g), max |logprob "
