@@ -12,6 +12,7 @@
 #include "engine_compare.h"
 #include "gpu_test_util.h"
 #include "gtest/gtest.h"
+#include "param_names.h"
 
 namespace tandem {
 namespace {
@@ -118,12 +119,7 @@ TEST_P(CudaPrefixEngine, TokensAgreeWithAndWithoutSharing) {
 
 INSTANTIATE_TEST_SUITE_P(Reference, CudaPrefixEngine,
                          ::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim"),
-                         [](const auto& info) {
-                           std::string n = info.param;
-                           for (char& ch : n)
-                             if (ch == '-') ch = '_';
-                           return n;
-                         });
+                         testing_names::ModelParamName());
 
 }  // namespace
 }  // namespace tandem

@@ -28,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cuda/device.h"
 #include "nlohmann/json.hpp"
+#include "param_names.h"
 
 namespace tandem {
 namespace {
@@ -184,10 +185,8 @@ INSTANTIATE_TEST_SUITE_P(Models, HfReference,
                          ::testing::Combine(::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim"),
                                             ::testing::Values("cpu", "cuda")),
                          [](const auto& info) {
-                           std::string n = std::get<0>(info.param) + "_" + std::get<1>(info.param);
-                           for (char& ch : n)
-                             if (ch == '-') ch = '_';
-                           return n;
+                           return testing_names::Identifier(std::string(std::get<0>(info.param)) + "_" +
+                                                            std::get<1>(info.param));
                          });
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "gtest/gtest.h"
+#include "param_names.h"
 
 namespace tandem {
 namespace {
@@ -143,12 +144,7 @@ TEST_P(EngineBatching, BatchedEqualsAloneForEverySchedule) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, EngineBatching, ::testing::Values("tiny-mha", "tiny-gqa", "tiny-mqa"),
-                         [](const auto& info) {
-                           std::string n = info.param;
-                           for (char& ch : n)
-                             if (ch == '-') ch = '_';
-                           return n;
-                         });
+                         testing_names::ModelParamName());
 
 TEST(Engine, RequestsArrivingWhileOthersRunGetTheSameTokens) {
   auto w = Tiny("tiny-gqa");
@@ -328,12 +324,7 @@ TEST(Engine, NextTurnReusesThePreviousAnswer) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, EnginePrefix, ::testing::Values("tiny-mha", "tiny-gqa", "tiny-mqa"),
-                         [](const auto& info) {
-                           std::string n = info.param;
-                           for (char& ch : n)
-                             if (ch == '-') ch = '_';
-                           return n;
-                         });
+                         testing_names::ModelParamName());
 
 TEST(Engine, KvFullMakesRequestsWaitNotFail) {
   auto w = Tiny("tiny-mha");
