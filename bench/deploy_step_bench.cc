@@ -28,12 +28,15 @@
 // host time. decode tok/s = tokens generated in decode steps / the wall time of those steps. The
 // host-staged path (ucx) checksums its payloads as a deployment does by default (--checksums).
 //
+// With --shared-gpu the memory ranks run on cuda:0 beside the compute rank (the one-GPU layout of
+// the quick start; ucx stages through host memory, p2p signals with CUDA IPC events).
+//
 // KV: each memory rank is given room for its share (ceil(B / ranks) requests of C tokens) of the
-// largest (B, C) that fits in 90% of its GPU's memory less 2 GiB; larger ones are skipped with a
-// note. A (B, C) that the colocated engine cannot hold still runs on the deployments, without
+// largest (B, C) that fits in 90% of its GPU's memory less 2 GiB (shared GPU: the colocated
+// engine's KV capacity, split among the memory ranks); larger ones are skipped with a note. A (B, C) that the colocated engine cannot hold still runs on the deployments, without
 // attention and exchange ("-"). A transport is skipped, with the reason, when this build lacks it
-// or the host has fewer GPUs than 1 + memory ranks (so no memory rank shares the compute GPU,
-// which p2p and nccl refuse).
+// the host has fewer GPUs than the layout needs, or the transport cannot connect the layout
+// (nccl refuses ranks that share a GPU).
 //
 // Never hangs: every run has a wall limit (--run-timeout), checked between steps and enforced by a
 // watchdog that ends the process (the memory ranks die with it) a minute after it; start-up has
@@ -43,7 +46,7 @@
 // Usage: deploy_step_bench --model llama3-8b [--transports ucx,p2p,nccl] [--batches 64,256]
 //                          [--contexts 1024,4096] [--decode-tokens 16] [--memory-ranks 1]
 //                          [--json PATH] [--tandem PATH] [--run-timeout 600] [--startup-timeout 600]
-//                          [--checksums 1]
+//                          [--checksums 1] [--shared-gpu 0|1]
 #include <cuda_runtime.h>
 #include <poll.h>
 #include <sys/syscall.h>
@@ -99,6 +102,7 @@ constexpr const char* kUsage =
     "                         [--contexts 1024,4096] [--decode-tokens 16] [--memory-ranks 1]\n"
     "                         [--json PATH] [--tandem PATH] [--run-timeout S] [--startup-timeout S]\n"
     "                         [--checksums 0|1] [--max-tokens-per-step N] [--cuda-graphs 0|1]\n"
+    "                         [--shared-gpu 0|1]\n"
     "Decode step time of a deployment (compute rank on cuda:0, memory ranks on cuda:1..) per\n"
     "transport, split into compute, attention, exchange and idle, beside the colocated engine.\n"
     "  --model            preset name (random weights, seed 0) or checkpoint directory\n"
@@ -107,6 +111,7 @@ constexpr const char* kUsage =
     "  --contexts         context length each request reaches (comma-separated, > decode tokens)\n"
     "  --decode-tokens    tokens generated per request (>= 2)\n"
     "  --memory-ranks     memory rank processes, on cuda:1 .. cuda:N\n"
+    "  --shared-gpu       1: the memory ranks on cuda:0 with the compute rank (one GPU); 0 (default)\n"
     "  --json             also write the rows as a JSON array to PATH\n"
     "  --tandem           the tandem executable that runs the memory ranks\n"
     "  --run-timeout      wall limit of one (transport, batch, context) run, seconds (600)\n"
@@ -379,7 +384,10 @@ struct Settings {
   double startup_s = 600, step_timeout_s = 120;
   bool checksums = true;
   bool cuda_graphs = false;
+  bool shared_gpu = false;  // memory ranks on cuda:0
 };
+
+int MemoryDevice(const Settings& s, int m) { return s.shared_gpu ? 0 : 1 + m; }
 
 absl::Status StartDeployment(const tandem::WeightSource& source, transport::TransportKind kind,
                              const Settings& s, Deployment* d) {
@@ -393,12 +401,12 @@ absl::Status StartDeployment(const tandem::WeightSource& source, transport::Tran
   }
   for (int m = 0; m < s.memory_ranks; ++m) {
     const std::string name = absl::StrCat("memory-", m);
-    std::fprintf(stderr, "  starting %s on cuda:%d (%s)\n", name.c_str(), 1 + m,
+    std::fprintf(stderr, "  starting %s on cuda:%d (%s)\n", name.c_str(), MemoryDevice(s, m),
                  transport::TransportKindName(kind));
     if (absl::Status st = d->group.Start(
             name,
             {s.tandem, "memory", "--config", yaml, "--rank", std::to_string(m), "--listen", "127.0.0.1:0",
-             "--device", absl::StrCat("cuda:", 1 + m), "--transport", transport::TransportKindName(kind),
+             "--device", absl::StrCat("cuda:", MemoryDevice(s, m)), "--transport", transport::TransportKindName(kind),
              "--ready-file", d->dir + "/" + name + ".ready"},
             d->dir + "/" + name + ".log");
         !st.ok())
@@ -482,7 +490,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> batches = {64, 256}, contexts = {1024, 4096};
   int64_t decode_tokens = 16, memory_ranks = 1, max_tokens_flag = 0;
   double run_timeout_s = 600, startup_s = 600;
-  bool checksums = true, cuda_graphs = false;
+  bool checksums = true, cuda_graphs = false, shared_gpu = false;
   auto fail = [](const absl::Status& st) {
     std::fprintf(stderr, "deploy_step_bench: %s\n", std::string(st.message()).c_str());
     return 1;
@@ -524,6 +532,9 @@ int main(int argc, char** argv) {
     } else if (k == "--checksums") {
       if (v != "0" && v != "1") st = absl::InvalidArgumentError("--checksums: 0 or 1");
       checksums = v == "1";
+    } else if (k == "--shared-gpu") {
+      if (v != "0" && v != "1") st = absl::InvalidArgumentError("--shared-gpu: 0 or 1");
+      shared_gpu = v == "1";
     } else if (k == "--cuda-graphs") {
       if (v != "0" && v != "1") st = absl::InvalidArgumentError("--cuda-graphs: 0 or 1");
       cuda_graphs = v == "1";
@@ -573,7 +584,8 @@ int main(int argc, char** argv) {
   if (const cudaError_t e = cudaGetDeviceCount(&gpus); e != cudaSuccess || gpus < 1) {
     return fail(absl::UnavailableError(absl::StrCat("no CUDA device (",
                                                     e == cudaSuccess ? "none found" : cudaGetErrorString(e),
-                                                    "); this benchmark needs ", 1 + memory_ranks, " GPUs")));
+                                                    "); this benchmark needs ",
+                                                    shared_gpu ? 1 : 1 + memory_ranks, " GPUs")));
   }
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
@@ -622,6 +634,7 @@ int main(int argc, char** argv) {
 
   // The colocated baseline: attention per decode step of every (B, C).
   std::vector<std::optional<double>> baseline(combos.size());
+  int64_t colocated_kv = 0;  // the engine's KV capacity on cuda:0, beside the weights
   {
     tandem::EngineOptions eo;
     eo.device = "cuda:0";
@@ -637,8 +650,9 @@ int main(int argc, char** argv) {
     absl::StatusOr<std::unique_ptr<ColocatedEngine>> engine = ColocatedEngine::Create(**source, eo);
     watchdog.Disarm();
     if (!engine.ok()) return fail(tandem::Annotate(engine.status(), "colocated engine"));
+    colocated_kv = (*engine)->kv_capacity_tokens();
     std::fprintf(stderr, "loaded in %.1f s; KV capacity %lld tokens\n", Since(t0),
-                 static_cast<long long>((*engine)->kv_capacity_tokens()));
+                 static_cast<long long>(colocated_kv));
     for (size_t i = 0; i < combos.size(); ++i) {
       const Combo& c = combos[i];
       if (c.batch * c.context > (*engine)->kv_capacity_tokens()) {
@@ -667,7 +681,8 @@ int main(int argc, char** argv) {
   // The deployments.
   const int64_t per_token = spec.kv_bytes_per_token(2);
   int64_t budget = INT64_MAX;  // KV tokens a memory rank can hold
-  for (int m = 0; m < memory_ranks && 1 + m < gpus; ++m) {
+  if (shared_gpu) budget = colocated_kv / memory_ranks;
+  for (int m = 0; !shared_gpu && m < memory_ranks && 1 + m < gpus; ++m) {
     cudaDeviceProp p;
     if (cudaGetDeviceProperties(&p, 1 + m) != cudaSuccess) continue;
     const double bytes = 0.9 * static_cast<double>(p.totalGlobalMem) - 2.0 * (1LL << 30);
@@ -688,17 +703,23 @@ int main(int argc, char** argv) {
                     .startup_s = startup_s,
                     .step_timeout_s = std::min(120.0, run_timeout_s),
                     .checksums = checksums,
-                    .cuda_graphs = cuda_graphs};
+                    .cuda_graphs = cuda_graphs,
+                    .shared_gpu = shared_gpu};
+  transport::RankLayout layout{.compute_device = 0};
+  for (int m = 0; m < memory_ranks; ++m) layout.memory_devices.push_back(MemoryDevice(settings, m));
   for (size_t k = 0; k < kinds.size(); ++k) {
     const std::string name = transport::TransportKindName(kinds[k]);
     std::string skip;
     if (!transport::TransportBuilt(kinds[k])) {
       skip = "not in this build";
-    } else if (gpus < 1 + memory_ranks) {
+    } else if (!shared_gpu && gpus < 1 + memory_ranks) {
       skip = absl::StrCat("needs ", 1 + memory_ranks,
                           " GPUs (compute rank on cuda:0, memory ranks on cuda:1..), "
                           "this machine has ",
                           gpus);
+    } else if (const std::string why = transport::GetTransportInfo(kinds[k]).CannotConnect(layout);
+               !why.empty()) {
+      skip = why;
     } else if (kv_tokens == 0) {
       skip = "no (batch, context) fits in a memory rank's KV cache";
     }
@@ -768,9 +789,10 @@ int main(int argc, char** argv) {
     return a.order < b.order;
   });
   std::printf(
-      "model %s on %s: compute rank cuda:0, %lld memory rank(s) on cuda:1..; decode %lld tokens per "
+      "model %s on %s: compute rank cuda:0, %lld memory rank(s) on %s; decode %lld tokens per "
       "request; per decode step, ms: step = compute + attention + exchange + idle\n",
       model.c_str(), device_name.c_str(), static_cast<long long>(memory_ranks),
+      shared_gpu ? "cuda:0 (shared)" : "cuda:1..",
       static_cast<long long>(decode_tokens));
   std::printf("%-10s %-6s %-7s %-6s %-8s %-8s %-8s %-8s %-9s %-9s %-8s %-8s %s\n", "transport", "batch",
               "context", "rows", "step_ms", "compute", "linear", "floor", "attention", "exchange", "idle",

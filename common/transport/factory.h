@@ -36,8 +36,8 @@ struct TransportInfo {
   bool needs_gpus;          // every rank on a CUDA device
   bool same_host_only;      // every rank on one host
   bool device_polling;      // CUDA ranks enqueue whole steps with device-side waits (no host per layer)
-  bool shares_compute_gpu;  // a memory rank may run on the compute rank's GPU (a device-polling
-                            // kernel would spin against the compute rank's kernels there)
+  bool shares_compute_gpu;  // a memory rank may run on the compute rank's GPU (a transport whose
+                            // device waits spin would hold the GPU against the kernels awaited)
   bool chosen_by_auto;      // transport.kind auto may pick it
   // Empty when this transport can connect `layout`, else why not, naming the kind ("p2p moves
   // data between GPUs, but ranks run on the CPU"). Checks, in order: built, needs_gpus,

@@ -73,21 +73,25 @@ TEST(TransportTable, CannotConnectSaysWhy) {
   }
   EXPECT_EQ(p2p.CannotConnect(gpus), "");
   EXPECT_THAT(p2p.CannotConnect(cpus), HasSubstr("ranks run on the CPU"));
-  EXPECT_THAT(p2p.CannotConnect(shared), HasSubstr("memory rank 1 is on cuda:0 too"));
+  EXPECT_EQ(p2p.CannotConnect(shared), "");  // same-GPU peers wait on IPC events
   EXPECT_THAT(p2p.CannotConnect(hosts), HasSubstr("one host only"));
-  EXPECT_EQ(transport::GetTransportInfo(TransportKind::kNccl).CannotConnect(hosts), "");
+  const transport::TransportInfo& nccl = transport::GetTransportInfo(TransportKind::kNccl);
+  EXPECT_EQ(nccl.CannotConnect(hosts), "");
+  if (nccl.built) {
+    EXPECT_THAT(nccl.CannotConnect(shared), HasSubstr("memory rank 1 is on cuda:0 too"));
+  }
   EXPECT_EQ(transport::PickTransport(gpus), TransportKind::kP2p);
   EXPECT_EQ(transport::PickTransport(hosts), TransportKind::kUcx);  // nccl is never chosen by auto
 }
 
-TEST(ResolveTransport, AutoPicksP2pOnlyWhenEveryRankHasItsOwnGpu) {
+TEST(ResolveTransport, AutoPicksP2pWhenEveryRankIsOnAGpuOfThisHost) {
   const std::string gpu_kind = TransportBuilt(TransportKind::kP2p) ? "p2p" : "ucx";
   EXPECT_EQ(Resolve("auto", Plan("cuda:0", {"cuda:1"})), gpu_kind);
   EXPECT_EQ(Resolve("auto", Plan("cuda:0", {"cuda:1", "cuda:2", "cuda:3"})), gpu_kind);
-  // Memory ranks may share a GPU among themselves, just not the compute rank's.
+  // Ranks may share GPUs: p2p signals same-GPU peers with IPC events.
   EXPECT_EQ(Resolve("auto", Plan("cuda:0", {"cuda:1", "cuda:1"})), gpu_kind);
-  EXPECT_EQ(Resolve("auto", Plan("cuda:0", {"cuda:0"})), "ucx");
-  EXPECT_EQ(Resolve("auto", Plan("cuda:0", {"cuda:1", "cuda:0"})), "ucx");
+  EXPECT_EQ(Resolve("auto", Plan("cuda:0", {"cuda:0"})), gpu_kind);
+  EXPECT_EQ(Resolve("auto", Plan("cuda:0", {"cuda:1", "cuda:0"})), gpu_kind);
   EXPECT_EQ(Resolve("auto", Plan("cpu", {"cpu", "cpu"})), "ucx");
 }
 
@@ -104,8 +108,11 @@ TEST(ResolveTransport, ExplicitKinds) {
     }
     EXPECT_EQ(Resolve(kind, Plan("cuda:0", {"cuda:1", "cuda:2"})), kind);
     EXPECT_THAT(Resolve(kind, Plan("cpu", {"cpu"})), HasSubstr("ranks run on the CPU"));
-    EXPECT_THAT(Resolve(kind, Plan("cuda:0", {"cuda:1", "cuda:0"})),
-                HasSubstr("memory rank 1 is on cuda:0 too"));
+    if (kind == "nccl") {
+      EXPECT_THAT(Resolve(kind, Plan("cuda:0", {"cuda:1", "cuda:0"})), HasSubstr("memory rank 1 is on cuda:0 too"));
+    } else {
+      EXPECT_EQ(Resolve(kind, Plan("cuda:0", {"cuda:1", "cuda:0"})), kind);
+    }
   }
 }
 
@@ -119,11 +126,11 @@ TEST(ResolveTransport, ErrorsNameTheKey) {
   absl::StatusOr<std::optional<TransportKind>> automatic = ParseTransportSetting("auto");
   ASSERT_TRUE(automatic.ok());
   EXPECT_FALSE(automatic->has_value());
-  absl::StatusOr<TransportKind> r = ResolveTransport(TransportKind::kP2p, Plan("cuda:0", {"cuda:0"}));
-  if (TransportBuilt(TransportKind::kP2p)) {
+  absl::StatusOr<TransportKind> r = ResolveTransport(TransportKind::kNccl, Plan("cuda:0", {"cuda:0"}));
+  if (TransportBuilt(TransportKind::kNccl)) {
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(std::string(r.status().message()), HasSubstr("transport.kind: p2p"));
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr("transport.kind: nccl"));
   }
 }
 

@@ -74,6 +74,11 @@ absl::Status DevicePath::EnqueueWriteWithDoorbell(void* dst, const void* src, si
 
 void DevicePath::Abort() { reinterpret_cast<volatile DeviceWaitRecord*>(record_)->abort = 1; }
 
+void DevicePath::Fail(absl::Status status) {
+  if (pending_.ok()) pending_ = std::move(status);
+  Abort();
+}
+
 absl::Status DevicePath::Sync(void* stream, absl::Time deadline, const std::function<absl::Status()>& pump) {
   if (!failure_.ok())
     return absl::FailedPreconditionError(absl::StrCat("device path failed: ", failure_.message()));
@@ -122,7 +127,9 @@ absl::Status DevicePath::Sync(void* stream, absl::Time deadline, const std::func
   }
   cudaEventDestroy(done);
   const volatile DeviceWaitRecord* r = record_;
-  if (st.ok() && r->failed != 0) {
+  if (st.ok() && !pending_.ok()) {
+    st = pending_;
+  } else if (st.ok() && r->failed != 0) {
     const uint32_t i = r->wait;
     if (i < waits_.size()) {
       const Wait& w = waits_[i];

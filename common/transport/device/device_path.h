@@ -55,6 +55,13 @@ class DevicePath {
   // Makes every pending and later wait fall through (recorded as aborted).
   void Abort();
 
+  // A failure the host met while enqueueing (a wait whose writer never signalled, a peer that
+  // failed meanwhile; see the p2p transport's same-GPU waits): every pending and later wait falls
+  // through, and the next Sync drains the stream and returns `status` (the first one given).
+  void Fail(absl::Status status);
+  // True once Fail or a failed Sync has happened: the step in progress will not succeed.
+  bool failed() const { return !failure_.ok() || !pending_.ok(); }
+
  private:
   DevicePath() = default;
 
@@ -70,6 +77,7 @@ class DevicePath {
   };
   std::vector<Wait> waits_;  // enqueued since the last Sync, by the index the kernel records
   absl::Status failure_;
+  absl::Status pending_;  // from Fail, returned by the next Sync
 };
 
 }  // namespace tandem::transport

@@ -26,6 +26,20 @@
 //     and the receiver's wait is a kernel that polls its doorbell with a deadline
 //     (common/transport/device). No host call sits between the layers of a step.
 //
+// Two processes on one GPU (a compute rank and a memory rank sharing it): the GPU runs one
+// process's context at a time, so a spinning wait kernel would hold the GPU against the very
+// kernels it waits for. Between such peers the device path signals with CUDA IPC events instead:
+// EnqueueWrite records one of the writer's interprocess events after the write kernel and sends
+// a signal frame (buffer, seqno, event) on the control channel; EnqueueWait waits on the host for
+// the signal of that seqno (pumping the control plane, up to the wait's timeout counted from the
+// call) and makes the stream wait for the event (cudaStreamWaitEvent), so the stream blocks
+// without occupying the GPU and the GPU switches to the writer's work. The host stays ahead of
+// the GPU (it enqueues layer l + 1 while layer l runs) as long as a signal's round trip is
+// shorter than a layer's device time. A writer's events form a ring of kEvents; a reader must
+// not fall kEvents signals behind its writer (a layer's request-reply keeps it at one or two). A
+// signal that does not come, or a peer that fails meanwhile, fails the device path (DevicePath::
+// Fail): later waits fall through and SyncStream reports it.
+//
 // Trust: a peer with an IPC mapping can write anywhere in the mapped buffer, so bounds are checked
 // by the writer (an out-of-bounds Write is InvalidArgument before any copy); a malicious peer is
 // outside this transport's model, as it is for NVLink itself.
@@ -36,6 +50,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <thread>
 #include <utility>
@@ -51,7 +66,10 @@ namespace {
 
 constexpr uint32_t kDescriptorMagic = 0x42503254;  // "T2PB" on the wire: a buffer descriptor
 constexpr uint32_t kHelloMagic = 0x48503254;       // "T2PH": the sender's doorbell page
+constexpr uint32_t kSignalMagic = 0x53503254;      // "T2PS": a same-GPU write's event
 constexpr size_t kSlots = 512;                     // doorbells per process
+constexpr int kEvents = 256;                       // interprocess events per process (a ring)
+constexpr size_t kMaxSignals = 1024;               // kept per buffer and peer; older ones dropped
 
 #define P2P_CUDA(expr)                                                                                     \
   do {                                                                                                     \
@@ -74,6 +92,14 @@ struct HelloFrame {
   uint32_t magic = kHelloMagic;
   int32_t device = 0;
   cudaIpcMemHandle_t doorbells{};
+  cudaIpcEventHandle_t events[kEvents]{};  // for a peer on the same GPU
+};
+struct SignalFrame {
+  uint32_t magic = kSignalMagic;
+  uint32_t buffer = 0;  // the reader's
+  uint32_t event = 0;   // index into the writer's events
+  uint32_t reserved = 0;
+  uint64_t seqno = 0;
 };
 
 class P2pTransport : public ControlPlaneTransport {
@@ -92,7 +118,9 @@ class P2pTransport : public ControlPlaneTransport {
     for (auto& [peer, p] : peers_) {
       for (auto& [handle, mapped] : p.mappings) cudaIpcCloseMemHandle(mapped);
       if (p.doorbells) cudaIpcCloseMemHandle(p.doorbells);
+      for (cudaEvent_t e : p.events) cudaEventDestroy(e);
     }
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
     if (stream_) cudaStreamDestroy(stream_);
     if (doorbells_) cudaFree(doorbells_);
     if (staging_) cudaFree(staging_);
@@ -104,6 +132,12 @@ class P2pTransport : public ControlPlaneTransport {
     P2P_CUDA(cudaMemset(doorbells_, 0, kSlots * sizeof(uint64_t)));
     P2P_CUDA(cudaIpcGetMemHandle(&doorbell_handle_, doorbells_));
     P2P_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    for (int i = 0; i < kEvents; ++i) {
+      cudaEvent_t e = nullptr;
+      P2P_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventInterprocess));
+      events_.push_back(e);
+      P2P_CUDA(cudaIpcGetEventHandle(&event_handles_[i], e));
+    }
     P2P_CUDA(cudaDeviceSynchronize());
     ASSIGN_OR_RETURN(device_path_, DevicePath::Create(device_));
     return absl::OkStatus();
@@ -225,9 +259,18 @@ class P2pTransport : public ControlPlaneTransport {
                                                      " bytes) of ", PeerName(peer)));
     }
     P2P_CUDA(cudaSetDevice(device_));
+    Peer& p = peers_.at(peer);
     auto* dst = static_cast<uint8_t*>(r->mapped) + r->offset + offset;
-    auto* bell = static_cast<uint64_t*>(peers_.at(peer).doorbells) + buffer % kSlots;
-    return device_path_->EnqueueWriteWithDoorbell(dst, src, bytes, bell, seqno, stream);
+    auto* bell = static_cast<uint64_t*>(p.doorbells) + buffer % kSlots;
+    RETURN_IF_ERROR(device_path_->EnqueueWriteWithDoorbell(dst, src, bytes, bell, seqno, stream));
+    if (!p.same_gpu) return absl::OkStatus();
+    // Same GPU: the reader's stream waits for this event (see the file comment).
+    SignalFrame f;
+    f.buffer = buffer;
+    f.event = static_cast<uint32_t>(next_event_++ % kEvents);
+    f.seqno = seqno;
+    P2P_CUDA(cudaEventRecord(events_[f.event], static_cast<cudaStream_t>(stream)));
+    return control().Send(peer, ToBytes(f));
   }
 
   absl::Status EnqueueWait(PeerId peer, uint32_t buffer, uint64_t offset, size_t bytes, uint64_t seqno,
@@ -241,6 +284,14 @@ class P2pTransport : public ControlPlaneTransport {
     }
     if (!peers_.contains(peer)) return absl::NotFoundError(absl::StrCat("no peer ", peer));
     P2P_CUDA(cudaSetDevice(device_));
+    // Whether the peer shares our GPU is in its hello, which comes before anything it sends.
+    for (const absl::Time until = absl::Now() + timeout; !peers_.at(peer).greeted;) {
+      RETURN_IF_ERROR(Pump());
+      if (absl::Now() >= until) {
+        return absl::DeadlineExceededError(absl::StrCat(label, ": ", PeerName(peer), " never sent its hello"));
+      }
+    }
+    if (peers_.at(peer).same_gpu) return WaitForSignal(peer, buffer, seqno, timeout, label, stream);
     return device_path_->EnqueueWait(static_cast<const uint64_t*>(doorbells_) + buffer % kSlots, seqno,
                                      timeout, label, stream);
   }
@@ -261,9 +312,17 @@ class P2pTransport : public ControlPlaneTransport {
     void* mapped = nullptr;  // the peer's allocation, mapped here
     uint64_t offset = 0, bytes = 0;
   };
+  struct Signal {
+    uint64_t seqno;
+    uint32_t event;
+  };
   struct Peer {
     bool greeted = false;  // its hello (doorbell page) arrived
+    bool same_gpu = false;  // it runs on our GPU: events instead of spinning waits
     void* doorbells = nullptr;
+    std::vector<cudaEvent_t> events;                  // its ring, opened here (same GPU only)
+    std::map<uint32_t, std::deque<Signal>> signals;   // by our buffer: its writes' events, in order
+    std::map<uint32_t, uint64_t> signalled;           // by our buffer: the last seqno signalled
     std::map<uint32_t, DescriptorFrame> descriptors;  // received, not yet mapped
     std::map<uint32_t, Remote> buffers;               // mapped
     // Allocations opened through IPC, by handle: several buffers of one allocation share one
@@ -277,6 +336,7 @@ class P2pTransport : public ControlPlaneTransport {
     HelloFrame h;
     h.device = device_;
     h.doorbells = doorbell_handle_;
+    std::copy(std::begin(event_handles_), std::end(event_handles_), std::begin(h.events));
     RETURN_IF_ERROR(control().Send(peer, ToBytes(h)));
     for (const auto& [id, d] : local_) RETURN_IF_ERROR(control().Send(peer, ToBytes(d)));
     return absl::OkStatus();
@@ -293,7 +353,30 @@ class P2pTransport : public ControlPlaneTransport {
       if (p.greeted) return absl::DataLossError(absl::StrCat("second p2p hello from ", PeerName(from)));
       P2P_CUDA(cudaSetDevice(device_));
       P2P_CUDA(cudaIpcOpenMemHandle(&p.doorbells, h.doorbells, cudaIpcMemLazyEnablePeerAccess));
+      if (h.device == device_) {
+        for (const cudaIpcEventHandle_t& handle : h.events) {
+          cudaEvent_t e = nullptr;
+          P2P_CUDA(cudaIpcOpenEventHandle(&e, handle));
+          p.events.push_back(e);
+        }
+        p.same_gpu = true;
+      }
       p.greeted = true;
+      return true;
+    }
+    if (magic == kSignalMagic && m.size() == sizeof(SignalFrame)) {
+      SignalFrame f;
+      std::memcpy(&f, m.data(), sizeof(f));
+      Peer& p = peers_[from];
+      if (!p.same_gpu || f.event >= p.events.size()) {
+        return absl::DataLossError(absl::StrCat("p2p signal from ", PeerName(from), " names event ", f.event,
+                                                p.same_gpu ? " outside its ring" : " but it is on another GPU"));
+      }
+      std::deque<Signal>& q = p.signals[f.buffer];
+      q.push_back({f.seqno, f.event});
+      if (q.size() > kMaxSignals) q.pop_front();
+      uint64_t& last = p.signalled[f.buffer];
+      last = std::max(last, f.seqno);
       return true;
     }
     if (magic == kDescriptorMagic && m.size() == sizeof(DescriptorFrame)) {
@@ -337,6 +420,36 @@ class P2pTransport : public ControlPlaneTransport {
     }
   }
 
+  // EnqueueWait for a write from a peer on our GPU (see the file comment). Failures go to the
+  // device path, to be reported by SyncStream as a spinning wait's would be.
+  absl::Status WaitForSignal(PeerId peer, uint32_t buffer, uint64_t seqno, absl::Duration timeout,
+                             const std::string& label, void* stream) {
+    if (device_path_->failed()) return absl::OkStatus();  // the step fails; SyncStream says why
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      Peer& p = peers_.at(peer);
+      std::deque<Signal>& q = p.signals[buffer];
+      // Older signals are for writes this wait covers; a later one would over-wait (the writer
+      // may need this stream's output before it makes that write), so the first at or past seqno.
+      while (!q.empty() && q.front().seqno < seqno) q.pop_front();
+      if (!q.empty()) {
+        P2P_CUDA(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), p.events[q.front().event], 0));
+        return absl::OkStatus();
+      }
+      if (absl::Now() >= deadline) {
+        device_path_->Fail(absl::DeadlineExceededError(
+            absl::StrCat(label, ": waited ", absl::FormatDuration(timeout), " for doorbell seqno ", seqno,
+                         " (signalled by ", PeerName(peer), " on this GPU), it is at ", p.signalled[buffer])));
+        return absl::OkStatus();
+      }
+      const absl::Status pumped = Pump(absl::Microseconds(20));
+      if (!pumped.ok()) {
+        device_path_->Fail(Annotate(pumped, label));
+        return absl::OkStatus();
+      }
+    }
+  }
+
   bool IsOurDeviceMemory(const void* p) const {
     cudaPointerAttributes attr{};
     if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
@@ -358,6 +471,9 @@ class P2pTransport : public ControlPlaneTransport {
   Capabilities caps_;
   void* doorbells_ = nullptr;  // kSlots u64 counters, device memory, exported
   cudaIpcMemHandle_t doorbell_handle_{};
+  std::vector<cudaEvent_t> events_;  // interprocess, recorded after writes to same-GPU peers
+  cudaIpcEventHandle_t event_handles_[kEvents]{};
+  uint64_t next_event_ = 0;
   cudaStream_t stream_ = nullptr;
   void* staging_ = nullptr;  // device: gathered pieces of host-driven writes
   uint64_t staging_bytes_ = 0;
