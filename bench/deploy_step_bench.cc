@@ -33,10 +33,10 @@
 //
 // KV: each memory rank is given room for its share (ceil(B / ranks) requests of C tokens) of the
 // largest (B, C) that fits in 90% of its GPU's memory less 2 GiB (shared GPU: the colocated
-// engine's KV capacity, split among the memory ranks); larger ones are skipped with a note. A (B, C) that the colocated engine cannot hold still runs on the deployments, without
-// attention and exchange ("-"). A transport is skipped, with the reason, when this build lacks it
-// the host has fewer GPUs than the layout needs, or the transport cannot connect the layout
-// (nccl refuses ranks that share a GPU).
+// engine's KV capacity, split among the memory ranks); larger ones are skipped with a note. A (B, C) that the
+// colocated engine cannot hold still runs on the deployments, without attention and exchange ("-"). A
+// transport is skipped, with the reason, when this build lacks it the host has fewer GPUs than the layout
+// needs, or the transport cannot connect the layout (nccl refuses ranks that share a GPU).
 //
 // Never hangs: every run has a wall limit (--run-timeout), checked between steps and enforced by a
 // watchdog that ends the process (the memory ranks die with it) a minute after it; start-up has
@@ -406,8 +406,8 @@ absl::Status StartDeployment(const tandem::WeightSource& source, transport::Tran
     if (absl::Status st = d->group.Start(
             name,
             {s.tandem, "memory", "--config", yaml, "--rank", std::to_string(m), "--listen", "127.0.0.1:0",
-             "--device", absl::StrCat("cuda:", MemoryDevice(s, m)), "--transport", transport::TransportKindName(kind),
-             "--ready-file", d->dir + "/" + name + ".ready"},
+             "--device", absl::StrCat("cuda:", MemoryDevice(s, m)), "--transport",
+             transport::TransportKindName(kind), "--ready-file", d->dir + "/" + name + ".ready"},
             d->dir + "/" + name + ".log");
         !st.ok())
       return st;
@@ -582,10 +582,9 @@ int main(int argc, char** argv) {
   }
   int gpus = 0;
   if (const cudaError_t e = cudaGetDeviceCount(&gpus); e != cudaSuccess || gpus < 1) {
-    return fail(absl::UnavailableError(absl::StrCat("no CUDA device (",
-                                                    e == cudaSuccess ? "none found" : cudaGetErrorString(e),
-                                                    "); this benchmark needs ",
-                                                    shared_gpu ? 1 : 1 + memory_ranks, " GPUs")));
+    return fail(absl::UnavailableError(
+        absl::StrCat("no CUDA device (", e == cudaSuccess ? "none found" : cudaGetErrorString(e),
+                     "); this benchmark needs ", shared_gpu ? 1 : 1 + memory_ranks, " GPUs")));
   }
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
@@ -792,8 +791,7 @@ int main(int argc, char** argv) {
       "model %s on %s: compute rank cuda:0, %lld memory rank(s) on %s; decode %lld tokens per "
       "request; per decode step, ms: step = compute + attention + exchange + idle\n",
       model.c_str(), device_name.c_str(), static_cast<long long>(memory_ranks),
-      shared_gpu ? "cuda:0 (shared)" : "cuda:1..",
-      static_cast<long long>(decode_tokens));
+      shared_gpu ? "cuda:0 (shared)" : "cuda:1..", static_cast<long long>(decode_tokens));
   std::printf("%-10s %-6s %-7s %-6s %-8s %-8s %-8s %-8s %-9s %-9s %-8s %-8s %s\n", "transport", "batch",
               "context", "rows", "step_ms", "compute", "linear", "floor", "attention", "exchange", "idle",
               "tok/s", "note");

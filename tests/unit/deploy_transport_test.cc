@@ -109,7 +109,8 @@ TEST(ResolveTransport, ExplicitKinds) {
     EXPECT_EQ(Resolve(kind, Plan("cuda:0", {"cuda:1", "cuda:2"})), kind);
     EXPECT_THAT(Resolve(kind, Plan("cpu", {"cpu"})), HasSubstr("ranks run on the CPU"));
     if (kind == "nccl") {
-      EXPECT_THAT(Resolve(kind, Plan("cuda:0", {"cuda:1", "cuda:0"})), HasSubstr("memory rank 1 is on cuda:0 too"));
+      EXPECT_THAT(Resolve(kind, Plan("cuda:0", {"cuda:1", "cuda:0"})),
+                  HasSubstr("memory rank 1 is on cuda:0 too"));
     } else {
       EXPECT_EQ(Resolve(kind, Plan("cuda:0", {"cuda:1", "cuda:0"})), kind);
     }

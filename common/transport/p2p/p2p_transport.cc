@@ -288,7 +288,8 @@ class P2pTransport : public ControlPlaneTransport {
     for (const absl::Time until = absl::Now() + timeout; !peers_.at(peer).greeted;) {
       RETURN_IF_ERROR(Pump());
       if (absl::Now() >= until) {
-        return absl::DeadlineExceededError(absl::StrCat(label, ": ", PeerName(peer), " never sent its hello"));
+        return absl::DeadlineExceededError(
+            absl::StrCat(label, ": ", PeerName(peer), " never sent its hello"));
       }
     }
     if (peers_.at(peer).same_gpu) return WaitForSignal(peer, buffer, seqno, timeout, label, stream);
@@ -317,7 +318,7 @@ class P2pTransport : public ControlPlaneTransport {
     uint32_t event;
   };
   struct Peer {
-    bool greeted = false;  // its hello (doorbell page) arrived
+    bool greeted = false;   // its hello (doorbell page) arrived
     bool same_gpu = false;  // it runs on our GPU: events instead of spinning waits
     void* doorbells = nullptr;
     std::vector<cudaEvent_t> events;                  // its ring, opened here (same GPU only)
@@ -369,8 +370,9 @@ class P2pTransport : public ControlPlaneTransport {
       std::memcpy(&f, m.data(), sizeof(f));
       Peer& p = peers_[from];
       if (!p.same_gpu || f.event >= p.events.size()) {
-        return absl::DataLossError(absl::StrCat("p2p signal from ", PeerName(from), " names event ", f.event,
-                                                p.same_gpu ? " outside its ring" : " but it is on another GPU"));
+        return absl::DataLossError(
+            absl::StrCat("p2p signal from ", PeerName(from), " names event ", f.event,
+                         p.same_gpu ? " outside its ring" : " but it is on another GPU"));
       }
       std::deque<Signal>& q = p.signals[f.buffer];
       q.push_back({f.seqno, f.event});
@@ -437,9 +439,9 @@ class P2pTransport : public ControlPlaneTransport {
         return absl::OkStatus();
       }
       if (absl::Now() >= deadline) {
-        device_path_->Fail(absl::DeadlineExceededError(
-            absl::StrCat(label, ": waited ", absl::FormatDuration(timeout), " for doorbell seqno ", seqno,
-                         " (signalled by ", PeerName(peer), " on this GPU), it is at ", p.signalled[buffer])));
+        device_path_->Fail(absl::DeadlineExceededError(absl::StrCat(
+            label, ": waited ", absl::FormatDuration(timeout), " for doorbell seqno ", seqno,
+            " (signalled by ", PeerName(peer), " on this GPU), it is at ", p.signalled[buffer])));
         return absl::OkStatus();
       }
       const absl::Status pumped = Pump(absl::Microseconds(20));
