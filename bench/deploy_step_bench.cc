@@ -82,6 +82,7 @@
 #include "compute_node/compute_rank.h"
 #include "compute_node/controller.h"
 #include "compute_node/weights.h"
+#include "deploy/local_ranks.h"
 #include "deploy/process_group.h"
 #include "linear_floor.h"
 
@@ -374,7 +375,8 @@ struct Deployment {
   std::string dir;
   tandem::ProcessGroup group;
   std::vector<std::string> names;
-  std::unique_ptr<ComputeRank> rank;
+  std::unique_ptr<tandem::LocalMemoryRanks> local;  // transport local: memory ranks as threads
+  std::unique_ptr<ComputeRank> rank;                // destroyed first
 };
 
 struct Settings {
@@ -399,7 +401,17 @@ absl::Status StartDeployment(const tandem::WeightSource& source, transport::Tran
     std::ofstream(yaml) << "launch:\n  startup_timeout_s: " << s.startup_s
                         << "\n  step_timeout_s: " << s.step_timeout_s << "\n";
   }
-  for (int m = 0; m < s.memory_ranks; ++m) {
+  const bool in_process = transport::GetTransportInfo(kind).one_process;
+  if (in_process) {
+    std::vector<std::string> devices;
+    for (int m = 0; m < s.memory_ranks; ++m) devices.push_back(absl::StrCat("cuda:", MemoryDevice(s, m)));
+    std::fprintf(stderr, "  starting %d memory rank(s) as threads of this process (local)\n", s.memory_ranks);
+    absl::StatusOr<std::unique_ptr<tandem::LocalMemoryRanks>> local = tandem::LocalMemoryRanks::Start(
+        devices, {.startup = absl::Seconds(s.startup_s), .step = absl::Seconds(s.step_timeout_s)});
+    if (!local.ok()) return local.status();
+    d->local = std::move(*local);
+  }
+  for (int m = 0; m < s.memory_ranks && !in_process; ++m) {
     const std::string name = absl::StrCat("memory-", m);
     std::fprintf(stderr, "  starting %s on cuda:%d (%s)\n", name.c_str(), MemoryDevice(s, m),
                  transport::TransportKindName(kind));
@@ -414,6 +426,7 @@ absl::Status StartDeployment(const tandem::WeightSource& source, transport::Tran
     d->names.push_back(name);
   }
   std::vector<std::string> addresses;
+  if (d->local) addresses = d->local->addresses();
   for (const std::string& name : d->names) {
     absl::StatusOr<std::string> address =
         d->group.WaitReady(name, d->dir + "/" + name + ".ready", absl::Seconds(s.startup_s));
@@ -450,6 +463,11 @@ void StopDeployment(Deployment* d, bool failed) {
   if (d->rank) {
     (void)d->rank->Shutdown();
     d->rank.reset();
+  }
+  if (d->local) {
+    if (absl::Status st = d->local->Join(absl::Now() + absl::Seconds(failed ? 1 : 20)); !st.ok())
+      std::fprintf(stderr, "  warning: %s\n", std::string(st.message()).c_str());
+    d->local.reset();
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   for (const std::string& name : d->names) {

@@ -19,6 +19,7 @@
 #include "compute_node/controller_settings.h"
 #include "compute_node/weights.h"
 #include "deploy/deployment.h"
+#include "deploy/local_ranks.h"
 #include "deploy/process_group.h"
 #include "kernels/cuda/device_choice.h"
 #include "memory_node/memory_rank.h"
@@ -66,8 +67,8 @@ absl::Status RunMemory(const MemoryArgs& a) {
 }
 
 struct ComputeArgs {
-  std::string config, memory, ready_file, requests, results, device = "cpu", log_level = "info",
-                                                             transport = "ucx";
+  std::string config, memory, memory_devices, ready_file, requests, results,
+      device = "cpu", log_level = "info", transport = "ucx";
 };
 
 absl::Status RunCompute(const ComputeArgs& a) {
@@ -81,7 +82,28 @@ absl::Status RunCompute(const ComputeArgs& a) {
   ComputeRankOptions o;
   ASSIGN_OR_RETURN(o.device, kernels::ResolveDevice(a.device, source->spec()));
   ASSIGN_OR_RETURN(o.transport, transport::ParseTransportKind(a.transport));
-  o.memory_addresses = absl::StrSplit(a.memory, ',');
+  // transport.kind local: the memory ranks are threads of this process (deploy/local_ranks.h); they
+  // outlive the compute rank (declared first), which says bye to them.
+  std::unique_ptr<LocalMemoryRanks> local;
+  if (transport::GetTransportInfo(o.transport).one_process) {
+    if (a.memory_devices.empty())
+      return absl::InvalidArgumentError("--memory-devices: needed with --transport local");
+    ASSIGN_OR_RETURN(
+        local, LocalMemoryRanks::Start(absl::StrSplit(a.memory_devices, ','),
+                                       {.startup = absl::Seconds(c.GetDouble("launch.startup_timeout_s")),
+                                        .step = absl::Seconds(c.GetDouble("launch.step_timeout_s"))}));
+    o.memory_addresses = local->addresses();
+  } else {
+    if (a.memory.empty())
+      return absl::InvalidArgumentError("--memory: the memory ranks' addresses are needed");
+    o.memory_addresses = absl::StrSplit(a.memory, ',');
+  }
+  // After the bye: the local memory ranks end on their own; a rank's error is the deployment's.
+  auto join_local = [&local](absl::Status st) {
+    if (local == nullptr) return st;
+    const absl::Status joined = local->Join(absl::Now() + absl::Seconds(20));
+    return st.ok() ? joined : st;
+  };
   const SchedulerKvSettings settings = SchedulerKvSettingsFromConfig(c);
   ASSIGN_OR_RETURN(o.scheduler, ResolveControllerOptions(settings));
   o.kv_capacity_tokens = settings.kv_capacity_tokens;
@@ -112,7 +134,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
     http->Draining();
     loop.Shutdown(absl::Seconds(api.shutdown_grace_s));
     http->Stop();
-    return rank->Shutdown();
+    return join_local(rank->Shutdown());
   }
   ASSIGN_OR_RETURN(std::unique_ptr<ComputeRank> rank, ComputeRank::Create(*source, o));
   if (!a.ready_file.empty()) RETURN_IF_ERROR(WriteFileAtomic(a.ready_file, rank->device() + "\n"));
@@ -130,7 +152,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
   RETURN_IF_ERROR(WriteResultsFile(a.results, *results, stats));
   TANDEM_LOG_INFO("compute", results->size(), " requests done in ", stats.seconds, " s, ", stats.steps,
                   " steps");
-  return rank->Shutdown();
+  return join_local(rank->Shutdown());
 }
 
 }  // namespace
@@ -161,7 +183,9 @@ void AddRankCommands(CLI::App& app) {
     cmd->add_option("--listen", a->listen, "host:port to listen on (port 0: any free port)")
         ->capture_default_str();
     cmd->add_option("--device", a->device, "cpu, cuda or cuda:N")->capture_default_str();
-    cmd->add_option("--transport", a->transport, "ucx, p2p, nccl or verbs (the compute rank's too)")
+    cmd->add_option("--transport", a->transport,
+                    "ucx, p2p, nccl or verbs (the compute rank's too; local "
+                    "memory ranks are threads of `tandem compute`)")
         ->capture_default_str();
     cmd->add_option("--ready-file", a->ready_file, "file to write this rank's address to once it listens");
     cmd->add_option("--log-level", a->log_level, "debug, info, warn or error")->capture_default_str();
@@ -178,10 +202,12 @@ void AddRankCommands(CLI::App& app) {
         ->required()
         ->check(CLI::ExistingFile);
     cmd->add_option("--memory", a->memory,
-                    "transport addresses of the memory ranks, comma-separated, rank order")
-        ->required();
+                    "transport addresses of the memory ranks, comma-separated, rank order");
+    cmd->add_option("--memory-devices", a->memory_devices,
+                    "with --transport local: run the memory ranks as threads of this process on these "
+                    "devices, comma-separated, rank order");
     cmd->add_option("--device", a->device, "cpu, cuda or cuda:N")->capture_default_str();
-    cmd->add_option("--transport", a->transport, "ucx, p2p, nccl or verbs (the memory ranks' too)")
+    cmd->add_option("--transport", a->transport, "ucx, p2p, nccl, verbs or local (the memory ranks' too)")
         ->capture_default_str();
     cmd->add_option("--ready-file", a->ready_file, "file to write once every memory rank has replied");
     auto* req = cmd->add_option("--requests", a->requests, "JSON lines of requests to run, then exit");

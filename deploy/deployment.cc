@@ -35,12 +35,13 @@ const ConfigSchema& DeploySchema() {
         .String("memory.host", "127.0.0.1", "address the memory ranks listen on")
         .Int("memory.base_port", 0,
              "port of memory rank 0 (rank i listens on base_port + i); 0: any free port", 0, 65535)
-        .Enum("transport.kind", "auto", {"auto", "ucx", "p2p", "nccl", "verbs"},
+        .Enum("transport.kind", "auto", {"auto", "ucx", "p2p", "nccl", "verbs", "local"},
               "how ranks exchange per-layer data: ucx (tcp / shared memory, staged through host memory), "
               "p2p (CUDA IPC peer writes between GPUs of this host), nccl (ncclSend/ncclRecv), verbs "
-              "(RDMA WRITE into GPU memory); the GPU ones enqueue whole steps with device-side waits. "
-              "auto: p2p when the compute rank and every memory rank are on CUDA devices and no memory "
-              "rank shares the compute rank's GPU, else ucx")
+              "(RDMA WRITE into GPU memory), local (memory ranks as threads of compute rank 0's process: "
+              "one CUDA context on a shared GPU); the GPU ones enqueue whole steps with device-side waits. "
+              "auto: local when every memory rank is on the compute rank's GPU, p2p when every rank is on "
+              "a CUDA device, else ucx")
         .Bool("transport.checksums", true,
               "crc32c of every per-layer payload of the host-staged path (ucx), verified by the receiver")
         .String("launch.run_dir", "tandem-run",
@@ -148,8 +149,10 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
   RETURN_IF_ERROR(WriteFileAtomic(cfg, config.DumpYaml()));
   auto path = [&](const std::string& name) { return (fs::path(plan.run_dir) / name).string(); };
 
+  // transport.kind local: the memory ranks are threads of compute-0 (deploy/local_ranks.h).
+  const bool in_process = transport::GetTransportInfo(plan.transport).one_process;
   std::vector<std::string> addresses;
-  for (size_t i = 0; i < plan.memory_devices.size(); ++i) {
+  for (size_t i = 0; i < plan.memory_devices.size() && !in_process; ++i) {
     const std::string name = absl::StrCat("memory-", i), ready = path(name + ".ready");
     fs::remove(ready, ec);  // a stale file from an earlier run must not count as ready
     fs::remove(path(name + ".log"), ec);
@@ -160,7 +163,7 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
          transport::TransportKindName(plan.transport), "--ready-file", ready, "--log-level", o.log_level},
         path(name + ".log")));
   }
-  for (size_t i = 0; i < plan.memory_devices.size(); ++i) {
+  for (size_t i = 0; i < plan.memory_devices.size() && !in_process; ++i) {
     const std::string name = absl::StrCat("memory-", i);
     ASSIGN_OR_RETURN(std::string address, group.WaitReady(name, path(name + ".ready"), plan.startup_timeout));
     addresses.emplace_back(absl::StripAsciiWhitespace(address));
@@ -170,21 +173,28 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
   const std::string ready = path("compute-0.ready");
   fs::remove(ready, ec);
   fs::remove(path("compute-0.log"), ec);
-  std::vector<std::string> argv = {o.tandem_binary, "compute",
-                                   "--config",      cfg,
-                                   "--memory",      absl::StrJoin(addresses, ","),
-                                   "--ready-file",  ready,
-                                   "--log-level",   o.log_level,
-                                   "--device",      plan.compute_device,
-                                   "--transport",   transport::TransportKindName(plan.transport)};
+  std::vector<std::string> argv = {o.tandem_binary,
+                                   "compute",
+                                   "--config",
+                                   cfg,
+                                   in_process ? "--memory-devices" : "--memory",
+                                   absl::StrJoin(in_process ? plan.memory_devices : addresses, ","),
+                                   "--ready-file",
+                                   ready,
+                                   "--log-level",
+                                   o.log_level,
+                                   "--device",
+                                   plan.compute_device,
+                                   "--transport",
+                                   transport::TransportKindName(plan.transport)};
   if (!o.requests_file.empty()) {
     argv.insert(argv.end(), {"--requests", o.requests_file, "--results", o.results_file});
   }
   RETURN_IF_ERROR(group.Start("compute-0", argv, path("compute-0.log")));
   ASSIGN_OR_RETURN(const std::string compute, group.WaitReady("compute-0", ready, plan.startup_timeout));
-  std::fprintf(stderr, "tandem launch: compute-0 ready on %s; %zu memory rank(s); logs in %s/\n",
-               std::string(absl::StripAsciiWhitespace(compute)).c_str(), addresses.size(),
-               plan.run_dir.c_str());
+  std::fprintf(stderr, "tandem launch: compute-0 ready on %s; %zu memory rank(s)%s; logs in %s/\n",
+               std::string(absl::StripAsciiWhitespace(compute)).c_str(), plan.memory_devices.size(),
+               in_process ? " as threads of compute-0 (transport local)" : "", plan.run_dir.c_str());
   if (!o.requests_file.empty()) {
     // Compute rank 0 runs the requests, says bye to the memory ranks and exits; they follow.
     RETURN_IF_ERROR(group.WaitExit("compute-0"));

@@ -9,6 +9,7 @@
 #if TANDEM_TRANSPORT_NCCL
 #include "common/transport/nccl/nccl_transport.h"
 #endif
+#include "common/transport/local/local_transport.h"
 #include "common/transport/verbs/verbs_transport.h"
 
 namespace tandem::transport {
@@ -26,7 +27,8 @@ constexpr TransportInfo kTable[] = {
      .same_host_only = false,
      .device_polling = false,
      .shares_compute_gpu = true,
-     .chosen_by_auto = true},
+     .chosen_by_auto = true,
+     .one_process = false},
     {.kind = TransportKind::kP2p,
      .name = "p2p",
      .built = TANDEM_TRANSPORT_P2P != 0,
@@ -34,7 +36,8 @@ constexpr TransportInfo kTable[] = {
      .same_host_only = true,
      .device_polling = true,
      .shares_compute_gpu = true,  // on one GPU its waits are IPC events, not spinning kernels
-     .chosen_by_auto = true},
+     .chosen_by_auto = true,
+     .one_process = false},
     {.kind = TransportKind::kNccl,
      .name = "nccl",
      .built = TANDEM_TRANSPORT_NCCL != 0,
@@ -42,7 +45,8 @@ constexpr TransportInfo kTable[] = {
      .same_host_only = false,
      .device_polling = true,
      .shares_compute_gpu = false,  // NCCL also refuses two ranks on one GPU
-     .chosen_by_auto = false},
+     .chosen_by_auto = false,
+     .one_process = false},
     // Today's verbs rows run on any device and share the compute GPU (its waits are only on the
     // layers' doorbells); it fails at start where there is no RDMA device.
     {.kind = TransportKind::kVerbs,
@@ -52,7 +56,18 @@ constexpr TransportInfo kTable[] = {
      .same_host_only = false,
      .device_polling = kCudaBuild,  // GPUDirect RDMA with device-side doorbell waits
      .shares_compute_gpu = true,
-     .chosen_by_auto = false},
+     .chosen_by_auto = false,
+     .one_process = false},
+    // Threads of one process: copies between their buffers, CUDA events between their streams.
+    {.kind = TransportKind::kLocal,
+     .name = "local",
+     .built = true,
+     .needs_gpus = false,
+     .same_host_only = true,
+     .device_polling = kCudaBuild,
+     .shares_compute_gpu = true,
+     .chosen_by_auto = true,
+     .one_process = true},
 };
 
 std::string DeviceName(int device) { return device < 0 ? "cpu" : absl::StrCat("cuda:", device); }
@@ -91,9 +106,15 @@ const TransportInfo& GetTransportInfo(TransportKind kind) {
 }
 
 TransportKind PickTransport(const RankLayout& layout) {
+  bool one_gpu = layout.compute_device >= 0;
+  for (int d : layout.memory_devices) one_gpu = one_gpu && d == layout.compute_device;
   const TransportInfo* pick = nullptr;
   for (const TransportInfo& t : kTable) {
     if (!t.chosen_by_auto || !t.CannotConnect(layout).empty()) continue;
+    if (t.one_process) {
+      if (one_gpu && t.device_polling) return t.kind;
+      continue;
+    }
     if (pick == nullptr || (t.device_polling && !pick->device_polling)) pick = &t;
   }
   TANDEM_CHECK_MSG(pick != nullptr, "no transport connects the layout (ucx connects every one)");
@@ -105,7 +126,7 @@ absl::StatusOr<TransportKind> ParseTransportKind(std::string_view name) {
     if (name == t.name) return t.kind;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown transport \"", std::string(name), "\"; expected ucx, p2p, nccl or verbs"));
+      absl::StrCat("unknown transport \"", std::string(name), "\"; expected ucx, p2p, nccl, verbs or local"));
 }
 
 const char* TransportKindName(TransportKind kind) { return GetTransportInfo(kind).name; }
@@ -134,6 +155,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOption
 #endif
     case TransportKind::kVerbs:
       return CreateVerbsTransport({.listen_address = o.listen_address, .device = o.device});
+    case TransportKind::kLocal:
+      return CreateLocalTransport({.device = o.device});
   }
   return absl::InternalError("unreachable transport kind");
 }

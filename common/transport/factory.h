@@ -18,7 +18,7 @@
 
 namespace tandem::transport {
 
-enum class TransportKind : uint8_t { kUcx, kP2p, kNccl, kVerbs };
+enum class TransportKind : uint8_t { kUcx, kP2p, kNccl, kVerbs, kLocal };
 
 // Where a deployment's ranks run, as a transport sees it. Devices: -1 for the CPU, N for cuda:N.
 struct RankLayout {
@@ -39,18 +39,22 @@ struct TransportInfo {
   bool shares_compute_gpu;  // a memory rank may run on the compute rank's GPU (a transport whose
                             // device waits spin would hold the GPU against the kernels awaited)
   bool chosen_by_auto;      // transport.kind auto may pick it
+  bool one_process;         // the memory ranks run as threads of compute rank 0's process (the
+                            // launcher starts no memory rank processes); auto picks it first, but
+                            // only when every memory rank is on the compute rank's GPU
   // Empty when this transport can connect `layout`, else why not, naming the kind ("p2p moves
   // data between GPUs, but ranks run on the CPU"). Checks, in order: built, needs_gpus,
   // same_host_only, shares_compute_gpu.
   std::string CannotConnect(const RankLayout& layout) const;
 };
 
-// Every kind, in TransportKind order (ucx, p2p, nccl, verbs).
+// Every kind, in TransportKind order (ucx, p2p, nccl, verbs, local).
 std::span<const TransportInfo> TransportTable();
 const TransportInfo& GetTransportInfo(TransportKind kind);
-// transport.kind auto: among the kinds chosen by auto that can connect `layout`, one with device
+// transport.kind auto: local when every memory rank is on the compute rank's GPU (one process, one
+// CUDA context); else among the kinds chosen by auto that can connect `layout`, one with device
 // polling if there is one, else the first. ucx connects every layout, so there is always one:
-// today p2p when every rank has a GPU and no memory rank shares the compute rank's, else ucx.
+// today local for one GPU, p2p when every rank has a GPU, else ucx.
 // (nccl is never chosen: on one host p2p connects every layout it does; verbs is never chosen:
 // it needs an RDMA device that a layout does not show.)
 TransportKind PickTransport(const RankLayout& layout);
@@ -63,7 +67,7 @@ struct TransportOptions {
   int device = -1;
 };
 
-// "ucx", "p2p", "nccl", "verbs"; InvalidArgument naming the choices otherwise.
+// "ucx", "p2p", "nccl", "verbs", "local"; InvalidArgument naming the choices otherwise.
 absl::StatusOr<TransportKind> ParseTransportKind(std::string_view name);
 const char* TransportKindName(TransportKind kind);
 // Whether this build contains the transport (GetTransportInfo(kind).built).

@@ -172,6 +172,12 @@ for r in memory-0 memory-1 compute-0; do [ -s "$TMP/run/$r.log" ] || bad "no log
 expect_ok "$TANDEM" generate --model "$REF" --device cpu --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs \
   --set scheduler.max_batch_size=4 --set scheduler.max_tokens_per_step=24
 cmp -s "$TMP/out" "$TMP/deployed.json" || bad "generate --deploy differs from colocated: $(diff "$TMP/out" "$TMP/deployed.json" | head -5)"
+# transport.kind local: the memory ranks are threads of compute-0 (no memory processes), same JSON.
+rm -rf "$TMP/run"
+expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --set transport.kind=local --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs
+grep -q "2 memory rank(s) as threads of compute-0 (transport local)" "$TMP/err" || bad "generate --deploy with transport local does not say so: $(tail -3 "$TMP/err")"
+ls "$TMP"/run/memory-*.log >/dev/null 2>&1 && bad "transport local started memory rank processes"
+cmp -s "$TMP/out" "$TMP/deployed.json" || bad "transport local differs from colocated: $(diff "$TMP/out" "$TMP/deployed.json" | head -5)"
 expect_ok "$TANDEM" devices
 grep -q "transports in this build: ucx" "$TMP/out" || bad "devices does not list the transports"
 expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml"
@@ -179,7 +185,7 @@ grep -q "memory-1: cpu" "$TMP/out" || bad "config check --deploy does not print 
 grep -q "transport: ucx" "$TMP/out" || bad "transport.kind auto does not resolve to ucx on the CPU"
 expect_fail "transport.kind: p2p" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set transport.kind=p2p
 expect_fail "transport.kind: nccl" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set transport.kind=nccl
-expect_fail "one of [auto, ucx, p2p, nccl, verbs]" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set transport.kind=tcp
+expect_fail "one of [auto, ucx, p2p, nccl, verbs, local]" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set transport.kind=tcp
 expect_ok "$TANDEM" config help --deploy
 grep -q "memory.ranks" "$TMP/out" || bad "config help --deploy lacks memory.ranks"
 expect_fail "memory.devices: 3 devices listed for 2 ranks" "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompt-ids 1 --set memory.devices=cpu,cpu,cpu

@@ -34,7 +34,7 @@ std::string Resolve(const std::string& kind, const DeployPlan& p) {
 }
 
 TEST(TransportTable, EveryKindOnceInKindOrderWithItsName) {
-  const std::vector<std::string> names = {"ucx", "p2p", "nccl", "verbs"};
+  const std::vector<std::string> names = {"ucx", "p2p", "nccl", "verbs", "local"};
   ASSERT_EQ(transport::TransportTable().size(), names.size());
   for (size_t i = 0; i < names.size(); ++i) {
     const transport::TransportInfo& t = transport::TransportTable()[i];
@@ -84,14 +84,18 @@ TEST(TransportTable, CannotConnectSaysWhy) {
   EXPECT_EQ(transport::PickTransport(hosts), TransportKind::kUcx);  // nccl is never chosen by auto
 }
 
-TEST(ResolveTransport, AutoPicksP2pWhenEveryRankIsOnAGpuOfThisHost) {
+TEST(ResolveTransport, AutoPicksLocalForOneGpuP2pForSeveralElseUcx) {
   const std::string gpu_kind = TransportBuilt(TransportKind::kP2p) ? "p2p" : "ucx";
   EXPECT_EQ(Resolve("auto", Plan("cuda:0", {"cuda:1"})), gpu_kind);
   EXPECT_EQ(Resolve("auto", Plan("cuda:0", {"cuda:1", "cuda:2", "cuda:3"})), gpu_kind);
   // Ranks may share GPUs: p2p signals same-GPU peers with IPC events.
   EXPECT_EQ(Resolve("auto", Plan("cuda:0", {"cuda:1", "cuda:1"})), gpu_kind);
-  EXPECT_EQ(Resolve("auto", Plan("cuda:0", {"cuda:0"})), gpu_kind);
   EXPECT_EQ(Resolve("auto", Plan("cuda:0", {"cuda:1", "cuda:0"})), gpu_kind);
+  // Every memory rank on the compute rank's GPU: threads of one process (one CUDA context).
+  const bool local_device = transport::GetTransportInfo(TransportKind::kLocal).device_polling;
+  EXPECT_EQ(Resolve("auto", Plan("cuda:0", {"cuda:0"})), local_device ? "local" : "ucx");
+  EXPECT_EQ(Resolve("auto", Plan("cuda:1", {"cuda:1", "cuda:1"})), local_device ? "local" : "ucx");
+  EXPECT_EQ(Resolve("local", Plan("cpu", {"cpu", "cpu"})), "local");  // explicit: threads on the CPU
   EXPECT_EQ(Resolve("auto", Plan("cpu", {"cpu", "cpu"})), "ucx");
 }
 
