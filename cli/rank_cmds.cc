@@ -82,6 +82,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
   ASSIGN_OR_RETURN(o.device, kernels::ResolveDevice(a.device, source->spec()));
   ASSIGN_OR_RETURN(o.transport, transport::ParseTransportKind(a.transport));
   o.memory_addresses = absl::StrSplit(a.memory, ',');
+  ASSIGN_OR_RETURN(o.partition, ParseAttentionPartition(c.GetString("memory.partition")));
   const SchedulerKvSettings settings = SchedulerKvSettingsFromConfig(c);
   ASSIGN_OR_RETURN(o.scheduler, ResolveControllerOptions(settings));
   o.kv_capacity_tokens = settings.kv_capacity_tokens;
