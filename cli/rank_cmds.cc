@@ -104,6 +104,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
     const absl::Status joined = local->Join(absl::Now() + absl::Seconds(20));
     return st.ok() ? joined : st;
   };
+  ASSIGN_OR_RETURN(o.partition, ParseAttentionPartition(c.GetString("memory.partition")));
   const SchedulerKvSettings settings = SchedulerKvSettingsFromConfig(c);
   ASSIGN_OR_RETURN(o.scheduler, ResolveControllerOptions(settings));
   o.kv_capacity_tokens = settings.kv_capacity_tokens;

@@ -1,7 +1,7 @@
 // The memory a compute backend or attention executor computes in, as the network side sees it:
 // allocate buffers there (or page-locked host buffers that copy to and from it fast) and copy
 // between it and host memory in the backend's order. A memory rank and compute rank stage
-// per-layer messages through it; the GPU transports will write into it directly.
+// per-layer messages through it; the GPU transports write into it directly.
 #pragma once
 
 #include <cstddef>
@@ -26,8 +26,19 @@ class MemorySpace {
   // Asynchronous copies in the backend's order (its stream), and the wait for all of them.
   virtual absl::Status CopyIn(void* dst, const void* host_src, size_t bytes) = 0;
   virtual absl::Status CopyOut(void* host_dst, const void* src, size_t bytes) = 0;
+  // A 2-D copy in the backend's order: `rows` rows of `width` bytes, row r from
+  // src + r * src_pitch to dst + r * dst_pitch (pitches >= width; the ranges must not overlap).
+  // Either side may be the backend's memory or a buffer Allocate()d pinned (on CUDA: one
+  // cudaMemcpy2DAsync on the backend's stream, any direction; on the host: a memcpy per row,
+  // done when it returns). Used to pack and unpack head slices (common/head_partition.h).
+  virtual absl::Status CopyStrided(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                                   size_t width, size_t rows) = 0;
   virtual absl::Status Synchronize() = 0;
 };
+
+// The host implementation of MemorySpace::CopyStrided: a memcpy per row.
+void CopyStridedHost(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                     size_t rows);
 
 // Host memory: 64-byte aligned allocations, copies are memcpy.
 class HostMemorySpace : public MemorySpace {
@@ -36,6 +47,11 @@ class HostMemorySpace : public MemorySpace {
   absl::StatusOr<BackendBuffer> Allocate(size_t bytes, bool pinned) override;
   absl::Status CopyIn(void* dst, const void* src, size_t bytes) override;
   absl::Status CopyOut(void* dst, const void* src, size_t bytes) override;
+  absl::Status CopyStrided(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                           size_t rows) override {
+    CopyStridedHost(dst, dst_pitch, src, src_pitch, width, rows);
+    return absl::OkStatus();
+  }
   absl::Status Synchronize() override { return absl::OkStatus(); }
 };
 

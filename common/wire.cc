@@ -149,6 +149,12 @@ absl::StatusOr<absl::Span<const uint8_t>> Unframe(absl::Span<const uint8_t> fram
     return absl::InvalidArgumentError(absl::StrCat(
         ToAbsl(what), ": version 0 at byte offset 4 is invalid (supported: ", kWireVersion, ")"));
   }
+  if (version < kWireVersion) {
+    // The ranks of a deployment run one build; an older peer's frames are refused, not guessed at.
+    return absl::InvalidArgumentError(absl::StrCat(ToAbsl(what), ": version ", version,
+                                                   " at byte offset 4 is older than the supported version ",
+                                                   kWireVersion, " (version 2 changed the hello's layout)"));
+  }
   ASSIGN_OR_RETURN(uint16_t header_bytes, r.U16("header_bytes"));
   if (header_bytes != kFrameHeaderBytes) {
     return absl::InvalidArgumentError(absl::StrCat(ToAbsl(what), ": header_bytes ", header_bytes,
@@ -699,6 +705,23 @@ absl::Status ValidateHello(const HelloMessage& h) {
   if (h.prefix_sharing != static_cast<uint8_t>(PrefixSharing::kOff) && h.prefix_block_tokens == 0) {
     return bad("prefix_sharing ", h.prefix_sharing, " needs prefix_block_tokens >= 1 (a prefix registry)");
   }
+  const auto partition = static_cast<uint8_t>(h.partition);
+  uint64_t begin = 0, end = h.num_kv_heads;  // the slice the partition gives this rank
+  if (h.partition == AttentionPartition::kHead) {
+    if (h.num_kv_heads % h.num_memory_ranks != 0) {
+      return bad("partition head needs num_kv_heads ", h.num_kv_heads, " divisible by num_memory_ranks ",
+                 h.num_memory_ranks);
+    }
+    const uint64_t per_rank = h.num_kv_heads / h.num_memory_ranks;
+    begin = per_rank * h.memory_rank, end = begin + per_rank;
+  } else if (h.partition != AttentionPartition::kRequest) {
+    return bad("partition ", partition, " must be 0 (request) or 1 (head)");
+  }
+  if (h.kv_head_begin != begin || h.kv_head_end != end) {
+    return bad("KV heads [", h.kv_head_begin, ", ", h.kv_head_end, ") must be [", begin, ", ", end,
+               ") for partition ", AttentionPartitionName(h.partition), ", memory_rank ", h.memory_rank,
+               " of ", h.num_memory_ranks, " and num_kv_heads ", h.num_kv_heads);
+  }
   return absl::OkStatus();
 }
 
@@ -783,7 +806,10 @@ std::vector<uint8_t> EncodeHello(const HelloMessage& h) {
   w.U8(h.checksums ? 1 : 0);
   w.U16(h.prefix_block_tokens);
   w.U8(h.prefix_sharing);
-  w.Zeros(3);
+  w.U8(static_cast<uint8_t>(h.partition));
+  w.Zeros(2);
+  w.U32(h.kv_head_begin);
+  w.U32(h.kv_head_end);
   return Frame(kHelloMagic, body);
 }
 
@@ -809,8 +835,13 @@ absl::StatusOr<HelloMessage> DecodeHello(absl::Span<const uint8_t> frame) {
   ASSIGN_OR_RETURN(h.checksums, ReadBool(r, "checksums", kWhat));
   ASSIGN_OR_RETURN(h.prefix_block_tokens, r.U16("prefix_block_tokens"));
   ASSIGN_OR_RETURN(h.prefix_sharing, r.U8("prefix_sharing"));
-  RETURN_IF_ERROR(r.Reserved("reserved", 3));
-  h.dtype = static_cast<DType>(dtype);  // checked by ValidateHello before any use as an enum
+  ASSIGN_OR_RETURN(uint8_t partition, r.U8("partition"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 2));
+  ASSIGN_OR_RETURN(h.kv_head_begin, r.U32("kv_head_begin"));
+  ASSIGN_OR_RETURN(h.kv_head_end, r.U32("kv_head_end"));
+  // Enum values are checked by ValidateHello before any use as an enum.
+  h.dtype = static_cast<DType>(dtype);
+  h.partition = static_cast<AttentionPartition>(partition);
   RETURN_IF_ERROR(ValidateHello(h));
   return h;
 }

@@ -20,8 +20,11 @@
 //                                 'T','D','R','L' release              0x4c524454
 //                                 'T','D','E','R' error                0x52454454
 //                                 'T','D','B','Y' bye                  0x59424454
-//        4     2  version       u16, kWireVersion (1); a newer one decodes as Unimplemented
-//        6     2  header_bytes  u16, size of this frame header: 16 in version 1
+//        4     2  version       u16, kWireVersion (2); a newer one decodes as Unimplemented, an
+//                               older one as InvalidArgument (one build runs every rank).
+//                               Version 2 added the hello's partition and KV head slice (its
+//                               body grew from 56 to 64 bytes); the other layouts are unchanged
+//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 and 2
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
 //
@@ -97,8 +100,8 @@
 //       41     1  dtype           u8   tandem::DType: 0 (f32), 1 (f16), 2 (bf16)
 //       42     6  reserved        must be 0
 //
-// Hello body (compute rank -> memory rank, the first message on a connection; 56 bytes, a whole
-// frame is 72 bytes):
+// Hello body (compute rank -> memory rank, the first message on a connection; 64 bytes, a whole
+// frame is 80 bytes):
 //
 //   offset  size  field                  notes
 //   ------  ----  ---------------------  -------------------------------------------------------
@@ -123,9 +126,19 @@
 //                                             registered prefix block
 //       52     1  prefix_sharing         u8   PrefixSharing: 0 (off), 1 (on), 2 (auto); 1 and 2
 //                                             need prefix_block_tokens >= 1
-//       53     3  reserved               must be 0
+//       53     1  partition              u8   AttentionPartition (common/head_partition.h):
+//                                             0 (request), 1 (head)
+//       54     2  reserved               must be 0
+//       56     4  kv_head_begin          u32  the KV heads this memory rank holds of every
+//       60     4  kv_head_end            u32  request it serves, [kv_head_begin, kv_head_end):
+//                                             request partition: [0, num_kv_heads); head
+//                                             partition: num_kv_heads a multiple of
+//                                             num_memory_ranks and exactly [m·Hkv/M, (m+1)·Hkv/M)
+//                                             for m = memory_rank, M = num_memory_ranks
 //
-// Hello reply body (memory rank -> compute rank; body_bytes = 18 + device_bytes):
+// Hello reply body (memory rank -> compute rank; body_bytes = 18 + device_bytes;
+// kv_capacity_tokens counts tokens of the rank's KV head slice, which under the head partition
+// is a slice of every request's KV):
 //
 //   offset  size  field               notes
 //   ------  ----  ------------------  ----------------------------------------------------------
@@ -171,7 +184,8 @@
 //   DataLoss         the span is shorter than the frame or the body shorter than its contents
 //                    claim (truncation; checked before the range of a count or length), or a crc
 //                    mismatch
-//   InvalidArgument  wrong magic, version 0, wrong header_bytes, a field out of range, a reserved
+//   InvalidArgument  wrong magic, a version older than kWireVersion (0 included), wrong header_bytes, a field
+//   out of range, a reserved
 //                    byte not 0, body bytes left after the contents, or bytes after the frame (the
 //                    span must hold exactly one frame)
 //   Unimplemented    a version newer than kWireVersion
@@ -187,10 +201,11 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/dtype.h"
+#include "common/head_partition.h"
 
 namespace tandem {
 
-inline constexpr uint16_t kWireVersion = 1;
+inline constexpr uint16_t kWireVersion = 2;
 inline constexpr uint32_t kStepPlanMagic = 0x50534454;      // "TDSP" on the wire
 inline constexpr uint32_t kLayerMessageMagic = 0x4d4c4454;  // "TDLM" on the wire
 inline constexpr size_t kFrameHeaderBytes = 16;
@@ -207,7 +222,7 @@ inline constexpr uint32_t kHelloReplyMagic = 0x52484454;  // "TDHR" on the wire
 inline constexpr uint32_t kReleaseMagic = 0x4c524454;     // "TDRL" on the wire
 inline constexpr uint32_t kErrorMagic = 0x52454454;       // "TDER" on the wire
 inline constexpr uint32_t kByeMagic = 0x59424454;         // "TDBY" on the wire
-inline constexpr size_t kHelloBodyBytes = 56;             // hello body
+inline constexpr size_t kHelloBodyBytes = 64;             // hello body
 inline constexpr size_t kHelloReplyFixedBytes = 18;       // hello reply body before the device
 inline constexpr size_t kReleaseFixedBytes = 16;          // release body before the request ids
 inline constexpr size_t kErrorFixedBytes = 8;             // error body before the message
@@ -329,6 +344,12 @@ struct HelloMessage {
   uint16_t prefix_block_tokens = 0;    // tokens per prefix block, <= kMaxPrefixBlockTokens; 0: no
                                        // prefix registry
   uint8_t prefix_sharing = 0;          // PrefixSharing: 0 off, 1 on, 2 auto; not off needs a registry
+  // How attention is split over the memory ranks, and the KV heads [kv_head_begin, kv_head_end)
+  // this rank holds of each of its requests: all of them under the request partition, its slice
+  // under the head partition (HeadSlice::kv_head_begin/end); any other value is refused.
+  AttentionPartition partition = AttentionPartition::kRequest;
+  uint32_t kv_head_begin = 0;
+  uint32_t kv_head_end = 1;
 
   friend bool operator==(const HelloMessage&, const HelloMessage&) = default;
 };
@@ -386,7 +407,8 @@ uint32_t Crc32cPortableForTest(absl::Span<const uint8_t> data);
 // the plan".
 absl::Status ValidateStepPlan(const StepPlan& plan);
 absl::Status ValidateLayerMessageHeader(const LayerMessageHeader& header);
-// The same for the control messages, e.g. "hello: num_kv_heads 3 must divide num_heads 32".
+// The same for the control messages, e.g. "hello: num_kv_heads 3 must divide num_heads 32",
+// "hello: partition head needs num_kv_heads 8 divisible by num_memory_ranks 3".
 absl::Status ValidateHello(const HelloMessage& hello);
 absl::Status ValidateHelloReply(const HelloReplyMessage& reply);
 absl::Status ValidateRelease(const ReleaseMessage& release);

@@ -1,5 +1,6 @@
 #include "compute_node/compute_rank.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "absl/strings/match.h"
@@ -22,6 +23,8 @@ ComputeRank::~ComputeRank() = default;
 absl::StatusOr<std::unique_ptr<ComputeRank>> ComputeRank::Create(const WeightSource& source,
                                                                  const ComputeRankOptions& options) {
   if (options.memory_addresses.empty()) return absl::InvalidArgumentError("a deployment needs a memory rank");
+  RETURN_IF_ERROR(CheckAttentionPartition(options.partition, source.spec().num_kv_heads,
+                                          static_cast<int64_t>(options.memory_addresses.size())));
   std::unique_ptr<ComputeRank> r(new ComputeRank());
   r->options_ = options;
   RETURN_IF_ERROR(r->Connect(source));
@@ -56,17 +59,36 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
   ASSIGN_OR_RETURN(qkv_, backend_->memory().Allocate(qkv_bytes, false));
   ASSIGN_OR_RETURN(attn_, backend_->memory().Allocate(attn_bytes, false));
   device_path_ = !backend_->memory().host() && transport_->capabilities().device_polling;
+  head_ = o.partition == AttentionPartition::kHead;
   if (!backend_->memory().host() && !device_path_) {
     ASSIGN_OR_RETURN(qkv_host_, backend_->memory().Allocate(qkv_bytes, true));
+    if (head_) {
+      ASSIGN_OR_RETURN(attn_host_, backend_->memory().Allocate(attn_bytes, true));
+    }
   }
+  const int64_t num_ranks = static_cast<int64_t>(ranks_.size());
   for (size_t m = 0; m < ranks_.size(); ++m) {
     Rank& rank = ranks_[m];
     rank.attn_buffer = kAttnBufferBase + static_cast<uint32_t>(m);
-    if (device_path_) {
+    rank.slice = HeadSlice{.num_heads = s.num_heads,
+                           .num_kv_heads = s.num_kv_heads,
+                           .head_dim = s.head_dim,
+                           .num_ranks = head_ ? num_ranks : 1,
+                           .rank = head_ ? static_cast<int64_t>(m) : 0};
+    const size_t pack_bytes = t * static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_;
+    const size_t out_bytes = t * static_cast<size_t>(rank.slice.slice_q_dim()) * elem_;
+    if (head_) {
+      ASSIGN_OR_RETURN(rank.pack, backend_->memory().Allocate(pack_bytes, !device_path_));
+    }
+    if (device_path_ && head_) {
+      // Its outputs land in a buffer of its own, at row 0, and are scattered into its columns.
+      ASSIGN_OR_RETURN(rank.out, backend_->memory().Allocate(out_bytes, false));
+      RETURN_IF_ERROR(transport_->RegisterBuffer(rank.attn_buffer, rank.out.get(), out_bytes));
+    } else if (device_path_) {
       // Every rank writes its rows' outputs straight into the attention buffer, at its offset.
       RETURN_IF_ERROR(transport_->RegisterBuffer(rank.attn_buffer, attn_.get(), attn_bytes));
     } else {
-      rank.recv_bytes = kLayerMessageHeaderFrameBytes + attn_bytes;
+      rank.recv_bytes = kLayerMessageHeaderFrameBytes + out_bytes;
       ASSIGN_OR_RETURN(rank.recv, backend_->memory().Allocate(rank.recv_bytes, true));
       RETURN_IF_ERROR(transport_->RegisterBuffer(rank.attn_buffer, rank.recv.get(), rank.recv_bytes));
     }
@@ -87,10 +109,14 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
     hello.checksums = o.checksums;
     hello.prefix_block_tokens = static_cast<uint16_t>(o.scheduler.prefix_block_tokens);
     hello.prefix_sharing = static_cast<uint8_t>(o.scheduler.prefix_sharing);
+    hello.partition = o.partition;
+    hello.kv_head_begin = static_cast<uint32_t>(rank.slice.kv_head_begin());
+    hello.kv_head_end = static_cast<uint32_t>(rank.slice.kv_head_end());
     RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, EncodeHello(hello)), rank.name));
   }
   // Replies, in any order.
   std::vector<int64_t> capacity(ranks_.size(), 0);
+  rank_names_.assign(ranks_.size(), "");  // in rank order, whatever the order of the replies
   for (size_t got = 0; got < ranks_.size(); ++got) {
     transport::PeerId from = 0;
     std::vector<uint8_t> msg;
@@ -113,14 +139,21 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
     }
     ranks_[m].qkv_buffer = reply->qkv_buffer;
     capacity[m] = static_cast<int64_t>(reply->kv_capacity_tokens);
-    rank_names_.push_back(
-        absl::StrCat("memory rank ", m, ": ", reply->device, ", ", capacity[m], " KV tokens"));
-    TANDEM_LOG_INFO("compute", rank_names_.back());
+    rank_names_[m] = absl::StrCat("memory rank ", m, ": ", reply->device, ", ", capacity[m], " KV tokens",
+                                  head_ ? absl::StrCat(" of KV heads [", ranks_[m].slice.kv_head_begin(),
+                                                       ", ", ranks_[m].slice.kv_head_end(), ")")
+                                        : "");
+    TANDEM_LOG_INFO("compute", rank_names_[m]);
+  }
+  if (head_) {
+    // Every rank holds every request: one placement group, as large as the smallest rank.
+    capacity = {*std::min_element(capacity.begin(), capacity.end())};
   }
   controller_ = std::make_unique<Controller>(s, capacity, o.scheduler);
   TANDEM_LOG_INFO(
       "compute", "transport ", transport_->capabilities().name, ", ",
-      device_path_ ? "device data path (whole steps enqueued, device-side waits)" : "host-staged data path");
+      device_path_ ? "device data path (whole steps enqueued, device-side waits)" : "host-staged data path",
+      ", memory.partition ", AttentionPartitionName(o.partition));
   return absl::OkStatus();
 }
 
@@ -136,14 +169,26 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   RETURN_IF_ERROR(backend_->Finish(&tokens, &logprobs));
   std::vector<std::vector<uint64_t>> released;
   RETURN_IF_ERROR(controller_->Complete(step_, tokens, logprobs, finished, &released));
+  RETURN_IF_ERROR(SendReleases(step_.plan.step_id, released));
+  busy_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return absl::OkStatus();
+}
+
+std::pair<int32_t, int32_t> ComputeRank::RowsOf(const PlannedStep& step, size_t m) const {
+  if (head_) return {0, step.rank_rows.back()};
+  return {step.rank_rows[m], step.rank_rows[m + 1]};
+}
+
+absl::Status ComputeRank::SendReleases(uint64_t step_id, const std::vector<std::vector<uint64_t>>& released) {
   for (size_t m = 0; m < ranks_.size(); ++m) {
-    if (released[m].empty()) continue;
+    // Head partition: the one placement group's releases go to every rank.
+    const std::vector<uint64_t>& ids = released[head_ ? 0 : m];
+    if (ids.empty()) continue;
     ReleaseMessage rel;
-    rel.step_id = step_.plan.step_id;
-    rel.request_ids = std::move(released[m]);
+    rel.step_id = step_id;
+    rel.request_ids = ids;
     RETURN_IF_ERROR(Annotate(transport_->Send(ranks_[m].peer, EncodeRelease(rel)), ranks_[m].name));
   }
-  busy_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return absl::OkStatus();
 }
 
@@ -154,6 +199,8 @@ absl::Status ComputeRank::RunLayers(const PlannedStep& step) {
   const size_t attn_row = static_cast<size_t>(s.q_dim()) * elem_;
   const bool host = backend_->memory().host();
   auto* qkv_rows = static_cast<uint8_t*>(host ? qkv_.get() : qkv_host_.get());
+  // Head partition: where the ranks' outputs are scattered (then copied to the device at once).
+  void* attn_rows = host ? attn_.get() : attn_host_.get();
   RETURN_IF_ERROR(backend_->BeginStep(step.rows));
   for (uint32_t layer = 0; layer < static_cast<uint32_t>(s.num_layers); ++layer) {
     RETURN_IF_ERROR(backend_->PreAttention(layer, qkv_.get()));
@@ -162,20 +209,26 @@ absl::Status ComputeRank::RunLayers(const PlannedStep& step) {
           backend_->memory().CopyOut(qkv_host_.get(), qkv_.get(), static_cast<size_t>(t) * qkv_row));
       RETURN_IF_ERROR(backend_->memory().Synchronize());
     }
-    // Each memory rank's rows are one contiguous range of the step's rows.
+    // Each memory rank's rows are one contiguous range of the step's rows (request partition), or
+    // every row, packed to its columns (head partition).
     for (size_t m = 0; m < ranks_.size(); ++m) {
       Rank& rank = ranks_[m];
-      const int32_t begin = step.rank_rows[m], end = step.rank_rows[m + 1];
+      const auto [begin, end] = RowsOf(step, m);
       if (begin == end) continue;
+      const size_t row_bytes = head_ ? static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_ : qkv_row;
+      const uint8_t* rows = qkv_rows + begin * qkv_row;
+      if (head_) {
+        RETURN_IF_ERROR(PackHeadSlice(host_copies_, rank.slice, t, elem_, qkv_rows, rank.pack.get()));
+        rows = static_cast<const uint8_t*>(rank.pack.get());
+      }
       const LayerMessageExpect what{.step_id = step.plan.step_id,
                                     .layer = layer,
                                     .kind = LayerMessageKind::kQkv,
                                     .dtype = backend_->dtype(),
                                     .rows = static_cast<uint32_t>(end - begin),
-                                    .row_bytes = static_cast<uint32_t>(qkv_row),
+                                    .row_bytes = static_cast<uint32_t>(row_bytes),
                                     .seqno = ++rank.seqno};
-      const absl::Span<const uint8_t> body(qkv_rows + begin * qkv_row,
-                                           static_cast<size_t>(end - begin) * qkv_row);
+      const absl::Span<const uint8_t> body(rows, static_cast<size_t>(end - begin) * row_bytes);
       const std::vector<uint8_t> header = MakeLayerMessageHeader(what, body, options_.checksums);
       const absl::Span<const uint8_t> pieces[] = {header, body};
       RETURN_IF_ERROR(
@@ -183,7 +236,7 @@ absl::Status ComputeRank::RunLayers(const PlannedStep& step) {
     }
     for (size_t m = 0; m < ranks_.size(); ++m) {
       Rank& rank = ranks_[m];
-      const int32_t begin = step.rank_rows[m], end = step.rank_rows[m + 1];
+      const auto [begin, end] = RowsOf(step, m);
       if (begin == end) continue;
       const absl::Status waited =
           transport_->WaitDoorbell(rank.attn_buffer, rank.seqno, absl::Now() + options_.step_timeout);
@@ -198,19 +251,28 @@ absl::Status ComputeRank::RunLayers(const PlannedStep& step) {
         return Annotate(waited, absl::StrCat(rank.name, ": attention output of step ", step.plan.step_id,
                                              " layer ", layer));
       }
-      const LayerMessageExpect expect{.step_id = step.plan.step_id,
-                                      .layer = layer,
-                                      .kind = LayerMessageKind::kAttnOut,
-                                      .dtype = backend_->dtype(),
-                                      .rows = static_cast<uint32_t>(end - begin),
-                                      .row_bytes = static_cast<uint32_t>(attn_row),
-                                      .seqno = rank.seqno,
-                                      .verify_checksum = options_.checksums};
+      const LayerMessageExpect expect{
+          .step_id = step.plan.step_id,
+          .layer = layer,
+          .kind = LayerMessageKind::kAttnOut,
+          .dtype = backend_->dtype(),
+          .rows = static_cast<uint32_t>(end - begin),
+          .row_bytes =
+              static_cast<uint32_t>(head_ ? static_cast<size_t>(rank.slice.slice_q_dim()) * elem_ : attn_row),
+          .seqno = rank.seqno,
+          .verify_checksum = options_.checksums};
       absl::StatusOr<absl::Span<const uint8_t>> payload =
           ReadLayerMessage({static_cast<const uint8_t*>(rank.recv.get()), rank.recv_bytes}, expect);
       if (!payload.ok()) return Annotate(payload.status(), rank.name);
-      RETURN_IF_ERROR(backend_->memory().CopyIn(static_cast<uint8_t*>(attn_.get()) + begin * attn_row,
-                                                payload->data(), payload->size()));
+      if (head_) {
+        RETURN_IF_ERROR(UnpackHeadSlice(host_copies_, rank.slice, t, elem_, payload->data(), attn_rows));
+      } else {
+        RETURN_IF_ERROR(backend_->memory().CopyIn(static_cast<uint8_t*>(attn_.get()) + begin * attn_row,
+                                                  payload->data(), payload->size()));
+      }
+    }
+    if (head_ && !host) {
+      RETURN_IF_ERROR(backend_->memory().CopyIn(attn_.get(), attn_rows, static_cast<size_t>(t) * attn_row));
     }
     backend_->MarkAttention();
     RETURN_IF_ERROR(backend_->PostAttention(layer, attn_.get()));
@@ -223,29 +285,43 @@ absl::Status ComputeRank::RunLayersOnDevice(const PlannedStep& step) {
   const size_t qkv_row = static_cast<size_t>(backend_->qkv_width()) * elem_;
   const size_t attn_row = static_cast<size_t>(s.q_dim()) * elem_;
   auto* qkv = static_cast<const uint8_t*>(qkv_.get());
+  const int64_t t = step.rows.num_tokens();
+  MemorySpace& memory = backend_->memory();  // ordered on `stream`
   void* stream = backend_->stream();
   RETURN_IF_ERROR(backend_->BeginStep(step.rows));
   for (uint32_t layer = 0; layer < static_cast<uint32_t>(s.num_layers); ++layer) {
     RETURN_IF_ERROR(backend_->PreAttention(layer, qkv_.get()));
     for (size_t m = 0; m < ranks_.size(); ++m) {
       Rank& rank = ranks_[m];
-      const int32_t begin = step.rank_rows[m], end = step.rank_rows[m + 1];
+      const auto [begin, end] = RowsOf(step, m);
       if (begin == end) continue;
+      const void* rows = qkv + begin * qkv_row;
+      size_t bytes = static_cast<size_t>(end - begin) * qkv_row;
+      if (head_) {
+        // Its columns of every row, packed into its own buffer: that buffer is what is written.
+        RETURN_IF_ERROR(PackHeadSlice(memory, rank.slice, t, elem_, qkv, rank.pack.get()));
+        rows = rank.pack.get();
+        bytes = static_cast<size_t>(t * rank.slice.slice_qkv_width()) * elem_;
+      }
       RETURN_IF_ERROR(
-          Annotate(transport_->EnqueueWrite(rank.peer, rank.qkv_buffer, 0, qkv + begin * qkv_row,
-                                            static_cast<size_t>(end - begin) * qkv_row, ++rank.seqno, stream),
+          Annotate(transport_->EnqueueWrite(rank.peer, rank.qkv_buffer, 0, rows, bytes, ++rank.seqno, stream),
                    rank.name));
     }
     for (size_t m = 0; m < ranks_.size(); ++m) {
       Rank& rank = ranks_[m];
-      const int32_t begin = step.rank_rows[m], end = step.rank_rows[m + 1];
+      const auto [begin, end] = RowsOf(step, m);
       if (begin == end) continue;
-      RETURN_IF_ERROR(transport_->EnqueueWait(rank.peer, rank.attn_buffer, begin * attn_row,
-                                              static_cast<size_t>(end - begin) * attn_row, rank.seqno,
+      // Request partition: its rows of the attention buffer; head partition: its own buffer, from
+      // row 0, then scattered into its columns.
+      const size_t offset = head_ ? 0 : begin * attn_row;
+      const size_t bytes = head_ ? static_cast<size_t>(t * rank.slice.slice_q_dim()) * elem_
+                                 : static_cast<size_t>(end - begin) * attn_row;
+      RETURN_IF_ERROR(transport_->EnqueueWait(rank.peer, rank.attn_buffer, offset, bytes, rank.seqno,
                                               options_.step_timeout,
                                               absl::StrCat("compute rank: attention output of ", rank.name,
                                                            ", step ", step.plan.step_id, " layer ", layer),
                                               stream));
+      if (head_) RETURN_IF_ERROR(UnpackHeadSlice(memory, rank.slice, t, elem_, rank.out.get(), attn_.get()));
     }
     backend_->MarkAttention();
     RETURN_IF_ERROR(backend_->PostAttention(layer, attn_.get()));
@@ -274,14 +350,18 @@ absl::StatusOr<GenerationResult> ComputeRank::Cancel(int64_t id) {
   GenerationResult result;
   std::vector<std::vector<uint64_t>> released;
   RETURN_IF_ERROR(controller_->Cancel(id, &result, &released));
-  for (size_t m = 0; m < ranks_.size(); ++m) {
-    if (released[m].empty()) continue;
-    ReleaseMessage rel;
-    rel.step_id = step_.plan.step_id;  // the last step planned (the memory rank does not use it)
-    rel.request_ids = std::move(released[m]);
-    RETURN_IF_ERROR(Annotate(transport_->Send(ranks_[m].peer, EncodeRelease(rel)), ranks_[m].name));
-  }
+  // Named by the last step planned (the memory rank does not use it).
+  RETURN_IF_ERROR(SendReleases(step_.plan.step_id, released));
   return result;
+}
+
+std::vector<KvUsage> ComputeRank::kv_usage() const {
+  std::vector<KvUsage> usage = KvUsageOf(*controller_);
+  if (head_) {
+    const KvUsage group = usage[0];
+    usage.assign(ranks_.size(), group);
+  }
+  return usage;
 }
 
 EngineStats ComputeRank::stats() const {

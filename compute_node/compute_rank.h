@@ -1,22 +1,35 @@
 // `tandem compute`: compute rank 0 as a process, with the controller in it (docs/architecture.md,
 // "Processes"). It holds the weights and runs every non-attention operator; the memory ranks hold
 // the KV and run attention. Per step the controller's plan goes to every memory rank once; per
-// layer each memory rank gets the q,k,v rows of its requests (one contiguous range, written into
-// its receive buffer with a doorbell) and writes the attention output back the same way.
+// layer each memory rank gets its q,k,v (written into its receive buffer with a doorbell) and
+// writes the attention output back the same way. What a memory rank gets depends on the attention
+// partition (ComputeRankOptions::partition, memory.partition; common/head_partition.h):
+//   * request: the rows of its requests, one contiguous range of the step's rows, whole;
+//   * head: every row of the step, but only the columns of its KV head slice, packed into one
+//     contiguous (rows, qkv_width/M) buffer; its output (rows, q_dim/M) is scattered back into its
+//     columns of the attention buffer.
 //
 // Start-up: connect to every memory rank, load the weights (first, so that a memory rank sharing
 // the GPU sizes its KV from what the weights left), send each a hello with the model's attention
-// shape and the step limits, and wait for the replies that carry each rank's KV capacity. The
-// controller then places requests on ranks by free KV.
+// shape, the partition and its KV head slice, and the step limits, and wait for the replies that
+// carry each rank's KV capacity. Under the request partition the controller then places requests
+// on ranks by free KV; under the head partition every rank holds every request, so the controller
+// plans for one placement group whose capacity is the smallest rank's, places every request on
+// rank 0, and every memory rank applies the plan as rank 0.
 //
 // Two data paths, by transport:
 //   * host-staged (ucx): per layer, the q,k,v rows go device -> pinned host -> network, each with a
-//     layer message header (and crc); the host waits for each rank's output and copies it in;
+//     layer message header (and crc); the host waits for each rank's output and copies it in (head
+//     partition: packing and scattering are row copies between the host staging buffers);
 //   * device (p2p, nccl, verbs: a transport with device polling, CUDA ranks): the whole step is
 //     enqueued at once on the backend's stream, per layer: QKV -> write each rank's rows straight
 //     into its GPU buffer (payload, then doorbell) -> device-side waits for every rank's output,
 //     which lands directly in the attention buffer at the rank's row offset -> the rest of the
-//     layer. The host waits once per step (SyncStream), and each device wait has the step timeout.
+//     layer. Under the head partition each rank's columns are first packed by strided device
+//     copies (MemorySpace::CopyStrided) into a device buffer of its own, which is what is written,
+//     and its output lands in a device buffer of its own (at row 0), scattered into its columns
+//     of the attention buffer after the device-side wait for it. The host waits once per step
+//     (SyncStream), and each device wait has the step timeout.
 // Every wait has a deadline; a memory rank that reports an error, disconnects or stays silent
 // fails the step with a Status naming it.
 #pragma once
@@ -29,6 +42,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/head_partition.h"
 #include "common/transport/factory.h"
 #include "compute_node/compute_backend.h"
 #include "compute_node/controller.h"
@@ -41,6 +55,9 @@ struct ComputeRankOptions {
   int device = -1;                                                      // -1: cpu, else cuda:N
   transport::TransportKind transport = transport::TransportKind::kUcx;  // as the memory ranks
   std::vector<std::string> memory_addresses;  // transport address of memory rank m, in rank order
+  // memory.partition. kHead needs the model's num_kv_heads divisible by the number of memory ranks
+  // (Create refuses it otherwise, naming both numbers).
+  AttentionPartition partition = AttentionPartition::kRequest;
   ControllerOptions scheduler;
   int64_t kv_capacity_tokens = 0;  // per memory rank; 0: each sizes its pool from its memory
   double kv_memory_fraction = 0.9;
@@ -73,7 +90,9 @@ class ComputeRank : public Engine {
   const GenerationResult* Progress(int64_t id) const override { return controller_->Progress(id); }
   int64_t num_waiting() const override { return controller_->num_waiting(); }
   int64_t num_running() const override { return controller_->num_running(); }
-  std::vector<KvUsage> kv_usage() const override { return KvUsageOf((*controller_)); }
+  // One entry per memory rank; under the head partition every rank holds the same tokens (of its
+  // heads), so every entry is the controller's one placement group.
+  std::vector<KvUsage> kv_usage() const override;
   EngineStats stats() const override;
   const ModelSpec& spec() const override { return backend_->spec(); }
   std::string device() const override { return backend_->device(); }
@@ -81,7 +100,8 @@ class ComputeRank : public Engine {
   // Tells every memory rank to stop (bye), best effort: it never fails.
   absl::Status Shutdown();
 
-  // "memory rank 1: cuda:0 (NVIDIA H200), 123456 KV tokens" per rank.
+  // "memory rank 1: cuda:0 (NVIDIA H200), 123456 KV tokens" per rank (head partition: "... KV
+  // tokens of KV heads [4, 8)").
   const std::vector<std::string>& memory_ranks() const { return rank_names_; }
   // With ComputeRankOptions::profile: the backend's device time per phase so far (see
   // ComputeBackend::PhaseTotalsMs); "attention" is the time from the QKV rows being ready to the
@@ -93,6 +113,10 @@ class ComputeRank : public Engine {
   absl::Status Connect(const WeightSource& source);
   absl::Status RunLayers(const PlannedStep& step);
   absl::Status RunLayersOnDevice(const PlannedStep& step);
+  // The step's rows memory rank m gets: its range (request partition) or all of them (head).
+  std::pair<int32_t, int32_t> RowsOf(const PlannedStep& step, size_t m) const;
+  // Sends the release messages of `released` (the controller's, per placement group).
+  absl::Status SendReleases(uint64_t step_id, const std::vector<std::vector<uint64_t>>& released);
 
   ComputeRankOptions options_;
   std::unique_ptr<transport::Transport> transport_;
@@ -104,6 +128,12 @@ class ComputeRank : public Engine {
     uint32_t attn_buffer = 0;              // ours, for its outputs
     BackendBuffer recv{nullptr, nullptr};  // attention outputs land here (host)
     size_t recv_bytes = 0;
+    // Its heads: all of them (request partition: num_ranks 1) or its slice (head partition).
+    HeadSlice slice;
+    // Head partition: its q,k,v columns packed (host-staged path: host memory; device path:
+    // device memory, what is written to it), and on the device path its outputs (device memory,
+    // registered as attn_buffer).
+    BackendBuffer pack{nullptr, nullptr}, out{nullptr, nullptr};
     uint64_t seqno = 0;
     std::string name;
   };
@@ -112,7 +142,10 @@ class ComputeRank : public Engine {
   PlannedStep step_;
   BackendBuffer qkv_{nullptr, nullptr}, attn_{nullptr, nullptr};  // backend memory
   BackendBuffer qkv_host_{nullptr, nullptr};                      // staging of qkv rows (CUDA)
-  bool device_path_ = false;  // the whole step on the device (see the file comment)
+  BackendBuffer attn_host_{nullptr, nullptr};  // staging of attention rows (CUDA, head partition)
+  HostMemorySpace host_copies_;                // packs and scatters of the host-staged path
+  bool device_path_ = false;                   // the whole step on the device (see the file comment)
+  bool head_ = false;                          // partition == kHead
   size_t elem_ = 4;
   double busy_seconds_ = 0;
 };

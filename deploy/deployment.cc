@@ -32,6 +32,10 @@ const ConfigSchema& DeploySchema() {
         .String("memory.devices", "auto",
                 "device of every memory rank (cpu, cuda, cuda:N; auto: the compute rank's), or one per rank "
                 "separated by commas")
+        .Enum("memory.partition", "request", {"request", "head"},
+              "how attention is split over the memory ranks: request (each request's KV on one rank, "
+              "placed by free KV) or head (every rank holds a slice of the KV heads of every request; "
+              "needs num_key_value_heads divisible by memory.ranks)")
         .String("memory.host", "127.0.0.1", "address the memory ranks listen on")
         .Int("memory.base_port", 0,
              "port of memory rank 0 (rank i listens on base_port + i); 0: any free port", 0, 65535)
@@ -123,6 +127,8 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
     }
     p.listen_addresses.push_back(absl::StrCat(c.GetString("memory.host"), ":", base == 0 ? 0 : base + i));
   }
+  ASSIGN_OR_RETURN(p.partition, ParseAttentionPartition(c.GetString("memory.partition")));
+  RETURN_IF_ERROR(CheckAttentionPartition(p.partition, spec.num_kv_heads, ranks));
   // Checked here so that a bad pair stops the launch before any rank starts.
   RETURN_IF_ERROR(ResolveControllerOptions(SchedulerKvSettingsFromConfig(c)).status());
   ASSIGN_OR_RETURN(const std::optional<transport::TransportKind> kind,

@@ -6,6 +6,9 @@
 //   compute.device                     cpu, cuda, cuda:N or auto
 //   memory.ranks, memory.devices       how many memory ranks, and their devices: one value for
 //                                      all ("auto": the compute rank's device) or a comma list
+//   memory.partition                   request (each request's KV on one rank) or head (every rank
+//                                      holds a slice of every request's KV heads; needs
+//                                      num_key_value_heads divisible by memory.ranks)
 //   memory.host, memory.base_port      where memory ranks listen (port 0: any free port)
 //   transport.kind                     auto, ucx, p2p, nccl or verbs (one kind for the deployment;
 //                                      auto: a lookup over the transport table, see ResolveTransport)
@@ -28,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/config.h"
+#include "common/head_partition.h"
 #include "common/model_spec.h"
 #include "common/transport/factory.h"
 
@@ -43,12 +47,14 @@ struct DeployPlan {
   std::string compute_device;                                           // "cpu" or "cuda:N"
   std::vector<std::string> memory_devices;                              // per memory rank
   std::vector<std::string> listen_addresses;                            // per memory rank, host:port
+  AttentionPartition partition = AttentionPartition::kRequest;          // memory.partition
   transport::TransportKind transport = transport::TransportKind::kUcx;  // resolved transport.kind
   bool checksums = true;
   std::string run_dir;
   absl::Duration startup_timeout, step_timeout;
 };
-// Errors name the YAML path ("memory.devices: 3 devices listed for 2 ranks").
+// Errors name the YAML path ("memory.devices: 3 devices listed for 2 ranks", "memory.partition:
+// head needs num_key_value_heads (8) divisible by memory.ranks (3)").
 absl::StatusOr<DeployPlan> ResolveDeployment(const Config& config, const ModelSpec& spec);
 // The value of transport.kind: nullopt for "auto", else the kind. InvalidArgument naming
 // transport.kind for anything else. Parsed once, when the deployment is resolved.

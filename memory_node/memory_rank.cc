@@ -137,9 +137,14 @@ class MemoryRank {
       return absl::InvalidArgumentError(absl::StrCat("hello addressed to memory rank ", hello_.memory_rank,
                                                      " reached memory rank ", o_.rank));
     }
+    // The KV heads of its slice (all of them under the request partition) and their query heads;
+    // the hello's decoder checked the slice against the partition.
+    const int64_t kv_heads = static_cast<int64_t>(hello_.kv_head_end) - hello_.kv_head_begin;
+    const int64_t heads = static_cast<int64_t>(hello_.num_heads / hello_.num_kv_heads) * kv_heads;
+    placement_rank_ = hello_.partition == AttentionPartition::kHead ? 0 : static_cast<uint16_t>(o_.rank);
     shape_ = AttentionShape{.num_layers = hello_.num_layers,
-                            .num_heads = hello_.num_heads,
-                            .num_kv_heads = hello_.num_kv_heads,
+                            .num_heads = heads,
+                            .num_kv_heads = kv_heads,
                             .head_dim = hello_.head_dim,
                             .max_tokens = hello_.max_tokens_per_step,
                             .max_requests = hello_.max_requests_per_step};
@@ -187,20 +192,25 @@ class MemoryRank {
     reply.device = exec_->device().substr(0, 256);
     RETURN_IF_ERROR(transport_->Send(peer_, EncodeHelloReply(reply)));
     TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, ": ", shape_.num_layers, " layers, ", shape_.num_heads,
-                    "/", shape_.num_kv_heads, " heads of ", shape_.head_dim, "; KV ", exec_->kv_capacity(),
-                    " tokens on ", exec_->device(), "; transport ", transport_->capabilities().name, ", ",
+                    "/", shape_.num_kv_heads, " heads of ", shape_.head_dim, " (partition ",
+                    AttentionPartitionName(hello_.partition), ", KV heads [", hello_.kv_head_begin, ", ",
+                    hello_.kv_head_end, ")); KV ", exec_->kv_capacity(), " tokens on ", exec_->device(),
+                    "; transport ", transport_->capabilities().name, ", ",
                     device_path_ ? "device data path" : "host-staged data path");
     return absl::OkStatus();
   }
 
   absl::Status RunStep(const StepPlan& plan) {
-    // Requests come in memory rank order (the decoder checked it), so this rank's rows start
-    // after the lower ranks' rows in the compute rank's attention buffer.
+    // Requests come in memory rank order (the decoder checked it), so under the request partition
+    // this rank's rows start after the lower ranks' rows in the compute rank's attention buffer.
+    // Under the head partition every request is placed on rank 0 and every rank applies the plan
+    // as rank 0 (the same KV table on every rank, over its heads); its output goes to a buffer of
+    // its own on the compute rank, at row 0.
     uint64_t row_offset = 0;
     for (const StepRequest& r : plan.requests) {
-      if (r.memory_rank < o_.rank) row_offset += static_cast<uint64_t>(r.q_len);
+      if (r.memory_rank < placement_rank_) row_offset += static_cast<uint64_t>(r.q_len);
     }
-    RETURN_IF_ERROR(kv_->Apply(plan, static_cast<uint16_t>(o_.rank), &batch_));
+    RETURN_IF_ERROR(kv_->Apply(plan, placement_rank_, &batch_));
     const int64_t t = batch_.num_tokens();
     if (t == 0) return absl::OkStatus();
     ++steps_;
@@ -284,6 +294,7 @@ class MemoryRank {
   uint64_t seqno_ = 0;
   int64_t steps_ = 0;
   bool device_path_ = false;
+  uint16_t placement_rank_ = 0;  // the memory_rank of the plan's requests this rank serves
 };
 
 }  // namespace

@@ -1,20 +1,27 @@
 // `tandem memory`: one memory rank as a process (docs/architecture.md, "Processes"). It owns a KV pool on one
-// device and runs attention for the requests the controller placed on it.
+// device and runs attention for the requests the controller placed on it (request partition), or for
+// its slice of the KV heads of every request (head partition; common/head_partition.h).
 //
 // Life of a memory rank:
 //   1. listen (transport address reported through on_listening, which writes the ready file);
-//   2. accept the compute rank; its hello gives the model's attention shape, the step limits,
-//      the wire dtype and how to size the KV pool; the rank sizes its pool from the device memory
+//   2. accept the compute rank; its hello gives the model's attention shape, the partition and
+//      this rank's KV head slice, the step limits, the wire dtype and how to size the KV pool; the
+//      rank's attention shape is its slice (under the head partition H/M query and Hkv/M KV heads;
+//      the executor runs it unchanged), and it sizes its pool for that shape from the device memory
 //      it is given (kv.memory_fraction of what is free then, or kv.capacity_tokens) and replies
-//      with its capacity and the id of its q,k,v receive buffer;
+//      with its capacity (tokens of its slice) and the id of its q,k,v receive buffer;
 //   3. serve: per step plan, place the step's rows of its requests in KV slots (KvTable) and, per
-//      layer, wait for the q,k,v rows, append K and V, run attention and write the output back;
+//      layer, wait for the q,k,v rows, append K and V, run attention and write the output back.
+//      Under the head partition the plan places every request on rank 0 and every memory rank
+//      applies it as rank 0: all ranks hold the same requests, slots and prefix blocks, each for
+//      its heads; its q,k,v rows are the packed columns of its heads for every row of the step;
 //      release messages free the KV of requests that ended; bye ends the rank cleanly.
 // With the host-staged transport (ucx), CUDA ranks stage q,k,v and outputs through pinned host
 // buffers, layer by layer. With a device-polling transport (p2p, nccl, verbs) a CUDA rank
 // enqueues the whole step at once on its executor's stream, per layer: a device-side wait for
 // the q,k,v rows (written straight into its GPU buffer) -> KV append and attention -> the write of
-// the output straight into the compute rank's attention buffer at this rank's row offset; it then
+// the output straight into the compute rank's attention buffer at this rank's row offset (under the
+// head partition: into the compute rank's buffer for this rank, at row 0); it then
 // waits once for the step. Every wait has a deadline; a malformed or unexpected frame, a peer that disappears
 // or a deadline that passes ends the rank with an error naming it (the compute rank is told first when it can
 // still be reached).

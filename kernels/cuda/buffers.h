@@ -89,6 +89,14 @@ class CudaMemorySpace : public MemorySpace {
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
     return absl::OkStatus();
   }
+  // cudaMemcpyDefault: either side may be device memory or pinned host memory (unified addressing).
+  absl::Status CopyStrided(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                           size_t rows) override {
+    if (width == 0 || rows == 0) return absl::OkStatus();
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDefault, stream_));
+    return absl::OkStatus();
+  }
   absl::Status Synchronize() override {
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return absl::OkStatus();

@@ -3,7 +3,9 @@
 // and each step is enqueued whole on both sides with device-side waits. What must hold:
 //   * the same requests give the same tokens and log-probabilities as the colocated CUDA engine on
 //     cuda:0, with 1 memory rank (2 GPUs) and with 3 (4 GPUs), on the reference checkpoints and on
-//     the llama3-8b preset;
+//     the llama3-8b preset; and so does the head partition (memory.partition: head, each rank's
+//     columns packed and scattered by strided device copies) with 2 memory ranks (3 GPUs) and 4
+//     (5 GPUs);
 //   * a memory rank that stops answering fails the step within the step timeout with a status
 //     naming the rank and the layer; one that dies fails it at once (its waits are released).
 // Skips with the reason when there are too few GPUs or the transport is not in the build.
@@ -175,6 +177,7 @@ class MultiGpuDeploy : public ::testing::Test {
     o.device = 0;
     o.transport = kind_;
     o.memory_addresses = addresses;
+    o.partition = partition_;
     o.scheduler.max_batch_size = batch;
     o.scheduler.max_tokens_per_step = step_tokens;
     o.kv_capacity_tokens = 4096;
@@ -186,6 +189,7 @@ class MultiGpuDeploy : public ::testing::Test {
   }
 
   transport::TransportKind kind_ = transport::TransportKind::kP2p;
+  AttentionPartition partition_ = AttentionPartition::kRequest;
   int step_timeout_s_ = 60;
   std::string dir_;
   ProcessGroup group_;
@@ -198,9 +202,22 @@ class MultiGpuDeploy : public ::testing::Test {
 // Same tokens as the colocated CUDA engine.
 
 class SameTokens : public MultiGpuDeploy,
-                   public ::testing::WithParamInterface<std::tuple<std::string, std::string, int>> {};
+                   public ::testing::WithParamInterface<std::tuple<std::string, std::string, int>> {
+ protected:
+  void Run();
+};
 
-TEST_P(SameTokens, AsTheColocatedEngine) {
+TEST_P(SameTokens, AsTheColocatedEngine) { Run(); }
+
+// The head partition: every memory rank holds a slice of the KV heads of every request.
+class HeadPartitionSameTokens : public SameTokens {};
+
+TEST_P(HeadPartitionSameTokens, AsTheColocatedEngine) {
+  partition_ = AttentionPartition::kHead;
+  Run();
+}
+
+void SameTokens::Run() {
   const auto& [kind, model, memory_ranks] = GetParam();
   ASSERT_NO_FATAL_FAILURE(Require(1 + memory_ranks, kind));
   if (IsSkipped()) return;
@@ -244,10 +261,10 @@ TEST_P(SameTokens, AsTheColocatedEngine) {
     tokens += static_cast<int64_t>(got[i].token_ids.size());
   }
   std::printf(
-      "%s, %s, 1 compute + %d memory rank(s) on %d GPUs: %lld tokens in %lld steps (%.2f s), max "
-      "|logprob difference| %.3g\n",
-      kind.c_str(), model.c_str(), memory_ranks, 1 + memory_ranks, static_cast<long long>(tokens),
-      static_cast<long long>(rank_->stats().steps), seconds, max_diff);
+      "%s, %s, 1 compute + %d memory rank(s) on %d GPUs, %s partition: %lld tokens in %lld steps (%.2f s), "
+      "max |logprob difference| %.3g\n",
+      kind.c_str(), model.c_str(), memory_ranks, 1 + memory_ranks, AttentionPartitionName(partition_),
+      static_cast<long long>(tokens), static_cast<long long>(rank_->stats().steps), seconds, max_diff);
 }
 
 std::string Name(const ::testing::TestParamInfo<std::tuple<std::string, std::string, int>>& info) {
@@ -268,6 +285,17 @@ INSTANTIATE_TEST_SUITE_P(FourGpus, SameTokens,
                                             ::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim",
                                                               "llama3-8b"),
                                             ::testing::Values(3)),
+                         Name);
+// KV heads: llama3-gqa-tied 2, llama2-mha 4, llama3-8b 8 (mqa-headdim's 1 does not split).
+INSTANTIATE_TEST_SUITE_P(ThreeGpus, HeadPartitionSameTokens,
+                         ::testing::Combine(::testing::Values("p2p", "nccl"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha", "llama3-8b"),
+                                            ::testing::Values(2)),
+                         Name);
+INSTANTIATE_TEST_SUITE_P(FiveGpus, HeadPartitionSameTokens,
+                         ::testing::Combine(::testing::Values("p2p", "nccl"),
+                                            ::testing::Values("llama2-mha", "llama3-8b"),
+                                            ::testing::Values(4)),
                          Name);
 
 // ---------------------------------------------------------------------------------------------

@@ -5,6 +5,10 @@
 // What must hold:
 //   * the same requests on the same arrival schedule give the same tokens, finish reasons and
 //     log-probabilities (within 1e-4) as the colocated engine, with 1, 2 or 3 memory ranks;
+//   * the head partition (memory.partition: head; every rank holds a slice of every request's KV
+//     heads) gives the same as the colocated engine and as the request partition, with 1, 2 and 4
+//     memory ranks, on a mixed batch with prefix sharing on; a model whose KV heads do not divide
+//     among the ranks is refused with both numbers;
 //   * a full KV cache makes requests wait, never drops one; a request that can never fit is
 //     refused at Submit and the deployment keeps working;
 //   * the transformers reference data is met through a deployment as it is by the engine;
@@ -45,6 +49,7 @@
 #include "deploy/process_group.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "param_names.h"
 
 namespace tandem {
 namespace {
@@ -160,20 +165,7 @@ class DisaggregatedTest : public ::testing::Test {
       (void)rank_->Shutdown();
       rank_.reset();
     }
-    if (expect_clean_exit_) {
-      const absl::Time deadline = absl::Now() + absl::Seconds(20);
-      for (size_t m = 0; m < names_.size(); ++m) {
-        pollfd p{.fd = pidfds_[m], .events = POLLIN, .revents = 0};
-        const int ms =
-            static_cast<int>(std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now())));
-        if (poll(&p, 1, ms) != 1) {
-          ADD_FAILURE() << names_[m] << " did not exit within 20 s of the bye; log:\n"
-                        << group_.LogTail(names_[m]);
-          continue;
-        }
-        EXPECT_TRUE(group_.WaitExit(names_[m]).ok()) << names_[m] << " did not exit cleanly";
-      }
-    }
+    if (expect_clean_exit_) ExpectRanksExit();
     const std::vector<std::string> killed = group_.StopAll(absl::Seconds(5));
     if (expect_clean_exit_) {
       EXPECT_TRUE(killed.empty()) << absl::StrJoin(killed, ", ") << " needed SIGKILL";
@@ -190,12 +182,32 @@ class DisaggregatedTest : public ::testing::Test {
     }
   }
 
-  // Starts `n` memory ranks and waits until each listens; their addresses go to addresses_.
+  // Expects every memory rank not yet waited for to exit 0 within 20 s (of the bye it was sent).
+  void ExpectRanksExit() {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    for (size_t m = exited_; m < names_.size(); ++m) {
+      pollfd p{.fd = pidfds_[m], .events = POLLIN, .revents = 0};
+      const int ms =
+          static_cast<int>(std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now())));
+      if (poll(&p, 1, ms) != 1) {
+        ADD_FAILURE() << names_[m] << " did not exit within 20 s of the bye; log:\n"
+                      << group_.LogTail(names_[m]);
+        continue;
+      }
+      EXPECT_TRUE(group_.WaitExit(names_[m]).ok()) << names_[m] << " did not exit cleanly";
+    }
+    exited_ = names_.size();
+  }
+
+  // Starts `n` memory ranks and waits until each listens; their addresses go to addresses_. A test
+  // may start a second deployment after StopDeployment(): its processes get new names.
   void StartMemoryRanks(int n) {
     const char* binary = std::getenv("TANDEM_BINARY");
     ASSERT_NE(binary, nullptr) << "TANDEM_BINARY must name the tandem executable (ctest sets it)";
+    const size_t first = names_.size();
+    addresses_.clear();
     for (int m = 0; m < n; ++m) {
-      const std::string name = absl::StrCat("memory-", m);
+      const std::string name = absl::StrCat("memory-", first + static_cast<size_t>(m));
       const std::string ready = absl::StrCat(dir_, "/", name, ".ready");
       ASSERT_TRUE(
           group_
@@ -209,7 +221,8 @@ class DisaggregatedTest : public ::testing::Test {
       names_.push_back(name);
       pidfds_.push_back(fd);
     }
-    for (const std::string& name : names_) {
+    for (size_t i = first; i < names_.size(); ++i) {
+      const std::string& name = names_[i];
       absl::StatusOr<std::string> address =
           group_.WaitReady(name, absl::StrCat(dir_, "/", name, ".ready"), absl::Seconds(60));
       ASSERT_TRUE(address.ok()) << address.status();
@@ -238,7 +251,16 @@ class DisaggregatedTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(source, options);
     ASSERT_TRUE(rank.ok()) << rank.status();
     rank_ = std::move(*rank);
-    ASSERT_EQ(rank_->controller().num_memory_ranks(), n);
+    // Under the head partition every rank holds every request: one placement group.
+    ASSERT_EQ(rank_->controller().num_memory_ranks(), options.partition == AttentionPartition::kHead ? 1 : n);
+  }
+
+  // Says bye to the deployment's memory ranks and expects them to exit cleanly.
+  void StopDeployment() {
+    if (!rank_) return;
+    (void)rank_->Shutdown();
+    rank_.reset();
+    ExpectRanksExit();
   }
 
   std::unique_ptr<ColocatedEngine> Engine(const WeightSource& source, int64_t max_batch_size,
@@ -257,6 +279,7 @@ class DisaggregatedTest : public ::testing::Test {
   ProcessGroup group_;
   std::vector<std::string> names_, addresses_;
   std::vector<int> pidfds_;
+  size_t exited_ = 0;  // names_[0, exited_) were stopped and waited for
   std::unique_ptr<ComputeRank> rank_;
   bool expect_clean_exit_ = true;
 };
@@ -501,6 +524,158 @@ TEST_F(DisaggregatedTest, CancelFreesTheRequestsKvOnItsMemoryRank) {
   ASSERT_LE(cancelled->token_ids.size(), (*want)[0].token_ids.size());
   EXPECT_TRUE(
       std::equal(cancelled->token_ids.begin(), cancelled->token_ids.end(), (*want)[0].token_ids.begin()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3c. Head partition: every memory rank holds a slice of the KV heads of every request. A mixed
+// batch (1- to 70-token prompts, shared system prompt and examples, 1 to 16 tokens out, greedy
+// and sampled, staggered arrivals) with the prefix cache and prefix sharing on equals the
+// colocated engine (without the prefix cache) and the request partition on the same ranks.
+
+// A GQA model with 4 KV heads, so that 4 memory ranks get one KV head (and two query heads) each:
+// the tiny-gqa preset's shape with 8 query heads and 4 KV heads of 16, random weights. Untied: with
+// the preset's tied embeddings, random weights make each token predict itself with probability ~1,
+// whatever attention returns, and the comparison would check nothing.
+std::unique_ptr<WeightSource> OpenHeadModel(const std::string& model) {
+  if (model != "gqa-8x4") return OpenReference(model);
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gqa");
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  if (!spec.ok()) return nullptr;
+  spec->name = model;
+  spec->num_kv_heads = 4;
+  spec->tie_word_embeddings = false;
+  EXPECT_TRUE(spec->Validate().ok()) << spec->Validate();
+  return RandomWeights(*spec, /*seed=*/7);
+}
+
+class HeadPartition : public DisaggregatedTest,
+                      public ::testing::WithParamInterface<std::tuple<std::string, int>> {};
+
+TEST_P(HeadPartition, EqualsColocatedAndRequestPartition) {
+  const auto& [model, n] = GetParam();
+  std::unique_ptr<WeightSource> source = OpenHeadModel(model);
+  ASSERT_NE(source, nullptr);
+  ASSERT_EQ(source->spec().num_kv_heads % n, 0);
+  constexpr int64_t kBatch = 6, kStepTokens = 32, kBlock = 8;
+  std::mt19937 rng(4321);
+  const int64_t vocab = source->spec().vocab_size;
+  const GenerationRequest system = MakeRequest(rng, vocab, 16, 1, false, 0);
+  const GenerationRequest shot = MakeRequest(rng, vocab, 8, 1, false, 0);
+  struct Shape {
+    int64_t tail, max_tokens, after_step;
+    bool shared;
+  };
+  const Shape shapes[] = {{1, 16, 0, false}, {70, 3, 0, false}, {5, 12, 0, true},  {20, 1, 1, true},
+                          {9, 14, 3, true},  {1, 8, 4, true},   {45, 6, 6, false}, {12, 10, 9, true},
+                          {3, 16, 12, true}, {30, 4, 14, true}};
+  std::vector<Arrival> arrivals;
+  for (size_t i = 0; i < std::size(shapes); ++i) {
+    GenerationRequest r = MakeRequest(rng, vocab, shapes[i].tail, shapes[i].max_tokens, i % 3 == 1, 900 + i);
+    if (shapes[i].shared) {
+      std::vector<int32_t> prompt = system.prompt;
+      if (i % 2 == 0) prompt.insert(prompt.end(), shot.prompt.begin(), shot.prompt.end());
+      prompt.insert(prompt.end(), r.prompt.begin(), r.prompt.end());
+      r.prompt = prompt;
+    }
+    arrivals.push_back({shapes[i].after_step, r});
+  }
+
+  EngineOptions eo;
+  eo.device = "cpu";
+  eo.max_batch_size = kBatch;
+  eo.max_tokens_per_step = kStepTokens;
+  eo.kv_capacity_tokens = 8192;
+  eo.prefix_cache = false;
+  absl::StatusOr<std::unique_ptr<ColocatedEngine>> engine = ColocatedEngine::Create(*source, eo);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const std::vector<GenerationResult> want = RunSchedule(**engine, arrivals, [] {});
+  ASSERT_FALSE(HasFailure());
+
+  ComputeRankOptions o = Options(kBatch, kStepTokens, 1024);
+  absl::StatusOr<PrefixOptions> prefix = ResolvePrefixOptions(true, kBlock, "on");
+  ASSERT_TRUE(prefix.ok()) << prefix.status();
+  o.scheduler.prefix_block_tokens = prefix->block_tokens;
+  o.scheduler.prefix_sharing = prefix->sharing;
+
+  o.partition = AttentionPartition::kRequest;
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, n, o));
+  const std::vector<GenerationResult> by_request = RunSchedule(*rank_, arrivals, [] {});
+  ASSERT_FALSE(HasFailure());
+  StopDeployment();
+
+  o.partition = AttentionPartition::kHead;
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, n, o));
+  int64_t most_reserved = 0;
+  const std::vector<GenerationResult> got = RunSchedule(*rank_, arrivals, [&] {
+    const std::vector<KvUsage> usage = rank_->kv_usage();
+    ASSERT_EQ(usage.size(), static_cast<size_t>(n));
+    for (const KvUsage& u : usage) {
+      EXPECT_EQ(u.capacity, 1024);  // every rank was given 1024 tokens of its heads
+      EXPECT_EQ(u.reserved, usage[0].reserved);
+    }
+    most_reserved = std::max(most_reserved, usage[0].reserved);
+  });
+  ASSERT_FALSE(HasFailure());
+  for (int m = 0; m < n; ++m) {
+    const int64_t per_rank = source->spec().num_kv_heads / n;
+    const std::string& name = rank_->memory_ranks()[static_cast<size_t>(m)];
+    EXPECT_NE(name.find(absl::StrCat("memory rank ", m, ": cpu")), std::string::npos) << name;
+    EXPECT_NE(
+        name.find(absl::StrCat("1024 KV tokens of KV heads [", m * per_rank, ", ", (m + 1) * per_rank, ")")),
+        std::string::npos)
+        << name;
+  }
+  int64_t cached = 0, generated = 0;
+  for (const GenerationResult& r : got) {
+    cached += r.cached_tokens;
+    generated += static_cast<int64_t>(r.token_ids.size());
+  }
+  const ControllerStats& stats = rank_->controller().stats();
+  const double vs_colocated = ExpectSameResults(got, want);
+  const double vs_request = ExpectSameResults(got, by_request);
+  std::printf(
+      "%s, %d memory rank(s), head partition: %lld tokens generated, %lld prompt tokens reused, %lld rows in "
+      "prefix groups, max |logprob difference| %.3g vs colocated, %.3g vs request partition\n",
+      model.c_str(), n, static_cast<long long>(generated), static_cast<long long>(cached),
+      static_cast<long long>(stats.grouped_rows), vs_colocated, vs_request);
+  EXPECT_GT(cached, 0) << "the prefix cache was not used";
+  EXPECT_GT(stats.grouped_rows, 0) << "no prefix group was formed";
+  EXPECT_GT(most_reserved, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(ModelsAndRanks, HeadPartition,
+                         ::testing::Values(std::tuple<std::string, int>{"llama2-mha", 1},
+                                           std::tuple<std::string, int>{"llama3-gqa-tied", 1},
+                                           std::tuple<std::string, int>{"gqa-8x4", 1},
+                                           std::tuple<std::string, int>{"llama2-mha", 2},
+                                           std::tuple<std::string, int>{"llama2-mha", 4},
+                                           std::tuple<std::string, int>{"llama3-gqa-tied", 2},
+                                           std::tuple<std::string, int>{"gqa-8x4", 2},
+                                           std::tuple<std::string, int>{"gqa-8x4", 4}),
+                         [](const auto& info) {
+                           return absl::StrCat(testing_names::Identifier(std::get<0>(info.param)), "_",
+                                               std::get<1>(info.param), "_memory_ranks");
+                         });
+
+// Head partition with KV heads that do not divide among the ranks: refused by Create, with both
+// numbers, before anything connects (nothing listens at these addresses).
+TEST_F(DisaggregatedTest, HeadPartitionRefusesKvHeadsThatDoNotDivide) {
+  std::unique_ptr<WeightSource> source = OpenReference("llama3-gqa-tied");  // 2 KV heads
+  ASSERT_NE(source, nullptr);
+  ComputeRankOptions o = Options(8, 24, 1024);
+  o.partition = AttentionPartition::kHead;
+  o.memory_addresses = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
+  absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(*source, o);
+  ASSERT_FALSE(rank.ok());
+  EXPECT_EQ(rank.status().code(), absl::StatusCode::kInvalidArgument) << rank.status();
+  EXPECT_EQ(rank.status().message(),
+            "memory.partition: head needs num_key_value_heads (2) divisible by memory.ranks (3)");
+  o.memory_addresses.resize(4);
+  o.memory_addresses[3] = "127.0.0.1:4";
+  rank = ComputeRank::Create(*source, o);
+  ASSERT_FALSE(rank.ok());
+  EXPECT_EQ(rank.status().message(),
+            "memory.partition: head needs num_key_value_heads (2) divisible by memory.ranks (4)");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-// Tests of common/config.h (schema, YAML, --set, dump, help) and common/log.h.
+// Tests of common/config.h (schema, YAML, --set, dump, help) and common/log.h, and of one real
+// setting through the deployment schema (memory.partition).
 #include "common/config.h"
 
 #include <algorithm>
@@ -7,12 +8,15 @@
 #include <fstream>
 #include <initializer_list>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
+#include "common/model_spec.h"
+#include "deploy/deployment.h"
 #include "gtest/gtest.h"
 
 namespace tandem {
@@ -382,6 +386,54 @@ TEST(ConfigErrorTest, LoadingIsAllOrNothing) {
 }
 
 // ---- dump and help -----------------------------------------------------------------------------
+
+// ---- a real schema: memory.partition of the deployment ------------------------------------------
+
+TEST(DeployPartitionSetting, YamlSetBadValueAndDivisibility) {
+  auto load = [](std::string_view yaml, std::vector<std::string> sets = {}) {
+    return LoadConfig(DeploySchema(), yaml, "deploy.yaml", sets);
+  };
+  absl::StatusOr<Config> c = load("compute:\n  device: cpu\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->GetString("memory.partition"), "request");
+  c = load("memory:\n  partition: head\n  ranks: 4\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->GetString("memory.partition"), "head");
+  c = load("memory:\n  partition: head\n", {"memory.partition=request"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->GetString("memory.partition"), "request");
+  EXPECT_EQ(c->SourceOf("memory.partition"), "--set");
+  ExpectError(load("memory:\n  partition: tensor\n"), absl::StatusCode::kInvalidArgument,
+              {"deploy.yaml", "memory.partition", "one of [request, head]", "got \"tensor\""});
+  ExpectError(load("", {"memory.partition=Head"}), absl::StatusCode::kInvalidArgument,
+              {"--set memory.partition=Head", "one of [request, head]"});
+
+  // Resolved against the model: head needs num_key_value_heads divisible by memory.ranks.
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gqa");  // 8 query heads, 2 KV heads
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  for (const auto& [ranks, partition, want] : std::vector<std::tuple<int, std::string, std::string>>{
+           {1, "head", ""},
+           {2, "head", ""},
+           {3, "request", ""},
+           {3, "head", "memory.partition: head needs num_key_value_heads (2) divisible by memory.ranks (3)"},
+           {4, "head",
+            "memory.partition: head needs num_key_value_heads (2) divisible by memory.ranks (4)"}}) {
+    SCOPED_TRACE(testing::Message() << ranks << " ranks, " << partition);
+    c = load("compute:\n  device: cpu\nmemory:\n  devices: cpu\n",
+             {absl::StrCat("memory.ranks=", ranks), "memory.partition=" + partition});
+    ASSERT_TRUE(c.ok()) << c.status();
+    absl::StatusOr<DeployPlan> plan = ResolveDeployment(*c, *spec);
+    if (want.empty()) {
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      EXPECT_EQ(plan->partition, *ParseAttentionPartition(partition));
+      EXPECT_EQ(plan->memory_devices.size(), static_cast<size_t>(ranks));
+    } else {
+      ASSERT_FALSE(plan.ok());
+      EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(plan.status().message(), want);
+    }
+  }
+}
 
 TEST(ConfigDumpTest, GroupsSectionsAndMarksNonDefaults) {
   absl::StatusOr<Config> config = Load("kv:\n  dtype: fp8\n", {"scheduler.policy=priority"});

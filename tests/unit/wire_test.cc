@@ -82,8 +82,8 @@ struct Le {
 };
 
 // A frame around `body` with explicit header fields; the crc is computed unless given.
-Bytes MakeFrame(uint32_t magic, const Bytes& body, uint16_t version = 1, uint16_t header_bytes = 16,
-                std::optional<uint32_t> crc = std::nullopt) {
+Bytes MakeFrame(uint32_t magic, const Bytes& body, uint16_t version = kWireVersion,
+                uint16_t header_bytes = 16, std::optional<uint32_t> crc = std::nullopt) {
   Le f;
   f.U32(magic).U16(version).U16(header_bytes).U32(static_cast<uint32_t>(body.size()));
   f.U32(crc ? *crc : Crc32c(body));
@@ -447,7 +447,7 @@ TEST(StepPlanWire, GoldenBytes) {
   plan.evictions.push_back(PrefixEvict{0x5152535455565758, 0x0405});
   // Layout written out by hand; crc computed independently (bitwise Python reference).
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x01, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x53, 0x50, 0x02, 0x00, 0x10, 0x00,
       0xa0, 0x00, 0x00, 0x00, 0x32, 0x10, 0x58, 0x9b,  // frame: body_bytes 160
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // request_count, group_count
@@ -498,7 +498,7 @@ TEST(LayerMessageWire, RoundTripsAndGoldenBytes) {
   h.step_id = 1, h.seqno = 2, h.payload_bytes = 256, h.layer = 3, h.rows = 4, h.row_bytes = 64;
   h.payload_crc32c = 0xdeadbeef, h.kind = LayerMessageKind::kAttnOut, h.dtype = DType::kBF16;
   const Bytes golden = {
-      0x54, 0x44, 0x4c, 0x4d, 0x01, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x4c, 0x4d, 0x02, 0x00, 0x10, 0x00,
       0x30, 0x00, 0x00, 0x00, 0xc4, 0x00, 0x01, 0xea,  // frame
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // id, seq
@@ -861,16 +861,22 @@ TEST(Wire, FrameHeaderChecks) {
   s = DecodeLayerMessageHeader(SmallPlanFrame()).status();
   EXPECT_CONTAINS(std::string(s.message()), "layer message header: magic 0x50534454 ('TDSP')");
 
-  s = code_and_message(MakeFrame(kStepPlanMagic, body, 2));
+  s = code_and_message(MakeFrame(kStepPlanMagic, body, 3));
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
-  EXPECT_CONTAINS(std::string(s.message()), "version 2 is newer than the supported version 1");
+  EXPECT_CONTAINS(std::string(s.message()), "version 3 is newer than the supported version 2");
+  // An older version is refused too, whatever the format (version 2 changed only the hello).
+  s = code_and_message(MakeFrame(kStepPlanMagic, body, 1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(),
+            "step plan: version 1 at byte offset 4 is older than the supported version 2 (version 2 changed "
+            "the hello's layout)");
   s = code_and_message(MakeFrame(kStepPlanMagic, body, 0));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_CONTAINS(std::string(s.message()), "version 0 at byte offset 4 is invalid");
-  s = code_and_message(MakeFrame(kStepPlanMagic, body, 1, 20));
+  s = code_and_message(MakeFrame(kStepPlanMagic, body, kWireVersion, 20));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_CONTAINS(std::string(s.message()), "header_bytes 20 at byte offset 6 must be 16");
-  s = code_and_message(MakeFrame(kStepPlanMagic, body, 1, 16, Crc32c(body) ^ 1));
+  s = code_and_message(MakeFrame(kStepPlanMagic, body, kWireVersion, 16, Crc32c(body) ^ 1));
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_CONTAINS(std::string(s.message()), "body crc32c");
 
@@ -919,7 +925,10 @@ struct RawHello {
   uint8_t checksums = 1;
   uint16_t prefix_block_tokens = 16;
   uint8_t prefix_sharing = 2;
-  uint8_t reserved[3] = {0, 0, 0};
+  uint8_t partition = 0;
+  uint8_t reserved[2] = {0, 0};
+  uint32_t kv_head_begin = 0;
+  uint32_t kv_head_end = 2;  // request partition: every KV head
 };
 
 Bytes HelloBody(const RawHello& h) {
@@ -927,8 +936,9 @@ Bytes HelloBody(const RawHello& h) {
   w.U64(h.kv_capacity_tokens).U32(h.num_layers).U32(h.num_heads).U32(h.num_kv_heads).U32(h.head_dim);
   w.U32(h.max_tokens_per_step).U32(h.max_requests_per_step).U32(h.max_position);
   w.F32(h.kv_memory_fraction).U32(h.attn_out_buffer).U16(h.memory_rank).U16(h.num_memory_ranks);
-  w.U8(h.dtype).U8(h.checksums).U16(h.prefix_block_tokens).U8(h.prefix_sharing);
+  w.U8(h.dtype).U8(h.checksums).U16(h.prefix_block_tokens).U8(h.prefix_sharing).U8(h.partition);
   for (uint8_t r : h.reserved) w.U8(r);
+  w.U32(h.kv_head_begin).U32(h.kv_head_end);
   return w.b;
 }
 
@@ -986,6 +996,10 @@ HelloMessage RandomHello(std::mt19937_64& rng, bool extreme) {
     h.checksums = true;
     h.prefix_block_tokens = kMaxPrefixBlockTokens;
     h.prefix_sharing = static_cast<uint8_t>(PrefixSharing::kAuto);
+    // 2^32 - 1 = 65535 * 65537: the head partition splits kU32Max KV heads over 65535 ranks.
+    h.partition = u(0, 1) ? AttentionPartition::kHead : AttentionPartition::kRequest;
+    h.kv_head_begin = h.partition == AttentionPartition::kHead ? 65537u * h.memory_rank : 0;
+    h.kv_head_end = kU32Max;
     return h;
   }
   h.num_memory_ranks = static_cast<uint16_t>(u(1, 64));
@@ -1004,6 +1018,12 @@ HelloMessage RandomHello(std::mt19937_64& rng, bool extreme) {
   h.checksums = u(0, 1) == 1;
   h.prefix_block_tokens = static_cast<uint16_t>(u(0, 1) ? 0 : u(1, kMaxPrefixBlockTokens));
   h.prefix_sharing = static_cast<uint8_t>(h.prefix_block_tokens == 0 ? 0 : u(0, 2));
+  h.partition = h.num_kv_heads % h.num_memory_ranks == 0 && u(0, 1) ? AttentionPartition::kHead
+                                                                    : AttentionPartition::kRequest;
+  const uint32_t per_rank =
+      h.partition == AttentionPartition::kHead ? h.num_kv_heads / h.num_memory_ranks : h.num_kv_heads;
+  h.kv_head_begin = h.partition == AttentionPartition::kHead ? per_rank * h.memory_rank : 0;
+  h.kv_head_end = h.kv_head_begin + per_rank;
   return h;
 }
 
@@ -1126,22 +1146,24 @@ TEST(ControlWire, RoundTrips) {
 TEST(ControlWire, GoldenBytes) {
   // Layouts written out by hand; crcs computed independently (bitwise Python reference).
   HelloMessage h;
-  h.memory_rank = 2, h.num_memory_ranks = 3, h.num_layers = 32, h.num_heads = 32, h.num_kv_heads = 8;
+  h.memory_rank = 2, h.num_memory_ranks = 4, h.num_layers = 32, h.num_heads = 32, h.num_kv_heads = 8;
   h.head_dim = 128, h.max_tokens_per_step = 8192, h.max_requests_per_step = 256, h.max_position = 131072;
   h.dtype = DType::kBF16, h.kv_capacity_tokens = 0x12345678, h.kv_memory_fraction = 0.5f;
   h.attn_out_buffer = 0xa1b2c3d4, h.checksums = true;
   h.prefix_block_tokens = 0x0810, h.prefix_sharing = static_cast<uint8_t>(PrefixSharing::kAuto);
+  h.partition = AttentionPartition::kHead, h.kv_head_begin = 4, h.kv_head_end = 6;
   const Bytes hello = {
-      0x54, 0x44, 0x48, 0x49, 0x01, 0x00, 0x10, 0x00,
-      0x38, 0x00, 0x00, 0x00, 0xe0, 0xc7, 0x5c, 0x89,  // frame
+      0x54, 0x44, 0x48, 0x49, 0x02, 0x00, 0x10, 0x00, 0x40, 0x00, 0x00, 0x00, 0x91, 0xaf, 0x0c,
+      0xec,                                            // frame
       0x78, 0x56, 0x34, 0x12, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x20, 0x00, 0x00, 0x00, 0x20, 0x00, 0x00, 0x00,  // num_layers, num_heads
       0x08, 0x00, 0x00, 0x00, 0x80, 0x00, 0x00, 0x00,  // num_kv_heads, head_dim
       0x00, 0x20, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00,  // max_tokens, max_requests
       0x00, 0x00, 0x02, 0x00, 0x00, 0x00, 0x00, 0x3f,  // max_position, kv_memory_fraction
-      0xd4, 0xc3, 0xb2, 0xa1, 0x02, 0x00, 0x03, 0x00,  // attn_out_buffer, memory_rank, num_memory_ranks
-      0x02, 0x01, 0x10, 0x08, 0x02, 0x00, 0x00, 0x00,  // dtype, checksums, prefix_block_tokens,
-                                                       // prefix_sharing, reserved
+      0xd4, 0xc3, 0xb2, 0xa1, 0x02, 0x00, 0x04, 0x00,  // attn_out_buffer, memory_rank, num_memory_ranks
+      0x02, 0x01, 0x10, 0x08, 0x02, 0x01, 0x00, 0x00,  // dtype, checksums, prefix_block_tokens,
+                                                       // prefix_sharing, partition, reserved
+      0x04, 0x00, 0x00, 0x00, 0x06, 0x00, 0x00, 0x00,  // kv_head_begin, kv_head_end
   };
   EXPECT_EQ(EncodeHello(h), hello);
   absl::StatusOr<HelloMessage> hb = DecodeHello(hello);
@@ -1152,7 +1174,7 @@ TEST(ControlWire, GoldenBytes) {
   r.kv_capacity_tokens = 0x01020304, r.qkv_buffer = 7, r.memory_rank = 2, r.dtype = DType::kBF16;
   r.device = "cuda:0";
   const Bytes reply = {
-      0x54, 0x44, 0x48, 0x52, 0x01, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x52, 0x02, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0xdb, 0xf4, 0x8d, 0x50,  // frame
       0x04, 0x03, 0x02, 0x01, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x07, 0x00, 0x00, 0x00, 0x02, 0x00, 0x02, 0x00,  // qkv_buffer, memory_rank, dtype, reserved
@@ -1165,7 +1187,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ReleaseMessage m{0x0102030405060708, {5, kU64Max}};
   const Bytes release = {
-      0x54, 0x44, 0x52, 0x4c, 0x01, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x52, 0x4c, 0x02, 0x00, 0x10, 0x00,
       0x20, 0x00, 0x00, 0x00, 0x21, 0x77, 0x58, 0xc2,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, reserved
@@ -1179,7 +1201,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ErrorMessage e{14, "peer gone"};
   const Bytes error = {
-      0x54, 0x44, 0x45, 0x52, 0x01, 0x00, 0x10, 0x00, 0x11,
+      0x54, 0x44, 0x45, 0x52, 0x02, 0x00, 0x10, 0x00, 0x11,
       0x00, 0x00, 0x00, 0x56, 0xa5, 0x51, 0x47,        // frame
       0x0e, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00,  // code, message_bytes
       'p',  'e',  'e',  'r',  ' ',  'g',  'o',  'n',  'e',
@@ -1190,7 +1212,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_TRUE(*eb == e);
 
   const Bytes bye = {
-      0x54, 0x44, 0x42, 0x59, 0x01, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x42, 0x59, 0x02, 0x00, 0x10, 0x00,
       0x08, 0x00, 0x00, 0x00, 0xc7, 0xfb, 0x17, 0x55,  // frame
       0xe8, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // steps
   };
@@ -1249,15 +1271,15 @@ TEST(ControlWire, EachDecoderRejectsOtherFramesAndBadHeaders) {
       EXPECT_CONTAINS(std::string(s.message()), std::string(d.name) + ": magic 0x");
     }
     const Bytes body(frames[k].begin() + kFrameHeaderBytes, frames[k].end());
-    absl::Status s = d.decode(MakeFrame(d.magic, body, 2));
+    absl::Status s = d.decode(MakeFrame(d.magic, body, kWireVersion + 1));
     EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
     s = d.decode(MakeFrame(d.magic, body, 0));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_CONTAINS(std::string(s.message()), "version 0 at byte offset 4");
-    s = d.decode(MakeFrame(d.magic, body, 1, 17));
+    s = d.decode(MakeFrame(d.magic, body, kWireVersion, 17));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_CONTAINS(std::string(s.message()), "header_bytes 17 at byte offset 6 must be 16");
-    s = d.decode(MakeFrame(d.magic, body, 1, 16, Crc32c(body) + 1));
+    s = d.decode(MakeFrame(d.magic, body, kWireVersion, 16, Crc32c(body) + 1));
     EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
     EXPECT_CONTAINS(std::string(s.message()), "body crc32c");
     Bytes trailing = frames[k];
@@ -1395,9 +1417,45 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
        "hello: prefix_sharing 1 needs prefix_block_tokens >= 1 (a prefix registry)"},
       {[](RawHello& h) { h.prefix_block_tokens = 0, h.prefix_sharing = 2; },
        "hello: prefix_sharing 2 needs prefix_block_tokens >= 1"},
-      {[](RawHello& h) { h.reserved[0] = 1; }, "hello: reserved at byte offset 69 is 1, must be 0"},
-      {[](RawHello& h) { h.reserved[2] = 0x80; }, "hello: reserved at byte offset 71 is 128, must be 0"},
+      {[](RawHello& h) { h.reserved[0] = 1; }, "hello: reserved at byte offset 70 is 1, must be 0"},
+      {[](RawHello& h) { h.reserved[1] = 0x80; }, "hello: reserved at byte offset 71 is 128, must be 0"},
+      {[](RawHello& h) { h.partition = 2; }, "hello: partition 2 must be 0 (request) or 1 (head)"},
+      {[](RawHello& h) { h.partition = 255; }, "hello: partition 255 must be"},
+      {[](RawHello& h) { h.kv_head_end = 1; },
+       "hello: KV heads [0, 1) must be [0, 2) for partition request, memory_rank 1 of 2 and num_kv_heads 2"},
+      {[](RawHello& h) { h.kv_head_begin = 1; },
+       "hello: KV heads [1, 2) must be [0, 2) for partition request"},
+      {[](RawHello& h) { h.partition = 1; },
+       "hello: KV heads [0, 2) must be [1, 2) for partition head, memory_rank 1 of 2 and num_kv_heads 2"},
+      {[](RawHello& h) { h.partition = 1, h.kv_head_begin = 1, h.kv_head_end = 3; },
+       "hello: KV heads [1, 3) must be [1, 2) for partition head"},
+      {[](RawHello& h) { h.partition = 1, h.kv_head_begin = 2, h.kv_head_end = 1; },
+       "hello: KV heads [2, 1) must be [1, 2)"},
+      {[](RawHello& h) { h.partition = 1, h.num_memory_ranks = 3, h.kv_head_begin = 1, h.kv_head_end = 2; },
+       "hello: partition head needs num_kv_heads 2 divisible by num_memory_ranks 3"},
+      {[](RawHello& h) { h.partition = 1, h.num_heads = 12, h.num_kv_heads = 6, h.num_memory_ranks = 4; },
+       "hello: partition head needs num_kv_heads 6 divisible by num_memory_ranks 4"},
   };
+  // The head partition's slices: rank m of M holds [m·Hkv/M, (m+1)·Hkv/M).
+  for (auto [rank, ranks, kv_heads, begin] : {std::tuple<uint16_t, uint16_t, uint32_t, uint32_t>{1, 2, 2, 1},
+                                              {0, 2, 2, 0},
+                                              {3, 4, 8, 6},
+                                              {0, 1, 8, 0},
+                                              {7, 8, 8, 7}}) {
+    RawHello h;
+    h.partition = 1, h.memory_rank = rank, h.num_memory_ranks = ranks, h.num_kv_heads = kv_heads;
+    h.num_heads = 2 * kv_heads, h.kv_head_begin = begin, h.kv_head_end = begin + kv_heads / ranks;
+    absl::StatusOr<HelloMessage> m = DecodeHello(MakeFrame(kHelloMagic, HelloBody(h)));
+    ASSERT_TRUE(m.ok()) << rank << " of " << ranks << ": " << m.status();
+    EXPECT_EQ(m->partition, AttentionPartition::kHead);
+    EXPECT_EQ(m->kv_head_begin, begin);
+    EXPECT_EQ(m->kv_head_end, begin + kv_heads / ranks);
+  }
+  // A version 1 hello (before the partition) is refused by its version, not read as version 2.
+  const absl::Status v1 = DecodeHello(MakeFrame(kHelloMagic, HelloBody(RawHello{}), 1)).status();
+  EXPECT_EQ(v1.code(), absl::StatusCode::kInvalidArgument) << v1;
+  EXPECT_CONTAINS(std::string(v1.message()),
+                  "hello: version 1 at byte offset 4 is older than the supported version 2");
   // The limits and combinations that are valid.
   for (auto [tokens, sharing] : {std::pair<uint16_t, uint8_t>{0, 0}, {1, 0}, {1, 1}, {4096, 2}, {4096, 0}}) {
     RawHello h;
@@ -1415,13 +1473,13 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.want << ": " << s;
     EXPECT_CONTAINS(std::string(s.message()), c.want);
   }
-  for (size_t size : {55, 57}) {
+  for (size_t size : {56, 63, 65}) {
     Bytes body = HelloBody(RawHello{});
     body.resize(size);
     absl::Status s = DecodeHello(MakeFrame(kHelloMagic, body)).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_CONTAINS(std::string(s.message()),
-                    "hello: body_bytes " + std::to_string(size) + " at byte offset 8 must be 56");
+                    "hello: body_bytes " + std::to_string(size) + " at byte offset 8 must be 64");
   }
   // The struct validator says the same, and the encoder writes invalid values as given.
   HelloMessage h;
@@ -1436,6 +1494,14 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
   EXPECT_EQ(ValidateHello(h).message(),
             "hello: prefix_sharing 1 needs prefix_block_tokens >= 1 (a prefix registry)");
   EXPECT_EQ(DecodeHello(EncodeHello(h)).status(), ValidateHello(h));
+  h = HelloMessage{};
+  h.num_heads = 16, h.num_kv_heads = 8, h.num_memory_ranks = 3, h.memory_rank = 1;
+  h.partition = AttentionPartition::kHead;
+  EXPECT_EQ(ValidateHello(h).message(),
+            "hello: partition head needs num_kv_heads 8 divisible by num_memory_ranks 3");
+  EXPECT_EQ(DecodeHello(EncodeHello(h)).status(), ValidateHello(h));
+  h.partition = static_cast<AttentionPartition>(9);
+  EXPECT_EQ(ValidateHello(h).message(), "hello: partition 9 must be 0 (request) or 1 (head)");
   EXPECT_TRUE(ValidateHello(HelloMessage{}).ok());
 }
 
