@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The disaggregated runtime on one GPU (compute rank 0 and memory ranks as separate processes,
-# deploy/examples/gpu.yaml) against the colocated CUDA engine: the same tokens, then tokens/s.
+# The disaggregated runtime on one GPU (deploy/examples/gpu.yaml: compute rank 0 with its memory
+# rank as a thread, transport local; also p2p between processes and the head partition) against
+# the colocated CUDA engine: the same tokens, then tokens/s.
 # Usage: bench/deploy_vs_colocated.sh path/to/tandem OUTDIR
 set -uo pipefail
 TANDEM=${1:?usage: deploy_vs_colocated.sh TANDEM OUTDIR}
@@ -20,9 +21,10 @@ for i in range(24):
     print(json.dumps({"prompt_ids": [r.randrange(1, 250) for _ in range(n)], "max_tokens": r.choice([2, 9, 24]),
                       "temperature": r.choice([0.0, 0.8]), "top_k": r.choice([0, 20]), "seed": i}))
 PY
-same() {  # same NAME ARGS...: deploy vs colocated, identical JSON output expected
+same() {  # same NAME ARGS...: deploy vs colocated, identical JSON output expected (DEPLOY_SETS: deployment only)
   local name=$1; shift
-  timeout "$LIMIT" "$TANDEM" generate --deploy "$src/deploy/examples/gpu.yaml" "$@" --json --logprobs --set launch.run_dir="$out/run-$name" \
+  # shellcheck disable=SC2086
+  timeout "$LIMIT" "$TANDEM" generate --deploy "$src/deploy/examples/gpu.yaml" "$@" ${DEPLOY_SETS:-} --json --logprobs --set launch.run_dir="$out/run-$name" \
     >"$name.deploy.json" 2>"$name.deploy.err" || { echo "FAIL $name: deploy run failed: $(tail -3 "$name.deploy.err")"; fail=1; return; }
   timeout "$LIMIT" "$TANDEM" generate --device cuda "$@" --json --logprobs --set scheduler.max_batch_size=64 \
     --set scheduler.max_tokens_per_step=1024 >"$name.colocated.json" 2>"$name.colocated.err" ||
@@ -37,6 +39,13 @@ same small --model small --prompts-file mixed.jsonl
 for m in llama3-gqa-tied llama2-mha mqa-headdim; do
   same "$m" --model "$src/tests/data/reference/$m" --prompts-file mixed.jsonl
 done
+# gpu.yaml's transport is auto (local: the memory rank is a thread of compute-0); the same over p2p
+# between two processes on the GPU, and the head partition over two memory ranks.
+DEPLOY_SETS="--set transport.kind=p2p" same small-p2p --model small --prompts-file mixed.jsonl
+DEPLOY_SETS="--set memory.ranks=2 --set memory.partition=head" same llama2-mha-head2 \
+  --model "$src/tests/data/reference/llama2-mha" --prompts-file mixed.jsonl
+DEPLOY_SETS="--set memory.ranks=2 --set memory.partition=head --set transport.kind=p2p" same small-head2-p2p \
+  --model small --prompts-file mixed.jsonl
 # Throughput: B requests of P prompt tokens, G generated tokens each (ignore EOS).
 IFS=';' read -r -a specs <<<"$SPECS"
 for spec in "${specs[@]}"; do
