@@ -30,7 +30,8 @@
 // process's context at a time, so a spinning wait kernel would hold the GPU against the very
 // kernels it waits for. Between such peers the device path signals with CUDA IPC events instead:
 // EnqueueWrite records one of the writer's interprocess events after the write kernel and sends
-// a signal frame (buffer, seqno, event) on the control channel; EnqueueWait waits on the host for
+// a signal frame (buffer, seqno, the event's index and IPC handle, opened once by the reader) on
+// the control channel; EnqueueWait waits on the host for
 // the signal of that seqno (pumping the control plane, up to the wait's timeout counted from the
 // call) and makes the stream wait for the event (cudaStreamWaitEvent), so the stream blocks
 // without occupying the GPU and the GPU switches to the writer's work. The host stays ahead of
@@ -92,14 +93,14 @@ struct HelloFrame {
   uint32_t magic = kHelloMagic;
   int32_t device = 0;
   cudaIpcMemHandle_t doorbells{};
-  cudaIpcEventHandle_t events[kEvents]{};  // for a peer on the same GPU
 };
 struct SignalFrame {
   uint32_t magic = kSignalMagic;
   uint32_t buffer = 0;  // the reader's
-  uint32_t event = 0;   // index into the writer's events
+  uint32_t event = 0;   // index into the writer's ring
   uint32_t reserved = 0;
   uint64_t seqno = 0;
+  cudaIpcEventHandle_t handle{};  // of that event (the reader opens it once)
 };
 
 class P2pTransport : public ControlPlaneTransport {
@@ -118,7 +119,9 @@ class P2pTransport : public ControlPlaneTransport {
     for (auto& [peer, p] : peers_) {
       for (auto& [handle, mapped] : p.mappings) cudaIpcCloseMemHandle(mapped);
       if (p.doorbells) cudaIpcCloseMemHandle(p.doorbells);
-      for (cudaEvent_t e : p.events) cudaEventDestroy(e);
+      for (cudaEvent_t e : p.events) {
+        if (e != nullptr) cudaEventDestroy(e);
+      }
     }
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     if (stream_) cudaStreamDestroy(stream_);
@@ -132,12 +135,6 @@ class P2pTransport : public ControlPlaneTransport {
     P2P_CUDA(cudaMemset(doorbells_, 0, kSlots * sizeof(uint64_t)));
     P2P_CUDA(cudaIpcGetMemHandle(&doorbell_handle_, doorbells_));
     P2P_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    for (int i = 0; i < kEvents; ++i) {
-      cudaEvent_t e = nullptr;
-      P2P_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventInterprocess));
-      events_.push_back(e);
-      P2P_CUDA(cudaIpcGetEventHandle(&event_handles_[i], e));
-    }
     P2P_CUDA(cudaDeviceSynchronize());
     ASSIGN_OR_RETURN(device_path_, DevicePath::Create(device_));
     return absl::OkStatus();
@@ -269,6 +266,15 @@ class P2pTransport : public ControlPlaneTransport {
     f.buffer = buffer;
     f.event = static_cast<uint32_t>(next_event_++ % kEvents);
     f.seqno = seqno;
+    if (f.event == events_.size()) {  // the ring grows to kEvents as writes need it
+      cudaEvent_t e = nullptr;
+      P2P_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventInterprocess));
+      cudaIpcEventHandle_t h{};
+      P2P_CUDA(cudaIpcGetEventHandle(&h, e));
+      events_.push_back(e);
+      event_handles_.push_back(h);
+    }
+    f.handle = event_handles_[f.event];
     P2P_CUDA(cudaEventRecord(events_[f.event], static_cast<cudaStream_t>(stream)));
     return control().Send(peer, ToBytes(f));
   }
@@ -321,7 +327,7 @@ class P2pTransport : public ControlPlaneTransport {
     bool greeted = false;   // its hello (doorbell page) arrived
     bool same_gpu = false;  // it runs on our GPU: events instead of spinning waits
     void* doorbells = nullptr;
-    std::vector<cudaEvent_t> events;                  // its ring, opened here (same GPU only)
+    std::vector<cudaEvent_t> events;                  // its ring (same GPU only), opened on first use
     std::map<uint32_t, std::deque<Signal>> signals;   // by our buffer: its writes' events, in order
     std::map<uint32_t, uint64_t> signalled;           // by our buffer: the last seqno signalled
     std::map<uint32_t, DescriptorFrame> descriptors;  // received, not yet mapped
@@ -337,7 +343,6 @@ class P2pTransport : public ControlPlaneTransport {
     HelloFrame h;
     h.device = device_;
     h.doorbells = doorbell_handle_;
-    std::copy(std::begin(event_handles_), std::end(event_handles_), std::begin(h.events));
     RETURN_IF_ERROR(control().Send(peer, ToBytes(h)));
     for (const auto& [id, d] : local_) RETURN_IF_ERROR(control().Send(peer, ToBytes(d)));
     return absl::OkStatus();
@@ -355,11 +360,7 @@ class P2pTransport : public ControlPlaneTransport {
       P2P_CUDA(cudaSetDevice(device_));
       P2P_CUDA(cudaIpcOpenMemHandle(&p.doorbells, h.doorbells, cudaIpcMemLazyEnablePeerAccess));
       if (h.device == device_) {
-        for (const cudaIpcEventHandle_t& handle : h.events) {
-          cudaEvent_t e = nullptr;
-          P2P_CUDA(cudaIpcOpenEventHandle(&e, handle));
-          p.events.push_back(e);
-        }
+        p.events.assign(kEvents, nullptr);  // opened as signals first name them
         p.same_gpu = true;
       }
       p.greeted = true;
@@ -374,6 +375,7 @@ class P2pTransport : public ControlPlaneTransport {
             absl::StrCat("p2p signal from ", PeerName(from), " names event ", f.event,
                          p.same_gpu ? " outside its ring" : " but it is on another GPU"));
       }
+      if (p.events[f.event] == nullptr) P2P_CUDA(cudaIpcOpenEventHandle(&p.events[f.event], f.handle));
       std::deque<Signal>& q = p.signals[f.buffer];
       q.push_back({f.seqno, f.event});
       if (q.size() > kMaxSignals) q.pop_front();
@@ -474,7 +476,7 @@ class P2pTransport : public ControlPlaneTransport {
   void* doorbells_ = nullptr;  // kSlots u64 counters, device memory, exported
   cudaIpcMemHandle_t doorbell_handle_{};
   std::vector<cudaEvent_t> events_;  // interprocess, recorded after writes to same-GPU peers
-  cudaIpcEventHandle_t event_handles_[kEvents]{};
+  std::vector<cudaIpcEventHandle_t> event_handles_;
   uint64_t next_event_ = 0;
   cudaStream_t stream_ = nullptr;
   void* staging_ = nullptr;  // device: gathered pieces of host-driven writes
