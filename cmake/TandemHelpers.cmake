@@ -45,15 +45,21 @@ endfunction()
 # One gtest binary, registered with ctest (every binary is registered; nothing drops out).
 function(tandem_add_test name)
   cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
+  if(NOT TARGET tandem_gtest_main)
+    # gtest's main, except that a run where every test skipped exits 77 (tests/gtest_main.cc).
+    add_library(tandem_gtest_main STATIC ${CMAKE_SOURCE_DIR}/tests/gtest_main.cc)
+    target_link_libraries(tandem_gtest_main PUBLIC GTest::gmock GTest::gtest)
+    tandem_target_flags(tandem_gtest_main)
+  endif()
   add_executable(${name} ${ARG_SOURCES})
-  target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gmock GTest::gtest GTest::gtest_main)
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gmock GTest::gtest tandem_gtest_main)
   target_include_directories(${name} PRIVATE ${CMAKE_SOURCE_DIR}/tests)  # shared test helpers
   tandem_target_flags(${name})
   if(NOT ARG_TIMEOUT)
     set(ARG_TIMEOUT 300)
   endif()
   add_test(NAME ${name} COMMAND ${name} --gtest_color=no)
-  set_tests_properties(${name} PROPERTIES TIMEOUT ${ARG_TIMEOUT}
+  set_tests_properties(${name} PROPERTIES TIMEOUT ${ARG_TIMEOUT} SKIP_RETURN_CODE 77
     ENVIRONMENT "TANDEM_SOURCE_DIR=${CMAKE_SOURCE_DIR}")
   if(ARG_LABELS)
     set_tests_properties(${name} PROPERTIES LABELS "${ARG_LABELS}")
