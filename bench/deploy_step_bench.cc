@@ -24,6 +24,8 @@
 //   idle       step − (compute + the attention phase): host work outside the device phases
 //              (scheduling, the plan and release messages, launch gaps), when the compute GPU has
 //              nothing queued;
+//   eff        max(compute, attention, exchange) / step, the pipeline efficiency of
+//              compute_node/pipeline_report.h;
 // so step = compute + attention + exchange + idle. The colocated row has exchange 0 and idle = its
 // host time. decode tok/s = tokens generated in decode steps / the wall time of those steps. The
 // host-staged path (ucx) checksums its payloads as a deployment does by default (--checksums).
@@ -810,15 +812,20 @@ int main(int argc, char** argv) {
       "request; per decode step, ms: step = compute + attention + exchange + idle\n",
       model.c_str(), device_name.c_str(), static_cast<long long>(memory_ranks),
       shared_gpu ? "cuda:0 (shared)" : "cuda:1..", static_cast<long long>(decode_tokens));
-  std::printf("%-10s %-6s %-7s %-6s %-8s %-8s %-8s %-8s %-9s %-9s %-8s %-8s %s\n", "transport", "batch",
+  std::printf("%-10s %-6s %-7s %-6s %-8s %-8s %-8s %-8s %-9s %-9s %-8s %-5s %-8s %s\n", "transport", "batch",
               "context", "rows", "step_ms", "compute", "linear", "floor", "attention", "exchange", "idle",
-              "tok/s", "note");
+              "eff", "tok/s", "note");
   for (const Row& r : rows) {
-    std::printf("%-10s %-6lld %-7lld %-6.1f %-8.2f %-8.2f %-8.2f %-8s %-9s %-9s %-8.2f %-8.0f %s\n",
+    // Pipeline efficiency (compute_node/pipeline_report.h): the busiest resource's share of the step.
+    std::optional<double> eff;
+    if (r.attention_ms && r.step_ms > 0)
+      eff = std::max({r.compute_ms, *r.attention_ms, r.exchange_ms.value_or(0.0)}) / r.step_ms;
+    std::printf("%-10s %-6lld %-7lld %-6.1f %-8.2f %-8.2f %-8.2f %-8s %-9s %-9s %-8.2f %-5s %-8.0f %s\n",
                 r.transport.c_str(), static_cast<long long>(r.combo.batch),
                 static_cast<long long>(r.combo.context), r.rows_per_step, r.step_ms, r.compute_ms,
                 r.gemm_ms + r.other_ms, Fmt(floor_of(static_cast<int64_t>(r.rows_per_step + 0.5))).c_str(),
-                Fmt(r.attention_ms).c_str(), Fmt(r.exchange_ms).c_str(), r.idle_ms, r.tok_s, r.note.c_str());
+                Fmt(r.attention_ms).c_str(), Fmt(r.exchange_ms).c_str(), r.idle_ms, Fmt(eff).c_str(), r.tok_s,
+                r.note.c_str());
   }
   for (const std::string& n : notes) std::printf("%s\n", n.c_str());
   return failed ? 1 : 0;

@@ -265,6 +265,7 @@ void PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& re
                static_cast<long long>(generated), stats.seconds, generated / stats.seconds,
                (generated + prompt_tokens) / stats.seconds, static_cast<long long>(stats.steps),
                stats.device.c_str());
+  if (!stats.pipeline.empty()) std::fprintf(stderr, "tandem generate: pipeline %s\n", stats.pipeline.c_str());
 }
 
 // Runs the requests through a deployment started (and stopped) for them.

@@ -111,6 +111,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
   o.kv_memory_fraction = settings.kv_memory_fraction;
   o.checksums = c.GetBool("transport.checksums");
   o.cuda_graphs = c.GetBool("compute.cuda_graphs");
+  o.profile = c.GetBool("compute.profile");
   o.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   o.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
   if (a.requests.empty()) {
@@ -150,6 +151,11 @@ absl::Status RunCompute(const ComputeArgs& a) {
     (void)rank->Shutdown();
     return results.status();
   }
+  // Where the steps' time went (compute_node/pipeline_report.h); a memory rank that cannot say
+  // fails the run, as it would fail a step.
+  ASSIGN_OR_RETURN(const PipelineTotals totals, rank->Pipeline());
+  stats.pipeline = MakePipelineReport(totals).ToString();
+  TANDEM_LOG_INFO("compute", "pipeline: ", stats.pipeline);
   RETURN_IF_ERROR(WriteResultsFile(a.results, *results, stats));
   TANDEM_LOG_INFO("compute", results->size(), " requests done in ", stats.seconds, " s, ", stats.steps,
                   " steps");

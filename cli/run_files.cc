@@ -42,7 +42,10 @@ absl::Status WriteResultsFile(const std::string& path, const std::vector<Generat
     out << j.dump() << "\n";
   }
   out << nlohmann::json{{"stats",
-                         {{"seconds", stats.seconds}, {"steps", stats.steps}, {"device", stats.device}}}}
+                         {{"seconds", stats.seconds},
+                          {"steps", stats.steps},
+                          {"device", stats.device},
+                          {"pipeline", stats.pipeline}}}}
              .dump()
       << "\n";
   out.close();
@@ -66,6 +69,7 @@ absl::Status ReadResultsFile(const std::string& path, std::vector<GenerationResu
         stats->seconds = j["stats"].at("seconds").get<double>();
         stats->steps = j["stats"].at("steps").get<int64_t>();
         stats->device = j["stats"].at("device").get<std::string>();
+        stats->pipeline = j["stats"].value("pipeline", "");
         have_stats = true;
         continue;
       }

@@ -23,6 +23,7 @@ struct RunStats {
   double seconds = 0;
   int64_t steps = 0;
   std::string device;
+  std::string pipeline;  // a deployment's PipelineReport::ToString(); empty for the colocated engine
 };
 absl::Status WriteRequestsFile(const std::string& path, const std::vector<GenerationRequest>& requests);
 absl::Status WriteResultsFile(const std::string& path, const std::vector<GenerationResult>& results,

@@ -966,6 +966,52 @@ absl::StatusOr<ByeMessage> DecodeBye(absl::Span<const uint8_t> frame) {
   return m;
 }
 
+std::vector<uint8_t> EncodeStatsRequest(const StatsRequestMessage& m) {
+  std::vector<uint8_t> body;
+  body.reserve(kStatsRequestBodyBytes);
+  Writer w(&body);
+  w.U64(m.cookie);
+  return Frame(kStatsRequestMagic, body);
+}
+
+absl::StatusOr<StatsRequestMessage> DecodeStatsRequest(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "stats request";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kStatsRequestMagic, kWhat));
+  RETURN_IF_ERROR(CheckBodySize(body, kStatsRequestBodyBytes, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  StatsRequestMessage m;
+  ASSIGN_OR_RETURN(m.cookie, r.U64("cookie"));
+  return m;
+}
+
+std::vector<uint8_t> EncodeMemoryStats(const MemoryStatsMessage& m) {
+  std::vector<uint8_t> body;
+  body.reserve(kMemoryStatsBodyBytes);
+  Writer w(&body);
+  w.U64(m.cookie);
+  w.U16(m.memory_rank);
+  w.Zeros(6);
+  w.U64(m.steps);
+  w.U64(m.attention_ns);
+  w.U64(m.step_ns);
+  return Frame(kMemoryStatsMagic, body);
+}
+
+absl::StatusOr<MemoryStatsMessage> DecodeMemoryStats(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "memory stats";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kMemoryStatsMagic, kWhat));
+  RETURN_IF_ERROR(CheckBodySize(body, kMemoryStatsBodyBytes, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  MemoryStatsMessage m;
+  ASSIGN_OR_RETURN(m.cookie, r.U64("cookie"));
+  ASSIGN_OR_RETURN(m.memory_rank, r.U16("memory_rank"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 6));
+  ASSIGN_OR_RETURN(m.steps, r.U64("steps"));
+  ASSIGN_OR_RETURN(m.attention_ns, r.U64("attention_ns"));
+  ASSIGN_OR_RETURN(m.step_ns, r.U64("step_ns"));
+  return m;
+}
+
 absl::StatusOr<uint32_t> PeekFrameMagic(absl::Span<const uint8_t> frame) {
   if (frame.size() < kFrameHeaderBytes) {
     return absl::DataLossError(absl::StrCat("frame: truncated: a frame header needs ", kFrameHeaderBytes,
@@ -981,6 +1027,8 @@ absl::StatusOr<uint32_t> PeekFrameMagic(absl::Span<const uint8_t> frame) {
     case kReleaseMagic:
     case kErrorMagic:
     case kByeMagic:
+    case kStatsRequestMagic:
+    case kMemoryStatsMagic:
       return magic;
     default:
       return absl::InvalidArgumentError(

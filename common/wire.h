@@ -176,10 +176,30 @@
 //   ------  ----  -----  ----------------------------------------------------------------------
 //        0     8  steps  u64  steps the compute rank ran (informational)
 //
+// Stats request body (compute rank -> memory rank, between steps; 8 bytes):
+//
+//   offset  size  field   notes
+//   ------  ----  ------  ---------------------------------------------------------------------
+//        0     8  cookie  u64  echoed by the reply
+//
+// Memory stats body (memory rank -> compute rank: the reply; 40 bytes): totals since the rank
+// started, for the pipeline report (docs/architecture.md, "A measured pipeline"):
+//
+//   offset  size  field         notes
+//   ------  ----  ------------  ----------------------------------------------------------------
+//        0     8  cookie        u64  the request's
+//        8     2  memory_rank   u16
+//       10     6  reserved      must be 0
+//       16     8  steps         u64  steps that had rows on this rank
+//       24     8  attention_ns  u64  time in attention (KV append and attention of every layer):
+//                                    device time on a GPU, host time on the CPU
+//       32     8  step_ns       u64  wall time from each such step's plan to the end of its work
+//
 // Decoders trust nothing: they never read past the span, check every length before reading,
 // bound counts and lengths by the body length before allocating, and check every field's range.
 // Errors (messages start with the format's name: "step plan: ", "layer message header: ",
-// "hello: ", "hello reply: ", "release: ", "error message: ", "bye: ", and name the field with
+// "hello: ", "hello reply: ", "release: ", "error message: ", "bye: ", "stats request: ",
+// "memory stats: ", and name the field with
 // its record ("request 3: ", "group 0: ", "publish 1: ", "eviction 2: ") or byte offset):
 //   DataLoss         the span is shorter than the frame or the body shorter than its contents
 //                    claim (truncation; checked before the range of a count or length), or a crc
@@ -217,16 +237,20 @@ inline constexpr size_t kPrefixEvictBytes = 16;       // one PrefixEvict record
 inline constexpr size_t kLayerMessageBodyBytes = 48;  // layer message header body
 
 // Control messages.
-inline constexpr uint32_t kHelloMagic = 0x49484454;       // "TDHI" on the wire
-inline constexpr uint32_t kHelloReplyMagic = 0x52484454;  // "TDHR" on the wire
-inline constexpr uint32_t kReleaseMagic = 0x4c524454;     // "TDRL" on the wire
-inline constexpr uint32_t kErrorMagic = 0x52454454;       // "TDER" on the wire
-inline constexpr uint32_t kByeMagic = 0x59424454;         // "TDBY" on the wire
-inline constexpr size_t kHelloBodyBytes = 64;             // hello body
-inline constexpr size_t kHelloReplyFixedBytes = 18;       // hello reply body before the device
-inline constexpr size_t kReleaseFixedBytes = 16;          // release body before the request ids
-inline constexpr size_t kErrorFixedBytes = 8;             // error body before the message
-inline constexpr size_t kByeBodyBytes = 8;                // bye body
+inline constexpr uint32_t kHelloMagic = 0x49484454;         // "TDHI" on the wire
+inline constexpr uint32_t kHelloReplyMagic = 0x52484454;    // "TDHR" on the wire
+inline constexpr uint32_t kReleaseMagic = 0x4c524454;       // "TDRL" on the wire
+inline constexpr uint32_t kErrorMagic = 0x52454454;         // "TDER" on the wire
+inline constexpr uint32_t kByeMagic = 0x59424454;           // "TDBY" on the wire
+inline constexpr uint32_t kStatsRequestMagic = 0x51534454;  // "TDSQ" on the wire
+inline constexpr uint32_t kMemoryStatsMagic = 0x534d4454;   // "TDMS" on the wire
+inline constexpr size_t kHelloBodyBytes = 64;               // hello body
+inline constexpr size_t kHelloReplyFixedBytes = 18;         // hello reply body before the device
+inline constexpr size_t kReleaseFixedBytes = 16;            // release body before the request ids
+inline constexpr size_t kErrorFixedBytes = 8;               // error body before the message
+inline constexpr size_t kByeBodyBytes = 8;                  // bye body
+inline constexpr size_t kStatsRequestBodyBytes = 8;         // stats request body
+inline constexpr size_t kMemoryStatsBodyBytes = 40;         // memory stats body
 inline constexpr uint32_t kMaxHeadDim = 1024;
 inline constexpr uint16_t kMaxPrefixBlockTokens = 4096;  // HelloMessage::prefix_block_tokens
 inline constexpr uint64_t kMaxKvCapacityTokens = (uint64_t{1} << 31) - 1;
@@ -389,6 +413,24 @@ struct ByeMessage {
   friend bool operator==(const ByeMessage&, const ByeMessage&) = default;
 };
 
+// Compute rank -> memory rank, between steps: send your totals (a MemoryStatsMessage).
+struct StatsRequestMessage {
+  uint64_t cookie = 0;
+
+  friend bool operator==(const StatsRequestMessage&, const StatsRequestMessage&) = default;
+};
+
+// Memory rank -> compute rank: its totals since it started (see the body layout above).
+struct MemoryStatsMessage {
+  uint64_t cookie = 0;
+  uint16_t memory_rank = 0;
+  uint64_t steps = 0;
+  uint64_t attention_ns = 0;
+  uint64_t step_ns = 0;
+
+  friend bool operator==(const MemoryStatsMessage&, const MemoryStatsMessage&) = default;
+};
+
 // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78, initial and final xor 0xFFFFFFFF): the
 // SSE4.2 instruction where the CPU has it, else a table. Crc32c("123456789") == 0xE3069283.
 uint32_t Crc32c(absl::Span<const uint8_t> data);
@@ -433,6 +475,8 @@ std::vector<uint8_t> EncodeHelloReply(const HelloReplyMessage& reply);
 std::vector<uint8_t> EncodeRelease(const ReleaseMessage& release);
 std::vector<uint8_t> EncodeError(const ErrorMessage& error);
 std::vector<uint8_t> EncodeBye(const ByeMessage& bye);
+std::vector<uint8_t> EncodeStatsRequest(const StatsRequestMessage& request);
+std::vector<uint8_t> EncodeMemoryStats(const MemoryStatsMessage& stats);
 
 // `frame` must hold exactly one frame (no trailing bytes). An OK result re-encodes to `frame`.
 absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame);
@@ -442,6 +486,8 @@ absl::StatusOr<HelloReplyMessage> DecodeHelloReply(absl::Span<const uint8_t> fra
 absl::StatusOr<ReleaseMessage> DecodeRelease(absl::Span<const uint8_t> frame);
 absl::StatusOr<ErrorMessage> DecodeError(absl::Span<const uint8_t> frame);
 absl::StatusOr<ByeMessage> DecodeBye(absl::Span<const uint8_t> frame);
+absl::StatusOr<StatsRequestMessage> DecodeStatsRequest(absl::Span<const uint8_t> frame);
+absl::StatusOr<MemoryStatsMessage> DecodeMemoryStats(absl::Span<const uint8_t> frame);
 
 // The magic of the frame at the start of `frame` (one of the k*Magic constants above), so that a
 // receiver can dispatch to the decoder; nothing else of the frame is checked. DataLoss if `frame`

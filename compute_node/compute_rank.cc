@@ -16,7 +16,11 @@ namespace tandem {
 
 namespace {
 constexpr uint32_t kAttnBufferBase = 100;  // our receive buffer for memory rank m: 100 + m
+
+double MsSince(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
 }
+}  // namespace
 
 ComputeRank::~ComputeRank() = default;
 
@@ -166,7 +170,9 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   RETURN_IF_ERROR(device_path_ ? RunLayersOnDevice(step_) : RunLayers(step_));
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
+  const auto finish = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(backend_->Finish(&tokens, &logprobs));
+  if (backend_->memory().host()) host_compute_ms_ += MsSince(finish);
   std::vector<std::vector<uint64_t>> released;
   RETURN_IF_ERROR(controller_->Complete(step_, tokens, logprobs, finished, &released));
   RETURN_IF_ERROR(SendReleases(step_.plan.step_id, released));
@@ -201,9 +207,18 @@ absl::Status ComputeRank::RunLayers(const PlannedStep& step) {
   auto* qkv_rows = static_cast<uint8_t*>(host ? qkv_.get() : qkv_host_.get());
   // Head partition: where the ranks' outputs are scattered (then copied to the device at once).
   void* attn_rows = host ? attn_.get() : attn_host_.get();
+  // On the CPU the backend's calls are its compute time and the rest of each layer is the
+  // attention phase (a GPU backend times its phases itself, with `profile`).
+  auto mark = std::chrono::steady_clock::now();
+  auto charge = [&](double* to) {
+    if (!host) return;
+    *to += MsSince(mark);
+    mark = std::chrono::steady_clock::now();
+  };
   RETURN_IF_ERROR(backend_->BeginStep(step.rows));
   for (uint32_t layer = 0; layer < static_cast<uint32_t>(s.num_layers); ++layer) {
     RETURN_IF_ERROR(backend_->PreAttention(layer, qkv_.get()));
+    charge(&host_compute_ms_);
     if (!host) {
       RETURN_IF_ERROR(
           backend_->memory().CopyOut(qkv_host_.get(), qkv_.get(), static_cast<size_t>(t) * qkv_row));
@@ -275,7 +290,9 @@ absl::Status ComputeRank::RunLayers(const PlannedStep& step) {
       RETURN_IF_ERROR(backend_->memory().CopyIn(attn_.get(), attn_rows, static_cast<size_t>(t) * attn_row));
     }
     backend_->MarkAttention();
+    charge(&host_attention_ms_);
     RETURN_IF_ERROR(backend_->PostAttention(layer, attn_.get()));
+    charge(&host_compute_ms_);
   }
   return absl::OkStatus();
 }
@@ -344,6 +361,51 @@ absl::Status ComputeRank::RunLayersOnDevice(const PlannedStep& step) {
     return Annotate(synced, absl::StrCat("step ", step.plan.step_id));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<PipelineTotals> ComputeRank::Pipeline(absl::Duration timeout) {
+  PipelineTotals t;
+  t.steps = controller_->stats().steps;
+  t.step_ms = busy_seconds_ * 1e3;
+  const std::vector<std::pair<std::string, double>> phases = backend_->PhaseTotalsMs();
+  if (phases.empty()) {
+    t.compute_ms = host_compute_ms_;
+    t.attention_phase_ms = host_attention_ms_;
+  }
+  for (const auto& [name, ms] : phases) (name == "attention" ? t.attention_phase_ms : t.compute_ms) += ms;
+  const uint64_t cookie = ++stats_cookie_;
+  const std::vector<uint8_t> request = EncodeStatsRequest(StatsRequestMessage{cookie});
+  for (Rank& rank : ranks_) RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, request), rank.name));
+  t.rank_attention_ms.assign(ranks_.size(), -1.0);
+  const absl::Time deadline = absl::Now() + timeout;
+  for (size_t got = 0; got < ranks_.size();) {
+    transport::PeerId from = 0;
+    std::vector<uint8_t> msg;
+    RETURN_IF_ERROR(
+        Annotate(transport_->Receive(&from, &msg, deadline), "waiting for the memory ranks' stats"));
+    size_t m = 0;
+    while (m < ranks_.size() && ranks_[m].peer != from) ++m;
+    if (m == ranks_.size()) return absl::InternalError("stats from an unknown peer");
+    ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
+    if (magic == kErrorMagic) {
+      ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
+      return Annotate(StatusFromErrorMessage(err), ranks_[m].name);
+    }
+    if (magic != kMemoryStatsMagic) {
+      return absl::InvalidArgumentError(absl::StrCat(ranks_[m].name, ": unexpected message (magic 0x",
+                                                     absl::Hex(magic), ") instead of its stats"));
+    }
+    absl::StatusOr<MemoryStatsMessage> stats = DecodeMemoryStats(msg);
+    if (!stats.ok()) return Annotate(stats.status(), ranks_[m].name);
+    if (stats->cookie != cookie) continue;  // an answer to an earlier request that gave up
+    if (stats->memory_rank != m || t.rank_attention_ms[m] >= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(ranks_[m].name, ": stats name memory rank ", stats->memory_rank));
+    }
+    t.rank_attention_ms[m] = static_cast<double>(stats->attention_ns) * 1e-6;
+    ++got;
+  }
+  return t;
 }
 
 absl::StatusOr<GenerationResult> ComputeRank::Cancel(int64_t id) {

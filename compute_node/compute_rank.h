@@ -47,6 +47,7 @@
 #include "compute_node/compute_backend.h"
 #include "compute_node/controller.h"
 #include "compute_node/engine.h"
+#include "compute_node/pipeline_report.h"
 #include "compute_node/weights.h"
 
 namespace tandem {
@@ -100,6 +101,13 @@ class ComputeRank : public Engine {
   // Tells every memory rank to stop (bye), best effort: it never fails.
   absl::Status Shutdown();
 
+  // The pipeline's totals so far (compute_node/pipeline_report.h): this rank's step, compute and
+  // attention-phase time, and each memory rank's attention time, asked for with a stats request
+  // (so call it between steps; it waits up to `timeout` for the replies). Compute and attention
+  // phase come from the backend's phase timing on a GPU (needs `profile`; without it they are 0)
+  // and from host timers on the CPU.
+  absl::StatusOr<PipelineTotals> Pipeline(absl::Duration timeout = absl::Seconds(10));
+
   // "memory rank 1: cuda:0 (NVIDIA H200), 123456 KV tokens" per rank (head partition: "... KV
   // tokens of KV heads [4, 8)").
   const std::vector<std::string>& memory_ranks() const { return rank_names_; }
@@ -145,7 +153,10 @@ class ComputeRank : public Engine {
   BackendBuffer attn_host_{nullptr, nullptr};  // staging of attention rows (CUDA, head partition)
   HostMemorySpace host_copies_;                // packs and scatters of the host-staged path
   bool device_path_ = false;                   // the whole step on the device (see the file comment)
-  bool head_ = false;                          // partition == kHead
+  // Host timers of the CPU backend's phases (a GPU backend times its own, with `profile`).
+  double host_compute_ms_ = 0, host_attention_ms_ = 0;
+  uint64_t stats_cookie_ = 0;
+  bool head_ = false;  // partition == kHead
   size_t elem_ = 4;
   double busy_seconds_ = 0;
 };

@@ -28,6 +28,9 @@ const ConfigSchema& DeploySchema() {
         .Bool("compute.cuda_graphs", false,
               "CUDA: run each layer's linear parts as CUDA graphs (pays where the host launches kernels "
               "slower than the GPU runs them; docs/benchmarks.md, \"Linear layers\")")
+        .Bool("compute.profile", true,
+              "CUDA: time compute rank 0's phases with CUDA events, for the pipeline report (compute, "
+              "attention, exchange and idle time per step; the CPU backend is timed on the host either way)")
         .Int("memory.ranks", 1, "number of memory ranks (processes owning KV and running attention)", 1, 64)
         .String("memory.devices", "auto",
                 "device of every memory rank (cpu, cuda, cuda:N; auto: the compute rank's), or one per rank "

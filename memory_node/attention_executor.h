@@ -14,6 +14,7 @@
 // Thread safety: one thread drives an executor.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -117,6 +118,31 @@ class AttentionExecutor {
   // Whether reading `prefix_tokens` shared keys once for `rows` rows (then merging) is faster here
   // than each row reading them itself: the measured crossover of kv.prefix_sharing: auto.
   virtual bool CascadePays(int64_t rows, int64_t prefix_tokens) const = 0;
+
+  // Layer timing, a memory rank's share of the pipeline report: the caller brackets each Layer
+  // call with MarkLayerStart / MarkLayerEnd, and TakeLayerTimeNs returns (and clears) the time
+  // between the brackets since its last call. Host time here (the CPU executor's Layer runs on
+  // the calling thread); the CUDA executor records events on its stream instead and returns device
+  // time, so it must be called once the work enqueued so far has run.
+  virtual absl::Status MarkLayerStart() {
+    layer_start_ = std::chrono::steady_clock::now();
+    return absl::OkStatus();
+  }
+  virtual absl::Status MarkLayerEnd() {
+    layer_ns_ += static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - layer_start_)
+            .count());
+    return absl::OkStatus();
+  }
+  virtual absl::StatusOr<uint64_t> TakeLayerTimeNs() {
+    const uint64_t ns = layer_ns_;
+    layer_ns_ = 0;
+    return ns;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point layer_start_;
+  uint64_t layer_ns_ = 0;
 };
 
 // Checks a batch against an executor's limits and pool (group arrays included): InvalidArgument

@@ -3,6 +3,7 @@
 // One metadata upload per step.
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -29,7 +30,22 @@ struct Merge {
 
 class CudaAttentionExecutor : public AttentionExecutor {
  public:
+  absl::Status MarkLayerStart() override { return RecordTimingEvent(); }
+  absl::Status MarkLayerEnd() override { return RecordTimingEvent(); }
+  absl::StatusOr<uint64_t> TakeLayerTimeNs() override {
+    double ms = 0;
+    if (timing_used_ > 0) CUDA_RETURN_IF_ERROR(cudaEventSynchronize(timing_[timing_used_ - 1]));
+    for (size_t i = 0; i + 1 < timing_used_; i += 2) {
+      float part = 0;
+      CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&part, timing_[i], timing_[i + 1]));
+      ms += part;
+    }
+    timing_used_ = 0;
+    return static_cast<uint64_t>(ms * 1e6);
+  }
+
   ~CudaAttentionExecutor() override {
+    for (cudaEvent_t e : timing_) cudaEventDestroy(e);
     if (host_meta_) cudaFreeHost(host_meta_);
     if (own_stream_ && stream_) cudaStreamDestroy(stream_);
     if (side_) cudaStreamDestroy(side_);
@@ -369,6 +385,18 @@ class CudaAttentionExecutor : public AttentionExecutor {
   int num_sms_ = 0;
   cudaStream_t stream_ = nullptr;
   bool own_stream_ = false;
+  std::vector<cudaEvent_t> timing_;  // MarkLayerStart/End events, in pairs; reused every take
+  size_t timing_used_ = 0;
+
+  absl::Status RecordTimingEvent() {
+    if (timing_used_ == timing_.size()) {
+      cudaEvent_t e = nullptr;
+      CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+      timing_.push_back(e);
+    }
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(timing_[timing_used_++], stream_));
+    return absl::OkStatus();
+  }
   int64_t num_slots_ = 0;
   kc::DeviceBuffer kv_, q_, meta_, decode_ws_;
   void* host_meta_ = nullptr;

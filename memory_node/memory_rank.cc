@@ -1,5 +1,6 @@
 #include "memory_node/memory_rank.h"
 
+#include <chrono>
 #include <memory>
 #include <vector>
 
@@ -61,6 +62,16 @@ class MemoryRank {
       if (magic == kStepPlanMagic) {
         absl::StatusOr<StepPlan> plan = DecodeStepPlan(msg);
         st = plan.ok() ? RunStep(*plan) : plan.status();
+        if (!st.ok()) return Fail(st);
+      } else if (magic == kStatsRequestMagic) {
+        absl::StatusOr<StatsRequestMessage> req = DecodeStatsRequest(msg);
+        if (!req.ok()) return Fail(req.status());
+        const MemoryStatsMessage stats{.cookie = req->cookie,
+                                       .memory_rank = static_cast<uint16_t>(o_.rank),
+                                       .steps = static_cast<uint64_t>(steps_),
+                                       .attention_ns = attention_ns_,
+                                       .step_ns = step_ns_};
+        st = transport_->Send(peer_, EncodeMemoryStats(stats));
         if (!st.ok()) return Fail(st);
       } else if (magic == kReleaseMagic) {
         absl::StatusOr<ReleaseMessage> rel = DecodeRelease(msg);
@@ -213,9 +224,17 @@ class MemoryRank {
     RETURN_IF_ERROR(kv_->Apply(plan, placement_rank_, &batch_));
     const int64_t t = batch_.num_tokens();
     if (t == 0) return absl::OkStatus();
+    const auto start = std::chrono::steady_clock::now();
     ++steps_;
     RETURN_IF_ERROR(exec_->BeginStep(batch_));
-    return device_path_ ? LayersOnDevice(plan.step_id, t, row_offset) : Layers(plan.step_id, t);
+    RETURN_IF_ERROR(device_path_ ? LayersOnDevice(plan.step_id, t, row_offset) : Layers(plan.step_id, t));
+    // The step's work has run (both paths wait for it): its attention time and its wall time.
+    ASSIGN_OR_RETURN(const uint64_t attention, exec_->TakeLayerTimeNs());
+    attention_ns_ += attention;
+    step_ns_ += static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+            .count());
+    return absl::OkStatus();
   }
 
   // Host-staged: per layer, wait for the q,k,v message, run the layer, write the output back.
@@ -244,10 +263,14 @@ class MemoryRank {
                        ReadLayerMessage({static_cast<const uint8_t*>(recv_.get()), recv_bytes_}, in));
       void* out = send_.get();
       if (exec_->memory().host()) {
+        RETURN_IF_ERROR(exec_->MarkLayerStart());
         RETURN_IF_ERROR(exec_->Layer(layer, payload.data(), out));
+        RETURN_IF_ERROR(exec_->MarkLayerEnd());
       } else {
         RETURN_IF_ERROR(exec_->memory().CopyIn(qkv_dev_.get(), payload.data(), payload.size()));
+        RETURN_IF_ERROR(exec_->MarkLayerStart());
         RETURN_IF_ERROR(exec_->Layer(layer, qkv_dev_.get(), out_dev_.get()));
+        RETURN_IF_ERROR(exec_->MarkLayerEnd());
         RETURN_IF_ERROR(exec_->memory().CopyOut(out, out_dev_.get(), out_bytes));
         RETURN_IF_ERROR(exec_->memory().Synchronize());
       }
@@ -272,7 +295,9 @@ class MemoryRank {
       RETURN_IF_ERROR(transport_->EnqueueWait(
           peer_, kQkvBuffer, 0, static_cast<size_t>(t) * qkv_row, seqno_, o_.step_timeout,
           absl::StrCat("memory rank ", o_.rank, ": q,k,v of step ", step_id, " layer ", layer), stream));
+      RETURN_IF_ERROR(exec_->MarkLayerStart());
       RETURN_IF_ERROR(exec_->Layer(layer, qkv_dev_.get(), out_dev_.get()));
+      RETURN_IF_ERROR(exec_->MarkLayerEnd());
       RETURN_IF_ERROR(transport_->EnqueueWrite(peer_, hello_.attn_out_buffer, row_offset * out_row,
                                                out_dev_.get(), static_cast<size_t>(t) * out_row, seqno_,
                                                stream));
@@ -292,7 +317,9 @@ class MemoryRank {
   BackendBuffer recv_{nullptr, nullptr}, send_{nullptr, nullptr}, qkv_dev_{nullptr, nullptr},
       out_dev_{nullptr, nullptr};
   uint64_t seqno_ = 0;
-  int64_t steps_ = 0;
+  int64_t steps_ = 0;          // steps with rows here
+  uint64_t attention_ns_ = 0;  // their attention time (device time on a GPU)
+  uint64_t step_ns_ = 0;       // their wall time, plan to end of work
   bool device_path_ = false;
   uint16_t placement_rank_ = 0;  // the memory_rank of the plan's requests this rank serves
 };

@@ -166,6 +166,7 @@ printf 'model:\n  path: %s\ncompute:\n  device: cpu\nmemory:\n  ranks: 2\n  devi
 expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs
 cp "$TMP/out" "$TMP/deployed.json"
 grep -q "disaggregated" "$TMP/err" || bad "generate --deploy does not say it ran disaggregated"
+grep -Eq "pipeline per step .* ms: compute .*efficiency 0?\.[0-9]+ over [0-9]+ steps" "$TMP/err" || bad "generate --deploy does not print the pipeline report: $(tail -2 "$TMP/err")"
 # A clean run logs no warning or error in any rank (ranks leaving after the bye are expected).
 ! grep -h " [WE] \[" "$TMP"/run/*.log || bad "a clean generate --deploy logged warnings"
 for r in memory-0 memory-1 compute-0; do [ -s "$TMP/run/$r.log" ] || bad "no log for $r"; done

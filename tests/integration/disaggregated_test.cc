@@ -45,6 +45,7 @@
 #include "absl/time/time.h"
 #include "colocated/engine.h"
 #include "compute_node/compute_rank.h"
+#include "compute_node/pipeline_report.h"
 #include "compute_node/weights.h"
 #include "deploy/process_group.h"
 #include "gtest/gtest.h"
@@ -334,6 +335,21 @@ TEST_P(MixedBatch, EqualsColocated) {
       static_cast<long long>(ended_early), ExpectSameResults(got, want));
   EXPECT_EQ(most_ranks_in_use, n) << "requests were not spread over every memory rank";
   EXPECT_EQ(rank_->stats().steps, engine->stats().steps);
+
+  // The pipeline report: every step counted, every rank's attention timed, the phases inside the
+  // steps' wall time.
+  absl::StatusOr<PipelineTotals> totals = rank_->Pipeline();
+  ASSERT_TRUE(totals.ok()) << totals.status();
+  const PipelineReport report = MakePipelineReport(*totals);
+  std::printf("  pipeline: %s\n", report.ToString().c_str());
+  EXPECT_EQ(report.steps, rank_->stats().steps);
+  ASSERT_EQ(report.rank_attention_ms.size(), static_cast<size_t>(n));
+  for (int m = 0; m < n; ++m) EXPECT_GT(report.rank_attention_ms[m], 0.0) << "memory rank " << m;
+  EXPECT_GT(report.compute_ms, 0.0);
+  EXPECT_GT(report.attention_phase_ms, 0.0);
+  EXPECT_LE(report.compute_ms + report.attention_phase_ms, report.step_ms * 1.0001);
+  EXPECT_GT(report.efficiency, 0.0);
+  EXPECT_LE(report.efficiency, 1.0);
 }
 
 INSTANTIATE_TEST_SUITE_P(ModelsAndRanks, MixedBatch,

@@ -1074,6 +1074,8 @@ const std::vector<AnyDecoder>& ControlDecoders() {
       {"release", kReleaseMagic, StatusOf(&DecodeRelease)},
       {"error message", kErrorMagic, StatusOf(&DecodeError)},
       {"bye", kByeMagic, StatusOf(&DecodeBye)},
+      {"stats request", kStatsRequestMagic, StatusOf(&DecodeStatsRequest)},
+      {"memory stats", kMemoryStatsMagic, StatusOf(&DecodeMemoryStats)},
   };
   return decoders;
 }
@@ -1081,8 +1083,14 @@ const std::vector<AnyDecoder>& ControlDecoders() {
 // One valid frame of each control message, in ControlDecoders() order.
 std::vector<Bytes> ControlFrames() {
   std::mt19937_64 rng(99);
-  return {EncodeHello(RandomHello(rng, false)), EncodeHelloReply(RandomReply(rng)),
-          EncodeRelease(RandomRelease(rng, 5)), EncodeError(RandomError(rng, 40)), EncodeBye(ByeMessage{77})};
+  return {EncodeHello(RandomHello(rng, false)),
+          EncodeHelloReply(RandomReply(rng)),
+          EncodeRelease(RandomRelease(rng, 5)),
+          EncodeError(RandomError(rng, 40)),
+          EncodeBye(ByeMessage{77}),
+          EncodeStatsRequest(StatsRequestMessage{9}),
+          EncodeMemoryStats(MemoryStatsMessage{
+              .cookie = 9, .memory_rank = 3, .steps = 12, .attention_ns = 34, .step_ns = 56})};
 }
 
 TEST(ControlWire, RoundTrips) {
@@ -1596,6 +1604,37 @@ TEST(ErrorWire, FieldRangeViolationsNameField) {
   }
 }
 
+TEST(ControlWire, StatsRoundTripAndReservedBytes) {
+  std::mt19937_64 rng(77);
+  for (int i = 0; i < 200; ++i) {
+    const StatsRequestMessage q{i == 0 ? kU64Max : rng()};
+    const Bytes fq = EncodeStatsRequest(q);
+    ASSERT_EQ(fq.size(), kFrameHeaderBytes + kStatsRequestBodyBytes);
+    absl::StatusOr<StatsRequestMessage> qback = DecodeStatsRequest(fq);
+    ASSERT_TRUE(qback.ok()) << qback.status();
+    EXPECT_TRUE(*qback == q);
+    const MemoryStatsMessage m{.cookie = rng(),
+                               .memory_rank = static_cast<uint16_t>(rng()),
+                               .steps = rng(),
+                               .attention_ns = i == 1 ? kU64Max : rng(),
+                               .step_ns = rng()};
+    const Bytes fm = EncodeMemoryStats(m);
+    ASSERT_EQ(fm.size(), kFrameHeaderBytes + kMemoryStatsBodyBytes);
+    absl::StatusOr<MemoryStatsMessage> mback = DecodeMemoryStats(fm);
+    ASSERT_TRUE(mback.ok()) << mback.status();
+    EXPECT_TRUE(*mback == m);
+  }
+  // A reserved byte that is not 0 (behind a valid frame header) and a body of the wrong size.
+  Bytes body(kMemoryStatsBodyBytes, 0);
+  body[12] = 1;
+  absl::Status s = DecodeMemoryStats(MakeFrame(kMemoryStatsMagic, body)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()), "memory stats: reserved");
+  s = DecodeStatsRequest(MakeFrame(kStatsRequestMagic, Bytes(9, 0))).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(), "stats request: body_bytes 9 at byte offset 8 must be 8");
+}
+
 TEST(ErrorWire, StatusConversions) {
   for (int code = 1; code <= 16; ++code) {
     const absl::Status st(static_cast<absl::StatusCode>(code), "something failed: x=1");
@@ -1631,8 +1670,9 @@ TEST(PeekFrameMagic, KnownUnknownAndShort) {
   std::vector<Bytes> frames = ControlFrames();
   frames.push_back(SmallPlanFrame());
   frames.push_back(EncodeLayerMessageHeader(LayerMessageHeader{}));
-  const uint32_t want[] = {kHelloMagic, kHelloReplyMagic, kReleaseMagic,     kErrorMagic,
-                           kByeMagic,   kStepPlanMagic,   kLayerMessageMagic};
+  const uint32_t want[] = {kHelloMagic,       kHelloReplyMagic, kReleaseMagic,
+                           kErrorMagic,       kByeMagic,        kStatsRequestMagic,
+                           kMemoryStatsMagic, kStepPlanMagic,   kLayerMessageMagic};
   for (size_t k = 0; k < frames.size(); ++k) {
     absl::StatusOr<uint32_t> m = PeekFrameMagic(frames[k]);
     ASSERT_TRUE(m.ok()) << m.status();
@@ -1675,6 +1715,8 @@ TEST(Wire, RandomizedCorpus) {
   for (size_t n : {0, 1, 4}) seeds.push_back(EncodeRelease(RandomRelease(rng, n)));
   for (size_t n : {0, 12}) seeds.push_back(EncodeError(RandomError(rng, n)));
   seeds.push_back(EncodeBye(ByeMessage{rng()}));
+  seeds.push_back(EncodeStatsRequest(StatsRequestMessage{rng()}));
+  seeds.push_back(EncodeMemoryStats(MemoryStatsMessage{.cookie = rng(), .memory_rank = 1, .steps = rng()}));
   // Every decoder with the encoder of its result, type-erased: decodes `f`, and on success checks
   // that the result re-encodes to `f`.
   struct Codec {
@@ -1699,6 +1741,8 @@ TEST(Wire, RandomizedCorpus) {
       codec(kReleaseMagic, DecodeRelease, EncodeRelease),
       codec(kErrorMagic, DecodeError, EncodeError),
       codec(kByeMagic, DecodeBye, EncodeBye),
+      codec(kStatsRequestMagic, DecodeStatsRequest, EncodeStatsRequest),
+      codec(kMemoryStatsMagic, DecodeMemoryStats, EncodeMemoryStats),
   };
 
   const auto start = std::chrono::steady_clock::now();
