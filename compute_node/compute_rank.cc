@@ -371,6 +371,7 @@ absl::StatusOr<PipelineTotals> ComputeRank::Pipeline(absl::Duration timeout) {
   if (phases.empty()) {
     t.compute_ms = host_compute_ms_;
     t.attention_phase_ms = host_attention_ms_;
+    t.phases_timed = backend_->memory().host();  // a GPU backend without `profile` has no timings
   }
   for (const auto& [name, ms] : phases) (name == "attention" ? t.attention_phase_ms : t.compute_ms) += ms;
   const uint64_t cookie = ++stats_cookie_;

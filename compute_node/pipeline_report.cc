@@ -24,6 +24,11 @@ PipelineReport MakePipelineReport(const PipelineTotals& now, const PipelineTotal
     r.rank_attention_ms.push_back((now.rank_attention_ms[m] - was) / n);
     r.attention_ms = std::max(r.attention_ms, r.rank_attention_ms.back());
   }
+  r.phases_timed = now.phases_timed;
+  if (!r.phases_timed) {
+    r.compute_ms = r.attention_phase_ms = 0;
+    return r;
+  }
   r.exchange_ms = std::max(0.0, r.attention_phase_ms - r.attention_ms);
   r.idle_ms = std::max(0.0, r.step_ms - r.compute_ms - r.attention_phase_ms);
   const double busiest = std::max({r.compute_ms, r.attention_ms, r.exchange_ms});
@@ -35,6 +40,12 @@ std::string PipelineReport::ToString() const {
   if (steps == 0) return "no steps";
   std::vector<std::string> ranks;
   for (double ms : rank_attention_ms) ranks.push_back(absl::StrFormat("%.2f", ms));
+  if (!phases_timed) {
+    return absl::StrFormat(
+        "per step %.2f ms: attention %.2f (memory ranks %s); compute, exchange and efficiency need "
+        "compute.profile: true; over %d steps",
+        step_ms, attention_ms, absl::StrJoin(ranks, ", "), steps);
+  }
   return absl::StrFormat(
       "per step %.2f ms: compute %.2f, attention %.2f (memory ranks %s), exchange %.2f, idle %.2f; "
       "efficiency %.2f over %d steps",

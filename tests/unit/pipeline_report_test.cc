@@ -36,6 +36,15 @@ TEST(PipelineReport, FloorsAndEmptyWindows) {
   EXPECT_DOUBLE_EQ(r.efficiency, 1.0);
   EXPECT_EQ(MakePipelineReport(now, now).steps, 0);
   EXPECT_EQ(MakePipelineReport(now, now).ToString(), "no steps");
+  // A GPU compute rank without phase timing: step and the ranks' attention, and why not the rest.
+  PipelineTotals untimed = now;
+  untimed.phases_timed = false;
+  const PipelineReport u = MakePipelineReport(untimed);
+  EXPECT_DOUBLE_EQ(u.step_ms, 2);
+  EXPECT_DOUBLE_EQ(u.attention_ms, 3);
+  EXPECT_DOUBLE_EQ(u.compute_ms, 0);
+  EXPECT_DOUBLE_EQ(u.efficiency, 0);
+  EXPECT_THAT(u.ToString(), ::testing::HasSubstr("need compute.profile: true"));
 }
 
 }  // namespace
