@@ -43,6 +43,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/head_partition.h"
+#include "common/status.h"
 #include "common/transport/factory.h"
 #include "compute_node/compute_backend.h"
 #include "compute_node/controller.h"
@@ -107,6 +108,10 @@ class ComputeRank : public Engine {
   // phase come from the backend's phase timing on a GPU (needs `profile`; without it they are 0)
   // and from host timers on the CPU.
   absl::StatusOr<PipelineTotals> Pipeline(absl::Duration timeout = absl::Seconds(10));
+  absl::StatusOr<std::optional<PipelineTotals>> PipelineSnapshot() override {
+    ASSIGN_OR_RETURN(PipelineTotals t, Pipeline());
+    return std::optional<PipelineTotals>(std::move(t));
+  }
 
   // "memory rank 1: cuda:0 (NVIDIA H200), 123456 KV tokens" per rank (head partition: "... KV
   // tokens of KV heads [4, 8)").

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "common/model_spec.h"
 #include "compute_node/controller.h"
+#include "compute_node/pipeline_report.h"
 
 namespace tandem {
 
@@ -74,6 +76,11 @@ class Engine {
   virtual int64_t num_running() const = 0;
   // Per memory rank (one for the colocated engine).
   virtual std::vector<KvUsage> kv_usage() const = 0;
+  // A deployment's pipeline totals so far (compute_node/pipeline_report.h), asked for between
+  // steps; nullopt for an engine without a pipeline (the colocated engine).
+  virtual absl::StatusOr<std::optional<PipelineTotals>> PipelineSnapshot() {
+    return std::optional<PipelineTotals>();
+  }
 
   virtual EngineStats stats() const = 0;
   virtual const ModelSpec& spec() const = 0;

@@ -206,12 +206,27 @@ void EngineLoop::Run() {
       if (const GenerationResult* p = engine_->Progress(id)) Emit(live, *p);
     }
     for (auto& [id, result] : finished) Finish(id, std::move(result), absl::OkStatus());
+    // The pipeline's totals, about once a second (a stats request per memory rank between steps).
+    std::optional<PipelineTotals> pipeline;
+    if (const auto now = std::chrono::steady_clock::now(); now - last_pipeline_ > std::chrono::seconds(1)) {
+      last_pipeline_ = now;
+      absl::StatusOr<std::optional<PipelineTotals>> snap = engine_->PipelineSnapshot();
+      if (!snap.ok()) {
+        TANDEM_LOG_WARN("server", "pipeline report: ", snap.status().message());
+      } else {
+        pipeline = *std::move(snap);
+      }
+    }
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.steps;
     stats_.step_seconds += dt;
     stats_.running = engine_->num_running();
     stats_.waiting = engine_->num_waiting();
     stats_.kv = engine_->kv_usage();
+    if (pipeline) {
+      if (stats_.pipeline) stats_.pipeline_window = MakePipelineReport(*pipeline, *stats_.pipeline);
+      stats_.pipeline = std::move(pipeline);
+    }
   }
 }
 

@@ -17,6 +17,7 @@
 // is read by one thread. The engine is touched only by the loop's thread once the loop exists.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -76,6 +77,10 @@ struct LoopStats {
   double step_seconds = 0;
   bool healthy = true;
   std::vector<KvUsage> kv;  // per memory rank, after the last step
+  // A deployment's pipeline totals (about once a second while it steps) and the report of the
+  // steps between the last two snapshots; absent for the colocated engine.
+  std::optional<PipelineTotals> pipeline;
+  PipelineReport pipeline_window;
 };
 
 // Called on the loop's thread when a request ends (metrics); must not block.
@@ -127,8 +132,9 @@ class EngineLoop {
   uint64_t next_key_ = 1;
   LoopStats stats_;
   // Loop thread only.
-  std::map<int64_t, Live> live_;        // engine id -> request
-  std::map<uint64_t, int64_t> by_key_;  // stream key -> engine id
+  std::map<int64_t, Live> live_;                         // engine id -> request
+  std::map<uint64_t, int64_t> by_key_;                   // stream key -> engine id
+  std::chrono::steady_clock::time_point last_pipeline_;  // the last pipeline snapshot
   std::thread thread_;
 };
 

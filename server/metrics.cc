@@ -75,6 +75,34 @@ std::string ServerMetrics::Render(const LoopStats& s, const std::string& model_n
          static_cast<double>(s.refused));
   metric("engine_steps_total", "counter", "Engine steps run.", static_cast<double>(s.steps));
   metric("engine_step_seconds_total", "counter", "Wall time inside engine steps.", s.step_seconds);
+  if (s.pipeline) {
+    // A deployment's pipeline (compute_node/pipeline_report.h): totals as counters, and the split
+    // of the steps between the last two snapshots (about a second) as gauges.
+    const PipelineTotals& p = *s.pipeline;
+    metric("pipeline_steps_total", "counter", "Deployment steps measured by the pipeline report.",
+           static_cast<double>(p.steps));
+    metric("pipeline_step_seconds_total", "counter", "Wall time of those steps on compute rank 0.",
+           p.step_ms / 1e3);
+    metric("pipeline_compute_seconds_total", "counter",
+           "Compute rank 0's time in embedding, linear layers and sampling (0 without compute.profile).",
+           p.compute_ms / 1e3);
+    metric("pipeline_attention_phase_seconds_total", "counter",
+           "Compute rank 0's time from q,k,v ready to the last attention output in place.",
+           p.attention_phase_ms / 1e3);
+    absl::StrAppend(
+        &out, "# HELP tandem:pipeline_memory_attention_seconds_total Attention time of each memory rank.\n",
+        "# TYPE tandem:pipeline_memory_attention_seconds_total counter\n");
+    for (size_t m = 0; m < p.rank_attention_ms.size(); ++m)
+      absl::StrAppend(&out, "tandem:pipeline_memory_attention_seconds_total{model_name=\"", model_name,
+                      "\",rank=\"", m, "\"} ", Num(p.rank_attention_ms[m] / 1e3), "\n");
+    const PipelineReport& w = s.pipeline_window;
+    metric("pipeline_efficiency", "gauge",
+           "max(compute, attention, exchange) / step over the last window (0 before two snapshots).",
+           w.efficiency);
+    metric("pipeline_exchange_ms", "gauge", "Exchange time per step over the last window.", w.exchange_ms);
+    metric("pipeline_idle_ms", "gauge", "Idle time per step of compute rank 0 over the last window.",
+           w.idle_ms);
+  }
   absl::StrAppend(
       &out, "# HELP tandem:kv_cache_usage_perc KV slots promised to running requests, per memory rank.\n",
       "# TYPE tandem:kv_cache_usage_perc gauge\n");

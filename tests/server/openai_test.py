@@ -174,6 +174,15 @@ def run(deploy):
         check("tandem:time_to_first_token_seconds_count" in metrics, "no TTFT histogram")
         reserved = [line for line in metrics.splitlines() if line.startswith("tandem:kv_cache_reserved_tokens{")]
         check(reserved and all(line.endswith(" 0") for line in reserved), f"KV still reserved: {reserved}")
+        # A deployment reports its pipeline: steps measured, and each memory rank's attention time.
+        steps = [float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("tandem:pipeline_steps_total{")]
+        ranks = [float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("tandem:pipeline_memory_attention_seconds_total{")]
+        if deploy:
+            check(steps and steps[0] > 0 and len(ranks) == 2, f"pipeline metrics: steps {steps}, ranks {ranks}")
+        else:
+            check(not steps, "the colocated engine reports a pipeline")
         # A client that hangs up after its first tokens cancels its request, unless it finished first.
         cancelled = [float(line.split()[-1]) for line in metrics.splitlines()
                      if line.startswith("tandem:request_cancelled_total{")]
