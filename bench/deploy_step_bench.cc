@@ -48,7 +48,7 @@
 // Usage: deploy_step_bench --model llama3-8b [--transports ucx,p2p,nccl] [--batches 64,256]
 //                          [--contexts 1024,4096] [--decode-tokens 16] [--memory-ranks 1]
 //                          [--json PATH] [--tandem PATH] [--run-timeout 600] [--startup-timeout 600]
-//                          [--checksums 1] [--shared-gpu 0|1]
+//                          [--checksums 1] [--shared-gpu 0|1] [--partition request|head]
 #include <cuda_runtime.h>
 #include <poll.h>
 #include <sys/syscall.h>
@@ -81,6 +81,7 @@
 #include "colocated/engine.h"
 #include "common/status.h"
 #include "common/transport/factory.h"
+#include "common/head_partition.h"
 #include "compute_node/compute_rank.h"
 #include "compute_node/controller.h"
 #include "compute_node/weights.h"
@@ -105,7 +106,7 @@ constexpr const char* kUsage =
     "                         [--contexts 1024,4096] [--decode-tokens 16] [--memory-ranks 1]\n"
     "                         [--json PATH] [--tandem PATH] [--run-timeout S] [--startup-timeout S]\n"
     "                         [--checksums 0|1] [--max-tokens-per-step N] [--cuda-graphs 0|1]\n"
-    "                         [--shared-gpu 0|1]\n"
+    "                         [--shared-gpu 0|1] [--partition request|head]\n"
     "Decode step time of a deployment (compute rank on cuda:0, memory ranks on cuda:1..) per\n"
     "transport, split into compute, attention, exchange and idle, beside the colocated engine.\n"
     "  --model            preset name (random weights, seed 0) or checkpoint directory\n"
@@ -115,6 +116,7 @@ constexpr const char* kUsage =
     "  --decode-tokens    tokens generated per request (>= 2)\n"
     "  --memory-ranks     memory rank processes, on cuda:1 .. cuda:N\n"
     "  --shared-gpu       1: the memory ranks on cuda:0 with the compute rank (one GPU); 0 (default)\n"
+    "  --partition        memory.partition: request (default) or head (every rank a slice of KV heads)\n"
     "  --json             also write the rows as a JSON array to PATH\n"
     "  --tandem           the tandem executable that runs the memory ranks\n"
     "  --run-timeout      wall limit of one (transport, batch, context) run, seconds (600)\n"
@@ -389,6 +391,7 @@ struct Settings {
   bool checksums = true;
   bool cuda_graphs = false;
   bool shared_gpu = false;  // memory ranks on cuda:0
+  tandem::AttentionPartition partition = tandem::AttentionPartition::kRequest;
 };
 
 int MemoryDevice(const Settings& s, int m) { return s.shared_gpu ? 0 : 1 + m; }
@@ -448,6 +451,7 @@ absl::Status StartDeployment(const tandem::WeightSource& source, transport::Tran
   o.checksums = s.checksums;
   o.profile = true;
   o.cuda_graphs = s.cuda_graphs;
+  o.partition = s.partition;
   o.startup_timeout = absl::Seconds(s.startup_s);
   o.step_timeout = absl::Seconds(s.step_timeout_s);
   std::fprintf(stderr, "  loading the weights on cuda:0 and connecting to %d memory rank(s)\n",
@@ -511,6 +515,7 @@ int main(int argc, char** argv) {
   int64_t decode_tokens = 16, memory_ranks = 1, max_tokens_flag = 0;
   double run_timeout_s = 600, startup_s = 600;
   bool checksums = true, cuda_graphs = false, shared_gpu = false;
+  tandem::AttentionPartition partition = tandem::AttentionPartition::kRequest;
   auto fail = [](const absl::Status& st) {
     std::fprintf(stderr, "deploy_step_bench: %s\n", std::string(st.message()).c_str());
     return 1;
@@ -552,6 +557,10 @@ int main(int argc, char** argv) {
     } else if (k == "--checksums") {
       if (v != "0" && v != "1") st = absl::InvalidArgumentError("--checksums: 0 or 1");
       checksums = v == "1";
+    } else if (k == "--partition") {
+      absl::StatusOr<tandem::AttentionPartition> p = tandem::ParseAttentionPartition(v);
+      if (p.ok()) partition = *p;
+      st = p.status();
     } else if (k == "--shared-gpu") {
       if (v != "0" && v != "1") st = absl::InvalidArgumentError("--shared-gpu: 0 or 1");
       shared_gpu = v == "1";
@@ -723,7 +732,8 @@ int main(int argc, char** argv) {
                     .step_timeout_s = std::min(120.0, run_timeout_s),
                     .checksums = checksums,
                     .cuda_graphs = cuda_graphs,
-                    .shared_gpu = shared_gpu};
+                    .shared_gpu = shared_gpu,
+                    .partition = partition};
   transport::RankLayout layout{.compute_device = 0};
   for (int m = 0; m < memory_ranks; ++m) layout.memory_devices.push_back(MemoryDevice(settings, m));
   for (size_t k = 0; k < kinds.size(); ++k) {

@@ -2,6 +2,7 @@
 # Builds tandem with the CUDA backend and runs, on a GPU machine, the GPU tests and/or the
 # benchmarks, writing logs and JSON to OUTDIR and printing a short summary last.
 # Usage: bench/run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf] [deploy] [prefix] [transport] [steps]
+#                              [pipeline]
 #   tests    ctest (all tests, the gpu-labelled ones included)
 #   kernels  decode and prefill attention benchmarks, torch SDPA baseline
 #   engine   colocated engine decode throughput (llama3-8b, llama-13b presets)
@@ -15,6 +16,11 @@
 #   steps    a deployment's decode step (compute rank cuda:0, memory ranks cuda:1..) split into
 #            compute, attention, exchange and idle per transport, beside the colocated engine
 #            (llama3-8b, llama-13b; MODELS, BATCHES, CONTEXTS, TRANSPORTS, MEMORY_RANKS override)
+#   pipeline the pipeline report of a deployment's decode steps (compute, attention, exchange, idle
+#            and efficiency, per layout): memory ranks on the compute GPU (local, p2p), then 1 + 1
+#            and 1 + 3 GPUs (p2p, nccl) with the request and the head partition, as the machine's
+#            GPU count allows (MODEL, BATCHES, CONTEXTS override). The pipeline modes
+#            (pipeline.mode) join these rows as they are built.
 set -uo pipefail
 out=${1:?usage: run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf]}
 shift
@@ -72,6 +78,26 @@ for what in "$@"; do
         cat "$out/steps_$m.txt"
         [ $rc -eq 0 ] || { echo "deploy_step_bench $m failed (exit $rc):"; tail -20 "$out/steps_$m.log"; }
       done ;;
+    pipeline)
+      gpus=$(nvidia-smi --list-gpus | wc -l)
+      m=${MODEL:-llama3-8b}
+      run_steps() {  # NAME ARGS...: one deploy_step_bench run, its table and efficiency column
+        local name=$1; shift
+        echo "== pipeline: $name"
+        "$BUILD/bench/deploy_step_bench" --model "$m" --tandem "$BUILD/tandem" --batches "${BATCHES:-64,256}" \
+          --contexts "${CONTEXTS:-1024,4096}" --decode-tokens 16 "$@" \
+          --json "$out/pipeline_$name.json" >"$out/pipeline_$name.txt" 2>"$out/pipeline_$name.log"
+        local rc=$?
+        cat "$out/pipeline_$name.txt"
+        [ $rc -eq 0 ] || { echo "deploy_step_bench ($name) failed (exit $rc):"; tail -20 "$out/pipeline_$name.log"; }
+      }
+      run_steps one_gpu --shared-gpu 1 --transports local,p2p
+      if [ "$gpus" -ge 2 ]; then run_steps two_gpus --transports p2p,nccl --memory-ranks 1; fi
+      if [ "$gpus" -ge 4 ]; then
+        run_steps four_gpus_request --transports p2p,nccl --memory-ranks 3
+        # Head partition over 3 memory ranks needs KV heads divisible by 3: 2 ranks on 3 GPUs instead.
+        run_steps three_gpus_head --transports p2p,nccl --memory-ranks 2 --partition head
+      fi ;;
     *) echo "unknown part: $what"; exit 2 ;;
   esac
 done
