@@ -33,7 +33,8 @@
 // With --shared-gpu the memory ranks run on cuda:0 beside the compute rank (the one-GPU layout of
 // the quick start; ucx stages through host memory, p2p signals with CUDA IPC events).
 //
-// KV: each memory rank is given room for its share (ceil(B / ranks) requests of C tokens) of the
+// KV: each memory rank is given room for its share (ceil(B / ranks) requests of C tokens; with
+// --partition head, every request in tokens of its heads) of the
 // largest (B, C) that fits in 90% of its GPU's memory less 2 GiB (shared GPU: the colocated
 // engine's KV capacity, split among the memory ranks); larger ones are skipped with a note. A (B, C) that the
 // colocated engine cannot hold still runs on the deployments, without attention and exchange ("-"). A
@@ -79,9 +80,9 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "colocated/engine.h"
+#include "common/head_partition.h"
 #include "common/status.h"
 #include "common/transport/factory.h"
-#include "common/head_partition.h"
 #include "compute_node/compute_rank.h"
 #include "compute_node/controller.h"
 #include "compute_node/weights.h"
@@ -707,16 +708,20 @@ int main(int argc, char** argv) {
   cudaDeviceSynchronize();
 
   // The deployments.
-  const int64_t per_token = spec.kv_bytes_per_token(2);
+  // Head partition: every rank holds every request, a token of its slice costs 1/ranks of a token.
+  const bool head = partition == tandem::AttentionPartition::kHead;
+  const int64_t per_token = spec.kv_bytes_per_token(2) / (head ? memory_ranks : 1);
   int64_t budget = INT64_MAX;  // KV tokens a memory rank can hold
-  if (shared_gpu) budget = colocated_kv / memory_ranks;
+  if (shared_gpu) budget = head ? colocated_kv : colocated_kv / memory_ranks;
   for (int m = 0; !shared_gpu && m < memory_ranks && 1 + m < gpus; ++m) {
     cudaDeviceProp p;
     if (cudaGetDeviceProperties(&p, 1 + m) != cudaSuccess) continue;
     const double bytes = 0.9 * static_cast<double>(p.totalGlobalMem) - 2.0 * (1LL << 30);
     budget = std::min(budget, static_cast<int64_t>(std::max(0.0, bytes) / static_cast<double>(per_token)));
   }
-  auto need = [&](const Combo& c) { return (c.batch + memory_ranks - 1) / memory_ranks * c.context; };
+  auto need = [&](const Combo& c) {
+    return head ? c.batch * c.context : (c.batch + memory_ranks - 1) / memory_ranks * c.context;
+  };
   std::vector<bool> fits(combos.size());
   int64_t kv_tokens = 0;
   for (size_t i = 0; i < combos.size(); ++i) {
