@@ -122,18 +122,8 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
   std::vector<int64_t> capacity(ranks_.size(), 0);
   rank_names_.assign(ranks_.size(), "");  // in rank order, whatever the order of the replies
   for (size_t got = 0; got < ranks_.size(); ++got) {
-    transport::PeerId from = 0;
     std::vector<uint8_t> msg;
-    RETURN_IF_ERROR(
-        Annotate(transport_->Receive(&from, &msg, deadline), "waiting for the memory ranks' replies"));
-    size_t m = 0;
-    while (m < ranks_.size() && ranks_[m].peer != from) ++m;
-    if (m == ranks_.size()) return absl::InternalError("reply from an unknown peer");
-    ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
-    if (magic == kErrorMagic) {
-      ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
-      return Annotate(StatusFromErrorMessage(err), ranks_[m].name);
-    }
+    ASSIGN_OR_RETURN(const size_t m, ReceiveFromRank(deadline, "the memory ranks' replies", &msg));
     absl::StatusOr<HelloReplyMessage> reply = DecodeHelloReply(msg);
     if (!reply.ok()) return Annotate(reply.status(), ranks_[m].name);
     if (reply->memory_rank != m || reply->dtype != backend_->dtype()) {
@@ -363,6 +353,22 @@ absl::Status ComputeRank::RunLayersOnDevice(const PlannedStep& step) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<size_t> ComputeRank::ReceiveFromRank(absl::Time deadline, const std::string& awaited,
+                                                    std::vector<uint8_t>* msg) {
+  transport::PeerId from = 0;
+  RETURN_IF_ERROR(Annotate(transport_->Receive(&from, msg, deadline), absl::StrCat("waiting for ", awaited)));
+  size_t m = 0;
+  while (m < ranks_.size() && ranks_[m].peer != from) ++m;
+  if (m == ranks_.size())
+    return absl::InternalError(absl::StrCat("a message from an unknown peer (", awaited, ")"));
+  ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(*msg));
+  if (magic == kErrorMagic) {
+    ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(*msg));
+    return Annotate(StatusFromErrorMessage(err), ranks_[m].name);
+  }
+  return m;
+}
+
 absl::StatusOr<PipelineTotals> ComputeRank::Pipeline(absl::Duration timeout) {
   PipelineTotals t;
   t.steps = controller_->stats().steps;
@@ -380,18 +386,9 @@ absl::StatusOr<PipelineTotals> ComputeRank::Pipeline(absl::Duration timeout) {
   t.rank_attention_ms.assign(ranks_.size(), -1.0);
   const absl::Time deadline = absl::Now() + timeout;
   for (size_t got = 0; got < ranks_.size();) {
-    transport::PeerId from = 0;
     std::vector<uint8_t> msg;
-    RETURN_IF_ERROR(
-        Annotate(transport_->Receive(&from, &msg, deadline), "waiting for the memory ranks' stats"));
-    size_t m = 0;
-    while (m < ranks_.size() && ranks_[m].peer != from) ++m;
-    if (m == ranks_.size()) return absl::InternalError("stats from an unknown peer");
+    ASSIGN_OR_RETURN(const size_t m, ReceiveFromRank(deadline, "the memory ranks' stats", &msg));
     ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
-    if (magic == kErrorMagic) {
-      ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
-      return Annotate(StatusFromErrorMessage(err), ranks_[m].name);
-    }
     if (magic != kMemoryStatsMagic) {
       return absl::InvalidArgumentError(absl::StrCat(ranks_[m].name, ": unexpected message (magic 0x",
                                                      absl::Hex(magic), ") instead of its stats"));

@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -126,6 +127,10 @@ class ComputeRank : public Engine {
   absl::Status Connect(const WeightSource& source);
   absl::Status RunLayers(const PlannedStep& step);
   absl::Status RunLayersOnDevice(const PlannedStep& step);
+  // The next control message, from memory rank m (returned) into `msg`, before `deadline`; an
+  // error message the rank sent is returned as its Status, named.
+  absl::StatusOr<size_t> ReceiveFromRank(absl::Time deadline, const std::string& awaited,
+                                         std::vector<uint8_t>* msg);
   // The step's rows memory rank m gets: its range (request partition) or all of them (head).
   std::pair<int32_t, int32_t> RowsOf(const PlannedStep& step, size_t m) const;
   // Sends the release messages of `released` (the controller's, per placement group).

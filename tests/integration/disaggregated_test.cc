@@ -265,12 +265,13 @@ class DisaggregatedTest : public ::testing::Test {
   }
 
   std::unique_ptr<ColocatedEngine> Engine(const WeightSource& source, int64_t max_batch_size,
-                                          int64_t max_tokens_per_step) {
+                                          int64_t max_tokens_per_step, bool prefix_cache = true) {
     EngineOptions o;
     o.device = "cpu";
     o.max_batch_size = max_batch_size;
     o.max_tokens_per_step = max_tokens_per_step;
     o.kv_capacity_tokens = 8192;
+    o.prefix_cache = prefix_cache;
     absl::StatusOr<std::unique_ptr<ColocatedEngine>> engine = ColocatedEngine::Create(source, o);
     EXPECT_TRUE(engine.ok()) << engine.status();
     return engine.ok() ? std::move(*engine) : nullptr;
@@ -388,15 +389,9 @@ TEST_P(SharedPrefixDeployed, EqualsColocatedWithoutSharing) {
     r.prompt = prompt;
     arrivals.push_back({i < 4 ? 0 : 3 + i, r});
   }
-  EngineOptions eo;
-  eo.device = "cpu";
-  eo.max_batch_size = kBatch;
-  eo.max_tokens_per_step = kStepTokens;
-  eo.kv_capacity_tokens = 8192;
-  eo.prefix_cache = false;
-  absl::StatusOr<std::unique_ptr<ColocatedEngine>> engine = ColocatedEngine::Create(*source, eo);
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  const std::vector<GenerationResult> want = RunSchedule(**engine, arrivals, [] {});
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, kBatch, kStepTokens, /*prefix_cache=*/false);
+  ASSERT_NE(engine, nullptr);
+  const std::vector<GenerationResult> want = RunSchedule(*engine, arrivals, [] {});
   ASSERT_FALSE(HasFailure());
 
   ComputeRankOptions o = Options(kBatch, kStepTokens, 4096);
@@ -596,15 +591,9 @@ TEST_P(HeadPartition, EqualsColocatedAndRequestPartition) {
     arrivals.push_back({shapes[i].after_step, r});
   }
 
-  EngineOptions eo;
-  eo.device = "cpu";
-  eo.max_batch_size = kBatch;
-  eo.max_tokens_per_step = kStepTokens;
-  eo.kv_capacity_tokens = 8192;
-  eo.prefix_cache = false;
-  absl::StatusOr<std::unique_ptr<ColocatedEngine>> engine = ColocatedEngine::Create(*source, eo);
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  const std::vector<GenerationResult> want = RunSchedule(**engine, arrivals, [] {});
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, kBatch, kStepTokens, /*prefix_cache=*/false);
+  ASSERT_NE(engine, nullptr);
+  const std::vector<GenerationResult> want = RunSchedule(*engine, arrivals, [] {});
   ASSERT_FALSE(HasFailure());
 
   ComputeRankOptions o = Options(kBatch, kStepTokens, 1024);
