@@ -1,11 +1,12 @@
-// The disaggregated runtime on several GPUs of one host with a GPU transport (p2p, nccl): memory
+// The disaggregated runtime on the GPUs of one host with a GPU transport (p2p, nccl): memory
 // ranks are `tandem memory` processes on cuda:1.., compute rank 0 runs in this process on cuda:0,
-// and each step is enqueued whole on both sides with device-side waits. What must hold:
+// and each step is enqueued whole on both sides with device-side waits; and on one GPU with the
+// local transport (memory ranks as threads of this process on cuda:0). What must hold:
 //   * the same requests give the same tokens and log-probabilities as the colocated CUDA engine on
 //     cuda:0, with 1 memory rank (2 GPUs) and with 3 (4 GPUs), on the reference checkpoints and on
 //     the llama3-8b preset; and so does the head partition (memory.partition: head, each rank's
 //     columns packed and scattered by strided device copies) with 2 memory ranks (3 GPUs) and 4
-//     (5 GPUs);
+//     (5 GPUs); on one GPU (local), with 1 and 2 memory ranks and the head partition over 2;
 //   * a memory rank that stops answering fails the step within the step timeout with a status
 //     naming the rank and the layer; one that dies fails it at once (its waits are released).
 // Skips with the reason when there are too few GPUs or the transport is not in the build.
@@ -34,6 +35,7 @@
 #include "common/transport/factory.h"
 #include "compute_node/compute_rank.h"
 #include "compute_node/weights.h"
+#include "deploy/local_ranks.h"
 #include "deploy/process_group.h"
 #include "gpu_test_util.h"
 #include "gtest/gtest.h"
@@ -132,6 +134,13 @@ class MultiGpuDeploy : public ::testing::Test {
       (void)rank_->Shutdown();
       rank_.reset();
     }
+    if (local_) {
+      const absl::Status st = local_->Join(absl::Now() + absl::Seconds(20));
+      if (expect_clean_exit_) {
+        EXPECT_TRUE(st.ok()) << "local memory ranks: " << st;
+      }
+      local_.reset();
+    }
     if (expect_clean_exit_) {
       for (const std::string& name : names_) {
         absl::Status st = group_.WaitExit(name);
@@ -149,12 +158,21 @@ class MultiGpuDeploy : public ::testing::Test {
     }
   }
 
-  // Memory ranks m = 0..n-1 on cuda:1+m, then compute rank 0 on cuda:0.
+  // Memory ranks m = 0..n-1 on cuda:1+m (transport local: threads of this process on cuda:0),
+  // then compute rank 0 on cuda:0.
   void Start(const WeightSource& source, int n, int64_t batch, int64_t step_tokens) {
     const char* binary = std::getenv("TANDEM_BINARY");
     ASSERT_NE(binary, nullptr) << "TANDEM_BINARY must name the tandem executable (ctest sets it)";
     std::vector<std::string> addresses;
-    for (int m = 0; m < n; ++m) {
+    if (transport::GetTransportInfo(kind_).one_process) {
+      absl::StatusOr<std::unique_ptr<LocalMemoryRanks>> local =
+          LocalMemoryRanks::Start(std::vector<std::string>(static_cast<size_t>(n), "cuda:0"),
+                                  {.startup = absl::Seconds(120), .step = absl::Seconds(step_timeout_s_)});
+      ASSERT_TRUE(local.ok()) << local.status();
+      local_ = std::move(*local);
+      addresses = local_->addresses();
+    }
+    for (int m = 0; m < n && !local_; ++m) {
       const std::string name = absl::StrCat("memory-", m);
       ASSERT_TRUE(
           group_
@@ -194,6 +212,7 @@ class MultiGpuDeploy : public ::testing::Test {
   std::string dir_;
   ProcessGroup group_;
   std::vector<std::string> names_;
+  std::unique_ptr<LocalMemoryRanks> local_;  // transport local; outlives rank_
   std::unique_ptr<ComputeRank> rank_;
   bool expect_clean_exit_ = true;
 };
@@ -219,7 +238,7 @@ TEST_P(HeadPartitionSameTokens, AsTheColocatedEngine) {
 
 void SameTokens::Run() {
   const auto& [kind, model, memory_ranks] = GetParam();
-  ASSERT_NO_FATAL_FAILURE(Require(1 + memory_ranks, kind));
+  ASSERT_NO_FATAL_FAILURE(Require(kind == "local" ? 1 : 1 + memory_ranks, kind));
   if (IsSkipped()) return;
   std::unique_ptr<WeightSource> source = Open(model);
   ASSERT_NE(source, nullptr);
@@ -263,8 +282,9 @@ void SameTokens::Run() {
   std::printf(
       "%s, %s, 1 compute + %d memory rank(s) on %d GPUs, %s partition: %lld tokens in %lld steps (%.2f s), "
       "max |logprob difference| %.3g\n",
-      kind.c_str(), model.c_str(), memory_ranks, 1 + memory_ranks, AttentionPartitionName(partition_),
-      static_cast<long long>(tokens), static_cast<long long>(rank_->stats().steps), seconds, max_diff);
+      kind.c_str(), model.c_str(), memory_ranks, kind == "local" ? 1 : 1 + memory_ranks,
+      AttentionPartitionName(partition_), static_cast<long long>(tokens),
+      static_cast<long long>(rank_->stats().steps), seconds, max_diff);
 }
 
 std::string Name(const ::testing::TestParamInfo<std::tuple<std::string, std::string, int>>& info) {
@@ -274,6 +294,18 @@ std::string Name(const ::testing::TestParamInfo<std::tuple<std::string, std::str
   return s;
 }
 
+// One GPU: the memory ranks are threads of this process beside compute rank 0 (transport local).
+INSTANTIATE_TEST_SUITE_P(OneGpu, SameTokens,
+                         ::testing::Combine(::testing::Values("local"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim",
+                                                              "llama3-8b"),
+                                            ::testing::Values(1, 2)),
+                         Name);
+INSTANTIATE_TEST_SUITE_P(OneGpu, HeadPartitionSameTokens,
+                         ::testing::Combine(::testing::Values("local"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha", "llama3-8b"),
+                                            ::testing::Values(2)),
+                         Name);
 INSTANTIATE_TEST_SUITE_P(TwoGpus, SameTokens,
                          ::testing::Combine(::testing::Values("p2p", "nccl"),
                                             ::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim",
