@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/json_depth.h"
 #include "common/status.h"
 #include "compute_node/controller.h"
 #include "nlohmann/json.hpp"
@@ -48,6 +49,8 @@ absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(absl::string_view text
     ++line_no;
     if (absl::StripAsciiWhitespace(line).empty()) continue;
     const std::string where = absl::StrCat(source, ":", line_no);
+    if (absl::Status deep = CheckJsonDepth(std::string_view(line.data(), line.size())); !deep.ok())
+      return Annotate(deep, where);
     Json j = Json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(where, ": not valid JSON"));
     if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, ": expected a JSON object"));

@@ -84,7 +84,7 @@ absl::Status Controller::Check(const GenerationRequest& request) const {
   }
   RETURN_IF_ERROR(ValidateSampling(request.sampling));
   const int64_t prompt_len = static_cast<int64_t>(request.prompt.size());
-  if (prompt_len + request.max_tokens > spec_.max_position) {
+  if (request.max_tokens > spec_.max_position - prompt_len) {  // no overflow for any max_tokens
     return absl::InvalidArgumentError(absl::StrCat("prompt (", prompt_len, " tokens) + max_tokens (",
                                                    request.max_tokens, ") exceeds the model's context of ",
                                                    spec_.max_position, " tokens"));

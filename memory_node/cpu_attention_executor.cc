@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 
 #include "absl/strings/str_cat.h"
 #include "common/host_memory.h"
@@ -151,9 +152,19 @@ absl::StatusOr<std::unique_ptr<AttentionExecutor>> CreateCpuAttentionExecutor(co
     }
   }
   if (slots > INT32_MAX) return absl::InvalidArgumentError("kv.capacity_tokens exceeds 2^31-1");
-  TANDEM_LOG_INFO("attention", "device cpu; KV cache ", slots, " tokens (", (slots * per_token) >> 20,
-                  " MiB fp32)");
-  return std::unique_ptr<AttentionExecutor>(new CpuAttentionExecutor(shape, slots));
+  const int64_t bytes = slots * per_token;  // < 2^31 slots of a few KiB: no overflow
+  if (const int64_t avail = AvailableHostBytes(); bytes > avail) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("kv.capacity_tokens: ", slots, " tokens need ", bytes >> 20,
+                     " MiB of host memory for the KV cache, but ", avail >> 20, " MiB are available"));
+  }
+  TANDEM_LOG_INFO("attention", "device cpu; KV cache ", slots, " tokens (", bytes >> 20, " MiB fp32)");
+  try {
+    return std::unique_ptr<AttentionExecutor>(new CpuAttentionExecutor(shape, slots));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat("kv.capacity_tokens: could not allocate ", bytes >> 20,
+                                                     " MiB of host memory for ", slots, " KV tokens"));
+  }
 }
 
 }  // namespace tandem

@@ -12,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/json_depth.h"
 #include "common/log.h"
 #include "nlohmann/json.hpp"
 #include "text/text_model.h"
@@ -525,6 +526,8 @@ void ApiServer::Complete(const httplib::Request& req, httplib::Response& res, bo
   EngineLoop* loop = loop_;
   if (loop == nullptr) return SendError(res, 503, "loading the model");
   if (draining_) return SendError(res, 503, "shutting down");
+  if (absl::Status deep = CheckJsonDepth(req.body); !deep.ok())
+    return SendError(res, 400, std::string(deep.message()));
   json body = json::parse(req.body, nullptr, false);
   if (body.is_discarded()) return SendError(res, 400, "the body is not valid JSON");
   if (!body.is_object()) return SendError(res, 400, "the body must be a JSON object");

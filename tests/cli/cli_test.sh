@@ -158,6 +158,13 @@ expect_ok "$TANDEM" generate --model tiny-mha --prompt-ids 1,2 --max-tokens 2 --
 expect_ok "$TANDEM" config help
 grep -q "scheduler.max_tokens_per_step" "$TMP/out" || bad "config help lacks a knob"
 
+# Bad input from files and settings: an error naming what was wrong, never a crash.
+python3 -c "print('{\"prompt_ids\": ' + '[' * 100000 + ']' * 100000 + '}')" >"$TMP/deep.jsonl"
+expect_fail "deep.jsonl:1: JSON nested deeper than 64 levels" "$TANDEM" generate --model "$REF" --device cpu --prompts-file "$TMP/deep.jsonl"
+printf '{"prompt_ids": [1, 2], "max_tokens": 9223372036854775807}\n' >"$TMP/huge.jsonl"
+expect_fail "exceeds the model's context" "$TANDEM" generate --model "$REF" --device cpu --prompts-file "$TMP/huge.jsonl"
+expect_fail "kv.capacity_tokens: 2000000000 tokens need" "$TANDEM" generate --model "$REF" --device cpu --prompt-ids 1,2 --set kv.capacity_tokens=2000000000
+
 # --- disaggregated deployments: real rank processes on this host ---------------------------------
 cd "$TMP" || exit 1
 printf 'model:\n  path: %s\ncompute:\n  device: cpu\nmemory:\n  ranks: 2\n  devices: cpu\nscheduler:\n  max_batch_size: 4\n  max_tokens_per_step: 24\nkv:\n  capacity_tokens: 4096\nlaunch:\n  run_dir: %s/run\n  step_timeout_s: 20\n' \

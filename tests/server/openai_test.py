@@ -202,6 +202,8 @@ def run(deploy):
             (json.dumps({"model": MODEL, "prompt": [1]}).encode(), {"Content-Type": "application/json"}, 401, None),
             (json.dumps({"model": MODEL, "prompt": [1]}).encode(), {"Authorization": "Bearer wrong"}, 401, None),
             (b"x" * 200000, auth, 413, None),
+            # Nested 20,000 deep (within the size limit): refused before anything recurses into it.
+            (b'{"model": "small-test", "prompt": ' + b"[" * 20000 + b"]" * 20000 + b"}", auth, 400, None),
         ]
         for body, headers, want, param in cases:
             status, out = raw(url, body, headers)

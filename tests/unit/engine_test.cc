@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <tuple>
 
 #include "gtest/gtest.h"
@@ -426,6 +427,8 @@ TEST(Engine, BadRequestsAreRefusedWithTheReason) {
   r = {.prompt = {1}, .max_tokens = 0};
   bad.push_back({r, "max_tokens must be >= 1"});
   r = {.prompt = {1}, .max_tokens = w->spec().max_position};
+  bad.push_back({r, "exceeds the model's context"});
+  r = {.prompt = {1, 2}, .max_tokens = std::numeric_limits<int64_t>::max()};  // prompt + it overflows
   bad.push_back({r, "exceeds the model's context"});
   r = {.prompt = {1}, .sampling = {.temperature = -1.0f}};
   bad.push_back({r, "temperature"});
