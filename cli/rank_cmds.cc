@@ -46,6 +46,7 @@ struct MemoryArgs {
   std::string config, ready_file, listen = "127.0.0.1:0", device = "cpu", log_level = "info",
                                   transport = "ucx";
   int rank = 0;
+  int kv_share = 1;
 };
 
 absl::Status RunMemory(const MemoryArgs& a) {
@@ -56,6 +57,7 @@ absl::Status RunMemory(const MemoryArgs& a) {
   o.rank = a.rank;
   o.listen_address = a.listen;
   o.device = a.device;
+  o.kv_share = a.kv_share;
   ASSIGN_OR_RETURN(o.transport, transport::ParseTransportKind(a.transport));
   o.startup_timeout = absl::Seconds(config.GetDouble("launch.startup_timeout_s"));
   o.step_timeout = absl::Seconds(config.GetDouble("launch.step_timeout_s"));
@@ -190,6 +192,11 @@ void AddRankCommands(CLI::App& app) {
     cmd->add_option("--listen", a->listen, "host:port to listen on (port 0: any free port)")
         ->capture_default_str();
     cmd->add_option("--device", a->device, "cpu, cuda or cuda:N")->capture_default_str();
+    cmd->add_option("--kv-share", a->kv_share,
+                    "memory ranks sizing their KV from this device's memory (kv.memory_fraction is split "
+                    "among them)")
+        ->check(CLI::Range(1, 64))
+        ->capture_default_str();
     cmd->add_option("--transport", a->transport,
                     "ucx, p2p, nccl or verbs (the compute rank's too; local "
                     "memory ranks are threads of `tandem compute`)")

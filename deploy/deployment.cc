@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -168,8 +169,11 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
     RETURN_IF_ERROR(group.Start(
         name,
         {o.tandem_binary, "memory", "--config", cfg, "--rank", std::to_string(i), "--listen",
-         plan.listen_addresses[i], "--device", plan.memory_devices[i], "--transport",
-         transport::TransportKindName(plan.transport), "--ready-file", ready, "--log-level", o.log_level},
+         plan.listen_addresses[i], "--device", plan.memory_devices[i], "--kv-share",
+         std::to_string(
+             std::count(plan.memory_devices.begin(), plan.memory_devices.end(), plan.memory_devices[i])),
+         "--transport", transport::TransportKindName(plan.transport), "--ready-file", ready, "--log-level",
+         o.log_level},
         path(name + ".log")));
   }
   for (size_t i = 0; i < plan.memory_devices.size() && !in_process; ++i) {

@@ -1,5 +1,7 @@
 #include "deploy/local_ranks.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status.h"
@@ -21,6 +23,7 @@ absl::StatusOr<std::unique_ptr<LocalMemoryRanks>> LocalMemoryRanks::Start(
     MemoryRankOptions o;
     o.rank = static_cast<int>(m);
     o.device = devices[m];
+    o.kv_share = static_cast<int>(std::count(devices.begin(), devices.end(), devices[m]));
     o.transport = transport::TransportKind::kLocal;
     o.startup_timeout = timeouts.startup;
     o.step_timeout = timeouts.step;

@@ -1,5 +1,6 @@
 #include "memory_node/memory_rank.h"
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <vector>
@@ -161,7 +162,7 @@ class MemoryRank {
                             .max_requests = hello_.max_requests_per_step};
     const KvPoolOptions kv{
         .capacity_tokens = static_cast<int64_t>(hello_.kv_capacity_tokens),
-        .memory_fraction = hello_.kv_memory_fraction,
+        .memory_fraction = hello_.kv_memory_fraction / std::max(1, o_.kv_share),
         .max_useful_tokens = static_cast<int64_t>(hello_.max_requests_per_step) * hello_.max_position};
     if (device < 0) {
       ASSIGN_OR_RETURN(exec_, CreateCpuAttentionExecutor(shape_, kv));

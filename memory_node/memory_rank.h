@@ -42,6 +42,10 @@ struct MemoryRankOptions {
   int rank = 0;                                // index in the deployment (for messages)
   std::string listen_address = "127.0.0.1:0";  // host:port; port 0 picks a free one
   std::string device = "cpu";                  // cpu or cuda:N
+  // Memory ranks (this one included) that size their KV pools from this device's memory at the
+  // same time: the hello's kv.memory_fraction is split among them, so that they never reserve more
+  // than the fraction together (the launcher counts the ranks per device; all CPU ranks share the host).
+  int kv_share = 1;
   transport::TransportKind transport = transport::TransportKind::kUcx;  // as the compute rank's
   absl::Duration startup_timeout = absl::Minutes(10);  // to accept the compute rank and get its hello
   absl::Duration step_timeout = absl::Minutes(2);      // between messages within a step

@@ -180,6 +180,21 @@ for r in memory-0 memory-1 compute-0; do [ -s "$TMP/run/$r.log" ] || bad "no log
 expect_ok "$TANDEM" generate --model "$REF" --device cpu --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs \
   --set scheduler.max_batch_size=4 --set scheduler.max_tokens_per_step=24
 cmp -s "$TMP/out" "$TMP/deployed.json" || bad "generate --deploy differs from colocated: $(diff "$TMP/out" "$TMP/deployed.json" | head -5)"
+# Memory ranks on one device split kv.memory_fraction: two CPU ranks reserve what one would, together.
+kv_tokens() {  # RANKS: the KV capacity of each memory rank of a deployment sized from host memory
+  rm -rf "$TMP/share"
+  "$TANDEM" generate --deploy "$SRC/deploy/examples/cpu.yaml" --model small --set memory.ranks="$1" \
+    --set kv.capacity_tokens=0 --set kv.memory_fraction=0.01 --set launch.run_dir="$TMP/share" \
+    --prompt-ids 1,2,3 --max-tokens 1 >/dev/null 2>&1 || echo "failed"
+  grep -ho "memory rank [0-9]*: cpu, [0-9]* KV tokens" "$TMP/share/compute-0.log" | awk '{print $5}'
+}
+one=$(kv_tokens 1)
+two=$(kv_tokens 2 | tr '\n' ' ')
+set -- $two
+if [ -z "$one" ] || [ $# -ne 2 ] || [ $((2 * ($1 + $2))) -gt $((one * 12 / 5)) ]; then
+  bad "two CPU memory ranks reserve more KV than one would: one rank $one tokens, two ranks $two"
+else ok; fi
+set --
 # transport.kind local: the memory ranks are threads of compute-0 (no memory processes), same JSON.
 rm -rf "$TMP/run"
 expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --set transport.kind=local --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs
