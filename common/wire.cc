@@ -947,40 +947,43 @@ absl::StatusOr<ErrorMessage> DecodeError(absl::Span<const uint8_t> frame) {
   return m;
 }
 
-std::vector<uint8_t> EncodeBye(const ByeMessage& m) {
+namespace {
+
+// Frames whose body is one u64 (bye, stats request).
+std::vector<uint8_t> EncodeU64Frame(uint32_t magic, uint64_t value) {
   std::vector<uint8_t> body;
-  body.reserve(kByeBodyBytes);
+  body.reserve(8);
   Writer w(&body);
-  w.U64(m.steps);
-  return Frame(kByeMagic, body);
+  w.U64(value);
+  return Frame(magic, body);
 }
 
+absl::StatusOr<uint64_t> DecodeU64Frame(absl::Span<const uint8_t> frame, uint32_t magic,
+                                        std::string_view what, std::string_view field) {
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, magic, what));
+  RETURN_IF_ERROR(CheckBodySize(body, 8, what));
+  Reader r(body, kFrameHeaderBytes, what);
+  return r.U64(field);
+}
+
+}  // namespace
+
+std::vector<uint8_t> EncodeBye(const ByeMessage& m) { return EncodeU64Frame(kByeMagic, m.steps); }
+
 absl::StatusOr<ByeMessage> DecodeBye(absl::Span<const uint8_t> frame) {
-  constexpr std::string_view kWhat = "bye";
-  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kByeMagic, kWhat));
-  RETURN_IF_ERROR(CheckBodySize(body, kByeBodyBytes, kWhat));
-  Reader r(body, kFrameHeaderBytes, kWhat);
   ByeMessage m;
-  ASSIGN_OR_RETURN(m.steps, r.U64("steps"));
+  ASSIGN_OR_RETURN(m.steps, DecodeU64Frame(frame, kByeMagic, "bye", "steps"));
   RETURN_IF_ERROR(ValidateBye(m));
   return m;
 }
 
 std::vector<uint8_t> EncodeStatsRequest(const StatsRequestMessage& m) {
-  std::vector<uint8_t> body;
-  body.reserve(kStatsRequestBodyBytes);
-  Writer w(&body);
-  w.U64(m.cookie);
-  return Frame(kStatsRequestMagic, body);
+  return EncodeU64Frame(kStatsRequestMagic, m.cookie);
 }
 
 absl::StatusOr<StatsRequestMessage> DecodeStatsRequest(absl::Span<const uint8_t> frame) {
-  constexpr std::string_view kWhat = "stats request";
-  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kStatsRequestMagic, kWhat));
-  RETURN_IF_ERROR(CheckBodySize(body, kStatsRequestBodyBytes, kWhat));
-  Reader r(body, kFrameHeaderBytes, kWhat);
   StatsRequestMessage m;
-  ASSIGN_OR_RETURN(m.cookie, r.U64("cookie"));
+  ASSIGN_OR_RETURN(m.cookie, DecodeU64Frame(frame, kStatsRequestMagic, "stats request", "cookie"));
   return m;
 }
 
