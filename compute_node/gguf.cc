@@ -1,10 +1,5 @@
 #include "compute_node/gguf.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -440,10 +435,6 @@ int64_t GgufTensor::num_elements() const {
   return n;
 }
 
-GgufFile::~GgufFile() {
-  if (map_ != nullptr) munmap(map_, map_size_);
-}
-
 const GgufValue* GgufFile::Find(const std::string& key) const {
   auto it = metadata_.find(key);
   return it == metadata_.end() ? nullptr : &it->second;
@@ -453,31 +444,9 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
   auto bad = [&path](auto&&... msg) { return absl::InvalidArgumentError(absl::StrCat(path, ": ", msg...)); };
   std::unique_ptr<GgufFile> file(new GgufFile);
   file->path_ = path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("open(", path, ")"));
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    absl::Status s = ErrnoToStatus(errno, absl::StrCat("fstat(", path, ")"));
-    ::close(fd);
-    return s;
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return bad("not a regular file");
-  }
-  const size_t size = static_cast<size_t>(st.st_size);
-  if (size > 0) {
-    void* m = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (m == MAP_FAILED) {
-      absl::Status s = ErrnoToStatus(errno, absl::StrCat("mmap(", path, ")"));
-      ::close(fd);
-      return s;
-    }
-    file->map_ = m;
-    file->map_size_ = size;
-  }
-  ::close(fd);
-  const auto* base = static_cast<const uint8_t*>(file->map_);
+  ASSIGN_OR_RETURN(file->map_, MappedFile::Open(path));
+  const uint8_t* base = file->map_.data();
+  const size_t size = file->map_.size();
   Cursor c(file->path_, base, size);
 
   ASSIGN_OR_RETURN(uint32_t magic, c.Read<uint32_t>("the magic"));

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "compute_node/mapped_file.h"
 #include "compute_node/weights.h"
 
 namespace tandem {
@@ -109,7 +110,6 @@ class GgufFile {
   // alignment, a duplicate key or tensor, bad dims, a misaligned or overlapping offset),
   // Unimplemented (a tensor of a type that is not loadable, naming the tensor and the type).
   static absl::StatusOr<std::unique_ptr<GgufFile>> Open(const std::string& path);
-  ~GgufFile();
   GgufFile(const GgufFile&) = delete;
   GgufFile& operator=(const GgufFile&) = delete;
 
@@ -123,8 +123,7 @@ class GgufFile {
  private:
   GgufFile() = default;
   std::string path_;
-  void* map_ = nullptr;
-  size_t map_size_ = 0;
+  MappedFile map_;
   uint32_t version_ = 0;
   uint64_t alignment_ = 32;
   std::map<std::string, GgufValue> metadata_;

@@ -1,8 +1,6 @@
 #include "compute_node/safetensors.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -71,40 +69,18 @@ struct Range {
 
 }  // namespace
 
-SafetensorsFile::~SafetensorsFile() {
-  if (map_ != nullptr) munmap(map_, map_size_);
-}
-
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   auto bad = [&path](auto&&... msg) { return absl::InvalidArgumentError(absl::StrCat(path, ": ", msg...)); };
   auto lost = [&path](auto&&... msg) { return absl::DataLossError(absl::StrCat(path, ": ", msg...)); };
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("open(", path, ")"));
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    absl::Status s = ErrnoToStatus(errno, absl::StrCat("fstat(", path, ")"));
-    ::close(fd);
-    return s;
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return bad("not a regular file");
-  }
-  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = path;
+  ASSIGN_OR_RETURN(file->map_, MappedFile::Open(path));
+  const uint64_t file_size = file->map_.size();
   if (file_size < 8) {
-    ::close(fd);
     return lost("file of ", file_size,
                 " bytes is too short for a safetensors file (the header length alone is 8 bytes)");
   }
-  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
-  file->path_ = path;
-  void* map = mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_errno = errno;
-  ::close(fd);
-  if (map == MAP_FAILED) return ErrnoToStatus(map_errno, absl::StrCat("mmap(", path, ")"));
-  file->map_ = map;
-  file->map_size_ = file_size;
-  const auto* bytes = static_cast<const uint8_t*>(map);
+  const uint8_t* bytes = file->map_.data();
 
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];

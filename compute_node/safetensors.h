@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "compute_node/mapped_file.h"
 #include "common/dtype.h"
 
 namespace tandem {
@@ -42,7 +43,6 @@ class SafetensorsFile {
   // shape, data_offsets or __metadata__, size not matching the shape, overlapping tensors),
   // NotFound for a missing file.
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
-  ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
 
@@ -53,8 +53,7 @@ class SafetensorsFile {
  private:
   SafetensorsFile() = default;
   std::string path_;
-  void* map_ = nullptr;
-  size_t map_size_ = 0;
+  MappedFile map_;
   std::map<std::string, SafetensorsTensor> tensors_;
   std::map<std::string, std::string> metadata_;
 };
