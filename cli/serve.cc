@@ -170,8 +170,9 @@ void AddServeCommand(CLI::App& app) {
   auto a = std::make_shared<ServeArgs>();
   CLI::App* cmd = app.add_subcommand(
       "serve",
-      "Serve the OpenAI-compatible HTTP API (/v1/completions, /v1/models, /health, /metrics) over the\n"
-      "colocated engine. Prompts are token ids until a tokenizer is loaded.\n"
+      "Serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health,\n"
+      "/metrics) over the colocated engine or, with --deploy, a deployment on this host. Prompts are text\n"
+      "when the checkpoint has a tokenizer (and chat needs its chat template), else token ids.\n"
       "Example:\n"
       "  tandem serve --model small --set api.port=8000\n"
       "  tandem serve --deploy deploy/examples/cpu.yaml --set api.port=8000   (disaggregated, on this host)\n"
