@@ -996,7 +996,6 @@ std::vector<uint8_t> EncodeMemoryStats(const MemoryStatsMessage& m) {
   w.Zeros(6);
   w.U64(m.steps);
   w.U64(m.attention_ns);
-  w.U64(m.step_ns);
   return Frame(kMemoryStatsMagic, body);
 }
 
@@ -1011,7 +1010,6 @@ absl::StatusOr<MemoryStatsMessage> DecodeMemoryStats(absl::Span<const uint8_t> f
   RETURN_IF_ERROR(r.Reserved("reserved", 6));
   ASSIGN_OR_RETURN(m.steps, r.U64("steps"));
   ASSIGN_OR_RETURN(m.attention_ns, r.U64("attention_ns"));
-  ASSIGN_OR_RETURN(m.step_ns, r.U64("step_ns"));
   return m;
 }
 

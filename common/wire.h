@@ -182,7 +182,7 @@
 //   ------  ----  ------  ---------------------------------------------------------------------
 //        0     8  cookie  u64  echoed by the reply
 //
-// Memory stats body (memory rank -> compute rank: the reply; 40 bytes): totals since the rank
+// Memory stats body (memory rank -> compute rank: the reply; 32 bytes): totals since the rank
 // started, for the pipeline report (docs/architecture.md, "A measured pipeline"):
 //
 //   offset  size  field         notes
@@ -192,8 +192,8 @@
 //       10     6  reserved      must be 0
 //       16     8  steps         u64  steps that had rows on this rank
 //       24     8  attention_ns  u64  time in attention (KV append and attention of every layer):
-//                                    device time on a GPU, host time on the CPU
-//       32     8  step_ns       u64  wall time from each such step's plan to the end of its work
+//                                    device time on a GPU, host time on the CPU; the rest of each
+//                                    step of compute rank 0 the rank waits
 //
 // Decoders trust nothing: they never read past the span, check every length before reading,
 // bound counts and lengths by the body length before allocating, and check every field's range.
@@ -250,7 +250,7 @@ inline constexpr size_t kReleaseFixedBytes = 16;            // release body befo
 inline constexpr size_t kErrorFixedBytes = 8;               // error body before the message
 inline constexpr size_t kByeBodyBytes = 8;                  // bye body
 inline constexpr size_t kStatsRequestBodyBytes = 8;         // stats request body
-inline constexpr size_t kMemoryStatsBodyBytes = 40;         // memory stats body
+inline constexpr size_t kMemoryStatsBodyBytes = 32;         // memory stats body
 inline constexpr uint32_t kMaxHeadDim = 1024;
 inline constexpr uint16_t kMaxPrefixBlockTokens = 4096;  // HelloMessage::prefix_block_tokens
 inline constexpr uint64_t kMaxKvCapacityTokens = (uint64_t{1} << 31) - 1;
@@ -426,7 +426,6 @@ struct MemoryStatsMessage {
   uint16_t memory_rank = 0;
   uint64_t steps = 0;
   uint64_t attention_ns = 0;
-  uint64_t step_ns = 0;
 
   friend bool operator==(const MemoryStatsMessage&, const MemoryStatsMessage&) = default;
 };

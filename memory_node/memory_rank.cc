@@ -1,7 +1,6 @@
 #include "memory_node/memory_rank.h"
 
 #include <algorithm>
-#include <chrono>
 #include <memory>
 #include <vector>
 
@@ -70,8 +69,7 @@ class MemoryRank {
         const MemoryStatsMessage stats{.cookie = req->cookie,
                                        .memory_rank = static_cast<uint16_t>(o_.rank),
                                        .steps = static_cast<uint64_t>(steps_),
-                                       .attention_ns = attention_ns_,
-                                       .step_ns = step_ns_};
+                                       .attention_ns = attention_ns_};
         st = transport_->Send(peer_, EncodeMemoryStats(stats));
         if (!st.ok()) return Fail(st);
       } else if (magic == kReleaseMagic) {
@@ -225,16 +223,12 @@ class MemoryRank {
     RETURN_IF_ERROR(kv_->Apply(plan, placement_rank_, &batch_));
     const int64_t t = batch_.num_tokens();
     if (t == 0) return absl::OkStatus();
-    const auto start = std::chrono::steady_clock::now();
     ++steps_;
     RETURN_IF_ERROR(exec_->BeginStep(batch_));
     RETURN_IF_ERROR(device_path_ ? LayersOnDevice(plan.step_id, t, row_offset) : Layers(plan.step_id, t));
-    // The step's work has run (both paths wait for it): its attention time and its wall time.
+    // The step's work has run (both paths wait for it): its attention time.
     ASSIGN_OR_RETURN(const uint64_t attention, exec_->TakeLayerTimeNs());
     attention_ns_ += attention;
-    step_ns_ += static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
-            .count());
     return absl::OkStatus();
   }
 
@@ -320,7 +314,6 @@ class MemoryRank {
   uint64_t seqno_ = 0;
   int64_t steps_ = 0;          // steps with rows here
   uint64_t attention_ns_ = 0;  // their attention time (device time on a GPU)
-  uint64_t step_ns_ = 0;       // their wall time, plan to end of work
   bool device_path_ = false;
   uint16_t placement_rank_ = 0;  // the memory_rank of the plan's requests this rank serves
 };

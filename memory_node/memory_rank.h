@@ -16,7 +16,7 @@
 //      applies it as rank 0: all ranks hold the same requests, slots and prefix blocks, each for
 //      its heads; its q,k,v rows are the packed columns of its heads for every row of the step;
 //      release messages free the KV of requests that ended; a stats request is answered with the
-//      rank's totals (steps with rows here, their attention time, their wall time: the pipeline
+//      rank's totals (steps with rows here and their attention time: the pipeline
 //      report of compute rank 0); bye ends the rank cleanly.
 // With the host-staged transport (ucx), CUDA ranks stage q,k,v and outputs through pinned host
 // buffers, layer by layer. With a device-polling transport (p2p, nccl, verbs) a CUDA rank
