@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "compute_node/mapped_file.h"
 #include "common/dtype.h"
+#include "compute_node/mapped_file.h"
 
 namespace tandem {
 
