@@ -6,6 +6,7 @@
 #include "common/transport/p2p/p2p_transport.h"
 
 #include <cuda_runtime.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -161,8 +162,22 @@ TEST(P2pTransport, TwoProcessesEverySizeAndBack) {
   absl::Span<const uint8_t> piece(static_cast<const uint8_t*>(src.p), back.size());
   ASSERT_TRUE((*t)->Write(*peer, 2, 0, {&piece, 1}, 7).ok());
   ExpectMessage(**t, "bye");
+  // The child flushes its bye before it exits, and a flush completes only as this side's transport
+  // makes progress: keep it moving (Receive) while waiting for the exit, or the child's flush can
+  // time out (seen about 1 run in 7 before this loop).
   int status = 0;
-  ASSERT_EQ(waitpid(child, &status, 0), child);
+  pid_t reaped = 0;
+  for (const absl::Time until = In(absl::Seconds(60)); reaped == 0 && absl::Now() < until;) {
+    reaped = waitpid(child, &status, WNOHANG);
+    PeerId from;
+    std::vector<uint8_t> m;
+    (void)(*t)->Receive(&from, &m, In(absl::Milliseconds(10)));  // progress; the child sends nothing more
+  }
+  if (reaped == 0) {
+    kill(child, SIGKILL);
+    reaped = waitpid(child, &status, 0);
+  }
+  ASSERT_EQ(reaped, child);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child failed; status " << status;
 }
 
