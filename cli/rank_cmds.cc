@@ -114,6 +114,8 @@ absl::Status RunCompute(const ComputeArgs& a) {
   o.checksums = c.GetBool("transport.checksums");
   o.cuda_graphs = c.GetBool("compute.cuda_graphs");
   o.profile = c.GetBool("compute.profile");
+  o.micro_batches =
+      c.GetString("pipeline.mode") == "pingpong" ? static_cast<int>(c.GetInt("pipeline.batches")) : 1;
   o.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   o.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
   if (a.requests.empty()) {

@@ -151,9 +151,9 @@ absl::StatusOr<absl::Span<const uint8_t>> Unframe(absl::Span<const uint8_t> fram
   }
   if (version < kWireVersion) {
     // The ranks of a deployment run one build; an older peer's frames are refused, not guessed at.
-    return absl::InvalidArgumentError(absl::StrCat(ToAbsl(what), ": version ", version,
-                                                   " at byte offset 4 is older than the supported version ",
-                                                   kWireVersion, " (version 2 changed the hello's layout)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        ToAbsl(what), ": version ", version, " at byte offset 4 is older than the supported version ",
+        kWireVersion, " (versions 2 and 3 changed the hello and step plan layouts)"));
   }
   ASSIGN_OR_RETURN(uint16_t header_bytes, r.U16("header_bytes"));
   if (header_bytes != kFrameHeaderBytes) {
@@ -440,6 +440,12 @@ uint32_t Crc32cPortableForTest(absl::Span<const uint8_t> data) {
 uint32_t Crc32c(absl::Span<const uint8_t> data) { return Crc32cExtend(0, data); }
 
 absl::Status ValidateStepPlan(const StepPlan& plan) {
+  if (plan.micro_batches < 1 || plan.micro_batches > kMaxMicroBatches ||
+      plan.micro_batch >= plan.micro_batches) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step plan: micro_batch ", int{plan.micro_batch}, " of micro_batches ", int{plan.micro_batches},
+        " must satisfy micro_batch < micro_batches <= ", kMaxMicroBatches));
+  }
   for (size_t i = 0; i < plan.requests.size(); ++i) RETURN_IF_ERROR(ValidateRequest(plan.requests[i], i));
   for (size_t i = 0; i < plan.groups.size(); ++i) RETURN_IF_ERROR(ValidateGroup(plan.groups, i));
   for (size_t i = 0; i < plan.publishes.size(); ++i) RETURN_IF_ERROR(ValidatePublish(plan.publishes[i], i));
@@ -492,6 +498,9 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
   w.U32(static_cast<uint32_t>(plan.groups.size()));
   w.U32(static_cast<uint32_t>(plan.publishes.size()));
   w.U32(static_cast<uint32_t>(plan.evictions.size()));
+  w.U8(plan.micro_batch);
+  w.U8(plan.micro_batches);
+  w.Zeros(6);
   for (const StepRequest& q : plan.requests) {
     w.U64(q.request_id);
     w.U64(q.seed);
@@ -541,6 +550,9 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
   ASSIGN_OR_RETURN(uint32_t group_count, r.U32("group_count"));
   ASSIGN_OR_RETURN(uint32_t publish_count, r.U32("publish_count"));
   ASSIGN_OR_RETURN(uint32_t evict_count, r.U32("evict_count"));
+  ASSIGN_OR_RETURN(plan.micro_batch, r.U8("micro_batch"));
+  ASSIGN_OR_RETURN(plan.micro_batches, r.U8("micro_batches"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 6));
   // Bound every count by the bytes present before allocating anything: each area, in order, must
   // fit in what the areas before it leave, and together they must fill the body exactly.
   struct Area {
@@ -705,6 +717,8 @@ absl::Status ValidateHello(const HelloMessage& h) {
   if (h.prefix_sharing != static_cast<uint8_t>(PrefixSharing::kOff) && h.prefix_block_tokens == 0) {
     return bad("prefix_sharing ", h.prefix_sharing, " needs prefix_block_tokens >= 1 (a prefix registry)");
   }
+  if (h.lanes < 1 || h.lanes > kMaxMicroBatches)
+    return bad("lanes ", int{h.lanes}, " must be in [1, ", kMaxMicroBatches, "]");
   const auto partition = static_cast<uint8_t>(h.partition);
   uint64_t begin = 0, end = h.num_kv_heads;  // the slice the partition gives this rank
   if (h.partition == AttentionPartition::kHead) {
@@ -807,7 +821,8 @@ std::vector<uint8_t> EncodeHello(const HelloMessage& h) {
   w.U16(h.prefix_block_tokens);
   w.U8(h.prefix_sharing);
   w.U8(static_cast<uint8_t>(h.partition));
-  w.Zeros(2);
+  w.U8(h.lanes);
+  w.Zeros(1);
   w.U32(h.kv_head_begin);
   w.U32(h.kv_head_end);
   return Frame(kHelloMagic, body);
@@ -836,7 +851,8 @@ absl::StatusOr<HelloMessage> DecodeHello(absl::Span<const uint8_t> frame) {
   ASSIGN_OR_RETURN(h.prefix_block_tokens, r.U16("prefix_block_tokens"));
   ASSIGN_OR_RETURN(h.prefix_sharing, r.U8("prefix_sharing"));
   ASSIGN_OR_RETURN(uint8_t partition, r.U8("partition"));
-  RETURN_IF_ERROR(r.Reserved("reserved", 2));
+  ASSIGN_OR_RETURN(h.lanes, r.U8("lanes"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 1));
   ASSIGN_OR_RETURN(h.kv_head_begin, r.U32("kv_head_begin"));
   ASSIGN_OR_RETURN(h.kv_head_end, r.U32("kv_head_end"));
   // Enum values are checked by ValidateHello before any use as an enum.

@@ -20,15 +20,17 @@
 //                                 'T','D','R','L' release              0x4c524454
 //                                 'T','D','E','R' error                0x52454454
 //                                 'T','D','B','Y' bye                  0x59424454
-//        4     2  version       u16, kWireVersion (2); a newer one decodes as Unimplemented, an
+//        4     2  version       u16, kWireVersion (3); a newer one decodes as Unimplemented, an
 //                               older one as InvalidArgument (one build runs every rank).
 //                               Version 2 added the hello's partition and KV head slice (its
-//                               body grew from 56 to 64 bytes); the other layouts are unchanged
-//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 and 2
+//                               body grew from 56 to 64 bytes); version 3 the step plan's
+//                               micro-batch fields (its fixed part grew from 24 to 32 bytes) and
+//                               the hello's lanes; the other layouts are unchanged
+//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 3
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
 //
-// Step plan body (body_bytes = 24 + 64 * request_count + 24 * group_count + 32 * publish_count +
+// Step plan body (body_bytes = 32 + 64 * request_count + 24 * group_count + 32 * publish_count +
 // 16 * evict_count; the records fill the body exactly):
 //
 //   offset  size  field          notes
@@ -38,8 +40,13 @@
 //       12     4  group_count    u32  g: prefix groups
 //       16     4  publish_count  u32  p: blocks to register
 //       20     4  evict_count    u32  e: registered blocks to drop
-//       24  64*r  requests[r]    StepRequest records, each laid out as below (offsets relative)
-//        R  24*g  groups[g]      PrefixGroup records; R = 24 + 64*r
+//       24     1  micro_batch    u8   < micro_batches: this plan's micro-batch of the step
+//       25     1  micro_batches  u8   in [1, kMaxMicroBatches]: plans the step is split into
+//                                     (pipeline.batches); they share step_id and are sent in
+//                                     micro_batch order before any of the step's layer data
+//       26     6  reserved       must be 0
+//       32  64*r  requests[r]    StepRequest records, each laid out as below (offsets relative)
+//        R  24*g  groups[g]      PrefixGroup records; R = 32 + 64*r
 //        G  32*p  publishes[p]   PrefixPublish records; G = R + 24*g
 //        P  16*e  evictions[e]   PrefixEvict records; P = G + 32*p, and the body ends at P + 16*e
 //
@@ -128,7 +135,11 @@
 //                                             need prefix_block_tokens >= 1
 //       53     1  partition              u8   AttentionPartition (common/head_partition.h):
 //                                             0 (request), 1 (head)
-//       54     2  reserved               must be 0
+//       54     1  lanes                  u8   in [1, kMaxMicroBatches]: micro-batches in flight
+//                                             at once (pipeline.batches); lane j receives into
+//                                             the reply's qkv_buffer + j and writes its outputs
+//                                             to attn_out_buffer + j
+//       55     1  reserved               must be 0
 //       56     4  kv_head_begin          u32  the KV heads this memory rank holds of every
 //       60     4  kv_head_end            u32  request it serves, [kv_head_begin, kv_head_end):
 //                                             request partition: [0, num_kv_heads); head
@@ -225,11 +236,11 @@
 
 namespace tandem {
 
-inline constexpr uint16_t kWireVersion = 2;
+inline constexpr uint16_t kWireVersion = 3;
 inline constexpr uint32_t kStepPlanMagic = 0x50534454;      // "TDSP" on the wire
 inline constexpr uint32_t kLayerMessageMagic = 0x4d4c4454;  // "TDLM" on the wire
 inline constexpr size_t kFrameHeaderBytes = 16;
-inline constexpr size_t kStepPlanFixedBytes = 24;     // step plan body before the requests
+inline constexpr size_t kStepPlanFixedBytes = 32;     // step plan body before the requests
 inline constexpr size_t kStepRequestBytes = 64;       // one StepRequest record
 inline constexpr size_t kPrefixGroupBytes = 24;       // one PrefixGroup record
 inline constexpr size_t kPrefixPublishBytes = 32;     // one PrefixPublish record
@@ -244,6 +255,7 @@ inline constexpr uint32_t kErrorMagic = 0x52454454;         // "TDER" on the wir
 inline constexpr uint32_t kByeMagic = 0x59424454;           // "TDBY" on the wire
 inline constexpr uint32_t kStatsRequestMagic = 0x51534454;  // "TDSQ" on the wire
 inline constexpr uint32_t kMemoryStatsMagic = 0x534d4454;   // "TDMS" on the wire
+inline constexpr size_t kMaxMicroBatches = 8;               // pipeline.batches at most
 inline constexpr size_t kHelloBodyBytes = 64;               // hello body
 inline constexpr size_t kHelloReplyFixedBytes = 18;         // hello reply body before the device
 inline constexpr size_t kReleaseFixedBytes = 16;            // release body before the request ids
@@ -321,6 +333,10 @@ struct PrefixEvict {
 // evictions, requests (attach and new slots), publishes; then it resolves the groups.
 struct StepPlan {
   uint64_t step_id = 0;
+  // Pipelining (pipeline.batches): the step is split into `micro_batches` plans, this one is
+  // number `micro_batch`; 0 of 1 otherwise.
+  uint8_t micro_batch = 0;
+  uint8_t micro_batches = 1;
   std::vector<StepRequest> requests;
   std::vector<PrefixGroup> groups;
   std::vector<PrefixPublish> publishes;
@@ -374,6 +390,10 @@ struct HelloMessage {
   AttentionPartition partition = AttentionPartition::kRequest;
   uint32_t kv_head_begin = 0;
   uint32_t kv_head_end = 1;
+  // Micro-batches the compute rank keeps in flight (pipeline.batches; 1 without pipelining): the
+  // memory rank gives each a receive buffer (qkv_buffer + lane) and writes its outputs to
+  // attn_out_buffer + lane.
+  uint8_t lanes = 1;
 
   friend bool operator==(const HelloMessage&, const HelloMessage&) = default;
 };

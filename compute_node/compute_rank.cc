@@ -11,6 +11,7 @@
 #include "common/transport/factory.h"
 #include "common/transport/transport.h"
 #include "common/wire.h"
+#include "compute_node/micro_batches.h"
 
 namespace tandem {
 
@@ -29,6 +30,18 @@ absl::StatusOr<std::unique_ptr<ComputeRank>> ComputeRank::Create(const WeightSou
   if (options.memory_addresses.empty()) return absl::InvalidArgumentError("a deployment needs a memory rank");
   RETURN_IF_ERROR(CheckAttentionPartition(options.partition, source.spec().num_kv_heads,
                                           static_cast<int64_t>(options.memory_addresses.size())));
+  if (options.micro_batches < 1 || options.micro_batches > static_cast<int>(kMaxMicroBatches)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pipeline.batches: ", options.micro_batches, " must be in [1, ", kMaxMicroBatches, "]"));
+  }
+  if (options.micro_batches > 1 && options.transport == transport::TransportKind::kNccl) {
+    // NCCL matches a peer's transfers in the order they were issued on one stream: with two
+    // micro-batches in flight, the second one's q,k,v send would wait for a receive that the
+    // memory rank posts only after its first output, which waits for our receive behind that send.
+    return absl::InvalidArgumentError(
+        "pipeline.mode pingpong does not run over transport.kind nccl (NCCL orders a peer's transfers on one "
+        "stream, and two micro-batches in flight would deadlock it); use p2p, verbs, local or ucx");
+  }
   std::unique_ptr<ComputeRank> r(new ComputeRank());
   r->options_ = options;
   RETURN_IF_ERROR(r->Connect(source));
@@ -60,20 +73,32 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
   const size_t t = static_cast<size_t>(o.scheduler.max_tokens_per_step);
   const size_t qkv_bytes = t * static_cast<size_t>(backend_->qkv_width()) * elem_;
   const size_t attn_bytes = t * static_cast<size_t>(s.q_dim()) * elem_;
-  ASSIGN_OR_RETURN(qkv_, backend_->memory().Allocate(qkv_bytes, false));
-  ASSIGN_OR_RETURN(attn_, backend_->memory().Allocate(attn_bytes, false));
   device_path_ = !backend_->memory().host() && transport_->capabilities().device_polling;
   head_ = o.partition == AttentionPartition::kHead;
-  if (!backend_->memory().host() && !device_path_) {
-    ASSIGN_OR_RETURN(qkv_host_, backend_->memory().Allocate(qkv_bytes, true));
-    if (head_) {
-      ASSIGN_OR_RETURN(attn_host_, backend_->memory().Allocate(attn_bytes, true));
+  // Lanes (micro-batches in flight) before the hellos: a memory rank on this GPU sizes its KV from
+  // what they leave.
+  const size_t num_lanes = static_cast<size_t>(o.micro_batches);
+  lanes_.resize(num_lanes);
+  for (size_t j = 0; j < num_lanes; ++j) {
+    Lane& lane = lanes_[j];
+    if (j == 0) {
+      lane.backend = backend_.get();
+    } else {
+      ASSIGN_OR_RETURN(lane.owned, backend_->CreateLane());
+      lane.backend = lane.owned.get();
+    }
+    ASSIGN_OR_RETURN(lane.qkv, backend_->memory().Allocate(qkv_bytes, false));
+    ASSIGN_OR_RETURN(lane.attn, backend_->memory().Allocate(attn_bytes, false));
+    if (!backend_->memory().host() && !device_path_) {
+      ASSIGN_OR_RETURN(lane.qkv_host, backend_->memory().Allocate(qkv_bytes, true));
+      if (head_) {
+        ASSIGN_OR_RETURN(lane.attn_host, backend_->memory().Allocate(attn_bytes, true));
+      }
     }
   }
   const int64_t num_ranks = static_cast<int64_t>(ranks_.size());
   for (size_t m = 0; m < ranks_.size(); ++m) {
     Rank& rank = ranks_[m];
-    rank.attn_buffer = kAttnBufferBase + static_cast<uint32_t>(m);
     rank.slice = HeadSlice{.num_heads = s.num_heads,
                            .num_kv_heads = s.num_kv_heads,
                            .head_dim = s.head_dim,
@@ -81,20 +106,25 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
                            .rank = head_ ? static_cast<int64_t>(m) : 0};
     const size_t pack_bytes = t * static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_;
     const size_t out_bytes = t * static_cast<size_t>(rank.slice.slice_q_dim()) * elem_;
-    if (head_) {
-      ASSIGN_OR_RETURN(rank.pack, backend_->memory().Allocate(pack_bytes, !device_path_));
-    }
-    if (device_path_ && head_) {
-      // Its outputs land in a buffer of its own, at row 0, and are scattered into its columns.
-      ASSIGN_OR_RETURN(rank.out, backend_->memory().Allocate(out_bytes, false));
-      RETURN_IF_ERROR(transport_->RegisterBuffer(rank.attn_buffer, rank.out.get(), out_bytes));
-    } else if (device_path_) {
-      // Every rank writes its rows' outputs straight into the attention buffer, at its offset.
-      RETURN_IF_ERROR(transport_->RegisterBuffer(rank.attn_buffer, attn_.get(), attn_bytes));
-    } else {
-      rank.recv_bytes = kLayerMessageHeaderFrameBytes + out_bytes;
-      ASSIGN_OR_RETURN(rank.recv, backend_->memory().Allocate(rank.recv_bytes, true));
-      RETURN_IF_ERROR(transport_->RegisterBuffer(rank.attn_buffer, rank.recv.get(), rank.recv_bytes));
+    rank.lanes.resize(num_lanes);
+    for (size_t j = 0; j < num_lanes; ++j) {
+      RankLane& rl = rank.lanes[j];
+      rl.attn_buffer = kAttnBufferBase + static_cast<uint32_t>(m * kMaxMicroBatches + j);
+      if (head_) {
+        ASSIGN_OR_RETURN(rl.pack, backend_->memory().Allocate(pack_bytes, !device_path_));
+      }
+      if (device_path_ && head_) {
+        // Its outputs land in a buffer of its own, at row 0, and are scattered into its columns.
+        ASSIGN_OR_RETURN(rl.out, backend_->memory().Allocate(out_bytes, false));
+        RETURN_IF_ERROR(transport_->RegisterBuffer(rl.attn_buffer, rl.out.get(), out_bytes));
+      } else if (device_path_) {
+        // Every rank writes its rows' outputs straight into the lane's attention buffer, at its offset.
+        RETURN_IF_ERROR(transport_->RegisterBuffer(rl.attn_buffer, lanes_[j].attn.get(), attn_bytes));
+      } else {
+        rl.recv_bytes = kLayerMessageHeaderFrameBytes + out_bytes;
+        ASSIGN_OR_RETURN(rl.recv, backend_->memory().Allocate(rl.recv_bytes, true));
+        RETURN_IF_ERROR(transport_->RegisterBuffer(rl.attn_buffer, rl.recv.get(), rl.recv_bytes));
+      }
     }
     HelloMessage hello;
     hello.memory_rank = static_cast<uint16_t>(m);
@@ -109,7 +139,8 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
     hello.dtype = backend_->dtype();
     hello.kv_capacity_tokens = static_cast<uint64_t>(o.kv_capacity_tokens);
     hello.kv_memory_fraction = static_cast<float>(o.kv_memory_fraction);
-    hello.attn_out_buffer = rank.attn_buffer;
+    hello.attn_out_buffer = rank.lanes[0].attn_buffer;
+    hello.lanes = static_cast<uint8_t>(num_lanes);
     hello.checksums = o.checksums;
     hello.prefix_block_tokens = static_cast<uint16_t>(o.scheduler.prefix_block_tokens);
     hello.prefix_sharing = static_cast<uint8_t>(o.scheduler.prefix_sharing);
@@ -147,7 +178,9 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
   TANDEM_LOG_INFO(
       "compute", "transport ", transport_->capabilities().name, ", ",
       device_path_ ? "device data path (whole steps enqueued, device-side waits)" : "host-staged data path",
-      ", memory.partition ", AttentionPartitionName(o.partition));
+      ", memory.partition ", AttentionPartitionName(o.partition),
+      o.micro_batches > 1 ? absl::StrCat(", pipeline pingpong over ", o.micro_batches, " micro-batches")
+                          : "");
   return absl::OkStatus();
 }
 
@@ -155,18 +188,85 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   const auto t0 = std::chrono::steady_clock::now();
   controller_->Schedule(&step_);
   if (step_.empty()) return absl::OkStatus();
-  const std::vector<uint8_t> plan = EncodeStepPlan(step_.plan);
-  for (Rank& rank : ranks_) RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, plan), rank.name));
-  RETURN_IF_ERROR(device_path_ ? RunLayersOnDevice(step_) : RunLayers(step_));
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
-  const auto finish = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(backend_->Finish(&tokens, &logprobs));
-  if (backend_->memory().host()) host_compute_ms_ += MsSince(finish);
+  std::vector<std::vector<int32_t>> part_tokens;
+  std::vector<std::vector<float>> part_logprobs;
+  if (options_.micro_batches > 1) {
+    const MicroBatches mb = SplitStep(step_, options_.micro_batches);
+    RETURN_IF_ERROR(RunParts(mb.parts, &part_tokens, &part_logprobs));
+    RETURN_IF_ERROR(MergeSampled(mb, part_tokens, part_logprobs, &tokens, &logprobs));
+  } else {
+    RETURN_IF_ERROR(RunParts(std::span<const PlannedStep>(&step_, 1), &part_tokens, &part_logprobs));
+    tokens = std::move(part_tokens[0]);
+    logprobs = std::move(part_logprobs[0]);
+  }
   std::vector<std::vector<uint64_t>> released;
   RETURN_IF_ERROR(controller_->Complete(step_, tokens, logprobs, finished, &released));
   RETURN_IF_ERROR(SendReleases(step_.plan.step_id, released));
   busy_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return absl::OkStatus();
+}
+
+absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts,
+                                   std::vector<std::vector<int32_t>>* part_tokens,
+                                   std::vector<std::vector<float>>* part_logprobs) {
+  // Every plan first (micro-batches in order), then the layers.
+  for (const PlannedStep& part : parts) {
+    const std::vector<uint8_t> plan = EncodeStepPlan(part.plan);
+    for (Rank& rank : ranks_) RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, plan), rank.name));
+  }
+  const bool host = backend_->memory().host();
+  // On the CPU the backend's calls are its compute time and the waits for the memory ranks the
+  // attention phase (a GPU backend times its phases itself, with `profile`).
+  auto mark = std::chrono::steady_clock::now();
+  auto charge = [&](double* to) {
+    if (!host) return;
+    *to += MsSince(mark);
+    mark = std::chrono::steady_clock::now();
+  };
+  // Lane 0 (the backend itself) begins first and finishes last: it opens and closes the step's
+  // phase timeline for its lanes (ComputeBackend::CreateLane).
+  const size_t n = parts.size();
+  for (size_t j = 0; j < n; ++j) RETURN_IF_ERROR(lanes_[j].backend->BeginStep(parts[j].rows));
+  // Interleaved: layer l of micro-batch j runs its linear parts while the memory ranks run the
+  // attention of the micro-batches sent before it. With one micro-batch this is the plain
+  // sequence QKV -> send -> wait -> rest of the layer.
+  const uint32_t num_layers = static_cast<uint32_t>(backend_->spec().num_layers);
+  for (size_t j = 0; j < n; ++j) {
+    RETURN_IF_ERROR(lanes_[j].backend->PreAttention(0, lanes_[j].qkv.get()));
+    charge(&host_compute_ms_);
+    RETURN_IF_ERROR(SendLayer(j, parts[j], 0));
+    charge(&host_attention_ms_);
+  }
+  for (uint32_t layer = 0; layer < num_layers; ++layer) {
+    for (size_t j = 0; j < n; ++j) {
+      ComputeBackend& backend = *lanes_[j].backend;
+      RETURN_IF_ERROR(ReceiveLayer(j, parts[j], layer));
+      backend.MarkAttention();
+      charge(&host_attention_ms_);
+      RETURN_IF_ERROR(backend.PostAttention(layer, lanes_[j].attn.get()));
+      const bool more = layer + 1 < num_layers;
+      if (more) RETURN_IF_ERROR(backend.PreAttention(layer + 1, lanes_[j].qkv.get()));
+      charge(&host_compute_ms_);
+      if (more) {
+        RETURN_IF_ERROR(SendLayer(j, parts[j], layer + 1));
+        charge(&host_attention_ms_);
+      }
+    }
+  }
+  if (device_path_) {
+    const absl::Status synced =
+        transport_->SyncStream(backend_->stream(), absl::Now() + 2 * options_.step_timeout);
+    if (!synced.ok()) return DeviceStepError(synced, parts[0].plan.step_id);
+  }
+  part_tokens->assign(n, {});
+  part_logprobs->assign(n, {});
+  const auto finish = std::chrono::steady_clock::now();
+  for (size_t k = n; k-- > 0;) {
+    RETURN_IF_ERROR(lanes_[k].backend->Finish(&(*part_tokens)[k], &(*part_logprobs)[k]));
+  }
+  if (host) host_compute_ms_ += MsSince(finish);
   return absl::OkStatus();
 }
 
@@ -188,169 +288,164 @@ absl::Status ComputeRank::SendReleases(uint64_t step_id, const std::vector<std::
   return absl::OkStatus();
 }
 
-absl::Status ComputeRank::RunLayers(const PlannedStep& step) {
-  const ModelSpec& s = backend_->spec();
+absl::Status ComputeRank::SendLayer(size_t j, const PlannedStep& step, uint32_t layer) {
+  Lane& lane = lanes_[j];
   const int64_t t = step.rows.num_tokens();
   const size_t qkv_row = static_cast<size_t>(backend_->qkv_width()) * elem_;
-  const size_t attn_row = static_cast<size_t>(s.q_dim()) * elem_;
-  const bool host = backend_->memory().host();
-  auto* qkv_rows = static_cast<uint8_t*>(host ? qkv_.get() : qkv_host_.get());
-  // Head partition: where the ranks' outputs are scattered (then copied to the device at once).
-  void* attn_rows = host ? attn_.get() : attn_host_.get();
-  // On the CPU the backend's calls are its compute time and the rest of each layer is the
-  // attention phase (a GPU backend times its phases itself, with `profile`).
-  auto mark = std::chrono::steady_clock::now();
-  auto charge = [&](double* to) {
-    if (!host) return;
-    *to += MsSince(mark);
-    mark = std::chrono::steady_clock::now();
-  };
-  RETURN_IF_ERROR(backend_->BeginStep(step.rows));
-  for (uint32_t layer = 0; layer < static_cast<uint32_t>(s.num_layers); ++layer) {
-    RETURN_IF_ERROR(backend_->PreAttention(layer, qkv_.get()));
-    charge(&host_compute_ms_);
-    if (!host) {
-      RETURN_IF_ERROR(
-          backend_->memory().CopyOut(qkv_host_.get(), qkv_.get(), static_cast<size_t>(t) * qkv_row));
-      RETURN_IF_ERROR(backend_->memory().Synchronize());
-    }
-    // Each memory rank's rows are one contiguous range of the step's rows (request partition), or
-    // every row, packed to its columns (head partition).
+  MemorySpace& memory = backend_->memory();
+  if (device_path_) {
+    // The rows go straight from the lane's qkv buffer (or a rank's packed columns) to the rank's
+    // GPU buffer of this lane, ordered on the backend's stream.
+    void* stream = backend_->stream();
+    auto* qkv = static_cast<const uint8_t*>(lane.qkv.get());
     for (size_t m = 0; m < ranks_.size(); ++m) {
       Rank& rank = ranks_[m];
-      const auto [begin, end] = RowsOf(step, m);
-      if (begin == end) continue;
-      const size_t row_bytes = head_ ? static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_ : qkv_row;
-      const uint8_t* rows = qkv_rows + begin * qkv_row;
-      if (head_) {
-        RETURN_IF_ERROR(PackHeadSlice(host_copies_, rank.slice, t, elem_, qkv_rows, rank.pack.get()));
-        rows = static_cast<const uint8_t*>(rank.pack.get());
-      }
-      const LayerMessageExpect what{.step_id = step.plan.step_id,
-                                    .layer = layer,
-                                    .kind = LayerMessageKind::kQkv,
-                                    .dtype = backend_->dtype(),
-                                    .rows = static_cast<uint32_t>(end - begin),
-                                    .row_bytes = static_cast<uint32_t>(row_bytes),
-                                    .seqno = ++rank.seqno};
-      const absl::Span<const uint8_t> body(rows, static_cast<size_t>(end - begin) * row_bytes);
-      const std::vector<uint8_t> header = MakeLayerMessageHeader(what, body, options_.checksums);
-      const absl::Span<const uint8_t> pieces[] = {header, body};
-      RETURN_IF_ERROR(
-          Annotate(transport_->Write(rank.peer, rank.qkv_buffer, 0, pieces, rank.seqno), rank.name));
-    }
-    for (size_t m = 0; m < ranks_.size(); ++m) {
-      Rank& rank = ranks_[m];
-      const auto [begin, end] = RowsOf(step, m);
-      if (begin == end) continue;
-      const absl::Status waited =
-          transport_->WaitDoorbell(rank.attn_buffer, rank.seqno, absl::Now() + options_.step_timeout);
-      if (!waited.ok()) {
-        // A memory rank that stopped says why in an error message; prefer that to the wait's error.
-        transport::PeerId from = 0;
-        std::vector<uint8_t> msg;
-        if (transport_->Receive(&from, &msg, absl::Now()).ok()) {
-          absl::StatusOr<ErrorMessage> err = DecodeError(msg);
-          if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
-        }
-        return Annotate(waited, absl::StrCat(rank.name, ": attention output of step ", step.plan.step_id,
-                                             " layer ", layer));
-      }
-      const LayerMessageExpect expect{
-          .step_id = step.plan.step_id,
-          .layer = layer,
-          .kind = LayerMessageKind::kAttnOut,
-          .dtype = backend_->dtype(),
-          .rows = static_cast<uint32_t>(end - begin),
-          .row_bytes =
-              static_cast<uint32_t>(head_ ? static_cast<size_t>(rank.slice.slice_q_dim()) * elem_ : attn_row),
-          .seqno = rank.seqno,
-          .verify_checksum = options_.checksums};
-      absl::StatusOr<absl::Span<const uint8_t>> payload =
-          ReadLayerMessage({static_cast<const uint8_t*>(rank.recv.get()), rank.recv_bytes}, expect);
-      if (!payload.ok()) return Annotate(payload.status(), rank.name);
-      if (head_) {
-        RETURN_IF_ERROR(UnpackHeadSlice(host_copies_, rank.slice, t, elem_, payload->data(), attn_rows));
-      } else {
-        RETURN_IF_ERROR(backend_->memory().CopyIn(static_cast<uint8_t*>(attn_.get()) + begin * attn_row,
-                                                  payload->data(), payload->size()));
-      }
-    }
-    if (head_ && !host) {
-      RETURN_IF_ERROR(backend_->memory().CopyIn(attn_.get(), attn_rows, static_cast<size_t>(t) * attn_row));
-    }
-    backend_->MarkAttention();
-    charge(&host_attention_ms_);
-    RETURN_IF_ERROR(backend_->PostAttention(layer, attn_.get()));
-    charge(&host_compute_ms_);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ComputeRank::RunLayersOnDevice(const PlannedStep& step) {
-  const ModelSpec& s = backend_->spec();
-  const size_t qkv_row = static_cast<size_t>(backend_->qkv_width()) * elem_;
-  const size_t attn_row = static_cast<size_t>(s.q_dim()) * elem_;
-  auto* qkv = static_cast<const uint8_t*>(qkv_.get());
-  const int64_t t = step.rows.num_tokens();
-  MemorySpace& memory = backend_->memory();  // ordered on `stream`
-  void* stream = backend_->stream();
-  RETURN_IF_ERROR(backend_->BeginStep(step.rows));
-  for (uint32_t layer = 0; layer < static_cast<uint32_t>(s.num_layers); ++layer) {
-    RETURN_IF_ERROR(backend_->PreAttention(layer, qkv_.get()));
-    for (size_t m = 0; m < ranks_.size(); ++m) {
-      Rank& rank = ranks_[m];
+      RankLane& rl = rank.lanes[j];
       const auto [begin, end] = RowsOf(step, m);
       if (begin == end) continue;
       const void* rows = qkv + begin * qkv_row;
       size_t bytes = static_cast<size_t>(end - begin) * qkv_row;
       if (head_) {
         // Its columns of every row, packed into its own buffer: that buffer is what is written.
-        RETURN_IF_ERROR(PackHeadSlice(memory, rank.slice, t, elem_, qkv, rank.pack.get()));
-        rows = rank.pack.get();
+        RETURN_IF_ERROR(PackHeadSlice(memory, rank.slice, t, elem_, qkv, rl.pack.get()));
+        rows = rl.pack.get();
         bytes = static_cast<size_t>(t * rank.slice.slice_qkv_width()) * elem_;
       }
-      RETURN_IF_ERROR(
-          Annotate(transport_->EnqueueWrite(rank.peer, rank.qkv_buffer, 0, rows, bytes, ++rank.seqno, stream),
-                   rank.name));
+      RETURN_IF_ERROR(Annotate(transport_->EnqueueWrite(rank.peer, rank.qkv_buffer + static_cast<uint32_t>(j),
+                                                        0, rows, bytes, ++rl.seqno, stream),
+                               rank.name));
     }
+    return absl::OkStatus();
+  }
+  // Host-staged: the rows (device -> pinned host first on a GPU), each rank's with a layer
+  // message header.
+  const bool host = memory.host();
+  auto* qkv_rows = static_cast<uint8_t*>(host ? lane.qkv.get() : lane.qkv_host.get());
+  if (!host) {
+    RETURN_IF_ERROR(memory.CopyOut(lane.qkv_host.get(), lane.qkv.get(), static_cast<size_t>(t) * qkv_row));
+    RETURN_IF_ERROR(memory.Synchronize());
+  }
+  // Each memory rank's rows are one contiguous range of the step's rows (request partition), or
+  // every row, packed to its columns (head partition).
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    Rank& rank = ranks_[m];
+    RankLane& rl = rank.lanes[j];
+    const auto [begin, end] = RowsOf(step, m);
+    if (begin == end) continue;
+    const size_t row_bytes = head_ ? static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_ : qkv_row;
+    const uint8_t* rows = qkv_rows + begin * qkv_row;
+    if (head_) {
+      RETURN_IF_ERROR(PackHeadSlice(host_copies_, rank.slice, t, elem_, qkv_rows, rl.pack.get()));
+      rows = static_cast<const uint8_t*>(rl.pack.get());
+    }
+    const LayerMessageExpect what{.step_id = step.plan.step_id,
+                                  .layer = layer,
+                                  .kind = LayerMessageKind::kQkv,
+                                  .dtype = backend_->dtype(),
+                                  .rows = static_cast<uint32_t>(end - begin),
+                                  .row_bytes = static_cast<uint32_t>(row_bytes),
+                                  .seqno = ++rl.seqno};
+    const absl::Span<const uint8_t> body(rows, static_cast<size_t>(end - begin) * row_bytes);
+    const std::vector<uint8_t> header = MakeLayerMessageHeader(what, body, options_.checksums);
+    const absl::Span<const uint8_t> pieces[] = {header, body};
+    RETURN_IF_ERROR(Annotate(
+        transport_->Write(rank.peer, rank.qkv_buffer + static_cast<uint32_t>(j), 0, pieces, rl.seqno),
+        rank.name));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ComputeRank::ReceiveLayer(size_t j, const PlannedStep& step, uint32_t layer) {
+  Lane& lane = lanes_[j];
+  const ModelSpec& s = backend_->spec();
+  const int64_t t = step.rows.num_tokens();
+  const size_t attn_row = static_cast<size_t>(s.q_dim()) * elem_;
+  MemorySpace& memory = backend_->memory();
+  const std::string micro = options_.micro_batches > 1 ? absl::StrCat(" micro-batch ", j) : "";
+  if (device_path_) {
+    void* stream = backend_->stream();
     for (size_t m = 0; m < ranks_.size(); ++m) {
       Rank& rank = ranks_[m];
+      RankLane& rl = rank.lanes[j];
       const auto [begin, end] = RowsOf(step, m);
       if (begin == end) continue;
-      // Request partition: its rows of the attention buffer; head partition: its own buffer, from
-      // row 0, then scattered into its columns.
+      // Request partition: its rows of the lane's attention buffer; head partition: its own
+      // buffer, from row 0, then scattered into its columns.
       const size_t offset = head_ ? 0 : begin * attn_row;
       const size_t bytes = head_ ? static_cast<size_t>(t * rank.slice.slice_q_dim()) * elem_
                                  : static_cast<size_t>(end - begin) * attn_row;
-      RETURN_IF_ERROR(transport_->EnqueueWait(rank.peer, rank.attn_buffer, offset, bytes, rank.seqno,
-                                              options_.step_timeout,
-                                              absl::StrCat("compute rank: attention output of ", rank.name,
-                                                           ", step ", step.plan.step_id, " layer ", layer),
-                                              stream));
-      if (head_) RETURN_IF_ERROR(UnpackHeadSlice(memory, rank.slice, t, elem_, rank.out.get(), attn_.get()));
+      RETURN_IF_ERROR(
+          transport_->EnqueueWait(rank.peer, rl.attn_buffer, offset, bytes, rl.seqno, options_.step_timeout,
+                                  absl::StrCat("compute rank: attention output of ", rank.name, ", step ",
+                                               step.plan.step_id, micro, " layer ", layer),
+                                  stream));
+      if (head_)
+        RETURN_IF_ERROR(UnpackHeadSlice(memory, rank.slice, t, elem_, rl.out.get(), lane.attn.get()));
     }
-    backend_->MarkAttention();
-    RETURN_IF_ERROR(backend_->PostAttention(layer, attn_.get()));
+    return absl::OkStatus();
   }
-  const absl::Status synced = transport_->SyncStream(stream, absl::Now() + 2 * options_.step_timeout);
-  if (!synced.ok()) {
-    // A memory rank that stopped says why in an error message; prefer that to the wait's error.
-    transport::PeerId from = 0;
-    std::vector<uint8_t> msg;
-    if (transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(100)).ok()) {
-      absl::StatusOr<ErrorMessage> err = DecodeError(msg);
-      if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
-    }
-    // A failed peer is named by its address: say which memory rank that is.
-    for (size_t m = 0; m < ranks_.size(); ++m) {
-      if (absl::StrContains(synced.message(), options_.memory_addresses[m])) {
-        return Annotate(synced, absl::StrCat(ranks_[m].name, ", step ", step.plan.step_id));
+  const bool host = memory.host();
+  // Head partition: where the ranks' outputs are scattered (then copied to the device at once).
+  void* attn_rows = host ? lane.attn.get() : lane.attn_host.get();
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    Rank& rank = ranks_[m];
+    RankLane& rl = rank.lanes[j];
+    const auto [begin, end] = RowsOf(step, m);
+    if (begin == end) continue;
+    const absl::Status waited =
+        transport_->WaitDoorbell(rl.attn_buffer, rl.seqno, absl::Now() + options_.step_timeout);
+    if (!waited.ok()) {
+      // A memory rank that stopped says why in an error message; prefer that to the wait's error.
+      transport::PeerId from = 0;
+      std::vector<uint8_t> msg;
+      if (transport_->Receive(&from, &msg, absl::Now()).ok()) {
+        absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+        if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
       }
+      return Annotate(waited, absl::StrCat(rank.name, ": attention output of step ", step.plan.step_id, micro,
+                                           " layer ", layer));
     }
-    return Annotate(synced, absl::StrCat("step ", step.plan.step_id));
+    const LayerMessageExpect expect{
+        .step_id = step.plan.step_id,
+        .layer = layer,
+        .kind = LayerMessageKind::kAttnOut,
+        .dtype = backend_->dtype(),
+        .rows = static_cast<uint32_t>(end - begin),
+        .row_bytes =
+            static_cast<uint32_t>(head_ ? static_cast<size_t>(rank.slice.slice_q_dim()) * elem_ : attn_row),
+        .seqno = rl.seqno,
+        .verify_checksum = options_.checksums};
+    absl::StatusOr<absl::Span<const uint8_t>> payload =
+        ReadLayerMessage({static_cast<const uint8_t*>(rl.recv.get()), rl.recv_bytes}, expect);
+    if (!payload.ok()) return Annotate(payload.status(), rank.name);
+    if (head_) {
+      RETURN_IF_ERROR(UnpackHeadSlice(host_copies_, rank.slice, t, elem_, payload->data(), attn_rows));
+    } else {
+      RETURN_IF_ERROR(memory.CopyIn(static_cast<uint8_t*>(lane.attn.get()) + begin * attn_row,
+                                    payload->data(), payload->size()));
+    }
+  }
+  if (head_ && !host) {
+    RETURN_IF_ERROR(memory.CopyIn(lane.attn.get(), attn_rows, static_cast<size_t>(t) * attn_row));
   }
   return absl::OkStatus();
+}
+
+absl::Status ComputeRank::DeviceStepError(absl::Status synced, uint64_t step_id) {
+  // A memory rank that stopped says why in an error message; prefer that to the wait's error.
+  transport::PeerId from = 0;
+  std::vector<uint8_t> msg;
+  if (transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(100)).ok()) {
+    absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+    if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
+  }
+  // A failed peer is named by its address: say which memory rank that is.
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    if (absl::StrContains(synced.message(), options_.memory_addresses[m])) {
+      return Annotate(synced, absl::StrCat(ranks_[m].name, ", step ", step_id));
+    }
+  }
+  return Annotate(synced, absl::StrCat("step ", step_id));
 }
 
 absl::StatusOr<size_t> ComputeRank::ReceiveFromRank(absl::Time deadline, const std::string& awaited,

@@ -40,6 +40,12 @@ const ConfigSchema& DeploySchema() {
               "how attention is split over the memory ranks: request (each request's KV on one rank, "
               "placed by free KV) or head (every rank holds a slice of the KV heads of every request; "
               "needs num_key_value_heads divisible by memory.ranks)")
+        .Enum("pipeline.mode", "none", {"none", "pingpong"},
+              "none: each step runs whole (linear layers, then attention, layer by layer); pingpong: each "
+              "step is split into pipeline.batches micro-batches of balanced rows and KV, and compute rank 0 "
+              "runs the linear layers of one while the memory ranks run the attention of another (not over "
+              "transport.kind nccl)")
+        .Int("pipeline.batches", 2, "micro-batches per step with pipeline.mode pingpong", 2, 8)
         .String("memory.host", "127.0.0.1", "address the memory ranks listen on")
         .Int("memory.base_port", 0,
              "port of memory rank 0 (rank i listens on base_port + i); 0: any free port", 0, 65535)
@@ -138,6 +144,14 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   ASSIGN_OR_RETURN(const std::optional<transport::TransportKind> kind,
                    ParseTransportSetting(c.GetString("transport.kind")));
   ASSIGN_OR_RETURN(p.transport, ResolveTransport(kind, p));
+  p.micro_batches =
+      c.GetString("pipeline.mode") == "pingpong" ? static_cast<int>(c.GetInt("pipeline.batches")) : 1;
+  if (p.micro_batches > 1 && p.transport == transport::TransportKind::kNccl) {
+    return absl::InvalidArgumentError(
+        "pipeline.mode: pingpong does not run over transport.kind nccl (NCCL orders a peer's transfers on "
+        "one "
+        "stream, so two micro-batches in flight would deadlock); use p2p, verbs, local or ucx");
+  }
   p.checksums = c.GetBool("transport.checksums");
   p.run_dir = c.GetString("launch.run_dir");
   p.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));

@@ -44,10 +44,11 @@ const ConfigSchema& DeploySchema();
 struct DeployPlan {
   std::string model;
   uint64_t weight_seed = 0;
-  std::string compute_device;                                           // "cpu" or "cuda:N"
-  std::vector<std::string> memory_devices;                              // per memory rank
-  std::vector<std::string> listen_addresses;                            // per memory rank, host:port
-  AttentionPartition partition = AttentionPartition::kRequest;          // memory.partition
+  std::string compute_device;                                   // "cpu" or "cuda:N"
+  std::vector<std::string> memory_devices;                      // per memory rank
+  std::vector<std::string> listen_addresses;                    // per memory rank, host:port
+  AttentionPartition partition = AttentionPartition::kRequest;  // memory.partition
+  int micro_batches = 1;  // pipeline.batches with pipeline.mode pingpong, else 1
   transport::TransportKind transport = transport::TransportKind::kUcx;  // resolved transport.kind
   bool checksums = true;
   std::string run_dir;

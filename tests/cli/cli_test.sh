@@ -201,6 +201,17 @@ expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --set transport.kind=lo
 grep -q "2 memory rank(s) as threads of compute-0 (transport local)" "$TMP/err" || bad "generate --deploy with transport local does not say so: $(tail -3 "$TMP/err")"
 ls "$TMP"/run/memory-*.log >/dev/null 2>&1 && bad "transport local started memory rank processes"
 cmp -s "$TMP/out" "$TMP/deployed.json" || bad "transport local differs from colocated: $(diff "$TMP/out" "$TMP/deployed.json" | head -5)"
+# pipeline.mode pingpong: each step as micro-batches interleaved with the memory ranks' attention,
+# same JSON; over ucx between processes and over local.
+for kind in ucx local; do
+  rm -rf "$TMP/run"
+  expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --set transport.kind=$kind --set pipeline.mode=pingpong --set pipeline.batches=3 --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs
+  grep -q "pipeline pingpong over 3 micro-batches" "$TMP/err" "$TMP"/run/compute-0.log 2>/dev/null || bad "pingpong over $kind does not say so"
+  # Same tokens; log-probabilities within fp32 rounding (each micro-batch's GEMMs have fewer rows).
+  python3 "$SRC/tests/cli/compare_results.py" "$TMP/out" "$TMP/deployed.json" 1e-4 >/dev/null 2>"$TMP/cmp" ||
+    bad "pingpong over $kind differs from colocated: $(cat "$TMP/cmp")"
+done
+expect_fail "pipeline.batches=9: expected an integer in [2, 8]" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set pipeline.mode=pingpong --set pipeline.batches=9
 expect_ok "$TANDEM" devices
 grep -q "transports in this build: ucx" "$TMP/out" || bad "devices does not list the transports"
 expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml"

@@ -662,6 +662,88 @@ INSTANTIATE_TEST_SUITE_P(ModelsAndRanks, HeadPartition,
                                                std::get<1>(info.param), "_memory_ranks");
                          });
 
+// ---------------------------------------------------------------------------------------------
+// Pipelining (pipeline.mode pingpong): each step split into micro-batches that compute rank 0 runs
+// interleaved with the memory ranks' attention gives the colocated engine's tokens, whatever the
+// partition, the number of memory ranks and of micro-batches, with prefix sharing on.
+
+class PingPong : public DisaggregatedTest,
+                 public ::testing::WithParamInterface<std::tuple<std::string, int, AttentionPartition, int>> {
+};
+
+TEST_P(PingPong, EqualsColocated) {
+  const auto& [model, n, partition, batches] = GetParam();
+  std::unique_ptr<WeightSource> source = OpenHeadModel(model);
+  ASSERT_NE(source, nullptr);
+  constexpr int64_t kBatch = 8, kStepTokens = 40, kBlock = 8;
+  std::mt19937 rng(2468 + batches);
+  const int64_t vocab = source->spec().vocab_size;
+  const GenerationRequest system = MakeRequest(rng, vocab, 16, 1, false, 0);
+  std::vector<Arrival> arrivals;
+  for (int i = 0; i < 16; ++i) {
+    GenerationRequest r = MakeRequest(rng, vocab, 1 + (i * 11) % 37, 2 + (i * 5) % 13, i % 3 == 2, 700 + i);
+    if (i % 2 == 0) {
+      std::vector<int32_t> prompt = system.prompt;
+      prompt.insert(prompt.end(), r.prompt.begin(), r.prompt.end());
+      r.prompt = prompt;
+    }
+    arrivals.push_back({i < 6 ? 0 : i, r});
+  }
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, kBatch, kStepTokens, /*prefix_cache=*/false);
+  ASSERT_NE(engine, nullptr);
+  const std::vector<GenerationResult> want = RunSchedule(*engine, arrivals, [] {});
+  ASSERT_FALSE(HasFailure());
+
+  ComputeRankOptions o = Options(kBatch, kStepTokens, 2048);
+  absl::StatusOr<PrefixOptions> prefix = ResolvePrefixOptions(true, kBlock, "on");
+  ASSERT_TRUE(prefix.ok()) << prefix.status();
+  o.scheduler.prefix_block_tokens = prefix->block_tokens;
+  o.scheduler.prefix_sharing = prefix->sharing;
+  o.partition = partition;
+  o.micro_batches = batches;
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, n, o));
+  const std::vector<GenerationResult> got = RunSchedule(*rank_, arrivals, [] {});
+  ASSERT_FALSE(HasFailure());
+  int64_t cached = 0, generated = 0;
+  for (const GenerationResult& r : got) {
+    cached += r.cached_tokens;
+    generated += static_cast<int64_t>(r.token_ids.size());
+  }
+  const ControllerStats& stats = rank_->controller().stats();
+  std::printf(
+      "%s, %d memory rank(s), %s partition, %d micro-batches: %lld tokens in %lld steps, %lld prompt tokens "
+      "reused, %lld rows in prefix groups, max |logprob difference| %.3g\n",
+      model.c_str(), n, std::string(AttentionPartitionName(partition)).c_str(), batches,
+      static_cast<long long>(generated), static_cast<long long>(stats.steps), static_cast<long long>(cached),
+      static_cast<long long>(stats.grouped_rows), ExpectSameResults(got, want));
+  EXPECT_GT(cached, 0) << "the prefix cache was not used";
+  absl::StatusOr<PipelineTotals> totals = rank_->Pipeline();
+  ASSERT_TRUE(totals.ok()) << totals.status();
+  const PipelineReport report = MakePipelineReport(*totals);
+  std::printf("  pipeline: %s\n", report.ToString().c_str());
+  EXPECT_EQ(report.steps, stats.steps);
+  for (int m = 0; m < n; ++m) EXPECT_GT(report.rank_attention_ms[static_cast<size_t>(m)], 0.0);
+  EXPECT_LE(report.compute_ms + report.attention_phase_ms, report.step_ms * 1.0001);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    ModelsRanksPartitionsBatches, PingPong,
+    ::testing::Values(std::tuple<std::string, int, AttentionPartition, int>{"llama3-gqa-tied", 1,
+                                                                            AttentionPartition::kRequest, 2},
+                      std::tuple<std::string, int, AttentionPartition, int>{"llama2-mha", 2,
+                                                                            AttentionPartition::kRequest, 3},
+                      std::tuple<std::string, int, AttentionPartition, int>{"mqa-headdim", 3,
+                                                                            AttentionPartition::kRequest, 2},
+                      std::tuple<std::string, int, AttentionPartition, int>{"llama3-gqa-tied", 2,
+                                                                            AttentionPartition::kHead, 2},
+                      std::tuple<std::string, int, AttentionPartition, int>{"gqa-8x4", 4,
+                                                                            AttentionPartition::kHead, 4}),
+    [](const auto& info) {
+      return absl::StrCat(testing_names::Identifier(std::get<0>(info.param)), "_", std::get<1>(info.param),
+                          "_", AttentionPartitionName(std::get<2>(info.param)), "_", std::get<3>(info.param),
+                          "_batches");
+    });
+
 // Head partition with KV heads that do not divide among the ranks: refused by Create, with both
 // numbers, before anything connects (nothing listens at these addresses).
 TEST_F(DisaggregatedTest, HeadPartitionRefusesKvHeadsThatDoNotDivide) {
