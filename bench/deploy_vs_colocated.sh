@@ -59,6 +59,12 @@ DEPLOY_SETS="--set pipeline.mode=pingpong --set transport.kind=p2p" same small-p
   --prompts-file mixed.jsonl
 DEPLOY_SETS="--set pipeline.mode=pingpong --set memory.ranks=2 --set memory.partition=head" same \
   llama2-mha-head2-pingpong --model "$src/tests/data/reference/llama2-mha" --prompts-file mixed.jsonl
+# Compute replicas (pipeline.mode fixed) as processes on the same GPU, over p2p (IPC events).
+DEPLOY_SETS="--set compute.ranks=2 --set pipeline.mode=fixed --set transport.kind=p2p" same small-fixed2-p2p \
+  --model small --prompts-file mixed.jsonl
+DEPLOY_SETS="--set compute.ranks=2 --set pipeline.mode=fixed --set pipeline.batches=3 --set transport.kind=p2p \
+  --set memory.ranks=2" same llama3-gqa-tied-fixed2-p2p --model "$src/tests/data/reference/llama3-gqa-tied" \
+  --prompts-file mixed.jsonl
 unset TOL
 # Throughput: B requests of P prompt tokens, G generated tokens each (ignore EOS).
 IFS=';' read -r -a specs <<<"$SPECS"

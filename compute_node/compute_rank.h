@@ -41,6 +41,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -74,12 +75,32 @@ struct ComputeRankOptions {
   bool checksums = true;  // crc32c of every layer payload, checked by the receiver
   bool profile = false;
   bool cuda_graphs = false;  // ComputeBackendOptions::cuda_graphs
-  // pipeline.mode pingpong: each step split into this many micro-batches (compute_node/
+  // pipeline.mode pingpong / fixed: each step split into this many micro-batches (compute_node/
   // micro_batches.h) kept in flight at once; 1 runs each step whole (pipeline.mode none).
   int micro_batches = 1;
+  // compute.ranks > 1 (pipeline.mode fixed): the compute replicas' addresses (`tandem compute
+  // --replica r`, listening), compute rank r at replica_addresses[r - 1]. Micro-batch j runs on
+  // compute rank j % compute.ranks, so micro_batches must be at least compute.ranks.
+  std::vector<std::string> replica_addresses;
   absl::Duration startup_timeout = absl::Minutes(10);
   absl::Duration step_timeout = absl::Minutes(2);  // for each layer's attention output
 };
+
+// A compute replica (compute rank r > 0 of compute.ranks; pipeline.mode fixed): the weights on its
+// own device, no controller and no request state. It listens, connects to every memory rank (a
+// compute hello each), tells compute rank 0 it is ready once rank 0 connects, and then runs the
+// micro-batches rank 0 hands it (replica steps: a part's plan and input tokens) on lanes of its
+// own, exchanging q,k,v and outputs with the memory ranks itself, and sends back the sampled tokens
+// (replica results), until bye.
+struct ComputeReplicaOptions {
+  int compute_rank = 1;  // r, in [1, compute_ranks)
+  int compute_ranks = 2;
+  std::string listen_address = "127.0.0.1:0";
+  std::function<absl::Status(const std::string& address)> on_listening;
+  std::function<bool()> stop_requested;  // polled while idle; true ends the replica (OK)
+  ComputeRankOptions rank;               // device, transport, memory addresses, limits, pipeline
+};
+absl::Status RunComputeReplica(const WeightSource& source, const ComputeReplicaOptions& options);
 
 // Compute rank 0 implements the Engine interface (compute_node/engine.h): the same requests give
 // the same tokens as the colocated engine.
@@ -133,10 +154,20 @@ class ComputeRank : public Engine {
   std::vector<std::pair<std::string, double>> PhaseTotalsMs() const { return backend_->PhaseTotalsMs(); }
 
  private:
+  friend absl::Status RunComputeReplica(const WeightSource& source, const ComputeReplicaOptions& options);
   ComputeRank() = default;
   absl::Status Connect(const WeightSource& source);
+  // Compute rank 0: connects to the replicas and waits for each to say it is ready.
+  absl::Status ConnectReplicas(absl::Time deadline);
+  // A replica: serves rank 0's replica steps until bye (see RunComputeReplica).
+  absl::Status ServeReplica(const ComputeReplicaOptions& options);
+  bool Owns(size_t micro_batch) const {
+    return micro_batch % static_cast<size_t>(compute_ranks_) == static_cast<size_t>(compute_rank_);
+  }
   // Runs the step's micro-batches (one, or several interleaved: see the file comment) and
   // appends the sampled tokens of each part to part_tokens / part_logprobs.
+  // Parts owned by replicas go to them; this rank runs its own parts and collects the replicas'
+  // results (part_tokens[k] for parts[k], whoever ran it).
   absl::Status RunParts(std::span<const PlannedStep> parts, std::vector<std::vector<int32_t>>* part_tokens,
                         std::vector<std::vector<float>>* part_logprobs);
   // Sends micro-batch j's q,k,v rows of `layer` (in lane j's qkv buffer) to the memory ranks.
@@ -147,7 +178,8 @@ class ComputeRank : public Engine {
   // The status of a failed device-path step, naming the memory rank where it can.
   absl::Status DeviceStepError(absl::Status synced, uint64_t step_id);
   // The next control message, from memory rank m (returned) into `msg`, before `deadline`; an
-  // error message the rank sent is returned as its Status, named.
+  // error message the rank sent is returned as its Status, named. A message from a replica (rank 0)
+  // is returned as ranks_.size() + r - 1 for compute rank r.
   absl::StatusOr<size_t> ReceiveFromRank(absl::Time deadline, const std::string& awaited,
                                          std::vector<uint8_t>* msg);
   // The step's rows memory rank m gets: its range (request partition) or all of them (head).
@@ -179,6 +211,15 @@ class ComputeRank : public Engine {
     std::string name;
   };
   std::vector<Rank> ranks_;
+  int compute_rank_ = 0, compute_ranks_ = 1;  // this rank, and compute.ranks
+  struct Replica {                            // compute rank 0's view of compute rank r > 0
+    uint32_t peer = 0;
+    std::string name;
+  };
+  std::vector<Replica> replicas_;
+  uint32_t rank0_peer_ = 0;     // a replica's connection to compute rank 0
+  std::string listen_address_;  // a replica's (compute rank 0 does not listen)
+  std::function<absl::Status(const std::string&)> on_listening_;
   std::vector<std::string> rank_names_;
   PlannedStep step_;
   // One per micro-batch in flight: lane 0 is backend_ itself, lane j > 0 a backend lane over the

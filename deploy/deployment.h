@@ -48,7 +48,10 @@ struct DeployPlan {
   std::vector<std::string> memory_devices;                      // per memory rank
   std::vector<std::string> listen_addresses;                    // per memory rank, host:port
   AttentionPartition partition = AttentionPartition::kRequest;  // memory.partition
-  int micro_batches = 1;  // pipeline.batches with pipeline.mode pingpong, else 1
+  int micro_batches = 1;                     // pipeline.batches with pipeline.mode pingpong or fixed, else 1
+  int compute_ranks = 1;                     // compute.ranks
+  std::vector<std::string> replica_devices;  // of compute ranks 1.. ("cpu", "cuda:N")
+  std::string compute_host;                  // where the compute replicas listen
   transport::TransportKind transport = transport::TransportKind::kUcx;  // resolved transport.kind
   bool checksums = true;
   std::string run_dir;

@@ -1,6 +1,7 @@
 #include "memory_node/memory_rank.h"
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -47,12 +48,9 @@ class MemoryRank {
                     o_.device, ")");
     if (o_.on_listening) RETURN_IF_ERROR(o_.on_listening(transport_->address()));
     const absl::Time start_deadline = absl::Now() + o_.startup_timeout;
-    ASSIGN_OR_RETURN(peer_, WaitFor([&](absl::Time d) { return transport_->Accept(d); }, start_deadline,
-                                    "the compute rank to connect"));
+    absl::Status st = Meet(device, start_deadline);
+    if (!st.ok()) return peer_set_ ? Fail(st) : st;
     std::vector<uint8_t> msg;
-    RETURN_IF_ERROR(ReceiveFromCompute(&msg, start_deadline, "the compute rank's hello"));
-    absl::Status st = Setup(msg, device);
-    if (!st.ok()) return Fail(st);
     // Serve until bye, a signal or an error.
     while (true) {
       absl::Status r = ReceiveFromCompute(&msg, absl::InfiniteFuture(), "the next step plan");
@@ -81,7 +79,10 @@ class MemoryRank {
         if (!bye.ok()) return Fail(bye.status());
         TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, ": bye after ", bye->steps, " steps (", steps_,
                         " with rows here)");
-        transport_->Close(peer_);  // the compute rank is done with us too
+        // Answer (the compute rank waits for it before it leaves), then go.
+        transport_->Close(peer_);
+        (void)transport_->Send(peer_, EncodeBye(ByeMessage{.steps = static_cast<uint64_t>(steps_)}));
+        (void)transport_->Flush(absl::Now() + absl::Seconds(2));
         return absl::OkStatus();
       } else if (magic == kErrorMagic) {
         absl::StatusOr<ErrorMessage> err = DecodeError(msg);
@@ -123,8 +124,22 @@ class MemoryRank {
         },
         deadline, what);
     if (!r.ok()) return r.status();
-    if (from != peer_) return absl::InvalidArgumentError("message from an unknown peer");
-    return absl::OkStatus();
+    if (from == peer_) return absl::OkStatus();
+    for (auto it = replicas_.begin(); it != replicas_.end(); ++it) {
+      if (it->second != from) continue;
+      // A compute replica leaving (compute rank 0 ends the deployment): a bye each way, and its
+      // connection closes quietly. Anything else from it is not expected.
+      absl::StatusOr<uint32_t> magic = PeekFrameMagic(*msg);
+      if (!magic.ok() || *magic != kByeMagic) {
+        return absl::InvalidArgumentError(absl::StrCat("unexpected message from compute rank ", it->first));
+      }
+      transport_->Close(from);  // first: it may leave as soon as the answer arrives
+      RETURN_IF_ERROR(transport_->Send(from, EncodeBye(ByeMessage{.steps = static_cast<uint64_t>(steps_)})));
+      (void)transport_->Flush(absl::Now() + absl::Seconds(2));
+      replicas_.erase(it);
+      return ReceiveFromCompute(msg, deadline, what);
+    }
+    return absl::InvalidArgumentError("message from an unknown peer");
   }
 
   // Tells the compute rank (if it can be reached) why this rank stops, and returns `st`.
@@ -136,6 +151,80 @@ class MemoryRank {
       (void)transport_->Flush(absl::Now() + absl::Seconds(2));
     }
     return st;
+  }
+
+  // Start-up: the compute ranks connect, in any order: compute rank 0 with its hello (which sets
+  // this rank up), and with compute.ranks > 1 the replicas with a compute hello each. Every one
+  // gets the hello reply once the rank is set up.
+  absl::Status Meet(int device, absl::Time deadline) {
+    std::vector<uint8_t> msg;
+    std::vector<PeerId> waiting;  // replicas that said hello before compute rank 0 did
+    bool ready = false;
+    while (!ready || replicas_.size() + 1 < hello_.compute_ranks) {
+      if (o_.stop_requested && o_.stop_requested()) return absl::CancelledError("stopped while starting");
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("memory rank ", o_.rank, ": timed out waiting for the compute ranks to connect (",
+                         ready ? "compute rank 0 and " : "", replicas_.size(), " replica(s) said hello)"));
+      }
+      // New connections are accepted as they come; the first message says who the peer is.
+      absl::StatusOr<PeerId> accepted = transport_->Accept(absl::Now() + absl::Milliseconds(10));
+      if (!accepted.ok() && !absl::IsDeadlineExceeded(accepted.status())) return accepted.status();
+      PeerId from = 0;
+      const absl::Status got = transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(40));
+      if (absl::IsDeadlineExceeded(got)) continue;
+      RETURN_IF_ERROR(got);
+      ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
+      if (magic == kHelloMagic && !ready) {
+        peer_ = from;
+        peer_set_ = true;
+        RETURN_IF_ERROR(Setup(msg, device));
+        ready = true;
+        for (PeerId p : waiting) RETURN_IF_ERROR(transport_->Send(p, reply_));
+      } else if (magic == kComputeHelloMagic) {
+        ASSIGN_OR_RETURN(const ComputeHelloMessage hello, DecodeComputeHello(msg));
+        if (replicas_.contains(hello.compute_rank)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("two connections say they are compute rank ", hello.compute_rank));
+        }
+        if (ready && hello.compute_ranks != hello_.compute_ranks) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("compute rank ", hello.compute_rank, " counts ", hello.compute_ranks,
+                           " compute ranks, compute rank 0 ", int{hello_.compute_ranks}));
+        }
+        replicas_[hello.compute_rank] = from;
+        if (ready) {
+          RETURN_IF_ERROR(transport_->Send(from, reply_));
+        } else {
+          waiting.push_back(from);
+        }
+      } else if (magic == kErrorMagic) {
+        ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
+        return Annotate(StatusFromErrorMessage(err), "a compute rank stopped");
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat("unexpected first message (magic 0x", absl::Hex(magic), ") from a compute rank"));
+      }
+    }
+    if (ready && replicas_.size() + 1 > hello_.compute_ranks) {
+      return absl::InvalidArgumentError(absl::StrCat(replicas_.size(),
+                                                     " compute replicas connected but compute "
+                                                     "rank 0 counts ",
+                                                     int{hello_.compute_ranks}, " compute ranks"));
+    }
+    // Each lane's q,k,v come from, and its outputs go to, the compute rank that owns it.
+    for (size_t j = 0; j < lanes_.size(); ++j) {
+      const size_t owner = j % hello_.compute_ranks;
+      if (owner == 0) {
+        lanes_[j].peer = peer_;
+      } else {
+        auto it = replicas_.find(static_cast<uint16_t>(owner));
+        if (it == replicas_.end())
+          return absl::InvalidArgumentError(absl::StrCat("compute rank ", owner, " never said hello"));
+        lanes_[j].peer = it->second;
+      }
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Setup(const std::vector<uint8_t>& msg, int device) {
@@ -213,7 +302,8 @@ class MemoryRank {
     reply.kv_capacity_tokens = static_cast<uint64_t>(exec_->kv_capacity());
     reply.qkv_buffer = kQkvBuffer;
     reply.device = exec_->device().substr(0, 256);
-    RETURN_IF_ERROR(transport_->Send(peer_, EncodeHelloReply(reply)));
+    reply_ = EncodeHelloReply(reply);
+    RETURN_IF_ERROR(transport_->Send(peer_, reply_));
     TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, ": ", shape_.num_layers, " layers, ", shape_.num_heads,
                     "/", shape_.num_kv_heads, " heads of ", shape_.head_dim, " (partition ",
                     AttentionPartitionName(hello_.partition), ", KV heads [", hello_.kv_head_begin, ", ",
@@ -320,8 +410,8 @@ class MemoryRank {
         const absl::Span<const uint8_t> body(static_cast<const uint8_t*>(out), out_bytes);
         const std::vector<uint8_t> header = MakeLayerMessageHeader(reply, body, hello_.checksums);
         const absl::Span<const uint8_t> pieces[] = {header, body};
-        RETURN_IF_ERROR(transport_->Write(peer_, hello_.attn_out_buffer + static_cast<uint32_t>(j), 0, pieces,
-                                          lane.seqno));
+        RETURN_IF_ERROR(transport_->Write(lane.peer, hello_.attn_out_buffer + static_cast<uint32_t>(j), 0,
+                                          pieces, lane.seqno));
       }
     }
     return absl::OkStatus();
@@ -340,14 +430,14 @@ class MemoryRank {
         const size_t t = static_cast<size_t>(lane.rows);
         ++lane.seqno;
         RETURN_IF_ERROR(transport_->EnqueueWait(
-            peer_, kQkvBuffer + static_cast<uint32_t>(j), 0, t * qkv_row, lane.seqno, o_.step_timeout,
+            lane.peer, kQkvBuffer + static_cast<uint32_t>(j), 0, t * qkv_row, lane.seqno, o_.step_timeout,
             absl::StrCat("memory rank ", o_.rank, ": q,k,v of step ", step_id,
                          lanes > 1 ? absl::StrCat(" micro-batch ", j) : "", " layer ", layer),
             stream));
         RETURN_IF_ERROR(lane.exec->MarkLayerStart());
         RETURN_IF_ERROR(lane.exec->Layer(layer, lane.qkv_dev.get(), lane.out_dev.get()));
         RETURN_IF_ERROR(lane.exec->MarkLayerEnd());
-        RETURN_IF_ERROR(transport_->EnqueueWrite(peer_, hello_.attn_out_buffer + static_cast<uint32_t>(j),
+        RETURN_IF_ERROR(transport_->EnqueueWrite(lane.peer, hello_.attn_out_buffer + static_cast<uint32_t>(j),
                                                  lane.row_offset * out_row, lane.out_dev.get(), t * out_row,
                                                  lane.seqno, stream));
       }
@@ -357,13 +447,17 @@ class MemoryRank {
 
   MemoryRankOptions o_;
   std::unique_ptr<Transport> transport_;
-  PeerId peer_ = 0;
+  PeerId peer_ = 0;  // compute rank 0
+  bool peer_set_ = false;
+  std::map<uint16_t, PeerId> replicas_;  // compute rank -> its connection (compute.ranks > 1)
+  std::vector<uint8_t> reply_;           // the hello reply every compute rank gets
   HelloMessage hello_;
   AttentionShape shape_;
   std::unique_ptr<AttentionExecutor> exec_;
   std::unique_ptr<KvTable> kv_;
   // One per micro-batch in flight (lane 0 uses exec_ itself).
   struct Lane {
+    PeerId peer = 0;  // the compute rank that owns it (lane j: compute rank j % compute_ranks)
     std::unique_ptr<AttentionExecutor> owned;
     AttentionExecutor* exec = nullptr;
     AttentionBatch batch;

@@ -211,6 +211,21 @@ for kind in ucx local; do
   python3 "$SRC/tests/cli/compare_results.py" "$TMP/out" "$TMP/deployed.json" 1e-4 >/dev/null 2>"$TMP/cmp" ||
     bad "pingpong over $kind differs from colocated: $(cat "$TMP/cmp")"
 done
+# Compute replicas (pipeline.mode fixed): compute ranks 1.. as processes of their own, same tokens,
+# no warning in any log, every rank gone at the end.
+rm -rf "$TMP/run"
+expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --set compute.ranks=3 --set pipeline.mode=fixed --set pipeline.batches=4 --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs
+grep -q "compute-2 listening on" "$TMP/err" || bad "compute.ranks=3 did not start compute-2: $(tail -3 "$TMP/err")"
+grep -q "pipeline fixed over 4 micro-batches on 3 compute ranks" "$TMP/run/compute-0.log" || bad "compute-0 does not log the fixed pipeline"
+python3 "$SRC/tests/cli/compare_results.py" "$TMP/out" "$TMP/deployed.json" 1e-4 >/dev/null 2>"$TMP/cmp" ||
+  bad "compute replicas differ from colocated: $(cat "$TMP/cmp")"
+! grep -h " [WE] \[" "$TMP"/run/*.log || bad "a clean run with compute replicas logged warnings"
+grep -q "bye after" "$TMP/run/compute-1.log" || bad "compute-1 did not get its bye"
+expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=fixed
+grep -q "compute-1: cpu (replica)" "$TMP/out" || bad "config check does not list the compute replica"
+expect_fail "compute.ranks: 2 compute ranks need pipeline.mode fixed (it is none)" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2
+expect_fail "pipeline.batches: 2 micro-batches for 3 compute ranks" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=3 --set pipeline.mode=fixed
+expect_fail "which transport.kind local (one process) cannot connect" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=fixed --set transport.kind=local
 expect_fail "pipeline.batches=9: expected an integer in [2, 8]" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set pipeline.mode=pingpong --set pipeline.batches=9
 expect_ok "$TANDEM" devices
 grep -q "transports in this build: ucx" "$TMP/out" || bad "devices does not list the transports"

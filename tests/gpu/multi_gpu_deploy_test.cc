@@ -47,8 +47,8 @@ namespace {
 
 constexpr double kLogprobTol = 1e-4;  // same kernels on the same kind of GPU: usually bit-identical
 // Pipelined micro-batches run each GEMM over fewer rows, for which cuBLAS may choose another
-// kernel: the bf16 activations then round differently (measured on an H100, llama3-8b: the tokens
-// were the same, the log-probabilities differed beyond 1e-4).
+// kernel: the bf16 activations may then round differently (the reference checkpoints measured
+// bit-identical on an H100; the llama3-8b preset did not, see the pingpong suites below).
 constexpr double kPingPongLogprobTol = 0.05;
 
 double Seconds(std::chrono::steady_clock::time_point since) {
@@ -324,20 +324,23 @@ INSTANTIATE_TEST_SUITE_P(OneGpu, HeadPartitionSameTokens,
                                             ::testing::Values("llama3-gqa-tied", "llama2-mha", "llama3-8b"),
                                             ::testing::Values(2)),
                          Name);
+// Pingpong on the reference checkpoints only: the llama3-8b preset's random weights give nearly
+// flat logits, so a bf16 GEMM over fewer rows (another cuBLAS kernel, other rounding) flips
+// near-tied tokens (measured on an H100: same tokens in one run, a flipped token and 0.17 nats
+// after it in the next), as it would in the colocated engine with another batch size.
 INSTANTIATE_TEST_SUITE_P(OneGpu, PingPongSameTokens,
                          ::testing::Combine(::testing::Values("local"),
-                                            ::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim",
-                                                              "llama3-8b"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim"),
                                             ::testing::Values(1, 2)),
                          Name);
 INSTANTIATE_TEST_SUITE_P(TwoGpus, PingPongSameTokens,
                          ::testing::Combine(::testing::Values("p2p"),
-                                            ::testing::Values("llama3-gqa-tied", "llama2-mha", "llama3-8b"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha"),
                                             ::testing::Values(1)),
                          Name);
 INSTANTIATE_TEST_SUITE_P(FourGpus, PingPongSameTokens,
                          ::testing::Combine(::testing::Values("p2p"),
-                                            ::testing::Values("llama2-mha", "llama3-8b"),
+                                            ::testing::Values("llama2-mha", "mqa-headdim"),
                                             ::testing::Values(3)),
                          Name);
 INSTANTIATE_TEST_SUITE_P(TwoGpus, SameTokens,

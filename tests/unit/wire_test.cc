@@ -1070,7 +1070,7 @@ struct RawHello {
   uint8_t prefix_sharing = 2;
   uint8_t partition = 0;
   uint8_t lanes = 1;
-  uint8_t reserved = 0;
+  uint8_t compute_ranks = 1;
   uint32_t kv_head_begin = 0;
   uint32_t kv_head_end = 2;  // request partition: every KV head
 };
@@ -1081,7 +1081,7 @@ Bytes HelloBody(const RawHello& h) {
   w.U32(h.max_tokens_per_step).U32(h.max_requests_per_step).U32(h.max_position);
   w.F32(h.kv_memory_fraction).U32(h.attn_out_buffer).U16(h.memory_rank).U16(h.num_memory_ranks);
   w.U8(h.dtype).U8(h.checksums).U16(h.prefix_block_tokens).U8(h.prefix_sharing).U8(h.partition);
-  w.U8(h.lanes).U8(h.reserved);
+  w.U8(h.lanes).U8(h.compute_ranks);
   w.U32(h.kv_head_begin).U32(h.kv_head_end);
   return w.b;
 }
@@ -1302,7 +1302,8 @@ TEST(ControlWire, RoundTrips) {
 
 TEST(ControlWire, GoldenBytes) {
   // Layouts written out by hand; crcs computed independently (bitwise Python reference). The crc
-  // covers the body alone: of these frames, version 3 changed only the hello's body (its lanes).
+  // covers the body alone: of these frames, version 3 changed only the hello's body (its lanes and
+  // compute_ranks).
   HelloMessage h;
   h.memory_rank = 2, h.num_memory_ranks = 4, h.num_layers = 32, h.num_heads = 32, h.num_kv_heads = 8;
   h.head_dim = 128, h.max_tokens_per_step = 8192, h.max_requests_per_step = 256, h.max_position = 131072;
@@ -1310,17 +1311,18 @@ TEST(ControlWire, GoldenBytes) {
   h.attn_out_buffer = 0xa1b2c3d4, h.checksums = true;
   h.prefix_block_tokens = 0x0810, h.prefix_sharing = static_cast<uint8_t>(PrefixSharing::kAuto);
   h.partition = AttentionPartition::kHead, h.kv_head_begin = 4, h.kv_head_end = 6, h.lanes = 4;
+  h.compute_ranks = 2;
   const Bytes hello = {
-      0x54, 0x44, 0x48, 0x49, 0x03, 0x00, 0x10, 0x00, 0x40, 0x00, 0x00, 0x00, 0x16, 0xda, 0x61,
-      0xcf,                                            // frame
+      0x54, 0x44, 0x48, 0x49, 0x03, 0x00, 0x10, 0x00, 0x40, 0x00, 0x00, 0x00, 0x77, 0x00, 0xf0,
+      0x22,                                            // frame
       0x78, 0x56, 0x34, 0x12, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x20, 0x00, 0x00, 0x00, 0x20, 0x00, 0x00, 0x00,  // num_layers, num_heads
       0x08, 0x00, 0x00, 0x00, 0x80, 0x00, 0x00, 0x00,  // num_kv_heads, head_dim
       0x00, 0x20, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00,  // max_tokens, max_requests
       0x00, 0x00, 0x02, 0x00, 0x00, 0x00, 0x00, 0x3f,  // max_position, kv_memory_fraction
       0xd4, 0xc3, 0xb2, 0xa1, 0x02, 0x00, 0x04, 0x00,  // attn_out_buffer, memory_rank, num_memory_ranks
-      0x02, 0x01, 0x10, 0x08, 0x02, 0x01, 0x04, 0x00,  // dtype, checksums, prefix_block_tokens,
-                                                       // prefix_sharing, partition, lanes, reserved
+      0x02, 0x01, 0x10, 0x08, 0x02, 0x01, 0x04, 0x02,  // dtype, checksums, prefix_block_tokens,
+                                                       // prefix_sharing, partition, lanes, compute_ranks
       0x04, 0x00, 0x00, 0x00, 0x06, 0x00, 0x00, 0x00,  // kv_head_begin, kv_head_end
   };
   EXPECT_EQ(EncodeHello(h), hello);
@@ -1575,8 +1577,8 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
        "hello: prefix_sharing 1 needs prefix_block_tokens >= 1 (a prefix registry)"},
       {[](RawHello& h) { h.prefix_block_tokens = 0, h.prefix_sharing = 2; },
        "hello: prefix_sharing 2 needs prefix_block_tokens >= 1"},
-      {[](RawHello& h) { h.reserved = 1; }, "hello: reserved at byte offset 71 is 1, must be 0"},
-      {[](RawHello& h) { h.reserved = 0x80; }, "hello: reserved at byte offset 71 is 128, must be 0"},
+      {[](RawHello& h) { h.compute_ranks = 0; }, "hello: compute_ranks 0 must be in [1, lanes 1]"},
+      {[](RawHello& h) { h.compute_ranks = 2; }, "hello: compute_ranks 2 must be in [1, lanes 1]"},
       {[](RawHello& h) { h.lanes = 0; }, "hello: lanes 0 must be in [1, 8]"},
       {[](RawHello& h) { h.lanes = 9; }, "hello: lanes 9 must be in [1, 8]"},
       {[](RawHello& h) { h.lanes = 255; }, "hello: lanes 255 must be in [1, 8]"},
@@ -1683,7 +1685,7 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
 TEST(HelloWire, Lanes) {
   EXPECT_EQ(HelloMessage{}.lanes, 1);
   EXPECT_EQ(EncodeHello(HelloMessage{})[70], 1);
-  EXPECT_EQ(EncodeHello(HelloMessage{})[71], 0);
+  EXPECT_EQ(EncodeHello(HelloMessage{})[71], 1);  // compute_ranks
   int valid = 0;
   for (int lanes = 0; lanes <= 255; ++lanes) {
     RawHello raw;
@@ -2033,6 +2035,89 @@ TEST(Wire, RandomizedCorpus) {
   std::printf("corpus: %d frames, %d plans ok, %d headers ok, %d/%d/%d/%d/%d control ok, %.2f s\n", kFrames,
               plan_ok, header_ok, codecs[0].ok, codecs[1].ok, codecs[2].ok, codecs[3].ok, codecs[4].ok,
               seconds);
+}
+
+TEST(ComputeReplicaWire, RoundTripsAndRefusesBadFrames) {
+  // Compute hello: golden bytes (crc by the bitwise reference), round trip, every bad rank pair.
+  const ComputeHelloMessage hello{.compute_rank = 2, .compute_ranks = 3};
+  const Bytes frame = EncodeComputeHello(hello);
+  ASSERT_EQ(frame.size(), kFrameHeaderBytes + kComputeHelloBodyBytes);
+  EXPECT_EQ(Bytes(frame.begin() + 16, frame.end()), (Bytes{0x02, 0x00, 0x03, 0x00, 0, 0, 0, 0}));
+  absl::StatusOr<ComputeHelloMessage> back = DecodeComputeHello(frame);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, hello);
+  EXPECT_EQ(PeekFrameMagic(frame).value_or(0), kComputeHelloMagic);
+  for (const auto& [rank, ranks] : std::vector<std::pair<int, int>>{{0, 2}, {2, 2}, {1, 1}, {1, 9}, {9, 9}}) {
+    Le w;
+    w.U16(static_cast<uint16_t>(rank)).U16(static_cast<uint16_t>(ranks)).U32(0);
+    absl::StatusOr<ComputeHelloMessage> bad = DecodeComputeHello(MakeFrame(kComputeHelloMagic, w.b));
+    ASSERT_FALSE(bad.ok()) << rank << " of " << ranks;
+    EXPECT_NE(bad.status().message().find("compute hello: compute_rank"), std::string::npos) << bad.status();
+  }
+  Le reserved;
+  reserved.U16(1).U16(2).U32(0x100);
+  EXPECT_FALSE(DecodeComputeHello(MakeFrame(kComputeHelloMagic, reserved.b)).ok());
+
+  // Replica step: a part of a real-looking plan with its tokens.
+  std::mt19937_64 rng(31);
+  for (int iter = 0; iter < 200; ++iter) {
+    ReplicaStepMessage step;
+    step.plan.step_id = rng();
+    step.plan.micro_batches = static_cast<uint8_t>(1 + rng() % 8);
+    step.plan.micro_batch = static_cast<uint8_t>(rng() % step.plan.micro_batches);
+    const int requests = static_cast<int>(rng() % 5);
+    int32_t rows = 0;
+    for (int i = 0; i < requests; ++i) {
+      StepRequest q;
+      q.request_id = static_cast<uint64_t>(i);
+      q.q_len = static_cast<int32_t>(1 + rng() % 4);
+      q.position = static_cast<int32_t>(rng() % 100);
+      q.kv_len = q.position + q.q_len;
+      q.sample = rng() % 2 == 0;
+      rows += q.q_len;
+      step.plan.requests.push_back(q);
+    }
+    std::sort(step.plan.requests.begin(), step.plan.requests.end(),
+              [](const StepRequest& a, const StepRequest& b) { return (a.q_len == 1) > (b.q_len == 1); });
+    for (int32_t t = 0; t < rows; ++t) step.tokens.push_back(static_cast<int32_t>(rng() % 50000));
+    const Bytes f = EncodeReplicaStep(step);
+    absl::StatusOr<ReplicaStepMessage> got = DecodeReplicaStep(f);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(*got, step);
+    // A token count that disagrees with the plan's rows, a truncated frame, a broken nested plan.
+    ReplicaStepMessage off = step;
+    off.tokens.push_back(7);
+    absl::StatusOr<ReplicaStepMessage> bad = DecodeReplicaStep(EncodeReplicaStep(off));
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("replica step: token_count"), std::string::npos) << bad.status();
+    Bytes body(f.begin() + kFrameHeaderBytes, f.end());
+    body.resize(body.size() - 1);
+    EXPECT_FALSE(DecodeReplicaStep(MakeFrame(kReplicaStepMagic, body)).ok());
+    Bytes broken(f.begin() + kFrameHeaderBytes, f.end());
+    broken[broken.size() - 1] ^= 1;  // inside the nested plan frame: its crc no longer matches
+    if (!step.plan.requests.empty()) {
+      EXPECT_FALSE(DecodeReplicaStep(MakeFrame(kReplicaStepMagic, broken)).ok());
+    }
+  }
+  Le huge;
+  huge.U32(0xffffffffu).U32(0);
+  absl::StatusOr<ReplicaStepMessage> forged = DecodeReplicaStep(MakeFrame(kReplicaStepMagic, huge.b));
+  ASSERT_EQ(forged.status().code(), absl::StatusCode::kDataLoss) << forged.status();
+
+  // Replica result.
+  const ReplicaResultMessage result{
+      .step_id = 77, .micro_batch = 3, .tokens = {5, 6, -1}, .logprobs = {-0.5f, -1.25f, 0.0f}};
+  absl::StatusOr<ReplicaResultMessage> rb = DecodeReplicaResult(EncodeReplicaResult(result));
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  EXPECT_EQ(*rb, result);
+  Bytes rbody = EncodeReplicaResult(result);
+  rbody.erase(rbody.begin(), rbody.begin() + kFrameHeaderBytes);
+  rbody.pop_back();
+  absl::StatusOr<ReplicaResultMessage> short_result =
+      DecodeReplicaResult(MakeFrame(kReplicaResultMagic, rbody));
+  ASSERT_FALSE(short_result.ok());
+  EXPECT_NE(short_result.status().message().find("replica result: count 3 needs 24 bytes"), std::string::npos)
+      << short_result.status();
 }
 
 }  // namespace
