@@ -289,7 +289,7 @@ absl::Status RunBench(const BenchArgs& a_in) {
     ASSIGN_OR_RETURN(std::string url, group.WaitReady("serve", ready,
                                                       absl::Seconds(deploy_config->GetDouble("launch.startup_timeout_s"))));
     while (!url.empty() && (url.back() == '\n' || url.back() == '\r')) url.pop_back();
-    http.url = url + "/v1";
+    http.url = url;  // the API base ("http://127.0.0.1:PORT" or ".../v1"); /v1 is the default path
     target_name = absl::StrCat("deployment ", a.deploy, " over HTTP (", http.url, ")");
     if (a.max_concurrency < 0) a.max_concurrency = 256;
   } else if (!a.url.empty()) {

@@ -211,7 +211,7 @@ std::string ReportTable(const BenchReport& r) {
   }
   row("KV used mean/peak %", [&](const RunReport& run) {
     const KvSummary kv = SummarizeKv(run.result.kv);
-    return run.result.kv.empty() ? std::string("n/a") : absl::StrFormat("%.0f/%.0f", 100 * kv.mean_used, 100 * kv.peak_used);
+    return run.result.kv.empty() ? std::string("n/a") : absl::StrFormat("%.1f/%.1f", 100 * kv.mean_used, 100 * kv.peak_used);
   });
   row("prefix hits % of input", [&](const RunReport& run) { return f("%.1f", 100 * run.metrics.prefix_hit_rate); });
   if (r.cost.priced) {
