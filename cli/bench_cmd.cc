@@ -88,8 +88,8 @@ absl::StatusOr<std::vector<double>> ParseRates(const std::string& s) {
   for (absl::string_view part : absl::StrSplit(s, ',', absl::SkipEmpty())) {
     double r;
     if (!absl::SimpleAtod(part, &r) || !(r > 0) || !std::isfinite(r))
-      return absl::InvalidArgumentError(
-          absl::StrCat("--rate: expected positive requests/s, comma-separated, got \"", std::string(part), "\""));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--rate: expected positive requests/s, comma-separated, got \"", std::string(part), "\""));
     rates.push_back(r);
   }
   return rates;
@@ -104,20 +104,22 @@ absl::StatusOr<loadgen::Workload> BuildWorkload(const BenchArgs& a, const loadge
   *from_trace = !a.trace.empty();
   if (!a.trace.empty()) {
     loadgen::TraceFormat format;
-    ASSIGN_OR_RETURN(std::vector<loadgen::TraceRow> rows, loadgen::ReadTrace(a.trace, a.trace_skip, a.num_requests, &format));
-    return loadgen::MakeTraceWorkload(std::filesystem::path(a.trace).filename().string(), format, rows, tokens, caps,
-                                      a.length_scale);
+    ASSIGN_OR_RETURN(std::vector<loadgen::TraceRow> rows,
+                     loadgen::ReadTrace(a.trace, a.trace_skip, a.num_requests, &format));
+    return loadgen::MakeTraceWorkload(std::filesystem::path(a.trace).filename().string(), format, rows,
+                                      tokens, caps, a.length_scale);
   }
   loadgen::Workload w;
   if (a.synthetic == "fixed") {
     w = loadgen::MakeFixedWorkload(a.num_requests, a.input_len, a.output_len, tokens);
   } else if (a.synthetic == "shared-prefix") {
-    if (a.prefix_len < 1) return absl::InvalidArgumentError("--synthetic shared-prefix needs --prefix-len >= 1");
+    if (a.prefix_len < 1)
+      return absl::InvalidArgumentError("--synthetic shared-prefix needs --prefix-len >= 1");
     w = loadgen::MakeSharedPrefixWorkload(a.num_requests, a.prefix_len, a.input_len, a.output_len, tokens);
   } else if (a.synthetic == "multi-turn") {
     const int64_t sessions = std::max<int64_t>(1, a.num_requests / std::max<int64_t>(1, a.turns));
-    w = loadgen::MakeMultiTurnWorkload(sessions, a.turns, a.prefix_len, a.input_len, a.output_len, a.think_time,
-                                       tokens);
+    w = loadgen::MakeMultiTurnWorkload(sessions, a.turns, a.prefix_len, a.input_len, a.output_len,
+                                       a.think_time, tokens);
   } else {
     return absl::InvalidArgumentError(
         absl::StrCat("--synthetic: expected fixed, shared-prefix or multi-turn, got \"", a.synthetic, "\""));
@@ -129,12 +131,14 @@ absl::StatusOr<loadgen::Workload> BuildWorkload(const BenchArgs& a, const loadge
 void PrintProgress(const std::string& label, const loadgen::ProgressInfo& p) {
   std::string eta = "?";
   if (p.finished > 0 && p.finished < p.total)
-    eta = absl::StrFormat("%.0fs", p.elapsed_s * static_cast<double>(p.total - p.finished) / static_cast<double>(p.finished));
+    eta = absl::StrFormat(
+        "%.0fs", p.elapsed_s * static_cast<double>(p.total - p.finished) / static_cast<double>(p.finished));
   else if (p.finished == p.total)
     eta = "0s";
-  std::fprintf(stderr, "\r[bench %s] %lld/%lld done, %lld in flight, %lld tokens, %.1fs, ETA %s   ", label.c_str(),
-               static_cast<long long>(p.finished), static_cast<long long>(p.total),
-               static_cast<long long>(p.in_flight), static_cast<long long>(p.output_tokens), p.elapsed_s, eta.c_str());
+  std::fprintf(stderr, "\r[bench %s] %lld/%lld done, %lld in flight, %lld tokens, %.1fs, ETA %s   ",
+               label.c_str(), static_cast<long long>(p.finished), static_cast<long long>(p.total),
+               static_cast<long long>(p.in_flight), static_cast<long long>(p.output_tokens), p.elapsed_s,
+               eta.c_str());
   std::fflush(stderr);
 }
 
@@ -186,9 +190,11 @@ loadgen::PredictionInfo Predict(const BenchArgs& a, const ModelSpec* spec, const
       return p;
     }
     pr = planner::Predict(*spec, w, *c, price(a.compute_device), &*mem, price(a.memory_device),
-                          a.memory_count / std::max(1, a.compute_count), planner::PipelineMode::kSequential, o);
+                          a.memory_count / std::max(1, a.compute_count), planner::PipelineMode::kSequential,
+                          o);
   } else {
-    pr = planner::Predict(*spec, w, *c, price(a.compute_device), nullptr, 0, 0, planner::PipelineMode::kColocated, o);
+    pr = planner::Predict(*spec, w, *c, price(a.compute_device), nullptr, 0, 0,
+                          planner::PipelineMode::kColocated, o);
   }
   if (!pr.feasible) {
     p.why_not = absl::StrCat("no prediction: ", pr.infeasible);
@@ -211,7 +217,8 @@ loadgen::PredictionInfo Predict(const BenchArgs& a, const ModelSpec* spec, const
 absl::Status RunBench(const BenchArgs& a_in) {
   BenchArgs a = a_in;
   const std::optional<LogLevel> level = ParseLogLevel(a.log_level);
-  if (!level) return absl::InvalidArgumentError(absl::StrCat("--log-level: unknown level \"", a.log_level, "\""));
+  if (!level)
+    return absl::InvalidArgumentError(absl::StrCat("--log-level: unknown level \"", a.log_level, "\""));
   InitLogging("bench", *level);
   InstallTerminationSignals();
   const int targets = (a.deploy.empty() ? 0 : 1) + (a.url.empty() ? 0 : 1);
@@ -235,8 +242,9 @@ absl::Status RunBench(const BenchArgs& a_in) {
     absl::StatusOr<planner::PriceTable> t = planner::LoadPriceTable(a.prices);
     if (!t.ok()) return Annotate(t.status(), "--prices");
     prices = *std::move(t);
-    ASSIGN_OR_RETURN(const planner::DevicesCost c,
-                     planner::PriceDevices(*prices, a.compute_device, a.compute_count, a.memory_device, a.memory_count));
+    ASSIGN_OR_RETURN(
+        const planner::DevicesCost c,
+        planner::PriceDevices(*prices, a.compute_device, a.compute_count, a.memory_device, a.memory_count));
     cost = {true, c.description, c.usd_per_hour, c.table_path, c.table_date, c.any_estimate, c.any_amortized};
   } else if (!a.memory_device.empty() || a.memory_count > 0) {
     return absl::InvalidArgumentError("--memory-device and --memory-count need --compute-device");
@@ -280,14 +288,18 @@ absl::Status RunBench(const BenchArgs& a_in) {
     const std::string ready = (std::filesystem::absolute(a.out) / "deploy.url").string();
     const std::string log = (std::filesystem::absolute(a.out) / "deploy.log").string();
     std::filesystem::remove(ready, ec);
-    std::vector<std::string> argv = {SelfPath(), "serve", "--deploy", std::filesystem::absolute(a.deploy).string(),
-                                     "--ready-file", ready, "--set", "api.port=0", "--log-level", "info"};
+    std::vector<std::string> argv = {
+        SelfPath(),     "serve", "--deploy", std::filesystem::absolute(a.deploy).string(),
+        "--ready-file", ready,   "--set",    "api.port=0",
+        "--log-level",  "info"};
     if (!a.model.empty()) argv.insert(argv.end(), {"--model", a.model});
     for (const std::string& s : a.sets) argv.insert(argv.end(), {"--set", s});
-    std::fprintf(stderr, "tandem bench: starting the deployment %s (log %s)\n", a.deploy.c_str(), log.c_str());
+    std::fprintf(stderr, "tandem bench: starting the deployment %s (log %s)\n", a.deploy.c_str(),
+                 log.c_str());
     RETURN_IF_ERROR(group.Start("serve", argv, log));
-    ASSIGN_OR_RETURN(std::string url, group.WaitReady("serve", ready,
-                                                      absl::Seconds(deploy_config->GetDouble("launch.startup_timeout_s"))));
+    ASSIGN_OR_RETURN(
+        std::string url,
+        group.WaitReady("serve", ready, absl::Seconds(deploy_config->GetDouble("launch.startup_timeout_s"))));
     while (!url.empty() && (url.back() == '\n' || url.back() == '\r')) url.pop_back();
     http.url = url;  // the API base ("http://127.0.0.1:PORT" or ".../v1"); /v1 is the default path
     target_name = absl::StrCat("deployment ", a.deploy, " over HTTP (", http.url, ")");
@@ -306,7 +318,8 @@ absl::Status RunBench(const BenchArgs& a_in) {
     if (a.max_concurrency < 0) a.max_concurrency = 0;
   }
 
-  auto run_once = [&](const loadgen::Workload& w, const loadgen::RunOptions& o) -> absl::StatusOr<loadgen::RunResult> {
+  auto run_once = [&](const loadgen::Workload& w,
+                      const loadgen::RunOptions& o) -> absl::StatusOr<loadgen::RunResult> {
     if (engine) return loadgen::RunOnEngine(*engine, w, o);
     return loadgen::RunOnHttp(http, w, o);
   };
@@ -355,8 +368,9 @@ absl::Status RunBench(const BenchArgs& a_in) {
       report.mean_input = w.requests.empty() ? 0 : in / static_cast<double>(w.requests.size());
       report.mean_output = w.requests.empty() ? 0 : out / static_cast<double>(w.requests.size());
       if (a.synthetic == "multi-turn")
-        report.notes.push_back("multi-turn: later turns carry the session's history before their new tokens "
-                               "(mean input above counts new tokens only)");
+        report.notes.push_back(
+            "multi-turn: later turns carry the session's history before their new tokens "
+            "(mean input above counts new tokens only)");
     }
     loadgen::RunOptions o;
     ASSIGN_OR_RETURN(o.arrivals, loadgen::ArrivalTimes(w, specs[run], from_trace));
@@ -367,8 +381,8 @@ absl::Status RunBench(const BenchArgs& a_in) {
     loadgen::RunReport rr;
     rr.arrivals = specs[run];
     rr.label = specs[run].kind == loadgen::ArrivalKind::kAllAtOnce ? "all at once"
-               : specs[run].rate > 0                               ? absl::StrFormat("%g req/s", specs[run].rate)
-                                                                   : absl::StrFormat("trace x%g", specs[run].time_scale);
+               : specs[run].rate > 0 ? absl::StrFormat("%g req/s", specs[run].rate)
+                                     : absl::StrFormat("trace x%g", specs[run].time_scale);
     if (!a.quiet) o.on_progress = [&](const loadgen::ProgressInfo& p) { PrintProgress(rr.label, p); };
     ASSIGN_OR_RETURN(rr.result, run_once(w, o));
     if (!a.quiet) std::fprintf(stderr, "\n");
@@ -379,7 +393,8 @@ absl::Status RunBench(const BenchArgs& a_in) {
   }
   if (engine == nullptr) group.StopAll(absl::Seconds(30));
   // The planner's prediction, for the first run's measured workload.
-  report.prediction = Predict(a, spec ? &*spec : nullptr, report.runs.front().metrics, prices ? &*prices : nullptr, slo);
+  report.prediction =
+      Predict(a, spec ? &*spec : nullptr, report.runs.front().metrics, prices ? &*prices : nullptr, slo);
   const std::string table = loadgen::ReportTable(report);
   RETURN_IF_ERROR(WriteText(json_path, loadgen::ReportJson(report)));
   RETURN_IF_ERROR(WriteText(table_path, table));
@@ -404,23 +419,28 @@ void AddBenchCommand(CLI::App& app) {
       "bench/plot_bench.py draws the plots). Ctrl-C writes what was measured so far.\n"
       "Examples:\n"
       "  tandem bench --model small --synthetic fixed --num-requests 20 --input-len 64 --output-len 16\n"
-      "  tandem bench --model llama3-8b --trace azure_llm_conv_2023.csv --num-requests 500 --time-scale 0.1 \\\n"
+      "  tandem bench --model llama3-8b --trace azure_llm_conv_2023.csv --num-requests 500 --time-scale 0.1 "
+      "\\\n"
       "      --slo ttft=2,tpot=100ms --compute-device h100\n"
       "  tandem bench --model small --synthetic shared-prefix --prefix-len 256 --input-len 32 \\\n"
       "      --arrival poisson --rate 2,4,8 --burstiness 0.5\n"
-      "  tandem bench --deploy deploy/examples/gpu.yaml --model llama3-8b --trace mooncake_conversation_trace.jsonl\n"
+      "  tandem bench --deploy deploy/examples/gpu.yaml --model llama3-8b --trace "
+      "mooncake_conversation_trace.jsonl\n"
       "  tandem bench --url http://127.0.0.1:8000/v1 --model llama3-8b --synthetic fixed --num-requests 100");
   cmd->option_defaults()->always_capture_default();
   // target
-  cmd->add_option("--model", a->model,
-                  "checkpoint directory, GGUF file or preset: the colocated engine in this process (with --deploy: "
-                  "overrides model.path; with --url: the served model's shape, for token ids and the planner)");
-  cmd->add_option("--deploy", a->deploy,
-                  "start this deployment on this host (tandem serve --deploy, on any free port) and measure it over "
-                  "its HTTP API; stopped afterwards (its log: OUT/deploy.log)")
+  cmd->add_option(
+      "--model", a->model,
+      "checkpoint directory, GGUF file or preset: the colocated engine in this process (with --deploy: "
+      "overrides model.path; with --url: the served model's shape, for token ids and the planner)");
+  cmd->add_option(
+         "--deploy", a->deploy,
+         "start this deployment on this host (tandem serve --deploy, on any free port) and measure it over "
+         "its HTTP API; stopped afterwards (its log: OUT/deploy.log)")
       ->check(CLI::ExistingFile);
   cmd->add_option("--url", a->url, "an OpenAI-compatible endpoint: http://host:port[/v1]");
-  cmd->add_option("--served-model", a->served_model, "with --url: the model name to send (default: the first listed)");
+  cmd->add_option("--served-model", a->served_model,
+                  "with --url: the model name to send (default: the first listed)");
   cmd->add_option("--api-key", a->api_key, "with --url: bearer token");
   cmd->add_option("--config", a->config_file, "engine YAML (runtime.*, scheduler.*, kv.*) for --model")
       ->check(CLI::ExistingFile);
@@ -428,14 +448,16 @@ void AddBenchCommand(CLI::App& app) {
   cmd->add_option("--device", a->device, "cpu, cuda, cuda:N or auto (runtime.device) for --model");
   cmd->add_option("--weight-seed", a->weight_seed, "seed of a preset's random weights");
   // workload
-  cmd->add_option("--trace", a->trace,
-                  "a trace: Azure LLM 2023 CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake JSON lines "
-                  "(timestamp ms, input_length, output_length, hash_ids: prefix blocks become identical tokens)")
+  cmd->add_option(
+         "--trace", a->trace,
+         "a trace: Azure LLM 2023 CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake JSON lines "
+         "(timestamp ms, input_length, output_length, hash_ids: prefix blocks become identical tokens)")
       ->check(CLI::ExistingFile);
   cmd->add_option("--synthetic", a->synthetic,
                   "fixed (--input-len, --output-len), shared-prefix (--prefix-len shared + --input-len own), "
                   "multi-turn (--turns per session, --input-len new tokens per turn, --think-time)");
-  cmd->add_option("--num-requests", a->num_requests, "requests (trace rows from --trace-skip; 0: the whole trace)")
+  cmd->add_option("--num-requests", a->num_requests,
+                  "requests (trace rows from --trace-skip; 0: the whole trace)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--trace-skip", a->trace_skip, "trace rows to skip first")->check(CLI::NonNegativeNumber);
   cmd->add_option("--input-len", a->input_len, "synthetic: prompt tokens (shared-prefix: the suffix)")
@@ -446,8 +468,9 @@ void AddBenchCommand(CLI::App& app) {
   cmd->add_option("--turns", a->turns, "multi-turn: turns per session")->check(CLI::PositiveNumber);
   cmd->add_option("--think-time", a->think_time, "multi-turn: seconds between a turn's end and the next turn")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--length-scale", a->length_scale,
-                  "multiply trace lengths (and Mooncake's 512-token blocks) by this, e.g. 0.125 for a small model")
+  cmd->add_option(
+         "--length-scale", a->length_scale,
+         "multiply trace lengths (and Mooncake's 512-token blocks) by this, e.g. 0.125 for a small model")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--max-input", a->max_input, "cut prompts to this many tokens (0: no cap)")
       ->check(CLI::NonNegativeNumber);
@@ -459,20 +482,26 @@ void AddBenchCommand(CLI::App& app) {
   cmd->add_option("--vocab-size", a->vocab_size, "token ids below this (default: the model's vocabulary)")
       ->check(CLI::NonNegativeNumber);
   // arrivals
-  cmd->add_option("--arrival", a->arrival, "trace (the trace's timestamps), poisson, or all (at once; default "
-                                           "without a trace)");
-  cmd->add_option("--rate", a->rates,
-                  "requests/s; a comma list sweeps (one run each). poisson: required; trace: rescale the trace's "
-                  "timestamps to this mean rate");
-  cmd->add_option("--burstiness", a->burstiness, "poisson: gamma shape of the gaps (1: Poisson; < 1 burstier)")
+  cmd->add_option("--arrival", a->arrival,
+                  "trace (the trace's timestamps), poisson, or all (at once; default "
+                  "without a trace)");
+  cmd->add_option(
+      "--rate", a->rates,
+      "requests/s; a comma list sweeps (one run each). poisson: required; trace: rescale the trace's "
+      "timestamps to this mean rate");
+  cmd->add_option("--burstiness", a->burstiness,
+                  "poisson: gamma shape of the gaps (1: Poisson; < 1 burstier)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--time-scale", a->time_scale, "trace: multiply the trace's time offsets (0.1: ten times faster)")
+  cmd->add_option("--time-scale", a->time_scale,
+                  "trace: multiply the trace's time offsets (0.1: ten times faster)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--seed", a->seed, "seed of prompts, arrivals and sampling");
-  cmd->add_option("--max-concurrency", a->max_concurrency,
-                  "requests in flight at most (default: no limit in process, 256 over HTTP); more wait, their wait "
-                  "counted in TTFT");
-  cmd->add_option("--warmup", a->warmup, "short requests sent first, not measured")->check(CLI::NonNegativeNumber);
+  cmd->add_option(
+      "--max-concurrency", a->max_concurrency,
+      "requests in flight at most (default: no limit in process, 256 over HTTP); more wait, their wait "
+      "counted in TTFT");
+  cmd->add_option("--warmup", a->warmup, "short requests sent first, not measured")
+      ->check(CLI::NonNegativeNumber);
   // results
   cmd->add_option("--slo", a->slo, "goodput SLOs: ttft=2,tpot=100ms,e2e=30 (seconds unless 'ms')");
   cmd->add_option("--out", a->out, "directory for bench.json (every request's timings) and summary.txt");

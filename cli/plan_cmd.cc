@@ -40,13 +40,16 @@ absl::Status RunPlan(const PlanArgs& a) {
   planner::WorkloadShape w;
   const int given = (a.trace.empty() ? 0 : 1) + (a.context > 0 ? 1 : 0) + (a.input_len > 0 ? 1 : 0);
   if (given != 1)
-    return absl::InvalidArgumentError("give one workload: --trace FILE, --input-len P --output-len O, or --context C");
+    return absl::InvalidArgumentError(
+        "give one workload: --trace FILE, --input-len P --output-len O, or --context C");
   if (!a.trace.empty()) {
-    ASSIGN_OR_RETURN(const std::vector<loadgen::TraceRow> rows, loadgen::ReadTrace(a.trace, a.trace_skip, a.num_requests));
+    ASSIGN_OR_RETURN(const std::vector<loadgen::TraceRow> rows,
+                     loadgen::ReadTrace(a.trace, a.trace_skip, a.num_requests));
     double in = 0, out = 0;
     for (const loadgen::TraceRow& r : rows) {
       int64_t i = a.max_input > 0 ? std::min(r.input_tokens, a.max_input) : r.input_tokens;
-      int64_t o = std::max<int64_t>(1, a.max_output > 0 ? std::min(r.output_tokens, a.max_output) : r.output_tokens);
+      int64_t o =
+          std::max<int64_t>(1, a.max_output > 0 ? std::min(r.output_tokens, a.max_output) : r.output_tokens);
       if (i + o > spec.max_position) i = std::max<int64_t>(1, spec.max_position - o);
       in += static_cast<double>(i);
       out += static_cast<double>(o);
@@ -72,7 +75,8 @@ absl::Status RunPlan(const PlanArgs& a) {
   if (!a.slo.empty()) {
     ASSIGN_OR_RETURN(const loadgen::Slo slo, loadgen::ParseSlo(a.slo));
     if (slo.ttft_s > 0 || slo.e2e_s > 0)
-      std::fprintf(stderr, "tandem plan: only the TPOT SLO bounds the step time (TTFT and E2E are not modelled)\n");
+      std::fprintf(stderr,
+                   "tandem plan: only the TPOT SLO bounds the step time (TTFT and E2E are not modelled)\n");
     o.tpot_slo_s = slo.tpot_s;
   }
   absl::StatusOr<planner::DeviceSpec> found = planner::FindDevice(a.compute_device);
@@ -96,7 +100,8 @@ absl::Status RunPlan(const PlanArgs& a) {
   }
   planner::DeviceSpec named_compute = compute;
   named_compute.name = a.compute_device;
-  const std::vector<planner::Prediction> plans = planner::Plan(spec, w, named_compute, compute_price, mems, o);
+  const std::vector<planner::Prediction> plans =
+      planner::Plan(spec, w, named_compute, compute_price, mems, o);
   const planner::Prediction* colocated = nullptr;
   for (const planner::Prediction& p : plans)
     if (p.mode == planner::PipelineMode::kColocated) colocated = &p;
@@ -104,8 +109,9 @@ absl::Status RunPlan(const PlanArgs& a) {
   const double vs = colocated != nullptr && colocated->feasible && colocated->tokens_per_usd > 0
                         ? best.tokens_per_usd / colocated->tokens_per_usd
                         : 0;
-  const double best_mfu =
-      best.feasible ? 2.0 * static_cast<double>(spec.num_parameters()) * best.rows / best.step_s / compute.bf16_flops : 0;
+  const double best_mfu = best.feasible ? 2.0 * static_cast<double>(spec.num_parameters()) * best.rows /
+                                              best.step_s / compute.bf16_flops
+                                        : 0;
   const double min_link = planner::MinLinkBandwidth(spec, std::min(1.0, best_mfu), compute.bf16_flops);
   if (a.json) {
     nlohmann::json j;
@@ -139,7 +145,8 @@ absl::Status RunPlan(const PlanArgs& a) {
     return absl::OkStatus();
   }
   std::printf("model     %s\nworkload  %s\n", spec.Summary().c_str(), w.description.c_str());
-  std::printf("devices   compute %s ($%.3f/h; %s)\n", a.compute_device.c_str(), compute_price, compute.source.c_str());
+  std::printf("devices   compute %s ($%.3f/h; %s)\n", a.compute_device.c_str(), compute_price,
+              compute.source.c_str());
   std::printf("prices    %s, dated %s (purchase prices amortized over %g years)\n", prices.path.c_str(),
               prices.date.c_str(), prices.amortize_years);
   if (o.tpot_slo_s > 0) std::printf("SLO       step (TPOT) <= %.1f ms\n", o.tpot_slo_s * 1e3);
@@ -152,11 +159,14 @@ absl::Status RunPlan(const PlanArgs& a) {
   }
   if (!best.feasible) return absl::FailedPreconditionError("no layout is feasible: " + best.infeasible);
   std::printf("\nbest: %s\n", planner::FormatPrediction(best).c_str());
-  std::printf("      %.2fx the colocated layout's tokens per dollar; the batch stops at the %s, the step is bound by %s\n",
-              vs, best.limit.c_str(), best.bound.c_str());
+  std::printf(
+      "      %.2fx the colocated layout's tokens per dollar; the batch stops at the %s, the step is bound by "
+      "%s\n",
+      vs, best.limit.c_str(), best.bound.c_str());
   if (best.mode != planner::PipelineMode::kColocated)
-    std::printf("      least link bandwidth that keeps the compute device busy (Lamina 4.2, MFU %.2f): %.1f GB/s\n",
-                std::min(1.0, best_mfu), min_link / 1e9);
+    std::printf(
+        "      least link bandwidth that keeps the compute device busy (Lamina 4.2, MFU %.2f): %.1f GB/s\n",
+        std::min(1.0, best_mfu), min_link / 1e9);
   return absl::OkStatus();
 }
 
@@ -174,24 +184,30 @@ void AddPlanCommand(CLI::App& app) {
       "Examples:\n"
       "  tandem plan --model llama-13b --context 512 --compute-device a100-80g@purchase \\\n"
       "      --memory-devices a100-80g@purchase,rtx3090@purchase\n"
-      "  tandem plan --model llama3-8b --trace azure_llm_conv_2023.csv --compute-device h100 --slo tpot=50ms");
+      "  tandem plan --model llama3-8b --trace azure_llm_conv_2023.csv --compute-device h100 --slo "
+      "tpot=50ms");
   cmd->option_defaults()->always_capture_default();
   cmd->add_option("--model", a->model, "checkpoint directory, GGUF file or preset (its shape)")->required();
   cmd->add_option("--trace", a->trace, "workload: mean lengths of a trace (Azure CSV or Mooncake JSON lines)")
       ->check(CLI::ExistingFile);
-  cmd->add_option("--num-requests", a->num_requests, "trace rows to read (0: all)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--num-requests", a->num_requests, "trace rows to read (0: all)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--trace-skip", a->trace_skip, "trace rows to skip first")->check(CLI::NonNegativeNumber);
   cmd->add_option("--max-input", a->max_input, "cap trace prompts (0: none)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--max-output", a->max_output, "cap trace outputs (0: none)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--max-output", a->max_output, "cap trace outputs (0: none)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--input-len", a->input_len, "workload: mean prompt tokens")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--output-len", a->output_len, "workload: mean output tokens")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--context", a->context, "workload: decode only at this context (the Lamina analysis' setting)")
+  cmd->add_option("--output-len", a->output_len, "workload: mean output tokens")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--context", a->context,
+                  "workload: decode only at this context (the Lamina analysis' setting)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--cached", a->cached, "share of prompt tokens served by the prefix cache (not recomputed)")
       ->check(CLI::Range(0.0, 1.0));
   cmd->add_option("--prices", a->prices, "the price table (YAML)");
   cmd->add_option("--compute-device", a->compute_device, "the compute device's offer");
-  cmd->add_option("--memory-devices", a->memory_devices, "memory device offers to try, comma-separated (default: all)");
+  cmd->add_option("--memory-devices", a->memory_devices,
+                  "memory device offers to try, comma-separated (default: all)");
   cmd->add_option("--max-memory", a->max_memory, "memory devices per compute device to try")
       ->check(CLI::Range(1, 256));
   cmd->add_option("--slo", a->slo, "tpot=50ms bounds the step time");
@@ -199,7 +215,8 @@ void AddPlanCommand(CLI::App& app) {
       ->check(CLI::Range(0.01, 1.0));
   cmd->add_option("--link-gbs", a->link_gbs, "compute <-> memory bandwidth in GB/s (0: the devices' own)")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--latency-us", a->latency_us, "one-way latency of a layer message")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--latency-us", a->latency_us, "one-way latency of a layer message")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--kv-fraction", a->kv_fraction, "share of free memory the KV takes (kv.memory_fraction)")
       ->check(CLI::Range(0.01, 1.0));
   cmd->add_option("--top", a->top, "layouts to print")->check(CLI::PositiveNumber);

@@ -11,10 +11,12 @@ absl::StatusOr<ArrivalKind> ParseArrivalKind(const std::string& s) {
   if (s == "trace") return ArrivalKind::kTrace;
   if (s == "poisson") return ArrivalKind::kPoisson;
   if (s == "all") return ArrivalKind::kAllAtOnce;
-  return absl::InvalidArgumentError(absl::StrCat("--arrival: expected trace, poisson or all, got \"", s, "\""));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--arrival: expected trace, poisson or all, got \"", s, "\""));
 }
 
-absl::StatusOr<std::vector<double>> ArrivalTimes(const Workload& w, const ArrivalSpec& spec, bool from_trace) {
+absl::StatusOr<std::vector<double>> ArrivalTimes(const Workload& w, const ArrivalSpec& spec,
+                                                 bool from_trace) {
   std::vector<double> t(w.requests.size(), kLater);
   switch (spec.kind) {
     case ArrivalKind::kAllAtOnce:
@@ -22,12 +24,15 @@ absl::StatusOr<std::vector<double>> ArrivalTimes(const Workload& w, const Arriva
         if (w.requests[i].turn == 0) t[i] = 0;
       return t;
     case ArrivalKind::kTrace: {
-      if (!from_trace) return absl::InvalidArgumentError("--arrival trace needs --trace (a synthetic workload has no times)");
+      if (!from_trace)
+        return absl::InvalidArgumentError(
+            "--arrival trace needs --trace (a synthetic workload has no times)");
       if (!(spec.time_scale > 0)) return absl::InvalidArgumentError("--time-scale must be positive");
       double scale = spec.time_scale;
       if (spec.rate > 0) {
         const double span = w.requests.empty() ? 0 : w.requests.back().trace_time_s;
-        if (!(span > 0)) return absl::InvalidArgumentError("--rate with trace arrivals needs rows at different times");
+        if (!(span > 0))
+          return absl::InvalidArgumentError("--rate with trace arrivals needs rows at different times");
         const double trace_rate = static_cast<double>(w.requests.size() - 1) / span;
         scale = trace_rate / spec.rate;
       }

@@ -6,8 +6,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 
 namespace tandem::loadgen {
@@ -41,7 +41,8 @@ absl::StatusOr<Slo> ParseSlo(const std::string& s) {
   for (absl::string_view part : absl::StrSplit(s, ',', absl::SkipEmpty())) {
     std::vector<absl::string_view> kv = absl::StrSplit(part, absl::MaxSplits('=', 1));
     if (kv.size() != 2)
-      return absl::InvalidArgumentError(absl::StrCat("--slo: expected key=seconds, got \"", std::string(part), "\""));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--slo: expected key=seconds, got \"", std::string(part), "\""));
     const std::string key(absl::StripAsciiWhitespace(kv[0]));
     absl::string_view value = absl::StripAsciiWhitespace(kv[1]);
     double scale = 1;
@@ -97,10 +98,11 @@ RunMetrics ComputeMetrics(const std::vector<RequestTiming>& timings, const Slo& 
     if (t.token_times.size() >= 2) {
       r_tpot = (t.token_times.back() - first) / static_cast<double>(t.token_times.size() - 1);
       tpot.push_back(r_tpot);
-      for (size_t i = 1; i < t.token_times.size(); ++i) itl.push_back(t.token_times[i] - t.token_times[i - 1]);
+      for (size_t i = 1; i < t.token_times.size(); ++i)
+        itl.push_back(t.token_times[i] - t.token_times[i - 1]);
     }
-    const bool good = (slo.ttft_s <= 0 || r_ttft <= slo.ttft_s) && (slo.tpot_s <= 0 || r_tpot <= slo.tpot_s) &&
-                      (slo.e2e_s <= 0 || r_e2e <= slo.e2e_s);
+    const bool good = (slo.ttft_s <= 0 || r_ttft <= slo.ttft_s) &&
+                      (slo.tpot_s <= 0 || r_tpot <= slo.tpot_s) && (slo.e2e_s <= 0 || r_e2e <= slo.e2e_s);
     if (good) ++m.good;
   }
   m.duration_s = m.completed > 0 ? last - start : 0;
@@ -110,7 +112,8 @@ RunMetrics ComputeMetrics(const std::vector<RequestTiming>& timings, const Slo& 
     m.output_throughput = static_cast<double>(m.output_tokens) / m.duration_s;
     m.goodput = static_cast<double>(m.good) / m.duration_s;
   }
-  m.prefix_hit_rate = m.input_tokens > 0 ? static_cast<double>(m.cached_tokens) / static_cast<double>(m.input_tokens) : 0;
+  m.prefix_hit_rate =
+      m.input_tokens > 0 ? static_cast<double>(m.cached_tokens) / static_cast<double>(m.input_tokens) : 0;
   m.ttft = Summarize(std::move(ttft));
   m.tpot = Summarize(std::move(tpot));
   m.itl = Summarize(std::move(itl));

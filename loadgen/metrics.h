@@ -27,9 +27,9 @@ struct RequestTiming {
   int64_t index = 0;  // position in the workload
   int64_t session = -1, turn = 0;
   double arrival = 0;
-  double sent = -1;   // when the target took it (-1: never)
+  double sent = -1;  // when the target took it (-1: never)
   std::vector<double> token_times;
-  double end = -1;    // -1: not finished (interrupted)
+  double end = -1;  // -1: not finished (interrupted)
   int64_t prompt_tokens = 0;
   int64_t output_tokens = 0;
   int64_t cached_tokens = 0;  // prompt tokens reused from a prefix cache (when the target says)
@@ -61,9 +61,9 @@ struct RunMetrics {
   int64_t input_tokens = 0, output_tokens = 0, cached_tokens = 0;
   double request_throughput = 0, input_throughput = 0, output_throughput = 0;  // per second
   Stats ttft, tpot, itl, e2e;
-  int64_t good = 0;              // completed and within the SLO
-  double goodput = 0;            // good requests per second
-  double prefix_hit_rate = 0;    // cached / input tokens of completed requests
+  int64_t good = 0;            // completed and within the SLO
+  double goodput = 0;          // good requests per second
+  double prefix_hit_rate = 0;  // cached / input tokens of completed requests
 };
 
 RunMetrics ComputeMetrics(const std::vector<RequestTiming>& timings, const Slo& slo);

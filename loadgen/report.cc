@@ -14,7 +14,7 @@ namespace {
 using nlohmann::json;
 
 json StatsJson(const Stats& s) {
-  return {{"mean", s.mean}, {"median", s.median}, {"p90", s.p90}, {"p99", s.p99},
+  return {{"mean", s.mean}, {"median", s.median}, {"p90", s.p90},    {"p99", s.p99},
           {"min", s.min},   {"max", s.max},       {"count", s.count}};
 }
 
@@ -66,9 +66,12 @@ std::string ReportJson(const BenchReport& r) {
                    {"mean_output_tokens", r.mean_output},
                    {"notes", r.notes}};
   j["slo"] = {{"ttft_s", r.slo.ttft_s}, {"tpot_s", r.slo.tpot_s}, {"e2e_s", r.slo.e2e_s}};
-  j["cost"] = {{"priced", r.cost.priced},         {"devices", r.cost.devices},
-               {"usd_per_hour", r.cost.usd_per_hour}, {"price_table", r.cost.table_path},
-               {"price_table_date", r.cost.table_date}, {"estimate", r.cost.estimate},
+  j["cost"] = {{"priced", r.cost.priced},
+               {"devices", r.cost.devices},
+               {"usd_per_hour", r.cost.usd_per_hour},
+               {"price_table", r.cost.table_path},
+               {"price_table_date", r.cost.table_date},
+               {"estimate", r.cost.estimate},
                {"amortized", r.cost.amortized}};
   if (r.prediction.have) {
     j["prediction"] = {{"layout", r.prediction.layout},
@@ -160,8 +163,9 @@ std::string ReportJson(const BenchReport& r) {
 
 std::string ReportTable(const BenchReport& r) {
   std::string out;
-  absl::StrAppend(&out, "workload  ", r.workload_name, ": ", r.workload_requests,
-                  absl::StrFormat(" requests, mean %.1f in / %.1f out tokens\n", r.mean_input, r.mean_output));
+  absl::StrAppend(
+      &out, "workload  ", r.workload_name, ": ", r.workload_requests,
+      absl::StrFormat(" requests, mean %.1f in / %.1f out tokens\n", r.mean_input, r.mean_output));
   for (const std::string& n : r.notes) absl::StrAppend(&out, "          ", n, "\n");
   absl::StrAppend(&out, "target    ", r.target, "  (model ", r.model, ")\n");
   if (r.cost.priced) {
@@ -172,8 +176,8 @@ std::string ReportTable(const BenchReport& r) {
     absl::StrAppend(&out, "devices   not priced (give --compute-device, see --help)\n");
   }
   if (r.slo.any())
-    absl::StrAppend(&out, absl::StrFormat("SLO       ttft <= %gs, tpot <= %gs, e2e <= %gs (0: none)\n", r.slo.ttft_s,
-                                          r.slo.tpot_s, r.slo.e2e_s));
+    absl::StrAppend(&out, absl::StrFormat("SLO       ttft <= %gs, tpot <= %gs, e2e <= %gs (0: none)\n",
+                                          r.slo.ttft_s, r.slo.tpot_s, r.slo.e2e_s));
   const int w = 16;
   auto row = [&](const std::string& name, auto&& cell) {
     absl::StrAppend(&out, absl::StrFormat("%-26s", name));
@@ -190,8 +194,11 @@ std::string ReportTable(const BenchReport& r) {
   row("requests/s", [&](const RunReport& run) { return f("%.3f", run.metrics.request_throughput); });
   row("input tok/s", [&](const RunReport& run) { return f("%.1f", run.metrics.input_throughput); });
   row("output tok/s", [&](const RunReport& run) { return f("%.1f", run.metrics.output_throughput); });
-  for (const auto& [name, get] : std::vector<std::pair<std::string, const Stats RunMetrics::*>>{
-           {"TTFT", &RunMetrics::ttft}, {"TPOT", &RunMetrics::tpot}, {"ITL", &RunMetrics::itl}, {"E2E", &RunMetrics::e2e}}) {
+  for (const auto& [name, get] :
+       std::vector<std::pair<std::string, const Stats RunMetrics::*>>{{"TTFT", &RunMetrics::ttft},
+                                                                      {"TPOT", &RunMetrics::tpot},
+                                                                      {"ITL", &RunMetrics::itl},
+                                                                      {"E2E", &RunMetrics::e2e}}) {
     row(name + " mean/p50 ms", [&, get = get](const RunReport& run) {
       const Stats& s = run.metrics.*get;
       return absl::StrCat(ms(s.mean), "/", ms(s.median));
@@ -211,21 +218,24 @@ std::string ReportTable(const BenchReport& r) {
   }
   row("KV used mean/peak %", [&](const RunReport& run) {
     const KvSummary kv = SummarizeKv(run.result.kv);
-    return run.result.kv.empty() ? std::string("n/a") : absl::StrFormat("%.1f/%.1f", 100 * kv.mean_used, 100 * kv.peak_used);
+    return run.result.kv.empty() ? std::string("n/a")
+                                 : absl::StrFormat("%.1f/%.1f", 100 * kv.mean_used, 100 * kv.peak_used);
   });
-  row("prefix hits % of input", [&](const RunReport& run) { return f("%.1f", 100 * run.metrics.prefix_hit_rate); });
+  row("prefix hits % of input",
+      [&](const RunReport& run) { return f("%.1f", 100 * run.metrics.prefix_hit_rate); });
   if (r.cost.priced) {
     row("$ / M output tokens", [&](const RunReport& run) { return f("%.4f", RunCost(r, run.metrics)); });
   }
   if (r.prediction.have) {
-    absl::StrAppend(&out,
-                    absl::StrFormat("predicted (planner, %s): batch %d, step %.2f ms, %.0f output tok/s, $%.4f/M "
-                                    "(limit %s, bound %s); measured/predicted tok/s:",
-                                    r.prediction.layout, r.prediction.batch, r.prediction.step_s * 1e3,
-                                    r.prediction.tokens_per_s, r.prediction.usd_per_million, r.prediction.limit,
-                                    r.prediction.bound));
+    absl::StrAppend(
+        &out, absl::StrFormat("predicted (planner, %s): batch %d, step %.2f ms, %.0f output tok/s, $%.4f/M "
+                              "(limit %s, bound %s); measured/predicted tok/s:",
+                              r.prediction.layout, r.prediction.batch, r.prediction.step_s * 1e3,
+                              r.prediction.tokens_per_s, r.prediction.usd_per_million, r.prediction.limit,
+                              r.prediction.bound));
     for (const RunReport& run : r.runs)
-      absl::StrAppend(&out, absl::StrFormat(" %.2f", run.metrics.output_throughput / r.prediction.tokens_per_s));
+      absl::StrAppend(&out,
+                      absl::StrFormat(" %.2f", run.metrics.output_throughput / r.prediction.tokens_per_s));
     absl::StrAppend(&out, "\n");
   } else if (!r.prediction.why_not.empty()) {
     absl::StrAppend(&out, "predicted: ", r.prediction.why_not, "\n");

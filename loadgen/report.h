@@ -26,7 +26,7 @@ namespace tandem::loadgen {
 
 struct CostInfo {
   bool priced = false;
-  std::string devices;      // "1 x h100 ($11.060/h)"
+  std::string devices;  // "1 x h100 ($11.060/h)"
   double usd_per_hour = 0;
   std::string table_path, table_date;
   bool estimate = false, amortized = false;

@@ -13,8 +13,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "common/status.h"
 #include "httplib.h"
@@ -48,7 +48,8 @@ class Dispatcher {
       }
     }
     for (auto& [s, turns] : sessions_)
-      std::sort(turns.begin(), turns.end(), [&](size_t a, size_t b) { return w.requests[a].turn < w.requests[b].turn; });
+      std::sort(turns.begin(), turns.end(),
+                [&](size_t a, size_t b) { return w.requests[a].turn < w.requests[b].turn; });
     open_ = static_cast<int64_t>(w.requests.size());
   }
 
@@ -61,7 +62,8 @@ class Dispatcher {
   }
   // Seconds until the next release (infinity when none is scheduled).
   double NextDue(double now) const {
-    return pending_.empty() ? std::numeric_limits<double>::infinity() : std::max(0.0, pending_.top().first - now);
+    return pending_.empty() ? std::numeric_limits<double>::infinity()
+                            : std::max(0.0, pending_.top().first - now);
   }
   bool Done() const { return open_ == 0; }
   int64_t finished() const { return static_cast<int64_t>(w_.requests.size()) - open_; }
@@ -77,8 +79,8 @@ class Dispatcher {
   }
 
   // Request i ended at `now` with `generated` tokens (ok: not failed or cancelled).
-  void Finished(size_t i, const std::vector<int32_t>& prompt, const std::vector<int32_t>& generated, double now,
-                bool ok) {
+  void Finished(size_t i, const std::vector<int32_t>& prompt, const std::vector<int32_t>& generated,
+                double now, bool ok) {
     --open_;
     const BenchRequest& r = w_.requests[i];
     if (r.session < 0) return;
@@ -89,7 +91,8 @@ class Dispatcher {
     h = prompt;
     h.insert(h.end(), generated.begin(), generated.end());
     const size_t next = *(it + 1);
-    const int64_t need = static_cast<int64_t>(h.size() + w_.requests[next].prompt.size()) + w_.requests[next].max_tokens;
+    const int64_t need =
+        static_cast<int64_t>(h.size() + w_.requests[next].prompt.size()) + w_.requests[next].max_tokens;
     if (!ok || (o_.max_context > 0 && need > o_.max_context)) {
       // The rest of the session is never sent.
       const int64_t rest = static_cast<int64_t>(turns.end() - it - 1);
@@ -179,7 +182,8 @@ absl::StatusOr<RunResult> RunOnEngine(Engine& engine, const Workload& w, const R
       t.prompt_tokens = static_cast<int64_t>(req.prompt.size());
       t.sent = now;
       absl::Status check = engine.Check(req);
-      absl::StatusOr<int64_t> id = check.ok() ? engine.Submit(std::move(req)) : absl::StatusOr<int64_t>(check);
+      absl::StatusOr<int64_t> id =
+          check.ok() ? engine.Submit(std::move(req)) : absl::StatusOr<int64_t>(check);
       if (!id.ok()) {
         t.error = std::string(id.status().message());
         t.finish_reason = "error";
@@ -250,7 +254,8 @@ struct ParsedUrl {
 absl::StatusOr<ParsedUrl> ParseUrl(const std::string& url) {
   absl::string_view u = absl::StripAsciiWhitespace(url);
   if (!absl::StartsWith(u, "http://") && !absl::StartsWith(u, "https://"))
-    return absl::InvalidArgumentError(absl::StrCat("--url: expected http://host:port[/v1], got \"", url, "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--url: expected http://host:port[/v1], got \"", url, "\""));
   const size_t scheme_end = u.find("://") + 3;
   const size_t slash = u.find('/', scheme_end);
   ParsedUrl p;
@@ -325,8 +330,8 @@ absl::StatusOr<RunResult> RunOnHttp(const HttpTarget& target, const Workload& w,
     }
     if (model.empty()) {
       nlohmann::json j = nlohmann::json::parse(r->body, nullptr, false);
-      if (r->status != 200 || j.is_discarded() || !j.contains("data") || !j["data"].is_array() || j["data"].empty() ||
-          !j["data"][0].contains("id"))
+      if (r->status != 200 || j.is_discarded() || !j.contains("data") || !j["data"].is_array() ||
+          j["data"].empty() || !j["data"][0].contains("id"))
         return absl::UnavailableError(absl::StrCat(result.target, "/models: HTTP ", r->status,
                                                    ", no model listed; give --served-model"));
       model = j["data"][0]["id"].get<std::string>();
@@ -363,7 +368,8 @@ absl::StatusOr<RunResult> RunOnHttp(const HttpTarget& target, const Workload& w,
       } else if (!r || r->status == 404) {
         break;  // no metrics here
       }
-      for (int i = 0; i < 5 && !sampler_stop.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      for (int i = 0; i < 5 && !sampler_stop.load(); ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   });
 
@@ -440,7 +446,8 @@ absl::StatusOr<RunResult> RunOnHttp(const HttpTarget& target, const Workload& w,
         std::string line = buf.substr(0, pos);
         buf.erase(0, pos + 1);
         if (!line.empty() && line.back() == '\r') line.pop_back();
-        if (absl::StartsWith(line, "data:")) handle_event(absl::StripLeadingAsciiWhitespace(absl::string_view(line).substr(5)));
+        if (absl::StartsWith(line, "data:"))
+          handle_event(absl::StripLeadingAsciiWhitespace(absl::string_view(line).substr(5)));
       }
       return true;
     };
@@ -504,7 +511,8 @@ absl::StatusOr<RunResult> RunOnHttp(const HttpTarget& target, const Workload& w,
     now = Since(t0);
     if (o.on_progress && now - last_progress >= 0.5) {
       last_progress = now;
-      o.on_progress({d.finished(), static_cast<int64_t>(w.requests.size()), in_flight, out_tokens.load(), now});
+      o.on_progress(
+          {d.finished(), static_cast<int64_t>(w.requests.size()), in_flight, out_tokens.load(), now});
     }
   }
   for (std::thread& th : workers) th.join();
@@ -512,7 +520,8 @@ absl::StatusOr<RunResult> RunOnHttp(const HttpTarget& target, const Workload& w,
   sampler.join();
   result.kv = std::move(kv);
   result.skipped_turns = d.skipped_turns();
-  if (o.on_progress) o.on_progress({d.finished(), static_cast<int64_t>(w.requests.size()), 0, out_tokens.load(), Since(t0)});
+  if (o.on_progress)
+    o.on_progress({d.finished(), static_cast<int64_t>(w.requests.size()), 0, out_tokens.load(), Since(t0)});
   return result;
 }
 

@@ -51,8 +51,8 @@ struct RunOptions {
   int64_t max_context = 0;       // model context, for later session turns; 0: none
   double temperature = 0;
   uint64_t seed = 0;
-  bool ignore_eos = true;        // generate the workload's output lengths
-  std::function<bool()> stop_requested;  // polled between steps; true ends the run (Ctrl-C)
+  bool ignore_eos = true;                                // generate the workload's output lengths
+  std::function<bool()> stop_requested;                  // polled between steps; true ends the run (Ctrl-C)
   std::function<void(const ProgressInfo&)> on_progress;  // about twice a second
 };
 
@@ -67,22 +67,23 @@ struct RunResult {
   std::vector<KvSample> kv;
   bool interrupted = false;
   int64_t skipped_turns = 0;
-  int64_t steps = 0;         // engine steps (in-process target)
-  double busy_seconds = 0;   // time inside Engine::Step (in-process target)
-  std::string target;        // "engine on cpu", "http://127.0.0.1:8000/v1"
+  int64_t steps = 0;        // engine steps (in-process target)
+  double busy_seconds = 0;  // time inside Engine::Step (in-process target)
+  std::string target;       // "engine on cpu", "http://127.0.0.1:8000/v1"
 };
 
 absl::StatusOr<RunResult> RunOnEngine(Engine& engine, const Workload& workload, const RunOptions& options);
 
 struct HttpTarget {
-  std::string url;      // base URL: "http://host:port" or "http://host:port/v1"
-  std::string model;    // the `model` to send; empty: the first of GET /v1/models
-  std::string api_key;  // bearer token, if the server wants one
+  std::string url;          // base URL: "http://host:port" or "http://host:port/v1"
+  std::string model;        // the `model` to send; empty: the first of GET /v1/models
+  std::string api_key;      // bearer token, if the server wants one
   double timeout_s = 3600;  // per request
 };
 
 // Unavailable when the server cannot be reached (naming the URL); per-request failures (HTTP
 // errors, error events) are recorded in the request's timing, not returned.
-absl::StatusOr<RunResult> RunOnHttp(const HttpTarget& target, const Workload& workload, const RunOptions& options);
+absl::StatusOr<RunResult> RunOnHttp(const HttpTarget& target, const Workload& workload,
+                                    const RunOptions& options);
 
 }  // namespace tandem::loadgen

@@ -7,8 +7,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "nlohmann/json.hpp"
 
@@ -42,9 +42,11 @@ bool ParseAzureTime(absl::string_view s, double* out) {
   if (!absl::SimpleAtoi(ymd[0], &y) || !absl::SimpleAtoi(ymd[1], &mo) || !absl::SimpleAtoi(ymd[2], &d) ||
       !absl::SimpleAtoi(hms[0], &h) || !absl::SimpleAtoi(hms[1], &mi) || !absl::SimpleAtod(hms[2], &sec))
     return false;
-  if (mo < 1 || mo > 12 || d < 1 || d > 31 || h < 0 || h > 23 || mi < 0 || mi > 59 || !(sec >= 0) || sec >= 61)
+  if (mo < 1 || mo > 12 || d < 1 || d > 31 || h < 0 || h > 23 || mi < 0 || mi > 59 || !(sec >= 0) ||
+      sec >= 61)
     return false;
-  *out = static_cast<double>(DaysFromCivil(y, mo, d)) * 86400.0 + static_cast<double>(h * 3600 + mi * 60) + sec;
+  *out =
+      static_cast<double>(DaysFromCivil(y, mo, d)) * 86400.0 + static_cast<double>(h * 3600 + mi * 60) + sec;
   return true;
 }
 
@@ -62,9 +64,11 @@ uint64_t SplitMix(uint64_t x) {
 // Token i of a stream named by (kind, id): a pure function, so equal names give equal tokens.
 int32_t TokenAt(const TokenSpace& t, uint64_t kind, uint64_t id, uint64_t i) {
   const int64_t span = std::max<int64_t>(1, t.vocab_size - t.first_token_id);
-  uint64_t h = SplitMix(t.seed ^ SplitMix(kind * 0x100000001b3ULL ^ SplitMix(id) ^ (i * 0x9e3779b97f4a7c15ULL)));
+  uint64_t h =
+      SplitMix(t.seed ^ SplitMix(kind * 0x100000001b3ULL ^ SplitMix(id) ^ (i * 0x9e3779b97f4a7c15ULL)));
   for (int tries = 0; tries < 16; ++tries) {
-    const int32_t tok = static_cast<int32_t>(t.first_token_id + static_cast<int64_t>(h % static_cast<uint64_t>(span)));
+    const int32_t tok =
+        static_cast<int32_t>(t.first_token_id + static_cast<int64_t>(h % static_cast<uint64_t>(span)));
     if (std::find(t.avoid.begin(), t.avoid.end(), tok) == t.avoid.end()) return tok;
     h = SplitMix(h);
   }
@@ -73,7 +77,8 @@ int32_t TokenAt(const TokenSpace& t, uint64_t kind, uint64_t id, uint64_t i) {
 
 enum Stream : uint64_t { kUnique = 1, kBlock = 2, kPrefix = 3, kTurn = 4 };
 
-void Append(const TokenSpace& t, uint64_t kind, uint64_t id, int64_t n, std::vector<int32_t>* out, int64_t from = 0) {
+void Append(const TokenSpace& t, uint64_t kind, uint64_t id, int64_t n, std::vector<int32_t>* out,
+            int64_t from = 0) {
   for (int64_t i = 0; i < n; ++i) out->push_back(TokenAt(t, kind, id, static_cast<uint64_t>(from + i)));
 }
 
@@ -84,8 +89,8 @@ int64_t Scaled(int64_t n, double scale) {
 
 }  // namespace
 
-absl::StatusOr<std::vector<TraceRow>> ParseTrace(const std::string& text, const std::string& path, int64_t skip,
-                                                 int64_t limit, TraceFormat* format) {
+absl::StatusOr<std::vector<TraceRow>> ParseTrace(const std::string& text, const std::string& path,
+                                                 int64_t skip, int64_t limit, TraceFormat* format) {
   std::vector<TraceRow> rows;
   std::istringstream in(text);
   std::string line;
@@ -106,9 +111,10 @@ absl::StatusOr<std::vector<TraceRow>> ParseTrace(const std::string& text, const 
         fmt = TraceFormat::kAzure;
         continue;
       } else {
-        return RowError(path, lineno,
-                        "not a known trace: expected the CSV header \"TIMESTAMP,ContextTokens,GeneratedTokens\" "
-                        "(Azure 2023) or JSON lines (Mooncake)");
+        return RowError(
+            path, lineno,
+            "not a known trace: expected the CSV header \"TIMESTAMP,ContextTokens,GeneratedTokens\" "
+            "(Azure 2023) or JSON lines (Mooncake)");
       }
     }
     const int64_t index = data_rows++;
@@ -121,14 +127,17 @@ absl::StatusOr<std::vector<TraceRow>> ParseTrace(const std::string& text, const 
       std::vector<absl::string_view> f = absl::StrSplit(line, ',');
       if (f.size() != 3) return RowError(path, lineno, absl::StrCat("expected 3 fields, got ", f.size()));
       if (!ParseAzureTime(f[0], &t))
-        return RowError(path, lineno,
-                        absl::StrCat("TIMESTAMP: expected \"YYYY-MM-DD HH:MM:SS.fff\", got \"", std::string(f[0]), "\""));
+        return RowError(
+            path, lineno,
+            absl::StrCat("TIMESTAMP: expected \"YYYY-MM-DD HH:MM:SS.fff\", got \"", std::string(f[0]), "\""));
       if (!ParseCount(f[1], &r.input_tokens))
-        return RowError(path, lineno,
-                        absl::StrCat("ContextTokens: expected a non-negative integer, got \"", std::string(f[1]), "\""));
+        return RowError(
+            path, lineno,
+            absl::StrCat("ContextTokens: expected a non-negative integer, got \"", std::string(f[1]), "\""));
       if (!ParseCount(f[2], &r.output_tokens))
-        return RowError(path, lineno, absl::StrCat("GeneratedTokens: expected a non-negative integer, got \"",
-                                                   std::string(f[2]), "\""));
+        return RowError(path, lineno,
+                        absl::StrCat("GeneratedTokens: expected a non-negative integer, got \"",
+                                     std::string(f[2]), "\""));
     } else {
       nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
       if (j.is_discarded() || !j.is_object()) return RowError(path, lineno, "not a JSON object");
@@ -136,7 +145,8 @@ absl::StatusOr<std::vector<TraceRow>> ParseTrace(const std::string& text, const 
         if (!j.contains(key)) return RowError(path, lineno, absl::StrCat("missing key '", key, "'"));
         const nlohmann::json& v = j[key];
         if (!v.is_number_integer() || v.get<int64_t>() < 0)
-          return RowError(path, lineno, absl::StrCat(key, ": expected a non-negative integer, got ", v.dump()));
+          return RowError(path, lineno,
+                          absl::StrCat(key, ": expected a non-negative integer, got ", v.dump()));
         *out = v.get<int64_t>();
         return absl::OkStatus();
       };
@@ -156,7 +166,8 @@ absl::StatusOr<std::vector<TraceRow>> ParseTrace(const std::string& text, const 
         if (!h.is_array()) return RowError(path, lineno, "hash_ids: expected a list of integers");
         for (const nlohmann::json& id : h) {
           if (!id.is_number_integer() || id.get<int64_t>() < 0)
-            return RowError(path, lineno, absl::StrCat("hash_ids: expected non-negative integers, got ", id.dump()));
+            return RowError(path, lineno,
+                            absl::StrCat("hash_ids: expected non-negative integers, got ", id.dump()));
           r.hash_ids.push_back(id.get<int64_t>());
         }
       }
@@ -169,7 +180,8 @@ absl::StatusOr<std::vector<TraceRow>> ParseTrace(const std::string& text, const 
   }
   if (!have_format) return absl::InvalidArgumentError(absl::StrCat(path, ": empty trace"));
   if (rows.empty())
-    return absl::InvalidArgumentError(absl::StrCat(path, ": no rows in the range asked for (", data_rows, " rows)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": no rows in the range asked for (", data_rows, " rows)"));
   if (format != nullptr) *format = fmt;
   return rows;
 }
@@ -203,9 +215,11 @@ void ApplyCaps(const Caps& caps, Workload* w) {
   }
   const size_t n = w->requests.size();
   if (cut_in > 0)
-    w->notes.push_back(absl::StrCat(cut_in, " of ", n, " prompts cut to --max-input ", caps.max_input, " tokens"));
+    w->notes.push_back(
+        absl::StrCat(cut_in, " of ", n, " prompts cut to --max-input ", caps.max_input, " tokens"));
   if (cut_out > 0)
-    w->notes.push_back(absl::StrCat(cut_out, " of ", n, " outputs capped at --max-output ", caps.max_output, " tokens"));
+    w->notes.push_back(
+        absl::StrCat(cut_out, " of ", n, " outputs capped at --max-output ", caps.max_output, " tokens"));
   if (cut_ctx > 0)
     w->notes.push_back(absl::StrCat(cut_ctx, " of ", n, " prompts truncated to fit the model's context (",
                                     caps.max_context, " tokens with the output)"));
@@ -238,8 +252,12 @@ absl::StatusOr<Workload> MakeTraceWorkload(const std::string& name, TraceFormat 
     Append(tokens, kUnique, i, input - static_cast<int64_t>(r.prompt.size()), &r.prompt);
     w.requests.push_back(std::move(r));
   }
-  if (length_scale != 1.0)
-    w.notes.push_back(absl::StrCat("lengths scaled by ", length_scale, " (prefix blocks of ", block, " tokens)"));
+  if (length_scale != 1.0) {
+    w.notes.push_back(absl::StrCat("lengths scaled by ", length_scale,
+                                   format == TraceFormat::kMooncake
+                                       ? absl::StrCat(" (prefix blocks of ", block, " tokens)")
+                                       : std::string()));
+  }
   if (with_ids > 0)
     w.notes.push_back(absl::StrCat(with_ids, " prompts built from hash_ids blocks of ", block, " tokens"));
   ApplyCaps(caps, &w);
@@ -261,7 +279,8 @@ Workload MakeFixedWorkload(int64_t n, int64_t input, int64_t output, const Token
 Workload MakeSharedPrefixWorkload(int64_t n, int64_t prefix, int64_t suffix, int64_t output,
                                   const TokenSpace& tokens) {
   Workload w;
-  w.name = absl::StrCat("synthetic shared prefix (", prefix, " shared + ", suffix, " own in, ", output, " out)");
+  w.name =
+      absl::StrCat("synthetic shared prefix (", prefix, " shared + ", suffix, " own in, ", output, " out)");
   w.shared_prefix_tokens = prefix;
   for (int64_t i = 0; i < n; ++i) {
     BenchRequest r;

@@ -50,30 +50,30 @@ enum class TraceFormat { kAzure, kMooncake };
 absl::StatusOr<std::vector<TraceRow>> ReadTrace(const std::string& path, int64_t skip, int64_t limit,
                                                 TraceFormat* format = nullptr);
 // The same from text (`path` only names it in errors).
-absl::StatusOr<std::vector<TraceRow>> ParseTrace(const std::string& text, const std::string& path, int64_t skip,
-                                                 int64_t limit, TraceFormat* format = nullptr);
+absl::StatusOr<std::vector<TraceRow>> ParseTrace(const std::string& text, const std::string& path,
+                                                 int64_t skip, int64_t limit, TraceFormat* format = nullptr);
 
 // One request to send.
 struct BenchRequest {
   double trace_time_s = 0;      // arrival offset from the workload (traces); 0 for synthetic
   std::vector<int32_t> prompt;  // full prompt; for a later turn of a session, only its new tokens
   int64_t max_tokens = 1;
-  int64_t session = -1;         // >= 0: a turn of a multi-turn session
-  int64_t turn = 0;             // 0 for the first turn
-  double think_s = 0;           // later turns: delay after the previous turn ends
+  int64_t session = -1;  // >= 0: a turn of a multi-turn session
+  int64_t turn = 0;      // 0 for the first turn
+  double think_s = 0;    // later turns: delay after the previous turn ends
 };
 
 struct Workload {
-  std::string name;         // "azure_llm_conv_2023.csv", "synthetic fixed", ...
+  std::string name;  // "azure_llm_conv_2023.csv", "synthetic fixed", ...
   std::vector<BenchRequest> requests;
-  std::vector<std::string> notes;  // caps and truncations applied, one line each
+  std::vector<std::string> notes;    // caps and truncations applied, one line each
   int64_t shared_prefix_tokens = 0;  // synthetic shared-prefix: P
 };
 
 struct TokenSpace {
   int64_t vocab_size = 32000;
-  int32_t first_token_id = 3;       // ids below are left out (BOS, EOS, UNK in Llama vocabularies)
-  std::vector<int32_t> avoid;       // e.g. the model's EOS ids
+  int32_t first_token_id = 3;  // ids below are left out (BOS, EOS, UNK in Llama vocabularies)
+  std::vector<int32_t> avoid;  // e.g. the model's EOS ids
   uint64_t seed = 0;
 };
 

@@ -14,7 +14,8 @@ WorkloadShape WorkloadShape::FromLengths(double prompt_tokens, double output_tok
   w.reserved_tokens = prompt_tokens + output_tokens;
   w.prefill_rows_per_token = output_tokens > 0 ? prompt_tokens * (1 - cached_fraction) / output_tokens : 0;
   w.description = absl::StrFormat("prompt %.0f, output %.0f tokens (mean)", prompt_tokens, output_tokens);
-  if (cached_fraction > 0) absl::StrAppend(&w.description, absl::StrFormat(", %.0f%% cached", 100 * cached_fraction));
+  if (cached_fraction > 0)
+    absl::StrAppend(&w.description, absl::StrFormat(", %.0f%% cached", 100 * cached_fraction));
   return w;
 }
 
@@ -117,7 +118,8 @@ Prediction Predict(const ModelSpec& model, const WorkloadShape& w, const DeviceS
   if (o.tpot_slo_s > 0 && terms(hi).step > o.tpot_slo_s) {
     // step time grows with B: the largest B within the SLO, by bisection.
     if (terms(1).step > o.tpot_slo_s) {
-      p.infeasible = absl::StrFormat("one request's step (%.2f ms) exceeds the TPOT SLO", terms(1).step * 1e3);
+      p.infeasible =
+          absl::StrFormat("one request's step (%.2f ms) exceeds the TPOT SLO", terms(1).step * 1e3);
       return p;
     }
     int64_t lo = 1;
@@ -156,8 +158,8 @@ std::vector<Prediction> Plan(const ModelSpec& model, const WorkloadShape& worklo
                              const std::vector<std::pair<DeviceSpec, double>>& memory_devices,
                              const PlanOptions& options) {
   std::vector<Prediction> all;
-  all.push_back(Predict(model, workload, compute, compute_usd_per_hour, nullptr, 0, 0, PipelineMode::kColocated,
-                        options));
+  all.push_back(Predict(model, workload, compute, compute_usd_per_hour, nullptr, 0, 0,
+                        PipelineMode::kColocated, options));
   for (const auto& [mem, price] : memory_devices) {
     for (int m = 1; m <= options.max_memory_per_compute; ++m) {
       for (PipelineMode mode : {PipelineMode::kSequential, PipelineMode::kPingPong}) {
@@ -180,16 +182,16 @@ double MinLinkBandwidth(const ModelSpec& model, double mfu, double peak_flops, d
 }
 
 std::string FormatPrediction(const Prediction& p) {
-  const std::string layout =
-      p.mode == PipelineMode::kColocated
-          ? absl::StrCat("1 ", p.compute_device, " colocated")
-          : absl::StrCat("1 ", p.compute_device, " + ", p.memory_count, " ", p.memory_device, " ",
-                         PipelineModeName(p.mode));
+  const std::string layout = p.mode == PipelineMode::kColocated
+                                 ? absl::StrCat("1 ", p.compute_device, " colocated")
+                                 : absl::StrCat("1 ", p.compute_device, " + ", p.memory_count, " ",
+                                                p.memory_device, " ", PipelineModeName(p.mode));
   if (!p.feasible) return absl::StrFormat("%-34s infeasible: %s", layout, p.infeasible);
   return absl::StrFormat(
-      "%-34s B %5d  step %7.2f ms (lin %6.2f att %6.2f xfer %5.2f)  %9.0f tok/s  $%6.2f/h  $%7.3f/M  %-11s %s",
-      layout, p.batch, p.step_s * 1e3, p.linear_s * 1e3, p.attention_s * 1e3, p.exchange_s * 1e3, p.tokens_per_s,
-      p.usd_per_hour, p.usd_per_million, p.limit, p.bound);
+      "%-34s B %5d  step %7.2f ms (lin %6.2f att %6.2f xfer %5.2f)  %9.0f tok/s  $%6.2f/h  $%7.3f/M  %-11s "
+      "%s",
+      layout, p.batch, p.step_s * 1e3, p.linear_s * 1e3, p.attention_s * 1e3, p.exchange_s * 1e3,
+      p.tokens_per_s, p.usd_per_hour, p.usd_per_million, p.limit, p.bound);
 }
 
 }  // namespace tandem::planner

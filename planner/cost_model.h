@@ -68,17 +68,17 @@ struct Prediction {
   std::string memory_device;  // empty when colocated
   int memory_count = 0;       // memory devices per compute device
   bool feasible = false;
-  std::string infeasible;     // why not, when !feasible
+  std::string infeasible;  // why not, when !feasible
   int64_t batch = 0;
-  double rows = 0;            // rows per step (decode + prefill)
+  double rows = 0;  // rows per step (decode + prefill)
   double linear_s = 0, attention_s = 0, exchange_s = 0, step_s = 0;
-  double tokens_per_s = 0;    // output tokens/s
+  double tokens_per_s = 0;  // output tokens/s
   double usd_per_hour = 0;
   double usd_per_million = 0;
   double tokens_per_usd = 0;  // output tokens per dollar
   double kv_capacity_tokens = 0;
-  std::string limit;          // what stops the batch growing: "KV capacity", "TPOT SLO", "max batch"
-  std::string bound;          // the step's largest term: "compute", "weight reads", "KV bandwidth", "link"
+  std::string limit;  // what stops the batch growing: "KV capacity", "TPOT SLO", "max batch"
+  std::string bound;  // the step's largest term: "compute", "weight reads", "KV bandwidth", "link"
 };
 
 // Predicts one layout: `memory` null and mode kColocated for colocated serving, else
@@ -91,7 +91,8 @@ Prediction Predict(const ModelSpec& model, const WorkloadShape& workload, const 
 // `memory_devices`, 1..max_memory_per_compute of them, sequential and ping-pong); sorted best
 // (most output tokens per dollar) first, infeasible layouts last.
 std::vector<Prediction> Plan(const ModelSpec& model, const WorkloadShape& workload, const DeviceSpec& compute,
-                             double compute_usd_per_hour, const std::vector<std::pair<DeviceSpec, double>>& memory_devices,
+                             double compute_usd_per_hour,
+                             const std::vector<std::pair<DeviceSpec, double>>& memory_devices,
                              const PlanOptions& options);
 
 // Lamina section 4.2: the least compute <-> memory bandwidth that does not slow the compute

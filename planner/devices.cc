@@ -63,8 +63,8 @@ absl::StatusOr<PriceOffer> PriceTable::Find(std::string_view name) const {
     if (o.name == name) return o;
     names.push_back(o.name);
   }
-  return absl::NotFoundError(absl::StrCat(path, ": no price for \"", std::string(name), "\" (priced: ", absl::StrJoin(names, ", "),
-                                          ")"));
+  return absl::NotFoundError(absl::StrCat(path, ": no price for \"", std::string(name),
+                                          "\" (priced: ", absl::StrJoin(names, ", "), ")"));
 }
 
 absl::StatusOr<double> PriceTable::HourlyUsd(std::string_view name) const {
@@ -109,7 +109,8 @@ absl::StatusOr<PriceTable> ParsePriceTable(std::string_view yaml, const std::str
       where = absl::StrCat(where, " (", p.name, ")");
       for (const auto& kv : o) {
         const std::string key = kv.first.as<std::string>();
-        if (key != "name" && key != "usd_per_hour" && key != "usd_purchase" && key != "source" && key != "estimate")
+        if (key != "name" && key != "usd_per_hour" && key != "usd_purchase" && key != "source" &&
+            key != "estimate")
           return absl::InvalidArgumentError(absl::StrCat(where, ": unknown key '", key, "'"));
       }
       if (!seen.insert(p.name).second)
@@ -139,8 +140,8 @@ absl::StatusOr<PriceTable> LoadPriceTable(const std::string& path) {
   return ParsePriceTable(text.str(), path);
 }
 
-absl::StatusOr<DevicesCost> PriceDevices(const PriceTable& table, const std::string& compute, int compute_count,
-                                         const std::string& memory, int memory_count) {
+absl::StatusOr<DevicesCost> PriceDevices(const PriceTable& table, const std::string& compute,
+                                         int compute_count, const std::string& memory, int memory_count) {
   if (compute_count < 1) return absl::InvalidArgumentError("--compute-count must be at least 1");
   if (memory_count < 0) return absl::InvalidArgumentError("--memory-count must not be negative");
   if (memory_count > 0 && memory.empty())

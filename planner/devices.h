@@ -29,12 +29,12 @@
 namespace tandem::planner {
 
 struct DeviceSpec {
-  std::string name;            // "h100", "rtx3090", ...
-  double memory_bytes = 0;     // device memory
-  double read_bandwidth = 0;   // bytes/s a decode kernel reads at (measured where we could)
-  double bf16_flops = 0;       // dense bf16 FLOP/s (measured GEMM ceiling where we could)
-  double link_bandwidth = 0;   // bytes/s one way to a peer device (0: unknown)
-  std::string source;          // where the figures come from
+  std::string name;           // "h100", "rtx3090", ...
+  double memory_bytes = 0;    // device memory
+  double read_bandwidth = 0;  // bytes/s a decode kernel reads at (measured where we could)
+  double bf16_flops = 0;      // dense bf16 FLOP/s (measured GEMM ceiling where we could)
+  double link_bandwidth = 0;  // bytes/s one way to a peer device (0: unknown)
+  std::string source;         // where the figures come from
 };
 
 // The built-in devices: h100, h200, a100-80g, h20, tpu-v6e, rtx3090, rx7900xtx, arc-a770.
@@ -43,11 +43,11 @@ const std::vector<DeviceSpec>& KnownDevices();
 absl::StatusOr<DeviceSpec> FindDevice(std::string_view name);
 
 struct PriceOffer {
-  std::string name;           // "h100" or "h100@purchase"
-  double usd_per_hour = 0;    // hourly price, or 0 for a purchase price
-  double usd_purchase = 0;    // purchase price, or 0 for an hourly one
-  std::string source;         // who published it and when, or why it is an estimate
-  bool estimate = false;      // not a price someone published for this device
+  std::string name;         // "h100" or "h100@purchase"
+  double usd_per_hour = 0;  // hourly price, or 0 for a purchase price
+  double usd_purchase = 0;  // purchase price, or 0 for an hourly one
+  std::string source;       // who published it and when, or why it is an estimate
+  bool estimate = false;    // not a price someone published for this device
 };
 
 struct PriceTable {
@@ -81,8 +81,8 @@ struct DevicesCost {
 // Prices `compute_count` devices `compute` and `memory_count` devices `memory` (memory may be
 // empty with memory_count 0). InvalidArgument for counts < 0 or compute_count < 1; NotFound for
 // an offer the table lacks (naming it and the table).
-absl::StatusOr<DevicesCost> PriceDevices(const PriceTable& table, const std::string& compute, int compute_count,
-                                         const std::string& memory, int memory_count);
+absl::StatusOr<DevicesCost> PriceDevices(const PriceTable& table, const std::string& compute,
+                                         int compute_count, const std::string& memory, int memory_count);
 
 // $ per million output tokens at `tokens_per_s` on devices costing `usd_per_hour` (0 when
 // tokens_per_s is 0).

@@ -61,7 +61,8 @@ TEST(TraceTest, MalformedRowsNameFileAndLine) {
            {h + ok + "2023-11-16 18:15:47.0,12\n", "t.csv:3: expected 3 fields, got 2"},
            {h + ok + "yesterday,1,2\n", "t.csv:3: TIMESTAMP"},
            {h + ok + "2023-13-16 18:15:47.0,1,2\n", "t.csv:3: TIMESTAMP"},
-           {h + ok + "2023-11-16 18:15:47.0,x,2\n", "t.csv:3: ContextTokens: expected a non-negative integer, got \"x\""},
+           {h + ok + "2023-11-16 18:15:47.0,x,2\n",
+            "t.csv:3: ContextTokens: expected a non-negative integer, got \"x\""},
            {h + ok + "2023-11-16 18:15:47.0,5,-2\n", "t.csv:3: GeneratedTokens"},
            {h + ok + "2023-11-16 18:15:47.0,0,2\n", "t.csv:3: the prompt has no tokens"},
            {h + ok + "2023-11-16 18:15:40.0,5,2\n", "t.csv:3: timestamps go backwards"},
@@ -74,20 +75,24 @@ TEST(TraceTest, MalformedRowsNameFileAndLine) {
            {"{\"timestamp\": \"0\", \"input_length\": 5, \"output_length\": 1}\n", "t.csv:1: timestamp"},
            {"{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 1, \"hash_ids\": [1, \"a\"]}\n",
             "t.csv:1: hash_ids"},
-           {"{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 1, \"hash_ids\": 3}\n", "t.csv:1: hash_ids"},
-           {"{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 1}\n[1, 2]\n", "t.csv:2: not a JSON object"},
+           {"{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 1, \"hash_ids\": 3}\n",
+            "t.csv:1: hash_ids"},
+           {"{\"timestamp\": 0, \"input_length\": 5, \"output_length\": 1}\n[1, 2]\n",
+            "t.csv:2: not a JSON object"},
        }) {
     absl::StatusOr<std::vector<TraceRow>> rows = ParseTrace(c.text, "t.csv", 0, 0);
     ASSERT_FALSE(rows.ok()) << c.text;
     EXPECT_EQ(rows.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(rows.status().message().find(c.needle), std::string_view::npos) << rows.status() << "\nwanted: " << c.needle;
+    EXPECT_NE(rows.status().message().find(c.needle), std::string_view::npos)
+        << rows.status() << "\nwanted: " << c.needle;
   }
   EXPECT_EQ(ReadTrace("/nonexistent/trace.csv", 0, 0).status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(TraceTest, CommittedExcerptsParse) {
   TraceFormat f;
-  absl::StatusOr<std::vector<TraceRow>> a = ReadTrace(SourceDir() + "/tests/data/traces/azure_conv_head40.csv", 0, 0, &f);
+  absl::StatusOr<std::vector<TraceRow>> a =
+      ReadTrace(SourceDir() + "/tests/data/traces/azure_conv_head40.csv", 0, 0, &f);
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_EQ(a->size(), 40u);
   EXPECT_EQ(f, TraceFormat::kAzure);
@@ -103,9 +108,9 @@ TEST(TraceTest, CommittedExcerptsParse) {
 
 TEST(WorkloadTest, HashBlocksBecomeIdenticalTokens) {
   std::vector<TraceRow> rows(3);
-  rows[0] = {0, 10, 2, {7, 8, 9}, 1};   // blocks 7, 8 (4 tokens each) and 2 tokens of 9
-  rows[1] = {0, 12, 2, {7, 8, 5}, 2};   // shares 7 and 8
-  rows[2] = {0, 6, 2, {1, 8}, 3};       // 8 again (its first 2 tokens)
+  rows[0] = {0, 10, 2, {7, 8, 9}, 1};  // blocks 7, 8 (4 tokens each) and 2 tokens of 9
+  rows[1] = {0, 12, 2, {7, 8, 5}, 2};  // shares 7 and 8
+  rows[2] = {0, 6, 2, {1, 8}, 3};      // 8 again (its first 2 tokens)
   TokenSpace t;
   t.vocab_size = 100;
   t.avoid = {50};
@@ -130,8 +135,10 @@ TEST(WorkloadTest, HashBlocksBecomeIdenticalTokens) {
   // Another seed, other tokens; the same seed, the same tokens.
   TokenSpace t2 = t;
   t2.seed = 1;
-  EXPECT_NE(MakeTraceWorkload("m", TraceFormat::kMooncake, rows, t2, {}, 1.0, 4)->requests[0].prompt, r[0].prompt);
-  EXPECT_EQ(MakeTraceWorkload("m", TraceFormat::kMooncake, rows, t, {}, 1.0, 4)->requests[0].prompt, r[0].prompt);
+  EXPECT_NE(MakeTraceWorkload("m", TraceFormat::kMooncake, rows, t2, {}, 1.0, 4)->requests[0].prompt,
+            r[0].prompt);
+  EXPECT_EQ(MakeTraceWorkload("m", TraceFormat::kMooncake, rows, t, {}, 1.0, 4)->requests[0].prompt,
+            r[0].prompt);
 }
 
 TEST(WorkloadTest, CapsAndScaleAreAppliedAndStated) {
@@ -192,14 +199,33 @@ TEST(ArrivalTest, Processes) {
 TEST(MetricsTest, KnownTimeline) {
   std::vector<RequestTiming> t(4);
   // r0: arrives 0, tokens at 1, 2, 4 -> TTFT 1, TPOT 1.5, ITL {1, 2}, E2E 4.
-  t[0] = {.index = 0, .arrival = 0, .sent = 0, .token_times = {1, 2, 4}, .end = 4, .prompt_tokens = 10,
-          .output_tokens = 3, .cached_tokens = 5, .finish_reason = "length"};
+  t[0] = {.index = 0,
+          .arrival = 0,
+          .sent = 0,
+          .token_times = {1, 2, 4},
+          .end = 4,
+          .prompt_tokens = 10,
+          .output_tokens = 3,
+          .cached_tokens = 5,
+          .finish_reason = "length"};
   // r1: arrives 1, tokens at 3, 4 -> TTFT 2, TPOT 1, ITL {1}, E2E 3.
-  t[1] = {.index = 1, .arrival = 1, .sent = 1, .token_times = {3, 4}, .end = 4, .prompt_tokens = 20,
-          .output_tokens = 2, .finish_reason = "length"};
+  t[1] = {.index = 1,
+          .arrival = 1,
+          .sent = 1,
+          .token_times = {3, 4},
+          .end = 4,
+          .prompt_tokens = 20,
+          .output_tokens = 2,
+          .finish_reason = "length"};
   // r2: one token at 5 (arrived 2) -> TTFT 3, no TPOT, E2E 3; the run ends at 5.
-  t[2] = {.index = 2, .arrival = 2, .sent = 2, .token_times = {5}, .end = 5, .prompt_tokens = 10,
-          .output_tokens = 1, .finish_reason = "length"};
+  t[2] = {.index = 2,
+          .arrival = 2,
+          .sent = 2,
+          .token_times = {5},
+          .end = 5,
+          .prompt_tokens = 10,
+          .output_tokens = 1,
+          .finish_reason = "length"};
   // r3: failed: counted apart, in no latency.
   t[3] = {.index = 3, .arrival = 2, .sent = 2, .end = 2, .finish_reason = "error", .error = "refused"};
   RunMetrics m = ComputeMetrics(t, {});
@@ -361,7 +387,8 @@ TEST_F(ReplayTest, ReportJsonHoldsEveryRequest) {
   ASSERT_EQ(j["runs"][0]["requests"].size(), 4u);
   EXPECT_EQ(j["runs"][0]["requests"][2]["token_times"].size(), 3u);
   const double tps = j["runs"][0]["metrics"]["output_throughput"];
-  EXPECT_DOUBLE_EQ(j["runs"][0]["cost"]["usd_per_million_output_tokens"].get<double>(), 3.6 / 3600 / tps * 1e6);
+  EXPECT_DOUBLE_EQ(j["runs"][0]["cost"]["usd_per_million_output_tokens"].get<double>(),
+                   3.6 / 3600 / tps * 1e6);
   EXPECT_EQ(j["runs"][0]["cost"]["price_table_date"], "2026-11-25");
   const std::string table = ReportTable(report);
   EXPECT_NE(table.find("$ / M output tokens"), std::string::npos);

@@ -74,7 +74,8 @@ TEST(PlannerTest, LaminaFigure1ContextLength512) {
   DeviceSpec same = PaperMemoryUnit();
   same.memory_bytes /= kAlpha;
   same.read_bandwidth /= kAlpha;
-  const std::vector<Prediction> flat = Plan(model, w, PaperA100(), kA100Price, {{same, kA100Price / kUnits}}, o);
+  const std::vector<Prediction> flat =
+      Plan(model, w, PaperA100(), kA100Price, {{same, kA100Price / kUnits}}, o);
   ASSERT_TRUE(flat[0].feasible);
   double best_flat = 0;
   for (const Prediction& p : flat)
@@ -172,9 +173,11 @@ TEST(PriceTableTest, RefusesBadTables) {
            Case{"date: d\noffers: [{name: a, usd_per_hour: 1, usd_purchase: 2, source: s}]", "exactly one"},
            Case{"date: d\noffers: [{name: a, source: s}]", "exactly one"},
            Case{"date: d\noffers: [{name: a, usd_per_hour: -1, source: s}]", "exactly one"},
-           Case{"date: d\noffers: [{name: a, usd_per_hour: 1, source: s}, {name: a, usd_per_hour: 2, source: s}]",
+           Case{"date: d\noffers: [{name: a, usd_per_hour: 1, source: s}, {name: a, usd_per_hour: 2, source: "
+                "s}]",
                 "offers[1] (a): duplicate name"},
-           Case{"date: d\noffers: [{name: a, usd_per_hour: 1, source: s, color: red}]", "unknown key 'color'"},
+           Case{"date: d\noffers: [{name: a, usd_per_hour: 1, source: s, color: red}]",
+                "unknown key 'color'"},
            Case{"date: d\nprice: 3\noffers: []", "unknown key 'price'"},
            Case{"date: d\noffers: [{name: a, usd_per_hour: x, source: s}]", "p.yaml:"},
        }) {
