@@ -150,7 +150,7 @@ absl::Status RunPlan(const PlanArgs& a) {
   std::printf("prices    %s, dated %s (purchase prices amortized over %g years)\n", prices.path.c_str(),
               prices.date.c_str(), prices.amortize_years);
   if (o.tpot_slo_s > 0) std::printf("SLO       step (TPOT) <= %.1f ms\n", o.tpot_slo_s * 1e3);
-  std::printf("\n%-34s %7s %-48s %9s %8s %9s %-11s %s\n", "layout (per compute device)", "batch",
+  std::printf("\n%-44s %7s %-48s %9s %8s %9s %-11s %s\n", "layout (per compute device)", "batch",
               "step ms (linear, attention, exchange)", "tok/s", "$/h", "$/M tok", "limit", "bound");
   int shown = 0;
   for (const planner::Prediction& p : plans) {

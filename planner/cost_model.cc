@@ -186,9 +186,9 @@ std::string FormatPrediction(const Prediction& p) {
                                  ? absl::StrCat("1 ", p.compute_device, " colocated")
                                  : absl::StrCat("1 ", p.compute_device, " + ", p.memory_count, " ",
                                                 p.memory_device, " ", PipelineModeName(p.mode));
-  if (!p.feasible) return absl::StrFormat("%-34s infeasible: %s", layout, p.infeasible);
+  if (!p.feasible) return absl::StrFormat("%-44s infeasible: %s", layout, p.infeasible);
   return absl::StrFormat(
-      "%-34s B %5d  step %7.2f ms (lin %6.2f att %6.2f xfer %5.2f)  %9.0f tok/s  $%6.2f/h  $%7.3f/M  %-11s "
+      "%-44s B %5d  step %7.2f ms (lin %6.2f att %6.2f xfer %5.2f)  %9.0f tok/s  $%6.2f/h  $%7.3f/M  %-11s "
       "%s",
       layout, p.batch, p.step_s * 1e3, p.linear_s * 1e3, p.attention_s * 1e3, p.exchange_s * 1e3,
       p.tokens_per_s, p.usd_per_hour, p.usd_per_million, p.limit, p.bound);
