@@ -118,10 +118,22 @@ else
 fi
 # The table: tokens/s measured once per layout, priced both ways.
 python3 - "$out" "$GPU_OFFER" "$MEMORY_OFFER" "$GPU_NAME" "${layouts[@]}" <<'PY' | tee "$out/summary.md"
-import json, os, sys
-import yaml
+import json, os, re, sys
 out, gpu, mem, gpu_name = sys.argv[1:5]
-table = yaml.safe_load(open("deploy/prices.yaml"))
+try:
+    import yaml
+    table = yaml.safe_load(open("deploy/prices.yaml"))
+except ImportError:  # the flat layout of deploy/prices.yaml, read without PyYAML
+    text = open("deploy/prices.yaml").read()
+    table = {"date": re.search(r'^date:\s*"?([^"\n]+)"?', text, re.M).group(1),
+             "amortize_years": float(re.search(r"^amortize_years:\s*(\S+)", text, re.M).group(1)), "offers": []}
+    for block in re.split(r"\n\s*- name:", text)[1:]:
+        o = {"name": block.split("\n")[0].strip()}
+        for key in ("usd_per_hour", "usd_purchase"):
+            m = re.search(rf"^\s*{key}:\s*(\S+)", block, re.M)
+            if m:
+                o[key] = float(m.group(1))
+        table["offers"].append(o)
 def hourly(name):
     for o in table["offers"]:
         if o["name"] == name:
