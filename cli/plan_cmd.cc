@@ -85,7 +85,10 @@ absl::Status RunPlan(const PlanArgs& a) {
   ASSIGN_OR_RETURN(const double compute_price, prices.HourlyUsd(a.compute_device));
   std::vector<std::string> mem_names;
   if (a.memory_devices.empty()) {
-    for (const planner::PriceOffer& p : prices.offers) mem_names.push_back(p.name);
+    // Every offer priced on the same basis as the compute device's (hourly, or purchase).
+    ASSIGN_OR_RETURN(const planner::PriceOffer compute_offer, prices.Find(a.compute_device));
+    for (const planner::PriceOffer& p : prices.offers)
+      if ((p.usd_purchase > 0) == (compute_offer.usd_purchase > 0)) mem_names.push_back(p.name);
   } else {
     mem_names = absl::StrSplit(a.memory_devices, ',', absl::SkipEmpty());
   }
@@ -206,8 +209,10 @@ void AddPlanCommand(CLI::App& app) {
       ->check(CLI::Range(0.0, 1.0));
   cmd->add_option("--prices", a->prices, "the price table (YAML)");
   cmd->add_option("--compute-device", a->compute_device, "the compute device's offer");
-  cmd->add_option("--memory-devices", a->memory_devices,
-                  "memory device offers to try, comma-separated (default: all)");
+  cmd->add_option(
+      "--memory-devices", a->memory_devices,
+      "memory device offers to try, comma-separated (default: every offer priced like the compute device's, "
+      "hourly or purchase)");
   cmd->add_option("--max-memory", a->max_memory, "memory devices per compute device to try")
       ->check(CLI::Range(1, 256));
   cmd->add_option("--slo", a->slo, "tpot=50ms bounds the step time");

@@ -16,7 +16,8 @@
 // Multi-turn sessions: turn k+1 is released `think_s` after turn k finishes, with turn k's prompt
 // and generated tokens before its own; a turn that would overflow `max_context` ends the session
 // (counted in skipped_turns). A request the target refuses is recorded with its error, and ends
-// its session.
+// its session. Over HTTP the generated tokens come from the events' `token_ids`; a server that
+// sends none gives later turns the previous prompt and the new tokens only (no answer between).
 //
 // Stopping: when `stop_requested()` returns true (Ctrl-C) the run cancels what is in flight and returns
 // what it measured (interrupted = true); unfinished requests keep the tokens they got.
