@@ -4,10 +4,12 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <thread>
 
 #include "colocated/engine.h"
 #include "compute_node/weights.h"
 #include "gtest/gtest.h"
+#include "httplib.h"
 #include "loadgen/arrivals.h"
 #include "loadgen/metrics.h"
 #include "loadgen/report.h"
@@ -393,6 +395,91 @@ TEST_F(ReplayTest, ReportJsonHoldsEveryRequest) {
   const std::string table = ReportTable(report);
   EXPECT_NE(table.find("$ / M output tokens"), std::string::npos);
   EXPECT_NE(table.find("2026-11-25"), std::string::npos);
+}
+
+// The HTTP target against a server that is not tandem: events carry text but no token_ids (one
+// token each), the usage chunk gives the counts and cached tokens, /metrics has vLLM's KV gauge;
+// an HTTP error is recorded on its request, not returned.
+TEST(HttpTargetTest, ForeignServerEvents) {
+  httplib::Server server;
+  server.Get("/v1/models", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content(R"({"data": [{"id": "other-model"}]})", "application/json");
+  });
+  server.Get("/metrics", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content("# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model=\"m\"} 0.25\n",
+                    "text/plain");
+  });
+  server.Post("/v1/completions", [](const httplib::Request& req, httplib::Response& res) {
+    const nlohmann::json body = nlohmann::json::parse(req.body);
+    if (body["model"] != "other-model" || !body["stream"].get<bool>() || !body["prompt"].is_array()) {
+      res.status = 400;
+      res.set_content(R"({"error": {"message": "bad request"}})", "application/json");
+      return;
+    }
+    const int64_t n = body["max_tokens"];
+    if (n == 3) {  // the test's "overloaded" request
+      res.status = 429;
+      res.set_content(R"({"error": {"message": "too many requests"}})", "application/json");
+      return;
+    }
+    const int64_t prompt = static_cast<int64_t>(body["prompt"].size());
+    res.set_chunked_content_provider("text/event-stream", [n, prompt](size_t, httplib::DataSink& sink) {
+      for (int64_t i = 0; i < n; ++i) {
+        const std::string e =
+            "data: " +
+            nlohmann::json({{"choices", {{{"index", 0}, {"text", "x"}, {"finish_reason", nullptr}}}}})
+                .dump() +
+            "\n\n";
+        sink.write(e.data(), e.size());
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      const std::string usage = "data: " +
+                                nlohmann::json({{"choices", nlohmann::json::array()},
+                                                {"usage",
+                                                 {{"prompt_tokens", prompt},
+                                                  {"completion_tokens", n},
+                                                  {"prompt_tokens_details", {{"cached_tokens", 4}}}}}})
+                                    .dump() +
+                                "\n\ndata: [DONE]\n\n";
+      sink.write(usage.data(), usage.size());
+      sink.done();
+      return true;
+    });
+  });
+  const int port = server.bind_to_any_port("127.0.0.1");
+  ASSERT_GT(port, 0);
+  std::thread th([&] { server.listen_after_bind(); });
+  Workload w = MakeFixedWorkload(4, 10, 6, TokenSpace{});
+  w.requests[2].max_tokens = 3;
+  RunOptions o;
+  o.arrivals = {0, 0.05, 0.1, 0.15};
+  absl::StatusOr<RunResult> r = RunOnHttp({"http://127.0.0.1:" + std::to_string(port)}, w, o);
+  server.stop();
+  th.join();
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (size_t i : {0u, 1u, 3u}) {
+    const RequestTiming& t = r->timings[i];
+    EXPECT_TRUE(t.completed()) << t.error;
+    EXPECT_EQ(t.token_times.size(), 6u);
+    EXPECT_EQ(t.output_tokens, 6);
+    EXPECT_EQ(t.prompt_tokens, 10);
+    EXPECT_EQ(t.cached_tokens, 4);
+    EXPECT_GE(t.token_times.front(), t.arrival);
+    EXPECT_GT(t.token_times.back() - t.token_times.front(), 0.015);  // 5 gaps of 5 ms
+  }
+  EXPECT_NE(r->timings[2].error.find("HTTP 429"), std::string::npos) << r->timings[2].error;
+  const RunMetrics m = ComputeMetrics(r->timings, {});
+  EXPECT_EQ(m.completed, 3);
+  EXPECT_EQ(m.failed, 1);
+  EXPECT_NEAR(m.prefix_hit_rate, 0.4, 1e-12);
+  ASSERT_FALSE(r->kv.empty());  // scraped from /metrics at the start
+  EXPECT_DOUBLE_EQ(r->kv.front().used, 0.25);
+  EXPECT_EQ(r->target, "http://127.0.0.1:" + std::to_string(port) + "/v1");
+  // An endpoint nobody listens on is Unavailable, naming it.
+  absl::StatusOr<RunResult> none = RunOnHttp({"http://127.0.0.1:1/v1"}, w, o);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(none.status().message().find("127.0.0.1:1"), std::string_view::npos);
+  EXPECT_EQ(RunOnHttp({"127.0.0.1:8000"}, w, o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
