@@ -15,7 +15,9 @@
 #   REQUESTS [400]  MAX_INPUT [4096]  MAX_OUTPUT [1024]  SLO [ttft=5,tpot=200ms]
 #   ARRIVAL [all: maximum throughput; "trace" replays the trace's times, TIME_SCALE [1] scales them]
 #   BATCH [256] TOKENS [2048] KV_FRACTION [0.9]: scheduler.max_batch_size, max_tokens_per_step and
-#   kv.memory_fraction, the same for every layout
+#   kv.memory_fraction, the same for every layout; CONCURRENCY [256] requests in flight at most
+# Layouts: colocated (in process), colocated_http (tandem serve, measured over HTTP as the
+# deployments are: the baseline of the "vs colocated" columns), deploy_1gpu, deploy_multi.
 #   GPU_OFFER [h100 on an H100, h200 on an H200]  MEMORY_OFFER [h20]  MEMORY_GPUS [all but one]
 #   BUILD_DIR [build]  (built with scripts/build.sh when $BUILD_DIR/tandem is missing)
 set -uo pipefail
@@ -56,6 +58,7 @@ TIME_SCALE=${TIME_SCALE:-1}
 BATCH=${BATCH:-256}
 TOKENS=${TOKENS:-2048}
 KV_FRACTION=${KV_FRACTION:-0.9}
+CONCURRENCY=${CONCURRENCY:-256}
 MEMORY_GPUS=${MEMORY_GPUS:-$((GPUS > 1 ? GPUS - 1 : 0))}
 if [ "$DEVICE" = cpu ]; then
   # The CPU smoke run: short prompts so that it ends in seconds.
@@ -67,6 +70,7 @@ fi
 echo "tokens_per_dollar: GPU $GPU_NAME x $GPUS; model $MODEL; trace $TRACE ($REQUESTS requests, arrival $ARRIVAL)"
 echo "tokens_per_dollar: priced with deploy/prices.yaml: GPU as $GPU_OFFER, memory-optimised device as $MEMORY_OFFER"
 common=(--trace "$TRACE" --num-requests "$REQUESTS" --max-input "$MAX_INPUT" --max-output "$MAX_OUTPUT"
+        --max-concurrency "$CONCURRENCY"
         --length-scale "$SCALE" --slo "$SLO" --arrival "$ARRIVAL" --compute-device "$GPU_OFFER" --quiet
         --set "scheduler.max_batch_size=$BATCH" --set "scheduler.max_tokens_per_step=$TOKENS"
         --set "kv.memory_fraction=$KV_FRACTION")
@@ -84,6 +88,21 @@ run() {  # run NAME ARGS...: one tandem bench run into $out/NAME
 layouts=()
 run colocated --model "$MODEL" --device "$DEVICE"
 layouts+=("colocated:1:0")
+# The deployments are measured over their HTTP API: so is this colocated run (tandem serve), the
+# baseline they are compared with.
+"$TANDEM" serve --model "$MODEL" --device "$DEVICE" --set api.port=0 --ready-file "$out/serve.url" \
+  --set "scheduler.max_batch_size=$BATCH" --set "scheduler.max_tokens_per_step=$TOKENS" \
+  --set "kv.memory_fraction=$KV_FRACTION" --log-level warn >"$out/serve.log" 2>&1 &
+serve_pid=$!
+rm -f "$out/serve.url"
+for _ in $(seq 1200); do [ -s "$out/serve.url" ] && break; kill -0 $serve_pid 2>/dev/null || break; sleep 0.5; done
+if [ -s "$out/serve.url" ]; then
+  run colocated_http --url "$(cat "$out/serve.url")" --model "$MODEL"
+  layouts+=("colocated_http:1:0")
+else
+  echo "FAIL colocated_http: tandem serve did not start: $(tail -3 "$out/serve.log")"; fail=1
+fi
+kill $serve_pid 2>/dev/null; wait $serve_pid 2>/dev/null
 if [ "$DEVICE" = cuda ]; then
   run deploy_1gpu --deploy deploy/examples/gpu.yaml --model "$MODEL" --set "launch.run_dir=$out/deploy_1gpu/run"
 else
@@ -155,7 +174,9 @@ for spec in sys.argv[5:]:
     rows.append((name, devices, tps, r["tpot"]["median"] * 1e3, r["ttft"]["p90"], r["goodput"], same, cheap))
 if not rows:
     sys.exit("no layout ran")
-base = rows[0][2] / rows[0][6]  # colocated tokens per dollar (data-parallel: the same per GPU)
+# Colocated tokens per dollar (data-parallel: the same per GPU), measured over HTTP when it was.
+base_row = next((r for r in rows if r[0] == "colocated_http"), rows[0])
+base = base_row[2] / base_row[6]
 print(f"## Tokens per dollar ({gpu_name}; prices deploy/prices.yaml dated {table['date']}: "
       f"GPU as {gpu} ${g:.2f}/h, memory role as {mem} ${m:.2f}/h)\n")
 print(f"workload: {json.load(open(os.path.join(out, rows[0][0], 'bench.json')))['workload']['name']}, "
@@ -168,7 +189,7 @@ for name, devices, tps, tpot, ttft, good, same, cheap in rows:
     per_cheap = tps / cheap
     print(f"| {name} | {devices} | {tps:.1f} | {tpot:.2f} | {ttft:.3f} | {good:.3f} | {same / 3600 / tps * 1e6:.4f} "
           f"| {per_same / base:.2f}x | {cheap / 3600 / tps * 1e6:.4f} | {per_cheap / base:.2f}x |")
-print("\ncolocated data-parallel on N GPUs: N times the one-GPU tokens/s at N times the price (the same "
+print(f"\n\"vs colocated\": tokens per dollar against {base_row[0]}. colocated data-parallel on N GPUs: N times the one-GPU tokens/s at N times the price (the same "
       "tokens per dollar). deploy_1gpu shares one GPU between the roles, so it is priced as one GPU both ways.")
 PY
 exit $fail
