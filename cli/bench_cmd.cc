@@ -152,8 +152,11 @@ absl::Status WriteText(const std::string& path, const std::string& text) {
 }
 
 // The planner's prediction for the measured workload on the priced layout.
+// `measured_batch` > 0 (the in-process engine's generated tokens per step) pins the batch, so the
+// prediction is for the run as it went; otherwise the planner picks the batch (KV, SLO).
 loadgen::PredictionInfo Predict(const BenchArgs& a, const ModelSpec* spec, const loadgen::RunMetrics& m,
-                                const planner::PriceTable* prices, const loadgen::Slo& slo) {
+                                const planner::PriceTable* prices, const loadgen::Slo& slo,
+                                int64_t measured_batch) {
   loadgen::PredictionInfo p;
   if (spec == nullptr) {
     p.why_not = "no prediction: the model's shape is unknown (give --model with --url)";
@@ -176,7 +179,8 @@ loadgen::PredictionInfo Predict(const BenchArgs& a, const ModelSpec* spec, const
   const double out = static_cast<double>(m.output_tokens) / static_cast<double>(m.completed);
   planner::WorkloadShape w = planner::WorkloadShape::FromLengths(in, out, m.prefix_hit_rate);
   planner::PlanOptions o;
-  o.tpot_slo_s = slo.tpot_s;
+  o.tpot_slo_s = measured_batch > 0 ? 0 : slo.tpot_s;
+  if (measured_batch > 0) o.max_batch = measured_batch;
   auto price = [&](const std::string& name) -> double {
     if (prices == nullptr) return 0;
     absl::StatusOr<double> h = prices->HourlyUsd(name);
@@ -205,6 +209,7 @@ loadgen::PredictionInfo Predict(const BenchArgs& a, const ModelSpec* spec, const
                  ? absl::StrCat(a.compute_count, " x ", a.compute_device, " colocated")
                  : absl::StrCat(a.compute_count, " x ", a.compute_device, " + ", a.memory_count, " x ",
                                 a.memory_device, " sequential");
+  if (measured_batch > 0) p.layout += absl::StrCat(", at the measured batch ", measured_batch);
   p.batch = pr.batch;
   p.step_s = pr.step_s;
   p.tokens_per_s = pr.tokens_per_s * a.compute_count;
@@ -393,8 +398,14 @@ absl::Status RunBench(const BenchArgs& a_in) {
   }
   if (engine == nullptr) group.StopAll(absl::Seconds(30));
   // The planner's prediction, for the first run's measured workload.
+  const loadgen::RunReport& first = report.runs.front();
+  const int64_t measured_batch =
+      engine != nullptr && first.result.steps > 0
+          ? std::max<int64_t>(1, std::llround(static_cast<double>(first.metrics.output_tokens) /
+                                              static_cast<double>(first.result.steps)))
+          : 0;
   report.prediction =
-      Predict(a, spec ? &*spec : nullptr, report.runs.front().metrics, prices ? &*prices : nullptr, slo);
+      Predict(a, spec ? &*spec : nullptr, first.metrics, prices ? &*prices : nullptr, slo, measured_batch);
   const std::string table = loadgen::ReportTable(report);
   RETURN_IF_ERROR(WriteText(json_path, loadgen::ReportJson(report)));
   RETURN_IF_ERROR(WriteText(table_path, table));
