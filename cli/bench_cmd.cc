@@ -231,6 +231,8 @@ absl::Status RunBench(const BenchArgs& a_in) {
   if (targets > 1) return absl::InvalidArgumentError("--deploy and --url exclude each other");
   if (a.trace.empty() == a.synthetic.empty())
     return absl::InvalidArgumentError("give exactly one workload: --trace FILE or --synthetic KIND");
+  if (a.trace.empty() && a.num_requests == 0)
+    return absl::InvalidArgumentError("--num-requests 0 (the whole trace) needs --trace");
   if (a.arrival.empty()) a.arrival = a.trace.empty() ? "all" : "trace";
   ASSIGN_OR_RETURN(const loadgen::ArrivalKind kind, loadgen::ParseArrivalKind(a.arrival));
   ASSIGN_OR_RETURN(const std::vector<double> rates, ParseRates(a.rates));
@@ -307,6 +309,7 @@ absl::Status RunBench(const BenchArgs& a_in) {
         group.WaitReady("serve", ready, absl::Seconds(deploy_config->GetDouble("launch.startup_timeout_s"))));
     while (!url.empty() && (url.back() == '\n' || url.back() == '\r')) url.pop_back();
     http.url = url;  // the API base ("http://127.0.0.1:PORT" or ".../v1"); /v1 is the default path
+    http.api_key = deploy_config->GetString("api.key");
     target_name = absl::StrCat("deployment ", a.deploy, " over HTTP (", http.url, ")");
     if (a.max_concurrency < 0) a.max_concurrency = 256;
   } else if (!a.url.empty()) {
