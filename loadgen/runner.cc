@@ -348,7 +348,7 @@ absl::StatusOr<RunResult> RunOnHttp(const HttpTarget& target, const Workload& w,
   std::deque<Done> done;
   std::atomic<bool> abort{false};
   std::atomic<int64_t> out_tokens{0};
-  std::vector<std::thread> workers;
+  std::map<size_t, std::thread> workers;  // in flight or done and not yet joined
   int64_t in_flight = 0;
   const Clock::time_point t0 = Clock::now();
 
@@ -492,7 +492,8 @@ absl::StatusOr<RunResult> RunOnHttp(const HttpTarget& target, const Workload& w,
       RequestTiming& t = result.timings[static_cast<size_t>(i)];
       t.sent = now;
       ++in_flight;
-      workers.emplace_back(worker, static_cast<size_t>(i), d.Prompt(static_cast<size_t>(i)));
+      workers.emplace(static_cast<size_t>(i),
+                      std::thread(worker, static_cast<size_t>(i), d.Prompt(static_cast<size_t>(i))));
     }
     {
       std::unique_lock<std::mutex> l(mu);
@@ -504,6 +505,11 @@ absl::StatusOr<RunResult> RunOnHttp(const HttpTarget& target, const Workload& w,
         done.pop_front();
         --in_flight;
         l.unlock();
+        // The worker has reported: join it now, so a long run holds no finished threads.
+        if (auto it = workers.find(x.index); it != workers.end()) {
+          it->second.join();
+          workers.erase(it);
+        }
         d.Finished(x.index, x.prompt, x.generated, Since(t0), x.ok);
         l.lock();
       }
@@ -515,7 +521,7 @@ absl::StatusOr<RunResult> RunOnHttp(const HttpTarget& target, const Workload& w,
           {d.finished(), static_cast<int64_t>(w.requests.size()), in_flight, out_tokens.load(), now});
     }
   }
-  for (std::thread& th : workers) th.join();
+  for (auto& [i, th] : workers) th.join();
   sampler_stop = true;
   sampler.join();
   result.kv = std::move(kv);
