@@ -33,6 +33,10 @@ if [ ! -x "$BUILD_DIR/tandem" ]; then
     { grep -E "error|FAILED" "$out/build.log" | head -20; exit 1; }
 fi
 TANDEM=$src/$BUILD_DIR/tandem
+if command -v nvidia-smi >/dev/null 2>&1 && "$TANDEM" devices 2>&1 | grep -q "built without the CUDA backend"; then
+  echo "tokens_per_dollar: $BUILD_DIR/tandem has no CUDA backend on a GPU machine; give BUILD_DIR=build-gpu (built here)"
+  exit 1
+fi
 GPUS=0
 if command -v nvidia-smi >/dev/null 2>&1; then GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l); fi
 if [ "$GPUS" -gt 0 ]; then
