@@ -252,7 +252,18 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   std::vector<std::vector<float>> part_logprobs;
   if (options_.micro_batches > 1) {
     const MicroBatches mb = SplitStep(step_, options_.micro_batches);
-    RETURN_IF_ERROR(RunParts(mb.parts, &part_tokens, &part_logprobs));
+    absl::Status ran = RunParts(mb.parts, &part_tokens, &part_logprobs);
+    if (!ran.ok()) {
+      // A replica that went away fails the step wherever rank 0 was waiting (often on a memory
+      // rank that waits for the replica's rows): name the replica when the transport named it.
+      for (const Replica& replica : replicas_) {
+        const std::string address = replica.name.substr(replica.name.find('(') + 1);
+        if (absl::StrContains(ran.message(), address.substr(0, address.size() - 1))) {
+          return Annotate(ran, absl::StrCat(replica.name, " failed"));
+        }
+      }
+      return ran;
+    }
     RETURN_IF_ERROR(MergeSampled(mb, part_tokens, part_logprobs, &tokens, &logprobs));
   } else {
     RETURN_IF_ERROR(RunParts(std::span<const PlannedStep>(&step_, 1), &part_tokens, &part_logprobs));

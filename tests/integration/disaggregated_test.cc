@@ -920,6 +920,43 @@ TEST_F(DisaggregatedTest, MemoryRankKilledMidRunFailsTheStep) {
   EXPECT_LT(Seconds(t1), 25.0);
 }
 
+// A compute replica killed mid-run fails the step within the step timeout, naming it.
+class ReplicaFailure : public PingPong {};
+
+TEST_F(ReplicaFailure, KilledReplicaFailsTheStepNamingIt) {
+  std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
+  ASSERT_NE(source, nullptr);
+  ComputeRankOptions o = Options(8, 24, 1024);
+  o.micro_batches = 2;
+  ASSERT_NO_FATAL_FAILURE(StartMemoryRanks(1));
+  ASSERT_NO_FATAL_FAILURE(StartReplicas("mqa-headdim", 2, o, &o.replica_addresses));
+  o.memory_addresses = addresses_;
+  absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(*source, o);
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  rank_ = std::move(*rank);
+  expect_clean_exit_ = false;  // the memory rank may be stuck waiting for the replica's rows
+  std::mt19937 rng(12);
+  for (int i = 0; i < 4; ++i) {
+    GenerationRequest r = MakeRequest(rng, source->spec().vocab_size, 8, 200, false, 0);
+    r.ignore_eos = true;
+    ASSERT_TRUE(rank_->Submit(r).ok());
+  }
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  for (int step = 0; step < 4; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
+  ASSERT_EQ(kill(group_.pid("compute-1"), SIGKILL), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status st;
+  int steps = 0;
+  while (st.ok() && Seconds(t0) < 60 && steps < 1000) {
+    st = rank_->Step(&finished);
+    ++steps;
+  }
+  std::printf("failed after %d step(s), %.2f s: %s\n", steps, Seconds(t0), st.ToString().c_str());
+  ASSERT_FALSE(st.ok()) << "steps kept succeeding after compute rank 1 was killed";
+  EXPECT_LT(Seconds(t0), 25.0) << "took longer than the step timeout (20 s) to notice";
+  EXPECT_NE(std::string(st.message()).find("compute rank 1"), std::string::npos) << st;
+}
+
 // ---------------------------------------------------------------------------------------------
 // 6. A memory-rank address where nothing listens fails Create within the startup timeout.
 
