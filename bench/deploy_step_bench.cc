@@ -51,6 +51,8 @@
 //                          [--json PATH] [--tandem PATH] [--run-timeout 600] [--startup-timeout 600]
 //                          [--checksums 1] [--shared-gpu 0|1] [--partition request|head]
 //                          [--pipeline-batches 1,2]
+// --compute-ranks C > 1 puts compute ranks on cuda:0 .. cuda:C-1 (replicas 1.. as `tandem compute
+// --replica` processes; pipeline.mode fixed) and the memory ranks after them.
 // --pipeline-batches runs every transport once per value: 1 runs steps whole, N > 1 with
 // pipeline.mode pingpong over N micro-batches (the row's transport reads "p2p/pp2"). In a pingpong
 // row the attention phase is only the compute rank's wait for attention (the rest overlaps its
@@ -79,9 +81,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "colocated/engine.h"
@@ -113,6 +117,7 @@ constexpr const char* kUsage =
     "                         [--json PATH] [--tandem PATH] [--run-timeout S] [--startup-timeout S]\n"
     "                         [--checksums 0|1] [--max-tokens-per-step N] [--cuda-graphs 0|1]\n"
     "                         [--shared-gpu 0|1] [--partition request|head] [--pipeline-batches 1,2]\n"
+    "                         [--compute-ranks 1]\n"
     "Decode step time of a deployment (compute rank on cuda:0, memory ranks on cuda:1..) per\n"
     "transport, split into compute, attention, exchange and idle, beside the colocated engine.\n"
     "  --model            preset name (random weights, seed 0) or checkpoint directory\n"
@@ -125,6 +130,9 @@ constexpr const char* kUsage =
     "  --partition        memory.partition: request (default) or head (every rank a slice of KV heads)\n"
     "  --pipeline-batches micro-batches per step, each a run of every transport: 1 is pipeline.mode none,\n"
     "                     N > 1 pingpong with N micro-batches (rows \"TRANSPORT/ppN\"; default 1)\n"
+    "  --compute-ranks    compute ranks (cuda:0 .. cuda:C-1; memory ranks after them): C > 1 runs\n"
+    "                     pipeline.mode fixed with compute replicas, for --pipeline-batches values >= C\n"
+    "                     (rows \"TRANSPORT/CcNb\"; default 1)\n"
     "  --json             also write the rows as a JSON array to PATH\n"
     "  --tandem           the tandem executable that runs the memory ranks\n"
     "  --run-timeout      wall limit of one (transport, batch, context) run, seconds (600)\n"
@@ -401,9 +409,13 @@ struct Settings {
   bool shared_gpu = false;  // memory ranks on cuda:0
   tandem::AttentionPartition partition = tandem::AttentionPartition::kRequest;
   int micro_batches = 1;  // pipeline.batches (1: pipeline.mode none)
+  int compute_ranks = 1;  // compute.ranks: replicas 1.. as `tandem compute --replica` processes
+  std::string model;      // what the replicas load (model.path, weight seed 0)
 };
 
-int MemoryDevice(const Settings& s, int m) { return s.shared_gpu ? 0 : 1 + m; }
+// Compute ranks on cuda:0 .. cuda:C-1, memory ranks after them (all on cuda:0 with --shared-gpu).
+int MemoryDevice(const Settings& s, int m) { return s.shared_gpu ? 0 : s.compute_ranks + m; }
+int ReplicaDevice(const Settings& s, int r) { return s.shared_gpu ? 0 : r; }
 
 absl::Status StartDeployment(const tandem::WeightSource& source, transport::TransportKind kind,
                              const Settings& s, Deployment* d) {
@@ -452,6 +464,45 @@ absl::Status StartDeployment(const tandem::WeightSource& source, transport::Tran
   o.device = 0;
   o.transport = kind;
   o.memory_addresses = addresses;
+  // Compute replicas (pipeline.mode fixed): processes of their own, started once the memory ranks
+  // listen, each loading the same weights on its GPU.
+  if (s.compute_ranks > 1) {
+    const std::string config = d->dir + "/replicas.yaml";
+    std::ofstream(config) << "model:\n  path: " << s.model
+                          << "\n  weight_seed: 0\ncompute:\n  ranks: " << s.compute_ranks
+                          << "\n  cuda_graphs: " << (s.cuda_graphs ? "true" : "false")
+                          << "\nmemory:\n  ranks: " << s.memory_ranks
+                          << "\n  partition: " << tandem::AttentionPartitionName(s.partition)
+                          << "\npipeline:\n  mode: fixed\n  batches: " << s.micro_batches
+                          << "\nscheduler:\n  max_batch_size: " << s.max_batch
+                          << "\n  max_tokens_per_step: " << s.max_tokens
+                          << "\ntransport:\n  checksums: " << (s.checksums ? "true" : "false")
+                          << "\nlaunch:\n  startup_timeout_s: " << s.startup_s
+                          << "\n  step_timeout_s: " << s.step_timeout_s << "\n";
+    std::vector<std::string> names;
+    for (int r = 1; r < s.compute_ranks; ++r) {
+      const std::string name = absl::StrCat("compute-", r);
+      std::fprintf(stderr, "  starting %s on cuda:%d (%s)\n", name.c_str(), ReplicaDevice(s, r),
+                   transport::TransportKindName(kind));
+      if (absl::Status st = d->group.Start(
+              name,
+              {s.tandem, "compute", "--replica", std::to_string(r), "--config", config, "--memory",
+               absl::StrJoin(addresses, ","), "--listen", "127.0.0.1:0", "--device",
+               absl::StrCat("cuda:", ReplicaDevice(s, r)), "--transport", transport::TransportKindName(kind),
+               "--ready-file", d->dir + "/" + name + ".ready"},
+              d->dir + "/" + name + ".log");
+          !st.ok())
+        return st;
+      d->names.push_back(name);
+      names.push_back(name);
+    }
+    for (const std::string& name : names) {
+      absl::StatusOr<std::string> address =
+          d->group.WaitReady(name, d->dir + "/" + name + ".ready", absl::Seconds(s.startup_s));
+      if (!address.ok()) return address.status();
+      o.replica_addresses.emplace_back(absl::StripAsciiWhitespace(*address));
+    }
+  }
   absl::StatusOr<tandem::ControllerOptions> sched =
       tandem::ResolveSchedulerOptions(s.max_batch, s.max_tokens);
   if (!sched.ok()) return sched.status();
@@ -522,7 +573,7 @@ int main(int argc, char** argv) {
   std::string model = "llama3-8b", json_path, tandem_binary = TANDEM_BINARY_DEFAULT;
   std::string transports_flag = "ucx,p2p,nccl";
   std::vector<int64_t> batches = {64, 256}, contexts = {1024, 4096}, pipeline_batches = {1};
-  int64_t decode_tokens = 16, memory_ranks = 1, max_tokens_flag = 0;
+  int64_t decode_tokens = 16, memory_ranks = 1, max_tokens_flag = 0, compute_ranks = 1;
   double run_timeout_s = 600, startup_s = 600;
   bool checksums = true, cuda_graphs = false, shared_gpu = false;
   tandem::AttentionPartition partition = tandem::AttentionPartition::kRequest;
@@ -561,6 +612,9 @@ int main(int argc, char** argv) {
     } else if (k == "--decode-tokens") {
       if (!absl::SimpleAtoi(v, &decode_tokens) || decode_tokens < 2)
         st = absl::InvalidArgumentError(absl::StrCat(k, ": '", v, "' is not an integer >= 2"));
+    } else if (k == "--compute-ranks") {
+      if (!absl::SimpleAtoi(v, &compute_ranks) || compute_ranks < 1 || compute_ranks > 8)
+        st = absl::InvalidArgumentError(absl::StrCat(k, ": '", v, "' is not an integer in [1, 8]"));
     } else if (k == "--memory-ranks") {
       if (!absl::SimpleAtoi(v, &memory_ranks) || memory_ranks < 1 || memory_ranks > 63)
         st = absl::InvalidArgumentError(absl::StrCat(k, ": '", v, "' is not an integer in [1, 63]"));
@@ -730,9 +784,9 @@ int main(int argc, char** argv) {
   const int64_t per_token = spec.kv_bytes_per_token(2) / (head ? memory_ranks : 1);
   int64_t budget = INT64_MAX;  // KV tokens a memory rank can hold
   if (shared_gpu) budget = head ? colocated_kv : colocated_kv / memory_ranks;
-  for (int m = 0; !shared_gpu && m < memory_ranks && 1 + m < gpus; ++m) {
+  for (int m = 0; !shared_gpu && m < memory_ranks && compute_ranks + m < gpus; ++m) {
     cudaDeviceProp p;
-    if (cudaGetDeviceProperties(&p, 1 + m) != cudaSuccess) continue;
+    if (cudaGetDeviceProperties(&p, static_cast<int>(compute_ranks) + m) != cudaSuccess) continue;
     const double bytes = 0.9 * static_cast<double>(p.totalGlobalMem) - 2.0 * (1LL << 30);
     budget = std::min(budget, static_cast<int64_t>(std::max(0.0, bytes) / static_cast<double>(per_token)));
   }
@@ -755,7 +809,10 @@ int main(int argc, char** argv) {
                     .checksums = checksums,
                     .cuda_graphs = cuda_graphs,
                     .shared_gpu = shared_gpu,
-                    .partition = partition};
+                    .partition = partition,
+                    .micro_batches = 1,
+                    .compute_ranks = static_cast<int>(compute_ranks),
+                    .model = model};
   transport::RankLayout layout{.compute_device = 0};
   for (int m = 0; m < memory_ranks; ++m) layout.memory_devices.push_back(MemoryDevice(settings, m));
   // Every transport once per --pipeline-batches value.
@@ -766,14 +823,20 @@ int main(int argc, char** argv) {
   for (size_t k = 0; k < runs.size(); ++k) {
     const transport::TransportKind kind = runs[k].first;
     settings.micro_batches = runs[k].second;
-    const std::string name = absl::StrCat(transport::TransportKindName(kind),
-                                          runs[k].second > 1 ? absl::StrCat("/pp", runs[k].second) : "");
+    const std::string name =
+        absl::StrCat(transport::TransportKindName(kind),
+                     compute_ranks > 1 ? absl::StrCat("/", compute_ranks, "c", runs[k].second, "b")
+                                       : (runs[k].second > 1 ? absl::StrCat("/pp", runs[k].second) : ""));
     std::string skip;
     if (!transport::TransportBuilt(kind)) {
       skip = "not in this build";
-    } else if (!shared_gpu && gpus < 1 + memory_ranks) {
-      skip = absl::StrCat("needs ", 1 + memory_ranks,
-                          " GPUs (compute rank on cuda:0, memory ranks on cuda:1..), "
+    } else if (settings.compute_ranks > settings.micro_batches) {
+      skip = absl::StrCat(settings.compute_ranks, " compute ranks need at least as many micro-batches");
+    } else if (settings.compute_ranks > 1 && transport::GetTransportInfo(kind).one_process) {
+      skip = "compute replicas are processes, which this transport cannot connect";
+    } else if (!shared_gpu && gpus < compute_ranks + memory_ranks) {
+      skip = absl::StrCat("needs ", compute_ranks + memory_ranks,
+                          " GPUs (compute ranks from cuda:0, memory ranks after them), "
                           "this machine has ",
                           gpus);
     } else if (const std::string why = transport::GetTransportInfo(kind).CannotConnect(layout);
@@ -787,9 +850,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s\n", notes.back().c_str());
       continue;
     }
-    std::fprintf(
-        stderr, "starting the %s deployment: 1 compute + %lld memory rank(s), %lld KV tokens per rank\n",
-        name.c_str(), static_cast<long long>(memory_ranks), static_cast<long long>(settings.kv_tokens));
+    std::fprintf(stderr,
+                 "starting the %s deployment: %lld compute + %lld memory rank(s), %lld KV tokens per rank\n",
+                 name.c_str(), static_cast<long long>(compute_ranks), static_cast<long long>(memory_ranks),
+                 static_cast<long long>(settings.kv_tokens));
     Deployment d;
     watchdog.Arm(absl::StrCat("starting the ", name, " deployment"), 2 * startup_s + 60);
     absl::Status st = StartDeployment(**source, kind, settings, &d);

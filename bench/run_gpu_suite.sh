@@ -21,7 +21,8 @@
 #            and 1 + 3 GPUs (p2p, nccl) with the request and the head partition, as the machine's
 #            GPU count allows (MODEL, BATCHES, CONTEXTS override), each with pipeline.mode none
 #            and pingpong over 2 and 4 micro-batches (PIPELINE_BATCHES overrides "1,2,4"; nccl
-#            runs pingpong never: it refuses it)
+#            runs pingpong never: it refuses it); from 3 GPUs also compute replicas (fixed: 2 compute
+#            GPUs, the rest memory GPUs; FIXED_BATCHES overrides "2,4")
 set -uo pipefail
 out=${1:?usage: run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf]}
 shift
@@ -97,6 +98,11 @@ for what in "$@"; do
       if [ "$gpus" -ge 2 ]; then
         run_steps two_gpus --transports p2p --memory-ranks 1 --pipeline-batches "$pp"
         run_steps two_gpus_nccl --transports nccl --memory-ranks 1
+      fi
+      if [ "$gpus" -ge 3 ]; then
+        # Compute replicas (pipeline.mode fixed): 2 compute GPUs, the rest memory GPUs.
+        run_steps fixed_2_compute --transports p2p --compute-ranks 2 --memory-ranks $((gpus - 2)) \
+          --pipeline-batches "${FIXED_BATCHES:-2,4}"
       fi
       if [ "$gpus" -ge 4 ]; then
         run_steps four_gpus_request --transports p2p --memory-ranks 3 --pipeline-batches "$pp"
