@@ -48,12 +48,7 @@ void AddConfigCommand(CLI::App& app) {
     if (!*deploy) return;
     absl::StatusOr<DeployPlan> plan = PlanDeployment(*config);
     if (!plan.ok()) Fail("config check", plan.status());
-    std::cout << "# topology (this host):\n#   compute-0: " << plan->compute_device << " (controller, model "
-              << plan->model << ")\n#   transport: " << transport::TransportKindName(plan->transport) << "\n";
-    for (size_t i = 0; i < plan->memory_devices.size(); ++i) {
-      std::cout << "#   memory-" << i << ": " << plan->memory_devices[i] << ", listening on "
-                << plan->listen_addresses[i] << "\n";
-    }
+    std::cout << DescribePlacement(*plan);
   });
 }
 

@@ -175,8 +175,8 @@ cp "$TMP/out" "$TMP/deployed.json"
 grep -q "disaggregated" "$TMP/err" || bad "generate --deploy does not say it ran disaggregated"
 grep -Eq "pipeline per step .* ms: compute .*efficiency 0?\.[0-9]+ over [0-9]+ steps" "$TMP/err" || bad "generate --deploy does not print the pipeline report: $(tail -2 "$TMP/err")"
 # A clean run logs no warning or error in any rank (ranks leaving after the bye are expected).
-! grep -h " [WE] \[" "$TMP"/run/*.log || bad "a clean generate --deploy logged warnings"
-for r in memory-0 memory-1 compute-0; do [ -s "$TMP/run/$r.log" ] || bad "no log for $r"; done
+! grep -h " [WE] \[" "$TMP"/run/latest/*.log || bad "a clean generate --deploy logged warnings"
+for r in memory-0 memory-1 compute-0; do [ -s "$TMP/run/latest/$r.log" ] || bad "no log for $r"; done
 expect_ok "$TANDEM" generate --model "$REF" --device cpu --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs \
   --set scheduler.max_batch_size=4 --set scheduler.max_tokens_per_step=24
 cmp -s "$TMP/out" "$TMP/deployed.json" || bad "generate --deploy differs from colocated: $(diff "$TMP/out" "$TMP/deployed.json" | head -5)"
@@ -186,7 +186,7 @@ kv_tokens() {  # RANKS: the KV capacity of each memory rank of a deployment size
   "$TANDEM" generate --deploy "$SRC/deploy/examples/cpu.yaml" --model small --set memory.ranks="$1" \
     --set kv.capacity_tokens=0 --set kv.memory_fraction=0.01 --set launch.run_dir="$TMP/share" \
     --prompt-ids 1,2,3 --max-tokens 1 >/dev/null 2>&1 || echo "failed"
-  grep -ho "memory rank [0-9]*: cpu, [0-9]* KV tokens" "$TMP/share/compute-0.log" | awk '{print $5}'
+  grep -ho "memory rank [0-9]*: cpu, [0-9]* KV tokens" "$TMP/share/latest/compute-0.log" | awk '{print $5}'
 }
 one=$(kv_tokens 1)
 two=$(kv_tokens 2 | tr '\n' ' ')
@@ -199,7 +199,7 @@ set --
 rm -rf "$TMP/run"
 expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --set transport.kind=local --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs
 grep -q "2 memory rank(s) as threads of compute-0 (transport local)" "$TMP/err" || bad "generate --deploy with transport local does not say so: $(tail -3 "$TMP/err")"
-ls "$TMP"/run/memory-*.log >/dev/null 2>&1 && bad "transport local started memory rank processes"
+ls "$TMP"/run/latest/memory-*.log >/dev/null 2>&1 && bad "transport local started memory rank processes"
 cmp -s "$TMP/out" "$TMP/deployed.json" || bad "transport local differs from colocated: $(diff "$TMP/out" "$TMP/deployed.json" | head -5)"
 expect_ok "$TANDEM" devices
 grep -q "transports in this build: ucx" "$TMP/out" || bad "devices does not list the transports"

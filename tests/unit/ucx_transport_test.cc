@@ -820,9 +820,13 @@ TEST(UcxBootstrap, AClientOfAnotherDeploymentFailsWithTheReason) {
   ASSERT_NE(mkdtemp(dir), nullptr);
   const std::string file = std::string(dir) + "/secret";
   ASSERT_TRUE(bootstrap::CreateKeyFile(file).ok());
-  const pid_t child = testing_transport::SpawnSelf(
-      "UcxChildHelper.DISABLED_ConnectSayHelloAndWait",
-      {absl::StrCat(kChildEnv, "=", server->address()), absl::StrCat("TANDEM_SECRET_FILE=", file)});
+  // The child's environment names the other secret (this process's key is fixed already).
+  ASSERT_TRUE(bootstrap::ProcessKey().ok());
+  const std::string ours = std::getenv("TANDEM_SECRET_FILE");
+  setenv("TANDEM_SECRET_FILE", file.c_str(), 1);
+  const pid_t child = testing_transport::SpawnSelf("UcxChildHelper.DISABLED_ConnectSayHelloAndWait",
+                                                   {absl::StrCat(kChildEnv, "=", server->address())});
+  setenv("TANDEM_SECRET_FILE", ours.c_str(), 1);
   ASSERT_GT(child, 0);
   EXPECT_EQ(server->Accept(In(absl::Seconds(3))).status().code(), absl::StatusCode::kDeadlineExceeded);
   int status = 0;
