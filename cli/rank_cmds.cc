@@ -63,7 +63,8 @@ absl::Status UseSecretFile(const std::string& file) {
 
 absl::StatusOr<Config> LoadRankConfig(const std::string& file, bool stdin_bootstrap) {
   if (!stdin_bootstrap) {
-    if (file.empty()) return absl::InvalidArgumentError("--config: the deployment's YAML is needed (or --stdin-bootstrap)");
+    if (file.empty())
+      return absl::InvalidArgumentError("--config: the deployment's YAML is needed (or --stdin-bootstrap)");
     return LoadDeployConfig(file, {});
   }
   // Started over ssh (deploy/ssh_launcher.h): secret and config on stdin, which then stays open
@@ -76,7 +77,8 @@ absl::StatusOr<Config> LoadRankConfig(const std::string& file, bool stdin_bootst
 // host:port where host may be an interface name ("eth0"): its address on this host.
 absl::StatusOr<std::string> ListenAddress(const std::string& listen) {
   const size_t colon = listen.rfind(':');
-  if (colon == std::string::npos) return absl::InvalidArgumentError(absl::StrCat("--listen: expected host:port, got ", listen));
+  if (colon == std::string::npos)
+    return absl::InvalidArgumentError(absl::StrCat("--listen: expected host:port, got ", listen));
   const std::string host = listen.substr(0, colon);
   if (host.empty() || host == "0.0.0.0" || host.find(':') != std::string::npos) return listen;
   absl::StatusOr<bootstrap::Interface> iface = bootstrap::ResolveInterface(host);
@@ -252,8 +254,9 @@ void AddRankCommands(CLI::App& app) {
                     "ucx, p2p, nccl or verbs (the compute rank's too; local "
                     "memory ranks are threads of `tandem compute`)")
         ->capture_default_str();
-    cmd->add_option("--ready-file", a->ready_file,
-                    "file to write this rank's address to once it listens (-: a TANDEM-READY line on stdout)");
+    cmd->add_option(
+        "--ready-file", a->ready_file,
+        "file to write this rank's address to once it listens (-: a TANDEM-READY line on stdout)");
     cmd->add_option("--log-level", a->log_level, "debug, info, warn or error")->capture_default_str();
     cmd->callback([a] {
       absl::Status st = RunMemory(*a);

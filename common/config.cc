@@ -677,7 +677,9 @@ class ConfigLoader {
         return absl::InvalidArgumentError(absl::StrCat(where, ": expected a list, got ", Describe(node)));
       }
       YAML::Emitter out;
-      out << YAML::Flow << node;
+      out.SetSeqFormat(YAML::Flow);
+      out.SetMapFormat(YAML::Flow);
+      out << node;
       Config::Value& value = config_.values_.find(spec.path)->second;
       value.s = out.c_str();
       value.source = source;

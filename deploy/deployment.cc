@@ -74,8 +74,8 @@ const ConfigSchema& DeploySchema() {
 std::string DescribePlacement(const DeployPlan& p) {
   const bool in_process = transport::GetTransportInfo(p.transport).one_process;
   auto line = [](const RankPlacement& r, const std::string& role, const std::string& how) {
-    return absl::StrCat("#   ", r.name, ": ", r.device, " on ", r.local() ? "this host" : r.host, ", device type ",
-                        r.device_type.empty() ? "-" : r.device_type, ", interface ",
+    return absl::StrCat("#   ", r.name, ": ", r.device, " on ", r.local() ? "this host" : r.host,
+                        ", device type ", r.device_type.empty() ? "-" : r.device_type, ", interface ",
                         r.bind.empty() ? "any" : r.bind, " (", role, how, ")\n");
   };
   std::string out = absl::StrCat("# placement", p.placement.one_host() ? " (one host)" : "", ":\n");
@@ -134,7 +134,8 @@ absl::StatusOr<std::string> ResolveRankDevice(const RankPlacement& r, const std:
                                               const ModelSpec& spec) {
   if (!r.local()) {
     int index = -1;
-    if (value == "cpu" || (value.rfind("cuda:", 0) == 0 && absl::SimpleAtoi(value.substr(5), &index) && index >= 0)) {
+    if (value == "cpu" ||
+        (value.rfind("cuda:", 0) == 0 && absl::SimpleAtoi(value.substr(5), &index) && index >= 0)) {
       return value;
     }
     return absl::InvalidArgumentError(absl::StrCat(r.path, ": expected cpu or cuda:N for host ", r.host,
@@ -158,7 +159,8 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   p.model = c.GetString("model.path");
   p.weight_seed = static_cast<uint64_t>(c.GetInt("model.weight_seed"));
   ASSIGN_OR_RETURN(p.placement, ResolvePlacement(c));
-  ASSIGN_OR_RETURN(p.compute_device, ResolveRankDevice(p.placement.compute, p.placement.compute.device, spec));
+  ASSIGN_OR_RETURN(p.compute_device,
+                   ResolveRankDevice(p.placement.compute, p.placement.compute.device, spec));
   p.placement.compute.device = p.compute_device;
   const int64_t ranks = static_cast<int64_t>(p.placement.memory.size());
   const int64_t base = c.GetInt("memory.base_port");
@@ -167,8 +169,8 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
     std::string d = r.device == "auto" ? p.compute_device : r.device;
     absl::StatusOr<std::string> resolved = ResolveRankDevice(r, d, spec);
     if (!resolved.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(r.path, ": rank ", i, ": expected cpu, cuda, cuda:N or auto, got \"",
-                                                     r.device, "\""));
+      return absl::InvalidArgumentError(
+          absl::StrCat(r.path, ": rank ", i, ": expected cpu, cuda, cuda:N or auto, got \"", r.device, "\""));
     }
     d = *resolved;
     if ((d == "cpu") != (p.compute_device == "cpu")) {
@@ -208,7 +210,9 @@ absl::StatusOr<bootstrap::DeploymentKey> PrepareRunDir(const DeployPlan& plan) {
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::create_directories(plan.run_dir, ec);
-  if (ec) return absl::InternalError(absl::StrCat("launch.run_dir: cannot create ", plan.run_dir, ": ", ec.message()));
+  if (ec)
+    return absl::InternalError(
+        absl::StrCat("launch.run_dir: cannot create ", plan.run_dir, ": ", ec.message()));
   fs::permissions(plan.run_dir, fs::perms::owner_all, ec);  // logs and ready files: this user's
   const fs::path latest = fs::path(plan.run_dir).parent_path() / "latest";
   const fs::path tmp = fs::path(plan.run_dir).parent_path() / absl::StrCat(".latest.", getpid());
@@ -237,7 +241,8 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
   RETURN_IF_ERROR(WriteFileAtomic(cfg, yaml));
   auto path = [&](const std::string& name) { return (fs::path(plan.run_dir) / name).string(); };
   const std::string secret = path("secret");
-  std::fprintf(stderr, "tandem launch: run directory %s (deployment %s)\n", plan.run_dir.c_str(), key.IdHex().c_str());
+  std::fprintf(stderr, "tandem launch: run directory %s (deployment %s)\n", plan.run_dir.c_str(),
+               key.IdHex().c_str());
 
   // transport.kind local: the memory ranks are threads of compute-0 (deploy/local_ranks.h).
   const bool in_process = transport::GetTransportInfo(plan.transport).one_process;
@@ -273,10 +278,11 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
     absl::StatusOr<std::string> address =
         r.local() ? group.WaitReady(r.name, path(r.name + ".ready"), plan.startup_timeout)
                   : group.WaitReadyLine(r.name, kReadyMarker, plan.startup_timeout);
-    if (!address.ok()) return Annotate(address.status(), r.local() ? "" : absl::StrCat("on host ", r.host));
+    if (!address.ok()) return address.status();
     addresses.emplace_back(absl::StripAsciiWhitespace(*address));
-    std::fprintf(stderr, "tandem launch: %s listening on %s (%s%s)\n", r.name.c_str(), addresses.back().c_str(),
-                 plan.memory_devices[i].c_str(), r.local() ? "" : absl::StrCat(" on ", r.host, " over ssh").c_str());
+    std::fprintf(stderr, "tandem launch: %s listening on %s (%s%s)\n", r.name.c_str(),
+                 addresses.back().c_str(), plan.memory_devices[i].c_str(),
+                 r.local() ? "" : absl::StrCat(" on ", r.host, " over ssh").c_str());
   }
   const std::string ready = path("compute-0.ready");
   fs::remove(ready, ec);

@@ -11,7 +11,8 @@ namespace {
 
 constexpr const char* kHostKeys[] = {"host", "address", "devices", "device_type", "tandem"};
 
-absl::StatusOr<std::string> Scalar(const YAML::Node& entry, const std::string& key, const std::string& where) {
+absl::StatusOr<std::string> Scalar(const YAML::Node& entry, const std::string& key,
+                                   const std::string& where) {
   const YAML::Node v = entry[key];
   if (!v) return std::string();
   if (!v.IsScalar() || v.Scalar().empty()) {
@@ -33,7 +34,8 @@ absl::StatusOr<std::vector<RankPlacement>> ParsePool(const std::string& text, co
   for (size_t h = 0; h < list.size(); ++h) {
     const std::string where = absl::StrCat(pool, "[", h, "]");
     const YAML::Node entry = list[h];
-    if (!entry.IsMap()) return absl::InvalidArgumentError(absl::StrCat(where, ": expected a mapping with host and devices"));
+    if (!entry.IsMap())
+      return absl::InvalidArgumentError(absl::StrCat(where, ": expected a mapping with host and devices"));
     for (const auto& kv : entry) {
       const std::string key = kv.first.as<std::string>("");
       bool known = false;
@@ -105,7 +107,10 @@ absl::StatusOr<Placement> ResolvePlacement(const Config& c) {
     p.compute = ranks[0];
     p.from_pools = true;
   } else {
-    p.compute = {.name = "compute-0", .host = "local", .device = c.GetString("compute.device"), .path = "compute.device"};
+    p.compute = {.name = "compute-0",
+                 .host = "local",
+                 .device = c.GetString("compute.device"),
+                 .path = "compute.device"};
   }
   if (memory_hosts != "[]") {
     for (const char* key : {"memory.ranks", "memory.devices", "memory.host"}) {
@@ -116,19 +121,23 @@ absl::StatusOr<Placement> ResolvePlacement(const Config& c) {
     }
     ASSIGN_OR_RETURN(p.memory, ParsePool(memory_hosts, "memory.hosts", "memory-"));
     if (p.memory.size() > 64) {
-      return absl::InvalidArgumentError(absl::StrCat("memory.hosts: ", p.memory.size(), " devices; at most 64 memory ranks"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("memory.hosts: ", p.memory.size(), " devices; at most 64 memory ranks"));
     }
     p.from_pools = true;
   } else {
     const int64_t ranks = c.GetInt("memory.ranks");
     std::vector<std::string> devices = absl::StrSplit(c.GetString("memory.devices"), ',');
     if (devices.size() != 1 && static_cast<int64_t>(devices.size()) != ranks) {
-      return absl::InvalidArgumentError(absl::StrCat("memory.devices: ", devices.size(), " devices listed for ",
-                                                     ranks, " ranks (give one for all, or one per rank)"));
+      return absl::InvalidArgumentError(absl::StrCat("memory.devices: ", devices.size(),
+                                                     " devices listed for ", ranks,
+                                                     " ranks (give one for all, or one per rank)"));
     }
     for (int64_t i = 0; i < ranks; ++i) {
-      RankPlacement r{.name = absl::StrCat("memory-", i), .host = "local", .bind = c.GetString("memory.host")};
-      r.device = std::string(absl::StripAsciiWhitespace(devices[devices.size() == 1 ? 0 : static_cast<size_t>(i)]));
+      RankPlacement r{
+          .name = absl::StrCat("memory-", i), .host = "local", .bind = c.GetString("memory.host")};
+      r.device =
+          std::string(absl::StripAsciiWhitespace(devices[devices.size() == 1 ? 0 : static_cast<size_t>(i)]));
       r.path = "memory.devices";
       p.memory.push_back(std::move(r));
     }

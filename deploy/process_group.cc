@@ -276,7 +276,8 @@ absl::Status ProcessGroup::Start(const std::string& name, const std::vector<std:
 absl::Status ProcessGroup::StartWithStdin(const std::string& name, const std::vector<std::string>& argv,
                                           const std::string& log_path, const std::string& stdin_data) {
   if (stdin_data.size() > 60 * 1024) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ": ", stdin_data.size(), " bytes for stdin (at most 60 KiB)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": ", stdin_data.size(), " bytes for stdin (at most 60 KiB)"));
   }
   return StartImpl(name, argv, log_path, &stdin_data);
 }
@@ -454,8 +455,15 @@ absl::StatusOr<std::string> ProcessGroup::WaitReadyLine(const std::string& name,
   return WaitFor(
       name, absl::StrCat("its ready line (", marker, ") in ", log),
       [&]() -> absl::StatusOr<std::optional<std::string>> {
-        // Logs are small until the rank is ready; the tail is enough and bounded.
-        const std::string tail = ReadTail(log, 400);
+        // Logs are small until the rank is ready: read the first MiB (the marker is near its start).
+        std::string tail;
+        if (UniqueFd fd(open(log.c_str(), O_RDONLY | O_CLOEXEC)); fd.get() >= 0) {
+          char buf[8192];
+          ssize_t n;
+          while (tail.size() < (1 << 20) && (n = read(fd.get(), buf, sizeof(buf))) > 0) {
+            tail.append(buf, static_cast<size_t>(n));
+          }
+        }
         size_t at = 0;
         while ((at = tail.find(marker + " ", at)) != std::string::npos) {
           if (at == 0 || tail[at - 1] == '\n') {
@@ -493,11 +501,10 @@ absl::StatusOr<std::string> ProcessGroup::WaitFor(
     const absl::Duration left = deadline - absl::Now();
     if (left <= absl::ZeroDuration()) {
       const std::string tail = ReadTail(target->log_path, 20);
-      return absl::DeadlineExceededError(
-          absl::StrCat(name, " (pid ", target->pid, ") did not write ", what, " within ",
-                       absl::FormatDuration(timeout),
-                       tail.empty() ? absl::StrCat("; its log ", target->log_path, " is empty")
-                                    : absl::StrCat("; last lines of ", target->log_path, ":\n", tail)));
+      return absl::DeadlineExceededError(absl::StrCat(
+          name, " (pid ", target->pid, ") did not write ", what, " within ", absl::FormatDuration(timeout),
+          tail.empty() ? absl::StrCat("; its log ", target->log_path, " is empty")
+                       : absl::StrCat("; last lines of ", target->log_path, ":\n", tail)));
     }
     PauseBriefly(static_cast<int>(std::min<int64_t>(kPollMs, absl::ToInt64Milliseconds(left) + 1)));
   }

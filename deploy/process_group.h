@@ -106,9 +106,9 @@ class ProcessGroup {
   absl::Status StartImpl(const std::string& name, const std::vector<std::string>& argv,
                          const std::string& log_path, const std::string* stdin_data);
   // Waits for `read_ready` to return a value (polling), as WaitReady describes.
-  absl::StatusOr<std::string> WaitFor(const std::string& name, const std::string& what,
-                                      const std::function<absl::StatusOr<std::optional<std::string>>()>& read_ready,
-                                      absl::Duration timeout);
+  absl::StatusOr<std::string> WaitFor(
+      const std::string& name, const std::string& what,
+      const std::function<absl::StatusOr<std::optional<std::string>>()>& read_ready, absl::Duration timeout);
   Child* Find(const std::string& name);
   const Child* Find(const std::string& name) const;
   // waitpid(WNOHANG) on every running child; records the exits.

@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 
 #include "absl/strings/numbers.h"
@@ -42,7 +43,8 @@ absl::StatusOr<std::string> ReadExactly(size_t n, absl::Time deadline, const std
     char buf[4096];
     const ssize_t got = read(STDIN_FILENO, buf, std::min(sizeof(buf), n - out.size()));
     if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return absl::InvalidArgumentError(absl::StrCat("stdin bootstrap: stdin ended before the ", what));
+    if (got <= 0)
+      return absl::InvalidArgumentError(absl::StrCat("stdin bootstrap: stdin ended before the ", what));
     out.append(buf, static_cast<size_t>(got));
   }
   return out;
@@ -64,6 +66,18 @@ absl::StatusOr<std::string> ReadLine(absl::Time deadline, const std::string& wha
 std::vector<std::string> SshArgv(const std::string& ssh_command, const std::string& host,
                                  const std::vector<std::string>& remote_argv) {
   std::vector<std::string> argv = absl::StrSplit(ssh_command, ' ', absl::SkipEmpty());
+  if (argv.empty()) argv.push_back("ssh");
+  // The launcher executes a path (ProcessGroup does not search PATH): find the client here.
+  if (argv[0].find('/') == std::string::npos) {
+    const char* path = std::getenv("PATH");
+    for (absl::string_view dir : absl::StrSplit(path != nullptr ? path : "/usr/bin:/bin", ':')) {
+      const std::string candidate = absl::StrCat(dir, "/", argv[0]);
+      if (!dir.empty() && access(candidate.c_str(), X_OK) == 0) {
+        argv[0] = candidate;
+        break;
+      }
+    }
+  }
   argv.push_back("-T");
   argv.push_back(host);
   std::vector<std::string> quoted;
@@ -84,11 +98,14 @@ absl::StatusOr<std::string> ReadStdinBootstrap(absl::Duration timeout) {
     return absl::InvalidArgumentError("stdin bootstrap: expected \"tandem-bootstrap 1\" first");
   }
   ASSIGN_OR_RETURN(const std::string secret, ReadLine(deadline, "secret"));
-  if (secret.rfind("secret ", 0) != 0) return absl::InvalidArgumentError("stdin bootstrap: expected the secret");
-  ASSIGN_OR_RETURN(const bootstrap::DeploymentKey key, bootstrap::ParseKey(secret.substr(7), "stdin bootstrap"));
+  if (secret.rfind("secret ", 0) != 0)
+    return absl::InvalidArgumentError("stdin bootstrap: expected the secret");
+  ASSIGN_OR_RETURN(const bootstrap::DeploymentKey key,
+                   bootstrap::ParseKey(secret.substr(7), "stdin bootstrap"));
   ASSIGN_OR_RETURN(const std::string size_line, ReadLine(deadline, "config size"));
   size_t size = 0;
-  if (size_line.rfind("config ", 0) != 0 || !absl::SimpleAtoi(size_line.substr(7), &size) || size > (1 << 20)) {
+  if (size_line.rfind("config ", 0) != 0 || !absl::SimpleAtoi(size_line.substr(7), &size) ||
+      size > (1 << 20)) {
     return absl::InvalidArgumentError("stdin bootstrap: expected \"config <bytes>\" (at most 1 MiB)");
   }
   ASSIGN_OR_RETURN(std::string yaml, ReadExactly(size, deadline, "config"));

@@ -30,8 +30,8 @@ namespace tandem {
 inline constexpr char kReadyMarker[] = "TANDEM-READY";
 inline constexpr absl::Duration kOrphanGrace = absl::Seconds(15);
 
-// The ssh client's argv: `ssh_command` split at spaces, "-T", the host, and the remote command
-// (`remote_argv` quoted for the remote shell, run with exec).
+// The ssh client's argv: `ssh_command` split at spaces (its first word looked up in PATH), "-T",
+// the host, and the remote command (`remote_argv` quoted for the remote shell, run with exec).
 std::vector<std::string> SshArgv(const std::string& ssh_command, const std::string& host,
                                  const std::vector<std::string>& remote_argv);
 // What the launcher writes to a remote rank's stdin.

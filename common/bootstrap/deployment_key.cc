@@ -99,7 +99,8 @@ absl::StatusOr<DeploymentKey> CreateKeyFile(const std::string& path) {
   ASSIGN_OR_RETURN(DeploymentKey key, RandomKey());
   const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0 && errno == EEXIST) {
-    return absl::AlreadyExistsError(absl::StrCat("the deployment secret ", path, " exists already (one per run)"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("the deployment secret ", path, " exists already (one per run)"));
   }
   if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("create the deployment secret ", path));
   const std::string text = FormatKey(key);

@@ -205,7 +205,7 @@ expect_ok "$TANDEM" devices
 grep -q "transports in this build: ucx" "$TMP/out" || bad "devices does not list the transports"
 expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml"
 grep -q "memory-1: cpu" "$TMP/out" || bad "config check --deploy does not print the topology"
-grep -q "transport: ucx" "$TMP/out" || bad "transport.kind auto does not resolve to ucx on the CPU"
+grep -q "compute-0 <-> memory-1: ucx" "$TMP/out" || bad "transport.kind auto does not resolve to ucx on the CPU"
 expect_fail "transport.kind: p2p" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set transport.kind=p2p
 expect_fail "transport.kind: nccl" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set transport.kind=nccl
 expect_fail "one of [auto, ucx, p2p, nccl, verbs, local]" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set transport.kind=tcp
