@@ -167,4 +167,12 @@ void SetProcessKey(const DeploymentKey& key) {
   s.key = key;
 }
 
+absl::Status ShareNewKeyWithChildren(const std::string& path) {
+  ASSIGN_OR_RETURN(const DeploymentKey key, CreateKeyFile(path));
+  SetProcessKey(key);
+  if (setenv("TANDEM_SECRET_FILE", path.c_str(), 1) != 0)
+    return ErrnoToStatus(errno, "setenv TANDEM_SECRET_FILE");
+  return absl::OkStatus();
+}
+
 }  // namespace tandem::bootstrap

@@ -52,5 +52,9 @@ std::string FormatKey(const DeploymentKey& key);
 absl::StatusOr<DeploymentKey> ProcessKey();
 // Sets this process's key; must precede the first transport. Later calls replace it.
 void SetProcessKey(const DeploymentKey& key);
+// For a program that starts ranks or helpers itself (tests, benches): creates a fresh key file
+// at `path` (CreateKeyFile), makes it this process's key and exports TANDEM_SECRET_FILE=path, so
+// that the processes it starts afterwards share it.
+absl::Status ShareNewKeyWithChildren(const std::string& path);
 
 }  // namespace tandem::bootstrap
