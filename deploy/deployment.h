@@ -1,6 +1,7 @@
-// A deployment on this host, from one YAML file (docs/architecture.md, "Configuration"): the settings every
-// rank reads, and the launcher that starts compute rank 0 (with the controller) and the memory
-// ranks as separate processes, one log per rank, and brings them all down together.
+// A deployment from one YAML file (docs/architecture.md, "Configuration", "Deployments across
+// hosts"): the settings every rank reads, and the launcher that starts compute rank 0 (with the
+// controller) and the memory ranks as separate processes (on this host, or over ssh on others),
+// one log per rank, and brings them all down together.
 //
 //   model.path, model.weight_seed      checkpoint directory or preset, and a preset's weight seed
 //   compute.device                     cpu, cuda, cuda:N or auto

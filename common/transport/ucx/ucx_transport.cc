@@ -123,6 +123,7 @@ constexpr absl::Duration kCloseTimeout = absl::Seconds(3);
 constexpr absl::Duration kConnectTimeout = absl::Seconds(60);
 constexpr absl::Duration kIncomingTimeout = absl::Seconds(10);
 constexpr size_t kMaxIncoming = 64;
+constexpr absl::Duration kAcceptInterval = absl::Milliseconds(1);
 
 void PutLe32(uint8_t* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
@@ -356,6 +357,7 @@ class UcxTransport final : public Transport {
   std::vector<uint8_t> worker_address_;
   std::deque<std::unique_ptr<Incoming>> incoming_;  // handshakes of connections being accepted
   std::deque<PeerId> accepted_;                     // peers for Accept
+  absl::Time last_accept_check_ = absl::InfinitePast();
   std::vector<std::unique_ptr<Peer>> peers_;
   std::unordered_map<ucp_ep_h, PeerId> ep_to_peer_;
   std::deque<std::unique_ptr<InMessage>> inbox_;
@@ -535,6 +537,12 @@ absl::Status UcxTransport::PumpLink(Bootstrap& link, bool* progressed) {
 bool UcxTransport::DriveBootstrap() {
   bool progressed = false;
   const absl::Time now = absl::Now();
+  // Waits spin through here: with no handshake running, look for new connections at most every
+  // kAcceptInterval (a blocking wait polls the listening socket anyway).
+  const bool busy = !incoming_.empty() ||
+                    std::any_of(peers_.begin(), peers_.end(), [](const auto& p) { return p->connecting != nullptr; });
+  if (!busy && now - last_accept_check_ < kAcceptInterval) return false;
+  last_accept_check_ = now;
   while (listen_fd_ >= 0 && incoming_.size() < kMaxIncoming) {
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);
