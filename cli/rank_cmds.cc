@@ -300,13 +300,14 @@ void AddRankCommands(CLI::App& app) {
       std::string log_level = "info";
     };
     auto a = std::make_shared<LaunchArgs>();
-    CLI::App* cmd = app.add_subcommand("launch",
-                                       "Start a deployment from a YAML file: memory ranks (on this host, or "
-                                       "over ssh on the hosts of memory.hosts), then\n"
-                                       "compute rank 0 with the controller, each a process with its own log in "
-                                       "this run's directory under launch.run_dir.\n"
-                                       "Runs until Ctrl-C or SIGTERM, then stops every rank on every host.\n"
-                                       "Example: tandem launch deploy/examples/cpu.yaml");
+    CLI::App* cmd =
+        app.add_subcommand("launch",
+                           "Start a deployment from a YAML file: memory ranks (on this host, or "
+                           "over ssh on the hosts of memory.hosts), then\n"
+                           "compute rank 0 with the controller, each a process with its own log in "
+                           "this run's directory under launch.run_dir.\n"
+                           "Runs until Ctrl-C or SIGTERM, then stops every rank on every host.\n"
+                           "Example: tandem launch deploy/examples/cpu.yaml");
     cmd->add_option("file", a->file, "deployment YAML (see `tandem config help --deploy`)")
         ->required()
         ->check(CLI::ExistingFile);

@@ -539,8 +539,8 @@ bool UcxTransport::DriveBootstrap() {
   const absl::Time now = absl::Now();
   // Waits spin through here: with no handshake running, look for new connections at most every
   // kAcceptInterval (a blocking wait polls the listening socket anyway).
-  const bool busy = !incoming_.empty() ||
-                    std::any_of(peers_.begin(), peers_.end(), [](const auto& p) { return p->connecting != nullptr; });
+  const bool busy = !incoming_.empty() || std::any_of(peers_.begin(), peers_.end(),
+                                                      [](const auto& p) { return p->connecting != nullptr; });
   if (!busy && now - last_accept_check_ < kAcceptInterval) return false;
   last_accept_check_ = now;
   while (listen_fd_ >= 0 && incoming_.size() < kMaxIncoming) {
