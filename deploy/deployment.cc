@@ -350,6 +350,9 @@ absl::Status Launch(const Config& config, const DeployPlan& plan, const LaunchOp
   if (!st.ok() && !interrupted)
     std::fprintf(stderr, "tandem launch: stopping the deployment: %s\n", std::string(st.message()).c_str());
   const std::vector<std::string> killed = group.StopAll(absl::Seconds(10));
+  // Every rank has exited: the run's secret is of no further use (the logs stay).
+  std::error_code ec;
+  std::filesystem::remove(std::filesystem::path(plan.run_dir) / "secret", ec);
   if (!killed.empty()) {
     std::fprintf(stderr, "tandem launch: %s did not stop within 10 s of SIGTERM and was killed\n",
                  absl::StrJoin(killed, ", ").c_str());

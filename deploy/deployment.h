@@ -22,7 +22,8 @@
 //
 // Every run gets its own directory, <launch.run_dir>/run-<UTC time>-<pid> (and the link
 // <launch.run_dir>/latest to it): its logs, ready files, effective config, the deployment secret
-// (mode 0600; common/bootstrap/deployment_key.h) and generate's requests and results, so two
+// (mode 0600, removed when the run ends; common/bootstrap/deployment_key.h) and generate's
+// requests and results, so two
 // deployments sharing a run_dir never read each other's files. Ranks on other hosts are started
 // over ssh (deploy/ssh_launcher.h).
 //

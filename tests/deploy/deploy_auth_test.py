@@ -196,6 +196,9 @@ def main():
         except subprocess.TimeoutExpired:
             launcher.kill()
             bad("the launcher did not stop within 60 s of SIGTERM")
+        latest = os.path.join(tmp, "run", "latest")
+        if os.path.isdir(latest) and os.path.exists(os.path.join(latest, "secret")):
+            bad("the deployment secret is still there after the run ended")
         subprocess.run(["rm", "-rf", tmp])
     if not failures:
         print("deploy auth test passed")
