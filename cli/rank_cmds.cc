@@ -23,6 +23,7 @@
 #include "deploy/deployment.h"
 #include "deploy/local_ranks.h"
 #include "deploy/process_group.h"
+#include "deploy/slurm_launcher.h"
 #include "deploy/ssh_launcher.h"
 #include "kernels/cuda/device_choice.h"
 #include "memory_node/memory_rank.h"
@@ -298,6 +299,7 @@ void AddRankCommands(CLI::App& app) {
       std::string file;
       std::vector<std::string> sets;
       std::string log_level = "info";
+      bool slurm = false;
     };
     auto a = std::make_shared<LaunchArgs>();
     CLI::App* cmd =
@@ -314,9 +316,19 @@ void AddRankCommands(CLI::App& app) {
     cmd->add_option("--set", a->sets, "override a setting: --set memory.ranks=3 (repeatable)");
     cmd->add_option("--log-level", a->log_level, "debug, info, warn or error (for every rank)")
         ->capture_default_str();
+    cmd->add_flag("--slurm", a->slurm,
+                  "inside a Slurm job: the memory pool from the allocation (het group 1 of a heterogeneous "
+                  "job), ranks started with srun (deploy/slurm/)");
     cmd->callback([a] {
       absl::Status st = [&]() -> absl::Status {
-        ASSIGN_OR_RETURN(const Config config, LoadDeployConfig(a->file, a->sets));
+        std::vector<std::string> sets = a->sets;
+        if (a->slurm) {
+          ASSIGN_OR_RETURN(const Config first, LoadDeployConfig(a->file, a->sets));
+          ASSIGN_OR_RETURN(const std::vector<std::string> slurm,
+                           SlurmOverrides(first.GetString("launch.slurm_devices")));
+          sets.insert(sets.end(), slurm.begin(), slurm.end());
+        }
+        ASSIGN_OR_RETURN(const Config config, LoadDeployConfig(a->file, sets));
         ASSIGN_OR_RETURN(const DeployPlan plan, PlanDeployment(config));
         return Launch(config, plan, {.tandem_binary = SelfPath(), .log_level = a->log_level});
       }();

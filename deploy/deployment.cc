@@ -17,6 +17,7 @@
 #include "common/status.h"
 #include "compute_node/controller_settings.h"
 #include "deploy/process_group.h"
+#include "deploy/slurm_launcher.h"
 #include "deploy/ssh_launcher.h"
 #include "kernels/cuda/device_choice.h"
 #include "server/api_server.h"
@@ -58,6 +59,12 @@ const ConfigSchema& DeploySchema() {
         .String("launch.run_dir", "tandem-run",
                 "directory under which every run gets its own directory (run-<time>-<pid>, and the link "
                 "latest): the ranks' logs, ready files, effective config and deployment secret")
+        .Enum("launch.remote", "ssh", {"ssh", "srun"},
+              "how ranks on other hosts are started: ssh (launch.ssh), or srun inside a Slurm job (set by "
+              "tandem launch --slurm; deploy/slurm/)")
+        .Enum("launch.slurm_devices", "cpu", {"cpu", "gpu"},
+              "tandem launch --slurm: the memory ranks' devices, cpu, or gpu (a node's ranks on cuda:0, "
+              "cuda:1, ...: the GPUs Slurm gives each task)")
         .String("launch.ssh", "ssh -o BatchMode=yes",
                 "the OpenSSH client command line that starts ranks on other hosts (the host and the rank's "
                 "command are appended), e.g. \"ssh -p 2222 -i key -o BatchMode=yes\"")
@@ -84,6 +91,7 @@ std::string DescribePlacement(const DeployPlan& p) {
     const RankPlacement& r = p.placement.memory[i];
     const std::string how = in_process  ? ", a thread of compute-0"
                             : r.local() ? ", a process of this host"
+                            : p.srun    ? absl::StrCat(", started with srun on node ", r.host)
                                         : absl::StrCat(", started over ssh: ", p.ssh, " ", r.host);
     absl::StrAppend(&out, line(r, absl::StrCat("listening on ", p.listen_addresses[i]), how));
   }
@@ -198,6 +206,7 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   p.checksums = c.GetBool("transport.checksums");
   p.run_dir = (std::filesystem::path(c.GetString("launch.run_dir")) / RunDirName()).string();
   p.ssh = c.GetString("launch.ssh");
+  p.srun = c.GetString("launch.remote") == "srun";
   p.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   p.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
   return p;
@@ -269,8 +278,9 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
       RETURN_IF_ERROR(group.Start(name, argv, path(name + ".log")));
     } else {
       argv.insert(argv.end(), {"--stdin-bootstrap", "--ready-file", "-"});
-      RETURN_IF_ERROR(group.StartWithStdin(name, SshArgv(plan.ssh, r.host, argv), path(name + ".log"),
-                                           StdinBootstrap(key, yaml)));
+      RETURN_IF_ERROR(
+          group.StartWithStdin(name, plan.srun ? SrunArgv(r.host, argv) : SshArgv(plan.ssh, r.host, argv),
+                               path(name + ".log"), StdinBootstrap(key, yaml)));
     }
   }
   for (size_t i = 0; i < plan.memory_devices.size() && !in_process; ++i) {
@@ -280,9 +290,10 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
                   : group.WaitReadyLine(r.name, kReadyMarker, plan.startup_timeout);
     if (!address.ok()) return address.status();
     addresses.emplace_back(absl::StripAsciiWhitespace(*address));
-    std::fprintf(stderr, "tandem launch: %s listening on %s (%s%s)\n", r.name.c_str(),
-                 addresses.back().c_str(), plan.memory_devices[i].c_str(),
-                 r.local() ? "" : absl::StrCat(" on ", r.host, " over ssh").c_str());
+    std::fprintf(
+        stderr, "tandem launch: %s listening on %s (%s%s)\n", r.name.c_str(), addresses.back().c_str(),
+        plan.memory_devices[i].c_str(),
+        r.local() ? "" : absl::StrCat(" on ", r.host, plan.srun ? " with srun" : " over ssh").c_str());
   }
   const std::string ready = path("compute-0.ready");
   fs::remove(ready, ec);

@@ -65,6 +65,7 @@ struct DeployPlan {
   Placement placement;  // per rank: host, address to bind, device (resolved), device type
   std::string run_dir;  // this run's own directory (<launch.run_dir>/run-<time>-<pid>; made by Launch)
   std::string ssh;      // launch.ssh: the ssh client command line for ranks on other hosts
+  bool srun = false;    // launch.remote srun: ranks on other hosts are Slurm steps (deploy/slurm_launcher.h)
   absl::Duration startup_timeout, step_timeout;
 };
 
