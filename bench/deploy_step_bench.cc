@@ -50,6 +50,11 @@
 //                          [--contexts 1024,4096] [--decode-tokens 16] [--memory-ranks 1]
 //                          [--json PATH] [--tandem PATH] [--run-timeout 600] [--startup-timeout 600]
 //                          [--checksums 1] [--shared-gpu 0|1] [--partition request|head]
+//                          [--pipeline-batches 1,2]
+// --pipeline-batches runs every transport once per value: 1 runs steps whole, N > 1 with
+// pipeline.mode pingpong over N micro-batches (the row's transport reads "p2p/pp2"). In a pingpong
+// row the attention phase is only the compute rank's wait for attention (the rest overlaps its
+// linear layers), so exchange reads 0 (floored) and eff shows how busy compute stays.
 #include <cuda_runtime.h>
 #include <poll.h>
 #include <sys/syscall.h>
@@ -108,7 +113,7 @@ constexpr const char* kUsage =
     "                         [--contexts 1024,4096] [--decode-tokens 16] [--memory-ranks 1]\n"
     "                         [--json PATH] [--tandem PATH] [--run-timeout S] [--startup-timeout S]\n"
     "                         [--checksums 0|1] [--max-tokens-per-step N] [--cuda-graphs 0|1]\n"
-    "                         [--shared-gpu 0|1] [--partition request|head]\n"
+    "                         [--shared-gpu 0|1] [--partition request|head] [--pipeline-batches 1,2]\n"
     "Decode step time of a deployment (compute rank on cuda:0, memory ranks on cuda:1..) per\n"
     "transport, split into compute, attention, exchange and idle, beside the colocated engine.\n"
     "  --model            preset name (random weights, seed 0) or checkpoint directory\n"
@@ -119,6 +124,8 @@ constexpr const char* kUsage =
     "  --memory-ranks     memory rank processes, on cuda:1 .. cuda:N\n"
     "  --shared-gpu       1: the memory ranks on cuda:0 with the compute rank (one GPU); 0 (default)\n"
     "  --partition        memory.partition: request (default) or head (every rank a slice of KV heads)\n"
+    "  --pipeline-batches micro-batches per step, each a run of every transport: 1 is pipeline.mode none,\n"
+    "                     N > 1 pingpong with N micro-batches (rows \"TRANSPORT/ppN\"; default 1)\n"
     "  --json             also write the rows as a JSON array to PATH\n"
     "  --tandem           the tandem executable that runs the memory ranks\n"
     "  --run-timeout      wall limit of one (transport, batch, context) run, seconds (600)\n"
@@ -394,6 +401,7 @@ struct Settings {
   bool cuda_graphs = false;
   bool shared_gpu = false;  // memory ranks on cuda:0
   tandem::AttentionPartition partition = tandem::AttentionPartition::kRequest;
+  int micro_batches = 1;  // pipeline.batches (1: pipeline.mode none)
 };
 
 int MemoryDevice(const Settings& s, int m) { return s.shared_gpu ? 0 : 1 + m; }
@@ -456,6 +464,7 @@ absl::Status StartDeployment(const tandem::WeightSource& source, transport::Tran
   o.profile = true;
   o.cuda_graphs = s.cuda_graphs;
   o.partition = s.partition;
+  o.micro_batches = s.micro_batches;
   o.startup_timeout = absl::Seconds(s.startup_s);
   o.step_timeout = absl::Seconds(s.step_timeout_s);
   std::fprintf(stderr, "  loading the weights on cuda:0 and connecting to %d memory rank(s)\n",
@@ -515,7 +524,7 @@ std::string Label(const std::string& transport, const Combo& c) {
 int main(int argc, char** argv) {
   std::string model = "llama3-8b", json_path, tandem_binary = TANDEM_BINARY_DEFAULT;
   std::string transports_flag = "ucx,p2p,nccl";
-  std::vector<int64_t> batches = {64, 256}, contexts = {1024, 4096};
+  std::vector<int64_t> batches = {64, 256}, contexts = {1024, 4096}, pipeline_batches = {1};
   int64_t decode_tokens = 16, memory_ranks = 1, max_tokens_flag = 0;
   double run_timeout_s = 600, startup_s = 600;
   bool checksums = true, cuda_graphs = false, shared_gpu = false;
@@ -544,6 +553,14 @@ int main(int argc, char** argv) {
       absl::StatusOr<std::vector<int64_t>> list = ParseList(k, v);
       if (list.ok()) (k == "--batches" ? batches : contexts) = *list;
       st = list.status();
+    } else if (k == "--pipeline-batches") {
+      absl::StatusOr<std::vector<int64_t>> list = ParseList(k, v);
+      if (list.ok()) pipeline_batches = *list;
+      st = list.status();
+      for (int64_t n : pipeline_batches) {
+        if (st.ok() && (n < 1 || n > 8))
+          st = absl::InvalidArgumentError(absl::StrCat(k, ": ", n, " is not in [1, 8]"));
+      }
     } else if (k == "--decode-tokens") {
       if (!absl::SimpleAtoi(v, &decode_tokens) || decode_tokens < 2)
         st = absl::InvalidArgumentError(absl::StrCat(k, ": '", v, "' is not an integer >= 2"));
@@ -744,17 +761,25 @@ int main(int argc, char** argv) {
                     .partition = partition};
   transport::RankLayout layout{.compute_device = 0};
   for (int m = 0; m < memory_ranks; ++m) layout.memory_devices.push_back(MemoryDevice(settings, m));
-  for (size_t k = 0; k < kinds.size(); ++k) {
-    const std::string name = transport::TransportKindName(kinds[k]);
+  // Every transport once per --pipeline-batches value.
+  std::vector<std::pair<transport::TransportKind, int>> runs;
+  for (int64_t n : pipeline_batches) {
+    for (transport::TransportKind kind : kinds) runs.emplace_back(kind, static_cast<int>(n));
+  }
+  for (size_t k = 0; k < runs.size(); ++k) {
+    const transport::TransportKind kind = runs[k].first;
+    settings.micro_batches = runs[k].second;
+    const std::string name = absl::StrCat(transport::TransportKindName(kind),
+                                          runs[k].second > 1 ? absl::StrCat("/pp", runs[k].second) : "");
     std::string skip;
-    if (!transport::TransportBuilt(kinds[k])) {
+    if (!transport::TransportBuilt(kind)) {
       skip = "not in this build";
     } else if (!shared_gpu && gpus < 1 + memory_ranks) {
       skip = absl::StrCat("needs ", 1 + memory_ranks,
                           " GPUs (compute rank on cuda:0, memory ranks on cuda:1..), "
                           "this machine has ",
                           gpus);
-    } else if (const std::string why = transport::GetTransportInfo(kinds[k]).CannotConnect(layout);
+    } else if (const std::string why = transport::GetTransportInfo(kind).CannotConnect(layout);
                !why.empty()) {
       skip = why;
     } else if (kv_tokens == 0) {
@@ -770,7 +795,7 @@ int main(int argc, char** argv) {
         name.c_str(), static_cast<long long>(memory_ranks), static_cast<long long>(settings.kv_tokens));
     Deployment d;
     watchdog.Arm(absl::StrCat("starting the ", name, " deployment"), 2 * startup_s + 60);
-    absl::Status st = StartDeployment(**source, kinds[k], settings, &d);
+    absl::Status st = StartDeployment(**source, kind, settings, &d);
     watchdog.Disarm();
     if (st.ok()) {
       for (size_t i = 0; i < combos.size(); ++i) {

@@ -19,8 +19,9 @@
 #   pipeline the pipeline report of a deployment's decode steps (compute, attention, exchange, idle
 #            and efficiency, per layout): memory ranks on the compute GPU (local, p2p), then 1 + 1
 #            and 1 + 3 GPUs (p2p, nccl) with the request and the head partition, as the machine's
-#            GPU count allows (MODEL, BATCHES, CONTEXTS override). The pipeline modes
-#            (pipeline.mode) join these rows as they are built.
+#            GPU count allows (MODEL, BATCHES, CONTEXTS override), each with pipeline.mode none
+#            and pingpong over 2 and 4 micro-batches (PIPELINE_BATCHES overrides "1,2,4"; nccl
+#            runs pingpong never: it refuses it)
 set -uo pipefail
 out=${1:?usage: run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf]}
 shift
@@ -91,12 +92,17 @@ for what in "$@"; do
         cat "$out/pipeline_$name.txt"
         [ $rc -eq 0 ] || { echo "deploy_step_bench ($name) failed (exit $rc):"; tail -20 "$out/pipeline_$name.log"; }
       }
-      run_steps one_gpu --shared-gpu 1 --transports local,p2p
-      if [ "$gpus" -ge 2 ]; then run_steps two_gpus --transports p2p,nccl --memory-ranks 1; fi
+      pp=${PIPELINE_BATCHES:-1,2,4}
+      run_steps one_gpu --shared-gpu 1 --transports local,p2p --pipeline-batches "$pp"
+      if [ "$gpus" -ge 2 ]; then
+        run_steps two_gpus --transports p2p --memory-ranks 1 --pipeline-batches "$pp"
+        run_steps two_gpus_nccl --transports nccl --memory-ranks 1
+      fi
       if [ "$gpus" -ge 4 ]; then
-        run_steps four_gpus_request --transports p2p,nccl --memory-ranks 3
+        run_steps four_gpus_request --transports p2p --memory-ranks 3 --pipeline-batches "$pp"
+        run_steps four_gpus_request_nccl --transports nccl --memory-ranks 3
         # Head partition over 3 memory ranks needs KV heads divisible by 3: 2 ranks on 3 GPUs instead.
-        run_steps three_gpus_head --transports p2p,nccl --memory-ranks 2 --partition head
+        run_steps three_gpus_head --transports p2p --memory-ranks 2 --partition head --pipeline-batches "$pp"
       fi ;;
     *) echo "unknown part: $what"; exit 2 ;;
   esac

@@ -22,6 +22,9 @@ void AddGenerateCommand(CLI::App& app);
 // The OpenAI-compatible HTTP API over the colocated engine (cli/serve.cc).
 void AddServeCommand(CLI::App& app);
 void AddConfigCommand(CLI::App& app);
+// Serving benchmark and cost planner (cli/bench_cmd.cc, cli/plan_cmd.cc).
+void AddBenchCommand(CLI::App& app);
+void AddPlanCommand(CLI::App& app);
 void AddDevicesCommand(CLI::App& app);
 // tokenize and detokenize (cli/tokenize_cmd.cc).
 void AddTokenizeCommands(CLI::App& app);

@@ -23,6 +23,8 @@ int main(int argc, char** argv) {
   tandem::cli::AddDevicesCommand(app);
   tandem::cli::AddTokenizeCommands(app);
   tandem::cli::AddRankCommands(app);
+  tandem::cli::AddBenchCommand(app);
+  tandem::cli::AddPlanCommand(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

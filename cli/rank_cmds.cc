@@ -113,12 +113,18 @@ absl::Status RunMemory(const MemoryArgs& a) {
 }
 
 struct ComputeArgs {
-  std::string config, memory, memory_devices, ready_file, requests, results,
-      device = "cpu", log_level = "info", transport = "ucx", secret_file, bind;
+  std::string config, memory, memory_devices, ready_file, requests, results, replicas,
+      listen = "127.0.0.1:0", device = "cpu", log_level = "info", transport = "ucx", secret_file, bind;
+  int replica = 0;  // 0: compute rank 0 (the controller); r > 0: compute replica r
 };
 
+// pipeline.batches with pipeline.mode pingpong or fixed, else 1.
+int MicroBatches(const Config& c) {
+  return c.GetString("pipeline.mode") == "none" ? 1 : static_cast<int>(c.GetInt("pipeline.batches"));
+}
+
 absl::Status RunCompute(const ComputeArgs& a) {
-  RETURN_IF_ERROR(StartLogging("compute-0", a.log_level));
+  RETURN_IF_ERROR(StartLogging(absl::StrCat("compute-", a.replica), a.log_level));
   InstallTerminationSignals();
   RETURN_IF_ERROR(UseSecretFile(a.secret_file));
   if (!a.bind.empty() && a.bind != "0.0.0.0") {
@@ -165,6 +171,21 @@ absl::Status RunCompute(const ComputeArgs& a) {
   o.profile = c.GetBool("compute.profile");
   o.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   o.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
+  o.micro_batches = MicroBatches(c);
+  if (!a.replicas.empty()) o.replica_addresses = absl::StrSplit(a.replicas, ',');
+  if (a.replica > 0) {
+    // A compute replica: it runs the micro-batches compute rank 0 hands it, until bye.
+    ComputeReplicaOptions r;
+    r.compute_rank = a.replica;
+    r.compute_ranks = static_cast<int>(c.GetInt("compute.ranks"));
+    r.listen_address = a.listen;
+    r.on_listening = [&](const std::string& address) {
+      return a.ready_file.empty() ? absl::OkStatus() : WriteFileAtomic(a.ready_file, address + "\n");
+    };
+    r.stop_requested = [] { return TerminationSignal() != 0; };
+    r.rank = o;
+    return RunComputeReplica(*source, r);
+  }
   if (a.requests.empty()) {
     // Serving: the OpenAI-compatible API (api.*) over this rank, until SIGTERM drains it. The socket
     // is bound before the weights load, so a port in use fails the deployment at once.
@@ -266,8 +287,10 @@ void AddRankCommands(CLI::App& app) {
   }
   {
     auto a = std::make_shared<ComputeArgs>();
-    CLI::App* cmd =
-        app.add_subcommand("compute", "Run compute rank 0 with the controller; started by `tandem launch`.");
+    CLI::App* cmd = app.add_subcommand(
+        "compute",
+        "Run compute rank 0 with the controller, or (--replica r) a compute replica; started by "
+        "`tandem launch`.");
     cmd->add_option("--config", a->config, "the deployment's YAML file")
         ->required()
         ->check(CLI::ExistingFile);
@@ -284,7 +307,18 @@ void AddRankCommands(CLI::App& app) {
     cmd->add_option("--device", a->device, "cpu, cuda or cuda:N")->capture_default_str();
     cmd->add_option("--transport", a->transport, "ucx, p2p, nccl, verbs or local (the memory ranks' too)")
         ->capture_default_str();
-    cmd->add_option("--ready-file", a->ready_file, "file to write once every memory rank has replied");
+    cmd->add_option(
+        "--ready-file", a->ready_file,
+        "file to write once every memory rank has replied (a replica: its address, once it listens)");
+    cmd->add_option(
+           "--replica", a->replica,
+           "run compute replica r (1 <= r < compute.ranks) instead of compute rank 0: it listens on "
+           "--listen, connects to the memory ranks and runs the micro-batches compute rank 0 hands it")
+        ->check(CLI::Range(0, 7));
+    cmd->add_option("--listen", a->listen, "a replica's host:port to listen on (port 0: any free port)")
+        ->capture_default_str();
+    cmd->add_option("--replicas", a->replicas,
+                    "compute rank 0: the transport addresses of compute ranks 1.., comma-separated");
     auto* req = cmd->add_option("--requests", a->requests, "JSON lines of requests to run, then exit");
     cmd->add_option("--results", a->results, "where to write the results of --requests")->needs(req);
     req->needs(cmd->get_option("--results"));

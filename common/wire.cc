@@ -151,9 +151,9 @@ absl::StatusOr<absl::Span<const uint8_t>> Unframe(absl::Span<const uint8_t> fram
   }
   if (version < kWireVersion) {
     // The ranks of a deployment run one build; an older peer's frames are refused, not guessed at.
-    return absl::InvalidArgumentError(absl::StrCat(ToAbsl(what), ": version ", version,
-                                                   " at byte offset 4 is older than the supported version ",
-                                                   kWireVersion, " (version 2 changed the hello's layout)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        ToAbsl(what), ": version ", version, " at byte offset 4 is older than the supported version ",
+        kWireVersion, " (versions 2 and 3 changed the hello and step plan layouts)"));
   }
   ASSIGN_OR_RETURN(uint16_t header_bytes, r.U16("header_bytes"));
   if (header_bytes != kFrameHeaderBytes) {
@@ -440,6 +440,12 @@ uint32_t Crc32cPortableForTest(absl::Span<const uint8_t> data) {
 uint32_t Crc32c(absl::Span<const uint8_t> data) { return Crc32cExtend(0, data); }
 
 absl::Status ValidateStepPlan(const StepPlan& plan) {
+  if (plan.micro_batches < 1 || plan.micro_batches > kMaxMicroBatches ||
+      plan.micro_batch >= plan.micro_batches) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step plan: micro_batch ", int{plan.micro_batch}, " of micro_batches ", int{plan.micro_batches},
+        " must satisfy micro_batch < micro_batches <= ", kMaxMicroBatches));
+  }
   for (size_t i = 0; i < plan.requests.size(); ++i) RETURN_IF_ERROR(ValidateRequest(plan.requests[i], i));
   for (size_t i = 0; i < plan.groups.size(); ++i) RETURN_IF_ERROR(ValidateGroup(plan.groups, i));
   for (size_t i = 0; i < plan.publishes.size(); ++i) RETURN_IF_ERROR(ValidatePublish(plan.publishes[i], i));
@@ -492,6 +498,9 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
   w.U32(static_cast<uint32_t>(plan.groups.size()));
   w.U32(static_cast<uint32_t>(plan.publishes.size()));
   w.U32(static_cast<uint32_t>(plan.evictions.size()));
+  w.U8(plan.micro_batch);
+  w.U8(plan.micro_batches);
+  w.Zeros(6);
   for (const StepRequest& q : plan.requests) {
     w.U64(q.request_id);
     w.U64(q.seed);
@@ -541,6 +550,9 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
   ASSIGN_OR_RETURN(uint32_t group_count, r.U32("group_count"));
   ASSIGN_OR_RETURN(uint32_t publish_count, r.U32("publish_count"));
   ASSIGN_OR_RETURN(uint32_t evict_count, r.U32("evict_count"));
+  ASSIGN_OR_RETURN(plan.micro_batch, r.U8("micro_batch"));
+  ASSIGN_OR_RETURN(plan.micro_batches, r.U8("micro_batches"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 6));
   // Bound every count by the bytes present before allocating anything: each area, in order, must
   // fit in what the areas before it leave, and together they must fill the body exactly.
   struct Area {
@@ -705,6 +717,11 @@ absl::Status ValidateHello(const HelloMessage& h) {
   if (h.prefix_sharing != static_cast<uint8_t>(PrefixSharing::kOff) && h.prefix_block_tokens == 0) {
     return bad("prefix_sharing ", h.prefix_sharing, " needs prefix_block_tokens >= 1 (a prefix registry)");
   }
+  if (h.lanes < 1 || h.lanes > kMaxMicroBatches)
+    return bad("lanes ", int{h.lanes}, " must be in [1, ", kMaxMicroBatches, "]");
+  if (h.compute_ranks < 1 || h.compute_ranks > h.lanes) {
+    return bad("compute_ranks ", int{h.compute_ranks}, " must be in [1, lanes ", int{h.lanes}, "]");
+  }
   const auto partition = static_cast<uint8_t>(h.partition);
   uint64_t begin = 0, end = h.num_kv_heads;  // the slice the partition gives this rank
   if (h.partition == AttentionPartition::kHead) {
@@ -807,7 +824,8 @@ std::vector<uint8_t> EncodeHello(const HelloMessage& h) {
   w.U16(h.prefix_block_tokens);
   w.U8(h.prefix_sharing);
   w.U8(static_cast<uint8_t>(h.partition));
-  w.Zeros(2);
+  w.U8(h.lanes);
+  w.U8(h.compute_ranks);
   w.U32(h.kv_head_begin);
   w.U32(h.kv_head_end);
   return Frame(kHelloMagic, body);
@@ -836,7 +854,8 @@ absl::StatusOr<HelloMessage> DecodeHello(absl::Span<const uint8_t> frame) {
   ASSIGN_OR_RETURN(h.prefix_block_tokens, r.U16("prefix_block_tokens"));
   ASSIGN_OR_RETURN(h.prefix_sharing, r.U8("prefix_sharing"));
   ASSIGN_OR_RETURN(uint8_t partition, r.U8("partition"));
-  RETURN_IF_ERROR(r.Reserved("reserved", 2));
+  ASSIGN_OR_RETURN(h.lanes, r.U8("lanes"));
+  ASSIGN_OR_RETURN(h.compute_ranks, r.U8("compute_ranks"));
   ASSIGN_OR_RETURN(h.kv_head_begin, r.U32("kv_head_begin"));
   ASSIGN_OR_RETURN(h.kv_head_end, r.U32("kv_head_end"));
   // Enum values are checked by ValidateHello before any use as an enum.
@@ -1013,6 +1032,116 @@ absl::StatusOr<MemoryStatsMessage> DecodeMemoryStats(absl::Span<const uint8_t> f
   return m;
 }
 
+std::vector<uint8_t> EncodeComputeHello(const ComputeHelloMessage& m) {
+  std::vector<uint8_t> body;
+  body.reserve(kComputeHelloBodyBytes);
+  Writer w(&body);
+  w.U16(m.compute_rank);
+  w.U16(m.compute_ranks);
+  w.Zeros(4);
+  return Frame(kComputeHelloMagic, body);
+}
+
+absl::StatusOr<ComputeHelloMessage> DecodeComputeHello(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "compute hello";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kComputeHelloMagic, kWhat));
+  RETURN_IF_ERROR(CheckBodySize(body, kComputeHelloBodyBytes, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  ComputeHelloMessage m;
+  ASSIGN_OR_RETURN(m.compute_rank, r.U16("compute_rank"));
+  ASSIGN_OR_RETURN(m.compute_ranks, r.U16("compute_ranks"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 4));
+  if (m.compute_ranks < 2 || m.compute_ranks > kMaxMicroBatches || m.compute_rank < 1 ||
+      m.compute_rank >= m.compute_ranks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compute hello: compute_rank ", m.compute_rank, " of compute_ranks ", m.compute_ranks,
+                     " must satisfy 1 <= ", "compute_rank < compute_ranks <= ", kMaxMicroBatches));
+  }
+  return m;
+}
+
+std::vector<uint8_t> EncodeReplicaStep(const ReplicaStepMessage& m) {
+  const std::vector<uint8_t> plan = EncodeStepPlan(m.plan);
+  TANDEM_CHECK(m.tokens.size() <= std::numeric_limits<uint32_t>::max() / 8);
+  std::vector<uint8_t> body;
+  body.reserve(kReplicaStepFixedBytes + 4 * m.tokens.size() + plan.size());
+  Writer w(&body);
+  w.U32(static_cast<uint32_t>(m.tokens.size()));
+  w.Zeros(4);
+  for (int32_t t : m.tokens) w.I32(t);
+  body.insert(body.end(), plan.begin(), plan.end());
+  return Frame(kReplicaStepMagic, body);
+}
+
+absl::StatusOr<ReplicaStepMessage> DecodeReplicaStep(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "replica step";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kReplicaStepMagic, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  ASSIGN_OR_RETURN(uint32_t count, r.U32("token_count"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 4));
+  if (static_cast<uint64_t>(count) * 4 > r.remaining()) {
+    return absl::DataLossError(absl::StrCat("replica step: truncated: token_count ", count, " needs ",
+                                            static_cast<uint64_t>(count) * 4, " bytes at byte offset ",
+                                            r.offset(), " but ", r.remaining(), " remain"));
+  }
+  ReplicaStepMessage m;
+  m.tokens.resize(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    ASSIGN_OR_RETURN(m.tokens[i], r.I32("token"));
+  }
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> plan, r.Bytes("plan", r.remaining()));
+  absl::StatusOr<StepPlan> decoded = DecodeStepPlan(plan);
+  if (!decoded.ok()) return Annotate(decoded.status(), "replica step");
+  m.plan = *std::move(decoded);
+  uint64_t rows = 0;
+  for (const StepRequest& q : m.plan.requests) rows += static_cast<uint64_t>(q.q_len);
+  if (rows != count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("replica step: token_count ", count, " but the plan has ", rows, " rows"));
+  }
+  return m;
+}
+
+std::vector<uint8_t> EncodeReplicaResult(const ReplicaResultMessage& m) {
+  TANDEM_CHECK(m.tokens.size() == m.logprobs.size() &&
+               m.tokens.size() <= std::numeric_limits<uint32_t>::max() / 8);
+  std::vector<uint8_t> body;
+  body.reserve(kReplicaResultFixedBytes + 8 * m.tokens.size());
+  Writer w(&body);
+  w.U64(m.step_id);
+  w.U8(m.micro_batch);
+  w.Zeros(3);
+  w.U32(static_cast<uint32_t>(m.tokens.size()));
+  for (int32_t t : m.tokens) w.I32(t);
+  for (float f : m.logprobs) w.F32(f);
+  return Frame(kReplicaResultMagic, body);
+}
+
+absl::StatusOr<ReplicaResultMessage> DecodeReplicaResult(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "replica result";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kReplicaResultMagic, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  ReplicaResultMessage m;
+  ASSIGN_OR_RETURN(m.step_id, r.U64("step_id"));
+  ASSIGN_OR_RETURN(m.micro_batch, r.U8("micro_batch"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 3));
+  ASSIGN_OR_RETURN(uint32_t count, r.U32("count"));
+  if (static_cast<uint64_t>(count) * 8 != r.remaining()) {
+    return absl::InvalidArgumentError(absl::StrCat("replica result: count ", count, " needs ",
+                                                   static_cast<uint64_t>(count) * 8, " bytes at byte offset ",
+                                                   r.offset(), " but ", r.remaining(), " remain"));
+  }
+  m.tokens.resize(count);
+  m.logprobs.resize(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    ASSIGN_OR_RETURN(m.tokens[i], r.I32("token"));
+  }
+  for (uint32_t i = 0; i < count; ++i) {
+    ASSIGN_OR_RETURN(m.logprobs[i], r.F32("logprob"));
+  }
+  return m;
+}
+
 absl::StatusOr<uint32_t> PeekFrameMagic(absl::Span<const uint8_t> frame) {
   if (frame.size() < kFrameHeaderBytes) {
     return absl::DataLossError(absl::StrCat("frame: truncated: a frame header needs ", kFrameHeaderBytes,
@@ -1030,6 +1159,9 @@ absl::StatusOr<uint32_t> PeekFrameMagic(absl::Span<const uint8_t> frame) {
     case kByeMagic:
     case kStatsRequestMagic:
     case kMemoryStatsMagic:
+    case kComputeHelloMagic:
+    case kReplicaStepMagic:
+    case kReplicaResultMagic:
       return magic;
     default:
       return absl::InvalidArgumentError(

@@ -20,15 +20,22 @@
 //                                 'T','D','R','L' release              0x4c524454
 //                                 'T','D','E','R' error                0x52454454
 //                                 'T','D','B','Y' bye                  0x59424454
-//        4     2  version       u16, kWireVersion (2); a newer one decodes as Unimplemented, an
+//                                 'T','D','S','Q' stats request        0x51534454
+//                                 'T','D','M','S' memory stats         0x534d4454
+//                                 'T','D','C','H' compute hello        0x48434454
+//                                 'T','D','R','S' replica step         0x53524454
+//                                 'T','D','R','R' replica result       0x52524454
+//        4     2  version       u16, kWireVersion (3); a newer one decodes as Unimplemented, an
 //                               older one as InvalidArgument (one build runs every rank).
 //                               Version 2 added the hello's partition and KV head slice (its
-//                               body grew from 56 to 64 bytes); the other layouts are unchanged
-//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 and 2
+//                               body grew from 56 to 64 bytes); version 3 the step plan's
+//                               micro-batch fields (its fixed part grew from 24 to 32 bytes) and
+//                               the hello's lanes; the other layouts are unchanged
+//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 3
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
 //
-// Step plan body (body_bytes = 24 + 64 * request_count + 24 * group_count + 32 * publish_count +
+// Step plan body (body_bytes = 32 + 64 * request_count + 24 * group_count + 32 * publish_count +
 // 16 * evict_count; the records fill the body exactly):
 //
 //   offset  size  field          notes
@@ -38,8 +45,13 @@
 //       12     4  group_count    u32  g: prefix groups
 //       16     4  publish_count  u32  p: blocks to register
 //       20     4  evict_count    u32  e: registered blocks to drop
-//       24  64*r  requests[r]    StepRequest records, each laid out as below (offsets relative)
-//        R  24*g  groups[g]      PrefixGroup records; R = 24 + 64*r
+//       24     1  micro_batch    u8   < micro_batches: this plan's micro-batch of the step
+//       25     1  micro_batches  u8   in [1, kMaxMicroBatches]: plans the step is split into
+//                                     (pipeline.batches); they share step_id and are sent in
+//                                     micro_batch order before any of the step's layer data
+//       26     6  reserved       must be 0
+//       32  64*r  requests[r]    StepRequest records, each laid out as below (offsets relative)
+//        R  24*g  groups[g]      PrefixGroup records; R = 32 + 64*r
 //        G  32*p  publishes[p]   PrefixPublish records; G = R + 24*g
 //        P  16*e  evictions[e]   PrefixEvict records; P = G + 32*p, and the body ends at P + 16*e
 //
@@ -128,7 +140,15 @@
 //                                             need prefix_block_tokens >= 1
 //       53     1  partition              u8   AttentionPartition (common/head_partition.h):
 //                                             0 (request), 1 (head)
-//       54     2  reserved               must be 0
+//       54     1  lanes                  u8   in [1, kMaxMicroBatches]: micro-batches in flight
+//                                             at once (pipeline.batches); lane j receives into
+//                                             the reply's qkv_buffer + j and writes its outputs
+//                                             to attn_out_buffer + j
+//       55     1  compute_ranks          u8   in [1, lanes]: compute ranks of the deployment
+//                                             (compute.ranks); lane j belongs to compute rank
+//                                             j % compute_ranks, whose connection carries its
+//                                             q,k,v and outputs. Compute ranks other than 0 connect
+//                                             with a compute hello (below)
 //       56     4  kv_head_begin          u32  the KV heads this memory rank holds of every
 //       60     4  kv_head_end            u32  request it serves, [kv_head_begin, kv_head_end):
 //                                             request partition: [0, num_kv_heads); head
@@ -225,11 +245,11 @@
 
 namespace tandem {
 
-inline constexpr uint16_t kWireVersion = 2;
+inline constexpr uint16_t kWireVersion = 3;
 inline constexpr uint32_t kStepPlanMagic = 0x50534454;      // "TDSP" on the wire
 inline constexpr uint32_t kLayerMessageMagic = 0x4d4c4454;  // "TDLM" on the wire
 inline constexpr size_t kFrameHeaderBytes = 16;
-inline constexpr size_t kStepPlanFixedBytes = 24;     // step plan body before the requests
+inline constexpr size_t kStepPlanFixedBytes = 32;     // step plan body before the requests
 inline constexpr size_t kStepRequestBytes = 64;       // one StepRequest record
 inline constexpr size_t kPrefixGroupBytes = 24;       // one PrefixGroup record
 inline constexpr size_t kPrefixPublishBytes = 32;     // one PrefixPublish record
@@ -237,20 +257,27 @@ inline constexpr size_t kPrefixEvictBytes = 16;       // one PrefixEvict record
 inline constexpr size_t kLayerMessageBodyBytes = 48;  // layer message header body
 
 // Control messages.
-inline constexpr uint32_t kHelloMagic = 0x49484454;         // "TDHI" on the wire
-inline constexpr uint32_t kHelloReplyMagic = 0x52484454;    // "TDHR" on the wire
-inline constexpr uint32_t kReleaseMagic = 0x4c524454;       // "TDRL" on the wire
-inline constexpr uint32_t kErrorMagic = 0x52454454;         // "TDER" on the wire
-inline constexpr uint32_t kByeMagic = 0x59424454;           // "TDBY" on the wire
-inline constexpr uint32_t kStatsRequestMagic = 0x51534454;  // "TDSQ" on the wire
-inline constexpr uint32_t kMemoryStatsMagic = 0x534d4454;   // "TDMS" on the wire
-inline constexpr size_t kHelloBodyBytes = 64;               // hello body
-inline constexpr size_t kHelloReplyFixedBytes = 18;         // hello reply body before the device
-inline constexpr size_t kReleaseFixedBytes = 16;            // release body before the request ids
-inline constexpr size_t kErrorFixedBytes = 8;               // error body before the message
-inline constexpr size_t kByeBodyBytes = 8;                  // bye body
-inline constexpr size_t kStatsRequestBodyBytes = 8;         // stats request body
-inline constexpr size_t kMemoryStatsBodyBytes = 32;         // memory stats body
+inline constexpr uint32_t kHelloMagic = 0x49484454;          // "TDHI" on the wire
+inline constexpr uint32_t kHelloReplyMagic = 0x52484454;     // "TDHR" on the wire
+inline constexpr uint32_t kReleaseMagic = 0x4c524454;        // "TDRL" on the wire
+inline constexpr uint32_t kErrorMagic = 0x52454454;          // "TDER" on the wire
+inline constexpr uint32_t kByeMagic = 0x59424454;            // "TDBY" on the wire
+inline constexpr uint32_t kStatsRequestMagic = 0x51534454;   // "TDSQ" on the wire
+inline constexpr uint32_t kMemoryStatsMagic = 0x534d4454;    // "TDMS" on the wire
+inline constexpr uint32_t kComputeHelloMagic = 0x48434454;   // "TDCH" on the wire
+inline constexpr uint32_t kReplicaStepMagic = 0x53524454;    // "TDRS" on the wire
+inline constexpr uint32_t kReplicaResultMagic = 0x52524454;  // "TDRR" on the wire
+inline constexpr size_t kComputeHelloBodyBytes = 8;          // compute hello body
+inline constexpr size_t kReplicaStepFixedBytes = 8;          // replica step body before the tokens
+inline constexpr size_t kReplicaResultFixedBytes = 16;       // replica result body before the tokens
+inline constexpr size_t kMaxMicroBatches = 8;                // pipeline.batches at most
+inline constexpr size_t kHelloBodyBytes = 64;                // hello body
+inline constexpr size_t kHelloReplyFixedBytes = 18;          // hello reply body before the device
+inline constexpr size_t kReleaseFixedBytes = 16;             // release body before the request ids
+inline constexpr size_t kErrorFixedBytes = 8;                // error body before the message
+inline constexpr size_t kByeBodyBytes = 8;                   // bye body
+inline constexpr size_t kStatsRequestBodyBytes = 8;          // stats request body
+inline constexpr size_t kMemoryStatsBodyBytes = 32;          // memory stats body
 inline constexpr uint32_t kMaxHeadDim = 1024;
 inline constexpr uint16_t kMaxPrefixBlockTokens = 4096;  // HelloMessage::prefix_block_tokens
 inline constexpr uint64_t kMaxKvCapacityTokens = (uint64_t{1} << 31) - 1;
@@ -321,6 +348,10 @@ struct PrefixEvict {
 // evictions, requests (attach and new slots), publishes; then it resolves the groups.
 struct StepPlan {
   uint64_t step_id = 0;
+  // Pipelining (pipeline.batches): the step is split into `micro_batches` plans, this one is
+  // number `micro_batch`; 0 of 1 otherwise.
+  uint8_t micro_batch = 0;
+  uint8_t micro_batches = 1;
   std::vector<StepRequest> requests;
   std::vector<PrefixGroup> groups;
   std::vector<PrefixPublish> publishes;
@@ -374,6 +405,11 @@ struct HelloMessage {
   AttentionPartition partition = AttentionPartition::kRequest;
   uint32_t kv_head_begin = 0;
   uint32_t kv_head_end = 1;
+  // Micro-batches the compute rank keeps in flight (pipeline.batches; 1 without pipelining): the
+  // memory rank gives each a receive buffer (qkv_buffer + lane) and writes its outputs to
+  // attn_out_buffer + lane.
+  uint8_t lanes = 1;
+  uint8_t compute_ranks = 1;  // compute.ranks; lane j belongs to compute rank j % compute_ranks
 
   friend bool operator==(const HelloMessage&, const HelloMessage&) = default;
 };
@@ -411,6 +447,46 @@ struct ByeMessage {
   uint64_t steps = 0;  // steps the compute rank ran (informational)
 
   friend bool operator==(const ByeMessage&, const ByeMessage&) = default;
+};
+
+// Compute replicas (compute.ranks > 1, pipeline.mode fixed; docs/architecture.md, "Compute
+// replicas"). Bodies:
+//   compute hello (8 bytes): u16 compute_rank at 0 (in [1, compute_ranks)), u16 compute_ranks at 2
+//     (in [2, kMaxMicroBatches]), 4 reserved bytes (0).
+//   replica step: u32 token_count at 0, 4 reserved bytes (0), token_count i32 input tokens at 8,
+//     then a whole step plan frame (header included) that fills the rest of the body; token_count
+//     equals the plan's rows (the sum of its requests' q_len).
+//   replica result: u64 step_id at 0, u8 micro_batch at 8, 3 reserved bytes (0), u32 count at 12,
+//     then count i32 tokens and count f32 log-probabilities.
+
+// Compute replica -> memory rank, the first message on its connection (the memory rank answers
+// with a hello reply once compute rank 0's hello has set it up), and -> compute rank 0 once the
+// replica is connected to every memory rank.
+struct ComputeHelloMessage {
+  uint16_t compute_rank = 1;
+  uint16_t compute_ranks = 2;
+
+  friend bool operator==(const ComputeHelloMessage&, const ComputeHelloMessage&) = default;
+};
+
+// Compute rank 0 -> a compute replica: one micro-batch of a step (its plan, with micro_batch and
+// micro_batches set) and the input token of each of its rows, in plan order.
+struct ReplicaStepMessage {
+  StepPlan plan;
+  std::vector<int32_t> tokens;
+
+  friend bool operator==(const ReplicaStepMessage&, const ReplicaStepMessage&) = default;
+};
+
+// Compute replica -> compute rank 0: the tokens sampled for one micro-batch (one per sampled
+// request, in plan order) and their log-probabilities.
+struct ReplicaResultMessage {
+  uint64_t step_id = 0;
+  uint8_t micro_batch = 0;
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs;
+
+  friend bool operator==(const ReplicaResultMessage&, const ReplicaResultMessage&) = default;
 };
 
 // Compute rank -> memory rank, between steps: send your totals (a MemoryStatsMessage).
@@ -487,6 +563,12 @@ absl::StatusOr<ErrorMessage> DecodeError(absl::Span<const uint8_t> frame);
 absl::StatusOr<ByeMessage> DecodeBye(absl::Span<const uint8_t> frame);
 absl::StatusOr<StatsRequestMessage> DecodeStatsRequest(absl::Span<const uint8_t> frame);
 absl::StatusOr<MemoryStatsMessage> DecodeMemoryStats(absl::Span<const uint8_t> frame);
+std::vector<uint8_t> EncodeComputeHello(const ComputeHelloMessage& hello);
+absl::StatusOr<ComputeHelloMessage> DecodeComputeHello(absl::Span<const uint8_t> frame);
+std::vector<uint8_t> EncodeReplicaStep(const ReplicaStepMessage& step);
+absl::StatusOr<ReplicaStepMessage> DecodeReplicaStep(absl::Span<const uint8_t> frame);
+std::vector<uint8_t> EncodeReplicaResult(const ReplicaResultMessage& result);
+absl::StatusOr<ReplicaResultMessage> DecodeReplicaResult(absl::Span<const uint8_t> frame);
 
 // The magic of the frame at the start of `frame` (one of the k*Magic constants above), so that a
 // receiver can dispatch to the decoder; nothing else of the frame is checked. DataLoss if `frame`

@@ -82,6 +82,15 @@ class ComputeBackend {
   // (call it after enqueueing attention on stream()). Empty / no-op otherwise.
   virtual std::vector<std::pair<std::string, double>> PhaseTotalsMs() const { return {}; }
   virtual void MarkAttention() {}
+
+  // A lane: another backend over the same weights, with step state and scratch of its own, so that
+  // several micro-batches can be in flight at once (pipelining; compute_node/micro_batches.h). A
+  // lane of a CUDA backend enqueues on the same stream, and with `profile` charges its phases to
+  // the same timeline, which this backend opens in BeginStep and closes in Finish: in a step that
+  // uses lanes, call this backend's BeginStep before any lane's and its Finish after every
+  // lane's. A lane's PhaseTotalsMs is empty (its time is in this backend's). This backend must
+  // outlive its lanes.
+  virtual absl::StatusOr<std::unique_ptr<ComputeBackend>> CreateLane() = 0;
 };
 
 // fp32 weights in host memory.

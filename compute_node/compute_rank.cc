@@ -11,6 +11,7 @@
 #include "common/transport/factory.h"
 #include "common/transport/transport.h"
 #include "common/wire.h"
+#include "compute_node/micro_batches.h"
 
 namespace tandem {
 
@@ -29,8 +30,27 @@ absl::StatusOr<std::unique_ptr<ComputeRank>> ComputeRank::Create(const WeightSou
   if (options.memory_addresses.empty()) return absl::InvalidArgumentError("a deployment needs a memory rank");
   RETURN_IF_ERROR(CheckAttentionPartition(options.partition, source.spec().num_kv_heads,
                                           static_cast<int64_t>(options.memory_addresses.size())));
+  if (options.micro_batches < 1 || options.micro_batches > static_cast<int>(kMaxMicroBatches)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pipeline.batches: ", options.micro_batches, " must be in [1, ", kMaxMicroBatches, "]"));
+  }
+  if (options.micro_batches > 1 && options.transport == transport::TransportKind::kNccl) {
+    // NCCL matches a peer's transfers in the order they were issued on one stream: with two
+    // micro-batches in flight, the second one's q,k,v send would wait for a receive that the
+    // memory rank posts only after its first output, which waits for our receive behind that send.
+    return absl::InvalidArgumentError(
+        "pipeline.mode pingpong does not run over transport.kind nccl (NCCL orders a peer's transfers on one "
+        "stream, and two micro-batches in flight would deadlock it); use p2p, verbs, local or ucx");
+  }
+  const size_t compute_ranks = 1 + options.replica_addresses.size();
+  if (compute_ranks > static_cast<size_t>(options.micro_batches)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "compute.ranks ", compute_ranks, " needs pipeline.batches of at least as many micro-batches (",
+        options.micro_batches, ")"));
+  }
   std::unique_ptr<ComputeRank> r(new ComputeRank());
   r->options_ = options;
+  r->compute_ranks_ = static_cast<int>(compute_ranks);
   RETURN_IF_ERROR(r->Connect(source));
   return r;
 }
@@ -38,7 +58,11 @@ absl::StatusOr<std::unique_ptr<ComputeRank>> ComputeRank::Create(const WeightSou
 absl::Status ComputeRank::Connect(const WeightSource& source) {
   const ComputeRankOptions& o = options_;
   const absl::Time deadline = absl::Now() + o.startup_timeout;
-  ASSIGN_OR_RETURN(transport_, transport::CreateTransport({.kind = o.transport, .device = o.device}));
+  // A replica listens (compute rank 0 connects to it); compute rank 0 only connects.
+  ASSIGN_OR_RETURN(transport_,
+                   transport::CreateTransport(
+                       {.kind = o.transport, .listen_address = listen_address_, .device = o.device}));
+  if (on_listening_) RETURN_IF_ERROR(on_listening_(transport_->address()));
   for (size_t m = 0; m < o.memory_addresses.size(); ++m) {
     Rank rank;
     ASSIGN_OR_RETURN(rank.peer, transport_->Connect(o.memory_addresses[m]));
@@ -60,20 +84,35 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
   const size_t t = static_cast<size_t>(o.scheduler.max_tokens_per_step);
   const size_t qkv_bytes = t * static_cast<size_t>(backend_->qkv_width()) * elem_;
   const size_t attn_bytes = t * static_cast<size_t>(s.q_dim()) * elem_;
-  ASSIGN_OR_RETURN(qkv_, backend_->memory().Allocate(qkv_bytes, false));
-  ASSIGN_OR_RETURN(attn_, backend_->memory().Allocate(attn_bytes, false));
   device_path_ = !backend_->memory().host() && transport_->capabilities().device_polling;
   head_ = o.partition == AttentionPartition::kHead;
-  if (!backend_->memory().host() && !device_path_) {
-    ASSIGN_OR_RETURN(qkv_host_, backend_->memory().Allocate(qkv_bytes, true));
-    if (head_) {
-      ASSIGN_OR_RETURN(attn_host_, backend_->memory().Allocate(attn_bytes, true));
+  // Lanes (micro-batches in flight) before the hellos: a memory rank on this GPU sizes its KV from
+  // what they leave.
+  const size_t num_lanes = static_cast<size_t>(o.micro_batches);
+  lanes_.resize(num_lanes);
+  bool primary_used = false;  // the first lane this rank owns runs on backend_ itself
+  for (size_t j = 0; j < num_lanes; ++j) {
+    Lane& lane = lanes_[j];
+    if (!Owns(j)) continue;  // another compute rank's micro-batch
+    if (!primary_used) {
+      lane.backend = backend_.get();
+      primary_used = true;
+    } else {
+      ASSIGN_OR_RETURN(lane.owned, backend_->CreateLane());
+      lane.backend = lane.owned.get();
+    }
+    ASSIGN_OR_RETURN(lane.qkv, backend_->memory().Allocate(qkv_bytes, false));
+    ASSIGN_OR_RETURN(lane.attn, backend_->memory().Allocate(attn_bytes, false));
+    if (!backend_->memory().host() && !device_path_) {
+      ASSIGN_OR_RETURN(lane.qkv_host, backend_->memory().Allocate(qkv_bytes, true));
+      if (head_) {
+        ASSIGN_OR_RETURN(lane.attn_host, backend_->memory().Allocate(attn_bytes, true));
+      }
     }
   }
   const int64_t num_ranks = static_cast<int64_t>(ranks_.size());
   for (size_t m = 0; m < ranks_.size(); ++m) {
     Rank& rank = ranks_[m];
-    rank.attn_buffer = kAttnBufferBase + static_cast<uint32_t>(m);
     rank.slice = HeadSlice{.num_heads = s.num_heads,
                            .num_kv_heads = s.num_kv_heads,
                            .head_dim = s.head_dim,
@@ -81,20 +120,33 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
                            .rank = head_ ? static_cast<int64_t>(m) : 0};
     const size_t pack_bytes = t * static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_;
     const size_t out_bytes = t * static_cast<size_t>(rank.slice.slice_q_dim()) * elem_;
-    if (head_) {
-      ASSIGN_OR_RETURN(rank.pack, backend_->memory().Allocate(pack_bytes, !device_path_));
+    rank.lanes.resize(num_lanes);
+    for (size_t j = 0; j < num_lanes; ++j) {
+      RankLane& rl = rank.lanes[j];
+      rl.attn_buffer = kAttnBufferBase + static_cast<uint32_t>(m * kMaxMicroBatches + j);
+      if (!Owns(j)) continue;
+      if (head_) {
+        ASSIGN_OR_RETURN(rl.pack, backend_->memory().Allocate(pack_bytes, !device_path_));
+      }
+      if (device_path_ && head_) {
+        // Its outputs land in a buffer of its own, at row 0, and are scattered into its columns.
+        ASSIGN_OR_RETURN(rl.out, backend_->memory().Allocate(out_bytes, false));
+        RETURN_IF_ERROR(transport_->RegisterBuffer(rl.attn_buffer, rl.out.get(), out_bytes));
+      } else if (device_path_) {
+        // Every rank writes its rows' outputs straight into the lane's attention buffer, at its offset.
+        RETURN_IF_ERROR(transport_->RegisterBuffer(rl.attn_buffer, lanes_[j].attn.get(), attn_bytes));
+      } else {
+        rl.recv_bytes = kLayerMessageHeaderFrameBytes + out_bytes;
+        ASSIGN_OR_RETURN(rl.recv, backend_->memory().Allocate(rl.recv_bytes, true));
+        RETURN_IF_ERROR(transport_->RegisterBuffer(rl.attn_buffer, rl.recv.get(), rl.recv_bytes));
+      }
     }
-    if (device_path_ && head_) {
-      // Its outputs land in a buffer of its own, at row 0, and are scattered into its columns.
-      ASSIGN_OR_RETURN(rank.out, backend_->memory().Allocate(out_bytes, false));
-      RETURN_IF_ERROR(transport_->RegisterBuffer(rank.attn_buffer, rank.out.get(), out_bytes));
-    } else if (device_path_) {
-      // Every rank writes its rows' outputs straight into the attention buffer, at its offset.
-      RETURN_IF_ERROR(transport_->RegisterBuffer(rank.attn_buffer, attn_.get(), attn_bytes));
-    } else {
-      rank.recv_bytes = kLayerMessageHeaderFrameBytes + out_bytes;
-      ASSIGN_OR_RETURN(rank.recv, backend_->memory().Allocate(rank.recv_bytes, true));
-      RETURN_IF_ERROR(transport_->RegisterBuffer(rank.attn_buffer, rank.recv.get(), rank.recv_bytes));
+    if (compute_rank_ > 0) {
+      // A replica: compute rank 0's hello set the memory rank up; this one says which it is.
+      const ComputeHelloMessage hello{.compute_rank = static_cast<uint16_t>(compute_rank_),
+                                      .compute_ranks = static_cast<uint16_t>(compute_ranks_)};
+      RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, EncodeComputeHello(hello)), rank.name));
+      continue;
     }
     HelloMessage hello;
     hello.memory_rank = static_cast<uint16_t>(m);
@@ -109,7 +161,9 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
     hello.dtype = backend_->dtype();
     hello.kv_capacity_tokens = static_cast<uint64_t>(o.kv_capacity_tokens);
     hello.kv_memory_fraction = static_cast<float>(o.kv_memory_fraction);
-    hello.attn_out_buffer = rank.attn_buffer;
+    hello.attn_out_buffer = rank.lanes[0].attn_buffer;
+    hello.lanes = static_cast<uint8_t>(num_lanes);
+    hello.compute_ranks = static_cast<uint8_t>(compute_ranks_);
     hello.checksums = o.checksums;
     hello.prefix_block_tokens = static_cast<uint16_t>(o.scheduler.prefix_block_tokens);
     hello.prefix_sharing = static_cast<uint8_t>(o.scheduler.prefix_sharing);
@@ -143,11 +197,48 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
     // Every rank holds every request: one placement group, as large as the smallest rank.
     capacity = {*std::min_element(capacity.begin(), capacity.end())};
   }
+  if (compute_rank_ > 0) return absl::OkStatus();  // a replica: no controller
   controller_ = std::make_unique<Controller>(s, capacity, o.scheduler);
+  RETURN_IF_ERROR(ConnectReplicas(deadline));
   TANDEM_LOG_INFO(
       "compute", "transport ", transport_->capabilities().name, ", ",
       device_path_ ? "device data path (whole steps enqueued, device-side waits)" : "host-staged data path",
-      ", memory.partition ", AttentionPartitionName(o.partition));
+      ", memory.partition ", AttentionPartitionName(o.partition),
+      o.micro_batches > 1 ? absl::StrCat(", pipeline ", compute_ranks_ > 1 ? "fixed" : "pingpong", " over ",
+                                         o.micro_batches, " micro-batches")
+                          : "",
+      compute_ranks_ > 1 ? absl::StrCat(" on ", compute_ranks_, " compute ranks") : "");
+  return absl::OkStatus();
+}
+
+absl::Status ComputeRank::ConnectReplicas(absl::Time deadline) {
+  for (size_t r = 0; r < options_.replica_addresses.size(); ++r) {
+    Replica replica;
+    replica.name = absl::StrCat("compute rank ", r + 1, " (", options_.replica_addresses[r], ")");
+    absl::StatusOr<uint32_t> peer = transport_->Connect(options_.replica_addresses[r]);
+    if (!peer.ok()) return Annotate(peer.status(), replica.name);
+    replica.peer = *peer;
+    replicas_.push_back(std::move(replica));
+  }
+  // Each says hello once it is connected to every memory rank.
+  std::vector<bool> ready(replicas_.size(), false);
+  for (size_t got = 0; got < replicas_.size();) {
+    std::vector<uint8_t> msg;
+    ASSIGN_OR_RETURN(const size_t from, ReceiveFromRank(deadline, "the compute replicas to be ready", &msg));
+    if (from < ranks_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(ranks_[from].name, ": unexpected message at start-up"));
+    }
+    const size_t r = from - ranks_.size();
+    absl::StatusOr<ComputeHelloMessage> hello = DecodeComputeHello(msg);
+    if (!hello.ok()) return Annotate(hello.status(), replicas_[r].name);
+    if (hello->compute_rank != r + 1 || hello->compute_ranks != compute_ranks_ || ready[r]) {
+      return absl::InvalidArgumentError(absl::StrCat(replicas_[r].name, ": says it is compute rank ",
+                                                     hello->compute_rank, " of ", hello->compute_ranks));
+    }
+    ready[r] = true;
+    ++got;
+    TANDEM_LOG_INFO("compute", replicas_[r].name, " ready");
+  }
   return absl::OkStatus();
 }
 
@@ -155,18 +246,132 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   const auto t0 = std::chrono::steady_clock::now();
   controller_->Schedule(&step_);
   if (step_.empty()) return absl::OkStatus();
-  const std::vector<uint8_t> plan = EncodeStepPlan(step_.plan);
-  for (Rank& rank : ranks_) RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, plan), rank.name));
-  RETURN_IF_ERROR(device_path_ ? RunLayersOnDevice(step_) : RunLayers(step_));
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
-  const auto finish = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(backend_->Finish(&tokens, &logprobs));
-  if (backend_->memory().host()) host_compute_ms_ += MsSince(finish);
+  std::vector<std::vector<int32_t>> part_tokens;
+  std::vector<std::vector<float>> part_logprobs;
+  if (options_.micro_batches > 1) {
+    const MicroBatches mb = SplitStep(step_, options_.micro_batches);
+    RETURN_IF_ERROR(RunParts(mb.parts, &part_tokens, &part_logprobs));
+    RETURN_IF_ERROR(MergeSampled(mb, part_tokens, part_logprobs, &tokens, &logprobs));
+  } else {
+    RETURN_IF_ERROR(RunParts(std::span<const PlannedStep>(&step_, 1), &part_tokens, &part_logprobs));
+    tokens = std::move(part_tokens[0]);
+    logprobs = std::move(part_logprobs[0]);
+  }
   std::vector<std::vector<uint64_t>> released;
   RETURN_IF_ERROR(controller_->Complete(step_, tokens, logprobs, finished, &released));
   RETURN_IF_ERROR(SendReleases(step_.plan.step_id, released));
   busy_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return absl::OkStatus();
+}
+
+absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts,
+                                   std::vector<std::vector<int32_t>>* part_tokens,
+                                   std::vector<std::vector<float>>* part_logprobs) {
+  const size_t n = parts.size();
+  part_tokens->assign(n, {});
+  part_logprobs->assign(n, {});
+  if (compute_rank_ == 0) {
+    // Every plan first (micro-batches in order), then the replicas' parts, then the layers.
+    for (const PlannedStep& part : parts) {
+      const std::vector<uint8_t> plan = EncodeStepPlan(part.plan);
+      for (Rank& rank : ranks_) RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, plan), rank.name));
+    }
+    for (const PlannedStep& part : parts) {
+      if (Owns(part.plan.micro_batch)) continue;
+      const Replica& replica = replicas_[part.plan.micro_batch % compute_ranks_ - 1];
+      const ReplicaStepMessage msg{.plan = part.plan, .tokens = part.rows.tokens};
+      RETURN_IF_ERROR(Annotate(transport_->Send(replica.peer, EncodeReplicaStep(msg)), replica.name));
+    }
+  }
+  // This rank's parts k, run on lane j = their micro-batch index.
+  std::vector<size_t> mine;
+  for (size_t k = 0; k < n; ++k) {
+    if (Owns(parts[k].plan.micro_batch)) mine.push_back(k);
+  }
+  auto lane_of = [&](size_t k) -> Lane& { return lanes_[parts[k].plan.micro_batch]; };
+  const bool host = backend_->memory().host();
+  // On the CPU the backend's calls are its compute time and the waits for the memory ranks the
+  // attention phase (a GPU backend times its phases itself, with `profile`).
+  auto mark = std::chrono::steady_clock::now();
+  auto charge = [&](double* to) {
+    if (!host) return;
+    *to += MsSince(mark);
+    mark = std::chrono::steady_clock::now();
+  };
+  // The first lane (the backend itself) begins first and finishes last: it opens and closes the
+  // step's phase timeline for its lanes (ComputeBackend::CreateLane).
+  for (size_t k : mine) RETURN_IF_ERROR(lane_of(k).backend->BeginStep(parts[k].rows));
+  // Interleaved: layer l of micro-batch j runs its linear parts while the memory ranks run the
+  // attention of the micro-batches sent before it. With one micro-batch this is the plain
+  // sequence QKV -> send -> wait -> rest of the layer.
+  const uint32_t num_layers = static_cast<uint32_t>(backend_->spec().num_layers);
+  for (size_t k : mine) {
+    RETURN_IF_ERROR(lane_of(k).backend->PreAttention(0, lane_of(k).qkv.get()));
+    charge(&host_compute_ms_);
+    RETURN_IF_ERROR(SendLayer(parts[k].plan.micro_batch, parts[k], 0));
+    charge(&host_attention_ms_);
+  }
+  for (uint32_t layer = 0; layer < num_layers; ++layer) {
+    for (size_t k : mine) {
+      Lane& lane = lane_of(k);
+      const size_t j = parts[k].plan.micro_batch;
+      RETURN_IF_ERROR(ReceiveLayer(j, parts[k], layer));
+      lane.backend->MarkAttention();
+      charge(&host_attention_ms_);
+      RETURN_IF_ERROR(lane.backend->PostAttention(layer, lane.attn.get()));
+      const bool more = layer + 1 < num_layers;
+      if (more) RETURN_IF_ERROR(lane.backend->PreAttention(layer + 1, lane.qkv.get()));
+      charge(&host_compute_ms_);
+      if (more) {
+        RETURN_IF_ERROR(SendLayer(j, parts[k], layer + 1));
+        charge(&host_attention_ms_);
+      }
+    }
+  }
+  if (device_path_ && !mine.empty()) {
+    const absl::Status synced =
+        transport_->SyncStream(backend_->stream(), absl::Now() + 2 * options_.step_timeout);
+    if (!synced.ok()) return DeviceStepError(synced, parts[0].plan.step_id);
+  }
+  const auto finish = std::chrono::steady_clock::now();
+  for (size_t i = mine.size(); i-- > 0;) {
+    const size_t k = mine[i];
+    RETURN_IF_ERROR(lane_of(k).backend->Finish(&(*part_tokens)[k], &(*part_logprobs)[k]));
+  }
+  if (host) host_compute_ms_ += MsSince(finish);
+  if (compute_rank_ != 0) return absl::OkStatus();
+  // The replicas' results.
+  size_t remote = n - mine.size();
+  std::vector<bool> got(n, false);
+  const absl::Time deadline = absl::Now() + options_.step_timeout;
+  while (remote > 0) {
+    std::vector<uint8_t> msg;
+    ASSIGN_OR_RETURN(
+        const size_t from,
+        ReceiveFromRank(deadline,
+                        absl::StrCat("the compute replicas' results of step ", parts[0].plan.step_id), &msg));
+    if (from < ranks_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(ranks_[from].name, ": unexpected message during a step"));
+    }
+    const Replica& replica = replicas_[from - ranks_.size()];
+    absl::StatusOr<ReplicaResultMessage> result = DecodeReplicaResult(msg);
+    if (!result.ok()) return Annotate(result.status(), replica.name);
+    const size_t j = result->micro_batch;
+    if (result->step_id != parts[0].plan.step_id || j >= n || Owns(j) ||
+        static_cast<size_t>(j % compute_ranks_) != from - ranks_.size() + 1 || got[j] ||
+        result->tokens.size() != parts[j].rows.sample_rows.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(replica.name, ": a result for step ", result->step_id,
+                                                     " micro-batch ", j, " with ", result->tokens.size(),
+                                                     " tokens does not match what it was given"));
+    }
+    got[j] = true;
+    (*part_tokens)[j] = std::move(result->tokens);
+    (*part_logprobs)[j] = std::move(result->logprobs);
+    --remote;
+  }
   return absl::OkStatus();
 }
 
@@ -188,169 +393,164 @@ absl::Status ComputeRank::SendReleases(uint64_t step_id, const std::vector<std::
   return absl::OkStatus();
 }
 
-absl::Status ComputeRank::RunLayers(const PlannedStep& step) {
-  const ModelSpec& s = backend_->spec();
+absl::Status ComputeRank::SendLayer(size_t j, const PlannedStep& step, uint32_t layer) {
+  Lane& lane = lanes_[j];
   const int64_t t = step.rows.num_tokens();
   const size_t qkv_row = static_cast<size_t>(backend_->qkv_width()) * elem_;
-  const size_t attn_row = static_cast<size_t>(s.q_dim()) * elem_;
-  const bool host = backend_->memory().host();
-  auto* qkv_rows = static_cast<uint8_t*>(host ? qkv_.get() : qkv_host_.get());
-  // Head partition: where the ranks' outputs are scattered (then copied to the device at once).
-  void* attn_rows = host ? attn_.get() : attn_host_.get();
-  // On the CPU the backend's calls are its compute time and the rest of each layer is the
-  // attention phase (a GPU backend times its phases itself, with `profile`).
-  auto mark = std::chrono::steady_clock::now();
-  auto charge = [&](double* to) {
-    if (!host) return;
-    *to += MsSince(mark);
-    mark = std::chrono::steady_clock::now();
-  };
-  RETURN_IF_ERROR(backend_->BeginStep(step.rows));
-  for (uint32_t layer = 0; layer < static_cast<uint32_t>(s.num_layers); ++layer) {
-    RETURN_IF_ERROR(backend_->PreAttention(layer, qkv_.get()));
-    charge(&host_compute_ms_);
-    if (!host) {
-      RETURN_IF_ERROR(
-          backend_->memory().CopyOut(qkv_host_.get(), qkv_.get(), static_cast<size_t>(t) * qkv_row));
-      RETURN_IF_ERROR(backend_->memory().Synchronize());
-    }
-    // Each memory rank's rows are one contiguous range of the step's rows (request partition), or
-    // every row, packed to its columns (head partition).
+  MemorySpace& memory = backend_->memory();
+  if (device_path_) {
+    // The rows go straight from the lane's qkv buffer (or a rank's packed columns) to the rank's
+    // GPU buffer of this lane, ordered on the backend's stream.
+    void* stream = backend_->stream();
+    auto* qkv = static_cast<const uint8_t*>(lane.qkv.get());
     for (size_t m = 0; m < ranks_.size(); ++m) {
       Rank& rank = ranks_[m];
-      const auto [begin, end] = RowsOf(step, m);
-      if (begin == end) continue;
-      const size_t row_bytes = head_ ? static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_ : qkv_row;
-      const uint8_t* rows = qkv_rows + begin * qkv_row;
-      if (head_) {
-        RETURN_IF_ERROR(PackHeadSlice(host_copies_, rank.slice, t, elem_, qkv_rows, rank.pack.get()));
-        rows = static_cast<const uint8_t*>(rank.pack.get());
-      }
-      const LayerMessageExpect what{.step_id = step.plan.step_id,
-                                    .layer = layer,
-                                    .kind = LayerMessageKind::kQkv,
-                                    .dtype = backend_->dtype(),
-                                    .rows = static_cast<uint32_t>(end - begin),
-                                    .row_bytes = static_cast<uint32_t>(row_bytes),
-                                    .seqno = ++rank.seqno};
-      const absl::Span<const uint8_t> body(rows, static_cast<size_t>(end - begin) * row_bytes);
-      const std::vector<uint8_t> header = MakeLayerMessageHeader(what, body, options_.checksums);
-      const absl::Span<const uint8_t> pieces[] = {header, body};
-      RETURN_IF_ERROR(
-          Annotate(transport_->Write(rank.peer, rank.qkv_buffer, 0, pieces, rank.seqno), rank.name));
-    }
-    for (size_t m = 0; m < ranks_.size(); ++m) {
-      Rank& rank = ranks_[m];
-      const auto [begin, end] = RowsOf(step, m);
-      if (begin == end) continue;
-      const absl::Status waited =
-          transport_->WaitDoorbell(rank.attn_buffer, rank.seqno, absl::Now() + options_.step_timeout);
-      if (!waited.ok()) {
-        // A memory rank that stopped says why in an error message; prefer that to the wait's error.
-        transport::PeerId from = 0;
-        std::vector<uint8_t> msg;
-        if (transport_->Receive(&from, &msg, absl::Now()).ok()) {
-          absl::StatusOr<ErrorMessage> err = DecodeError(msg);
-          if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
-        }
-        return Annotate(waited, absl::StrCat(rank.name, ": attention output of step ", step.plan.step_id,
-                                             " layer ", layer));
-      }
-      const LayerMessageExpect expect{
-          .step_id = step.plan.step_id,
-          .layer = layer,
-          .kind = LayerMessageKind::kAttnOut,
-          .dtype = backend_->dtype(),
-          .rows = static_cast<uint32_t>(end - begin),
-          .row_bytes =
-              static_cast<uint32_t>(head_ ? static_cast<size_t>(rank.slice.slice_q_dim()) * elem_ : attn_row),
-          .seqno = rank.seqno,
-          .verify_checksum = options_.checksums};
-      absl::StatusOr<absl::Span<const uint8_t>> payload =
-          ReadLayerMessage({static_cast<const uint8_t*>(rank.recv.get()), rank.recv_bytes}, expect);
-      if (!payload.ok()) return Annotate(payload.status(), rank.name);
-      if (head_) {
-        RETURN_IF_ERROR(UnpackHeadSlice(host_copies_, rank.slice, t, elem_, payload->data(), attn_rows));
-      } else {
-        RETURN_IF_ERROR(backend_->memory().CopyIn(static_cast<uint8_t*>(attn_.get()) + begin * attn_row,
-                                                  payload->data(), payload->size()));
-      }
-    }
-    if (head_ && !host) {
-      RETURN_IF_ERROR(backend_->memory().CopyIn(attn_.get(), attn_rows, static_cast<size_t>(t) * attn_row));
-    }
-    backend_->MarkAttention();
-    charge(&host_attention_ms_);
-    RETURN_IF_ERROR(backend_->PostAttention(layer, attn_.get()));
-    charge(&host_compute_ms_);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ComputeRank::RunLayersOnDevice(const PlannedStep& step) {
-  const ModelSpec& s = backend_->spec();
-  const size_t qkv_row = static_cast<size_t>(backend_->qkv_width()) * elem_;
-  const size_t attn_row = static_cast<size_t>(s.q_dim()) * elem_;
-  auto* qkv = static_cast<const uint8_t*>(qkv_.get());
-  const int64_t t = step.rows.num_tokens();
-  MemorySpace& memory = backend_->memory();  // ordered on `stream`
-  void* stream = backend_->stream();
-  RETURN_IF_ERROR(backend_->BeginStep(step.rows));
-  for (uint32_t layer = 0; layer < static_cast<uint32_t>(s.num_layers); ++layer) {
-    RETURN_IF_ERROR(backend_->PreAttention(layer, qkv_.get()));
-    for (size_t m = 0; m < ranks_.size(); ++m) {
-      Rank& rank = ranks_[m];
+      RankLane& rl = rank.lanes[j];
       const auto [begin, end] = RowsOf(step, m);
       if (begin == end) continue;
       const void* rows = qkv + begin * qkv_row;
       size_t bytes = static_cast<size_t>(end - begin) * qkv_row;
       if (head_) {
         // Its columns of every row, packed into its own buffer: that buffer is what is written.
-        RETURN_IF_ERROR(PackHeadSlice(memory, rank.slice, t, elem_, qkv, rank.pack.get()));
-        rows = rank.pack.get();
+        RETURN_IF_ERROR(PackHeadSlice(memory, rank.slice, t, elem_, qkv, rl.pack.get()));
+        rows = rl.pack.get();
         bytes = static_cast<size_t>(t * rank.slice.slice_qkv_width()) * elem_;
       }
-      RETURN_IF_ERROR(
-          Annotate(transport_->EnqueueWrite(rank.peer, rank.qkv_buffer, 0, rows, bytes, ++rank.seqno, stream),
-                   rank.name));
+      RETURN_IF_ERROR(Annotate(transport_->EnqueueWrite(rank.peer, rank.qkv_buffer + static_cast<uint32_t>(j),
+                                                        0, rows, bytes, ++rl.seqno, stream),
+                               rank.name));
     }
+    return absl::OkStatus();
+  }
+  // Host-staged: the rows (device -> pinned host first on a GPU), each rank's with a layer
+  // message header.
+  const bool host = memory.host();
+  auto* qkv_rows = static_cast<uint8_t*>(host ? lane.qkv.get() : lane.qkv_host.get());
+  if (!host) {
+    RETURN_IF_ERROR(memory.CopyOut(lane.qkv_host.get(), lane.qkv.get(), static_cast<size_t>(t) * qkv_row));
+    RETURN_IF_ERROR(memory.Synchronize());
+  }
+  // Each memory rank's rows are one contiguous range of the step's rows (request partition), or
+  // every row, packed to its columns (head partition).
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    Rank& rank = ranks_[m];
+    RankLane& rl = rank.lanes[j];
+    const auto [begin, end] = RowsOf(step, m);
+    if (begin == end) continue;
+    const size_t row_bytes = head_ ? static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_ : qkv_row;
+    const uint8_t* rows = qkv_rows + begin * qkv_row;
+    if (head_) {
+      RETURN_IF_ERROR(PackHeadSlice(host_copies_, rank.slice, t, elem_, qkv_rows, rl.pack.get()));
+      rows = static_cast<const uint8_t*>(rl.pack.get());
+    }
+    const LayerMessageExpect what{.step_id = step.plan.step_id,
+                                  .layer = layer,
+                                  .kind = LayerMessageKind::kQkv,
+                                  .dtype = backend_->dtype(),
+                                  .rows = static_cast<uint32_t>(end - begin),
+                                  .row_bytes = static_cast<uint32_t>(row_bytes),
+                                  .seqno = ++rl.seqno};
+    const absl::Span<const uint8_t> body(rows, static_cast<size_t>(end - begin) * row_bytes);
+    const std::vector<uint8_t> header = MakeLayerMessageHeader(what, body, options_.checksums);
+    const absl::Span<const uint8_t> pieces[] = {header, body};
+    RETURN_IF_ERROR(Annotate(
+        transport_->Write(rank.peer, rank.qkv_buffer + static_cast<uint32_t>(j), 0, pieces, rl.seqno),
+        rank.name));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ComputeRank::ReceiveLayer(size_t j, const PlannedStep& step, uint32_t layer) {
+  Lane& lane = lanes_[j];
+  const ModelSpec& s = backend_->spec();
+  const int64_t t = step.rows.num_tokens();
+  const size_t attn_row = static_cast<size_t>(s.q_dim()) * elem_;
+  MemorySpace& memory = backend_->memory();
+  const std::string micro = options_.micro_batches > 1 ? absl::StrCat(" micro-batch ", j) : "";
+  if (device_path_) {
+    void* stream = backend_->stream();
     for (size_t m = 0; m < ranks_.size(); ++m) {
       Rank& rank = ranks_[m];
+      RankLane& rl = rank.lanes[j];
       const auto [begin, end] = RowsOf(step, m);
       if (begin == end) continue;
-      // Request partition: its rows of the attention buffer; head partition: its own buffer, from
-      // row 0, then scattered into its columns.
+      // Request partition: its rows of the lane's attention buffer; head partition: its own
+      // buffer, from row 0, then scattered into its columns.
       const size_t offset = head_ ? 0 : begin * attn_row;
       const size_t bytes = head_ ? static_cast<size_t>(t * rank.slice.slice_q_dim()) * elem_
                                  : static_cast<size_t>(end - begin) * attn_row;
-      RETURN_IF_ERROR(transport_->EnqueueWait(rank.peer, rank.attn_buffer, offset, bytes, rank.seqno,
-                                              options_.step_timeout,
-                                              absl::StrCat("compute rank: attention output of ", rank.name,
-                                                           ", step ", step.plan.step_id, " layer ", layer),
-                                              stream));
-      if (head_) RETURN_IF_ERROR(UnpackHeadSlice(memory, rank.slice, t, elem_, rank.out.get(), attn_.get()));
+      RETURN_IF_ERROR(
+          transport_->EnqueueWait(rank.peer, rl.attn_buffer, offset, bytes, rl.seqno, options_.step_timeout,
+                                  absl::StrCat("compute rank: attention output of ", rank.name, ", step ",
+                                               step.plan.step_id, micro, " layer ", layer),
+                                  stream));
+      if (head_)
+        RETURN_IF_ERROR(UnpackHeadSlice(memory, rank.slice, t, elem_, rl.out.get(), lane.attn.get()));
     }
-    backend_->MarkAttention();
-    RETURN_IF_ERROR(backend_->PostAttention(layer, attn_.get()));
+    return absl::OkStatus();
   }
-  const absl::Status synced = transport_->SyncStream(stream, absl::Now() + 2 * options_.step_timeout);
-  if (!synced.ok()) {
-    // A memory rank that stopped says why in an error message; prefer that to the wait's error.
-    transport::PeerId from = 0;
-    std::vector<uint8_t> msg;
-    if (transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(100)).ok()) {
-      absl::StatusOr<ErrorMessage> err = DecodeError(msg);
-      if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
-    }
-    // A failed peer is named by its address: say which memory rank that is.
-    for (size_t m = 0; m < ranks_.size(); ++m) {
-      if (absl::StrContains(synced.message(), options_.memory_addresses[m])) {
-        return Annotate(synced, absl::StrCat(ranks_[m].name, ", step ", step.plan.step_id));
+  const bool host = memory.host();
+  // Head partition: where the ranks' outputs are scattered (then copied to the device at once).
+  void* attn_rows = host ? lane.attn.get() : lane.attn_host.get();
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    Rank& rank = ranks_[m];
+    RankLane& rl = rank.lanes[j];
+    const auto [begin, end] = RowsOf(step, m);
+    if (begin == end) continue;
+    const absl::Status waited =
+        transport_->WaitDoorbell(rl.attn_buffer, rl.seqno, absl::Now() + options_.step_timeout);
+    if (!waited.ok()) {
+      // A memory rank that stopped says why in an error message; prefer that to the wait's error.
+      transport::PeerId from = 0;
+      std::vector<uint8_t> msg;
+      if (transport_->Receive(&from, &msg, absl::Now()).ok()) {
+        absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+        if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
       }
+      return Annotate(waited, absl::StrCat(rank.name, ": attention output of step ", step.plan.step_id, micro,
+                                           " layer ", layer));
     }
-    return Annotate(synced, absl::StrCat("step ", step.plan.step_id));
+    const LayerMessageExpect expect{
+        .step_id = step.plan.step_id,
+        .layer = layer,
+        .kind = LayerMessageKind::kAttnOut,
+        .dtype = backend_->dtype(),
+        .rows = static_cast<uint32_t>(end - begin),
+        .row_bytes =
+            static_cast<uint32_t>(head_ ? static_cast<size_t>(rank.slice.slice_q_dim()) * elem_ : attn_row),
+        .seqno = rl.seqno,
+        .verify_checksum = options_.checksums};
+    absl::StatusOr<absl::Span<const uint8_t>> payload =
+        ReadLayerMessage({static_cast<const uint8_t*>(rl.recv.get()), rl.recv_bytes}, expect);
+    if (!payload.ok()) return Annotate(payload.status(), rank.name);
+    if (head_) {
+      RETURN_IF_ERROR(UnpackHeadSlice(host_copies_, rank.slice, t, elem_, payload->data(), attn_rows));
+    } else {
+      RETURN_IF_ERROR(memory.CopyIn(static_cast<uint8_t*>(lane.attn.get()) + begin * attn_row,
+                                    payload->data(), payload->size()));
+    }
+  }
+  if (head_ && !host) {
+    RETURN_IF_ERROR(memory.CopyIn(lane.attn.get(), attn_rows, static_cast<size_t>(t) * attn_row));
   }
   return absl::OkStatus();
+}
+
+absl::Status ComputeRank::DeviceStepError(absl::Status synced, uint64_t step_id) {
+  // A memory rank that stopped says why in an error message; prefer that to the wait's error.
+  transport::PeerId from = 0;
+  std::vector<uint8_t> msg;
+  if (transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(100)).ok()) {
+    absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+    if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
+  }
+  // A failed peer is named by its address: say which memory rank that is.
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    if (absl::StrContains(synced.message(), options_.memory_addresses[m])) {
+      return Annotate(synced, absl::StrCat(ranks_[m].name, ", step ", step_id));
+    }
+  }
+  return Annotate(synced, absl::StrCat("step ", step_id));
 }
 
 absl::StatusOr<size_t> ComputeRank::ReceiveFromRank(absl::Time deadline, const std::string& awaited,
@@ -359,12 +559,21 @@ absl::StatusOr<size_t> ComputeRank::ReceiveFromRank(absl::Time deadline, const s
   RETURN_IF_ERROR(Annotate(transport_->Receive(&from, msg, deadline), absl::StrCat("waiting for ", awaited)));
   size_t m = 0;
   while (m < ranks_.size() && ranks_[m].peer != from) ++m;
-  if (m == ranks_.size())
-    return absl::InternalError(absl::StrCat("a message from an unknown peer (", awaited, ")"));
+  std::string name;
+  if (m < ranks_.size()) {
+    name = ranks_[m].name;
+  } else {
+    size_t r = 0;
+    while (r < replicas_.size() && replicas_[r].peer != from) ++r;
+    if (r == replicas_.size())
+      return absl::InternalError(absl::StrCat("a message from an unknown peer (", awaited, ")"));
+    name = replicas_[r].name;
+    m = ranks_.size() + r;
+  }
   ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(*msg));
   if (magic == kErrorMagic) {
     ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(*msg));
-    return Annotate(StatusFromErrorMessage(err), ranks_[m].name);
+    return Annotate(StatusFromErrorMessage(err), name);
   }
   return m;
 }
@@ -388,6 +597,10 @@ absl::StatusOr<PipelineTotals> ComputeRank::Pipeline(absl::Duration timeout) {
   for (size_t got = 0; got < ranks_.size();) {
     std::vector<uint8_t> msg;
     ASSIGN_OR_RETURN(const size_t m, ReceiveFromRank(deadline, "the memory ranks' stats", &msg));
+    if (m >= ranks_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(replicas_[m - ranks_.size()].name, ": unexpected message between steps"));
+    }
     ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
     if (magic != kMemoryStatsMagic) {
       return absl::InvalidArgumentError(absl::StrCat(ranks_[m].name, ": unexpected message (magic 0x",
@@ -404,6 +617,128 @@ absl::StatusOr<PipelineTotals> ComputeRank::Pipeline(absl::Duration timeout) {
     ++got;
   }
   return t;
+}
+
+absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
+  auto stopped = [&] { return options.stop_requested && options.stop_requested(); };
+  const std::string me = absl::StrCat("compute rank ", compute_rank_);
+  // Compute rank 0 connects once every replica listens.
+  const absl::Time deadline = absl::Now() + options_.startup_timeout;
+  while (true) {
+    if (stopped()) return absl::CancelledError("stopped while waiting for compute rank 0");
+    absl::StatusOr<transport::PeerId> peer =
+        transport_->Accept(std::min(deadline, absl::Now() + absl::Milliseconds(100)));
+    if (peer.ok()) {
+      rank0_peer_ = *peer;
+      break;
+    }
+    if (!absl::IsDeadlineExceeded(peer.status())) return peer.status();
+    if (absl::Now() >= deadline)
+      return absl::DeadlineExceededError(absl::StrCat(me, ": compute rank 0 never connected"));
+  }
+  const ComputeHelloMessage ready{.compute_rank = static_cast<uint16_t>(compute_rank_),
+                                  .compute_ranks = static_cast<uint16_t>(compute_ranks_)};
+  RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeComputeHello(ready)));
+  TANDEM_LOG_INFO("compute", me, ": ready, serving compute rank 0");
+  const size_t groups = head_ ? 1 : ranks_.size();
+  std::vector<PlannedStep> parts;
+  size_t expected = 0;
+  uint64_t steps = 0;
+  while (true) {
+    std::vector<uint8_t> msg;
+    transport::PeerId from = 0;
+    const absl::Status got = transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(100));
+    if (absl::IsDeadlineExceeded(got)) {
+      if (stopped()) return absl::CancelledError("stopped");
+      continue;
+    }
+    RETURN_IF_ERROR(got);
+    ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
+    if (magic == kErrorMagic) {
+      ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
+      return Annotate(StatusFromErrorMessage(err),
+                      from == rank0_peer_ ? "compute rank 0 stopped" : "a memory rank stopped");
+    }
+    if (from != rank0_peer_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unexpected message (magic 0x", absl::Hex(magic), ") from a memory rank"));
+    }
+    if (magic == kByeMagic) {
+      // Part from every memory rank (a bye each way, so that neither sees the other vanish), then
+      // answer compute rank 0, which says bye to the memory ranks once every replica has.
+      TANDEM_LOG_INFO("compute", me, ": bye after ", steps, " steps");
+      const std::vector<uint8_t> bye = EncodeBye(ByeMessage{.steps = steps});
+      transport_->Close(rank0_peer_);
+      size_t waiting = 0;
+      for (Rank& rank : ranks_) {
+        transport_->Close(rank.peer);  // closed first: its going away later is expected
+        waiting += transport_->Send(rank.peer, bye).ok() ? 1 : 0;
+      }
+      const absl::Time until = absl::Now() + absl::Seconds(5);
+      while (waiting > 0) {
+        transport::PeerId peer = 0;
+        if (!transport_->Receive(&peer, &msg, until).ok()) break;
+        absl::StatusOr<uint32_t> m = PeekFrameMagic(msg);
+        if (m.ok() && *m == kByeMagic && peer != rank0_peer_) --waiting;
+      }
+      (void)transport_->Send(rank0_peer_, bye);
+      (void)transport_->Flush(absl::Now() + absl::Seconds(2));
+      return absl::OkStatus();
+    }
+    if (magic != kReplicaStepMagic) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unexpected message (magic 0x", absl::Hex(magic), ") from compute rank 0"));
+    }
+    ASSIGN_OR_RETURN(ReplicaStepMessage step, DecodeReplicaStep(msg));
+    const StepPlan& plan = step.plan;
+    if (!Owns(plan.micro_batch) || plan.micro_batches > lanes_.size() ||
+        (!parts.empty() &&
+         (plan.step_id != parts[0].plan.step_id || plan.micro_batch <= parts.back().plan.micro_batch))) {
+      return absl::InvalidArgumentError(absl::StrCat("replica step ", plan.step_id, " micro-batch ",
+                                                     int{plan.micro_batch}, " of ", int{plan.micro_batches},
+                                                     " is not one of ", me, "'s, or out of order"));
+    }
+    if (parts.empty()) {
+      expected = 0;
+      for (size_t j = 0; j < plan.micro_batches; ++j) expected += Owns(j) ? 1 : 0;
+    }
+    // The part's rows, as the controller built them (compute_node/controller.cc, Schedule).
+    PlannedStep part;
+    part.plan = plan;
+    part.rank_rows.assign(groups + 1, 0);
+    StepTokens& rows = part.rows;
+    rows.tokens = std::move(step.tokens);
+    for (const StepRequest& q : plan.requests) {
+      if (q.memory_rank >= groups) {
+        return absl::InvalidArgumentError(absl::StrCat("replica step ", plan.step_id, ": request ",
+                                                       q.request_id, " on memory rank ", q.memory_rank,
+                                                       " of ", groups));
+      }
+      for (int32_t i = 0; i < q.q_len; ++i) rows.positions.push_back(q.position + i);
+      part.rank_rows[q.memory_rank + 1] += q.q_len;
+      if (q.sample) {
+        rows.sample_rows.push_back(static_cast<int32_t>(rows.positions.size()) - 1);
+        rows.sampling.push_back(
+            {.temperature = q.temperature, .top_k = q.top_k, .top_p = q.top_p, .seed = q.seed});
+        rows.counters.push_back(q.counter);
+      }
+    }
+    for (size_t g = 1; g < part.rank_rows.size(); ++g) part.rank_rows[g] += part.rank_rows[g - 1];
+    parts.push_back(std::move(part));
+    if (parts.size() < expected) continue;
+    std::vector<std::vector<int32_t>> tokens;
+    std::vector<std::vector<float>> logprobs;
+    RETURN_IF_ERROR(RunParts(parts, &tokens, &logprobs));
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const ReplicaResultMessage result{.step_id = parts[k].plan.step_id,
+                                        .micro_batch = parts[k].plan.micro_batch,
+                                        .tokens = std::move(tokens[k]),
+                                        .logprobs = std::move(logprobs[k])};
+      RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeReplicaResult(result)));
+    }
+    parts.clear();
+    ++steps;
+  }
 }
 
 absl::StatusOr<GenerationResult> ComputeRank::Cancel(int64_t id) {
@@ -434,19 +769,72 @@ EngineStats ComputeRank::stats() const {
 }
 
 absl::Status ComputeRank::Shutdown() {
-  // Best effort: a memory rank exits as soon as its bye arrives, and the transport may report
-  // that as a disconnect while the other byes are still going out. A rank that misses its bye is
-  // stopped by the launcher.
+  // A bye each way, so that no process sees a peer vanish: each peer is Close()d before its bye is
+  // sent (its leaving is then expected), answers with a bye once it has let go of us, and only
+  // then leaves. Replicas first: each parts from the memory ranks the same way before it answers.
+  // Best effort: a rank that does not answer within the deadline is stopped by the launcher.
   ByeMessage bye;
   bye.steps = static_cast<uint64_t>(controller_ ? controller_->stats().steps : 0);
   const std::vector<uint8_t> frame = EncodeBye(bye);
-  for (Rank& rank : ranks_) {
-    transport_->Close(rank.peer);  // it exits once the bye arrives: not a failure
-    absl::Status st = transport_->Send(rank.peer, frame);
-    if (!st.ok()) TANDEM_LOG_INFO("compute", rank.name, ": bye not delivered: ", st.message());
-  }
+  auto part = [&](auto& peers) {
+    size_t byes = 0;
+    for (auto& peer : peers) {
+      transport_->Close(peer.peer);
+      absl::Status st = transport_->Send(peer.peer, frame);
+      if (st.ok()) {
+        ++byes;
+      } else {
+        TANDEM_LOG_INFO("compute", peer.name, ": bye not delivered: ", st.message());
+      }
+    }
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (byes > 0) {
+      std::vector<uint8_t> msg;
+      transport::PeerId from = 0;
+      if (!transport_->Receive(&from, &msg, deadline).ok()) break;
+      absl::StatusOr<uint32_t> magic = PeekFrameMagic(msg);
+      if (magic.ok() && *magic == kByeMagic) --byes;
+    }
+  };
+  part(replicas_);
+  part(ranks_);
   (void)transport_->Flush(absl::Now() + absl::Seconds(5));
   return absl::OkStatus();
+}
+
+}  // namespace tandem
+
+namespace tandem {
+
+absl::Status RunComputeReplica(const WeightSource& source, const ComputeReplicaOptions& options) {
+  const ComputeRankOptions& o = options.rank;
+  if (options.compute_ranks < 2 || options.compute_rank < 1 ||
+      options.compute_rank >= options.compute_ranks || options.compute_ranks > o.micro_batches) {
+    return absl::InvalidArgumentError(absl::StrCat("compute replica ", options.compute_rank, " of ",
+                                                   options.compute_ranks, " compute ranks with ",
+                                                   o.micro_batches,
+                                                   " micro-batches: needs 1 <= replica < compute.ranks <= "
+                                                   "pipeline.batches"));
+  }
+  if (o.memory_addresses.empty())
+    return absl::InvalidArgumentError("a compute replica needs the memory ranks");
+  RETURN_IF_ERROR(CheckAttentionPartition(o.partition, source.spec().num_kv_heads,
+                                          static_cast<int64_t>(o.memory_addresses.size())));
+  std::unique_ptr<ComputeRank> r(new ComputeRank());
+  r->options_ = o;
+  r->compute_rank_ = options.compute_rank;
+  r->compute_ranks_ = options.compute_ranks;
+  r->listen_address_ = options.listen_address;
+  r->on_listening_ = options.on_listening;
+  RETURN_IF_ERROR(r->Connect(source));
+  absl::Status st = r->ServeReplica(options);
+  if (!st.ok() && !absl::IsCancelled(st)) {
+    // Compute rank 0 learns why (best effort), then the replica ends.
+    (void)r->transport_->Send(r->rank0_peer_, EncodeError(ErrorMessageFromStatus(Annotate(
+                                                  st, absl::StrCat("compute rank ", options.compute_rank)))));
+    (void)r->transport_->Flush(absl::Now() + absl::Seconds(2));
+  }
+  return absl::IsCancelled(st) ? absl::OkStatus() : st;
 }
 
 }  // namespace tandem

@@ -30,12 +30,20 @@
 //     and its output lands in a device buffer of its own (at row 0), scattered into its columns
 //     of the attention buffer after the device-side wait for it. The host waits once per step
 //     (SyncStream), and each device wait has the step timeout.
+// Pipelining (micro_batches > 1, pipeline.mode pingpong): the controller's step is split into
+// micro-batches (compute_node/micro_batches.h), each run on a lane (a backend lane over the same
+// weights, buffers of its own, and lane j of every memory rank's buffers): every plan is sent
+// first, then layer 0's QKV of every micro-batch, then per layer and micro-batch: its attention
+// output -> the rest of its layer -> its next QKV -> send. So micro-batch B's linear layers run
+// while the memory ranks run A's attention. The sampled tokens are merged back in the step's order.
 // Every wait has a deadline; a memory rank that reports an error, disconnects or stays silent
 // fails the step with a Status naming it.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -67,9 +75,32 @@ struct ComputeRankOptions {
   bool checksums = true;  // crc32c of every layer payload, checked by the receiver
   bool profile = false;
   bool cuda_graphs = false;  // ComputeBackendOptions::cuda_graphs
+  // pipeline.mode pingpong / fixed: each step split into this many micro-batches (compute_node/
+  // micro_batches.h) kept in flight at once; 1 runs each step whole (pipeline.mode none).
+  int micro_batches = 1;
+  // compute.ranks > 1 (pipeline.mode fixed): the compute replicas' addresses (`tandem compute
+  // --replica r`, listening), compute rank r at replica_addresses[r - 1]. Micro-batch j runs on
+  // compute rank j % compute.ranks, so micro_batches must be at least compute.ranks.
+  std::vector<std::string> replica_addresses;
   absl::Duration startup_timeout = absl::Minutes(10);
   absl::Duration step_timeout = absl::Minutes(2);  // for each layer's attention output
 };
+
+// A compute replica (compute rank r > 0 of compute.ranks; pipeline.mode fixed): the weights on its
+// own device, no controller and no request state. It listens, connects to every memory rank (a
+// compute hello each), tells compute rank 0 it is ready once rank 0 connects, and then runs the
+// micro-batches rank 0 hands it (replica steps: a part's plan and input tokens) on lanes of its
+// own, exchanging q,k,v and outputs with the memory ranks itself, and sends back the sampled tokens
+// (replica results), until bye.
+struct ComputeReplicaOptions {
+  int compute_rank = 1;  // r, in [1, compute_ranks)
+  int compute_ranks = 2;
+  std::string listen_address = "127.0.0.1:0";
+  std::function<absl::Status(const std::string& address)> on_listening;
+  std::function<bool()> stop_requested;  // polled while idle; true ends the replica (OK)
+  ComputeRankOptions rank;               // device, transport, memory addresses, limits, pipeline
+};
+absl::Status RunComputeReplica(const WeightSource& source, const ComputeReplicaOptions& options);
 
 // Compute rank 0 implements the Engine interface (compute_node/engine.h): the same requests give
 // the same tokens as the colocated engine.
@@ -123,12 +154,32 @@ class ComputeRank : public Engine {
   std::vector<std::pair<std::string, double>> PhaseTotalsMs() const { return backend_->PhaseTotalsMs(); }
 
  private:
+  friend absl::Status RunComputeReplica(const WeightSource& source, const ComputeReplicaOptions& options);
   ComputeRank() = default;
   absl::Status Connect(const WeightSource& source);
-  absl::Status RunLayers(const PlannedStep& step);
-  absl::Status RunLayersOnDevice(const PlannedStep& step);
+  // Compute rank 0: connects to the replicas and waits for each to say it is ready.
+  absl::Status ConnectReplicas(absl::Time deadline);
+  // A replica: serves rank 0's replica steps until bye (see RunComputeReplica).
+  absl::Status ServeReplica(const ComputeReplicaOptions& options);
+  bool Owns(size_t micro_batch) const {
+    return micro_batch % static_cast<size_t>(compute_ranks_) == static_cast<size_t>(compute_rank_);
+  }
+  // Runs the step's micro-batches (one, or several interleaved: see the file comment) and
+  // appends the sampled tokens of each part to part_tokens / part_logprobs.
+  // Parts owned by replicas go to them; this rank runs its own parts and collects the replicas'
+  // results (part_tokens[k] for parts[k], whoever ran it).
+  absl::Status RunParts(std::span<const PlannedStep> parts, std::vector<std::vector<int32_t>>* part_tokens,
+                        std::vector<std::vector<float>>* part_logprobs);
+  // Sends micro-batch j's q,k,v rows of `layer` (in lane j's qkv buffer) to the memory ranks.
+  absl::Status SendLayer(size_t j, const PlannedStep& step, uint32_t layer);
+  // Waits for (host path) or enqueues the waits for (device path) micro-batch j's attention
+  // outputs of `layer`, which end up in lane j's attention buffer.
+  absl::Status ReceiveLayer(size_t j, const PlannedStep& step, uint32_t layer);
+  // The status of a failed device-path step, naming the memory rank where it can.
+  absl::Status DeviceStepError(absl::Status synced, uint64_t step_id);
   // The next control message, from memory rank m (returned) into `msg`, before `deadline`; an
-  // error message the rank sent is returned as its Status, named.
+  // error message the rank sent is returned as its Status, named. A message from a replica (rank 0)
+  // is returned as ranks_.size() + r - 1 for compute rank r.
   absl::StatusOr<size_t> ReceiveFromRank(absl::Time deadline, const std::string& awaited,
                                          std::vector<uint8_t>* msg);
   // The step's rows memory rank m gets: its range (request partition) or all of them (head).
@@ -140,29 +191,49 @@ class ComputeRank : public Engine {
   std::unique_ptr<transport::Transport> transport_;
   std::unique_ptr<ComputeBackend> backend_;
   std::unique_ptr<Controller> controller_;
-  struct Rank {
-    uint32_t peer = 0;
-    uint32_t qkv_buffer = 0;               // its receive buffer
+  // What one micro-batch in flight has of a memory rank (lane j of every rank).
+  struct RankLane {
     uint32_t attn_buffer = 0;              // ours, for its outputs
     BackendBuffer recv{nullptr, nullptr};  // attention outputs land here (host)
     size_t recv_bytes = 0;
-    // Its heads: all of them (request partition: num_ranks 1) or its slice (head partition).
-    HeadSlice slice;
     // Head partition: its q,k,v columns packed (host-staged path: host memory; device path:
     // device memory, what is written to it), and on the device path its outputs (device memory,
     // registered as attn_buffer).
     BackendBuffer pack{nullptr, nullptr}, out{nullptr, nullptr};
     uint64_t seqno = 0;
+  };
+  struct Rank {
+    uint32_t peer = 0;
+    uint32_t qkv_buffer = 0;  // its receive buffer of lane 0 (lane j: qkv_buffer + j)
+    // Its heads: all of them (request partition: num_ranks 1) or its slice (head partition).
+    HeadSlice slice;
+    std::vector<RankLane> lanes;
     std::string name;
   };
   std::vector<Rank> ranks_;
+  int compute_rank_ = 0, compute_ranks_ = 1;  // this rank, and compute.ranks
+  struct Replica {                            // compute rank 0's view of compute rank r > 0
+    uint32_t peer = 0;
+    std::string name;
+  };
+  std::vector<Replica> replicas_;
+  uint32_t rank0_peer_ = 0;     // a replica's connection to compute rank 0
+  std::string listen_address_;  // a replica's (compute rank 0 does not listen)
+  std::function<absl::Status(const std::string&)> on_listening_;
   std::vector<std::string> rank_names_;
   PlannedStep step_;
-  BackendBuffer qkv_{nullptr, nullptr}, attn_{nullptr, nullptr};  // backend memory
-  BackendBuffer qkv_host_{nullptr, nullptr};                      // staging of qkv rows (CUDA)
-  BackendBuffer attn_host_{nullptr, nullptr};  // staging of attention rows (CUDA, head partition)
-  HostMemorySpace host_copies_;                // packs and scatters of the host-staged path
-  bool device_path_ = false;                   // the whole step on the device (see the file comment)
+  // One per micro-batch in flight: lane 0 is backend_ itself, lane j > 0 a backend lane over the
+  // same weights (ComputeBackend::CreateLane).
+  struct Lane {
+    std::unique_ptr<ComputeBackend> owned;
+    ComputeBackend* backend = nullptr;
+    BackendBuffer qkv{nullptr, nullptr}, attn{nullptr, nullptr};  // backend memory
+    BackendBuffer qkv_host{nullptr, nullptr};                     // staging of qkv rows (CUDA)
+    BackendBuffer attn_host{nullptr, nullptr};  // staging of attention rows (CUDA, head partition)
+  };
+  std::vector<Lane> lanes_;
+  HostMemorySpace host_copies_;  // packs and scatters of the host-staged path
+  bool device_path_ = false;     // the whole step on the device (see the file comment)
   // Host timers of the CPU backend's phases (a GPU backend times its own, with `profile`).
   double host_compute_ms_ = 0, host_attention_ms_ = 0;
   uint64_t stats_cookie_ = 0;

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -16,10 +17,10 @@ namespace {
 
 class CpuComputeBackend : public ComputeBackend {
  public:
-  CpuComputeBackend(ModelWeightsF32 weights, const ComputeBackendOptions& o)
-      : weights_(std::move(weights)), executor_(&weights_), options_(o) {}
+  CpuComputeBackend(std::shared_ptr<const ModelWeightsF32> weights, const ComputeBackendOptions& o)
+      : weights_(std::move(weights)), executor_(weights_.get()), options_(o) {}
 
-  const ModelSpec& spec() const override { return weights_.spec; }
+  const ModelSpec& spec() const override { return weights_->spec; }
   std::string device() const override { return "cpu"; }
   DType dtype() const override { return DType::kF32; }
 
@@ -57,9 +58,13 @@ class CpuComputeBackend : public ComputeBackend {
 
   MemorySpace& memory() override { return memory_; }
 
+  absl::StatusOr<std::unique_ptr<ComputeBackend>> CreateLane() override {
+    return std::unique_ptr<ComputeBackend>(new CpuComputeBackend(weights_, options_));
+  }
+
  private:
   HostMemorySpace memory_;
-  ModelWeightsF32 weights_;
+  std::shared_ptr<const ModelWeightsF32> weights_;
   CpuLayerExecutor executor_;
   ComputeBackendOptions options_;
   const StepTokens* step_ = nullptr;
@@ -71,7 +76,8 @@ class CpuComputeBackend : public ComputeBackend {
 absl::StatusOr<std::unique_ptr<ComputeBackend>> CreateCpuComputeBackend(
     const WeightSource& source, const ComputeBackendOptions& options) {
   ASSIGN_OR_RETURN(ModelWeightsF32 weights, LoadWeightsF32(source));
-  return std::unique_ptr<ComputeBackend>(new CpuComputeBackend(std::move(weights), options));
+  return std::unique_ptr<ComputeBackend>(
+      new CpuComputeBackend(std::make_shared<const ModelWeightsF32>(std::move(weights)), options));
 }
 
 }  // namespace tandem

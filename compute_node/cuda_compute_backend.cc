@@ -41,7 +41,7 @@ class CudaComputeBackend : public ComputeBackend {
     weights_.reset();
     if (host_meta_) cudaFreeHost(host_meta_);
     if (host_out_) cudaFreeHost(host_out_);
-    if (stream_) cudaStreamDestroy(stream_);
+    if (own_stream_ && stream_) cudaStreamDestroy(stream_);
   }
 
   static absl::StatusOr<std::unique_ptr<ComputeBackend>> Create(const WeightSource& source,
@@ -57,30 +57,31 @@ class CudaComputeBackend : public ComputeBackend {
     CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
     b->device_name_ = absl::StrCat("cuda:", device, " (", prop.name, ")");
     CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
+    b->own_stream_ = true;
     b->memory_.set_stream(b->stream_);
-    ASSIGN_OR_RETURN(b->weights_, CudaModelWeights::Upload(source));
+    ASSIGN_OR_RETURN(std::unique_ptr<CudaModelWeights> weights, CudaModelWeights::Upload(source));
+    b->weights_ = std::move(weights);
     const ModelSpec& s = b->weights_->spec();
-    b->options_ = o;
-    b->graphs_on_ = o.cuda_graphs;
-    ASSIGN_OR_RETURN(b->executor_, CudaLayerExecutor::Create(b->weights_.get(), o.max_tokens, b->stream_));
+    RETURN_IF_ERROR(b->Init(o));
     if (o.profile) {
-      b->timer_.Enable(b->stream_);
-      b->executor_->set_timer(&b->timer_);
+      b->own_timer_.Enable(b->stream_);
+      b->executor_->set_timer(&b->own_timer_);
     }
-    const int64_t t = o.max_tokens, r = o.max_requests;
-    RETURN_IF_ERROR(b->x_.Reserve(t * s.hidden_size * 4));
-    CUDA_RETURN_IF_ERROR(cudaMemset(b->x_.ptr, 0, static_cast<size_t>(t * s.hidden_size * 4)));
-    RETURN_IF_ERROR(b->logits_.Reserve(r * s.vocab_size * 4));
-    RETURN_IF_ERROR(b->sample_ws_.Reserve(std::max<int64_t>(16, kc::SampleWorkspaceBytes(r, s.vocab_size))));
-    RETURN_IF_ERROR(b->out_.Reserve(r * 8));
-    CUDA_RETURN_IF_ERROR(cudaMallocHost(&b->host_out_, static_cast<size_t>(r * 8)));
-    // Metadata: tokens, positions (2T), sample rows and parameters (6R), 16-byte slack each.
-    const int64_t meta_bytes = 2 * t * 4 + r * 32 + 16 * 16;
-    RETURN_IF_ERROR(b->meta_.Reserve(meta_bytes));
-    CUDA_RETURN_IF_ERROR(cudaMallocHost(&b->host_meta_, static_cast<size_t>(meta_bytes)));
-    b->host_meta_bytes_ = meta_bytes;
     TANDEM_LOG_INFO("compute", s.Summary(), "; device ", b->device_name_,
                     absl::StrFormat("; weights %.2f GiB bf16", b->weights_->bytes() / 1073741824.0));
+    return std::unique_ptr<ComputeBackend>(std::move(b));
+  }
+
+  absl::StatusOr<std::unique_ptr<ComputeBackend>> CreateLane() override {
+    std::unique_ptr<CudaComputeBackend> b(new CudaComputeBackend());
+    b->device_name_ = device_name_;
+    b->stream_ = stream_;  // the lane enqueues on this backend's stream, which it does not own
+    b->memory_.set_stream(stream_);
+    b->weights_ = weights_;
+    b->lane_ = true;
+    b->timer_ = timer_;  // one timeline for the lanes of a step (opened and closed by this backend)
+    RETURN_IF_ERROR(b->Init(options_));
+    if (timer_->enabled()) b->executor_->set_timer(timer_);
     return std::unique_ptr<ComputeBackend>(std::move(b));
   }
 
@@ -100,7 +101,7 @@ class CudaComputeBackend : public ComputeBackend {
     rows_ = rows;
     graph_rows_ = GraphRows(t);
     held_post_ = -1;
-    timer_.Begin();
+    if (!lane_) timer_->Begin();
     packer_.Reset();
     o_pos_ = packer_.Add(st.positions);  // first, at a fixed address for the graphs
     const int64_t o_tokens = packer_.Add(st.tokens);
@@ -130,7 +131,7 @@ class CudaComputeBackend : public ComputeBackend {
       CUDA_RETURN_IF_ERROR(
           cudaMemsetAsync(x_.as<float>() + t * spec().hidden_size, 0, (graph_rows_ - t) * row, stream_));
     }
-    timer_.Mark(PhaseTimer::kOther);
+    timer_->Mark(PhaseTimer::kOther);
     return executor_->Embed(meta_.as<int32_t>(o_tokens), t, x_.as<float>());
   }
 
@@ -162,7 +163,7 @@ class CudaComputeBackend : public ComputeBackend {
     }
     return RunPost(layer, attn);
   }
-  void MarkAttention() override { timer_.Mark(PhaseTimer::kAttention); }
+  void MarkAttention() override { timer_->Mark(PhaseTimer::kAttention); }
 
   absl::Status Finish(std::vector<int32_t>* tokens, std::vector<float>* logprobs) override {
     RETURN_IF_ERROR(ReleaseHeldPost());
@@ -182,12 +183,12 @@ class CudaComputeBackend : public ComputeBackend {
       sp.rows = rows;
       sp.vocab = spec().vocab_size;
       RETURN_IF_ERROR(kc::SampleTokens(sp, sample_ws_.ptr, stream_));
-      timer_.Mark(PhaseTimer::kSampling);
+      timer_->Mark(PhaseTimer::kSampling);
       CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_out_, out_.ptr, static_cast<size_t>(rows * 8),
                                            cudaMemcpyDeviceToHost, stream_));
     }
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    timer_.Collect();
+    if (!lane_) timer_->Collect();
     const auto* out_tokens = static_cast<const int32_t*>(host_out_);
     const auto* out_logprobs =
         reinterpret_cast<const float*>(static_cast<const unsigned char*>(host_out_) + rows * 4);
@@ -200,9 +201,9 @@ class CudaComputeBackend : public ComputeBackend {
 
   std::vector<std::pair<std::string, double>> PhaseTotalsMs() const override {
     std::vector<std::pair<std::string, double>> out;
-    if (!timer_.enabled()) return out;
+    if (!timer_->enabled() || lane_) return out;
     for (int p = 0; p < PhaseTimer::kNumPhases; ++p) {
-      out.emplace_back(PhaseTimer::Name(static_cast<PhaseTimer::Phase>(p)), timer_.totals_ms()[p]);
+      out.emplace_back(PhaseTimer::Name(static_cast<PhaseTimer::Phase>(p)), timer_->totals_ms()[p]);
     }
     return out;
   }
@@ -257,17 +258,17 @@ class CudaComputeBackend : public ComputeBackend {
       it = graphs_.emplace(key, *std::move(g)).first;
     }
     CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second.exec, stream_));
-    timer_.Replayed(it->second.marks);
+    timer_->Replayed(it->second.marks);
     return absl::OkStatus();
   }
 
   template <typename Enqueue>
   absl::StatusOr<LayerGraph> Capture(Enqueue& enqueue) {
     CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    timer_.BeginCapture();
+    timer_->BeginCapture();
     const absl::Status enqueued = enqueue(graph_rows_);
     LayerGraph g;
-    g.marks = timer_.EndCapture();
+    g.marks = timer_->EndCapture();
     cudaGraph_t graph = nullptr;
     const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
     if (!enqueued.ok() || ended != cudaSuccess) {
@@ -282,19 +283,43 @@ class CudaComputeBackend : public ComputeBackend {
     return g;
   }
 
+  // Step state and scratch (the weights and the stream are set).
+  absl::Status Init(const ComputeBackendOptions& o) {
+    const ModelSpec& s = weights_->spec();
+    options_ = o;
+    graphs_on_ = o.cuda_graphs;
+    ASSIGN_OR_RETURN(executor_, CudaLayerExecutor::Create(weights_.get(), o.max_tokens, stream_));
+    const int64_t t = o.max_tokens, r = o.max_requests;
+    RETURN_IF_ERROR(x_.Reserve(t * s.hidden_size * 4));
+    CUDA_RETURN_IF_ERROR(cudaMemset(x_.ptr, 0, static_cast<size_t>(t * s.hidden_size * 4)));
+    RETURN_IF_ERROR(logits_.Reserve(r * s.vocab_size * 4));
+    RETURN_IF_ERROR(sample_ws_.Reserve(std::max<int64_t>(16, kc::SampleWorkspaceBytes(r, s.vocab_size))));
+    RETURN_IF_ERROR(out_.Reserve(r * 8));
+    CUDA_RETURN_IF_ERROR(cudaMallocHost(&host_out_, static_cast<size_t>(r * 8)));
+    // Metadata: tokens, positions (2T), sample rows and parameters (6R), 16-byte slack each.
+    const int64_t meta_bytes = 2 * t * 4 + r * 32 + 16 * 16;
+    RETURN_IF_ERROR(meta_.Reserve(meta_bytes));
+    CUDA_RETURN_IF_ERROR(cudaMallocHost(&host_meta_, static_cast<size_t>(meta_bytes)));
+    host_meta_bytes_ = meta_bytes;
+    return absl::OkStatus();
+  }
+
   kc::CudaMemorySpace memory_;
   CudaComputeBackend() = default;
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
   ComputeBackendOptions options_;
-  std::unique_ptr<CudaModelWeights> weights_;
+  std::shared_ptr<const CudaModelWeights> weights_;  // shared with the lanes
+  bool own_stream_ = false;
+  bool lane_ = false;  // a lane of another backend (CreateLane): its timer is that backend's
   std::unique_ptr<CudaLayerExecutor> executor_;
   kc::DeviceBuffer x_, logits_, sample_ws_, out_, meta_;
   void* host_meta_ = nullptr;
   int64_t host_meta_bytes_ = 0;
   void* host_out_ = nullptr;
   kc::MetaPacker packer_;
-  PhaseTimer timer_;
+  PhaseTimer own_timer_;
+  PhaseTimer* timer_ = &own_timer_;
   int64_t t_ = 0, rows_ = 0;
   bool graphs_on_ = false;
   int64_t graph_rows_ = 0;  // this step's bucket, or 0: eager

@@ -30,6 +30,13 @@ const ConfigSchema& DeploySchema() {
     s->String("model.path", "tiny-gqa", "checkpoint directory (Hugging Face layout) or preset name")
         .Int("model.weight_seed", 0, "seed of a preset's random weights", 0, 1LL << 62)
         .String("compute.device", "auto", "device of compute rank 0: cpu, cuda, cuda:N or auto")
+        .Int("compute.ranks", 1,
+             "compute ranks, each holding all the weights (compute rank 0 has the controller; the others are "
+             "replicas it drives with per-step plans); more than 1 needs pipeline.mode fixed",
+             1, 8)
+        .String("compute.replica_devices", "auto",
+                "device of every compute replica (ranks 1..; auto: compute.device), or one per replica "
+                "separated by commas")
         .Bool("compute.cuda_graphs", false,
               "CUDA: run each layer's linear parts as CUDA graphs (pays where the host launches kernels "
               "slower than the GPU runs them; docs/benchmarks.md, \"Linear layers\")")
@@ -44,6 +51,13 @@ const ConfigSchema& DeploySchema() {
               "how attention is split over the memory ranks: request (each request's KV on one rank, "
               "placed by free KV) or head (every rank holds a slice of the KV heads of every request; "
               "needs num_key_value_heads divisible by memory.ranks)")
+        .Enum("pipeline.mode", "none", {"none", "pingpong", "fixed"},
+              "none: each step runs whole (linear layers, then attention, layer by layer); pingpong: each "
+              "step is split into pipeline.batches micro-batches of balanced rows and KV, and compute rank 0 "
+              "runs the linear layers of one while the memory ranks run the attention of another; fixed: the "
+              "same over compute.ranks compute ranks, micro-batch j on compute rank j % compute.ranks (not "
+              "over transport.kind nccl)")
+        .Int("pipeline.batches", 2, "micro-batches per step with pipeline.mode pingpong", 2, 8)
         .String("memory.host", "127.0.0.1", "address the memory ranks listen on")
         .Int("memory.base_port", 0,
              "port of memory rank 0 (rank i listens on base_port + i); 0: any free port", 0, 65535)
@@ -94,6 +108,14 @@ std::string DescribePlacement(const DeployPlan& p) {
                             : p.srun    ? absl::StrCat(", started with srun on node ", r.host)
                                         : absl::StrCat(", started over ssh: ", p.ssh, " ", r.host);
     absl::StrAppend(&out, line(r, absl::StrCat("listening on ", p.listen_addresses[i]), how));
+  }
+  for (size_t r = 0; r < p.replica_devices.size(); ++r) {
+    absl::StrAppend(&out, "#   compute-", r + 1, ": ", p.replica_devices[r],
+                    " on compute-0's host (replica, listening on ", p.compute_host, ":0)\n");
+  }
+  if (p.micro_batches > 1) {
+    absl::StrAppend(&out, "# pipeline: ", p.micro_batches, " micro-batches per step on ", p.compute_ranks,
+                    " compute rank(s)\n");
   }
   absl::StrAppend(&out, "# transport (per-layer data; control messages over UCX, authenticated):\n");
   for (const RankPlacement& r : p.placement.memory) {
@@ -196,6 +218,8 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
     }
     p.listen_addresses.push_back(absl::StrCat(r.bind, ":", base == 0 ? 0 : base + i));
   }
+  // The compute replicas run on compute rank 0's host and listen on its interface.
+  p.compute_host = p.placement.compute.bind.empty() ? c.GetString("memory.host") : p.placement.compute.bind;
   ASSIGN_OR_RETURN(p.partition, ParseAttentionPartition(c.GetString("memory.partition")));
   RETURN_IF_ERROR(CheckAttentionPartition(p.partition, spec.num_kv_heads, ranks));
   // Checked here so that a bad pair stops the launch before any rank starts.
@@ -203,6 +227,52 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   ASSIGN_OR_RETURN(const std::optional<transport::TransportKind> kind,
                    ParseTransportSetting(c.GetString("transport.kind")));
   ASSIGN_OR_RETURN(p.transport, ResolveTransport(kind, p));
+  const std::string mode = c.GetString("pipeline.mode");
+  p.micro_batches = mode == "none" ? 1 : static_cast<int>(c.GetInt("pipeline.batches"));
+  p.compute_ranks = static_cast<int>(c.GetInt("compute.ranks"));
+  if (p.micro_batches > 1 && p.transport == transport::TransportKind::kNccl) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pipeline.mode: ", mode,
+        " does not run over transport.kind nccl (NCCL orders a peer's transfers on one stream, so several "
+        "micro-batches in flight would deadlock); use p2p, verbs, local or ucx"));
+  }
+  if (p.compute_ranks > 1) {
+    if (mode != "fixed") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "compute.ranks: ", p.compute_ranks, " compute ranks need pipeline.mode fixed (it is ", mode, ")"));
+    }
+    if (p.micro_batches < p.compute_ranks) {
+      return absl::InvalidArgumentError(absl::StrCat("pipeline.batches: ", p.micro_batches,
+                                                     " micro-batches for ", p.compute_ranks,
+                                                     " compute ranks (each needs one at least)"));
+    }
+    if (transport::GetTransportInfo(p.transport).one_process) {
+      return absl::InvalidArgumentError(
+          "compute.ranks: compute replicas are processes of their own, which transport.kind local (one "
+          "process) cannot connect; use ucx or p2p");
+    }
+    std::vector<std::string> devices = absl::StrSplit(c.GetString("compute.replica_devices"), ',');
+    if (devices.size() != 1 && static_cast<int>(devices.size()) != p.compute_ranks - 1) {
+      return absl::InvalidArgumentError(absl::StrCat("compute.replica_devices: ", devices.size(),
+                                                     " devices listed for ", p.compute_ranks - 1,
+                                                     " replicas (give one for all, or one per replica)"));
+    }
+    for (int r = 1; r < p.compute_ranks; ++r) {
+      std::string d(
+          absl::StripAsciiWhitespace(devices[devices.size() == 1 ? 0 : static_cast<size_t>(r - 1)]));
+      if (d == "auto") d = p.compute_device;
+      absl::StatusOr<int> idx = kernels::ResolveDevice(d, spec);
+      if (!idx.ok() || d == "auto" || ((*idx < 0) != (p.compute_device == "cpu"))) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("compute.replica_devices: replica ", r, ": expected ",
+                         p.compute_device == "cpu" ? "cpu (compute rank 0 is on the CPU)" : "cuda or cuda:N",
+                         ", got \"", d, "\""));
+      }
+      p.replica_devices.push_back(*idx < 0 ? "cpu" : absl::StrCat("cuda:", *idx));
+    }
+  } else if (mode == "fixed") {
+    p.micro_batches = std::max(p.micro_batches, 1);  // one compute rank: fixed is pingpong
+  }
   p.checksums = c.GetBool("transport.checksums");
   p.run_dir = (std::filesystem::path(c.GetString("launch.run_dir")) / RunDirName()).string();
   p.ssh = c.GetString("launch.ssh");
@@ -295,6 +365,32 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
         plan.memory_devices[i].c_str(),
         r.local() ? "" : absl::StrCat(" on ", r.host, plan.srun ? " with srun" : " over ssh").c_str());
   }
+  // Compute replicas (compute.ranks > 1): they connect to the memory ranks and listen for compute
+  // rank 0.
+  std::vector<std::string> replica_addresses;
+  for (size_t r = 0; r < plan.replica_devices.size(); ++r) {
+    const std::string name = absl::StrCat("compute-", r + 1), ready = path(name + ".ready");
+    fs::remove(ready, ec);
+    fs::remove(path(name + ".log"), ec);
+    RETURN_IF_ERROR(group.Start(name, {o.tandem_binary, "compute",
+                                       "--replica",     std::to_string(r + 1),
+                                       "--config",      cfg,
+                                       "--secret-file", secret,
+                                       "--memory",      absl::StrJoin(addresses, ","),
+                                       "--listen",      absl::StrCat(plan.compute_host, ":0"),
+                                       "--device",      plan.replica_devices[r],
+                                       "--transport",   transport::TransportKindName(plan.transport),
+                                       "--ready-file",  ready,
+                                       "--log-level",   o.log_level},
+                                path(name + ".log")));
+  }
+  for (size_t r = 0; r < plan.replica_devices.size(); ++r) {
+    const std::string name = absl::StrCat("compute-", r + 1);
+    ASSIGN_OR_RETURN(std::string address, group.WaitReady(name, path(name + ".ready"), plan.startup_timeout));
+    replica_addresses.emplace_back(absl::StripAsciiWhitespace(address));
+    std::fprintf(stderr, "tandem launch: %s listening on %s (%s)\n", name.c_str(),
+                 replica_addresses.back().c_str(), plan.replica_devices[r].c_str());
+  }
   const std::string ready = path("compute-0.ready");
   fs::remove(ready, ec);
   fs::remove(path("compute-0.log"), ec);
@@ -324,6 +420,8 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
   if (!o.requests_file.empty()) {
     argv.insert(argv.end(), {"--requests", o.requests_file, "--results", o.results_file});
   }
+  if (!replica_addresses.empty())
+    argv.insert(argv.end(), {"--replicas", absl::StrJoin(replica_addresses, ",")});
   RETURN_IF_ERROR(group.Start("compute-0", argv, path("compute-0.log")));
   ASSIGN_OR_RETURN(const std::string compute, group.WaitReady("compute-0", ready, plan.startup_timeout));
   std::fprintf(stderr, "tandem launch: compute-0 ready on %s; %zu memory rank(s)%s; logs in %s/\n",
@@ -333,6 +431,9 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
     // Compute rank 0 runs the requests, says bye to the memory ranks and exits; they follow.
     RETURN_IF_ERROR(group.WaitExit("compute-0"));
     for (size_t i = 0; i < addresses.size(); ++i) RETURN_IF_ERROR(group.WaitExit(absl::StrCat("memory-", i)));
+    for (size_t r = 0; r < replica_addresses.size(); ++r) {
+      RETURN_IF_ERROR(group.WaitExit(absl::StrCat("compute-", r + 1)));
+    }
     return absl::OkStatus();
   }
   if (!o.api_ready_file.empty()) {

@@ -56,10 +56,14 @@ const ConfigSchema& DeploySchema();
 struct DeployPlan {
   std::string model;
   uint64_t weight_seed = 0;
-  std::string compute_device;                                           // "cpu" or "cuda:N"
-  std::vector<std::string> memory_devices;                              // per memory rank
-  std::vector<std::string> listen_addresses;                            // per memory rank, host:port
-  AttentionPartition partition = AttentionPartition::kRequest;          // memory.partition
+  std::string compute_device;                                   // "cpu" or "cuda:N"
+  std::vector<std::string> memory_devices;                      // per memory rank
+  std::vector<std::string> listen_addresses;                    // per memory rank, host:port
+  AttentionPartition partition = AttentionPartition::kRequest;  // memory.partition
+  int micro_batches = 1;                     // pipeline.batches with pipeline.mode pingpong or fixed, else 1
+  int compute_ranks = 1;                     // compute.ranks
+  std::vector<std::string> replica_devices;  // of compute ranks 1.. ("cpu", "cuda:N")
+  std::string compute_host;                  // where the compute replicas listen
   transport::TransportKind transport = transport::TransportKind::kUcx;  // resolved transport.kind
   bool checksums = true;
   Placement placement;  // per rank: host, address to bind, device (resolved), device type

@@ -115,6 +115,12 @@ class AttentionExecutor {
   // writes order with it; nullptr on the CPU.
   virtual void* stream() const { return nullptr; }
 
+  // A lane: another executor over the same KV pool (and, on CUDA, the same stream), with step
+  // metadata and scratch of its own, so that several micro-batches of a step can be begun and
+  // then run layer by layer in turn (pipelining). Their requests are disjoint, and their layers run
+  // in the order they are called. Layer timing is per lane. This executor must outlive its lanes.
+  virtual absl::StatusOr<std::unique_ptr<AttentionExecutor>> CreateLane() = 0;
+
   // Whether reading `prefix_tokens` shared keys once for `rows` rows (then merging) is faster here
   // than each row reading them itself: the measured crossover of kv.prefix_sharing: auto.
   virtual bool CascadePays(int64_t rows, int64_t prefix_tokens) const = 0;

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <new>
 
 #include "absl/strings/str_cat.h"
@@ -17,14 +18,27 @@ namespace {
 
 class CpuAttentionExecutor : public AttentionExecutor {
  public:
+  // The KV pool: per layer (slots, kv_dim) K and V, shared with the lanes.
+  struct Pool {
+    std::vector<std::unique_ptr<float[]>> k, v;
+  };
+
   CpuAttentionExecutor(const AttentionShape& shape, int64_t slots) : shape_(shape), num_slots_(slots) {
+    auto pool = std::make_shared<Pool>();
     const size_t layer_floats = static_cast<size_t>(slots * shape.kv_dim());
     for (int64_t l = 0; l < shape.num_layers; ++l) {
       // Left uninitialised: a slot is written before it is read, and untouched pages of a large
       // pool cost no memory or start-up time.
-      k_cache_.push_back(std::make_unique_for_overwrite<float[]>(layer_floats));
-      v_cache_.push_back(std::make_unique_for_overwrite<float[]>(layer_floats));
+      pool->k.push_back(std::make_unique_for_overwrite<float[]>(layer_floats));
+      pool->v.push_back(std::make_unique_for_overwrite<float[]>(layer_floats));
     }
+    pool_ = std::move(pool);
+  }
+  CpuAttentionExecutor(const AttentionShape& shape, int64_t slots, std::shared_ptr<Pool> pool)
+      : shape_(shape), num_slots_(slots), pool_(std::move(pool)) {}
+
+  absl::StatusOr<std::unique_ptr<AttentionExecutor>> CreateLane() override {
+    return std::unique_ptr<AttentionExecutor>(new CpuAttentionExecutor(shape_, num_slots_, pool_));
   }
 
   int64_t kv_capacity() const override { return num_slots_; }
@@ -49,8 +63,8 @@ class CpuAttentionExecutor : public AttentionExecutor {
     const AttentionBatch& b = *batch_;
     const int64_t t = b.num_tokens(), qd = shape_.q_dim(), kvd = shape_.kv_dim(), width = shape_.qkv_width();
     const auto* qkv = static_cast<const float*>(qkv_v);
-    float* kc = k_cache_[static_cast<size_t>(layer)].get();
-    float* vc = v_cache_[static_cast<size_t>(layer)].get();
+    float* kc = pool_->k[static_cast<size_t>(layer)].get();
+    float* vc = pool_->v[static_cast<size_t>(layer)].get();
     for (int64_t r = 0; r < t; ++r) {
       const float* row = qkv + r * width;
       const int64_t slot = b.new_slots[static_cast<size_t>(r)];
@@ -129,9 +143,9 @@ class CpuAttentionExecutor : public AttentionExecutor {
   AttentionShape shape_;
   int64_t num_slots_;
   const AttentionBatch* batch_ = nullptr;
-  std::vector<std::unique_ptr<float[]>> k_cache_, v_cache_;  // per layer (slots, kv_dim)
-  std::vector<float> q_, lse_;                               // (T, q_dim), (T, heads)
-  std::vector<float> group_q_, group_out_, group_lse_;       // one group's rows
+  std::shared_ptr<Pool> pool_;
+  std::vector<float> q_, lse_;                          // (T, q_dim), (T, heads)
+  std::vector<float> group_q_, group_out_, group_lse_;  // one group's rows
   static constexpr int64_t kCascadeMinRows = 2, kCascadeMinElements = 65536;
 };
 

@@ -3,6 +3,7 @@
 // One metadata upload per step.
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -78,11 +79,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
       e->own_stream_ = true;
     }
     e->memory_.set_stream(e->stream_);
-    // Shared-prefix work runs beside the suffix kernels on a second stream (SharedPrefixes).
-    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&e->side_, cudaStreamNonBlocking));
-    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e->q_ready_, cudaEventDisableTiming));
-    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e->prefix_done_, cudaEventDisableTiming));
-    RETURN_IF_ERROR(e->q_.Reserve(std::max<int64_t>(16, shape.max_tokens * shape.q_dim() * 2)));
+    RETURN_IF_ERROR(e->InitScratch());
 
     // KV: the configured share of what is free now (after whatever this process loaded before).
     const int64_t per_token = shape.kv_bytes_per_token(2);
@@ -100,17 +97,28 @@ class CudaAttentionExecutor : public AttentionExecutor {
       }
     }
     if (slots > INT32_MAX) return absl::InvalidArgumentError("kv.capacity_tokens exceeds 2^31-1");
-    RETURN_IF_ERROR(Annotate(e->kv_.Reserve(slots * per_token),
+    e->kv_ = std::make_shared<kc::DeviceBuffer>();
+    RETURN_IF_ERROR(Annotate(e->kv_->Reserve(slots * per_token),
                              absl::StrFormat("allocating the KV cache (%d tokens, %.2f GiB) on %s", slots,
                                              slots * per_token / 1073741824.0, e->device_name_)));
     e->num_slots_ = slots;
-    // Metadata: new slots (T), indptrs (3R + 3), context slots (<= capacity), 16-byte slack each.
-    const int64_t meta_bytes = (shape.max_tokens + 3 * (shape.max_requests + 1) + slots) * 4 + 16 * 8;
-    RETURN_IF_ERROR(e->meta_.Reserve(meta_bytes));
-    CUDA_RETURN_IF_ERROR(cudaMallocHost(&e->host_meta_, static_cast<size_t>(meta_bytes)));
-    e->host_meta_bytes_ = meta_bytes;
+    RETURN_IF_ERROR(e->InitMeta());
     TANDEM_LOG_INFO("attention", absl::StrFormat("device %s; KV cache %d tokens (%.2f GiB bf16)",
                                                  e->device_name_, slots, slots * per_token / 1073741824.0));
+    return std::unique_ptr<AttentionExecutor>(std::move(e));
+  }
+
+  absl::StatusOr<std::unique_ptr<AttentionExecutor>> CreateLane() override {
+    std::unique_ptr<CudaAttentionExecutor> e(new CudaAttentionExecutor());
+    e->shape_ = shape_;
+    e->device_name_ = device_name_;
+    e->num_sms_ = num_sms_;
+    e->stream_ = stream_;  // not owned
+    e->memory_.set_stream(stream_);
+    e->kv_ = kv_;
+    e->num_slots_ = num_slots_;
+    RETURN_IF_ERROR(e->InitScratch());
+    RETURN_IF_ERROR(e->InitMeta());
     return std::unique_ptr<AttentionExecutor>(std::move(e));
   }
 
@@ -172,7 +180,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
     const auto* qkv = static_cast<const bf16*>(qkv_v);
     auto* out = static_cast<bf16*>(out_v);
     bf16* q = q_.as<bf16>();
-    bf16* kc_layer = kv_.as<bf16>() + 2 * layer * layer_kv;
+    bf16* kc_layer = kv_->as<bf16>() + 2 * layer * layer_kv;
     bf16* vc_layer = kc_layer + layer_kv;
     kc::KvAppendParams app;
     app.k = qkv + q_dim;
@@ -388,6 +396,23 @@ class CudaAttentionExecutor : public AttentionExecutor {
   std::vector<cudaEvent_t> timing_;  // MarkLayerStart/End events, in pairs; reused every take
   size_t timing_used_ = 0;
 
+  // The side stream and events of shared-prefix work, and the q scratch.
+  absl::Status InitScratch() {
+    // Shared-prefix work runs beside the suffix kernels on a second stream (SharedPrefixes).
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&q_ready_, cudaEventDisableTiming));
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&prefix_done_, cudaEventDisableTiming));
+    return q_.Reserve(std::max<int64_t>(16, shape_.max_tokens * shape_.q_dim() * 2));
+  }
+  // Metadata: new slots (T), indptrs (3R + 3), context slots (<= capacity), 16-byte slack each.
+  absl::Status InitMeta() {
+    const int64_t meta_bytes = (shape_.max_tokens + 3 * (shape_.max_requests + 1) + num_slots_) * 4 + 16 * 8;
+    RETURN_IF_ERROR(meta_.Reserve(meta_bytes));
+    CUDA_RETURN_IF_ERROR(cudaMallocHost(&host_meta_, static_cast<size_t>(meta_bytes)));
+    host_meta_bytes_ = meta_bytes;
+    return absl::OkStatus();
+  }
+
   absl::Status RecordTimingEvent() {
     if (timing_used_ == timing_.size()) {
       cudaEvent_t e = nullptr;
@@ -398,7 +423,8 @@ class CudaAttentionExecutor : public AttentionExecutor {
     return absl::OkStatus();
   }
   int64_t num_slots_ = 0;
-  kc::DeviceBuffer kv_, q_, meta_, decode_ws_;
+  std::shared_ptr<kc::DeviceBuffer> kv_;  // the KV pool, shared with the lanes
+  kc::DeviceBuffer q_, meta_, decode_ws_;
   void* host_meta_ = nullptr;
   int64_t host_meta_bytes_ = 0;
   kc::MetaPacker packer_;

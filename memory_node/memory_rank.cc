@@ -1,6 +1,7 @@
 #include "memory_node/memory_rank.h"
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -47,12 +48,9 @@ class MemoryRank {
                     o_.device, ")");
     if (o_.on_listening) RETURN_IF_ERROR(o_.on_listening(transport_->address()));
     const absl::Time start_deadline = absl::Now() + o_.startup_timeout;
-    ASSIGN_OR_RETURN(peer_, WaitFor([&](absl::Time d) { return transport_->Accept(d); }, start_deadline,
-                                    "the compute rank to connect"));
+    absl::Status st = Meet(device, start_deadline);
+    if (!st.ok()) return peer_set_ ? Fail(st) : st;
     std::vector<uint8_t> msg;
-    RETURN_IF_ERROR(ReceiveFromCompute(&msg, start_deadline, "the compute rank's hello"));
-    absl::Status st = Setup(msg, device);
-    if (!st.ok()) return Fail(st);
     // Serve until bye, a signal or an error.
     while (true) {
       absl::Status r = ReceiveFromCompute(&msg, absl::InfiniteFuture(), "the next step plan");
@@ -81,7 +79,10 @@ class MemoryRank {
         if (!bye.ok()) return Fail(bye.status());
         TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, ": bye after ", bye->steps, " steps (", steps_,
                         " with rows here)");
-        transport_->Close(peer_);  // the compute rank is done with us too
+        // Answer (the compute rank waits for it before it leaves), then go.
+        transport_->Close(peer_);
+        (void)transport_->Send(peer_, EncodeBye(ByeMessage{.steps = static_cast<uint64_t>(steps_)}));
+        (void)transport_->Flush(absl::Now() + absl::Seconds(2));
         return absl::OkStatus();
       } else if (magic == kErrorMagic) {
         absl::StatusOr<ErrorMessage> err = DecodeError(msg);
@@ -123,8 +124,22 @@ class MemoryRank {
         },
         deadline, what);
     if (!r.ok()) return r.status();
-    if (from != peer_) return absl::InvalidArgumentError("message from an unknown peer");
-    return absl::OkStatus();
+    if (from == peer_) return absl::OkStatus();
+    for (auto it = replicas_.begin(); it != replicas_.end(); ++it) {
+      if (it->second != from) continue;
+      // A compute replica leaving (compute rank 0 ends the deployment): a bye each way, and its
+      // connection closes quietly. Anything else from it is not expected.
+      absl::StatusOr<uint32_t> magic = PeekFrameMagic(*msg);
+      if (!magic.ok() || *magic != kByeMagic) {
+        return absl::InvalidArgumentError(absl::StrCat("unexpected message from compute rank ", it->first));
+      }
+      transport_->Close(from);  // first: it may leave as soon as the answer arrives
+      RETURN_IF_ERROR(transport_->Send(from, EncodeBye(ByeMessage{.steps = static_cast<uint64_t>(steps_)})));
+      (void)transport_->Flush(absl::Now() + absl::Seconds(2));
+      replicas_.erase(it);
+      return ReceiveFromCompute(msg, deadline, what);
+    }
+    return absl::InvalidArgumentError("message from an unknown peer");
   }
 
   // Tells the compute rank (if it can be reached) why this rank stops, and returns `st`.
@@ -136,6 +151,80 @@ class MemoryRank {
       (void)transport_->Flush(absl::Now() + absl::Seconds(2));
     }
     return st;
+  }
+
+  // Start-up: the compute ranks connect, in any order: compute rank 0 with its hello (which sets
+  // this rank up), and with compute.ranks > 1 the replicas with a compute hello each. Every one
+  // gets the hello reply once the rank is set up.
+  absl::Status Meet(int device, absl::Time deadline) {
+    std::vector<uint8_t> msg;
+    std::vector<PeerId> waiting;  // replicas that said hello before compute rank 0 did
+    bool ready = false;
+    while (!ready || replicas_.size() + 1 < hello_.compute_ranks) {
+      if (o_.stop_requested && o_.stop_requested()) return absl::CancelledError("stopped while starting");
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("memory rank ", o_.rank, ": timed out waiting for the compute ranks to connect (",
+                         ready ? "compute rank 0 and " : "", replicas_.size(), " replica(s) said hello)"));
+      }
+      // New connections are accepted as they come; the first message says who the peer is.
+      absl::StatusOr<PeerId> accepted = transport_->Accept(absl::Now() + absl::Milliseconds(10));
+      if (!accepted.ok() && !absl::IsDeadlineExceeded(accepted.status())) return accepted.status();
+      PeerId from = 0;
+      const absl::Status got = transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(40));
+      if (absl::IsDeadlineExceeded(got)) continue;
+      RETURN_IF_ERROR(got);
+      ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
+      if (magic == kHelloMagic && !ready) {
+        peer_ = from;
+        peer_set_ = true;
+        RETURN_IF_ERROR(Setup(msg, device));
+        ready = true;
+        for (PeerId p : waiting) RETURN_IF_ERROR(transport_->Send(p, reply_));
+      } else if (magic == kComputeHelloMagic) {
+        ASSIGN_OR_RETURN(const ComputeHelloMessage hello, DecodeComputeHello(msg));
+        if (replicas_.contains(hello.compute_rank)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("two connections say they are compute rank ", hello.compute_rank));
+        }
+        if (ready && hello.compute_ranks != hello_.compute_ranks) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("compute rank ", hello.compute_rank, " counts ", hello.compute_ranks,
+                           " compute ranks, compute rank 0 ", int{hello_.compute_ranks}));
+        }
+        replicas_[hello.compute_rank] = from;
+        if (ready) {
+          RETURN_IF_ERROR(transport_->Send(from, reply_));
+        } else {
+          waiting.push_back(from);
+        }
+      } else if (magic == kErrorMagic) {
+        ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
+        return Annotate(StatusFromErrorMessage(err), "a compute rank stopped");
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat("unexpected first message (magic 0x", absl::Hex(magic), ") from a compute rank"));
+      }
+    }
+    if (ready && replicas_.size() + 1 > hello_.compute_ranks) {
+      return absl::InvalidArgumentError(absl::StrCat(replicas_.size(),
+                                                     " compute replicas connected but compute "
+                                                     "rank 0 counts ",
+                                                     int{hello_.compute_ranks}, " compute ranks"));
+    }
+    // Each lane's q,k,v come from, and its outputs go to, the compute rank that owns it.
+    for (size_t j = 0; j < lanes_.size(); ++j) {
+      const size_t owner = j % hello_.compute_ranks;
+      if (owner == 0) {
+        lanes_[j].peer = peer_;
+      } else {
+        auto it = replicas_.find(static_cast<uint16_t>(owner));
+        if (it == replicas_.end())
+          return absl::InvalidArgumentError(absl::StrCat("compute rank ", owner, " never said hello"));
+        lanes_[j].peer = it->second;
+      }
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Setup(const std::vector<uint8_t>& msg, int device) {
@@ -181,18 +270,31 @@ class MemoryRank {
     const size_t qkv_bytes = static_cast<size_t>(shape_.max_tokens * shape_.qkv_width()) * elem_;
     const size_t out_bytes = static_cast<size_t>(shape_.max_tokens * shape_.q_dim()) * elem_;
     device_path_ = !exec_->memory().host() && transport_->capabilities().device_polling;
-    if (!exec_->memory().host()) {
-      ASSIGN_OR_RETURN(qkv_dev_, exec_->memory().Allocate(qkv_bytes, false));
-      ASSIGN_OR_RETURN(out_dev_, exec_->memory().Allocate(out_bytes, false));
-    }
-    if (device_path_) {
-      // q,k,v rows land straight in the executor's input buffer; no header, no staging.
-      RETURN_IF_ERROR(transport_->RegisterBuffer(kQkvBuffer, qkv_dev_.get(), qkv_bytes));
-    } else {
-      recv_bytes_ = kLayerMessageHeaderFrameBytes + qkv_bytes;
-      ASSIGN_OR_RETURN(recv_, exec_->memory().Allocate(recv_bytes_, true));
-      ASSIGN_OR_RETURN(send_, exec_->memory().Allocate(out_bytes, true));
-      RETURN_IF_ERROR(transport_->RegisterBuffer(kQkvBuffer, recv_.get(), recv_bytes_));
+    // One lane per micro-batch in flight (the hello's lanes): each its own executor lane over the
+    // one KV pool, its own receive buffer (kQkvBuffer + j) and staging.
+    lanes_.resize(hello_.lanes);
+    for (size_t j = 0; j < lanes_.size(); ++j) {
+      Lane& lane = lanes_[j];
+      if (j == 0) {
+        lane.exec = exec_.get();
+      } else {
+        ASSIGN_OR_RETURN(lane.owned, exec_->CreateLane());
+        lane.exec = lane.owned.get();
+      }
+      const uint32_t buffer = kQkvBuffer + static_cast<uint32_t>(j);
+      if (!exec_->memory().host()) {
+        ASSIGN_OR_RETURN(lane.qkv_dev, exec_->memory().Allocate(qkv_bytes, false));
+        ASSIGN_OR_RETURN(lane.out_dev, exec_->memory().Allocate(out_bytes, false));
+      }
+      if (device_path_) {
+        // q,k,v rows land straight in the executor's input buffer; no header, no staging.
+        RETURN_IF_ERROR(transport_->RegisterBuffer(buffer, lane.qkv_dev.get(), qkv_bytes));
+      } else {
+        lane.recv_bytes = kLayerMessageHeaderFrameBytes + qkv_bytes;
+        ASSIGN_OR_RETURN(lane.recv, exec_->memory().Allocate(lane.recv_bytes, true));
+        ASSIGN_OR_RETURN(lane.send, exec_->memory().Allocate(out_bytes, true));
+        RETURN_IF_ERROR(transport_->RegisterBuffer(buffer, lane.recv.get(), lane.recv_bytes));
+      }
     }
     HelloReplyMessage reply;
     reply.memory_rank = static_cast<uint16_t>(o_.rank);
@@ -200,7 +302,8 @@ class MemoryRank {
     reply.kv_capacity_tokens = static_cast<uint64_t>(exec_->kv_capacity());
     reply.qkv_buffer = kQkvBuffer;
     reply.device = exec_->device().substr(0, 256);
-    RETURN_IF_ERROR(transport_->Send(peer_, EncodeHelloReply(reply)));
+    reply_ = EncodeHelloReply(reply);
+    RETURN_IF_ERROR(transport_->Send(peer_, reply_));
     TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, ": ", shape_.num_layers, " layers, ", shape_.num_heads,
                     "/", shape_.num_kv_heads, " heads of ", shape_.head_dim, " (partition ",
                     AttentionPartitionName(hello_.partition), ", KV heads [", hello_.kv_head_begin, ", ",
@@ -210,108 +313,165 @@ class MemoryRank {
     return absl::OkStatus();
   }
 
+  // A step plan, or one micro-batch's plan of a pipelined step: micro-batches arrive in order,
+  // each is applied to the KV table and begun on its lane at once, and the last one runs the
+  // step's layers, the lanes in turn per layer (the order the compute rank sends them in).
   absl::Status RunStep(const StepPlan& plan) {
-    // Requests come in memory rank order (the decoder checked it), so under the request partition
-    // this rank's rows start after the lower ranks' rows in the compute rank's attention buffer.
-    // Under the head partition every request is placed on rank 0 and every rank applies the plan
-    // as rank 0 (the same KV table on every rank, over its heads); its output goes to a buffer of
-    // its own on the compute rank, at row 0.
-    uint64_t row_offset = 0;
-    for (const StepRequest& r : plan.requests) {
-      if (r.memory_rank < placement_rank_) row_offset += static_cast<uint64_t>(r.q_len);
+    const size_t j = plan.micro_batch;
+    if (plan.micro_batches > lanes_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", plan.step_id, " has ", int{plan.micro_batches},
+                                                     " micro-batches but the hello set up ", lanes_.size(),
+                                                     " lanes"));
     }
-    RETURN_IF_ERROR(kv_->Apply(plan, placement_rank_, &batch_));
-    const int64_t t = batch_.num_tokens();
-    if (t == 0) return absl::OkStatus();
+    if (j != next_micro_batch_ || (j > 0 && plan.step_id != micro_step_id_)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("step ", plan.step_id, " micro-batch ", j, " arrived but micro-batch ",
+                       next_micro_batch_, " of step ", j > 0 ? micro_step_id_ : plan.step_id, " was next"));
+    }
+    micro_step_id_ = plan.step_id;
+    next_micro_batch_ = j + 1 == plan.micro_batches ? 0 : j + 1;
+    // Requests come in memory rank order (the decoder checked it), so under the request partition
+    // this rank's rows start after the lower ranks' rows in the compute rank's attention buffer
+    // (the micro-batch's buffer). Under the head partition every request is placed on rank 0 and
+    // every rank applies the plan as rank 0 (the same KV table on every rank, over its heads); its
+    // output goes to a buffer of its own on the compute rank, at row 0.
+    Lane& lane = lanes_[j];
+    lane.row_offset = 0;
+    for (const StepRequest& r : plan.requests) {
+      if (r.memory_rank < placement_rank_) lane.row_offset += static_cast<uint64_t>(r.q_len);
+    }
+    RETURN_IF_ERROR(kv_->Apply(plan, placement_rank_, &lane.batch));
+    lane.rows = lane.batch.num_tokens();
+    if (lane.rows > 0) RETURN_IF_ERROR(lane.exec->BeginStep(lane.batch));
+    if (next_micro_batch_ != 0) return absl::OkStatus();  // more micro-batches to come
+    const size_t lanes = plan.micro_batches;
+    bool any = false;
+    for (size_t k = 0; k < lanes; ++k) any |= lanes_[k].rows > 0;
+    if (!any) return absl::OkStatus();
     ++steps_;
-    RETURN_IF_ERROR(exec_->BeginStep(batch_));
-    RETURN_IF_ERROR(device_path_ ? LayersOnDevice(plan.step_id, t, row_offset) : Layers(plan.step_id, t));
+    RETURN_IF_ERROR(device_path_ ? LayersOnDevice(plan.step_id, lanes) : Layers(plan.step_id, lanes));
     // The step's work has run (both paths wait for it): its attention time.
-    ASSIGN_OR_RETURN(const uint64_t attention, exec_->TakeLayerTimeNs());
-    attention_ns_ += attention;
+    for (size_t k = 0; k < lanes; ++k) {
+      ASSIGN_OR_RETURN(const uint64_t attention, lanes_[k].exec->TakeLayerTimeNs());
+      attention_ns_ += attention;
+    }
     return absl::OkStatus();
   }
 
-  // Host-staged: per layer, wait for the q,k,v message, run the layer, write the output back.
-  absl::Status Layers(uint64_t step_id, int64_t t) {
+  // Host-staged: per layer and lane, wait for the q,k,v message, run the layer, write the output
+  // back.
+  absl::Status Layers(uint64_t step_id, size_t lanes) {
     const uint32_t qkv_row = static_cast<uint32_t>(shape_.qkv_width() * static_cast<int64_t>(elem_));
     const uint32_t out_row = static_cast<uint32_t>(shape_.q_dim() * static_cast<int64_t>(elem_));
-    const size_t out_bytes = static_cast<size_t>(t) * out_row;
     for (uint32_t layer = 0; layer < static_cast<uint32_t>(shape_.num_layers); ++layer) {
-      ++seqno_;
-      const LayerMessageExpect in{.step_id = step_id,
-                                  .layer = layer,
-                                  .kind = LayerMessageKind::kQkv,
-                                  .dtype = exec_->dtype(),
-                                  .rows = static_cast<uint32_t>(t),
-                                  .row_bytes = qkv_row,
-                                  .seqno = seqno_,
-                                  .verify_checksum = hello_.checksums};
-      absl::StatusOr<bool> got = WaitFor(
-          [&](absl::Time d) -> absl::StatusOr<bool> {
-            RETURN_IF_ERROR(transport_->WaitDoorbell(kQkvBuffer, seqno_, d));
-            return true;
-          },
-          absl::Now() + o_.step_timeout, absl::StrCat("q,k,v of step ", step_id, " layer ", layer));
-      RETURN_IF_ERROR(got.status());
-      ASSIGN_OR_RETURN(absl::Span<const uint8_t> payload,
-                       ReadLayerMessage({static_cast<const uint8_t*>(recv_.get()), recv_bytes_}, in));
-      void* out = send_.get();
-      if (exec_->memory().host()) {
-        RETURN_IF_ERROR(exec_->MarkLayerStart());
-        RETURN_IF_ERROR(exec_->Layer(layer, payload.data(), out));
-        RETURN_IF_ERROR(exec_->MarkLayerEnd());
-      } else {
-        RETURN_IF_ERROR(exec_->memory().CopyIn(qkv_dev_.get(), payload.data(), payload.size()));
-        RETURN_IF_ERROR(exec_->MarkLayerStart());
-        RETURN_IF_ERROR(exec_->Layer(layer, qkv_dev_.get(), out_dev_.get()));
-        RETURN_IF_ERROR(exec_->MarkLayerEnd());
-        RETURN_IF_ERROR(exec_->memory().CopyOut(out, out_dev_.get(), out_bytes));
-        RETURN_IF_ERROR(exec_->memory().Synchronize());
+      for (size_t j = 0; j < lanes; ++j) {
+        Lane& lane = lanes_[j];
+        if (lane.rows == 0) continue;
+        AttentionExecutor& exec = *lane.exec;
+        const size_t out_bytes = static_cast<size_t>(lane.rows) * out_row;
+        ++lane.seqno;
+        const uint32_t buffer = kQkvBuffer + static_cast<uint32_t>(j);
+        const LayerMessageExpect in{.step_id = step_id,
+                                    .layer = layer,
+                                    .kind = LayerMessageKind::kQkv,
+                                    .dtype = exec.dtype(),
+                                    .rows = static_cast<uint32_t>(lane.rows),
+                                    .row_bytes = qkv_row,
+                                    .seqno = lane.seqno,
+                                    .verify_checksum = hello_.checksums};
+        absl::StatusOr<bool> got = WaitFor(
+            [&](absl::Time d) -> absl::StatusOr<bool> {
+              RETURN_IF_ERROR(transport_->WaitDoorbell(buffer, lane.seqno, d));
+              return true;
+            },
+            absl::Now() + o_.step_timeout,
+            absl::StrCat("q,k,v of step ", step_id, lanes > 1 ? absl::StrCat(" micro-batch ", j) : "",
+                         " layer ", layer));
+        RETURN_IF_ERROR(got.status());
+        ASSIGN_OR_RETURN(
+            absl::Span<const uint8_t> payload,
+            ReadLayerMessage({static_cast<const uint8_t*>(lane.recv.get()), lane.recv_bytes}, in));
+        void* out = lane.send.get();
+        if (exec.memory().host()) {
+          RETURN_IF_ERROR(exec.MarkLayerStart());
+          RETURN_IF_ERROR(exec.Layer(layer, payload.data(), out));
+          RETURN_IF_ERROR(exec.MarkLayerEnd());
+        } else {
+          RETURN_IF_ERROR(exec.memory().CopyIn(lane.qkv_dev.get(), payload.data(), payload.size()));
+          RETURN_IF_ERROR(exec.MarkLayerStart());
+          RETURN_IF_ERROR(exec.Layer(layer, lane.qkv_dev.get(), lane.out_dev.get()));
+          RETURN_IF_ERROR(exec.MarkLayerEnd());
+          RETURN_IF_ERROR(exec.memory().CopyOut(out, lane.out_dev.get(), out_bytes));
+          RETURN_IF_ERROR(exec.memory().Synchronize());
+        }
+        LayerMessageExpect reply = in;
+        reply.kind = LayerMessageKind::kAttnOut;
+        reply.row_bytes = out_row;
+        const absl::Span<const uint8_t> body(static_cast<const uint8_t*>(out), out_bytes);
+        const std::vector<uint8_t> header = MakeLayerMessageHeader(reply, body, hello_.checksums);
+        const absl::Span<const uint8_t> pieces[] = {header, body};
+        RETURN_IF_ERROR(transport_->Write(lane.peer, hello_.attn_out_buffer + static_cast<uint32_t>(j), 0,
+                                          pieces, lane.seqno));
       }
-      LayerMessageExpect reply = in;
-      reply.kind = LayerMessageKind::kAttnOut;
-      reply.row_bytes = out_row;
-      const absl::Span<const uint8_t> body(static_cast<const uint8_t*>(out), out_bytes);
-      const std::vector<uint8_t> header = MakeLayerMessageHeader(reply, body, hello_.checksums);
-      const absl::Span<const uint8_t> pieces[] = {header, body};
-      RETURN_IF_ERROR(transport_->Write(peer_, hello_.attn_out_buffer, 0, pieces, seqno_));
     }
     return absl::OkStatus();
   }
 
-  // The whole step enqueued on the executor's stream (see memory_rank.h); the host waits once.
-  absl::Status LayersOnDevice(uint64_t step_id, int64_t t, uint64_t row_offset) {
+  // The whole step enqueued on the executor's stream (see memory_rank.h), the lanes in turn per
+  // layer; the host waits once.
+  absl::Status LayersOnDevice(uint64_t step_id, size_t lanes) {
     void* stream = exec_->stream();
     const size_t qkv_row = static_cast<size_t>(shape_.qkv_width()) * elem_;
     const size_t out_row = static_cast<size_t>(shape_.q_dim()) * elem_;
     for (uint32_t layer = 0; layer < static_cast<uint32_t>(shape_.num_layers); ++layer) {
-      ++seqno_;
-      RETURN_IF_ERROR(transport_->EnqueueWait(
-          peer_, kQkvBuffer, 0, static_cast<size_t>(t) * qkv_row, seqno_, o_.step_timeout,
-          absl::StrCat("memory rank ", o_.rank, ": q,k,v of step ", step_id, " layer ", layer), stream));
-      RETURN_IF_ERROR(exec_->MarkLayerStart());
-      RETURN_IF_ERROR(exec_->Layer(layer, qkv_dev_.get(), out_dev_.get()));
-      RETURN_IF_ERROR(exec_->MarkLayerEnd());
-      RETURN_IF_ERROR(transport_->EnqueueWrite(peer_, hello_.attn_out_buffer, row_offset * out_row,
-                                               out_dev_.get(), static_cast<size_t>(t) * out_row, seqno_,
-                                               stream));
+      for (size_t j = 0; j < lanes; ++j) {
+        Lane& lane = lanes_[j];
+        if (lane.rows == 0) continue;
+        const size_t t = static_cast<size_t>(lane.rows);
+        ++lane.seqno;
+        RETURN_IF_ERROR(transport_->EnqueueWait(
+            lane.peer, kQkvBuffer + static_cast<uint32_t>(j), 0, t * qkv_row, lane.seqno, o_.step_timeout,
+            absl::StrCat("memory rank ", o_.rank, ": q,k,v of step ", step_id,
+                         lanes > 1 ? absl::StrCat(" micro-batch ", j) : "", " layer ", layer),
+            stream));
+        RETURN_IF_ERROR(lane.exec->MarkLayerStart());
+        RETURN_IF_ERROR(lane.exec->Layer(layer, lane.qkv_dev.get(), lane.out_dev.get()));
+        RETURN_IF_ERROR(lane.exec->MarkLayerEnd());
+        RETURN_IF_ERROR(transport_->EnqueueWrite(lane.peer, hello_.attn_out_buffer + static_cast<uint32_t>(j),
+                                                 lane.row_offset * out_row, lane.out_dev.get(), t * out_row,
+                                                 lane.seqno, stream));
+      }
     }
     return transport_->SyncStream(stream, absl::Now() + 2 * o_.step_timeout);
   }
 
   MemoryRankOptions o_;
   std::unique_ptr<Transport> transport_;
-  PeerId peer_ = 0;
+  PeerId peer_ = 0;  // compute rank 0
+  bool peer_set_ = false;
+  std::map<uint16_t, PeerId> replicas_;  // compute rank -> its connection (compute.ranks > 1)
+  std::vector<uint8_t> reply_;           // the hello reply every compute rank gets
   HelloMessage hello_;
   AttentionShape shape_;
   std::unique_ptr<AttentionExecutor> exec_;
   std::unique_ptr<KvTable> kv_;
-  AttentionBatch batch_;
-  size_t elem_ = 4, recv_bytes_ = 0;
-  BackendBuffer recv_{nullptr, nullptr}, send_{nullptr, nullptr}, qkv_dev_{nullptr, nullptr},
-      out_dev_{nullptr, nullptr};
-  uint64_t seqno_ = 0;
+  // One per micro-batch in flight (lane 0 uses exec_ itself).
+  struct Lane {
+    PeerId peer = 0;  // the compute rank that owns it (lane j: compute rank j % compute_ranks)
+    std::unique_ptr<AttentionExecutor> owned;
+    AttentionExecutor* exec = nullptr;
+    AttentionBatch batch;
+    int64_t rows = 0;         // this step's rows here
+    uint64_t row_offset = 0;  // where they go in the compute rank's attention buffer
+    size_t recv_bytes = 0;
+    BackendBuffer recv{nullptr, nullptr}, send{nullptr, nullptr}, qkv_dev{nullptr, nullptr},
+        out_dev{nullptr, nullptr};
+    uint64_t seqno = 0;  // of its receive buffer's doorbell
+  };
+  std::vector<Lane> lanes_;
+  size_t next_micro_batch_ = 0;  // of a pipelined step whose plans are arriving
+  uint64_t micro_step_id_ = 0;
+  size_t elem_ = 4;
   int64_t steps_ = 0;          // steps with rows here
   uint64_t attention_ns_ = 0;  // their attention time (device time on a GPU)
   bool device_path_ = false;

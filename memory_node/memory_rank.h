@@ -17,7 +17,11 @@
 //      its heads; its q,k,v rows are the packed columns of its heads for every row of the step;
 //      release messages free the KV of requests that ended; a stats request is answered with the
 //      rank's totals (steps with rows here and their attention time: the pipeline
-//      report of compute rank 0); bye ends the rank cleanly.
+//      report of compute rank 0); bye ends the rank cleanly. With pipelining (the hello's lanes > 1)
+//      a step comes as micro-batch plans in order, each applied to the KV table and begun on a lane
+//      of its own (an executor lane over the same pool, its own receive buffer) as it arrives; after
+//      the last one the rank serves layer l of every micro-batch in turn, in the order the compute
+//      rank sends them (docs/architecture.md, "Micro-batches").
 // With the host-staged transport (ucx), CUDA ranks stage q,k,v and outputs through pinned host
 // buffers, layer by layer. With a device-polling transport (p2p, nccl, verbs) a CUDA rank
 // enqueues the whole step at once on its executor's stream, per layer: a device-side wait for

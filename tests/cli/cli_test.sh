@@ -201,6 +201,32 @@ expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --set transport.kind=lo
 grep -q "2 memory rank(s) as threads of compute-0 (transport local)" "$TMP/err" || bad "generate --deploy with transport local does not say so: $(tail -3 "$TMP/err")"
 ls "$TMP"/run/latest/memory-*.log >/dev/null 2>&1 && bad "transport local started memory rank processes"
 cmp -s "$TMP/out" "$TMP/deployed.json" || bad "transport local differs from colocated: $(diff "$TMP/out" "$TMP/deployed.json" | head -5)"
+# pipeline.mode pingpong: each step as micro-batches interleaved with the memory ranks' attention,
+# same JSON; over ucx between processes and over local.
+for kind in ucx local; do
+  rm -rf "$TMP/run"
+  expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --set transport.kind=$kind --set pipeline.mode=pingpong --set pipeline.batches=3 --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs
+  grep -q "pipeline pingpong over 3 micro-batches" "$TMP/err" "$TMP"/run/latest/compute-0.log 2>/dev/null || bad "pingpong over $kind does not say so"
+  # Same tokens; log-probabilities within fp32 rounding (each micro-batch's GEMMs have fewer rows).
+  python3 "$SRC/tests/cli/compare_results.py" "$TMP/out" "$TMP/deployed.json" 1e-4 >/dev/null 2>"$TMP/cmp" ||
+    bad "pingpong over $kind differs from colocated: $(cat "$TMP/cmp")"
+done
+# Compute replicas (pipeline.mode fixed): compute ranks 1.. as processes of their own, same tokens,
+# no warning in any log, every rank gone at the end.
+rm -rf "$TMP/run"
+expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --set compute.ranks=3 --set pipeline.mode=fixed --set pipeline.batches=4 --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs
+grep -q "compute-2 listening on" "$TMP/err" || bad "compute.ranks=3 did not start compute-2: $(tail -3 "$TMP/err")"
+grep -q "pipeline fixed over 4 micro-batches on 3 compute ranks" "$TMP/run/latest/compute-0.log" || bad "compute-0 does not log the fixed pipeline"
+python3 "$SRC/tests/cli/compare_results.py" "$TMP/out" "$TMP/deployed.json" 1e-4 >/dev/null 2>"$TMP/cmp" ||
+  bad "compute replicas differ from colocated: $(cat "$TMP/cmp")"
+! grep -h " [WE] \[" "$TMP"/run/latest/*.log || bad "a clean run with compute replicas logged warnings"
+grep -q "bye after" "$TMP/run/latest/compute-1.log" || bad "compute-1 did not get its bye"
+expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=fixed
+grep -q "compute-1: cpu (replica)" "$TMP/out" || bad "config check does not list the compute replica"
+expect_fail "compute.ranks: 2 compute ranks need pipeline.mode fixed (it is none)" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2
+expect_fail "pipeline.batches: 2 micro-batches for 3 compute ranks" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=3 --set pipeline.mode=fixed
+expect_fail "which transport.kind local (one process) cannot connect" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=fixed --set transport.kind=local
+expect_fail "pipeline.batches=9: expected an integer in [2, 8]" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set pipeline.mode=pingpong --set pipeline.batches=9
 expect_ok "$TANDEM" devices
 grep -q "transports in this build: ucx" "$TMP/out" || bad "devices does not list the transports"
 expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml"
@@ -214,26 +240,28 @@ grep -q "memory.ranks" "$TMP/out" || bad "config help --deploy lacks memory.rank
 expect_fail "memory.devices: 3 devices listed for 2 ranks" "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompt-ids 1 --set memory.devices=cpu,cpu,cpu
 expect_fail "unknown key 'memory.rank'" "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompt-ids 1 --set memory.rank=2
 expect_fail "exceeds the model's context" "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompt-ids 1 --max-tokens 100000
-pgrep -f "$TMP/run/deploy.yaml" >/dev/null && bad "rank processes left behind after generate --deploy"
+pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left behind after generate --deploy"
 
 # tandem launch: ready, then SIGTERM stops every rank and exits 0, leaving no process behind.
 "$TANDEM" launch "$TMP/deploy.yaml" >"$TMP/launch.out" 2>&1 &
 lpid=$!
 for _ in $(seq 1 200); do grep -q "running until" "$TMP/launch.out" && break; sleep 0.1; done
 grep -q "running until" "$TMP/launch.out" || bad "launch did not become ready: $(cat "$TMP/launch.out")"
+# (the checks for processes left behind look for this run's config path on command lines)
+pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null || bad "no rank process names the run's deploy.yaml"
 kill -TERM $lpid; wait $lpid; rc=$?
 [ $rc -eq 0 ] || bad "launch exited $rc after SIGTERM: $(tail -3 "$TMP/launch.out")"
-pgrep -f "$TMP/run/deploy.yaml" >/dev/null && bad "rank processes left behind after SIGTERM"
+pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left behind after SIGTERM"
 # A memory rank that dies brings the deployment down with a message naming it.
 "$TANDEM" launch "$TMP/deploy.yaml" >"$TMP/launch.out" 2>&1 &
 lpid=$!
 for _ in $(seq 1 200); do grep -q "running until" "$TMP/launch.out" && break; sleep 0.1; done
-pkill -KILL -f -- "--rank 1 .*$TMP/run" || pkill -KILL -f "memory --config $TMP/run/deploy.yaml --rank 1"
+pkill -KILL -f -- "--rank 1 .*$TMP/run" || pkill -KILL -f "memory --rank 1 .*--config $TMP/run/"
 wait $lpid; rc=$?
 [ $rc -ne 0 ] || bad "launch exited 0 after a memory rank was killed"
 grep -q "memory-1 (pid [0-9]*) was killed by signal 9" "$TMP/launch.out" || bad "launch does not name the dead rank: $(tail -3 "$TMP/launch.out")"
 sleep 0.5
-pgrep -f "$TMP/run/deploy.yaml" >/dev/null && bad "rank processes left behind after a rank died"
+pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left behind after a rank died"
 cd "$SRC" || exit 1
 
 echo "$passed passed, $failed failed"

@@ -6,7 +6,9 @@
 //     cuda:0, with 1 memory rank (2 GPUs) and with 3 (4 GPUs), on the reference checkpoints and on
 //     the llama3-8b preset; and so does the head partition (memory.partition: head, each rank's
 //     columns packed and scattered by strided device copies) with 2 memory ranks (3 GPUs) and 4
-//     (5 GPUs); on one GPU (local), with 1 and 2 memory ranks and the head partition over 2;
+//     (5 GPUs); on one GPU (local), with 1 and 2 memory ranks and the head partition over 2; and
+//     pipelining (pipeline.mode pingpong, one micro-batch more than memory ranks) on one GPU
+//     (local), 2 and 4 GPUs (p2p);
 //   * a memory rank that stops answering fails the step within the step timeout with a status
 //     naming the rank and the layer; one that dies fails it at once (its waits are released).
 // Skips with the reason when there are too few GPUs or the transport is not in the build.
@@ -44,6 +46,10 @@ namespace tandem {
 namespace {
 
 constexpr double kLogprobTol = 1e-4;  // same kernels on the same kind of GPU: usually bit-identical
+// Pipelined micro-batches run each GEMM over fewer rows, for which cuBLAS may choose another
+// kernel: the bf16 activations may then round differently (the reference checkpoints measured
+// bit-identical on an H100; the llama3-8b preset did not, see the pingpong suites below).
+constexpr double kPingPongLogprobTol = 0.05;
 
 double Seconds(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
@@ -196,6 +202,7 @@ class MultiGpuDeploy : public ::testing::Test {
     o.transport = kind_;
     o.memory_addresses = addresses;
     o.partition = partition_;
+    o.micro_batches = micro_batches_;
     o.scheduler.max_batch_size = batch;
     o.scheduler.max_tokens_per_step = step_tokens;
     o.kv_capacity_tokens = 4096;
@@ -208,6 +215,7 @@ class MultiGpuDeploy : public ::testing::Test {
 
   transport::TransportKind kind_ = transport::TransportKind::kP2p;
   AttentionPartition partition_ = AttentionPartition::kRequest;
+  int micro_batches_ = 1;  // pipeline.batches (pingpong when > 1)
   int step_timeout_s_ = 60;
   std::string dir_;
   ProcessGroup group_;
@@ -233,6 +241,14 @@ class HeadPartitionSameTokens : public SameTokens {};
 
 TEST_P(HeadPartitionSameTokens, AsTheColocatedEngine) {
   partition_ = AttentionPartition::kHead;
+  Run();
+}
+
+// Pipelining (pipeline.mode pingpong): one more micro-batch in flight than there are memory ranks.
+class PingPongSameTokens : public SameTokens {};
+
+TEST_P(PingPongSameTokens, AsTheColocatedEngine) {
+  micro_batches_ = 1 + std::get<2>(GetParam());
   Run();
 }
 
@@ -274,16 +290,18 @@ void SameTokens::Run() {
     EXPECT_EQ(got[i].finish_reason, want[i].finish_reason);
     ASSERT_EQ(got[i].logprobs.size(), want[i].logprobs.size());
     for (size_t t = 0; t < got[i].logprobs.size(); ++t) {
-      EXPECT_NEAR(got[i].logprobs[t], want[i].logprobs[t], kLogprobTol) << "position " << t;
+      EXPECT_NEAR(got[i].logprobs[t], want[i].logprobs[t],
+                  micro_batches_ > 1 ? kPingPongLogprobTol : kLogprobTol)
+          << "position " << t;
       max_diff = std::max(max_diff, std::fabs(static_cast<double>(got[i].logprobs[t] - want[i].logprobs[t])));
     }
     tokens += static_cast<int64_t>(got[i].token_ids.size());
   }
   std::printf(
-      "%s, %s, 1 compute + %d memory rank(s) on %d GPUs, %s partition: %lld tokens in %lld steps (%.2f s), "
-      "max |logprob difference| %.3g\n",
+      "%s, %s, 1 compute + %d memory rank(s) on %d GPUs, %s partition, %d micro-batch(es): %lld tokens in "
+      "%lld steps (%.2f s), max |logprob difference| %.3g\n",
       kind.c_str(), model.c_str(), memory_ranks, kind == "local" ? 1 : 1 + memory_ranks,
-      AttentionPartitionName(partition_), static_cast<long long>(tokens),
+      AttentionPartitionName(partition_), micro_batches_, static_cast<long long>(tokens),
       static_cast<long long>(rank_->stats().steps), seconds, max_diff);
 }
 
@@ -305,6 +323,25 @@ INSTANTIATE_TEST_SUITE_P(OneGpu, HeadPartitionSameTokens,
                          ::testing::Combine(::testing::Values("local"),
                                             ::testing::Values("llama3-gqa-tied", "llama2-mha", "llama3-8b"),
                                             ::testing::Values(2)),
+                         Name);
+// Pingpong on the reference checkpoints only: the llama3-8b preset's random weights give nearly
+// flat logits, so a bf16 GEMM over fewer rows (another cuBLAS kernel, other rounding) flips
+// near-tied tokens (measured on an H100: same tokens in one run, a flipped token and 0.17 nats
+// after it in the next), as it would in the colocated engine with another batch size.
+INSTANTIATE_TEST_SUITE_P(OneGpu, PingPongSameTokens,
+                         ::testing::Combine(::testing::Values("local"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim"),
+                                            ::testing::Values(1, 2)),
+                         Name);
+INSTANTIATE_TEST_SUITE_P(TwoGpus, PingPongSameTokens,
+                         ::testing::Combine(::testing::Values("p2p"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha"),
+                                            ::testing::Values(1)),
+                         Name);
+INSTANTIATE_TEST_SUITE_P(FourGpus, PingPongSameTokens,
+                         ::testing::Combine(::testing::Values("p2p"),
+                                            ::testing::Values("llama2-mha", "mqa-headdim"),
+                                            ::testing::Values(3)),
                          Name);
 INSTANTIATE_TEST_SUITE_P(TwoGpus, SameTokens,
                          ::testing::Combine(::testing::Values("p2p", "nccl"),

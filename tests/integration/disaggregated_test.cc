@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -661,6 +662,131 @@ INSTANTIATE_TEST_SUITE_P(ModelsAndRanks, HeadPartition,
                            return absl::StrCat(testing_names::Identifier(std::get<0>(info.param)), "_",
                                                std::get<1>(info.param), "_memory_ranks");
                          });
+
+// ---------------------------------------------------------------------------------------------
+// Pipelining (pipeline.mode pingpong): each step split into micro-batches that compute rank 0 runs
+// interleaved with the memory ranks' attention gives the colocated engine's tokens, whatever the
+// partition, the number of memory ranks and of micro-batches, with prefix sharing on.
+
+// With compute replicas (pipeline.mode fixed, compute.ranks > 1): `tandem compute --replica r`
+// processes that load the same checkpoint, connect to the memory ranks and run the micro-batches
+// j with j % compute.ranks == r.
+class PingPong
+    : public DisaggregatedTest,
+      public ::testing::WithParamInterface<std::tuple<std::string, int, AttentionPartition, int, int>> {
+ protected:
+  // Starts compute ranks 1..ranks-1 (after the memory ranks) for compute rank 0's options `o`.
+  void StartReplicas(const std::string& model, int ranks, const ComputeRankOptions& o,
+                     std::vector<std::string>* replica_addresses) {
+    const char* binary = std::getenv("TANDEM_BINARY");
+    ASSERT_NE(binary, nullptr);
+    const std::string config = dir_ + "/replicas.yaml";
+    std::ofstream(config) << "model:\n  path: " << ModelDir(model) << "\ncompute:\n  ranks: " << ranks
+                          << "\n  device: cpu\nmemory:\n  ranks: " << addresses_.size()
+                          << "\n  partition: " << AttentionPartitionName(o.partition)
+                          << "\npipeline:\n  mode: fixed\n  batches: " << o.micro_batches
+                          << "\nscheduler:\n  max_batch_size: " << o.scheduler.max_batch_size
+                          << "\n  max_tokens_per_step: " << o.scheduler.max_tokens_per_step
+                          << "\nlaunch:\n  startup_timeout_s: 60\n  step_timeout_s: 20\n";
+    for (int r = 1; r < ranks; ++r) {
+      const std::string name = absl::StrCat("compute-", r), ready = absl::StrCat(dir_, "/", name, ".ready");
+      ASSERT_TRUE(group_
+                      .Start(name,
+                             {binary, "compute", "--replica", std::to_string(r), "--config", config,
+                              "--memory", absl::StrJoin(addresses_, ","), "--listen", "127.0.0.1:0",
+                              "--device", "cpu", "--ready-file", ready},
+                             absl::StrCat(dir_, "/", name, ".log"))
+                      .ok());
+      absl::StatusOr<std::string> address = group_.WaitReady(name, ready, absl::Seconds(60));
+      ASSERT_TRUE(address.ok()) << address.status();
+      replica_addresses->emplace_back(absl::StripAsciiWhitespace(*address));
+    }
+  }
+};
+
+TEST_P(PingPong, EqualsColocated) {
+  const auto& [model, n, partition, batches, compute_ranks] = GetParam();
+  std::unique_ptr<WeightSource> source = OpenHeadModel(model);
+  ASSERT_NE(source, nullptr);
+  constexpr int64_t kBatch = 8, kStepTokens = 40, kBlock = 8;
+  std::mt19937 rng(2468 + batches);
+  const int64_t vocab = source->spec().vocab_size;
+  const GenerationRequest system = MakeRequest(rng, vocab, 16, 1, false, 0);
+  std::vector<Arrival> arrivals;
+  for (int i = 0; i < 16; ++i) {
+    GenerationRequest r = MakeRequest(rng, vocab, 1 + (i * 11) % 37, 2 + (i * 5) % 13, i % 3 == 2, 700 + i);
+    if (i % 2 == 0) {
+      std::vector<int32_t> prompt = system.prompt;
+      prompt.insert(prompt.end(), r.prompt.begin(), r.prompt.end());
+      r.prompt = prompt;
+    }
+    arrivals.push_back({i < 6 ? 0 : i, r});
+  }
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, kBatch, kStepTokens, /*prefix_cache=*/false);
+  ASSERT_NE(engine, nullptr);
+  const std::vector<GenerationResult> want = RunSchedule(*engine, arrivals, [] {});
+  ASSERT_FALSE(HasFailure());
+
+  ComputeRankOptions o = Options(kBatch, kStepTokens, 2048);
+  absl::StatusOr<PrefixOptions> prefix = ResolvePrefixOptions(true, kBlock, "on");
+  ASSERT_TRUE(prefix.ok()) << prefix.status();
+  o.scheduler.prefix_block_tokens = prefix->block_tokens;
+  o.scheduler.prefix_sharing = prefix->sharing;
+  o.partition = partition;
+  o.micro_batches = batches;
+  if (compute_ranks > 1) {
+    ASSERT_NO_FATAL_FAILURE(StartMemoryRanks(n));
+    ASSERT_NO_FATAL_FAILURE(StartReplicas(model, compute_ranks, o, &o.replica_addresses));
+    o.memory_addresses = addresses_;
+    absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(*source, o);
+    ASSERT_TRUE(rank.ok()) << rank.status();
+    rank_ = std::move(*rank);
+  } else {
+    ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, n, o));
+  }
+  const std::vector<GenerationResult> got = RunSchedule(*rank_, arrivals, [] {});
+  ASSERT_FALSE(HasFailure());
+  int64_t cached = 0, generated = 0;
+  for (const GenerationResult& r : got) {
+    cached += r.cached_tokens;
+    generated += static_cast<int64_t>(r.token_ids.size());
+  }
+  const ControllerStats& stats = rank_->controller().stats();
+  std::printf(
+      "%s, %d compute rank(s), %d memory rank(s), %s partition, %d micro-batches: %lld tokens in %lld steps, "
+      "%lld prompt tokens reused, %lld rows in prefix groups, max |logprob difference| %.3g\n",
+      model.c_str(), compute_ranks, n, std::string(AttentionPartitionName(partition)).c_str(), batches,
+      static_cast<long long>(generated), static_cast<long long>(stats.steps), static_cast<long long>(cached),
+      static_cast<long long>(stats.grouped_rows), ExpectSameResults(got, want));
+  EXPECT_GT(cached, 0) << "the prefix cache was not used";
+  absl::StatusOr<PipelineTotals> totals = rank_->Pipeline();
+  ASSERT_TRUE(totals.ok()) << totals.status();
+  const PipelineReport report = MakePipelineReport(*totals);
+  std::printf("  pipeline: %s\n", report.ToString().c_str());
+  EXPECT_EQ(report.steps, stats.steps);
+  for (int m = 0; m < n; ++m) EXPECT_GT(report.rank_attention_ms[static_cast<size_t>(m)], 0.0);
+  EXPECT_LE(report.compute_ms + report.attention_phase_ms, report.step_ms * 1.0001);
+}
+
+using PingPongCase = std::tuple<std::string, int, AttentionPartition, int, int>;
+INSTANTIATE_TEST_SUITE_P(
+    ModelsRanksPartitionsBatches, PingPong,
+    ::testing::Values(PingPongCase{"llama3-gqa-tied", 1, AttentionPartition::kRequest, 2, 1},
+                      PingPongCase{"llama2-mha", 2, AttentionPartition::kRequest, 3, 1},
+                      PingPongCase{"mqa-headdim", 3, AttentionPartition::kRequest, 2, 1},
+                      PingPongCase{"llama3-gqa-tied", 2, AttentionPartition::kHead, 2, 1},
+                      PingPongCase{"gqa-8x4", 4, AttentionPartition::kHead, 4, 1},
+                      // Compute replicas (pipeline.mode fixed).
+                      PingPongCase{"llama3-gqa-tied", 1, AttentionPartition::kRequest, 2, 2},
+                      PingPongCase{"llama2-mha", 2, AttentionPartition::kRequest, 3, 2},
+                      PingPongCase{"mqa-headdim", 2, AttentionPartition::kRequest, 3, 3},
+                      PingPongCase{"llama2-mha", 2, AttentionPartition::kHead, 4, 3}),
+    [](const auto& info) {
+      return absl::StrCat(testing_names::Identifier(std::get<0>(info.param)), "_", std::get<4>(info.param),
+                          "_compute_", std::get<1>(info.param), "_memory_",
+                          AttentionPartitionName(std::get<2>(info.param)), "_", std::get<3>(info.param),
+                          "_batches");
+    });
 
 // Head partition with KV heads that do not divide among the ranks: refused by Create, with both
 // numbers, before anything connects (nothing listens at these addresses).

@@ -135,6 +135,9 @@ struct RawEvict {
 
 struct RawPlan {
   uint64_t step_id = 3;
+  uint8_t micro_batch = 0;
+  uint8_t micro_batches = 1;
+  uint8_t reserved[6] = {0, 0, 0, 0, 0, 0};
   std::vector<RawRequest> requests;
   std::vector<RawGroup> groups;
   std::vector<RawPublish> publishes;
@@ -150,6 +153,8 @@ Bytes PlanBody(const RawPlan& p) {
   Le w;
   w.U64(p.step_id).U32(count(p.request_count, p.requests.size())).U32(count(p.group_count, p.groups.size()));
   w.U32(count(p.publish_count, p.publishes.size())).U32(count(p.evict_count, p.evictions.size()));
+  w.U8(p.micro_batch).U8(p.micro_batches);
+  for (uint8_t r : p.reserved) w.U8(r);
   for (const RawRequest& q : p.requests) {
     w.U64(q.request_id).U64(q.seed).U64(q.counter).U64(q.attach_hash);
     w.I32(q.prefix_group).I32(q.position).I32(q.q_len).I32(q.kv_len);
@@ -174,11 +179,13 @@ Bytes PlanBody(const RawPlan& p) {
 Bytes PlanFrame(const RawPlan& p) { return MakeFrame(kStepPlanMagic, PlanBody(p)); }
 
 // A valid plan of 5 requests (ids 100..104; request 4 in group 2 of rank 2, requests 1 and 2 in
-// the nested group 1, request 3 attaching), 3 groups, 2 publishes and 2 evictions. Frame offsets:
-// requests at 40, groups at 360, publishes at 432, evictions at 496, end at 528.
+// the nested group 1, request 3 attaching), 3 groups, 2 publishes and 2 evictions; micro-batch 2
+// of 3. Frame offsets: micro_batch at 40, micro_batches at 41, reserved at 42..47, requests at
+// 48, groups at 368, publishes at 440, evictions at 504, end at 536.
 RawPlan FullRawPlan() {
   RawPlan p;
   p.step_id = 9;
+  p.micro_batch = 2, p.micro_batches = 3;
   p.requests.resize(5);
   for (size_t i = 0; i < 5; ++i) p.requests[i].request_id = 100 + i;
   p.requests[0].prefix_group = 0;
@@ -265,11 +272,14 @@ StepRequest RandomRequest(std::mt19937_64& rng, bool extreme) {
 }
 
 // A valid plan of `n` requests with prefix groups (some nested), publishes and evictions: at least
-// one of each when n >= 1 (evictions and groups also when n == 0). `extreme` uses limit values.
+// one of each when n >= 1 (evictions and groups also when n == 0), and a random micro-batch.
+// `extreme` uses limit values (the last of kMaxMicroBatches micro-batches).
 StepPlan RandomPlan(std::mt19937_64& rng, size_t n, bool extreme) {
   auto u = [&](uint64_t lo, uint64_t hi) { return std::uniform_int_distribution<uint64_t>(lo, hi)(rng); };
   StepPlan plan;
   plan.step_id = extreme ? kU64Max : rng();
+  plan.micro_batches = static_cast<uint8_t>(extreme ? kMaxMicroBatches : u(1, kMaxMicroBatches));
+  plan.micro_batch = static_cast<uint8_t>(extreme ? plan.micro_batches - 1 : u(0, plan.micro_batches - 1));
   for (size_t i = 0; i < n; ++i) plan.requests.push_back(RandomRequest(rng, extreme));
   auto by_rank = [&] {  // a valid plan lists its requests in memory rank order
     std::stable_sort(
@@ -405,6 +415,7 @@ TEST(StepPlanWire, RoundTripsRandomPlans) {
     for (bool extreme : {false, true}) {
       const StepPlan plan = RandomPlan(rng, n, extreme);
       ASSERT_TRUE(ValidateStepPlan(plan).ok()) << ValidateStepPlan(plan);
+      ASSERT_LT(plan.micro_batch, plan.micro_batches);
       ASSERT_FALSE(plan.groups.empty());
       ASSERT_FALSE(plan.evictions.empty());
       ASSERT_EQ(plan.publishes.empty(), n == 0);
@@ -414,6 +425,8 @@ TEST(StepPlanWire, RoundTripsRandomPlans) {
       ASSERT_TRUE(back.ok()) << "n=" << n << " extreme=" << extreme << ": " << back.status();
       EXPECT_TRUE(*back == plan) << "n=" << n << " extreme=" << extreme;
       EXPECT_EQ(EncodeStepPlan(*back), frame);
+      EXPECT_EQ(frame[40], plan.micro_batch);
+      EXPECT_EQ(frame[41], plan.micro_batches);
       // -0.0 keeps its sign bit (operator== cannot tell).
       for (size_t i = 0; i < n; ++i) {
         EXPECT_EQ(std::bit_cast<uint32_t>(back->requests[i].temperature),
@@ -426,6 +439,7 @@ TEST(StepPlanWire, RoundTripsRandomPlans) {
 TEST(StepPlanWire, GoldenBytes) {
   StepPlan plan;
   plan.step_id = 0x0102030405060708;
+  plan.micro_batch = 5, plan.micro_batches = 7;
   StepRequest q;
   q.request_id = 0x1122334455667788;
   q.memory_rank = 0x0203;
@@ -447,11 +461,12 @@ TEST(StepPlanWire, GoldenBytes) {
   plan.evictions.push_back(PrefixEvict{0x5152535455565758, 0x0405});
   // Layout written out by hand; crc computed independently (bitwise Python reference).
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x02, 0x00, 0x10, 0x00,
-      0xa0, 0x00, 0x00, 0x00, 0x32, 0x10, 0x58, 0x9b,  // frame: body_bytes 160
+      0x54, 0x44, 0x53, 0x50, 0x03, 0x00, 0x10, 0x00,
+      0xa8, 0x00, 0x00, 0x00, 0x55, 0x94, 0x26, 0x9e,  // frame: version 3, body_bytes 168
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // request_count, group_count
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // publish_count, evict_count
+      0x05, 0x07, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // micro_batch, micro_batches, reserved
       0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11,  // request 0: request_id
       0x2a, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // seed
       0x07, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // counter
@@ -498,7 +513,7 @@ TEST(LayerMessageWire, RoundTripsAndGoldenBytes) {
   h.step_id = 1, h.seqno = 2, h.payload_bytes = 256, h.layer = 3, h.rows = 4, h.row_bytes = 64;
   h.payload_crc32c = 0xdeadbeef, h.kind = LayerMessageKind::kAttnOut, h.dtype = DType::kBF16;
   const Bytes golden = {
-      0x54, 0x44, 0x4c, 0x4d, 0x02, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x4c, 0x4d, 0x03, 0x00, 0x10, 0x00,
       0x30, 0x00, 0x00, 0x00, 0xc4, 0x00, 0x01, 0xea,  // frame
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // id, seq
@@ -520,14 +535,89 @@ TEST(StepPlanWire, HandBuiltBodyMatchesEncoder) {
     EXPECT_EQ(EncodeStepPlan(*plan), frame);
   }
   const Bytes full = PlanFrame(FullRawPlan());
-  ASSERT_EQ(full.size(), 528u);
+  ASSERT_EQ(full.size(), 536u);
   const StepPlan plan = DecodeStepPlan(full).value();
+  EXPECT_EQ(plan.micro_batch, 2);
+  EXPECT_EQ(plan.micro_batches, 3);
   EXPECT_EQ(plan.requests.size(), 5u);
   EXPECT_EQ(plan.requests[3].attach_hash, 0xa77ac4u);
   EXPECT_EQ(plan.requests[4].prefix_group, 2);
   EXPECT_TRUE(plan.groups[1] == (PrefixGroup{0x11, 32, 0, 1}));
   EXPECT_TRUE(plan.publishes[1] == (PrefixPublish{104, 0x20, 0x9a, 1, 2}));
   EXPECT_TRUE(plan.evictions[1] == (PrefixEvict{0x30, 2}));
+}
+
+// The micro-batch fields, for every pair of byte values: micro_batch < micro_batches <= 8 decodes
+// (from frame offsets 40 and 41) and re-encodes to the same bytes; any other pair is refused by the
+// decoder and by ValidateStepPlan with the same error.
+TEST(StepPlanWire, MicroBatchFields) {
+  const std::string range = " must satisfy micro_batch < micro_batches <= 8";
+  const StepPlan bases[] = {DecodeStepPlan(PlanFrame(RawPlan{})).value(),
+                            DecodeStepPlan(PlanFrame(FullRawPlan())).value()};
+  int valid = 0;
+  for (int batches = 0; batches <= 255; ++batches) {
+    for (int batch = 0; batch <= 255; ++batch) {
+      RawPlan raw = batches % 2 ? FullRawPlan() : RawPlan{};
+      raw.micro_batch = static_cast<uint8_t>(batch), raw.micro_batches = static_cast<uint8_t>(batches);
+      const Bytes frame = PlanFrame(raw);
+      ASSERT_EQ(frame[40], batch);
+      ASSERT_EQ(frame[41], batches);
+      absl::StatusOr<StepPlan> plan = DecodeStepPlan(frame);
+      if (batches >= 1 && batches <= 8 && batch < batches) {
+        ++valid;
+        ASSERT_TRUE(plan.ok()) << batch << " of " << batches << ": " << plan.status();
+        ASSERT_EQ(plan->micro_batch, batch);
+        ASSERT_EQ(plan->micro_batches, batches);
+        ASSERT_TRUE(ValidateStepPlan(*plan).ok());
+        ASSERT_EQ(EncodeStepPlan(*plan), frame) << batch << " of " << batches;
+        continue;
+      }
+      ASSERT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << plan.status();
+      ASSERT_EQ(plan.status().message(), "step plan: micro_batch " + std::to_string(batch) +
+                                             " of micro_batches " + std::to_string(batches) + range);
+      StepPlan invalid = bases[batches % 2];
+      invalid.micro_batch = static_cast<uint8_t>(batch);
+      invalid.micro_batches = static_cast<uint8_t>(batches);
+      ASSERT_EQ(ValidateStepPlan(invalid), plan.status());
+      // The encoder writes invalid values as given.
+      ASSERT_EQ(EncodeStepPlan(invalid), frame);
+    }
+  }
+  EXPECT_EQ(valid, 36);  // 1 + 2 + ... + 8
+
+  // The last micro-batch of the most, 7 of 8, with every record kind; the defaults, 0 of 1.
+  RawPlan raw = FullRawPlan();
+  raw.micro_batch = 7, raw.micro_batches = 8;
+  absl::StatusOr<StepPlan> plan = DecodeStepPlan(PlanFrame(raw));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->micro_batch, 7);
+  EXPECT_EQ(plan->micro_batches, 8);
+  EXPECT_EQ(plan->requests.size(), 5u);
+  EXPECT_EQ(plan->evictions.size(), 2u);
+  StepPlan copy = *plan;
+  copy.micro_batch = 6;
+  EXPECT_FALSE(copy == *plan);  // operator== sees the fields
+  absl::StatusOr<StepPlan> back = DecodeStepPlan(EncodeStepPlan(*plan));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == *plan);
+  EXPECT_EQ(StepPlan{}.micro_batch, 0);
+  EXPECT_EQ(StepPlan{}.micro_batches, 1);
+  const Bytes defaults = EncodeStepPlan(StepPlan{});
+  ASSERT_EQ(defaults.size(), kFrameHeaderBytes + kStepPlanFixedBytes);
+  EXPECT_EQ(defaults, MakeFrame(kStepPlanMagic, Bytes{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                      0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0}));
+
+  // Each reserved byte after them (frame offsets 42..47) is named when not 0.
+  for (size_t k = 0; k < 6; ++k) {
+    for (uint8_t v : {uint8_t{1}, uint8_t{0x80}, uint8_t{0xff}}) {
+      RawPlan p = FullRawPlan();
+      p.reserved[k] = v;
+      absl::Status s = DecodeStepPlan(PlanFrame(p)).status();
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      EXPECT_EQ(s.message(), "step plan: reserved at byte offset " + std::to_string(42 + k) + " is " +
+                                 std::to_string(v) + ", must be 0");
+    }
+  }
 }
 
 TEST(Wire, EveryStrictPrefixIsDataLoss) {
@@ -569,8 +659,8 @@ TEST(Wire, EverySingleByteChangeIsRejected) {
 }
 
 TEST(StepPlanWire, ForgedCountsFailFastWithoutAllocating) {
-  // One record of each kind present: requests at frame offset 40, the group at 104, the publish
-  // at 128, the eviction at 160, the end at 176.
+  // One record of each kind present: requests at frame offset 48, the group at 112, the publish
+  // at 136, the eviction at 168, the end at 184.
   RawPlan base;
   base.requests.resize(1), base.groups.resize(1), base.publishes.resize(1), base.evictions.resize(1);
   ASSERT_TRUE(DecodeStepPlan(PlanFrame(base)).ok());
@@ -583,10 +673,10 @@ TEST(StepPlanWire, ForgedCountsFailFastWithoutAllocating) {
     size_t remaining;  // body bytes from there
   };
   const Case cases[] = {
-      {&RawPlan::request_count, "request_count", 64, "requests", 40, 136},
-      {&RawPlan::group_count, "group_count", 24, "groups", 104, 72},
-      {&RawPlan::publish_count, "publish_count", 32, "publishes", 128, 48},
-      {&RawPlan::evict_count, "evict_count", 16, "evictions", 160, 16},
+      {&RawPlan::request_count, "request_count", 64, "requests", 48, 136},
+      {&RawPlan::group_count, "group_count", 24, "groups", 112, 72},
+      {&RawPlan::publish_count, "publish_count", 32, "publishes", 136, 48},
+      {&RawPlan::evict_count, "evict_count", 16, "evictions", 168, 16},
   };
   for (const Case& c : cases) {
     // The last: one record more than the bytes from the area to the end hold.
@@ -624,7 +714,7 @@ TEST(StepPlanWire, ForgedCountsFailFastWithoutAllocating) {
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_EQ(
       s.message(),
-      "step plan: truncated: publish_count 1 needs 32 bytes of publishes at byte offset 176 but 0 remain");
+      "step plan: truncated: publish_count 1 needs 32 bytes of publishes at byte offset 184 but 0 remain");
 
   // Counts smaller than the records present leave unused bytes.
   p = base;
@@ -633,12 +723,12 @@ TEST(StepPlanWire, ForgedCountsFailFastWithoutAllocating) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_EQ(s.message(),
             "step plan: request_count 1, group_count 1, publish_count 1 and evict_count 0 leave 16 unused "
-            "body bytes at byte offset 160");
+            "body bytes at byte offset 168");
   s = DecodeStepPlan(MakeFrame(kStepPlanMagic, PlanBody(RawPlan{.requests = {RawRequest{}, RawRequest{}},
                                                                 .request_count = 1})))
           .status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_CONTAINS(std::string(s.message()), "evict_count 0 leave 64 unused body bytes at byte offset 104");
+  EXPECT_CONTAINS(std::string(s.message()), "evict_count 0 leave 64 unused body bytes at byte offset 112");
 }
 
 TEST(StepPlanWire, FieldRangeViolationsNameFieldAndRequest) {
@@ -669,8 +759,8 @@ TEST(StepPlanWire, FieldRangeViolationsNameFieldAndRequest) {
       {[](RawRequest& q) { q.top_p = -0.0f; }, "request 3: top_p -0"},
       {[](RawRequest& q) { q.position = 0, q.attach_hash = 1; },
        "request 3: attach_hash 0x0000000000000001 needs position > 0, not 0 (0: no attach)"},
-      {[](RawRequest& q) { q.sample = 2; }, "request 3: sample 2 at byte offset 294 must be 0 or 1"},
-      {[](RawRequest& q) { q.reserved = 1; }, "request 3: reserved at byte offset 295 is 1, must be 0"},
+      {[](RawRequest& q) { q.sample = 2; }, "request 3: sample 2 at byte offset 302 must be 0 or 1"},
+      {[](RawRequest& q) { q.reserved = 1; }, "request 3: reserved at byte offset 303 is 1, must be 0"},
   };
   ASSERT_TRUE(DecodeStepPlan(PlanFrame(FullRawPlan())).ok());
   for (const Case& c : cases) {
@@ -680,20 +770,23 @@ TEST(StepPlanWire, FieldRangeViolationsNameFieldAndRequest) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.want << ": " << s;
     EXPECT_CONTAINS(std::string(s.message()), c.want);
   }
-  // Reserved bytes of the other records (offsets: see FullRawPlan).
+  // Reserved bytes of the fixed part and of the other records (offsets: see FullRawPlan).
   const std::vector<std::pair<std::function<void(RawPlan&)>, std::string>> reserved = {
+      {[](RawPlan& p) { p.reserved[0] = 1; }, "step plan: reserved at byte offset 42 is 1, must be 0"},
+      {[](RawPlan& p) { p.reserved[3] = 0x40; }, "step plan: reserved at byte offset 45 is 64, must be 0"},
+      {[](RawPlan& p) { p.reserved[5] = 0xff; }, "step plan: reserved at byte offset 47 is 255, must be 0"},
       {[](RawPlan& p) { p.groups[1].reserved[0] = 1; },
-       "step plan: group 1: reserved at byte offset 402 is 1"},
+       "step plan: group 1: reserved at byte offset 410 is 1"},
       {[](RawPlan& p) { p.groups[2].reserved[5] = 0x80; },
-       "step plan: group 2: reserved at byte offset 431 is 128, must be 0"},
+       "step plan: group 2: reserved at byte offset 439 is 128, must be 0"},
       {[](RawPlan& p) { p.publishes[0].reserved[0] = 2; },
-       "step plan: publish 0: reserved at byte offset 462 is 2, must be 0"},
+       "step plan: publish 0: reserved at byte offset 470 is 2, must be 0"},
       {[](RawPlan& p) { p.publishes[1].reserved[1] = 3; },
-       "step plan: publish 1: reserved at byte offset 495 is 3, must be 0"},
+       "step plan: publish 1: reserved at byte offset 503 is 3, must be 0"},
       {[](RawPlan& p) { p.evictions[0].reserved[0] = 4; },
-       "step plan: eviction 0: reserved at byte offset 506 is 4, must be 0"},
+       "step plan: eviction 0: reserved at byte offset 514 is 4, must be 0"},
       {[](RawPlan& p) { p.evictions[1].reserved[5] = 5; },
-       "step plan: eviction 1: reserved at byte offset 527 is 5, must be 0"},
+       "step plan: eviction 1: reserved at byte offset 535 is 5, must be 0"},
   };
   for (const auto& [mutate, want] : reserved) {
     RawPlan p = FullRawPlan();
@@ -720,6 +813,23 @@ TEST(StepPlanWire, PlanLevelViolationsNameRecord) {
     std::string want;  // the whole message
   };
   const std::vector<Case> cases = {
+      // Micro-batch (the base is micro_batch 2 of 3).
+      {[](StepPlan& p) { p.micro_batches = 0; },
+       "step plan: micro_batch 2 of micro_batches 0 must satisfy micro_batch < micro_batches <= 8"},
+      {[](StepPlan& p) { p.micro_batch = 0, p.micro_batches = 0; },
+       "step plan: micro_batch 0 of micro_batches 0 must satisfy micro_batch < micro_batches <= 8"},
+      {[](StepPlan& p) { p.micro_batches = 9; },
+       "step plan: micro_batch 2 of micro_batches 9 must satisfy micro_batch < micro_batches <= 8"},
+      {[](StepPlan& p) { p.micro_batch = 0, p.micro_batches = 255; },
+       "step plan: micro_batch 0 of micro_batches 255 must satisfy micro_batch < micro_batches <= 8"},
+      {[](StepPlan& p) { p.micro_batch = 3; },
+       "step plan: micro_batch 3 of micro_batches 3 must satisfy micro_batch < micro_batches <= 8"},
+      {[](StepPlan& p) { p.micro_batches = 2; },
+       "step plan: micro_batch 2 of micro_batches 2 must satisfy micro_batch < micro_batches <= 8"},
+      {[](StepPlan& p) { p.micro_batch = 8, p.micro_batches = 8; },
+       "step plan: micro_batch 8 of micro_batches 8 must satisfy micro_batch < micro_batches <= 8"},
+      {[](StepPlan& p) { p.micro_batch = 255, p.micro_batches = 8; },
+       "step plan: micro_batch 255 of micro_batches 8 must satisfy micro_batch < micro_batches <= 8"},
       // Groups.
       {[](StepPlan& p) { p.groups[1].prefix_tokens = 0; },
        "step plan: group 1: prefix_tokens 0 must be >= 1"},
@@ -861,15 +971,32 @@ TEST(Wire, FrameHeaderChecks) {
   s = DecodeLayerMessageHeader(SmallPlanFrame()).status();
   EXPECT_CONTAINS(std::string(s.message()), "layer message header: magic 0x50534454 ('TDSP')");
 
-  s = code_and_message(MakeFrame(kStepPlanMagic, body, 3));
-  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
-  EXPECT_CONTAINS(std::string(s.message()), "version 3 is newer than the supported version 2");
-  // An older version is refused too, whatever the format (version 2 changed only the hello).
-  s = code_and_message(MakeFrame(kStepPlanMagic, body, 1));
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_EQ(s.message(),
-            "step plan: version 1 at byte offset 4 is older than the supported version 2 (version 2 changed "
-            "the hello's layout)");
+  ASSERT_EQ(kWireVersion, 3);
+  for (uint16_t version : {uint16_t{4}, uint16_t{0xffff}}) {
+    s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+    EXPECT_EQ(s.message(),
+              "step plan: version " + std::to_string(version) + " is newer than the supported version 3");
+  }
+  // An older version is refused too, whatever the format: version 2 (the step plan's 24-byte
+  // fixed part) and version 1 (also the hello's older layout).
+  for (uint16_t version : {uint16_t{2}, uint16_t{1}}) {
+    s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_EQ(s.message(), "step plan: version " + std::to_string(version) +
+                               " at byte offset 4 is older than the supported version 3 (versions 2 and 3 "
+                               "changed the hello and step plan layouts)");
+  }
+  // A version 2 plan as a version 2 encoder wrote it (records right after evict_count, at body
+  // offset 24) is refused by its version, not misread as a version 3 plan.
+  {
+    Bytes v2 = PlanBody(RawPlan{.requests = {RawRequest{}}});
+    v2.erase(v2.begin() + 24, v2.begin() + 32);
+    ASSERT_EQ(v2.size(), 24u + kStepRequestBytes);
+    s = code_and_message(MakeFrame(kStepPlanMagic, v2, 2));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_CONTAINS(std::string(s.message()), "step plan: version 2 at byte offset 4 is older");
+  }
   s = code_and_message(MakeFrame(kStepPlanMagic, body, 0));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_CONTAINS(std::string(s.message()), "version 0 at byte offset 4 is invalid");
@@ -884,7 +1011,7 @@ TEST(Wire, FrameHeaderChecks) {
   trailing.push_back(0);
   s = code_and_message(trailing);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_CONTAINS(std::string(s.message()), "1 trailing bytes after the frame at byte offset 104");
+  EXPECT_CONTAINS(std::string(s.message()), "1 trailing bytes after the frame at byte offset 112");
 
   // A body that claims a request it lacks (crc recomputed): truncated inside the body.
   Bytes short_body = body;
@@ -892,15 +1019,31 @@ TEST(Wire, FrameHeaderChecks) {
   s = code_and_message(MakeFrame(kStepPlanMagic, short_body));
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_CONTAINS(std::string(s.message()),
-                  "request_count 1 needs 64 bytes of requests at byte offset 40 but 20 remain");
+                  "request_count 1 needs 64 bytes of requests at byte offset 48 but 20 remain");
   s = code_and_message(MakeFrame(kStepPlanMagic, Bytes(10, 0)));
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_CONTAINS(std::string(s.message()), "request_count needs 4 bytes at byte offset 24 but 2 remain");
-  s = code_and_message(MakeFrame(kStepPlanMagic, Bytes(kStepPlanFixedBytes - 1, 0)));
+  s = code_and_message(MakeFrame(kStepPlanMagic, Bytes(23, 0)));
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_EQ(s.message(), "step plan: truncated: evict_count needs 4 bytes at byte offset 36 but 3 remain");
-  // An empty plan is the fixed fields alone.
-  absl::StatusOr<StepPlan> empty = DecodeStepPlan(MakeFrame(kStepPlanMagic, Bytes(kStepPlanFixedBytes, 0)));
+  // The version 2 fixed part alone: the micro-batch fields and reserved bytes are missing.
+  s = code_and_message(MakeFrame(kStepPlanMagic, Bytes(24, 0)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_EQ(s.message(), "step plan: truncated: micro_batch needs 1 bytes at byte offset 40 but 0 remain");
+  s = code_and_message(MakeFrame(kStepPlanMagic, Bytes(25, 0)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_EQ(s.message(), "step plan: truncated: micro_batches needs 1 bytes at byte offset 41 but 0 remain");
+  s = code_and_message(MakeFrame(kStepPlanMagic, Bytes(kStepPlanFixedBytes - 1, 0)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_EQ(s.message(), "step plan: truncated: reserved needs 1 bytes at byte offset 47 but 0 remain");
+  // An empty plan is the fixed fields alone; all zeros is micro-batch 0 of 0, which is refused.
+  Bytes fixed(kStepPlanFixedBytes, 0);
+  s = code_and_message(MakeFrame(kStepPlanMagic, fixed));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(),
+            "step plan: micro_batch 0 of micro_batches 0 must satisfy micro_batch < micro_batches <= 8");
+  fixed[25] = 1;  // micro_batches
+  absl::StatusOr<StepPlan> empty = DecodeStepPlan(MakeFrame(kStepPlanMagic, fixed));
   ASSERT_TRUE(empty.ok()) << empty.status();
   EXPECT_TRUE(*empty == StepPlan{});
 }
@@ -926,7 +1069,8 @@ struct RawHello {
   uint16_t prefix_block_tokens = 16;
   uint8_t prefix_sharing = 2;
   uint8_t partition = 0;
-  uint8_t reserved[2] = {0, 0};
+  uint8_t lanes = 1;
+  uint8_t compute_ranks = 1;
   uint32_t kv_head_begin = 0;
   uint32_t kv_head_end = 2;  // request partition: every KV head
 };
@@ -937,7 +1081,7 @@ Bytes HelloBody(const RawHello& h) {
   w.U32(h.max_tokens_per_step).U32(h.max_requests_per_step).U32(h.max_position);
   w.F32(h.kv_memory_fraction).U32(h.attn_out_buffer).U16(h.memory_rank).U16(h.num_memory_ranks);
   w.U8(h.dtype).U8(h.checksums).U16(h.prefix_block_tokens).U8(h.prefix_sharing).U8(h.partition);
-  for (uint8_t r : h.reserved) w.U8(r);
+  w.U8(h.lanes).U8(h.compute_ranks);
   w.U32(h.kv_head_begin).U32(h.kv_head_end);
   return w.b;
 }
@@ -1000,6 +1144,7 @@ HelloMessage RandomHello(std::mt19937_64& rng, bool extreme) {
     h.partition = u(0, 1) ? AttentionPartition::kHead : AttentionPartition::kRequest;
     h.kv_head_begin = h.partition == AttentionPartition::kHead ? 65537u * h.memory_rank : 0;
     h.kv_head_end = kU32Max;
+    h.lanes = static_cast<uint8_t>(kMaxMicroBatches);
     return h;
   }
   h.num_memory_ranks = static_cast<uint16_t>(u(1, 64));
@@ -1024,6 +1169,7 @@ HelloMessage RandomHello(std::mt19937_64& rng, bool extreme) {
       h.partition == AttentionPartition::kHead ? h.num_kv_heads / h.num_memory_ranks : h.num_kv_heads;
   h.kv_head_begin = h.partition == AttentionPartition::kHead ? per_rank * h.memory_rank : 0;
   h.kv_head_end = h.kv_head_begin + per_rank;
+  h.lanes = static_cast<uint8_t>(u(1, kMaxMicroBatches));
   return h;
 }
 
@@ -1100,6 +1246,9 @@ TEST(ControlWire, RoundTrips) {
     ASSERT_TRUE(ValidateHello(h).ok()) << ValidateHello(h);
     const Bytes f = EncodeHello(h);
     ASSERT_EQ(f.size(), kFrameHeaderBytes + kHelloBodyBytes);
+    ASSERT_GE(h.lanes, 1);
+    ASSERT_LE(h.lanes, kMaxMicroBatches);
+    EXPECT_EQ(f[70], h.lanes);
     absl::StatusOr<HelloMessage> back = DecodeHello(f);
     ASSERT_TRUE(back.ok()) << back.status();
     EXPECT_TRUE(*back == h);
@@ -1152,25 +1301,28 @@ TEST(ControlWire, RoundTrips) {
 }
 
 TEST(ControlWire, GoldenBytes) {
-  // Layouts written out by hand; crcs computed independently (bitwise Python reference).
+  // Layouts written out by hand; crcs computed independently (bitwise Python reference). The crc
+  // covers the body alone: of these frames, version 3 changed only the hello's body (its lanes and
+  // compute_ranks).
   HelloMessage h;
   h.memory_rank = 2, h.num_memory_ranks = 4, h.num_layers = 32, h.num_heads = 32, h.num_kv_heads = 8;
   h.head_dim = 128, h.max_tokens_per_step = 8192, h.max_requests_per_step = 256, h.max_position = 131072;
   h.dtype = DType::kBF16, h.kv_capacity_tokens = 0x12345678, h.kv_memory_fraction = 0.5f;
   h.attn_out_buffer = 0xa1b2c3d4, h.checksums = true;
   h.prefix_block_tokens = 0x0810, h.prefix_sharing = static_cast<uint8_t>(PrefixSharing::kAuto);
-  h.partition = AttentionPartition::kHead, h.kv_head_begin = 4, h.kv_head_end = 6;
+  h.partition = AttentionPartition::kHead, h.kv_head_begin = 4, h.kv_head_end = 6, h.lanes = 4;
+  h.compute_ranks = 2;
   const Bytes hello = {
-      0x54, 0x44, 0x48, 0x49, 0x02, 0x00, 0x10, 0x00, 0x40, 0x00, 0x00, 0x00, 0x91, 0xaf, 0x0c,
-      0xec,                                            // frame
+      0x54, 0x44, 0x48, 0x49, 0x03, 0x00, 0x10, 0x00, 0x40, 0x00, 0x00, 0x00, 0x77, 0x00, 0xf0,
+      0x22,                                            // frame
       0x78, 0x56, 0x34, 0x12, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x20, 0x00, 0x00, 0x00, 0x20, 0x00, 0x00, 0x00,  // num_layers, num_heads
       0x08, 0x00, 0x00, 0x00, 0x80, 0x00, 0x00, 0x00,  // num_kv_heads, head_dim
       0x00, 0x20, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00,  // max_tokens, max_requests
       0x00, 0x00, 0x02, 0x00, 0x00, 0x00, 0x00, 0x3f,  // max_position, kv_memory_fraction
       0xd4, 0xc3, 0xb2, 0xa1, 0x02, 0x00, 0x04, 0x00,  // attn_out_buffer, memory_rank, num_memory_ranks
-      0x02, 0x01, 0x10, 0x08, 0x02, 0x01, 0x00, 0x00,  // dtype, checksums, prefix_block_tokens,
-                                                       // prefix_sharing, partition, reserved
+      0x02, 0x01, 0x10, 0x08, 0x02, 0x01, 0x04, 0x02,  // dtype, checksums, prefix_block_tokens,
+                                                       // prefix_sharing, partition, lanes, compute_ranks
       0x04, 0x00, 0x00, 0x00, 0x06, 0x00, 0x00, 0x00,  // kv_head_begin, kv_head_end
   };
   EXPECT_EQ(EncodeHello(h), hello);
@@ -1182,7 +1334,7 @@ TEST(ControlWire, GoldenBytes) {
   r.kv_capacity_tokens = 0x01020304, r.qkv_buffer = 7, r.memory_rank = 2, r.dtype = DType::kBF16;
   r.device = "cuda:0";
   const Bytes reply = {
-      0x54, 0x44, 0x48, 0x52, 0x02, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x52, 0x03, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0xdb, 0xf4, 0x8d, 0x50,  // frame
       0x04, 0x03, 0x02, 0x01, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x07, 0x00, 0x00, 0x00, 0x02, 0x00, 0x02, 0x00,  // qkv_buffer, memory_rank, dtype, reserved
@@ -1195,7 +1347,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ReleaseMessage m{0x0102030405060708, {5, kU64Max}};
   const Bytes release = {
-      0x54, 0x44, 0x52, 0x4c, 0x02, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x52, 0x4c, 0x03, 0x00, 0x10, 0x00,
       0x20, 0x00, 0x00, 0x00, 0x21, 0x77, 0x58, 0xc2,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, reserved
@@ -1209,7 +1361,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ErrorMessage e{14, "peer gone"};
   const Bytes error = {
-      0x54, 0x44, 0x45, 0x52, 0x02, 0x00, 0x10, 0x00, 0x11,
+      0x54, 0x44, 0x45, 0x52, 0x03, 0x00, 0x10, 0x00, 0x11,
       0x00, 0x00, 0x00, 0x56, 0xa5, 0x51, 0x47,        // frame
       0x0e, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00,  // code, message_bytes
       'p',  'e',  'e',  'r',  ' ',  'g',  'o',  'n',  'e',
@@ -1220,7 +1372,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_TRUE(*eb == e);
 
   const Bytes bye = {
-      0x54, 0x44, 0x42, 0x59, 0x02, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x42, 0x59, 0x03, 0x00, 0x10, 0x00,
       0x08, 0x00, 0x00, 0x00, 0xc7, 0xfb, 0x17, 0x55,  // frame
       0xe8, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // steps
   };
@@ -1425,8 +1577,11 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
        "hello: prefix_sharing 1 needs prefix_block_tokens >= 1 (a prefix registry)"},
       {[](RawHello& h) { h.prefix_block_tokens = 0, h.prefix_sharing = 2; },
        "hello: prefix_sharing 2 needs prefix_block_tokens >= 1"},
-      {[](RawHello& h) { h.reserved[0] = 1; }, "hello: reserved at byte offset 70 is 1, must be 0"},
-      {[](RawHello& h) { h.reserved[1] = 0x80; }, "hello: reserved at byte offset 71 is 128, must be 0"},
+      {[](RawHello& h) { h.compute_ranks = 0; }, "hello: compute_ranks 0 must be in [1, lanes 1]"},
+      {[](RawHello& h) { h.compute_ranks = 2; }, "hello: compute_ranks 2 must be in [1, lanes 1]"},
+      {[](RawHello& h) { h.lanes = 0; }, "hello: lanes 0 must be in [1, 8]"},
+      {[](RawHello& h) { h.lanes = 9; }, "hello: lanes 9 must be in [1, 8]"},
+      {[](RawHello& h) { h.lanes = 255; }, "hello: lanes 255 must be in [1, 8]"},
       {[](RawHello& h) { h.partition = 2; }, "hello: partition 2 must be 0 (request) or 1 (head)"},
       {[](RawHello& h) { h.partition = 255; }, "hello: partition 255 must be"},
       {[](RawHello& h) { h.kv_head_end = 1; },
@@ -1459,11 +1614,17 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     EXPECT_EQ(m->kv_head_begin, begin);
     EXPECT_EQ(m->kv_head_end, begin + kv_heads / ranks);
   }
-  // A version 1 hello (before the partition) is refused by its version, not read as version 2.
-  const absl::Status v1 = DecodeHello(MakeFrame(kHelloMagic, HelloBody(RawHello{}), 1)).status();
-  EXPECT_EQ(v1.code(), absl::StatusCode::kInvalidArgument) << v1;
-  EXPECT_CONTAINS(std::string(v1.message()),
-                  "hello: version 1 at byte offset 4 is older than the supported version 2");
+  // A version 1 hello (before the partition) and a version 2 hello (byte 54 reserved, 0: no lanes)
+  // are refused by their version, not read as version 3.
+  for (uint16_t version : {uint16_t{1}, uint16_t{2}}) {
+    RawHello old;
+    old.lanes = 0;
+    const absl::Status s = DecodeHello(MakeFrame(kHelloMagic, HelloBody(old), version)).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_EQ(s.message(), "hello: version " + std::to_string(version) +
+                               " at byte offset 4 is older than the supported version 3 (versions 2 and 3 "
+                               "changed the hello and step plan layouts)");
+  }
   // The limits and combinations that are valid.
   for (auto [tokens, sharing] : {std::pair<uint16_t, uint8_t>{0, 0}, {1, 0}, {1, 1}, {4096, 2}, {4096, 0}}) {
     RawHello h;
@@ -1510,7 +1671,46 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
   EXPECT_EQ(DecodeHello(EncodeHello(h)).status(), ValidateHello(h));
   h.partition = static_cast<AttentionPartition>(9);
   EXPECT_EQ(ValidateHello(h).message(), "hello: partition 9 must be 0 (request) or 1 (head)");
+  for (uint8_t lanes : {uint8_t{0}, uint8_t{9}, uint8_t{200}}) {
+    h = HelloMessage{};
+    h.lanes = lanes;
+    EXPECT_EQ(ValidateHello(h).message(), "hello: lanes " + std::to_string(lanes) + " must be in [1, 8]");
+    EXPECT_EQ(DecodeHello(EncodeHello(h)).status(), ValidateHello(h));
+  }
   EXPECT_TRUE(ValidateHello(HelloMessage{}).ok());
+}
+
+// The hello's lanes, for every byte value: [1, 8] decodes (from frame offset 70, before the
+// reserved byte 71) and re-encodes to the same bytes; any other value is refused.
+TEST(HelloWire, Lanes) {
+  EXPECT_EQ(HelloMessage{}.lanes, 1);
+  EXPECT_EQ(EncodeHello(HelloMessage{})[70], 1);
+  EXPECT_EQ(EncodeHello(HelloMessage{})[71], 1);  // compute_ranks
+  int valid = 0;
+  for (int lanes = 0; lanes <= 255; ++lanes) {
+    RawHello raw;
+    raw.lanes = static_cast<uint8_t>(lanes);
+    const Bytes frame = MakeFrame(kHelloMagic, HelloBody(raw));
+    ASSERT_EQ(frame[70], lanes);
+    absl::StatusOr<HelloMessage> h = DecodeHello(frame);
+    if (lanes >= 1 && lanes <= 8) {
+      ++valid;
+      ASSERT_TRUE(h.ok()) << lanes << ": " << h.status();
+      EXPECT_EQ(h->lanes, lanes);
+      EXPECT_EQ(h->memory_rank, 1);  // the fields around it are unchanged
+      EXPECT_EQ(h->partition, AttentionPartition::kRequest);
+      EXPECT_EQ(h->kv_head_begin, 0u);
+      EXPECT_EQ(h->kv_head_end, 2u);
+      EXPECT_EQ(EncodeHello(*h), frame);
+      HelloMessage other = *h;
+      other.lanes = static_cast<uint8_t>(lanes % 8 + 1);
+      EXPECT_FALSE(other == *h);  // operator== sees the field
+      continue;
+    }
+    ASSERT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument) << h.status();
+    ASSERT_EQ(h.status().message(), "hello: lanes " + std::to_string(lanes) + " must be in [1, 8]");
+  }
+  EXPECT_EQ(valid, 8);
 }
 
 TEST(HelloReplyWire, FieldRangeViolationsNameField) {
@@ -1835,6 +2035,89 @@ TEST(Wire, RandomizedCorpus) {
   std::printf("corpus: %d frames, %d plans ok, %d headers ok, %d/%d/%d/%d/%d control ok, %.2f s\n", kFrames,
               plan_ok, header_ok, codecs[0].ok, codecs[1].ok, codecs[2].ok, codecs[3].ok, codecs[4].ok,
               seconds);
+}
+
+TEST(ComputeReplicaWire, RoundTripsAndRefusesBadFrames) {
+  // Compute hello: golden bytes (crc by the bitwise reference), round trip, every bad rank pair.
+  const ComputeHelloMessage hello{.compute_rank = 2, .compute_ranks = 3};
+  const Bytes frame = EncodeComputeHello(hello);
+  ASSERT_EQ(frame.size(), kFrameHeaderBytes + kComputeHelloBodyBytes);
+  EXPECT_EQ(Bytes(frame.begin() + 16, frame.end()), (Bytes{0x02, 0x00, 0x03, 0x00, 0, 0, 0, 0}));
+  absl::StatusOr<ComputeHelloMessage> back = DecodeComputeHello(frame);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, hello);
+  EXPECT_EQ(PeekFrameMagic(frame).value_or(0), kComputeHelloMagic);
+  for (const auto& [rank, ranks] : std::vector<std::pair<int, int>>{{0, 2}, {2, 2}, {1, 1}, {1, 9}, {9, 9}}) {
+    Le w;
+    w.U16(static_cast<uint16_t>(rank)).U16(static_cast<uint16_t>(ranks)).U32(0);
+    absl::StatusOr<ComputeHelloMessage> bad = DecodeComputeHello(MakeFrame(kComputeHelloMagic, w.b));
+    ASSERT_FALSE(bad.ok()) << rank << " of " << ranks;
+    EXPECT_NE(bad.status().message().find("compute hello: compute_rank"), std::string::npos) << bad.status();
+  }
+  Le reserved;
+  reserved.U16(1).U16(2).U32(0x100);
+  EXPECT_FALSE(DecodeComputeHello(MakeFrame(kComputeHelloMagic, reserved.b)).ok());
+
+  // Replica step: a part of a real-looking plan with its tokens.
+  std::mt19937_64 rng(31);
+  for (int iter = 0; iter < 200; ++iter) {
+    ReplicaStepMessage step;
+    step.plan.step_id = rng();
+    step.plan.micro_batches = static_cast<uint8_t>(1 + rng() % 8);
+    step.plan.micro_batch = static_cast<uint8_t>(rng() % step.plan.micro_batches);
+    const int requests = static_cast<int>(rng() % 5);
+    int32_t rows = 0;
+    for (int i = 0; i < requests; ++i) {
+      StepRequest q;
+      q.request_id = static_cast<uint64_t>(i);
+      q.q_len = static_cast<int32_t>(1 + rng() % 4);
+      q.position = static_cast<int32_t>(rng() % 100);
+      q.kv_len = q.position + q.q_len;
+      q.sample = rng() % 2 == 0;
+      rows += q.q_len;
+      step.plan.requests.push_back(q);
+    }
+    std::sort(step.plan.requests.begin(), step.plan.requests.end(),
+              [](const StepRequest& a, const StepRequest& b) { return (a.q_len == 1) > (b.q_len == 1); });
+    for (int32_t t = 0; t < rows; ++t) step.tokens.push_back(static_cast<int32_t>(rng() % 50000));
+    const Bytes f = EncodeReplicaStep(step);
+    absl::StatusOr<ReplicaStepMessage> got = DecodeReplicaStep(f);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(*got, step);
+    // A token count that disagrees with the plan's rows, a truncated frame, a broken nested plan.
+    ReplicaStepMessage off = step;
+    off.tokens.push_back(7);
+    absl::StatusOr<ReplicaStepMessage> bad = DecodeReplicaStep(EncodeReplicaStep(off));
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("replica step: token_count"), std::string::npos) << bad.status();
+    Bytes body(f.begin() + kFrameHeaderBytes, f.end());
+    body.resize(body.size() - 1);
+    EXPECT_FALSE(DecodeReplicaStep(MakeFrame(kReplicaStepMagic, body)).ok());
+    Bytes broken(f.begin() + kFrameHeaderBytes, f.end());
+    broken[broken.size() - 1] ^= 1;  // inside the nested plan frame: its crc no longer matches
+    if (!step.plan.requests.empty()) {
+      EXPECT_FALSE(DecodeReplicaStep(MakeFrame(kReplicaStepMagic, broken)).ok());
+    }
+  }
+  Le huge;
+  huge.U32(0xffffffffu).U32(0);
+  absl::StatusOr<ReplicaStepMessage> forged = DecodeReplicaStep(MakeFrame(kReplicaStepMagic, huge.b));
+  ASSERT_EQ(forged.status().code(), absl::StatusCode::kDataLoss) << forged.status();
+
+  // Replica result.
+  const ReplicaResultMessage result{
+      .step_id = 77, .micro_batch = 3, .tokens = {5, 6, -1}, .logprobs = {-0.5f, -1.25f, 0.0f}};
+  absl::StatusOr<ReplicaResultMessage> rb = DecodeReplicaResult(EncodeReplicaResult(result));
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  EXPECT_EQ(*rb, result);
+  Bytes rbody = EncodeReplicaResult(result);
+  rbody.erase(rbody.begin(), rbody.begin() + kFrameHeaderBytes);
+  rbody.pop_back();
+  absl::StatusOr<ReplicaResultMessage> short_result =
+      DecodeReplicaResult(MakeFrame(kReplicaResultMagic, rbody));
+  ASSERT_FALSE(short_result.ok());
+  EXPECT_NE(short_result.status().message().find("replica result: count 3 needs 24 bytes"), std::string::npos)
+      << short_result.status();
 }
 
 }  // namespace

@@ -310,10 +310,11 @@ class UcxTransport final : public Transport {
   absl::Status PeerFailure(const Peer& peer) const {
     return absl::UnavailableError(absl::StrCat("ucx: peer ", peer.name, " disconnected: ", peer.failure));
   }
-  // Unavailable for the first failed peer, or OK.
+  // Unavailable for the first failed peer, or OK. A peer that was Close()d may go away without
+  // failing the others' operations.
   absl::Status AnyPeerFailure() const {
     for (const auto& p : peers_) {
-      if (p->failed) return PeerFailure(*p);
+      if (p->failed && !p->closing) return PeerFailure(*p);
     }
     return absl::OkStatus();
   }
