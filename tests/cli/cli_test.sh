@@ -222,7 +222,7 @@ python3 "$SRC/tests/cli/compare_results.py" "$TMP/out" "$TMP/deployed.json" 1e-4
 ! grep -h " [WE] \[" "$TMP"/run/latest/*.log || bad "a clean run with compute replicas logged warnings"
 grep -q "bye after" "$TMP/run/latest/compute-1.log" || bad "compute-1 did not get its bye"
 expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=fixed
-grep -q "compute-1: cpu (replica)" "$TMP/out" || bad "config check does not list the compute replica"
+grep -q "compute-1: cpu on compute-0.s host (replica" "$TMP/out" || bad "config check does not list the compute replica"
 expect_fail "compute.ranks: 2 compute ranks need pipeline.mode fixed (it is none)" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2
 expect_fail "pipeline.batches: 2 micro-batches for 3 compute ranks" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=3 --set pipeline.mode=fixed
 expect_fail "which transport.kind local (one process) cannot connect" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=fixed --set transport.kind=local
