@@ -89,6 +89,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "colocated/engine.h"
+#include "common/bootstrap/deployment_key.h"
 #include "common/head_partition.h"
 #include "common/status.h"
 #include "common/transport/factory.h"
@@ -427,6 +428,8 @@ absl::Status StartDeployment(const tandem::WeightSource& source, transport::Tran
     std::ofstream(yaml) << "launch:\n  startup_timeout_s: " << s.startup_s
                         << "\n  step_timeout_s: " << s.step_timeout_s << "\n";
   }
+  // The memory ranks inherit this run's secret (TANDEM_SECRET_FILE; common/bootstrap/deployment_key.h).
+  RETURN_IF_ERROR(tandem::bootstrap::ShareNewKeyWithChildren(d->dir + "/secret"));
   const bool in_process = transport::GetTransportInfo(kind).one_process;
   if (in_process) {
     std::vector<std::string> devices;

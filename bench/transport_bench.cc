@@ -46,6 +46,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "bench_cuda.h"
+#include "common/bootstrap/deployment_key.h"
 #include "common/status.h"
 #include "common/transport/factory.h"
 
@@ -610,6 +611,24 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
+  // The children authenticate with this run's secret (common/bootstrap/deployment_key.h).
+  char secret_dir[] = "/tmp/transport-bench-XXXXXX";
+  if (mkdtemp(secret_dir) == nullptr) {
+    std::perror("mkdtemp");
+    return 1;
+  }
+  const std::string secret = std::string(secret_dir) + "/secret";
+  if (const absl::Status st = tandem::bootstrap::ShareNewKeyWithChildren(secret); !st.ok()) {
+    std::fprintf(stderr, "transport_bench: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  struct RemoveSecret {
+    std::string file, dir;
+    ~RemoveSecret() {
+      unlink(file.c_str());
+      rmdir(dir.c_str());
+    }
+  } remove_secret{secret, secret_dir};
   int gpus = 0;
   const cudaError_t count_err = cudaGetDeviceCount(&gpus);
   if (count_err != cudaSuccess || gpus == 0) {

@@ -48,20 +48,7 @@ void AddConfigCommand(CLI::App& app) {
     if (!*deploy) return;
     absl::StatusOr<DeployPlan> plan = PlanDeployment(*config);
     if (!plan.ok()) Fail("config check", plan.status());
-    std::cout << "# topology (this host):\n#   compute-0: " << plan->compute_device << " (controller, model "
-              << plan->model << ")\n";
-    for (size_t r = 0; r < plan->replica_devices.size(); ++r) {
-      std::cout << "#   compute-" << r + 1 << ": " << plan->replica_devices[r] << " (replica)\n";
-    }
-    std::cout << "#   transport: " << transport::TransportKindName(plan->transport) << "\n";
-    if (plan->micro_batches > 1) {
-      std::cout << "#   pipeline: " << plan->micro_batches << " micro-batches per step on "
-                << plan->compute_ranks << " compute rank(s)\n";
-    }
-    for (size_t i = 0; i < plan->memory_devices.size(); ++i) {
-      std::cout << "#   memory-" << i << ": " << plan->memory_devices[i] << ", listening on "
-                << plan->listen_addresses[i] << "\n";
-    }
+    std::cout << DescribePlacement(*plan);
   });
 }
 

@@ -12,6 +12,8 @@
 #include "cli/commands.h"
 #include "cli/prompts.h"
 #include "cli/run_files.h"
+#include "common/bootstrap/deployment_key.h"
+#include "common/bootstrap/interfaces.h"
 #include "common/config.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -21,6 +23,8 @@
 #include "deploy/deployment.h"
 #include "deploy/local_ranks.h"
 #include "deploy/process_group.h"
+#include "deploy/slurm_launcher.h"
+#include "deploy/ssh_launcher.h"
 #include "kernels/cuda/device_choice.h"
 #include "memory_node/memory_rank.h"
 #include "server/api_server.h"
@@ -44,24 +48,64 @@ absl::StatusOr<Config> LoadDeployConfig(const std::string& file, const std::vect
 
 struct MemoryArgs {
   std::string config, ready_file, listen = "127.0.0.1:0", device = "cpu", log_level = "info",
-                                  transport = "ucx";
+                                  transport = "ucx", secret_file;
+  bool stdin_bootstrap = false;
   int rank = 0;
   int kv_share = 1;
 };
 
+// --secret-file: this process's deployment key (common/bootstrap/deployment_key.h).
+absl::Status UseSecretFile(const std::string& file) {
+  if (file.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const bootstrap::DeploymentKey key, bootstrap::LoadKeyFile(file));
+  bootstrap::SetProcessKey(key);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Config> LoadRankConfig(const std::string& file, bool stdin_bootstrap) {
+  if (!stdin_bootstrap) {
+    if (file.empty())
+      return absl::InvalidArgumentError("--config: the deployment's YAML is needed (or --stdin-bootstrap)");
+    return LoadDeployConfig(file, {});
+  }
+  // Started over ssh (deploy/ssh_launcher.h): secret and config on stdin, which then stays open
+  // until the launcher goes.
+  ASSIGN_OR_RETURN(const std::string yaml, ReadStdinBootstrap(absl::Seconds(60)));
+  WatchStdinForLauncher();
+  return LoadConfig(DeploySchema(), yaml, "deploy.yaml (from the launcher)", {});
+}
+
+// host:port where host may be an interface name ("eth0"): its address on this host.
+absl::StatusOr<std::string> ListenAddress(const std::string& listen) {
+  const size_t colon = listen.rfind(':');
+  if (colon == std::string::npos)
+    return absl::InvalidArgumentError(absl::StrCat("--listen: expected host:port, got ", listen));
+  const std::string host = listen.substr(0, colon);
+  if (host.empty() || host == "0.0.0.0" || host.find(':') != std::string::npos) return listen;
+  absl::StatusOr<bootstrap::Interface> iface = bootstrap::ResolveInterface(host);
+  if (!iface.ok()) return listen;  // a host name: the transport resolves it
+  return absl::StrCat(iface->address, listen.substr(colon));
+}
+
 absl::Status RunMemory(const MemoryArgs& a) {
   RETURN_IF_ERROR(StartLogging(absl::StrCat("memory-", a.rank), a.log_level));
   InstallTerminationSignals();
-  ASSIGN_OR_RETURN(const Config config, LoadDeployConfig(a.config, {}));
+  RETURN_IF_ERROR(UseSecretFile(a.secret_file));
+  ASSIGN_OR_RETURN(const Config config, LoadRankConfig(a.config, a.stdin_bootstrap));
   MemoryRankOptions o;
   o.rank = a.rank;
-  o.listen_address = a.listen;
+  ASSIGN_OR_RETURN(o.listen_address, ListenAddress(a.listen));
   o.device = a.device;
   o.kv_share = a.kv_share;
   ASSIGN_OR_RETURN(o.transport, transport::ParseTransportKind(a.transport));
   o.startup_timeout = absl::Seconds(config.GetDouble("launch.startup_timeout_s"));
   o.step_timeout = absl::Seconds(config.GetDouble("launch.step_timeout_s"));
   o.on_listening = [&](const std::string& address) {
+    if (a.ready_file == "-") {  // to the launcher through ssh (deploy/ssh_launcher.h)
+      std::printf("%s %s\n", kReadyMarker, address.c_str());
+      std::fflush(stdout);
+      return absl::OkStatus();
+    }
     return a.ready_file.empty() ? absl::OkStatus() : WriteFileAtomic(a.ready_file, address + "\n");
   };
   o.stop_requested = [] { return TerminationSignal() != 0; };
@@ -70,7 +114,7 @@ absl::Status RunMemory(const MemoryArgs& a) {
 
 struct ComputeArgs {
   std::string config, memory, memory_devices, ready_file, requests, results, replicas,
-      listen = "127.0.0.1:0", device = "cpu", log_level = "info", transport = "ucx";
+      listen = "127.0.0.1:0", device = "cpu", log_level = "info", transport = "ucx", secret_file, bind;
   int replica = 0;  // 0: compute rank 0 (the controller); r > 0: compute replica r
 };
 
@@ -82,6 +126,11 @@ int MicroBatches(const Config& c) {
 absl::Status RunCompute(const ComputeArgs& a) {
   RETURN_IF_ERROR(StartLogging(absl::StrCat("compute-", a.replica), a.log_level));
   InstallTerminationSignals();
+  RETURN_IF_ERROR(UseSecretFile(a.secret_file));
+  if (!a.bind.empty() && a.bind != "0.0.0.0") {
+    ASSIGN_OR_RETURN(const bootstrap::Interface iface, bootstrap::ResolveInterface(a.bind));
+    bootstrap::LimitUcxToInterface(iface);
+  }
   ASSIGN_OR_RETURN(const Config c, LoadDeployConfig(a.config, {}));
   ASSIGN_OR_RETURN(
       std::unique_ptr<WeightSource> source,
@@ -206,8 +255,13 @@ void AddRankCommands(CLI::App& app) {
     auto a = std::make_shared<MemoryArgs>();
     CLI::App* cmd = app.add_subcommand(
         "memory", "Run one memory rank (KV cache and attention on one device); started by `tandem launch`.");
-    cmd->add_option("--config", a->config, "the deployment's YAML file")
-        ->required()
+    cmd->add_option("--config", a->config, "the deployment's YAML file (or --stdin-bootstrap)")
+        ->check(CLI::ExistingFile);
+    cmd->add_flag("--stdin-bootstrap", a->stdin_bootstrap,
+                  "read the deployment secret and config from stdin and stop when stdin closes (a rank "
+                  "started over ssh; deploy/ssh_launcher.h)");
+    cmd->add_option("--secret-file", a->secret_file,
+                    "the deployment secret (mode 0600) every connection proves it holds")
         ->check(CLI::ExistingFile);
     cmd->add_option("--rank", a->rank, "this rank's index")->check(CLI::Range(0, 63));
     cmd->add_option("--listen", a->listen, "host:port to listen on (port 0: any free port)")
@@ -222,7 +276,9 @@ void AddRankCommands(CLI::App& app) {
                     "ucx, p2p, nccl or verbs (the compute rank's too; local "
                     "memory ranks are threads of `tandem compute`)")
         ->capture_default_str();
-    cmd->add_option("--ready-file", a->ready_file, "file to write this rank's address to once it listens");
+    cmd->add_option(
+        "--ready-file", a->ready_file,
+        "file to write this rank's address to once it listens (-: a TANDEM-READY line on stdout)");
     cmd->add_option("--log-level", a->log_level, "debug, info, warn or error")->capture_default_str();
     cmd->callback([a] {
       absl::Status st = RunMemory(*a);
@@ -238,6 +294,11 @@ void AddRankCommands(CLI::App& app) {
     cmd->add_option("--config", a->config, "the deployment's YAML file")
         ->required()
         ->check(CLI::ExistingFile);
+    cmd->add_option("--secret-file", a->secret_file,
+                    "the deployment secret (mode 0600) every connection proves it holds")
+        ->check(CLI::ExistingFile);
+    cmd->add_option("--bind", a->bind,
+                    "interface name or address of this host that UCX may use (UCX_NET_DEVICES); empty: any");
     cmd->add_option("--memory", a->memory,
                     "transport addresses of the memory ranks, comma-separated, rank order");
     cmd->add_option("--memory-devices", a->memory_devices,
@@ -272,23 +333,36 @@ void AddRankCommands(CLI::App& app) {
       std::string file;
       std::vector<std::string> sets;
       std::string log_level = "info";
+      bool slurm = false;
     };
     auto a = std::make_shared<LaunchArgs>();
-    CLI::App* cmd = app.add_subcommand("launch",
-                                       "Start a deployment on this host from a YAML file: memory ranks, then "
-                                       "compute rank 0 with the controller,\n"
-                                       "each a process with its own log under launch.run_dir. Runs until "
-                                       "Ctrl-C or SIGTERM, then stops every rank.\n"
-                                       "Example: tandem launch deploy/examples/cpu.yaml");
+    CLI::App* cmd =
+        app.add_subcommand("launch",
+                           "Start a deployment from a YAML file: memory ranks (on this host, or "
+                           "over ssh on the hosts of memory.hosts), then\n"
+                           "compute rank 0 with the controller, each a process with its own log in "
+                           "this run's directory under launch.run_dir.\n"
+                           "Runs until Ctrl-C or SIGTERM, then stops every rank on every host.\n"
+                           "Example: tandem launch deploy/examples/cpu.yaml");
     cmd->add_option("file", a->file, "deployment YAML (see `tandem config help --deploy`)")
         ->required()
         ->check(CLI::ExistingFile);
     cmd->add_option("--set", a->sets, "override a setting: --set memory.ranks=3 (repeatable)");
     cmd->add_option("--log-level", a->log_level, "debug, info, warn or error (for every rank)")
         ->capture_default_str();
+    cmd->add_flag("--slurm", a->slurm,
+                  "inside a Slurm job: the memory pool from the allocation (het group 1 of a heterogeneous "
+                  "job), ranks started with srun (deploy/slurm/)");
     cmd->callback([a] {
       absl::Status st = [&]() -> absl::Status {
-        ASSIGN_OR_RETURN(const Config config, LoadDeployConfig(a->file, a->sets));
+        std::vector<std::string> sets = a->sets;
+        if (a->slurm) {
+          ASSIGN_OR_RETURN(const Config first, LoadDeployConfig(a->file, a->sets));
+          ASSIGN_OR_RETURN(const std::vector<std::string> slurm,
+                           SlurmOverrides(first.GetString("launch.slurm_devices")));
+          sets.insert(sets.end(), slurm.begin(), slurm.end());
+        }
+        ASSIGN_OR_RETURN(const Config config, LoadDeployConfig(a->file, sets));
         ASSIGN_OR_RETURN(const DeployPlan plan, PlanDeployment(config));
         return Launch(config, plan, {.tandem_binary = SelfPath(), .log_level = a->log_level});
       }();

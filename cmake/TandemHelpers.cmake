@@ -48,7 +48,7 @@ function(tandem_add_test name)
   if(NOT TARGET tandem_gtest_main)
     # gtest's main, except that a run where every test skipped exits 77 (tests/gtest_main.cc).
     add_library(tandem_gtest_main STATIC ${CMAKE_SOURCE_DIR}/tests/gtest_main.cc)
-    target_link_libraries(tandem_gtest_main PUBLIC GTest::gmock GTest::gtest)
+    target_link_libraries(tandem_gtest_main PUBLIC GTest::gmock GTest::gtest tandem_bootstrap)
     tandem_target_flags(tandem_gtest_main)
   endif()
   add_executable(${name} ${ARG_SOURCES})

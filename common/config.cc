@@ -51,6 +51,8 @@ const char* TypeName(KnobType type) {
       return "string";
     case KnobType::kEnum:
       return "enum";
+    case KnobType::kList:
+      return "list";
   }
   return "?";
 }
@@ -138,6 +140,8 @@ std::string Expectation(const KnobSpec& spec) {
       return "a string";
     case KnobType::kEnum:
       return absl::StrCat("one of [", absl::StrJoin(spec.choices, ", "), "]");
+    case KnobType::kList:
+      return "a list";
   }
   return "";
 }
@@ -215,6 +219,7 @@ absl::StatusOr<Parsed> ParseScalar(const KnobSpec& spec, std::string_view text, 
       p.b = text == "true";
       break;
     case KnobType::kString:
+    case KnobType::kList:  // only its default ("[]") is parsed here
       p.s = std::string(text);
       break;
     case KnobType::kEnum:
@@ -229,7 +234,7 @@ absl::StatusOr<Parsed> ParseScalar(const KnobSpec& spec, std::string_view text, 
 
 // The default of a validated spec (ConfigSchema::Add checked that it parses).
 Parsed DefaultOf(const KnobSpec& spec) {
-  if (spec.type == KnobType::kString) {
+  if (spec.type == KnobType::kString || spec.type == KnobType::kList) {
     Parsed p;
     p.s = spec.default_value;
     return p;
@@ -255,6 +260,8 @@ std::string ValueText(const V& v) {
     case KnobType::kString:
     case KnobType::kEnum:
       return YamlScalar(v.s);
+    case KnobType::kList:
+      return v.s;
   }
   return "";
 }
@@ -378,6 +385,10 @@ ConfigSchema& ConfigSchema::Enum(std::string path, std::string def, std::vector<
   return Add(std::move(spec));
 }
 
+ConfigSchema& ConfigSchema::List(std::string path, std::string help) {
+  return Add(MakeSpec(std::move(path), KnobType::kList, "[]", std::move(help)));
+}
+
 ConfigSchema& ConfigSchema::Add(KnobSpec spec) {
   const std::string& path = spec.path;
   TANDEM_CHECK_MSG(IsValidPath(path), "config knob path '", path,
@@ -403,7 +414,7 @@ ConfigSchema& ConfigSchema::Add(KnobSpec spec) {
   } else {
     TANDEM_CHECK_MSG(spec.choices.empty(), "config knob '", path, "': only enums have choices");
   }
-  if (spec.type != KnobType::kString) {
+  if (spec.type != KnobType::kString && spec.type != KnobType::kList) {
     const absl::StatusOr<Parsed> def = ParseScalar(spec, spec.default_value, /*quoted=*/false);
     TANDEM_CHECK_MSG(def.ok(), "config knob '", path, "': invalid default: ", def.status().message());
   }
@@ -457,6 +468,7 @@ int64_t Config::GetInt(std::string_view path) const { return At(path, KnobType::
 double Config::GetDouble(std::string_view path) const { return At(path, KnobType::kDouble).d; }
 bool Config::GetBool(std::string_view path) const { return At(path, KnobType::kBool).b; }
 const std::string& Config::GetString(std::string_view path) const { return At(path, KnobType::kString).s; }
+const std::string& Config::GetList(std::string_view path) const { return At(path, KnobType::kList).s; }
 
 const std::string& Config::SourceOf(std::string_view path) const {
   const auto it = values_.find(path);
@@ -660,6 +672,20 @@ class ConfigLoader {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": expected a value (", Expectation(spec), "), got none"));
     }
+    if (spec.type == KnobType::kList) {
+      if (!node.IsSequence()) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": expected a list, got ", Describe(node)));
+      }
+      YAML::Emitter out;
+      out.SetSeqFormat(YAML::Flow);
+      out.SetMapFormat(YAML::Flow);
+      out << node;
+      Config::Value& value = config_.values_.find(spec.path)->second;
+      value.s = out.c_str();
+      value.source = source;
+      value.is_default = node.size() == 0;
+      return absl::OkStatus();
+    }
     if (!node.IsScalar()) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": expected ", Expectation(spec), ", got ", Describe(node)));
@@ -686,6 +712,7 @@ class ConfigLoader {
         break;
       case KnobType::kString:
       case KnobType::kEnum:
+      case KnobType::kList:
         value.is_default = value.s == def.s;
         break;
     }

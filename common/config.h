@@ -19,7 +19,8 @@
 //     exponent number, finite (no .nan, .inf). bool: exactly true or false (no yes/no/on/off).
 //     Numbers and booleans must be plain: "64" in quotes is a string and is refused for an int.
 //     string: any scalar (quote it to keep "null", "~", leading/trailing spaces, ": " or " #").
-//     enum: one of the choices, case-sensitive. Bounds are inclusive.
+//     enum: one of the choices, case-sensitive. Bounds are inclusive. list: a YAML sequence
+//     (--set takes a flow sequence: --set 'memory.hosts=[{host: a, devices: [cpu]}]').
 //   - --set a.b=c splits at the first '='; c is parsed as one YAML scalar with the rules above
 //     (so --set model.name='a b' and --set x.y="" work; a later --set of the same path wins).
 // Errors for YAML syntax carry the line and column: "deploy.yaml: YAML syntax error at line 3,
@@ -37,7 +38,9 @@
 
 namespace tandem {
 
-enum class KnobType : uint8_t { kInt, kDouble, kBool, kString, kEnum };
+// kList: a YAML sequence (of scalars or mappings), kept as its flow-style YAML text ("[]" when
+// empty); the code that reads it checks its elements and names their paths ("memory.hosts[1].devices").
+enum class KnobType : uint8_t { kInt, kDouble, kBool, kString, kEnum, kList };
 
 struct KnobSpec {
   std::string path;  // dotted YAML path, e.g. "scheduler.max_batch_size"
@@ -62,6 +65,8 @@ class ConfigSchema {
   ConfigSchema& Bool(std::string path, bool def, std::string help);
   ConfigSchema& String(std::string path, std::string def, std::string help);
   ConfigSchema& Enum(std::string path, std::string def, std::vector<std::string> choices, std::string help);
+  // A list knob; its default is the empty list.
+  ConfigSchema& List(std::string path, std::string help);
 
   const std::vector<KnobSpec>& knobs() const { return knobs_; }
   const KnobSpec* Find(std::string_view path) const;
@@ -82,6 +87,8 @@ class Config {
   double GetDouble(std::string_view path) const;
   bool GetBool(std::string_view path) const;
   const std::string& GetString(std::string_view path) const;  // kString and kEnum
+  // kList: the sequence as flow-style YAML text ("[]", "[{host: a, devices: [cpu]}]").
+  const std::string& GetList(std::string_view path) const;
   // Where a value came from: "default", the YAML file's name, or "--set".
   const std::string& SourceOf(std::string_view path) const;
   // The effective configuration as YAML: every knob, grouped by section in schema order, with

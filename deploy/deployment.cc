@@ -12,9 +12,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/status.h"
 #include "compute_node/controller_settings.h"
 #include "deploy/process_group.h"
+#include "deploy/slurm_launcher.h"
+#include "deploy/ssh_launcher.h"
 #include "kernels/cuda/device_choice.h"
 #include "server/api_server.h"
 
@@ -67,14 +71,59 @@ const ConfigSchema& DeploySchema() {
         .Bool("transport.checksums", true,
               "crc32c of every per-layer payload of the host-staged path (ucx), verified by the receiver")
         .String("launch.run_dir", "tandem-run",
-                "directory for the ranks' logs, ready files and effective config")
+                "directory under which every run gets its own directory (run-<time>-<pid>, and the link "
+                "latest): the ranks' logs, ready files, effective config and deployment secret")
+        .Enum("launch.remote", "ssh", {"ssh", "srun"},
+              "how ranks on other hosts are started: ssh (launch.ssh), or srun inside a Slurm job (set by "
+              "tandem launch --slurm; deploy/slurm/)")
+        .Enum("launch.slurm_devices", "cpu", {"cpu", "gpu"},
+              "tandem launch --slurm: the memory ranks' devices, cpu, or gpu (a node's ranks on cuda:0, "
+              "cuda:1, ...: the GPUs Slurm gives each task)")
+        .String("launch.ssh", "ssh -o BatchMode=yes",
+                "the OpenSSH client command line that starts ranks on other hosts (the host and the rank's "
+                "command are appended), e.g. \"ssh -p 2222 -i key -o BatchMode=yes\"")
         .Double("launch.startup_timeout_s", 600, "seconds a rank may take to become ready", 1, 86400)
         .Double("launch.step_timeout_s", 120, "seconds a rank may wait for a peer within a step", 1, 86400);
+    AddPoolKnobs(s);
     AddSchedulerKvKnobs(s);
     server::AddApiKnobs(s);  // compute rank 0 serves the API (cli/rank_cmds.cc)
     return s;
   }();
   return *schema;
+}
+
+std::string DescribePlacement(const DeployPlan& p) {
+  const bool in_process = transport::GetTransportInfo(p.transport).one_process;
+  auto line = [](const RankPlacement& r, const std::string& role, const std::string& how) {
+    return absl::StrCat("#   ", r.name, ": ", r.device, " on ", r.local() ? "this host" : r.host,
+                        ", device type ", r.device_type.empty() ? "-" : r.device_type, ", interface ",
+                        r.bind.empty() ? "any" : r.bind, " (", role, how, ")\n");
+  };
+  std::string out = absl::StrCat("# placement", p.placement.one_host() ? " (one host)" : "", ":\n");
+  absl::StrAppend(&out, line(p.placement.compute, absl::StrCat("controller, model ", p.model), ""));
+  for (size_t i = 0; i < p.placement.memory.size(); ++i) {
+    const RankPlacement& r = p.placement.memory[i];
+    const std::string how = in_process  ? ", a thread of compute-0"
+                            : r.local() ? ", a process of this host"
+                            : p.srun    ? absl::StrCat(", started with srun on node ", r.host)
+                                        : absl::StrCat(", started over ssh: ", p.ssh, " ", r.host);
+    absl::StrAppend(&out, line(r, absl::StrCat("listening on ", p.listen_addresses[i]), how));
+  }
+  for (size_t r = 0; r < p.replica_devices.size(); ++r) {
+    absl::StrAppend(&out, "#   compute-", r + 1, ": ", p.replica_devices[r],
+                    " on compute-0's host (replica, listening on ", p.compute_host, ":0)\n");
+  }
+  if (p.micro_batches > 1) {
+    absl::StrAppend(&out, "# pipeline: ", p.micro_batches, " micro-batches per step on ", p.compute_ranks,
+                    " compute rank(s)\n");
+  }
+  absl::StrAppend(&out, "# transport (per-layer data; control messages over UCX, authenticated):\n");
+  for (const RankPlacement& r : p.placement.memory) {
+    absl::StrAppend(&out, "#   compute-0 <-> ", r.name, ": ", transport::TransportKindName(p.transport), " (",
+                    p.placement.compute.local() ? "this host" : p.placement.compute.host, " <-> ",
+                    r.local() ? "this host" : r.host, ")\n");
+  }
+  return out;
 }
 
 absl::StatusOr<std::optional<transport::TransportKind>> ParseTransportSetting(std::string_view value) {
@@ -98,7 +147,8 @@ int DeviceIndex(const std::string& device) {
 
 absl::StatusOr<transport::TransportKind> ResolveTransport(std::optional<transport::TransportKind> requested,
                                                           const DeployPlan& p) {
-  transport::RankLayout layout{.compute_device = DeviceIndex(p.compute_device)};
+  transport::RankLayout layout{.compute_device = DeviceIndex(p.compute_device),
+                               .one_host = p.placement.one_host()};
   for (const std::string& d : p.memory_devices) layout.memory_devices.push_back(DeviceIndex(d));
   if (!requested) return transport::PickTransport(layout);
   const std::string why = transport::GetTransportInfo(*requested).CannotConnect(layout);
@@ -106,46 +156,70 @@ absl::StatusOr<transport::TransportKind> ResolveTransport(std::optional<transpor
   return *requested;
 }
 
+namespace {
+
+// A rank's device: on this host resolved against the visible devices; on another host only its
+// form is checked (cpu or cuda:N), since the launcher cannot see that host's devices.
+absl::StatusOr<std::string> ResolveRankDevice(const RankPlacement& r, const std::string& value,
+                                              const ModelSpec& spec) {
+  if (!r.local()) {
+    int index = -1;
+    if (value == "cpu" ||
+        (value.rfind("cuda:", 0) == 0 && absl::SimpleAtoi(value.substr(5), &index) && index >= 0)) {
+      return value;
+    }
+    return absl::InvalidArgumentError(absl::StrCat(r.path, ": expected cpu or cuda:N for host ", r.host,
+                                                   " (devices of another host are not guessed), got \"",
+                                                   value, "\""));
+  }
+  absl::StatusOr<int> idx = kernels::ResolveDevice(value, spec);
+  if (!idx.ok()) return absl::InvalidArgumentError(absl::StrCat(r.path, ": ", idx.status().message()));
+  return *idx < 0 ? std::string("cpu") : absl::StrCat("cuda:", *idx);
+}
+
+std::string RunDirName() {
+  const absl::Time now = absl::Now();
+  return absl::StrCat("run-", absl::FormatTime("%Y%m%d-%H%M%S", now, absl::UTCTimeZone()), "-", getpid());
+}
+
+}  // namespace
+
 absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& spec) {
   DeployPlan p;
   p.model = c.GetString("model.path");
   p.weight_seed = static_cast<uint64_t>(c.GetInt("model.weight_seed"));
-  absl::StatusOr<int> compute = kernels::ResolveDevice(c.GetString("compute.device"), spec);
-  if (!compute.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("compute.device: ", compute.status().message()));
-  }
-  p.compute_device = *compute < 0 ? "cpu" : absl::StrCat("cuda:", *compute);
-  const int64_t ranks = c.GetInt("memory.ranks");
-  std::vector<std::string> devices = absl::StrSplit(c.GetString("memory.devices"), ',');
-  if (devices.size() != 1 && static_cast<int64_t>(devices.size()) != ranks) {
-    return absl::InvalidArgumentError(absl::StrCat("memory.devices: ", devices.size(), " devices listed for ",
-                                                   ranks, " ranks (give one for all, or one per rank)"));
-  }
+  ASSIGN_OR_RETURN(p.placement, ResolvePlacement(c));
+  ASSIGN_OR_RETURN(p.compute_device,
+                   ResolveRankDevice(p.placement.compute, p.placement.compute.device, spec));
+  p.placement.compute.device = p.compute_device;
+  const int64_t ranks = static_cast<int64_t>(p.placement.memory.size());
+  const int64_t base = c.GetInt("memory.base_port");
   for (int64_t i = 0; i < ranks; ++i) {
-    std::string d(absl::StripAsciiWhitespace(devices[devices.size() == 1 ? 0 : static_cast<size_t>(i)]));
-    if (d == "auto") d = p.compute_device;
-    absl::StatusOr<int> idx = kernels::ResolveDevice(d, spec);
-    if (!idx.ok() || d == "auto") {
+    RankPlacement& r = p.placement.memory[static_cast<size_t>(i)];
+    std::string d = r.device == "auto" ? p.compute_device : r.device;
+    absl::StatusOr<std::string> resolved = ResolveRankDevice(r, d, spec);
+    if (!resolved.ok()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("memory.devices: rank ", i, ": expected cpu, cuda, cuda:N or auto, got \"", d, "\""));
+          absl::StrCat(r.path, ": rank ", i, ": expected cpu, cuda, cuda:N or auto, got \"", r.device, "\""));
     }
-    d = *idx < 0 ? "cpu" : absl::StrCat("cuda:", *idx);
+    d = *resolved;
     if ((d == "cpu") != (p.compute_device == "cpu")) {
-      return absl::InvalidArgumentError(absl::StrCat("memory.devices: rank ", i, " on ", d,
-                                                     " but compute.device is ", p.compute_device,
+      return absl::InvalidArgumentError(absl::StrCat(r.path, ": rank ", i, " on ", d,
+                                                     " but compute rank 0 is on ", p.compute_device,
                                                      "; compute and memory ranks exchange activations in the "
                                                      "backend's dtype (fp32 on cpu, bf16 on cuda), "
                                                      "so put all ranks on the CPU or all on GPUs"));
     }
+    r.device = d;
     p.memory_devices.push_back(d);
-    const int64_t base = c.GetInt("memory.base_port");
     if (base != 0 && base + i > 65535) {
       return absl::InvalidArgumentError(
           absl::StrCat("memory.base_port: ", base, " + rank ", i, " exceeds 65535"));
     }
-    p.listen_addresses.push_back(absl::StrCat(c.GetString("memory.host"), ":", base == 0 ? 0 : base + i));
+    p.listen_addresses.push_back(absl::StrCat(r.bind, ":", base == 0 ? 0 : base + i));
   }
-  p.compute_host = c.GetString("memory.host");  // one host: the compute replicas listen where memory ranks do
+  // The compute replicas run on compute rank 0's host and listen on its interface.
+  p.compute_host = p.placement.compute.bind.empty() ? c.GetString("memory.host") : p.placement.compute.bind;
   ASSIGN_OR_RETURN(p.partition, ParseAttentionPartition(c.GetString("memory.partition")));
   RETURN_IF_ERROR(CheckAttentionPartition(p.partition, spec.num_kv_heads, ranks));
   // Checked here so that a bad pair stops the launch before any rank starts.
@@ -200,7 +274,9 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
     p.micro_batches = std::max(p.micro_batches, 1);  // one compute rank: fixed is pingpong
   }
   p.checksums = c.GetBool("transport.checksums");
-  p.run_dir = c.GetString("launch.run_dir");
+  p.run_dir = (std::filesystem::path(c.GetString("launch.run_dir")) / RunDirName()).string();
+  p.ssh = c.GetString("launch.ssh");
+  p.srun = c.GetString("launch.remote") == "srun";
   p.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   p.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
   return p;
@@ -208,41 +284,86 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
 
 namespace {
 
-absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPlan& plan,
-                      const LaunchOptions& o) {
+// The run's own directory, its `latest` link and its deployment secret (0600).
+absl::StatusOr<bootstrap::DeploymentKey> PrepareRunDir(const DeployPlan& plan) {
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::create_directories(plan.run_dir, ec);
   if (ec)
     return absl::InternalError(
         absl::StrCat("launch.run_dir: cannot create ", plan.run_dir, ": ", ec.message()));
+  fs::permissions(plan.run_dir, fs::perms::owner_all, ec);  // logs and ready files: this user's
+  const fs::path latest = fs::path(plan.run_dir).parent_path() / "latest";
+  const fs::path tmp = fs::path(plan.run_dir).parent_path() / absl::StrCat(".latest.", getpid());
+  fs::remove(tmp, ec);
+  fs::create_directory_symlink(fs::path(plan.run_dir).filename(), tmp, ec);
+  if (!ec) fs::rename(tmp, latest, ec);  // atomic: two launches never see a half-made link
+  return bootstrap::CreateKeyFile((fs::path(plan.run_dir) / "secret").string());
+}
+
+// The number of memory ranks on rank m's device and host (they split its KV memory).
+int KvShare(const DeployPlan& plan, size_t m) {
+  int n = 0;
+  for (const RankPlacement& r : plan.placement.memory) {
+    n += r.host == plan.placement.memory[m].host && r.device == plan.placement.memory[m].device ? 1 : 0;
+  }
+  return n;
+}
+
+absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPlan& plan,
+                      const LaunchOptions& o) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  ASSIGN_OR_RETURN(const bootstrap::DeploymentKey key, PrepareRunDir(plan));
   const std::string cfg = (fs::path(plan.run_dir) / "deploy.yaml").string();
-  RETURN_IF_ERROR(WriteFileAtomic(cfg, config.DumpYaml()));
+  const std::string yaml = config.DumpYaml();
+  RETURN_IF_ERROR(WriteFileAtomic(cfg, yaml));
   auto path = [&](const std::string& name) { return (fs::path(plan.run_dir) / name).string(); };
+  const std::string secret = path("secret");
+  std::fprintf(stderr, "tandem launch: run directory %s (deployment %s)\n", plan.run_dir.c_str(),
+               key.IdHex().c_str());
 
   // transport.kind local: the memory ranks are threads of compute-0 (deploy/local_ranks.h).
   const bool in_process = transport::GetTransportInfo(plan.transport).one_process;
   std::vector<std::string> addresses;
   for (size_t i = 0; i < plan.memory_devices.size() && !in_process; ++i) {
-    const std::string name = absl::StrCat("memory-", i), ready = path(name + ".ready");
-    fs::remove(ready, ec);  // a stale file from an earlier run must not count as ready
-    fs::remove(path(name + ".log"), ec);
-    RETURN_IF_ERROR(group.Start(
-        name,
-        {o.tandem_binary, "memory", "--config", cfg, "--rank", std::to_string(i), "--listen",
-         plan.listen_addresses[i], "--device", plan.memory_devices[i], "--kv-share",
-         std::to_string(
-             std::count(plan.memory_devices.begin(), plan.memory_devices.end(), plan.memory_devices[i])),
-         "--transport", transport::TransportKindName(plan.transport), "--ready-file", ready, "--log-level",
-         o.log_level},
-        path(name + ".log")));
+    const RankPlacement& r = plan.placement.memory[i];
+    const std::string name = r.name, ready = path(name + ".ready");
+    std::vector<std::string> argv = {r.tandem.empty() ? o.tandem_binary : r.tandem,
+                                     "memory",
+                                     "--rank",
+                                     std::to_string(i),
+                                     "--listen",
+                                     plan.listen_addresses[i],
+                                     "--device",
+                                     plan.memory_devices[i],
+                                     "--kv-share",
+                                     std::to_string(KvShare(plan, i)),
+                                     "--transport",
+                                     transport::TransportKindName(plan.transport),
+                                     "--log-level",
+                                     o.log_level};
+    if (r.local()) {
+      argv.insert(argv.end(), {"--config", cfg, "--secret-file", secret, "--ready-file", ready});
+      RETURN_IF_ERROR(group.Start(name, argv, path(name + ".log")));
+    } else {
+      argv.insert(argv.end(), {"--stdin-bootstrap", "--ready-file", "-"});
+      RETURN_IF_ERROR(
+          group.StartWithStdin(name, plan.srun ? SrunArgv(r.host, argv) : SshArgv(plan.ssh, r.host, argv),
+                               path(name + ".log"), StdinBootstrap(key, yaml)));
+    }
   }
   for (size_t i = 0; i < plan.memory_devices.size() && !in_process; ++i) {
-    const std::string name = absl::StrCat("memory-", i);
-    ASSIGN_OR_RETURN(std::string address, group.WaitReady(name, path(name + ".ready"), plan.startup_timeout));
-    addresses.emplace_back(absl::StripAsciiWhitespace(address));
-    std::fprintf(stderr, "tandem launch: %s listening on %s (%s)\n", name.c_str(), addresses.back().c_str(),
-                 plan.memory_devices[i].c_str());
+    const RankPlacement& r = plan.placement.memory[i];
+    absl::StatusOr<std::string> address =
+        r.local() ? group.WaitReady(r.name, path(r.name + ".ready"), plan.startup_timeout)
+                  : group.WaitReadyLine(r.name, kReadyMarker, plan.startup_timeout);
+    if (!address.ok()) return address.status();
+    addresses.emplace_back(absl::StripAsciiWhitespace(*address));
+    std::fprintf(
+        stderr, "tandem launch: %s listening on %s (%s%s)\n", r.name.c_str(), addresses.back().c_str(),
+        plan.memory_devices[i].c_str(),
+        r.local() ? "" : absl::StrCat(" on ", r.host, plan.srun ? " with srun" : " over ssh").c_str());
   }
   // Compute replicas (compute.ranks > 1): they connect to the memory ranks and listen for compute
   // rank 0.
@@ -251,13 +372,17 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
     const std::string name = absl::StrCat("compute-", r + 1), ready = path(name + ".ready");
     fs::remove(ready, ec);
     fs::remove(path(name + ".log"), ec);
-    RETURN_IF_ERROR(group.Start(
-        name,
-        {o.tandem_binary, "compute", "--replica", std::to_string(r + 1), "--config", cfg, "--memory",
-         absl::StrJoin(addresses, ","), "--listen", absl::StrCat(plan.compute_host, ":0"), "--device",
-         plan.replica_devices[r], "--transport", transport::TransportKindName(plan.transport), "--ready-file",
-         ready, "--log-level", o.log_level},
-        path(name + ".log")));
+    RETURN_IF_ERROR(group.Start(name, {o.tandem_binary, "compute",
+                                       "--replica",     std::to_string(r + 1),
+                                       "--config",      cfg,
+                                       "--secret-file", secret,
+                                       "--memory",      absl::StrJoin(addresses, ","),
+                                       "--listen",      absl::StrCat(plan.compute_host, ":0"),
+                                       "--device",      plan.replica_devices[r],
+                                       "--transport",   transport::TransportKindName(plan.transport),
+                                       "--ready-file",  ready,
+                                       "--log-level",   o.log_level},
+                                path(name + ".log")));
   }
   for (size_t r = 0; r < plan.replica_devices.size(); ++r) {
     const std::string name = absl::StrCat("compute-", r + 1);
@@ -269,10 +394,19 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
   const std::string ready = path("compute-0.ready");
   fs::remove(ready, ec);
   fs::remove(path("compute-0.log"), ec);
+  if (!plan.placement.compute.local()) {
+    return absl::UnimplementedError(absl::StrCat(
+        "compute.hosts[0].host: ", plan.placement.compute.host,
+        ": compute rank 0 runs on the launcher's host today (host: local); memory ranks may be anywhere"));
+  }
   std::vector<std::string> argv = {o.tandem_binary,
                                    "compute",
                                    "--config",
                                    cfg,
+                                   "--secret-file",
+                                   secret,
+                                   "--bind",
+                                   plan.placement.compute.bind,
                                    in_process ? "--memory-devices" : "--memory",
                                    absl::StrJoin(in_process ? plan.memory_devices : addresses, ","),
                                    "--ready-file",
@@ -328,6 +462,9 @@ absl::Status Launch(const Config& config, const DeployPlan& plan, const LaunchOp
   if (!st.ok() && !interrupted)
     std::fprintf(stderr, "tandem launch: stopping the deployment: %s\n", std::string(st.message()).c_str());
   const std::vector<std::string> killed = group.StopAll(absl::Seconds(10));
+  // Every rank has exited: the run's secret is of no further use (the logs stay).
+  std::error_code ec;
+  std::filesystem::remove(std::filesystem::path(plan.run_dir) / "secret", ec);
   if (!killed.empty()) {
     std::fprintf(stderr, "tandem launch: %s did not stop within 10 s of SIGTERM and was killed\n",
                  absl::StrJoin(killed, ", ").c_str());

@@ -1,6 +1,7 @@
-// A deployment on this host, from one YAML file (docs/architecture.md, "Configuration"): the settings every
-// rank reads, and the launcher that starts compute rank 0 (with the controller) and the memory
-// ranks as separate processes, one log per rank, and brings them all down together.
+// A deployment from one YAML file (docs/architecture.md, "Configuration", "Deployments across
+// hosts"): the settings every rank reads, and the launcher that starts compute rank 0 (with the
+// controller) and the memory ranks as separate processes (on this host, or over ssh on others),
+// one log per rank, and brings them all down together.
 //
 //   model.path, model.weight_seed      checkpoint directory or preset, and a preset's weight seed
 //   compute.device                     cpu, cuda, cuda:N or auto
@@ -10,11 +11,21 @@
 //                                      holds a slice of every request's KV heads; needs
 //                                      num_key_value_heads divisible by memory.ranks)
 //   memory.host, memory.base_port      where memory ranks listen (port 0: any free port)
+//   compute.hosts, memory.hosts        the pools: hosts, devices, device types and addresses to
+//                                      bind (deploy/placement.h); without them, the keys above on
+//                                      this host
 //   transport.kind                     auto, ucx, p2p, nccl or verbs (one kind for the deployment;
 //                                      auto: a lookup over the transport table, see ResolveTransport)
 //   transport.checksums                crc32c of the host-staged path's per-layer payloads
 //   scheduler.*, kv.*                  as for the colocated engine (kv.* applies to each rank)
-//   launch.*                           run directory, time limits
+//   launch.*                           run directory, time limits, the ssh client
+//
+// Every run gets its own directory, <launch.run_dir>/run-<UTC time>-<pid> (and the link
+// <launch.run_dir>/latest to it): its logs, ready files, effective config, the deployment secret
+// (mode 0600, removed when the run ends; common/bootstrap/deployment_key.h) and generate's
+// requests and results, so two
+// deployments sharing a run_dir never read each other's files. Ranks on other hosts are started
+// over ssh (deploy/ssh_launcher.h).
 //
 // Launch order: memory ranks first (each writes its transport address to a ready file once it
 // listens), then compute rank 0 with those addresses; it loads the weights, sends every memory
@@ -34,6 +45,7 @@
 #include "common/head_partition.h"
 #include "common/model_spec.h"
 #include "common/transport/factory.h"
+#include "deploy/placement.h"
 
 namespace tandem {
 
@@ -54,9 +66,16 @@ struct DeployPlan {
   std::string compute_host;                  // where the compute replicas listen
   transport::TransportKind transport = transport::TransportKind::kUcx;  // resolved transport.kind
   bool checksums = true;
-  std::string run_dir;
+  Placement placement;  // per rank: host, address to bind, device (resolved), device type
+  std::string run_dir;  // this run's own directory (<launch.run_dir>/run-<time>-<pid>; made by Launch)
+  std::string ssh;      // launch.ssh: the ssh client command line for ranks on other hosts
+  bool srun = false;    // launch.remote srun: ranks on other hosts are Slurm steps (deploy/slurm_launcher.h)
   absl::Duration startup_timeout, step_timeout;
 };
+
+// The resolved placement as text, one line per rank and per connection: host, device, device
+// type, interface, and the transport between compute-0 and each memory rank (for `config check`).
+std::string DescribePlacement(const DeployPlan& plan);
 // Errors name the YAML path ("memory.devices: 3 devices listed for 2 ranks", "memory.partition:
 // head needs num_key_value_heads (8) divisible by memory.ranks (3)").
 absl::StatusOr<DeployPlan> ResolveDeployment(const Config& config, const ModelSpec& spec);

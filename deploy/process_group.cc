@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <system_error>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -87,6 +88,7 @@ class UniqueFd {
   UniqueFd& operator=(const UniqueFd&) = delete;
   ~UniqueFd() { Reset(); }
   int get() const { return fd_; }
+  int Release() { return std::exchange(fd_, -1); }
   void Reset(int fd = -1) {
     if (fd_ >= 0) close(fd_);
     fd_ = fd;
@@ -268,6 +270,20 @@ const ProcessGroup::Child* ProcessGroup::Find(const std::string& name) const {
 
 absl::Status ProcessGroup::Start(const std::string& name, const std::vector<std::string>& argv,
                                  const std::string& log_path) {
+  return StartImpl(name, argv, log_path, nullptr);
+}
+
+absl::Status ProcessGroup::StartWithStdin(const std::string& name, const std::vector<std::string>& argv,
+                                          const std::string& log_path, const std::string& stdin_data) {
+  if (stdin_data.size() > 60 * 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": ", stdin_data.size(), " bytes for stdin (at most 60 KiB)"));
+  }
+  return StartImpl(name, argv, log_path, &stdin_data);
+}
+
+absl::Status ProcessGroup::StartImpl(const std::string& name, const std::vector<std::string>& argv,
+                                     const std::string& log_path, const std::string* stdin_data) {
   if (name.empty()) return absl::InvalidArgumentError("a process needs a name");
   if (argv.empty() || argv[0].empty()) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": empty command line"));
@@ -285,9 +301,28 @@ absl::Status ProcessGroup::Start(const std::string& name, const std::vector<std:
   UniqueFd log_fd(open(log_path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644));
   if (log_fd.get() < 0) return ErrnoToStatus(errno, absl::StrCat(name, ": open log ", log_path));
   RETURN_IF_ERROR(MoveAboveStdio(log_fd, log_path));
-  UniqueFd null_fd(open("/dev/null", O_RDONLY | O_CLOEXEC));
-  if (null_fd.get() < 0) return ErrnoToStatus(errno, absl::StrCat(name, ": open /dev/null"));
-  RETURN_IF_ERROR(MoveAboveStdio(null_fd, "/dev/null"));
+  UniqueFd null_fd;
+  UniqueFd stdin_write;
+  if (stdin_data == nullptr) {
+    null_fd.Reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
+    if (null_fd.get() < 0) return ErrnoToStatus(errno, absl::StrCat(name, ": open /dev/null"));
+  } else {
+    // Both ends O_CLOEXEC: no other child inherits the write end (its EOF is the signal).
+    int in_fds[2];
+    if (pipe2(in_fds, O_CLOEXEC) != 0) return ErrnoToStatus(errno, absl::StrCat(name, ": pipe2 for stdin"));
+    null_fd.Reset(in_fds[0]);
+    stdin_write.Reset(in_fds[1]);
+    RETURN_IF_ERROR(MoveAboveStdio(stdin_write, "a pipe"));
+    // The data fits in the pipe's buffer (64 KiB): this does not block.
+    size_t done = 0;
+    while (done < stdin_data->size()) {
+      const ssize_t n = write(stdin_write.get(), stdin_data->data() + done, stdin_data->size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return ErrnoToStatus(errno, absl::StrCat(name, ": write its stdin"));
+      done += static_cast<size_t>(n);
+    }
+  }
+  RETURN_IF_ERROR(MoveAboveStdio(null_fd, "stdin"));
   int pipe_fds[2];
   if (pipe2(pipe_fds, O_CLOEXEC) != 0) return ErrnoToStatus(errno, absl::StrCat(name, ": pipe2"));
   UniqueFd err_read(pipe_fds[0]);
@@ -337,6 +372,9 @@ absl::Status ProcessGroup::Start(const std::string& name, const std::vector<std:
   child.pid = pid;
   child.log_path = log_path;
   child.running = true;
+  if (stdin_write.get() >= 0) {
+    child.stdin_fd = stdin_write.Release();  // closed when the child is reaped
+  }
   children_.push_back(std::move(child));
   return absl::OkStatus();
 }
@@ -352,6 +390,10 @@ void ProcessGroup::ReapRunning() {
     } else if (r < 0 && errno == ECHILD) {  // reaped by someone else (SIGCHLD ignored?)
       c.running = false;
       c.wait_status = -1;
+    }
+    if (!c.running && c.stdin_fd >= 0) {
+      close(c.stdin_fd);
+      c.stdin_fd = -1;
     }
   }
 }
@@ -383,47 +425,86 @@ std::string ProcessGroup::DescribeExit(const Child& child, const std::string& co
 
 absl::StatusOr<std::string> ProcessGroup::WaitReady(const std::string& name, const std::string& ready_path,
                                                     absl::Duration timeout) {
+  return WaitFor(
+      name, absl::StrCat("its ready file ", ready_path),
+      [&]() -> absl::StatusOr<std::optional<std::string>> {
+        UniqueFd fd(open(ready_path.c_str(), O_RDONLY | O_CLOEXEC));
+        if (fd.get() < 0) {
+          if (errno != ENOENT) return ErrnoToStatus(errno, absl::StrCat("open ", ready_path));
+          return std::nullopt;
+        }
+        std::string content;
+        char buf[4096];
+        while (true) {
+          const ssize_t n = read(fd.get(), buf, sizeof(buf));
+          if (n < 0 && errno == EINTR) continue;
+          if (n < 0) return ErrnoToStatus(errno, absl::StrCat("read ", ready_path));
+          if (n == 0) break;
+          content.append(buf, static_cast<size_t>(n));
+        }
+        return content;
+      },
+      timeout);
+}
+
+absl::StatusOr<std::string> ProcessGroup::WaitReadyLine(const std::string& name, const std::string& marker,
+                                                        absl::Duration timeout) {
+  const Child* c = Find(name);
+  if (c == nullptr) return absl::NotFoundError(absl::StrCat("no process is named ", name));
+  const std::string log = c->log_path;
+  return WaitFor(
+      name, absl::StrCat("its ready line (", marker, ") in ", log),
+      [&]() -> absl::StatusOr<std::optional<std::string>> {
+        // Logs are small until the rank is ready: read the first MiB (the marker is near its start).
+        std::string tail;
+        if (UniqueFd fd(open(log.c_str(), O_RDONLY | O_CLOEXEC)); fd.get() >= 0) {
+          char buf[8192];
+          ssize_t n;
+          while (tail.size() < (1 << 20) && (n = read(fd.get(), buf, sizeof(buf))) > 0) {
+            tail.append(buf, static_cast<size_t>(n));
+          }
+        }
+        size_t at = 0;
+        while ((at = tail.find(marker + " ", at)) != std::string::npos) {
+          if (at == 0 || tail[at - 1] == '\n') {
+            const size_t end = tail.find('\n', at);
+            if (end == std::string::npos) return std::nullopt;  // the line is still being written
+            return tail.substr(at + marker.size() + 1, end - at - marker.size() - 1);
+          }
+          at += marker.size();
+        }
+        return std::nullopt;
+      },
+      timeout);
+}
+
+absl::StatusOr<std::string> ProcessGroup::WaitFor(
+    const std::string& name, const std::string& what,
+    const std::function<absl::StatusOr<std::optional<std::string>>()>& read_ready, absl::Duration timeout) {
   Child* target = Find(name);
   if (target == nullptr) return absl::NotFoundError(absl::StrCat("no process is named ", name));
-  const std::string waiting = absl::StrCat("waiting for ", name, " to write its ready file ", ready_path);
+  const std::string waiting = absl::StrCat("waiting for ", name, " to write ", what);
   const absl::Time deadline = absl::Now() + timeout;
   while (true) {
     if (TerminationSignal() != 0) return Interrupted(waiting);
     ReapRunning();
-
-    UniqueFd fd(open(ready_path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (fd.get() >= 0) {
-      std::string content;
-      char buf[4096];
-      while (true) {
-        const ssize_t n = read(fd.get(), buf, sizeof(buf));
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0) return ErrnoToStatus(errno, absl::StrCat("read ", ready_path));
-        if (n == 0) break;
-        content.append(buf, static_cast<size_t>(n));
-      }
-      return content;
-    }
-    if (errno != ENOENT) return ErrnoToStatus(errno, absl::StrCat("open ", ready_path));
-
+    ASSIGN_OR_RETURN(std::optional<std::string> ready, read_ready());
+    if (ready) return *ready;
     if (!target->running) {
       target->reported = true;
-      return absl::UnavailableError(
-          DescribeExit(*target, absl::StrCat(" before writing its ready file ", ready_path)));
+      return absl::UnavailableError(DescribeExit(*target, absl::StrCat(" before writing ", what)));
     }
     if (Child* other = FirstUnreportedExit(); other != nullptr) {
       other->reported = true;
-      return absl::UnavailableError(DescribeExit(
-          *other, absl::StrCat(" while waiting for ", name, " to write its ready file ", ready_path)));
+      return absl::UnavailableError(DescribeExit(*other, absl::StrCat(" while ", waiting)));
     }
     const absl::Duration left = deadline - absl::Now();
     if (left <= absl::ZeroDuration()) {
       const std::string tail = ReadTail(target->log_path, 20);
-      return absl::DeadlineExceededError(
-          absl::StrCat(name, " (pid ", target->pid, ") did not write its ready file ", ready_path, " within ",
-                       absl::FormatDuration(timeout),
-                       tail.empty() ? absl::StrCat("; its log ", target->log_path, " is empty")
-                                    : absl::StrCat("; last lines of ", target->log_path, ":\n", tail)));
+      return absl::DeadlineExceededError(absl::StrCat(
+          name, " (pid ", target->pid, ") did not write ", what, " within ", absl::FormatDuration(timeout),
+          tail.empty() ? absl::StrCat("; its log ", target->log_path, " is empty")
+                       : absl::StrCat("; last lines of ", target->log_path, ":\n", tail)));
     }
     PauseBriefly(static_cast<int>(std::min<int64_t>(kPollMs, absl::ToInt64Milliseconds(left) + 1)));
   }
@@ -504,6 +585,10 @@ std::vector<std::string> ProcessGroup::StopAll(absl::Duration grace) {
       c.running = false;
       c.wait_status = r == c.pid ? status : -1;
     }
+  }
+  for (Child& c : children_) {
+    if (c.stdin_fd >= 0) close(c.stdin_fd);
+    c.stdin_fd = -1;
   }
   for (Child& c : children_) c.reported = true;  // stopped on purpose: no wait reports them
   return killed;

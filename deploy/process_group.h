@@ -19,6 +19,8 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -51,6 +53,11 @@ class ProcessGroup {
   // duplicate name), or the errno of open/fork/exec (an exec failure is detected here, not later).
   absl::Status Start(const std::string& name, const std::vector<std::string>& argv,
                      const std::string& log_path);
+  // Same, but stdin is a pipe: `stdin_data` (at most 60 KiB) is written to it at once and the pipe
+  // stays open until the process is reaped (or this launcher dies: then the child reads EOF). An
+  // ssh child forwards both to its remote rank, which exits on that EOF (deploy/ssh_launcher.h).
+  absl::Status StartWithStdin(const std::string& name, const std::vector<std::string>& argv,
+                              const std::string& log_path, const std::string& stdin_data);
 
   // Waits until `ready_path` exists (it is written with WriteFileAtomic) and returns its content.
   // Fails with Unavailable naming the process, its exit status and its log's last lines if the
@@ -58,6 +65,10 @@ class ProcessGroup {
   // file); Cancelled on a termination signal.
   absl::StatusOr<std::string> WaitReady(const std::string& name, const std::string& ready_path,
                                         absl::Duration timeout);
+  // Same, but readiness is a line "<marker> <text>" in the process's log (a remote rank's stdout,
+  // streamed by ssh; no shared file system): returns <text>.
+  absl::StatusOr<std::string> WaitReadyLine(const std::string& name, const std::string& marker,
+                                            absl::Duration timeout);
 
   // Waits until process `name` exits. OK if it exited with status 0. Otherwise (or if another
   // process of the group fails first: a non-zero status or a signal; another process exiting
@@ -90,7 +101,14 @@ class ProcessGroup {
     bool running = false;
     int wait_status = 0;    // from waitpid, once reaped (-1: reaped by someone else, status unknown)
     bool reported = false;  // its exit was returned by a wait (or it was stopped by StopAll)
+    int stdin_fd = -1;      // write end of its stdin pipe (StartWithStdin), closed once reaped
   };
+  absl::Status StartImpl(const std::string& name, const std::vector<std::string>& argv,
+                         const std::string& log_path, const std::string* stdin_data);
+  // Waits for `read_ready` to return a value (polling), as WaitReady describes.
+  absl::StatusOr<std::string> WaitFor(
+      const std::string& name, const std::string& what,
+      const std::function<absl::StatusOr<std::optional<std::string>>()>& read_ready, absl::Duration timeout);
   Child* Find(const std::string& name);
   const Child* Find(const std::string& name) const;
   // waitpid(WNOHANG) on every running child; records the exits.

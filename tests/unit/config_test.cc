@@ -17,6 +17,7 @@
 #include "common/log.h"
 #include "common/model_spec.h"
 #include "deploy/deployment.h"
+#include "deploy/placement.h"
 #include "gtest/gtest.h"
 
 namespace tandem {
@@ -100,6 +101,9 @@ void ExpectSameValues(const Config& a, const Config& b) {
       case KnobType::kString:
       case KnobType::kEnum:
         EXPECT_EQ(a.GetString(knob.path), b.GetString(knob.path));
+        break;
+      case KnobType::kList:
+        EXPECT_EQ(a.GetList(knob.path), b.GetList(knob.path));
         break;
     }
   }
@@ -511,6 +515,88 @@ TEST(ConfigDeathTest, InvalidDefaults) {
   EXPECT_DEATH(ConfigSchema().Int("a", 0, "", 1, 10), "invalid default");
   EXPECT_DEATH(ConfigSchema().Double("a", 2.0, "", 0.0, 1.0), "invalid default");
   EXPECT_DEATH(ConfigSchema().Int("a..b", 0, ""), "must be");
+}
+
+// ---- list knobs and the deployment's pools (deploy/placement.h) -----------------------------------
+
+absl::StatusOr<Config> LoadDeploy(std::string_view yaml, const std::vector<std::string>& overrides = {}) {
+  return LoadConfig(DeploySchema(), yaml, "deploy.yaml", overrides);
+}
+
+TEST(ConfigTest, ListKnobsFromYamlAndSetAndDumpRoundTrip) {
+  absl::StatusOr<Config> c = LoadDeploy(
+      "memory:\n  hosts:\n    - host: node-b\n      devices: [cpu, cpu]\n      device_type: big-ram\n"
+      "    - {host: node-c, address: eth1, devices: [cpu]}\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->GetList("memory.hosts"),
+            "[{host: node-b, devices: [cpu, cpu], device_type: big-ram}, {host: node-c, address: eth1, "
+            "devices: [cpu]}]");
+  EXPECT_EQ(c->GetList("compute.hosts"), "[]");
+  EXPECT_EQ(c->SourceOf("memory.hosts"), "deploy.yaml");
+  absl::StatusOr<Config> again = LoadDeploy(c->DumpYaml());
+  ASSERT_TRUE(again.ok()) << again.status() << "\n" << c->DumpYaml();
+  EXPECT_EQ(again->GetList("memory.hosts"), c->GetList("memory.hosts"));
+  absl::StatusOr<Config> set = LoadDeploy("", {"compute.hosts=[{host: local, devices: [cpu]}]"});
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(set->GetList("compute.hosts"), "[{host: local, devices: [cpu]}]");
+  absl::StatusOr<Config> scalar = LoadDeploy("memory:\n  hosts: node-b\n");
+  ASSERT_FALSE(scalar.ok());
+  EXPECT_CONTAINS(std::string(scalar.status().message()), "memory.hosts: expected a list, got \"node-b\"");
+}
+
+TEST(PlacementTest, PoolsGiveOneRankPerDeviceAndTheShorthandOneLocalHost) {
+  absl::StatusOr<Config> c = LoadDeploy(
+      "compute:\n  hosts: [{host: local, address: 127.0.0.1, devices: [cpu], device_type: c1}]\n"
+      "memory:\n  hosts:\n    - {host: node-b, devices: [cpu, cpu], device_type: m1, tandem: /opt/t}\n"
+      "    - {host: node-c, address: eth1, devices: [cuda:1]}\n");
+  ASSERT_TRUE(c.ok()) << c.status();
+  absl::StatusOr<Placement> p = ResolvePlacement(*c);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->compute.host, "local");
+  EXPECT_EQ(p->compute.device_type, "c1");
+  ASSERT_EQ(p->memory.size(), 3u);
+  EXPECT_EQ(p->memory[1].name, "memory-1");
+  EXPECT_EQ(p->memory[1].host, "node-b");
+  EXPECT_EQ(p->memory[1].bind, "node-b");  // the host itself when no address is given
+  EXPECT_EQ(p->memory[1].tandem, "/opt/t");
+  EXPECT_EQ(p->memory[2].bind, "eth1");
+  EXPECT_EQ(p->memory[2].device, "cuda:1");
+  EXPECT_EQ(p->memory[2].path, "memory.hosts[1].devices[0]");
+  EXPECT_FALSE(p->one_host());
+
+  absl::StatusOr<Config> shorthand = LoadDeploy("memory:\n  ranks: 2\n  devices: cpu\n  host: 127.0.0.1\n");
+  ASSERT_TRUE(shorthand.ok());
+  p = ResolvePlacement(*shorthand);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->memory.size(), 2u);
+  EXPECT_TRUE(p->memory[0].local());
+  EXPECT_EQ(p->memory[1].bind, "127.0.0.1");
+  EXPECT_EQ(p->compute.bind, "127.0.0.1");
+  EXPECT_TRUE(p->one_host());
+}
+
+TEST(PlacementTest, ErrorsNameTheYamlPath) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"memory:\n  hosts: [{host: a, devices: [cpu]}, {host: b, devices: [[cpu]]}]\n",
+       "memory.hosts[1].devices[0]: expected a device"},
+      {"memory:\n  hosts: [{host: a, gpus: [cpu]}]\n", "memory.hosts[0]: unknown key 'gpus'"},
+      {"memory:\n  hosts: [{host: a}]\n", "memory.hosts[0].devices: expected a non-empty list"},
+      {"memory:\n  hosts: [node-a]\n", "memory.hosts[0]: expected a mapping"},
+      {"memory:\n  ranks: 2\n  hosts: [{host: a, devices: [cpu]}]\n",
+       "memory.ranks: set together with memory.hosts"},
+      {"compute:\n  device: cpu\n  hosts: [{host: local, devices: [cpu]}]\n",
+       "compute.device: set together with compute.hosts"},
+      {"compute:\n  hosts: [{host: local, devices: [cpu, cpu]}]\n", "compute.hosts: 2 devices listed"},
+  };
+  for (const auto& [yaml, message] : cases) {
+    SCOPED_TRACE(yaml);
+    absl::StatusOr<Config> c = LoadDeploy(yaml);
+    ASSERT_TRUE(c.ok()) << c.status();
+    absl::StatusOr<Placement> p = ResolvePlacement(*c);
+    ASSERT_FALSE(p.ok());
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_CONTAINS(std::string(p.status().message()), message);
+  }
 }
 
 TEST(ConfigDeathTest, GetterOfWrongTypeOrUnknownPath) {

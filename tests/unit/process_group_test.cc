@@ -460,3 +460,60 @@ TEST_F(ProcessGroupTest, WriteFileAtomic) {
 
 }  // namespace
 }  // namespace tandem
+
+namespace tandem {
+namespace {
+
+// A rank started over ssh (deploy/ssh_launcher.h) gets its bootstrap on stdin, reports ready on
+// its output, and sees EOF on stdin once the launcher lets it go: here with /bin/sh in its place.
+TEST_F(ProcessGroupTest, StdinIsHeldOpenAndTheReadyLineIsFoundInTheLog) {
+  ProcessGroup group;
+  const std::string script =
+      "read first; echo \"starting\"; echo \"TANDEM-READY got-$first\"; cat >/dev/null; echo \"stdin "
+      "closed\"; "
+      "sleep 30";
+  ASSERT_TRUE(group.StartWithStdin("remote", Sh(script), Log("remote"), "bootstrap-line\n").ok());
+  absl::StatusOr<std::string> ready = group.WaitReadyLine("remote", "TANDEM-READY", absl::Seconds(20));
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  EXPECT_EQ(*ready, "got-bootstrap-line");
+  // stdin stays open while the group holds the process: `cat` has not returned.
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(ReadFile(Log("remote")).find("stdin closed"), std::string::npos);
+  EXPECT_TRUE(group.running("remote"));
+  group.StopAll(absl::Seconds(5));
+  EXPECT_FALSE(group.running("remote"));
+
+  // A process that never prints the line: the wait names it, the marker and the log.
+  ASSERT_TRUE(group.StartWithStdin("silent", Sh("cat >/dev/null"), Log("silent"), "x\n").ok());
+  absl::StatusOr<std::string> none = group.WaitReadyLine("silent", "TANDEM-READY", absl::Milliseconds(300));
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kDeadlineExceeded) << none.status();
+  EXPECT_CONTAINS(std::string(none.status().message()), "silent");
+  EXPECT_CONTAINS(std::string(none.status().message()), "TANDEM-READY");
+  group.StopAll(absl::Seconds(5));
+}
+
+// The launcher dying closes the stdin it held: a child that waits on it sees EOF at once.
+TEST_F(ProcessGroupTest, StdinClosesWhenTheLauncherDies) {
+  const std::string marker = Path("eof-seen");
+  const std::string pid_file = Path("child.pid");
+  RunInSubprocess([&] {
+    ProcessGroup group;
+    // The child outlives nothing: PR_SET_PDEATHSIG kills it with the launcher, so it writes the
+    // marker from a grandchild that ignores that (a stand-in for the remote side of ssh).
+    const std::string script =
+        absl::StrCat("( cat >/dev/null; touch '", marker, "' ) & echo $! > '", pid_file, "'; wait");
+    (void)group.StartWithStdin("remote", Sh(script), Log("remote"), "");
+    for (int i = 0; i < 200 && ReadFile(pid_file).empty(); ++i) absl::SleepFor(absl::Milliseconds(10));
+    _exit(0);  // the launcher dies without cleanup
+    return std::string();
+  });
+  bool seen = false;
+  for (int i = 0; i < 500 && !seen; ++i) {
+    seen = std::filesystem::exists(marker);
+    if (!seen) absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(seen) << "the grandchild never saw EOF on the stdin the dead launcher held";
+}
+
+}  // namespace
+}  // namespace tandem

@@ -1,11 +1,16 @@
 // The UCX transport on loopback: real UCX, real sockets. Each Transport is driven by one thread;
 // peer death is tested with a child process (this binary re-executed in a helper mode).
+#include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
+#include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -20,10 +25,13 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/bootstrap/deployment_key.h"
+#include "common/bootstrap/handshake.h"
 #include "common/status.h"
 #include "common/transport/transport.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "transport_test_util.h"
 
 extern char** environ;
 
@@ -569,6 +577,286 @@ TEST(UcxTransport, PeerDeathStopsWaitsWithUnavailable) {
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
   EXPECT_THAT(s.message(), HasSubstr(t->PeerName(*peer)));
   EXPECT_LT(absl::Now() - start, absl::Seconds(15));
+}
+
+}  // namespace
+}  // namespace tandem::transport
+
+namespace tandem::transport {
+namespace {
+
+// ---- The bootstrap handshake against strangers ----------------------------------------------
+// A listening transport is attacked over raw sockets while its thread accepts; every bad
+// connection must be closed by it without becoming a peer, and a member of the deployment must
+// still connect and talk afterwards.
+
+int ConnectRaw(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(std::atoi(address.substr(colon + 1).c_str())));
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &sa.sin_addr);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  TANDEM_CHECK(fd >= 0);
+  timeval tv{.tv_sec = 20, .tv_usec = 0};  // every read below has a deadline
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  TANDEM_CHECK_MSG(connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0, std::strerror(errno));
+  return fd;
+}
+
+std::vector<uint8_t> ReadExactly(int fd, size_t n) {
+  std::vector<uint8_t> v(n);
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = recv(fd, v.data() + got, n - got, 0);
+    if (r <= 0) return {};
+    got += static_cast<size_t>(r);
+  }
+  return v;
+}
+
+void SendAll(int fd, const std::vector<uint8_t>& bytes) {
+  ASSERT_EQ(send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size()));
+}
+
+// True when the listener closed the connection (EOF or reset) after what it had sent (its hello);
+// false if it kept it open for the socket's 20 s receive timeout.
+bool ClosedByListener(int fd) {
+  uint8_t buf[256];
+  for (;;) {
+    const ssize_t r = recv(fd, buf, sizeof(buf), 0);
+    if (r == 0 || (r < 0 && errno == ECONNRESET)) return true;
+    if (r < 0) return false;
+  }
+}
+
+// A man in the middle on loopback: relays one connection to `target` and records what the
+// client sent (its handshake proof: the listener speaks first).
+class RecordingProxy {
+ public:
+  explicit RecordingProxy(const std::string& target) {
+    listen_fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    TANDEM_CHECK(bind(listen_fd_, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0);
+    TANDEM_CHECK(listen(listen_fd_, 1) == 0);
+    socklen_t len = sizeof(sa);
+    getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&sa), &len);
+    address_ = absl::StrCat("127.0.0.1:", ntohs(sa.sin_port));
+    thread_ = std::jthread([this, target] { Relay(target); });
+  }
+  ~RecordingProxy() {
+    if (thread_.joinable()) thread_.join();
+    close(listen_fd_);
+  }
+  const std::string& address() const { return address_; }
+  // What the client sent, once the relay has ended (both sides closed).
+  std::vector<uint8_t> Recorded() {
+    if (thread_.joinable()) thread_.join();
+    return recorded_;
+  }
+
+ private:
+  void Relay(const std::string& target) {
+    pollfd l{listen_fd_, POLLIN, 0};
+    if (poll(&l, 1, 30000) != 1) return;
+    const int client = accept(listen_fd_, nullptr, nullptr);
+    const int server = ConnectRaw(target);
+    uint8_t buf[65536];
+    const absl::Time deadline = In(absl::Seconds(30));
+    bool open = true;
+    while (open && absl::Now() < deadline) {
+      pollfd fds[2] = {{client, POLLIN, 0}, {server, POLLIN, 0}};
+      if (poll(fds, 2, 100) <= 0) continue;
+      for (int i = 0; i < 2; ++i) {
+        if (fds[i].revents == 0) continue;
+        const ssize_t n = recv(fds[i].fd, buf, sizeof(buf), 0);
+        if (n <= 0) {
+          open = false;
+          break;
+        }
+        if (i == 0) recorded_.insert(recorded_.end(), buf, buf + n);
+        send(i == 0 ? server : client, buf, static_cast<size_t>(n), MSG_NOSIGNAL);
+      }
+    }
+    close(client);
+    close(server);
+  }
+  int listen_fd_ = -1;
+  std::string address_;
+  std::vector<uint8_t> recorded_;
+  std::jthread thread_;
+};
+
+// Runs the client side of a handshake with `key` over `fd`; returns the bytes it sent after the
+// hello (its proof) and whether the listener accepted it.
+struct ClientRun {
+  std::vector<uint8_t> proof;
+  bool accepted = false;
+};
+ClientRun RunClient(int fd, const bootstrap::DeploymentKey& key, std::vector<uint8_t> payload) {
+  ClientRun run;
+  bootstrap::Handshake hs(bootstrap::Handshake::Role::kClient, key, std::move(payload));
+  std::vector<uint8_t> hello = ReadExactly(fd, hs.Wanted());
+  if (hello.empty() || !hs.Feed(hello).ok()) return run;
+  run.proof = hs.TakeOutput();
+  if (send(fd, run.proof.data(), run.proof.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(run.proof.size())) {
+    return run;
+  }
+  // The server's proof: its fixed part, then its payload.
+  std::vector<uint8_t> fixed = ReadExactly(fd, hs.Wanted());
+  if (fixed.empty() || !hs.Feed(fixed).ok()) return run;
+  std::vector<uint8_t> rest = ReadExactly(fd, hs.Wanted());
+  run.accepted = !rest.empty() && hs.Feed(rest).ok() && hs.done();
+  return run;
+}
+
+TEST(UcxBootstrap, StrangersAreDroppedAndTheDeploymentGoesOn) {
+  auto server = Listening();
+  const std::string address = server->address();
+  absl::StatusOr<bootstrap::DeploymentKey> key = bootstrap::ProcessKey();
+  ASSERT_TRUE(key.ok()) << key.status();
+
+  std::atomic<int> attacks_done{0};
+  std::jthread attacker([&] {
+    // 1. A port scanner's probe: 16 bytes of garbage.
+    {
+      const int fd = ConnectRaw(address);
+      SendAll(fd, std::vector<uint8_t>(16, 0x5a));
+      EXPECT_TRUE(ClosedByListener(fd)) << "garbage probe";
+      close(fd);
+    }
+    // 2. No secret: the deployment id copied from the server's hello, a made-up proof.
+    {
+      const int fd = ConnectRaw(address);
+      std::vector<uint8_t> hello = ReadExactly(fd, 48);
+      ASSERT_EQ(hello.size(), 48u);
+      std::vector<uint8_t> proof(hello.begin(), hello.begin() + 16);
+      proof[6] = 2;  // client proof
+      proof.resize(84 + 4, 0x11);
+      proof[48] = 4, proof[49] = 0, proof[50] = 0, proof[51] = 0;  // payload length 4
+      SendAll(fd, proof);
+      EXPECT_TRUE(ClosedByListener(fd)) << "no secret";
+      close(fd);
+    }
+    // 3. The right deployment id with a wrong secret: a wrong HMAC.
+    {
+      bootstrap::DeploymentKey wrong = *bootstrap::RandomKey();
+      wrong.id = key->id;
+      const int fd = ConnectRaw(address);
+      EXPECT_FALSE(RunClient(fd, wrong, Bytes("x")).accepted) << "wrong HMAC";
+      close(fd);
+    }
+    // 4. A peer of another deployment: its own id and a proof made with its own secret.
+    {
+      const bootstrap::DeploymentKey other = *bootstrap::RandomKey();
+      const int fd = ConnectRaw(address);
+      std::vector<uint8_t> hello = ReadExactly(fd, 48);
+      ASSERT_EQ(hello.size(), 48u);
+      std::copy(other.id.begin(), other.id.end(), hello.begin() + 8);  // as if it were its own
+      bootstrap::Handshake hs(bootstrap::Handshake::Role::kClient, other, Bytes("x"));
+      ASSERT_TRUE(hs.Feed(hello).ok());
+      SendAll(fd, hs.TakeOutput());
+      EXPECT_TRUE(ClosedByListener(fd)) << "other deployment";
+      close(fd);
+    }
+    attacks_done = 1;
+  });
+  // The listener keeps progressing while it is attacked; nothing of the attacker becomes a peer.
+  const absl::Time deadline = In(absl::Seconds(60));
+  while (attacks_done.load() == 0 && absl::Now() < deadline) {
+    auto p = server->Accept(In(absl::Milliseconds(50)));
+    EXPECT_FALSE(p.ok()) << "an attacker became peer " << *p;
+  }
+  attacker.join();
+
+  // A member connects through a recording man in the middle and talks; then its recorded proof
+  // is replayed on a new connection.
+  RecordingProxy proxy(address);
+  std::atomic<bool> member_done{false};
+  std::jthread member([&] {
+    auto t = ConnectOnly();
+    auto peer = t->Connect(proxy.address());
+    ASSERT_TRUE(peer.ok());
+    ASSERT_TRUE(t->Send(*peer, Bytes("member")).ok());
+    ExpectMessage(*t, *peer, "welcome");
+    while (!member_done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  });
+  absl::StatusOr<PeerId> p = server->Accept(In(absl::Seconds(30)));
+  ASSERT_TRUE(p.ok()) << p.status();
+  PeerId from = 0;
+  std::vector<uint8_t> message;
+  absl::Status s = server->Receive(&from, &message, In(absl::Seconds(30)));
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(from, *p);
+  EXPECT_EQ(Text(message), "member");
+  ASSERT_TRUE(server->Send(*p, Bytes("welcome")).ok());
+
+  const std::vector<uint8_t> proof = proxy.Recorded();
+  ASSERT_GT(proof.size(), 84u);
+  std::jthread replayer([&] {
+    const int fd = ConnectRaw(address);
+    EXPECT_EQ(ReadExactly(fd, 48).size(), 48u);
+    SendAll(fd, proof);
+    EXPECT_TRUE(ClosedByListener(fd)) << "replay";
+    close(fd);
+    attacks_done = 2;
+  });
+  while (attacks_done.load() != 2 && absl::Now() < deadline) {
+    auto q = server->Accept(In(absl::Milliseconds(50)));
+    EXPECT_FALSE(q.ok()) << "the replay became peer " << *q;
+  }
+  replayer.join();
+  // The member is still connected.
+  ASSERT_TRUE(server->Send(*p, Bytes("still here")).ok());
+  member_done = true;
+}
+
+TEST(UcxBootstrap, AClientOfAnotherDeploymentFailsWithTheReason) {
+  auto server = Listening();
+  // A child process with its own secret file: another deployment.
+  char dir[] = "/tmp/tandem-other-deployment.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string file = std::string(dir) + "/secret";
+  ASSERT_TRUE(bootstrap::CreateKeyFile(file).ok());
+  // The child's environment names the other secret (this process's key is fixed already).
+  ASSERT_TRUE(bootstrap::ProcessKey().ok());
+  const std::string ours = std::getenv("TANDEM_SECRET_FILE");
+  setenv("TANDEM_SECRET_FILE", file.c_str(), 1);
+  const pid_t child = testing_transport::SpawnSelf("UcxChildHelper.DISABLED_ConnectSayHelloAndWait",
+                                                   {absl::StrCat(kChildEnv, "=", server->address())});
+  setenv("TANDEM_SECRET_FILE", ours.c_str(), 1);
+  ASSERT_GT(child, 0);
+  EXPECT_EQ(server->Accept(In(absl::Seconds(3))).status().code(), absl::StatusCode::kDeadlineExceeded);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_FALSE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child connected to another deployment";
+  unlink(file.c_str());
+  rmdir(dir);
+}
+
+TEST(DeploymentKey, FilesArePrivateAndCheckedOnLoad) {
+  char dir[] = "/tmp/tandem-key-test.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string file = std::string(dir) + "/secret";
+  absl::StatusOr<bootstrap::DeploymentKey> made = bootstrap::CreateKeyFile(file);
+  ASSERT_TRUE(made.ok()) << made.status();
+  struct stat st {};
+  ASSERT_EQ(stat(file.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(bootstrap::CreateKeyFile(file).status().code(), absl::StatusCode::kAlreadyExists);
+  absl::StatusOr<bootstrap::DeploymentKey> loaded = bootstrap::LoadKeyFile(file);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->secret, made->secret);
+  EXPECT_EQ(loaded->id, made->id);
+  ASSERT_EQ(chmod(file.c_str(), 0644), 0);
+  absl::StatusOr<bootstrap::DeploymentKey> open = bootstrap::LoadKeyFile(file);
+  EXPECT_EQ(open.status().code(), absl::StatusCode::kPermissionDenied) << open.status();
+  EXPECT_THAT(open.status().message(), HasSubstr("0644"));
+  EXPECT_FALSE(bootstrap::ParseKey("abc", "x").ok());
+  unlink(file.c_str());
+  rmdir(dir);
 }
 
 }  // namespace

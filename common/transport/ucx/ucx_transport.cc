@@ -1,9 +1,27 @@
 // The UCX transport (transport.h): control messages and host-memory writes over UCP Active Messages.
 //
 // Objects: one ucp_context (UCP_FEATURE_AM | UCP_FEATURE_WAKEUP) and one ucp_worker
-// (UCS_THREAD_MODE_SINGLE) per Transport, an optional ucp_listener, and one ucp_ep per peer
-// (client-server mode, UCP_ERR_HANDLING_MODE_PEER). All progress happens inside this object's
-// calls: nothing runs in the background that touches our state.
+// (UCS_THREAD_MODE_SINGLE) per Transport, and one ucp_ep per peer (UCP_ERR_HANDLING_MODE_PEER).
+// All progress happens inside this object's calls: nothing runs in the background that touches
+// our state.
+//
+// Connection setup (the bootstrap; no UCX sockaddr listener is ever created): a listening
+// Transport binds a TCP socket of its own at the listen address, and its address() is that
+// socket's host:port. Connect() opens a TCP connection to it and both sides run the
+// authenticated handshake of common/bootstrap/handshake.h on it (each proves it holds the
+// deployment's secret, bootstrap::ProcessKey(), and sends its UCX worker address under that
+// proof); then the socket is closed and each side creates one ep to the other's worker address,
+// which UCX pairs into one connection (its ep matching: the first ep of each side to the other's
+// worker). A connection that fails the handshake (no proof, a wrong HMAC, a probe of garbage, a
+// replay, a peer of another deployment) or does not finish it within kIncomingTimeout is logged
+// with the peer's address and closed; nothing it sent is parsed beyond the handshake, and no ep
+// is created for it. Handshakes run on non-blocking sockets inside the same progress loop as UCX,
+// so a stranger that connects and says nothing delays no one. An AM from an ep that no
+// handshake created (UCX's own tcp listener is reachable too) is dropped unread.
+//
+// Interfaces: the bootstrap socket binds the listen address only; UCX's own network transports
+// are limited to the interface that holds that address (NET_DEVICES, unless UCX_NET_DEVICES is set
+// in the environment), so a listening Transport listens on no other interface.
 //
 // Wire format: two AM ids.
 //   kAmControl  no header; the data is the message.
@@ -54,16 +72,23 @@
 // means the bytes were handed to the socket or the peer's FIFO (rendezvous: the peer has them);
 // callers that need more call Flush() before destroying the Transport.
 //
-// UCX configuration comes from the environment (UCX_TLS etc.) as usual; nothing is overridden.
+// UCX configuration comes from the environment (UCX_TLS etc.) as usual; only NET_DEVICES is set
+// (above) when the environment leaves it open.
 // Tested here with the defaults and with UCX_TLS=tcp, posix,tcp, sysv,tcp, ^cma. cma needs
 // ptrace permission; UCX leaves it out by itself where yama's ptrace_scope forbids it.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -76,6 +101,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/bootstrap/handshake.h"
+#include "common/bootstrap/interfaces.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "common/transport/transport.h"
@@ -90,6 +117,13 @@ constexpr size_t kWriteHeaderBytes = 32;
 constexpr absl::Duration kSpinTime = absl::Microseconds(50);
 constexpr absl::Duration kMaxBlock = absl::Milliseconds(20);
 constexpr absl::Duration kCloseTimeout = absl::Seconds(3);
+// How long a connecting side waits for the listener's handshake, and how long a listener gives an
+// incoming connection to complete it; at most kMaxIncoming handshakes run at once (more wait in
+// the socket's backlog).
+constexpr absl::Duration kConnectTimeout = absl::Seconds(60);
+constexpr absl::Duration kIncomingTimeout = absl::Seconds(10);
+constexpr size_t kMaxIncoming = 64;
+constexpr absl::Duration kAcceptInterval = absl::Milliseconds(1);
 
 void PutLe32(uint8_t* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
@@ -169,14 +203,32 @@ absl::Status Resolve(const std::string& host, uint16_t port, bool passive, socka
 
 class UcxTransport;
 
+// One TCP connection running the bootstrap handshake.
+struct Bootstrap {
+  int fd = -1;
+  std::unique_ptr<bootstrap::Handshake> handshake;
+  std::vector<uint8_t> out;  // handshake bytes not yet sent
+  absl::Time deadline;
+  ~Bootstrap() {
+    if (fd >= 0) close(fd);
+  }
+};
+
+// A connection being accepted: its handshake, then a Peer.
+struct Incoming {
+  std::string name;  // the client's host:port
+  Bootstrap link;
+};
+
 struct Peer {
   UcxTransport* owner = nullptr;
   PeerId id = 0;
   ucp_ep_h ep = nullptr;
   std::string name;
   bool failed = false;
-  bool closing = false;  // Close() was called: a disconnect is expected
-  std::string failure;   // UCX's reason
+  bool closing = false;                   // Close() was called: a disconnect is expected
+  std::string failure;                    // UCX's reason
+  std::unique_ptr<Bootstrap> connecting;  // Connect()'s handshake, until the ep exists
 };
 
 // A control message being received (complete once its data is in `data`).
@@ -243,7 +295,6 @@ class UcxTransport final : public Transport {
   }
 
  private:
-  static void OnConnRequest(ucp_conn_request_h request, void* arg);
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
   static ucs_status_t OnControlAm(void* arg, const void* header, size_t header_length, void* data,
                                   size_t length, const ucp_am_recv_param_t* param);
@@ -287,25 +338,55 @@ class UcxTransport final : public Transport {
   bool HandleWrite(PeerId from, const uint8_t* header, size_t header_length, void* data, size_t length,
                    bool rndv);
   Peer* NewPeer(std::string name);
+  // Creates the peer's ep to a worker address received in a handshake. False (the peer failed,
+  // with UCX's reason) if UCX refuses it.
+  bool CreateEp(Peer* peer, const std::vector<uint8_t>& worker_address);
+  // Accepts incoming bootstrap connections and moves every handshake on (without blocking);
+  // finished ones become peers. True if anything happened.
+  bool DriveBootstrap();
+  // Sends and receives what a handshake can without blocking. An error rejects the connection.
+  absl::Status PumpLink(Bootstrap& link, bool* progressed);
 
   Capabilities caps_;
   std::string address_;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
-  ucp_listener_h listener_ = nullptr;
+  int listen_fd_ = -1;  // the bootstrap socket
   int efd_ = -1;
+  bootstrap::DeploymentKey key_;
+  bootstrap::ReplayGuard replay_guard_;
+  std::vector<uint8_t> worker_address_;
+  std::deque<std::unique_ptr<Incoming>> incoming_;  // handshakes of connections being accepted
+  std::deque<PeerId> accepted_;                     // peers for Accept
+  absl::Time last_accept_check_ = absl::InfinitePast();
   std::vector<std::unique_ptr<Peer>> peers_;
   std::unordered_map<ucp_ep_h, PeerId> ep_to_peer_;
-  std::deque<ucp_conn_request_h> conn_requests_;
   std::deque<std::unique_ptr<InMessage>> inbox_;
   std::unordered_map<uint32_t, std::unique_ptr<Buffer>> buffers_;
   std::deque<absl::Status> errors_;  // DataLoss records for the next wait
 };
 
 absl::Status UcxTransport::Init(const UcxOptions& options) {
+  ASSIGN_OR_RETURN(key_, bootstrap::ProcessKey());
+  std::string host;
+  uint16_t port = 0;
+  std::optional<bootstrap::Interface> iface;
+  if (!options.listen_address.empty()) {
+    RETURN_IF_ERROR(SplitHostPort(options.listen_address, &host, &port));
+    absl::StatusOr<bootstrap::Interface> found = bootstrap::ResolveInterface(host);
+    if (found.ok()) iface = *found;  // a wildcard or a name: UCX keeps its own choice
+  }
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return UcxError(st, "ucp_config_read");
+  const char* env_devices = std::getenv("UCX_NET_DEVICES");
+  if (iface && (env_devices == nullptr || *env_devices == '\0')) {
+    st = ucp_config_modify(config, "NET_DEVICES", iface->name.c_str());
+    if (st != UCS_OK) {
+      ucp_config_release(config);
+      return UcxError(st, absl::StrCat("limiting UCX to interface ", iface->name));
+    }
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
@@ -339,31 +420,36 @@ absl::Status UcxTransport::Init(const UcxOptions& options) {
     if (st != UCS_OK) return UcxError(st, "ucp_worker_set_am_recv_handler");
   }
 
+  ucp_address_t* address = nullptr;
+  size_t address_length = 0;
+  st = ucp_worker_get_address(worker_, &address, &address_length);
+  if (st != UCS_OK) return UcxError(st, "ucp_worker_get_address");
+  const auto* address_bytes = reinterpret_cast<const uint8_t*>(address);
+  worker_address_.assign(address_bytes, address_bytes + address_length);
+  ucp_worker_release_address(worker_, address);
+  if (worker_address_.size() > bootstrap::kMaxPayload) {
+    return absl::InternalError(absl::StrCat("ucx: the worker address has ", worker_address_.size(),
+                                            " bytes, more than a handshake carries"));
+  }
+
   if (!options.listen_address.empty()) {
-    std::string host;
-    uint16_t port = 0;
-    RETURN_IF_ERROR(SplitHostPort(options.listen_address, &host, &port));
     sockaddr_storage ss{};
     socklen_t len = 0;
     RETURN_IF_ERROR(Resolve(host, port, /*passive=*/true, &ss, &len));
-    ucp_listener_params_t lp{};
-    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
-    lp.sockaddr.addrlen = len;
-    lp.conn_handler.cb = &OnConnRequest;
-    lp.conn_handler.arg = this;
-    st = ucp_listener_create(worker_, &lp, &listener_);
-    if (st != UCS_OK) {
-      listener_ = nullptr;
-      return UcxError(st, absl::StrCat("ucp_listener_create on ", options.listen_address));
+    listen_fd_ = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (listen_fd_ < 0) return ErrnoToStatus(errno, "ucx: socket for the bootstrap listener");
+    if (bind(listen_fd_, reinterpret_cast<const sockaddr*>(&ss), len) != 0 || listen(listen_fd_, 128) != 0) {
+      return absl::UnavailableError(
+          absl::StrCat("ucx: cannot listen on ", options.listen_address, ": ", std::strerror(errno)));
     }
-    ucp_listener_attr_t attr{};
-    attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-    st = ucp_listener_query(listener_, &attr);
-    if (st != UCS_OK) return UcxError(st, "ucp_listener_query");
-    uint16_t actual = attr.sockaddr.ss_family == AF_INET6
-                          ? ntohs(reinterpret_cast<const sockaddr_in6*>(&attr.sockaddr)->sin6_port)
-                          : ntohs(reinterpret_cast<const sockaddr_in*>(&attr.sockaddr)->sin_port);
+    sockaddr_storage bound{};
+    socklen_t bound_len = sizeof(bound);
+    if (getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&bound), &bound_len) != 0) {
+      return ErrnoToStatus(errno, "ucx: getsockname of the bootstrap listener");
+    }
+    uint16_t actual = bound.ss_family == AF_INET6
+                          ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
+                          : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
     bool v6_literal = host.find(':') != std::string::npos;
     address_ = v6_literal ? absl::StrCat("[", host, "]:", actual) : absl::StrCat(host, ":", actual);
   }
@@ -391,16 +477,15 @@ UcxTransport::~UcxTransport() {
       }
       ucp_request_free(req);
     }
-    for (ucp_conn_request_h r : conn_requests_) ucp_listener_reject(listener_, r);
-    conn_requests_.clear();
-    if (listener_ != nullptr) ucp_listener_destroy(listener_);
     ucp_worker_destroy(worker_);
   }
   if (context_ != nullptr) ucp_cleanup(context_);
+  if (listen_fd_ >= 0) close(listen_fd_);
 }
 
 void UcxTransport::ProgressOrBlock(absl::Time deadline, absl::Time* spin_start) {
-  if (ucp_worker_progress(worker_) != 0) {
+  const bool bootstrap = DriveBootstrap();
+  if (ucp_worker_progress(worker_) != 0 || bootstrap) {
     while (ucp_worker_progress(worker_) != 0) {
     }
     *spin_start = absl::Now();
@@ -413,9 +498,136 @@ void UcxTransport::ProgressOrBlock(absl::Time deadline, absl::Time* spin_start) 
   absl::Duration wait = std::min(deadline - now, kMaxBlock);
   if (st != UCS_OK) wait = std::min(wait, absl::Microseconds(200));  // cannot arm: short sleeps
   timespec ts = absl::ToTimespec(wait);
-  pollfd pfd{efd_, POLLIN, 0};
-  ppoll(&pfd, 1, &ts, nullptr);
+  std::vector<pollfd> fds = {{efd_, POLLIN, 0}};
+  if (listen_fd_ >= 0 && incoming_.size() < kMaxIncoming) fds.push_back({listen_fd_, POLLIN, 0});
+  auto watch = [&fds](const Bootstrap& link) {
+    fds.push_back({link.fd, static_cast<short>(POLLIN | (link.out.empty() ? 0 : POLLOUT)), 0});
+  };
+  for (const auto& in : incoming_) watch(in->link);
+  for (const auto& p : peers_) {
+    if (p->connecting) watch(*p->connecting);
+  }
+  ppoll(fds.data(), fds.size(), &ts, nullptr);
   *spin_start = absl::Now();
+}
+
+absl::Status UcxTransport::PumpLink(Bootstrap& link, bool* progressed) {
+  for (;;) {
+    std::vector<uint8_t> more = link.handshake->TakeOutput();
+    link.out.insert(link.out.end(), more.begin(), more.end());
+    while (!link.out.empty()) {
+      const ssize_t n = send(link.fd, link.out.data(), link.out.size(), MSG_NOSIGNAL);
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) break;
+      if (n < 0) return absl::UnavailableError(absl::StrCat("send: ", std::strerror(errno)));
+      link.out.erase(link.out.begin(), link.out.begin() + n);
+      *progressed = true;
+    }
+    const size_t wanted = link.handshake->Wanted();
+    if (wanted == 0) return absl::OkStatus();
+    // Never more than the handshake takes: whatever follows it is left unread and closed with the socket.
+    uint8_t buf[4096];
+    const ssize_t n = recv(link.fd, buf, std::min(sizeof(buf), wanted), 0);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return absl::OkStatus();
+    if (n < 0) return absl::UnavailableError(absl::StrCat("recv: ", std::strerror(errno)));
+    if (n == 0) return absl::UnavailableError("the connection closed during the handshake");
+    *progressed = true;
+    RETURN_IF_ERROR(link.handshake->Feed(absl::MakeConstSpan(buf, static_cast<size_t>(n))));
+  }
+}
+
+bool UcxTransport::DriveBootstrap() {
+  bool progressed = false;
+  const absl::Time now = absl::Now();
+  // Waits spin through here: with no handshake running, look for new connections at most every
+  // kAcceptInterval (a blocking wait polls the listening socket anyway).
+  const bool busy = !incoming_.empty() || std::any_of(peers_.begin(), peers_.end(),
+                                                      [](const auto& p) { return p->connecting != nullptr; });
+  if (!busy && now - last_accept_check_ < kAcceptInterval) return false;
+  last_accept_check_ = now;
+  while (listen_fd_ >= 0 && incoming_.size() < kMaxIncoming) {
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    const int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) break;
+    progressed = true;
+    auto in = std::make_unique<Incoming>();
+    in->name = SockaddrName(ss);
+    in->link.fd = fd;
+    in->link.deadline = now + kIncomingTimeout;
+    in->link.handshake = std::make_unique<bootstrap::Handshake>(bootstrap::Handshake::Role::kServer, key_,
+                                                                worker_address_, &replay_guard_);
+    const int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    incoming_.push_back(std::move(in));
+  }
+  for (auto it = incoming_.begin(); it != incoming_.end();) {
+    Incoming& in = **it;
+    absl::Status st = PumpLink(in.link, &progressed);
+    if (st.ok() && in.link.handshake->done() && in.link.out.empty()) {
+      Peer* peer = NewPeer(in.name);
+      if (CreateEp(peer, in.link.handshake->peer_payload())) {
+        accepted_.push_back(peer->id);
+        TANDEM_LOG_DEBUG("transport", "ucx: ", in.name, " authenticated (deployment ", key_.IdHex(), ")");
+      }
+      it = incoming_.erase(it);
+      continue;
+    }
+    if (st.ok() && now >= in.link.deadline) {
+      st = absl::DeadlineExceededError(
+          absl::StrCat("no complete handshake within ", absl::FormatDuration(kIncomingTimeout)));
+    }
+    if (!st.ok()) {
+      TANDEM_LOG_WARN("transport", "ucx: rejected the connection from ", in.name, " to ", address_, ": ",
+                      st.message());
+      it = incoming_.erase(it);
+      continue;
+    }
+    ++it;
+  }
+  for (auto& p : peers_) {
+    if (!p->connecting) continue;
+    Bootstrap& link = *p->connecting;
+    absl::Status st = PumpLink(link, &progressed);
+    if (st.ok() && link.handshake->done()) {
+      const std::vector<uint8_t> address = link.handshake->peer_payload();
+      p->connecting.reset();
+      CreateEp(p.get(), address);
+      progressed = true;
+      continue;
+    }
+    if (st.ok() && now >= link.deadline) {
+      st = absl::DeadlineExceededError(
+          absl::StrCat("no handshake from it within ", absl::FormatDuration(kConnectTimeout)));
+    }
+    if (!st.ok()) {
+      p->connecting.reset();
+      p->failed = true;
+      p->failure = absl::StrCat("bootstrap handshake failed: ", st.message());
+      TANDEM_LOG_WARN("transport", "ucx: connecting to ", p->name, ": ", p->failure);
+      progressed = true;
+    }
+  }
+  return progressed;
+}
+
+bool UcxTransport::CreateEp(Peer* peer, const std::vector<uint8_t>& worker_address) {
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.address = reinterpret_cast<const ucp_address_t*>(worker_address.data());
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = &OnEpError;
+  ep.err_handler.arg = peer;
+  ucs_status_t st = ucp_ep_create(worker_, &ep, &peer->ep);
+  if (st != UCS_OK) {
+    peer->ep = nullptr;
+    peer->failed = true;
+    peer->failure = absl::StrCat("ucp_ep_create: ", ucs_status_string(st));
+    TANDEM_LOG_WARN("transport", "ucx: ", peer->name, ": ", peer->failure);
+    return false;
+  }
+  ep_to_peer_[peer->ep] = peer->id;
+  return true;
 }
 
 ucs_status_t UcxTransport::WaitRequest(void* request) {
@@ -444,12 +656,10 @@ absl::StatusOr<Peer*> UcxTransport::LivePeer(PeerId peer) {
     return absl::InvalidArgumentError(absl::StrCat("ucx: no peer ", peer, " (", peers_.size(), " known)"));
   }
   Peer* p = peers_[peer].get();
+  absl::Time spin_start = absl::Now();
+  while (p->connecting && !p->failed) ProgressOrBlock(p->connecting->deadline, &spin_start);
   if (p->failed) return PeerFailure(*p);
   return p;
-}
-
-void UcxTransport::OnConnRequest(ucp_conn_request_h request, void* arg) {
-  static_cast<UcxTransport*>(arg)->conn_requests_.push_back(request);
 }
 
 void UcxTransport::OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
@@ -477,60 +687,36 @@ absl::StatusOr<PeerId> UcxTransport::Connect(const std::string& address) {
     peer->failure = std::string(resolved.message());
     return peer->id;
   }
-  ucp_ep_params_t ep{};
-  ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                  UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-  ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
-  ep.sockaddr.addrlen = len;
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ep.err_handler.cb = &OnEpError;
-  ep.err_handler.arg = peer;
-  ucs_status_t st = ucp_ep_create(worker_, &ep, &peer->ep);
-  if (st != UCS_OK) {
-    peer->ep = nullptr;
+  auto link = std::make_unique<Bootstrap>();
+  link->fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (link->fd < 0 ||
+      (connect(link->fd, reinterpret_cast<const sockaddr*>(&ss), len) != 0 && errno != EINPROGRESS)) {
     peer->failed = true;
-    peer->failure = absl::StrCat("ucp_ep_create: ", ucs_status_string(st));
+    peer->failure = absl::StrCat("connect: ", std::strerror(errno));
     return peer->id;
   }
-  ep_to_peer_[peer->ep] = peer->id;
+  const int one = 1;
+  setsockopt(link->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  link->deadline = absl::Now() + kConnectTimeout;
+  link->handshake =
+      std::make_unique<bootstrap::Handshake>(bootstrap::Handshake::Role::kClient, key_, worker_address_);
+  peer->connecting = std::move(link);
   return peer->id;
 }
 
 absl::StatusOr<PeerId> UcxTransport::Accept(absl::Time deadline) {
-  if (listener_ == nullptr)
-    return absl::FailedPreconditionError("ucx: Accept on a transport that does not listen");
+  if (listen_fd_ < 0) return absl::FailedPreconditionError("ucx: Accept on a transport that does not listen");
   absl::Time spin_start = absl::Now();
-  while (conn_requests_.empty()) {
+  while (accepted_.empty()) {
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError(
           absl::StrCat("ucx: no incoming connection on ", address_, " before the deadline"));
     }
     ProgressOrBlock(deadline, &spin_start);
   }
-  ucp_conn_request_h request = conn_requests_.front();
-  conn_requests_.pop_front();
-  ucp_conn_request_attr_t attr{};
-  attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
-  std::string name = "unknown-client";
-  if (ucp_conn_request_query(request, &attr) == UCS_OK) name = SockaddrName(attr.client_address);
-  Peer* peer = NewPeer(name);
-  ucp_ep_params_t ep{};
-  ep.field_mask =
-      UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ep.conn_request = request;
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ep.err_handler.cb = &OnEpError;
-  ep.err_handler.arg = peer;
-  ucs_status_t st = ucp_ep_create(worker_, &ep, &peer->ep);
-  if (st != UCS_OK) {
-    peer->ep = nullptr;
-    peer->failed = true;
-    peer->failure = absl::StrCat("ucp_ep_create: ", ucs_status_string(st));
-    return UcxError(st, absl::StrCat("ucp_ep_create for the connection from ", name));
-  }
-  ep_to_peer_[peer->ep] = peer->id;
-  return peer->id;
+  const PeerId peer = accepted_.front();
+  accepted_.pop_front();
+  return peer;
 }
 
 absl::Status UcxTransport::Send(PeerId peer_id, absl::Span<const uint8_t> message) {
