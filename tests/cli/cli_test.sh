@@ -237,6 +237,11 @@ expect_fail "transport.kind: nccl" "$TANDEM" config check --deploy "$TMP/deploy.
 expect_fail "one of [auto, ucx, p2p, nccl, verbs, local]" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set transport.kind=tcp
 expect_ok "$TANDEM" config help --deploy
 grep -q "memory.ranks" "$TMP/out" || bad "config help --deploy lacks memory.ranks"
+# Every example deployment resolves (devices need not exist to check a placement).
+for f in "$SRC"/deploy/examples/*.yaml; do
+  [ "$(basename "$f")" = engine.yaml ] && continue
+  expect_ok "$TANDEM" config check --deploy "$f"
+done
 expect_fail "memory.devices: 3 devices listed for 2 ranks" "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompt-ids 1 --set memory.devices=cpu,cpu,cpu
 expect_fail "unknown key 'memory.rank'" "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompt-ids 1 --set memory.rank=2
 expect_fail "exceeds the model's context" "$TANDEM" generate --deploy "$TMP/deploy.yaml" --prompt-ids 1 --max-tokens 100000
