@@ -118,11 +118,6 @@ struct ComputeArgs {
   int replica = 0;  // 0: compute rank 0 (the controller); r > 0: compute replica r
 };
 
-// pipeline.batches with pipeline.mode pingpong or fixed, else 1.
-int MicroBatches(const Config& c) {
-  return c.GetString("pipeline.mode") == "none" ? 1 : static_cast<int>(c.GetInt("pipeline.batches"));
-}
-
 absl::Status RunCompute(const ComputeArgs& a) {
   RETURN_IF_ERROR(StartLogging(absl::StrCat("compute-", a.replica), a.log_level));
   InstallTerminationSignals();
@@ -171,7 +166,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
   o.profile = c.GetBool("compute.profile");
   o.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   o.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
-  o.micro_batches = MicroBatches(c);
+  o.micro_batches = PipelineMicroBatches(c);
   if (!a.replicas.empty()) o.replica_addresses = absl::StrSplit(a.replicas, ',');
   if (a.replica > 0) {
     // A compute replica: it runs the micro-batches compute rank 0 hands it, until bye.

@@ -256,10 +256,9 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
     if (!ran.ok()) {
       // A replica that went away fails the step wherever rank 0 was waiting (often on a memory
       // rank that waits for the replica's rows): name the replica when the transport named it.
-      for (const Replica& replica : replicas_) {
-        const std::string address = replica.name.substr(replica.name.find('(') + 1);
-        if (absl::StrContains(ran.message(), address.substr(0, address.size() - 1))) {
-          return Annotate(ran, absl::StrCat(replica.name, " failed"));
+      for (size_t r = 0; r < replicas_.size(); ++r) {
+        if (absl::StrContains(ran.message(), options_.replica_addresses[r])) {
+          return Annotate(ran, absl::StrCat(replicas_[r].name, " failed"));
         }
       }
       return ran;
@@ -704,7 +703,8 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
     const StepPlan& plan = step.plan;
     if (!Owns(plan.micro_batch) || plan.micro_batches > lanes_.size() ||
         (!parts.empty() &&
-         (plan.step_id != parts[0].plan.step_id || plan.micro_batch <= parts.back().plan.micro_batch))) {
+         (plan.step_id != parts[0].plan.step_id || plan.micro_batches != parts[0].plan.micro_batches ||
+          plan.micro_batch <= parts.back().plan.micro_batch))) {
       return absl::InvalidArgumentError(absl::StrCat("replica step ", plan.step_id, " micro-batch ",
                                                      int{plan.micro_batch}, " of ", int{plan.micro_batches},
                                                      " is not one of ", me, "'s, or out of order"));

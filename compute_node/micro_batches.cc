@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <unordered_map>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -79,11 +80,9 @@ MicroBatches SplitStep(const PlannedStep& step, int n) {
       rows.tokens.push_back(step.rows.tokens[static_cast<size_t>(row)]);
       rows.positions.push_back(step.rows.positions[static_cast<size_t>(row)]);
     }
-    // The controller counts a request's rows under its placement group (its memory rank; the one
-    // group of the head partition).
-    size_t group = 0;
-    while (group + 1 < step.rank_rows.size() && step.rank_rows[group + 1] <= first_row[i]) ++group;
-    part.rank_rows[group + 1] += plan.requests[i].q_len;
+    // The controller counts a request's rows under its placement group, its memory_rank (rank 0,
+    // the one group, under the head partition).
+    part.rank_rows[static_cast<size_t>(r.memory_rank) + 1] += r.q_len;
     if (sample_index[i] >= 0) {
       const size_t s = static_cast<size_t>(sample_index[i]);
       mb.samples[s] = {static_cast<int32_t>(p), static_cast<int32_t>(rows.sample_rows.size())};
@@ -92,13 +91,11 @@ MicroBatches SplitStep(const PlannedStep& step, int n) {
       rows.counters.push_back(step.rows.counters[s]);
     }
   }
+  // A publish goes with its request (a plan lists each request once).
+  std::unordered_map<uint64_t, int32_t> part_of_id;
+  for (size_t i = 0; i < num_req; ++i) part_of_id[plan.requests[i].request_id] = part_of[i];
   for (const PrefixPublish& pub : plan.publishes) {
-    for (size_t i = 0; i < num_req; ++i) {
-      if (plan.requests[i].request_id == pub.request_id && plan.requests[i].memory_rank == pub.memory_rank) {
-        mb.parts[static_cast<size_t>(part_of[i])].plan.publishes.push_back(pub);
-        break;
-      }
-    }
+    mb.parts[static_cast<size_t>(part_of_id.at(pub.request_id))].plan.publishes.push_back(pub);
   }
   mb.parts[0].plan.evictions = plan.evictions;
   for (PlannedStep& part : mb.parts) {

@@ -126,6 +126,10 @@ std::string DescribePlacement(const DeployPlan& p) {
   return out;
 }
 
+int PipelineMicroBatches(const Config& c) {
+  return c.GetString("pipeline.mode") == "none" ? 1 : static_cast<int>(c.GetInt("pipeline.batches"));
+}
+
 absl::StatusOr<std::optional<transport::TransportKind>> ParseTransportSetting(std::string_view value) {
   if (value == "auto") return std::nullopt;
   absl::StatusOr<transport::TransportKind> kind = transport::ParseTransportKind(value);
@@ -228,7 +232,7 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
                    ParseTransportSetting(c.GetString("transport.kind")));
   ASSIGN_OR_RETURN(p.transport, ResolveTransport(kind, p));
   const std::string mode = c.GetString("pipeline.mode");
-  p.micro_batches = mode == "none" ? 1 : static_cast<int>(c.GetInt("pipeline.batches"));
+  p.micro_batches = PipelineMicroBatches(c);
   p.compute_ranks = static_cast<int>(c.GetInt("compute.ranks"));
   if (p.micro_batches > 1 && p.transport == transport::TransportKind::kNccl) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -270,8 +274,6 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
       }
       p.replica_devices.push_back(*idx < 0 ? "cpu" : absl::StrCat("cuda:", *idx));
     }
-  } else if (mode == "fixed") {
-    p.micro_batches = std::max(p.micro_batches, 1);  // one compute rank: fixed is pingpong
   }
   p.checksums = c.GetBool("transport.checksums");
   p.run_dir = (std::filesystem::path(c.GetString("launch.run_dir")) / RunDirName()).string();

@@ -51,6 +51,9 @@ namespace tandem {
 
 // The deployment schema (the scheduler and kv knobs included).
 const ConfigSchema& DeploySchema();
+// Micro-batches per step a deployment config asks for: pipeline.batches with pipeline.mode
+// pingpong or fixed, 1 with none.
+int PipelineMicroBatches(const Config& config);
 
 // A deployment's settings, resolved against the model and the visible devices.
 struct DeployPlan {

@@ -328,7 +328,13 @@ class MemoryRank {
           absl::StrCat("step ", plan.step_id, " micro-batch ", j, " arrived but micro-batch ",
                        next_micro_batch_, " of step ", j > 0 ? micro_step_id_ : plan.step_id, " was next"));
     }
+    if (j > 0 && plan.micro_batches != micro_count_) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", plan.step_id, " micro-batch ", j, " says ",
+                                                     int{plan.micro_batches},
+                                                     " micro-batches, micro-batch 0 said ", micro_count_));
+    }
     micro_step_id_ = plan.step_id;
+    micro_count_ = plan.micro_batches;
     next_micro_batch_ = j + 1 == plan.micro_batches ? 0 : j + 1;
     // Requests come in memory rank order (the decoder checked it), so under the request partition
     // this rank's rows start after the lower ranks' rows in the compute rank's attention buffer
@@ -471,6 +477,7 @@ class MemoryRank {
   std::vector<Lane> lanes_;
   size_t next_micro_batch_ = 0;  // of a pipelined step whose plans are arriving
   uint64_t micro_step_id_ = 0;
+  size_t micro_count_ = 1;  // its micro_batches
   size_t elem_ = 4;
   int64_t steps_ = 0;          // steps with rows here
   uint64_t attention_ns_ = 0;  // their attention time (device time on a GPU)

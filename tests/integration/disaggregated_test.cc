@@ -234,6 +234,14 @@ class DisaggregatedTest : public ::testing::Test {
     }
   }
 
+  // The prefix registry with blocks of `block` tokens and kv.prefix_sharing `sharing`.
+  static void UsePrefixCache(ComputeRankOptions* o, int64_t block, const std::string& sharing) {
+    absl::StatusOr<PrefixOptions> prefix = ResolvePrefixOptions(true, block, sharing);
+    ASSERT_TRUE(prefix.ok()) << prefix.status();
+    o->scheduler.prefix_block_tokens = prefix->block_tokens;
+    o->scheduler.prefix_sharing = prefix->sharing;
+  }
+
   static ComputeRankOptions Options(int64_t max_batch_size, int64_t max_tokens_per_step,
                                     int64_t kv_capacity) {
     ComputeRankOptions o;
@@ -396,10 +404,7 @@ TEST_P(SharedPrefixDeployed, EqualsColocatedWithoutSharing) {
   ASSERT_FALSE(HasFailure());
 
   ComputeRankOptions o = Options(kBatch, kStepTokens, 4096);
-  absl::StatusOr<PrefixOptions> prefix = ResolvePrefixOptions(true, kBlock, GetParam());
-  ASSERT_TRUE(prefix.ok()) << prefix.status();
-  o.scheduler.prefix_block_tokens = prefix->block_tokens;
-  o.scheduler.prefix_sharing = prefix->sharing;
+  ASSERT_NO_FATAL_FAILURE(UsePrefixCache(&o, kBlock, GetParam()));
   ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, o));
   const std::vector<GenerationResult> got = RunSchedule(*rank_, arrivals, [] {});
   ASSERT_FALSE(HasFailure());
@@ -598,10 +603,7 @@ TEST_P(HeadPartition, EqualsColocatedAndRequestPartition) {
   ASSERT_FALSE(HasFailure());
 
   ComputeRankOptions o = Options(kBatch, kStepTokens, 1024);
-  absl::StatusOr<PrefixOptions> prefix = ResolvePrefixOptions(true, kBlock, "on");
-  ASSERT_TRUE(prefix.ok()) << prefix.status();
-  o.scheduler.prefix_block_tokens = prefix->block_tokens;
-  o.scheduler.prefix_sharing = prefix->sharing;
+  ASSERT_NO_FATAL_FAILURE(UsePrefixCache(&o, kBlock, "on"));
 
   o.partition = AttentionPartition::kRequest;
   ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, n, o));
@@ -728,10 +730,7 @@ TEST_P(PingPong, EqualsColocated) {
   ASSERT_FALSE(HasFailure());
 
   ComputeRankOptions o = Options(kBatch, kStepTokens, 2048);
-  absl::StatusOr<PrefixOptions> prefix = ResolvePrefixOptions(true, kBlock, "on");
-  ASSERT_TRUE(prefix.ok()) << prefix.status();
-  o.scheduler.prefix_block_tokens = prefix->block_tokens;
-  o.scheduler.prefix_sharing = prefix->sharing;
+  ASSERT_NO_FATAL_FAILURE(UsePrefixCache(&o, kBlock, "on"));
   o.partition = partition;
   o.micro_batches = batches;
   if (compute_ranks > 1) {

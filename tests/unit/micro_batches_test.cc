@@ -176,6 +176,15 @@ TEST(MicroBatches, RandomizedPlansSplitWithoutLossAndApplyLikeTheWholeStep) {
       ASSERT_TRUE(ValidateStepPlan(part.plan).ok()) << ValidateStepPlan(part.plan);
     }
     EXPECT_EQ(seen, ps.plan.requests.size());
+    // Each rank's rows, summed over the parts, are the step's (as the controller counted them).
+    std::vector<int32_t> rows_per_group(ps.rank_rows.size() - 1, 0);
+    for (const PlannedStep& part : mb.parts) {
+      for (size_t g = 0; g + 1 < part.rank_rows.size(); ++g)
+        rows_per_group[g] += part.rank_rows[g + 1] - part.rank_rows[g];
+    }
+    for (size_t g = 0; g + 1 < ps.rank_rows.size(); ++g) {
+      EXPECT_EQ(rows_per_group[g], ps.rank_rows[g + 1] - ps.rank_rows[g]) << "placement group " << g;
+    }
     size_t publishes = 0;
     for (const PlannedStep& part : mb.parts) publishes += part.plan.publishes.size();
     EXPECT_EQ(publishes, ps.plan.publishes.size());
