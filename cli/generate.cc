@@ -266,6 +266,8 @@ void PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& re
                (generated + prompt_tokens) / stats.seconds, static_cast<long long>(stats.steps),
                stats.device.c_str());
   if (!stats.pipeline.empty()) std::fprintf(stderr, "tandem generate: pipeline %s\n", stats.pipeline.c_str());
+  if (!stats.recovery.empty())
+    std::fprintf(stderr, "tandem generate: recovery: %s\n", stats.recovery.c_str());
 }
 
 // Runs the requests through a deployment started (and stopped) for them.

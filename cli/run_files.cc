@@ -45,7 +45,8 @@ absl::Status WriteResultsFile(const std::string& path, const std::vector<Generat
                          {{"seconds", stats.seconds},
                           {"steps", stats.steps},
                           {"device", stats.device},
-                          {"pipeline", stats.pipeline}}}}
+                          {"pipeline", stats.pipeline},
+                          {"recovery", stats.recovery}}}}
              .dump()
       << "\n";
   out.close();
@@ -70,6 +71,7 @@ absl::Status ReadResultsFile(const std::string& path, std::vector<GenerationResu
         stats->steps = j["stats"].at("steps").get<int64_t>();
         stats->device = j["stats"].at("device").get<std::string>();
         stats->pipeline = j["stats"].value("pipeline", "");
+        stats->recovery = j["stats"].value("recovery", "");
         have_stats = true;
         continue;
       }

@@ -24,6 +24,9 @@ struct RunStats {
   int64_t steps = 0;
   std::string device;
   std::string pipeline;  // a deployment's PipelineReport::ToString(); empty for the colocated engine
+  // A deployment's recoveries ("1 memory rank(s) lost, 4 request(s) recovered by recomputation");
+  // empty when there were none.
+  std::string recovery;
 };
 absl::Status WriteRequestsFile(const std::string& path, const std::vector<GenerationRequest>& requests);
 absl::Status WriteResultsFile(const std::string& path, const std::vector<GenerationResult>& results,

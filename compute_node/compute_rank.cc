@@ -59,9 +59,10 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
   const ComputeRankOptions& o = options_;
   const absl::Time deadline = absl::Now() + o.startup_timeout;
   // A replica listens (compute rank 0 connects to it); compute rank 0 only connects.
-  ASSIGN_OR_RETURN(transport_,
-                   transport::CreateTransport(
-                       {.kind = o.transport, .listen_address = listen_address_, .device = o.device}));
+  ASSIGN_OR_RETURN(transport_, transport::CreateTransport({.kind = o.transport,
+                                                           .listen_address = listen_address_,
+                                                           .device = o.device,
+                                                           .send_timeout = o.step_timeout}));
   if (on_listening_) RETURN_IF_ERROR(on_listening_(transport_->address()));
   for (size_t m = 0; m < o.memory_addresses.size(); ++m) {
     Rank rank;
@@ -269,6 +270,16 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
     tokens = std::move(part_tokens[0]);
     logprobs = std::move(part_logprobs[0]);
   }
+  // Memory ranks lost during the step: their requests' tokens of this step are dropped (the rest
+  // of the step ran without them) and the requests go back to the queue to be recomputed.
+  for (size_t m : lost_in_step_) {
+    const std::vector<int64_t> requeued = controller_->LoseRank(static_cast<int>(m));
+    requests_recovered_ += static_cast<int64_t>(requeued.size());
+    TANDEM_LOG_WARN("compute", ranks_[m].name, " is lost; ", requeued.size(),
+                    " of its requests go back to the queue to be recomputed on the ",
+                    controller_->live_ranks(), " surviving memory rank(s)");
+  }
+  lost_in_step_.clear();
   std::vector<std::vector<uint64_t>> released;
   RETURN_IF_ERROR(controller_->Complete(step_, tokens, logprobs, finished, &released));
   RETURN_IF_ERROR(SendReleases(step_.plan.step_id, released));
@@ -286,7 +297,11 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts,
     // Every plan first (micro-batches in order), then the replicas' parts, then the layers.
     for (const PlannedStep& part : parts) {
       const std::vector<uint8_t> plan = EncodeStepPlan(part.plan);
-      for (Rank& rank : ranks_) RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, plan), rank.name));
+      for (size_t m = 0; m < ranks_.size(); ++m) {
+        if (ranks_[m].lost) continue;
+        const absl::Status sent = transport_->Send(ranks_[m].peer, plan);
+        if (!sent.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(sent, ranks_[m].name)));
+      }
     }
     for (const PlannedStep& part : parts) {
       if (Owns(part.plan.micro_batch)) continue;
@@ -385,6 +400,48 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts,
   return absl::OkStatus();
 }
 
+absl::Status ComputeRank::LoseRank(size_t m, absl::Status why) {
+  Rank& rank = ranks_[m];
+  if (rank.lost) return absl::OkStatus();
+  // Recovery runs the rest of the step without the rank, which the host-staged path with one
+  // compute rank and the request partition can do; elsewhere the loss fails the step as before.
+  if (!options_.recover_memory_ranks || device_path_ || head_ || compute_ranks_ > 1) return why;
+  rank.lost = true;
+  transport_->Close(rank.peer);  // its failure no longer fails waits on the others
+  lost_in_step_.push_back(m);
+  ++memory_ranks_lost_;
+  TANDEM_LOG_WARN("compute", "giving up ", rank.name, ": ", why.message());
+  const bool any = std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return !r.lost; });
+  if (!any) return Annotate(why, "every memory rank is lost");
+  return absl::OkStatus();
+}
+
+absl::Status ComputeRank::LoseFailedRanks(size_t waited_on, absl::Status why) {
+  bool blamed = false;
+  transport::PeerId from = 0;
+  std::vector<uint8_t> msg;
+  while (transport_->Receive(&from, &msg, absl::Now()).ok()) {
+    absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      if (ranks_[m].peer != from || ranks_[m].lost) continue;
+      // Anything but an error report from a rank in the middle of a step breaks the protocol.
+      const absl::Status reason = err.ok() ? StatusFromErrorMessage(*err)
+                                           : absl::InternalError("an unexpected message during a step");
+      RETURN_IF_ERROR(LoseRank(m, Annotate(reason, ranks_[m].name)));
+      blamed = true;
+    }
+  }
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    if (ranks_[m].lost) continue;
+    const absl::Status peer = transport_->PeerStatus(ranks_[m].peer);
+    if (peer.ok()) continue;
+    RETURN_IF_ERROR(LoseRank(m, Annotate(peer, ranks_[m].name)));
+    blamed = true;
+  }
+  if (!blamed) RETURN_IF_ERROR(LoseRank(waited_on, std::move(why)));
+  return absl::OkStatus();
+}
+
 std::pair<int32_t, int32_t> ComputeRank::RowsOf(const PlannedStep& step, size_t m) const {
   if (head_) return {0, step.rank_rows.back()};
   return {step.rank_rows[m], step.rank_rows[m + 1]};
@@ -394,7 +451,7 @@ absl::Status ComputeRank::SendReleases(uint64_t step_id, const std::vector<std::
   for (size_t m = 0; m < ranks_.size(); ++m) {
     // Head partition: the one placement group's releases go to every rank.
     const std::vector<uint64_t>& ids = released[head_ ? 0 : m];
-    if (ids.empty()) continue;
+    if (ids.empty() || ranks_[m].lost) continue;
     ReleaseMessage rel;
     rel.step_id = step_id;
     rel.request_ids = ids;
@@ -446,7 +503,7 @@ absl::Status ComputeRank::SendLayer(size_t j, const PlannedStep& step, uint32_t 
     Rank& rank = ranks_[m];
     RankLane& rl = rank.lanes[j];
     const auto [begin, end] = RowsOf(step, m);
-    if (begin == end) continue;
+    if (begin == end || rank.lost) continue;
     const size_t row_bytes = head_ ? static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_ : qkv_row;
     const uint8_t* rows = qkv_rows + begin * qkv_row;
     if (head_) {
@@ -463,9 +520,9 @@ absl::Status ComputeRank::SendLayer(size_t j, const PlannedStep& step, uint32_t 
     const absl::Span<const uint8_t> body(rows, static_cast<size_t>(end - begin) * row_bytes);
     const std::vector<uint8_t> header = MakeLayerMessageHeader(what, body, options_.checksums);
     const absl::Span<const uint8_t> pieces[] = {header, body};
-    RETURN_IF_ERROR(Annotate(
-        transport_->Write(rank.peer, rank.qkv_buffer + static_cast<uint32_t>(j), 0, pieces, rl.seqno),
-        rank.name));
+    const absl::Status wrote =
+        transport_->Write(rank.peer, rank.qkv_buffer + static_cast<uint32_t>(j), 0, pieces, rl.seqno);
+    if (!wrote.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(wrote, rank.name)));
   }
   return absl::OkStatus();
 }
@@ -506,20 +563,18 @@ absl::Status ComputeRank::ReceiveLayer(size_t j, const PlannedStep& step, uint32
     Rank& rank = ranks_[m];
     RankLane& rl = rank.lanes[j];
     const auto [begin, end] = RowsOf(step, m);
-    if (begin == end) continue;
-    const absl::Status waited =
-        transport_->WaitDoorbell(rl.attn_buffer, rl.seqno, absl::Now() + options_.step_timeout);
-    if (!waited.ok()) {
-      // A memory rank that stopped says why in an error message; prefer that to the wait's error.
-      transport::PeerId from = 0;
-      std::vector<uint8_t> msg;
-      if (transport_->Receive(&from, &msg, absl::Now()).ok()) {
-        absl::StatusOr<ErrorMessage> err = DecodeError(msg);
-        if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
-      }
-      return Annotate(waited, absl::StrCat(rank.name, ": attention output of step ", step.plan.step_id, micro,
-                                           " layer ", layer));
+    if (begin == end || rank.lost) continue;
+    const absl::Time deadline = absl::Now() + options_.step_timeout;
+    absl::Status waited;
+    while (!rank.lost && !(waited = transport_->WaitDoorbell(rl.attn_buffer, rl.seqno, deadline)).ok()) {
+      // Which rank failed: the one whose error message is waiting (a memory rank that stops says
+      // why), those the transport knows to have failed, or else this one, silent past the
+      // deadline. A wait cut short by another rank's failure goes on once that rank is lost.
+      RETURN_IF_ERROR(
+          LoseFailedRanks(m, Annotate(waited, absl::StrCat(rank.name, ": attention output of step ",
+                                                           step.plan.step_id, micro, " layer ", layer))));
     }
+    if (rank.lost) continue;
     const LayerMessageExpect expect{
         .step_id = step.plan.step_id,
         .layer = layer,
@@ -566,9 +621,13 @@ absl::Status ComputeRank::DeviceStepError(absl::Status synced, uint64_t step_id)
 absl::StatusOr<size_t> ComputeRank::ReceiveFromRank(absl::Time deadline, const std::string& awaited,
                                                     std::vector<uint8_t>* msg) {
   transport::PeerId from = 0;
-  RETURN_IF_ERROR(Annotate(transport_->Receive(&from, msg, deadline), absl::StrCat("waiting for ", awaited)));
   size_t m = 0;
-  while (m < ranks_.size() && ranks_[m].peer != from) ++m;
+  do {  // whatever a lost memory rank still sends is dropped
+    RETURN_IF_ERROR(
+        Annotate(transport_->Receive(&from, msg, deadline), absl::StrCat("waiting for ", awaited)));
+    m = 0;
+    while (m < ranks_.size() && ranks_[m].peer != from) ++m;
+  } while (m < ranks_.size() && ranks_[m].lost);
   std::string name;
   if (m < ranks_.size()) {
     name = ranks_[m].name;
@@ -601,10 +660,15 @@ absl::StatusOr<PipelineTotals> ComputeRank::Pipeline(absl::Duration timeout) {
   for (const auto& [name, ms] : phases) (name == "attention" ? t.attention_phase_ms : t.compute_ms) += ms;
   const uint64_t cookie = ++stats_cookie_;
   const std::vector<uint8_t> request = EncodeStatsRequest(StatsRequestMessage{cookie});
-  for (Rank& rank : ranks_) RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, request), rank.name));
+  size_t live = 0;
+  for (Rank& rank : ranks_) {
+    if (rank.lost) continue;  // its attention time stays -1 (unknown)
+    RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, request), rank.name));
+    ++live;
+  }
   t.rank_attention_ms.assign(ranks_.size(), -1.0);
   const absl::Time deadline = absl::Now() + timeout;
-  for (size_t got = 0; got < ranks_.size();) {
+  for (size_t got = 0; got < live;) {
     std::vector<uint8_t> msg;
     ASSIGN_OR_RETURN(const size_t m, ReceiveFromRank(deadline, "the memory ranks' stats", &msg));
     if (m >= ranks_.size()) {
@@ -776,7 +840,9 @@ EngineStats ComputeRank::stats() const {
           .prefill_tokens = cs.prefill_tokens,
           .decode_tokens = cs.decode_tokens,
           .cached_tokens = cs.cached_tokens,
-          .busy_seconds = busy_seconds_};
+          .busy_seconds = busy_seconds_,
+          .memory_ranks_lost = memory_ranks_lost_,
+          .requests_recovered = requests_recovered_};
 }
 
 absl::Status ComputeRank::Shutdown() {
@@ -790,6 +856,9 @@ absl::Status ComputeRank::Shutdown() {
   auto part = [&](auto& peers) {
     size_t byes = 0;
     for (auto& peer : peers) {
+      if constexpr (requires { peer.lost; }) {
+        if (peer.lost) continue;  // given up: nothing to say to it
+      }
       transport_->Close(peer.peer);
       absl::Status st = transport_->Send(peer.peer, frame);
       if (st.ok()) {

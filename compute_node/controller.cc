@@ -55,6 +55,7 @@ Controller::Controller(const ModelSpec& spec, std::vector<int64_t> kv_capacity,
                        const ControllerOptions& options, std::unique_ptr<SchedulingPolicy> policy)
     : spec_(spec),
       capacity_(std::move(kv_capacity)),
+      lost_(capacity_.size(), false),
       reserved_(capacity_.size(), 0),
       options_(options),
       policy_(std::move(policy)) {
@@ -117,7 +118,7 @@ void Controller::Admit() {
     for (const Live& w : waiting_) {
       view.push_back({.id = w.id,
                       .prompt_tokens = static_cast<int64_t>(w.request.prompt.size()),
-                      .context_tokens = ContextNeed(w.request)});
+                      .context_tokens = ContextNeed(w)});
     }
     const size_t pick = policy_->NextToAdmit(view);
     TANDEM_CHECK(pick < waiting_.size());
@@ -254,7 +255,7 @@ void Controller::Publish(Live& live, int64_t rows, StepPlan* plan) {
   std::span<const int32_t> tokens(live.request.prompt);
   if (end > prompt_len) {
     history = live.request.prompt;
-    history.insert(history.end(), live.result.token_ids.begin(), live.result.token_ids.end());
+    history.insert(history.end(), live.result.token_ids.begin() + live.resumed, live.result.token_ids.end());
     tokens = history;
   }
   TANDEM_CHECK(static_cast<int64_t>(tokens.size()) >= end);
@@ -445,7 +446,10 @@ absl::Status Controller::Complete(const PlannedStep& step, std::span<const int32
   size_t next_token = 0;
   for (const StepRequest& r : step.plan.requests) {
     auto it = by_id.find(static_cast<int64_t>(r.request_id));
-    if (it == by_id.end()) continue;  // cancelled while the step ran
+    if (it == by_id.end()) {  // cancelled, or its memory rank lost, while the step ran
+      next_token += r.sample ? 1 : 0;
+      continue;
+    }
     Live& live = *it->second;
     const int64_t prompt_len = static_cast<int64_t>(live.request.prompt.size());
     if (live.prefilled < prompt_len) {
@@ -505,6 +509,42 @@ absl::Status Controller::Cancel(int64_t id, GenerationResult* result,
   return absl::NotFoundError(absl::StrCat("no live request with id ", id));
 }
 
+std::vector<int64_t> Controller::LoseRank(int m) {
+  const size_t mi = static_cast<size_t>(m);
+  std::vector<int64_t> requeued;
+  if (lost_[mi]) return requeued;
+  lost_[mi] = true;
+  capacity_[mi] = 0;
+  reserved_[mi] = 0;
+  evicted_[mi].clear();
+  pending_[mi].clear();
+  if (!index_.empty()) index_[mi] = std::make_unique<PrefixIndex>(options_.prefix_block_tokens);
+  std::vector<Live> back;
+  for (auto it = running_.begin(); it != running_.end();) {
+    if ((*it)->memory_rank != m) {
+      ++it;
+      continue;
+    }
+    Live live = std::move(**it);
+    it = running_.erase(it);
+    // Its KV is gone: the prompt and the tokens generated so far are prefilled again (the last
+    // one's logits give the next token, as a decode step of it would have).
+    live.request.prompt.insert(live.request.prompt.end(), live.result.token_ids.begin() + live.resumed,
+                               live.result.token_ids.end());
+    live.resumed = static_cast<int64_t>(live.result.token_ids.size());
+    live.memory_rank = -1;
+    live.prefilled = live.context = live.reserve = 0;
+    live.started = false;
+    live.chain.clear();
+    live.pending.clear();
+    requeued.push_back(live.id);
+    back.push_back(std::move(live));
+  }
+  // Ahead of every waiting request (they arrived earlier), in admission order.
+  for (auto it = back.rbegin(); it != back.rend(); ++it) waiting_.push_front(std::move(*it));
+  return requeued;
+}
+
 const GenerationResult* Controller::Progress(int64_t id) const {
   for (const Live& w : waiting_)
     if (w.id == id) return &w.result;
@@ -516,7 +556,7 @@ const GenerationResult* Controller::Progress(int64_t id) const {
 std::optional<std::vector<int32_t>> Controller::History(int64_t id) const {
   auto history = [](const Live& l) {
     std::vector<int32_t> h = l.request.prompt;
-    h.insert(h.end(), l.result.token_ids.begin(), l.result.token_ids.end());
+    h.insert(h.end(), l.result.token_ids.begin() + l.resumed, l.result.token_ids.end());
     return h;
   };
   for (const Live& w : waiting_)

@@ -37,6 +37,7 @@
 // Thread safety: not thread-safe; one thread drives a controller.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -146,6 +147,18 @@ class Controller {
                         std::vector<std::pair<int64_t, GenerationResult>>* finished,
                         std::vector<std::vector<uint64_t>>* released);
 
+  // Memory rank m is gone (died, disconnected or went silent) with the KV of its requests: it
+  // takes no more requests (its capacity becomes 0 and its prefix registry is forgotten), and each
+  // of its running requests goes back to the front of the queue, in admission order, to be
+  // placed on a surviving rank and recompute its KV by prefilling its prompt and the tokens it has
+  // generated so far; it then goes on generating where it was, with the same sampling counter, so
+  // its client sees a delay and the tokens it would have got. A step planned before the loss must
+  // not be Complete()d for those requests: Complete skips requests that are no longer running.
+  // Returns the ids requeued. No-op for a rank already lost.
+  std::vector<int64_t> LoseRank(int m);
+  bool rank_lost(int m) const { return lost_[static_cast<size_t>(m)]; }
+  int live_ranks() const { return static_cast<int>(std::count(lost_.begin(), lost_.end(), false)); }
+
   bool Idle() const { return waiting_.empty() && running_.empty(); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
@@ -177,10 +190,14 @@ class Controller {
     bool started = false;           // has been in a step
     std::vector<int32_t> chain;     // registered blocks it uses (attached, then published), in order
     std::vector<uint64_t> pending;  // hashes of prompt blocks it will compute (counted in pending_)
+    // Generated tokens folded into request.prompt by LoseRank (recomputed with the prompt): the
+    // history is request.prompt + result.token_ids[resumed:].
+    int64_t resumed = 0;
   };
   int64_t ContextNeed(const GenerationRequest& r) const {
     return static_cast<int64_t>(r.prompt.size()) + r.max_tokens;
   }
+  int64_t ContextNeed(const Live& l) const { return ContextNeed(l.request) - l.resumed; }
   void Admit();
   // Forgets the blocks a request was going to compute (its prefill ended, or it did).
   void DropPending(Live& live);
@@ -199,6 +216,7 @@ class Controller {
 
   ModelSpec spec_;
   std::vector<int64_t> capacity_;
+  std::vector<bool> lost_;                           // per rank: LoseRank
   std::vector<int64_t> reserved_;                    // per rank: reservations of running requests
   std::vector<std::unique_ptr<PrefixIndex>> index_;  // per rank, when the registry is on
   std::vector<std::vector<uint64_t>> evicted_;       // per rank: for the next plan

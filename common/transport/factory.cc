@@ -140,7 +140,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOption
   }
   switch (o.kind) {
     case TransportKind::kUcx:
-      return CreateUcxTransport({.listen_address = o.listen_address});
+      return CreateUcxTransport({.listen_address = o.listen_address, .send_timeout = o.send_timeout});
     case TransportKind::kP2p:
 #if TANDEM_TRANSPORT_P2P
       return CreateP2pTransport({.listen_address = o.listen_address, .device = o.device});

@@ -65,6 +65,8 @@ struct TransportOptions {
   std::string listen_address;
   // This process's CUDA device: where p2p and nccl buffers live (and verbs' GPU buffers); -1: none.
   int device = -1;
+  // ucx: UcxOptions::send_timeout (a rank passes its step timeout).
+  absl::Duration send_timeout = absl::InfiniteDuration();
 };
 
 // "ucx", "p2p", "nccl", "verbs", "local"; InvalidArgument naming the choices otherwise.
