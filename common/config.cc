@@ -82,26 +82,28 @@ absl::Status CheckYamlTopLevelComma(std::string_view text, std::string_view sour
   // as the same token (and a continuation line of a plain scalar that starts with ',' has no
   // use in a config).
   int depth = 0;
-  bool line_start = true;
+  char last = '\n';  // the line's last non-blank character so far ('\n' at its start)
   for (p = 0; p < n; ++p) {
     const char c = text[p];
     if (c == '\n') {
-      line_start = true;
+      last = '\n';
       continue;
     }
     if (c == ' ' || c == '\t' || c == '\r') continue;
     const char before = p == 0 ? '\n' : text[p - 1];
-    if (c == ',' && line_start && depth == 0) {
+    if (c == ',' && last == '\n' && depth == 0) {
       return absl::InvalidArgumentError(absl::StrCat(ToAbsl(source), ": YAML syntax error at byte offset ", p,
                                                      ": a line starts with ',' outside brackets"));
     }
-    line_start = false;
+    // A bracket opens a flow collection only where a node starts (not inside a plain scalar).
+    const bool node_start = depth > 0 || absl::StrContains("\n:-?,[{", absl::string_view(&last, 1));
+    last = c;
     if (c == '#' && (before == ' ' || before == '\t' || before == '\n')) {
       while (p + 1 < n && text[p + 1] != '\n') ++p;
-    } else if ((c == '\'' || c == '"') && absl::StrContains(" \t\n[{,:", before)) {
+    } else if ((c == '\'' || c == '"') && node_start) {
       skip_quoted(c);
       --p;
-    } else if (c == '[' || c == '{') {
+    } else if ((c == '[' || c == '{') && node_start) {
       ++depth;
     } else if ((c == ']' || c == '}') && depth > 0) {
       --depth;
