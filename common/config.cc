@@ -28,18 +28,26 @@
 namespace tandem {
 namespace {
 
+bool IsUtf8Bom(std::string_view text) { return text.substr(0, 3) == "\xEF\xBB\xBF"; }
+
 // yaml-cpp 0.7 loops forever on a ',' token at the top of a document, outside every collection
 // (",a", "'a' ,b", "!t ,a", "[1] ,b"): such text is refused before yaml-cpp sees it. The scan
 // follows each document's first node up to where block content begins: node properties (tags,
 // anchors, aliases), quoted scalars and flow collections, skipping blanks, comments, directives
 // and document markers.
 absl::Status CheckYamlTopLevelComma(std::string_view text, std::string_view source) {
+  // A NUL byte makes yaml-cpp read the text as UTF-16 or UTF-32 (which a config never is); a
+  // UTF-8 byte order mark is skipped like a blank.
+  if (const size_t nul = text.find('\0'); nul != std::string_view::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(ToAbsl(source), ": a NUL byte at byte offset ", nul, " (YAML text must be UTF-8)"));
+  }
   size_t p = 0;
   const size_t n = text.size();
   auto skip_blank = [&] {
     while (p < n) {
       const char c = text[p];
-      if (c == ' ' || c == '\t' || c == '\r' || c == '\n') {
+      if (c == ' ' || c == '\t' || c == '\r' || c == '\n' || (p < 3 && IsUtf8Bom(text))) {
         ++p;
       } else if (c == '#' || (c == '%' && (p == 0 || text[p - 1] == '\n'))) {
         while (p < n && text[p] != '\n') ++p;
@@ -89,7 +97,7 @@ absl::Status CheckYamlTopLevelComma(std::string_view text, std::string_view sour
       last = '\n';
       continue;
     }
-    if (c == ' ' || c == '\t' || c == '\r') continue;
+    if (c == ' ' || c == '\t' || c == '\r' || (p < 3 && IsUtf8Bom(text))) continue;
     const char before = p == 0 ? '\n' : text[p - 1];
     if (c == ',' && last == '\n' && depth == 0) {
       return absl::InvalidArgumentError(absl::StrCat(ToAbsl(source), ": YAML syntax error at byte offset ", p,
