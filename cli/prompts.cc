@@ -10,7 +10,6 @@
 #include "absl/strings/strip.h"
 #include "common/json_depth.h"
 #include "common/status.h"
-#include "compute_node/controller.h"
 #include "nlohmann/json.hpp"
 
 namespace tandem::cli {
@@ -121,23 +120,6 @@ absl::StatusOr<std::vector<PromptSpec>> ReadPromptsFile(const std::string& path)
   std::ostringstream ss;
   ss << in.rdbuf();
   return ParsePromptsJsonl(ss.str(), path);
-}
-
-std::vector<GenerationRequest> RequestsFromPrompts(const std::vector<PromptSpec>& specs,
-                                                   const GenerationRequest& d) {
-  std::vector<GenerationRequest> requests;
-  for (const PromptSpec& p : specs) {
-    GenerationRequest r;
-    r.prompt = p.prompt_ids;
-    r.max_tokens = p.max_tokens.value_or(d.max_tokens);
-    r.sampling.temperature = static_cast<float>(p.temperature.value_or(d.sampling.temperature));
-    r.sampling.top_k = static_cast<int32_t>(p.top_k.value_or(d.sampling.top_k));
-    r.sampling.top_p = static_cast<float>(p.top_p.value_or(d.sampling.top_p));
-    r.sampling.seed = p.seed.value_or(d.sampling.seed);
-    r.ignore_eos = p.ignore_eos.value_or(d.ignore_eos);
-    requests.push_back(std::move(r));
-  }
-  return requests;
 }
 
 }  // namespace tandem::cli

@@ -194,6 +194,13 @@ set -- $two
 if [ -z "$one" ] || [ $# -ne 2 ] || [ $((2 * ($1 + $2))) -gt $((one * 12 / 5)) ]; then
   bad "two CPU memory ranks reserve more KV than one would: one rank $one tokens, two ranks $two"
 else ok; fi
+# Four CPU ranks on the host: together at most the host's budget (what one rank alone reserves,
+# kv.memory_fraction of the available memory; 20% slack for memory the others freed meanwhile).
+four=$(kv_tokens 4 | tr '\n' ' ')
+set -- $four
+if [ -z "$one" ] || [ $# -ne 4 ] || [ $((5 * ($1 + $2 + $3 + $4))) -gt $((one * 6)) ]; then
+  bad "four CPU memory ranks reserve more KV than the host's budget: one rank $one tokens, four ranks $four"
+else ok; fi
 set --
 # transport.kind local: the memory ranks are threads of compute-0 (no memory processes), same JSON.
 rm -rf "$TMP/run"
