@@ -16,6 +16,7 @@ std::vector<GenerationRequest> RequestsFromPrompts(const std::vector<PromptSpec>
     r.sampling.top_p = static_cast<float>(p.top_p.value_or(d.sampling.top_p));
     r.sampling.seed = p.seed.value_or(d.sampling.seed);
     r.ignore_eos = p.ignore_eos.value_or(d.ignore_eos);
+    r.top_logprobs = static_cast<int32_t>(p.top_logprobs.value_or(d.top_logprobs));
     requests.push_back(std::move(r));
   }
   return requests;

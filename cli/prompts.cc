@@ -95,6 +95,10 @@ absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(absl::string_view text
       } else if (key == "seed") {
         if (!v.is_number_unsigned()) return KeyError(where, key, "expected a non-negative integer", v);
         p.seed = v.get<uint64_t>();
+      } else if (key == "top_logprobs") {
+        if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxTopLogprobs)
+          return KeyError(where, key, absl::StrCat("expected an integer in [0, ", kMaxTopLogprobs, "]"), v);
+        p.top_logprobs = v.get<int64_t>();
       } else if (key == "ignore_eos") {
         if (!v.is_boolean()) return KeyError(where, key, "expected true or false", v);
         p.ignore_eos = v.get<bool>();
@@ -102,7 +106,7 @@ absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(absl::string_view text
         return absl::InvalidArgumentError(absl::StrCat(
             where, ": unknown key '", key,
             "' (known: prompt_ids, prompt, messages, max_tokens, temperature, top_k, top_p, seed, "
-            "ignore_eos)"));
+            "ignore_eos, top_logprobs)"));
       }
     }
     if (inputs != 1)

@@ -247,13 +247,11 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   const auto t0 = std::chrono::steady_clock::now();
   controller_->Schedule(&step_);
   if (step_.empty()) return absl::OkStatus();
-  std::vector<int32_t> tokens;
-  std::vector<float> logprobs;
-  std::vector<std::vector<int32_t>> part_tokens;
-  std::vector<std::vector<float>> part_logprobs;
+  SampledTokens sampled;
+  std::vector<SampledTokens> parts;
   if (options_.micro_batches > 1) {
     const MicroBatches mb = SplitStep(step_, options_.micro_batches);
-    absl::Status ran = RunParts(mb.parts, &part_tokens, &part_logprobs);
+    absl::Status ran = RunParts(mb.parts, &parts);
     if (!ran.ok()) {
       // A replica that went away fails the step wherever rank 0 was waiting (often on a memory
       // rank that waits for the replica's rows): name the replica when the transport named it.
@@ -264,11 +262,10 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
       }
       return ran;
     }
-    RETURN_IF_ERROR(MergeSampled(mb, part_tokens, part_logprobs, &tokens, &logprobs));
+    RETURN_IF_ERROR(MergeSampled(mb, parts, &sampled));
   } else {
-    RETURN_IF_ERROR(RunParts(std::span<const PlannedStep>(&step_, 1), &part_tokens, &part_logprobs));
-    tokens = std::move(part_tokens[0]);
-    logprobs = std::move(part_logprobs[0]);
+    RETURN_IF_ERROR(RunParts(std::span<const PlannedStep>(&step_, 1), &parts));
+    sampled = std::move(parts[0]);
   }
   // Memory ranks lost during the step: their requests' tokens of this step are dropped (the rest
   // of the step ran without them) and the requests go back to the queue to be recomputed.
@@ -281,18 +278,15 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   }
   lost_in_step_.clear();
   std::vector<std::vector<uint64_t>> released;
-  RETURN_IF_ERROR(controller_->Complete(step_, tokens, logprobs, finished, &released));
+  RETURN_IF_ERROR(controller_->Complete(step_, sampled, finished, &released));
   RETURN_IF_ERROR(SendReleases(step_.plan.step_id, released));
   busy_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return absl::OkStatus();
 }
 
-absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts,
-                                   std::vector<std::vector<int32_t>>* part_tokens,
-                                   std::vector<std::vector<float>>* part_logprobs) {
+absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vector<SampledTokens>* sampled) {
   const size_t n = parts.size();
-  part_tokens->assign(n, {});
-  part_logprobs->assign(n, {});
+  sampled->assign(n, {});
   if (compute_rank_ == 0) {
     // Every plan first (micro-batches in order), then the replicas' parts, then the layers.
     for (const PlannedStep& part : parts) {
@@ -363,7 +357,7 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts,
   const auto finish = std::chrono::steady_clock::now();
   for (size_t i = mine.size(); i-- > 0;) {
     const size_t k = mine[i];
-    RETURN_IF_ERROR(lane_of(k).backend->Finish(&(*part_tokens)[k], &(*part_logprobs)[k]));
+    RETURN_IF_ERROR(lane_of(k).backend->Finish(&(*sampled)[k]));
   }
   if (host) host_compute_ms_ += MsSince(finish);
   if (compute_rank_ != 0) return absl::OkStatus();
@@ -392,9 +386,20 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts,
                                                      " micro-batch ", j, " with ", result->tokens.size(),
                                                      " tokens does not match what it was given"));
     }
+    // The alternatives must be what each row asked for (the controller checks the counts again).
+    for (size_t i = 0; i < result->top.size(); ++i) {
+      const int64_t want = std::min<int64_t>(parts[j].rows.top_logprobs_of(i), backend_->spec().vocab_size);
+      if (static_cast<int64_t>(result->top[i].size()) != want) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(replica.name, ": step ", result->step_id, " micro-batch ", j, " token ", i, " has ",
+                         result->top[i].size(), " alternatives, asked for ", want));
+      }
+    }
     got[j] = true;
-    (*part_tokens)[j] = std::move(result->tokens);
-    (*part_logprobs)[j] = std::move(result->logprobs);
+    SampledTokens& part = (*sampled)[j];
+    part.tokens = std::move(result->tokens);
+    part.logprobs = std::move(result->logprobs);
+    part.top = std::move(result->top);
     --remote;
   }
   return absl::OkStatus();
@@ -796,19 +801,23 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
         rows.sampling.push_back(
             {.temperature = q.temperature, .top_k = q.top_k, .top_p = q.top_p, .seed = q.seed});
         rows.counters.push_back(q.counter);
+        if (q.top_logprobs > 0 || !rows.top_logprobs.empty()) {
+          rows.top_logprobs.resize(rows.sample_rows.size() - 1);
+          rows.top_logprobs.push_back(q.top_logprobs);
+        }
       }
     }
     for (size_t g = 1; g < part.rank_rows.size(); ++g) part.rank_rows[g] += part.rank_rows[g - 1];
     parts.push_back(std::move(part));
     if (parts.size() < expected) continue;
-    std::vector<std::vector<int32_t>> tokens;
-    std::vector<std::vector<float>> logprobs;
-    RETURN_IF_ERROR(RunParts(parts, &tokens, &logprobs));
+    std::vector<SampledTokens> sampled;
+    RETURN_IF_ERROR(RunParts(parts, &sampled));
     for (size_t k = 0; k < parts.size(); ++k) {
       const ReplicaResultMessage result{.step_id = parts[k].plan.step_id,
                                         .micro_batch = parts[k].plan.micro_batch,
-                                        .tokens = std::move(tokens[k]),
-                                        .logprobs = std::move(logprobs[k])};
+                                        .tokens = std::move(sampled[k].tokens),
+                                        .logprobs = std::move(sampled[k].logprobs),
+                                        .top = std::move(sampled[k].top)};
       RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeReplicaResult(result)));
     }
     parts.clear();

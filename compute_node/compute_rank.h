@@ -173,12 +173,10 @@ class ComputeRank : public Engine {
   bool Owns(size_t micro_batch) const {
     return micro_batch % static_cast<size_t>(compute_ranks_) == static_cast<size_t>(compute_rank_);
   }
-  // Runs the step's micro-batches (one, or several interleaved: see the file comment) and
-  // appends the sampled tokens of each part to part_tokens / part_logprobs.
-  // Parts owned by replicas go to them; this rank runs its own parts and collects the replicas'
-  // results (part_tokens[k] for parts[k], whoever ran it).
-  absl::Status RunParts(std::span<const PlannedStep> parts, std::vector<std::vector<int32_t>>* part_tokens,
-                        std::vector<std::vector<float>>* part_logprobs);
+  // Runs the step's micro-batches (one, or several interleaved: see the file comment) and sets
+  // (*sampled)[k] to what part k sampled. Parts owned by replicas go to them; this rank runs its
+  // own parts and collects the replicas' results (whoever ran parts[k]).
+  absl::Status RunParts(std::span<const PlannedStep> parts, std::vector<SampledTokens>* sampled);
   // Sends micro-batch j's q,k,v rows of `layer` (in lane j's qkv buffer) to the memory ranks.
   absl::Status SendLayer(size_t j, const PlannedStep& step, uint32_t layer);
   // Waits for (host path) or enqueues the waits for (device path) micro-batch j's attention

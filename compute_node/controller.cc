@@ -84,6 +84,10 @@ absl::Status Controller::Check(const GenerationRequest& request) const {
     return absl::InvalidArgumentError(absl::StrCat("max_tokens must be >= 1, got ", request.max_tokens));
   }
   RETURN_IF_ERROR(ValidateSampling(request.sampling));
+  if (request.top_logprobs < 0 || request.top_logprobs > kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_logprobs must be in [0, ", kMaxTopLogprobs, "], got ", request.top_logprobs));
+  }
   const int64_t prompt_len = static_cast<int64_t>(request.prompt.size());
   if (request.max_tokens > spec_.max_position - prompt_len) {  // no overflow for any max_tokens
     return absl::InvalidArgumentError(absl::StrCat("prompt (", prompt_len, " tokens) + max_tokens (",
@@ -399,6 +403,7 @@ void Controller::Schedule(PlannedStep* step) {
     r.top_p = live->request.sampling.top_p;
     r.seed = live->request.sampling.seed;
     r.counter = live->result.token_ids.size();
+    r.top_logprobs = static_cast<uint8_t>(live->request.top_logprobs);
     if (!live->started && start > 0)
       r.attach_hash = index_[static_cast<size_t>(live->memory_rank)]->hash(live->chain.back());
     if (!live->started) stats_.cached_tokens += live->result.cached_tokens;  // reused from now on
@@ -409,6 +414,10 @@ void Controller::Schedule(PlannedStep* step) {
       rows.sample_rows.push_back(static_cast<int32_t>(rows.tokens.size()) - 1);
       rows.sampling.push_back(live->request.sampling);
       rows.counters.push_back(live->result.token_ids.size());
+      if (live->request.top_logprobs > 0 || !rows.top_logprobs.empty()) {
+        rows.top_logprobs.resize(rows.sample_rows.size() - 1);  // 0 for the rows before the first asking
+        rows.top_logprobs.push_back(live->request.top_logprobs);
+      }
     }
   }
   for (size_t m = 1; m < step->rank_rows.size(); ++m) step->rank_rows[m] += step->rank_rows[m - 1];
@@ -430,15 +439,27 @@ void Controller::Schedule(PlannedStep* step) {
   }
 }
 
-absl::Status Controller::Complete(const PlannedStep& step, std::span<const int32_t> tokens,
-                                  std::span<const float> logprobs,
+absl::Status Controller::Complete(const PlannedStep& step, const SampledTokens& sampled,
                                   std::vector<std::pair<int64_t, GenerationResult>>* finished,
                                   std::vector<std::vector<uint64_t>>* released) {
   released->assign(capacity_.size(), {});
   if (step.empty()) return absl::OkStatus();
-  if (tokens.size() != step.rows.sample_rows.size() || logprobs.size() != tokens.size()) {
-    return absl::InternalError(absl::StrCat("step ", step.plan.step_id, ": ", tokens.size(), " tokens for ",
+  const std::span<const int32_t> tokens = sampled.tokens;
+  if (tokens.size() != step.rows.sample_rows.size() || sampled.logprobs.size() != tokens.size() ||
+      !(sampled.top.empty() || sampled.top.size() == tokens.size())) {
+    return absl::InternalError(absl::StrCat("step ", step.plan.step_id, ": ", tokens.size(), " tokens, ",
+                                            sampled.logprobs.size(), " log-probabilities and ",
+                                            sampled.top.size(), " alternative lists for ",
                                             step.rows.sample_rows.size(), " sample rows"));
+  }
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const size_t want =
+        static_cast<size_t>(std::min<int64_t>(step.rows.top_logprobs_of(i), spec_.vocab_size));
+    if (sampled.top_of(i).size() != want) {
+      return absl::InternalError(absl::StrCat("step ", step.plan.step_id, ": sample row ", i, " has ",
+                                              sampled.top_of(i).size(), " top log-probabilities, asked for ",
+                                              want));
+    }
   }
   // Index the running requests by id (the plan names them).
   std::unordered_map<int64_t, Live*> by_id;
@@ -460,7 +481,11 @@ absl::Status Controller::Complete(const PlannedStep& step, std::span<const int32
     if (!r.sample) continue;
     const int32_t token = tokens[next_token];
     live.result.token_ids.push_back(token);
-    live.result.logprobs.push_back(logprobs[next_token]);
+    live.result.logprobs.push_back(sampled.logprobs[next_token]);
+    if (live.request.top_logprobs > 0) {
+      const std::span<const TopLogprob> top = sampled.top_of(next_token);
+      live.result.top_logprobs.emplace_back(top.begin(), top.end());
+    }
     ++next_token;
     ++stats_.decode_tokens;
     const bool eos =

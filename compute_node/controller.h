@@ -62,12 +62,18 @@ struct GenerationRequest {
   int64_t max_tokens = 16;      // generated tokens at most, >= 1
   kernels::cpu::SamplingParams sampling;
   bool ignore_eos = false;  // keep going past EOS (benchmarks)
+  // Report each generated token's top_logprobs most probable alternatives, in [0, kMaxTopLogprobs]
+  // (common/top_logprobs.h); 0 costs nothing.
+  int32_t top_logprobs = 0;
 };
 
 struct GenerationResult {
   std::vector<int32_t> token_ids;  // generated tokens (EOS included when it stopped there)
   std::vector<float> logprobs;     // natural log-probability of each generated token
-  std::string finish_reason;       // "stop" (EOS), "length" (max_tokens) or "cancelled"
+  // With GenerationRequest::top_logprobs > 0: per generated token, its alternatives (most probable
+  // first); else empty.
+  std::vector<std::vector<TopLogprob>> top_logprobs;
+  std::string finish_reason;  // "stop" (EOS), "length" (max_tokens) or "cancelled"
   int64_t prompt_tokens = 0;
   int64_t cached_tokens = 0;  // prompt tokens whose KV was reused from the prefix registry
 };
@@ -140,10 +146,10 @@ class Controller {
 
   // Plans the next step into `step` (empty when nothing can run).
   void Schedule(PlannedStep* step);
-  // Applies the sampled tokens of `step` (one per sample row, in order). Finished requests are
+  // Applies the sampled tokens of `step` (one per sample row, in order; alternatives for the rows
+  // whose request asked, exactly as many as it asked or the vocabulary holds). Finished requests are
   // appended to `finished`; released[m] gets the ids whose KV rank m can free.
-  absl::Status Complete(const PlannedStep& step, std::span<const int32_t> tokens,
-                        std::span<const float> logprobs,
+  absl::Status Complete(const PlannedStep& step, const SampledTokens& sampled,
                         std::vector<std::pair<int64_t, GenerationResult>>* finished,
                         std::vector<std::vector<uint64_t>>* released);
 

@@ -44,8 +44,7 @@ std::map<int64_t, std::vector<int32_t>> RunAll(const ModelSpec& spec, int ranks,
     EXPECT_FALSE(step.empty()) << "nothing scheduled while requests wait (step " << step_index << ")";
     if (step.empty()) break;
     // Apply the rows to each request's KV on its rank and sample.
-    std::vector<int32_t> tokens;
-    std::vector<float> logprobs;
+    SampledTokens sampled;
     size_t row = 0, next_sample = 0;
     for (const StepRequest& r : step.plan.requests) {
       std::vector<int32_t>& mine = kv[r.memory_rank][static_cast<int64_t>(r.request_id)];
@@ -57,8 +56,7 @@ std::map<int64_t, std::vector<int32_t>> RunAll(const ModelSpec& spec, int ranks,
       }
       if (r.sample) {
         EXPECT_EQ(step.rows.sample_rows[next_sample], static_cast<int32_t>(row) - 1);
-        tokens.push_back(Sample(mine, r.position + r.q_len - 1, r.counter, spec.vocab_size));
-        logprobs.push_back(-1.0f);
+        sampled.Append(Sample(mine, r.position + r.q_len - 1, r.counter, spec.vocab_size), -1.0f);
         ++next_sample;
       }
     }
@@ -68,7 +66,7 @@ std::map<int64_t, std::vector<int32_t>> RunAll(const ModelSpec& spec, int ranks,
     }
     std::vector<std::pair<int64_t, GenerationResult>> finished;
     std::vector<std::vector<uint64_t>> released;
-    EXPECT_TRUE(c.Complete(step, tokens, logprobs, &finished, &released).ok());
+    EXPECT_TRUE(c.Complete(step, sampled, &finished, &released).ok());
     for (auto& [id, result] : finished) {
       EXPECT_EQ(result.token_ids.size(), requests[static_cast<size_t>(id)].max_tokens) << "request " << id;
       EXPECT_EQ(result.prompt_tokens, static_cast<int64_t>(requests[static_cast<size_t>(id)].prompt.size()));
@@ -143,9 +141,9 @@ TEST(ControllerRecovery, RequeuedRequestsGoFirstInAdmissionOrderAndTheRankTakesN
   EXPECT_EQ(c.num_waiting(), static_cast<int64_t>(on1.size()) + 2);
   std::vector<std::pair<int64_t, GenerationResult>> finished;
   std::vector<std::vector<uint64_t>> released;
-  const std::vector<int32_t> tokens(step.rows.sample_rows.size(), 7);
-  const std::vector<float> logprobs(tokens.size(), -1.0f);
-  ASSERT_TRUE(c.Complete(step, tokens, logprobs, &finished, &released).ok());
+  SampledTokens sampled;
+  for (size_t i = 0; i < step.rows.sample_rows.size(); ++i) sampled.Append(7, -1.0f);
+  ASSERT_TRUE(c.Complete(step, sampled, &finished, &released).ok());
   EXPECT_TRUE(released[1].empty());
   c.Schedule(&step);
   for (const StepRequest& r : step.plan.requests) EXPECT_EQ(r.memory_rank, 0);
