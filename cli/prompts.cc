@@ -10,6 +10,7 @@
 #include "absl/strings/strip.h"
 #include "common/json_depth.h"
 #include "common/status.h"
+#include "common/top_logprobs.h"
 #include "nlohmann/json.hpp"
 
 namespace tandem::cli {
