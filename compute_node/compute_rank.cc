@@ -254,7 +254,13 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
     absl::Status ran = RunParts(mb.parts, &parts);
     if (!ran.ok()) {
       // A replica that went away fails the step wherever rank 0 was waiting (often on a memory
-      // rank that waits for the replica's rows): name the replica when the transport named it.
+      // rank that waits for the replica's rows, or one that stopped because the replica left it):
+      // name the replica when the transport knows it failed, or named it.
+      for (size_t r = 0; r < replicas_.size(); ++r) {
+        if (!transport_->PeerStatus(replicas_[r].peer).ok()) {
+          return Annotate(ran, absl::StrCat(replicas_[r].name, " failed"));
+        }
+      }
       for (size_t r = 0; r < replicas_.size(); ++r) {
         if (absl::StrContains(ran.message(), options_.replica_addresses[r])) {
           return Annotate(ran, absl::StrCat(replicas_[r].name, " failed"));
@@ -405,12 +411,16 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
   return absl::OkStatus();
 }
 
+bool ComputeRank::CanRecover() const {
+  // Recovery runs the rest of the step without the rank, which the host-staged path with one
+  // compute rank and the request partition can do; elsewhere the loss fails the step as before.
+  return options_.recover_memory_ranks && !device_path_ && !head_ && compute_ranks_ == 1;
+}
+
 absl::Status ComputeRank::LoseRank(size_t m, absl::Status why) {
   Rank& rank = ranks_[m];
   if (rank.lost) return absl::OkStatus();
-  // Recovery runs the rest of the step without the rank, which the host-staged path with one
-  // compute rank and the request partition can do; elsewhere the loss fails the step as before.
-  if (!options_.recover_memory_ranks || device_path_ || head_ || compute_ranks_ > 1) return why;
+  if (!CanRecover()) return why;
   rank.lost = true;
   transport_->Close(rank.peer);  // its failure no longer fails waits on the others
   lost_in_step_.push_back(m);
@@ -422,9 +432,18 @@ absl::Status ComputeRank::LoseRank(size_t m, absl::Status why) {
 }
 
 absl::Status ComputeRank::LoseFailedRanks(size_t waited_on, absl::Status why) {
-  bool blamed = false;
   transport::PeerId from = 0;
   std::vector<uint8_t> msg;
+  if (!CanRecover()) {
+    // The step fails: with the error report of a memory rank that stopped when there is one,
+    // else with the wait's error (which names the peer that failed first).
+    if (transport_->Receive(&from, &msg, absl::Now()).ok()) {
+      absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+      if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
+    }
+    return why;
+  }
+  bool blamed = false;
   while (transport_->Receive(&from, &msg, absl::Now()).ok()) {
     absl::StatusOr<ErrorMessage> err = DecodeError(msg);
     for (size_t m = 0; m < ranks_.size(); ++m) {

@@ -192,6 +192,8 @@ class ComputeRank : public Engine {
   // Gives up memory rank m for `why` (recovery; see Step): OK once it is marked lost, else `why`
   // (recovery off or unsupported) or an error when no rank is left.
   absl::Status LoseRank(size_t m, absl::Status why);
+  // Whether this rank can go on without a memory rank (see ComputeRankOptions::recover_memory_ranks).
+  bool CanRecover() const;
   // After a failed wait for memory rank `waited_on`: loses the ranks that failed (an error report
   // received, or a peer the transport knows failed), or `waited_on` itself when none did.
   absl::Status LoseFailedRanks(size_t waited_on, absl::Status why);

@@ -75,6 +75,7 @@ launch:
   ssh: "$SSH"
   startup_timeout_s: 60
   step_timeout_s: 20
+  recover_memory_ranks: false  # a lost remote rank must bring the deployment down (recovery: tests/fault)
 api:
   port: 0
 YAML
@@ -132,7 +133,7 @@ kill -9 "$LAUNCHER"; wait "$LAUNCHER" 2>/dev/null; LAUNCHER=""
 expect_none_left "after SIGKILL of the launcher"
 pgrep -f -- "$TANDEM compute.*$T" >/dev/null && bad "compute-0 survived the launcher's SIGKILL"
 
-# 2. SIGKILL of a remote rank: the launcher names it and brings everything down.
+# 2. SIGKILL of a remote rank: the launcher names it and brings everything down (no recovery).
 start_launch
 victim=$(pgrep -f -- "$T/tandem-remote memory --rank 1" | head -1)
 [ -n "$victim" ] && kill -9 "$victim"
