@@ -9,6 +9,12 @@
 
 namespace tandem::cli {
 
+std::string TierSummary(const EngineStats& s) {
+  if (s.demoted_tokens == 0 && s.restored_tokens == 0 && s.restore_failed_tokens == 0) return "";
+  return absl::StrCat("demoted ", s.demoted_tokens, " tokens to lower tiers, restored ", s.restored_tokens,
+                      ", failed ", s.restore_failed_tokens, " (recomputed)");
+}
+
 absl::Status WriteRequestsFile(const std::string& path, const std::vector<GenerationRequest>& requests) {
   std::ofstream out(path, std::ios::trunc);
   for (const GenerationRequest& r : requests) {
@@ -45,7 +51,8 @@ absl::Status WriteResultsFile(const std::string& path, const std::vector<Generat
                          {{"seconds", stats.seconds},
                           {"steps", stats.steps},
                           {"device", stats.device},
-                          {"pipeline", stats.pipeline}}}}
+                          {"pipeline", stats.pipeline},
+                          {"tiers", stats.tiers}}}}
              .dump()
       << "\n";
   out.close();
@@ -70,6 +77,7 @@ absl::Status ReadResultsFile(const std::string& path, std::vector<GenerationResu
         stats->steps = j["stats"].at("steps").get<int64_t>();
         stats->device = j["stats"].at("device").get<std::string>();
         stats->pipeline = j["stats"].value("pipeline", "");
+        stats->tiers = j["stats"].value("tiers", "");
         have_stats = true;
         continue;
       }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "compute_node/engine.h"
 
 namespace tandem {
 struct GenerationRequest;
@@ -24,7 +25,10 @@ struct RunStats {
   int64_t steps = 0;
   std::string device;
   std::string pipeline;  // a deployment's PipelineReport::ToString(); empty for the colocated engine
+  std::string tiers;     // KV tiers' figures (TierSummary); empty when no block moved between tiers
 };
+// "demoted D tokens, restored R, failed F (recomputed)" from an engine's stats; "" when all are 0.
+std::string TierSummary(const EngineStats& stats);
 absl::Status WriteRequestsFile(const std::string& path, const std::vector<GenerationRequest>& requests);
 absl::Status WriteResultsFile(const std::string& path, const std::vector<GenerationResult>& results,
                               const RunStats& stats);

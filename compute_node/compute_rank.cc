@@ -246,6 +246,12 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   const auto t0 = std::chrono::steady_clock::now();
   controller_->Schedule(&step_);
   if (step_.empty()) return absl::OkStatus();
+  if (!step_.has_rows()) {
+    // Restores only: the ranks load the blocks and answer; no layers run.
+    const std::vector<uint8_t> plan = EncodeStepPlan(step_.plan);
+    for (Rank& rank : ranks_) RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, plan), rank.name));
+    return CollectRestoreReplies(step_.plan);
+  }
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
   std::vector<std::vector<int32_t>> part_tokens;
@@ -269,6 +275,7 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
     tokens = std::move(part_tokens[0]);
     logprobs = std::move(part_logprobs[0]);
   }
+  RETURN_IF_ERROR(CollectRestoreReplies(step_.plan));
   std::vector<std::vector<uint64_t>> released;
   RETURN_IF_ERROR(controller_->Complete(step_, tokens, logprobs, finished, &released));
   RETURN_IF_ERROR(SendReleases(step_.plan.step_id, released));
@@ -363,6 +370,11 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts,
         ReceiveFromRank(deadline,
                         absl::StrCat("the compute replicas' results of step ", parts[0].plan.step_id), &msg));
     if (from < ranks_.size()) {
+      absl::StatusOr<uint32_t> magic = PeekFrameMagic(msg);
+      if (magic.ok() && *magic == kRestoreReplyMagic) {  // read after the step (CollectRestoreReplies)
+        early_replies_.emplace_back(from, std::move(msg));
+        continue;
+      }
       return absl::InvalidArgumentError(
           absl::StrCat(ranks_[from].name, ": unexpected message during a step"));
     }
@@ -381,6 +393,45 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts,
     (*part_tokens)[j] = std::move(result->tokens);
     (*part_logprobs)[j] = std::move(result->logprobs);
     --remote;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ComputeRank::CollectRestoreReplies(const StepPlan& plan) {
+  std::vector<bool> expect(ranks_.size(), false);
+  size_t left = 0;
+  for (const PrefixRestore& r : plan.restores) {
+    if (r.memory_rank < expect.size() && !expect[r.memory_rank]) {
+      expect[r.memory_rank] = true;
+      ++left;
+    }
+  }
+  const absl::Time deadline = absl::Now() + options_.step_timeout;
+  while (left > 0) {
+    size_t m = 0;
+    std::vector<uint8_t> msg;
+    if (!early_replies_.empty()) {
+      m = early_replies_.front().first;
+      msg = std::move(early_replies_.front().second);
+      early_replies_.erase(early_replies_.begin());
+    } else {
+      ASSIGN_OR_RETURN(
+          m, ReceiveFromRank(deadline, absl::StrCat("the restore replies of step ", plan.step_id), &msg));
+    }
+    if (m >= ranks_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(replicas_[m - ranks_.size()].name, ": unexpected message after a step"));
+    }
+    absl::StatusOr<RestoreReplyMessage> reply = DecodeRestoreReply(msg);
+    if (!reply.ok()) return Annotate(reply.status(), ranks_[m].name);
+    if (reply->step_id != plan.step_id || reply->memory_rank != m || !expect[m]) {
+      return absl::InvalidArgumentError(absl::StrCat(ranks_[m].name, ": a restore reply for step ",
+                                                     reply->step_id, " from memory rank ", reply->memory_rank,
+                                                     " while step ", plan.step_id, " was awaited"));
+    }
+    expect[m] = false;
+    --left;
+    controller_->RestoreResult(plan, static_cast<int>(m), reply->failed);
   }
   return absl::OkStatus();
 }
@@ -776,6 +827,9 @@ EngineStats ComputeRank::stats() const {
           .prefill_tokens = cs.prefill_tokens,
           .decode_tokens = cs.decode_tokens,
           .cached_tokens = cs.cached_tokens,
+          .demoted_tokens = cs.demoted_tokens,
+          .restored_tokens = cs.restored_tokens,
+          .restore_failed_tokens = cs.restore_failed_tokens,
           .busy_seconds = busy_seconds_};
 }
 

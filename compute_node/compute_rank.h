@@ -186,6 +186,9 @@ class ComputeRank : public Engine {
   std::pair<int32_t, int32_t> RowsOf(const PlannedStep& step, size_t m) const;
   // Sends the release messages of `released` (the controller's, per placement group).
   absl::Status SendReleases(uint64_t step_id, const std::vector<std::vector<uint64_t>>& released);
+  // KV tiers: each memory rank that `plan` asks to restore blocks answers with a restore reply once
+  // it applied the plan; the replies go to the controller (Controller::RestoreResult).
+  absl::Status CollectRestoreReplies(const StepPlan& plan);
 
   ComputeRankOptions options_;
   std::unique_ptr<transport::Transport> transport_;
@@ -240,6 +243,8 @@ class ComputeRank : public Engine {
   bool head_ = false;  // partition == kHead
   size_t elem_ = 4;
   double busy_seconds_ = 0;
+  // Restore replies that arrived while the replicas' results were awaited: (memory rank, frame).
+  std::vector<std::pair<size_t, std::vector<uint8_t>>> early_replies_;
 };
 
 }  // namespace tandem

@@ -347,6 +347,15 @@ StepPlan RandomPlan(std::mt19937_64& rng, size_t n, bool extreme) {
     e.memory_rank = static_cast<uint16_t>(u(0, 3));
     if (distinct(plan.evictions, e.memory_rank, e.block_hash)) plan.evictions.push_back(e);
   }
+  const size_t num_restores = u(0, 4);
+  for (size_t i = 0; i < num_restores; ++i) {
+    PrefixRestore e;
+    e.block_hash = rng() | 1;
+    e.block_index = static_cast<int32_t>(u(0, 3));
+    e.parent_hash = e.block_index == 0 ? 0 : (rng() | 1);
+    e.memory_rank = static_cast<uint16_t>(u(0, 3));
+    if (distinct(plan.restores, e.memory_rank, e.block_hash)) plan.restores.push_back(e);
+  }
   return plan;
 }
 
@@ -2035,6 +2044,31 @@ TEST(Wire, RandomizedCorpus) {
   std::printf("corpus: %d frames, %d plans ok, %d headers ok, %d/%d/%d/%d/%d control ok, %.2f s\n", kFrames,
               plan_ok, header_ok, codecs[0].ok, codecs[1].ok, codecs[2].ok, codecs[3].ok, codecs[4].ok,
               seconds);
+}
+
+TEST(RestoreWire, RoundTripsAndRefusesBadPlansAndFrames) {
+  const RestoreReplyMessage reply{.step_id = 9, .memory_rank = 2, .failed = {0x11, 0x22}};
+  const std::vector<uint8_t> frame = EncodeRestoreReply(reply);
+  EXPECT_EQ(frame.size(), kFrameHeaderBytes + kRestoreReplyFixedBytes + 16);
+  absl::StatusOr<RestoreReplyMessage> back = DecodeRestoreReply(frame);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, reply);
+  EXPECT_EQ(*PeekFrameMagic(frame), kRestoreReplyMagic);
+  for (size_t n = 0; n < frame.size(); ++n) {
+    EXPECT_FALSE(DecodeRestoreReply(absl::Span<const uint8_t>(frame.data(), n)).ok()) << n;
+  }
+  StepPlan plan;
+  plan.restores.push_back({.block_hash = 5, .parent_hash = 0, .block_index = 0, .memory_rank = 1});
+  plan.restores.push_back({.block_hash = 6, .parent_hash = 5, .block_index = 1, .memory_rank = 1});
+  absl::StatusOr<StepPlan> decoded = DecodeStepPlan(EncodeStepPlan(plan));
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(*decoded, plan);
+  StepPlan bad = plan;
+  bad.restores[1].parent_hash = 0;  // block_index 1 needs a parent
+  EXPECT_NE(ValidateStepPlan(bad).message().find("restore 1"), std::string_view::npos);
+  bad = plan;
+  bad.restores.push_back(plan.restores[0]);
+  EXPECT_FALSE(ValidateStepPlan(bad).ok());
 }
 
 TEST(ComputeReplicaWire, RoundTripsAndRefusesBadFrames) {
