@@ -974,9 +974,6 @@ TEST_F(DisaggregatedTest, NothingListeningFailsCreateWithinTheStartupTimeout) {
   EXPECT_NE(rank.status().message().find("127.0.0.1:1"), std::string::npos) << rank.status();
 }
 
-}  // namespace
-}  // namespace tandem
-
 // ---------------------------------------------------------------------------------------------
 // KV tiers on the memory ranks (kv.tiers.*): conversations whose turns outgrow the ranks' pools
 // get the colocated engine's tokens, with evicted blocks restored from the host tier, and with the
@@ -1041,3 +1038,6 @@ TEST_P(TieredDeployment, ConversationsEqualColocated) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiers, TieredDeployment, ::testing::Values("host", "disk_damaged"));
+
+}  // namespace
+}  // namespace tandem

@@ -363,7 +363,7 @@ StepPlan RandomPlan(std::mt19937_64& rng, size_t n, bool extreme) {
 size_t PlanFrameBytes(const StepPlan& plan) {
   return kFrameHeaderBytes + kStepPlanFixedBytes + kStepRequestBytes * plan.requests.size() +
          kPrefixGroupBytes * plan.groups.size() + kPrefixPublishBytes * plan.publishes.size() +
-         kPrefixEvictBytes * plan.evictions.size();
+         kPrefixEvictBytes * plan.evictions.size() + kPrefixRestoreBytes * plan.restores.size();
 }
 
 LayerMessageHeader RandomHeader(std::mt19937_64& rng) {
@@ -470,8 +470,8 @@ TEST(StepPlanWire, GoldenBytes) {
   plan.evictions.push_back(PrefixEvict{0x5152535455565758, 0x0405});
   // Layout written out by hand; crc computed independently (bitwise Python reference).
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x03, 0x00, 0x10, 0x00,
-      0xa8, 0x00, 0x00, 0x00, 0x55, 0x94, 0x26, 0x9e,  // frame: version 3, body_bytes 168
+      0x54, 0x44, 0x53, 0x50, 0x04, 0x00, 0x10, 0x00,
+      0xa8, 0x00, 0x00, 0x00, 0x55, 0x94, 0x26, 0x9e,  // frame: version 4, body_bytes 168
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // request_count, group_count
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -522,7 +522,7 @@ TEST(LayerMessageWire, RoundTripsAndGoldenBytes) {
   h.step_id = 1, h.seqno = 2, h.payload_bytes = 256, h.layer = 3, h.rows = 4, h.row_bytes = 64;
   h.payload_crc32c = 0xdeadbeef, h.kind = LayerMessageKind::kAttnOut, h.dtype = DType::kBF16;
   const Bytes golden = {
-      0x54, 0x44, 0x4c, 0x4d, 0x03, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x4c, 0x4d, 0x04, 0x00, 0x10, 0x00,
       0x30, 0x00, 0x00, 0x00, 0xc4, 0x00, 0x01, 0xea,  // frame
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // id, seq
@@ -616,8 +616,8 @@ TEST(StepPlanWire, MicroBatchFields) {
   EXPECT_EQ(defaults, MakeFrame(kStepPlanMagic, Bytes{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                                       0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0}));
 
-  // Each reserved byte after them (frame offsets 42..47) is named when not 0.
-  for (size_t k = 0; k < 6; ++k) {
+  // Each reserved byte after them (frame offsets 42..43; restore_count follows) is named when not 0.
+  for (size_t k = 0; k < 2; ++k) {
     for (uint8_t v : {uint8_t{1}, uint8_t{0x80}, uint8_t{0xff}}) {
       RawPlan p = FullRawPlan();
       p.reserved[k] = v;
@@ -731,13 +731,13 @@ TEST(StepPlanWire, ForgedCountsFailFastWithoutAllocating) {
   s = DecodeStepPlan(PlanFrame(p)).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_EQ(s.message(),
-            "step plan: request_count 1, group_count 1, publish_count 1 and evict_count 0 leave 16 unused "
-            "body bytes at byte offset 168");
+            "step plan: request_count 1, group_count 1, publish_count 1, evict_count 0 and restore_count 0 leave "
+            "16 unused body bytes at byte offset 168");
   s = DecodeStepPlan(MakeFrame(kStepPlanMagic, PlanBody(RawPlan{.requests = {RawRequest{}, RawRequest{}},
                                                                 .request_count = 1})))
           .status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_CONTAINS(std::string(s.message()), "evict_count 0 leave 64 unused body bytes at byte offset 112");
+  EXPECT_CONTAINS(std::string(s.message()), "restore_count 0 leave 64 unused body bytes at byte offset 112");
 }
 
 TEST(StepPlanWire, FieldRangeViolationsNameFieldAndRequest) {
@@ -782,8 +782,7 @@ TEST(StepPlanWire, FieldRangeViolationsNameFieldAndRequest) {
   // Reserved bytes of the fixed part and of the other records (offsets: see FullRawPlan).
   const std::vector<std::pair<std::function<void(RawPlan&)>, std::string>> reserved = {
       {[](RawPlan& p) { p.reserved[0] = 1; }, "step plan: reserved at byte offset 42 is 1, must be 0"},
-      {[](RawPlan& p) { p.reserved[3] = 0x40; }, "step plan: reserved at byte offset 45 is 64, must be 0"},
-      {[](RawPlan& p) { p.reserved[5] = 0xff; }, "step plan: reserved at byte offset 47 is 255, must be 0"},
+      {[](RawPlan& p) { p.reserved[1] = 0x40; }, "step plan: reserved at byte offset 43 is 64, must be 0"},
       {[](RawPlan& p) { p.groups[1].reserved[0] = 1; },
        "step plan: group 1: reserved at byte offset 410 is 1"},
       {[](RawPlan& p) { p.groups[2].reserved[5] = 0x80; },
@@ -980,20 +979,20 @@ TEST(Wire, FrameHeaderChecks) {
   s = DecodeLayerMessageHeader(SmallPlanFrame()).status();
   EXPECT_CONTAINS(std::string(s.message()), "layer message header: magic 0x50534454 ('TDSP')");
 
-  ASSERT_EQ(kWireVersion, 3);
-  for (uint16_t version : {uint16_t{4}, uint16_t{0xffff}}) {
+  ASSERT_EQ(kWireVersion, 4);
+  for (uint16_t version : {uint16_t{5}, uint16_t{0xffff}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
     EXPECT_EQ(s.message(),
-              "step plan: version " + std::to_string(version) + " is newer than the supported version 3");
+              "step plan: version " + std::to_string(version) + " is newer than the supported version 4");
   }
   // An older version is refused too, whatever the format: version 2 (the step plan's 24-byte
   // fixed part) and version 1 (also the hello's older layout).
-  for (uint16_t version : {uint16_t{2}, uint16_t{1}}) {
+  for (uint16_t version : {uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "step plan: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 3 (versions 2 and 3 "
+                               " at byte offset 4 is older than the supported version 4 (versions 2 to 4 "
                                "changed the hello and step plan layouts)");
   }
   // A version 2 plan as a version 2 encoder wrote it (records right after evict_count, at body
@@ -1044,7 +1043,7 @@ TEST(Wire, FrameHeaderChecks) {
   EXPECT_EQ(s.message(), "step plan: truncated: micro_batches needs 1 bytes at byte offset 41 but 0 remain");
   s = code_and_message(MakeFrame(kStepPlanMagic, Bytes(kStepPlanFixedBytes - 1, 0)));
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
-  EXPECT_EQ(s.message(), "step plan: truncated: reserved needs 1 bytes at byte offset 47 but 0 remain");
+  EXPECT_EQ(s.message(), "step plan: truncated: restore_count needs 4 bytes at byte offset 44 but 3 remain");
   // An empty plan is the fixed fields alone; all zeros is micro-batch 0 of 0, which is refused.
   Bytes fixed(kStepPlanFixedBytes, 0);
   s = code_and_message(MakeFrame(kStepPlanMagic, fixed));
@@ -1322,7 +1321,7 @@ TEST(ControlWire, GoldenBytes) {
   h.partition = AttentionPartition::kHead, h.kv_head_begin = 4, h.kv_head_end = 6, h.lanes = 4;
   h.compute_ranks = 2;
   const Bytes hello = {
-      0x54, 0x44, 0x48, 0x49, 0x03, 0x00, 0x10, 0x00, 0x40, 0x00, 0x00, 0x00, 0x77, 0x00, 0xf0,
+      0x54, 0x44, 0x48, 0x49, 0x04, 0x00, 0x10, 0x00, 0x40, 0x00, 0x00, 0x00, 0x77, 0x00, 0xf0,
       0x22,                                            // frame
       0x78, 0x56, 0x34, 0x12, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x20, 0x00, 0x00, 0x00, 0x20, 0x00, 0x00, 0x00,  // num_layers, num_heads
@@ -1343,7 +1342,7 @@ TEST(ControlWire, GoldenBytes) {
   r.kv_capacity_tokens = 0x01020304, r.qkv_buffer = 7, r.memory_rank = 2, r.dtype = DType::kBF16;
   r.device = "cuda:0";
   const Bytes reply = {
-      0x54, 0x44, 0x48, 0x52, 0x03, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x52, 0x04, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0xdb, 0xf4, 0x8d, 0x50,  // frame
       0x04, 0x03, 0x02, 0x01, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x07, 0x00, 0x00, 0x00, 0x02, 0x00, 0x02, 0x00,  // qkv_buffer, memory_rank, dtype, reserved
@@ -1356,7 +1355,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ReleaseMessage m{0x0102030405060708, {5, kU64Max}};
   const Bytes release = {
-      0x54, 0x44, 0x52, 0x4c, 0x03, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x52, 0x4c, 0x04, 0x00, 0x10, 0x00,
       0x20, 0x00, 0x00, 0x00, 0x21, 0x77, 0x58, 0xc2,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, reserved
@@ -1370,7 +1369,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ErrorMessage e{14, "peer gone"};
   const Bytes error = {
-      0x54, 0x44, 0x45, 0x52, 0x03, 0x00, 0x10, 0x00, 0x11,
+      0x54, 0x44, 0x45, 0x52, 0x04, 0x00, 0x10, 0x00, 0x11,
       0x00, 0x00, 0x00, 0x56, 0xa5, 0x51, 0x47,        // frame
       0x0e, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00,  // code, message_bytes
       'p',  'e',  'e',  'r',  ' ',  'g',  'o',  'n',  'e',
@@ -1381,7 +1380,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_TRUE(*eb == e);
 
   const Bytes bye = {
-      0x54, 0x44, 0x42, 0x59, 0x03, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x42, 0x59, 0x04, 0x00, 0x10, 0x00,
       0x08, 0x00, 0x00, 0x00, 0xc7, 0xfb, 0x17, 0x55,  // frame
       0xe8, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // steps
   };
@@ -1631,7 +1630,7 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     const absl::Status s = DecodeHello(MakeFrame(kHelloMagic, HelloBody(old), version)).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "hello: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 3 (versions 2 and 3 "
+                               " at byte offset 4 is older than the supported version 4 (versions 2 to 4 "
                                "changed the hello and step plan layouts)");
   }
   // The limits and combinations that are valid.
