@@ -730,9 +730,10 @@ TEST(StepPlanWire, ForgedCountsFailFastWithoutAllocating) {
   p.evict_count = 0;
   s = DecodeStepPlan(PlanFrame(p)).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_EQ(s.message(),
-            "step plan: request_count 1, group_count 1, publish_count 1, evict_count 0 and restore_count 0 leave "
-            "16 unused body bytes at byte offset 168");
+  EXPECT_EQ(
+      s.message(),
+      "step plan: request_count 1, group_count 1, publish_count 1, evict_count 0 and restore_count 0 leave "
+      "16 unused body bytes at byte offset 168");
   s = DecodeStepPlan(MakeFrame(kStepPlanMagic, PlanBody(RawPlan{.requests = {RawRequest{}, RawRequest{}},
                                                                 .request_count = 1})))
           .status();
