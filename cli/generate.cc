@@ -62,6 +62,7 @@ struct GenerateArgs {
   uint64_t seed = 0;
   uint64_t weight_seed = 0;
   bool logprobs = false;
+  int64_t top_logprobs = 0;
   bool json = false;
   bool ignore_eos = false;
   std::string config_file;
@@ -143,6 +144,7 @@ absl::StatusOr<std::vector<GenerationRequest>> BuildRequests(const GenerateArgs&
   d.sampling.top_p = static_cast<float>(a.top_p);
   d.sampling.seed = a.seed;
   d.ignore_eos = a.ignore_eos;
+  d.top_logprobs = static_cast<int32_t>(a.top_logprobs);
   return RequestsFromPrompts(specs, d);
 }
 
@@ -240,6 +242,7 @@ void PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& re
       if (i < texts.size()) j["text"] = texts[i];
       j["token_ids"] = r.token_ids;
       if (a.logprobs) j["logprobs"] = r.logprobs;
+      if (!r.top_logprobs.empty()) j["top_logprobs"] = TopLogprobsJson(r.top_logprobs);
       j["finish_reason"] = r.finish_reason;
       j["usage"] = {{"prompt_tokens", r.prompt_tokens},
                     {"completion_tokens", static_cast<int64_t>(r.token_ids.size())},
@@ -269,6 +272,8 @@ void PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& re
                stats.device.c_str());
   if (!stats.pipeline.empty()) std::fprintf(stderr, "tandem generate: pipeline %s\n", stats.pipeline.c_str());
   if (!stats.tiers.empty()) std::fprintf(stderr, "tandem generate: KV tiers %s\n", stats.tiers.c_str());
+  if (!stats.recovery.empty())
+    std::fprintf(stderr, "tandem generate: recovery: %s\n", stats.recovery.c_str());
 }
 
 // Runs the requests through a deployment started (and stopped) for them.
@@ -405,6 +410,11 @@ void AddGenerateCommand(CLI::App& app) {
   cmd->add_option("--weight-seed", a->weight_seed, "seed of a preset's random weights")
       ->capture_default_str();
   cmd->add_flag("--logprobs", a->logprobs, "also print the log-probability of each generated token");
+  cmd->add_option(
+         "--top-logprobs", a->top_logprobs,
+         "with --json: also print each generated token's K most probable alternatives "
+         "(top_logprobs: [[{token, logprob}, ...], ...]); a prompts file's \"top_logprobs\" overrides it")
+      ->check(CLI::Range(0, static_cast<int>(kMaxTopLogprobs)));
   cmd->add_flag(
       "--json", a->json,
       "print one JSON object per request: token_ids, logprobs (with --logprobs), finish_reason, usage");

@@ -10,7 +10,7 @@
 #include "absl/strings/strip.h"
 #include "common/json_depth.h"
 #include "common/status.h"
-#include "compute_node/controller.h"
+#include "common/top_logprobs.h"
 #include "nlohmann/json.hpp"
 
 namespace tandem::cli {
@@ -96,6 +96,10 @@ absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(absl::string_view text
       } else if (key == "seed") {
         if (!v.is_number_unsigned()) return KeyError(where, key, "expected a non-negative integer", v);
         p.seed = v.get<uint64_t>();
+      } else if (key == "top_logprobs") {
+        if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxTopLogprobs)
+          return KeyError(where, key, absl::StrCat("expected an integer in [0, ", kMaxTopLogprobs, "]"), v);
+        p.top_logprobs = v.get<int64_t>();
       } else if (key == "ignore_eos") {
         if (!v.is_boolean()) return KeyError(where, key, "expected true or false", v);
         p.ignore_eos = v.get<bool>();
@@ -103,7 +107,7 @@ absl::StatusOr<std::vector<PromptSpec>> ParsePromptsJsonl(absl::string_view text
         return absl::InvalidArgumentError(absl::StrCat(
             where, ": unknown key '", key,
             "' (known: prompt_ids, prompt, messages, max_tokens, temperature, top_k, top_p, seed, "
-            "ignore_eos)"));
+            "ignore_eos, top_logprobs)"));
       }
     }
     if (inputs != 1)
@@ -121,23 +125,6 @@ absl::StatusOr<std::vector<PromptSpec>> ReadPromptsFile(const std::string& path)
   std::ostringstream ss;
   ss << in.rdbuf();
   return ParsePromptsJsonl(ss.str(), path);
-}
-
-std::vector<GenerationRequest> RequestsFromPrompts(const std::vector<PromptSpec>& specs,
-                                                   const GenerationRequest& d) {
-  std::vector<GenerationRequest> requests;
-  for (const PromptSpec& p : specs) {
-    GenerationRequest r;
-    r.prompt = p.prompt_ids;
-    r.max_tokens = p.max_tokens.value_or(d.max_tokens);
-    r.sampling.temperature = static_cast<float>(p.temperature.value_or(d.sampling.temperature));
-    r.sampling.top_k = static_cast<int32_t>(p.top_k.value_or(d.sampling.top_k));
-    r.sampling.top_p = static_cast<float>(p.top_p.value_or(d.sampling.top_p));
-    r.sampling.seed = p.seed.value_or(d.sampling.seed);
-    r.ignore_eos = p.ignore_eos.value_or(d.ignore_eos);
-    requests.push_back(std::move(r));
-  }
-  return requests;
 }
 
 }  // namespace tandem::cli

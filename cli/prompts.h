@@ -17,7 +17,8 @@ absl::StatusOr<std::vector<int32_t>> ParseIdList(absl::string_view text);
 
 // One line of a prompts file: exactly one of {"prompt_ids": [..]}, {"prompt": "text"} or
 // {"messages": [{"role": r, "content": c}, ...]} (a chat, through the model's template), and
-// "max_tokens"?: n, "temperature"?: t, "top_k"?: k, "top_p"?: p, "seed"?: s, "ignore_eos"?: b.
+// "max_tokens"?: n, "temperature"?: t, "top_k"?: k, "top_p"?: p, "seed"?: s, "ignore_eos"?: b,
+// "top_logprobs"?: k (alternatives per generated token, in [0, 20]).
 // Absent fields take the command line's values. Text needs a model that ships a tokenizer.
 struct PromptSpec {
   std::vector<int32_t> prompt_ids;
@@ -29,6 +30,7 @@ struct PromptSpec {
   std::optional<double> top_p;
   std::optional<uint64_t> seed;
   std::optional<bool> ignore_eos;
+  std::optional<int64_t> top_logprobs;
 };
 // Blank lines are skipped; any other key is an error (a misspelt "max_token" must not be
 // silently ignored).

@@ -177,6 +177,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
   o.profile = c.GetBool("compute.profile");
   o.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   o.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
+  o.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks");
   o.micro_batches = PipelineMicroBatches(c);
   if (!a.replicas.empty()) o.replica_addresses = absl::StrSplit(a.replicas, ',');
   if (a.replica > 0) {
@@ -234,6 +235,11 @@ absl::Status RunCompute(const ComputeArgs& a) {
   ASSIGN_OR_RETURN(const PipelineTotals totals, rank->Pipeline());
   stats.pipeline = MakePipelineReport(totals).ToString();
   TANDEM_LOG_INFO("compute", "pipeline: ", stats.pipeline);
+  if (const EngineStats es = rank->stats(); es.memory_ranks_lost > 0) {
+    stats.recovery = absl::StrCat(es.memory_ranks_lost, " memory rank(s) lost, ", es.requests_recovered,
+                                  " request(s) recovered by recomputation");
+    TANDEM_LOG_WARN("compute", "recovery: ", stats.recovery);
+  }
   RETURN_IF_ERROR(WriteResultsFile(a.results, *results, stats));
   TANDEM_LOG_INFO("compute", results->size(), " requests done in ", stats.seconds, " s, ", stats.steps,
                   " steps");

@@ -15,6 +15,16 @@ std::string TierSummary(const EngineStats& s) {
                       ", failed ", s.restore_failed_tokens, " (recomputed)");
 }
 
+nlohmann::json TopLogprobsJson(const std::vector<std::vector<TopLogprob>>& top) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const std::vector<TopLogprob>& alts : top) {
+    nlohmann::json token = nlohmann::json::array();
+    for (const TopLogprob& a : alts) token.push_back({{"token", a.token}, {"logprob", a.logprob}});
+    out.push_back(std::move(token));
+  }
+  return out;
+}
+
 absl::Status WriteRequestsFile(const std::string& path, const std::vector<GenerationRequest>& requests) {
   std::ofstream out(path, std::ios::trunc);
   for (const GenerationRequest& r : requests) {
@@ -27,6 +37,7 @@ absl::Status WriteRequestsFile(const std::string& path, const std::vector<Genera
     j["top_p"] = static_cast<double>(r.sampling.top_p);
     j["seed"] = r.sampling.seed;
     j["ignore_eos"] = r.ignore_eos;
+    if (r.top_logprobs > 0) j["top_logprobs"] = r.top_logprobs;
     out << j.dump() << "\n";
   }
   out.close();
@@ -42,6 +53,7 @@ absl::Status WriteResultsFile(const std::string& path, const std::vector<Generat
     nlohmann::json j;
     j["token_ids"] = r.token_ids;
     j["logprobs"] = r.logprobs;
+    if (!r.top_logprobs.empty()) j["top_logprobs"] = TopLogprobsJson(r.top_logprobs);
     j["finish_reason"] = r.finish_reason;
     j["prompt_tokens"] = r.prompt_tokens;
     j["cached_tokens"] = r.cached_tokens;
@@ -52,7 +64,8 @@ absl::Status WriteResultsFile(const std::string& path, const std::vector<Generat
                           {"steps", stats.steps},
                           {"device", stats.device},
                           {"pipeline", stats.pipeline},
-                          {"tiers", stats.tiers}}}}
+                          {"tiers", stats.tiers},
+                          {"recovery", stats.recovery}}}}
              .dump()
       << "\n";
   out.close();
@@ -78,12 +91,20 @@ absl::Status ReadResultsFile(const std::string& path, std::vector<GenerationResu
         stats->device = j["stats"].at("device").get<std::string>();
         stats->pipeline = j["stats"].value("pipeline", "");
         stats->tiers = j["stats"].value("tiers", "");
+        stats->recovery = j["stats"].value("recovery", "");
         have_stats = true;
         continue;
       }
       GenerationResult r;
       r.token_ids = j.at("token_ids").get<std::vector<int32_t>>();
       r.logprobs = j.at("logprobs").get<std::vector<float>>();
+      if (j.contains("top_logprobs")) {
+        for (const nlohmann::json& token : j.at("top_logprobs")) {
+          std::vector<TopLogprob>& alts = r.top_logprobs.emplace_back();
+          for (const nlohmann::json& a : token)
+            alts.push_back({a.at("token").get<int32_t>(), a.at("logprob").get<float>()});
+        }
+      }
       r.finish_reason = j.at("finish_reason").get<std::string>();
       r.prompt_tokens = j.at("prompt_tokens").get<int64_t>();
       r.cached_tokens = j.at("cached_tokens").get<int64_t>();

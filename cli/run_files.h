@@ -1,8 +1,9 @@
 // The files `tandem generate --deploy` and compute rank 0 (`tandem compute --requests --results`)
 // exchange. Requests: one prompts-file line (cli/prompts.h) per request with every field given.
-// Results: one line per request, in order, {"token_ids", "logprobs", "finish_reason",
-// "prompt_tokens", "cached_tokens"}, then {"stats": {"seconds", "steps", "device"}}. The results
-// file appears whole (written to a temporary name, then renamed).
+// Results: one line per request, in order, {"token_ids", "logprobs", "top_logprobs" (when the
+// request asked: TopLogprobsJson), "finish_reason", "prompt_tokens", "cached_tokens"}, then {"stats":
+// {"seconds", "steps", "device"}}. The results file appears whole (written to a temporary name, then
+// renamed).
 #pragma once
 
 #include <cstdint>
@@ -10,7 +11,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/top_logprobs.h"
 #include "compute_node/engine.h"
+#include "nlohmann/json.hpp"
 
 namespace tandem {
 struct GenerationRequest;
@@ -26,9 +29,15 @@ struct RunStats {
   std::string device;
   std::string pipeline;  // a deployment's PipelineReport::ToString(); empty for the colocated engine
   std::string tiers;     // KV tiers' figures (TierSummary); empty when no block moved between tiers
+  // A deployment's recoveries ("1 memory rank(s) lost, 4 request(s) recovered by recomputation");
+  // empty when there were none.
+  std::string recovery;
 };
 // "demoted D tokens, restored R, failed F (recomputed)" from an engine's stats; "" when all are 0.
 std::string TierSummary(const EngineStats& stats);
+// Per generated token, its alternatives: [[{"token": id, "logprob": x}, ...], ...] (as `tandem
+// generate --json` prints them).
+nlohmann::json TopLogprobsJson(const std::vector<std::vector<TopLogprob>>& top);
 absl::Status WriteRequestsFile(const std::string& path, const std::vector<GenerationRequest>& requests);
 absl::Status WriteResultsFile(const std::string& path, const std::vector<GenerationResult>& results,
                               const RunStats& stats);

@@ -18,6 +18,10 @@ function(tandem_target_flags target)
     target_compile_options(${target} PRIVATE
       $<$<COMPILE_LANGUAGE:CXX>:-Werror> $<$<COMPILE_LANGUAGE:CUDA>:-Werror=all-warnings>)
   endif()
+  if(TANDEM_FUZZ)
+    # Coverage for libFuzzer in every library the fuzz targets reach (tests/fuzz/, clang only).
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-fsanitize=fuzzer-no-link>)
+  endif()
   if(TANDEM_SANITIZE)
     string(REPLACE ";" "," _san "${TANDEM_SANITIZE}")
     target_compile_options(${target} PRIVATE

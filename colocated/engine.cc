@@ -118,8 +118,7 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
   RETURN_IF_ERROR(Annotate(kv_table_.Apply(step_.plan, 0, &batch_, &failed), "KV reservation broken"));
   if (!step_.plan.restores.empty()) controller_.RestoreResult(step_.plan, 0, failed);
   if (!step_.has_rows()) return absl::OkStatus();  // restores only
-  std::vector<int32_t> tokens;
-  std::vector<float> logprobs;
+  SampledTokens sampled;
   RETURN_IF_ERROR(backend_->BeginStep(step_.rows));
   RETURN_IF_ERROR(attention_->BeginStep(batch_));
   for (int64_t layer = 0; layer < spec().num_layers; ++layer) {
@@ -128,9 +127,9 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
     backend_->MarkAttention();
     RETURN_IF_ERROR(backend_->PostAttention(layer, attn_.get()));
   }
-  RETURN_IF_ERROR(backend_->Finish(&tokens, &logprobs));
+  RETURN_IF_ERROR(backend_->Finish(&sampled));
   std::vector<std::vector<uint64_t>> released;
-  RETURN_IF_ERROR(controller_.Complete(step_, tokens, logprobs, finished, &released));
+  RETURN_IF_ERROR(controller_.Complete(step_, sampled, finished, &released));
   kv_table_.Release(released[0]);
   const ControllerStats& cs = controller_.stats();
   stats_.steps = cs.steps;

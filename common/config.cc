@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -26,6 +27,124 @@
 
 namespace tandem {
 namespace {
+
+bool IsUtf8Bom(std::string_view text) { return text.substr(0, 3) == "\xEF\xBB\xBF"; }
+
+// yaml-cpp 0.7 loops forever on a ',' token at the top of a document, outside every collection
+// (",a", "'a' ,b", "!t ,a", "[1] ,b"): such text is refused before yaml-cpp sees it. The scan
+// follows each document's first node up to where block content begins: node properties (tags,
+// anchors, aliases), quoted scalars and flow collections, skipping blanks, comments, directives
+// and document markers.
+absl::Status CheckYamlTopLevelComma(std::string_view text, std::string_view source) {
+  // A NUL byte makes yaml-cpp read the text as UTF-16 or UTF-32 (which a config never is); a
+  // UTF-8 byte order mark is skipped like a blank.
+  if (const size_t nul = text.find('\0'); nul != std::string_view::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(ToAbsl(source), ": a NUL byte at byte offset ", nul, " (YAML text must be UTF-8)"));
+  }
+  size_t p = 0;
+  const size_t n = text.size();
+  auto skip_blank = [&] {
+    while (p < n) {
+      const char c = text[p];
+      if (c == ' ' || c == '\t' || c == '\r' || c == '\n' || (p < 3 && IsUtf8Bom(text))) {
+        ++p;
+      } else if (c == '#' || (c == '%' && (p == 0 || text[p - 1] == '\n'))) {
+        while (p < n && text[p] != '\n') ++p;
+      } else if (text.substr(p, 3) == "---" && (p == 0 || text[p - 1] == '\n')) {
+        p += 3;
+      } else {
+        return;
+      }
+    }
+  };
+  auto skip_quoted = [&](char q) {
+    for (++p; p < n; ++p) {
+      if (q == '"' && text[p] == '\\') {
+        ++p;
+      } else if (text[p] == q) {
+        if (q == '\'' && p + 1 < n && text[p + 1] == '\'') {
+          ++p;
+        } else {
+          ++p;
+          return;
+        }
+      }
+    }
+  };
+  auto skip_flow = [&] {
+    int depth = 0;
+    while (p < n) {
+      const char c = text[p];
+      if (c == '\'' || c == '"') {
+        skip_quoted(c);
+        continue;
+      }
+      if (c == '[' || c == '{') ++depth;
+      if (c == ']' || c == '}') --depth;
+      ++p;
+      if (depth <= 0) return;
+    }
+  };
+  // A line that starts with ',' outside brackets: after a top-level plain scalar yaml-cpp reads it
+  // as the same token (and a continuation line of a plain scalar that starts with ',' has no
+  // use in a config).
+  int depth = 0;
+  char last = '\n';  // the line's last non-blank character so far ('\n' at its start)
+  for (p = 0; p < n; ++p) {
+    const char c = text[p];
+    if (c == '\n') {
+      last = '\n';
+      continue;
+    }
+    if (c == ' ' || c == '\t' || c == '\r' || (p < 3 && IsUtf8Bom(text))) continue;
+    const char before = p == 0 ? '\n' : text[p - 1];
+    if (c == ',' && last == '\n' && depth == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(ToAbsl(source), ": YAML syntax error at byte offset ", p,
+                                                     ": a line starts with ',' outside brackets"));
+    }
+    // A bracket opens a flow collection only where a node starts (not inside a plain scalar).
+    const bool node_start = depth > 0 || absl::StrContains("\n:-?,[{", absl::string_view(&last, 1));
+    last = c;
+    if (c == '#' && (before == ' ' || before == '\t' || before == '\n')) {
+      while (p + 1 < n && text[p + 1] != '\n') ++p;
+    } else if ((c == '\'' || c == '"') && node_start) {
+      skip_quoted(c);
+      --p;
+    } else if ((c == '[' || c == '{') && node_start) {
+      ++depth;
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  // Each document: its start, then the start after every line that begins with "---".
+  size_t doc = 0;
+  while (doc <= n) {
+    p = doc;
+    while (true) {
+      skip_blank();
+      if (p >= n) break;
+      const char c = text[p];
+      if (c == ',') {
+        return absl::InvalidArgumentError(absl::StrCat(ToAbsl(source), ": YAML syntax error at byte offset ",
+                                                       p, ": ',' outside brackets at the top level"));
+      }
+      if (c == '!' || c == '&' || c == '*') {
+        while (p < n && text[p] != ' ' && text[p] != '\t' && text[p] != '\n' && text[p] != ',') ++p;
+      } else if (c == '\'' || c == '"') {
+        skip_quoted(c);
+      } else if (c == '[' || c == '{') {
+        skip_flow();
+      } else {
+        break;  // block content: yaml-cpp opens a collection or reads a plain scalar
+      }
+    }
+    const size_t next = text.find("\n---", doc);
+    if (next == std::string_view::npos) break;
+    doc = next + 4;
+  }
+  return absl::OkStatus();
+}
 
 constexpr char kDefaultSource[] = "default";
 constexpr char kSetSource[] = "--set";
@@ -569,6 +688,7 @@ class ConfigLoader {
   }
 
   absl::Status ApplyYaml(std::string_view text, const std::string& source) {
+    RETURN_IF_ERROR(CheckYamlTopLevelComma(text, source));
     try {
       const std::vector<YAML::Node> documents = YAML::LoadAll(std::string(text));
       std::vector<const YAML::Node*> non_empty;
@@ -655,6 +775,7 @@ class ConfigLoader {
       }
       return absl::InvalidArgumentError(absl::StrCat(where, ": ", UnknownKey(path)));
     }
+    RETURN_IF_ERROR(CheckYamlTopLevelComma(std::string_view(text).substr(eq + 1), where));
     try {
       return SetFromNode(*spec, YAML::Load(std::string(text.substr(eq + 1))), kSetSource, where);
     } catch (const YAML::Exception& e) {

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/strings/ascii.h"
@@ -46,9 +47,27 @@ spdlog::level::level_enum ToSpdlog(LogLevel level) {
   return spdlog::level::err;
 }
 
+std::mutex& TagMutex() {
+  static std::mutex mu;
+  return mu;
+}
+std::string& Tag() {
+  static std::string tag = "tandem";
+  return tag;
+}
+
 }  // namespace
 
+std::string LogProcessTag() {
+  std::lock_guard<std::mutex> lock(TagMutex());
+  return Tag();
+}
+
 void InitLogging(std::string_view process_tag, LogLevel level) {
+  {
+    std::lock_guard<std::mutex> lock(TagMutex());
+    Tag() = std::string(process_tag);
+  }
   Logger().set_pattern(PatternFor(process_tag));
   const char* env = std::getenv(kEnvVar);
   std::optional<LogLevel> env_level = env != nullptr ? ParseLogLevel(env) : std::nullopt;

@@ -23,6 +23,7 @@
 
 #include <atomic>
 #include <optional>
+#include <string>
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
@@ -35,6 +36,9 @@ enum class LogLevel { kDebug, kInfo, kWarn, kError };
 // TANDEM_LOG_LEVEL names a valid level; an invalid TANDEM_LOG_LEVEL is reported with a warning
 // and ignored). Idempotent: calling it again only replaces the tag and the threshold.
 void InitLogging(std::string_view process_tag, LogLevel level);
+
+// The process tag InitLogging last set ("memory:1"), or "tandem" before it was called.
+std::string LogProcessTag();
 
 // "debug", "info", "warn" (or "warning"), "error", in any letter case; nullopt otherwise.
 std::optional<LogLevel> ParseLogLevel(std::string_view text);

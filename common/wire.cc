@@ -153,7 +153,7 @@ absl::StatusOr<absl::Span<const uint8_t>> Unframe(absl::Span<const uint8_t> fram
     // The ranks of a deployment run one build; an older peer's frames are refused, not guessed at.
     return absl::InvalidArgumentError(absl::StrCat(
         ToAbsl(what), ": version ", version, " at byte offset 4 is older than the supported version ",
-        kWireVersion, " (versions 2 to 4 changed the hello and step plan layouts)"));
+        kWireVersion, " (versions 2 to 4 changed the hello, step plan and replica result layouts)"));
   }
   ASSIGN_OR_RETURN(uint16_t header_bytes, r.U16("header_bytes"));
   if (header_bytes != kFrameHeaderBytes) {
@@ -275,6 +275,8 @@ absl::Status ValidateRequest(const StepRequest& q, size_t i) {
   }
   if (q.top_k < 0) return bad("top_k ", q.top_k, " must be >= 0");
   if (!(q.top_p > 0.0f && q.top_p <= 1.0f)) return bad("top_p ", q.top_p, " must be in (0, 1]");
+  if (q.top_logprobs > kMaxTopLogprobs)
+    return bad("top_logprobs ", int{q.top_logprobs}, " must be <= ", kMaxTopLogprobs);
   if (q.attach_hash != 0 && q.position < 1) {
     return bad("attach_hash ", Hash(q.attach_hash), " needs position > 0, not ", q.position,
                " (0: no attach)");
@@ -528,7 +530,7 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
     w.F32(q.top_p);
     w.U16(q.memory_rank);
     w.U8(q.sample ? 1 : 0);
-    w.Zeros(1);
+    w.U8(q.top_logprobs);
   }
   for (const PrefixGroup& g : plan.groups) {
     w.U64(g.block_hash);
@@ -626,7 +628,7 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
                                                      " at byte offset ", sample_at, " must be 0 or 1"));
     }
     q.sample = sample == 1;
-    RETURN_IF_ERROR(RecordReserved(r, "request", i, 1));
+    ASSIGN_OR_RETURN(q.top_logprobs, r.U8("top_logprobs"));
   }
   plan.groups.resize(group_count);
   for (uint32_t i = 0; i < group_count; ++i) {
@@ -1168,17 +1170,28 @@ absl::StatusOr<ReplicaStepMessage> DecodeReplicaStep(absl::Span<const uint8_t> f
 }
 
 std::vector<uint8_t> EncodeReplicaResult(const ReplicaResultMessage& m) {
-  TANDEM_CHECK(m.tokens.size() == m.logprobs.size() &&
-               m.tokens.size() <= std::numeric_limits<uint32_t>::max() / 8);
+  TANDEM_CHECK(m.tokens.size() == m.logprobs.size() && (m.top.empty() || m.top.size() == m.tokens.size()) &&
+               m.tokens.size() <= std::numeric_limits<uint32_t>::max() / (9 + 8 * kMaxTopLogprobs));
   std::vector<uint8_t> body;
   body.reserve(kReplicaResultFixedBytes + 8 * m.tokens.size());
   Writer w(&body);
   w.U64(m.step_id);
   w.U8(m.micro_batch);
-  w.Zeros(3);
+  w.U8(m.top.empty() ? 0 : 1);
+  w.Zeros(2);
   w.U32(static_cast<uint32_t>(m.tokens.size()));
   for (int32_t t : m.tokens) w.I32(t);
   for (float f : m.logprobs) w.F32(f);
+  for (const std::vector<TopLogprob>& alts : m.top) {
+    TANDEM_CHECK(alts.size() <= static_cast<size_t>(kMaxTopLogprobs));
+    w.U8(static_cast<uint8_t>(alts.size()));
+  }
+  for (const std::vector<TopLogprob>& alts : m.top) {
+    for (const TopLogprob& a : alts) {
+      w.I32(a.token);
+      w.F32(a.logprob);
+    }
+  }
   return Frame(kReplicaResultMagic, body);
 }
 
@@ -1189,12 +1202,20 @@ absl::StatusOr<ReplicaResultMessage> DecodeReplicaResult(absl::Span<const uint8_
   ReplicaResultMessage m;
   ASSIGN_OR_RETURN(m.step_id, r.U64("step_id"));
   ASSIGN_OR_RETURN(m.micro_batch, r.U8("micro_batch"));
-  RETURN_IF_ERROR(r.Reserved("reserved", 3));
+  const size_t has_top_at = r.offset();
+  ASSIGN_OR_RETURN(uint8_t has_top, r.U8("has_top"));
+  if (has_top > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("replica result: has_top ", has_top, " at byte offset ", has_top_at, " must be 0 or 1"));
+  }
+  RETURN_IF_ERROR(r.Reserved("reserved", 2));
   ASSIGN_OR_RETURN(uint32_t count, r.U32("count"));
-  if (static_cast<uint64_t>(count) * 8 != r.remaining()) {
-    return absl::InvalidArgumentError(absl::StrCat("replica result: count ", count, " needs ",
-                                                   static_cast<uint64_t>(count) * 8, " bytes at byte offset ",
-                                                   r.offset(), " but ", r.remaining(), " remain"));
+  // Without alternatives the rest is exactly 8 bytes a token; with them at least 9.
+  const uint64_t least = static_cast<uint64_t>(count) * (has_top ? 9 : 8);
+  if (has_top ? least > r.remaining() : least != r.remaining()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("replica result: count ", count, " needs ", has_top ? "at least " : "", least,
+                     " bytes at byte offset ", r.offset(), " but ", r.remaining(), " remain"));
   }
   m.tokens.resize(count);
   m.logprobs.resize(count);
@@ -1203,6 +1224,37 @@ absl::StatusOr<ReplicaResultMessage> DecodeReplicaResult(absl::Span<const uint8_
   }
   for (uint32_t i = 0; i < count; ++i) {
     ASSIGN_OR_RETURN(m.logprobs[i], r.F32("logprob"));
+  }
+  if (!has_top) return m;
+  m.top.resize(count);
+  uint64_t alternatives = 0;
+  for (uint32_t i = 0; i < count; ++i) {
+    const size_t at = r.offset();
+    ASSIGN_OR_RETURN(uint8_t n, r.U8("alternative count"));
+    if (n > kMaxTopLogprobs) {
+      return absl::InvalidArgumentError(absl::StrCat("replica result: token ", i, ": alternative count ", n,
+                                                     " at byte offset ", at,
+                                                     " must be <= ", kMaxTopLogprobs));
+    }
+    m.top[i].resize(n);
+    alternatives += n;
+  }
+  if (alternatives * 8 != r.remaining()) {
+    return absl::InvalidArgumentError(absl::StrCat("replica result: ", alternatives, " alternatives need ",
+                                                   alternatives * 8, " bytes at byte offset ", r.offset(),
+                                                   " but ", r.remaining(), " remain"));
+  }
+  for (uint32_t i = 0; i < count; ++i) {
+    for (size_t j = 0; j < m.top[i].size(); ++j) {
+      const size_t at = r.offset();
+      ASSIGN_OR_RETURN(m.top[i][j].token, r.I32("alternative token"));
+      if (m.top[i][j].token < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("replica result: token ", i, ": alternative ", j,
+                                                       " token ", m.top[i][j].token, " at byte offset ", at,
+                                                       " must be >= 0"));
+      }
+      ASSIGN_OR_RETURN(m.top[i][j].logprob, r.F32("alternative logprob"));
+    }
   }
   return m;
 }

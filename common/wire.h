@@ -31,8 +31,12 @@
 //                               Version 2 added the hello's partition and KV head slice (its
 //                               body grew from 56 to 64 bytes); version 3 the step plan's
 //                               micro-batch fields (its fixed part grew from 24 to 32 bytes) and
-//                               the hello's lanes; version 4 the step plan's restores (KV tiers)
-//                               and the restore reply; the other layouts are unchanged
+//                               the hello's lanes; version 4 the step request's top_logprobs
+//                               (its last byte, reserved before), the replica result's
+//                               alternatives, the step plan's restores (KV tiers: restore_count
+//                               in the fixed part's last 4 bytes, reserved before, and the
+//                               PrefixRestore records after the evictions) and the restore reply;
+//                               the other layouts are unchanged
 //        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 4
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
@@ -77,7 +81,8 @@
 //       56     4  top_p          f32  in (0, 1]
 //       60     2  memory_rank    u16  rank that owns the request's KV cache
 //       62     1  sample         u8   0 or 1: the request's last row produces a token
-//       63     1  reserved       must be 0
+//       63     1  top_logprobs   u8   in [0, kMaxTopLogprobs]: alternatives to report for the
+//                                     sampled token (common/top_logprobs.h); memory ranks ignore it
 //
 //   PrefixGroup record (24 bytes):
 //        0     8  block_hash     u64  hash of the registered block that ends the group's prefix
@@ -267,6 +272,7 @@
 #include "absl/types/span.h"
 #include "common/dtype.h"
 #include "common/head_partition.h"
+#include "common/top_logprobs.h"
 
 namespace tandem {
 
@@ -332,6 +338,9 @@ struct StepRequest {
   float top_p = 1.0f;        // in (0, 1]
   uint64_t seed = 0;
   uint64_t counter = 0;
+  // Top log-probability alternatives the sampled token reports, <= kMaxTopLogprobs (a compute
+  // replica computes them; memory ranks ignore it).
+  uint8_t top_logprobs = 0;
 
   friend bool operator==(const StepRequest&, const StepRequest&) = default;
 };
@@ -498,8 +507,11 @@ struct ByeMessage {
 //   replica step: u32 token_count at 0, 4 reserved bytes (0), token_count i32 input tokens at 8,
 //     then a whole step plan frame (header included) that fills the rest of the body; token_count
 //     equals the plan's rows (the sum of its requests' q_len).
-//   replica result: u64 step_id at 0, u8 micro_batch at 8, 3 reserved bytes (0), u32 count at 12,
-//     then count i32 tokens and count f32 log-probabilities.
+//   replica result: u64 step_id at 0, u8 micro_batch at 8, u8 has_top at 9 (0 or 1), 2 reserved
+//     bytes (0), u32 count at 12, then count i32 tokens and count f32 log-probabilities; with
+//     has_top, then count u8 alternative counts (each in [0, kMaxTopLogprobs]), then for each token
+//     in order its alternatives, each an i32 token (>= 0) and an f32 log-probability. The body ends
+//     exactly there.
 
 // Compute replica -> memory rank, the first message on its connection (the memory rank answers
 // with a hello reply once compute rank 0's hello has set it up), and -> compute rank 0 once the
@@ -521,12 +533,15 @@ struct ReplicaStepMessage {
 };
 
 // Compute replica -> compute rank 0: the tokens sampled for one micro-batch (one per sampled
-// request, in plan order) and their log-probabilities.
+// request, in plan order), their log-probabilities and, when a request asked, their top
+// alternatives.
 struct ReplicaResultMessage {
   uint64_t step_id = 0;
   uint8_t micro_batch = 0;
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
+  // Empty (has_top 0), or one list per token (has_top 1; a list may be empty).
+  std::vector<std::vector<TopLogprob>> top;
 
   friend bool operator==(const ReplicaResultMessage&, const ReplicaResultMessage&) = default;
 };

@@ -7,7 +7,7 @@
 //   for each layer:  PreAttention(l, qkv)   // norm, QKV GEMM, RoPE -> qkv (T, qkv_width)
 //                    ... attention fills attn (T, q_dim) ...
 //                    PostAttention(l, attn) // x += attn·Woᵀ; x += FFN(norm(x))
-//   Finish(&tokens, &logprobs)              // logits of the sample rows, sampling, results
+//   Finish(&sampled)                        // logits of the sample rows, sampling, results
 //
 // qkv and attn live in the backend's memory (device for CUDA, host for CPU); staging to and from
 // the network goes through memory() (Allocate(pinned), CopyIn, CopyOut, Synchronize). The CPU backend
@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "common/backend_buffer.h"
 #include "common/dtype.h"
 #include "common/model_spec.h"
+#include "common/top_logprobs.h"
 #include "compute_node/weights.h"
 #include "kernels/cpu/ops.h"
 
@@ -39,7 +41,35 @@ struct StepTokens {
   std::vector<int32_t> sample_rows;
   std::vector<kernels::cpu::SamplingParams> sampling;
   std::vector<uint64_t> counters;
+  // Top log-probability alternatives each sample row asks for, in [0, kMaxTopLogprobs]; empty when
+  // no row asks (the default: then Finish copies no logits and sorts nothing).
+  std::vector<int32_t> top_logprobs;
   int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
+  int32_t top_logprobs_of(size_t sample) const { return top_logprobs.empty() ? 0 : top_logprobs[sample]; }
+};
+
+// What Finish produces: one entry per sample row, in order.
+struct SampledTokens {
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs;  // log_softmax(logits)[token], natural log, before temperature
+  // Empty when no row asked for alternatives; else one list per row (empty for a row that asked
+  // for none): its StepTokens::top_logprobs most probable tokens (common/top_logprobs.h).
+  std::vector<std::vector<TopLogprob>> top;
+  size_t size() const { return tokens.size(); }
+  std::span<const TopLogprob> top_of(size_t i) const {
+    return top.empty() ? std::span<const TopLogprob>() : std::span<const TopLogprob>(top[i]);
+  }
+  // Appends one row (keeping `top` empty while no row has alternatives, else one list per row).
+  void Append(int32_t token, float logprob, std::span<const TopLogprob> alternatives = {}) {
+    tokens.push_back(token);
+    logprobs.push_back(logprob);
+    if (top.empty() && alternatives.empty()) return;
+    top.resize(tokens.size() - 1);  // the rows before, when this is the first with alternatives
+    top.emplace_back(alternatives.begin(), alternatives.end());
+  }
+  void AppendFrom(const SampledTokens& other, size_t i) {
+    Append(other.tokens[i], other.logprobs[i], other.top_of(i));
+  }
 };
 
 struct ComputeBackendOptions {
@@ -69,8 +99,10 @@ class ComputeBackend {
   // backend does, to run it and the next layer's PreAttention as one graph): attn must stay
   // unchanged until then.
   virtual absl::Status PostAttention(int64_t layer, const void* attn) = 0;
-  // Appends one token and its log-probability per sample row; waits for the step's work.
-  virtual absl::Status Finish(std::vector<int32_t>* tokens, std::vector<float>* logprobs) = 0;
+  // Appends one token, its log-probability and (for rows that ask) its top alternatives per sample
+  // row to `out`; waits for the step's work. Alternatives cost only the rows that ask: their logits
+  // rows (copied to the host on CUDA) go through kernels::cpu::TopLogprobs.
+  virtual absl::Status Finish(SampledTokens* out) = 0;
 
   // Where qkv and attn live, for staging to and from the network (see the file comment).
   virtual MemorySpace& memory() = 0;

@@ -59,9 +59,10 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
   const ComputeRankOptions& o = options_;
   const absl::Time deadline = absl::Now() + o.startup_timeout;
   // A replica listens (compute rank 0 connects to it); compute rank 0 only connects.
-  ASSIGN_OR_RETURN(transport_,
-                   transport::CreateTransport(
-                       {.kind = o.transport, .listen_address = listen_address_, .device = o.device}));
+  ASSIGN_OR_RETURN(transport_, transport::CreateTransport({.kind = o.transport,
+                                                           .listen_address = listen_address_,
+                                                           .device = o.device,
+                                                           .send_timeout = o.step_timeout}));
   if (on_listening_) RETURN_IF_ERROR(on_listening_(transport_->address()));
   for (size_t m = 0; m < o.memory_addresses.size(); ++m) {
     Rank rank;
@@ -249,16 +250,20 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   if (!step_.has_rows()) {
     // Restores only: the ranks load the blocks and answer; no layers run.
     const std::vector<uint8_t> plan = EncodeStepPlan(step_.plan);
-    for (Rank& rank : ranks_) RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, plan), rank.name));
-    return CollectRestoreReplies(step_.plan);
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      if (ranks_[m].lost) continue;
+      const absl::Status sent = transport_->Send(ranks_[m].peer, plan);
+      if (!sent.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(sent, ranks_[m].name)));
+    }
+    RETURN_IF_ERROR(CollectRestoreReplies(step_.plan));
+    RecoverLostRanks();
+    return absl::OkStatus();
   }
-  std::vector<int32_t> tokens;
-  std::vector<float> logprobs;
-  std::vector<std::vector<int32_t>> part_tokens;
-  std::vector<std::vector<float>> part_logprobs;
+  SampledTokens sampled;
+  std::vector<SampledTokens> parts;
   if (options_.micro_batches > 1) {
     const MicroBatches mb = SplitStep(step_, options_.micro_batches);
-    absl::Status ran = RunParts(mb.parts, &part_tokens, &part_logprobs);
+    absl::Status ran = RunParts(mb.parts, &parts);
     if (!ran.ok()) {
       // A replica that went away fails the step wherever rank 0 was waiting (often on a memory
       // rank that waits for the replica's rows): name the replica when the transport named it.
@@ -269,31 +274,32 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
       }
       return ran;
     }
-    RETURN_IF_ERROR(MergeSampled(mb, part_tokens, part_logprobs, &tokens, &logprobs));
+    RETURN_IF_ERROR(MergeSampled(mb, parts, &sampled));
   } else {
-    RETURN_IF_ERROR(RunParts(std::span<const PlannedStep>(&step_, 1), &part_tokens, &part_logprobs));
-    tokens = std::move(part_tokens[0]);
-    logprobs = std::move(part_logprobs[0]);
+    RETURN_IF_ERROR(RunParts(std::span<const PlannedStep>(&step_, 1), &parts));
+    sampled = std::move(parts[0]);
   }
   RETURN_IF_ERROR(CollectRestoreReplies(step_.plan));
+  RecoverLostRanks();
   std::vector<std::vector<uint64_t>> released;
-  RETURN_IF_ERROR(controller_->Complete(step_, tokens, logprobs, finished, &released));
+  RETURN_IF_ERROR(controller_->Complete(step_, sampled, finished, &released));
   RETURN_IF_ERROR(SendReleases(step_.plan.step_id, released));
   busy_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return absl::OkStatus();
 }
 
-absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts,
-                                   std::vector<std::vector<int32_t>>* part_tokens,
-                                   std::vector<std::vector<float>>* part_logprobs) {
+absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vector<SampledTokens>* sampled) {
   const size_t n = parts.size();
-  part_tokens->assign(n, {});
-  part_logprobs->assign(n, {});
+  sampled->assign(n, {});
   if (compute_rank_ == 0) {
     // Every plan first (micro-batches in order), then the replicas' parts, then the layers.
     for (const PlannedStep& part : parts) {
       const std::vector<uint8_t> plan = EncodeStepPlan(part.plan);
-      for (Rank& rank : ranks_) RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, plan), rank.name));
+      for (size_t m = 0; m < ranks_.size(); ++m) {
+        if (ranks_[m].lost) continue;
+        const absl::Status sent = transport_->Send(ranks_[m].peer, plan);
+        if (!sent.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(sent, ranks_[m].name)));
+      }
     }
     for (const PlannedStep& part : parts) {
       if (Owns(part.plan.micro_batch)) continue;
@@ -355,7 +361,7 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts,
   const auto finish = std::chrono::steady_clock::now();
   for (size_t i = mine.size(); i-- > 0;) {
     const size_t k = mine[i];
-    RETURN_IF_ERROR(lane_of(k).backend->Finish(&(*part_tokens)[k], &(*part_logprobs)[k]));
+    RETURN_IF_ERROR(lane_of(k).backend->Finish(&(*sampled)[k]));
   }
   if (host) host_compute_ms_ += MsSince(finish);
   if (compute_rank_ != 0) return absl::OkStatus();
@@ -389,23 +395,57 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts,
                                                      " micro-batch ", j, " with ", result->tokens.size(),
                                                      " tokens does not match what it was given"));
     }
+    // The alternatives must be what each row asked for (the controller checks the counts again).
+    for (size_t i = 0; i < result->top.size(); ++i) {
+      const int64_t want = std::min<int64_t>(parts[j].rows.top_logprobs_of(i), backend_->spec().vocab_size);
+      if (static_cast<int64_t>(result->top[i].size()) != want) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(replica.name, ": step ", result->step_id, " micro-batch ", j, " token ", i, " has ",
+                         result->top[i].size(), " alternatives, asked for ", want));
+      }
+    }
     got[j] = true;
-    (*part_tokens)[j] = std::move(result->tokens);
-    (*part_logprobs)[j] = std::move(result->logprobs);
+    SampledTokens& part = (*sampled)[j];
+    part.tokens = std::move(result->tokens);
+    part.logprobs = std::move(result->logprobs);
+    part.top = std::move(result->top);
     --remote;
   }
   return absl::OkStatus();
 }
 
+void ComputeRank::RecoverLostRanks() {
+  // Memory ranks lost during the step: their requests' tokens of this step are dropped (the rest
+  // of the step ran without them) and the requests go back to the queue to be recomputed.
+  for (size_t m : lost_in_step_) {
+    const std::vector<int64_t> requeued = controller_->LoseRank(static_cast<int>(m));
+    requests_recovered_ += static_cast<int64_t>(requeued.size());
+    TANDEM_LOG_WARN("compute", ranks_[m].name, " is lost; ", requeued.size(),
+                    " of its requests go back to the queue to be recomputed on the ",
+                    controller_->live_ranks(), " surviving memory rank(s)");
+  }
+  lost_in_step_.clear();
+}
+
 absl::Status ComputeRank::CollectRestoreReplies(const StepPlan& plan) {
+  // A lost rank's replies are not awaited (LoseRank: the controller forgets its restores).
   std::vector<bool> expect(ranks_.size(), false);
   size_t left = 0;
   for (const PrefixRestore& r : plan.restores) {
-    if (r.memory_rank < expect.size() && !expect[r.memory_rank]) {
+    if (r.memory_rank < expect.size() && !expect[r.memory_rank] && !ranks_[r.memory_rank].lost) {
       expect[r.memory_rank] = true;
       ++left;
     }
   }
+  // Ranks lost while the replies are awaited.
+  auto drop_lost = [&] {
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      if (expect[m] && ranks_[m].lost) {
+        expect[m] = false;
+        --left;
+      }
+    }
+  };
   const absl::Time deadline = absl::Now() + options_.step_timeout;
   while (left > 0) {
     size_t m = 0;
@@ -414,13 +454,29 @@ absl::Status ComputeRank::CollectRestoreReplies(const StepPlan& plan) {
       m = early_replies_.front().first;
       msg = std::move(early_replies_.front().second);
       early_replies_.erase(early_replies_.begin());
+      if (ranks_[m].lost) continue;
     } else {
-      ASSIGN_OR_RETURN(
-          m, ReceiveFromRank(deadline, absl::StrCat("the restore replies of step ", plan.step_id), &msg));
+      absl::StatusOr<size_t> from =
+          ReceiveFromRank(deadline, absl::StrCat("the restore replies of step ", plan.step_id), &msg);
+      if (!from.ok()) {
+        // The rank that failed (or the first still silent at the deadline) is given up, or the
+        // step fails as without recovery.
+        size_t waited_on = 0;
+        while (!expect[waited_on]) ++waited_on;
+        RETURN_IF_ERROR(LoseFailedRanks(waited_on, from.status()));
+        drop_lost();
+        continue;
+      }
+      m = *from;
     }
     if (m >= ranks_.size()) {
       return absl::InvalidArgumentError(
           absl::StrCat(replicas_[m - ranks_.size()].name, ": unexpected message after a step"));
+    }
+    if (absl::StatusOr<ErrorMessage> err = DecodeError(msg); err.ok()) {  // the rank stopped
+      RETURN_IF_ERROR(LoseRank(m, Annotate(StatusFromErrorMessage(*err), ranks_[m].name)));
+      drop_lost();
+      continue;
     }
     absl::StatusOr<RestoreReplyMessage> reply = DecodeRestoreReply(msg);
     if (!reply.ok()) return Annotate(reply.status(), ranks_[m].name);
@@ -436,6 +492,53 @@ absl::Status ComputeRank::CollectRestoreReplies(const StepPlan& plan) {
   return absl::OkStatus();
 }
 
+absl::Status ComputeRank::LoseRank(size_t m, absl::Status why) {
+  Rank& rank = ranks_[m];
+  if (rank.lost) return absl::OkStatus();
+  // Recovery runs the rest of the step without the rank, which the host-staged path with one
+  // compute rank and the request partition can do; elsewhere the loss fails the step as before.
+  if (!options_.recover_memory_ranks || device_path_ || head_ || compute_ranks_ > 1) return why;
+  rank.lost = true;
+  transport_->Close(rank.peer);  // its failure no longer fails waits on the others
+  lost_in_step_.push_back(m);
+  ++memory_ranks_lost_;
+  TANDEM_LOG_WARN("compute", "giving up ", rank.name, ": ", why.message());
+  const bool any = std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return !r.lost; });
+  if (!any) return Annotate(why, "every memory rank is lost");
+  return absl::OkStatus();
+}
+
+absl::Status ComputeRank::LoseFailedRanks(size_t waited_on, absl::Status why) {
+  bool blamed = false;
+  transport::PeerId from = 0;
+  std::vector<uint8_t> msg;
+  while (transport_->Receive(&from, &msg, absl::Now()).ok()) {
+    absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      if (ranks_[m].peer != from || ranks_[m].lost) continue;
+      absl::StatusOr<uint32_t> magic = PeekFrameMagic(msg);
+      if (magic.ok() && *magic == kRestoreReplyMagic) {  // read after the step (CollectRestoreReplies)
+        early_replies_.emplace_back(m, std::move(msg));
+        break;
+      }
+      // Anything but an error report from a rank in the middle of a step breaks the protocol.
+      const absl::Status reason = err.ok() ? StatusFromErrorMessage(*err)
+                                           : absl::InternalError("an unexpected message during a step");
+      RETURN_IF_ERROR(LoseRank(m, Annotate(reason, ranks_[m].name)));
+      blamed = true;
+    }
+  }
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    if (ranks_[m].lost) continue;
+    const absl::Status peer = transport_->PeerStatus(ranks_[m].peer);
+    if (peer.ok()) continue;
+    RETURN_IF_ERROR(LoseRank(m, Annotate(peer, ranks_[m].name)));
+    blamed = true;
+  }
+  if (!blamed) RETURN_IF_ERROR(LoseRank(waited_on, std::move(why)));
+  return absl::OkStatus();
+}
+
 std::pair<int32_t, int32_t> ComputeRank::RowsOf(const PlannedStep& step, size_t m) const {
   if (head_) return {0, step.rank_rows.back()};
   return {step.rank_rows[m], step.rank_rows[m + 1]};
@@ -445,7 +548,7 @@ absl::Status ComputeRank::SendReleases(uint64_t step_id, const std::vector<std::
   for (size_t m = 0; m < ranks_.size(); ++m) {
     // Head partition: the one placement group's releases go to every rank.
     const std::vector<uint64_t>& ids = released[head_ ? 0 : m];
-    if (ids.empty()) continue;
+    if (ids.empty() || ranks_[m].lost) continue;
     ReleaseMessage rel;
     rel.step_id = step_id;
     rel.request_ids = ids;
@@ -497,7 +600,7 @@ absl::Status ComputeRank::SendLayer(size_t j, const PlannedStep& step, uint32_t 
     Rank& rank = ranks_[m];
     RankLane& rl = rank.lanes[j];
     const auto [begin, end] = RowsOf(step, m);
-    if (begin == end) continue;
+    if (begin == end || rank.lost) continue;
     const size_t row_bytes = head_ ? static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_ : qkv_row;
     const uint8_t* rows = qkv_rows + begin * qkv_row;
     if (head_) {
@@ -514,9 +617,9 @@ absl::Status ComputeRank::SendLayer(size_t j, const PlannedStep& step, uint32_t 
     const absl::Span<const uint8_t> body(rows, static_cast<size_t>(end - begin) * row_bytes);
     const std::vector<uint8_t> header = MakeLayerMessageHeader(what, body, options_.checksums);
     const absl::Span<const uint8_t> pieces[] = {header, body};
-    RETURN_IF_ERROR(Annotate(
-        transport_->Write(rank.peer, rank.qkv_buffer + static_cast<uint32_t>(j), 0, pieces, rl.seqno),
-        rank.name));
+    const absl::Status wrote =
+        transport_->Write(rank.peer, rank.qkv_buffer + static_cast<uint32_t>(j), 0, pieces, rl.seqno);
+    if (!wrote.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(wrote, rank.name)));
   }
   return absl::OkStatus();
 }
@@ -557,20 +660,18 @@ absl::Status ComputeRank::ReceiveLayer(size_t j, const PlannedStep& step, uint32
     Rank& rank = ranks_[m];
     RankLane& rl = rank.lanes[j];
     const auto [begin, end] = RowsOf(step, m);
-    if (begin == end) continue;
-    const absl::Status waited =
-        transport_->WaitDoorbell(rl.attn_buffer, rl.seqno, absl::Now() + options_.step_timeout);
-    if (!waited.ok()) {
-      // A memory rank that stopped says why in an error message; prefer that to the wait's error.
-      transport::PeerId from = 0;
-      std::vector<uint8_t> msg;
-      if (transport_->Receive(&from, &msg, absl::Now()).ok()) {
-        absl::StatusOr<ErrorMessage> err = DecodeError(msg);
-        if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
-      }
-      return Annotate(waited, absl::StrCat(rank.name, ": attention output of step ", step.plan.step_id, micro,
-                                           " layer ", layer));
+    if (begin == end || rank.lost) continue;
+    const absl::Time deadline = absl::Now() + options_.step_timeout;
+    absl::Status waited;
+    while (!rank.lost && !(waited = transport_->WaitDoorbell(rl.attn_buffer, rl.seqno, deadline)).ok()) {
+      // Which rank failed: the one whose error message is waiting (a memory rank that stops says
+      // why), those the transport knows to have failed, or else this one, silent past the
+      // deadline. A wait cut short by another rank's failure goes on once that rank is lost.
+      RETURN_IF_ERROR(
+          LoseFailedRanks(m, Annotate(waited, absl::StrCat(rank.name, ": attention output of step ",
+                                                           step.plan.step_id, micro, " layer ", layer))));
     }
+    if (rank.lost) continue;
     const LayerMessageExpect expect{
         .step_id = step.plan.step_id,
         .layer = layer,
@@ -617,9 +718,13 @@ absl::Status ComputeRank::DeviceStepError(absl::Status synced, uint64_t step_id)
 absl::StatusOr<size_t> ComputeRank::ReceiveFromRank(absl::Time deadline, const std::string& awaited,
                                                     std::vector<uint8_t>* msg) {
   transport::PeerId from = 0;
-  RETURN_IF_ERROR(Annotate(transport_->Receive(&from, msg, deadline), absl::StrCat("waiting for ", awaited)));
   size_t m = 0;
-  while (m < ranks_.size() && ranks_[m].peer != from) ++m;
+  do {  // whatever a lost memory rank still sends is dropped
+    RETURN_IF_ERROR(
+        Annotate(transport_->Receive(&from, msg, deadline), absl::StrCat("waiting for ", awaited)));
+    m = 0;
+    while (m < ranks_.size() && ranks_[m].peer != from) ++m;
+  } while (m < ranks_.size() && ranks_[m].lost);
   std::string name;
   if (m < ranks_.size()) {
     name = ranks_[m].name;
@@ -652,10 +757,15 @@ absl::StatusOr<PipelineTotals> ComputeRank::Pipeline(absl::Duration timeout) {
   for (const auto& [name, ms] : phases) (name == "attention" ? t.attention_phase_ms : t.compute_ms) += ms;
   const uint64_t cookie = ++stats_cookie_;
   const std::vector<uint8_t> request = EncodeStatsRequest(StatsRequestMessage{cookie});
-  for (Rank& rank : ranks_) RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, request), rank.name));
+  size_t live = 0;
+  for (Rank& rank : ranks_) {
+    if (rank.lost) continue;  // its attention time stays -1 (unknown)
+    RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, request), rank.name));
+    ++live;
+  }
   t.rank_attention_ms.assign(ranks_.size(), -1.0);
   const absl::Time deadline = absl::Now() + timeout;
-  for (size_t got = 0; got < ranks_.size();) {
+  for (size_t got = 0; got < live;) {
     std::vector<uint8_t> msg;
     ASSIGN_OR_RETURN(const size_t m, ReceiveFromRank(deadline, "the memory ranks' stats", &msg));
     if (m >= ranks_.size()) {
@@ -783,19 +893,23 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
         rows.sampling.push_back(
             {.temperature = q.temperature, .top_k = q.top_k, .top_p = q.top_p, .seed = q.seed});
         rows.counters.push_back(q.counter);
+        if (q.top_logprobs > 0 || !rows.top_logprobs.empty()) {
+          rows.top_logprobs.resize(rows.sample_rows.size() - 1);
+          rows.top_logprobs.push_back(q.top_logprobs);
+        }
       }
     }
     for (size_t g = 1; g < part.rank_rows.size(); ++g) part.rank_rows[g] += part.rank_rows[g - 1];
     parts.push_back(std::move(part));
     if (parts.size() < expected) continue;
-    std::vector<std::vector<int32_t>> tokens;
-    std::vector<std::vector<float>> logprobs;
-    RETURN_IF_ERROR(RunParts(parts, &tokens, &logprobs));
+    std::vector<SampledTokens> sampled;
+    RETURN_IF_ERROR(RunParts(parts, &sampled));
     for (size_t k = 0; k < parts.size(); ++k) {
       const ReplicaResultMessage result{.step_id = parts[k].plan.step_id,
                                         .micro_batch = parts[k].plan.micro_batch,
-                                        .tokens = std::move(tokens[k]),
-                                        .logprobs = std::move(logprobs[k])};
+                                        .tokens = std::move(sampled[k].tokens),
+                                        .logprobs = std::move(sampled[k].logprobs),
+                                        .top = std::move(sampled[k].top)};
       RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeReplicaResult(result)));
     }
     parts.clear();
@@ -830,7 +944,9 @@ EngineStats ComputeRank::stats() const {
           .demoted_tokens = cs.demoted_tokens,
           .restored_tokens = cs.restored_tokens,
           .restore_failed_tokens = cs.restore_failed_tokens,
-          .busy_seconds = busy_seconds_};
+          .busy_seconds = busy_seconds_,
+          .memory_ranks_lost = memory_ranks_lost_,
+          .requests_recovered = requests_recovered_};
 }
 
 absl::Status ComputeRank::Shutdown() {
@@ -844,6 +960,9 @@ absl::Status ComputeRank::Shutdown() {
   auto part = [&](auto& peers) {
     size_t byes = 0;
     for (auto& peer : peers) {
+      if constexpr (requires { peer.lost; }) {
+        if (peer.lost) continue;  // given up: nothing to say to it
+      }
       transport_->Close(peer.peer);
       absl::Status st = transport_->Send(peer.peer, frame);
       if (st.ok()) {

@@ -83,7 +83,12 @@ struct ComputeRankOptions {
   // compute rank j % compute.ranks, so micro_batches must be at least compute.ranks.
   std::vector<std::string> replica_addresses;
   absl::Duration startup_timeout = absl::Minutes(10);
-  absl::Duration step_timeout = absl::Minutes(2);  // for each layer's attention output
+  absl::Duration step_timeout = absl::Minutes(2);  // for each layer's attention output, and each send
+  // launch.recover_memory_ranks: a memory rank that fails, disconnects or stays silent past the
+  // step timeout is given up and its requests recomputed on the others (see ComputeRank::Step);
+  // false: the step fails. Recovery needs the host-staged path (ucx), one compute rank and the
+  // request partition; elsewhere a loss fails the step.
+  bool recover_memory_ranks = true;
 };
 
 // A compute replica (compute rank r > 0 of compute.ranks; pipeline.mode fixed): the weights on its
@@ -112,7 +117,11 @@ class ComputeRank : public Engine {
 
   Controller& controller() { return *controller_; }
   // The Engine interface. Step: a memory rank that reports an error, disconnects or stays silent
-  // past the step timeout fails it with a Status naming the rank. Cancel: the memory rank that
+  // past the step timeout is lost (recover_memory_ranks): the step goes on without it, its requests'
+  // tokens of that step are dropped and the requests requeued (Controller::LoseRank) to be
+  // recomputed on the surviving ranks, so their clients get the same tokens later. Without
+  // recovery (or where it is not supported), or once every rank is lost, the step fails with a
+  // Status naming the rank. Cancel: the memory rank that
   // holds the request's KV is told to free it (a release message, as for a finished request).
   absl::Status Check(const GenerationRequest& request) const override { return controller_->Check(request); }
   absl::StatusOr<int64_t> Submit(GenerationRequest request) override {
@@ -164,12 +173,10 @@ class ComputeRank : public Engine {
   bool Owns(size_t micro_batch) const {
     return micro_batch % static_cast<size_t>(compute_ranks_) == static_cast<size_t>(compute_rank_);
   }
-  // Runs the step's micro-batches (one, or several interleaved: see the file comment) and
-  // appends the sampled tokens of each part to part_tokens / part_logprobs.
-  // Parts owned by replicas go to them; this rank runs its own parts and collects the replicas'
-  // results (part_tokens[k] for parts[k], whoever ran it).
-  absl::Status RunParts(std::span<const PlannedStep> parts, std::vector<std::vector<int32_t>>* part_tokens,
-                        std::vector<std::vector<float>>* part_logprobs);
+  // Runs the step's micro-batches (one, or several interleaved: see the file comment) and sets
+  // (*sampled)[k] to what part k sampled. Parts owned by replicas go to them; this rank runs its
+  // own parts and collects the replicas' results (whoever ran parts[k]).
+  absl::Status RunParts(std::span<const PlannedStep> parts, std::vector<SampledTokens>* sampled);
   // Sends micro-batch j's q,k,v rows of `layer` (in lane j's qkv buffer) to the memory ranks.
   absl::Status SendLayer(size_t j, const PlannedStep& step, uint32_t layer);
   // Waits for (host path) or enqueues the waits for (device path) micro-batch j's attention
@@ -182,13 +189,24 @@ class ComputeRank : public Engine {
   // is returned as ranks_.size() + r - 1 for compute rank r.
   absl::StatusOr<size_t> ReceiveFromRank(absl::Time deadline, const std::string& awaited,
                                          std::vector<uint8_t>* msg);
+  // Gives up memory rank m for `why` (recovery; see Step): OK once it is marked lost, else `why`
+  // (recovery off or unsupported) or an error when no rank is left.
+  absl::Status LoseRank(size_t m, absl::Status why);
+  // After a failed wait for memory rank `waited_on`: loses the ranks that failed (an error report
+  // received, or a peer the transport knows failed), or `waited_on` itself when none did.
+  absl::Status LoseFailedRanks(size_t waited_on, absl::Status why);
   // The step's rows memory rank m gets: its range (request partition) or all of them (head).
   std::pair<int32_t, int32_t> RowsOf(const PlannedStep& step, size_t m) const;
   // Sends the release messages of `released` (the controller's, per placement group).
   absl::Status SendReleases(uint64_t step_id, const std::vector<std::vector<uint64_t>>& released);
   // KV tiers: each memory rank that `plan` asks to restore blocks answers with a restore reply once
-  // it applied the plan; the replies go to the controller (Controller::RestoreResult).
+  // it applied the plan; the replies go to the controller (Controller::RestoreResult). A lost
+  // rank's replies are not awaited; a rank that fails or stays silent past the step timeout
+  // meanwhile is lost like in a step (LoseFailedRanks).
   absl::Status CollectRestoreReplies(const StepPlan& plan);
+  // Hands the ranks lost during the step to the controller (Controller::LoseRank requeues their
+  // requests).
+  void RecoverLostRanks();
 
   ComputeRankOptions options_;
   std::unique_ptr<transport::Transport> transport_;
@@ -212,6 +230,7 @@ class ComputeRank : public Engine {
     HeadSlice slice;
     std::vector<RankLane> lanes;
     std::string name;
+    bool lost = false;  // given up (LoseRank): nothing is sent to it or awaited from it
   };
   std::vector<Rank> ranks_;
   int compute_rank_ = 0, compute_ranks_ = 1;  // this rank, and compute.ranks
@@ -243,8 +262,11 @@ class ComputeRank : public Engine {
   bool head_ = false;  // partition == kHead
   size_t elem_ = 4;
   double busy_seconds_ = 0;
-  // Restore replies that arrived while the replicas' results were awaited: (memory rank, frame).
+  // Restore replies that arrived while the replicas' results were awaited or failed ranks were
+  // looked for: (memory rank, frame).
   std::vector<std::pair<size_t, std::vector<uint8_t>>> early_replies_;
+  std::vector<size_t> lost_in_step_;  // ranks lost during the current step
+  int64_t memory_ranks_lost_ = 0, requests_recovered_ = 0;
 };
 
 }  // namespace tandem

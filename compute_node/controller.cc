@@ -55,6 +55,7 @@ Controller::Controller(const ModelSpec& spec, std::vector<int64_t> kv_capacity,
                        const ControllerOptions& options, std::unique_ptr<SchedulingPolicy> policy)
     : spec_(spec),
       capacity_(std::move(kv_capacity)),
+      lost_(capacity_.size(), false),
       reserved_(capacity_.size(), 0),
       options_(options),
       policy_(std::move(policy)) {
@@ -86,6 +87,10 @@ absl::Status Controller::Check(const GenerationRequest& request) const {
     return absl::InvalidArgumentError(absl::StrCat("max_tokens must be >= 1, got ", request.max_tokens));
   }
   RETURN_IF_ERROR(ValidateSampling(request.sampling));
+  if (request.top_logprobs < 0 || request.top_logprobs > kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_logprobs must be in [0, ", kMaxTopLogprobs, "], got ", request.top_logprobs));
+  }
   const int64_t prompt_len = static_cast<int64_t>(request.prompt.size());
   if (request.max_tokens > spec_.max_position - prompt_len) {  // no overflow for any max_tokens
     return absl::InvalidArgumentError(absl::StrCat("prompt (", prompt_len, " tokens) + max_tokens (",
@@ -120,7 +125,7 @@ void Controller::Admit() {
     for (const Live& w : waiting_) {
       view.push_back({.id = w.id,
                       .prompt_tokens = static_cast<int64_t>(w.request.prompt.size()),
-                      .context_tokens = ContextNeed(w.request)});
+                      .context_tokens = ContextNeed(w)});
     }
     const size_t pick = policy_->NextToAdmit(view);
     TANDEM_CHECK(pick < waiting_.size());
@@ -292,7 +297,7 @@ void Controller::Publish(Live& live, int64_t rows, StepPlan* plan) {
   std::span<const int32_t> tokens(live.request.prompt);
   if (end > prompt_len) {
     history = live.request.prompt;
-    history.insert(history.end(), live.result.token_ids.begin(), live.result.token_ids.end());
+    history.insert(history.end(), live.result.token_ids.begin() + live.resumed, live.result.token_ids.end());
     tokens = history;
   }
   TANDEM_CHECK(static_cast<int64_t>(tokens.size()) >= end);
@@ -439,6 +444,7 @@ void Controller::Schedule(PlannedStep* step) {
     r.top_p = live->request.sampling.top_p;
     r.seed = live->request.sampling.seed;
     r.counter = live->result.token_ids.size();
+    r.top_logprobs = static_cast<uint8_t>(live->request.top_logprobs);
     if (!live->started && start > 0)
       r.attach_hash = index_[static_cast<size_t>(live->memory_rank)]->hash(live->chain.back());
     if (!live->started) stats_.cached_tokens += live->result.cached_tokens;  // reused from now on
@@ -449,6 +455,10 @@ void Controller::Schedule(PlannedStep* step) {
       rows.sample_rows.push_back(static_cast<int32_t>(rows.tokens.size()) - 1);
       rows.sampling.push_back(live->request.sampling);
       rows.counters.push_back(live->result.token_ids.size());
+      if (live->request.top_logprobs > 0 || !rows.top_logprobs.empty()) {
+        rows.top_logprobs.resize(rows.sample_rows.size() - 1);  // 0 for the rows before the first asking
+        rows.top_logprobs.push_back(live->request.top_logprobs);
+      }
     }
   }
   for (size_t m = 1; m < step->rank_rows.size(); ++m) step->rank_rows[m] += step->rank_rows[m - 1];
@@ -476,6 +486,7 @@ void Controller::Schedule(PlannedStep* step) {
 
 void Controller::RestoreResult(const StepPlan& plan, int m, std::span<const uint64_t> failed) {
   const size_t mi = static_cast<size_t>(m);
+  if (lost_[mi]) return;  // LoseRank forgot its restores and requeued their requests
   PrefixIndex& index = *index_[mi];
   const int64_t bt = index.block_tokens();
   const std::unordered_set<uint64_t> bad(failed.begin(), failed.end());
@@ -517,15 +528,27 @@ void Controller::RestoreResult(const StepPlan& plan, int m, std::span<const uint
   }
 }
 
-absl::Status Controller::Complete(const PlannedStep& step, std::span<const int32_t> tokens,
-                                  std::span<const float> logprobs,
+absl::Status Controller::Complete(const PlannedStep& step, const SampledTokens& sampled,
                                   std::vector<std::pair<int64_t, GenerationResult>>* finished,
                                   std::vector<std::vector<uint64_t>>* released) {
   released->assign(capacity_.size(), {});
   if (step.empty()) return absl::OkStatus();
-  if (tokens.size() != step.rows.sample_rows.size() || logprobs.size() != tokens.size()) {
-    return absl::InternalError(absl::StrCat("step ", step.plan.step_id, ": ", tokens.size(), " tokens for ",
+  const std::span<const int32_t> tokens = sampled.tokens;
+  if (tokens.size() != step.rows.sample_rows.size() || sampled.logprobs.size() != tokens.size() ||
+      !(sampled.top.empty() || sampled.top.size() == tokens.size())) {
+    return absl::InternalError(absl::StrCat("step ", step.plan.step_id, ": ", tokens.size(), " tokens, ",
+                                            sampled.logprobs.size(), " log-probabilities and ",
+                                            sampled.top.size(), " alternative lists for ",
                                             step.rows.sample_rows.size(), " sample rows"));
+  }
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const size_t want =
+        static_cast<size_t>(std::min<int64_t>(step.rows.top_logprobs_of(i), spec_.vocab_size));
+    if (sampled.top_of(i).size() != want) {
+      return absl::InternalError(absl::StrCat("step ", step.plan.step_id, ": sample row ", i, " has ",
+                                              sampled.top_of(i).size(), " top log-probabilities, asked for ",
+                                              want));
+    }
   }
   // Index the running requests by id (the plan names them).
   std::unordered_map<int64_t, Live*> by_id;
@@ -533,7 +556,10 @@ absl::Status Controller::Complete(const PlannedStep& step, std::span<const int32
   size_t next_token = 0;
   for (const StepRequest& r : step.plan.requests) {
     auto it = by_id.find(static_cast<int64_t>(r.request_id));
-    if (it == by_id.end()) continue;  // cancelled while the step ran
+    if (it == by_id.end()) {  // cancelled, or its memory rank lost, while the step ran
+      next_token += r.sample ? 1 : 0;
+      continue;
+    }
     Live& live = *it->second;
     const int64_t prompt_len = static_cast<int64_t>(live.request.prompt.size());
     if (live.prefilled < prompt_len) {
@@ -544,7 +570,11 @@ absl::Status Controller::Complete(const PlannedStep& step, std::span<const int32
     if (!r.sample) continue;
     const int32_t token = tokens[next_token];
     live.result.token_ids.push_back(token);
-    live.result.logprobs.push_back(logprobs[next_token]);
+    live.result.logprobs.push_back(sampled.logprobs[next_token]);
+    if (live.request.top_logprobs > 0) {
+      const std::span<const TopLogprob> top = sampled.top_of(next_token);
+      live.result.top_logprobs.emplace_back(top.begin(), top.end());
+    }
     ++next_token;
     ++stats_.decode_tokens;
     const bool eos =
@@ -593,6 +623,51 @@ absl::Status Controller::Cancel(int64_t id, GenerationResult* result,
   return absl::NotFoundError(absl::StrCat("no live request with id ", id));
 }
 
+std::vector<int64_t> Controller::LoseRank(int m) {
+  const size_t mi = static_cast<size_t>(m);
+  std::vector<int64_t> requeued;
+  if (lost_[mi]) return requeued;
+  lost_[mi] = true;
+  capacity_[mi] = 0;
+  reserved_[mi] = 0;
+  evicted_[mi].clear();
+  pending_[mi].clear();
+  // Its KV tiers went with it: every block the registry knew there, resident or demoted, is
+  // forgotten, and restores not yet sent or not yet answered are dropped (their requests are
+  // requeued below; no restore reply of the rank is awaited any more).
+  restores_[mi].clear();
+  restoring_[mi].clear();
+  if (!index_.empty()) {
+    index_[mi] =
+        std::make_unique<PrefixIndex>(options_.prefix_block_tokens, &DefaultBlockHash, options_.tier_blocks);
+  }
+  std::vector<Live> back;
+  for (auto it = running_.begin(); it != running_.end();) {
+    if ((*it)->memory_rank != m) {
+      ++it;
+      continue;
+    }
+    Live live = std::move(**it);
+    it = running_.erase(it);
+    // Its KV is gone: the prompt and the tokens generated so far are prefilled again (the last
+    // one's logits give the next token, as a decode step of it would have).
+    live.request.prompt.insert(live.request.prompt.end(), live.result.token_ids.begin() + live.resumed,
+                               live.result.token_ids.end());
+    live.resumed = static_cast<int64_t>(live.result.token_ids.size());
+    live.memory_rank = -1;
+    live.prefilled = live.context = live.reserve = 0;
+    live.started = false;
+    live.chain.clear();
+    live.pending.clear();
+    live.restoring.clear();
+    requeued.push_back(live.id);
+    back.push_back(std::move(live));
+  }
+  // Ahead of every waiting request (they arrived earlier), in admission order.
+  for (auto it = back.rbegin(); it != back.rend(); ++it) waiting_.push_front(std::move(*it));
+  return requeued;
+}
+
 const GenerationResult* Controller::Progress(int64_t id) const {
   for (const Live& w : waiting_)
     if (w.id == id) return &w.result;
@@ -604,7 +679,7 @@ const GenerationResult* Controller::Progress(int64_t id) const {
 std::optional<std::vector<int32_t>> Controller::History(int64_t id) const {
   auto history = [](const Live& l) {
     std::vector<int32_t> h = l.request.prompt;
-    h.insert(h.end(), l.result.token_ids.begin(), l.result.token_ids.end());
+    h.insert(h.end(), l.result.token_ids.begin() + l.resumed, l.result.token_ids.end());
     return h;
   };
   for (const Live& w : waiting_)

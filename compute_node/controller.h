@@ -46,6 +46,7 @@
 // Thread safety: not thread-safe; one thread drives a controller.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -70,12 +71,18 @@ struct GenerationRequest {
   int64_t max_tokens = 16;      // generated tokens at most, >= 1
   kernels::cpu::SamplingParams sampling;
   bool ignore_eos = false;  // keep going past EOS (benchmarks)
+  // Report each generated token's top_logprobs most probable alternatives, in [0, kMaxTopLogprobs]
+  // (common/top_logprobs.h); 0 costs nothing.
+  int32_t top_logprobs = 0;
 };
 
 struct GenerationResult {
   std::vector<int32_t> token_ids;  // generated tokens (EOS included when it stopped there)
   std::vector<float> logprobs;     // natural log-probability of each generated token
-  std::string finish_reason;       // "stop" (EOS), "length" (max_tokens) or "cancelled"
+  // With GenerationRequest::top_logprobs > 0: per generated token, its alternatives (most probable
+  // first); else empty.
+  std::vector<std::vector<TopLogprob>> top_logprobs;
+  std::string finish_reason;  // "stop" (EOS), "length" (max_tokens) or "cancelled"
   int64_t prompt_tokens = 0;
   int64_t cached_tokens = 0;  // prompt tokens whose KV was reused from the prefix registry
 };
@@ -157,14 +164,28 @@ class Controller {
   // Plans the next step into `step` (empty when nothing can run).
   void Schedule(PlannedStep* step);
   // The outcome of the restores that `plan` asked of rank m: `failed` lists those not registered
-  // (the others were). Call once per plan with restores for m, before the next Schedule.
+  // (the others were). Call once per plan with restores for m, before the next Schedule; a no-op
+  // for a rank given up with LoseRank (its restores were forgotten there).
   void RestoreResult(const StepPlan& plan, int m, std::span<const uint64_t> failed);
-  // Applies the sampled tokens of `step` (one per sample row, in order). Finished requests are
+  // Applies the sampled tokens of `step` (one per sample row, in order; alternatives for the rows
+  // whose request asked, exactly as many as it asked or the vocabulary holds). Finished requests are
   // appended to `finished`; released[m] gets the ids whose KV rank m can free.
-  absl::Status Complete(const PlannedStep& step, std::span<const int32_t> tokens,
-                        std::span<const float> logprobs,
+  absl::Status Complete(const PlannedStep& step, const SampledTokens& sampled,
                         std::vector<std::pair<int64_t, GenerationResult>>* finished,
                         std::vector<std::vector<uint64_t>>* released);
+
+  // Memory rank m is gone (died, disconnected or went silent) with the KV of its requests: it
+  // takes no more requests (its capacity becomes 0 and its prefix registry is forgotten, with the
+  // blocks demoted to its KV tiers and the restores planned or awaiting its reply), and each
+  // of its running requests goes back to the front of the queue, in admission order, to be
+  // placed on a surviving rank and recompute its KV by prefilling its prompt and the tokens it has
+  // generated so far; it then goes on generating where it was, with the same sampling counter, so
+  // its client sees a delay and the tokens it would have got. A step planned before the loss must
+  // not be Complete()d for those requests: Complete skips requests that are no longer running.
+  // Returns the ids requeued. No-op for a rank already lost.
+  std::vector<int64_t> LoseRank(int m);
+  bool rank_lost(int m) const { return lost_[static_cast<size_t>(m)]; }
+  int live_ranks() const { return static_cast<int>(std::count(lost_.begin(), lost_.end(), false)); }
 
   bool Idle() const { return waiting_.empty() && running_.empty(); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
@@ -198,10 +219,14 @@ class Controller {
     std::vector<int32_t> chain;       // registered blocks it uses (attached, then published), in order
     std::vector<uint64_t> pending;    // hashes of prompt blocks it will compute (counted in pending_)
     std::vector<uint64_t> restoring;  // hashes of its blocks being restored: it waits for them
+    // Generated tokens folded into request.prompt by LoseRank (recomputed with the prompt): the
+    // history is request.prompt + result.token_ids[resumed:].
+    int64_t resumed = 0;
   };
   int64_t ContextNeed(const GenerationRequest& r) const {
     return static_cast<int64_t>(r.prompt.size()) + r.max_tokens;
   }
+  int64_t ContextNeed(const Live& l) const { return ContextNeed(l.request) - l.resumed; }
   void Admit();
   // Forgets the blocks a request was going to compute (its prefill ended, or it did).
   void DropPending(Live& live);
@@ -220,6 +245,7 @@ class Controller {
 
   ModelSpec spec_;
   std::vector<int64_t> capacity_;
+  std::vector<bool> lost_;                            // per rank: LoseRank
   std::vector<int64_t> reserved_;                     // per rank: reservations of running requests
   std::vector<std::unique_ptr<PrefixIndex>> index_;   // per rank, when the registry is on
   std::vector<std::vector<uint64_t>> evicted_;        // per rank: for the next plan

@@ -41,7 +41,7 @@ class CpuComputeBackend : public ComputeBackend {
   absl::Status PostAttention(int64_t layer, const void* attn) override {
     return executor_.PostAttention(layer, x_.data(), static_cast<const float*>(attn), step_->num_tokens());
   }
-  absl::Status Finish(std::vector<int32_t>* tokens, std::vector<float>* logprobs) override {
+  absl::Status Finish(SampledTokens* out) override {
     const StepTokens& st = *step_;
     if (st.sample_rows.empty()) return absl::OkStatus();
     const int64_t vocab = spec().vocab_size;
@@ -50,8 +50,9 @@ class CpuComputeBackend : public ComputeBackend {
     for (size_t i = 0; i < st.sample_rows.size(); ++i) {
       const float* row = logits_.data() + static_cast<int64_t>(i) * vocab;
       const int32_t token = cpu::SampleToken(row, vocab, st.sampling[i], st.counters[i]);
-      tokens->push_back(token);
-      logprobs->push_back(cpu::TokenLogprob(row, vocab, token));
+      top_.clear();
+      if (const int32_t k = st.top_logprobs_of(i); k > 0) cpu::TopLogprobs(row, vocab, k, &top_);
+      out->Append(token, cpu::TokenLogprob(row, vocab, token), top_);
     }
     return absl::OkStatus();
   }
@@ -69,6 +70,7 @@ class CpuComputeBackend : public ComputeBackend {
   ComputeBackendOptions options_;
   const StepTokens* step_ = nullptr;
   std::vector<float> x_, logits_;
+  std::vector<TopLogprob> top_;
 };
 
 }  // namespace

@@ -1,5 +1,8 @@
 // The CUDA compute backend: bf16 weights (CudaLayerExecutor), an fp32 residual stream, sampling
-// on the device. One metadata upload and one result download per step.
+// on the device. One metadata upload and one result download per step; in a step where requests
+// asked for top log-probability alternatives, also their logits rows (fp32, vocab each), whose
+// top k the CPU reference (kernels::cpu::TopLogprobs) picks: a copy of ~0.5 MB and a pass over
+// the row per asking request (Llama 3's 128k vocabulary), paid only by those requests.
 //
 // Layer parts as CUDA graphs (ComputeBackendOptions::cuda_graphs). Enqueueing a layer's linear
 // part eagerly costs a dozen API calls (kernels, cuBLAS, events), and on some measured hosts the
@@ -120,6 +123,7 @@ class CudaComputeBackend : public ComputeBackend {
     o_topp_ = packer_.Add(top_p);
     o_seed_ = packer_.Add(seed);
     o_counter_ = packer_.Add(st.counters);
+    top_logprobs_ = st.top_logprobs;  // empty unless a request asked for alternatives
     const std::vector<unsigned char>& mb = packer_.bytes();
     if (static_cast<int64_t>(mb.size()) > host_meta_bytes_)
       return absl::InternalError("step metadata overflow");
@@ -165,9 +169,13 @@ class CudaComputeBackend : public ComputeBackend {
   }
   void MarkAttention() override { timer_->Mark(PhaseTimer::kAttention); }
 
-  absl::Status Finish(std::vector<int32_t>* tokens, std::vector<float>* logprobs) override {
+  absl::Status Finish(SampledTokens* out) override {
     RETURN_IF_ERROR(ReleaseHeldPost());
-    const int64_t rows = rows_;
+    const int64_t rows = rows_, vocab = spec().vocab_size;
+    asked_.clear();
+    for (size_t i = 0; i < top_logprobs_.size(); ++i) {
+      if (top_logprobs_[i] > 0) asked_.push_back(static_cast<int64_t>(i));
+    }
     if (rows > 0) {
       float* logits = logits_.as<float>();
       RETURN_IF_ERROR(executor_->Logits(x_.as<float>(), t_, meta_.as<int32_t>(o_rows_), rows, logits));
@@ -181,19 +189,35 @@ class CudaComputeBackend : public ComputeBackend {
       sp.out_tokens = out_.as<int32_t>();
       sp.out_logprobs = out_.as<float>(rows * 4);
       sp.rows = rows;
-      sp.vocab = spec().vocab_size;
+      sp.vocab = vocab;
       RETURN_IF_ERROR(kc::SampleTokens(sp, sample_ws_.ptr, stream_));
       timer_->Mark(PhaseTimer::kSampling);
       CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_out_, out_.ptr, static_cast<size_t>(rows * 8),
                                            cudaMemcpyDeviceToHost, stream_));
+      // Alternatives: only the logits rows of the requests that asked come to the host (none in a
+      // step where nobody asked), and the CPU reference picks their top k.
+      host_logits_.resize(asked_.size() * static_cast<size_t>(vocab));
+      for (size_t j = 0; j < asked_.size(); ++j) {
+        CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_logits_.data() + j * static_cast<size_t>(vocab),
+                                             logits + asked_[j] * vocab, static_cast<size_t>(vocab) * 4,
+                                             cudaMemcpyDeviceToHost, stream_));
+      }
     }
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     if (!lane_) timer_->Collect();
     const auto* out_tokens = static_cast<const int32_t*>(host_out_);
     const auto* out_logprobs =
         reinterpret_cast<const float*>(static_cast<const unsigned char*>(host_out_) + rows * 4);
-    tokens->insert(tokens->end(), out_tokens, out_tokens + rows);
-    logprobs->insert(logprobs->end(), out_logprobs, out_logprobs + rows);
+    size_t next = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      top_.clear();
+      if (next < asked_.size() && asked_[next] == i) {
+        kernels::cpu::TopLogprobs(host_logits_.data() + next * static_cast<size_t>(vocab), vocab,
+                                  top_logprobs_[static_cast<size_t>(i)], &top_);
+        ++next;
+      }
+      out->Append(out_tokens[i], out_logprobs[i], top_);
+    }
     return absl::OkStatus();
   }
 
@@ -327,6 +351,12 @@ class CudaComputeBackend : public ComputeBackend {
   const void* held_attn_ = nullptr;
   std::map<std::tuple<int64_t, int64_t, Part, const void*, const void*>, LayerGraph> graphs_;
   int64_t o_pos_ = 0, o_rows_ = 0, o_temp_ = 0, o_topk_ = 0, o_topp_ = 0, o_seed_ = 0, o_counter_ = 0;
+  // Alternatives (StepTokens::top_logprobs): per sample row of this step, the sample rows that
+  // asked, their logits rows on the host, one row's result.
+  std::vector<int32_t> top_logprobs_;
+  std::vector<int64_t> asked_;
+  std::vector<float> host_logits_;
+  std::vector<TopLogprob> top_;
 };
 
 }  // namespace

@@ -49,6 +49,10 @@ struct EngineStats {
   int64_t restored_tokens = 0;
   int64_t restore_failed_tokens = 0;
   double busy_seconds = 0;  // wall time inside Step()
+  // A deployment's recoveries (ComputeRank): memory ranks given up, and the requests they held
+  // that went back to the queue to be recomputed on the others.
+  int64_t memory_ranks_lost = 0;
+  int64_t requests_recovered = 0;
 };
 
 // KV of one memory rank, in tokens (slots).

@@ -89,6 +89,7 @@ MicroBatches SplitStep(const PlannedStep& step, int n) {
       rows.sample_rows.push_back(static_cast<int32_t>(rows.tokens.size()) - 1);
       rows.sampling.push_back(step.rows.sampling[s]);
       rows.counters.push_back(step.rows.counters[s]);
+      if (!step.rows.top_logprobs.empty()) rows.top_logprobs.push_back(step.rows.top_logprobs[s]);
     }
   }
   // A publish goes with its request (a plan lists each request once).
@@ -105,22 +106,19 @@ MicroBatches SplitStep(const PlannedStep& step, int n) {
   return mb;
 }
 
-absl::Status MergeSampled(const MicroBatches& mb, std::span<const std::vector<int32_t>> part_tokens,
-                          std::span<const std::vector<float>> part_logprobs, std::vector<int32_t>* tokens,
-                          std::vector<float>* logprobs) {
+absl::Status MergeSampled(const MicroBatches& mb, std::span<const SampledTokens> parts,
+                          SampledTokens* sampled) {
   for (size_t p = 0; p < mb.parts.size(); ++p) {
     const size_t want = mb.parts[p].rows.sample_rows.size();
-    if (p >= part_tokens.size() || p >= part_logprobs.size() || part_tokens[p].size() != want ||
-        part_logprobs[p].size() != want) {
+    if (p >= parts.size() || parts[p].tokens.size() != want || parts[p].logprobs.size() != want ||
+        !(parts[p].top.empty() || parts[p].top.size() == want)) {
       return absl::InternalError(absl::StrCat("micro-batch ", p, " of step ", mb.parts[p].plan.step_id,
                                               " returned the wrong number of tokens (", want,
                                               " sample rows)"));
     }
   }
-  for (const auto& [p, k] : mb.samples) {
-    tokens->push_back(part_tokens[static_cast<size_t>(p)][static_cast<size_t>(k)]);
-    logprobs->push_back(part_logprobs[static_cast<size_t>(p)][static_cast<size_t>(k)]);
-  }
+  for (const auto& [p, k] : mb.samples)
+    sampled->AppendFrom(parts[static_cast<size_t>(p)], static_cast<size_t>(k));
   return absl::OkStatus();
 }
 

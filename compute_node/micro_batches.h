@@ -37,10 +37,10 @@ struct MicroBatches {
 // Splits `step` (non-empty) into min(n, requests) micro-batches; n in [1, kMaxMicroBatches].
 MicroBatches SplitStep(const PlannedStep& step, int n);
 
-// The step's sampled tokens and log-probabilities in its own order, from each part's (in that
-// part's order). InternalError if a part returned the wrong number.
-absl::Status MergeSampled(const MicroBatches& mb, std::span<const std::vector<int32_t>> part_tokens,
-                          std::span<const std::vector<float>> part_logprobs, std::vector<int32_t>* tokens,
-                          std::vector<float>* logprobs);
+// The step's sampled tokens, log-probabilities and alternatives in its own order, appended to
+// `sampled`, from each part's (in that part's order). InternalError if a part returned the wrong
+// number.
+absl::Status MergeSampled(const MicroBatches& mb, std::span<const SampledTokens> parts,
+                          SampledTokens* sampled);
 
 }  // namespace tandem

@@ -21,7 +21,8 @@ PipelineReport MakePipelineReport(const PipelineTotals& now, const PipelineTotal
   r.attention_phase_ms = (now.attention_phase_ms - before.attention_phase_ms) / n;
   for (size_t m = 0; m < now.rank_attention_ms.size(); ++m) {
     const double was = m < before.rank_attention_ms.size() ? before.rank_attention_ms[m] : 0.0;
-    r.rank_attention_ms.push_back((now.rank_attention_ms[m] - was) / n);
+    // A rank that could not say (lost: -1) stays unknown.
+    r.rank_attention_ms.push_back(now.rank_attention_ms[m] < 0 ? -1.0 : (now.rank_attention_ms[m] - was) / n);
     r.attention_ms = std::max(r.attention_ms, r.rank_attention_ms.back());
   }
   r.phases_timed = now.phases_timed;
@@ -39,7 +40,8 @@ PipelineReport MakePipelineReport(const PipelineTotals& now, const PipelineTotal
 std::string PipelineReport::ToString() const {
   if (steps == 0) return "no steps";
   std::vector<std::string> ranks;
-  for (double ms : rank_attention_ms) ranks.push_back(absl::StrFormat("%.2f", ms));
+  for (double ms : rank_attention_ms)
+    ranks.push_back(ms < 0 ? std::string("lost") : absl::StrFormat("%.2f", ms));
   if (!phases_timed) {
     return absl::StrFormat(
         "per step %.2f ms: attention %.2f (memory ranks %s); compute, exchange and efficiency need "

@@ -30,14 +30,14 @@ struct PipelineTotals {
   bool phases_timed = true;  // false: compute rank 0's phases were not timed (compute.profile off)
   int64_t steps = 0;
   double step_ms = 0, compute_ms = 0, attention_phase_ms = 0;
-  std::vector<double> rank_attention_ms;  // per memory rank
+  std::vector<double> rank_attention_ms;  // per memory rank; -1: unknown (a rank given up)
 };
 
 struct PipelineReport {
   bool phases_timed = true;  // else compute, attention phase, exchange, idle and efficiency are 0
   int64_t steps = 0;
   double step_ms = 0, compute_ms = 0, attention_phase_ms = 0, attention_ms = 0, exchange_ms = 0, idle_ms = 0;
-  std::vector<double> rank_attention_ms;  // per memory rank, per step
+  std::vector<double> rank_attention_ms;  // per memory rank, per step; -1: unknown ("lost")
   double efficiency = 0;
   // "per step 10.19 ms: compute 7.35, attention 2.37 (ranks 2.37), exchange 0.36, idle 0.11;
   // efficiency 0.72 over 32 steps"; "no steps" when there were none; without phase timing, the

@@ -83,7 +83,11 @@ const ConfigSchema& DeploySchema() {
                 "the OpenSSH client command line that starts ranks on other hosts (the host and the rank's "
                 "command are appended), e.g. \"ssh -p 2222 -i key -o BatchMode=yes\"")
         .Double("launch.startup_timeout_s", 600, "seconds a rank may take to become ready", 1, 86400)
-        .Double("launch.step_timeout_s", 120, "seconds a rank may wait for a peer within a step", 1, 86400);
+        .Double("launch.step_timeout_s", 120, "seconds a rank may wait for a peer within a step", 1, 86400)
+        .Bool("launch.recover_memory_ranks", true,
+              "a memory rank that dies, disconnects or stays silent past launch.step_timeout_s is given "
+              "up and its requests are recomputed on the others (ucx transport, one compute rank, "
+              "memory.partition request); false: the deployment stops");
     AddPoolKnobs(s);
     AddSchedulerKvKnobs(s);
     server::AddApiKnobs(s);  // compute rank 0 serves the API (cli/rank_cmds.cc)
@@ -281,6 +285,9 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   p.srun = c.GetString("launch.remote") == "srun";
   p.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   p.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
+  p.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks") &&
+                           p.transport == transport::TransportKind::kUcx && p.compute_ranks == 1 &&
+                           p.partition == AttentionPartition::kRequest;
   return p;
 }
 
@@ -426,13 +433,29 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
     argv.insert(argv.end(), {"--replicas", absl::StrJoin(replica_addresses, ",")});
   RETURN_IF_ERROR(group.Start("compute-0", argv, path("compute-0.log")));
   ASSIGN_OR_RETURN(const std::string compute, group.WaitReady("compute-0", ready, plan.startup_timeout));
+  if (plan.recover_memory_ranks) {
+    // Running: compute-0 recovers the requests of a memory rank that fails (launch.recover_memory_ranks).
+    for (size_t i = 0; i < addresses.size(); ++i) group.Tolerate(absl::StrCat("memory-", i));
+  }
   std::fprintf(stderr, "tandem launch: compute-0 ready on %s; %zu memory rank(s)%s; logs in %s/\n",
                std::string(absl::StripAsciiWhitespace(compute)).c_str(), plan.memory_devices.size(),
                in_process ? " as threads of compute-0 (transport local)" : "", plan.run_dir.c_str());
   if (!o.requests_file.empty()) {
     // Compute rank 0 runs the requests, says bye to the memory ranks and exits; they follow.
     RETURN_IF_ERROR(group.WaitExit("compute-0"));
-    for (size_t i = 0; i < addresses.size(); ++i) RETURN_IF_ERROR(group.WaitExit(absl::StrCat("memory-", i)));
+    for (size_t i = 0; i < addresses.size(); ++i) {
+      // A memory rank compute-0 gave up (recovery) may never exit by itself (a stopped process):
+      // after a while it is left to the final StopAll.
+      const std::string name = absl::StrCat("memory-", i);
+      const absl::Status exited =
+          group.WaitExit(name, plan.recover_memory_ranks ? absl::Seconds(10) : absl::InfiniteDuration());
+      if (absl::IsDeadlineExceeded(exited)) {
+        std::fprintf(stderr, "tandem launch: %s did not exit after compute-0 finished; stopping it\n",
+                     name.c_str());
+        continue;
+      }
+      RETURN_IF_ERROR(exited);
+    }
     for (size_t r = 0; r < replica_addresses.size(); ++r) {
       RETURN_IF_ERROR(group.WaitExit(absl::StrCat("compute-", r + 1)));
     }

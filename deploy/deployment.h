@@ -69,6 +69,9 @@ struct DeployPlan {
   std::string compute_host;                  // where the compute replicas listen
   transport::TransportKind transport = transport::TransportKind::kUcx;  // resolved transport.kind
   bool checksums = true;
+  // launch.recover_memory_ranks, where compute rank 0 can recover (ucx, one compute rank, the
+  // request partition): the launcher then lets a memory rank fail without stopping the deployment.
+  bool recover_memory_ranks = false;
   Placement placement;  // per rank: host, address to bind, device (resolved), device type
   std::string run_dir;  // this run's own directory (<launch.run_dir>/run-<time>-<pid>; made by Launch)
   std::string ssh;      // launch.ssh: the ssh client command line for ranks on other hosts

@@ -510,27 +510,48 @@ absl::StatusOr<std::string> ProcessGroup::WaitFor(
   }
 }
 
-absl::Status ProcessGroup::WaitExit(const std::string& name) {
+void ProcessGroup::Tolerate(const std::string& name) {
+  if (Child* c = Find(name); c != nullptr) c->tolerated = true;
+}
+
+namespace {
+bool CleanExit(int wait_status) {
+  return wait_status != -1 && WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0;
+}
+}  // namespace
+
+absl::Status ProcessGroup::WaitExit(const std::string& name, absl::Duration timeout) {
   Child* target = Find(name);
   if (target == nullptr) return absl::NotFoundError(absl::StrCat("no process is named ", name));
   const std::string waiting = absl::StrCat("waiting for ", name, " to exit");
+  const absl::Time deadline = absl::Now() + timeout;
+  auto tolerated = [this](const Child& c) {
+    if (!c.tolerated || CleanExit(c.wait_status)) return false;
+    std::fprintf(stderr, "tandem launch: %s; the deployment goes on without it\n",
+                 DescribeExit(c, "").c_str());
+    return true;
+  };
   while (true) {
     if (TerminationSignal() != 0) return Interrupted(waiting);
     ReapRunning();
     if (!target->running) {
+      const bool was_reported = target->reported;
       target->reported = true;
-      const int st = target->wait_status;
-      if (st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0) return absl::OkStatus();
+      if (CleanExit(target->wait_status)) return absl::OkStatus();
+      if (was_reported || tolerated(*target)) return absl::OkStatus();
       return absl::UnavailableError(DescribeExit(*target, ""));
     }
     if (Child* other = FirstUnreportedExit(); other != nullptr) {
       other->reported = true;
       // A clean exit of another process is not a failure here (a memory rank told to stop by the
-      // compute rank may exit before it); a failure is.
-      const int st = other->wait_status;
-      if (st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0) continue;
+      // compute rank may exit before it); a failure is, unless tolerated.
+      if (CleanExit(other->wait_status) || tolerated(*other)) continue;
       return absl::UnavailableError(
           DescribeExit(*other, absl::StrCat(" while waiting for ", name, " to exit")));
+    }
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          name, " is still running ", absl::FormatDuration(timeout), " after it was expected to exit"));
     }
     PauseBriefly(kPollMs);
   }
@@ -542,6 +563,11 @@ absl::Status ProcessGroup::WaitAny() {
     ReapRunning();
     if (Child* exited = FirstUnreportedExit(); exited != nullptr) {
       exited->reported = true;
+      if (exited->tolerated && !CleanExit(exited->wait_status)) {
+        std::fprintf(stderr, "tandem launch: %s; the deployment goes on without it\n",
+                     DescribeExit(*exited, "").c_str());
+        continue;
+      }
       return absl::UnavailableError(DescribeExit(*exited, ""));
     }
     if (std::none_of(children_.begin(), children_.end(), [](const Child& c) { return c.running; })) {

@@ -74,12 +74,18 @@ class ProcessGroup {
   // process of the group fails first: a non-zero status or a signal; another process exiting
   // with status 0 meanwhile is not an error) Unavailable naming the process that exited:
   //   "memory-1 (pid 4242) exited with status 3; last lines of logs/memory-1.log:\n..."
-  // or "... was killed by signal 9 (Killed) ...". Cancelled on a termination signal.
-  absl::Status WaitExit(const std::string& name);
+  // or "... was killed by signal 9 (Killed) ...". Cancelled on a termination signal;
+  // DeadlineExceeded naming it if it is still running after `timeout`.
+  absl::Status WaitExit(const std::string& name, absl::Duration timeout = absl::InfiniteDuration());
 
   // Waits until any process exits (reported as in WaitExit, even with status 0) or a termination
   // signal arrives (Cancelled). For a deployment that runs until stopped.
   absl::Status WaitAny();
+
+  // From now on the failure of process `name` is not an error of the group's waits (WaitExit of
+  // it or of another process, WaitAny): it is reported on stderr, once, and the wait goes on (a
+  // memory rank whose requests compute rank 0 recovers; see launch.recover_memory_ranks).
+  void Tolerate(const std::string& name);
 
   // SIGTERM to every running process, up to `grace` for them to exit, then SIGKILL; reaps all.
   // Returns the names of the processes that needed SIGKILL (for the launcher's message).
@@ -99,9 +105,10 @@ class ProcessGroup {
     pid_t pid = 0;
     std::string log_path;
     bool running = false;
-    int wait_status = 0;    // from waitpid, once reaped (-1: reaped by someone else, status unknown)
-    bool reported = false;  // its exit was returned by a wait (or it was stopped by StopAll)
-    int stdin_fd = -1;      // write end of its stdin pipe (StartWithStdin), closed once reaped
+    int wait_status = 0;     // from waitpid, once reaped (-1: reaped by someone else, status unknown)
+    bool reported = false;   // its exit was returned by a wait (or it was stopped by StopAll)
+    bool tolerated = false;  // Tolerate(): a failure is reported on stderr, not returned
+    int stdin_fd = -1;       // write end of its stdin pipe (StartWithStdin), closed once reaped
   };
   absl::Status StartImpl(const std::string& name, const std::vector<std::string>& argv,
                          const std::string& log_path, const std::string* stdin_data);

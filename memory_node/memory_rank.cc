@@ -42,9 +42,10 @@ class MemoryRank {
 
   absl::Status Run() {
     ASSIGN_OR_RETURN(const int device, ParseDevice(o_.device));
-    ASSIGN_OR_RETURN(transport_,
-                     transport::CreateTransport(
-                         {.kind = o_.transport, .listen_address = o_.listen_address, .device = device}));
+    ASSIGN_OR_RETURN(transport_, transport::CreateTransport({.kind = o_.transport,
+                                                             .listen_address = o_.listen_address,
+                                                             .device = device,
+                                                             .send_timeout = o_.step_timeout}));
     TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, " listening on ", transport_->address(), " (device ",
                     o_.device, ")");
     if (o_.on_listening) RETURN_IF_ERROR(o_.on_listening(transport_->address()));
@@ -418,7 +419,9 @@ class MemoryRank {
               RETURN_IF_ERROR(transport_->WaitDoorbell(buffer, lane.seqno, d));
               return true;
             },
-            absl::Now() + o_.step_timeout,
+            // Twice the step timeout: the compute rank may itself spend one step timeout waiting
+            // for another memory rank that went silent, and then goes on without it.
+            absl::Now() + 2 * o_.step_timeout,
             absl::StrCat("q,k,v of step ", step_id, lanes > 1 ? absl::StrCat(" micro-batch ", j) : "",
                          " layer ", layer));
         RETURN_IF_ERROR(got.status());

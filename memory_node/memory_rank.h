@@ -56,7 +56,9 @@ struct MemoryRankOptions {
   int kv_share = 1;
   transport::TransportKind transport = transport::TransportKind::kUcx;  // as the compute rank's
   absl::Duration startup_timeout = absl::Minutes(10);  // to accept the compute rank and get its hello
-  absl::Duration step_timeout = absl::Minutes(2);      // between messages within a step
+  // Within a step: for q,k,v of a layer, twice this (the compute rank may spend one step timeout on a
+  // silent memory rank before it goes on without it); sends to the compute rank, this.
+  absl::Duration step_timeout = absl::Minutes(2);
   // Called once the rank listens, with its transport address.
   std::function<absl::Status(const std::string& address)> on_listening;
   // Polled while idle; true ends the rank (OK status).

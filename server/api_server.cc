@@ -77,6 +77,7 @@ struct Completion {
   double temperature = 1.0, top_p = 1.0;
   std::optional<uint64_t> seed;
   bool stream = false, include_usage = false, ignore_eos = false, logprobs = false, echo = false;
+  int64_t top_logprobs = 0;  // alternatives per token (completions: logprobs; chat: top_logprobs)
   std::vector<std::string> stop;
 };
 
@@ -213,12 +214,16 @@ std::optional<FieldError> ParseCompletion(const json& body, const ApiOptions& o,
     if (auto e = TokenList(p, spec.vocab_size, &c->prompts.back())) return e;
   }
   if (body.contains("logprobs") && !body["logprobs"].is_null()) {
-    int64_t k = 0;
-    if (Int(body, "logprobs", 0, 1, &k))
-      return FieldError{"logprobs",
-                        "logprobs must be 0 or 1 (the chosen token's log-probability; no alternatives)"};
-    c->logprobs = k > 0;
+    if (Int(body, "logprobs", 0, kMaxTopLogprobs, &c->top_logprobs))
+      return FieldError{"logprobs", absl::StrCat("logprobs must be an integer in [0, ", kMaxTopLogprobs,
+                                                 "]: the chosen token's log-probability and that many "
+                                                 "alternatives")};
+    c->logprobs = true;
   }
+  if (c->echo && c->logprobs)
+    return FieldError{"echo",
+                      "echo with logprobs is not supported: the engine computes log-probabilities only "
+                      "for generated tokens, not for the prompt's; send echo or logprobs, not both"};
   return ParseCommon(body, o, spec, tm, c);
 }
 
@@ -276,28 +281,76 @@ std::optional<FieldError> ParseChat(const json& body, const ApiOptions& o, const
   if (!ids.ok()) return FieldError{"messages", absl::StrCat("messages: ", ids.status().message())};
   if (ids->empty()) return FieldError{"messages", "messages: the chat encodes to no tokens"};
   c->prompts.push_back(*std::move(ids));
-  if (auto e = Bool(body, "logprobs", &c->logprobs)) return e;
-  if (body.contains("top_logprobs") && !(body["top_logprobs"].is_null() || body["top_logprobs"] == json(0)))
-    return FieldError{"top_logprobs", "top_logprobs is not supported (only 0)"};
+  if (auto e = Bool(body, "logprobs", &c->logprobs))
+    return FieldError{"logprobs", "logprobs must be true or false (top_logprobs asks for alternatives)"};
+  if (body.contains("top_logprobs") && !body["top_logprobs"].is_null()) {
+    if (Int(body, "top_logprobs", 0, kMaxTopLogprobs, &c->top_logprobs))
+      return FieldError{"top_logprobs",
+                        absl::StrCat("top_logprobs must be an integer in [0, ", kMaxTopLogprobs, "]")};
+    if (!c->logprobs) return FieldError{"top_logprobs", "top_logprobs needs logprobs: true"};
+  }
   return ParseCommon(body, o, spec, tm, c);
 }
 
 int64_t NowUnix() { return absl::ToUnixSeconds(absl::Now()); }
 
-json LogprobsJson(const std::vector<int32_t>& tokens, const std::vector<float>& lp, bool chat) {
+// A token as the API shows it: its text through the model's tokenizer (bytes that are not UTF-8 on
+// their own become U+FFFD, as in any decode), or its id in decimal without one.
+std::string TokenText(const text::TextModel* tm, int32_t id) {
+  if (tm == nullptr) return absl::StrCat(id);
+  const int32_t one[] = {id};
+  absl::StatusOr<std::string> t = tm->tokenizer().Decode(one, /*skip_special=*/false);
+  return t.ok() ? *std::move(t) : absl::StrCat(id);
+}
+
+// The token's raw bytes (chat's `bytes`): null without a tokenizer.
+json TokenBytes(const text::TextModel* tm, int32_t id) {
+  if (tm == nullptr) return nullptr;
+  const int32_t one[] = {id};
+  absl::StatusOr<std::string> b = tm->tokenizer().DecodeBytes(one, /*skip_special=*/false);
+  if (!b.ok()) return nullptr;
+  json out = json::array();
+  for (unsigned char ch : *b) out.push_back(static_cast<int>(ch));
+  return out;
+}
+
+// `logprobs` of a choice or chunk. Chat: {"content": [{token, logprob, bytes, top_logprobs: [{token,
+// logprob, bytes}]}]}. Completions (the legacy format): {tokens, token_logprobs, top_logprobs: one
+// {token: logprob} object per token (a JSON object has no order: keys come out sorted, not by
+// probability; two alternatives with the same text keep the more probable), text_offset}. `top` is
+// empty or one list per token.
+json LogprobsJson(const std::vector<int32_t>& tokens, const std::vector<float>& lp,
+                  const std::vector<std::vector<TopLogprob>>& top, bool chat, const text::TextModel* tm) {
+  static const std::vector<TopLogprob> kNone;
+  auto alternatives = [&](size_t i) -> const std::vector<TopLogprob>& {
+    return top.empty() ? kNone : top[i];
+  };
   if (chat) {
     json content = json::array();
-    for (size_t i = 0; i < tokens.size(); ++i)
-      content.push_back(
-          {{"token", absl::StrCat(tokens[i])}, {"logprob", lp[i]}, {"top_logprobs", json::array()}});
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      json alts = json::array();
+      for (const TopLogprob& a : alternatives(i))
+        alts.push_back(
+            {{"token", TokenText(tm, a.token)}, {"logprob", a.logprob}, {"bytes", TokenBytes(tm, a.token)}});
+      content.push_back({{"token", TokenText(tm, tokens[i])},
+                         {"logprob", lp[i]},
+                         {"bytes", TokenBytes(tm, tokens[i])},
+                         {"top_logprobs", alts}});
+    }
     return {{"content", content}};
   }
-  json ts = json::array(), ls = json::array();
+  json ts = json::array(), ls = json::array(), tops = json::array();
   for (size_t i = 0; i < tokens.size(); ++i) {
-    ts.push_back(absl::StrCat(tokens[i]));
+    ts.push_back(TokenText(tm, tokens[i]));
     ls.push_back(lp[i]);
+    json alts = json::object();
+    for (const TopLogprob& a : alternatives(i)) {
+      const std::string key = TokenText(tm, a.token);
+      if (!alts.contains(key)) alts[key] = a.logprob;
+    }
+    tops.push_back(alts);
   }
-  return {{"tokens", ts}, {"token_logprobs", ls}, {"top_logprobs", nullptr}, {"text_offset", json::array()}};
+  return {{"tokens", ts}, {"token_logprobs", ls}, {"top_logprobs", tops}, {"text_offset", json::array()}};
 }
 
 json Usage(int64_t prompt, int64_t completion, int64_t cached) {
@@ -323,6 +376,7 @@ struct Choice {
 struct Delta {
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
+  std::vector<std::vector<TopLogprob>> top_logprobs;  // empty, or one list per token
   std::string text;
   bool finished = false;
 };
@@ -348,6 +402,7 @@ struct Call {
       for (size_t k = 0; k < e.tokens.size(); ++k) {
         d.tokens.push_back(e.tokens[k]);
         d.logprobs.push_back(e.logprobs[k]);
+        if (k < e.top_logprobs.size()) d.top_logprobs.push_back(std::move(e.top_logprobs[k]));
         if (c.decoder) {
           absl::StatusOr<std::string> piece = c.decoder->Add(e.tokens[k]);
           if (piece.ok()) d.text += c.stop ? c.stop->Add(*piece) : *piece;
@@ -555,6 +610,7 @@ void ApiServer::Complete(const httplib::Request& req, httplib::Response& res, bo
       r.sampling.top_p = static_cast<float>(c.top_p);
       r.sampling.top_k = static_cast<int32_t>(c.top_k);
       r.sampling.seed = base_seed + static_cast<uint64_t>(i);
+      r.top_logprobs = static_cast<int32_t>(c.top_logprobs);
       absl::StatusOr<std::shared_ptr<RequestStream>> s = loop->Submit(std::move(r));
       if (!s.ok()) {
         call->CancelAll();  // nothing half-applied
@@ -583,6 +639,7 @@ void ApiServer::Complete(const httplib::Request& req, httplib::Response& res, bo
   if (!c.stream) {
     std::vector<std::string> texts(call->choices.size());
     std::vector<std::vector<float>> lps(call->choices.size());
+    std::vector<std::vector<std::vector<TopLogprob>>> tops(call->choices.size());
     std::vector<std::vector<int32_t>> toks(call->choices.size());
     for (size_t i = 0; i < call->choices.size(); ++i) {
       texts[i] = call->choices[i].echo;
@@ -598,14 +655,16 @@ void ApiServer::Complete(const httplib::Request& req, httplib::Response& res, bo
         texts[i] += d.text;
         toks[i].insert(toks[i].end(), d.tokens.begin(), d.tokens.end());
         lps[i].insert(lps[i].end(), d.logprobs.begin(), d.logprobs.end());
+        for (std::vector<TopLogprob>& t : d.top_logprobs) tops[i].push_back(std::move(t));
       }
     }
     json choices = json::array();
     for (size_t i = 0; i < call->choices.size(); ++i) {
-      json ch = {{"index", i},
-                 {"finish_reason", call->choices[i].finish_reason},
-                 {"token_ids", toks[i]},
-                 {"logprobs", logprobs ? LogprobsJson(toks[i], lps[i], chat) : json(nullptr)}};
+      json ch = {
+          {"index", i},
+          {"finish_reason", call->choices[i].finish_reason},
+          {"token_ids", toks[i]},
+          {"logprobs", logprobs ? LogprobsJson(toks[i], lps[i], tops[i], chat, text_) : json(nullptr)}};
       if (chat) {
         ch["message"] = {{"role", "assistant"}, {"content", texts[i]}};
       } else {
@@ -621,7 +680,8 @@ void ApiServer::Complete(const httplib::Request& req, httplib::Response& res, bo
   const char* chunk_object = chat ? "chat.completion.chunk" : "text_completion";
   res.set_chunked_content_provider(
       "text/event-stream",
-      [call, model, logprobs, include_usage, chat, chunk_object](size_t, httplib::DataSink& sink) {
+      [call, model, logprobs, include_usage, chat, chunk_object, tm = text_](size_t,
+                                                                             httplib::DataSink& sink) {
         auto send = [&](const json& j) {
           const std::string line = absl::StrCat("data: ", j.dump(), "\n\n");
           return sink.write(line.data(), line.size());
@@ -631,7 +691,8 @@ void ApiServer::Complete(const httplib::Request& req, httplib::Response& res, bo
           json ch = {{"index", index},
                      {"token_ids", d.tokens},
                      {"finish_reason", finish},
-                     {"logprobs", logprobs ? LogprobsJson(d.tokens, d.logprobs, chat) : json(nullptr)}};
+                     {"logprobs", logprobs ? LogprobsJson(d.tokens, d.logprobs, d.top_logprobs, chat, tm)
+                                           : json(nullptr)}};
           std::string text = d.text;
           if (!c.echo.empty()) {
             text = c.echo + text;

@@ -8,10 +8,17 @@
 //                          (1), top_p, top_k, seed, n (choice i samples with seed + i), stream,
 //                          stream_options.include_usage, ignore_eos, stop (up to 4 strings: the
 //                          request is cancelled when its text reaches one, and the text ends before
-//                          it), logprobs (0 or 1: the chosen tokens' log-probabilities). Each choice
-//                          carries `token_ids` (an extension) beside its text.
+//                          it), logprobs (k in [0, 20]: each token's log-probability and its k most
+//                          probable alternatives; not with echo, since prompt tokens have none).
+//                          Each choice carries `token_ids` (an extension) beside its text.
 //   POST /v1/chat/completions   messages (text content) through the model's chat template; the same
-//                          fields (logprobs true/false, max_completion_tokens); streamed as deltas.
+//                          fields (logprobs true/false, top_logprobs k in [0, 20] with logprobs,
+//                          max_completion_tokens); streamed as deltas.
+// Log-probabilities are natural logs of the model's distribution (log-softmax of the raw logits,
+// before temperature, top-k and top-p; common/top_logprobs.h); alternatives come most probable
+// first, exactly k of them (the chosen token is among them only if it is one of the k most
+// probable: always entry 0 under greedy sampling). Tokens appear as their text through the
+// model's tokenizer (chat adds their UTF-8 `bytes`), or as decimal ids for a model without one.
 //   GET  /v1/models, /health (503 until ready and while shutting down), /version, /metrics.
 // Errors are OpenAI error objects ({"error": {"message", "type", "param", "code"}}): 400 bad JSON
 // or field (the field named in `param`), 401 bad or missing key, 404 unknown model or route, 413

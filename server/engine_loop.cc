@@ -109,6 +109,10 @@ void EngineLoop::Emit(Live& live, const GenerationResult& progress) {
                   progress.token_ids.end());
   e.logprobs.assign(progress.logprobs.begin() + static_cast<std::ptrdiff_t>(live.sent),
                     progress.logprobs.end());
+  if (progress.top_logprobs.size() > live.sent) {
+    e.top_logprobs.assign(progress.top_logprobs.begin() + static_cast<std::ptrdiff_t>(live.sent),
+                          progress.top_logprobs.end());
+  }
   if (live.sent == 0) live.times.first_token = absl::Now();
   live.sent = progress.token_ids.size();
   live.stream->Push(std::move(e));

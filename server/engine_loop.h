@@ -38,9 +38,12 @@ namespace tandem::server {
 struct StreamEvent {
   std::vector<int32_t> tokens;  // generated since the previous event
   std::vector<float> logprobs;  // one per token
-  bool done = false;            // the last event of the stream
-  GenerationResult result;      // when done: the whole result (tokens, finish_reason, usage)
-  absl::Status error;           // when done: not OK if the request ended because the engine failed
+  // One list per token when the request asked for alternatives (GenerationRequest::top_logprobs),
+  // else empty.
+  std::vector<std::vector<TopLogprob>> top_logprobs;
+  bool done = false;        // the last event of the stream
+  GenerationResult result;  // when done: the whole result (tokens, finish_reason, usage)
+  absl::Status error;       // when done: not OK if the request ended because the engine failed
 };
 
 // Timings of one request (absl::Now() clock), for metrics.

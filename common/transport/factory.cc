@@ -9,6 +9,7 @@
 #if TANDEM_TRANSPORT_NCCL
 #include "common/transport/nccl/nccl_transport.h"
 #endif
+#include "common/transport/fault/fault_transport.h"
 #include "common/transport/local/local_transport.h"
 #include "common/transport/verbs/verbs_transport.h"
 
@@ -133,14 +134,16 @@ const char* TransportKindName(TransportKind kind) { return GetTransportInfo(kind
 
 bool TransportBuilt(TransportKind kind) { return GetTransportInfo(kind).built; }
 
-absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& o) {
+namespace {
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateTransportOfKind(const TransportOptions& o) {
   if (!TransportBuilt(o.kind)) {
     return absl::UnavailableError(
         absl::StrCat(TransportKindName(o.kind), " transport: not built (this build has no CUDA)"));
   }
   switch (o.kind) {
     case TransportKind::kUcx:
-      return CreateUcxTransport({.listen_address = o.listen_address});
+      return CreateUcxTransport({.listen_address = o.listen_address, .send_timeout = o.send_timeout});
     case TransportKind::kP2p:
 #if TANDEM_TRANSPORT_P2P
       return CreateP2pTransport({.listen_address = o.listen_address, .device = o.device});
@@ -159,6 +162,13 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOption
       return CreateLocalTransport({.device = o.device});
   }
   return absl::InternalError("unreachable transport kind");
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& o) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Transport> t, CreateTransportOfKind(o));
+  return WrapWithFaultsFromEnvironment(std::move(t));
 }
 
 }  // namespace tandem::transport

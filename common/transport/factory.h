@@ -65,6 +65,8 @@ struct TransportOptions {
   std::string listen_address;
   // This process's CUDA device: where p2p and nccl buffers live (and verbs' GPU buffers); -1: none.
   int device = -1;
+  // ucx: UcxOptions::send_timeout (a rank passes its step timeout).
+  absl::Duration send_timeout = absl::InfiniteDuration();
 };
 
 // "ucx", "p2p", "nccl", "verbs", "local"; InvalidArgument naming the choices otherwise.
@@ -73,6 +75,9 @@ const char* TransportKindName(TransportKind kind);
 // Whether this build contains the transport (GetTransportInfo(kind).built).
 bool TransportBuilt(TransportKind kind);
 // Unavailable for a transport this build lacks ("nccl: not built (this build has no CUDA)").
+// When the environment variable TANDEM_FAULTS holds a fault spec, the transport comes wrapped in
+// the fault-injecting transport (common/transport/fault/fault_transport.h: a testing aid);
+// InvalidArgument naming TANDEM_FAULTS for a bad spec.
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& options);
 
 }  // namespace tandem::transport

@@ -88,10 +88,18 @@ class Transport {
   // Waits until every operation started so far has completed (or failed) at the transport level.
   virtual absl::Status Flush(absl::Time deadline) = 0;
 
-  // This side is done with `peer` (after a clean goodbye): its disconnect is expected from now on
-  // and is logged at debug level instead of as a warning. Operations on the peer still work until
-  // it goes, and then fail with Unavailable as before.
+  // This side is done with `peer` (after a clean goodbye, or after giving it up as failed): its
+  // disconnect is expected from now on and is logged at debug level instead of as a warning, and its
+  // failure no longer fails waits on other peers. Operations on the peer still work until it goes,
+  // and then fail with Unavailable as before.
   virtual void Close(PeerId peer) = 0;
+  // OK while `peer` is usable as far as this transport knows; else the error its operations
+  // return (Unavailable naming it: disconnected, failed, or a send to it that did not complete
+  // within the send timeout). Lets a caller that got an error from a wait name the failed peer.
+  virtual absl::Status PeerStatus(PeerId peer) const {
+    (void)peer;
+    return absl::OkStatus();
+  }
 
   // ---- The device data path (capabilities().device_polling) ------------------------------------
   // Work enqueued on one of the caller's CUDA streams (a cudaStream_t, passed as void* so that
@@ -143,6 +151,10 @@ struct UcxOptions {
   // "host:port" to listen on (port 0: any free port; the chosen one is in address()); empty: do
   // not listen (a process that only connects).
   std::string listen_address;
+  // How long Send and Write wait for local completion (a large message needs the peer to fetch
+  // it, so a stopped peer would hold it forever). Past it the send is cancelled and the peer is
+  // marked failed: Unavailable naming it, from then on. Infinite: wait as long as it takes.
+  absl::Duration send_timeout = absl::InfiniteDuration();
 };
 
 // UCX (the Debian package; tcp, shared memory and whatever else UCX finds): host memory only.

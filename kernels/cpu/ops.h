@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "common/model_spec.h"
+#include "common/top_logprobs.h"
 
 namespace tandem::kernels::cpu {
 
@@ -180,5 +181,12 @@ int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& pa
 // temperature, top-k and top-p. NaN if any logit is NaN or +inf, or all are -inf; aborts when
 // token is outside [0, vocab).
 float TokenLogprob(const float* logits, int64_t vocab, int32_t token);
+// The k most probable tokens of one row and their log-probabilities (common/top_logprobs.h):
+// most probable first, equal logits by lower id, NaN logits counted as -inf (as SampleToken does);
+// each logprob computed exactly as TokenLogprob computes it (NaN for every entry
+// when TokenLogprob would be NaN). k is clamped to [0, min(vocab, kMaxTopLogprobs)]; `out` is
+// replaced. One pass over the row for the selection (a sorted k-entry window) and one for the
+// log-sum-exp. Aborts on null logits, vocab <= 0.
+void TopLogprobs(const float* logits, int64_t vocab, int32_t k, std::vector<TopLogprob>* out);
 
 }  // namespace tandem::kernels::cpu

@@ -115,15 +115,63 @@ int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& pa
   return static_cast<int32_t>(last);
 }
 
+namespace {
+
+// The max logit and Σ exp(logit - max) of a row, in double: the shift and scale every
+// log-probability of the row is computed with (TokenLogprob and TopLogprobs share them, so their
+// values agree bit for bit). NaN logits make the sum NaN.
+struct RowNormalizer {
+  double max = -std::numeric_limits<double>::infinity();
+  double log_sum = 0.0;
+  bool finite = false;
+  RowNormalizer(const float* logits, int64_t vocab) {
+    for (int64_t i = 0; i < vocab; ++i) max = std::max(max, static_cast<double>(logits[i]));
+    finite = std::isfinite(max);
+    if (!finite) return;
+    double sum = 0.0;
+    for (int64_t i = 0; i < vocab; ++i) sum += std::exp(static_cast<double>(logits[i]) - max);
+    log_sum = std::log(sum);
+  }
+  float Logprob(float logit) const {
+    if (!finite) return std::numeric_limits<float>::quiet_NaN();
+    return static_cast<float>(static_cast<double>(logit) - max - log_sum);
+  }
+};
+
+}  // namespace
+
 float TokenLogprob(const float* logits, int64_t vocab, int32_t token) {
   TANDEM_CHECK(logits != nullptr);
   TANDEM_CHECK_MSG(token >= 0 && token < vocab, "token ", token, " outside [0, ", vocab, ")");
-  double m = -std::numeric_limits<double>::infinity();
-  for (int64_t i = 0; i < vocab; ++i) m = std::max(m, static_cast<double>(logits[i]));
-  if (!std::isfinite(m)) return std::numeric_limits<float>::quiet_NaN();
-  double sum = 0.0;
-  for (int64_t i = 0; i < vocab; ++i) sum += std::exp(static_cast<double>(logits[i]) - m);
-  return static_cast<float>(static_cast<double>(logits[token]) - m - std::log(sum));
+  return RowNormalizer(logits, vocab).Logprob(logits[token]);
+}
+
+void TopLogprobs(const float* logits, int64_t vocab, int32_t k, std::vector<TopLogprob>* out) {
+  TANDEM_CHECK(logits != nullptr);
+  TANDEM_CHECK(vocab > 0);
+  out->clear();
+  const int64_t want = std::clamp<int64_t>(k, 0, std::min<int64_t>(vocab, kMaxTopLogprobs));
+  if (want == 0) return;
+  // A window of the best `want` ids so far, best first. Ids arrive in ascending order, so an id
+  // whose logit equals the window's last one ranks after it: only a strictly larger logit enters.
+  int32_t best[kMaxTopLogprobs];
+  double value[kMaxTopLogprobs];
+  int64_t size = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const double v = Logit(logits, i);
+    if (size == want && !(v > value[size - 1])) continue;
+    int64_t at = size < want ? size++ : want - 1;
+    while (at > 0 && v > value[at - 1]) {
+      best[at] = best[at - 1];
+      value[at] = value[at - 1];
+      --at;
+    }
+    best[at] = static_cast<int32_t>(i);
+    value[at] = v;
+  }
+  const RowNormalizer norm(logits, vocab);
+  out->reserve(static_cast<size_t>(size));
+  for (int64_t j = 0; j < size; ++j) out->push_back({best[j], norm.Logprob(logits[best[j]])});
 }
 
 }  // namespace tandem::kernels::cpu

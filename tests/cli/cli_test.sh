@@ -194,6 +194,13 @@ set -- $two
 if [ -z "$one" ] || [ $# -ne 2 ] || [ $((2 * ($1 + $2))) -gt $((one * 12 / 5)) ]; then
   bad "two CPU memory ranks reserve more KV than one would: one rank $one tokens, two ranks $two"
 else ok; fi
+# Four CPU ranks on the host: together at most the host's budget (what one rank alone reserves,
+# kv.memory_fraction of the available memory; 20% slack for memory the others freed meanwhile).
+four=$(kv_tokens 4 | tr '\n' ' ')
+set -- $four
+if [ -z "$one" ] || [ $# -ne 4 ] || [ $((5 * ($1 + $2 + $3 + $4))) -gt $((one * 6)) ]; then
+  bad "four CPU memory ranks reserve more KV than the host's budget: one rank $one tokens, four ranks $four"
+else ok; fi
 set --
 # transport.kind local: the memory ranks are threads of compute-0 (no memory processes), same JSON.
 rm -rf "$TMP/run"
@@ -257,8 +264,26 @@ pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null || bad "no rank process nam
 kill -TERM $lpid; wait $lpid; rc=$?
 [ $rc -eq 0 ] || bad "launch exited $rc after SIGTERM: $(tail -3 "$TMP/launch.out")"
 pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left behind after SIGTERM"
-# A memory rank that dies brings the deployment down with a message naming it.
+# A memory rank that dies: with launch.recover_memory_ranks (the default) the deployment goes on and
+# answers through the survivor; without it, it comes down with a message naming the rank.
 "$TANDEM" launch "$TMP/deploy.yaml" >"$TMP/launch.out" 2>&1 &
+lpid=$!
+for _ in $(seq 1 200); do grep -q "running until" "$TMP/launch.out" && break; sleep 0.1; done
+pkill -KILL -f -- "--rank 1 .*$TMP/run" || pkill -KILL -f "memory --rank 1 .*--config $TMP/run/"
+sleep 0.5
+api_answer() {  # a completion of 4 tokens through the API on port 8000
+  python3 -c 'import json, sys, urllib.request
+req = urllib.request.Request("http://127.0.0.1:8000/v1/completions", method="POST",
+    data=json.dumps({"model": "tandem", "prompt": [1, 2, 3], "max_tokens": 4}).encode(), headers={"Content-Type": "application/json"})
+print(len(json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]["text"]) >= 0)'
+}
+for i in 1 2 3; do api_answer >/dev/null 2>"$TMP/api.err" || bad "the API did not answer after memory-1 died (request $i): $(tail -2 "$TMP/api.err")"; done
+grep -q "memory-1 (pid [0-9]*) was killed by signal 9.*" "$TMP/launch.out" || bad "launch does not report the dead rank: $(tail -3 "$TMP/launch.out")"
+grep -q "the deployment goes on without it" "$TMP/launch.out" || bad "launch does not say it goes on: $(tail -3 "$TMP/launch.out")"
+kill -TERM $lpid; wait $lpid; rc=$?
+[ $rc -eq 0 ] || bad "launch exited $rc after SIGTERM with a memory rank lost: $(tail -3 "$TMP/launch.out")"
+pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left behind after a recovered loss"
+"$TANDEM" launch "$TMP/deploy.yaml" --set launch.recover_memory_ranks=false >"$TMP/launch.out" 2>&1 &
 lpid=$!
 for _ in $(seq 1 200); do grep -q "running until" "$TMP/launch.out" && break; sleep 0.1; done
 pkill -KILL -f -- "--rank 1 .*$TMP/run" || pkill -KILL -f "memory --rank 1 .*--config $TMP/run/"

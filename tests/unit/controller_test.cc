@@ -114,10 +114,10 @@ TEST_P(ControllerPrefix, PlansAlwaysApplyAndAccountingCoversTheRanks) {
       if (r.attach_hash != 0) attached_tokens += r.position;
     }
     // Any token will do (ignore_eos): the prefix logic does not look at generated tokens.
-    std::vector<int32_t> sampled(ps.rows.sample_rows.size(), 5);
-    std::vector<float> logprobs(sampled.size(), -1.0f);
+    SampledTokens sampled;
+    for (size_t i = 0; i < ps.rows.sample_rows.size(); ++i) sampled.Append(5, -1.0f);
     finished.clear();
-    ASSERT_TRUE(c.Complete(ps, sampled, logprobs, &finished, &released).ok());
+    ASSERT_TRUE(c.Complete(ps, sampled, &finished, &released).ok());
     for (int m = 0; m < sc.ranks; ++m)
       tables[static_cast<size_t>(m)]->Release(released[static_cast<size_t>(m)]);
     for (auto& [id, res] : finished) {

@@ -75,6 +75,7 @@ TEST(MicroBatches, RandomizedPlansSplitWithoutLossAndApplyLikeTheWholeStep) {
         r.ignore_eos = true;
         r.sampling.temperature = static_cast<float>(rnd(0, 2)) * 0.5f;
         r.sampling.seed = static_cast<uint64_t>(rnd(0, 1000));
+        r.top_logprobs = rnd(0, 3) == 0 ? static_cast<int32_t>(rnd(1, kMaxTopLogprobs)) : 0;
         if (c.Check(r).code() == absl::StatusCode::kResourceExhausted) continue;
         absl::StatusOr<int64_t> id = c.Submit(r);
         ASSERT_TRUE(id.ok()) << id.status();
@@ -192,28 +193,35 @@ TEST(MicroBatches, RandomizedPlansSplitWithoutLossAndApplyLikeTheWholeStep) {
 
     // Samples: the mapping names each sampled request's last row, with its parameters.
     ASSERT_EQ(mb.samples.size(), ps.rows.sample_rows.size());
-    std::vector<std::vector<int32_t>> part_tokens(parts);
-    std::vector<std::vector<float>> part_logprobs(parts);
+    // Each part's results name their part and row; the alternatives' count is the row's own.
+    std::vector<SampledTokens> part_sampled(parts);
     for (size_t p = 0; p < parts; ++p) {
-      for (size_t k = 0; k < mb.parts[p].rows.sample_rows.size(); ++k) {
-        part_tokens[p].push_back(static_cast<int32_t>(1000 * p + k));
-        part_logprobs[p].push_back(-static_cast<float>(1000 * p + k));
+      const StepTokens& rows = mb.parts[p].rows;
+      ASSERT_TRUE(rows.top_logprobs.empty() || rows.top_logprobs.size() == rows.sample_rows.size());
+      for (size_t k = 0; k < rows.sample_rows.size(); ++k) {
+        std::vector<TopLogprob> top(static_cast<size_t>(rows.top_logprobs_of(k)),
+                                    TopLogprob{static_cast<int32_t>(1000 * p + k), -1.0f});
+        part_sampled[p].Append(static_cast<int32_t>(1000 * p + k), -static_cast<float>(1000 * p + k), top);
       }
     }
-    std::vector<int32_t> merged;
-    std::vector<float> merged_logprobs;
-    ASSERT_TRUE(MergeSampled(mb, part_tokens, part_logprobs, &merged, &merged_logprobs).ok());
+    SampledTokens merged;
+    ASSERT_TRUE(MergeSampled(mb, part_sampled, &merged).ok());
+    ASSERT_EQ(merged.size(), mb.samples.size());
     for (size_t s = 0; s < mb.samples.size(); ++s) {
       const auto [p, k] = mb.samples[s];
       const PlannedStep& part = mb.parts[static_cast<size_t>(p)];
       EXPECT_EQ(part.rows.counters[static_cast<size_t>(k)], ps.rows.counters[s]);
       EXPECT_EQ(part.rows.sampling[static_cast<size_t>(k)].seed, ps.rows.sampling[s].seed);
+      EXPECT_EQ(part.rows.top_logprobs_of(static_cast<size_t>(k)), ps.rows.top_logprobs_of(s));
       EXPECT_EQ(part.rows.tokens[static_cast<size_t>(part.rows.sample_rows[static_cast<size_t>(k)])],
                 ps.rows.tokens[static_cast<size_t>(ps.rows.sample_rows[s])]);
-      EXPECT_EQ(merged[s], static_cast<int32_t>(1000 * p + k));
+      EXPECT_EQ(merged.tokens[s], static_cast<int32_t>(1000 * p + k));
+      EXPECT_EQ(merged.logprobs[s], -static_cast<float>(1000 * p + k));
+      ASSERT_EQ(merged.top_of(s).size(), static_cast<size_t>(ps.rows.top_logprobs_of(s)));
+      for (const TopLogprob& t : merged.top_of(s)) EXPECT_EQ(t.token, static_cast<int32_t>(1000 * p + k));
     }
-    part_tokens.back().push_back(1);
-    EXPECT_FALSE(MergeSampled(mb, part_tokens, part_logprobs, &merged, &merged_logprobs).ok());
+    part_sampled.back().Append(1, -1.0f);
+    EXPECT_FALSE(MergeSampled(mb, part_sampled, &merged).ok());
 
     // The parts, applied in order, leave each rank as the whole step does.
     for (int m = 0; m < kRanks; ++m) {
@@ -235,10 +243,12 @@ TEST(MicroBatches, RandomizedPlansSplitWithoutLossAndApplyLikeTheWholeStep) {
                   whole[static_cast<size_t>(m)]->context_length(r.request_id));
       }
     }
-    std::vector<int32_t> sampled(ps.rows.sample_rows.size(), 5);
-    std::vector<float> logprobs(sampled.size(), -1.0f);
+    SampledTokens sampled;
+    for (size_t i = 0; i < ps.rows.sample_rows.size(); ++i) {
+      sampled.Append(5, -1.0f, std::vector<TopLogprob>(static_cast<size_t>(ps.rows.top_logprobs_of(i))));
+    }
     finished.clear();
-    ASSERT_TRUE(c.Complete(ps, sampled, logprobs, &finished, &released).ok());
+    ASSERT_TRUE(c.Complete(ps, sampled, &finished, &released).ok());
     release();
     for (const auto& [id, res] : finished) live.erase(id);
   }

@@ -313,5 +313,68 @@ TEST(TokenLogprobTest, MatchesDoubleLogSoftmax) {
   EXPECT_FLOAT_EQ(TokenLogprob(two.data(), 2, 1), static_cast<float>(-std::log(2.0)));
 }
 
+// ---- TopLogprobs --------------------------------------------------------------------------------
+
+// The reference: every id sorted by (logit descending, id ascending), NaN as -inf, then the first k.
+std::vector<int32_t> NaiveTopIds(const std::vector<float>& logits, int64_t k) {
+  std::vector<int32_t> ids(logits.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  auto key = [&](int32_t i) {
+    const float l = logits[static_cast<size_t>(i)];
+    return std::isnan(l) ? -std::numeric_limits<double>::infinity() : double{l};
+  };
+  std::stable_sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) { return key(a) > key(b); });
+  ids.resize(static_cast<size_t>(std::min<int64_t>(k, static_cast<int64_t>(ids.size()))));
+  return ids;
+}
+
+TEST(TopLogprobsTest, MatchesFullSortAndTokenLogprob) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t vocab = 1 + static_cast<int64_t>(rng() % 3000);
+    std::vector<float> logits = RandomLogits(100 + static_cast<uint32_t>(trial), vocab, -8.0f, 8.0f);
+    // Ties on purpose in every other trial: logits rounded to integers, so equal values occur and
+    // must order by id.
+    if (trial % 2 == 0)
+      for (float& l : logits) l = std::round(l);
+    const int32_t k = static_cast<int32_t>(rng() % (kMaxTopLogprobs + 1));
+    std::vector<TopLogprob> top;
+    TopLogprobs(logits.data(), vocab, k, &top);
+    const std::vector<int32_t> want = NaiveTopIds(logits, k);
+    ASSERT_EQ(top.size(), want.size()) << "trial " << trial;
+    for (size_t j = 0; j < top.size(); ++j) {
+      ASSERT_EQ(top[j].token, want[j]) << "trial " << trial << " entry " << j;
+      // Bit-identical to the chosen token's log-probability of the same row.
+      ASSERT_EQ(top[j].logprob, TokenLogprob(logits.data(), vocab, top[j].token)) << "trial " << trial;
+    }
+    // Greedy picks entry 0.
+    if (!top.empty()) {
+      EXPECT_EQ(top[0].token, SampleToken(logits.data(), vocab, SamplingParams{}, 0)) << "trial " << trial;
+    }
+  }
+}
+
+TEST(TopLogprobsTest, EdgeCases) {
+  std::vector<TopLogprob> top = {{7, -1.0f}};
+  const std::vector<float> three = {1.0f, 3.0f, 3.0f};
+  TopLogprobs(three.data(), 3, 0, &top);
+  EXPECT_TRUE(top.empty()) << "k = 0 gives none and replaces what was there";
+  TopLogprobs(three.data(), 3, 20, &top);  // k above vocab: every token
+  ASSERT_EQ(top.size(), 3u);
+  EXPECT_EQ(top[0].token, 1);
+  EXPECT_EQ(top[1].token, 2);
+  EXPECT_EQ(top[2].token, 0);
+  TopLogprobs(three.data(), 3, -4, &top);
+  EXPECT_TRUE(top.empty()) << "negative k clamps to 0";
+  // NaN ranks as -inf and makes every log-probability NaN, as TokenLogprob does.
+  const std::vector<float> nan = {std::numeric_limits<float>::quiet_NaN(), 2.0f, -1.0f};
+  TopLogprobs(nan.data(), 3, 3, &top);
+  ASSERT_EQ(top.size(), 3u);
+  EXPECT_EQ(top[0].token, 1);
+  EXPECT_EQ(top[1].token, 2);
+  EXPECT_EQ(top[2].token, 0);
+  for (const TopLogprob& t : top) EXPECT_TRUE(std::isnan(t.logprob));
+}
+
 }  // namespace
 }  // namespace tandem::kernels::cpu

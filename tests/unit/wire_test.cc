@@ -107,7 +107,7 @@ struct RawRequest {
   float top_p = 0.9f;
   uint16_t memory_rank = 1;
   uint8_t sample = 1;
-  uint8_t reserved = 0;
+  uint8_t top_logprobs = 3;
 };
 
 struct RawGroup {
@@ -159,7 +159,7 @@ Bytes PlanBody(const RawPlan& p) {
     w.U64(q.request_id).U64(q.seed).U64(q.counter).U64(q.attach_hash);
     w.I32(q.prefix_group).I32(q.position).I32(q.q_len).I32(q.kv_len);
     w.F32(q.temperature).I32(q.top_k).F32(q.top_p);
-    w.U16(q.memory_rank).U8(q.sample).U8(q.reserved);
+    w.U16(q.memory_rank).U8(q.sample).U8(q.top_logprobs);
   }
   for (const RawGroup& g : p.groups) {
     w.U64(g.block_hash).I32(g.prefix_tokens).I32(g.parent).U16(g.memory_rank);
@@ -243,6 +243,7 @@ StepRequest RandomRequest(std::mt19937_64& rng, bool extreme) {
     q.top_p = std::uniform_real_distribution<float>(0.01f, 1.0f)(rng);
     q.seed = rng();
     q.counter = rng();
+    q.top_logprobs = static_cast<uint8_t>(u(0, kMaxTopLogprobs));
     return q;
   }
   const float temps[] = {0.0f, -0.0f, std::numeric_limits<float>::max(),
@@ -268,6 +269,7 @@ StepRequest RandomRequest(std::mt19937_64& rng, bool extreme) {
   q.top_p = top_ps[u(0, 3)];
   q.seed = u(0, 1) ? kU64Max : 0;
   q.counter = u(0, 1) ? kU64Max : 0;
+  q.top_logprobs = u(0, 1) ? kMaxTopLogprobs : 0;
   return q;
 }
 
@@ -463,6 +465,7 @@ TEST(StepPlanWire, GoldenBytes) {
   q.top_p = 0.9f;
   q.seed = 42;
   q.counter = 7;
+  q.top_logprobs = 5;
   plan.requests.push_back(q);
   plan.groups.push_back(PrefixGroup{0x2122232425262728, 5, -1, 0x0203});
   plan.publishes.push_back(
@@ -471,7 +474,7 @@ TEST(StepPlanWire, GoldenBytes) {
   // Layout written out by hand; crc computed independently (bitwise Python reference).
   const Bytes golden = {
       0x54, 0x44, 0x53, 0x50, 0x04, 0x00, 0x10, 0x00,
-      0xa8, 0x00, 0x00, 0x00, 0x55, 0x94, 0x26, 0x9e,  // frame: version 4, body_bytes 168
+      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 4, body_bytes 168
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // request_count, group_count
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -483,7 +486,7 @@ TEST(StepPlanWire, GoldenBytes) {
       0x00, 0x00, 0x00, 0x00, 0x05, 0x00, 0x00, 0x00,  // prefix_group, position
       0x03, 0x00, 0x00, 0x00, 0x08, 0x00, 0x00, 0x00,  // q_len, kv_len
       0x00, 0x00, 0x00, 0x3f, 0x28, 0x00, 0x00, 0x00,  // temperature, top_k
-      0x66, 0x66, 0x66, 0x3f, 0x03, 0x02, 0x01, 0x00,  // top_p, memory_rank, sample, reserved
+      0x66, 0x66, 0x66, 0x3f, 0x03, 0x02, 0x01, 0x05,  // top_p, memory_rank, sample, top_logprobs
       0x28, 0x27, 0x26, 0x25, 0x24, 0x23, 0x22, 0x21,  // group 0: block_hash
       0x05, 0x00, 0x00, 0x00, 0xff, 0xff, 0xff, 0xff,  // prefix_tokens, parent
       0x03, 0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // memory_rank, reserved
@@ -770,7 +773,8 @@ TEST(StepPlanWire, FieldRangeViolationsNameFieldAndRequest) {
       {[](RawRequest& q) { q.position = 0, q.attach_hash = 1; },
        "request 3: attach_hash 0x0000000000000001 needs position > 0, not 0 (0: no attach)"},
       {[](RawRequest& q) { q.sample = 2; }, "request 3: sample 2 at byte offset 302 must be 0 or 1"},
-      {[](RawRequest& q) { q.reserved = 1; }, "request 3: reserved at byte offset 303 is 1, must be 0"},
+      {[](RawRequest& q) { q.top_logprobs = 21; }, "request 3: top_logprobs 21 must be <= 20"},
+      {[](RawRequest& q) { q.top_logprobs = 255; }, "request 3: top_logprobs 255 must be <= 20"},
   };
   ASSERT_TRUE(DecodeStepPlan(PlanFrame(FullRawPlan())).ok());
   for (const Case& c : cases) {
@@ -994,10 +998,10 @@ TEST(Wire, FrameHeaderChecks) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "step plan: version " + std::to_string(version) +
                                " at byte offset 4 is older than the supported version 4 (versions 2 to 4 "
-                               "changed the hello and step plan layouts)");
+                               "changed the hello, step plan and replica result layouts)");
   }
   // A version 2 plan as a version 2 encoder wrote it (records right after evict_count, at body
-  // offset 24) is refused by its version, not misread as a version 3 plan.
+  // offset 24) is refused by its version, not misread as a version 4 plan.
   {
     Bytes v2 = PlanBody(RawPlan{.requests = {RawRequest{}}});
     v2.erase(v2.begin() + 24, v2.begin() + 32);
@@ -1312,7 +1316,7 @@ TEST(ControlWire, RoundTrips) {
 TEST(ControlWire, GoldenBytes) {
   // Layouts written out by hand; crcs computed independently (bitwise Python reference). The crc
   // covers the body alone: of these frames, version 3 changed only the hello's body (its lanes and
-  // compute_ranks).
+  // compute_ranks), and version 4 none of their bodies.
   HelloMessage h;
   h.memory_rank = 2, h.num_memory_ranks = 4, h.num_layers = 32, h.num_heads = 32, h.num_kv_heads = 8;
   h.head_dim = 128, h.max_tokens_per_step = 8192, h.max_requests_per_step = 256, h.max_position = 131072;
@@ -1624,7 +1628,7 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     EXPECT_EQ(m->kv_head_end, begin + kv_heads / ranks);
   }
   // A version 1 hello (before the partition) and a version 2 hello (byte 54 reserved, 0: no lanes)
-  // are refused by their version, not read as version 3.
+  // are refused by their version, not read as version 4.
   for (uint16_t version : {uint16_t{1}, uint16_t{2}}) {
     RawHello old;
     old.lanes = 0;
@@ -1632,7 +1636,7 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "hello: version " + std::to_string(version) +
                                " at byte offset 4 is older than the supported version 4 (versions 2 to 4 "
-                               "changed the hello and step plan layouts)");
+                               "changed the hello, step plan and replica result layouts)");
   }
   // The limits and combinations that are valid.
   for (auto [tokens, sharing] : {std::pair<uint16_t, uint8_t>{0, 0}, {1, 0}, {1, 1}, {4096, 2}, {4096, 0}}) {
@@ -2071,6 +2075,64 @@ TEST(RestoreWire, RoundTripsAndRefusesBadPlansAndFrames) {
   EXPECT_FALSE(ValidateStepPlan(bad).ok());
 }
 
+// Version 4 carries both the step request's top_logprobs (its last byte, 63) and the plan's
+// restores (restore_count in the fixed part's bytes 28..31, the records after the evictions): one
+// plan with both, and a restore reply, written out by hand (crc by the bitwise reference).
+TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
+  StepPlan plan;
+  plan.step_id = 9;
+  plan.requests.push_back({.request_id = 1,
+                           .memory_rank = 1,
+                           .prefix_group = -1,
+                           .position = 0,
+                           .q_len = 4,
+                           .kv_len = 4,
+                           .sample = true,
+                           .seed = 2,
+                           .counter = 3,
+                           .top_logprobs = kMaxTopLogprobs});
+  plan.restores.push_back(
+      {.block_hash = 0x1112131415161718, .parent_hash = 0x2122232425262728, .block_index = 1, .memory_rank = 1});
+  const Bytes golden = {
+      0x54, 0x44, 0x53, 0x50, 0x04, 0x00, 0x10, 0x00,
+      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 4, body_bytes 120
+      0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
+      0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
+      0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
+      0x00, 0x01, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // micro_batch, micro_batches, reserved, restore_count
+      0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request 0: request_id
+      0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // seed
+      0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // counter
+      0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // attach_hash
+      0xff, 0xff, 0xff, 0xff, 0x00, 0x00, 0x00, 0x00,  // prefix_group, position
+      0x04, 0x00, 0x00, 0x00, 0x04, 0x00, 0x00, 0x00,  // q_len, kv_len
+      0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // temperature, top_k
+      0x00, 0x00, 0x80, 0x3f, 0x01, 0x00, 0x01, 0x14,  // top_p, memory_rank, sample, top_logprobs
+      0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // restore 0: block_hash
+      0x28, 0x27, 0x26, 0x25, 0x24, 0x23, 0x22, 0x21,  // parent_hash
+      0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // block_index, memory_rank, reserved
+  };
+  EXPECT_EQ(EncodeStepPlan(plan), golden);
+  absl::StatusOr<StepPlan> back = DecodeStepPlan(golden);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == plan);
+  EXPECT_EQ(back->requests[0].top_logprobs, kMaxTopLogprobs);
+  ASSERT_EQ(back->restores.size(), 1u);
+
+  const RestoreReplyMessage reply{.step_id = 9, .memory_rank = 1, .failed = {0x1112131415161718}};
+  const Bytes reply_golden = {
+      0x54, 0x44, 0x52, 0x54, 0x04, 0x00, 0x10, 0x00,
+      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 4, body_bytes 24
+      0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
+      0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // memory_rank, reserved, failed_count
+      0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // failed[0]
+  };
+  EXPECT_EQ(EncodeRestoreReply(reply), reply_golden);
+  absl::StatusOr<RestoreReplyMessage> reply_back = DecodeRestoreReply(reply_golden);
+  ASSERT_TRUE(reply_back.ok()) << reply_back.status();
+  EXPECT_EQ(*reply_back, reply);
+}
+
 TEST(ComputeReplicaWire, RoundTripsAndRefusesBadFrames) {
   // Compute hello: golden bytes (crc by the bitwise reference), round trip, every bad rank pair.
   const ComputeHelloMessage hello{.compute_rank = 2, .compute_ranks = 3};
@@ -2152,6 +2214,57 @@ TEST(ComputeReplicaWire, RoundTripsAndRefusesBadFrames) {
   ASSERT_FALSE(short_result.ok());
   EXPECT_NE(short_result.status().message().find("replica result: count 3 needs 24 bytes"), std::string::npos)
       << short_result.status();
+
+  // Replica result with top log-probability alternatives: round trips (a token may have none),
+  // golden bytes, and each malformed variant refused naming what is wrong.
+  const ReplicaResultMessage with_top{.step_id = 9,
+                                      .micro_batch = 1,
+                                      .tokens = {4, 8},
+                                      .logprobs = {-0.25f, -2.0f},
+                                      .top = {{{4, -0.25f}, {1, -1.5f}}, {}}};
+  const Bytes top_frame = EncodeReplicaResult(with_top);
+  absl::StatusOr<ReplicaResultMessage> tb = DecodeReplicaResult(top_frame);
+  ASSERT_TRUE(tb.ok()) << tb.status();
+  EXPECT_EQ(*tb, with_top);
+  const Bytes top_body(top_frame.begin() + kFrameHeaderBytes, top_frame.end());
+  Le golden_top;
+  golden_top.U64(9).U8(1).U8(1).U8(0).U8(0).U32(2);  // step, micro-batch, has_top, count
+  golden_top.I32(4).I32(8).F32(-0.25f).F32(-2.0f);   // tokens, logprobs
+  golden_top.U8(2).U8(0);                            // alternative counts
+  golden_top.I32(4).F32(-0.25f).I32(1).F32(-1.5f);   // token 0's alternatives
+  EXPECT_EQ(top_body, golden_top.b);
+  for (int n = 1; n <= 3; ++n) {
+    Bytes cut(top_body.begin(), top_body.end() - n);
+    EXPECT_FALSE(DecodeReplicaResult(MakeFrame(kReplicaResultMagic, cut)).ok()) << "cut " << n;
+  }
+  auto refused = [&](Bytes body, const std::string& want) {
+    absl::StatusOr<ReplicaResultMessage> got = DecodeReplicaResult(MakeFrame(kReplicaResultMagic, body));
+    ASSERT_FALSE(got.ok()) << want;
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << got.status();
+    EXPECT_NE(got.status().message().find(want), std::string::npos) << got.status();
+  };
+  Bytes bad = top_body;
+  bad[9] = 2;
+  refused(bad, "replica result: has_top 2 at byte offset 25 must be 0 or 1");
+  bad = top_body;
+  bad[10] = 1;
+  refused(bad, "replica result: reserved at byte offset 26 is 1");
+  bad = top_body;
+  bad[32] = 21;  // token 0's alternative count
+  refused(bad, "replica result: token 0: alternative count 21 at byte offset 48 must be <= 20");
+  bad = top_body;
+  bad[33] = 1;  // token 1 claims one more alternative than the body holds
+  refused(bad, "replica result: 3 alternatives need 24 bytes at byte offset 50 but 16 remain");
+  bad = top_body;
+  bad[34 + 8 + 3] = 0x80;  // token 0's second alternative: token id negative
+  refused(bad, "replica result: token 0: alternative 1 token -2147483647 at byte offset 58 must be >= 0");
+  bad = top_body;
+  bad.resize(28);  // has_top, but not even the counts fit
+  refused(bad, "replica result: count 2 needs at least 18 bytes at byte offset 32 but 12 remain");
+  // Bytes after the alternatives.
+  bad = top_body;
+  bad.push_back(0);
+  refused(bad, "replica result: 2 alternatives need 16 bytes at byte offset 50 but 17 remain");
 }
 
 }  // namespace

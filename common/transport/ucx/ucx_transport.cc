@@ -52,10 +52,12 @@
 // while it reports work, spin briefly (kSpinTime) re-checking, then arm the worker
 // (ucp_worker_arm) and block in ppoll on its event fd for at most kMaxBlock (a cap that also
 // covers any wakeup UCX might not signal), so an idle rank uses no CPU. Send and Write wait
-// (without deadline) for local completion: eager data was handed to the transport; a rendezvous
-// one completes once the peer fetched it, which needs the peer to be inside a call of its own
-// Transport; a failing peer ends the wait with Unavailable. Flush (ucp_ep_flush_nbx per live
-// peer) likewise needs the peers' progress.
+// for local completion: eager data was handed to the transport; a rendezvous one completes once
+// the peer fetched it, which needs the peer to be inside a call of its own Transport; a failing
+// peer ends the wait with Unavailable. The wait lasts at most UcxOptions::send_timeout: then the
+// request is cancelled and the peer marked failed (a stopped peer, SIGSTOP or hung, never fetches
+// and, over tcp, stops draining the socket too). Flush (ucp_ep_flush_nbx per live peer) likewise
+// needs the peers' progress.
 //
 // Peer failure: the ep error callback marks the peer failed with UCX's reason. Operations on that
 // peer return Unavailable("ucx: peer HOST:PORT disconnected: <reason>"); and every wait
@@ -293,6 +295,10 @@ class UcxTransport final : public Transport {
   void Close(PeerId peer) override {
     if (peer < peers_.size()) peers_[peer]->closing = true;
   }
+  absl::Status PeerStatus(PeerId peer) const override {
+    if (peer >= peers_.size()) return absl::InvalidArgumentError(absl::StrCat("ucx: no peer ", peer));
+    return peers_[peer]->failed ? PeerFailure(*peers_[peer]) : absl::OkStatus();
+  }
 
  private:
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status);
@@ -306,7 +312,9 @@ class UcxTransport final : public Transport {
   // the worker's event fd until an event or min(deadline, now + kMaxBlock).
   void ProgressOrBlock(absl::Time deadline, absl::Time* spin_start);
   // Waits for a UCP request (send, flush) to complete; the request is freed. Returns its status.
-  ucs_status_t WaitRequest(void* request);
+  // With `peer`: at most send_timeout_, then the request is cancelled, the peer is marked failed
+  // and UCS_ERR_TIMED_OUT returned.
+  ucs_status_t WaitRequest(void* request, Peer* peer = nullptr);
   absl::Status PeerFailure(const Peer& peer) const {
     return absl::UnavailableError(absl::StrCat("ucx: peer ", peer.name, " disconnected: ", peer.failure));
   }
@@ -349,6 +357,7 @@ class UcxTransport final : public Transport {
 
   Capabilities caps_;
   std::string address_;
+  absl::Duration send_timeout_ = absl::InfiniteDuration();
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int listen_fd_ = -1;  // the bootstrap socket
@@ -367,6 +376,7 @@ class UcxTransport final : public Transport {
 };
 
 absl::Status UcxTransport::Init(const UcxOptions& options) {
+  send_timeout_ = options.send_timeout;
   ASSIGN_OR_RETURN(key_, bootstrap::ProcessKey());
   std::string host;
   uint16_t port = 0;
@@ -630,13 +640,31 @@ bool UcxTransport::CreateEp(Peer* peer, const std::vector<uint8_t>& worker_addre
   return true;
 }
 
-ucs_status_t UcxTransport::WaitRequest(void* request) {
+ucs_status_t UcxTransport::WaitRequest(void* request, Peer* peer) {
   if (request == nullptr) return UCS_OK;
   if (UCS_PTR_IS_ERR(request)) return UCS_PTR_STATUS(request);
   absl::Time spin_start = absl::Now();
+  const absl::Time deadline = peer == nullptr ? absl::InfiniteFuture() : absl::Now() + send_timeout_;
   ucs_status_t st;
   while ((st = ucp_request_check_status(request)) == UCS_INPROGRESS) {
-    ProgressOrBlock(absl::InfiniteFuture(), &spin_start);
+    if (peer != nullptr && peer->failed) break;
+    if (absl::Now() >= deadline) {
+      peer->failed = true;
+      peer->failure = absl::StrCat("a send did not complete within ", absl::FormatDuration(send_timeout_),
+                                   " (the peer is not making progress)");
+      TANDEM_LOG_WARN("transport", "ucx: ", peer->name, ": ", peer->failure);
+      break;
+    }
+    ProgressOrBlock(deadline, &spin_start);
+  }
+  if (st == UCS_INPROGRESS) {
+    // Given up: cancel it and let it finish (its buffers are the caller's), a bounded while.
+    ucp_request_cancel(worker_, request);
+    const absl::Time until = absl::Now() + kCloseTimeout;
+    while (ucp_request_check_status(request) == UCS_INPROGRESS && absl::Now() < until) {
+      ProgressOrBlock(until, &spin_start);
+    }
+    st = UCS_ERR_TIMED_OUT;
   }
   ucp_request_free(request);
   return st;
@@ -724,8 +752,8 @@ absl::Status UcxTransport::Send(PeerId peer_id, absl::Span<const uint8_t> messag
   ucp_request_param_t rp{};
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   rp.flags = UCP_AM_SEND_FLAG_REPLY;
-  ucs_status_t st =
-      WaitRequest(ucp_am_send_nbx(peer->ep, kAmControl, nullptr, 0, message.data(), message.size(), &rp));
+  ucs_status_t st = WaitRequest(
+      ucp_am_send_nbx(peer->ep, kAmControl, nullptr, 0, message.data(), message.size(), &rp), peer);
   if (peer->failed) return PeerFailure(*peer);
   if (st != UCS_OK) {
     return UcxError(st, absl::StrCat("sending a ", message.size(), "-byte message to ", peer->name));
@@ -810,7 +838,7 @@ absl::Status UcxTransport::Write(PeerId peer_id, uint32_t buffer, uint64_t offse
     count = iov.size();
   }
   ucs_status_t st =
-      WaitRequest(ucp_am_send_nbx(peer->ep, kAmWrite, header, sizeof(header), data, count, &rp));
+      WaitRequest(ucp_am_send_nbx(peer->ep, kAmWrite, header, sizeof(header), data, count, &rp), peer);
   if (peer->failed) return PeerFailure(*peer);
   if (st != UCS_OK) {
     return UcxError(st, absl::StrCat("writing ", length, " bytes at offset ", offset, " of buffer ", buffer,

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Soak test (not in ctest): a CPU deployment behind `tandem serve --deploy` under Poisson load
+# with cancellations for MINUTES (default 30), every rank's RSS sampled; prints the p99 latency
+# of the first and last 5 minutes, memory growth after warm-up and stuck requests, and exits
+# non-zero when a target is missed (scripts/soak_client.py states them).
+# Usage: scripts/soak.sh [MINUTES]   (TANDEM=path/to/tandem, RATE=requests/s, DEPLOY=yaml,
+#        MEMORY_RANKS=n to change the defaults: build/tandem, 4, deploy/examples/cpu.yaml, 2)
+set -euo pipefail
+minutes="${1:-30}"
+src="$(cd "$(dirname "$0")/.." && pwd)"
+tandem="${TANDEM:-$src/build/tandem}"
+deploy="${DEPLOY:-$src/deploy/examples/cpu.yaml}"
+[ -x "$tandem" ] || { echo "soak: $tandem is not built (TANDEM=... to choose another)" >&2; exit 2; }
+tmp="$(mktemp -d /tmp/tandem-soak.XXXXXX)"
+key="soak-$RANDOM$RANDOM"
+"$tandem" serve --deploy "$deploy" --model small --ready-file "$tmp/ready" \
+  --set memory.ranks="${MEMORY_RANKS:-2}" --set launch.run_dir="$tmp/run" --set api.port=0 \
+  --set api.key="$key" --set api.served_model_name=soak --set kv.capacity_tokens=16384 \
+  --set scheduler.max_batch_size=16 >"$tmp/serve.log" 2>&1 &
+serve=$!
+cleanup() { kill -TERM "$serve" 2>/dev/null || true; wait "$serve" 2>/dev/null || true; }
+trap cleanup EXIT
+for _ in $(seq 600); do
+  [ -s "$tmp/ready" ] && break
+  kill -0 "$serve" 2>/dev/null || { cat "$tmp/serve.log" >&2; echo "soak: tandem serve exited" >&2; exit 2; }
+  sleep 0.1
+done
+[ -s "$tmp/ready" ] || { echo "soak: tandem serve did not become ready" >&2; exit 2; }
+url="$(cat "$tmp/ready")"
+url="${url%/v1}"
+echo "soak: $minutes min against $url (logs in $tmp)"
+set +e
+python3 "$src/scripts/soak_client.py" --url "$url" --pid "$serve" --key "$key" --model soak \
+  --duration-s "$((minutes * 60))" --rate "${RATE:-4}"
+rc=$?
+set -e
+if grep -h " E \[" "$tmp/serve.log" "$tmp"/run/latest/*.log 2>/dev/null | head -5; then
+  echo "soak: errors in the logs (above)"
+  rc=1
+fi
+exit $rc

@@ -1,0 +1,10 @@
+// libFuzzer target (scripts/fuzz.sh): fuzz_entries.h, FuzzWireFrame.
+#include <cstddef>
+#include <cstdint>
+
+#include "fuzz_entries.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  tandem::fuzz::FuzzWireFrame(data, size);
+  return 0;
+}

