@@ -41,6 +41,7 @@ absl::StatusOr<std::vector<GenerationResult>> RunRequests(Engine& engine,
   stats->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   stats->steps = engine.stats().steps;
   stats->device = engine.device();
+  stats->tiers = TierSummary(engine.stats());
   return results;
 }
 
@@ -211,6 +212,7 @@ absl::StatusOr<std::vector<GenerationResult>> RunWithStops(Engine& engine,
   stats->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   stats->steps = engine.stats().steps;
   stats->device = engine.device();
+  stats->tiers = TierSummary(engine.stats());
   return results;
 }
 
@@ -269,6 +271,7 @@ void PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& re
                (generated + prompt_tokens) / stats.seconds, static_cast<long long>(stats.steps),
                stats.device.c_str());
   if (!stats.pipeline.empty()) std::fprintf(stderr, "tandem generate: pipeline %s\n", stats.pipeline.c_str());
+  if (!stats.tiers.empty()) std::fprintf(stderr, "tandem generate: KV tiers %s\n", stats.tiers.c_str());
   if (!stats.recovery.empty())
     std::fprintf(stderr, "tandem generate: recovery: %s\n", stats.recovery.c_str());
 }

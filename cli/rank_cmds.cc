@@ -100,6 +100,10 @@ absl::Status RunMemory(const MemoryArgs& a) {
   ASSIGN_OR_RETURN(o.transport, transport::ParseTransportKind(a.transport));
   o.startup_timeout = absl::Seconds(config.GetDouble("launch.startup_timeout_s"));
   o.step_timeout = absl::Seconds(config.GetDouble("launch.step_timeout_s"));
+  const SchedulerKvSettings kv = SchedulerKvSettingsFromConfig(config);
+  o.tiers = {
+      .host_bytes = kv.tiers_host_bytes, .disk_dir = kv.tiers_disk_dir, .disk_bytes = kv.tiers_disk_bytes};
+  o.model = absl::StrCat(config.GetString("model.path"), " seed ", config.GetInt("model.weight_seed"));
   o.on_listening = [&](const std::string& address) {
     if (a.ready_file == "-") {  // to the launcher through ssh (deploy/ssh_launcher.h)
       std::printf("%s %s\n", kReadyMarker, address.c_str());
@@ -137,7 +141,13 @@ absl::Status RunCompute(const ComputeArgs& a) {
   // transport.kind local: the memory ranks are threads of this process (deploy/local_ranks.h); they
   // outlive the compute rank (declared first), which says bye to them.
   std::unique_ptr<LocalMemoryRanks> local;
+  const SchedulerKvSettings settings = SchedulerKvSettingsFromConfig(c);
   if (transport::GetTransportInfo(o.transport).one_process) {
+    if (settings.tiers_enabled()) {
+      return absl::InvalidArgumentError(
+          "kv.tiers.host_bytes / kv.tiers.disk_bytes: KV tiers need CPU memory ranks (processes), not memory "
+          "ranks on the compute GPU (transport.kind local)");
+    }
     if (a.memory_devices.empty())
       return absl::InvalidArgumentError("--memory-devices: needed with --transport local");
     ASSIGN_OR_RETURN(
@@ -157,8 +167,9 @@ absl::Status RunCompute(const ComputeArgs& a) {
     return st.ok() ? joined : st;
   };
   ASSIGN_OR_RETURN(o.partition, ParseAttentionPartition(c.GetString("memory.partition")));
-  const SchedulerKvSettings settings = SchedulerKvSettingsFromConfig(c);
-  ASSIGN_OR_RETURN(o.scheduler, ResolveControllerOptions(settings));
+  // KV tiers live on CPU memory ranks: fp32 KV.
+  ASSIGN_OR_RETURN(o.scheduler,
+                   ResolveControllerOptions(settings, source->spec().kv_bytes_per_token(sizeof(float))));
   o.kv_capacity_tokens = settings.kv_capacity_tokens;
   o.kv_memory_fraction = settings.kv_memory_fraction;
   o.checksums = c.GetBool("transport.checksums");

@@ -9,6 +9,12 @@
 
 namespace tandem::cli {
 
+std::string TierSummary(const EngineStats& s) {
+  if (s.demoted_tokens == 0 && s.restored_tokens == 0 && s.restore_failed_tokens == 0) return "";
+  return absl::StrCat("demoted ", s.demoted_tokens, " tokens to lower tiers, restored ", s.restored_tokens,
+                      ", failed ", s.restore_failed_tokens, " (recomputed)");
+}
+
 nlohmann::json TopLogprobsJson(const std::vector<std::vector<TopLogprob>>& top) {
   nlohmann::json out = nlohmann::json::array();
   for (const std::vector<TopLogprob>& alts : top) {
@@ -58,6 +64,7 @@ absl::Status WriteResultsFile(const std::string& path, const std::vector<Generat
                           {"steps", stats.steps},
                           {"device", stats.device},
                           {"pipeline", stats.pipeline},
+                          {"tiers", stats.tiers},
                           {"recovery", stats.recovery}}}}
              .dump()
       << "\n";
@@ -83,6 +90,7 @@ absl::Status ReadResultsFile(const std::string& path, std::vector<GenerationResu
         stats->steps = j["stats"].at("steps").get<int64_t>();
         stats->device = j["stats"].at("device").get<std::string>();
         stats->pipeline = j["stats"].value("pipeline", "");
+        stats->tiers = j["stats"].value("tiers", "");
         stats->recovery = j["stats"].value("recovery", "");
         have_stats = true;
         continue;

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "common/top_logprobs.h"
+#include "compute_node/engine.h"
 #include "nlohmann/json.hpp"
 
 namespace tandem {
@@ -27,10 +28,13 @@ struct RunStats {
   int64_t steps = 0;
   std::string device;
   std::string pipeline;  // a deployment's PipelineReport::ToString(); empty for the colocated engine
+  std::string tiers;     // KV tiers' figures (TierSummary); empty when no block moved between tiers
   // A deployment's recoveries ("1 memory rank(s) lost, 4 request(s) recovered by recomputation");
   // empty when there were none.
   std::string recovery;
 };
+// "demoted D tokens, restored R, failed F (recomputed)" from an engine's stats; "" when all are 0.
+std::string TierSummary(const EngineStats& stats);
 // Per generated token, its alternatives: [[{"token": id, "logprob": x}, ...], ...] (as `tandem
 // generate --json` prints them).
 nlohmann::json TopLogprobsJson(const std::vector<std::vector<TopLogprob>>& top);

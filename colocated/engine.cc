@@ -36,9 +36,11 @@ EngineOptions EngineOptionsFromConfig(const Config& config) {
 absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const WeightSource& source,
                                                                          const EngineOptions& requested) {
   EngineOptions options = requested;
-  ASSIGN_OR_RETURN(const ControllerOptions scheduler, ResolveControllerOptions(options));
-  options.max_batch_size = scheduler.max_batch_size;
   const ModelSpec& spec = source.spec();
+  ASSIGN_OR_RETURN(const ControllerOptions scheduler,
+                   ResolveControllerOptions(
+                       options, 2 * spec.num_layers * spec.kv_dim() * static_cast<int64_t>(sizeof(float))));
+  options.max_batch_size = scheduler.max_batch_size;
   ASSIGN_OR_RETURN(const int device, kernels::ResolveDevice(options.device, spec));
   const ComputeBackendOptions co{.max_tokens = options.max_tokens_per_step,
                                  .max_requests = options.max_batch_size,
@@ -66,8 +68,18 @@ absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const W
     ASSIGN_OR_RETURN(backend, CreateCudaComputeBackend(source, co, device));
     ASSIGN_OR_RETURN(attention, CreateCudaAttentionExecutor(shape, kv, device, backend->stream()));
   }
+  std::unique_ptr<KvTiers> tiers;
+  if (options.tiers_enabled()) {
+    ASSIGN_OR_RETURN(tiers,
+                     KvTiers::Create({.host_bytes = options.tiers_host_bytes,
+                                      .disk_dir = options.tiers_disk_dir,
+                                      .disk_bytes = options.tiers_disk_bytes},
+                                     attention.get(), scheduler.prefix_block_tokens, source.Describe()));
+  }
   auto engine = std::unique_ptr<ColocatedEngine>(
       new ColocatedEngine(std::move(backend), std::move(attention), options, scheduler));
+  engine->tiers_ = std::move(tiers);
+  engine->kv_table_.SetTiers(engine->tiers_.get());
   const int64_t t = options.max_tokens_per_step;
   const size_t elem = DTypeSize(engine->backend_->dtype());
   ASSIGN_OR_RETURN(engine->qkv_,
@@ -102,7 +114,10 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
   const auto t0 = std::chrono::steady_clock::now();
   controller_.Schedule(&step_);
   if (step_.empty()) return absl::OkStatus();
-  RETURN_IF_ERROR(Annotate(kv_table_.Apply(step_.plan, 0, &batch_), "KV reservation broken"));
+  std::vector<uint64_t> failed;
+  RETURN_IF_ERROR(Annotate(kv_table_.Apply(step_.plan, 0, &batch_, &failed), "KV reservation broken"));
+  if (!step_.plan.restores.empty()) controller_.RestoreResult(step_.plan, 0, failed);
+  if (!step_.has_rows()) return absl::OkStatus();  // restores only
   SampledTokens sampled;
   RETURN_IF_ERROR(backend_->BeginStep(step_.rows));
   RETURN_IF_ERROR(attention_->BeginStep(batch_));
@@ -121,6 +136,9 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
   stats_.prefill_tokens = cs.prefill_tokens;
   stats_.decode_tokens = cs.decode_tokens;
   stats_.cached_tokens = cs.cached_tokens;
+  stats_.restored_tokens = cs.restored_tokens;
+  stats_.restore_failed_tokens = cs.restore_failed_tokens;
+  stats_.demoted_tokens = cs.demoted_tokens;
   stats_.busy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return absl::OkStatus();
 }

@@ -9,6 +9,9 @@
 // places its rows in KV slots, the compute backend runs the linear layers and sampling, and the
 // attention executor appends KV and runs attention, all on one device and one stream.
 //
+// With kv.tiers.* (CPU only), blocks evicted from the KV pool are saved to host memory and disk
+// (memory_node/kv_tiers.h) and restored when a later prompt starts with them.
+//
 // It implements the Engine interface (compute_node/engine.h), as compute rank 0 of a deployment does.
 //
 // Thread safety: not thread-safe; one thread drives Submit/Step.
@@ -29,6 +32,7 @@
 #include "compute_node/weights.h"
 #include "memory_node/attention_executor.h"
 #include "memory_node/kv_table.h"
+#include "memory_node/kv_tiers.h"
 
 namespace tandem {
 
@@ -75,6 +79,8 @@ class ColocatedEngine : public Engine {
   // KV held by registered prefix blocks (kept after their requests end, for reuse).
   int64_t kv_registered_tokens() const { return kv_table_.num_blocks() * kv_table_.block_tokens(); }
   const Controller& controller() const { return controller_; }
+  // The KV tiers (kv.tiers.*), or nullptr when they are off.
+  KvTiers* tiers() { return tiers_.get(); }
 
  private:
   ColocatedEngine(std::unique_ptr<ComputeBackend> backend, std::unique_ptr<AttentionExecutor> attention,
@@ -85,6 +91,7 @@ class ColocatedEngine : public Engine {
   EngineOptions options_;
   Controller controller_;
   KvTable kv_table_;
+  std::unique_ptr<KvTiers> tiers_;
   PlannedStep step_;
   AttentionBatch batch_;
   BackendBuffer qkv_, attn_;  // (max_tokens, qkv_width) and (max_tokens, q_dim) in backend memory

@@ -396,7 +396,18 @@ absl::Status ValidatePlanLinks(const StepPlan& plan) {
     }
   }
   RETURN_IF_ERROR(CheckNoRepeatedBlocks(plan.publishes, "publish"));
-  return CheckNoRepeatedBlocks(plan.evictions, "eviction");
+  RETURN_IF_ERROR(CheckNoRepeatedBlocks(plan.evictions, "eviction"));
+  for (size_t i = 0; i < plan.restores.size(); ++i) {
+    const PrefixRestore& e = plan.restores[i];
+    if (e.block_hash == 0 || e.block_index < 0 || (e.block_index == 0) != (e.parent_hash == 0)) {
+      return absl::InvalidArgumentError(absl::StrCat("step plan: restore ", i, ": block_hash ", e.block_hash,
+                                                     ", block_index ", e.block_index, ", parent_hash ",
+                                                     e.parent_hash,
+                                                     ": the hash must not be 0, block_index must be >= 0 and "
+                                                     "parent_hash 0 exactly at block_index 0"));
+    }
+  }
+  return CheckNoRepeatedBlocks(plan.restores, "restore");
 }
 
 }  // namespace
@@ -485,7 +496,8 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
   for (const auto& [count, record_bytes] :
        {std::pair{plan.requests.size(), kStepRequestBytes}, std::pair{plan.groups.size(), kPrefixGroupBytes},
         std::pair{plan.publishes.size(), kPrefixPublishBytes},
-        std::pair{plan.evictions.size(), kPrefixEvictBytes}}) {
+        std::pair{plan.evictions.size(), kPrefixEvictBytes},
+        std::pair{plan.restores.size(), kPrefixRestoreBytes}}) {
     fits = fits && count <= (kMaxBody - body_bytes) / record_bytes;
     if (fits) body_bytes += count * record_bytes;
   }
@@ -502,7 +514,8 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
   w.U32(static_cast<uint32_t>(plan.evictions.size()));
   w.U8(plan.micro_batch);
   w.U8(plan.micro_batches);
-  w.Zeros(6);
+  w.Zeros(2);
+  w.U32(static_cast<uint32_t>(plan.restores.size()));
   for (const StepRequest& q : plan.requests) {
     w.U64(q.request_id);
     w.U64(q.seed);
@@ -539,6 +552,13 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
     w.U16(e.memory_rank);
     w.Zeros(6);
   }
+  for (const PrefixRestore& e : plan.restores) {
+    w.U64(e.block_hash);
+    w.U64(e.parent_hash);
+    w.I32(e.block_index);
+    w.U16(e.memory_rank);
+    w.Zeros(2);
+  }
   return Frame(kStepPlanMagic, body);
 }
 
@@ -554,7 +574,8 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
   ASSIGN_OR_RETURN(uint32_t evict_count, r.U32("evict_count"));
   ASSIGN_OR_RETURN(plan.micro_batch, r.U8("micro_batch"));
   ASSIGN_OR_RETURN(plan.micro_batches, r.U8("micro_batches"));
-  RETURN_IF_ERROR(r.Reserved("reserved", 6));
+  RETURN_IF_ERROR(r.Reserved("reserved", 2));
+  ASSIGN_OR_RETURN(uint32_t restore_count, r.U32("restore_count"));
   // Bound every count by the bytes present before allocating anything: each area, in order, must
   // fit in what the areas before it leave, and together they must fill the body exactly.
   struct Area {
@@ -566,8 +587,9 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
   const Area areas[] = {{"request_count", request_count, kStepRequestBytes, "requests"},
                         {"group_count", group_count, kPrefixGroupBytes, "groups"},
                         {"publish_count", publish_count, kPrefixPublishBytes, "publishes"},
-                        {"evict_count", evict_count, kPrefixEvictBytes, "evictions"}};
-  uint64_t used = 0;  // at most 4 * 2^32 * 64: cannot wrap
+                        {"evict_count", evict_count, kPrefixEvictBytes, "evictions"},
+                        {"restore_count", restore_count, kPrefixRestoreBytes, "restores"}};
+  uint64_t used = 0;  // at most 5 * 2^32 * 64: cannot wrap
   for (const Area& a : areas) {
     const uint64_t needed = static_cast<uint64_t>(a.count) * a.record_bytes;
     if (needed > r.remaining() - used) {
@@ -579,10 +601,10 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
     used += needed;
   }
   if (used < r.remaining()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(ToAbsl(kWhat), ": request_count ", request_count, ", group_count ", group_count,
-                     ", publish_count ", publish_count, " and evict_count ", evict_count, " leave ",
-                     r.remaining() - used, " unused body bytes at byte offset ", r.offset() + used));
+    return absl::InvalidArgumentError(absl::StrCat(
+        ToAbsl(kWhat), ": request_count ", request_count, ", group_count ", group_count, ", publish_count ",
+        publish_count, ", evict_count ", evict_count, " and restore_count ", restore_count, " leave ",
+        r.remaining() - used, " unused body bytes at byte offset ", r.offset() + used));
   }
   plan.requests.resize(request_count);
   for (uint32_t i = 0; i < request_count; ++i) {
@@ -633,6 +655,15 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
     ASSIGN_OR_RETURN(e.block_hash, r.U64("block_hash"));
     ASSIGN_OR_RETURN(e.memory_rank, r.U16("memory_rank"));
     RETURN_IF_ERROR(RecordReserved(r, "eviction", i, 6));
+  }
+  plan.restores.resize(restore_count);
+  for (uint32_t i = 0; i < restore_count; ++i) {
+    PrefixRestore& e = plan.restores[i];
+    ASSIGN_OR_RETURN(e.block_hash, r.U64("block_hash"));
+    ASSIGN_OR_RETURN(e.parent_hash, r.U64("parent_hash"));
+    ASSIGN_OR_RETURN(e.block_index, r.I32("block_index"));
+    ASSIGN_OR_RETURN(e.memory_rank, r.U16("memory_rank"));
+    RETURN_IF_ERROR(RecordReserved(r, "restore", i, 2));
   }
   RETURN_IF_ERROR(ValidateStepPlan(plan));
   return plan;
@@ -1044,6 +1075,40 @@ std::vector<uint8_t> EncodeComputeHello(const ComputeHelloMessage& m) {
   return Frame(kComputeHelloMagic, body);
 }
 
+std::vector<uint8_t> EncodeRestoreReply(const RestoreReplyMessage& m) {
+  TANDEM_CHECK(m.failed.size() <= (std::numeric_limits<uint32_t>::max() - kRestoreReplyFixedBytes) / 8);
+  std::vector<uint8_t> body;
+  body.reserve(kRestoreReplyFixedBytes + 8 * m.failed.size());
+  Writer w(&body);
+  w.U64(m.step_id);
+  w.U16(m.memory_rank);
+  w.Zeros(2);
+  w.U32(static_cast<uint32_t>(m.failed.size()));
+  for (uint64_t h : m.failed) w.U64(h);
+  return Frame(kRestoreReplyMagic, body);
+}
+
+absl::StatusOr<RestoreReplyMessage> DecodeRestoreReply(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "restore reply";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kRestoreReplyMagic, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  RestoreReplyMessage m;
+  ASSIGN_OR_RETURN(m.step_id, r.U64("step_id"));
+  ASSIGN_OR_RETURN(m.memory_rank, r.U16("memory_rank"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 2));
+  ASSIGN_OR_RETURN(const uint32_t count, r.U32("failed_count"));
+  if (static_cast<uint64_t>(count) * 8 != r.remaining()) {
+    return absl::DataLossError(absl::StrCat("restore reply: failed_count ", count, " needs ",
+                                            static_cast<uint64_t>(count) * 8, " bytes but ", r.remaining(),
+                                            " remain"));
+  }
+  m.failed.resize(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    ASSIGN_OR_RETURN(m.failed[i], r.U64("failed"));
+  }
+  return m;
+}
+
 absl::StatusOr<ComputeHelloMessage> DecodeComputeHello(absl::Span<const uint8_t> frame) {
   constexpr std::string_view kWhat = "compute hello";
   ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kComputeHelloMagic, kWhat));
@@ -1214,6 +1279,7 @@ absl::StatusOr<uint32_t> PeekFrameMagic(absl::Span<const uint8_t> frame) {
     case kComputeHelloMagic:
     case kReplicaStepMagic:
     case kReplicaResultMagic:
+    case kRestoreReplyMagic:
       return magic;
     default:
       return absl::InvalidArgumentError(

@@ -25,20 +25,24 @@
 //                                 'T','D','C','H' compute hello        0x48434454
 //                                 'T','D','R','S' replica step         0x53524454
 //                                 'T','D','R','R' replica result       0x52524454
+//                                 'T','D','R','T' restore reply        0x54524454
 //        4     2  version       u16, kWireVersion (4); a newer one decodes as Unimplemented, an
 //                               older one as InvalidArgument (one build runs every rank).
 //                               Version 2 added the hello's partition and KV head slice (its
 //                               body grew from 56 to 64 bytes); version 3 the step plan's
 //                               micro-batch fields (its fixed part grew from 24 to 32 bytes) and
 //                               the hello's lanes; version 4 the step request's top_logprobs
-//                               (its last byte, reserved before) and the replica result's
-//                               alternatives; the other layouts are unchanged
+//                               (its last byte, reserved before), the replica result's
+//                               alternatives, the step plan's restores (KV tiers: restore_count
+//                               in the fixed part's last 4 bytes, reserved before, and the
+//                               PrefixRestore records after the evictions) and the restore reply;
+//                               the other layouts are unchanged
 //        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 4
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
 //
 // Step plan body (body_bytes = 32 + 64 * request_count + 24 * group_count + 32 * publish_count +
-// 16 * evict_count; the records fill the body exactly):
+// 16 * evict_count + 24 * restore_count; the records fill the body exactly):
 //
 //   offset  size  field          notes
 //   ------  ----  -------------  ---------------------------------------------------------------
@@ -51,11 +55,13 @@
 //       25     1  micro_batches  u8   in [1, kMaxMicroBatches]: plans the step is split into
 //                                     (pipeline.batches); they share step_id and are sent in
 //                                     micro_batch order before any of the step's layer data
-//       26     6  reserved       must be 0
+//       26     2  reserved       must be 0
+//       28     4  restore_count  u32  s: blocks to bring back from the rank's KV tiers
 //       32  64*r  requests[r]    StepRequest records, each laid out as below (offsets relative)
 //        R  24*g  groups[g]      PrefixGroup records; R = 32 + 64*r
 //        G  32*p  publishes[p]   PrefixPublish records; G = R + 24*g
-//        P  16*e  evictions[e]   PrefixEvict records; P = G + 32*p, and the body ends at P + 16*e
+//        P  16*e  evictions[e]   PrefixEvict records; P = G + 32*p
+//        E  24*s  restores[s]    PrefixRestore records; E = P + 16*e, and the body ends at E + 24*s
 //
 //   StepRequest record (64 bytes):
 //        0     8  request_id     u64
@@ -99,6 +105,27 @@
 //        0     8  block_hash     u64  hash of the registered block to drop
 //        8     2  memory_rank    u16
 //       10     6  reserved       must be 0
+//
+//   PrefixRestore record (24 bytes; no two with the same memory_rank and block_hash):
+//        0     8  block_hash     u64  not 0: the block to load from the rank's KV tiers into free
+//                                     slots and register (memory_node/kv_tier_store.h)
+//        8     8  parent_hash    u64  the block before it (registered, or restored earlier in the
+//                                     plan); 0 exactly when block_index is 0
+//       16     4  block_index    i32  >= 0: its position in the chain
+//       20     2  memory_rank    u16
+//       22     2  reserved       must be 0
+//
+// Restore reply body (memory rank -> compute rank 0, once per plan with restores for the rank,
+// sent when the plan is applied; body_bytes = 16 + 8 * failed_count):
+//
+//   offset  size  field         notes
+//        0     8  step_id       u64  the plan's
+//        8     2  memory_rank   u16
+//       10     2  reserved      must be 0
+//       12     4  failed_count  u32
+//       16   8*n  failed        u64 each: restores that found no good copy (not registered); the
+//                               controller forgets them and the requests waiting for them compute
+//                               those tokens
 //
 // Layer message header body (48 bytes; a whole frame is 64 bytes):
 //
@@ -253,12 +280,15 @@ inline constexpr uint16_t kWireVersion = 4;
 inline constexpr uint32_t kStepPlanMagic = 0x50534454;      // "TDSP" on the wire
 inline constexpr uint32_t kLayerMessageMagic = 0x4d4c4454;  // "TDLM" on the wire
 inline constexpr size_t kFrameHeaderBytes = 16;
-inline constexpr size_t kStepPlanFixedBytes = 32;     // step plan body before the requests
-inline constexpr size_t kStepRequestBytes = 64;       // one StepRequest record
-inline constexpr size_t kPrefixGroupBytes = 24;       // one PrefixGroup record
-inline constexpr size_t kPrefixPublishBytes = 32;     // one PrefixPublish record
-inline constexpr size_t kPrefixEvictBytes = 16;       // one PrefixEvict record
-inline constexpr size_t kLayerMessageBodyBytes = 48;  // layer message header body
+inline constexpr size_t kStepPlanFixedBytes = 32;           // step plan body before the requests
+inline constexpr size_t kStepRequestBytes = 64;             // one StepRequest record
+inline constexpr size_t kPrefixGroupBytes = 24;             // one PrefixGroup record
+inline constexpr size_t kPrefixPublishBytes = 32;           // one PrefixPublish record
+inline constexpr size_t kPrefixEvictBytes = 16;             // one PrefixEvict record
+inline constexpr size_t kPrefixRestoreBytes = 24;           // one PrefixRestore record
+inline constexpr uint32_t kRestoreReplyMagic = 0x54524454;  // "TDRT" on the wire
+inline constexpr size_t kRestoreReplyFixedBytes = 16;       // restore reply body before the hashes
+inline constexpr size_t kLayerMessageBodyBytes = 48;        // layer message header body
 
 // Control messages.
 inline constexpr uint32_t kHelloMagic = 0x49484454;          // "TDHI" on the wire
@@ -351,8 +381,21 @@ struct PrefixEvict {
   friend bool operator==(const PrefixEvict&, const PrefixEvict&) = default;
 };
 
+// Brings a block the controller evicted from a rank's KV pool back from the rank's KV tiers: the rank
+// loads it into free slots and registers it (or reports it failed in its restore reply). Requests
+// attach restored blocks from the next plan on.
+struct PrefixRestore {
+  uint64_t block_hash = 0;
+  uint64_t parent_hash = 0;  // 0 when block_index is 0
+  int32_t block_index = 0;   // >= 0
+  uint16_t memory_rank = 0;
+
+  friend bool operator==(const PrefixRestore&, const PrefixRestore&) = default;
+};
+
 // Sent once per step by the controller to every rank. A memory rank applies it in this order:
-// evictions, requests (attach and new slots), publishes; then it resolves the groups.
+// evictions (saved to the rank's KV tiers when it has them), restores, requests (attach and new
+// slots), publishes; then it resolves the groups.
 struct StepPlan {
   uint64_t step_id = 0;
   // Pipelining (pipeline.batches): the step is split into `micro_batches` plans, this one is
@@ -363,6 +406,7 @@ struct StepPlan {
   std::vector<PrefixGroup> groups;
   std::vector<PrefixPublish> publishes;
   std::vector<PrefixEvict> evictions;
+  std::vector<PrefixRestore> restores;
 
   friend bool operator==(const StepPlan&, const StepPlan&) = default;
 };
@@ -502,6 +546,15 @@ struct ReplicaResultMessage {
   friend bool operator==(const ReplicaResultMessage&, const ReplicaResultMessage&) = default;
 };
 
+// Memory rank -> compute rank 0: the outcome of a plan's restores for this rank.
+struct RestoreReplyMessage {
+  uint64_t step_id = 0;
+  uint16_t memory_rank = 0;
+  std::vector<uint64_t> failed;  // restores that were not registered
+
+  friend bool operator==(const RestoreReplyMessage&, const RestoreReplyMessage&) = default;
+};
+
 // Compute rank -> memory rank, between steps: send your totals (a MemoryStatsMessage).
 struct StatsRequestMessage {
   uint64_t cookie = 0;
@@ -581,6 +634,8 @@ absl::StatusOr<ComputeHelloMessage> DecodeComputeHello(absl::Span<const uint8_t>
 std::vector<uint8_t> EncodeReplicaStep(const ReplicaStepMessage& step);
 absl::StatusOr<ReplicaStepMessage> DecodeReplicaStep(absl::Span<const uint8_t> frame);
 std::vector<uint8_t> EncodeReplicaResult(const ReplicaResultMessage& result);
+std::vector<uint8_t> EncodeRestoreReply(const RestoreReplyMessage& reply);
+absl::StatusOr<RestoreReplyMessage> DecodeRestoreReply(absl::Span<const uint8_t> frame);
 absl::StatusOr<ReplicaResultMessage> DecodeReplicaResult(absl::Span<const uint8_t> frame);
 
 // The magic of the frame at the start of `frame` (one of the k*Magic constants above), so that a

@@ -247,6 +247,18 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   const auto t0 = std::chrono::steady_clock::now();
   controller_->Schedule(&step_);
   if (step_.empty()) return absl::OkStatus();
+  if (!step_.has_rows()) {
+    // Restores only: the ranks load the blocks and answer; no layers run.
+    const std::vector<uint8_t> plan = EncodeStepPlan(step_.plan);
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      if (ranks_[m].lost) continue;
+      const absl::Status sent = transport_->Send(ranks_[m].peer, plan);
+      if (!sent.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(sent, ranks_[m].name)));
+    }
+    RETURN_IF_ERROR(CollectRestoreReplies(step_.plan));
+    RecoverLostRanks();
+    return absl::OkStatus();
+  }
   SampledTokens sampled;
   std::vector<SampledTokens> parts;
   if (options_.micro_batches > 1) {
@@ -273,16 +285,8 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
     RETURN_IF_ERROR(RunParts(std::span<const PlannedStep>(&step_, 1), &parts));
     sampled = std::move(parts[0]);
   }
-  // Memory ranks lost during the step: their requests' tokens of this step are dropped (the rest
-  // of the step ran without them) and the requests go back to the queue to be recomputed.
-  for (size_t m : lost_in_step_) {
-    const std::vector<int64_t> requeued = controller_->LoseRank(static_cast<int>(m));
-    requests_recovered_ += static_cast<int64_t>(requeued.size());
-    TANDEM_LOG_WARN("compute", ranks_[m].name, " is lost; ", requeued.size(),
-                    " of its requests go back to the queue to be recomputed on the ",
-                    controller_->live_ranks(), " surviving memory rank(s)");
-  }
-  lost_in_step_.clear();
+  RETURN_IF_ERROR(CollectRestoreReplies(step_.plan));
+  RecoverLostRanks();
   std::vector<std::vector<uint64_t>> released;
   RETURN_IF_ERROR(controller_->Complete(step_, sampled, finished, &released));
   RETURN_IF_ERROR(SendReleases(step_.plan.step_id, released));
@@ -378,6 +382,11 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
         ReceiveFromRank(deadline,
                         absl::StrCat("the compute replicas' results of step ", parts[0].plan.step_id), &msg));
     if (from < ranks_.size()) {
+      absl::StatusOr<uint32_t> magic = PeekFrameMagic(msg);
+      if (magic.ok() && *magic == kRestoreReplyMagic) {  // read after the step (CollectRestoreReplies)
+        early_replies_.emplace_back(from, std::move(msg));
+        continue;
+      }
       return absl::InvalidArgumentError(
           absl::StrCat(ranks_[from].name, ": unexpected message during a step"));
     }
@@ -417,6 +426,84 @@ bool ComputeRank::CanRecover() const {
   return options_.recover_memory_ranks && !device_path_ && !head_ && compute_ranks_ == 1;
 }
 
+void ComputeRank::RecoverLostRanks() {
+  // Memory ranks lost during the step: their requests' tokens of this step are dropped (the rest
+  // of the step ran without them) and the requests go back to the queue to be recomputed.
+  for (size_t m : lost_in_step_) {
+    const std::vector<int64_t> requeued = controller_->LoseRank(static_cast<int>(m));
+    requests_recovered_ += static_cast<int64_t>(requeued.size());
+    TANDEM_LOG_WARN("compute", ranks_[m].name, " is lost; ", requeued.size(),
+                    " of its requests go back to the queue to be recomputed on the ",
+                    controller_->live_ranks(), " surviving memory rank(s)");
+  }
+  lost_in_step_.clear();
+}
+
+absl::Status ComputeRank::CollectRestoreReplies(const StepPlan& plan) {
+  // A lost rank's replies are not awaited (LoseRank: the controller forgets its restores).
+  std::vector<bool> expect(ranks_.size(), false);
+  size_t left = 0;
+  for (const PrefixRestore& r : plan.restores) {
+    if (r.memory_rank < expect.size() && !expect[r.memory_rank] && !ranks_[r.memory_rank].lost) {
+      expect[r.memory_rank] = true;
+      ++left;
+    }
+  }
+  // Ranks lost while the replies are awaited.
+  auto drop_lost = [&] {
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      if (expect[m] && ranks_[m].lost) {
+        expect[m] = false;
+        --left;
+      }
+    }
+  };
+  const absl::Time deadline = absl::Now() + options_.step_timeout;
+  while (left > 0) {
+    size_t m = 0;
+    std::vector<uint8_t> msg;
+    if (!early_replies_.empty()) {
+      m = early_replies_.front().first;
+      msg = std::move(early_replies_.front().second);
+      early_replies_.erase(early_replies_.begin());
+      if (ranks_[m].lost) continue;
+    } else {
+      absl::StatusOr<size_t> from =
+          ReceiveFromRank(deadline, absl::StrCat("the restore replies of step ", plan.step_id), &msg);
+      if (!from.ok()) {
+        // The rank that failed (or the first still silent at the deadline) is given up, or the
+        // step fails as without recovery.
+        size_t waited_on = 0;
+        while (!expect[waited_on]) ++waited_on;
+        RETURN_IF_ERROR(LoseFailedRanks(waited_on, from.status()));
+        drop_lost();
+        continue;
+      }
+      m = *from;
+    }
+    if (m >= ranks_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(replicas_[m - ranks_.size()].name, ": unexpected message after a step"));
+    }
+    if (absl::StatusOr<ErrorMessage> err = DecodeError(msg); err.ok()) {  // the rank stopped
+      RETURN_IF_ERROR(LoseRank(m, Annotate(StatusFromErrorMessage(*err), ranks_[m].name)));
+      drop_lost();
+      continue;
+    }
+    absl::StatusOr<RestoreReplyMessage> reply = DecodeRestoreReply(msg);
+    if (!reply.ok()) return Annotate(reply.status(), ranks_[m].name);
+    if (reply->step_id != plan.step_id || reply->memory_rank != m || !expect[m]) {
+      return absl::InvalidArgumentError(absl::StrCat(ranks_[m].name, ": a restore reply for step ",
+                                                     reply->step_id, " from memory rank ", reply->memory_rank,
+                                                     " while step ", plan.step_id, " was awaited"));
+    }
+    expect[m] = false;
+    --left;
+    controller_->RestoreResult(plan, static_cast<int>(m), reply->failed);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ComputeRank::LoseRank(size_t m, absl::Status why) {
   Rank& rank = ranks_[m];
   if (rank.lost) return absl::OkStatus();
@@ -448,6 +535,11 @@ absl::Status ComputeRank::LoseFailedRanks(size_t waited_on, absl::Status why) {
     absl::StatusOr<ErrorMessage> err = DecodeError(msg);
     for (size_t m = 0; m < ranks_.size(); ++m) {
       if (ranks_[m].peer != from || ranks_[m].lost) continue;
+      absl::StatusOr<uint32_t> magic = PeekFrameMagic(msg);
+      if (magic.ok() && *magic == kRestoreReplyMagic) {  // read after the step (CollectRestoreReplies)
+        early_replies_.emplace_back(m, std::move(msg));
+        break;
+      }
       // Anything but an error report from a rank in the middle of a step breaks the protocol.
       const absl::Status reason = err.ok() ? StatusFromErrorMessage(*err)
                                            : absl::InternalError("an unexpected message during a step");
@@ -868,6 +960,9 @@ EngineStats ComputeRank::stats() const {
           .prefill_tokens = cs.prefill_tokens,
           .decode_tokens = cs.decode_tokens,
           .cached_tokens = cs.cached_tokens,
+          .demoted_tokens = cs.demoted_tokens,
+          .restored_tokens = cs.restored_tokens,
+          .restore_failed_tokens = cs.restore_failed_tokens,
           .busy_seconds = busy_seconds_,
           .memory_ranks_lost = memory_ranks_lost_,
           .requests_recovered = requests_recovered_};

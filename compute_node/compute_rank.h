@@ -201,6 +201,14 @@ class ComputeRank : public Engine {
   std::pair<int32_t, int32_t> RowsOf(const PlannedStep& step, size_t m) const;
   // Sends the release messages of `released` (the controller's, per placement group).
   absl::Status SendReleases(uint64_t step_id, const std::vector<std::vector<uint64_t>>& released);
+  // KV tiers: each memory rank that `plan` asks to restore blocks answers with a restore reply once
+  // it applied the plan; the replies go to the controller (Controller::RestoreResult). A lost
+  // rank's replies are not awaited; a rank that fails or stays silent past the step timeout
+  // meanwhile is lost like in a step (LoseFailedRanks).
+  absl::Status CollectRestoreReplies(const StepPlan& plan);
+  // Hands the ranks lost during the step to the controller (Controller::LoseRank requeues their
+  // requests).
+  void RecoverLostRanks();
 
   ComputeRankOptions options_;
   std::unique_ptr<transport::Transport> transport_;
@@ -256,6 +264,9 @@ class ComputeRank : public Engine {
   bool head_ = false;  // partition == kHead
   size_t elem_ = 4;
   double busy_seconds_ = 0;
+  // Restore replies that arrived while the replicas' results were awaited or failed ranks were
+  // looked for: (memory rank, frame).
+  std::vector<std::pair<size_t, std::vector<uint8_t>>> early_replies_;
   std::vector<size_t> lost_in_step_;  // ranks lost during the current step
   int64_t memory_ranks_lost_ = 0, requests_recovered_ = 0;
 };

@@ -63,10 +63,13 @@ Controller::Controller(const ModelSpec& spec, std::vector<int64_t> kv_capacity,
   TANDEM_CHECK(options_.max_batch_size >= 1 && options_.max_tokens_per_step >= options_.max_batch_size);
   TANDEM_CHECK(options_.prefix_block_tokens >= 0);
   evicted_.resize(capacity_.size());
+  restores_.resize(capacity_.size());
+  restoring_.resize(capacity_.size());
   pending_.resize(capacity_.size());
   if (options_.prefix_block_tokens > 0) {
     for (size_t m = 0; m < capacity_.size(); ++m) {
-      index_.push_back(std::make_unique<PrefixIndex>(options_.prefix_block_tokens));
+      index_.push_back(std::make_unique<PrefixIndex>(options_.prefix_block_tokens, &DefaultBlockHash,
+                                                     options_.tier_blocks));
     }
   }
 }
@@ -155,11 +158,16 @@ void Controller::Admit() {
         const int64_t bt = index.block_tokens();
         match = index.Match(prompt, (static_cast<int64_t>(prompt.size()) - 1) / bt);
         int64_t reused_unused = 0;
-        for (int32_t id : match) reused_unused += index.users(id) == 0 ? bt : 0;
+        for (int32_t id : match) reused_unused += index.resident(id) && index.users(id) == 0 ? bt : 0;
         avail += index.unused_tokens() - index.stats().tokens_held - reused_unused;
       }
-      const int64_t need =
-          view[pick].context_tokens - static_cast<int64_t>(match.size()) * options_.prefix_block_tokens;
+      // Demoted blocks of the match (the resident ones are a prefix of it) come back into the pool:
+      // they need room like the tokens the request computes.
+      int64_t resident = 0;
+      while (resident < static_cast<int64_t>(match.size()) &&
+             index_[mi]->resident(match[static_cast<size_t>(resident)]))
+        ++resident;
+      const int64_t need = view[pick].context_tokens - resident * options_.prefix_block_tokens;
       if (need > avail) continue;
       size_t shared = match.size();
       if (!index_.empty()) {
@@ -182,11 +190,33 @@ void Controller::Admit() {
     live->reserve = best_need;
     if (!index_.empty()) {
       PrefixIndex& index = *index_[bi];
+      // Demoted blocks are restored (in chain order, parents first); blocks another admission is
+      // restoring are waited for too.
+      for (size_t k = 0; k < best_match.size(); ++k) {
+        const int32_t id = best_match[k];
+        const uint64_t h = index.hash(id);
+        if (!index.resident(id)) {
+          index.MarkRestored(id);
+          restoring_[bi][h] = id;
+          restores_[bi].push_back({.block_hash = h,
+                                   .parent_hash = k == 0 ? 0 : index.hash(best_match[k - 1]),
+                                   .block_index = static_cast<int32_t>(k),
+                                   .memory_rank = static_cast<uint16_t>(best)});
+          live->reserve -= index.block_tokens();  // held as a registered block from now on
+        }
+        if (restoring_[bi].contains(h)) live->restoring.push_back(h);
+      }
       index.Acquire(best_match);
       const int64_t cached = static_cast<int64_t>(best_match.size()) * index.block_tokens();
       index.CountLookup(static_cast<int64_t>(live->request.prompt.size()), cached);
+      best_need = live->reserve;
       const int64_t free = capacity_[bi] - reserved_[bi] - index.stats().tokens_held;
-      if (free < best_need) index.Evict(best_need - free, &evicted_[bi]);
+      if (free < best_need) {
+        const size_t before = evicted_[bi].size();
+        index.Evict(best_need - free, &evicted_[bi]);
+        if (options_.tier_blocks > 0)
+          stats_.demoted_tokens += static_cast<int64_t>(evicted_[bi].size() - before) * index.block_tokens();
+      }
       live->chain = std::move(best_match);
       live->prefilled = live->context = live->result.cached_tokens = cached;
       live->pending = PendingBlockHashes(*live, static_cast<int64_t>(live->request.prompt.size()));
@@ -221,6 +251,14 @@ void Controller::Rematch(Live& live) {
   const int64_t bt = index.block_tokens();
   std::vector<int32_t> match =
       index.Match(live.request.prompt, (static_cast<int64_t>(live.request.prompt.size()) - 1) / bt);
+  // Only blocks whose KV is in the pool now: not demoted, not on their way back.
+  const auto& restoring = restoring_[static_cast<size_t>(live.memory_rank)];
+  for (size_t k = 0; k < match.size(); ++k) {
+    if (!index.resident(match[k]) || restoring.contains(index.hash(match[k]))) {
+      match.resize(k);
+      break;
+    }
+  }
   // Blocks in use are never evicted, so the blocks attached at admission are a prefix of `match`.
   if (match.size() <= live.chain.size()) return;
   const std::span<const int32_t> extra = std::span(match).subspan(live.chain.size());
@@ -357,6 +395,7 @@ void Controller::Schedule(PlannedStep* step) {
   // (many requests arriving together with one system prompt prefill it once).
   std::vector<std::unordered_set<uint64_t>> inflight(index_.size());
   for (auto& live : running_) {
+    if (!live->restoring.empty()) continue;  // its blocks come back with this step's plan
     if (!index_.empty() && !live->started) {
       Rematch(*live);
       const std::vector<uint64_t> next = PendingBlockHashes(*live, live->context + index_[0]->block_tokens());
@@ -373,7 +412,9 @@ void Controller::Schedule(PlannedStep* step) {
       }
     }
   }
-  if (chosen.empty()) return;
+  bool restoring = false;
+  for (const auto& r : restores_) restoring |= !r.empty();
+  if (chosen.empty() && !restoring) return;
   // Plan order: by memory rank, single-row requests first within a rank (stable otherwise).
   std::stable_sort(chosen.begin(), chosen.end(), [](const auto& a, const auto& b) {
     if (a.first->memory_rank != b.first->memory_rank) return a.first->memory_rank < b.first->memory_rank;
@@ -422,6 +463,10 @@ void Controller::Schedule(PlannedStep* step) {
   }
   for (size_t m = 1; m < step->rank_rows.size(); ++m) step->rank_rows[m] += step->rank_rows[m - 1];
   if (index_.empty()) return;
+  for (size_t m = 0; m < restores_.size(); ++m) {
+    step->plan.restores.insert(step->plan.restores.end(), restores_[m].begin(), restores_[m].end());
+    restores_[m].clear();
+  }
   // Prefix work of the step, in the order a memory rank applies it: evictions (made by admissions
   // since the last plan), then the groups over blocks registered before the step, then the blocks
   // that this step's rows complete (prompt chunks and decode rows).
@@ -436,6 +481,50 @@ void Controller::Schedule(PlannedStep* step) {
   }
   for (const auto& [live, n] : chosen) {
     Publish(*live, n, &step->plan);
+  }
+}
+
+void Controller::RestoreResult(const StepPlan& plan, int m, std::span<const uint64_t> failed) {
+  const size_t mi = static_cast<size_t>(m);
+  if (lost_[mi]) return;  // LoseRank forgot its restores and requeued their requests
+  PrefixIndex& index = *index_[mi];
+  const int64_t bt = index.block_tokens();
+  const std::unordered_set<uint64_t> bad(failed.begin(), failed.end());
+  std::vector<int32_t> forget;
+  for (const PrefixRestore& r : plan.restores) {
+    if (r.memory_rank != m) continue;
+    auto it = restoring_[mi].find(r.block_hash);
+    if (it == restoring_[mi].end()) continue;
+    if (bad.contains(r.block_hash)) {
+      forget.push_back(it->second);
+      stats_.restore_failed_tokens += bt;
+    } else {
+      stats_.restored_tokens += bt;
+    }
+    restoring_[mi].erase(it);
+  }
+  // Requests that waited: keep the chain up to the first block that failed, compute the rest.
+  for (auto& live : running_) {
+    if (live->memory_rank != m || live->restoring.empty()) continue;
+    std::erase_if(live->restoring, [&](uint64_t h) { return !restoring_[mi].contains(h); });
+    size_t keep = 0;
+    while (keep < live->chain.size() && !bad.contains(index.hash(live->chain[keep]))) ++keep;
+    if (keep == live->chain.size()) continue;
+    const std::span<const int32_t> lost = std::span(live->chain).subspan(keep);
+    index.Release(lost);
+    const int64_t tokens = static_cast<int64_t>(lost.size()) * bt;
+    live->chain.resize(keep);
+    live->reserve += tokens;
+    reserved_[mi] += tokens;
+    DropPending(*live);
+    live->prefilled = live->context = live->result.cached_tokens = static_cast<int64_t>(keep) * bt;
+    live->pending = PendingBlockHashes(*live, static_cast<int64_t>(live->request.prompt.size()));
+    for (uint64_t h : live->pending) ++pending_[mi][h];
+  }
+  // Their blocks (and everything below them) are gone from the rank's tiers as far as we know.
+  for (int32_t id : forget) {
+    const uint64_t h = index.hash(id);
+    if (index.Find(h) == id) index.Forget(id);
   }
 }
 
@@ -543,7 +632,15 @@ std::vector<int64_t> Controller::LoseRank(int m) {
   reserved_[mi] = 0;
   evicted_[mi].clear();
   pending_[mi].clear();
-  if (!index_.empty()) index_[mi] = std::make_unique<PrefixIndex>(options_.prefix_block_tokens);
+  // Its KV tiers went with it: every block the registry knew there, resident or demoted, is
+  // forgotten, and restores not yet sent or not yet answered are dropped (their requests are
+  // requeued below; no restore reply of the rank is awaited any more).
+  restores_[mi].clear();
+  restoring_[mi].clear();
+  if (!index_.empty()) {
+    index_[mi] =
+        std::make_unique<PrefixIndex>(options_.prefix_block_tokens, &DefaultBlockHash, options_.tier_blocks);
+  }
   std::vector<Live> back;
   for (auto it = running_.begin(); it != running_.end();) {
     if ((*it)->memory_rank != m) {
@@ -562,6 +659,7 @@ std::vector<int64_t> Controller::LoseRank(int m) {
     live.started = false;
     live.chain.clear();
     live.pending.clear();
+    live.restoring.clear();
     requeued.push_back(live.id);
     back.push_back(std::move(live));
   }

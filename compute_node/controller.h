@@ -31,6 +31,15 @@
 // the requests of a step that use the same registered blocks form prefix groups (nested where
 // they share different depths), which let attention read those blocks once per step.
 //
+// KV tiers (options.tier_blocks > 0; docs/architecture.md, "KV cache on a memory rank"): eviction
+// demotes blocks (the memory rank saves them to its host and disk tiers) and the registry keeps
+// them, not resident. A request admitted with demoted blocks in its match is placed as if they
+// were registered (placement prefers the rank that holds its prefix in any tier) and room is made
+// for them in the pool; the plan asks the rank to restore them (StepPlan::restores) and the
+// request waits until RestoreResult reports the outcome for that plan (the engine calls it before
+// the next Schedule). Blocks that failed (no good copy left) are forgotten and the requests that
+// waited for them compute those tokens instead: a lost block costs time, never tokens.
+//
 // Stop conditions: an EOS token (unless ignore_eos), max_tokens, or Cancel(). A finished
 // request's KV is released on its rank (Complete()/Cancel() report which ids to release).
 //
@@ -85,6 +94,8 @@ struct ControllerOptions {
   int64_t prefix_block_tokens = 0;
   // kv.prefix_sharing: off puts no prefix groups in the plans (the memory rank decides auto/on).
   PrefixSharing prefix_sharing = PrefixSharing::kOff;
+  // KV tiers: demoted blocks the registry keeps per rank (kv.tiers.*); 0: no tiers, eviction forgets.
+  int64_t tier_blocks = 0;
 };
 
 // scheduler.max_batch_size and scheduler.max_tokens_per_step as the controller takes them: a
@@ -117,15 +128,21 @@ struct PlannedStep {
   StepPlan plan;
   StepTokens rows;                 // tokens, positions, sample rows and their parameters
   std::vector<int32_t> rank_rows;  // (memory ranks + 1): rows of rank m are [rank_rows[m], rank_rows[m+1])
-  bool empty() const { return plan.requests.empty(); }
+  // Nothing to send. A plan with restores and no requests is sent (the ranks restore) but runs no
+  // layers.
+  bool empty() const { return plan.requests.empty() && plan.restores.empty(); }
+  bool has_rows() const { return !plan.requests.empty(); }
 };
 
 struct ControllerStats {
   int64_t steps = 0;
   int64_t prefill_tokens = 0;
-  int64_t decode_tokens = 0;  // generated tokens
-  int64_t cached_tokens = 0;  // prompt tokens reused from the prefix registry (not prefilled)
-  int64_t grouped_rows = 0;   // rows planned inside a prefix group
+  int64_t decode_tokens = 0;          // generated tokens
+  int64_t cached_tokens = 0;          // prompt tokens reused from the prefix registry (not prefilled)
+  int64_t grouped_rows = 0;           // rows planned inside a prefix group
+  int64_t demoted_tokens = 0;         // KV tiers: tokens of blocks evicted to a lower tier
+  int64_t restored_tokens = 0;        // tokens of blocks restored from a lower tier
+  int64_t restore_failed_tokens = 0;  // tokens of restores that failed (recomputed)
 };
 
 class Controller {
@@ -146,6 +163,10 @@ class Controller {
 
   // Plans the next step into `step` (empty when nothing can run).
   void Schedule(PlannedStep* step);
+  // The outcome of the restores that `plan` asked of rank m: `failed` lists those not registered
+  // (the others were). Call once per plan with restores for m, before the next Schedule; a no-op
+  // for a rank given up with LoseRank (its restores were forgotten there).
+  void RestoreResult(const StepPlan& plan, int m, std::span<const uint64_t> failed);
   // Applies the sampled tokens of `step` (one per sample row, in order; alternatives for the rows
   // whose request asked, exactly as many as it asked or the vocabulary holds). Finished requests are
   // appended to `finished`; released[m] gets the ids whose KV rank m can free.
@@ -154,7 +175,8 @@ class Controller {
                         std::vector<std::vector<uint64_t>>* released);
 
   // Memory rank m is gone (died, disconnected or went silent) with the KV of its requests: it
-  // takes no more requests (its capacity becomes 0 and its prefix registry is forgotten), and each
+  // takes no more requests (its capacity becomes 0 and its prefix registry is forgotten, with the
+  // blocks demoted to its KV tiers and the restores planned or awaiting its reply), and each
   // of its running requests goes back to the front of the queue, in admission order, to be
   // placed on a surviving rank and recompute its KV by prefilling its prompt and the tokens it has
   // generated so far; it then goes on generating where it was, with the same sampling counter, so
@@ -190,12 +212,13 @@ class Controller {
     GenerationRequest request;
     GenerationResult result;
     int memory_rank = -1;
-    int64_t prefilled = 0;          // prompt tokens processed (or reused)
-    int64_t context = 0;            // tokens whose KV exists on the rank
-    int64_t reserve = 0;            // KV slots promised to it beyond registered blocks
-    bool started = false;           // has been in a step
-    std::vector<int32_t> chain;     // registered blocks it uses (attached, then published), in order
-    std::vector<uint64_t> pending;  // hashes of prompt blocks it will compute (counted in pending_)
+    int64_t prefilled = 0;            // prompt tokens processed (or reused)
+    int64_t context = 0;              // tokens whose KV exists on the rank
+    int64_t reserve = 0;              // KV slots promised to it beyond registered blocks
+    bool started = false;             // has been in a step
+    std::vector<int32_t> chain;       // registered blocks it uses (attached, then published), in order
+    std::vector<uint64_t> pending;    // hashes of prompt blocks it will compute (counted in pending_)
+    std::vector<uint64_t> restoring;  // hashes of its blocks being restored: it waits for them
     // Generated tokens folded into request.prompt by LoseRank (recomputed with the prompt): the
     // history is request.prompt + result.token_ids[resumed:].
     int64_t resumed = 0;
@@ -222,10 +245,13 @@ class Controller {
 
   ModelSpec spec_;
   std::vector<int64_t> capacity_;
-  std::vector<bool> lost_;                           // per rank: LoseRank
-  std::vector<int64_t> reserved_;                    // per rank: reservations of running requests
-  std::vector<std::unique_ptr<PrefixIndex>> index_;  // per rank, when the registry is on
-  std::vector<std::vector<uint64_t>> evicted_;       // per rank: for the next plan
+  std::vector<bool> lost_;                            // per rank: LoseRank
+  std::vector<int64_t> reserved_;                     // per rank: reservations of running requests
+  std::vector<std::unique_ptr<PrefixIndex>> index_;   // per rank, when the registry is on
+  std::vector<std::vector<uint64_t>> evicted_;        // per rank: for the next plan
+  std::vector<std::vector<PrefixRestore>> restores_;  // per rank: for the next plan
+  std::vector<std::unordered_map<uint64_t, int32_t>>
+      restoring_;  // per rank: hash -> block id, until RestoreResult
   // Per rank: block hash -> running requests that will compute it (placement looks ahead).
   std::vector<std::unordered_map<uint64_t, int32_t>> pending_;
   ControllerOptions options_;

@@ -1,5 +1,7 @@
 #include "compute_node/controller_settings.h"
 
+#include <algorithm>
+
 #include "common/status.h"
 
 namespace tandem {
@@ -26,7 +28,19 @@ void AddSchedulerKvKnobs(ConfigSchema* schema) {
            "tokens per prefix-cache block: prompts share KV in whole blocks", 1, 4096)
       .Enum("kv.prefix_sharing", d.prefix_sharing, {"auto", "on", "off"},
             "attention reads a prefix shared by several requests of a step once for all of them: auto "
-            "where the measured crossover says it pays, on always, off never (needs kv.prefix_cache)");
+            "where the measured crossover says it pays, on always, off never (needs kv.prefix_cache)")
+      .Int("kv.tiers.host_bytes", d.tiers_host_bytes,
+           "KV tiers (CPU memory ranks and the CPU engine): bytes of host memory per memory rank that keep "
+           "prefix blocks evicted from the KV pool, so that a later turn restores them instead of "
+           "recomputing; 0: off",
+           0, int64_t{1} << 50)
+      .String("kv.tiers.disk_dir", d.tiers_disk_dir,
+              "directory of the disk KV tier (memory rank m uses its subdirectory rank-<m>); needed when "
+              "kv.tiers.disk_bytes > 0")
+      .Int("kv.tiers.disk_bytes", d.tiers_disk_bytes,
+           "bytes of block files per memory rank in kv.tiers.disk_dir, written by a thread of their own "
+           "(checksummed; a bad file is discarded and its tokens recomputed); 0: off",
+           0, int64_t{1} << 50);
 }
 
 SchedulerKvSettings SchedulerKvSettingsFromConfig(const Config& config) {
@@ -38,16 +52,27 @@ SchedulerKvSettings SchedulerKvSettingsFromConfig(const Config& config) {
   s.prefix_cache = config.GetBool("kv.prefix_cache");
   s.prefix_block_tokens = config.GetInt("kv.prefix_block_tokens");
   s.prefix_sharing = config.GetString("kv.prefix_sharing");
+  s.tiers_host_bytes = config.GetInt("kv.tiers.host_bytes");
+  s.tiers_disk_dir = config.GetString("kv.tiers.disk_dir");
+  s.tiers_disk_bytes = config.GetInt("kv.tiers.disk_bytes");
   return s;
 }
 
-absl::StatusOr<ControllerOptions> ResolveControllerOptions(const SchedulerKvSettings& s) {
+absl::StatusOr<ControllerOptions> ResolveControllerOptions(const SchedulerKvSettings& s,
+                                                           int64_t kv_bytes_per_token) {
   ASSIGN_OR_RETURN(ControllerOptions options,
                    ResolveSchedulerOptions(s.max_batch_size, s.max_tokens_per_step));
   ASSIGN_OR_RETURN(const PrefixOptions prefix,
                    ResolvePrefixOptions(s.prefix_cache, s.prefix_block_tokens, s.prefix_sharing));
   options.prefix_block_tokens = prefix.block_tokens;
   options.prefix_sharing = prefix.sharing;
+  if (s.tiers_enabled()) {
+    if (options.prefix_block_tokens == 0)
+      return absl::InvalidArgumentError(
+          "kv.tiers.host_bytes / kv.tiers.disk_bytes need kv.prefix_cache: true");
+    const int64_t block_bytes = std::max<int64_t>(1, options.prefix_block_tokens * kv_bytes_per_token);
+    options.tier_blocks = std::max<int64_t>(1, (s.tiers_host_bytes + s.tiers_disk_bytes) / block_bytes);
+  }
   return options;
 }
 

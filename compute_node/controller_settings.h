@@ -9,6 +9,9 @@
 //   kv.prefix_cache                keep full blocks' KV after a request ends and reuse it
 //   kv.prefix_block_tokens         tokens per registered block
 //   kv.prefix_sharing              shared-prefix attention: auto, on or off
+//   kv.tiers.host_bytes            KV tiers (per memory rank): host DRAM below the KV pool; 0: off
+//   kv.tiers.disk_dir              directory of the disk tier (each memory rank uses rank-<m>/)
+//   kv.tiers.disk_bytes            disk tier size; 0: off
 //
 // The kv.capacity_tokens and kv.memory_fraction values are not the controller's: they size the
 // KV pool of whoever owns it (the colocated engine, or each memory rank through the hello).
@@ -33,6 +36,10 @@ struct SchedulerKvSettings {
   bool prefix_cache = true;             // reuse registered prompt blocks' KV (kv.prefix_cache)
   int64_t prefix_block_tokens = 64;     // tokens per registered block
   std::string prefix_sharing = "auto";  // shared-prefix attention: auto, on or off
+  int64_t tiers_host_bytes = 0;         // kv.tiers.host_bytes
+  std::string tiers_disk_dir;           // kv.tiers.disk_dir
+  int64_t tiers_disk_bytes = 0;         // kv.tiers.disk_bytes
+  bool tiers_enabled() const { return tiers_host_bytes > 0 || tiers_disk_bytes > 0; }
 };
 
 // Adds the "scheduler.*" and "kv.*" knobs (type, default, range, help) to `schema`.
@@ -41,6 +48,11 @@ void AddSchedulerKvKnobs(ConfigSchema* schema);
 SchedulerKvSettings SchedulerKvSettingsFromConfig(const Config& config);
 // The controller's options: ResolveSchedulerOptions and ResolvePrefixOptions together. Errors
 // name the setting at fault.
-absl::StatusOr<ControllerOptions> ResolveControllerOptions(const SchedulerKvSettings& settings);
+// With KV tiers on, the controller keeps at most as many demoted blocks per rank as the rank's tiers
+// can hold: (host_bytes + disk_bytes) / bytes of a block, a block being prefix_block_tokens tokens
+// of `kv_bytes_per_token` each (the memory rank's own LRU decides what it really keeps).
+// InvalidArgument naming kv.tiers when tiers are on without the prefix cache.
+absl::StatusOr<ControllerOptions> ResolveControllerOptions(const SchedulerKvSettings& settings,
+                                                           int64_t kv_bytes_per_token = 0);
 
 }  // namespace tandem

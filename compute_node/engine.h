@@ -43,7 +43,12 @@ struct EngineStats {
   int64_t prefill_tokens = 0;
   int64_t decode_tokens = 0;  // generated tokens
   int64_t cached_tokens = 0;  // prompt tokens reused from the prefix registry
-  double busy_seconds = 0;    // wall time inside Step()
+  // KV tiers (kv.tiers.*): tokens of blocks evicted to a lower tier, brought back from one, and
+  // whose restore failed (recomputed).
+  int64_t demoted_tokens = 0;
+  int64_t restored_tokens = 0;
+  int64_t restore_failed_tokens = 0;
+  double busy_seconds = 0;  // wall time inside Step()
   // A deployment's recoveries (ComputeRank): memory ranks given up, and the requests they held
   // that went back to the queue to be recomputed on the others.
   int64_t memory_ranks_lost = 0;

@@ -99,6 +99,7 @@ MicroBatches SplitStep(const PlannedStep& step, int n) {
     mb.parts[static_cast<size_t>(part_of_id.at(pub.request_id))].plan.publishes.push_back(pub);
   }
   mb.parts[0].plan.evictions = plan.evictions;
+  mb.parts[0].plan.restores = plan.restores;
   for (PlannedStep& part : mb.parts) {
     for (size_t m = 1; m < part.rank_rows.size(); ++m) part.rank_rows[m] += part.rank_rows[m - 1];
   }

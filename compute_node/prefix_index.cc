@@ -48,7 +48,8 @@ uint64_t DefaultBlockHash(uint64_t parent_hash, std::span<const int32_t> tokens)
   return Mix64(h ^ (static_cast<uint64_t>(tokens.size()) << 32));
 }
 
-PrefixIndex::PrefixIndex(int64_t block_tokens, BlockHashFn hash) : block_tokens_(block_tokens), hash_(hash) {
+PrefixIndex::PrefixIndex(int64_t block_tokens, BlockHashFn hash, int64_t max_demoted)
+    : block_tokens_(block_tokens), hash_(hash), max_demoted_(max_demoted) {
   TANDEM_CHECK(hash_ != nullptr);
   TANDEM_CHECK_MSG(block_tokens_ >= 1, "block_tokens ", block_tokens_);
 }
@@ -115,7 +116,17 @@ int32_t PrefixIndex::Insert(std::span<const int32_t> tokens, int64_t index, int3
   // Registered already (equal prefix), or a collision with a different prefix: either way the hash
   // is taken, and a second block under it would make the wire name ambiguous.
   // 0 is never a block's name: the plan uses attach_hash 0 for "attaches nothing".
-  if (hash == 0 || FindHash(hash) >= 0) return -1;
+  if (hash == 0) return -1;
+  if (const int32_t found = FindHash(hash); found >= 0) {
+    Block& d = blocks_[static_cast<size_t>(found)];
+    // A demoted copy of the same prefix: the request's fresh KV makes it resident again.
+    if (d.resident || d.parent != parent || d.users != 0 ||
+        !std::equal(d.tokens.begin(), d.tokens.end(), block.begin(), block.end()))
+      return -1;
+    MarkRestored(found);
+    Touch(found);
+    return found;
+  }
   int32_t id;
   if (free_ids_.empty()) {
     id = static_cast<int32_t>(blocks_.size());
@@ -128,13 +139,18 @@ int32_t PrefixIndex::Insert(std::span<const int32_t> tokens, int64_t index, int3
   b.hash = hash;
   b.parent = parent;
   b.num_children = 0;
+  b.resident_children = 0;
   b.users = 0;
   b.live = true;
+  b.resident = true;
   b.tokens.assign(block.begin(), block.end());
   b.last_used = ++tick_;
   b.lru_it = lru_.insert(lru_.end(), id);
   by_hash_.emplace(hash, id);
-  if (parent >= 0) ++blocks_[static_cast<size_t>(parent)].num_children;
+  if (parent >= 0) {
+    ++blocks_[static_cast<size_t>(parent)].num_children;
+    ++blocks_[static_cast<size_t>(parent)].resident_children;
+  }
   ++unused_blocks_;
   ++stats_.blocks;
   stats_.tokens_held += block_tokens_;
@@ -143,15 +159,88 @@ int32_t PrefixIndex::Insert(std::span<const int32_t> tokens, int64_t index, int3
 
 void PrefixIndex::Remove(int32_t id) {
   Block& b = blocks_[static_cast<size_t>(id)];
+  TANDEM_CHECK(b.users == 0 && b.num_children == 0);
   by_hash_.erase(b.hash);
-  if (b.parent >= 0) --blocks_[static_cast<size_t>(b.parent)].num_children;
+  if (b.parent >= 0) {
+    --blocks_[static_cast<size_t>(b.parent)].num_children;
+    if (b.resident) --blocks_[static_cast<size_t>(b.parent)].resident_children;
+  }
   lru_.erase(b.lru_it);
   b.live = false;
   b.tokens.clear();
   free_ids_.push_back(id);
-  --unused_blocks_;
   --stats_.blocks;
-  stats_.tokens_held -= block_tokens_;
+  if (b.resident) {
+    --unused_blocks_;
+    stats_.tokens_held -= block_tokens_;
+  } else {
+    --stats_.demoted;
+  }
+}
+
+void PrefixIndex::MarkRestored(int32_t id) {
+  Block& b = blocks_[static_cast<size_t>(id)];
+  TANDEM_CHECK(b.live && !b.resident);
+  TANDEM_CHECK(b.parent < 0 || blocks_[static_cast<size_t>(b.parent)].resident);
+  b.resident = true;
+  if (b.parent >= 0) ++blocks_[static_cast<size_t>(b.parent)].resident_children;
+  if (b.users == 0) ++unused_blocks_;
+  stats_.tokens_held += block_tokens_;
+  --stats_.demoted;
+}
+
+void PrefixIndex::Forget(int32_t id) {
+  // Children first (depth-first over the blocks whose parent is `id`).
+  for (size_t c = 0; c < blocks_.size() && blocks_[static_cast<size_t>(id)].num_children > 0; ++c) {
+    if (blocks_[c].live && blocks_[c].parent == id) Forget(static_cast<int32_t>(c));
+  }
+  Remove(id);
+}
+
+int32_t PrefixIndex::AddDemoted(uint64_t hash, int32_t parent, std::span<const int32_t> tokens) {
+  if (max_demoted_ == 0 || hash == 0 || FindHash(hash) >= 0 ||
+      static_cast<int64_t>(tokens.size()) != block_tokens_)
+    return -1;
+  int32_t id;
+  if (free_ids_.empty()) {
+    id = static_cast<int32_t>(blocks_.size());
+    blocks_.emplace_back();
+  } else {
+    id = free_ids_.back();
+    free_ids_.pop_back();
+  }
+  Block& b = blocks_[static_cast<size_t>(id)];
+  b = Block{};
+  b.hash = hash;
+  b.parent = parent;
+  b.live = true;
+  b.resident = false;
+  b.tokens.assign(tokens.begin(), tokens.end());
+  b.last_used = ++tick_;
+  b.lru_it = lru_.insert(lru_.end(), id);
+  by_hash_.emplace(hash, id);
+  if (parent >= 0) ++blocks_[static_cast<size_t>(parent)].num_children;
+  ++stats_.blocks;
+  ++stats_.demoted;
+  TrimDemoted();
+  return FindHash(hash);
+}
+
+void PrefixIndex::TrimDemoted() {
+  auto it = lru_.begin();
+  while (stats_.demoted > max_demoted_ && it != lru_.end()) {
+    const Block& b = blocks_[static_cast<size_t>(*it)];
+    if (b.resident || b.num_children != 0 || b.users != 0) {
+      ++it;
+      continue;
+    }
+    const int32_t id = *it;
+    const int32_t parent = b.parent;
+    it = std::next(it);
+    Remove(id);
+    // Its parent may have become a demoted leaf: look at it again from the start.
+    if (parent >= 0 && !blocks_[static_cast<size_t>(parent)].resident) it = lru_.begin();
+  }
 }
 
 int64_t PrefixIndex::Evict(int64_t need, std::vector<uint64_t>* evicted) {
@@ -163,24 +252,34 @@ int64_t PrefixIndex::Evict(int64_t need, std::vector<uint64_t>* evicted) {
   while (freed < need && it != lru_.end()) {
     const int32_t id = *it;
     const Block& b = blocks_[static_cast<size_t>(id)];
-    if (b.users != 0 || b.num_children != 0) {
+    if (!b.resident || b.users != 0 || b.resident_children != 0) {
       ++it;
       continue;
     }
     const int32_t parent = b.parent;
     it = std::next(it);
     evicted->push_back(b.hash);
-    Remove(id);
+    if (max_demoted_ > 0) {
+      Block& d = blocks_[static_cast<size_t>(id)];
+      d.resident = false;
+      if (parent >= 0) --blocks_[static_cast<size_t>(parent)].resident_children;
+      --unused_blocks_;
+      stats_.tokens_held -= block_tokens_;
+      ++stats_.demoted;
+    } else {
+      Remove(id);
+    }
     ++stats_.evictions;
     freed += block_tokens_;
     if (parent >= 0) {
       const Block& p = blocks_[static_cast<size_t>(parent)];
-      if (p.num_children == 0 && p.users == 0 &&
+      if (p.resident && p.resident_children == 0 && p.users == 0 &&
           (it == lru_.end() || p.last_used < blocks_[static_cast<size_t>(*it)].last_used)) {
         it = p.lru_it;
       }
     }
   }
+  if (max_demoted_ > 0) TrimDemoted();
   return freed;
 }
 

@@ -26,6 +26,15 @@
 // broken in the middle; a block without users has no descendant with users, since users hold
 // whole chains).
 //
+// KV tiers (max_demoted > 0; memory_node/kv_tier_store.h): eviction demotes a block instead of
+// forgetting it: the memory rank saves its KV to a lower tier and the block stays in the index as
+// not resident, still matched by Match. Demoted blocks hold no pool KV (tokens_held counts resident
+// blocks only); resident blocks always have resident parents, so a chain is resident up to some
+// depth and demoted below it. MarkRestored makes a demoted block resident again (the controller
+// plans its restore); Forget drops a block and its descendants (a restore that failed, or the
+// least recently used demoted leaves beyond max_demoted). Insert of a block that is demoted with
+// equal tokens makes it resident again (recomputed KV).
+//
 // Thread safety: not thread-safe; the controller serialises calls.
 #pragma once
 
@@ -67,11 +76,12 @@ class PrefixIndex {
     int64_t tokens_held = 0;       // blocks * block_tokens
     int64_t matched_tokens = 0;    // cumulative: tokens of blocks attached by requests
     int64_t looked_up_tokens = 0;  // cumulative: prompt tokens of admitted requests
-    int64_t evictions = 0;         // cumulative: blocks evicted
+    int64_t evictions = 0;         // cumulative: blocks evicted (demoted or forgotten)
+    int64_t demoted = 0;           // blocks now in a lower tier only
   };
 
-  // block_tokens >= 1.
-  explicit PrefixIndex(int64_t block_tokens, BlockHashFn hash = &DefaultBlockHash);
+  // block_tokens >= 1; max_demoted: demoted blocks kept (0: eviction forgets, no tiers).
+  explicit PrefixIndex(int64_t block_tokens, BlockHashFn hash = &DefaultBlockHash, int64_t max_demoted = 0);
   PrefixIndex(const PrefixIndex&) = delete;
   PrefixIndex& operator=(const PrefixIndex&) = delete;
 
@@ -87,9 +97,21 @@ class PrefixIndex {
   // id, or -1 if that block is already registered or another block has its hash (the caller then
   // keeps its own KV private). A new block has no users.
   int32_t Insert(std::span<const int32_t> tokens, int64_t index, int32_t parent);
-  // Evicts blocks without users (see top) until `need` tokens are freed or none is left; appends
-  // the evicted blocks' hashes to `evicted`, children before parents. Returns the tokens freed.
+  // Evicts resident blocks without users (see top) until `need` tokens are freed or none is left;
+  // appends the evicted blocks' hashes to `evicted`, children before parents. With tiers they are
+  // demoted, else forgotten. Returns the tokens freed.
   int64_t Evict(int64_t need, std::vector<uint64_t>* evicted);
+  // A demoted block whose parent is resident (or that starts a chain) becomes resident.
+  void MarkRestored(int32_t id);
+  // Drops `id` and every block below it (none may have users).
+  void Forget(int32_t id);
+  bool resident(int32_t id) const { return blocks_[static_cast<size_t>(id)].resident; }
+  // Id of the registered block with this hash, or -1.
+  int32_t Find(uint64_t hash) const { return FindHash(hash); }
+  const std::vector<int32_t>& tokens(int32_t id) const { return blocks_[static_cast<size_t>(id)].tokens; }
+  // Registers a block by its hash as the child of `parent` (-1: depth 1), demoted (a block found in
+  // a persisted disk tier). Returns its id, or -1 when the hash is taken or the tiers are off.
+  int32_t AddDemoted(uint64_t hash, int32_t parent, std::span<const int32_t> tokens);
 
   int64_t block_tokens() const { return block_tokens_; }
   // The chained hash of a block of tokens after the block `parent_hash` (kSeed for block 0).
@@ -99,7 +121,7 @@ class PrefixIndex {
   uint64_t hash(int32_t id) const { return blocks_[static_cast<size_t>(id)].hash; }
   int32_t parent(int32_t id) const { return blocks_[static_cast<size_t>(id)].parent; }
   int32_t users(int32_t id) const { return blocks_[static_cast<size_t>(id)].users; }
-  // Tokens held by blocks without users: what Evict could free.
+  // Tokens held by resident blocks without users: what Evict could free.
   int64_t unused_tokens() const { return unused_blocks_ * block_tokens_; }
   // Counts a request's prompt tokens and the part of them it attached (for Stats).
   void CountLookup(int64_t prompt_tokens, int64_t matched_tokens);
@@ -110,8 +132,10 @@ class PrefixIndex {
     uint64_t hash = 0;
     int32_t parent = -1;  // block id, -1 for block 0 of a prompt
     int32_t num_children = 0;
+    int32_t resident_children = 0;
     int32_t users = 0;
     bool live = false;
+    bool resident = true;
     std::vector<int32_t> tokens;  // block_tokens
     uint64_t last_used = 0;       // tick of the last Acquire/Insert that touched it
     std::list<int32_t>::iterator lru_it;
@@ -121,9 +145,12 @@ class PrefixIndex {
   int32_t FindHash(uint64_t hash) const;
   void Touch(int32_t id);
   void Remove(int32_t id);
+  // Forgets least recently used demoted leaves while more than max_demoted_ are kept.
+  void TrimDemoted();
 
   int64_t block_tokens_;
   BlockHashFn hash_;
+  int64_t max_demoted_;
   std::vector<Block> blocks_;                      // by id; dead ones are reused
   std::vector<int32_t> free_ids_;                  // dead block ids
   std::unordered_map<uint64_t, int32_t> by_hash_;  // chained hash -> block id

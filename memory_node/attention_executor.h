@@ -17,10 +17,12 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "common/backend_buffer.h"
 #include "common/dtype.h"
 
@@ -120,6 +122,20 @@ class AttentionExecutor {
   // then run layer by layer in turn (pipelining). Their requests are disjoint, and their layers run
   // in the order they are called. Layer timing is per lane. This executor must outlive its lanes.
   virtual absl::StatusOr<std::unique_ptr<AttentionExecutor>> CreateLane() = 0;
+
+  // KV tiers (memory_node/kv_tiers.h): copies the K and V of `slots` over every layer to `out`, or
+  // from `in`: per layer, the K rows of the slots in order, then their V rows (kv_dim elements of
+  // dtype() each). Unimplemented where the pool is not in host memory.
+  virtual absl::Status ReadSlots(std::span<const int32_t> slots, uint8_t* out) const {
+    (void)slots;
+    (void)out;
+    return absl::UnimplementedError(absl::StrCat("KV tiers: no slot copy on ", device()));
+  }
+  virtual absl::Status WriteSlots(std::span<const int32_t> slots, const uint8_t* in) {
+    (void)slots;
+    (void)in;
+    return absl::UnimplementedError(absl::StrCat("KV tiers: no slot copy on ", device()));
+  }
 
   // Whether reading `prefix_tokens` shared keys once for `rows` rows (then merging) is faster here
   // than each row reading them itself: the measured crossover of kv.prefix_sharing: auto.

@@ -138,7 +138,42 @@ class CpuAttentionExecutor : public AttentionExecutor {
 
   MemorySpace& memory() override { return memory_; }
 
+  absl::Status ReadSlots(std::span<const int32_t> slots, uint8_t* out) const override {
+    RETURN_IF_ERROR(CheckSlots(slots));
+    const size_t row = static_cast<size_t>(shape_.kv_dim()) * sizeof(float);
+    for (int64_t l = 0; l < shape_.num_layers; ++l) {
+      for (const auto* cache :
+           {pool_->k[static_cast<size_t>(l)].get(), pool_->v[static_cast<size_t>(l)].get()}) {
+        for (int32_t s : slots) {
+          std::memcpy(out, cache + static_cast<int64_t>(s) * shape_.kv_dim(), row);
+          out += row;
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+  absl::Status WriteSlots(std::span<const int32_t> slots, const uint8_t* in) override {
+    RETURN_IF_ERROR(CheckSlots(slots));
+    const size_t row = static_cast<size_t>(shape_.kv_dim()) * sizeof(float);
+    for (int64_t l = 0; l < shape_.num_layers; ++l) {
+      for (float* cache : {pool_->k[static_cast<size_t>(l)].get(), pool_->v[static_cast<size_t>(l)].get()}) {
+        for (int32_t s : slots) {
+          std::memcpy(cache + static_cast<int64_t>(s) * shape_.kv_dim(), in, row);
+          in += row;
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
  private:
+  absl::Status CheckSlots(std::span<const int32_t> slots) const {
+    for (int32_t s : slots) {
+      if (s < 0 || s >= num_slots_)
+        return absl::InvalidArgumentError(absl::StrCat("KV tiers: slot ", s, " outside the pool"));
+    }
+    return absl::OkStatus();
+  }
   HostMemorySpace memory_;
   AttentionShape shape_;
   int64_t num_slots_;

@@ -53,8 +53,26 @@ absl::Status KvTable::Check(const StepPlan& plan, uint16_t memory_rank,
   }
   auto registered = [&](uint64_t h) { return blocks_.contains(h) && !evicted.contains(h); };
 
-  // Requests.
+  // Restores: new blocks below registered (or just restored) parents.
   int64_t new_rows = 0;
+  std::unordered_set<uint64_t> restored;
+  for (size_t i = 0; i < plan.restores.size(); ++i) {
+    const PrefixRestore& e = plan.restores[i];
+    if (e.memory_rank != memory_rank) continue;
+    const std::string what = absl::StrCat("restore of block ", Hex(e.block_hash), ": ");
+    if (!registry || tiers_ == nullptr) return bad(what, "this rank has no KV tiers");
+    if (registered(e.block_hash) || !restored.insert(e.block_hash).second)
+      return bad(what, "already registered");
+    if (e.block_index > 0) {
+      const bool parent_ok = restored.contains(e.parent_hash) ||
+                             (registered(e.parent_hash) && blocks_.at(e.parent_hash).depth == e.block_index);
+      if (!parent_ok)
+        return bad(what, "its parent ", Hex(e.parent_hash), " is not registered at depth ", e.block_index);
+    }
+    new_rows += block_tokens_;
+  }
+
+  // Requests.
   bool seen_multi = false;
   std::unordered_map<uint64_t, const StepRequest*> by_id;
   for (const StepRequest& r : plan.requests) {
@@ -167,7 +185,8 @@ absl::Status KvTable::Check(const StepPlan& plan, uint16_t memory_rank,
   return absl::OkStatus();
 }
 
-absl::Status KvTable::Apply(const StepPlan& plan, uint16_t memory_rank, AttentionBatch* batch) {
+absl::Status KvTable::Apply(const StepPlan& plan, uint16_t memory_rank, AttentionBatch* batch,
+                            std::vector<uint64_t>* failed_restores) {
   batch->Clear();
   // Check everything first: nothing may change if the step is refused.
   std::vector<const StepRequest*> mine;
@@ -176,9 +195,29 @@ absl::Status KvTable::Apply(const StepPlan& plan, uint16_t memory_rank, Attentio
   for (const PrefixEvict& e : plan.evictions) {
     if (e.memory_rank != memory_rank) continue;
     auto it = blocks_.find(e.block_hash);
+    if (tiers_ != nullptr)
+      tiers_->Demote(e.block_hash, it->second.parent, it->second.depth, it->second.slots);
     allocator_.Release(it->second.slots);
     if (it->second.depth > 1) --blocks_.at(it->second.parent).num_children;
     blocks_.erase(it);
+  }
+  std::unordered_set<uint64_t> failed;
+  for (const PrefixRestore& e : plan.restores) {
+    if (e.memory_rank != memory_rank) continue;
+    Block b;
+    b.parent = e.parent_hash;
+    b.depth = e.block_index + 1;
+    TANDEM_CHECK(allocator_.Allocate(block_tokens_, &b.slots).ok());  // counted in Check
+    const bool ok = (e.block_index == 0 || !failed.contains(e.parent_hash)) &&
+                    tiers_->Restore(e.block_hash, e.parent_hash, b.depth, b.slots);
+    if (!ok) {
+      allocator_.Release(b.slots);
+      failed.insert(e.block_hash);
+      if (failed_restores != nullptr) failed_restores->push_back(e.block_hash);
+      continue;
+    }
+    if (e.block_index > 0) ++blocks_.at(e.parent_hash).num_children;
+    blocks_.emplace(e.block_hash, std::move(b));
   }
   for (const StepRequest* r : mine) {
     auto [it, fresh] = contexts_.try_emplace(r->request_id);

@@ -17,6 +17,13 @@
 // group's block exists, its members hold it and start after it. Any violation, or too few free
 // slots, fails the whole step with nothing applied.
 //
+// KV tiers (SetTiers; memory_node/kv_tier_store.h): an evicted block's KV is handed to the tiers
+// before its slots are freed (Demote), and a plan's restores take free slots, ask the tiers to
+// fill them (Restore) and register the block with no users; a restore that finds no good copy, or
+// whose parent failed, registers nothing, frees its slots and is reported to the caller. A restore
+// must name a block that is not registered (after the plan's evictions) and a parent that is
+// registered or restored earlier in the plan.
+//
 // Thread safety: not thread-safe; the owning rank serialises calls.
 #pragma once
 
@@ -32,6 +39,17 @@
 #include "memory_node/kv_slot_allocator.h"
 
 namespace tandem {
+
+// Moves a block's KV between the pool and the lower tiers (memory_node/kv_tiers.h).
+class KvBlockTiers {
+ public:
+  virtual ~KvBlockTiers() = default;
+  // Saves the KV of `slots` (one block, in position order) under `hash`.
+  virtual void Demote(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots) = 0;
+  // Fills `slots` with block `hash`'s KV; false when no good copy exists (the slots are then unused).
+  virtual bool Restore(uint64_t hash, uint64_t parent_hash, int32_t depth,
+                       std::span<const int32_t> slots) = 0;
+};
 
 class KvTable {
  public:
@@ -50,10 +68,16 @@ class KvTable {
     filter_ = std::move(filter);
   }
 
+  // Demoted and restored blocks go through `tiers` (not owned; nullptr: evictions drop the KV and
+  // restores are refused).
+  void SetTiers(KvBlockTiers* tiers) { tiers_ = tiers; }
+
   // Fills `batch` with the rows of the plan's requests owned by `memory_rank`, in plan order,
   // allocating their new slots. Errors (nothing changed): InvalidArgument naming the request,
   // block or group and the rule it breaks; ResourceExhausted when the pool lacks free slots.
-  absl::Status Apply(const StepPlan& plan, uint16_t memory_rank, AttentionBatch* batch);
+  // `failed_restores` (may be nullptr) gets the hashes of this rank's restores that failed.
+  absl::Status Apply(const StepPlan& plan, uint16_t memory_rank, AttentionBatch* batch,
+                     std::vector<uint64_t>* failed_restores = nullptr);
   // Frees the KV of requests that ended or were cancelled (registered blocks stay). Ids not in the
   // table are ignored (a request may end before its first step reached this rank).
   void Release(std::span<const uint64_t> request_ids);
@@ -86,6 +110,7 @@ class KvTable {
                    AttentionBatch* batch) const;
 
   KvSlotAllocator allocator_;
+  KvBlockTiers* tiers_ = nullptr;
   int64_t block_tokens_;
   PrefixSharing sharing_ = PrefixSharing::kOff;
   CascadeFilter filter_;

@@ -14,6 +14,7 @@
 #include "common/wire.h"
 #include "memory_node/attention_executor.h"
 #include "memory_node/kv_table.h"
+#include "memory_node/kv_tiers.h"
 
 namespace tandem {
 
@@ -80,6 +81,15 @@ class MemoryRank {
         if (!bye.ok()) return Fail(bye.status());
         TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, ": bye after ", bye->steps, " steps (", steps_,
                         " with rows here)");
+        if (tiers_) {
+          const KvTierStats t = tiers_->stats();
+          TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, ": KV tiers: ", t.saves,
+                          " blocks saved; hits host ", t.host_hits, ", disk ", t.disk_hits, ", misses ",
+                          t.misses, ", discarded ", t.discarded, "; bytes to host ", t.bytes_to_host,
+                          ", from host ", t.bytes_from_host, ", to disk ", t.bytes_to_disk, ", from disk ",
+                          t.bytes_from_disk, "; evictions host ", t.host_evictions, ", disk ",
+                          t.disk_evictions, "; disk write errors ", t.write_errors);
+        }
         // Answer (the compute rank waits for it before it leaves), then go.
         transport_->Close(peer_);
         (void)transport_->Send(peer_, EncodeBye(ByeMessage{.steps = static_cast<uint64_t>(steps_)}));
@@ -264,6 +274,16 @@ class MemoryRank {
           "; put both roles on the same kind of device"));
     }
     kv_ = std::make_unique<KvTable>(exec_->kv_capacity(), hello_.prefix_block_tokens);
+    if (o_.tiers.enabled()) {
+      if (hello_.partition != AttentionPartition::kRequest) {
+        return absl::InvalidArgumentError(
+            "kv.tiers.host_bytes / kv.tiers.disk_bytes: KV tiers need memory.partition: request");
+      }
+      KvTierOptions tiers = o_.tiers;
+      if (!tiers.disk_dir.empty()) tiers.disk_dir = absl::StrCat(tiers.disk_dir, "/rank-", o_.rank);
+      ASSIGN_OR_RETURN(tiers_, KvTiers::Create(tiers, exec_.get(), hello_.prefix_block_tokens, o_.model));
+      kv_->SetTiers(tiers_.get());
+    }
     AttentionExecutor* exec = exec_.get();
     kv_->SetPrefixSharing(static_cast<PrefixSharing>(hello_.prefix_sharing),
                           [exec](int64_t rows, int64_t tokens) { return exec->CascadePays(rows, tokens); });
@@ -347,7 +367,15 @@ class MemoryRank {
     for (const StepRequest& r : plan.requests) {
       if (r.memory_rank < placement_rank_) lane.row_offset += static_cast<uint64_t>(r.q_len);
     }
-    RETURN_IF_ERROR(kv_->Apply(plan, placement_rank_, &lane.batch));
+    std::vector<uint64_t> failed;
+    RETURN_IF_ERROR(kv_->Apply(plan, placement_rank_, &lane.batch, &failed));
+    if (std::any_of(plan.restores.begin(), plan.restores.end(),
+                    [&](const PrefixRestore& r) { return r.memory_rank == placement_rank_; })) {
+      const RestoreReplyMessage reply{.step_id = plan.step_id,
+                                      .memory_rank = static_cast<uint16_t>(o_.rank),
+                                      .failed = std::move(failed)};
+      RETURN_IF_ERROR(transport_->Send(peer_, EncodeRestoreReply(reply)));
+    }
     lane.rows = lane.batch.num_tokens();
     if (lane.rows > 0) RETURN_IF_ERROR(lane.exec->BeginStep(lane.batch));
     if (next_micro_batch_ != 0) return absl::OkStatus();  // more micro-batches to come
@@ -464,6 +492,7 @@ class MemoryRank {
   AttentionShape shape_;
   std::unique_ptr<AttentionExecutor> exec_;
   std::unique_ptr<KvTable> kv_;
+  std::unique_ptr<KvTiers> tiers_;  // kv.tiers.*; declared after exec_, which it copies from
   // One per micro-batch in flight (lane 0 uses exec_ itself).
   struct Lane {
     PeerId peer = 0;  // the compute rank that owns it (lane j: compute rank j % compute_ranks)

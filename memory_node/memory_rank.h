@@ -22,6 +22,9 @@
 //      of its own (an executor lane over the same pool, its own receive buffer) as it arrives; after
 //      the last one the rank serves layer l of every micro-batch in turn, in the order the compute
 //      rank sends them (docs/architecture.md, "Micro-batches").
+// With KV tiers, a plan's evictions save the blocks to the tiers and its restores load them back;
+// a plan with restores for this rank is answered with a restore reply (the ones that failed) as
+// soon as it is applied, before its layers.
 // With the host-staged transport (ucx), CUDA ranks stage q,k,v and outputs through pinned host
 // buffers, layer by layer. With a device-polling transport (p2p, nccl, verbs) a CUDA rank
 // enqueues the whole step at once on its executor's stream, per layer: a device-side wait for
@@ -39,6 +42,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "common/transport/factory.h"
+#include "memory_node/kv_tier_store.h"
 
 namespace tandem {
 
@@ -59,6 +63,12 @@ struct MemoryRankOptions {
   std::function<absl::Status(const std::string& address)> on_listening;
   // Polled while idle; true ends the rank (OK status).
   std::function<bool()> stop_requested;
+  // KV tiers (kv.tiers.*; memory_node/kv_tiers.h): evicted prefix blocks are saved to host memory
+  // and disk (disk_dir/rank-<m>) and restored when the plan asks. CPU ranks under the request
+  // partition only: otherwise the hello is answered with an error naming kv.tiers.
+  KvTierOptions tiers;
+  // Identifies the model in the tier files' fingerprint (the deployment's model.path and seed).
+  std::string model;
 };
 
 absl::Status RunMemoryRank(const MemoryRankOptions& options);

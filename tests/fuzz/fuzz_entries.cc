@@ -87,6 +87,7 @@ void DecodeEveryFormat(absl::Span<const uint8_t> f) {
   RoundTrip<ComputeHelloMessage>(f, DecodeComputeHello, EncodeComputeHello, "compute hello");
   RoundTrip<ReplicaStepMessage>(f, DecodeReplicaStep, EncodeReplicaStep, "replica step");
   RoundTrip<ReplicaResultMessage>(f, DecodeReplicaResult, EncodeReplicaResult, "replica result");
+  RoundTrip<RestoreReplyMessage>(f, DecodeRestoreReply, EncodeRestoreReply, "restore reply");
   if (absl::StatusOr<StepPlan> plan = DecodeStepPlan(f); plan.ok()) {
     TANDEM_CHECK_MSG(ValidateStepPlan(*plan).ok(), "a decoded step plan fails ValidateStepPlan");
   }
@@ -158,7 +159,8 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
                            .top_k = 3,
                            .top_p = 0.9f,
                            .seed = 11,
-                           .counter = 0});
+                           .counter = 0,
+                           .top_logprobs = 3});
   plan.requests.push_back({.request_id = 2,
                            .memory_rank = 1,
                            .prefix_group = -1,
@@ -171,6 +173,8 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
   plan.publishes.push_back(
       {.request_id = 1, .block_hash = 98, .parent_hash = 0, .block_index = 0, .memory_rank = 0});
   plan.evictions.push_back({.block_hash = 97, .memory_rank = 1});
+  plan.restores.push_back({.block_hash = 96, .parent_hash = 0, .block_index = 0, .memory_rank = 1});
+  plan.restores.push_back({.block_hash = 95, .parent_hash = 96, .block_index = 1, .memory_rank = 1});
   HelloMessage hello{.memory_rank = 1,
                      .num_memory_ranks = 2,
                      .num_layers = 2,
@@ -212,6 +216,12 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
       EncodeComputeHello({.compute_rank = 1, .compute_ranks = 2}),
       EncodeReplicaStep(replica),
       EncodeReplicaResult({.step_id = 7, .micro_batch = 1, .tokens = {4, 5}, .logprobs = {-0.5f, -1.0f}}),
+      EncodeReplicaResult({.step_id = 7,
+                           .micro_batch = 1,
+                           .tokens = {4, 5},
+                           .logprobs = {-0.5f, -1.0f},
+                           .top = {{{4, -0.5f}, {9, -1.5f}}, {}}}),
+      EncodeRestoreReply({.step_id = 7, .memory_rank = 1, .failed = {95}}),
       Concat(EncodeBye({.steps = 1}), EncodeBye({.steps = 2})),  // two frames: refused
   };
 }

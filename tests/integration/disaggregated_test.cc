@@ -1012,5 +1012,70 @@ TEST_F(DisaggregatedTest, NothingListeningFailsCreateWithinTheStartupTimeout) {
   EXPECT_NE(rank.status().message().find("127.0.0.1:1"), std::string::npos) << rank.status();
 }
 
+// ---------------------------------------------------------------------------------------------
+// KV tiers on the memory ranks (kv.tiers.*): conversations whose turns outgrow the ranks' pools
+// get the colocated engine's tokens, with evicted blocks restored from the host tier, and with the
+// disk tier's files damaged mid-run (restores fail, the tokens are recomputed).
+
+class TieredDeployment : public DisaggregatedTest, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(TieredDeployment, ConversationsEqualColocated) {
+  const bool disk = GetParam() == "disk_damaged";
+  std::unique_ptr<WeightSource> source = OpenReference("llama3-gqa-tied");
+  ASSERT_NE(source, nullptr);
+  const std::string tier_dir = dir_ + "/tiers";
+  std::ofstream(dir_ + "/deploy.yaml")
+      << "launch:\n  startup_timeout_s: 60\n  step_timeout_s: 20\nkv:\n  tiers:\n"
+      << (disk ? "    disk_bytes: 16777216\n    disk_dir: " + tier_dir + "\n" : "    host_bytes: 16777216\n");
+  const int64_t vocab = source->spec().vocab_size;
+  // Four conversations of three turns; each turn is the history plus 11 new tokens, 6 answered.
+  auto converse = [&](tandem::Engine& e, const std::function<void(int)>& between) {
+    std::vector<std::vector<int32_t>> history(4), answers;
+    std::mt19937 rng(5);
+    for (int turn = 0; turn < 3; ++turn) {
+      if (between) between(turn);
+      for (auto& h : history) {
+        for (int i = 0; i < 11; ++i)
+          h.push_back(static_cast<int32_t>(2 + rng() % static_cast<uint32_t>(vocab - 2)));
+        GenerationRequest r;
+        r.prompt = h;
+        r.max_tokens = 6;
+        r.ignore_eos = true;
+        absl::StatusOr<std::vector<GenerationResult>> out = e.GenerateAll({r});
+        EXPECT_TRUE(out.ok()) << out.status();
+        if (!out.ok()) return answers;
+        h.insert(h.end(), (*out)[0].token_ids.begin(), (*out)[0].token_ids.end());
+        answers.push_back((*out)[0].token_ids);
+      }
+    }
+    return answers;
+  };
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, 4, 32, /*prefix_cache=*/false);
+  ASSERT_NE(engine, nullptr);
+  const auto want = converse(*engine, nullptr);
+
+  ComputeRankOptions o = Options(4, 32, 64);  // a rank's pool holds about one conversation
+  UsePrefixCache(&o, 8, "off");
+  o.scheduler.tier_blocks = 1024;
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, o));
+  const auto got = converse(*rank_, [&](int turn) {
+    if (!disk || turn < 2) return;
+    for (const auto& f : std::filesystem::recursive_directory_iterator(tier_dir)) {
+      if (f.path().extension() == ".kvb") std::filesystem::resize_file(f.path(), 70);
+    }
+  });
+  EXPECT_EQ(got, want);
+  const EngineStats s = rank_->stats();
+  EXPECT_GT(s.demoted_tokens, 0);
+  if (disk) {
+    EXPECT_GT(s.restore_failed_tokens, 0);
+  } else {
+    EXPECT_GT(s.restored_tokens, 0);
+    EXPECT_EQ(s.restore_failed_tokens, 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiers, TieredDeployment, ::testing::Values("host", "disk_damaged"));
+
 }  // namespace
 }  // namespace tandem

@@ -349,6 +349,15 @@ StepPlan RandomPlan(std::mt19937_64& rng, size_t n, bool extreme) {
     e.memory_rank = static_cast<uint16_t>(u(0, 3));
     if (distinct(plan.evictions, e.memory_rank, e.block_hash)) plan.evictions.push_back(e);
   }
+  const size_t num_restores = u(0, 4);
+  for (size_t i = 0; i < num_restores; ++i) {
+    PrefixRestore e;
+    e.block_hash = rng() | 1;
+    e.block_index = static_cast<int32_t>(u(0, 3));
+    e.parent_hash = e.block_index == 0 ? 0 : (rng() | 1);
+    e.memory_rank = static_cast<uint16_t>(u(0, 3));
+    if (distinct(plan.restores, e.memory_rank, e.block_hash)) plan.restores.push_back(e);
+  }
   return plan;
 }
 
@@ -356,7 +365,7 @@ StepPlan RandomPlan(std::mt19937_64& rng, size_t n, bool extreme) {
 size_t PlanFrameBytes(const StepPlan& plan) {
   return kFrameHeaderBytes + kStepPlanFixedBytes + kStepRequestBytes * plan.requests.size() +
          kPrefixGroupBytes * plan.groups.size() + kPrefixPublishBytes * plan.publishes.size() +
-         kPrefixEvictBytes * plan.evictions.size();
+         kPrefixEvictBytes * plan.evictions.size() + kPrefixRestoreBytes * plan.restores.size();
 }
 
 LayerMessageHeader RandomHeader(std::mt19937_64& rng) {
@@ -610,8 +619,8 @@ TEST(StepPlanWire, MicroBatchFields) {
   EXPECT_EQ(defaults, MakeFrame(kStepPlanMagic, Bytes{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                                       0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0}));
 
-  // Each reserved byte after them (frame offsets 42..47) is named when not 0.
-  for (size_t k = 0; k < 6; ++k) {
+  // Each reserved byte after them (frame offsets 42..43; restore_count follows) is named when not 0.
+  for (size_t k = 0; k < 2; ++k) {
     for (uint8_t v : {uint8_t{1}, uint8_t{0x80}, uint8_t{0xff}}) {
       RawPlan p = FullRawPlan();
       p.reserved[k] = v;
@@ -724,14 +733,15 @@ TEST(StepPlanWire, ForgedCountsFailFastWithoutAllocating) {
   p.evict_count = 0;
   s = DecodeStepPlan(PlanFrame(p)).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_EQ(s.message(),
-            "step plan: request_count 1, group_count 1, publish_count 1 and evict_count 0 leave 16 unused "
-            "body bytes at byte offset 168");
+  EXPECT_EQ(
+      s.message(),
+      "step plan: request_count 1, group_count 1, publish_count 1, evict_count 0 and restore_count 0 leave "
+      "16 unused body bytes at byte offset 168");
   s = DecodeStepPlan(MakeFrame(kStepPlanMagic, PlanBody(RawPlan{.requests = {RawRequest{}, RawRequest{}},
                                                                 .request_count = 1})))
           .status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_CONTAINS(std::string(s.message()), "evict_count 0 leave 64 unused body bytes at byte offset 112");
+  EXPECT_CONTAINS(std::string(s.message()), "restore_count 0 leave 64 unused body bytes at byte offset 112");
 }
 
 TEST(StepPlanWire, FieldRangeViolationsNameFieldAndRequest) {
@@ -777,8 +787,7 @@ TEST(StepPlanWire, FieldRangeViolationsNameFieldAndRequest) {
   // Reserved bytes of the fixed part and of the other records (offsets: see FullRawPlan).
   const std::vector<std::pair<std::function<void(RawPlan&)>, std::string>> reserved = {
       {[](RawPlan& p) { p.reserved[0] = 1; }, "step plan: reserved at byte offset 42 is 1, must be 0"},
-      {[](RawPlan& p) { p.reserved[3] = 0x40; }, "step plan: reserved at byte offset 45 is 64, must be 0"},
-      {[](RawPlan& p) { p.reserved[5] = 0xff; }, "step plan: reserved at byte offset 47 is 255, must be 0"},
+      {[](RawPlan& p) { p.reserved[1] = 0x40; }, "step plan: reserved at byte offset 43 is 64, must be 0"},
       {[](RawPlan& p) { p.groups[1].reserved[0] = 1; },
        "step plan: group 1: reserved at byte offset 410 is 1"},
       {[](RawPlan& p) { p.groups[2].reserved[5] = 0x80; },
@@ -1039,7 +1048,7 @@ TEST(Wire, FrameHeaderChecks) {
   EXPECT_EQ(s.message(), "step plan: truncated: micro_batches needs 1 bytes at byte offset 41 but 0 remain");
   s = code_and_message(MakeFrame(kStepPlanMagic, Bytes(kStepPlanFixedBytes - 1, 0)));
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
-  EXPECT_EQ(s.message(), "step plan: truncated: reserved needs 1 bytes at byte offset 47 but 0 remain");
+  EXPECT_EQ(s.message(), "step plan: truncated: restore_count needs 4 bytes at byte offset 44 but 3 remain");
   // An empty plan is the fixed fields alone; all zeros is micro-batch 0 of 0, which is refused.
   Bytes fixed(kStepPlanFixedBytes, 0);
   s = code_and_message(MakeFrame(kStepPlanMagic, fixed));
@@ -2039,6 +2048,91 @@ TEST(Wire, RandomizedCorpus) {
   std::printf("corpus: %d frames, %d plans ok, %d headers ok, %d/%d/%d/%d/%d control ok, %.2f s\n", kFrames,
               plan_ok, header_ok, codecs[0].ok, codecs[1].ok, codecs[2].ok, codecs[3].ok, codecs[4].ok,
               seconds);
+}
+
+TEST(RestoreWire, RoundTripsAndRefusesBadPlansAndFrames) {
+  const RestoreReplyMessage reply{.step_id = 9, .memory_rank = 2, .failed = {0x11, 0x22}};
+  const std::vector<uint8_t> frame = EncodeRestoreReply(reply);
+  EXPECT_EQ(frame.size(), kFrameHeaderBytes + kRestoreReplyFixedBytes + 16);
+  absl::StatusOr<RestoreReplyMessage> back = DecodeRestoreReply(frame);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, reply);
+  EXPECT_EQ(*PeekFrameMagic(frame), kRestoreReplyMagic);
+  for (size_t n = 0; n < frame.size(); ++n) {
+    EXPECT_FALSE(DecodeRestoreReply(absl::Span<const uint8_t>(frame.data(), n)).ok()) << n;
+  }
+  StepPlan plan;
+  plan.restores.push_back({.block_hash = 5, .parent_hash = 0, .block_index = 0, .memory_rank = 1});
+  plan.restores.push_back({.block_hash = 6, .parent_hash = 5, .block_index = 1, .memory_rank = 1});
+  absl::StatusOr<StepPlan> decoded = DecodeStepPlan(EncodeStepPlan(plan));
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(*decoded, plan);
+  StepPlan bad = plan;
+  bad.restores[1].parent_hash = 0;  // block_index 1 needs a parent
+  EXPECT_NE(ValidateStepPlan(bad).message().find("restore 1"), std::string_view::npos);
+  bad = plan;
+  bad.restores.push_back(plan.restores[0]);
+  EXPECT_FALSE(ValidateStepPlan(bad).ok());
+}
+
+// Version 4 carries both the step request's top_logprobs (its last byte, 63) and the plan's
+// restores (restore_count in the fixed part's bytes 28..31, the records after the evictions): one
+// plan with both, and a restore reply, written out by hand (crc by the bitwise reference).
+TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
+  StepPlan plan;
+  plan.step_id = 9;
+  plan.requests.push_back({.request_id = 1,
+                           .memory_rank = 1,
+                           .prefix_group = -1,
+                           .position = 0,
+                           .q_len = 4,
+                           .kv_len = 4,
+                           .sample = true,
+                           .seed = 2,
+                           .counter = 3,
+                           .top_logprobs = kMaxTopLogprobs});
+  plan.restores.push_back({.block_hash = 0x1112131415161718,
+                           .parent_hash = 0x2122232425262728,
+                           .block_index = 1,
+                           .memory_rank = 1});
+  const Bytes golden = {
+      0x54, 0x44, 0x53, 0x50, 0x04, 0x00, 0x10, 0x00,
+      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 4, body_bytes 120
+      0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
+      0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
+      0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
+      0x00, 0x01, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // micro_batch, micro_batches, reserved, restore_count
+      0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request 0: request_id
+      0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // seed
+      0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // counter
+      0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // attach_hash
+      0xff, 0xff, 0xff, 0xff, 0x00, 0x00, 0x00, 0x00,  // prefix_group, position
+      0x04, 0x00, 0x00, 0x00, 0x04, 0x00, 0x00, 0x00,  // q_len, kv_len
+      0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // temperature, top_k
+      0x00, 0x00, 0x80, 0x3f, 0x01, 0x00, 0x01, 0x14,  // top_p, memory_rank, sample, top_logprobs
+      0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // restore 0: block_hash
+      0x28, 0x27, 0x26, 0x25, 0x24, 0x23, 0x22, 0x21,  // parent_hash
+      0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // block_index, memory_rank, reserved
+  };
+  EXPECT_EQ(EncodeStepPlan(plan), golden);
+  absl::StatusOr<StepPlan> back = DecodeStepPlan(golden);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == plan);
+  EXPECT_EQ(back->requests[0].top_logprobs, kMaxTopLogprobs);
+  ASSERT_EQ(back->restores.size(), 1u);
+
+  const RestoreReplyMessage reply{.step_id = 9, .memory_rank = 1, .failed = {0x1112131415161718}};
+  const Bytes reply_golden = {
+      0x54, 0x44, 0x52, 0x54, 0x04, 0x00, 0x10, 0x00,
+      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 4, body_bytes 24
+      0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
+      0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // memory_rank, reserved, failed_count
+      0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // failed[0]
+  };
+  EXPECT_EQ(EncodeRestoreReply(reply), reply_golden);
+  absl::StatusOr<RestoreReplyMessage> reply_back = DecodeRestoreReply(reply_golden);
+  ASSERT_TRUE(reply_back.ok()) << reply_back.status();
+  EXPECT_EQ(*reply_back, reply);
 }
 
 TEST(ComputeReplicaWire, RoundTripsAndRefusesBadFrames) {

@@ -1,0 +1,403 @@
+#include "memory_node/kv_tier_store.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/host_memory.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "common/wire.h"
+
+namespace tandem {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr uint32_t kMagic = 0x564b4454;  // "TDKV"
+constexpr const char* kSuffix = ".kvb";
+
+void Put16(uint8_t* p, uint16_t v) {
+  for (int i = 0; i < 2; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+void Put32(uint8_t* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+void Put64(uint8_t* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+uint64_t Get(const uint8_t* p, int n) {
+  uint64_t v = 0;
+  for (int i = n - 1; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+std::string Errno(const std::string& what, const std::string& path) {
+  return absl::StrCat(what, " ", path, ": ", std::strerror(errno));
+}
+
+// Reads exactly n bytes or fails (a short file is truncated).
+bool ReadAll(int fd, uint8_t* p, size_t n) {
+  while (n > 0) {
+    const ssize_t r = ::read(fd, p, n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+bool WriteAll(int fd, const uint8_t* p, size_t n) {
+  while (n > 0) {
+    const ssize_t r = ::write(fd, p, n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::Status CheckKvTierOptions(const KvTierOptions& o) {
+  if (o.host_bytes < 0) return absl::InvalidArgumentError("kv.tiers.host_bytes must be >= 0");
+  if (o.disk_bytes < 0) return absl::InvalidArgumentError("kv.tiers.disk_bytes must be >= 0");
+  if (o.host_bytes > 0) {
+    const int64_t avail = AvailableHostBytes();
+    if (o.host_bytes > avail) {
+      return absl::ResourceExhaustedError(absl::StrCat("kv.tiers.host_bytes: ", o.host_bytes,
+                                                       " bytes asked for but ", avail,
+                                                       " bytes of host memory are available"));
+    }
+  }
+  if (o.disk_bytes > 0 && o.disk_dir.empty())
+    return absl::InvalidArgumentError("kv.tiers.disk_bytes > 0 needs kv.tiers.disk_dir");
+  if (o.disk_bytes == 0 && !o.disk_dir.empty())
+    return absl::InvalidArgumentError("kv.tiers.disk_dir is set but kv.tiers.disk_bytes is 0 (tier off)");
+  if (o.persist && o.disk_bytes == 0)
+    return absl::InvalidArgumentError("kv.tiers.persist needs the disk tier (kv.tiers.disk_bytes > 0)");
+  if (o.disk_bytes > 0) {
+    std::error_code ec;
+    fs::create_directories(o.disk_dir, ec);
+    if (ec) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv.tiers.disk_dir: cannot create ", o.disk_dir, ": ", ec.message()));
+    }
+    struct statvfs sv;
+    if (::statvfs(o.disk_dir.c_str(), &sv) != 0)
+      return absl::InvalidArgumentError(absl::StrCat("kv.tiers.disk_dir: ", Errno("statvfs", o.disk_dir)));
+    const int64_t free_bytes = static_cast<int64_t>(sv.f_bavail) * static_cast<int64_t>(sv.f_frsize);
+    if (o.disk_bytes > free_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat("kv.tiers.disk_bytes: ", o.disk_bytes,
+                                                       " bytes asked for but ", o.disk_dir, " has ",
+                                                       free_bytes, " bytes free"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+KvTierStore::KvTierStore(const KvTierOptions& options, uint64_t fingerprint, int64_t block_bytes)
+    : options_(options), fingerprint_(fingerprint), block_bytes_(block_bytes) {}
+
+absl::StatusOr<std::unique_ptr<KvTierStore>> KvTierStore::Create(const KvTierOptions& options,
+                                                                 uint64_t fingerprint, int64_t block_bytes) {
+  TANDEM_CHECK(block_bytes >= 1);
+  RETURN_IF_ERROR(CheckKvTierOptions(options));
+  std::unique_ptr<KvTierStore> store(new KvTierStore(options, fingerprint, block_bytes));
+  if (options.disk_bytes > 0) {
+    RETURN_IF_ERROR(store->OpenDirectory());
+    store->writer_ = std::thread([s = store.get()] { s->WriterLoop(); });
+  }
+  return store;
+}
+
+KvTierStore::~KvTierStore() {
+  if (writer_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    writer_.join();
+  }
+  if (options_.disk_bytes > 0 && !options_.persist) {
+    for (const auto& [hash, e] : disk_) ::unlink(FilePath(hash).c_str());
+  }
+}
+
+std::string KvTierStore::FilePath(uint64_t hash) const {
+  return absl::StrCat(options_.disk_dir, "/", absl::StrFormat("%016x", hash), kSuffix);
+}
+
+absl::Status KvTierStore::OpenDirectory() {
+  std::error_code ec;
+  std::vector<std::pair<fs::file_time_type, KvTierBlock>> found;
+  for (const fs::directory_entry& entry : fs::directory_iterator(options_.disk_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const std::string path = entry.path().string();
+    if (name.ends_with(".kvb.tmp")) {  // a write that never finished
+      ::unlink(path.c_str());
+      continue;
+    }
+    if (!name.ends_with(kSuffix)) continue;
+    uint64_t hash = 0;
+    if (name.size() != 16 + 4 || !absl::SimpleHexAtoi(name.substr(0, 16), &hash)) continue;
+    if (!options_.persist) {
+      ::unlink(path.c_str());
+      continue;
+    }
+    KvTierBlock block;
+    const absl::Status st = ReadFile(path, hash, &block, {});
+    if (!st.ok()) {
+      TANDEM_LOG_WARN("kv-tiers", "discarding ", path, ": ", st.message());
+      ::unlink(path.c_str());
+      ++stats_.discarded;
+      continue;
+    }
+    found.emplace_back(entry.last_write_time(ec), block);
+  }
+  if (ec)
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv.tiers.disk_dir: ", options_.disk_dir, ": ", ec.message()));
+  // Oldest first in the LRU; over the budget, the oldest go.
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  const int64_t file_bytes = block_bytes_ + static_cast<int64_t>(kKvBlockHeaderBytes);
+  while (!found.empty() && static_cast<int64_t>(found.size()) * file_bytes > options_.disk_bytes) {
+    ::unlink(FilePath(found.front().second.hash).c_str());
+    found.erase(found.begin());
+  }
+  for (const auto& [time, block] : found) {
+    DiskEntry& e = disk_[block.hash];
+    e.block = block;
+    e.lru = disk_lru_.insert(disk_lru_.end(), block.hash);
+  }
+  // Parents before children: by depth. Blocks whose parent is missing are listed too; the owner
+  // keeps only whole chains.
+  for (const auto& [time, block] : found) persisted_.push_back(block);
+  std::sort(persisted_.begin(), persisted_.end(),
+            [](const KvTierBlock& a, const KvTierBlock& b) { return a.depth < b.depth; });
+  stats_.disk_blocks = static_cast<int64_t>(disk_.size());
+  if (options_.persist) {
+    TANDEM_LOG_INFO("kv-tiers", "disk tier ", options_.disk_dir, ": ", disk_.size(), " blocks re-indexed");
+  }
+  return absl::OkStatus();
+}
+
+void KvTierStore::Save(const KvTierBlock& block, std::span<const uint8_t> bytes) {
+  TANDEM_CHECK(static_cast<int64_t>(bytes.size()) == block_bytes_);
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.saves;
+  std::shared_ptr<const std::vector<uint8_t>> copy;
+  auto it = host_.find(block.hash);
+  if (it != host_.end()) {
+    host_lru_.splice(host_lru_.end(), host_lru_, it->second.lru);
+    copy = it->second.bytes;
+  } else if (block_bytes_ <= options_.host_bytes) {
+    while (static_cast<int64_t>(host_.size() + 1) * block_bytes_ > options_.host_bytes) {
+      host_.erase(host_lru_.front());
+      host_lru_.pop_front();
+      ++stats_.host_evictions;
+    }
+    copy = std::make_shared<const std::vector<uint8_t>>(bytes.begin(), bytes.end());
+    HostEntry& e = host_[block.hash];
+    e.block = block;
+    e.bytes = copy;
+    e.lru = host_lru_.insert(host_lru_.end(), block.hash);
+    stats_.bytes_to_host += block_bytes_;
+  }
+  stats_.host_blocks = static_cast<int64_t>(host_.size());
+  if (options_.disk_bytes == 0) return;
+  if (auto d = disk_.find(block.hash); d != disk_.end()) {
+    disk_lru_.splice(disk_lru_.end(), disk_lru_, d->second.lru);
+    return;
+  }
+  if (queued_.contains(block.hash)) return;
+  if (!copy) copy = std::make_shared<const std::vector<uint8_t>>(bytes.begin(), bytes.end());
+  queue_.push_back({block, std::move(copy)});
+  ++queued_[block.hash];
+  cv_.notify_all();
+}
+
+void KvTierStore::DropDiskLocked(uint64_t hash, bool count_eviction) {
+  auto it = disk_.find(hash);
+  if (it == disk_.end()) return;
+  disk_lru_.erase(it->second.lru);
+  disk_.erase(it);
+  ::unlink(FilePath(hash).c_str());
+  if (count_eviction) ++stats_.disk_evictions;
+  stats_.disk_blocks = static_cast<int64_t>(disk_.size());
+}
+
+void KvTierStore::WriterLoop() {
+  const int64_t file_bytes = block_bytes_ + static_cast<int64_t>(kKvBlockHeaderBytes);
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, nothing left
+    Write w = std::move(queue_.front());
+    queue_.pop_front();
+    const bool fits = file_bytes <= options_.disk_bytes;
+    if (fits) {
+      while (static_cast<int64_t>(disk_.size() + 1) * file_bytes > options_.disk_bytes)
+        DropDiskLocked(disk_lru_.front(), true);
+    }
+    writing_ = true;
+    lock.unlock();
+    absl::Status st =
+        fits ? WriteFile(w) : absl::ResourceExhaustedError("the block is larger than kv.tiers.disk_bytes");
+    lock.lock();
+    writing_ = false;
+    queued_.erase(w.block.hash);
+    if (st.ok()) {
+      DiskEntry& e = disk_[w.block.hash];
+      e.block = w.block;
+      e.lru = disk_lru_.insert(disk_lru_.end(), w.block.hash);
+      stats_.bytes_to_disk += file_bytes;
+      stats_.disk_blocks = static_cast<int64_t>(disk_.size());
+    } else {
+      ++stats_.write_errors;
+      if (!warned_write_) {
+        TANDEM_LOG_WARN("kv-tiers", "disk tier: block ", absl::StrFormat("%016x", w.block.hash),
+                        " not saved: ", st.message(), " (further write errors are counted, not logged)");
+        warned_write_ = true;
+      }
+    }
+    cv_.notify_all();
+  }
+}
+
+absl::Status KvTierStore::WriteFile(const Write& w) const {
+  const std::string path = FilePath(w.block.hash);
+  const std::string tmp = path + ".tmp";
+  uint8_t h[kKvBlockHeaderBytes] = {};
+  Put32(h, kMagic);
+  Put16(h + 4, kKvBlockFileVersion);
+  Put16(h + 6, static_cast<uint16_t>(kKvBlockHeaderBytes));
+  Put64(h + 8, fingerprint_);
+  Put64(h + 16, w.block.hash);
+  Put64(h + 24, w.block.parent_hash);
+  Put32(h + 32, static_cast<uint32_t>(w.block.depth));
+  Put32(h + 36, Crc32c(*w.bytes));
+  Put64(h + 40, static_cast<uint64_t>(block_bytes_));
+  Put32(h + 60, Crc32c({h, 60}));
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return absl::UnavailableError(Errno("cannot create", tmp));
+  const bool ok = WriteAll(fd, h, sizeof(h)) && WriteAll(fd, w.bytes->data(), w.bytes->size());
+  const std::string why = ok ? "" : Errno("cannot write", tmp);
+  if (::close(fd) != 0 || !ok) {
+    ::unlink(tmp.c_str());
+    return absl::UnavailableError(ok ? Errno("cannot close", tmp) : why);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string err = Errno("cannot rename", tmp);
+    ::unlink(tmp.c_str());
+    return absl::UnavailableError(err);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvTierStore::ReadFile(const std::string& path, uint64_t expect_hash, KvTierBlock* block,
+                                   std::span<uint8_t> out) const {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::NotFoundError(Errno("cannot open", path));
+  uint8_t h[kKvBlockHeaderBytes];
+  absl::Status st;
+  struct stat sb;
+  if (::fstat(fd, &sb) != 0 ||
+      sb.st_size != static_cast<off_t>(kKvBlockHeaderBytes) + static_cast<off_t>(block_bytes_)) {
+    st = absl::DataLossError(absl::StrCat("size ", sb.st_size, " bytes, expected ",
+                                          kKvBlockHeaderBytes + static_cast<size_t>(block_bytes_)));
+  } else if (!ReadAll(fd, h, sizeof(h))) {
+    st = absl::DataLossError("truncated header");
+  } else if (Get(h, 4) != kMagic) {
+    st = absl::DataLossError("not a KV block file (magic)");
+  } else if (Get(h + 4, 2) != kKvBlockFileVersion || Get(h + 6, 2) != kKvBlockHeaderBytes) {
+    st = absl::DataLossError(
+        absl::StrCat("version ", Get(h + 4, 2), ", this build reads ", kKvBlockFileVersion));
+  } else if (Get(h + 60, 4) != Crc32c({h, 60})) {
+    st = absl::DataLossError("header checksum mismatch");
+  } else if (Get(h + 8, 8) != fingerprint_) {
+    st = absl::DataLossError("written for another model or KV shape (fingerprint)");
+  } else if (Get(h + 16, 8) != expect_hash) {
+    st = absl::DataLossError("holds another block (hash)");
+  } else if (Get(h + 40, 8) != static_cast<uint64_t>(block_bytes_) ||
+             static_cast<int32_t>(Get(h + 32, 4)) < 1) {
+    st = absl::DataLossError("bad payload size or depth");
+  } else {
+    block->hash = expect_hash;
+    block->parent_hash = Get(h + 24, 8);
+    block->depth = static_cast<int32_t>(Get(h + 32, 4));
+    if (!out.empty()) {
+      if (!ReadAll(fd, out.data(), out.size())) {
+        st = absl::DataLossError("truncated payload");
+      } else if (Crc32c(out) != static_cast<uint32_t>(Get(h + 36, 4))) {
+        st = absl::DataLossError("payload checksum mismatch");
+      }
+    }
+  }
+  ::close(fd);
+  return st;
+}
+
+absl::StatusOr<int> KvTierStore::Load(uint64_t hash, KvTierBlock* block, std::span<uint8_t> out) {
+  TANDEM_CHECK(static_cast<int64_t>(out.size()) == block_bytes_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = host_.find(hash);
+    if (it != host_.end()) {
+      // Host copies were checked when made and never leave this process's memory.
+      std::memcpy(out.data(), it->second.bytes->data(), out.size());
+      *block = it->second.block;
+      host_lru_.splice(host_lru_.end(), host_lru_, it->second.lru);
+      ++stats_.host_hits;
+      stats_.bytes_from_host += block_bytes_;
+      return 1;
+    }
+    auto d = disk_.find(hash);
+    if (d == disk_.end()) {
+      ++stats_.misses;
+      return absl::NotFoundError(absl::StrFormat("block %016x is in no KV tier", hash));
+    }
+    disk_lru_.splice(disk_lru_.end(), disk_lru_, d->second.lru);
+  }
+  const std::string path = FilePath(hash);
+  const absl::Status st = ReadFile(path, hash, block, out);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!st.ok()) {
+    TANDEM_LOG_WARN("kv-tiers", "discarding ", path, ": ", st.message(), "; its tokens are recomputed");
+    ++stats_.discarded;
+    DropDiskLocked(hash, false);
+    return absl::NotFoundError(absl::StrCat(path, ": ", st.message()));
+  }
+  ++stats_.disk_hits;
+  stats_.bytes_from_disk += block_bytes_;
+  return 2;
+}
+
+bool KvTierStore::Contains(uint64_t hash) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return host_.contains(hash) || disk_.contains(hash);
+}
+
+KvTierStats KvTierStore::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void KvTierStore::Flush() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return queue_.empty() && !writing_; });
+}
+
+}  // namespace tandem

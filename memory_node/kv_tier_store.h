@@ -1,0 +1,176 @@
+// The lower KV tiers of one memory rank (docs/architecture.md, "KV cache on a memory rank"): host
+// DRAM and files in a directory, below the rank's KV pool. A registered prefix block that the
+// controller evicts from the pool is saved here (demoted) and can be loaded back into pool slots
+// (restored) when a later request's prompt starts with it.
+//
+// A block is a fixed number of bytes (block_bytes: its KV over every layer) named by its chained
+// hash (compute_node/prefix_index.h), with its parent's hash and its depth in the chain.
+//
+//   Save(block, bytes)  copies the bytes into the host tier (least recently used host blocks make
+//                       room; a block larger than the tier, or a tier of 0 bytes, is not kept there)
+//                       and, when the disk tier is on and the block is not on disk yet, queues it for
+//                       the writer thread: a block is written once per tier. Save never waits for
+//                       the disk.
+//   Load(hash, out)     the host copy if there is one, else the file (read on the calling thread).
+//                       Every copy is checked: header, fingerprint, hash, length and CRC-32C of the
+//                       bytes. A copy that fails is discarded with a warning naming the file and what
+//                       was wrong, and Load returns NotFound (the caller recomputes); it never
+//                       returns bytes that fail the check.
+//
+// Disk tier: one file per block, `<hash as 16 hex digits>.kvb`, a 64-byte header then the bytes:
+//
+//   offset  size  field           notes
+//        0     4  magic           "TDKV"
+//        4     2  version         kKvBlockFileVersion (1)
+//        6     2  header_bytes    64
+//        8     8  fingerprint     the store's (model, KV shape, dtype, block size): a file written
+//                                 for another model or shape is refused
+//       16     8  hash            the block's chained hash (== the file name's)
+//       24     8  parent_hash     0 for depth 1
+//       32     4  depth           >= 1
+//       36     4  payload_crc32c  Crc32c of the payload
+//       40     8  payload_bytes   == block_bytes
+//       48    12  reserved        0
+//       60     4  header_crc32c   Crc32c of bytes [0, 60)
+//
+// The writer writes `<name>.tmp`, then renames it, so a crash mid-write leaves no file with a good
+// name (leftover .tmp files are removed when a store opens the directory). Files are evicted least
+// recently used when disk_bytes would be exceeded. A write that fails (disk full, directory gone)
+// is logged once per kind of failure, counted, and the block stays in the host tier only.
+//
+// persist: false: the directory is this store's scratch space: .kvb files found there at start
+// are removed, and so are the store's files when it is destroyed. persist: true: files are kept,
+// and at start the store re-indexes the directory (headers checked, bad files removed with a
+// warning); PersistedBlocks() lists what it found so that the owner can tell the controller.
+//
+// Thread safety: Save, Load, Contains, stats and Flush may be called from any thread; one writer
+// thread of the store's own does the disk writes.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace tandem {
+
+inline constexpr uint16_t kKvBlockFileVersion = 1;
+inline constexpr size_t kKvBlockHeaderBytes = 64;
+
+// kv.tiers.* as a memory rank (or the colocated engine) takes them.
+struct KvTierOptions {
+  int64_t host_bytes = 0;  // host DRAM tier; 0: off
+  std::string disk_dir;    // directory of the disk tier; "" with disk_bytes 0: off
+  int64_t disk_bytes = 0;  // 0: disk tier off
+  bool persist = false;    // keep files across restarts and re-index them at start
+  bool enabled() const { return host_bytes > 0 || disk_bytes > 0; }
+};
+
+// Checks the settings against this machine: host_bytes against available host memory, disk_bytes
+// against the free space of disk_dir (created if missing), disk_dir given iff disk_bytes > 0.
+// InvalidArgument / ResourceExhausted naming the kv.tiers setting otherwise.
+absl::Status CheckKvTierOptions(const KvTierOptions& options);
+
+struct KvTierBlock {
+  uint64_t hash = 0;
+  uint64_t parent_hash = 0;  // 0 at depth 1
+  int32_t depth = 1;
+};
+
+struct KvTierStats {
+  int64_t saves = 0;            // blocks handed to Save (demotions)
+  int64_t host_hits = 0;        // loads served from host memory
+  int64_t disk_hits = 0;        // loads served from a file
+  int64_t misses = 0;           // loads of blocks in no tier
+  int64_t discarded = 0;        // copies that failed their check (corrupt, truncated, foreign)
+  int64_t bytes_to_host = 0;    // pool -> host
+  int64_t bytes_from_host = 0;  // host -> pool
+  int64_t bytes_to_disk = 0;    // written to files
+  int64_t bytes_from_disk = 0;  // read from files into the pool
+  int64_t host_evictions = 0;
+  int64_t disk_evictions = 0;
+  int64_t write_errors = 0;  // disk writes that failed
+  int64_t host_blocks = 0;   // now
+  int64_t disk_blocks = 0;   // now
+};
+
+class KvTierStore {
+ public:
+  // `fingerprint` identifies the model, KV shape and dtype whose blocks this store holds;
+  // block_bytes >= 1. With a disk tier, rank_dir is disk_dir itself (each memory rank gets its own
+  // subdirectory from its owner). Errors name the kv.tiers setting.
+  static absl::StatusOr<std::unique_ptr<KvTierStore>> Create(const KvTierOptions& options,
+                                                             uint64_t fingerprint, int64_t block_bytes);
+  ~KvTierStore();
+  KvTierStore(const KvTierStore&) = delete;
+  KvTierStore& operator=(const KvTierStore&) = delete;
+
+  // bytes.size() == block_bytes.
+  void Save(const KvTierBlock& block, std::span<const uint8_t> bytes);
+  // Fills `out` (block_bytes) and `block`; returns the tier it came from (1 host, 2 disk). NotFound
+  // when no good copy exists (a bad one is discarded first, with a warning).
+  absl::StatusOr<int> Load(uint64_t hash, KvTierBlock* block, std::span<uint8_t> out);
+  bool Contains(uint64_t hash) const;
+  // Blocks found on disk when the store opened the directory with persist (parents before
+  // children).
+  const std::vector<KvTierBlock>& PersistedBlocks() const { return persisted_; }
+  KvTierStats stats() const;
+  // Waits until every queued disk write has been done (tests, shutdown).
+  void Flush();
+  int64_t block_bytes() const { return block_bytes_; }
+  // The file of a block (tests corrupt it).
+  std::string FilePath(uint64_t hash) const;
+
+ private:
+  KvTierStore(const KvTierOptions& options, uint64_t fingerprint, int64_t block_bytes);
+  struct HostEntry {
+    KvTierBlock block;
+    std::shared_ptr<const std::vector<uint8_t>> bytes;
+    std::list<uint64_t>::iterator lru;
+  };
+  struct DiskEntry {
+    KvTierBlock block;
+    std::list<uint64_t>::iterator lru;
+  };
+  struct Write {
+    KvTierBlock block;
+    std::shared_ptr<const std::vector<uint8_t>> bytes;
+  };
+  absl::Status OpenDirectory();
+  void WriterLoop();
+  // Writes one block's file (temp name, then rename). Called without mu_.
+  absl::Status WriteFile(const Write& w) const;
+  // Reads and checks a file's header (and, with `out`, its payload). Called without mu_.
+  absl::Status ReadFile(const std::string& path, uint64_t expect_hash, KvTierBlock* block,
+                        std::span<uint8_t> out) const;
+  void DropDiskLocked(uint64_t hash, bool count_eviction);
+
+  KvTierOptions options_;
+  uint64_t fingerprint_;
+  int64_t block_bytes_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::unordered_map<uint64_t, HostEntry> host_;
+  std::list<uint64_t> host_lru_;  // front: least recently used
+  std::unordered_map<uint64_t, DiskEntry> disk_;
+  std::list<uint64_t> disk_lru_;
+  std::deque<Write> queue_;
+  std::unordered_map<uint64_t, int> queued_;  // hashes queued or being written
+  bool writing_ = false;
+  bool stop_ = false;
+  bool warned_write_ = false;
+  KvTierStats stats_;
+  std::vector<KvTierBlock> persisted_;
+  std::thread writer_;
+};
+
+}  // namespace tandem

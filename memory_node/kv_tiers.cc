@@ -1,0 +1,80 @@
+#include "memory_node/kv_tiers.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "common/wire.h"
+
+namespace tandem {
+
+uint64_t KvBlockFingerprint(const AttentionShape& shape, DType dtype, int64_t block_tokens,
+                            std::string_view model) {
+  const std::string text = absl::StrCat(
+      "layers=", shape.num_layers, ";kv_heads=", shape.num_kv_heads, ";head_dim=", shape.head_dim,
+      ";dtype=", std::string(DTypeName(dtype)), ";block=", block_tokens, ";model=", std::string(model));
+  const auto* bytes = reinterpret_cast<const uint8_t*>(text.data());
+  const uint32_t lo = Crc32c({bytes, text.size()});
+  const uint32_t hi = Crc32cExtend(lo ^ 0x5a5a5a5au, {bytes, text.size()});
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+absl::StatusOr<std::unique_ptr<KvTiers>> KvTiers::Create(const KvTierOptions& options,
+                                                         AttentionExecutor* executor, int64_t block_tokens,
+                                                         std::string_view model) {
+  if (!executor->memory().host()) {
+    return absl::UnimplementedError(
+        absl::StrCat("kv.tiers.host_bytes / kv.tiers.disk_bytes: KV tiers need a KV "
+                     "pool in host memory (a CPU rank); this one is on ",
+                     executor->device(), ": set both to 0"));
+  }
+  if (block_tokens < 1)
+    return absl::InvalidArgumentError("kv.tiers.*: KV tiers need the prefix cache (kv.prefix_cache: true)");
+  const AttentionShape& shape = executor->shape();
+  const int64_t block_bytes =
+      block_tokens * shape.kv_bytes_per_token(static_cast<int64_t>(DTypeSize(executor->dtype())));
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<KvTierStore> store,
+      KvTierStore::Create(options, KvBlockFingerprint(shape, executor->dtype(), block_tokens, model),
+                          block_bytes));
+  TANDEM_LOG_INFO("kv-tiers", "KV tiers: host ", options.host_bytes >> 20, " MiB, disk ",
+                  options.disk_bytes > 0
+                      ? absl::StrCat(options.disk_bytes >> 20, " MiB in ", options.disk_dir)
+                      : std::string("off"),
+                  "; ", block_bytes, " bytes per block of ", block_tokens, " tokens");
+  auto tiers = std::unique_ptr<KvTiers>(new KvTiers(executor, std::move(store)));
+  tiers->buffer_.resize(static_cast<size_t>(block_bytes));
+  return tiers;
+}
+
+void KvTiers::Demote(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots) {
+  const absl::Status st = executor_->ReadSlots(slots, buffer_.data());
+  if (!st.ok()) {  // the block is then simply not kept; a later restore of it fails and recomputes
+    TANDEM_LOG_WARN("kv-tiers", "block ", absl::StrFormat("%016x", hash), " not saved: ", st.message());
+    return;
+  }
+  store_->Save({.hash = hash, .parent_hash = parent_hash, .depth = depth}, buffer_);
+}
+
+bool KvTiers::Restore(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots) {
+  KvTierBlock block;
+  absl::StatusOr<int> tier = store_->Load(hash, &block, buffer_);
+  if (!tier.ok()) {
+    TANDEM_LOG_WARN("kv-tiers", "restore of block ", absl::StrFormat("%016x", hash), " failed (",
+                    tier.status().message(), "); its tokens are recomputed");
+    return false;
+  }
+  if (block.parent_hash != parent_hash || block.depth != depth) {
+    TANDEM_LOG_WARN("kv-tiers", "restore of block ", absl::StrFormat("%016x", hash),
+                    ": the saved copy has another parent or depth; its tokens are recomputed");
+    return false;
+  }
+  const absl::Status st = executor_->WriteSlots(slots, buffer_.data());
+  if (!st.ok()) {
+    TANDEM_LOG_WARN("kv-tiers", "restore of block ", absl::StrFormat("%016x", hash), ": ", st.message());
+    return false;
+  }
+  return true;
+}
+
+}  // namespace tandem
