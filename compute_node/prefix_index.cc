@@ -197,35 +197,6 @@ void PrefixIndex::Forget(int32_t id) {
   Remove(id);
 }
 
-int32_t PrefixIndex::AddDemoted(uint64_t hash, int32_t parent, std::span<const int32_t> tokens) {
-  if (max_demoted_ == 0 || hash == 0 || FindHash(hash) >= 0 ||
-      static_cast<int64_t>(tokens.size()) != block_tokens_)
-    return -1;
-  int32_t id;
-  if (free_ids_.empty()) {
-    id = static_cast<int32_t>(blocks_.size());
-    blocks_.emplace_back();
-  } else {
-    id = free_ids_.back();
-    free_ids_.pop_back();
-  }
-  Block& b = blocks_[static_cast<size_t>(id)];
-  b = Block{};
-  b.hash = hash;
-  b.parent = parent;
-  b.live = true;
-  b.resident = false;
-  b.tokens.assign(tokens.begin(), tokens.end());
-  b.last_used = ++tick_;
-  b.lru_it = lru_.insert(lru_.end(), id);
-  by_hash_.emplace(hash, id);
-  if (parent >= 0) ++blocks_[static_cast<size_t>(parent)].num_children;
-  ++stats_.blocks;
-  ++stats_.demoted;
-  TrimDemoted();
-  return FindHash(hash);
-}
-
 void PrefixIndex::TrimDemoted() {
   auto it = lru_.begin();
   while (stats_.demoted > max_demoted_ && it != lru_.end()) {

@@ -109,9 +109,6 @@ class PrefixIndex {
   // Id of the registered block with this hash, or -1.
   int32_t Find(uint64_t hash) const { return FindHash(hash); }
   const std::vector<int32_t>& tokens(int32_t id) const { return blocks_[static_cast<size_t>(id)].tokens; }
-  // Registers a block by its hash as the child of `parent` (-1: depth 1), demoted (a block found in
-  // a persisted disk tier). Returns its id, or -1 when the hash is taken or the tiers are off.
-  int32_t AddDemoted(uint64_t hash, int32_t parent, std::span<const int32_t> tokens);
 
   int64_t block_tokens() const { return block_tokens_; }
   // The chained hash of a block of tokens after the block `parent_hash` (kSeed for block 0).
