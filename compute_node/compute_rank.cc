@@ -267,12 +267,25 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
     if (!ran.ok()) {
       // A replica that went away fails the step wherever rank 0 was waiting (often on a memory
       // rank that waits for the replica's rows, or one that stopped because the replica left it):
-      // name the replica when the transport knows it failed, or named it.
-      for (size_t r = 0; r < replicas_.size(); ++r) {
-        if (!transport_->PeerStatus(replicas_[r].peer).ok()) {
-          return Annotate(ran, absl::StrCat(replicas_[r].name, " failed"));
-        }
+      // name the replica when the transport knows it failed, or named it. The memory rank's
+      // disconnect may reach us before the replica's own: give the transport a moment (this is the
+      // failure path only) to report it.
+      // (Failed memory ranks are let go first, so that their failure does not cut those waits
+      // short; the step has failed and the deployment stops anyway.)
+      for (const Rank& rank : ranks_) {
+        if (!transport_->PeerStatus(rank.peer).ok()) transport_->Close(rank.peer);
       }
+      const absl::Time until = absl::Now() + absl::Seconds(1);
+      do {
+        for (size_t r = 0; r < replicas_.size(); ++r) {
+          if (!transport_->PeerStatus(replicas_[r].peer).ok()) {
+            return Annotate(ran, absl::StrCat(replicas_[r].name, " failed"));
+          }
+        }
+        transport::PeerId from = 0;
+        std::vector<uint8_t> msg;
+        (void)transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(50));  // progress only
+      } while (absl::Now() < until);
       for (size_t r = 0; r < replicas_.size(); ++r) {
         if (absl::StrContains(ran.message(), options_.replica_addresses[r])) {
           return Annotate(ran, absl::StrCat(replicas_[r].name, " failed"));
