@@ -1,24 +1,9 @@
-// Helpers shared by the CUDA benchmarks: a CUDA error check that exits, and two device kernels,
-// a random bf16 fill and a read-sum (for the device's read bandwidth).
+// Helpers shared by the CUDA benchmarks: a CUDA error check that exits, and a device kernel that
+// fills bf16 buffers with random values (the read-bandwidth ceiling is in ceilings.h).
 //
 // The kernels are PTX loaded at run time through cudaLibraryLoadData, because the benchmarks
 // are compiled as host C++. Source (nvcc -arch=compute_90 -O3 -ptx):
 //
-//   extern "C" __global__ void __launch_bounds__(256) bench_read_sum(const uint4* __restrict__ p,
-//       unsigned long long n, unsigned int* __restrict__ out) {
-//     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-//     unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-//     unsigned int acc = 0;
-//     for (; i + 3 * stride < n; i += 4 * stride) {   // four 16-byte loads in flight
-//       const uint4 a = __ldg(p + i), b = __ldg(p + i + stride), c = __ldg(p + i + 2 * stride),
-//                   d = __ldg(p + i + 3 * stride);
-//       acc += (a.x + a.y + a.z + a.w) + (b.x + b.y + b.z + b.w) + (c.x + c.y + c.z + c.w) +
-//              (d.x + d.y + d.z + d.w);
-//     }
-//     for (; i < n; i += stride) { const uint4 a = __ldg(p + i); acc += a.x + a.y + a.z + a.w; }
-//     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-//     if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
-//   }
 //   // bf16 values ±[2^-7, 1): random sign, exponent and mantissa; never zero, inf or NaN.
 //   extern "C" __global__ void __launch_bounds__(256) bench_fill_bf16(unsigned short* __restrict__ p,
 //       unsigned long long n, unsigned long long seed) {
@@ -59,109 +44,6 @@ inline constexpr const char* kHelperPtx = R"PTX(
 .version 9.0
 .target sm_90
 .address_size 64
-.visible .entry bench_read_sum(
-	.param .u64 bench_read_sum_param_0,
-	.param .u64 bench_read_sum_param_1,
-	.param .u64 bench_read_sum_param_2
-)
-.maxntid 256, 1, 1
-{
-	.reg .pred 	%p<11>;
-	.reg .b32 	%r<76>;
-	.reg .b64 	%rd<36>;
-	ld.param.u64 	%rd14, [bench_read_sum_param_0];
-	ld.param.u64 	%rd15, [bench_read_sum_param_1];
-	ld.param.u64 	%rd16, [bench_read_sum_param_2];
-	mov.u32 	%r9, %nctaid.x;
-	cvt.u64.u32 	%rd1, %r9;
-	mov.u32 	%r10, %ntid.x;
-	mul.wide.u32 	%rd2, %r9, %r10;
-	mov.u32 	%r11, %ctaid.x;
-	mul.wide.u32 	%rd17, %r11, %r10;
-	mov.u32 	%r12, %tid.x;
-	cvt.u64.u32 	%rd18, %r12;
-	add.s64 	%rd34, %rd17, %rd18;
-	mul.lo.s64 	%rd4, %rd2, 3;
-	add.s64 	%rd19, %rd34, %rd4;
-	setp.ge.u64 	%p1, %rd19, %rd15;
-	mov.u32 	%r75, 0;
-	@%p1 bra 	$L__BB0_3;
-	shl.b64 	%rd20, %rd34, 4;
-	add.s64 	%rd33, %rd14, %rd20;
-	cvt.u64.u32 	%rd21, %r10;
-	mul.lo.s64 	%rd22, %rd1, %rd21;
-	shl.b64 	%rd6, %rd22, 4;
-	mov.u32 	%r75, 0;
-$L__BB0_2:
-	ld.global.nc.v4.u32 {%r15,%r16,%r17,%r18}, [%rd33];
-	add.s64 	%rd24, %rd33, %rd6;
-	ld.global.nc.v4.u32 {%r19,%r20,%r21,%r22}, [%rd24];
-	add.s64 	%rd25, %rd24, %rd6;
-	ld.global.nc.v4.u32 {%r23,%r24,%r25,%r26}, [%rd25];
-	add.s64 	%rd26, %rd25, %rd6;
-	add.s64 	%rd33, %rd26, %rd6;
-	ld.global.nc.v4.u32 {%r27,%r28,%r29,%r30}, [%rd26];
-	add.s32 	%r31, %r16, %r75;
-	add.s32 	%r32, %r31, %r15;
-	add.s32 	%r33, %r32, %r17;
-	add.s32 	%r34, %r33, %r18;
-	add.s32 	%r35, %r34, %r20;
-	add.s32 	%r36, %r35, %r19;
-	add.s32 	%r37, %r36, %r21;
-	add.s32 	%r38, %r37, %r22;
-	add.s32 	%r39, %r38, %r24;
-	add.s32 	%r40, %r39, %r23;
-	add.s32 	%r41, %r40, %r25;
-	add.s32 	%r42, %r41, %r26;
-	add.s32 	%r43, %r42, %r28;
-	add.s32 	%r44, %r43, %r27;
-	add.s32 	%r45, %r44, %r29;
-	add.s32 	%r75, %r45, %r30;
-	add.s64 	%rd27, %rd34, %rd2;
-	add.s64 	%rd34, %rd4, %rd27;
-	add.s64 	%rd28, %rd34, %rd4;
-	setp.lt.u64 	%p2, %rd28, %rd15;
-	@%p2 bra 	$L__BB0_2;
-$L__BB0_3:
-	setp.ge.u64 	%p3, %rd34, %rd15;
-	@%p3 bra 	$L__BB0_5;
-$L__BB0_4:
-	shl.b64 	%rd30, %rd34, 4;
-	add.s64 	%rd29, %rd14, %rd30;
-	ld.global.nc.v4.u32 {%r46,%r47,%r48,%r49}, [%rd29];
-	add.s32 	%r50, %r47, %r75;
-	add.s32 	%r51, %r50, %r46;
-	add.s32 	%r52, %r51, %r48;
-	add.s32 	%r75, %r52, %r49;
-	add.s64 	%rd34, %rd34, %rd2;
-	setp.lt.u64 	%p4, %rd34, %rd15;
-	@%p4 bra 	$L__BB0_4;
-$L__BB0_5:
-	mov.u32 	%r53, 31;
-	mov.u32 	%r54, 16;
-	mov.u32 	%r55, -1;
-	shfl.sync.bfly.b32 	%r56|%p5, %r75, %r54, %r53, %r55;
-	add.s32 	%r57, %r56, %r75;
-	mov.u32 	%r58, 8;
-	shfl.sync.bfly.b32 	%r59|%p6, %r57, %r58, %r53, %r55;
-	add.s32 	%r60, %r59, %r57;
-	mov.u32 	%r61, 4;
-	shfl.sync.bfly.b32 	%r62|%p7, %r60, %r61, %r53, %r55;
-	add.s32 	%r63, %r62, %r60;
-	mov.u32 	%r64, 2;
-	shfl.sync.bfly.b32 	%r65|%p8, %r63, %r64, %r53, %r55;
-	add.s32 	%r66, %r65, %r63;
-	mov.u32 	%r67, 1;
-	shfl.sync.bfly.b32 	%r68|%p9, %r66, %r67, %r53, %r55;
-	add.s32 	%r7, %r68, %r66;
-	and.b32  	%r70, %r12, 31;
-	setp.ne.s32 	%p10, %r70, 0;
-	@%p10 bra 	$L__BB0_7;
-	cvta.to.global.u64 	%rd31, %rd16;
-	atom.global.add.u32 	%r71, [%rd31], %r7;
-$L__BB0_7:
-	ret;
-}
 .visible .entry bench_fill_bf16(
 	.param .u64 bench_fill_bf16_param_0,
 	.param .u64 bench_fill_bf16_param_1,
@@ -227,7 +109,6 @@ $L__BB1_3:
 )PTX";
 
 struct Helpers {
-  cudaKernel_t read_sum = nullptr;
   cudaKernel_t fill_bf16 = nullptr;
 };
 
@@ -235,7 +116,6 @@ inline Helpers LoadHelpers() {
   cudaLibrary_t lib = nullptr;
   BENCH_CUDA(cudaLibraryLoadData(&lib, kHelperPtx, nullptr, nullptr, 0, nullptr, nullptr, 0));
   Helpers h;
-  BENCH_CUDA(cudaLibraryGetKernel(&h.read_sum, lib, "bench_read_sum"));
   BENCH_CUDA(cudaLibraryGetKernel(&h.fill_bf16, lib, "bench_fill_bf16"));
   return h;  // the library stays loaded for the life of the process
 }

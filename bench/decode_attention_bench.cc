@@ -1,8 +1,12 @@
 // Decode attention bandwidth: KV bytes read per second by cuda::DecodeAttention over a shuffled
-// (gathered) token-granular KV pool, as a fraction of the device read bandwidth measured here by
-// a plain vectorised sum over a 2+ GB buffer. Not a test: prints a table (and JSON with --json).
+// (gathered) token-granular KV pool, as a fraction of the device read bandwidth measured here:
+// the best of several read kernels over a 4 GB buffer (bench/ceilings.h; the plain grid-stride
+// sum used before read 3–5% low, so that torch SDPA seemed to beat the ceiling). Not a test: prints a table (and JSON with --json).
 //
-//   decode_attention_bench [--quick] [--iters N] [--json PATH]
+//   decode_attention_bench [--quick] [--iters N] [--kinds mha,gqa] [--batches 1,8] [--contexts 1024]
+//                          [--splits 1,2,4] [--json PATH]
+// --splits adds, after each configuration's planned split count, a row per forced count (the
+// planner's choices are checked against these).
 //
 // Per configuration: fresh random bf16 K/V/q (never zeros), a random slot table; several slot
 // tables over disjoint slots when the KV is small, so that consecutive launches never find their
@@ -24,7 +28,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "bench_cuda.h"
+#include "ceilings.h"
 #include "kernels/cuda/ops.h"
 
 namespace {
@@ -39,44 +46,10 @@ void FillBf16(const Helpers& h, void* p, uint64_t n, uint64_t seed, cudaStream_t
   tandem::bench::FillBf16(h, p, n, seed, g_sms, s);
 }
 
-void ReadSum(const Helpers& h, const void* p, uint64_t n16, unsigned int* out, cudaStream_t s) {
-  unsigned long long n_arg = n16;
-  void* args[] = {&p, &n_arg, &out};
-  BENCH_CUDA(
-      cudaLaunchKernel(reinterpret_cast<const void*>(h.read_sum), dim3(g_sms * 8), dim3(256), args, 0, s));
-}
-
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-// Device read bandwidth (bytes/s): median over `iters` sums of a `bytes` buffer.
-double MeasureReadBandwidth(const Helpers& h, size_t bytes, int iters, cudaStream_t s) {
-  void* buf = nullptr;
-  unsigned int* out = nullptr;
-  BENCH_CUDA(cudaMalloc(&buf, bytes));
-  BENCH_CUDA(cudaMalloc(&out, sizeof(unsigned int)));
-  FillBf16(h, buf, bytes / 2, 12345, s);
-  cudaEvent_t a, b;
-  BENCH_CUDA(cudaEventCreate(&a));
-  BENCH_CUDA(cudaEventCreate(&b));
-  std::vector<double> times;
-  for (int i = 0; i < iters + 3; ++i) {
-    BENCH_CUDA(cudaEventRecord(a, s));
-    ReadSum(h, buf, bytes / 16, out, s);
-    BENCH_CUDA(cudaEventRecord(b, s));
-    BENCH_CUDA(cudaEventSynchronize(b));
-    float ms = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
-    if (i >= 3) times.push_back(ms * 1e-3);
-  }
-  BENCH_CUDA(cudaEventDestroy(a));
-  BENCH_CUDA(cudaEventDestroy(b));
-  BENCH_CUDA(cudaFree(buf));
-  BENCH_CUDA(cudaFree(out));
-  return static_cast<double>(bytes) / Median(times);
 }
 
 struct Row {
@@ -96,7 +69,22 @@ struct Options {
   bool quick = false;
   int iters = 30;
   std::string json;
+  std::vector<std::string> kinds;
+  std::vector<int64_t> batches, contexts, splits;
 };
+
+std::vector<int64_t> ParseInts(const char* flag, const std::string& list) {
+  std::vector<int64_t> out;
+  for (absl::string_view p : absl::StrSplit(list, ',', absl::SkipEmpty())) {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(p, &v) || v < 1) {
+      std::fprintf(stderr, "%s: '%s' is not a positive integer\n", flag, std::string(p).c_str());
+      std::exit(2);
+    }
+    out.push_back(v);
+  }
+  return out;
+}
 
 Options ParseArgs(int argc, char** argv) {
   Options o;
@@ -108,8 +96,19 @@ Options ParseArgs(int argc, char** argv) {
       o.iters = std::max(5, std::atoi(argv[++i]));
     } else if (a == "--json" && i + 1 < argc) {
       o.json = argv[++i];
+    } else if (a == "--kinds" && i + 1 < argc) {
+      o.kinds = absl::StrSplit(argv[++i], ',', absl::SkipEmpty());
+    } else if (a == "--batches" && i + 1 < argc) {
+      o.batches = ParseInts("--batches", argv[++i]);
+    } else if (a == "--contexts" && i + 1 < argc) {
+      o.contexts = ParseInts("--contexts", argv[++i]);
+    } else if (a == "--splits" && i + 1 < argc) {
+      o.splits = ParseInts("--splits", argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--iters N] [--json PATH]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--quick] [--iters N] [--kinds mha,gqa] [--batches 1,8] [--contexts 1024] "
+                   "[--splits 1,2,4] [--json PATH]\n",
+                   argv[0]);
       std::exit(a == "--help" || a == "-h" ? 0 : 2);
     }
   }
@@ -118,7 +117,7 @@ Options ParseArgs(int argc, char** argv) {
 
 // Runs one configuration; returns false (and prints why) if it cannot run.
 bool RunConfig(const Helpers& h, const Kind& kind, int64_t batch, int64_t ctx, int iters, size_t l2_bytes,
-               size_t flush_bytes, void* flush_buf, uint64_t seed, cudaStream_t s, Row* row) {
+               size_t flush_bytes, void* flush_buf, uint64_t seed, cudaStream_t s, int forced_splits, Row* row) {
   const int64_t H = kind.heads, KVH = kind.kv_heads, D = kind.head_dim;
   const int64_t tokens = batch * ctx;
   const int64_t token_bytes = KVH * D * 2;  // one of K or V
@@ -152,7 +151,12 @@ bool RunConfig(const Helpers& h, const Kind& kind, int64_t batch, int64_t ctx, i
   BENCH_CUDA(cudaMemcpy(indptr, host_indptr.data(), host_indptr.size() * 4, cudaMemcpyHostToDevice));
   BENCH_CUDA(cudaMemcpy(slots, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
 
-  const kc::DecodePlan plan = kc::PlanDecodeAttention(batch, H, KVH, D, ctx, g_sms);
+  kc::DecodePlan plan = kc::PlanDecodeAttention(batch, H, KVH, D, ctx, g_sms);
+  if (forced_splits > 0) {
+    plan.num_splits = forced_splits;
+    // Partial o and lse per (request, head, split), fp32, plus alignment: an upper bound.
+    plan.workspace_bytes = forced_splits > 1 ? batch * H * forced_splits * (D + 1) * 4 + 512 : 0;
+  }
   if (plan.workspace_bytes > 0) BENCH_CUDA(cudaMalloc(&ws, static_cast<size_t>(plan.workspace_bytes)));
 
   kc::AttentionParams p;
@@ -250,7 +254,8 @@ int main(int argc, char** argv) {
   size_t free_b = 0, total_b = 0;
   BENCH_CUDA(cudaMemGetInfo(&free_b, &total_b));
   const size_t bw_bytes = std::min<size_t>(size_t{4} << 30, free_b / 4) / 256 * 256;
-  const double read_bw = MeasureReadBandwidth(h, bw_bytes, 20, s);
+  const tandem::bench::ReadCeiling ceiling = tandem::bench::MeasureReadCeiling(bw_bytes, 20, s);
+  const double read_bw = ceiling.bytes_per_s;
 
   const size_t l2 = static_cast<size_t>(prop.l2CacheSize);
   const size_t flush_bytes = std::max<size_t>(4 * l2, size_t{256} << 20);
@@ -260,7 +265,9 @@ int main(int argc, char** argv) {
   const double budget = 0.6 * static_cast<double>(free_b);
 
   std::printf("device: %s (%d SMs, L2 %.0f MB, %.1f GB free)\n", prop.name, g_sms, l2 / 1e6, free_b / 1e9);
-  std::printf("read bandwidth (sum over %.1f GB): %.0f GB/s\n", bw_bytes / 1e9, read_bw * 1e-9);
+  for (const auto& v : ceiling.variants) std::printf("  read %-28s %7.0f GB/s\n", v.name.c_str(), v.bytes_per_s * 1e-9);
+  std::printf("read bandwidth (best over %.1f GB: %s): %.0f GB/s\n", bw_bytes / 1e9, ceiling.best.c_str(),
+              read_bw * 1e-9);
   std::printf("%-5s %6s %6s %6s %10s %8s %6s\n", "kind", "batch", "ctx", "splits", "time_us", "GB/s",
               "%peak");
 
@@ -271,9 +278,12 @@ int main(int argc, char** argv) {
     batches = {1, 64, 256};
     ctxs = {1024, 4096};
   }
+  if (!opt.batches.empty()) batches = opt.batches;
+  if (!opt.contexts.empty()) ctxs = opt.contexts;
   std::vector<Row> rows;
   uint64_t seed = 1;
   for (const Kind& kind : kinds) {
+    if (!opt.kinds.empty() && std::find(opt.kinds.begin(), opt.kinds.end(), kind.name) == opt.kinds.end()) continue;
     for (int64_t b : batches) {
       for (int64_t c : ctxs) {
         const double kv = 2.0 * b * c * kind.kv_heads * kind.head_dim * 2;
@@ -282,14 +292,20 @@ int main(int argc, char** argv) {
                       static_cast<long long>(b), static_cast<long long>(c), kv / 1e9);
           continue;
         }
-        Row row;
-        if (!RunConfig(h, kind, b, c, opt.iters, l2, flush_bytes, flush_buf, seed++, s, &row)) continue;
-        row.pct = 100.0 * row.gbps / (read_bw * 1e-9);
-        std::printf("%-5s %6lld %6lld %6d %10.1f %8.0f %6.1f%s\n", row.kind.c_str(),
-                    static_cast<long long>(row.batch), static_cast<long long>(row.ctx), row.splits,
-                    row.time_us, row.gbps, row.pct, row.finite ? "" : "  NON-FINITE OUTPUT");
-        std::fflush(stdout);
-        rows.push_back(row);
+        std::vector<int64_t> forced = {0};  // 0: the planner's choice
+        forced.insert(forced.end(), opt.splits.begin(), opt.splits.end());
+        for (const int64_t f : forced) {
+          Row row;
+          if (!RunConfig(h, kind, b, c, opt.iters, l2, flush_bytes, flush_buf, seed++, s, static_cast<int>(f), &row))
+            continue;
+          row.pct = 100.0 * row.gbps / (read_bw * 1e-9);
+          std::printf("%-5s %6lld %6lld %6d %10.1f %8.0f %6.1f%s%s\n", row.kind.c_str(),
+                      static_cast<long long>(row.batch), static_cast<long long>(row.ctx), row.splits,
+                      row.time_us, row.gbps, row.pct, f > 0 ? "  (forced)" : "",
+                      row.finite ? "" : "  NON-FINITE OUTPUT");
+          std::fflush(stdout);
+          if (f == 0) rows.push_back(row);
+        }
       }
     }
   }

@@ -16,9 +16,10 @@
 //
 // Usage: engine_decode_bench --model llama3-8b [--batches 1,8,32,64,128,256] [--contexts 1024,4096]
 //                            [--decode-tokens 32] [--cuda-graphs on|off|both] [--kv-tokens N]
-//                            [--floor 1] [--profile 1] [--json PATH]
+//                            [--floor 1] [--profile 1] [--gemv 1] [--json PATH]
 // --profile 0 turns the phase timing off (its events cost host and device time): then only rows,
-// tok/s and step_ms are meaningful.
+// tok/s and step_ms are meaningful. --gemv 0 sends every GEMM to cuBLAS (the engine and the floor),
+// to compare with tandem's one-row kernel (ComputeBackendOptions::gemv).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -63,7 +64,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> batches = {1, 8, 32, 64, 128, 256}, contexts = {1024, 4096};
   int64_t decode_tokens = 32, kv_tokens = 0;
   std::string graphs = "off";
-  bool floor = true, profile = true;
+  bool floor = true, profile = true, gemv = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--model")
@@ -82,6 +83,8 @@ int main(int argc, char** argv) {
       floor = v != "0";
     else if (k == "--profile")
       profile = v != "0";
+    else if (k == "--gemv")
+      gemv = v != "0";
     else if (k == "--cuda-graphs" && (v == "on" || v == "off" || v == "both"))
       graphs = v;
     else {
@@ -99,7 +102,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
   std::vector<double> floors;
-  if (floor) floors = tandem::bench::LinearFloorMs(spec, batches);
+  if (floor) floors = tandem::bench::LinearFloorMs(spec, batches, 20, gemv);
   std::printf("model %s on %s, decode %lld tokens per request\n", model.c_str(), prop.name,
               static_cast<long long>(decode_tokens));
   std::ofstream json;
@@ -114,6 +117,7 @@ int main(int argc, char** argv) {
     opt.profile = profile;
     opt.kv_capacity_tokens = kv_tokens;
     opt.cuda_graphs = on;
+    opt.gemv = gemv;
     auto t0 = std::chrono::steady_clock::now();
     auto engine = ColocatedEngine::Create(**source, opt);
     if (!engine.ok()) {

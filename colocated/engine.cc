@@ -45,7 +45,8 @@ absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const W
   const ComputeBackendOptions co{.max_tokens = options.max_tokens_per_step,
                                  .max_requests = options.max_batch_size,
                                  .profile = options.profile,
-                                 .cuda_graphs = options.cuda_graphs};
+                                 .cuda_graphs = options.cuda_graphs,
+                                 .gemv = options.gemv};
   const AttentionShape shape{.num_layers = spec.num_layers,
                              .num_heads = spec.num_heads,
                              .num_kv_heads = spec.num_kv_heads,

@@ -42,6 +42,7 @@ struct EngineOptions : SchedulerKvSettings {
   std::string device = "auto";  // "cpu", "cuda", "cuda:N", or "auto" (cuda:0 if present)
   bool profile = false;         // per-phase device times (benchmarks; see PhaseTotalsMs)
   bool cuda_graphs = false;     // layer parts as CUDA graphs (ComputeBackendOptions)
+  bool gemv = true;             // one-row GEMMs through tandem's kernel (ComputeBackendOptions)
 };
 
 // The engine's config schema sections: "runtime.device" and the scheduler and KV knobs

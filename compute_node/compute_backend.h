@@ -82,6 +82,10 @@ struct ComputeBackendOptions {
   // (docs/benchmarks.md, "Linear layers"); they are for hosts whose launches cannot keep up with
   // the GPU. Ignored on the CPU.
   bool cuda_graphs = false;
+  // CUDA: one-row GEMMs (decode at batch 1) through tandem's GEMV kernel instead of cuBLAS
+  // (docs/benchmarks.md, "Linear layers alone"). false: cuBLAS for every GEMM (benchmarks compare
+  // the two). Ignored on the CPU.
+  bool gemv = true;
 };
 
 class ComputeBackend {

@@ -312,7 +312,7 @@ class CudaComputeBackend : public ComputeBackend {
     const ModelSpec& s = weights_->spec();
     options_ = o;
     graphs_on_ = o.cuda_graphs;
-    ASSIGN_OR_RETURN(executor_, CudaLayerExecutor::Create(weights_.get(), o.max_tokens, stream_));
+    ASSIGN_OR_RETURN(executor_, CudaLayerExecutor::Create(weights_.get(), o.max_tokens, stream_, o.gemv));
     const int64_t t = o.max_tokens, r = o.max_requests;
     RETURN_IF_ERROR(x_.Reserve(t * s.hidden_size * 4));
     CUDA_RETURN_IF_ERROR(cudaMemset(x_.ptr, 0, static_cast<size_t>(t * s.hidden_size * 4)));

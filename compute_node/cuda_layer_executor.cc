@@ -196,12 +196,14 @@ void PhaseTimer::Collect() {
 
 absl::StatusOr<std::unique_ptr<CudaLayerExecutor>> CudaLayerExecutor::Create(const CudaModelWeights* weights,
                                                                              int64_t max_tokens,
-                                                                             cudaStream_t stream) {
+                                                                             cudaStream_t stream,
+                                                                             bool gemv) {
   std::unique_ptr<CudaLayerExecutor> e(new CudaLayerExecutor());
   e->weights_ = weights;
   e->stream_ = stream;
   e->max_tokens_ = max_tokens;
   ASSIGN_OR_RETURN(e->gemm_, kernels::cuda::CublasGemm::Create(stream));
+  e->gemm_->set_gemv(gemv);
   const ModelSpec& s = weights->spec();
   const int64_t normed = AlignUp(max_tokens * s.hidden_size * 2);
   const int64_t gate_up = AlignUp(max_tokens * 2 * s.intermediate_size * 2);

@@ -101,7 +101,8 @@ class CudaLayerExecutor {
   using bf16 = __nv_bfloat16;
   // Scratch for up to `max_tokens` rows per call and `max_logit_rows` rows of logits.
   static absl::StatusOr<std::unique_ptr<CudaLayerExecutor>> Create(const CudaModelWeights* weights,
-                                                                   int64_t max_tokens, cudaStream_t stream);
+                                                                   int64_t max_tokens, cudaStream_t stream,
+                                                                   bool gemv = true);
   ~CudaLayerExecutor();
   CudaLayerExecutor(const CudaLayerExecutor&) = delete;
   CudaLayerExecutor& operator=(const CudaLayerExecutor&) = delete;

@@ -29,6 +29,7 @@ absl::StatusOr<std::unique_ptr<CublasGemm>> CublasGemm::Create(cudaStream_t stre
   std::unique_ptr<CublasGemm> g(new CublasGemm());
   CUBLAS_RETURN_IF_ERROR(cublasCreate(&g->handle_));
   CUBLAS_RETURN_IF_ERROR(cublasSetStream(g->handle_, stream));
+  g->stream_ = stream;
   if (cudaMalloc(&g->workspace_, kWorkspaceBytes) != cudaSuccess) {
     g->workspace_ = nullptr;
     return absl::ResourceExhaustedError("cuBLAS workspace: cudaMalloc of 32 MiB failed");
@@ -43,6 +44,11 @@ CublasGemm::~CublasGemm() {
 }
 
 absl::Status CublasGemm::Run(const GemmParams& p) {
+  if (gemv_ && GemvSupports(p)) return Gemv(p, stream_);
+  return RunCublas(p);
+}
+
+absl::Status CublasGemm::RunCublas(const GemmParams& p) {
   if (!p.x || !p.w || !p.y) return absl::InvalidArgumentError("Gemm: null pointer");
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) {
     return absl::InvalidArgumentError(
