@@ -54,7 +54,11 @@ constexpr int kMaxHeadsPerCta = 8;
 constexpr int kMinKeysPerSplit = 256;
 constexpr int kMaxSplits = 256;
 constexpr int kCtasPerSmEstimate = 4;  // occupancy the plan assumes (smem ~55 KB, <= 128 regs)
-constexpr int kTargetWaves = 2;
+// One wave: a sweep of forced split counts on an H100 (GQA 32/8, d128; docs/benchmarks.md,
+// "Decode attention: the split plan") found the fastest count where the CTAs fill about one wave
+// (64 × 1K: 1 split 98.7 µs against 3 splits 109.6; 8 × 4K: 8 splits 59.4 against 16 67.8); a
+// second wave of shorter splits costs its merge and its CTAs' set-up without reading faster.
+constexpr int kTargetWaves = 1;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -786,7 +790,7 @@ DecodePlan PlanDecodeAttention(int64_t num_requests, int64_t num_heads, int64_t 
   const HeadChunking hc = ChunkHeads(num_heads / num_kv_heads);
   const int64_t ctas_per_split = num_requests * num_kv_heads * hc.chunks;
   const int64_t target = int64_t{kTargetWaves} * (num_sms > 0 ? num_sms : 132) * kCtasPerSmEstimate;
-  int64_t splits = (target + ctas_per_split - 1) / ctas_per_split;
+  int64_t splits = (target + ctas_per_split / 2) / ctas_per_split;  // nearest: 512 CTAs fill 528 slots
   splits = std::min<int64_t>(splits, (max_kv_len + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
   splits = std::clamp<int64_t>(splits, 1, kMaxSplits);
   // Whole tiles per split, and no split left empty by the rounding.
