@@ -162,6 +162,29 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
   stats_.restored_tokens = cs.restored_tokens;
   stats_.restore_failed_tokens = cs.restore_failed_tokens;
   stats_.demoted_tokens = cs.demoted_tokens;
+  if (tiers_ != nullptr) {
+    KvTierCounters& t = stats_.tiers;
+    const int64_t block_bytes = tiers_->store().block_bytes();
+    t.enabled = t.per_tier = true;
+    t.demoted_blocks = cs.demoted_blocks;
+    t.restored_blocks = cs.restored_blocks;
+    t.restore_failed_blocks = cs.restore_failed_blocks;
+    t.pool_bytes_out = cs.demoted_blocks * block_bytes;
+    t.pool_bytes_in = cs.restored_blocks * block_bytes;
+    const KvTierStats ts = tiers_->stats();
+    t.host_hits = ts.host_hits;
+    t.disk_hits = ts.disk_hits;
+    t.misses = ts.misses;
+    t.discarded = ts.discarded;
+    t.bytes_to_host = ts.bytes_to_host;
+    t.bytes_from_host = ts.bytes_from_host;
+    t.bytes_to_disk = ts.bytes_to_disk;
+    t.bytes_from_disk = ts.bytes_from_disk;
+    t.host_evictions = ts.host_evictions;
+    t.disk_evictions = ts.disk_evictions;
+    t.disk_write_errors = ts.write_errors;
+    t.restore_seconds = tiers_->restore_seconds();
+  }
   stats_.busy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return absl::OkStatus();
 }

@@ -216,8 +216,11 @@ void Controller::Admit() {
         const size_t before = evicted_[bi].size();
         index.Evict(best_need - free, &evicted_[bi],
                     options_.tier_blocks > 0 ? &evicted_tokens_[bi] : nullptr);
-        if (options_.tier_blocks > 0)
-          stats_.demoted_tokens += static_cast<int64_t>(evicted_[bi].size() - before) * index.block_tokens();
+        if (options_.tier_blocks > 0) {
+          const int64_t blocks = static_cast<int64_t>(evicted_[bi].size() - before);
+          stats_.demoted_blocks += blocks;
+          stats_.demoted_tokens += blocks * index.block_tokens();
+        }
       }
       live->chain = std::move(best_match);
       live->prefilled = live->context = live->result.cached_tokens = cached;
@@ -517,8 +520,10 @@ void Controller::RestoreResult(const StepPlan& plan, int m, std::span<const uint
     if (bad.contains(r.block_hash)) {
       forget.push_back(it->second);
       stats_.restore_failed_tokens += bt;
+      ++stats_.restore_failed_blocks;
     } else {
       stats_.restored_tokens += bt;
+      ++stats_.restored_blocks;
     }
     restoring_[mi].erase(it);
   }

@@ -155,6 +155,9 @@ struct ControllerStats {
   int64_t demoted_tokens = 0;         // KV tiers: tokens of blocks evicted to a lower tier
   int64_t restored_tokens = 0;        // tokens of blocks restored from a lower tier
   int64_t restore_failed_tokens = 0;  // tokens of restores that failed (recomputed)
+  int64_t demoted_blocks = 0;         // blocks of demoted_tokens
+  int64_t restored_blocks = 0;        // blocks of restored_tokens
+  int64_t restore_failed_blocks = 0;  // blocks of restore_failed_tokens
   int64_t tier_blocks_added = 0;      // blocks offered with AddTierBlocks and registered
 };
 

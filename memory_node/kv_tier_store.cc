@@ -422,7 +422,7 @@ absl::StatusOr<int> KvTierStore::Load(uint64_t hash, KvTierBlock* block, std::sp
     return absl::NotFoundError(absl::StrCat(path, ": ", st.message()));
   }
   ++stats_.disk_hits;
-  stats_.bytes_from_disk += block_bytes_;
+  stats_.bytes_from_disk += FileBytes(*block);
   return 2;
 }
 

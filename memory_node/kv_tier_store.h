@@ -109,8 +109,8 @@ struct KvTierStats {
   int64_t reindexed = 0;        // persist: files found good when the store opened the directory
   int64_t bytes_to_host = 0;    // pool -> host
   int64_t bytes_from_host = 0;  // host -> pool
-  int64_t bytes_to_disk = 0;    // written to files
-  int64_t bytes_from_disk = 0;  // read from files into the pool
+  int64_t bytes_to_disk = 0;    // written to files (whole files: header, tokens and KV)
+  int64_t bytes_from_disk = 0;  // read from files for the pool (whole files)
   int64_t host_evictions = 0;
   int64_t disk_evictions = 0;
   int64_t write_errors = 0;  // disk writes that failed

@@ -10,6 +10,7 @@
 #include "colocated/engine.h"
 #include "gtest/gtest.h"
 #include "memory_node/kv_tier_store.h"
+#include "server/metrics.h"
 
 namespace tandem {
 namespace {
@@ -325,6 +326,63 @@ TEST_F(KvTiersEngine, HostTierRestoresEvictedTurnsWithTheSameTokens) {
   EXPECT_EQ(s.restore_failed_tokens, 0);
   EXPECT_GT(s.cached_tokens, cached_without_tiers) << "restored blocks are not prefilled again";
   EXPECT_GT(e->tiers()->stats().host_hits, 0);
+  // The counters agree with each other: every restore was a host hit, every byte into the pool
+  // came from host memory.
+  const KvTierCounters& t = s.tiers;
+  EXPECT_TRUE(t.enabled && t.per_tier);
+  EXPECT_EQ(t.restored_blocks * kBlock, s.restored_tokens);
+  EXPECT_EQ(t.demoted_blocks * kBlock, s.demoted_tokens);
+  EXPECT_EQ(t.host_hits, t.restored_blocks);
+  EXPECT_EQ(t.disk_hits, 0);
+  EXPECT_EQ(t.pool_bytes_in, t.restored_blocks * block_bytes_);
+  EXPECT_EQ(t.bytes_from_host, t.pool_bytes_in);
+  EXPECT_EQ(t.pool_bytes_out, t.demoted_blocks * block_bytes_);
+  EXPECT_GT(t.bytes_to_host, 0);
+  EXPECT_LE(t.bytes_to_host, t.pool_bytes_out);
+  EXPECT_GT(t.restore_seconds, 0);
+}
+
+// The tiers' counters on the server's /metrics (server/metrics.h), as Prometheus reads them.
+TEST_F(KvTiersEngine, CountersReachTheMetricsEndpoint) {
+  const std::string dir = TempDir("engine_metrics");
+  auto e = MakeEngine(*weights_, true,
+                      {.host_bytes = 8 * block_bytes_, .disk_bytes = 64 * (block_bytes_ + 128), .dir = dir});
+  EXPECT_EQ(Converse(*e, vocab(), [&](int) { e->tiers()->store().Flush(); }), expected_);
+  const KvTierCounters t = e->stats().tiers;
+  EXPECT_GT(t.host_hits, 0);
+  EXPECT_GT(t.disk_hits, 0) << "a host tier of eight blocks sends some restores to the disk";
+  EXPECT_EQ(t.host_hits + t.disk_hits, t.restored_blocks);
+  EXPECT_EQ(t.bytes_from_host + t.bytes_from_disk - t.disk_hits * (64 + 4 * kBlock), t.pool_bytes_in)
+      << "a file read is its header and tokens, then the block";
+  server::LoopStats loop;
+  loop.tiers = t;
+  const std::string text = server::ServerMetrics().Render(loop, "m");
+  const auto value = [&](const std::string& series) -> double {
+    const size_t at = text.find("\n" + series + " ");
+    if (at == std::string::npos) return -1;
+    return std::stod(text.substr(at + series.size() + 2));
+  };
+  EXPECT_EQ(value("tandem:kv_tier_hits_total{model_name=\"m\",tier=\"host\"}"),
+            static_cast<double>(t.host_hits));
+  EXPECT_EQ(value("tandem:kv_tier_hits_total{model_name=\"m\",tier=\"disk\"}"),
+            static_cast<double>(t.disk_hits));
+  EXPECT_EQ(value("tandem:kv_tier_bytes_total{model_name=\"m\",tier=\"disk\",direction=\"in\"}"),
+            static_cast<double>(t.bytes_to_disk));
+  EXPECT_EQ(value("tandem:kv_tier_bytes_total{model_name=\"m\",tier=\"pool\",direction=\"in\"}"),
+            static_cast<double>(t.pool_bytes_in));
+  EXPECT_EQ(value("tandem:kv_tier_evictions_total{model_name=\"m\",tier=\"pool\"}"),
+            static_cast<double>(t.demoted_blocks));
+  EXPECT_EQ(value("tandem:kv_tier_evictions_total{model_name=\"m\",tier=\"host\"}"),
+            static_cast<double>(t.host_evictions));
+  EXPECT_GT(value("tandem:kv_tier_restore_seconds_total{model_name=\"m\"}"), 0);
+  EXPECT_NE(text.find("# TYPE tandem:kv_tier_hits_total counter\n"), std::string::npos);
+  // An engine without tiers shows none of them; one whose tiers are not its own (a deployment)
+  // shows the controller's only.
+  EXPECT_EQ(server::ServerMetrics().Render(server::LoopStats{}, "m").find("kv_tier"), std::string::npos);
+  loop.tiers.per_tier = false;
+  const std::string deployment = server::ServerMetrics().Render(loop, "m");
+  EXPECT_NE(deployment.find("tandem:kv_tier_restored_blocks_total"), std::string::npos);
+  EXPECT_EQ(deployment.find("tandem:kv_tier_hits_total"), std::string::npos);
 }
 
 TEST_F(KvTiersEngine, DiskTierRestoresEvictedTurnsWithTheSameTokens) {
