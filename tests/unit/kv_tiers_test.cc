@@ -17,11 +17,27 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A fresh directory under the test's temporary directory.
+// This process's directory under gtest's temporary directory (TEST_TMPDIR, TMPDIR or /tmp),
+// removed when the tests end.
+const fs::path& TempRoot() {
+  static const fs::path root =
+      fs::path(::testing::TempDir()) / ("tandem_kv_tiers_" + std::to_string(::getpid()));
+  return root;
+}
+
+class RemoveTempRoot : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(TempRoot(), ec);
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kRemoveTempRoot =
+    ::testing::AddGlobalTestEnvironment(new RemoveTempRoot);
+
+// A fresh directory under TempRoot().
 std::string TempDir(const std::string& name) {
-  const char* base = std::getenv("TMPDIR");
-  const fs::path dir = fs::path(base != nullptr ? base : "/tmp") /
-                       ("tandem_kv_tiers_" + std::to_string(::getpid()) + "_" + name);
+  const fs::path dir = TempRoot() / name;
   fs::remove_all(dir);
   fs::create_directories(dir);
   return dir.string();
