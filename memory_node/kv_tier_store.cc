@@ -237,7 +237,7 @@ void KvTierStore::Save(const KvTierBlock& block, std::span<const uint8_t> bytes)
   if (queued_.contains(block.hash)) return;
   if (!copy) copy = std::make_shared<const std::vector<uint8_t>>(bytes.begin(), bytes.end());
   queue_.push_back({block, std::move(copy)});
-  ++queued_[block.hash];
+  queued_.emplace(block.hash, queue_.back());
   cv_.notify_all();
 }
 
@@ -405,6 +405,14 @@ absl::StatusOr<int> KvTierStore::Load(uint64_t hash, KvTierBlock* block, std::sp
       stats_.bytes_from_host += block_bytes_;
       return 1;
     }
+    if (auto q = queued_.find(hash); q != queued_.end()) {
+      // On its way to disk: the queued copy is the one that will be written (checked when made).
+      std::memcpy(out.data(), q->second.bytes->data(), out.size());
+      *block = q->second.block;
+      ++stats_.host_hits;
+      stats_.bytes_from_host += block_bytes_;
+      return 1;
+    }
     auto d = disk_.find(hash);
     if (d == disk_.end()) {
       ++stats_.misses;
@@ -428,7 +436,7 @@ absl::StatusOr<int> KvTierStore::Load(uint64_t hash, KvTierBlock* block, std::sp
 
 bool KvTierStore::Contains(uint64_t hash) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return host_.contains(hash) || disk_.contains(hash);
+  return host_.contains(hash) || queued_.contains(hash) || disk_.contains(hash);
 }
 
 KvTierStats KvTierStore::stats() const {

@@ -13,7 +13,9 @@
 //                       and, when the disk tier is on and the block is not on disk yet, queues it for
 //                       the writer thread: a block is written once per tier. Save never waits for
 //                       the disk.
-//   Load(hash, out)     the host copy if there is one, else the file (read on the calling thread).
+//   Load(hash, out)     the host copy if there is one, else the copy queued for its file (a block
+//                       on its way to disk; counted as a host hit), else the file (read on the
+//                       calling thread).
 //                       Every copy is checked: header, fingerprint, hash, length and CRC-32C of the
 //                       tokens and of the bytes. A copy that fails is discarded with a warning naming
 //                       the file and what was wrong, and Load returns NotFound (the caller
@@ -188,7 +190,7 @@ class KvTierStore {
   std::list<uint64_t> disk_lru_;
   int64_t disk_used_ = 0;  // bytes of the files in disk_
   std::deque<Write> queue_;
-  std::unordered_map<uint64_t, int> queued_;  // hashes queued or being written
+  std::unordered_map<uint64_t, Write> queued_;  // blocks queued or being written, by hash
   bool writing_ = false;
   bool stop_ = false;
   bool warned_write_ = false;
