@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "compute_node/controller.h"
 #include "nlohmann/json.hpp"
 
@@ -11,8 +12,19 @@ namespace tandem::cli {
 
 std::string TierSummary(const EngineStats& s) {
   if (s.demoted_tokens == 0 && s.restored_tokens == 0 && s.restore_failed_tokens == 0) return "";
-  return absl::StrCat("demoted ", s.demoted_tokens, " tokens to lower tiers, restored ", s.restored_tokens,
-                      ", failed ", s.restore_failed_tokens, " (recomputed)");
+  const KvTierCounters& t = s.tiers;
+  std::string out = absl::StrCat("demoted ", s.demoted_tokens, " tokens to lower tiers, restored ",
+                                 s.restored_tokens, ", failed ", s.restore_failed_tokens, " (recomputed); ",
+                                 t.pool_bytes_out, " bytes out of the KV pool, ", t.pool_bytes_in, " in");
+  if (t.per_tier) {
+    absl::StrAppend(&out, "; hits host ", t.host_hits, ", disk ", t.disk_hits, ", misses ", t.misses,
+                    ", discarded ", t.discarded, "; bytes to host ", t.bytes_to_host, ", from host ",
+                    t.bytes_from_host, ", to disk ", t.bytes_to_disk, ", from disk ", t.bytes_from_disk,
+                    "; evictions host ", t.host_evictions, ", disk ", t.disk_evictions,
+                    absl::StrFormat("; restore time %.3f ms", t.restore_seconds * 1e3));
+    if (t.disk_write_errors > 0) absl::StrAppend(&out, "; disk write errors ", t.disk_write_errors);
+  }
+  return out;
 }
 
 nlohmann::json TopLogprobsJson(const std::vector<std::vector<TopLogprob>>& top) {

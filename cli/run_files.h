@@ -33,7 +33,9 @@ struct RunStats {
   // empty when there were none.
   std::string recovery;
 };
-// "demoted D tokens, restored R, failed F (recomputed)" from an engine's stats; "" when all are 0.
+// "demoted D tokens ..., restored R, failed F (recomputed); bytes out of and into the KV pool" from
+// an engine's stats, then, where the engine owns its tiers (KvTierCounters::per_tier), hits, bytes
+// and evictions per tier and the restore time; "" when no token moved between tiers.
 std::string TierSummary(const EngineStats& stats);
 // Per generated token, its alternatives: [[{"token": id, "logprob": x}, ...], ...] (as `tandem
 // generate --json` prints them).

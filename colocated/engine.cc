@@ -74,13 +74,24 @@ absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const W
     ASSIGN_OR_RETURN(tiers,
                      KvTiers::Create({.host_bytes = options.tiers_host_bytes,
                                       .disk_dir = options.tiers_disk_dir,
-                                      .disk_bytes = options.tiers_disk_bytes},
+                                      .disk_bytes = options.tiers_disk_bytes,
+                                      .persist = options.tiers_persist},
                                      attention.get(), scheduler.prefix_block_tokens, source.Describe()));
   }
   auto engine = std::unique_ptr<ColocatedEngine>(
       new ColocatedEngine(std::move(backend), std::move(attention), options, scheduler));
   engine->tiers_ = std::move(tiers);
   engine->kv_table_.SetTiers(engine->tiers_.get());
+  if (engine->tiers_ != nullptr && options.tiers_persist) {
+    // The blocks a previous run left on disk: registered demoted, so that a prompt that starts with
+    // them restores them.
+    std::vector<TierBlock> found;
+    for (KvTierBlock& b : engine->tiers_->PersistedBlocks())
+      found.push_back({.hash = b.hash, .parent_hash = b.parent_hash, .tokens = std::move(b.tokens)});
+    const int64_t added = engine->controller_.AddTierBlocks(0, found);
+    TANDEM_LOG_INFO("engine", "kv.tiers.persist: ", added, " of ", found.size(),
+                    " blocks found on disk registered for reuse");
+  }
   const int64_t t = options.max_tokens_per_step;
   const size_t elem = DTypeSize(engine->backend_->dtype());
   ASSIGN_OR_RETURN(engine->qkv_,
@@ -107,6 +118,17 @@ ColocatedEngine::ColocatedEngine(std::unique_ptr<ComputeBackend> backend,
   });
 }
 
+ColocatedEngine::~ColocatedEngine() {
+  if (tiers_ == nullptr || !options_.tiers_persist) return;
+  // The blocks still in the pool go to disk too (each is written once; the store's destructor
+  // waits for the writes), so that the next run finds every registered block.
+  const PrefixIndex* index = controller_.prefix_index(0);
+  kv_table_.SaveRegistered([index](uint64_t hash) -> std::span<const int32_t> {
+    const int32_t id = index == nullptr ? -1 : index->Find(hash);
+    return id < 0 ? std::span<const int32_t>() : std::span<const int32_t>(index->tokens(id));
+  });
+}
+
 absl::StatusOr<int64_t> ColocatedEngine::Submit(GenerationRequest request) {
   return controller_.Submit(std::move(request));
 }
@@ -116,7 +138,8 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
   controller_.Schedule(&step_);
   if (step_.empty()) return absl::OkStatus();
   std::vector<uint64_t> failed;
-  RETURN_IF_ERROR(Annotate(kv_table_.Apply(step_.plan, 0, &batch_, &failed), "KV reservation broken"));
+  RETURN_IF_ERROR(Annotate(kv_table_.Apply(step_.plan, 0, &batch_, &failed, step_.eviction_tokens),
+                           "KV reservation broken"));
   if (!step_.plan.restores.empty()) controller_.RestoreResult(step_.plan, 0, failed);
   if (!step_.has_rows()) return absl::OkStatus();  // restores only
   SampledTokens sampled;
@@ -140,6 +163,29 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
   stats_.restored_tokens = cs.restored_tokens;
   stats_.restore_failed_tokens = cs.restore_failed_tokens;
   stats_.demoted_tokens = cs.demoted_tokens;
+  if (tiers_ != nullptr) {
+    KvTierCounters& t = stats_.tiers;
+    const int64_t block_bytes = tiers_->store().block_bytes();
+    t.enabled = t.per_tier = true;
+    t.demoted_blocks = cs.demoted_blocks;
+    t.restored_blocks = cs.restored_blocks;
+    t.restore_failed_blocks = cs.restore_failed_blocks;
+    t.pool_bytes_out = cs.demoted_blocks * block_bytes;
+    t.pool_bytes_in = cs.restored_blocks * block_bytes;
+    const KvTierStats ts = tiers_->stats();
+    t.host_hits = ts.host_hits;
+    t.disk_hits = ts.disk_hits;
+    t.misses = ts.misses;
+    t.discarded = ts.discarded;
+    t.bytes_to_host = ts.bytes_to_host;
+    t.bytes_from_host = ts.bytes_from_host;
+    t.bytes_to_disk = ts.bytes_to_disk;
+    t.bytes_from_disk = ts.bytes_from_disk;
+    t.host_evictions = ts.host_evictions;
+    t.disk_evictions = ts.disk_evictions;
+    t.disk_write_errors = ts.write_errors;
+    t.restore_seconds = tiers_->restore_seconds();
+  }
   stats_.busy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return absl::OkStatus();
 }

@@ -10,7 +10,10 @@
 // attention executor appends KV and runs attention, all on one device and one stream.
 //
 // With kv.tiers.* (CPU only), blocks evicted from the KV pool are saved to host memory and disk
-// (memory_node/kv_tiers.h) and restored when a later prompt starts with them.
+// (memory_node/kv_tiers.h) and restored when a later prompt starts with them. With
+// kv.tiers.persist, the engine saves its registered blocks to disk when it is destroyed, and a new
+// engine over the same kv.tiers.disk_dir registers the blocks it finds there (with their tokens,
+// checked against their hashes), so that a conversation continued after a restart restores its KV.
 //
 // It implements the Engine interface (compute_node/engine.h), as compute rank 0 of a deployment does.
 //
@@ -57,6 +60,9 @@ class ColocatedEngine : public Engine {
   // by the memory the KV needs rather than by a constant.
   static absl::StatusOr<std::unique_ptr<ColocatedEngine>> Create(const WeightSource& source,
                                                                  const EngineOptions& options);
+
+  // kv.tiers.persist: saves the registered blocks to the disk tier.
+  ~ColocatedEngine() override;
 
   // The Engine interface (compute_node/engine.h). Submit: ResourceExhausted if the request's
   // context could never fit in this engine's KV pool.

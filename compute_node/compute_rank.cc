@@ -969,6 +969,18 @@ std::vector<KvUsage> ComputeRank::kv_usage() const {
 
 EngineStats ComputeRank::stats() const {
   const ControllerStats& cs = controller_->stats();
+  KvTierCounters tiers;
+  if (options_.scheduler.tier_blocks > 0) {
+    // Memory ranks keep fp32 KV (KV tiers need CPU ranks); a block is prefix_block_tokens of it.
+    const int64_t block_bytes =
+        options_.scheduler.prefix_block_tokens * backend_->spec().kv_bytes_per_token(sizeof(float));
+    tiers = {.enabled = true,
+             .demoted_blocks = cs.demoted_blocks,
+             .restored_blocks = cs.restored_blocks,
+             .restore_failed_blocks = cs.restore_failed_blocks,
+             .pool_bytes_out = cs.demoted_blocks * block_bytes,
+             .pool_bytes_in = cs.restored_blocks * block_bytes};
+  }
   return {.steps = cs.steps,
           .prefill_tokens = cs.prefill_tokens,
           .decode_tokens = cs.decode_tokens,
@@ -976,6 +988,7 @@ EngineStats ComputeRank::stats() const {
           .demoted_tokens = cs.demoted_tokens,
           .restored_tokens = cs.restored_tokens,
           .restore_failed_tokens = cs.restore_failed_tokens,
+          .tiers = tiers,
           .busy_seconds = busy_seconds_,
           .memory_ranks_lost = memory_ranks_lost_,
           .requests_recovered = requests_recovered_};

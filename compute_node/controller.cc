@@ -63,6 +63,7 @@ Controller::Controller(const ModelSpec& spec, std::vector<int64_t> kv_capacity,
   TANDEM_CHECK(options_.max_batch_size >= 1 && options_.max_tokens_per_step >= options_.max_batch_size);
   TANDEM_CHECK(options_.prefix_block_tokens >= 0);
   evicted_.resize(capacity_.size());
+  evicted_tokens_.resize(capacity_.size());
   restores_.resize(capacity_.size());
   restoring_.resize(capacity_.size());
   pending_.resize(capacity_.size());
@@ -213,9 +214,13 @@ void Controller::Admit() {
       const int64_t free = capacity_[bi] - reserved_[bi] - index.stats().tokens_held;
       if (free < best_need) {
         const size_t before = evicted_[bi].size();
-        index.Evict(best_need - free, &evicted_[bi]);
-        if (options_.tier_blocks > 0)
-          stats_.demoted_tokens += static_cast<int64_t>(evicted_[bi].size() - before) * index.block_tokens();
+        index.Evict(best_need - free, &evicted_[bi],
+                    options_.tier_blocks > 0 ? &evicted_tokens_[bi] : nullptr);
+        if (options_.tier_blocks > 0) {
+          const int64_t blocks = static_cast<int64_t>(evicted_[bi].size() - before);
+          stats_.demoted_blocks += blocks;
+          stats_.demoted_tokens += blocks * index.block_tokens();
+        }
       }
       live->chain = std::move(best_match);
       live->prefilled = live->context = live->result.cached_tokens = cached;
@@ -379,6 +384,7 @@ void Controller::Group(int m, const std::vector<std::pair<Live*, int64_t>>& chos
 void Controller::Schedule(PlannedStep* step) {
   step->plan = StepPlan{};
   step->rows = StepTokens{};
+  step->eviction_tokens.clear();
   step->rank_rows.assign(capacity_.size() + 1, 0);
   Admit();
   // Rows per request: one for each decoding request, then prompt chunks in admission order.
@@ -474,6 +480,10 @@ void Controller::Schedule(PlannedStep* step) {
     for (uint64_t h : evicted_[m])
       step->plan.evictions.push_back({.block_hash = h, .memory_rank = static_cast<uint16_t>(m)});
     evicted_[m].clear();
+    if (options_.tier_blocks > 0) {
+      for (std::vector<int32_t>& t : evicted_tokens_[m]) step->eviction_tokens.push_back(std::move(t));
+      evicted_tokens_[m].clear();
+    }
   }
   if (options_.prefix_sharing != PrefixSharing::kOff) {
     for (int m = 0; m < num_memory_ranks(); ++m) Group(m, chosen, &step->plan);
@@ -482,6 +492,18 @@ void Controller::Schedule(PlannedStep* step) {
   for (const auto& [live, n] : chosen) {
     Publish(*live, n, &step->plan);
   }
+}
+
+int64_t Controller::AddTierBlocks(int m, std::span<const TierBlock> blocks) {
+  if (index_.empty() || options_.tier_blocks == 0 || lost_[static_cast<size_t>(m)]) return 0;
+  PrefixIndex& index = *index_[static_cast<size_t>(m)];
+  int64_t added = 0;
+  for (const TierBlock& b : blocks) {
+    const uint64_t parent = b.parent_hash == 0 ? PrefixIndex::kSeed : b.parent_hash;
+    added += index.AddDemoted(b.hash, parent, b.tokens) >= 0;
+  }
+  stats_.tier_blocks_added += added;
+  return added;
 }
 
 void Controller::RestoreResult(const StepPlan& plan, int m, std::span<const uint64_t> failed) {
@@ -498,8 +520,10 @@ void Controller::RestoreResult(const StepPlan& plan, int m, std::span<const uint
     if (bad.contains(r.block_hash)) {
       forget.push_back(it->second);
       stats_.restore_failed_tokens += bt;
+      ++stats_.restore_failed_blocks;
     } else {
       stats_.restored_tokens += bt;
+      ++stats_.restored_blocks;
     }
     restoring_[mi].erase(it);
   }
@@ -631,6 +655,7 @@ std::vector<int64_t> Controller::LoseRank(int m) {
   capacity_[mi] = 0;
   reserved_[mi] = 0;
   evicted_[mi].clear();
+  evicted_tokens_[mi].clear();
   pending_[mi].clear();
   // Its KV tiers went with it: every block the registry knew there, resident or demoted, is
   // forgotten, and restores not yet sent or not yet answered are dropped (their requests are

@@ -38,7 +38,9 @@
 // for them in the pool; the plan asks the rank to restore them (StepPlan::restores) and the
 // request waits until RestoreResult reports the outcome for that plan (the engine calls it before
 // the next Schedule). Blocks that failed (no good copy left) are forgotten and the requests that
-// waited for them compute those tokens instead: a lost block costs time, never tokens.
+// waited for them compute those tokens instead: a lost block costs time, never tokens. A rank whose
+// tiers already hold blocks when it starts (kv.tiers.persist) offers them with AddTierBlocks; they
+// are registered demoted, so that a prompt starting with them restores them.
 //
 // Stop conditions: an EOS token (unless ignore_eos), max_tokens, or Cancel(). A finished
 // request's KV is released on its rank (Complete()/Cancel() report which ids to release).
@@ -130,8 +132,18 @@ struct PlannedStep {
   std::vector<int32_t> rank_rows;  // (memory ranks + 1): rows of rank m are [rank_rows[m], rank_rows[m+1])
   // Nothing to send. A plan with restores and no requests is sent (the ranks restore) but runs no
   // layers.
+  // With KV tiers: the tokens of the block of each plan.evictions record, in the same order (the
+  // colocated engine hands them to its tiers, whose files keep them); else empty.
+  std::vector<std::vector<int32_t>> eviction_tokens;
   bool empty() const { return plan.requests.empty() && plan.restores.empty(); }
   bool has_rows() const { return !plan.requests.empty(); }
+};
+
+// A prefix block that a rank's lower tiers hold already (kv.tiers.persist: found at start).
+struct TierBlock {
+  uint64_t hash = 0;
+  uint64_t parent_hash = 0;     // 0: the first block of its chain
+  std::vector<int32_t> tokens;  // prefix_block_tokens of them
 };
 
 struct ControllerStats {
@@ -143,6 +155,10 @@ struct ControllerStats {
   int64_t demoted_tokens = 0;         // KV tiers: tokens of blocks evicted to a lower tier
   int64_t restored_tokens = 0;        // tokens of blocks restored from a lower tier
   int64_t restore_failed_tokens = 0;  // tokens of restores that failed (recomputed)
+  int64_t demoted_blocks = 0;         // blocks of demoted_tokens
+  int64_t restored_blocks = 0;        // blocks of restored_tokens
+  int64_t restore_failed_blocks = 0;  // blocks of restore_failed_tokens
+  int64_t tier_blocks_added = 0;      // blocks offered with AddTierBlocks and registered
 };
 
 class Controller {
@@ -161,6 +177,11 @@ class Controller {
   // far are kept). Its id is appended to released[rank] if it holds KV. NotFound for an unknown id.
   absl::Status Cancel(int64_t id, GenerationResult* result, std::vector<std::vector<uint64_t>>* released);
 
+  // Registers blocks that rank m's tiers hold (parents before children), demoted, with tiers on
+  // (options.tier_blocks > 0). A block is taken when its parent is registered (or it starts a
+  // chain), its tokens give its hash and the hash is new; the rest are ignored. At most
+  // tier_blocks are kept, the last offered first. Returns the blocks registered.
+  int64_t AddTierBlocks(int m, std::span<const TierBlock> blocks);
   // Plans the next step into `step` (empty when nothing can run).
   void Schedule(PlannedStep* step);
   // The outcome of the restores that `plan` asked of rank m: `failed` lists those not registered
@@ -245,11 +266,12 @@ class Controller {
 
   ModelSpec spec_;
   std::vector<int64_t> capacity_;
-  std::vector<bool> lost_;                            // per rank: LoseRank
-  std::vector<int64_t> reserved_;                     // per rank: reservations of running requests
-  std::vector<std::unique_ptr<PrefixIndex>> index_;   // per rank, when the registry is on
-  std::vector<std::vector<uint64_t>> evicted_;        // per rank: for the next plan
-  std::vector<std::vector<PrefixRestore>> restores_;  // per rank: for the next plan
+  std::vector<bool> lost_;                           // per rank: LoseRank
+  std::vector<int64_t> reserved_;                    // per rank: reservations of running requests
+  std::vector<std::unique_ptr<PrefixIndex>> index_;  // per rank, when the registry is on
+  std::vector<std::vector<uint64_t>> evicted_;       // per rank: for the next plan
+  std::vector<std::vector<std::vector<int32_t>>> evicted_tokens_;  // per rank, with tiers: their tokens
+  std::vector<std::vector<PrefixRestore>> restores_;               // per rank: for the next plan
   std::vector<std::unordered_map<uint64_t, int32_t>>
       restoring_;  // per rank: hash -> block id, until RestoreResult
   // Per rank: block hash -> running requests that will compute it (placement looks ahead).

@@ -40,7 +40,12 @@ void AddSchedulerKvKnobs(ConfigSchema* schema) {
       .Int("kv.tiers.disk_bytes", d.tiers_disk_bytes,
            "bytes of block files per memory rank in kv.tiers.disk_dir, written by a thread of their own "
            "(checksummed; a bad file is discarded and its tokens recomputed); 0: off",
-           0, int64_t{1} << 50);
+           0, int64_t{1} << 50)
+      .Bool("kv.tiers.persist", d.tiers_persist,
+            "keep the disk tier's block files when the engine ends (with the blocks still in the KV pool) "
+            "and register them again at the next start with the same kv.tiers.disk_dir, so that a "
+            "conversation continued after a restart restores its KV; false: the files are scratch, removed "
+            "at start and at the end. The colocated engine only (needs kv.tiers.disk_bytes > 0)");
 }
 
 SchedulerKvSettings SchedulerKvSettingsFromConfig(const Config& config) {
@@ -55,6 +60,7 @@ SchedulerKvSettings SchedulerKvSettingsFromConfig(const Config& config) {
   s.tiers_host_bytes = config.GetInt("kv.tiers.host_bytes");
   s.tiers_disk_dir = config.GetString("kv.tiers.disk_dir");
   s.tiers_disk_bytes = config.GetInt("kv.tiers.disk_bytes");
+  s.tiers_persist = config.GetBool("kv.tiers.persist");
   return s;
 }
 

@@ -12,6 +12,7 @@
 //   kv.tiers.host_bytes            KV tiers (per memory rank): host DRAM below the KV pool; 0: off
 //   kv.tiers.disk_dir              directory of the disk tier (each memory rank uses rank-<m>/)
 //   kv.tiers.disk_bytes            disk tier size; 0: off
+//   kv.tiers.persist               the disk tier survives a restart (the colocated engine only)
 //
 // The kv.capacity_tokens and kv.memory_fraction values are not the controller's: they size the
 // KV pool of whoever owns it (the colocated engine, or each memory rank through the hello).
@@ -39,6 +40,7 @@ struct SchedulerKvSettings {
   int64_t tiers_host_bytes = 0;         // kv.tiers.host_bytes
   std::string tiers_disk_dir;           // kv.tiers.disk_dir
   int64_t tiers_disk_bytes = 0;         // kv.tiers.disk_bytes
+  bool tiers_persist = false;           // kv.tiers.persist
   bool tiers_enabled() const { return tiers_host_bytes > 0 || tiers_disk_bytes > 0; }
 };
 

@@ -38,6 +38,33 @@
 
 namespace tandem {
 
+// The KV tiers' traffic (kv.tiers.*; docs/architecture.md, "KV tiers"), totals since the engine
+// started.
+struct KvTierCounters {
+  bool enabled = false;  // the engine has KV tiers
+  // Counted by the controller (every engine): blocks evicted from the KV pool into the lower
+  // tiers, brought back from them, and whose restore failed (recomputed); and the KV bytes those
+  // blocks moved out of the pool and into it (blocks x the bytes of a block's KV on its rank).
+  int64_t demoted_blocks = 0;
+  int64_t restored_blocks = 0;
+  int64_t restore_failed_blocks = 0;
+  int64_t pool_bytes_out = 0;
+  int64_t pool_bytes_in = 0;
+  // Counted by the tiers themselves, per tier: the colocated engine. A deployment's memory ranks
+  // own their tiers and log these when they end (reporting them to compute rank 0 needs a wire
+  // message); per_tier is then false and the fields below are 0.
+  bool per_tier = false;
+  int64_t host_hits = 0;  // restores served by host memory
+  int64_t disk_hits = 0;  // restores served by a block file
+  int64_t misses = 0;     // restores of blocks in no tier
+  int64_t discarded = 0;  // copies that failed their checks (corrupt, truncated, foreign)
+  int64_t bytes_to_host = 0, bytes_from_host = 0;  // into host memory, and from it into the pool
+  int64_t bytes_to_disk = 0, bytes_from_disk = 0;  // files written and read (header, tokens and KV)
+  int64_t host_evictions = 0, disk_evictions = 0;  // blocks each tier dropped to make room
+  int64_t disk_write_errors = 0;
+  double restore_seconds = 0;  // time loading blocks back into the pool (checks and copies)
+};
+
 struct EngineStats {
   int64_t steps = 0;
   int64_t prefill_tokens = 0;
@@ -48,6 +75,7 @@ struct EngineStats {
   int64_t demoted_tokens = 0;
   int64_t restored_tokens = 0;
   int64_t restore_failed_tokens = 0;
+  KvTierCounters tiers;
   double busy_seconds = 0;  // wall time inside Step()
   // A deployment's recoveries (ComputeRank): memory ranks given up, and the requests they held
   // that went back to the queue to be recomputed on the others.

@@ -214,7 +214,41 @@ void PrefixIndex::TrimDemoted() {
   }
 }
 
-int64_t PrefixIndex::Evict(int64_t need, std::vector<uint64_t>* evicted) {
+int32_t PrefixIndex::AddDemoted(uint64_t hash, uint64_t parent_hash, std::span<const int32_t> tokens) {
+  if (max_demoted_ == 0 || hash == 0 || static_cast<int64_t>(tokens.size()) != block_tokens_ ||
+      FindHash(hash) >= 0 || hash_(parent_hash, tokens) != hash)
+    return -1;
+  const int32_t parent = parent_hash == kSeed ? -1 : FindHash(parent_hash);
+  if (parent_hash != kSeed && parent < 0) return -1;
+  int32_t id;
+  if (free_ids_.empty()) {
+    id = static_cast<int32_t>(blocks_.size());
+    blocks_.emplace_back();
+  } else {
+    id = free_ids_.back();
+    free_ids_.pop_back();
+  }
+  Block& b = blocks_[static_cast<size_t>(id)];
+  b.hash = hash;
+  b.parent = parent;
+  b.num_children = 0;
+  b.resident_children = 0;
+  b.users = 0;
+  b.live = true;
+  b.resident = false;
+  b.tokens.assign(tokens.begin(), tokens.end());
+  b.last_used = ++tick_;
+  b.lru_it = lru_.insert(lru_.end(), id);
+  by_hash_.emplace(hash, id);
+  if (parent >= 0) ++blocks_[static_cast<size_t>(parent)].num_children;
+  ++stats_.blocks;
+  ++stats_.demoted;
+  TrimDemoted();
+  return FindHash(hash);
+}
+
+int64_t PrefixIndex::Evict(int64_t need, std::vector<uint64_t>* evicted,
+                           std::vector<std::vector<int32_t>>* evicted_tokens) {
   int64_t freed = 0;
   // One pass from least to most recently used. Blocks behind the cursor were not evictable and
   // stay so, except the parent of a block just evicted, which may have become a leaf: the scan
@@ -230,6 +264,7 @@ int64_t PrefixIndex::Evict(int64_t need, std::vector<uint64_t>* evicted) {
     const int32_t parent = b.parent;
     it = std::next(it);
     evicted->push_back(b.hash);
+    if (evicted_tokens != nullptr) evicted_tokens->push_back(b.tokens);
     if (max_demoted_ > 0) {
       Block& d = blocks_[static_cast<size_t>(id)];
       d.resident = false;

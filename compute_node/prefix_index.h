@@ -33,7 +33,9 @@
 // depth and demoted below it. MarkRestored makes a demoted block resident again (the controller
 // plans its restore); Forget drops a block and its descendants (a restore that failed, or the
 // least recently used demoted leaves beyond max_demoted). Insert of a block that is demoted with
-// equal tokens makes it resident again (recomputed KV).
+// equal tokens makes it resident again (recomputed KV). AddDemoted registers a block that a lower
+// tier already holds (a persisted disk tier found at start), demoted, after checking that its
+// tokens give its hash.
 //
 // Thread safety: not thread-safe; the controller serialises calls.
 #pragma once
@@ -98,9 +100,17 @@ class PrefixIndex {
   // keeps its own KV private). A new block has no users.
   int32_t Insert(std::span<const int32_t> tokens, int64_t index, int32_t parent);
   // Evicts resident blocks without users (see top) until `need` tokens are freed or none is left;
-  // appends the evicted blocks' hashes to `evicted`, children before parents. With tiers they are
+  // appends the evicted blocks' hashes to `evicted`, children before parents, and, when
+  // `evicted_tokens` is given, their tokens to it (one entry per hash). With tiers they are
   // demoted, else forgotten. Returns the tokens freed.
-  int64_t Evict(int64_t need, std::vector<uint64_t>* evicted);
+  int64_t Evict(int64_t need, std::vector<uint64_t>* evicted,
+                std::vector<std::vector<int32_t>>* evicted_tokens = nullptr);
+  // Registers a block held by a lower tier, demoted: `tokens` (block_tokens of them) after the
+  // registered block `parent_hash` (PrefixIndex::kSeed: the chain's first block). Returns its id, or
+  // -1 (nothing changed) when the tiers are off, the parent is not registered, the tokens do not
+  // give `hash`, or the hash is taken. The least recently used demoted leaves beyond max_demoted are
+  // then forgotten, as after Evict (possibly this block).
+  int32_t AddDemoted(uint64_t hash, uint64_t parent_hash, std::span<const int32_t> tokens);
   // A demoted block whose parent is resident (or that starts a chain) becomes resident.
   void MarkRestored(int32_t id);
   // Drops `id` and every block below it (none may have users).

@@ -186,17 +186,22 @@ absl::Status KvTable::Check(const StepPlan& plan, uint16_t memory_rank,
 }
 
 absl::Status KvTable::Apply(const StepPlan& plan, uint16_t memory_rank, AttentionBatch* batch,
-                            std::vector<uint64_t>* failed_restores) {
+                            std::vector<uint64_t>* failed_restores,
+                            std::span<const std::vector<int32_t>> eviction_tokens) {
+  TANDEM_CHECK(eviction_tokens.empty() || eviction_tokens.size() == plan.evictions.size());
   batch->Clear();
   // Check everything first: nothing may change if the step is refused.
   std::vector<const StepRequest*> mine;
   RETURN_IF_ERROR(Check(plan, memory_rank, &mine));
 
-  for (const PrefixEvict& e : plan.evictions) {
+  for (size_t i = 0; i < plan.evictions.size(); ++i) {
+    const PrefixEvict& e = plan.evictions[i];
     if (e.memory_rank != memory_rank) continue;
     auto it = blocks_.find(e.block_hash);
-    if (tiers_ != nullptr)
-      tiers_->Demote(e.block_hash, it->second.parent, it->second.depth, it->second.slots);
+    if (tiers_ != nullptr) {
+      tiers_->Demote(e.block_hash, it->second.parent, it->second.depth, it->second.slots,
+                     eviction_tokens.empty() ? std::span<const int32_t>() : eviction_tokens[i]);
+    }
     allocator_.Release(it->second.slots);
     if (it->second.depth > 1) --blocks_.at(it->second.parent).num_children;
     blocks_.erase(it);
@@ -317,6 +322,18 @@ void KvTable::BuildGroups(const StepPlan& plan, uint16_t memory_rank,
     batch->kv_indptr.push_back(static_cast<int32_t>(batch->kv_slots.size()));
     batch->max_kv_len =
         std::max<int64_t>(batch->max_kv_len, static_cast<int64_t>(slots.size()) - suffix_start[i]);
+  }
+}
+
+void KvTable::SaveRegistered(const std::function<std::span<const int32_t>(uint64_t hash)>& tokens_of) {
+  if (tiers_ == nullptr) return;
+  std::vector<std::pair<int32_t, uint64_t>> order;  // (depth, hash)
+  order.reserve(blocks_.size());
+  for (const auto& [hash, b] : blocks_) order.emplace_back(b.depth, hash);
+  std::sort(order.begin(), order.end());
+  for (const auto& [depth, hash] : order) {
+    const Block& b = blocks_.at(hash);
+    tiers_->Demote(hash, depth > 1 ? b.parent : 0, depth, b.slots, tokens_of(hash));
   }
 }
 

@@ -44,8 +44,10 @@ namespace tandem {
 class KvBlockTiers {
  public:
   virtual ~KvBlockTiers() = default;
-  // Saves the KV of `slots` (one block, in position order) under `hash`.
-  virtual void Demote(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots) = 0;
+  // Saves the KV of `slots` (one block, in position order) under `hash`; `tokens` are the block's
+  // token ids when the caller knows them (empty otherwise).
+  virtual void Demote(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots,
+                      std::span<const int32_t> tokens) = 0;
   // Fills `slots` with block `hash`'s KV; false when no good copy exists (the slots are then unused).
   virtual bool Restore(uint64_t hash, uint64_t parent_hash, int32_t depth,
                        std::span<const int32_t> slots) = 0;
@@ -76,8 +78,15 @@ class KvTable {
   // allocating their new slots. Errors (nothing changed): InvalidArgument naming the request,
   // block or group and the rule it breaks; ResourceExhausted when the pool lacks free slots.
   // `failed_restores` (may be nullptr) gets the hashes of this rank's restores that failed.
+  // `eviction_tokens`: empty, or the tokens of each plan.evictions record's block, in the same
+  // order (handed to the tiers with the block).
   absl::Status Apply(const StepPlan& plan, uint16_t memory_rank, AttentionBatch* batch,
-                     std::vector<uint64_t>* failed_restores = nullptr);
+                     std::vector<uint64_t>* failed_restores = nullptr,
+                     std::span<const std::vector<int32_t>> eviction_tokens = {});
+  // Hands every registered block to the tiers (Demote; the blocks stay registered), parents first,
+  // with the tokens `tokens_of` gives for its hash (empty when unknown): what a clean shutdown
+  // with a persisted disk tier keeps. No-op without tiers.
+  void SaveRegistered(const std::function<std::span<const int32_t>(uint64_t hash)>& tokens_of);
   // Frees the KV of requests that ended or were cancelled (registered blocks stay). Ids not in the
   // table are ignored (a request may end before its first step reached this rank).
   void Release(std::span<const uint64_t> request_ids);

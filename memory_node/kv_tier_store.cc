@@ -143,6 +143,7 @@ std::string KvTierStore::FilePath(uint64_t hash) const {
 absl::Status KvTierStore::OpenDirectory() {
   std::error_code ec;
   std::vector<std::pair<fs::file_time_type, KvTierBlock>> found;
+  int64_t refused[5] = {};  // by FileProblem
   for (const fs::directory_entry& entry : fs::directory_iterator(options_.disk_dir, ec)) {
     const std::string name = entry.path().filename().string();
     const std::string path = entry.path().string();
@@ -158,36 +159,46 @@ absl::Status KvTierStore::OpenDirectory() {
       continue;
     }
     KvTierBlock block;
-    const absl::Status st = ReadFile(path, hash, &block, {});
-    if (!st.ok()) {
-      TANDEM_LOG_WARN("kv-tiers", "discarding ", path, ": ", st.message());
+    FileProblem problem = FileProblem::kNone;
+    if (!ReadFile(path, hash, &block, {}, &problem).ok()) {
       ::unlink(path.c_str());
+      ++refused[static_cast<int>(problem)];
       ++stats_.discarded;
       continue;
     }
-    found.emplace_back(entry.last_write_time(ec), block);
+    found.emplace_back(entry.last_write_time(ec), std::move(block));
   }
   if (ec)
     return absl::InvalidArgumentError(
         absl::StrCat("kv.tiers.disk_dir: ", options_.disk_dir, ": ", ec.message()));
+  if (stats_.discarded > 0) {
+    TANDEM_LOG_WARN("kv-tiers", "disk tier ", options_.disk_dir, ": discarded ", stats_.discarded,
+                    " block files (", refused[static_cast<int>(FileProblem::kTruncated)], " truncated, ",
+                    refused[static_cast<int>(FileProblem::kCorrupt)] + refused[0], " corrupt, ",
+                    refused[static_cast<int>(FileProblem::kVersion)], " of another format version, ",
+                    refused[static_cast<int>(FileProblem::kModel)], " of another model or KV shape)");
+  }
   // Oldest first in the LRU; over the budget, the oldest go.
   std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  const int64_t file_bytes = block_bytes_ + static_cast<int64_t>(kKvBlockHeaderBytes);
-  while (!found.empty() && static_cast<int64_t>(found.size()) * file_bytes > options_.disk_bytes) {
-    ::unlink(FilePath(found.front().second.hash).c_str());
-    found.erase(found.begin());
+  int64_t total = 0;
+  for (const auto& [time, block] : found) total += FileBytes(block);
+  size_t first = 0;
+  for (; first < found.size() && total > options_.disk_bytes; ++first) {
+    total -= FileBytes(found[first].second);
+    ::unlink(FilePath(found[first].second.hash).c_str());
   }
+  found.erase(found.begin(), found.begin() + static_cast<std::ptrdiff_t>(first));
   for (const auto& [time, block] : found) {
     DiskEntry& e = disk_[block.hash];
-    e.block = block;
+    e.file_bytes = FileBytes(block);
     e.lru = disk_lru_.insert(disk_lru_.end(), block.hash);
+    disk_used_ += e.file_bytes;
   }
-  // Parents before children: by depth. Blocks whose parent is missing are listed too; the owner
-  // keeps only whole chains.
-  for (const auto& [time, block] : found) persisted_.push_back(block);
-  std::sort(persisted_.begin(), persisted_.end(),
-            [](const KvTierBlock& a, const KvTierBlock& b) { return a.depth < b.depth; });
+  for (auto& [time, block] : found) persisted_.push_back(std::move(block));
+  std::stable_sort(persisted_.begin(), persisted_.end(),
+                   [](const KvTierBlock& a, const KvTierBlock& b) { return a.depth < b.depth; });
   stats_.disk_blocks = static_cast<int64_t>(disk_.size());
+  stats_.reindexed = static_cast<int64_t>(disk_.size());
   if (options_.persist) {
     TANDEM_LOG_INFO("kv-tiers", "disk tier ", options_.disk_dir, ": ", disk_.size(), " blocks re-indexed");
   }
@@ -196,6 +207,7 @@ absl::Status KvTierStore::OpenDirectory() {
 
 void KvTierStore::Save(const KvTierBlock& block, std::span<const uint8_t> bytes) {
   TANDEM_CHECK(static_cast<int64_t>(bytes.size()) == block_bytes_);
+  TANDEM_CHECK(static_cast<int64_t>(block.tokens.size()) <= kKvBlockMaxTokens);
   std::lock_guard<std::mutex> lock(mu_);
   ++stats_.saves;
   std::shared_ptr<const std::vector<uint8_t>> copy;
@@ -225,7 +237,7 @@ void KvTierStore::Save(const KvTierBlock& block, std::span<const uint8_t> bytes)
   if (queued_.contains(block.hash)) return;
   if (!copy) copy = std::make_shared<const std::vector<uint8_t>>(bytes.begin(), bytes.end());
   queue_.push_back({block, std::move(copy)});
-  ++queued_[block.hash];
+  queued_.emplace(block.hash, queue_.back());
   cv_.notify_all();
 }
 
@@ -233,6 +245,7 @@ void KvTierStore::DropDiskLocked(uint64_t hash, bool count_eviction) {
   auto it = disk_.find(hash);
   if (it == disk_.end()) return;
   disk_lru_.erase(it->second.lru);
+  disk_used_ -= it->second.file_bytes;
   disk_.erase(it);
   ::unlink(FilePath(hash).c_str());
   if (count_eviction) ++stats_.disk_evictions;
@@ -240,17 +253,16 @@ void KvTierStore::DropDiskLocked(uint64_t hash, bool count_eviction) {
 }
 
 void KvTierStore::WriterLoop() {
-  const int64_t file_bytes = block_bytes_ + static_cast<int64_t>(kKvBlockHeaderBytes);
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stopping, nothing left
     Write w = std::move(queue_.front());
     queue_.pop_front();
+    const int64_t file_bytes = FileBytes(w.block);
     const bool fits = file_bytes <= options_.disk_bytes;
     if (fits) {
-      while (static_cast<int64_t>(disk_.size() + 1) * file_bytes > options_.disk_bytes)
-        DropDiskLocked(disk_lru_.front(), true);
+      while (disk_used_ + file_bytes > options_.disk_bytes) DropDiskLocked(disk_lru_.front(), true);
     }
     writing_ = true;
     lock.unlock();
@@ -261,8 +273,9 @@ void KvTierStore::WriterLoop() {
     queued_.erase(w.block.hash);
     if (st.ok()) {
       DiskEntry& e = disk_[w.block.hash];
-      e.block = w.block;
+      e.file_bytes = file_bytes;
       e.lru = disk_lru_.insert(disk_lru_.end(), w.block.hash);
+      disk_used_ += file_bytes;
       stats_.bytes_to_disk += file_bytes;
       stats_.disk_blocks = static_cast<int64_t>(disk_.size());
     } else {
@@ -280,7 +293,11 @@ void KvTierStore::WriterLoop() {
 absl::Status KvTierStore::WriteFile(const Write& w) const {
   const std::string path = FilePath(w.block.hash);
   const std::string tmp = path + ".tmp";
-  uint8_t h[kKvBlockHeaderBytes] = {};
+  const std::vector<int32_t>& tokens = w.block.tokens;
+  std::vector<uint8_t> head(kKvBlockHeaderBytes + 4 * tokens.size(), 0);
+  uint8_t* h = head.data();
+  for (size_t i = 0; i < tokens.size(); ++i)
+    Put32(h + kKvBlockHeaderBytes + 4 * i, static_cast<uint32_t>(tokens[i]));
   Put32(h, kMagic);
   Put16(h + 4, kKvBlockFileVersion);
   Put16(h + 6, static_cast<uint16_t>(kKvBlockHeaderBytes));
@@ -290,10 +307,12 @@ absl::Status KvTierStore::WriteFile(const Write& w) const {
   Put32(h + 32, static_cast<uint32_t>(w.block.depth));
   Put32(h + 36, Crc32c(*w.bytes));
   Put64(h + 40, static_cast<uint64_t>(block_bytes_));
+  Put32(h + 48, static_cast<uint32_t>(tokens.size()));
+  Put32(h + 52, tokens.empty() ? 0 : Crc32c({h + kKvBlockHeaderBytes, 4 * tokens.size()}));
   Put32(h + 60, Crc32c({h, 60}));
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return absl::UnavailableError(Errno("cannot create", tmp));
-  const bool ok = WriteAll(fd, h, sizeof(h)) && WriteAll(fd, w.bytes->data(), w.bytes->size());
+  const bool ok = WriteAll(fd, head.data(), head.size()) && WriteAll(fd, w.bytes->data(), w.bytes->size());
   const std::string why = ok ? "" : Errno("cannot write", tmp);
   if (::close(fd) != 0 || !ok) {
     ::unlink(tmp.c_str());
@@ -308,41 +327,63 @@ absl::Status KvTierStore::WriteFile(const Write& w) const {
 }
 
 absl::Status KvTierStore::ReadFile(const std::string& path, uint64_t expect_hash, KvTierBlock* block,
-                                   std::span<uint8_t> out) const {
+                                   std::span<uint8_t> out, FileProblem* problem) const {
+  FileProblem unused;
+  if (problem == nullptr) problem = &unused;
+  *problem = FileProblem::kNone;
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return absl::NotFoundError(Errno("cannot open", path));
   uint8_t h[kKvBlockHeaderBytes];
   absl::Status st;
+  auto fail = [&](FileProblem p, const std::string& why) {
+    *problem = p;
+    st = absl::DataLossError(why);
+  };
   struct stat sb;
-  if (::fstat(fd, &sb) != 0 ||
-      sb.st_size != static_cast<off_t>(kKvBlockHeaderBytes) + static_cast<off_t>(block_bytes_)) {
-    st = absl::DataLossError(absl::StrCat("size ", sb.st_size, " bytes, expected ",
-                                          kKvBlockHeaderBytes + static_cast<size_t>(block_bytes_)));
+  if (::fstat(fd, &sb) != 0) {
+    fail(FileProblem::kCorrupt, Errno("cannot stat", path));
   } else if (!ReadAll(fd, h, sizeof(h))) {
-    st = absl::DataLossError("truncated header");
+    fail(FileProblem::kTruncated, "truncated header");
   } else if (Get(h, 4) != kMagic) {
-    st = absl::DataLossError("not a KV block file (magic)");
+    fail(FileProblem::kCorrupt, "not a KV block file (magic)");
   } else if (Get(h + 4, 2) != kKvBlockFileVersion || Get(h + 6, 2) != kKvBlockHeaderBytes) {
-    st = absl::DataLossError(
-        absl::StrCat("version ", Get(h + 4, 2), ", this build reads ", kKvBlockFileVersion));
+    fail(FileProblem::kVersion,
+         absl::StrCat("format version ", Get(h + 4, 2), ", this build reads ", kKvBlockFileVersion));
   } else if (Get(h + 60, 4) != Crc32c({h, 60})) {
-    st = absl::DataLossError("header checksum mismatch");
+    fail(FileProblem::kCorrupt, "header checksum mismatch");
   } else if (Get(h + 8, 8) != fingerprint_) {
-    st = absl::DataLossError("written for another model or KV shape (fingerprint)");
+    fail(FileProblem::kModel, "written for another model or KV shape (fingerprint)");
   } else if (Get(h + 16, 8) != expect_hash) {
-    st = absl::DataLossError("holds another block (hash)");
+    fail(FileProblem::kCorrupt, "holds another block (hash)");
   } else if (Get(h + 40, 8) != static_cast<uint64_t>(block_bytes_) ||
-             static_cast<int32_t>(Get(h + 32, 4)) < 1) {
-    st = absl::DataLossError("bad payload size or depth");
+             static_cast<int32_t>(Get(h + 32, 4)) < 1 ||
+             Get(h + 48, 4) > static_cast<uint64_t>(kKvBlockMaxTokens)) {
+    fail(FileProblem::kCorrupt, "bad payload size, depth or token count");
   } else {
-    block->hash = expect_hash;
-    block->parent_hash = Get(h + 24, 8);
-    block->depth = static_cast<int32_t>(Get(h + 32, 4));
-    if (!out.empty()) {
-      if (!ReadAll(fd, out.data(), out.size())) {
-        st = absl::DataLossError("truncated payload");
-      } else if (Crc32c(out) != static_cast<uint32_t>(Get(h + 36, 4))) {
-        st = absl::DataLossError("payload checksum mismatch");
+    const size_t token_count = static_cast<size_t>(Get(h + 48, 4));
+    const off_t want =
+        static_cast<off_t>(kKvBlockHeaderBytes + 4 * token_count) + static_cast<off_t>(block_bytes_);
+    std::vector<uint8_t> raw(4 * token_count);
+    if (sb.st_size != want) {
+      fail(sb.st_size < want ? FileProblem::kTruncated : FileProblem::kCorrupt,
+           absl::StrCat("size ", sb.st_size, " bytes, expected ", want));
+    } else if (!ReadAll(fd, raw.data(), raw.size())) {
+      fail(FileProblem::kTruncated, "truncated tokens");
+    } else if (!raw.empty() && Crc32c(raw) != static_cast<uint32_t>(Get(h + 52, 4))) {
+      fail(FileProblem::kCorrupt, "token checksum mismatch");
+    } else {
+      block->hash = expect_hash;
+      block->parent_hash = Get(h + 24, 8);
+      block->depth = static_cast<int32_t>(Get(h + 32, 4));
+      block->tokens.resize(token_count);
+      for (size_t i = 0; i < token_count; ++i)
+        block->tokens[i] = static_cast<int32_t>(static_cast<uint32_t>(Get(raw.data() + 4 * i, 4)));
+      if (!out.empty()) {
+        if (!ReadAll(fd, out.data(), out.size())) {
+          fail(FileProblem::kTruncated, "truncated payload");
+        } else if (Crc32c(out) != static_cast<uint32_t>(Get(h + 36, 4))) {
+          fail(FileProblem::kCorrupt, "payload checksum mismatch");
+        }
       }
     }
   }
@@ -364,6 +405,14 @@ absl::StatusOr<int> KvTierStore::Load(uint64_t hash, KvTierBlock* block, std::sp
       stats_.bytes_from_host += block_bytes_;
       return 1;
     }
+    if (auto q = queued_.find(hash); q != queued_.end()) {
+      // On its way to disk: the queued copy is the one that will be written (checked when made).
+      std::memcpy(out.data(), q->second.bytes->data(), out.size());
+      *block = q->second.block;
+      ++stats_.host_hits;
+      stats_.bytes_from_host += block_bytes_;
+      return 1;
+    }
     auto d = disk_.find(hash);
     if (d == disk_.end()) {
       ++stats_.misses;
@@ -381,13 +430,13 @@ absl::StatusOr<int> KvTierStore::Load(uint64_t hash, KvTierBlock* block, std::sp
     return absl::NotFoundError(absl::StrCat(path, ": ", st.message()));
   }
   ++stats_.disk_hits;
-  stats_.bytes_from_disk += block_bytes_;
+  stats_.bytes_from_disk += FileBytes(*block);
   return 2;
 }
 
 bool KvTierStore::Contains(uint64_t hash) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return host_.contains(hash) || disk_.contains(hash);
+  return host_.contains(hash) || queued_.contains(hash) || disk_.contains(hash);
 }
 
 KvTierStats KvTierStore::stats() const {

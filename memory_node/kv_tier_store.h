@@ -4,44 +4,57 @@
 // (restored) when a later request's prompt starts with it.
 //
 // A block is a fixed number of bytes (block_bytes: its KV over every layer) named by its chained
-// hash (compute_node/prefix_index.h), with its parent's hash and its depth in the chain.
+// hash (compute_node/prefix_index.h), with its parent's hash, its depth in the chain and, when its
+// owner knows them, its token ids (what a restarted owner needs to register the block again: its
+// registry compares tokens, not only hashes).
 //
 //   Save(block, bytes)  copies the bytes into the host tier (least recently used host blocks make
 //                       room; a block larger than the tier, or a tier of 0 bytes, is not kept there)
 //                       and, when the disk tier is on and the block is not on disk yet, queues it for
 //                       the writer thread: a block is written once per tier. Save never waits for
 //                       the disk.
-//   Load(hash, out)     the host copy if there is one, else the file (read on the calling thread).
+//   Load(hash, out)     the host copy if there is one, else the copy queued for its file (a block
+//                       on its way to disk; counted as a host hit), else the file (read on the
+//                       calling thread).
 //                       Every copy is checked: header, fingerprint, hash, length and CRC-32C of the
-//                       bytes. A copy that fails is discarded with a warning naming the file and what
-//                       was wrong, and Load returns NotFound (the caller recomputes); it never
-//                       returns bytes that fail the check.
+//                       tokens and of the bytes. A copy that fails is discarded with a warning naming
+//                       the file and what was wrong, and Load returns NotFound (the caller
+//                       recomputes); it never returns bytes that fail the check.
 //
-// Disk tier: one file per block, `<hash as 16 hex digits>.kvb`, a 64-byte header then the bytes:
+// Disk tier: one file per block, `<hash as 16 hex digits>.kvb`: a 64-byte header, the block's
+// tokens (token_count little-endian i32), then the KV bytes:
 //
 //   offset  size  field           notes
 //        0     4  magic           "TDKV"
-//        4     2  version         kKvBlockFileVersion (1)
+//        4     2  version         kKvBlockFileVersion (2; version 1 files had no tokens)
 //        6     2  header_bytes    64
 //        8     8  fingerprint     the store's (model, KV shape, dtype, block size): a file written
 //                                 for another model or shape is refused
 //       16     8  hash            the block's chained hash (== the file name's)
 //       24     8  parent_hash     0 for depth 1
 //       32     4  depth           >= 1
-//       36     4  payload_crc32c  Crc32c of the payload
+//       36     4  payload_crc32c  Crc32c of the KV bytes
 //       40     8  payload_bytes   == block_bytes
-//       48    12  reserved        0
+//       48     4  token_count     0 (tokens unknown to the writer) or the block's tokens, at most
+//                                 kKvBlockMaxTokens
+//       52     4  tokens_crc32c   Crc32c of the token bytes (0 when token_count is 0)
+//       56     4  reserved        0
 //       60     4  header_crc32c   Crc32c of bytes [0, 60)
 //
 // The writer writes `<name>.tmp`, then renames it, so a crash mid-write leaves no file with a good
-// name (leftover .tmp files are removed when a store opens the directory). Files are evicted least
-// recently used when disk_bytes would be exceeded. A write that fails (disk full, directory gone)
-// is logged once per kind of failure, counted, and the block stays in the host tier only.
+// name (leftover .tmp files are removed when a store opens the directory; a file renamed before
+// its bytes reached the disk fails its checksums). Files are evicted least recently used when
+// disk_bytes would be exceeded. A write that fails (disk full, directory gone) is logged once per
+// store, counted, and the block stays in the host tier only.
 //
-// persist: false: the directory is this store's scratch space: .kvb files found there at start
-// are removed, and so are the store's files when it is destroyed. persist: true: files are kept,
-// and at start the store re-indexes the directory (headers checked, bad files removed with a
-// warning); PersistedBlocks() lists what it found so that the owner can tell the controller.
+// persist: false: the directory is this store's scratch space: block files (and leftover .tmp
+// files) found there at start are removed, and so are the store's files when it is destroyed;
+// other files are left alone. persist: true: files are kept, and at start the store re-indexes
+// the directory: each file's header and tokens are checked (the KV bytes are checked when a Load
+// reads them, so that a start reads headers, not the whole tier); files that are truncated,
+// corrupt, of another format version or of another model or KV shape are removed, with one
+// warning line counting them. PersistedBlocks() lists the rest so that the owner can tell its
+// registry; the most recently written are kept when the files exceed disk_bytes.
 //
 // Thread safety: Save, Load, Contains, stats and Flush may be called from any thread; one writer
 // thread of the store's own does the disk writes.
@@ -63,8 +76,10 @@
 
 namespace tandem {
 
-inline constexpr uint16_t kKvBlockFileVersion = 1;
+inline constexpr uint16_t kKvBlockFileVersion = 2;
 inline constexpr size_t kKvBlockHeaderBytes = 64;
+// Tokens a block file holds at most (kv.prefix_block_tokens is at most 4096).
+inline constexpr int64_t kKvBlockMaxTokens = 4096;
 
 // kv.tiers.* as a memory rank (or the colocated engine) takes them.
 struct KvTierOptions {
@@ -84,6 +99,7 @@ struct KvTierBlock {
   uint64_t hash = 0;
   uint64_t parent_hash = 0;  // 0 at depth 1
   int32_t depth = 1;
+  std::vector<int32_t> tokens;  // the block's token ids; empty when its owner does not know them
 };
 
 struct KvTierStats {
@@ -92,10 +108,11 @@ struct KvTierStats {
   int64_t disk_hits = 0;        // loads served from a file
   int64_t misses = 0;           // loads of blocks in no tier
   int64_t discarded = 0;        // copies that failed their check (corrupt, truncated, foreign)
+  int64_t reindexed = 0;        // persist: files found good when the store opened the directory
   int64_t bytes_to_host = 0;    // pool -> host
   int64_t bytes_from_host = 0;  // host -> pool
-  int64_t bytes_to_disk = 0;    // written to files
-  int64_t bytes_from_disk = 0;  // read from files into the pool
+  int64_t bytes_to_disk = 0;    // written to files (whole files: header, tokens and KV)
+  int64_t bytes_from_disk = 0;  // read from files for the pool (whole files)
   int64_t host_evictions = 0;
   int64_t disk_evictions = 0;
   int64_t write_errors = 0;  // disk writes that failed
@@ -114,14 +131,15 @@ class KvTierStore {
   KvTierStore(const KvTierStore&) = delete;
   KvTierStore& operator=(const KvTierStore&) = delete;
 
-  // bytes.size() == block_bytes.
+  // bytes.size() == block_bytes; block.tokens.size() <= kKvBlockMaxTokens.
   void Save(const KvTierBlock& block, std::span<const uint8_t> bytes);
   // Fills `out` (block_bytes) and `block`; returns the tier it came from (1 host, 2 disk). NotFound
   // when no good copy exists (a bad one is discarded first, with a warning).
   absl::StatusOr<int> Load(uint64_t hash, KvTierBlock* block, std::span<uint8_t> out);
   bool Contains(uint64_t hash) const;
-  // Blocks found on disk when the store opened the directory with persist (parents before
-  // children).
+  // Blocks found on disk (with their tokens, as written) when the store opened the directory with
+  // persist, parents before children (by depth). A block whose parent is missing is listed too: the
+  // owner keeps whole chains only.
   const std::vector<KvTierBlock>& PersistedBlocks() const { return persisted_; }
   KvTierStats stats() const;
   // Waits until every queued disk write has been done (tests, shutdown).
@@ -138,9 +156,11 @@ class KvTierStore {
     std::list<uint64_t>::iterator lru;
   };
   struct DiskEntry {
-    KvTierBlock block;
+    int64_t file_bytes = 0;
     std::list<uint64_t>::iterator lru;
   };
+  // Why a file was refused (counted when a store opens its directory).
+  enum class FileProblem { kNone, kTruncated, kCorrupt, kVersion, kModel };
   struct Write {
     KvTierBlock block;
     std::shared_ptr<const std::vector<uint8_t>> bytes;
@@ -149,9 +169,14 @@ class KvTierStore {
   void WriterLoop();
   // Writes one block's file (temp name, then rename). Called without mu_.
   absl::Status WriteFile(const Write& w) const;
-  // Reads and checks a file's header (and, with `out`, its payload). Called without mu_.
+  // Reads and checks a file's header and tokens (and, with `out`, its KV bytes); `problem` (may
+  // be nullptr) says why a file was refused. Called without mu_.
   absl::Status ReadFile(const std::string& path, uint64_t expect_hash, KvTierBlock* block,
-                        std::span<uint8_t> out) const;
+                        std::span<uint8_t> out, FileProblem* problem = nullptr) const;
+  int64_t FileBytes(const KvTierBlock& block) const {
+    return static_cast<int64_t>(kKvBlockHeaderBytes) + 4 * static_cast<int64_t>(block.tokens.size()) +
+           block_bytes_;
+  }
   void DropDiskLocked(uint64_t hash, bool count_eviction);
 
   KvTierOptions options_;
@@ -163,8 +188,9 @@ class KvTierStore {
   std::list<uint64_t> host_lru_;  // front: least recently used
   std::unordered_map<uint64_t, DiskEntry> disk_;
   std::list<uint64_t> disk_lru_;
+  int64_t disk_used_ = 0;  // bytes of the files in disk_
   std::deque<Write> queue_;
-  std::unordered_map<uint64_t, int> queued_;  // hashes queued or being written
+  std::unordered_map<uint64_t, Write> queued_;  // blocks queued or being written, by hash
   bool writing_ = false;
   bool stop_ = false;
   bool warned_write_ = false;

@@ -1,5 +1,7 @@
 #include "memory_node/kv_tiers.h"
 
+#include <chrono>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/log.h"
@@ -42,21 +44,40 @@ absl::StatusOr<std::unique_ptr<KvTiers>> KvTiers::Create(const KvTierOptions& op
                       ? absl::StrCat(options.disk_bytes >> 20, " MiB in ", options.disk_dir)
                       : std::string("off"),
                   "; ", block_bytes, " bytes per block of ", block_tokens, " tokens");
-  auto tiers = std::unique_ptr<KvTiers>(new KvTiers(executor, std::move(store)));
+  auto tiers = std::unique_ptr<KvTiers>(new KvTiers(executor, std::move(store), block_tokens));
   tiers->buffer_.resize(static_cast<size_t>(block_bytes));
   return tiers;
 }
 
-void KvTiers::Demote(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots) {
+std::vector<KvTierBlock> KvTiers::PersistedBlocks() const {
+  std::vector<KvTierBlock> blocks;
+  for (const KvTierBlock& b : store_->PersistedBlocks())
+    if (static_cast<int64_t>(b.tokens.size()) == block_tokens_) blocks.push_back(b);
+  return blocks;
+}
+
+void KvTiers::Demote(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots,
+                     std::span<const int32_t> tokens) {
   const absl::Status st = executor_->ReadSlots(slots, buffer_.data());
   if (!st.ok()) {  // the block is then simply not kept; a later restore of it fails and recomputes
     TANDEM_LOG_WARN("kv-tiers", "block ", absl::StrFormat("%016x", hash), " not saved: ", st.message());
     return;
   }
-  store_->Save({.hash = hash, .parent_hash = parent_hash, .depth = depth}, buffer_);
+  store_->Save({.hash = hash,
+                .parent_hash = parent_hash,
+                .depth = depth,
+                .tokens = std::vector<int32_t>(tokens.begin(), tokens.end())},
+               buffer_);
 }
 
 bool KvTiers::Restore(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool ok = Load(hash, parent_hash, depth, slots);
+  restore_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return ok;
+}
+
+bool KvTiers::Load(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots) {
   KvTierBlock block;
   absl::StatusOr<int> tier = store_->Load(hash, &block, buffer_);
   if (!tier.ok()) {

@@ -10,6 +10,11 @@
 // Only executors whose pool is in host memory copy slots today (the CPU executor): Create refuses
 // others with an error naming kv.tiers.
 //
+// Demote passes the block's tokens on to the store when its caller knows them (the colocated
+// engine does, from its controller; a memory rank does not), so that a persisted file can be
+// registered again after a restart: PersistedBlocks lists the blocks found on disk at start whose
+// files hold a whole block of tokens.
+//
 // Thread safety: as the KV table's (one thread); the store's disk writer runs on its own thread.
 #pragma once
 
@@ -36,18 +41,29 @@ class KvTiers : public KvBlockTiers {
                                                          AttentionExecutor* executor, int64_t block_tokens,
                                                          std::string_view model);
 
-  void Demote(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots) override;
+  void Demote(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots,
+              std::span<const int32_t> tokens) override;
   bool Restore(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots) override;
+
+  // kv.tiers.persist: blocks found on disk at start with block_tokens tokens each, parents first.
+  std::vector<KvTierBlock> PersistedBlocks() const;
 
   KvTierStore& store() { return *store_; }
   KvTierStats stats() const { return store_->stats(); }
+  // Wall time spent in Restore (loads from the store, checks and the copy into the pool).
+  double restore_seconds() const { return restore_seconds_; }
 
  private:
-  KvTiers(AttentionExecutor* executor, std::unique_ptr<KvTierStore> store)
-      : executor_(executor), store_(std::move(store)) {}
+  KvTiers(AttentionExecutor* executor, std::unique_ptr<KvTierStore> store, int64_t block_tokens)
+      : executor_(executor), store_(std::move(store)), block_tokens_(block_tokens) {}
   AttentionExecutor* executor_;
   std::unique_ptr<KvTierStore> store_;
+  // Restore without the clock.
+  bool Load(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots);
+
+  int64_t block_tokens_;
   std::vector<uint8_t> buffer_;  // one block
+  double restore_seconds_ = 0;
 };
 
 }  // namespace tandem

@@ -88,7 +88,8 @@ class MemoryRank {
                           t.misses, ", discarded ", t.discarded, "; bytes to host ", t.bytes_to_host,
                           ", from host ", t.bytes_from_host, ", to disk ", t.bytes_to_disk, ", from disk ",
                           t.bytes_from_disk, "; evictions host ", t.host_evictions, ", disk ",
-                          t.disk_evictions, "; disk write errors ", t.write_errors);
+                          t.disk_evictions, "; disk write errors ", t.write_errors, "; restore time ",
+                          tiers_->restore_seconds(), " s");
         }
         // Answer (the compute rank waits for it before it leaves), then go.
         transport_->Close(peer_);

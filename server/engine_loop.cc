@@ -227,6 +227,7 @@ void EngineLoop::Run() {
     stats_.running = engine_->num_running();
     stats_.waiting = engine_->num_waiting();
     stats_.kv = engine_->kv_usage();
+    stats_.tiers = engine_->stats().tiers;
     if (pipeline) {
       if (stats_.pipeline) stats_.pipeline_window = MakePipelineReport(*pipeline, *stats_.pipeline);
       stats_.pipeline = std::move(pipeline);

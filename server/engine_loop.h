@@ -80,6 +80,7 @@ struct LoopStats {
   double step_seconds = 0;
   bool healthy = true;
   std::vector<KvUsage> kv;  // per memory rank, after the last step
+  KvTierCounters tiers;     // the engine's KV tiers, after the last step
   // A deployment's pipeline totals (about once a second while it steps) and the report of the
   // steps between the last two snapshots; absent for the colocated engine.
   std::optional<PipelineTotals> pipeline;

@@ -13,6 +13,57 @@ const std::vector<double> kTokenBuckets = {0.001, 0.0025, 0.005, 0.0075, 0.01,  
                                            0.2,   0.3,    0.4,   0.5,    0.75,  1.0,   2.5};
 
 std::string Num(double v) { return absl::StrFormat("%.9g", v); }
+
+// The KV tiers' counters (compute_node/engine.h, KvTierCounters): the controller's on every engine,
+// the per-tier ones where the engine owns its tiers (the colocated engine).
+void RenderTiers(const KvTierCounters& t, const std::string& model_name, std::string* out) {
+  struct Sample {
+    std::string labels;  // after model_name, each with its leading comma
+    double value;
+  };
+  auto family = [&](const char* name, const char* type, const char* help,
+                    const std::vector<Sample>& samples) {
+    absl::StrAppend(out, "# HELP tandem:", name, " ", help, "\n# TYPE tandem:", name, " ", type, "\n");
+    for (const Sample& x : samples)
+      absl::StrAppend(out, "tandem:", name, "{model_name=\"", model_name, "\"", x.labels, "} ", Num(x.value),
+                      "\n");
+  };
+  auto d = [](int64_t v) { return static_cast<double>(v); };
+  family("kv_tier_restored_blocks_total", "counter",
+         "Prefix blocks brought back into the KV pool from a lower tier instead of recomputed.",
+         {{"", d(t.restored_blocks)}});
+  family("kv_tier_restore_failed_blocks_total", "counter",
+         "Prefix blocks whose restore found no good copy (their tokens were recomputed).",
+         {{"", d(t.restore_failed_blocks)}});
+  std::vector<Sample> evictions = {{",tier=\"pool\"", d(t.demoted_blocks)}};
+  std::vector<Sample> bytes = {{",tier=\"pool\",direction=\"out\"", d(t.pool_bytes_out)},
+                               {",tier=\"pool\",direction=\"in\"", d(t.pool_bytes_in)}};
+  if (t.per_tier) {
+    evictions.push_back({",tier=\"host\"", d(t.host_evictions)});
+    evictions.push_back({",tier=\"disk\"", d(t.disk_evictions)});
+    bytes.push_back({",tier=\"host\",direction=\"in\"", d(t.bytes_to_host)});
+    bytes.push_back({",tier=\"host\",direction=\"out\"", d(t.bytes_from_host)});
+    bytes.push_back({",tier=\"disk\",direction=\"in\"", d(t.bytes_to_disk)});
+    bytes.push_back({",tier=\"disk\",direction=\"out\"", d(t.bytes_from_disk)});
+    family("kv_tier_hits_total", "counter", "Restores served by each lower tier.",
+           {{",tier=\"host\"", d(t.host_hits)}, {",tier=\"disk\"", d(t.disk_hits)}});
+    family("kv_tier_misses_total", "counter", "Restores of blocks found in no lower tier.",
+           {{"", d(t.misses)}});
+    family("kv_tier_discarded_total", "counter",
+           "Block copies that failed their checks (corrupt, truncated, another version or model).",
+           {{"", d(t.discarded)}});
+    family("kv_tier_disk_write_errors_total", "counter", "Block files that could not be written.",
+           {{"", d(t.disk_write_errors)}});
+    family("kv_tier_restore_seconds_total", "counter",
+           "Time loading blocks from the lower tiers back into the KV pool.", {{"", t.restore_seconds}});
+  }
+  family("kv_tier_evictions_total", "counter",
+         "Blocks evicted from each tier: the pool's go to the lower tiers, the lower tiers' are dropped.",
+         evictions);
+  family("kv_tier_bytes_total", "counter",
+         "KV bytes moved into (in) and out of (out) each tier; the pool's out is what the lower tiers took.",
+         bytes);
+}
 }  // namespace
 
 void Histogram::Observe(double v) {
@@ -103,6 +154,7 @@ std::string ServerMetrics::Render(const LoopStats& s, const std::string& model_n
     metric("pipeline_idle_ms", "gauge", "Idle time per step of compute rank 0 over the last window.",
            w.idle_ms);
   }
+  if (s.tiers.enabled) RenderTiers(s.tiers, model_name, &out);
   absl::StrAppend(
       &out, "# HELP tandem:kv_cache_usage_perc KV slots promised to running requests, per memory rank.\n",
       "# TYPE tandem:kv_cache_usage_perc gauge\n");

@@ -5,6 +5,18 @@
 // Histograms have fixed buckets (seconds) and are fed by the engine loop's finish hook; gauges and
 // counters are read from the loop and the engine when /metrics is scraped.
 //
+// KV tiers (kv.tiers.*; compute_node/engine.h, KvTierCounters), when the engine has them:
+//   tandem:kv_tier_restored_blocks_total, tandem:kv_tier_restore_failed_blocks_total
+//   tandem:kv_tier_evictions_total{tier="pool"}             blocks the pool demoted
+//   tandem:kv_tier_bytes_total{tier="pool",direction="out"|"in"}
+// and where the engine owns its tiers (the colocated engine; a deployment's memory ranks log
+// theirs when they end):
+//   tandem:kv_tier_hits_total{tier="host"|"disk"}, tandem:kv_tier_misses_total,
+//   tandem:kv_tier_discarded_total, tandem:kv_tier_disk_write_errors_total,
+//   tandem:kv_tier_restore_seconds_total,
+//   tandem:kv_tier_evictions_total{tier="host"|"disk"},
+//   tandem:kv_tier_bytes_total{tier="host"|"disk",direction="in"|"out"}
+//
 // Thread safety: Observe() and Render() may run concurrently (one mutex).
 #pragma once
 

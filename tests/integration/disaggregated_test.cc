@@ -1073,6 +1073,17 @@ TEST_P(TieredDeployment, ConversationsEqualColocated) {
     EXPECT_GT(s.restored_tokens, 0);
     EXPECT_EQ(s.restore_failed_tokens, 0);
   }
+  // The controller's tier counters (the per-tier ones stay on the memory ranks).
+  const KvTierCounters& t = s.tiers;
+  const int64_t block_bytes = 8 * source->spec().kv_bytes_per_token(sizeof(float));
+  EXPECT_TRUE(t.enabled);
+  EXPECT_FALSE(t.per_tier);
+  EXPECT_EQ(t.demoted_blocks * 8, s.demoted_tokens);
+  EXPECT_EQ(t.restored_blocks * 8, s.restored_tokens);
+  EXPECT_EQ(t.restore_failed_blocks * 8, s.restore_failed_tokens);
+  EXPECT_EQ(t.pool_bytes_out, t.demoted_blocks * block_bytes);
+  EXPECT_EQ(t.pool_bytes_in, t.restored_blocks * block_bytes);
+  EXPECT_EQ(t.host_hits + t.disk_hits, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiers, TieredDeployment, ::testing::Values("host", "disk_damaged"));

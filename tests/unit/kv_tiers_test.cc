@@ -6,20 +6,38 @@
 #include <filesystem>
 #include <fstream>
 
+#include "absl/strings/str_format.h"
 #include "colocated/engine.h"
 #include "gtest/gtest.h"
 #include "memory_node/kv_tier_store.h"
+#include "server/metrics.h"
 
 namespace tandem {
 namespace {
 
 namespace fs = std::filesystem;
 
-// A fresh directory under the test's temporary directory.
+// This process's directory under gtest's temporary directory (TEST_TMPDIR, TMPDIR or /tmp),
+// removed when the tests end.
+const fs::path& TempRoot() {
+  static const fs::path root =
+      fs::path(::testing::TempDir()) / ("tandem_kv_tiers_" + std::to_string(::getpid()));
+  return root;
+}
+
+class RemoveTempRoot : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(TempRoot(), ec);
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kRemoveTempRoot =
+    ::testing::AddGlobalTestEnvironment(new RemoveTempRoot);
+
+// A fresh directory under TempRoot().
 std::string TempDir(const std::string& name) {
-  const char* base = std::getenv("TMPDIR");
-  const fs::path dir = fs::path(base != nullptr ? base : "/tmp") /
-                       ("tandem_kv_tiers_" + std::to_string(::getpid()) + "_" + name);
+  const fs::path dir = TempRoot() / name;
   fs::remove_all(dir);
   fs::create_directories(dir);
   return dir.string();
@@ -150,6 +168,80 @@ TEST(KvTierStore, ForeignFilesAreRefusedAndPersistedOnesReindexed) {
   EXPECT_FALSE(fs::exists(fs::path(dir) / "00000000000000ff.kvb.tmp"));
 }
 
+TEST(KvTierStore, PersistedFilesKeepTheirTokensAndBadOnesAreCountedAtStart) {
+  const std::string dir = TempDir("persist_tokens");
+  const KvTierOptions persist{.disk_dir = dir, .disk_bytes = 10000, .persist = true};
+  {
+    auto store = KvTierStore::Create(persist, 7, 100);
+    ASSERT_TRUE(store.ok()) << store.status();
+    for (uint8_t i = 1; i <= 5; ++i) {
+      (*store)->Save({.hash = i, .parent_hash = i > 1 ? i - 1u : 0u, .depth = i, .tokens = {i, 2 * i, 3 * i}},
+                     Bytes(100, i));
+    }
+    (*store)->Flush();
+  }
+  const auto file = [&](uint64_t hash) { return fs::path(dir) / absl::StrFormat("%016x.kvb", hash); };
+  fs::resize_file(file(2), 64 + 6);  // truncated inside its tokens
+  {
+    std::fstream f(file(3), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(64 + 1);  // a token byte: caught by the tokens' checksum at start
+    f.put('\x7f');
+  }
+  {
+    std::fstream f(file(4), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(4);  // format version 1
+    f.put('\x01');
+  }
+  auto again = KvTierStore::Create(persist, 7, 100);
+  ASSERT_TRUE(again.ok()) << again.status();
+  const std::vector<KvTierBlock>& found = (*again)->PersistedBlocks();
+  ASSERT_EQ(found.size(), 2u);
+  EXPECT_EQ(found[0].hash, 1u);
+  EXPECT_EQ(found[0].tokens, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(found[1].hash, 5u);
+  EXPECT_EQ(found[1].parent_hash, 4u);
+  EXPECT_EQ(found[1].depth, 5);
+  EXPECT_EQ(found[1].tokens, (std::vector<int32_t>{5, 10, 15}));
+  EXPECT_EQ((*again)->stats().discarded, 3);
+  EXPECT_EQ((*again)->stats().reindexed, 2);
+  EXPECT_EQ(BlockFiles(dir).size(), 2u);
+  std::vector<uint8_t> out(100);
+  KvTierBlock b;
+  ASSERT_TRUE((*again)->Load(5, &b, out).ok());
+  EXPECT_EQ(out, Bytes(100, 5));
+  EXPECT_EQ(b.tokens, (std::vector<int32_t>{5, 10, 15}));
+  again->reset();
+  // Without persist, a store that opens the directory empties it of block files (only).
+  std::ofstream(fs::path(dir) / "notes.txt") << "not a block file";
+  auto scratch = KvTierStore::Create({.disk_dir = dir, .disk_bytes = 10000}, 7, 100);
+  ASSERT_TRUE(scratch.ok()) << scratch.status();
+  EXPECT_TRUE(BlockFiles(dir).empty());
+  EXPECT_TRUE((*scratch)->PersistedBlocks().empty());
+  EXPECT_TRUE(fs::exists(fs::path(dir) / "notes.txt"));
+}
+
+// Without a host tier, a block whose file is not written yet is served from the queued copy (a
+// restore right after an eviction must not miss).
+TEST(KvTierStore, BlocksOnTheirWayToDiskAreServed) {
+  const std::string dir = TempDir("queued");
+  constexpr int64_t kBytes = 256 << 10;
+  auto store = KvTierStore::Create({.disk_dir = dir, .disk_bytes = 64 * (kBytes + 64)}, 7, kBytes);
+  ASSERT_TRUE(store.ok()) << store.status();
+  for (uint8_t i = 1; i <= 40; ++i)
+    (*store)->Save({.hash = i, .parent_hash = 0, .depth = 1}, Bytes(kBytes, i));
+  std::vector<uint8_t> out(kBytes);
+  KvTierBlock b;
+  absl::StatusOr<int> tier = (*store)->Load(40, &b, out);  // 39 files to write before its own
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  EXPECT_EQ(out, Bytes(kBytes, 40));
+  (*store)->Flush();
+  tier = (*store)->Load(40, &b, out);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  EXPECT_EQ(*tier, 2);
+  EXPECT_EQ(out, Bytes(kBytes, 40));
+  EXPECT_EQ((*store)->stats().misses, 0);
+}
+
 TEST(KvTierStore, DiskBudgetEvictsLeastRecentlyUsedFiles) {
   const std::string dir = TempDir("budget");
   auto store = KvTierStore::Create({.disk_dir = dir, .disk_bytes = 2 * 164}, 7, 100);
@@ -184,6 +276,7 @@ struct Tiers {
   int64_t host_bytes = 0;
   int64_t disk_bytes = 0;
   std::string dir;
+  bool persist = false;
 };
 
 std::unique_ptr<ColocatedEngine> MakeEngine(const WeightSource& w, bool cache, const Tiers& t) {
@@ -197,38 +290,50 @@ std::unique_ptr<ColocatedEngine> MakeEngine(const WeightSource& w, bool cache, c
   o.tiers_host_bytes = t.host_bytes;
   o.tiers_disk_bytes = t.disk_bytes;
   o.tiers_disk_dir = t.dir;
+  o.tiers_persist = t.persist;
   absl::StatusOr<std::unique_ptr<ColocatedEngine>> e = ColocatedEngine::Create(w, o);
   EXPECT_TRUE(e.ok()) << e.status();
   return std::move(*e);
 }
 
 // Three conversations of four turns, interleaved: each turn's prompt is the conversation's history
-// (prompts and answers) plus a new message; all greedy. Between turns, `between` may damage the
-// tiers. Returns every answer in order.
-std::vector<std::vector<int32_t>> Converse(ColocatedEngine& e, int64_t vocab,
-                                           const std::function<void(int turn)>& between = nullptr) {
-  std::vector<std::vector<int32_t>> history(3), answers;
+// (prompts and answers) plus a new message; all greedy.
+struct Conversations {
+  std::vector<std::vector<int32_t>> history = std::vector<std::vector<int32_t>>(3);
   uint32_t x = 777;
-  for (int turn = 0; turn < 4; ++turn) {
+};
+
+// Runs turns [from, to) of `c` on `e`. Before each turn, `between` may damage the tiers. Returns
+// every answer in order.
+std::vector<std::vector<int32_t>> Turns(ColocatedEngine& e, int64_t vocab, Conversations& c, int from, int to,
+                                        const std::function<void(int turn)>& between = nullptr) {
+  std::vector<std::vector<int32_t>> answers;
+  for (int turn = from; turn < to; ++turn) {
     if (between) between(turn);
-    for (size_t c = 0; c < history.size(); ++c) {
+    for (std::vector<int32_t>& history : c.history) {
       for (int i = 0; i < 13; ++i) {
-        x = x * 1664525u + 1013904223u;
-        history[c].push_back(static_cast<int32_t>(2 + (x >> 8) % static_cast<uint32_t>(vocab - 2)));
+        c.x = c.x * 1664525u + 1013904223u;
+        history.push_back(static_cast<int32_t>(2 + (c.x >> 8) % static_cast<uint32_t>(vocab - 2)));
       }
       GenerationRequest r;
-      r.prompt = history[c];
+      r.prompt = history;
       r.max_tokens = 9;
       r.ignore_eos = true;
       absl::StatusOr<std::vector<GenerationResult>> out = e.GenerateAll({r});
       EXPECT_TRUE(out.ok()) << out.status();
       if (!out.ok()) return answers;
       const std::vector<int32_t>& tokens = (*out)[0].token_ids;
-      history[c].insert(history[c].end(), tokens.begin(), tokens.end());
+      history.insert(history.end(), tokens.begin(), tokens.end());
       answers.push_back(tokens);
     }
   }
   return answers;
+}
+
+std::vector<std::vector<int32_t>> Converse(ColocatedEngine& e, int64_t vocab,
+                                           const std::function<void(int turn)>& between = nullptr) {
+  Conversations c;
+  return Turns(e, vocab, c, 0, 4, between);
 }
 
 class KvTiersEngine : public ::testing::Test {
@@ -259,6 +364,63 @@ TEST_F(KvTiersEngine, HostTierRestoresEvictedTurnsWithTheSameTokens) {
   EXPECT_EQ(s.restore_failed_tokens, 0);
   EXPECT_GT(s.cached_tokens, cached_without_tiers) << "restored blocks are not prefilled again";
   EXPECT_GT(e->tiers()->stats().host_hits, 0);
+  // The counters agree with each other: every restore was a host hit, every byte into the pool
+  // came from host memory.
+  const KvTierCounters& t = s.tiers;
+  EXPECT_TRUE(t.enabled && t.per_tier);
+  EXPECT_EQ(t.restored_blocks * kBlock, s.restored_tokens);
+  EXPECT_EQ(t.demoted_blocks * kBlock, s.demoted_tokens);
+  EXPECT_EQ(t.host_hits, t.restored_blocks);
+  EXPECT_EQ(t.disk_hits, 0);
+  EXPECT_EQ(t.pool_bytes_in, t.restored_blocks * block_bytes_);
+  EXPECT_EQ(t.bytes_from_host, t.pool_bytes_in);
+  EXPECT_EQ(t.pool_bytes_out, t.demoted_blocks * block_bytes_);
+  EXPECT_GT(t.bytes_to_host, 0);
+  EXPECT_LE(t.bytes_to_host, t.pool_bytes_out);
+  EXPECT_GT(t.restore_seconds, 0);
+}
+
+// The tiers' counters on the server's /metrics (server/metrics.h), as Prometheus reads them.
+TEST_F(KvTiersEngine, CountersReachTheMetricsEndpoint) {
+  const std::string dir = TempDir("engine_metrics");
+  auto e = MakeEngine(*weights_, true,
+                      {.host_bytes = 8 * block_bytes_, .disk_bytes = 64 * (block_bytes_ + 128), .dir = dir});
+  EXPECT_EQ(Converse(*e, vocab(), [&](int) { e->tiers()->store().Flush(); }), expected_);
+  const KvTierCounters t = e->stats().tiers;
+  EXPECT_GT(t.host_hits, 0);
+  EXPECT_GT(t.disk_hits, 0) << "a host tier of eight blocks sends some restores to the disk";
+  EXPECT_EQ(t.host_hits + t.disk_hits, t.restored_blocks);
+  EXPECT_EQ(t.bytes_from_host + t.bytes_from_disk - t.disk_hits * (64 + 4 * kBlock), t.pool_bytes_in)
+      << "a file read is its header and tokens, then the block";
+  server::LoopStats loop;
+  loop.tiers = t;
+  const std::string text = server::ServerMetrics().Render(loop, "m");
+  const auto value = [&](const std::string& series) -> double {
+    const size_t at = text.find("\n" + series + " ");
+    if (at == std::string::npos) return -1;
+    return std::stod(text.substr(at + series.size() + 2));
+  };
+  EXPECT_EQ(value("tandem:kv_tier_hits_total{model_name=\"m\",tier=\"host\"}"),
+            static_cast<double>(t.host_hits));
+  EXPECT_EQ(value("tandem:kv_tier_hits_total{model_name=\"m\",tier=\"disk\"}"),
+            static_cast<double>(t.disk_hits));
+  EXPECT_EQ(value("tandem:kv_tier_bytes_total{model_name=\"m\",tier=\"disk\",direction=\"in\"}"),
+            static_cast<double>(t.bytes_to_disk));
+  EXPECT_EQ(value("tandem:kv_tier_bytes_total{model_name=\"m\",tier=\"pool\",direction=\"in\"}"),
+            static_cast<double>(t.pool_bytes_in));
+  EXPECT_EQ(value("tandem:kv_tier_evictions_total{model_name=\"m\",tier=\"pool\"}"),
+            static_cast<double>(t.demoted_blocks));
+  EXPECT_EQ(value("tandem:kv_tier_evictions_total{model_name=\"m\",tier=\"host\"}"),
+            static_cast<double>(t.host_evictions));
+  EXPECT_GT(value("tandem:kv_tier_restore_seconds_total{model_name=\"m\"}"), 0);
+  EXPECT_NE(text.find("# TYPE tandem:kv_tier_hits_total counter\n"), std::string::npos);
+  // An engine without tiers shows none of them; one whose tiers are not its own (a deployment)
+  // shows the controller's only.
+  EXPECT_EQ(server::ServerMetrics().Render(server::LoopStats{}, "m").find("kv_tier"), std::string::npos);
+  loop.tiers.per_tier = false;
+  const std::string deployment = server::ServerMetrics().Render(loop, "m");
+  EXPECT_NE(deployment.find("tandem:kv_tier_restored_blocks_total"), std::string::npos);
+  EXPECT_EQ(deployment.find("tandem:kv_tier_hits_total"), std::string::npos);
 }
 
 TEST_F(KvTiersEngine, DiskTierRestoresEvictedTurnsWithTheSameTokens) {
@@ -315,6 +477,65 @@ TEST_F(KvTiersEngine, FullDiskTierKeepsNothingAndChangesNoToken) {
   EXPECT_GT(e->tiers()->stats().write_errors, 0);
   EXPECT_EQ(e->stats().restored_tokens, 0);
   EXPECT_TRUE(BlockFiles(dir).empty());
+}
+
+// kv.tiers.persist: two turns, the engine ends, a new one over the same directory answers the next
+// two turns from the blocks the first left on disk, with the tokens of a run without tiers.
+TEST_F(KvTiersEngine, PersistedDiskTierServesTheConversationAfterARestart) {
+  const std::string dir = TempDir("engine_persist");
+  const Tiers tiers{.disk_bytes = 64 * (block_bytes_ + 128), .dir = dir, .persist = true};
+  Conversations c;
+  std::vector<std::vector<int32_t>> answers;
+  {
+    auto first = MakeEngine(*weights_, true, tiers);
+    answers = Turns(*first, vocab(), c, 0, 2);
+  }
+  EXPECT_FALSE(BlockFiles(dir).empty()) << "persisted files outlive the engine";
+  auto second = MakeEngine(*weights_, true, tiers);
+  EXPECT_GT(second->controller().stats().tier_blocks_added, 0);
+  const auto later = Turns(*second, vocab(), c, 2, 4);
+  answers.insert(answers.end(), later.begin(), later.end());
+  EXPECT_EQ(answers, expected_);
+  const EngineStats s = second->stats();
+  EXPECT_GT(s.restored_tokens, 0);
+  EXPECT_EQ(s.restore_failed_tokens, 0);
+  EXPECT_GT(second->tiers()->stats().disk_hits, 0);
+}
+
+// The same restart with one block file corrupted and one truncated (each the first block of a
+// conversation): the truncated one is dropped at start, the corrupt one when its restore reads it;
+// both conversations compute those tokens again, with the same result.
+TEST_F(KvTiersEngine, PersistedDiskTierWithDamagedFilesRecomputes) {
+  const std::string dir = TempDir("engine_persist_damaged");
+  const Tiers tiers{.disk_bytes = 64 * (block_bytes_ + 128), .dir = dir, .persist = true};
+  Conversations c;
+  std::vector<std::vector<int32_t>> answers;
+  {
+    auto first = MakeEngine(*weights_, true, tiers);
+    answers = Turns(*first, vocab(), c, 0, 2);
+  }
+  std::vector<fs::path> first_blocks;  // files of depth-1 blocks
+  for (const fs::path& p : BlockFiles(dir)) {
+    std::ifstream f(p, std::ios::binary);
+    char depth[4];
+    f.seekg(32);
+    f.read(depth, 4);
+    if (depth[0] == 1 && depth[1] == 0 && depth[2] == 0 && depth[3] == 0) first_blocks.push_back(p);
+  }
+  ASSERT_GE(first_blocks.size(), 2u);
+  {
+    std::fstream f(first_blocks[0], std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(first_blocks[0]) - 10));  // a KV byte
+    f.put('\x42');
+  }
+  fs::resize_file(first_blocks[1], fs::file_size(first_blocks[1]) - 7);
+  auto second = MakeEngine(*weights_, true, tiers);
+  EXPECT_EQ(second->tiers()->stats().discarded, 1);  // the truncated file, at start
+  const auto later = Turns(*second, vocab(), c, 2, 4);
+  answers.insert(answers.end(), later.begin(), later.end());
+  EXPECT_EQ(answers, expected_);
+  EXPECT_GT(second->stats().restore_failed_tokens, 0);  // the corrupt file, when read
+  EXPECT_EQ(second->tiers()->stats().discarded, 2);
 }
 
 TEST_F(KvTiersEngine, TiersNeedThePrefixCache) {

@@ -355,6 +355,38 @@ TEST(PrefixIndex, ParentFreedByEvictionComesBeforeNewerBlocks) {
   EXPECT_EQ(evicted, (std::vector<uint64_t>{ho, hb[3], hb[2], hb[1], hb[0]}));
 }
 
+// Blocks a persisted disk tier offers at start: taken demoted when their tokens give their hash
+// below a registered parent, matched like evicted blocks, and refused otherwise.
+TEST(PrefixIndex, AddDemotedChecksTokensAndParent) {
+  PrefixIndex idx(kBlock, &DefaultBlockHash, /*max_demoted=*/8);
+  const std::vector<int32_t> prompt = Tokens(3 * kBlock, 5);
+  const auto block = [&](int i) {
+    return std::span(prompt).subspan(static_cast<size_t>(i * kBlock), kBlock);
+  };
+  const uint64_t h0 = idx.HashBlock(PrefixIndex::kSeed, block(0));
+  const uint64_t h1 = idx.HashBlock(h0, block(1));
+  const uint64_t h2 = idx.HashBlock(h1, block(2));
+  EXPECT_EQ(idx.AddDemoted(h1, h0, block(1)), -1) << "parent not registered yet";
+  EXPECT_EQ(idx.AddDemoted(h0, PrefixIndex::kSeed, block(1)), -1) << "tokens that do not give the hash";
+  const int32_t b0 = idx.AddDemoted(h0, PrefixIndex::kSeed, block(0));
+  ASSERT_GE(b0, 0);
+  EXPECT_EQ(idx.AddDemoted(h0, PrefixIndex::kSeed, block(0)), -1) << "hash taken";
+  const int32_t b1 = idx.AddDemoted(h1, h0, block(1));
+  ASSERT_GE(b1, 0);
+  EXPECT_FALSE(idx.resident(b0));
+  EXPECT_EQ(idx.stats().demoted, 2);
+  EXPECT_EQ(idx.stats().tokens_held, 0);
+  EXPECT_EQ(idx.Match(prompt, kAll), Ids({b0, b1}));
+  idx.MarkRestored(b0);
+  idx.MarkRestored(b1);
+  EXPECT_EQ(idx.stats().tokens_held, 2 * kBlock);
+  const int32_t b2 = idx.Insert(prompt, 2, b1);  // computed after the restored chain
+  ASSERT_GE(b2, 0);
+  EXPECT_EQ(idx.Find(h2), b2);
+  PrefixIndex no_tiers(kBlock);
+  EXPECT_EQ(no_tiers.AddDemoted(h0, PrefixIndex::kSeed, block(0)), -1) << "without tiers nothing is demoted";
+}
+
 TEST(PrefixIndex, RandomizedAgainstShadow) {
   constexpr int64_t kBt = 4;
   std::mt19937 rng(12345);
