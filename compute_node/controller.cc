@@ -213,9 +213,18 @@ void Controller::Admit() {
       best_need = live->reserve;
       const int64_t free = capacity_[bi] - reserved_[bi] - index.stats().tokens_held;
       if (free < best_need) {
+        // The blocks the next waiting requests would reuse here are taken last (kv.eviction_lookahead).
+        std::vector<int32_t> wanted;
+        const size_t lookahead = std::min(waiting_.size(), static_cast<size_t>(options_.eviction_lookahead));
+        for (size_t w = 0; w < lookahead; ++w) {
+          const std::vector<int32_t>& p = waiting_[w].request.prompt;
+          const std::vector<int32_t> m =
+              index.Match(p, (static_cast<int64_t>(p.size()) - 1) / index.block_tokens());
+          wanted.insert(wanted.end(), m.begin(), m.end());
+        }
         const size_t before = evicted_[bi].size();
         index.Evict(best_need - free, &evicted_[bi],
-                    options_.tier_blocks > 0 ? &evicted_tokens_[bi] : nullptr);
+                    options_.tier_blocks > 0 ? &evicted_tokens_[bi] : nullptr, wanted);
         if (options_.tier_blocks > 0) {
           const int64_t blocks = static_cast<int64_t>(evicted_[bi].size() - before);
           stats_.demoted_blocks += blocks;

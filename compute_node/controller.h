@@ -98,6 +98,9 @@ struct ControllerOptions {
   PrefixSharing prefix_sharing = PrefixSharing::kOff;
   // KV tiers: demoted blocks the registry keeps per rank (kv.tiers.*); 0: no tiers, eviction forgets.
   int64_t tier_blocks = 0;
+  // kv.eviction_lookahead: eviction takes the blocks that the first this many waiting requests match
+  // last (their next use is nearest); 0: least recently used only.
+  int64_t eviction_lookahead = 64;
 };
 
 // scheduler.max_batch_size and scheduler.max_tokens_per_step as the controller takes them: a

@@ -29,6 +29,11 @@ void AddSchedulerKvKnobs(ConfigSchema* schema) {
       .Enum("kv.prefix_sharing", d.prefix_sharing, {"auto", "on", "off"},
             "attention reads a prefix shared by several requests of a step once for all of them: auto "
             "where the measured crossover says it pays, on always, off never (needs kv.prefix_cache)")
+      .Int("kv.eviction_lookahead", d.eviction_lookahead,
+           "when the KV pool needs room, prefix blocks that one of the first this many waiting requests "
+           "will reuse are evicted last (unused blocks no waiting request wants go first, each group least "
+           "recently used first); 0: least recently used only",
+           0, 1 << 20)
       .Int("kv.tiers.host_bytes", d.tiers_host_bytes,
            "KV tiers (CPU memory ranks and the CPU engine): bytes of host memory per memory rank that keep "
            "prefix blocks evicted from the KV pool, so that a later turn restores them instead of "
@@ -57,6 +62,7 @@ SchedulerKvSettings SchedulerKvSettingsFromConfig(const Config& config) {
   s.prefix_cache = config.GetBool("kv.prefix_cache");
   s.prefix_block_tokens = config.GetInt("kv.prefix_block_tokens");
   s.prefix_sharing = config.GetString("kv.prefix_sharing");
+  s.eviction_lookahead = config.GetInt("kv.eviction_lookahead");
   s.tiers_host_bytes = config.GetInt("kv.tiers.host_bytes");
   s.tiers_disk_dir = config.GetString("kv.tiers.disk_dir");
   s.tiers_disk_bytes = config.GetInt("kv.tiers.disk_bytes");
@@ -71,6 +77,7 @@ absl::StatusOr<ControllerOptions> ResolveControllerOptions(const SchedulerKvSett
   ASSIGN_OR_RETURN(const PrefixOptions prefix,
                    ResolvePrefixOptions(s.prefix_cache, s.prefix_block_tokens, s.prefix_sharing));
   options.prefix_block_tokens = prefix.block_tokens;
+  options.eviction_lookahead = s.eviction_lookahead;
   options.prefix_sharing = prefix.sharing;
   if (s.tiers_enabled()) {
     if (options.prefix_block_tokens == 0)

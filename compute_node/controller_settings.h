@@ -9,6 +9,7 @@
 //   kv.prefix_cache                keep full blocks' KV after a request ends and reuse it
 //   kv.prefix_block_tokens         tokens per registered block
 //   kv.prefix_sharing              shared-prefix attention: auto, on or off
+//   kv.eviction_lookahead          waiting requests whose prefix blocks eviction takes last
 //   kv.tiers.host_bytes            KV tiers (per memory rank): host DRAM below the KV pool; 0: off
 //   kv.tiers.disk_dir              directory of the disk tier (each memory rank uses rank-<m>/)
 //   kv.tiers.disk_bytes            disk tier size; 0: off
@@ -37,6 +38,7 @@ struct SchedulerKvSettings {
   bool prefix_cache = true;             // reuse registered prompt blocks' KV (kv.prefix_cache)
   int64_t prefix_block_tokens = 64;     // tokens per registered block
   std::string prefix_sharing = "auto";  // shared-prefix attention: auto, on or off
+  int64_t eviction_lookahead = 64;      // kv.eviction_lookahead
   int64_t tiers_host_bytes = 0;         // kv.tiers.host_bytes
   std::string tiers_disk_dir;           // kv.tiers.disk_dir
   int64_t tiers_disk_bytes = 0;         // kv.tiers.disk_bytes

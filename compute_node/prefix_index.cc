@@ -248,16 +248,34 @@ int32_t PrefixIndex::AddDemoted(uint64_t hash, uint64_t parent_hash, std::span<c
 }
 
 int64_t PrefixIndex::Evict(int64_t need, std::vector<uint64_t>* evicted,
-                           std::vector<std::vector<int32_t>>* evicted_tokens) {
+                           std::vector<std::vector<int32_t>>* evicted_tokens,
+                           std::span<const int32_t> wanted) {
   int64_t freed = 0;
+  if (!wanted.empty()) {
+    std::vector<char> keep(blocks_.size(), 0);
+    for (const int32_t id : wanted) {
+      if (id >= 0 && static_cast<size_t>(id) < keep.size()) keep[static_cast<size_t>(id)] = 1;
+    }
+    EvictPass(need, keep, &freed, evicted, evicted_tokens);
+  }
+  EvictPass(need, {}, &freed, evicted, evicted_tokens);
+  if (max_demoted_ > 0) TrimDemoted();
+  return freed;
+}
+
+void PrefixIndex::EvictPass(int64_t need, const std::vector<char>& keep, int64_t* freed_out,
+                            std::vector<uint64_t>* evicted,
+                            std::vector<std::vector<int32_t>>* evicted_tokens) {
+  int64_t freed = *freed_out;
   // One pass from least to most recently used. Blocks behind the cursor were not evictable and
   // stay so, except the parent of a block just evicted, which may have become a leaf: the scan
   // resumes there if it lies behind the cursor (less recently used).
+  auto kept = [&](int32_t id) { return !keep.empty() && keep[static_cast<size_t>(id)] != 0; };
   auto it = lru_.begin();
   while (freed < need && it != lru_.end()) {
     const int32_t id = *it;
     const Block& b = blocks_[static_cast<size_t>(id)];
-    if (!b.resident || b.users != 0 || b.resident_children != 0) {
+    if (!b.resident || b.users != 0 || b.resident_children != 0 || kept(id)) {
       ++it;
       continue;
     }
@@ -279,14 +297,13 @@ int64_t PrefixIndex::Evict(int64_t need, std::vector<uint64_t>* evicted,
     freed += block_tokens_;
     if (parent >= 0) {
       const Block& p = blocks_[static_cast<size_t>(parent)];
-      if (p.resident && p.resident_children == 0 && p.users == 0 &&
+      if (p.resident && p.resident_children == 0 && p.users == 0 && !kept(parent) &&
           (it == lru_.end() || p.last_used < blocks_[static_cast<size_t>(*it)].last_used)) {
         it = p.lru_it;
       }
     }
   }
-  if (max_demoted_ > 0) TrimDemoted();
-  return freed;
+  *freed_out = freed;
 }
 
 void PrefixIndex::CountLookup(int64_t prompt_tokens, int64_t matched_tokens) {

@@ -24,7 +24,8 @@
 // of that block and of every block before it in its chain. A block with users is never evicted.
 // Eviction takes blocks without users, least recently used first, leaves first (a chain is never
 // broken in the middle; a block without users has no descendant with users, since users hold
-// whole chains).
+// whole chains). Blocks the caller names as wanted soon (those a waiting request will match) go
+// only after every other evictable block: their next use is the nearest.
 //
 // KV tiers (max_demoted > 0; memory_node/kv_tier_store.h): eviction demotes a block instead of
 // forgetting it: the memory rank saves its KV to a lower tier and the block stays in the index as
@@ -102,9 +103,11 @@ class PrefixIndex {
   // Evicts resident blocks without users (see top) until `need` tokens are freed or none is left;
   // appends the evicted blocks' hashes to `evicted`, children before parents, and, when
   // `evicted_tokens` is given, their tokens to it (one entry per hash). With tiers they are
-  // demoted, else forgotten. Returns the tokens freed.
+  // demoted, else forgotten. Blocks in `wanted` (ids; what waiting requests match) are taken only
+  // once no other block can be. Returns the tokens freed.
   int64_t Evict(int64_t need, std::vector<uint64_t>* evicted,
-                std::vector<std::vector<int32_t>>* evicted_tokens = nullptr);
+                std::vector<std::vector<int32_t>>* evicted_tokens = nullptr,
+                std::span<const int32_t> wanted = {});
   // Registers a block held by a lower tier, demoted: `tokens` (block_tokens of them) after the
   // registered block `parent_hash` (PrefixIndex::kSeed: the chain's first block). Returns its id, or
   // -1 (nothing changed) when the tiers are off, the parent is not registered, the tokens do not
@@ -152,6 +155,9 @@ class PrefixIndex {
   int32_t FindHash(uint64_t hash) const;
   void Touch(int32_t id);
   void Remove(int32_t id);
+  // One least-recently-used pass of Evict; blocks with keep[id] set are skipped (keep may be empty).
+  void EvictPass(int64_t need, const std::vector<char>& keep, int64_t* freed, std::vector<uint64_t>* evicted,
+                 std::vector<std::vector<int32_t>>* evicted_tokens);
   // Forgets least recently used demoted leaves while more than max_demoted_ are kept.
   void TrimDemoted();
 

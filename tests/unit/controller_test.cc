@@ -175,5 +175,73 @@ INSTANTIATE_TEST_SUITE_P(Scenarios, ControllerPrefix,
                                                "_sharing_", sharing);
                          });
 
+// kv.eviction_lookahead: when admitting a request needs room, the blocks a waiting request will
+// reuse are evicted last. One rank of 120 slots, blocks of 16, one request at a time: A and B
+// (48-token prompts) finish and stay registered (96 slots); then D (a new 48-token prompt) and C
+// (A's prompt plus 20 tokens) arrive together. D's admission must evict 32 tokens: least recently
+// used alone takes A's last two blocks, so C reuses 16 tokens; with C in the look-ahead, B's go and
+// C reuses all 48.
+int64_t CachedTokensOfFollowUp(int64_t lookahead) {
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gqa");
+  EXPECT_TRUE(spec.ok());
+  constexpr int64_t kCapacity = 120, kBlockTokens = 16;
+  ControllerOptions o;
+  o.max_batch_size = 1;
+  o.max_tokens_per_step = 256;
+  o.prefix_block_tokens = kBlockTokens;
+  o.eviction_lookahead = lookahead;
+  Controller c(*spec, {kCapacity}, o);
+  KvTable table(kCapacity, kBlockTokens);
+  std::map<int64_t, GenerationResult> results;
+  std::vector<std::vector<uint64_t>> released;
+  auto run = [&] {
+    for (int step = 0; step < 100 && !c.Idle(); ++step) {
+      PlannedStep ps;
+      c.Schedule(&ps);
+      if (ps.empty()) continue;
+      AttentionBatch batch;
+      const absl::Status st = table.Apply(ps.plan, 0, &batch);
+      EXPECT_TRUE(st.ok()) << st;
+      SampledTokens sampled;
+      for (size_t i = 0; i < ps.rows.sample_rows.size(); ++i) sampled.Append(5, -1.0f);
+      std::vector<std::pair<int64_t, GenerationResult>> finished;
+      EXPECT_TRUE(c.Complete(ps, sampled, &finished, &released).ok());
+      table.Release(released[0]);
+      for (auto& [id, res] : finished) results[id] = std::move(res);
+    }
+    EXPECT_TRUE(c.Idle());
+  };
+  auto prompt = [](int n, int32_t first) {
+    std::vector<int32_t> t(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) t[static_cast<size_t>(i)] = first + i;
+    return t;
+  };
+  auto submit = [&](std::vector<int32_t> tokens) {
+    GenerationRequest r;
+    r.prompt = std::move(tokens);
+    r.max_tokens = 1;
+    r.ignore_eos = true;
+    absl::StatusOr<int64_t> id = c.Submit(r);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.ok() ? *id : -1;
+  };
+  submit(prompt(48, 10));  // A
+  run();
+  submit(prompt(48, 100));  // B
+  run();
+  submit(prompt(48, 200));  // D
+  std::vector<int32_t> follow_up = prompt(48, 10);
+  for (int32_t t : prompt(20, 300)) follow_up.push_back(t);
+  const int64_t id_c = submit(follow_up);  // C
+  run();
+  return results.count(id_c) ? results[id_c].cached_tokens : -1;
+}
+
+TEST(ControllerEviction, WaitingRequestsKeepTheirPrefixBlocks) {
+  EXPECT_EQ(CachedTokensOfFollowUp(0), 16);  // least recently used only
+  EXPECT_EQ(CachedTokensOfFollowUp(1), 48);
+  EXPECT_EQ(CachedTokensOfFollowUp(64), 48);
+}
+
 }  // namespace
 }  // namespace tandem

@@ -298,6 +298,36 @@ TEST(PrefixIndex, EvictsLeastRecentlyUsedFirst) {
   EXPECT_EQ(idx.Evict(kAll, &evicted), 0);
 }
 
+TEST(PrefixIndex, WantedBlocksAreEvictedLast) {
+  // Chains a (2 blocks, oldest), b (2 blocks) and c (1 block, newest). A waiting request wants a:
+  // b and c go first, least recently used first; a only when nothing else is left, leaf first.
+  PrefixIndex idx(kBlock);
+  const std::vector<int32_t> a = Publish(idx, Tokens(32, 100)), b = Publish(idx, Tokens(32, 500)),
+                             c = Publish(idx, Tokens(16, 900));
+  ASSERT_EQ(a.size(), 2u);
+  ASSERT_EQ(b.size(), 2u);
+  ASSERT_EQ(c.size(), 1u);
+  std::vector<uint64_t> evicted;
+  EXPECT_EQ(idx.Evict(32, &evicted, nullptr, a), 32);
+  EXPECT_EQ(evicted, (std::vector<uint64_t>{idx.hash(b[1]), idx.hash(b[0])}));
+  EXPECT_EQ(idx.Match(Tokens(32, 100), kAll), a);
+  EXPECT_EQ(idx.Evict(32, &evicted, nullptr, a), 32);  // c, then a's leaf: a is all that is left
+  ASSERT_EQ(evicted.size(), 4u);
+  EXPECT_EQ(evicted[2], idx.hash(c[0]));
+  EXPECT_EQ(idx.Match(Tokens(32, 100), kAll), Ids({a[0]}));
+  // Without wanted blocks the order is plain LRU again: the same three chains evict a first.
+  PrefixIndex lru(kBlock);
+  const std::vector<int32_t> a2 = Publish(lru, Tokens(32, 100));
+  Publish(lru, Tokens(32, 500));
+  evicted.clear();
+  EXPECT_EQ(lru.Evict(32, &evicted), 32);
+  EXPECT_EQ(evicted, (std::vector<uint64_t>{lru.hash(a2[1]), lru.hash(a2[0])}));
+  // Ids that are not registered blocks are ignored.
+  evicted.clear();
+  EXPECT_EQ(lru.Evict(16, &evicted, nullptr, Ids({-1, 12345})), 16);
+  EXPECT_EQ(evicted.size(), 1u);
+}
+
 TEST(PrefixIndex, LeavesAreEvictedBeforeParents) {
   PrefixIndex idx(kBlock);
   const std::vector<int32_t> chain_tokens = Tokens(48, 100);
