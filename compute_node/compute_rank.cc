@@ -534,17 +534,26 @@ absl::Status ComputeRank::LoseRank(size_t m, absl::Status why) {
 absl::Status ComputeRank::LoseFailedRanks(size_t waited_on, absl::Status why) {
   transport::PeerId from = 0;
   std::vector<uint8_t> msg;
+  auto heartbeat_reply = [&](transport::PeerId peer) {
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      if (ranks_[m].peer == peer) return TakeHeartbeatReply(m, msg).value_or(false);
+    }
+    return false;
+  };
   if (!CanRecover()) {
     // The step fails: with the error report of a memory rank that stopped when there is one,
     // else with the wait's error (which names the peer that failed first).
-    if (transport_->Receive(&from, &msg, absl::Now()).ok()) {
+    while (transport_->Receive(&from, &msg, absl::Now()).ok()) {
+      if (heartbeat_reply(from)) continue;
       absl::StatusOr<ErrorMessage> err = DecodeError(msg);
       if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
+      break;
     }
     return why;
   }
   bool blamed = false;
   while (transport_->Receive(&from, &msg, absl::Now()).ok()) {
+    if (heartbeat_reply(from)) continue;
     absl::StatusOr<ErrorMessage> err = DecodeError(msg);
     for (size_t m = 0; m < ranks_.size(); ++m) {
       if (ranks_[m].peer != from || ranks_[m].lost) continue;
@@ -568,6 +577,90 @@ absl::Status ComputeRank::LoseFailedRanks(size_t waited_on, absl::Status why) {
     blamed = true;
   }
   if (!blamed) RETURN_IF_ERROR(LoseRank(waited_on, std::move(why)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> ComputeRank::TakeHeartbeatReply(size_t m, const std::vector<uint8_t>& msg) {
+  absl::StatusOr<uint32_t> magic = PeekFrameMagic(msg);
+  if (!magic.ok() || *magic != kHeartbeatReplyMagic) return false;
+  Rank& rank = ranks_[m];
+  absl::StatusOr<HeartbeatReplyMessage> reply = DecodeHeartbeatReply(msg);
+  if (!reply.ok()) return Annotate(reply.status(), rank.name);
+  if (reply->memory_rank != m) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(rank.name, ": a heartbeat reply names memory rank ", reply->memory_rank));
+  }
+  if (reply->seq == rank.beat_seq) rank.beat_seq = 0;  // else an answer to one given up on
+  return true;
+}
+
+absl::Status ComputeRank::Heartbeat() {
+  if (options_.heartbeat <= absl::ZeroDuration()) return absl::OkStatus();
+  // What arrived since the last call (replies, error reports); a wait of 1 ms lets the transport
+  // make progress. A failed peer ends the drain; it is found by its status below.
+  transport::PeerId from = 0;
+  std::vector<uint8_t> msg;
+  while (transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(1)).ok()) {
+    size_t m = 0;
+    while (m < ranks_.size() && ranks_[m].peer != from) ++m;
+    if (m == ranks_.size()) {
+      size_t r = 0;
+      while (r < replicas_.size() && replicas_[r].peer != from) ++r;
+      if (r == replicas_.size()) continue;
+      absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+      return err.ok() ? Annotate(StatusFromErrorMessage(*err), absl::StrCat(replicas_[r].name, " stopped"))
+                      : absl::InvalidArgumentError(
+                            absl::StrCat(replicas_[r].name, ": unexpected message while idle"));
+    }
+    if (ranks_[m].lost) continue;
+    absl::StatusOr<bool> beat = TakeHeartbeatReply(m, msg);
+    if (beat.ok() && *beat) continue;
+    absl::Status why = beat.status();
+    if (why.ok()) {
+      absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+      why = err.ok() ? StatusFromErrorMessage(*err)
+                     : absl::InvalidArgumentError(absl::StrCat("unexpected message (magic 0x",
+                                                               absl::Hex(PeekFrameMagic(msg).value_or(0)),
+                                                               ") while idle"));
+    }
+    RETURN_IF_ERROR(LoseRank(m, Annotate(why, ranks_[m].name)));
+  }
+  // Ranks the transport knows failed, and ranks silent past the step timeout: each is named by
+  // its own heartbeat, so a silent rank is never mistaken for its neighbour.
+  const absl::Time now = absl::Now();
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    Rank& rank = ranks_[m];
+    if (rank.lost) continue;
+    if (absl::Status peer = transport_->PeerStatus(rank.peer); !peer.ok()) {
+      RETURN_IF_ERROR(LoseRank(m, Annotate(peer, rank.name)));
+    } else if (rank.beat_seq != 0 && now - rank.beat_sent > options_.step_timeout) {
+      RETURN_IF_ERROR(
+          LoseRank(m, absl::DeadlineExceededError(absl::StrCat(
+                          rank.name, ": no answer to a heartbeat for ",
+                          absl::FormatDuration(now - rank.beat_sent), " (launch.step_timeout_s ",
+                          absl::ToDoubleSeconds(options_.step_timeout), "): stopped, hung or cut off"))));
+    }
+  }
+  if (now >= next_beat_) {
+    next_beat_ = now + options_.heartbeat;
+    // A rank may stop once it has not heard from this one for a heartbeat and a step timeout.
+    const int64_t silence_ms = std::clamp<int64_t>(
+        absl::ToInt64Milliseconds(options_.heartbeat + options_.step_timeout), 1, kMaxHeartbeatSilenceMs);
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      Rank& rank = ranks_[m];
+      if (rank.lost || rank.beat_seq != 0) continue;
+      const uint64_t seq = ++beat_seq_;
+      const absl::Status sent = transport_->Send(
+          rank.peer, EncodeHeartbeat({.seq = seq, .silence_ms = static_cast<uint32_t>(silence_ms)}));
+      if (!sent.ok()) {
+        RETURN_IF_ERROR(LoseRank(m, Annotate(sent, rank.name)));
+        continue;
+      }
+      rank.beat_seq = seq;
+      rank.beat_sent = now;
+    }
+  }
+  RecoverLostRanks();
   return absl::OkStatus();
 }
 
@@ -751,12 +844,19 @@ absl::StatusOr<size_t> ComputeRank::ReceiveFromRank(absl::Time deadline, const s
                                                     std::vector<uint8_t>* msg) {
   transport::PeerId from = 0;
   size_t m = 0;
-  do {  // whatever a lost memory rank still sends is dropped
+  while (true) {
     RETURN_IF_ERROR(
         Annotate(transport_->Receive(&from, msg, deadline), absl::StrCat("waiting for ", awaited)));
     m = 0;
     while (m < ranks_.size() && ranks_[m].peer != from) ++m;
-  } while (m < ranks_.size() && ranks_[m].lost);
+    if (m < ranks_.size() && ranks_[m].lost) continue;  // whatever a lost memory rank still sends is dropped
+    if (m < ranks_.size()) {
+      absl::StatusOr<bool> beat = TakeHeartbeatReply(m, *msg);
+      if (!beat.ok()) return beat.status();
+      if (*beat) continue;  // the answer to a heartbeat sent while idle
+    }
+    break;
+  }
   std::string name;
   if (m < ranks_.size()) {
     name = ranks_[m].name;

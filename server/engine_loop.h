@@ -11,7 +11,9 @@
 //   * With nothing to do the engine thread sleeps on a condition variable: no polling.
 //   * Shutdown(grace) stops taking requests (Unavailable), lets the live ones run for `grace`,
 //     cancels what is left and joins the thread. A step that fails ends every live request with
-//     the step's error and the loop refuses everything after it.
+//     the step's error and the loop refuses everything after it (failure() says why).
+//   * While idle, an engine that wants heartbeats (Engine::heartbeat_interval) gets a Heartbeat()
+//     call that often; one that fails counts as a failed step.
 //
 // Thread safety: Submit, Cancel, Shutdown and stats may be called from any thread; each stream
 // is read by one thread. The engine is touched only by the loop's thread once the loop exists.
@@ -101,6 +103,11 @@ class EngineLoop {
   void Cancel(uint64_t key);
   void Shutdown(absl::Duration grace);
   LoopStats stats() const;
+  // OK while the engine is healthy; else the error of the step (or heartbeat) that failed it.
+  absl::Status failure() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return failure_;
+  }
   const ModelSpec& spec() const { return spec_; }
 
  private:
@@ -134,6 +141,7 @@ class EngineLoop {
   std::optional<absl::Time> stop_by_;
   uint64_t next_key_ = 1;
   LoopStats stats_;
+  absl::Status failure_;
   // Loop thread only.
   std::map<int64_t, Live> live_;                         // engine id -> request
   std::map<uint64_t, int64_t> by_key_;                   // stream key -> engine id
