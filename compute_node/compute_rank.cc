@@ -245,6 +245,8 @@ absl::Status ComputeRank::ConnectReplicas(absl::Time deadline) {
 
 absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>* finished) {
   const auto t0 = std::chrono::steady_clock::now();
+  for (auto& ended : ended_while_idle_) finished->push_back(std::move(ended));
+  ended_while_idle_.clear();
   controller_->Schedule(&step_);
   if (step_.empty()) return absl::OkStatus();
   if (!step_.has_rows()) {
@@ -256,7 +258,7 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
       if (!sent.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(sent, ranks_[m].name)));
     }
     RETURN_IF_ERROR(CollectRestoreReplies(step_.plan));
-    RecoverLostRanks();
+    RecoverLostRanks(finished);
     return absl::OkStatus();
   }
   SampledTokens sampled;
@@ -299,7 +301,7 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
     sampled = std::move(parts[0]);
   }
   RETURN_IF_ERROR(CollectRestoreReplies(step_.plan));
-  RecoverLostRanks();
+  RecoverLostRanks(finished);
   std::vector<std::vector<uint64_t>> released;
   RETURN_IF_ERROR(controller_->Complete(step_, sampled, finished, &released));
   RETURN_IF_ERROR(SendReleases(step_.plan.step_id, released));
@@ -439,7 +441,7 @@ bool ComputeRank::CanRecover() const {
   return options_.recover_memory_ranks && !device_path_ && !head_ && compute_ranks_ == 1;
 }
 
-void ComputeRank::RecoverLostRanks() {
+void ComputeRank::RecoverLostRanks(std::vector<std::pair<int64_t, GenerationResult>>* finished) {
   // Memory ranks lost during the step: their requests' tokens of this step are dropped (the rest
   // of the step ran without them) and the requests go back to the queue to be recomputed.
   for (size_t m : lost_in_step_) {
@@ -448,6 +450,14 @@ void ComputeRank::RecoverLostRanks() {
     TANDEM_LOG_WARN("compute", ranks_[m].name, " is lost; ", requeued.size(),
                     " of its requests go back to the queue to be recomputed on the ",
                     controller_->live_ranks(), " surviving memory rank(s)");
+  }
+  if (!lost_in_step_.empty()) {
+    const size_t before = finished->size();
+    controller_->FailUnplaceable(finished);
+    for (size_t i = before; i < finished->size(); ++i) {
+      TANDEM_LOG_WARN("compute", "request ", (*finished)[i].first,
+                      " ends: ", (*finished)[i].second.error.message());
+    }
   }
   lost_in_step_.clear();
 }
@@ -660,7 +670,7 @@ absl::Status ComputeRank::Heartbeat() {
       rank.beat_sent = now;
     }
   }
-  RecoverLostRanks();
+  RecoverLostRanks(&ended_while_idle_);
   return absl::OkStatus();
 }
 

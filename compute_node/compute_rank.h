@@ -124,7 +124,9 @@ class ComputeRank : public Engine {
   // The Engine interface. Step: a memory rank that reports an error, disconnects or stays silent
   // past the step timeout is lost (recover_memory_ranks): the step goes on without it, its requests'
   // tokens of that step are dropped and the requests requeued (Controller::LoseRank) to be
-  // recomputed on the surviving ranks, so their clients get the same tokens later. Without
+  // recomputed on the surviving ranks, so their clients get the same tokens later; a waiting
+  // request that now fits no surviving rank is reported finished with an error
+  // (GenerationResult::error, Controller::FailUnplaceable). Without
   // recovery (or where it is not supported), or once every rank is lost, the step fails with a
   // Status naming the rank. Cancel: the memory rank that
   // holds the request's KV is told to free it (a release message, as for a finished request).
@@ -226,8 +228,9 @@ class ComputeRank : public Engine {
   // meanwhile is lost like in a step (LoseFailedRanks).
   absl::Status CollectRestoreReplies(const StepPlan& plan);
   // Hands the ranks lost during the step to the controller (Controller::LoseRank requeues their
-  // requests).
-  void RecoverLostRanks();
+  // requests); the waiting requests that now fit no surviving rank end with an error
+  // (Controller::FailUnplaceable), appended to `finished`.
+  void RecoverLostRanks(std::vector<std::pair<int64_t, GenerationResult>>* finished);
 
   ComputeRankOptions options_;
   std::unique_ptr<transport::Transport> transport_;
@@ -291,6 +294,8 @@ class ComputeRank : public Engine {
   std::vector<std::pair<size_t, std::vector<uint8_t>>> early_replies_;
   std::vector<size_t> lost_in_step_;  // ranks lost during the current step
   uint64_t beat_seq_ = 0;             // the last heartbeat sent
+  // Requests ended by a loss found by Heartbeat (RecoverLostRanks), reported by the next Step.
+  std::vector<std::pair<int64_t, GenerationResult>> ended_while_idle_;
   absl::Time next_beat_ = absl::InfinitePast();
   int64_t memory_ranks_lost_ = 0, requests_recovered_ = 0;
 };

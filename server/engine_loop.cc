@@ -118,7 +118,7 @@ void EngineLoop::Emit(Live& live, const GenerationResult& progress) {
   live.stream->Push(std::move(e));
 }
 
-void EngineLoop::Finish(int64_t id, GenerationResult result, absl::Status error) {
+void EngineLoop::Finish(int64_t id, GenerationResult result, absl::Status error, bool engine_failed) {
   auto it = live_.find(id);
   if (it == live_.end()) return;
   Live& live = it->second;
@@ -143,6 +143,7 @@ void EngineLoop::Finish(int64_t id, GenerationResult result, absl::Status error)
   e.done = true;
   e.result = std::move(result);
   e.error = std::move(error);
+  e.engine_failed = engine_failed;
   live.stream->Push(std::move(e));
   by_key_.erase(live.stream->key());
   live_.erase(it);
@@ -220,13 +221,17 @@ void EngineLoop::Run() {
       }
       std::vector<int64_t> ids;
       for (const auto& [id, live] : live_) ids.push_back(id);
-      for (int64_t id : ids) Finish(id, GenerationResult{.finish_reason = "error"}, st);
+      for (int64_t id : ids)
+        Finish(id, GenerationResult{.finish_reason = "error"}, st, /*engine_failed=*/true);
       continue;
     }
     for (auto& [id, live] : live_) {
       if (const GenerationResult* p = engine_->Progress(id)) Emit(live, *p);
     }
-    for (auto& [id, result] : finished) Finish(id, std::move(result), absl::OkStatus());
+    for (auto& [id, result] : finished) {
+      const absl::Status error = result.error;  // OK, or the request's own (it could not be served)
+      Finish(id, std::move(result), error);
+    }
     // The pipeline's totals, about once a second (a stats request per memory rank between steps).
     std::optional<PipelineTotals> pipeline;
     if (const auto now = std::chrono::steady_clock::now(); now - last_pipeline_ > std::chrono::seconds(1)) {

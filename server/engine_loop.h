@@ -45,7 +45,11 @@ struct StreamEvent {
   std::vector<std::vector<TopLogprob>> top_logprobs;
   bool done = false;        // the last event of the stream
   GenerationResult result;  // when done: the whole result (tokens, finish_reason, usage)
-  absl::Status error;       // when done: not OK if the request ended because the engine failed
+  // When done: not OK if the request ended with an error: the engine failed (engine_failed), or the
+  // request itself could not be served (GenerationResult::error, e.g. Unavailable: it fits no
+  // surviving memory rank).
+  absl::Status error;
+  bool engine_failed = false;
 };
 
 // Timings of one request (absl::Now() clock), for metrics.
@@ -126,7 +130,7 @@ class EngineLoop {
   void Run();
   void Admit(std::vector<std::shared_ptr<Pending>>& inbox);
   void Emit(Live& live, const GenerationResult& progress);
-  void Finish(int64_t id, GenerationResult result, absl::Status error);
+  void Finish(int64_t id, GenerationResult result, absl::Status error, bool engine_failed = false);
 
   Engine* engine_;
   const ModelSpec spec_;
