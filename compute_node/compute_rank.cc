@@ -5,6 +5,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/layer_message.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -625,6 +626,7 @@ absl::Status ComputeRank::Heartbeat() {
     if (ranks_[m].lost) continue;
     absl::StatusOr<bool> beat = TakeHeartbeatReply(m, msg);
     if (beat.ok() && *beat) continue;
+    if (PeekFrameMagic(msg).value_or(0) == kMemoryStatsMagic) continue;  // late: Pipeline gave up on it
     absl::Status why = beat.status();
     if (why.ok()) {
       absl::StatusOr<ErrorMessage> err = DecodeError(msg);
@@ -647,8 +649,9 @@ absl::Status ComputeRank::Heartbeat() {
       RETURN_IF_ERROR(
           LoseRank(m, absl::DeadlineExceededError(absl::StrCat(
                           rank.name, ": no answer to a heartbeat for ",
-                          absl::FormatDuration(now - rank.beat_sent), " (launch.step_timeout_s ",
-                          absl::ToDoubleSeconds(options_.step_timeout), "): stopped, hung or cut off"))));
+                          absl::StrFormat("%.1f s", absl::ToDoubleSeconds(now - rank.beat_sent)),
+                          " (launch.step_timeout_s ", absl::ToDoubleSeconds(options_.step_timeout),
+                          "): stopped, hung or cut off"))));
     }
   }
   if (now >= next_beat_) {

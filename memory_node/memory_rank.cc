@@ -7,6 +7,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/layer_message.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -62,10 +63,12 @@ class MemoryRank {
       if (absl::IsCancelled(r)) return absl::OkStatus();  // stop requested
       if (absl::IsDeadlineExceeded(r) && silence != absl::InfiniteDuration()) {
         // Not sent to it: a silent peer may not read, and a send would wait for the send timeout.
-        return absl::DeadlineExceededError(absl::StrCat(
-            "memory rank ", o_.rank, ": compute rank 0 has been silent for ",
-            absl::FormatDuration(absl::Now() - last_heard), " (no step, no heartbeat; its heartbeats allow ",
-            absl::FormatDuration(silence), "): it is stopped, hung or cut off; this rank stops"));
+        return absl::DeadlineExceededError(
+            absl::StrCat("memory rank ", o_.rank, ": compute rank 0 has been silent for ",
+                         absl::StrFormat("%.1f s", absl::ToDoubleSeconds(absl::Now() - last_heard)),
+                         " (no step, no heartbeat; its heartbeats allow ",
+                         absl::StrFormat("%.1f s", absl::ToDoubleSeconds(silence)),
+                         "): it is stopped, hung or cut off; this rank stops"));
       }
       RETURN_IF_ERROR(r);
       last_heard = absl::Now();

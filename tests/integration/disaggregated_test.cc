@@ -982,6 +982,68 @@ TEST_F(DisaggregatedTest, RequestsThatFitNoSurvivingRankFailInsteadOfWaiting) {
   EXPECT_NE(refused.message().find("memory rank(s) 0 lost"), std::string::npos) << refused;
 }
 
+// Heartbeats while idle (ComputeRank::Heartbeat, as the server's engine loop calls it): a memory
+// rank stopped between requests is named by its own unanswered heartbeat, never its healthy
+// neighbour; with recovery the next request runs on the survivor with the colocated tokens,
+// without it Heartbeat fails naming the rank.
+TEST_F(DisaggregatedTest, HeartbeatsNameAMemoryRankStoppedWhileIdle) {
+  std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
+  ASSERT_NE(source, nullptr);
+  std::mt19937 rng(3);
+  GenerationRequest request = MakeRequest(rng, source->spec().vocab_size, 8, 12, true, 42);
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, 4, 24);
+  ASSERT_NE(engine, nullptr);
+  absl::StatusOr<std::vector<GenerationResult>> want = engine->GenerateAll({request});
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (const bool recover : {true, false}) {
+    SCOPED_TRACE(recover ? "recovery on" : "recovery off");
+    ComputeRankOptions options = Options(4, 24, 1024);
+    options.step_timeout = absl::Seconds(1);
+    options.heartbeat = absl::Milliseconds(100);
+    options.recover_memory_ranks = recover;
+    ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, options));
+    expect_clean_exit_ = false;  // memory-1 is stopped
+    EXPECT_EQ(rank_->heartbeat_interval(), absl::Milliseconds(100));
+    // Healthy ranks answer: a few rounds lose nothing.
+    for (int i = 0; i < 10; ++i) {
+      ASSERT_TRUE(rank_->Heartbeat().ok());
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    EXPECT_EQ(rank_->stats().memory_ranks_lost, 0);
+    const pid_t victim = group_.pid(names_[names_.size() - 1]);
+    ASSERT_EQ(kill(victim, SIGSTOP), 0);
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status beat;
+    while (beat.ok() && !rank_->controller().rank_lost(1) && Seconds(t0) < 10) {
+      beat = rank_->Heartbeat();
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    const double seconds = Seconds(t0);
+    std::printf("%s: memory rank 1 stopped, found after %.2f s: %s\n", recover ? "recovery" : "no recovery",
+                seconds, beat.ToString().c_str());
+    EXPECT_LT(seconds, 5.0) << "the step timeout is 1 s";
+    EXPECT_FALSE(rank_->controller().rank_lost(0));
+    if (recover) {
+      ASSERT_TRUE(beat.ok()) << beat;
+      ASSERT_TRUE(rank_->controller().rank_lost(1));
+      absl::StatusOr<std::vector<GenerationResult>> got = rank_->GenerateAll({request});
+      ASSERT_TRUE(got.ok()) << got.status();
+      ExpectSameResults(*got, *want);
+      EXPECT_TRUE(rank_->Heartbeat().ok());
+    } else {
+      ASSERT_FALSE(beat.ok());
+      const std::string message(beat.message());
+      EXPECT_NE(message.find("memory rank 1 (" + addresses_[1] + "): no answer to a heartbeat"),
+                std::string::npos)
+          << beat;
+      EXPECT_EQ(message.find("memory rank 0"), std::string::npos) << beat;
+    }
+    kill(victim, SIGKILL);
+    rank_.reset();
+    (void)group_.StopAll(absl::Seconds(5));
+  }
+}
+
 // Without recovery the loss fails the step, naming the rank, within the step timeout.
 TEST_F(DisaggregatedTest, MemoryRankKilledMidRunFailsTheStepWithoutRecovery) {
   std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
