@@ -216,13 +216,14 @@ absl::Status RunCompute(const ComputeArgs& a) {
     }
     if (const absl::Status failed = loop.failure(); !failed.ok()) {
       // A rank lost that this deployment cannot do without (a failed step or heartbeat): the
-      // requests were told; the deployment ends, naming the rank.
+      // requests were told; the memory ranks are told why (each stops naming the cause), and
+      // compute rank 0 exits with it.
       TANDEM_LOG_ERROR("compute", "the deployment cannot go on: ", failed.message());
       http->Draining();
       loop.Shutdown(absl::ZeroDuration());
       http->Stop();
-      (void)rank->Shutdown();
-      return failed;
+      rank->Abandon(failed);
+      return join_local(failed);
     }
     TANDEM_LOG_INFO("compute", "draining the API (api.shutdown_grace_s ", api.shutdown_grace_s, ")");
     http->Draining();

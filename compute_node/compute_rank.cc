@@ -1094,6 +1094,17 @@ EngineStats ComputeRank::stats() const {
           .requests_recovered = requests_recovered_};
 }
 
+void ComputeRank::Abandon(const absl::Status& why) {
+  const std::vector<uint8_t> frame =
+      EncodeError(ErrorMessageFromStatus(Annotate(why, "compute rank 0 stops the deployment")));
+  const absl::Time now = absl::Now();
+  for (const Rank& rank : ranks_) {
+    if (rank.lost || (rank.beat_seq != 0 && now - rank.beat_sent > options_.step_timeout)) continue;
+    (void)transport_->Send(rank.peer, frame);
+  }
+  (void)transport_->Flush(absl::Now() + absl::Seconds(2));
+}
+
 absl::Status ComputeRank::Shutdown() {
   // A bye each way, so that no process sees a peer vanish: each peer is Close()d before its bye is
   // sent (its leaving is then expected), answers with a bye once it has let go of us, and only
@@ -1106,7 +1117,9 @@ absl::Status ComputeRank::Shutdown() {
     size_t byes = 0;
     for (auto& peer : peers) {
       if constexpr (requires { peer.lost; }) {
-        if (peer.lost) continue;  // given up: nothing to say to it
+        // Given up, or silent past its heartbeat (recovery off): nothing to say to it, no answer to wait for.
+        if (peer.lost || (peer.beat_seq != 0 && absl::Now() - peer.beat_sent > options_.step_timeout))
+          continue;
       }
       transport_->Close(peer.peer);
       absl::Status st = transport_->Send(peer.peer, frame);

@@ -159,6 +159,11 @@ class ComputeRank : public Engine {
 
   // Tells every memory rank to stop (bye), best effort: it never fails.
   absl::Status Shutdown();
+  // The deployment cannot go on (`why`: a failed step or heartbeat): every memory rank still
+  // reachable (not given up, not silent past its heartbeat) gets an error message with `why` and
+  // stops naming it, so that whichever process the launcher sees leave first names the cause.
+  // Best effort, bounded by a 2 s flush.
+  void Abandon(const absl::Status& why);
 
   // The pipeline's totals so far (compute_node/pipeline_report.h): this rank's step, compute and
   // attention-phase time, and each memory rank's attention time, asked for with a stats request
