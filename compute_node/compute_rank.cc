@@ -645,7 +645,7 @@ absl::Status ComputeRank::Heartbeat() {
     if (rank.lost) continue;
     if (absl::Status peer = transport_->PeerStatus(rank.peer); !peer.ok()) {
       RETURN_IF_ERROR(LoseRank(m, Annotate(peer, rank.name)));
-    } else if (rank.beat_seq != 0 && now - rank.beat_sent > options_.step_timeout) {
+    } else if (SilentPastHeartbeat(rank, now)) {
       RETURN_IF_ERROR(
           LoseRank(m, absl::DeadlineExceededError(absl::StrCat(
                           rank.name, ": no answer to a heartbeat for ",
@@ -1099,7 +1099,7 @@ void ComputeRank::Abandon(const absl::Status& why) {
       EncodeError(ErrorMessageFromStatus(Annotate(why, "compute rank 0 stops the deployment")));
   const absl::Time now = absl::Now();
   for (const Rank& rank : ranks_) {
-    if (rank.lost || (rank.beat_seq != 0 && now - rank.beat_sent > options_.step_timeout)) continue;
+    if (rank.lost || SilentPastHeartbeat(rank, now)) continue;
     (void)transport_->Send(rank.peer, frame);
   }
   (void)transport_->Flush(absl::Now() + absl::Seconds(2));
@@ -1118,8 +1118,7 @@ absl::Status ComputeRank::Shutdown() {
     for (auto& peer : peers) {
       if constexpr (requires { peer.lost; }) {
         // Given up, or silent past its heartbeat (recovery off): nothing to say to it, no answer to wait for.
-        if (peer.lost || (peer.beat_seq != 0 && absl::Now() - peer.beat_sent > options_.step_timeout))
-          continue;
+        if (peer.lost || SilentPastHeartbeat(peer, absl::Now())) continue;
       }
       transport_->Close(peer.peer);
       absl::Status st = transport_->Send(peer.peer, frame);

@@ -265,6 +265,10 @@ class ComputeRank : public Engine {
     absl::Time beat_sent;
   };
   std::vector<Rank> ranks_;
+  // Whether `rank` has left a heartbeat unanswered for longer than the step timeout.
+  bool SilentPastHeartbeat(const Rank& rank, absl::Time now) const {
+    return rank.beat_seq != 0 && now - rank.beat_sent > options_.step_timeout;
+  }
   int compute_rank_ = 0, compute_ranks_ = 1;  // this rank, and compute.ranks
   struct Replica {                            // compute rank 0's view of compute rank r > 0
     uint32_t peer = 0;

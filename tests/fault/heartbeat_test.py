@@ -8,7 +8,7 @@ bounded in time:
     rank 1 (and not rank 0) as lost within the bound, and requests sent afterwards complete with
     the tokens the same requests got before the fault;
   * recovery off, memory rank 1 stopped while idle: the deployment ends on its own, naming memory
-    rank 1;
+    rank 1 (memory rank 0 is told why before compute rank 0 exits);
   * compute rank 0 stopped while idle: both memory ranks exit on their own, each saying compute
     rank 0 went silent.
 Usage: heartbeat_test.py path/to/tandem
@@ -181,6 +181,8 @@ def recovery_off(tmp):
         text = d.err() + d.log("compute-0")
         if "memory rank 1 (" not in text or "no answer to a heartbeat" not in text:
             bad(f"recovery off: the deployment's end does not name memory rank 1: {text[-800:]}")
+        if "compute rank 0 stops the deployment: memory rank 1 (" not in d.log("memory-0"):
+            bad(f"recovery off: memory rank 0 was not told why the deployment stops: {d.log('memory-0')[-600:]}")
     finally:
         d.stop()
 
