@@ -228,14 +228,18 @@ absl::StatusOr<std::vector<std::string>> DecodeAll(const text::TextModel* tm,
   return texts;
 }
 
-void PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& results,
-                  const std::vector<std::string>& texts, const RunStats& stats) {
+// Prints every result (a request that ended with an error as its error line) and the summary;
+// an error when any request failed.
+absl::Status PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& results,
+                          const std::vector<std::string>& texts, const RunStats& stats) {
+  int64_t failed = 0;
   int64_t generated = 0, prompt_tokens = 0, cached = 0;
   for (size_t i = 0; i < results.size(); ++i) {
     const GenerationResult& r = results[i];
     generated += static_cast<int64_t>(r.token_ids.size());
     prompt_tokens += r.prompt_tokens;
     cached += r.cached_tokens;
+    if (!r.error.ok()) ++failed;
     if (a.json) {
       nlohmann::json j;
       j["index"] = i;
@@ -244,10 +248,13 @@ void PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& re
       if (a.logprobs) j["logprobs"] = r.logprobs;
       if (!r.top_logprobs.empty()) j["top_logprobs"] = TopLogprobsJson(r.top_logprobs);
       j["finish_reason"] = r.finish_reason;
+      if (!r.error.ok()) j["error"] = std::string(r.error.message());
       j["usage"] = {{"prompt_tokens", r.prompt_tokens},
                     {"completion_tokens", static_cast<int64_t>(r.token_ids.size())},
                     {"cached_tokens", r.cached_tokens}};
       std::cout << j.dump() << "\n";
+    } else if (!r.error.ok()) {
+      std::cout << "[" << i << "] error: " << r.error.message() << "\n";
     } else if (i < texts.size()) {
       if (results.size() > 1) std::cout << "[" << i << "] ";
       std::cout << texts[i] << "\n";
@@ -274,6 +281,11 @@ void PrintResults(const GenerateArgs& a, const std::vector<GenerationResult>& re
   if (!stats.tiers.empty()) std::fprintf(stderr, "tandem generate: KV tiers %s\n", stats.tiers.c_str());
   if (!stats.recovery.empty())
     std::fprintf(stderr, "tandem generate: recovery: %s\n", stats.recovery.c_str());
+  if (failed > 0) {
+    return absl::UnavailableError(
+        absl::StrCat(failed, " of ", results.size(), " request(s) failed (see their error lines)"));
+  }
+  return absl::OkStatus();
 }
 
 // Runs the requests through a deployment started (and stopped) for them.
@@ -319,8 +331,7 @@ absl::Status RunDeployed(const GenerateArgs& a, std::vector<std::string> sets) {
   stats.device =
       absl::StrCat("disaggregated: ", stats.device, " + ", plan.memory_devices.size(), " memory rank(s)");
   ASSIGN_OR_RETURN(const std::vector<std::string> texts, DecodeAll(tm.get(), results));
-  PrintResults(a, results, texts, stats);
-  return absl::OkStatus();
+  return PrintResults(a, results, texts, stats);
 }
 
 absl::Status RunGenerate(const GenerateArgs& a) {
@@ -359,8 +370,7 @@ absl::Status RunGenerate(const GenerateArgs& a) {
     ASSIGN_OR_RETURN(results, RunRequests(*engine, std::move(requests), &stats));
     ASSIGN_OR_RETURN(texts, DecodeAll(tm.get(), results));
   }
-  PrintResults(a, results, texts, stats);
-  return absl::OkStatus();
+  return PrintResults(a, results, texts, stats);
 }
 
 }  // namespace

@@ -190,6 +190,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
   o.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   o.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
   o.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks");
+  o.heartbeat = absl::Seconds(c.GetDouble("launch.heartbeat_s"));
   o.micro_batches = PipelineMicroBatches(c);
   if (!a.replicas.empty()) o.replica_addresses = absl::StrSplit(a.replicas, ',');
   if (a.replica > 0) {
@@ -222,7 +223,20 @@ absl::Status RunCompute(const ComputeArgs& a) {
     if (!a.ready_file.empty())
       RETURN_IF_ERROR(WriteFileAtomic(a.ready_file, absl::StrCat(rank->device(), "; API ", url, "\n")));
     TANDEM_LOG_INFO("compute", "compute rank 0 ready on ", rank->device(), "; API at ", url);
-    while (TerminationSignal() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    while (TerminationSignal() == 0 && loop.failure().ok()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (const absl::Status failed = loop.failure(); !failed.ok()) {
+      // A rank lost that this deployment cannot do without (a failed step or heartbeat): the
+      // requests were told; the memory ranks are told why (each stops naming the cause), and
+      // compute rank 0 exits with it.
+      TANDEM_LOG_ERROR("compute", "the deployment cannot go on: ", failed.message());
+      http->Draining();
+      loop.Shutdown(absl::ZeroDuration());
+      http->Stop();
+      rank->Abandon(failed);
+      return join_local(failed);
+    }
     TANDEM_LOG_INFO("compute", "draining the API (api.shutdown_grace_s ", api.shutdown_grace_s, ")");
     http->Draining();
     loop.Shutdown(absl::Seconds(api.shutdown_grace_s));

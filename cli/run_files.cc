@@ -67,6 +67,9 @@ absl::Status WriteResultsFile(const std::string& path, const std::vector<Generat
     j["logprobs"] = r.logprobs;
     if (!r.top_logprobs.empty()) j["top_logprobs"] = TopLogprobsJson(r.top_logprobs);
     j["finish_reason"] = r.finish_reason;
+    if (!r.error.ok()) {
+      j["error"] = {{"code", static_cast<int>(r.error.code())}, {"message", std::string(r.error.message())}};
+    }
     j["prompt_tokens"] = r.prompt_tokens;
     j["cached_tokens"] = r.cached_tokens;
     out << j.dump() << "\n";
@@ -118,6 +121,14 @@ absl::Status ReadResultsFile(const std::string& path, std::vector<GenerationResu
         }
       }
       r.finish_reason = j.at("finish_reason").get<std::string>();
+      if (j.contains("error")) {
+        const int code = j.at("error").at("code").get<int>();
+        if (code < 1 || code > 16) {
+          return absl::DataLossError(absl::StrCat(path, ":", n, ": error code ", code, " is not in [1, 16]"));
+        }
+        r.error =
+            absl::Status(static_cast<absl::StatusCode>(code), j.at("error").at("message").get<std::string>());
+      }
       r.prompt_tokens = j.at("prompt_tokens").get<int64_t>();
       r.cached_tokens = j.at("cached_tokens").get<int64_t>();
       results->push_back(std::move(r));

@@ -153,7 +153,8 @@ absl::StatusOr<absl::Span<const uint8_t>> Unframe(absl::Span<const uint8_t> fram
     // The ranks of a deployment run one build; an older peer's frames are refused, not guessed at.
     return absl::InvalidArgumentError(absl::StrCat(
         ToAbsl(what), ": version ", version, " at byte offset 4 is older than the supported version ",
-        kWireVersion, " (versions 2 to 4 changed the hello, step plan and replica result layouts)"));
+        kWireVersion,
+        " (versions 2 to 4 changed the hello, step plan and replica result layouts; 5 added the heartbeat)"));
   }
   ASSIGN_OR_RETURN(uint16_t header_bytes, r.U16("header_bytes"));
   if (header_bytes != kFrameHeaderBytes) {
@@ -1065,6 +1066,56 @@ absl::StatusOr<MemoryStatsMessage> DecodeMemoryStats(absl::Span<const uint8_t> f
   return m;
 }
 
+std::vector<uint8_t> EncodeHeartbeat(const HeartbeatMessage& m) {
+  TANDEM_CHECK(m.silence_ms >= 1 && m.silence_ms <= kMaxHeartbeatSilenceMs);
+  std::vector<uint8_t> body;
+  body.reserve(kHeartbeatBodyBytes);
+  Writer w(&body);
+  w.U64(m.seq);
+  w.U32(m.silence_ms);
+  w.Zeros(4);
+  return Frame(kHeartbeatMagic, body);
+}
+
+absl::StatusOr<HeartbeatMessage> DecodeHeartbeat(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "heartbeat";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kHeartbeatMagic, kWhat));
+  RETURN_IF_ERROR(CheckBodySize(body, kHeartbeatBodyBytes, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  HeartbeatMessage m;
+  ASSIGN_OR_RETURN(m.seq, r.U64("seq"));
+  ASSIGN_OR_RETURN(m.silence_ms, r.U32("silence_ms"));
+  if (m.silence_ms < 1 || m.silence_ms > kMaxHeartbeatSilenceMs) {
+    return absl::InvalidArgumentError(absl::StrCat("heartbeat: silence_ms ", m.silence_ms,
+                                                   " at byte offset 24 must be in [1, ",
+                                                   kMaxHeartbeatSilenceMs, "]"));
+  }
+  RETURN_IF_ERROR(r.Reserved("reserved", 4));
+  return m;
+}
+
+std::vector<uint8_t> EncodeHeartbeatReply(const HeartbeatReplyMessage& m) {
+  std::vector<uint8_t> body;
+  body.reserve(kHeartbeatBodyBytes);
+  Writer w(&body);
+  w.U64(m.seq);
+  w.U16(m.memory_rank);
+  w.Zeros(6);
+  return Frame(kHeartbeatReplyMagic, body);
+}
+
+absl::StatusOr<HeartbeatReplyMessage> DecodeHeartbeatReply(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "heartbeat reply";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kHeartbeatReplyMagic, kWhat));
+  RETURN_IF_ERROR(CheckBodySize(body, kHeartbeatBodyBytes, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  HeartbeatReplyMessage m;
+  ASSIGN_OR_RETURN(m.seq, r.U64("seq"));
+  ASSIGN_OR_RETURN(m.memory_rank, r.U16("memory_rank"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 6));
+  return m;
+}
+
 std::vector<uint8_t> EncodeComputeHello(const ComputeHelloMessage& m) {
   std::vector<uint8_t> body;
   body.reserve(kComputeHelloBodyBytes);
@@ -1280,6 +1331,8 @@ absl::StatusOr<uint32_t> PeekFrameMagic(absl::Span<const uint8_t> frame) {
     case kReplicaStepMagic:
     case kReplicaResultMagic:
     case kRestoreReplyMagic:
+    case kHeartbeatMagic:
+    case kHeartbeatReplyMagic:
       return magic;
     default:
       return absl::InvalidArgumentError(

@@ -26,7 +26,9 @@
 //                                 'T','D','R','S' replica step         0x53524454
 //                                 'T','D','R','R' replica result       0x52524454
 //                                 'T','D','R','T' restore reply        0x54524454
-//        4     2  version       u16, kWireVersion (4); a newer one decodes as Unimplemented, an
+//                                 'T','D','H','B' heartbeat            0x42484454
+//                                 'T','D','H','A' heartbeat reply      0x41484454
+//        4     2  version       u16, kWireVersion (5); a newer one decodes as Unimplemented, an
 //                               older one as InvalidArgument (one build runs every rank).
 //                               Version 2 added the hello's partition and KV head slice (its
 //                               body grew from 56 to 64 bytes); version 3 the step plan's
@@ -36,8 +38,9 @@
 //                               alternatives, the step plan's restores (KV tiers: restore_count
 //                               in the fixed part's last 4 bytes, reserved before, and the
 //                               PrefixRestore records after the evictions) and the restore reply;
-//                               the other layouts are unchanged
-//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 4
+//                               version 5 the heartbeat and its reply; the other layouts are
+//                               unchanged
+//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 5
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
 //
@@ -245,11 +248,30 @@
 //                                    device time on a GPU, host time on the CPU; the rest of each
 //                                    step of compute rank 0 the rank waits
 //
+// Heartbeat body (compute rank 0 -> memory rank, while the deployment is idle; 16 bytes):
+//
+//   offset  size  field       notes
+//   ------  ----  ----------  --------------------------------------------------------------------
+//        0     8  seq         u64  echoed by the reply
+//        8     4  silence_ms  u32  in [1, kMaxHeartbeatSilenceMs]: from now on the memory rank
+//                                  stops (with an error naming compute rank 0) once it has heard
+//                                  nothing from compute rank 0 for this long; each heartbeat sets
+//                                  it anew
+//       12     4  reserved    must be 0
+//
+// Heartbeat reply body (memory rank -> compute rank 0, at once; 16 bytes):
+//
+//   offset  size  field        notes
+//   ------  ----  -----------  -------------------------------------------------------------------
+//        0     8  seq          u64  the heartbeat's
+//        8     2  memory_rank  u16
+//       10     6  reserved     must be 0
+//
 // Decoders trust nothing: they never read past the span, check every length before reading,
 // bound counts and lengths by the body length before allocating, and check every field's range.
 // Errors (messages start with the format's name: "step plan: ", "layer message header: ",
 // "hello: ", "hello reply: ", "release: ", "error message: ", "bye: ", "stats request: ",
-// "memory stats: ", and name the field with
+// "memory stats: ", "heartbeat: ", "heartbeat reply: ", and name the field with
 // its record ("request 3: ", "group 0: ", "publish 1: ", "eviction 2: ") or byte offset):
 //   DataLoss         the span is shorter than the frame or the body shorter than its contents
 //                    claim (truncation; checked before the range of a count or length), or a crc
@@ -276,7 +298,7 @@
 
 namespace tandem {
 
-inline constexpr uint16_t kWireVersion = 4;
+inline constexpr uint16_t kWireVersion = 5;
 inline constexpr uint32_t kStepPlanMagic = 0x50534454;      // "TDSP" on the wire
 inline constexpr uint32_t kLayerMessageMagic = 0x4d4c4454;  // "TDLM" on the wire
 inline constexpr size_t kFrameHeaderBytes = 16;
@@ -291,27 +313,31 @@ inline constexpr size_t kRestoreReplyFixedBytes = 16;       // restore reply bod
 inline constexpr size_t kLayerMessageBodyBytes = 48;        // layer message header body
 
 // Control messages.
-inline constexpr uint32_t kHelloMagic = 0x49484454;          // "TDHI" on the wire
-inline constexpr uint32_t kHelloReplyMagic = 0x52484454;     // "TDHR" on the wire
-inline constexpr uint32_t kReleaseMagic = 0x4c524454;        // "TDRL" on the wire
-inline constexpr uint32_t kErrorMagic = 0x52454454;          // "TDER" on the wire
-inline constexpr uint32_t kByeMagic = 0x59424454;            // "TDBY" on the wire
-inline constexpr uint32_t kStatsRequestMagic = 0x51534454;   // "TDSQ" on the wire
-inline constexpr uint32_t kMemoryStatsMagic = 0x534d4454;    // "TDMS" on the wire
-inline constexpr uint32_t kComputeHelloMagic = 0x48434454;   // "TDCH" on the wire
-inline constexpr uint32_t kReplicaStepMagic = 0x53524454;    // "TDRS" on the wire
-inline constexpr uint32_t kReplicaResultMagic = 0x52524454;  // "TDRR" on the wire
-inline constexpr size_t kComputeHelloBodyBytes = 8;          // compute hello body
-inline constexpr size_t kReplicaStepFixedBytes = 8;          // replica step body before the tokens
-inline constexpr size_t kReplicaResultFixedBytes = 16;       // replica result body before the tokens
-inline constexpr size_t kMaxMicroBatches = 8;                // pipeline.batches at most
-inline constexpr size_t kHelloBodyBytes = 64;                // hello body
-inline constexpr size_t kHelloReplyFixedBytes = 18;          // hello reply body before the device
-inline constexpr size_t kReleaseFixedBytes = 16;             // release body before the request ids
-inline constexpr size_t kErrorFixedBytes = 8;                // error body before the message
-inline constexpr size_t kByeBodyBytes = 8;                   // bye body
-inline constexpr size_t kStatsRequestBodyBytes = 8;          // stats request body
-inline constexpr size_t kMemoryStatsBodyBytes = 32;          // memory stats body
+inline constexpr uint32_t kHelloMagic = 0x49484454;           // "TDHI" on the wire
+inline constexpr uint32_t kHelloReplyMagic = 0x52484454;      // "TDHR" on the wire
+inline constexpr uint32_t kReleaseMagic = 0x4c524454;         // "TDRL" on the wire
+inline constexpr uint32_t kErrorMagic = 0x52454454;           // "TDER" on the wire
+inline constexpr uint32_t kByeMagic = 0x59424454;             // "TDBY" on the wire
+inline constexpr uint32_t kStatsRequestMagic = 0x51534454;    // "TDSQ" on the wire
+inline constexpr uint32_t kMemoryStatsMagic = 0x534d4454;     // "TDMS" on the wire
+inline constexpr uint32_t kComputeHelloMagic = 0x48434454;    // "TDCH" on the wire
+inline constexpr uint32_t kReplicaStepMagic = 0x53524454;     // "TDRS" on the wire
+inline constexpr uint32_t kReplicaResultMagic = 0x52524454;   // "TDRR" on the wire
+inline constexpr size_t kComputeHelloBodyBytes = 8;           // compute hello body
+inline constexpr size_t kReplicaStepFixedBytes = 8;           // replica step body before the tokens
+inline constexpr size_t kReplicaResultFixedBytes = 16;        // replica result body before the tokens
+inline constexpr size_t kMaxMicroBatches = 8;                 // pipeline.batches at most
+inline constexpr size_t kHelloBodyBytes = 64;                 // hello body
+inline constexpr size_t kHelloReplyFixedBytes = 18;           // hello reply body before the device
+inline constexpr size_t kReleaseFixedBytes = 16;              // release body before the request ids
+inline constexpr size_t kErrorFixedBytes = 8;                 // error body before the message
+inline constexpr size_t kByeBodyBytes = 8;                    // bye body
+inline constexpr size_t kStatsRequestBodyBytes = 8;           // stats request body
+inline constexpr size_t kMemoryStatsBodyBytes = 32;           // memory stats body
+inline constexpr uint32_t kHeartbeatMagic = 0x42484454;       // "TDHB" on the wire
+inline constexpr uint32_t kHeartbeatReplyMagic = 0x41484454;  // "TDHA" on the wire
+inline constexpr size_t kHeartbeatBodyBytes = 16;             // heartbeat and heartbeat reply bodies
+inline constexpr uint32_t kMaxHeartbeatSilenceMs = (uint32_t{1} << 31) - 1;  // about 24.8 days
 inline constexpr uint32_t kMaxHeadDim = 1024;
 inline constexpr uint16_t kMaxPrefixBlockTokens = 4096;  // HelloMessage::prefix_block_tokens
 inline constexpr uint64_t kMaxKvCapacityTokens = (uint64_t{1} << 31) - 1;
@@ -572,6 +598,24 @@ struct MemoryStatsMessage {
   friend bool operator==(const MemoryStatsMessage&, const MemoryStatsMessage&) = default;
 };
 
+// Compute rank 0 -> memory rank while the deployment is idle (launch.heartbeat_s): answer with a
+// heartbeat reply; and stop once compute rank 0 has been silent for silence_ms (see the body
+// layout above).
+struct HeartbeatMessage {
+  uint64_t seq = 0;
+  uint32_t silence_ms = 1;  // in [1, kMaxHeartbeatSilenceMs]
+
+  friend bool operator==(const HeartbeatMessage&, const HeartbeatMessage&) = default;
+};
+
+// Memory rank -> compute rank 0: the answer to a heartbeat.
+struct HeartbeatReplyMessage {
+  uint64_t seq = 0;
+  uint16_t memory_rank = 0;
+
+  friend bool operator==(const HeartbeatReplyMessage&, const HeartbeatReplyMessage&) = default;
+};
+
 // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78, initial and final xor 0xFFFFFFFF): the
 // SSE4.2 instruction where the CPU has it, else a table. Crc32c("123456789") == 0xE3069283.
 uint32_t Crc32c(absl::Span<const uint8_t> data);
@@ -637,6 +681,11 @@ std::vector<uint8_t> EncodeReplicaResult(const ReplicaResultMessage& result);
 std::vector<uint8_t> EncodeRestoreReply(const RestoreReplyMessage& reply);
 absl::StatusOr<RestoreReplyMessage> DecodeRestoreReply(absl::Span<const uint8_t> frame);
 absl::StatusOr<ReplicaResultMessage> DecodeReplicaResult(absl::Span<const uint8_t> frame);
+// Encoding CHECKs silence_ms is in range (a programmer's error); decoding refuses it otherwise.
+std::vector<uint8_t> EncodeHeartbeat(const HeartbeatMessage& heartbeat);
+absl::StatusOr<HeartbeatMessage> DecodeHeartbeat(absl::Span<const uint8_t> frame);
+std::vector<uint8_t> EncodeHeartbeatReply(const HeartbeatReplyMessage& reply);
+absl::StatusOr<HeartbeatReplyMessage> DecodeHeartbeatReply(absl::Span<const uint8_t> frame);
 
 // The magic of the frame at the start of `frame` (one of the k*Magic constants above), so that a
 // receiver can dispatch to the decoder; nothing else of the frame is checked. DataLoss if `frame`

@@ -5,6 +5,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/layer_message.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -245,6 +246,8 @@ absl::Status ComputeRank::ConnectReplicas(absl::Time deadline) {
 
 absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>* finished) {
   const auto t0 = std::chrono::steady_clock::now();
+  for (auto& ended : ended_while_idle_) finished->push_back(std::move(ended));
+  ended_while_idle_.clear();
   controller_->Schedule(&step_);
   if (step_.empty()) return absl::OkStatus();
   if (!step_.has_rows()) {
@@ -256,7 +259,7 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
       if (!sent.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(sent, ranks_[m].name)));
     }
     RETURN_IF_ERROR(CollectRestoreReplies(step_.plan));
-    RecoverLostRanks();
+    RecoverLostRanks(finished);
     return absl::OkStatus();
   }
   SampledTokens sampled;
@@ -299,7 +302,7 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
     sampled = std::move(parts[0]);
   }
   RETURN_IF_ERROR(CollectRestoreReplies(step_.plan));
-  RecoverLostRanks();
+  RecoverLostRanks(finished);
   std::vector<std::vector<uint64_t>> released;
   RETURN_IF_ERROR(controller_->Complete(step_, sampled, finished, &released));
   RETURN_IF_ERROR(SendReleases(step_.plan.step_id, released));
@@ -439,7 +442,7 @@ bool ComputeRank::CanRecover() const {
   return options_.recover_memory_ranks && !device_path_ && !head_ && compute_ranks_ == 1;
 }
 
-void ComputeRank::RecoverLostRanks() {
+void ComputeRank::RecoverLostRanks(std::vector<std::pair<int64_t, GenerationResult>>* finished) {
   // Memory ranks lost during the step: their requests' tokens of this step are dropped (the rest
   // of the step ran without them) and the requests go back to the queue to be recomputed.
   for (size_t m : lost_in_step_) {
@@ -448,6 +451,14 @@ void ComputeRank::RecoverLostRanks() {
     TANDEM_LOG_WARN("compute", ranks_[m].name, " is lost; ", requeued.size(),
                     " of its requests go back to the queue to be recomputed on the ",
                     controller_->live_ranks(), " surviving memory rank(s)");
+  }
+  if (!lost_in_step_.empty()) {
+    const size_t before = finished->size();
+    controller_->FailUnplaceable(finished);
+    for (size_t i = before; i < finished->size(); ++i) {
+      TANDEM_LOG_WARN("compute", "request ", (*finished)[i].first,
+                      " ends: ", (*finished)[i].second.error.message());
+    }
   }
   lost_in_step_.clear();
 }
@@ -534,17 +545,26 @@ absl::Status ComputeRank::LoseRank(size_t m, absl::Status why) {
 absl::Status ComputeRank::LoseFailedRanks(size_t waited_on, absl::Status why) {
   transport::PeerId from = 0;
   std::vector<uint8_t> msg;
+  auto heartbeat_reply = [&](transport::PeerId peer) {
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      if (ranks_[m].peer == peer) return TakeHeartbeatReply(m, msg).value_or(false);
+    }
+    return false;
+  };
   if (!CanRecover()) {
     // The step fails: with the error report of a memory rank that stopped when there is one,
     // else with the wait's error (which names the peer that failed first).
-    if (transport_->Receive(&from, &msg, absl::Now()).ok()) {
+    while (transport_->Receive(&from, &msg, absl::Now()).ok()) {
+      if (heartbeat_reply(from)) continue;
       absl::StatusOr<ErrorMessage> err = DecodeError(msg);
       if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
+      break;
     }
     return why;
   }
   bool blamed = false;
   while (transport_->Receive(&from, &msg, absl::Now()).ok()) {
+    if (heartbeat_reply(from)) continue;
     absl::StatusOr<ErrorMessage> err = DecodeError(msg);
     for (size_t m = 0; m < ranks_.size(); ++m) {
       if (ranks_[m].peer != from || ranks_[m].lost) continue;
@@ -568,6 +588,92 @@ absl::Status ComputeRank::LoseFailedRanks(size_t waited_on, absl::Status why) {
     blamed = true;
   }
   if (!blamed) RETURN_IF_ERROR(LoseRank(waited_on, std::move(why)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> ComputeRank::TakeHeartbeatReply(size_t m, const std::vector<uint8_t>& msg) {
+  absl::StatusOr<uint32_t> magic = PeekFrameMagic(msg);
+  if (!magic.ok() || *magic != kHeartbeatReplyMagic) return false;
+  Rank& rank = ranks_[m];
+  absl::StatusOr<HeartbeatReplyMessage> reply = DecodeHeartbeatReply(msg);
+  if (!reply.ok()) return Annotate(reply.status(), rank.name);
+  if (reply->memory_rank != m) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(rank.name, ": a heartbeat reply names memory rank ", reply->memory_rank));
+  }
+  if (reply->seq == rank.beat_seq) rank.beat_seq = 0;  // else an answer to one given up on
+  return true;
+}
+
+absl::Status ComputeRank::Heartbeat() {
+  if (options_.heartbeat <= absl::ZeroDuration()) return absl::OkStatus();
+  // What arrived since the last call (replies, error reports); a wait of 1 ms lets the transport
+  // make progress. A failed peer ends the drain; it is found by its status below.
+  transport::PeerId from = 0;
+  std::vector<uint8_t> msg;
+  while (transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(1)).ok()) {
+    size_t m = 0;
+    while (m < ranks_.size() && ranks_[m].peer != from) ++m;
+    if (m == ranks_.size()) {
+      size_t r = 0;
+      while (r < replicas_.size() && replicas_[r].peer != from) ++r;
+      if (r == replicas_.size()) continue;
+      absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+      return err.ok() ? Annotate(StatusFromErrorMessage(*err), absl::StrCat(replicas_[r].name, " stopped"))
+                      : absl::InvalidArgumentError(
+                            absl::StrCat(replicas_[r].name, ": unexpected message while idle"));
+    }
+    if (ranks_[m].lost) continue;
+    absl::StatusOr<bool> beat = TakeHeartbeatReply(m, msg);
+    if (beat.ok() && *beat) continue;
+    if (PeekFrameMagic(msg).value_or(0) == kMemoryStatsMagic) continue;  // late: Pipeline gave up on it
+    absl::Status why = beat.status();
+    if (why.ok()) {
+      absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+      why = err.ok() ? StatusFromErrorMessage(*err)
+                     : absl::InvalidArgumentError(absl::StrCat("unexpected message (magic 0x",
+                                                               absl::Hex(PeekFrameMagic(msg).value_or(0)),
+                                                               ") while idle"));
+    }
+    RETURN_IF_ERROR(LoseRank(m, Annotate(why, ranks_[m].name)));
+  }
+  // Ranks the transport knows failed, and ranks silent past the step timeout: each is named by
+  // its own heartbeat, so a silent rank is never mistaken for its neighbour.
+  const absl::Time now = absl::Now();
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    Rank& rank = ranks_[m];
+    if (rank.lost) continue;
+    if (absl::Status peer = transport_->PeerStatus(rank.peer); !peer.ok()) {
+      RETURN_IF_ERROR(LoseRank(m, Annotate(peer, rank.name)));
+    } else if (SilentPastHeartbeat(rank, now)) {
+      RETURN_IF_ERROR(
+          LoseRank(m, absl::DeadlineExceededError(absl::StrCat(
+                          rank.name, ": no answer to a heartbeat for ",
+                          absl::StrFormat("%.1f s", absl::ToDoubleSeconds(now - rank.beat_sent)),
+                          " (launch.step_timeout_s ", absl::ToDoubleSeconds(options_.step_timeout),
+                          "): stopped, hung or cut off"))));
+    }
+  }
+  if (now >= next_beat_) {
+    next_beat_ = now + options_.heartbeat;
+    // A rank may stop once it has not heard from this one for a heartbeat and a step timeout.
+    const int64_t silence_ms = std::clamp<int64_t>(
+        absl::ToInt64Milliseconds(options_.heartbeat + options_.step_timeout), 1, kMaxHeartbeatSilenceMs);
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      Rank& rank = ranks_[m];
+      if (rank.lost || rank.beat_seq != 0) continue;
+      const uint64_t seq = ++beat_seq_;
+      const absl::Status sent = transport_->Send(
+          rank.peer, EncodeHeartbeat({.seq = seq, .silence_ms = static_cast<uint32_t>(silence_ms)}));
+      if (!sent.ok()) {
+        RETURN_IF_ERROR(LoseRank(m, Annotate(sent, rank.name)));
+        continue;
+      }
+      rank.beat_seq = seq;
+      rank.beat_sent = now;
+    }
+  }
+  RecoverLostRanks(&ended_while_idle_);
   return absl::OkStatus();
 }
 
@@ -751,12 +857,19 @@ absl::StatusOr<size_t> ComputeRank::ReceiveFromRank(absl::Time deadline, const s
                                                     std::vector<uint8_t>* msg) {
   transport::PeerId from = 0;
   size_t m = 0;
-  do {  // whatever a lost memory rank still sends is dropped
+  while (true) {
     RETURN_IF_ERROR(
         Annotate(transport_->Receive(&from, msg, deadline), absl::StrCat("waiting for ", awaited)));
     m = 0;
     while (m < ranks_.size() && ranks_[m].peer != from) ++m;
-  } while (m < ranks_.size() && ranks_[m].lost);
+    if (m < ranks_.size() && ranks_[m].lost) continue;  // whatever a lost memory rank still sends is dropped
+    if (m < ranks_.size()) {
+      absl::StatusOr<bool> beat = TakeHeartbeatReply(m, *msg);
+      if (!beat.ok()) return beat.status();
+      if (*beat) continue;  // the answer to a heartbeat sent while idle
+    }
+    break;
+  }
   std::string name;
   if (m < ranks_.size()) {
     name = ranks_[m].name;
@@ -994,6 +1107,17 @@ EngineStats ComputeRank::stats() const {
           .requests_recovered = requests_recovered_};
 }
 
+void ComputeRank::Abandon(const absl::Status& why) {
+  const std::vector<uint8_t> frame =
+      EncodeError(ErrorMessageFromStatus(Annotate(why, "compute rank 0 stops the deployment")));
+  const absl::Time now = absl::Now();
+  for (const Rank& rank : ranks_) {
+    if (rank.lost || SilentPastHeartbeat(rank, now)) continue;
+    (void)transport_->Send(rank.peer, frame);
+  }
+  (void)transport_->Flush(absl::Now() + absl::Seconds(2));
+}
+
 absl::Status ComputeRank::Shutdown() {
   // A bye each way, so that no process sees a peer vanish: each peer is Close()d before its bye is
   // sent (its leaving is then expected), answers with a bye once it has let go of us, and only
@@ -1006,7 +1130,8 @@ absl::Status ComputeRank::Shutdown() {
     size_t byes = 0;
     for (auto& peer : peers) {
       if constexpr (requires { peer.lost; }) {
-        if (peer.lost) continue;  // given up: nothing to say to it
+        // Given up, or silent past its heartbeat (recovery off): nothing to say to it, no answer to wait for.
+        if (peer.lost || SilentPastHeartbeat(peer, absl::Now())) continue;
       }
       transport_->Close(peer.peer);
       absl::Status st = transport_->Send(peer.peer, frame);

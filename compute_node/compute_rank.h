@@ -89,6 +89,11 @@ struct ComputeRankOptions {
   // false: the step fails. Recovery needs the host-staged path (ucx), one compute rank and the
   // request partition; elsewhere a loss fails the step.
   bool recover_memory_ranks = true;
+  // launch.heartbeat_s: while idle (Heartbeat), every memory rank gets a heartbeat this often and
+  // must answer within step_timeout, or it is lost as in a step (recovered, or the error names
+  // it); each heartbeat also tells the rank to stop once this rank has been silent for
+  // heartbeat + step_timeout. Zero: no heartbeats.
+  absl::Duration heartbeat = absl::ZeroDuration();
 };
 
 // A compute replica (compute rank r > 0 of compute.ranks; pipeline.mode fixed): the weights on its
@@ -119,7 +124,9 @@ class ComputeRank : public Engine {
   // The Engine interface. Step: a memory rank that reports an error, disconnects or stays silent
   // past the step timeout is lost (recover_memory_ranks): the step goes on without it, its requests'
   // tokens of that step are dropped and the requests requeued (Controller::LoseRank) to be
-  // recomputed on the surviving ranks, so their clients get the same tokens later. Without
+  // recomputed on the surviving ranks, so their clients get the same tokens later; a waiting
+  // request that now fits no surviving rank is reported finished with an error
+  // (GenerationResult::error, Controller::FailUnplaceable). Without
   // recovery (or where it is not supported), or once every rank is lost, the step fails with a
   // Status naming the rank. Cancel: the memory rank that
   // holds the request's KV is told to free it (a release message, as for a finished request).
@@ -130,6 +137,16 @@ class ComputeRank : public Engine {
   absl::Status Step(std::vector<std::pair<int64_t, GenerationResult>>* finished) override;
   absl::StatusOr<GenerationResult> Cancel(int64_t id) override;
   bool Idle() const override { return controller_->Idle(); }
+  // ComputeRankOptions::heartbeat (InfiniteDuration when off). Heartbeat never blocks: it takes
+  // the replies that came, gives up the ranks that failed (the transport says so, or they sent an
+  // error) or have not answered their heartbeat within the step timeout (each named by its own
+  // silence, whatever its neighbours do), and sends the next heartbeats when they are due. A rank
+  // it gives up is recovered as in Step (its requests, none while idle, requeued); without
+  // recovery, or once every rank is lost, it returns the error naming the rank.
+  absl::Duration heartbeat_interval() const override {
+    return options_.heartbeat > absl::ZeroDuration() ? options_.heartbeat : absl::InfiniteDuration();
+  }
+  absl::Status Heartbeat() override;
   const GenerationResult* Progress(int64_t id) const override { return controller_->Progress(id); }
   int64_t num_waiting() const override { return controller_->num_waiting(); }
   int64_t num_running() const override { return controller_->num_running(); }
@@ -142,6 +159,11 @@ class ComputeRank : public Engine {
 
   // Tells every memory rank to stop (bye), best effort: it never fails.
   absl::Status Shutdown();
+  // The deployment cannot go on (`why`: a failed step or heartbeat): every memory rank still
+  // reachable (not given up, not silent past its heartbeat) gets an error message with `why` and
+  // stops naming it, so that whichever process the launcher sees leave first names the cause.
+  // Best effort, bounded by a 2 s flush.
+  void Abandon(const absl::Status& why);
 
   // The pipeline's totals so far (compute_node/pipeline_report.h): this rank's step, compute and
   // attention-phase time, and each memory rank's attention time, asked for with a stats request
@@ -197,6 +219,10 @@ class ComputeRank : public Engine {
   // After a failed wait for memory rank `waited_on`: loses the ranks that failed (an error report
   // received, or a peer the transport knows failed), or `waited_on` itself when none did.
   absl::Status LoseFailedRanks(size_t waited_on, absl::Status why);
+  // A heartbeat reply from memory rank m (ReceiveFromRank and LoseFailedRanks take them
+  // wherever they arrive): clears its awaited heartbeat. False for any other message; an
+  // error for a malformed reply.
+  absl::StatusOr<bool> TakeHeartbeatReply(size_t m, const std::vector<uint8_t>& msg);
   // The step's rows memory rank m gets: its range (request partition) or all of them (head).
   std::pair<int32_t, int32_t> RowsOf(const PlannedStep& step, size_t m) const;
   // Sends the release messages of `released` (the controller's, per placement group).
@@ -207,8 +233,9 @@ class ComputeRank : public Engine {
   // meanwhile is lost like in a step (LoseFailedRanks).
   absl::Status CollectRestoreReplies(const StepPlan& plan);
   // Hands the ranks lost during the step to the controller (Controller::LoseRank requeues their
-  // requests).
-  void RecoverLostRanks();
+  // requests); the waiting requests that now fit no surviving rank end with an error
+  // (Controller::FailUnplaceable), appended to `finished`.
+  void RecoverLostRanks(std::vector<std::pair<int64_t, GenerationResult>>* finished);
 
   ComputeRankOptions options_;
   std::unique_ptr<transport::Transport> transport_;
@@ -233,8 +260,15 @@ class ComputeRank : public Engine {
     std::vector<RankLane> lanes;
     std::string name;
     bool lost = false;  // given up (LoseRank): nothing is sent to it or awaited from it
+    // Heartbeat: the one not yet answered (seq 0: none) and when it was sent.
+    uint64_t beat_seq = 0;
+    absl::Time beat_sent;
   };
   std::vector<Rank> ranks_;
+  // Whether `rank` has left a heartbeat unanswered for longer than the step timeout.
+  bool SilentPastHeartbeat(const Rank& rank, absl::Time now) const {
+    return rank.beat_seq != 0 && now - rank.beat_sent > options_.step_timeout;
+  }
   int compute_rank_ = 0, compute_ranks_ = 1;  // this rank, and compute.ranks
   struct Replica {                            // compute rank 0's view of compute rank r > 0
     uint32_t peer = 0;
@@ -268,6 +302,10 @@ class ComputeRank : public Engine {
   // looked for: (memory rank, frame).
   std::vector<std::pair<size_t, std::vector<uint8_t>>> early_replies_;
   std::vector<size_t> lost_in_step_;  // ranks lost during the current step
+  uint64_t beat_seq_ = 0;             // the last heartbeat sent
+  // Requests ended by a loss found by Heartbeat (RecoverLostRanks), reported by the next Step.
+  std::vector<std::pair<int64_t, GenerationResult>> ended_while_idle_;
+  absl::Time next_beat_ = absl::InfinitePast();
   int64_t memory_ranks_lost_ = 0, requests_recovered_ = 0;
 };
 

@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/status.h"
 
 namespace tandem {
@@ -98,15 +99,40 @@ absl::Status Controller::Check(const GenerationRequest& request) const {
                                                    request.max_tokens, ") exceeds the model's context of ",
                                                    spec_.max_position, " tokens"));
   }
-  const int64_t largest = *std::max_element(capacity_.begin(), capacity_.end());
+  const int64_t largest = LargestCapacity();
   if (ContextNeed(request) > largest) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("request needs ", ContextNeed(request),
-                     " KV slots (prompt + max_tokens) but the largest KV "
-                     "cache holds ",
-                     largest, " tokens; raise kv.capacity_tokens or shorten the request"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request needs ", ContextNeed(request), " KV slots (prompt + max_tokens) but the largest ",
+        live_ranks() < num_memory_ranks() ? "surviving " : "", "KV cache holds ", largest, " tokens",
+        LostRanksNote(), "; raise kv.capacity_tokens or shorten the request"));
   }
   return absl::OkStatus();
+}
+
+std::string Controller::LostRanksNote() const {
+  std::vector<int> lost;
+  for (size_t m = 0; m < lost_.size(); ++m) {
+    if (lost_[m]) lost.push_back(static_cast<int>(m));
+  }
+  return lost.empty() ? "" : absl::StrCat("; memory rank(s) ", absl::StrJoin(lost, ", "), " lost");
+}
+
+void Controller::FailUnplaceable(std::vector<std::pair<int64_t, GenerationResult>>* failed) {
+  const int64_t largest = LargestCapacity();
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    const int64_t need = ContextNeed(*it);
+    if (need <= largest) {
+      ++it;
+      continue;
+    }
+    GenerationResult result = std::move(it->result);
+    result.finish_reason = "error";
+    result.error = absl::UnavailableError(absl::StrCat(
+        "request needs ", need, " KV slots (prompt + max_tokens, less the tokens already generated) ",
+        "but the largest surviving memory rank holds ", largest, " tokens", LostRanksNote()));
+    failed->emplace_back(it->id, std::move(result));
+    it = waiting_.erase(it);
+  }
 }
 
 absl::StatusOr<int64_t> Controller::Submit(GenerationRequest request) {

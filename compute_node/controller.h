@@ -84,7 +84,12 @@ struct GenerationResult {
   // With GenerationRequest::top_logprobs > 0: per generated token, its alternatives (most probable
   // first); else empty.
   std::vector<std::vector<TopLogprob>> top_logprobs;
-  std::string finish_reason;  // "stop" (EOS), "length" (max_tokens) or "cancelled"
+  // "stop" (EOS), "length" (max_tokens), "cancelled", or "error" (see `error`).
+  std::string finish_reason;
+  // Not OK when the request ended without completing (finish_reason "error"): after a memory rank
+  // was lost, its context (prompt + max_tokens) fits no surviving rank (Unavailable, naming the
+  // need and the largest surviving rank). The tokens generated before are kept.
+  absl::Status error;
   int64_t prompt_tokens = 0;
   int64_t cached_tokens = 0;  // prompt tokens whose KV was reused from the prefix registry
 };
@@ -208,6 +213,11 @@ class Controller {
   // not be Complete()d for those requests: Complete skips requests that are no longer running.
   // Returns the ids requeued. No-op for a rank already lost.
   std::vector<int64_t> LoseRank(int m);
+  // Ends every waiting request (requeued by LoseRank or not yet admitted) whose context fits no
+  // surviving rank even when empty, which would otherwise wait at the head of the queue forever:
+  // appended to `failed` with finish_reason "error" and an Unavailable error naming its need, the
+  // largest surviving rank and the ranks lost. Call after LoseRank. Its KV held nothing (waiting).
+  void FailUnplaceable(std::vector<std::pair<int64_t, GenerationResult>>* failed);
   bool rank_lost(int m) const { return lost_[static_cast<size_t>(m)]; }
   int live_ranks() const { return static_cast<int>(std::count(lost_.begin(), lost_.end(), false)); }
 
@@ -251,6 +261,9 @@ class Controller {
     return static_cast<int64_t>(r.prompt.size()) + r.max_tokens;
   }
   int64_t ContextNeed(const Live& l) const { return ContextNeed(l.request) - l.resumed; }
+  int64_t LargestCapacity() const { return *std::max_element(capacity_.begin(), capacity_.end()); }
+  // "; memory rank(s) 1, 3 lost" when any is, else "".
+  std::string LostRanksNote() const;
   void Admit();
   // Forgets the blocks a request was going to compute (its prefill ended, or it did).
   void DropPending(Live& live);

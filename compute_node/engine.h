@@ -17,6 +17,10 @@
 //     not reported by a later Step(). NotFound for an id that is not live (never submitted, or
 //     already finished or cancelled).
 //   * Idle(): nothing is waiting or running.
+//   * Heartbeat(): a deployment checks, while idle, that its ranks are still there; the front end
+//     calls it between steps while Idle(), at least every heartbeat_interval(). A rank found lost
+//     is handled as in a failed step: recovered where the engine can, else the engine is unusable
+//     and the error names the rank.
 //   * Tokens: a request's tokens depend only on the request (its seed, for sampling), never on
 //     what else is in the batch or on which implementation runs it.
 //
@@ -32,6 +36,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/model_spec.h"
 #include "compute_node/controller.h"
 #include "compute_node/pipeline_report.h"
@@ -105,6 +110,10 @@ class Engine {
   virtual absl::Status Step(std::vector<std::pair<int64_t, GenerationResult>>* finished) = 0;
   virtual absl::StatusOr<GenerationResult> Cancel(int64_t id) = 0;
   virtual bool Idle() const = 0;
+  // How often Heartbeat() wants to be called while idle; InfiniteDuration: never (the default,
+  // and an engine with nothing to watch).
+  virtual absl::Duration heartbeat_interval() const { return absl::InfiniteDuration(); }
+  virtual absl::Status Heartbeat() { return absl::OkStatus(); }
   // A live request's tokens and log-probabilities so far (what streaming front ends send as the
   // steps go), or nullptr when `id` is not live. Valid until the next Submit, Step or Cancel.
   virtual const GenerationResult* Progress(int64_t id) const = 0;

@@ -84,6 +84,11 @@ const ConfigSchema& DeploySchema() {
                 "command are appended), e.g. \"ssh -p 2222 -i key -o BatchMode=yes\"")
         .Double("launch.startup_timeout_s", 600, "seconds a rank may take to become ready", 1, 86400)
         .Double("launch.step_timeout_s", 120, "seconds a rank may wait for a peer within a step", 1, 86400)
+        .Double("launch.heartbeat_s", 2,
+                "while idle, compute rank 0 sends every memory rank a heartbeat this often; a rank that does "
+                "not answer within launch.step_timeout_s is lost as in a step, and a memory rank that hears "
+                "nothing from compute rank 0 for launch.heartbeat_s + launch.step_timeout_s stops; 0: off",
+                0, 3600)
         .Bool("launch.recover_memory_ranks", true,
               "a memory rank that dies, disconnects or stays silent past launch.step_timeout_s is given "
               "up and its requests are recomputed on the others (ucx transport, one compute rank, "

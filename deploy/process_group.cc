@@ -585,7 +585,9 @@ std::vector<std::string> ProcessGroup::StopAll(absl::Duration grace) {
   };
   if (any_running()) {
     for (Child& c : children_) {
-      if (c.running) kill(c.pid, SIGTERM);
+      if (!c.running) continue;
+      kill(c.pid, SIGTERM);
+      kill(c.pid, SIGCONT);  // a stopped rank (SIGSTOP) handles SIGTERM only once continued
     }
     const absl::Time deadline = absl::Now() + grace;
     while (true) {
@@ -631,6 +633,7 @@ bool ProcessGroup::Stop(const std::string& name, absl::Duration grace) {
   ReapRunning();
   if (!c->running) return true;
   kill(c->pid, SIGTERM);
+  kill(c->pid, SIGCONT);  // a stopped process handles SIGTERM only once continued
   const absl::Time deadline = absl::Now() + grace;
   while (c->running && absl::Now() < deadline) {
     poll(nullptr, 0, 10);

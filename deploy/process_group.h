@@ -4,8 +4,9 @@
 // Guarantees:
 //   * a child dies with the launcher (PR_SET_PDEATHSIG = SIGKILL, set before exec and re-checked
 //     against a race with the launcher's own death), so no rank outlives a killed launcher;
-//   * StopAll() sends SIGTERM to every child still running, waits up to `grace`, then SIGKILLs
-//     the rest and reaps all of them: nothing is left behind, not even a zombie;
+//   * StopAll() sends SIGTERM (then SIGCONT, so that a stopped child handles it) to every child
+//     still running, waits up to `grace`, then SIGKILLs the rest and reaps all of them: nothing is
+//     left behind, not even a zombie;
 //   * a child that exits while the group is expected to be running is reported by name, with its
 //     exit status (or signal) and the last lines of its log.
 //

@@ -214,6 +214,7 @@ absl::StatusOr<RunResult> RunOnEngine(Engine& engine, const Workload& w, const R
       t.prompt_tokens = r.prompt_tokens;
       t.cached_tokens = r.cached_tokens;
       t.finish_reason = r.finish_reason;
+      if (!r.error.ok()) t.error = std::string(r.error.message());
       t.end = now;
       d.Finished(it->second.index, it->second.prompt, r.token_ids, now, true);
       live.erase(it);

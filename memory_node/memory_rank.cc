@@ -7,6 +7,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/layer_message.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -53,16 +54,39 @@ class MemoryRank {
     absl::Status st = Meet(device, start_deadline);
     if (!st.ok()) return peer_set_ ? Fail(st) : st;
     std::vector<uint8_t> msg;
-    // Serve until bye, a signal or an error.
+    // Serve until bye, a signal or an error. Once compute rank 0 sends heartbeats, it must not
+    // stay silent longer than the last one allowed.
+    absl::Time last_heard = absl::Now();
+    absl::Duration silence = absl::InfiniteDuration();
     while (true) {
-      absl::Status r = ReceiveFromCompute(&msg, absl::InfiniteFuture(), "the next step plan");
+      absl::Status r = ReceiveFromCompute(&msg, last_heard + silence, "the next step plan");
       if (absl::IsCancelled(r)) return absl::OkStatus();  // stop requested
+      if (absl::IsDeadlineExceeded(r) && silence != absl::InfiniteDuration()) {
+        // Not sent to it: a silent peer may not read, and a send would wait for the send timeout.
+        return absl::DeadlineExceededError(
+            absl::StrCat("memory rank ", o_.rank, ": compute rank 0 has been silent for ",
+                         absl::StrFormat("%.1f s", absl::ToDoubleSeconds(absl::Now() - last_heard)),
+                         " (no step, no heartbeat; its heartbeats allow ",
+                         absl::StrFormat("%.1f s", absl::ToDoubleSeconds(silence)),
+                         "): it is stopped, hung or cut off; this rank stops"));
+      }
       RETURN_IF_ERROR(r);
+      last_heard = absl::Now();
       ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
+      if (magic == kHeartbeatMagic) {
+        absl::StatusOr<HeartbeatMessage> beat = DecodeHeartbeat(msg);
+        if (!beat.ok()) return Fail(beat.status());
+        silence = absl::Milliseconds(beat->silence_ms);
+        const HeartbeatReplyMessage reply{.seq = beat->seq, .memory_rank = static_cast<uint16_t>(o_.rank)};
+        st = transport_->Send(peer_, EncodeHeartbeatReply(reply));
+        if (!st.ok()) return Fail(st);
+        continue;
+      }
       if (magic == kStepPlanMagic) {
         absl::StatusOr<StepPlan> plan = DecodeStepPlan(msg);
         st = plan.ok() ? RunStep(*plan) : plan.status();
         if (!st.ok()) return Fail(st);
+        last_heard = absl::Now();  // the step's data came from compute rank 0 too
       } else if (magic == kStatsRequestMagic) {
         absl::StatusOr<StatsRequestMessage> req = DecodeStatsRequest(msg);
         if (!req.ok()) return Fail(req.status());

@@ -17,11 +17,14 @@
 //      its heads; its q,k,v rows are the packed columns of its heads for every row of the step;
 //      release messages free the KV of requests that ended; a stats request is answered with the
 //      rank's totals (steps with rows here and their attention time: the pipeline
-//      report of compute rank 0); bye ends the rank cleanly. With pipelining (the hello's lanes > 1)
-//      a step comes as micro-batch plans in order, each applied to the KV table and begun on a lane
-//      of its own (an executor lane over the same pool, its own receive buffer) as it arrives; after
-//      the last one the rank serves layer l of every micro-batch in turn, in the order the compute
-//      rank sends them (docs/architecture.md, "Micro-batches").
+//      report of compute rank 0); a heartbeat (compute rank 0, while idle) is answered at once and
+//      arms a watchdog: from then on, compute rank 0 silent (no message, no step) for longer
+//      than the last heartbeat's silence_ms ends the rank with an error naming it, instead of
+//      waiting forever for a compute rank 0 that was stopped or cut off; bye ends the rank cleanly. With
+//      pipelining (the hello's lanes > 1) a step comes as micro-batch plans in order, each applied to the KV
+//      table and begun on a lane of its own (an executor lane over the same pool, its own receive buffer) as
+//      it arrives; after the last one the rank serves layer l of every micro-batch in turn, in the order the
+//      compute rank sends them (docs/architecture.md, "Micro-batches").
 // With KV tiers, a plan's evictions save the blocks to the tiers and its restores load them back;
 // a plan with restores for this rank is answered with a restore reply (the ones that failed) as
 // soon as it is applied, before its layers.

@@ -53,6 +53,17 @@ void SendError(httplib::Response& res, int status, const std::string& message,
   res.set_content(json{{"error", e}}.dump(), "application/json");
 }
 
+// The HTTP status and message of a request that ended with an error: the engine's failure (500),
+// or the request's own (GenerationResult::error): 503 when it cannot be served now (a lost memory
+// rank left no rank that can hold it), 400 for the caller's input.
+std::pair<int, std::string> EndedWithError(const StreamEvent& e) {
+  const std::string message(e.error.message());
+  if (e.engine_failed) return {500, absl::StrCat("the engine failed: ", message)};
+  if (absl::IsUnavailable(e.error)) return {503, message};
+  if (absl::IsInvalidArgument(e.error) || absl::IsResourceExhausted(e.error)) return {400, message};
+  return {500, message};
+}
+
 // A request field that is wrong: 400 naming it.
 struct FieldError {
   std::string param, message;
@@ -649,7 +660,8 @@ void ApiServer::Complete(const httplib::Request& req, httplib::Response& res, bo
         if (e->done && !e->error.ok()) {
           call->choices[i].done = true;
           call->CancelAll();
-          return SendError(res, 500, absl::StrCat("the engine failed: ", e->error.message()));
+          const auto [status, message] = EndedWithError(*e);
+          return SendError(res, status, message);
         }
         Delta d = call->Apply(i, *e);
         texts[i] += d.text;
@@ -726,10 +738,8 @@ void ApiServer::Complete(const httplib::Request& req, httplib::Response& res, bo
             wrote = true;
             if (e->done && !e->error.ok()) {
               call->choices[i].done = true;
-              send({{"error",
-                     {{"message", absl::StrCat("the engine failed: ", e->error.message())},
-                      {"type", "server_error"},
-                      {"code", 500}}}});
+              const auto [status, message] = EndedWithError(*e);
+              send({{"error", {{"message", message}, {"type", ErrorType(status)}, {"code", status}}}});
               call->CancelAll();
               sink.done();
               return true;

@@ -118,7 +118,7 @@ void EngineLoop::Emit(Live& live, const GenerationResult& progress) {
   live.stream->Push(std::move(e));
 }
 
-void EngineLoop::Finish(int64_t id, GenerationResult result, absl::Status error) {
+void EngineLoop::Finish(int64_t id, GenerationResult result, absl::Status error, bool engine_failed) {
   auto it = live_.find(id);
   if (it == live_.end()) return;
   Live& live = it->second;
@@ -143,6 +143,7 @@ void EngineLoop::Finish(int64_t id, GenerationResult result, absl::Status error)
   e.done = true;
   e.result = std::move(result);
   e.error = std::move(error);
+  e.engine_failed = engine_failed;
   live.stream->Push(std::move(e));
   by_key_.erase(live.stream->key());
   live_.erase(it);
@@ -151,13 +152,19 @@ void EngineLoop::Finish(int64_t id, GenerationResult result, absl::Status error)
 void EngineLoop::Run() {
   std::vector<std::pair<int64_t, GenerationResult>> finished;
   bool failed = false;
+  const absl::Duration beat = engine_->heartbeat_interval();
   while (true) {
     std::vector<std::shared_ptr<Pending>> inbox;
     std::vector<uint64_t> cancels;
     bool cancel_all = false, stop = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !inbox_.empty() || !cancels_.empty() || !live_.empty(); });
+      auto work = [&] { return stopping_ || !inbox_.empty() || !cancels_.empty() || !live_.empty(); };
+      if (beat == absl::InfiniteDuration() || failed) {
+        cv_.wait(lock, work);
+      } else {
+        cv_.wait_for(lock, absl::ToChronoNanoseconds(beat), work);  // idle: wakes for the heartbeat
+      }
       inbox.swap(inbox_);
       cancels.swap(cancels_);
       cancel_all = stopping_ && stop_by_ && absl::Now() >= *stop_by_;
@@ -185,7 +192,17 @@ void EngineLoop::Run() {
       if (r.ok()) Finish(id, *std::move(r), absl::OkStatus());
     }
     if (engine_->Idle()) {
+      const absl::Status beat_status =
+          beat == absl::InfiniteDuration() ? absl::OkStatus() : engine_->Heartbeat();
       std::lock_guard<std::mutex> lock(mu_);
+      if (!beat_status.ok()) {
+        // A rank lost while idle that the engine cannot do without: as a failed step.
+        TANDEM_LOG_ERROR("server",
+                         "heartbeat failed, the engine takes no more requests: ", beat_status.message());
+        failed = true;
+        stats_.healthy = false;
+        failure_ = beat_status;
+      }
       stats_.running = stats_.waiting = 0;
       stats_.kv = engine_->kv_usage();
       continue;
@@ -200,16 +217,21 @@ void EngineLoop::Run() {
       {
         std::lock_guard<std::mutex> lock(mu_);
         stats_.healthy = false;
+        failure_ = st;
       }
       std::vector<int64_t> ids;
       for (const auto& [id, live] : live_) ids.push_back(id);
-      for (int64_t id : ids) Finish(id, GenerationResult{.finish_reason = "error"}, st);
+      for (int64_t id : ids)
+        Finish(id, GenerationResult{.finish_reason = "error"}, st, /*engine_failed=*/true);
       continue;
     }
     for (auto& [id, live] : live_) {
       if (const GenerationResult* p = engine_->Progress(id)) Emit(live, *p);
     }
-    for (auto& [id, result] : finished) Finish(id, std::move(result), absl::OkStatus());
+    for (auto& [id, result] : finished) {
+      const absl::Status error = result.error;  // OK, or the request's own (it could not be served)
+      Finish(id, std::move(result), error);
+    }
     // The pipeline's totals, about once a second (a stats request per memory rank between steps).
     std::optional<PipelineTotals> pipeline;
     if (const auto now = std::chrono::steady_clock::now(); now - last_pipeline_ > std::chrono::seconds(1)) {

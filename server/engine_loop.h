@@ -11,7 +11,9 @@
 //   * With nothing to do the engine thread sleeps on a condition variable: no polling.
 //   * Shutdown(grace) stops taking requests (Unavailable), lets the live ones run for `grace`,
 //     cancels what is left and joins the thread. A step that fails ends every live request with
-//     the step's error and the loop refuses everything after it.
+//     the step's error and the loop refuses everything after it (failure() says why).
+//   * While idle, an engine that wants heartbeats (Engine::heartbeat_interval) gets a Heartbeat()
+//     call that often; one that fails counts as a failed step.
 //
 // Thread safety: Submit, Cancel, Shutdown and stats may be called from any thread; each stream
 // is read by one thread. The engine is touched only by the loop's thread once the loop exists.
@@ -43,7 +45,11 @@ struct StreamEvent {
   std::vector<std::vector<TopLogprob>> top_logprobs;
   bool done = false;        // the last event of the stream
   GenerationResult result;  // when done: the whole result (tokens, finish_reason, usage)
-  absl::Status error;       // when done: not OK if the request ended because the engine failed
+  // When done: not OK if the request ended with an error: the engine failed (engine_failed), or the
+  // request itself could not be served (GenerationResult::error, e.g. Unavailable: it fits no
+  // surviving memory rank).
+  absl::Status error;
+  bool engine_failed = false;
 };
 
 // Timings of one request (absl::Now() clock), for metrics.
@@ -102,6 +108,11 @@ class EngineLoop {
   void Cancel(uint64_t key);
   void Shutdown(absl::Duration grace);
   LoopStats stats() const;
+  // OK while the engine is healthy; else the error of the step (or heartbeat) that failed it.
+  absl::Status failure() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return failure_;
+  }
   const ModelSpec& spec() const { return spec_; }
 
  private:
@@ -120,7 +131,7 @@ class EngineLoop {
   void Run();
   void Admit(std::vector<std::shared_ptr<Pending>>& inbox);
   void Emit(Live& live, const GenerationResult& progress);
-  void Finish(int64_t id, GenerationResult result, absl::Status error);
+  void Finish(int64_t id, GenerationResult result, absl::Status error, bool engine_failed = false);
 
   Engine* engine_;
   const ModelSpec spec_;
@@ -135,6 +146,7 @@ class EngineLoop {
   std::optional<absl::Time> stop_by_;
   uint64_t next_key_ = 1;
   LoopStats stats_;
+  absl::Status failure_;
   // Loop thread only.
   std::map<int64_t, Live> live_;                         // engine id -> request
   std::map<uint64_t, int64_t> by_key_;                   // stream key -> engine id

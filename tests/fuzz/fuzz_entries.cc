@@ -88,6 +88,8 @@ void DecodeEveryFormat(absl::Span<const uint8_t> f) {
   RoundTrip<ReplicaStepMessage>(f, DecodeReplicaStep, EncodeReplicaStep, "replica step");
   RoundTrip<ReplicaResultMessage>(f, DecodeReplicaResult, EncodeReplicaResult, "replica result");
   RoundTrip<RestoreReplyMessage>(f, DecodeRestoreReply, EncodeRestoreReply, "restore reply");
+  RoundTrip<HeartbeatMessage>(f, DecodeHeartbeat, EncodeHeartbeat, "heartbeat");
+  RoundTrip<HeartbeatReplyMessage>(f, DecodeHeartbeatReply, EncodeHeartbeatReply, "heartbeat reply");
   if (absl::StatusOr<StepPlan> plan = DecodeStepPlan(f); plan.ok()) {
     TANDEM_CHECK_MSG(ValidateStepPlan(*plan).ok(), "a decoded step plan fails ValidateStepPlan");
   }
@@ -222,6 +224,8 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
                            .logprobs = {-0.5f, -1.0f},
                            .top = {{{4, -0.5f}, {9, -1.5f}}, {}}}),
       EncodeRestoreReply({.step_id = 7, .memory_rank = 1, .failed = {95}}),
+      EncodeHeartbeat({.seq = 3, .silence_ms = 4000}),
+      EncodeHeartbeatReply({.seq = 3, .memory_rank = 1}),
       Concat(EncodeBye({.steps = 1}), EncodeBye({.steps = 2})),  // two frames: refused
   };
 }

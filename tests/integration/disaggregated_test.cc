@@ -45,6 +45,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "colocated/engine.h"
+#include "common/host_memory.h"
 #include "compute_node/compute_rank.h"
 #include "compute_node/pipeline_report.h"
 #include "compute_node/weights.h"
@@ -203,7 +204,9 @@ class DisaggregatedTest : public ::testing::Test {
 
   // Starts `n` memory ranks and waits until each listens; their addresses go to addresses_. A test
   // may start a second deployment after StopDeployment(): its processes get new names.
-  void StartMemoryRanks(int n) {
+  // `kv_shares[m]`, when given, is memory rank m's --kv-share (its KV sized from that share of
+  // kv.memory_fraction, with kv_capacity 0).
+  void StartMemoryRanks(int n, const std::vector<int>& kv_shares = {}) {
     const char* binary = std::getenv("TANDEM_BINARY");
     ASSERT_NE(binary, nullptr) << "TANDEM_BINARY must name the tandem executable (ctest sets it)";
     const size_t first = names_.size();
@@ -215,7 +218,8 @@ class DisaggregatedTest : public ::testing::Test {
           group_
               .Start(name,
                      {binary, "memory", "--config", dir_ + "/deploy.yaml", "--rank", std::to_string(m),
-                      "--listen", "127.0.0.1:0", "--device", "cpu", "--ready-file", ready},
+                      "--listen", "127.0.0.1:0", "--device", "cpu", "--ready-file", ready, "--kv-share",
+                      std::to_string(kv_shares.empty() ? 1 : kv_shares[static_cast<size_t>(m)])},
                      absl::StrCat(dir_, "/", name, ".log"))
               .ok());
       const int fd = static_cast<int>(syscall(SYS_pidfd_open, group_.pid(name), 0));
@@ -255,8 +259,9 @@ class DisaggregatedTest : public ::testing::Test {
   }
 
   // StartMemoryRanks(n), then compute rank 0 connected to them.
-  void StartDeployment(const WeightSource& source, int n, ComputeRankOptions options) {
-    ASSERT_NO_FATAL_FAILURE(StartMemoryRanks(n));
+  void StartDeployment(const WeightSource& source, int n, ComputeRankOptions options,
+                       const std::vector<int>& kv_shares = {}) {
+    ASSERT_NO_FATAL_FAILURE(StartMemoryRanks(n, kv_shares));
     options.memory_addresses = addresses_;
     absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(source, options);
     ASSERT_TRUE(rank.ok()) << rank.status();
@@ -914,6 +919,129 @@ TEST_F(DisaggregatedTest, MemoryRankKilledMidRunIsRecovered) {
   std::vector<GenerationResult> got(requests.size());
   for (auto& [id, result] : finished) got[static_cast<size_t>(id)] = std::move(result);
   ExpectSameResults(got, *want);
+}
+
+// After a loss, requests whose context fits no surviving rank end with an error (Unavailable,
+// naming the surviving capacity) instead of waiting at the head of the queue forever, and the
+// request behind them that fits runs to the end with the colocated engine's tokens. The ranks'
+// capacities differ: each sizes its KV from its share of host memory, rank 1 a quarter of rank 0's.
+TEST_F(DisaggregatedTest, RequestsThatFitNoSurvivingRankFailInsteadOfWaiting) {
+  std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
+  ASSERT_NE(source, nullptr);
+  ComputeRankOptions options = Options(2, 24, 0);
+  const int64_t per_token = source->spec().kv_bytes_per_token(sizeof(float));
+  options.kv_memory_fraction =
+      240.0 * static_cast<double>(per_token) / static_cast<double>(AvailableHostBytes());
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, options, {1, 4}));
+  expect_clean_exit_ = false;  // memory-0 is gone
+  const int64_t big = rank_->controller().kv_capacity(0), small = rank_->controller().kv_capacity(1);
+  std::printf("KV capacities: memory rank 0 %lld, memory rank 1 %lld tokens\n", static_cast<long long>(big),
+              static_cast<long long>(small));
+  // Two requests that only rank 0 can hold, one at a time (the second waits at the head of the
+  // queue for the first's KV), and one that fits either rank, waiting behind them.
+  const int64_t only_big = big / 2 + 10;
+  ASSERT_GT(small, 40);
+  ASSERT_GT(only_big, small);
+  std::mt19937 rng(5);
+  std::vector<GenerationRequest> requests;
+  for (int64_t need : {only_big, only_big, int64_t{40}}) {
+    GenerationRequest r = MakeRequest(rng, source->spec().vocab_size, 8, need - 8, false, 0);
+    r.ignore_eos = true;
+    requests.push_back(r);
+  }
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, 2, 24);
+  ASSERT_NE(engine, nullptr);
+  absl::StatusOr<std::vector<GenerationResult>> want = engine->GenerateAll({requests[2]});
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (const GenerationRequest& r : requests) ASSERT_TRUE(rank_->Submit(r).ok());
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  for (int step = 0; step < 4; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
+  ASSERT_EQ(rank_->controller().num_running(), 1);
+  ASSERT_EQ(rank_->controller().num_waiting(), 2);  // held back by the second
+  ASSERT_EQ(kill(group_.pid("memory-0"), SIGKILL), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (!rank_->Idle() && Seconds(t0) < 60) ASSERT_TRUE(rank_->Step(&finished).ok());
+  ASSERT_TRUE(rank_->Idle()) << "requests still wait " << Seconds(t0) << " s after the loss";
+  ASSERT_EQ(finished.size(), 3u);
+  std::vector<GenerationResult> got(requests.size());
+  for (auto& [id, result] : finished) got[static_cast<size_t>(id)] = std::move(result);
+  for (int i : {0, 1}) {
+    EXPECT_EQ(got[i].finish_reason, "error") << "request " << i;
+    EXPECT_EQ(got[i].error.code(), absl::StatusCode::kUnavailable) << got[i].error;
+    EXPECT_NE(
+        got[i].error.message().find(absl::StrCat("largest surviving memory rank holds ", small, " tokens")),
+        std::string::npos)
+        << got[i].error;
+  }
+  EXPECT_GT(got[0].token_ids.size(), 0u);  // it had run on memory rank 0
+  EXPECT_TRUE(got[2].error.ok()) << got[2].error;
+  ExpectSameResults({got[2]}, *want);
+  // A new request of that size is refused at once, naming the loss.
+  const absl::Status refused = rank_->Check(requests[0]);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("memory rank(s) 0 lost"), std::string::npos) << refused;
+}
+
+// Heartbeats while idle (ComputeRank::Heartbeat, as the server's engine loop calls it): a memory
+// rank stopped between requests is named by its own unanswered heartbeat, never its healthy
+// neighbour; with recovery the next request runs on the survivor with the colocated tokens,
+// without it Heartbeat fails naming the rank.
+TEST_F(DisaggregatedTest, HeartbeatsNameAMemoryRankStoppedWhileIdle) {
+  std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
+  ASSERT_NE(source, nullptr);
+  std::mt19937 rng(3);
+  GenerationRequest request = MakeRequest(rng, source->spec().vocab_size, 8, 12, true, 42);
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, 4, 24);
+  ASSERT_NE(engine, nullptr);
+  absl::StatusOr<std::vector<GenerationResult>> want = engine->GenerateAll({request});
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (const bool recover : {true, false}) {
+    SCOPED_TRACE(recover ? "recovery on" : "recovery off");
+    ComputeRankOptions options = Options(4, 24, 1024);
+    options.step_timeout = absl::Seconds(1);
+    options.heartbeat = absl::Milliseconds(100);
+    options.recover_memory_ranks = recover;
+    ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, options));
+    expect_clean_exit_ = false;  // memory-1 is stopped
+    EXPECT_EQ(rank_->heartbeat_interval(), absl::Milliseconds(100));
+    // Healthy ranks answer: a few rounds lose nothing.
+    for (int i = 0; i < 10; ++i) {
+      ASSERT_TRUE(rank_->Heartbeat().ok());
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    EXPECT_EQ(rank_->stats().memory_ranks_lost, 0);
+    const pid_t victim = group_.pid(names_[names_.size() - 1]);
+    ASSERT_EQ(kill(victim, SIGSTOP), 0);
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status beat;
+    while (beat.ok() && !rank_->controller().rank_lost(1) && Seconds(t0) < 10) {
+      beat = rank_->Heartbeat();
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    const double seconds = Seconds(t0);
+    std::printf("%s: memory rank 1 stopped, found after %.2f s: %s\n", recover ? "recovery" : "no recovery",
+                seconds, beat.ToString().c_str());
+    EXPECT_LT(seconds, 5.0) << "the step timeout is 1 s";
+    EXPECT_FALSE(rank_->controller().rank_lost(0));
+    if (recover) {
+      ASSERT_TRUE(beat.ok()) << beat;
+      ASSERT_TRUE(rank_->controller().rank_lost(1));
+      absl::StatusOr<std::vector<GenerationResult>> got = rank_->GenerateAll({request});
+      ASSERT_TRUE(got.ok()) << got.status();
+      ExpectSameResults(*got, *want);
+      EXPECT_TRUE(rank_->Heartbeat().ok());
+    } else {
+      ASSERT_FALSE(beat.ok());
+      const std::string message(beat.message());
+      EXPECT_NE(message.find("memory rank 1 (" + addresses_[1] + "): no answer to a heartbeat"),
+                std::string::npos)
+          << beat;
+      EXPECT_EQ(message.find("memory rank 0"), std::string::npos) << beat;
+    }
+    kill(victim, SIGKILL);
+    rank_.reset();
+    (void)group_.StopAll(absl::Seconds(5));
+  }
 }
 
 // Without recovery the loss fails the step, naming the rank, within the step timeout.

@@ -149,5 +149,71 @@ TEST(ControllerRecovery, RequeuedRequestsGoFirstInAdmissionOrderAndTheRankTakesN
   for (const StepRequest& r : step.plan.requests) EXPECT_EQ(r.memory_rank, 0);
 }
 
+// After a loss, a request whose context (prompt + max_tokens) fits no surviving rank must end with
+// an error at once (Controller::FailUnplaceable), not wait at the head of the queue forever and
+// hold back the requests behind it; a new one is refused by Check, naming the loss.
+TEST(ControllerRecovery, RequestsThatFitNoSurvivingRankFailInsteadOfWaitingForever) {
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gqa");
+  ASSERT_TRUE(spec.ok());
+  ControllerOptions o;
+  o.max_batch_size = 1;  // one running request: the others wait
+  o.max_tokens_per_step = 64;
+  Controller c(*spec, {400, 100}, o);  // rank 0 is the large one
+  auto request = [](int64_t max_tokens) {
+    GenerationRequest r;
+    r.prompt = {2, 3, 4, 5};
+    r.max_tokens = max_tokens;
+    return r;
+  };
+  ASSERT_EQ(*c.Submit(request(296)), 0);  // needs 300: only rank 0
+  ASSERT_EQ(*c.Submit(request(146)), 1);  // needs 150: only rank 0
+  ASSERT_EQ(*c.Submit(request(36)), 2);   // needs 40: fits rank 1 too
+  PlannedStep step;
+  c.Schedule(&step);
+  ASSERT_EQ(step.plan.requests.size(), 1u);
+  ASSERT_EQ(step.plan.requests[0].request_id, 0u);
+  ASSERT_EQ(step.plan.requests[0].memory_rank, 0);
+  SampledTokens sampled;
+  sampled.Append(7, -1.0f);
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  std::vector<std::vector<uint64_t>> released;
+  ASSERT_TRUE(c.Complete(step, sampled, &finished, &released).ok());  // request 0 has one token
+
+  EXPECT_EQ(c.LoseRank(0), std::vector<int64_t>{0});
+  std::vector<std::pair<int64_t, GenerationResult>> failed;
+  c.FailUnplaceable(&failed);
+  ASSERT_EQ(failed.size(), 2u);
+  EXPECT_EQ(failed[0].first, 0);
+  EXPECT_EQ(failed[1].first, 1);
+  for (const auto& [id, result] : failed) {
+    EXPECT_EQ(result.finish_reason, "error");
+    EXPECT_EQ(result.error.code(), absl::StatusCode::kUnavailable) << result.error;
+    EXPECT_NE(result.error.message().find("largest surviving memory rank holds 100 tokens"),
+              std::string::npos)
+        << result.error;
+    EXPECT_NE(result.error.message().find("memory rank(s) 0 lost"), std::string::npos) << result.error;
+  }
+  // The request that failed keeps the token it had; its need counts what is left to generate.
+  EXPECT_EQ(failed[0].second.token_ids, std::vector<int32_t>{7});
+  EXPECT_NE(failed[0].second.error.message().find("needs 300 KV slots"), std::string::npos);
+  EXPECT_EQ(c.num_waiting(), 1);
+  EXPECT_EQ(c.Progress(0), nullptr);  // no longer live
+  // The one that fits runs to the end on rank 1.
+  c.Schedule(&step);
+  ASSERT_EQ(step.plan.requests.size(), 1u);
+  EXPECT_EQ(step.plan.requests[0].request_id, 2u);
+  EXPECT_EQ(step.plan.requests[0].memory_rank, 1);
+  // A new request that only the lost rank could hold is refused by Check, naming the loss.
+  const absl::Status refused = c.Check(request(146));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("largest surviving KV cache holds 100 tokens; memory rank(s) 0 lost"),
+            std::string::npos)
+      << refused;
+  // Nothing else fails while everything waiting fits.
+  failed.clear();
+  c.FailUnplaceable(&failed);
+  EXPECT_TRUE(failed.empty());
+}
+
 }  // namespace
 }  // namespace tandem

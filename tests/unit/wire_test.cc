@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 // Records the largest single allocation while `g_track_allocs` is set, so the forged-count test
@@ -473,8 +474,8 @@ TEST(StepPlanWire, GoldenBytes) {
   plan.evictions.push_back(PrefixEvict{0x5152535455565758, 0x0405});
   // Layout written out by hand; crc computed independently (bitwise Python reference).
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x04, 0x00, 0x10, 0x00,
-      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 4, body_bytes 168
+      0x54, 0x44, 0x53, 0x50, 0x05, 0x00, 0x10, 0x00,
+      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 5, body_bytes 168
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // request_count, group_count
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -525,7 +526,7 @@ TEST(LayerMessageWire, RoundTripsAndGoldenBytes) {
   h.step_id = 1, h.seqno = 2, h.payload_bytes = 256, h.layer = 3, h.rows = 4, h.row_bytes = 64;
   h.payload_crc32c = 0xdeadbeef, h.kind = LayerMessageKind::kAttnOut, h.dtype = DType::kBF16;
   const Bytes golden = {
-      0x54, 0x44, 0x4c, 0x4d, 0x04, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x4c, 0x4d, 0x05, 0x00, 0x10, 0x00,
       0x30, 0x00, 0x00, 0x00, 0xc4, 0x00, 0x01, 0xea,  // frame
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // id, seq
@@ -984,24 +985,25 @@ TEST(Wire, FrameHeaderChecks) {
   s = DecodeLayerMessageHeader(SmallPlanFrame()).status();
   EXPECT_CONTAINS(std::string(s.message()), "layer message header: magic 0x50534454 ('TDSP')");
 
-  ASSERT_EQ(kWireVersion, 4);
-  for (uint16_t version : {uint16_t{5}, uint16_t{0xffff}}) {
+  ASSERT_EQ(kWireVersion, 5);
+  for (uint16_t version : {uint16_t{6}, uint16_t{0xffff}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
     EXPECT_EQ(s.message(),
-              "step plan: version " + std::to_string(version) + " is newer than the supported version 4");
+              "step plan: version " + std::to_string(version) + " is newer than the supported version 5");
   }
   // An older version is refused too, whatever the format: version 2 (the step plan's 24-byte
   // fixed part) and version 1 (also the hello's older layout).
-  for (uint16_t version : {uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
+  for (uint16_t version : {uint16_t{4}, uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "step plan: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 4 (versions 2 to 4 "
-                               "changed the hello, step plan and replica result layouts)");
+                               " at byte offset 4 is older than the supported version 5 (versions 2 to 4 "
+                               "changed the hello, step plan and replica result layouts; 5 added the "
+                               "heartbeat)");
   }
   // A version 2 plan as a version 2 encoder wrote it (records right after evict_count, at body
-  // offset 24) is refused by its version, not misread as a version 4 plan.
+  // offset 24) is refused by its version, not misread as a version 5 plan.
   {
     Bytes v2 = PlanBody(RawPlan{.requests = {RawRequest{}}});
     v2.erase(v2.begin() + 24, v2.begin() + 32);
@@ -1235,6 +1237,8 @@ const std::vector<AnyDecoder>& ControlDecoders() {
       {"bye", kByeMagic, StatusOf(&DecodeBye)},
       {"stats request", kStatsRequestMagic, StatusOf(&DecodeStatsRequest)},
       {"memory stats", kMemoryStatsMagic, StatusOf(&DecodeMemoryStats)},
+      {"heartbeat", kHeartbeatMagic, StatusOf(&DecodeHeartbeat)},
+      {"heartbeat reply", kHeartbeatReplyMagic, StatusOf(&DecodeHeartbeatReply)},
   };
   return decoders;
 }
@@ -1249,7 +1253,9 @@ std::vector<Bytes> ControlFrames() {
       EncodeError(RandomError(rng, 40)),
       EncodeBye(ByeMessage{77}),
       EncodeStatsRequest(StatsRequestMessage{9}),
-      EncodeMemoryStats(MemoryStatsMessage{.cookie = 9, .memory_rank = 3, .steps = 12, .attention_ns = 34})};
+      EncodeMemoryStats(MemoryStatsMessage{.cookie = 9, .memory_rank = 3, .steps = 12, .attention_ns = 34}),
+      EncodeHeartbeat(HeartbeatMessage{.seq = 21, .silence_ms = 122000}),
+      EncodeHeartbeatReply(HeartbeatReplyMessage{.seq = 21, .memory_rank = 2})};
 }
 
 TEST(ControlWire, RoundTrips) {
@@ -1316,7 +1322,7 @@ TEST(ControlWire, RoundTrips) {
 TEST(ControlWire, GoldenBytes) {
   // Layouts written out by hand; crcs computed independently (bitwise Python reference). The crc
   // covers the body alone: of these frames, version 3 changed only the hello's body (its lanes and
-  // compute_ranks), and version 4 none of their bodies.
+  // compute_ranks), and versions 4 and 5 none of their bodies.
   HelloMessage h;
   h.memory_rank = 2, h.num_memory_ranks = 4, h.num_layers = 32, h.num_heads = 32, h.num_kv_heads = 8;
   h.head_dim = 128, h.max_tokens_per_step = 8192, h.max_requests_per_step = 256, h.max_position = 131072;
@@ -1326,7 +1332,7 @@ TEST(ControlWire, GoldenBytes) {
   h.partition = AttentionPartition::kHead, h.kv_head_begin = 4, h.kv_head_end = 6, h.lanes = 4;
   h.compute_ranks = 2;
   const Bytes hello = {
-      0x54, 0x44, 0x48, 0x49, 0x04, 0x00, 0x10, 0x00, 0x40, 0x00, 0x00, 0x00, 0x77, 0x00, 0xf0,
+      0x54, 0x44, 0x48, 0x49, 0x05, 0x00, 0x10, 0x00, 0x40, 0x00, 0x00, 0x00, 0x77, 0x00, 0xf0,
       0x22,                                            // frame
       0x78, 0x56, 0x34, 0x12, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x20, 0x00, 0x00, 0x00, 0x20, 0x00, 0x00, 0x00,  // num_layers, num_heads
@@ -1347,7 +1353,7 @@ TEST(ControlWire, GoldenBytes) {
   r.kv_capacity_tokens = 0x01020304, r.qkv_buffer = 7, r.memory_rank = 2, r.dtype = DType::kBF16;
   r.device = "cuda:0";
   const Bytes reply = {
-      0x54, 0x44, 0x48, 0x52, 0x04, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x52, 0x05, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0xdb, 0xf4, 0x8d, 0x50,  // frame
       0x04, 0x03, 0x02, 0x01, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x07, 0x00, 0x00, 0x00, 0x02, 0x00, 0x02, 0x00,  // qkv_buffer, memory_rank, dtype, reserved
@@ -1360,7 +1366,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ReleaseMessage m{0x0102030405060708, {5, kU64Max}};
   const Bytes release = {
-      0x54, 0x44, 0x52, 0x4c, 0x04, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x52, 0x4c, 0x05, 0x00, 0x10, 0x00,
       0x20, 0x00, 0x00, 0x00, 0x21, 0x77, 0x58, 0xc2,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, reserved
@@ -1374,7 +1380,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ErrorMessage e{14, "peer gone"};
   const Bytes error = {
-      0x54, 0x44, 0x45, 0x52, 0x04, 0x00, 0x10, 0x00, 0x11,
+      0x54, 0x44, 0x45, 0x52, 0x05, 0x00, 0x10, 0x00, 0x11,
       0x00, 0x00, 0x00, 0x56, 0xa5, 0x51, 0x47,        // frame
       0x0e, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00,  // code, message_bytes
       'p',  'e',  'e',  'r',  ' ',  'g',  'o',  'n',  'e',
@@ -1385,7 +1391,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_TRUE(*eb == e);
 
   const Bytes bye = {
-      0x54, 0x44, 0x42, 0x59, 0x04, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x42, 0x59, 0x05, 0x00, 0x10, 0x00,
       0x08, 0x00, 0x00, 0x00, 0xc7, 0xfb, 0x17, 0x55,  // frame
       0xe8, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // steps
   };
@@ -1394,8 +1400,33 @@ TEST(ControlWire, GoldenBytes) {
   ASSERT_TRUE(bb.ok()) << bb.status();
   EXPECT_EQ(bb->steps, 1000u);
 
+  const Bytes heartbeat = {
+      0x54, 0x44, 0x48, 0x42, 0x05, 0x00, 0x10, 0x00,
+      0x10, 0x00, 0x00, 0x00, 0x6e, 0x14, 0x17, 0xba,  // frame
+      0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
+      0x88, 0x13, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // silence_ms 5000, reserved
+  };
+  EXPECT_EQ(EncodeHeartbeat(HeartbeatMessage{.seq = 0x0102030405060708, .silence_ms = 5000}), heartbeat);
+  absl::StatusOr<HeartbeatMessage> beat = DecodeHeartbeat(heartbeat);
+  ASSERT_TRUE(beat.ok()) << beat.status();
+  EXPECT_EQ(beat->seq, 0x0102030405060708u);
+  EXPECT_EQ(beat->silence_ms, 5000u);
+
+  const Bytes heartbeat_reply = {
+      0x54, 0x44, 0x48, 0x41, 0x05, 0x00, 0x10, 0x00,
+      0x10, 0x00, 0x00, 0x00, 0x47, 0x8e, 0x37, 0x33,  // frame
+      0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
+      0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // memory_rank 3, reserved
+  };
+  EXPECT_EQ(EncodeHeartbeatReply(HeartbeatReplyMessage{.seq = 0x0102030405060708, .memory_rank = 3}),
+            heartbeat_reply);
+  absl::StatusOr<HeartbeatReplyMessage> beat_reply = DecodeHeartbeatReply(heartbeat_reply);
+  ASSERT_TRUE(beat_reply.ok()) << beat_reply.status();
+  EXPECT_EQ(beat_reply->seq, 0x0102030405060708u);
+  EXPECT_EQ(beat_reply->memory_rank, 3);
+
   // The magic constants are the documented ASCII bytes.
-  for (const Bytes* f : {&hello, &reply, &release, &error, &bye}) {
+  for (const Bytes* f : {&hello, &reply, &release, &error, &bye, &heartbeat, &heartbeat_reply}) {
     absl::StatusOr<uint32_t> magic = PeekFrameMagic(*f);
     ASSERT_TRUE(magic.ok()) << magic.status();
     EXPECT_EQ(*magic, static_cast<uint32_t>((*f)[0]) | (*f)[1] << 8 | (*f)[2] << 16 |
@@ -1628,15 +1659,16 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     EXPECT_EQ(m->kv_head_end, begin + kv_heads / ranks);
   }
   // A version 1 hello (before the partition) and a version 2 hello (byte 54 reserved, 0: no lanes)
-  // are refused by their version, not read as version 4.
+  // are refused by their version, not read as version 5.
   for (uint16_t version : {uint16_t{1}, uint16_t{2}}) {
     RawHello old;
     old.lanes = 0;
     const absl::Status s = DecodeHello(MakeFrame(kHelloMagic, HelloBody(old), version)).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "hello: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 4 (versions 2 to 4 "
-                               "changed the hello, step plan and replica result layouts)");
+                               " at byte offset 4 is older than the supported version 5 (versions 2 to 4 "
+                               "changed the hello, step plan and replica result layouts; 5 added the "
+                               "heartbeat)");
   }
   // The limits and combinations that are valid.
   for (auto [tokens, sharing] : {std::pair<uint16_t, uint8_t>{0, 0}, {1, 0}, {1, 1}, {4096, 2}, {4096, 0}}) {
@@ -1847,6 +1879,49 @@ TEST(ControlWire, StatsRoundTripAndReservedBytes) {
   EXPECT_EQ(s.message(), "stats request: body_bytes 9 at byte offset 8 must be 8");
 }
 
+TEST(ControlWire, HeartbeatRoundTripRangesAndReservedBytes) {
+  std::mt19937_64 rng(78);
+  for (int i = 0; i < 200; ++i) {
+    const HeartbeatMessage h{.seq = i == 0 ? kU64Max : rng(),
+                             .silence_ms = i == 1 ? 1u
+                                           : i == 2
+                                               ? kMaxHeartbeatSilenceMs
+                                               : static_cast<uint32_t>(1 + rng() % kMaxHeartbeatSilenceMs)};
+    const Bytes fh = EncodeHeartbeat(h);
+    ASSERT_EQ(fh.size(), kFrameHeaderBytes + kHeartbeatBodyBytes);
+    absl::StatusOr<HeartbeatMessage> hback = DecodeHeartbeat(fh);
+    ASSERT_TRUE(hback.ok()) << hback.status();
+    EXPECT_TRUE(*hback == h);
+    const HeartbeatReplyMessage r{.seq = rng(), .memory_rank = static_cast<uint16_t>(rng())};
+    absl::StatusOr<HeartbeatReplyMessage> rback = DecodeHeartbeatReply(EncodeHeartbeatReply(r));
+    ASSERT_TRUE(rback.ok()) << rback.status();
+    EXPECT_TRUE(*rback == r);
+  }
+  // silence_ms outside [1, 2^31-1], a reserved byte that is not 0, a body of the wrong size.
+  for (uint32_t silence : {0u, kMaxHeartbeatSilenceMs + 1, 0xffffffffu}) {
+    Bytes body(kHeartbeatBodyBytes, 0);
+    for (int k = 0; k < 4; ++k) body[8 + k] = static_cast<uint8_t>(silence >> (8 * k));
+    const absl::Status s = DecodeHeartbeat(MakeFrame(kHeartbeatMagic, body)).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_EQ(s.message(), absl::StrCat("heartbeat: silence_ms ", silence,
+                                        " at byte offset 24 must be in [1, 2147483647]"));
+  }
+  Bytes body(kHeartbeatBodyBytes, 0);
+  body[8] = 1;
+  body[15] = 1;
+  absl::Status s = DecodeHeartbeat(MakeFrame(kHeartbeatMagic, body)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()), "heartbeat: reserved");
+  body.assign(kHeartbeatBodyBytes, 0);
+  body[10] = 1;
+  s = DecodeHeartbeatReply(MakeFrame(kHeartbeatReplyMagic, body)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()), "heartbeat reply: reserved");
+  s = DecodeHeartbeatReply(MakeFrame(kHeartbeatReplyMagic, Bytes(17, 0))).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(), "heartbeat reply: body_bytes 17 at byte offset 8 must be 16");
+}
+
 TEST(ErrorWire, StatusConversions) {
   for (int code = 1; code <= 16; ++code) {
     const absl::Status st(static_cast<absl::StatusCode>(code), "something failed: x=1");
@@ -1882,9 +1957,10 @@ TEST(PeekFrameMagic, KnownUnknownAndShort) {
   std::vector<Bytes> frames = ControlFrames();
   frames.push_back(SmallPlanFrame());
   frames.push_back(EncodeLayerMessageHeader(LayerMessageHeader{}));
-  const uint32_t want[] = {kHelloMagic,       kHelloReplyMagic, kReleaseMagic,
-                           kErrorMagic,       kByeMagic,        kStatsRequestMagic,
-                           kMemoryStatsMagic, kStepPlanMagic,   kLayerMessageMagic};
+  const uint32_t want[] = {kHelloMagic,       kHelloReplyMagic,  kReleaseMagic,
+                           kErrorMagic,       kByeMagic,         kStatsRequestMagic,
+                           kMemoryStatsMagic, kHeartbeatMagic,   kHeartbeatReplyMagic,
+                           kStepPlanMagic,    kLayerMessageMagic};
   for (size_t k = 0; k < frames.size(); ++k) {
     absl::StatusOr<uint32_t> m = PeekFrameMagic(frames[k]);
     ASSERT_TRUE(m.ok()) << m.status();
@@ -2096,8 +2172,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
                            .block_index = 1,
                            .memory_rank = 1});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x04, 0x00, 0x10, 0x00,
-      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 4, body_bytes 120
+      0x54, 0x44, 0x53, 0x50, 0x05, 0x00, 0x10, 0x00,
+      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 5, body_bytes 120
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -2123,8 +2199,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
 
   const RestoreReplyMessage reply{.step_id = 9, .memory_rank = 1, .failed = {0x1112131415161718}};
   const Bytes reply_golden = {
-      0x54, 0x44, 0x52, 0x54, 0x04, 0x00, 0x10, 0x00,
-      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 4, body_bytes 24
+      0x54, 0x44, 0x52, 0x54, 0x05, 0x00, 0x10, 0x00,
+      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 5, body_bytes 24
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // memory_rank, reserved, failed_count
       0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // failed[0]
