@@ -1,5 +1,3 @@
-#include "ceilings.h"
-
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
@@ -9,12 +7,14 @@
 #include <cstdlib>
 
 #include "bench_cuda.h"
+#include "ceilings.h"
 
 namespace tandem::bench {
 namespace {
 
 // Grid-stride: consecutive threads read consecutive 16-byte words; four loads a grid apart.
-__global__ void __launch_bounds__(256) ReadGridStride(const uint4* __restrict__ p, uint64_t n, unsigned* out) {
+__global__ void __launch_bounds__(256)
+    ReadGridStride(const uint4* __restrict__ p, uint64_t n, unsigned* out) {
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
   uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   unsigned acc = 0;
@@ -30,8 +30,8 @@ __global__ void __launch_bounds__(256) ReadGridStride(const uint4* __restrict__ 
 // Block-contiguous spans: block b reads words [b·span, (b+1)·span), kLoads loads of a block's
 // width apart in flight per thread, so each block streams one contiguous region.
 template <int kLoads>
-__global__ void __launch_bounds__(256) ReadSpans(const uint4* __restrict__ p, uint64_t n, uint64_t span,
-                                                 unsigned* out) {
+__global__ void __launch_bounds__(256)
+    ReadSpans(const uint4* __restrict__ p, uint64_t n, uint64_t span, unsigned* out) {
   const uint64_t begin = uint64_t{blockIdx.x} * span;
   const uint64_t end = begin + span < n ? begin + span : n;
   unsigned acc = 0;
@@ -125,8 +125,8 @@ double MeasureGemmPeak(int n, int iters, cudaStream_t s) {
   const float alpha = 1, beta = 0;
   const double secs = MedianSeconds(
       [&] {
-        if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, m, CUDA_R_16BF, n, m + elems, CUDA_R_16BF, n,
-                         &beta, m + 2 * elems, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+        if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, m, CUDA_R_16BF, n, m + elems,
+                         CUDA_R_16BF, n, &beta, m + 2 * elems, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
                          CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
           std::fprintf(stderr, "cublasGemmEx failed\n");
           std::exit(1);

@@ -1,7 +1,8 @@
 // Decode attention bandwidth: KV bytes read per second by cuda::DecodeAttention over a shuffled
 // (gathered) token-granular KV pool, as a fraction of the device read bandwidth measured here:
 // the best of several read kernels over a 4 GB buffer (bench/ceilings.h; the plain grid-stride
-// sum used before read 3–5% low, so that torch SDPA seemed to beat the ceiling). Not a test: prints a table (and JSON with --json).
+// sum used before read 3–5% low, so that torch SDPA seemed to beat the ceiling). Not a test: prints a table
+// (and JSON with --json).
 //
 //   decode_attention_bench [--quick] [--iters N] [--kinds mha,gqa] [--batches 1,8] [--contexts 1024]
 //                          [--splits 1,2,4] [--json PATH]
@@ -138,8 +139,9 @@ struct KvPool {
 };
 
 // Runs one configuration; returns false (and prints why) if it cannot run.
-bool RunConfig(const KvPool& pool, const Helpers& h, const Kind& kind, int64_t batch, int64_t ctx, int iters, size_t l2_bytes,
-               size_t flush_bytes, void* flush_buf, uint64_t seed, cudaStream_t s, int forced_splits, Row* row) {
+bool RunConfig(const KvPool& pool, const Helpers& h, const Kind& kind, int64_t batch, int64_t ctx, int iters,
+               size_t l2_bytes, size_t flush_bytes, void* flush_buf, uint64_t seed, cudaStream_t s,
+               int forced_splits, Row* row) {
   const int64_t H = kind.heads, KVH = kind.kv_heads, D = kind.head_dim;
   const int64_t tokens = batch * ctx;
   const int64_t token_bytes = KVH * D * 2;  // one of K or V
@@ -147,7 +149,8 @@ bool RunConfig(const KvPool& pool, const Helpers& h, const Kind& kind, int64_t b
   const int64_t num_slots = SlotsFor(kind, batch, ctx, iters, l2_bytes);
   const int64_t rot = num_slots / tokens;
   if (static_cast<size_t>(num_slots * token_bytes) > pool.bytes) {
-    std::fprintf(stderr, "internal: the KV pool (%zu bytes) is smaller than a configuration needs\n", pool.bytes);
+    std::fprintf(stderr, "internal: the KV pool (%zu bytes) is smaller than a configuration needs\n",
+                 pool.bytes);
     std::exit(1);
   }
 
@@ -243,7 +246,8 @@ bool RunConfig(const KvPool& pool, const Helpers& h, const Kind& kind, int64_t b
   row->time_us = t * 1e6;
   row->gbps = kv_bytes / t * 1e-9;
 
-  for (void* ptr : {q, out, static_cast<void*>(lse), static_cast<void*>(indptr), static_cast<void*>(slots), ws}) {
+  for (void* ptr :
+       {q, out, static_cast<void*>(lse), static_cast<void*>(indptr), static_cast<void*>(slots), ws}) {
     if (ptr) BENCH_CUDA(cudaFree(ptr));
   }
   return true;
@@ -285,7 +289,8 @@ int main(int argc, char** argv) {
   const double budget = 0.6 * static_cast<double>(free_b);
 
   std::printf("device: %s (%d SMs, L2 %.0f MB, %.1f GB free)\n", prop.name, g_sms, l2 / 1e6, free_b / 1e9);
-  for (const auto& v : ceiling.variants) std::printf("  read %-28s %7.0f GB/s\n", v.name.c_str(), v.bytes_per_s * 1e-9);
+  for (const auto& v : ceiling.variants)
+    std::printf("  read %-28s %7.0f GB/s\n", v.name.c_str(), v.bytes_per_s * 1e-9);
   std::printf("read bandwidth (best over %.1f GB: %s): %.0f GB/s\n", bw_bytes / 1e9, ceiling.best.c_str(),
               read_bw * 1e-9);
   std::printf("%-5s %6s %6s %6s %10s %8s %6s\n", "kind", "batch", "ctx", "splits", "time_us", "GB/s",
@@ -335,7 +340,8 @@ int main(int argc, char** argv) {
         forced.insert(forced.end(), opt.splits.begin(), opt.splits.end());
         for (const int64_t f : forced) {
           Row row;
-          if (!RunConfig(pool, h, kind, b, c, opt.iters, l2, flush_bytes, flush_buf, seed++, s, static_cast<int>(f), &row))
+          if (!RunConfig(pool, h, kind, b, c, opt.iters, l2, flush_bytes, flush_buf, seed++, s,
+                         static_cast<int>(f), &row))
             continue;
           row.pct = 100.0 * row.gbps / (read_bw * 1e-9);
           std::printf("%-5s %6lld %6lld %6d %10.1f %8.0f %6.1f%s%s\n", row.kind.c_str(),

@@ -39,14 +39,14 @@ namespace {
 
 namespace kc = ::tandem::kernels::cuda;
 
-#define LT_CHECK(expr)                                                                   \
-  do {                                                                                   \
-    const cublasStatus_t lt_s_ = (expr);                                                 \
-    if (lt_s_ != CUBLAS_STATUS_SUCCESS) {                                                \
-      std::fprintf(stderr, "%s failed at %s:%d: %s\n", #expr, __FILE__, __LINE__,        \
-                   cublasGetStatusString(lt_s_));                                        \
-      std::exit(1);                                                                      \
-    }                                                                                    \
+#define LT_CHECK(expr)                                                            \
+  do {                                                                            \
+    const cublasStatus_t lt_s_ = (expr);                                          \
+    if (lt_s_ != CUBLAS_STATUS_SUCCESS) {                                         \
+      std::fprintf(stderr, "%s failed at %s:%d: %s\n", #expr, __FILE__, __LINE__, \
+                   cublasGetStatusString(lt_s_));                                 \
+      std::exit(1);                                                               \
+    }                                                                             \
   } while (0)
 
 struct Options {
@@ -247,10 +247,12 @@ class Bench {
     cublasLtMatmulPreference_t pref = nullptr;
     LT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     const size_t ws = kLtWorkspace;
-    LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                  sizeof(ws)));
     cublasLtMatmulHeuristicResult_t results[16] = {};
     int found = 0;
-    LT_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, prob.op, prob.a, prob.b, prob.c, prob.c, pref, 16, results, &found));
+    LT_CHECK(cublasLtMatmulAlgoGetHeuristic(lt_, prob.op, prob.a, prob.b, prob.c, prob.c, pref, 16, results,
+                                            &found));
     cublasLtMatmulPreferenceDestroy(pref);
     const float alpha = 1, beta = sh.accumulate ? 1 : 0;
     double first = 0, best = 0;
@@ -258,8 +260,8 @@ class Bench {
       if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
       const double us = TimeCalls(sh, m, [&](int c) {
         const kc::GemmParams p = Params(sh, m, c);
-        LT_CHECK(cublasLtMatmul(lt_, prob.op, &alpha, p.w, prob.a, p.x, prob.b, &beta, p.y, prob.c, p.y, prob.c,
-                                &results[i].algo, lt_ws_, kLtWorkspace, s_));
+        LT_CHECK(cublasLtMatmul(lt_, prob.op, &alpha, p.w, prob.a, p.x, prob.b, &beta, p.y, prob.c, p.y,
+                                prob.c, &results[i].algo, lt_ws_, kLtWorkspace, s_));
       });
       if (first == 0) first = us;
       if (best == 0 || us < best) best = us;
@@ -306,7 +308,8 @@ int main(int argc, char** argv) {
   const tandem::bench::ReadCeiling read = tandem::bench::MeasureReadCeiling(size_t{4} << 30, 20, s);
   const double peak = tandem::bench::MeasureGemmPeak(8192, 20, s);
   std::printf("device: %s, %d SMs, L2 %d MiB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
-  for (const auto& v : read.variants) std::printf("  read %-28s %7.0f GB/s\n", v.name.c_str(), v.bytes_per_s * 1e-9);
+  for (const auto& v : read.variants)
+    std::printf("  read %-28s %7.0f GB/s\n", v.name.c_str(), v.bytes_per_s * 1e-9);
   std::printf("read ceiling: %.0f GB/s (%s); bf16 GEMM peak (cuBLAS 8192^3): %.1f TFLOP/s\n\n",
               read.bytes_per_s * 1e-9, read.best.c_str(), peak * 1e-12);
 
@@ -319,14 +322,16 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s\n", std::string(spec.status().message()).c_str());
       return 2;
     }
-    std::printf("%s\n%-8s %5s %6s %6s | %9s %9s %9s %9s %9s | %8s %8s %7s %6s\n", spec->Summary().c_str(), "shape",
-                "m", "n", "k", "cublas", "gemv", "lt-top1", "lt-best", "tandem", "TFLOP/s", "GB/s", "roof", "%");
+    std::printf("%s\n%-8s %5s %6s %6s | %9s %9s %9s %9s %9s | %8s %8s %7s %6s\n", spec->Summary().c_str(),
+                "shape", "m", "n", "k", "cublas", "gemv", "lt-top1", "lt-best", "tandem", "TFLOP/s", "GB/s",
+                "roof", "%");
     for (const Shape& sh : ShapesOf(*spec)) {
       bench.Prepare(sh, max_rows);
       for (int64_t m : opt.rows) {
         Row r{name, sh.name, m, sh.n, sh.k, sh.per_step};
         r.flops = 2.0 * m * sh.n * sh.k;
-        r.bytes = 2.0 * sh.n * sh.k + 2.0 * m * sh.k + (sh.y_fp32 ? 4.0 : 2.0) * m * sh.n * (sh.accumulate ? 2 : 1);
+        r.bytes =
+            2.0 * sh.n * sh.k + 2.0 * m * sh.k + (sh.y_fp32 ? 4.0 : 2.0) * m * sh.n * (sh.accumulate ? 2 : 1);
         r.roof_us = 1e6 * std::max(r.flops / peak, r.bytes / read.bytes_per_s);
         r.us["cublas"] = bench.Cublas(sh, m);
         r.us["gemv"] = bench.Gemv(sh, m);
@@ -338,10 +343,11 @@ int main(int argc, char** argv) {
           const auto it = r.us.find(p);
           return it == r.us.end() || it->second == 0 ? std::string("-") : absl::StrFormat("%.1f", it->second);
         };
-        std::printf("%-8s %5lld %6lld %6lld | %9s %9s %9s %9s %9s | %8.1f %8.0f %7.1f %5.0f%%\n", sh.name.c_str(),
-                    static_cast<long long>(m), static_cast<long long>(sh.n), static_cast<long long>(sh.k),
-                    cell("cublas").c_str(), cell("gemv").c_str(), cell("lt-top1").c_str(), cell("lt-best").c_str(),
-                    cell("tandem").c_str(), r.flops / t * 1e-6, r.bytes / t * 1e-3, r.roof_us, 100 * r.roof_us / t);
+        std::printf("%-8s %5lld %6lld %6lld | %9s %9s %9s %9s %9s | %8.1f %8.0f %7.1f %5.0f%%\n",
+                    sh.name.c_str(), static_cast<long long>(m), static_cast<long long>(sh.n),
+                    static_cast<long long>(sh.k), cell("cublas").c_str(), cell("gemv").c_str(),
+                    cell("lt-top1").c_str(), cell("lt-best").c_str(), cell("tandem").c_str(),
+                    r.flops / t * 1e-6, r.bytes / t * 1e-3, r.roof_us, 100 * r.roof_us / t);
         rows.push_back(std::move(r));
       }
       bench.Release();
@@ -363,25 +369,28 @@ int main(int argc, char** argv) {
           sum[p] += v * r.per_step;
         }
       }
-      std::printf("%5lld %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %6.0f%% %6.0f%% %6.0f%%\n", static_cast<long long>(m),
-                  roof * 1e-3, sum["cublas"] * 1e-3, sum["gemv"] * 1e-3, sum["lt-best"] * 1e-3,
-                  sum["tandem"] * 1e-3, best * 1e-3, 100 * roof / sum["cublas"], 100 * roof / sum["tandem"],
-                  100 * roof / best);
+      std::printf("%5lld %8.3f %8.3f %8.3f %8.3f %8.3f %8.3f | %6.0f%% %6.0f%% %6.0f%%\n",
+                  static_cast<long long>(m), roof * 1e-3, sum["cublas"] * 1e-3, sum["gemv"] * 1e-3,
+                  sum["lt-best"] * 1e-3, sum["tandem"] * 1e-3, best * 1e-3, 100 * roof / sum["cublas"],
+                  100 * roof / sum["tandem"], 100 * roof / best);
     }
     std::printf("\n");
   }
 
   if (!opt.json.empty()) {
     std::ofstream f(opt.json);
-    f << absl::StrFormat("{\n  \"device\": \"%s\",\n  \"read_GBps\": %.1f,\n  \"gemm_peak_TFLOPs\": %.1f,\n  \"rows\": [\n",
-                         prop.name, read.bytes_per_s * 1e-9, peak * 1e-12);
+    f << absl::StrFormat(
+        "{\n  \"device\": \"%s\",\n  \"read_GBps\": %.1f,\n  \"gemm_peak_TFLOPs\": %.1f,\n  \"rows\": [\n",
+        prop.name, read.bytes_per_s * 1e-9, peak * 1e-12);
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       std::vector<std::string> paths_json;
       for (const auto& [p, us] : r.us) paths_json.push_back(absl::StrFormat("\"%s\": %.3f", p, us));
       f << absl::StrFormat(
-          "    {\"model\": \"%s\", \"shape\": \"%s\", \"m\": %d, \"n\": %d, \"k\": %d, \"roof_us\": %.3f, %s}%s\n",
-          r.model, r.shape, r.m, r.n, r.k, r.roof_us, absl::StrJoin(paths_json, ", "), i + 1 < rows.size() ? "," : "");
+          "    {\"model\": \"%s\", \"shape\": \"%s\", \"m\": %d, \"n\": %d, \"k\": %d, \"roof_us\": %.3f, "
+          "%s}%s\n",
+          r.model, r.shape, r.m, r.n, r.k, r.roof_us, absl::StrJoin(paths_json, ", "),
+          i + 1 < rows.size() ? "," : "");
     }
     f << "  ]\n}\n";
   }

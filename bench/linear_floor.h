@@ -1,8 +1,9 @@
 // The floor that the linear layers of one decode step are compared with: the same matrix products
 // (every layer's QKV, Wo, gate/up and down, then the LM head) as bare CublasGemm::Run calls (the
-// engine's GEMM kernels: tandem's GEMV at one row unless `gemv` is false, cuBLAS otherwise) in one CUDA graph, bf16 in and out, on random weights laid out as the model's (one copy per layer, so
-// nothing is served from L2). Median of `iters` graph launches timed with CUDA events. No norms,
-// RoPE or SiLU: the engine's "linear" time (gemm + other) has those on top.
+// engine's GEMM kernels: tandem's GEMV at one row unless `gemv` is false, cuBLAS otherwise) in one CUDA
+// graph, bf16 in and out, on random weights laid out as the model's (one copy per layer, so nothing is served
+// from L2). Median of `iters` graph launches timed with CUDA events. No norms, RoPE or SiLU: the engine's
+// "linear" time (gemm + other) has those on top.
 //
 // Needs the model's weights once more in free device memory; call it before an engine takes the
 // device (it frees everything it allocated).
@@ -22,8 +23,8 @@ namespace tandem::bench {
 
 // ms per step for each of `rows`, or an empty vector (with a note on stderr) when the weights do
 // not fit.
-inline std::vector<double> LinearFloorMs(const ModelSpec& s, const std::vector<int64_t>& rows,
-                                         int iters = 20, bool gemv = true) {
+inline std::vector<double> LinearFloorMs(const ModelSpec& s, const std::vector<int64_t>& rows, int iters = 20,
+                                         bool gemv = true) {
   const int64_t h = s.hidden_size, qkv = s.q_dim() + 2 * s.kv_dim(), inter = s.intermediate_size;
   const int64_t layer_elems = qkv * h + h * s.q_dim() + 2 * inter * h + h * inter;
   const int64_t max_rows = *std::max_element(rows.begin(), rows.end());

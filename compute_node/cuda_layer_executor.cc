@@ -196,8 +196,7 @@ void PhaseTimer::Collect() {
 
 absl::StatusOr<std::unique_ptr<CudaLayerExecutor>> CudaLayerExecutor::Create(const CudaModelWeights* weights,
                                                                              int64_t max_tokens,
-                                                                             cudaStream_t stream,
-                                                                             bool gemv) {
+                                                                             cudaStream_t stream, bool gemv) {
   std::unique_ptr<CudaLayerExecutor> e(new CudaLayerExecutor());
   e->weights_ = weights;
   e->stream_ = stream;

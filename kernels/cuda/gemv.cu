@@ -42,9 +42,9 @@ __device__ __forceinline__ float Dot8(const uint4& a, const uint4& b, float acc)
   return acc;
 }
 
-__global__ void __launch_bounds__(kThreads) GemvKernel(const __nv_bfloat16* __restrict__ x,
-                                                       const __nv_bfloat16* __restrict__ w, void* __restrict__ y,
-                                                       int64_t n, int64_t k, bool y_fp32, bool accumulate) {
+__global__ void __launch_bounds__(kThreads)
+    GemvKernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, void* __restrict__ y,
+               int64_t n, int64_t k, bool y_fp32, bool accumulate) {
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kCols;
   // Columns past n (the last block) re-read column n-1 and are not written.
   const uint4* wrow[kCols];
@@ -104,17 +104,18 @@ __global__ void __launch_bounds__(kThreads) GemvKernel(const __nv_bfloat16* __re
 }  // namespace
 
 bool GemvSupports(const GemmParams& p) {
-  return p.m == 1 && p.n >= 1 && p.k >= 8 && p.k % 8 == 0 && (p.n + kCols - 1) / kCols <= int64_t{0x7fffffff} &&
-         Aligned16(p.x) && Aligned16(p.w) && p.y != nullptr && (!p.accumulate || p.y_fp32);
+  return p.m == 1 && p.n >= 1 && p.k >= 8 && p.k % 8 == 0 &&
+         (p.n + kCols - 1) / kCols <= int64_t{0x7fffffff} && Aligned16(p.x) && Aligned16(p.w) &&
+         p.y != nullptr && (!p.accumulate || p.y_fp32);
 }
 
 absl::Status Gemv(const GemmParams& p, cudaStream_t stream) {
   if (!p.x || !p.w || !p.y) return absl::InvalidArgumentError("Gemv: null pointer");
   if (!GemvSupports(p)) {
-    return absl::InvalidArgumentError(absl::StrCat("Gemv: unsupported shape or alignment (m=", p.m, " n=", p.n,
-                                                   " k=", p.k,
-                                                   "; needs m = 1, k a multiple of 8, 16-byte aligned x and w, "
-                                                   "and an fp32 y to accumulate into)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Gemv: unsupported shape or alignment (m=", p.m, " n=", p.n, " k=", p.k,
+                     "; needs m = 1, k a multiple of 8, 16-byte aligned x and w, "
+                     "and an fp32 y to accumulate into)"));
   }
   const auto blocks = static_cast<unsigned>((p.n + kCols - 1) / kCols);
   GemvKernel<<<blocks, kThreads, 0, stream>>>(p.x, p.w, p.y, p.n, p.k, p.y_fp32, p.accumulate);
