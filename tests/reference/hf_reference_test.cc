@@ -45,7 +45,7 @@
 // from being held to less than fp32 agreement. Factor 3, measured (teacher-forced, every position,
 // H100): tandem's CUDA backend reaches at most 0.43 / 0.49 / 0.40 of the bound (llama3-gqa-tied,
 // llama2-mha, mqa-headdim; max |error| 0.42, 0.074, 0.046), and transformers' SDPA path in bf16
-// (CPU), an independent bf16 implementation, 0.62 / 0.69 / 0.56. The bound averages 0.094, 0.15
+// (CPU), an independent bf16 implementation, 0.62 / 0.69 / 0.56. The bound averages 0.095, 0.15
 // and 0.12 over the positions (at most 1.7, 0.23, 0.31, where transformers itself errs most),
 // against the single 0.25 of before that applied only above the gap floor. The gap floor stays
 // 0.5 nat.
