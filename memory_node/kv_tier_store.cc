@@ -235,6 +235,13 @@ void KvTierStore::Save(const KvTierBlock& block, std::span<const uint8_t> bytes)
     return;
   }
   if (queued_.contains(block.hash)) return;
+  if (FileBytes(block) > options_.disk_bytes) {
+    // Refused now, not by the writer: a queued copy would serve loads (Load) that this tier can
+    // never keep.
+    NoteWriteErrorLocked(block.hash,
+                         absl::ResourceExhaustedError("the block is larger than kv.tiers.disk_bytes"));
+    return;
+  }
   if (!copy) copy = std::make_shared<const std::vector<uint8_t>>(bytes.begin(), bytes.end());
   queue_.push_back({block, std::move(copy)});
   queued_.emplace(block.hash, queue_.back());
@@ -259,15 +266,11 @@ void KvTierStore::WriterLoop() {
     if (queue_.empty()) return;  // stopping, nothing left
     Write w = std::move(queue_.front());
     queue_.pop_front();
-    const int64_t file_bytes = FileBytes(w.block);
-    const bool fits = file_bytes <= options_.disk_bytes;
-    if (fits) {
-      while (disk_used_ + file_bytes > options_.disk_bytes) DropDiskLocked(disk_lru_.front(), true);
-    }
+    const int64_t file_bytes = FileBytes(w.block);  // <= disk_bytes: Save refuses larger blocks
+    while (disk_used_ + file_bytes > options_.disk_bytes) DropDiskLocked(disk_lru_.front(), true);
     writing_ = true;
     lock.unlock();
-    absl::Status st =
-        fits ? WriteFile(w) : absl::ResourceExhaustedError("the block is larger than kv.tiers.disk_bytes");
+    absl::Status st = WriteFile(w);
     lock.lock();
     writing_ = false;
     queued_.erase(w.block.hash);
@@ -279,14 +282,18 @@ void KvTierStore::WriterLoop() {
       stats_.bytes_to_disk += file_bytes;
       stats_.disk_blocks = static_cast<int64_t>(disk_.size());
     } else {
-      ++stats_.write_errors;
-      if (!warned_write_) {
-        TANDEM_LOG_WARN("kv-tiers", "disk tier: block ", absl::StrFormat("%016x", w.block.hash),
-                        " not saved: ", st.message(), " (further write errors are counted, not logged)");
-        warned_write_ = true;
-      }
+      NoteWriteErrorLocked(w.block.hash, st);
     }
     cv_.notify_all();
+  }
+}
+
+void KvTierStore::NoteWriteErrorLocked(uint64_t hash, const absl::Status& why) {
+  ++stats_.write_errors;
+  if (!warned_write_) {
+    TANDEM_LOG_WARN("kv-tiers", "disk tier: block ", absl::StrFormat("%016x", hash),
+                    " not saved: ", why.message(), " (further write errors are counted, not logged)");
+    warned_write_ = true;
   }
 }
 

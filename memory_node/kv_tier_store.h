@@ -178,6 +178,8 @@ class KvTierStore {
            block_bytes_;
   }
   void DropDiskLocked(uint64_t hash, bool count_eviction);
+  // Counts a block the disk tier did not keep (the first one is logged). Called with mu_ held.
+  void NoteWriteErrorLocked(uint64_t hash, const absl::Status& why);
 
   KvTierOptions options_;
   uint64_t fingerprint_;
