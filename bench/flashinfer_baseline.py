@@ -26,11 +26,14 @@ FlashInfer must come with its kernels compiled ahead of time for sm_90a (the .fi
 repository root; see docs/benchmarks.md): the script points FlashInfer's workspace at a
 temporary folder, forbids JIT compilation, and exits with status 2 if FlashInfer cannot be
 imported, the GPU is not sm_90, or a kernel module is missing (it would need compiling). Before
-any timing, outputs of small odd shapes of every path are compared with a float32 reference
-computed with torch; an error above tolerance exits with status 1.
+any timing, outputs of small odd shapes of every path (section, backend, page size) are compared
+with a float32 reference computed with torch (max |error| printed, tolerance 1e-2); a path whose
+check fails, or that FlashInfer refuses, is reported as CHECK FAILED and not timed, and the exit
+status is 1 (as it is for a configuration that fails while timed, or a cascade output that differs
+from the plain one).
 
     PYTHONPATH=.fi/site python3 bench/flashinfer_baseline.py [--quick] [--sections decode,prefill,cascade]
-        [--page-sizes 1,16] [--iters N] [--json PATH]
+        [--page-sizes 1,16] [--backends fa3,fa2] [--iters N] [--reps N] [--cascade-reps N] [--json PATH]
 """
 
 import argparse
@@ -275,82 +278,110 @@ def cascade_wrapper(fi, ws, B, prefix_pages, suffix_indptr, suffix_pages, prefix
 
 
 class Checks:
+    """Results per path (a key such as ("prefill", "fa3", 16)): a path whose check fails, or
+    raises, is reported and never timed, and the run's exit status becomes 1."""
+
     def __init__(self):
         self.rows = []
-        self.ok = True
+        self.failed = {}  # key -> why
 
-    def record(self, what, out, ref, tol):
+    def record(self, key, what, out, ref, tol):
         err = (out.float() - ref).abs().max().item()
         scale = ref.abs().max().item()
         good = math.isfinite(err) and err <= tol
-        self.ok &= good
+        if not good:
+            self.failed.setdefault(key, f"{what}: max|err| {err:.2e} > {tol:.0e}")
         print(f"check {what:<44} max|err| {err:.2e} (max|ref| {scale:.2e}, tol {tol:.0e}) "
               f"{'ok' if good else 'FAILED'}", flush=True)
         self.rows.append({"what": what, "max_abs_err": err, "max_abs_ref": scale, "tol": tol, "ok": good})
 
+    def guard(self, key, what, fn, missing_error):
+        """Runs one path's check; an exception (other than a missing module) fails the path."""
+        try:
+            fn()
+        except missing_error:
+            raise
+        except Exception as e:  # FlashInfer refusing a configuration, for instance
+            self.failed.setdefault(key, f"{what}: {type(e).__name__}: {e}")
+            print(f"check {what:<44} FAILED: {type(e).__name__}: {e}", flush=True)
+            torch.cuda.empty_cache()
 
-def check_decode(fi, ws, checks, page_sizes):
-    lengths = [1, 37, 1000, 2049]  # partial last pages, a single key, a split-worthy context
+    def passed(self, key):
+        return key not in self.failed
+
+
+def check_decode(fi, ws, checks, page_sizes, missing_error):
     for name, heads, kv_heads in DECODE_KINDS:
         for ps in page_sizes:
-            rng = Rng(11 + ps + kv_heads)
-            indptr, indices, last, total = paged_table(lengths, ps, rng)
-            k = rng.uniform(total, ps, kv_heads, HEAD_DIM)
-            v = rng.uniform(total, ps, kv_heads, HEAD_DIM)
-            q = rng.uniform(len(lengths), heads, HEAD_DIM, scale=4.0)
-            out = decode_wrapper(fi, ws, indptr, indices, last, heads, kv_heads, ps).run(q, (k, v))
-            for r, n in enumerate(lengths):
-                pages = indices[indptr[r]:indptr[r + 1]]
-                ref = reference_attention(q[r:r + 1], gather_tokens(k, pages, n), gather_tokens(v, pages, n))
-                checks.record(f"decode p{ps} {name} ctx {n}", out[r:r + 1], ref, 1e-2)
+            checks.guard(("decode", ps), f"decode p{ps} {name}",
+                         lambda: check_decode_path(fi, ws, checks, name, heads, kv_heads, ps), missing_error)
 
 
-def check_prefill(fi, ws, checks, page_sizes, backends):
-    lengths = [300, 517, 64]
+def check_decode_path(fi, ws, checks, name, heads, kv_heads, ps):
+    lengths = [1, 37, 1000, 2049]  # a single key, partial last pages, a split-worthy context
+    rng = Rng(11 + ps + kv_heads)
+    indptr, indices, last, total = paged_table(lengths, ps, rng)
+    k = rng.uniform(total, ps, kv_heads, HEAD_DIM)
+    v = rng.uniform(total, ps, kv_heads, HEAD_DIM)
+    q = rng.uniform(len(lengths), heads, HEAD_DIM, scale=4.0)
+    out = decode_wrapper(fi, ws, indptr, indices, last, heads, kv_heads, ps).run(q, (k, v))
+    for r, n in enumerate(lengths):
+        pages = indices[indptr[r]:indptr[r + 1]]
+        ref = reference_attention(q[r:r + 1], gather_tokens(k, pages, n), gather_tokens(v, pages, n))
+        checks.record(("decode", ps), f"decode p{ps} {name} ctx {n}", out[r:r + 1], ref, 1e-2)
+
+
+def check_prefill(fi, ws, checks, page_sizes, backends, missing_error):
     for name, heads, kv_heads in DECODE_KINDS:
         for backend in backends:
             for ps in page_sizes:
-                rng = Rng(23 + ps + kv_heads)
-                indptr, indices, last, total = paged_table(lengths, ps, rng)
-                k = rng.uniform(total, ps, kv_heads, HEAD_DIM)
-                v = rng.uniform(total, ps, kv_heads, HEAD_DIM)
-                qo = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
-                q = rng.uniform(sum(lengths), heads, HEAD_DIM, scale=4.0)
-                w = prefill_wrapper(fi, ws, backend, qo, indptr, indices, last, heads, kv_heads, ps)
-                out = w.run(q, (k, v))
-                for r, n in enumerate(lengths):
-                    pages = indices[indptr[r]:indptr[r + 1]]
-                    rows = slice(int(qo[r]), int(qo[r + 1]))
-                    ref = reference_attention(q[rows], gather_tokens(k, pages, n), gather_tokens(v, pages, n),
-                                              causal_offset=0)
-                    checks.record(f"prefill {backend} p{ps} {name} chunk {n}", out[rows], ref, 1e-2)
+                checks.guard(("prefill", backend, ps), f"prefill {backend} p{ps} {name}",
+                             lambda: check_prefill_path(fi, ws, checks, name, heads, kv_heads, backend, ps),
+                             missing_error)
 
 
-def check_cascade(fi, ws, checks, page_sizes):
-    B, S = 5, 37  # S: a partial last page of each row's own keys
+def check_prefill_path(fi, ws, checks, name, heads, kv_heads, backend, ps):
+    lengths = [300, 517, 64]
+    rng = Rng(23 + ps + kv_heads)
+    indptr, indices, last, total = paged_table(lengths, ps, rng)
+    k = rng.uniform(total, ps, kv_heads, HEAD_DIM)
+    v = rng.uniform(total, ps, kv_heads, HEAD_DIM)
+    qo = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+    q = rng.uniform(sum(lengths), heads, HEAD_DIM, scale=4.0)
+    out = prefill_wrapper(fi, ws, backend, qo, indptr, indices, last, heads, kv_heads, ps).run(q, (k, v))
+    for r, n in enumerate(lengths):
+        pages = indices[indptr[r]:indptr[r + 1]]
+        rows = slice(int(qo[r]), int(qo[r + 1]))
+        ref = reference_attention(q[rows], gather_tokens(k, pages, n), gather_tokens(v, pages, n), causal_offset=0)
+        checks.record(("prefill", backend, ps), f"prefill {backend} p{ps} {name} chunk {n}", out[rows], ref, 1e-2)
+
+
+def check_cascade(fi, ws, checks, page_sizes, missing_error):
     for model, heads, kv_heads in CASCADE_MODELS:
         for ps in page_sizes:
-            P = 1000 - 1000 % ps
-            rng = Rng(31 + ps + kv_heads)
-            case = CascadeCase(fi, ws, rng, B, P, S, heads, kv_heads, ps)
-            out = case.run_cascade()
-            plain = case.run_plain()
-            for r in range(B):
-                k = torch.cat([gather_tokens(case.k, case.prefix_pages, P),
-                               gather_tokens(case.k, case.suffix_pages_of(r), S)])
-                v = torch.cat([gather_tokens(case.v, case.prefix_pages, P),
-                               gather_tokens(case.v, case.suffix_pages_of(r), S)])
-                ref = reference_attention(case.q[r:r + 1], k, v)
-                checks.record(f"cascade p{ps} {model} row {r}", out[r:r + 1], ref, 1e-2)
-                checks.record(f"plain decode p{ps} {model} row {r}", plain[r:r + 1], ref, 1e-2)
-            del case
+            checks.guard(("cascade", ps), f"cascade p{ps} {model}",
+                         lambda: check_cascade_path(fi, ws, checks, model, heads, kv_heads, ps), missing_error)
+
+
+def check_cascade_path(fi, ws, checks, model, heads, kv_heads, ps):
+    B, S = 5, 37  # S: a partial last page of each row's own keys
+    P = 1000 - 1000 % ps
+    case = CascadeCase(fi, ws, Rng(31 + ps + kv_heads), B, P, S, heads, kv_heads, ps)
+    out = case.run_cascade()
+    plain = case.run_plain()
+    for r in range(B):
+        k = torch.cat([gather_tokens(case.k, case.prefix_pages, P), gather_tokens(case.k, case.suffix_pages_of(r), S)])
+        v = torch.cat([gather_tokens(case.v, case.prefix_pages, P), gather_tokens(case.v, case.suffix_pages_of(r), S)])
+        ref = reference_attention(case.q[r:r + 1], k, v)
+        checks.record(("cascade", ps), f"cascade p{ps} {model} row {r}", out[r:r + 1], ref, 1e-2)
+        checks.record(("cascade", ps), f"plain decode p{ps} {model} row {r}", plain[r:r + 1], ref, 1e-2)
 
 
 # ---------------------------------------------------------------------------------------------
 # Sections
 
 
-def decode_section(fi, ws, args, flush, bw, l2_bytes, budget):
+def decode_section(fi, ws, args, checks, errors, flush, bw, l2_bytes, budget):
     batches, ctxs = ([1, 64, 256], [1024, 4096]) if args.quick else (DECODE_BATCHES, DECODE_CTXS)
     rows = []
     print("\n== decode (BatchDecodeWithPagedKVCacheWrapper, shuffled pages) ==")
@@ -358,6 +389,9 @@ def decode_section(fi, ws, args, flush, bw, l2_bytes, budget):
     for name, heads, kv_heads in DECODE_KINDS:
         for ps in args.page_sizes:
             kind = f"fi_p{ps}_{name}"
+            if not checks.passed(("decode", ps)):
+                print(f"{kind:<11} skipped: its check FAILED")
+                continue
             for b in batches:
                 for c in ctxs:
                     kv_bytes = 2 * b * c * kv_heads * HEAD_DIM * 2
@@ -369,6 +403,9 @@ def decode_section(fi, ws, args, flush, bw, l2_bytes, budget):
                     except torch.cuda.OutOfMemoryError:
                         torch.cuda.empty_cache()
                         print(f"{kind:<11} {b:>6} {c:>6}   skipped: out of memory")
+                        continue
+                    except Exception as e:
+                        report_error(errors, f"{kind} batch {b} ctx {c}", e)
                         continue
                     row["pct_peak"] = 100.0 * row["GBps"] / (bw * 1e-9)
                     flag = "" if row["finite"] else "  NON-FINITE OUTPUT"
@@ -405,46 +442,68 @@ def run_decode_shape(fi, ws, kind, heads, kv_heads, ps, batch, ctx, iters, l2_by
             "finite": finite}
 
 
-def prefill_section(fi, ws, args, backends, gemm_flops):
+def prefill_section(fi, ws, args, checks, errors, gemm_flops):
     chunks = [512, 4096] if args.quick else PREFILL_CHUNKS
     reps = max(10, args.reps)
     rows = []
     print("\n== prefill (BatchPrefillWithPagedKVCacheWrapper, causal, fresh chunks, shuffled pages) ==")
     print(f"{'kind':<16} {'chunk':>6} {'batch':>6} {'time_ms':>10} {'TFLOP/s':>9} {'%gemm':>7}")
     for name, heads, kv_heads in [("gqa", 32, 8), ("mha", 32, 32)]:
-        for backend in backends:
+        for backend in args.backends:
             for ps in args.page_sizes:
                 kind = f"fi_{backend}_p{ps}_{name}"
+                if not checks.passed(("prefill", backend, ps)):
+                    print(f"{kind:<16} skipped: its check FAILED")
+                    continue
                 for chunk in chunks:
-                    batch = PREFILL_TOKENS // chunk
-                    rng = Rng(chunk + kv_heads + ps)
-                    indptr, indices, last, total = paged_table([chunk] * batch, ps, rng)
-                    qo = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * chunk
-                    q = rng.uniform(PREFILL_TOKENS, heads, HEAD_DIM)
-                    k = rng.uniform(total, ps, kv_heads, HEAD_DIM)
-                    v = rng.uniform(total, ps, kv_heads, HEAD_DIM)
-                    w = prefill_wrapper(fi, ws, backend, qo, indptr, indices, last, heads, kv_heads, ps)
-                    out = None
-
-                    def call():
-                        nonlocal out
-                        out = w.run(q, (k, v))
-
-                    for _ in range(WARMUP):
-                        call()
-                    t = statistics.median(timed_calls([call] * reps, lambda: None))
-                    finite = bool(torch.isfinite(out).all().item())
-                    flops = 4.0 * HEAD_DIM * heads * batch * (chunk * (chunk + 1) / 2.0)
-                    row = {"kind": kind, "backend": backend, "page_size": ps, "heads": heads, "kv_heads": kv_heads,
-                           "chunk": chunk, "batch": batch, "time_ms": t * 1e3, "tflops": flops / t / 1e12,
-                           "pct_gemm": 100.0 * flops / t / gemm_flops, "finite": finite}
-                    flag = "" if finite else "  NON-FINITE OUTPUT"
-                    print(f"{kind:<16} {chunk:>6} {batch:>6} {row['time_ms']:>10.3f} {row['tflops']:>9.1f} "
+                    try:
+                        row = run_prefill_shape(fi, ws, kind, backend, ps, heads, kv_heads, chunk, reps)
+                    except Exception as e:
+                        report_error(errors, f"{kind} chunk {chunk}", e)
+                        continue
+                    row["pct_gemm"] = 100.0 * row["tflops"] * 1e12 / gemm_flops
+                    flag = "" if row["finite"] else "  NON-FINITE OUTPUT"
+                    print(f"{kind:<16} {chunk:>6} {row['batch']:>6} {row['time_ms']:>10.3f} {row['tflops']:>9.1f} "
                           f"{row['pct_gemm']:>7.1f}{flag}", flush=True)
                     rows.append(row)
-                    del q, k, v, w, out
-                    torch.cuda.empty_cache()
     return rows
+
+
+def run_prefill_shape(fi, ws, kind, backend, ps, heads, kv_heads, chunk, reps):
+    batch = PREFILL_TOKENS // chunk
+    rng = Rng(chunk + kv_heads + ps)
+    indptr, indices, last, total = paged_table([chunk] * batch, ps, rng)
+    qo = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * chunk
+    q = rng.uniform(PREFILL_TOKENS, heads, HEAD_DIM)
+    k = rng.uniform(total, ps, kv_heads, HEAD_DIM)
+    v = rng.uniform(total, ps, kv_heads, HEAD_DIM)
+    w = prefill_wrapper(fi, ws, backend, qo, indptr, indices, last, heads, kv_heads, ps)
+    out = None
+
+    def call():
+        nonlocal out
+        out = w.run(q, (k, v))
+
+    for _ in range(WARMUP):
+        call()
+    t = statistics.median(timed_calls([call] * reps, lambda: None))
+    finite = bool(torch.isfinite(out).all().item())
+    flops = 4.0 * HEAD_DIM * heads * batch * (chunk * (chunk + 1) / 2.0)
+    del q, k, v, w, out
+    torch.cuda.empty_cache()
+    return {"kind": kind, "backend": backend, "page_size": ps, "heads": heads, "kv_heads": kv_heads, "chunk": chunk,
+            "batch": batch, "time_ms": t * 1e3, "tflops": flops / t / 1e12, "finite": finite}
+
+
+def report_error(errors, what, e):
+    """A configuration FlashInfer refused or failed on: printed, kept for the JSON, exit status 1.
+    A module that would need compiling is not such an error: it ends the run (status 2)."""
+    if type(e).__name__ == "MissingJITCacheError":
+        raise e
+    msg = f"{what}: {type(e).__name__}: {e}"
+    print(f"error: {msg}", flush=True)
+    errors.append(msg)
+    torch.cuda.empty_cache()
 
 
 class CascadeCase:
@@ -485,7 +544,7 @@ class CascadeCase:
         return self.cascade.run(self.q, (self.k, self.v))
 
 
-def cascade_section(fi, ws, args, flush, budget):
+def cascade_section(fi, ws, args, checks, errors, flush, budget):
     if args.quick:
         batches, prefixes, suffixes = [64, 256], [4096, 32768], [64]
     else:
@@ -499,40 +558,54 @@ def cascade_section(fi, ws, args, flush, budget):
           f"{'speedup':>7} | {'max|d|':>8} {'rel':>8}")
     for model, heads, kv_heads in CASCADE_MODELS:
         for ps in args.page_sizes:
+            if not checks.passed(("cascade", ps)):
+                print(f"{model:<9} {ps:>3} skipped: its check FAILED")
+                continue
             for B in batches:
                 for P in prefixes:
                     for S in suffixes:
-                        slots = P + B * S
-                        kv_bytes = 2 * slots * kv_heads * HEAD_DIM * 2
+                        kv_bytes = 2 * (P + B * S) * kv_heads * HEAD_DIM * 2
                         if kv_bytes * 1.05 > budget:
                             print(f"{model:<9} {ps:>3} {B:>4} {P:>6} {S:>5}   skipped: {kv_bytes / 1e9:.1f} GB > 60% "
                                   "of free memory")
                             continue
-                        rng = Rng(B * 7919 + P + S + kv_heads + ps)
-                        case = CascadeCase(fi, ws, rng, B, P, S, heads, kv_heads, ps)
-                        for _ in range(2):
-                            case.run_plain()
-                            case.run_cascade()
-                        plain_out = case.run_plain().float()
-                        casc_out = case.run_cascade().float()
-                        diff = (plain_out - casc_out).abs().max().item()
-                        rel = diff / max(plain_out.abs().max().item(), 1e-30)
-                        good = math.isfinite(diff) and rel <= 2e-2
-                        ok &= good
-                        plain_t = statistics.median(timed_flushed(case.run_plain, reps, flush))
-                        casc_t = statistics.median(timed_flushed(case.run_cascade, reps, flush))
-                        read_bytes = 2.0 * B * (P + S) * kv_heads * HEAD_DIM * 2
-                        row = {"model": model, "heads": heads, "kv_heads": kv_heads, "page_size": ps, "B": B,
-                               "P": P, "S": S, "plain_us": plain_t * 1e6, "plain_GBps": read_bytes / plain_t * 1e-9,
-                               "cascade_us": casc_t * 1e6, "speedup": plain_t / casc_t, "max_abs_diff": diff,
-                               "rel_diff": rel, "ok": good}
+                        try:
+                            row = run_cascade_config(fi, ws, model, heads, kv_heads, ps, B, P, S, reps, flush)
+                        except torch.cuda.OutOfMemoryError:
+                            torch.cuda.empty_cache()
+                            print(f"{model:<9} {ps:>3} {B:>4} {P:>6} {S:>5}   skipped: out of memory")
+                            continue
+                        except Exception as e:
+                            report_error(errors, f"cascade {model} p{ps} B {B} P {P} S {S}", e)
+                            continue
+                        ok &= row["ok"]
                         print(f"{model:<9} {ps:>3} {B:>4} {P:>6} {S:>5} | {row['plain_us']:>9.1f} "
                               f"{row['plain_GBps']:>6.0f} | {row['cascade_us']:>9.1f} {row['speedup']:>6.2f}x | "
-                              f"{diff:>8.1e} {rel:>8.1e}{'' if good else '  MISMATCH'}", flush=True)
+                              f"{row['max_abs_diff']:>8.1e} {row['rel_diff']:>8.1e}"
+                              f"{'' if row['ok'] else '  MISMATCH'}", flush=True)
                         rows.append(row)
-                        del case, plain_out, casc_out
-                        torch.cuda.empty_cache()
     return rows, ok
+
+
+def run_cascade_config(fi, ws, model, heads, kv_heads, ps, B, P, S, reps, flush):
+    case = CascadeCase(fi, ws, Rng(B * 7919 + P + S + kv_heads + ps), B, P, S, heads, kv_heads, ps)
+    for _ in range(2):
+        case.run_plain()
+        case.run_cascade()
+    plain_out = case.run_plain().float()
+    casc_out = case.run_cascade().float()
+    diff = (plain_out - casc_out).abs().max().item()
+    rel = diff / max(plain_out.abs().max().item(), 1e-30)
+    del plain_out, casc_out
+    plain_t = statistics.median(timed_flushed(case.run_plain, reps, flush))
+    casc_t = statistics.median(timed_flushed(case.run_cascade, reps, flush))
+    del case
+    torch.cuda.empty_cache()
+    read_bytes = 2.0 * B * (P + S) * kv_heads * HEAD_DIM * 2  # every row's K and V
+    return {"model": model, "heads": heads, "kv_heads": kv_heads, "page_size": ps, "B": B, "P": P, "S": S,
+            "plain_us": plain_t * 1e6, "plain_GBps": read_bytes / plain_t * 1e-9, "cascade_us": casc_t * 1e6,
+            "speedup": plain_t / casc_t, "max_abs_diff": diff, "rel_diff": rel,
+            "ok": math.isfinite(diff) and rel <= 2e-2}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -594,12 +667,12 @@ def run(args):
     loaded = load_modules(fi, missing_error, required, optional)
     args.backends = [b for b in PREFILL_BACKENDS if b in loaded and (b in wanted or b in optional)]
     try:
-        return measure(fi, args)
+        return measure(fi, args, missing_error)
     except missing_error as e:  # a module nobody loaded up front (a path this script did not foresee)
         raise Unavailable(f"a kernel module would need compiling: {e}") from None
 
 
-def measure(fi, args):
+def measure(fi, args, missing_error):
     props = torch.cuda.get_device_properties(0)
     l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
     flush_buf = torch.empty(max(4 * l2_bytes, 256 << 20), dtype=torch.uint8, device="cuda")
@@ -611,16 +684,14 @@ def measure(fi, args):
     checks = Checks()
     print(f"device: {props.name} ({props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"flashinfer {fi.__version__})")
-    if "decode" in args.sections or "cascade" in args.sections:
-        check_decode(fi, ws, checks, args.page_sizes)
+    if "decode" in args.sections:
+        check_decode(fi, ws, checks, args.page_sizes, missing_error)
     if "prefill" in args.sections:
-        check_prefill(fi, ws, checks, args.page_sizes, args.backends)
+        check_prefill(fi, ws, checks, args.page_sizes, args.backends, missing_error)
     if "cascade" in args.sections:
-        check_cascade(fi, ws, checks, args.page_sizes)
-    if not checks.ok:
-        print("flashinfer_baseline: FlashInfer's output differs from the float reference; nothing timed",
-              file=sys.stderr)
-        return 1
+        check_cascade(fi, ws, checks, args.page_sizes, missing_error)
+    for key, why in checks.failed.items():
+        print(f"CHECK FAILED, not timed: {' '.join(map(str, key))}: {why}", file=sys.stderr, flush=True)
 
     bw, bw_bytes = read_bandwidth(flush)
     gemm_flops, gemm_t = gemm_rate()
@@ -631,20 +702,26 @@ def measure(fi, args):
     result = {"device": props.name, "torch": torch.__version__, "flashinfer": fi.__version__,
               "read_bandwidth_GBps": bw * 1e-9, "gemm_tflops": gemm_flops / 1e12, "iters": args.iters,
               "reps": args.reps, "cascade_reps": args.cascade_reps, "page_sizes": args.page_sizes,
-              "checks": checks.rows}
-    status = 0
+              "checks": checks.rows, "failed_checks": {" ".join(map(str, k)): v for k, v in checks.failed.items()},
+              "errors": []}
+    status = 1 if checks.failed else 0
     if "decode" in args.sections:
-        result["decode"] = decode_section(fi, ws, args, flush, bw, l2_bytes, budget)
+        result["decode"] = decode_section(fi, ws, args, checks, result["errors"], flush, bw, l2_bytes, budget)
         status |= 0 if all(r["finite"] for r in result["decode"]) else 1
     if "prefill" in args.sections:
-        result["prefill"] = prefill_section(fi, ws, args, args.backends, gemm_flops)
+        result["prefill"] = prefill_section(fi, ws, args, checks, result["errors"], gemm_flops)
         status |= 0 if all(r["finite"] for r in result["prefill"]) else 1
     if "cascade" in args.sections:
-        result["cascade"], ok = cascade_section(fi, ws, args, flush, budget)
+        result["cascade"], ok = cascade_section(fi, ws, args, checks, result["errors"], flush, budget)
         status |= 0 if ok else 1
+    status |= 1 if result["errors"] else 0
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    for key, why in checks.failed.items():
+        print(f"CHECK FAILED, not timed: {' '.join(map(str, key))}: {why}", file=sys.stderr)
+    for e in result["errors"]:
+        print(f"ERROR: {e}", file=sys.stderr)
     return status
 
 
