@@ -4,7 +4,12 @@
 # of the first and last 5 minutes, memory growth after warm-up and stuck requests, and exits
 # non-zero when a target is missed (scripts/soak_client.py states them).
 # Usage: scripts/soak.sh [MINUTES]   (TANDEM=path/to/tandem, RATE=requests/s, DEPLOY=yaml,
-#        MEMORY_RANKS=n to change the defaults: build/tandem, 4, deploy/examples/cpu.yaml, 2)
+#        MEMORY_RANKS=n, KV_TOKENS=n to change the defaults: build/tandem, 4,
+#        deploy/examples/cpu.yaml, 2, 2048)
+# KV_TOKENS is small on purpose: a CPU memory rank leaves its KV pool's pages untouched until a slot
+# is first used (cpu_attention_executor.cc), so a pool that the load fills only slowly grows the
+# rank's RSS for the whole run and hides what the memory check is for; 2048 slots are all in use
+# (running requests plus the prefix registry) within the warm-up window.
 set -euo pipefail
 minutes="${1:-30}"
 src="$(cd "$(dirname "$0")/.." && pwd)"
@@ -15,7 +20,7 @@ tmp="$(mktemp -d /tmp/tandem-soak.XXXXXX)"
 key="soak-$RANDOM$RANDOM"
 "$tandem" serve --deploy "$deploy" --model small --ready-file "$tmp/ready" \
   --set memory.ranks="${MEMORY_RANKS:-2}" --set launch.run_dir="$tmp/run" --set api.port=0 \
-  --set api.key="$key" --set api.served_model_name=soak --set kv.capacity_tokens=16384 \
+  --set api.key="$key" --set api.served_model_name=soak --set kv.capacity_tokens="${KV_TOKENS:-2048}" \
   --set scheduler.max_batch_size=16 >"$tmp/serve.log" 2>&1 &
 serve=$!
 cleanup() { kill -TERM "$serve" 2>/dev/null || true; wait "$serve" 2>/dev/null || true; }
