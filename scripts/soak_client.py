@@ -161,6 +161,9 @@ class Soak:
         with self.lock:
             stuck |= set(self.inflight)
         samples.append((time.monotonic() - self.t0, {name_of(p): rss_kib(p) for p in descendants(a.pid)}))
+        if a.samples_out:
+            with open(a.samples_out, "w") as f:
+                json.dump([{"s": round(s, 1), "rss_kib": m} for s, m in samples], f)
         return self.report(samples, stuck)
 
     def report(self, samples, stuck):
@@ -225,6 +228,7 @@ def main():
     ap.add_argument("--stuck-s", type=float, default=60.0)
     ap.add_argument("--sample-s", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--samples-out", help="write every RSS sample (seconds, KiB per process) here as JSON")
     sys.exit(Soak(ap.parse_args()).run())
 
 
