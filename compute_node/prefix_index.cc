@@ -127,6 +127,14 @@ int32_t PrefixIndex::Insert(std::span<const int32_t> tokens, int64_t index, int3
     Touch(found);
     return found;
   }
+  const int32_t id = NewBlock(hash, parent, block, /*resident=*/true);
+  if (parent >= 0) ++blocks_[static_cast<size_t>(parent)].resident_children;
+  ++unused_blocks_;
+  stats_.tokens_held += block_tokens_;
+  return id;
+}
+
+int32_t PrefixIndex::NewBlock(uint64_t hash, int32_t parent, std::span<const int32_t> tokens, bool resident) {
   int32_t id;
   if (free_ids_.empty()) {
     id = static_cast<int32_t>(blocks_.size());
@@ -142,18 +150,13 @@ int32_t PrefixIndex::Insert(std::span<const int32_t> tokens, int64_t index, int3
   b.resident_children = 0;
   b.users = 0;
   b.live = true;
-  b.resident = true;
-  b.tokens.assign(block.begin(), block.end());
+  b.resident = resident;
+  b.tokens.assign(tokens.begin(), tokens.end());
   b.last_used = ++tick_;
   b.lru_it = lru_.insert(lru_.end(), id);
   by_hash_.emplace(hash, id);
-  if (parent >= 0) {
-    ++blocks_[static_cast<size_t>(parent)].num_children;
-    ++blocks_[static_cast<size_t>(parent)].resident_children;
-  }
-  ++unused_blocks_;
+  if (parent >= 0) ++blocks_[static_cast<size_t>(parent)].num_children;
   ++stats_.blocks;
-  stats_.tokens_held += block_tokens_;
   return id;
 }
 
@@ -220,28 +223,7 @@ int32_t PrefixIndex::AddDemoted(uint64_t hash, uint64_t parent_hash, std::span<c
     return -1;
   const int32_t parent = parent_hash == kSeed ? -1 : FindHash(parent_hash);
   if (parent_hash != kSeed && parent < 0) return -1;
-  int32_t id;
-  if (free_ids_.empty()) {
-    id = static_cast<int32_t>(blocks_.size());
-    blocks_.emplace_back();
-  } else {
-    id = free_ids_.back();
-    free_ids_.pop_back();
-  }
-  Block& b = blocks_[static_cast<size_t>(id)];
-  b.hash = hash;
-  b.parent = parent;
-  b.num_children = 0;
-  b.resident_children = 0;
-  b.users = 0;
-  b.live = true;
-  b.resident = false;
-  b.tokens.assign(tokens.begin(), tokens.end());
-  b.last_used = ++tick_;
-  b.lru_it = lru_.insert(lru_.end(), id);
-  by_hash_.emplace(hash, id);
-  if (parent >= 0) ++blocks_[static_cast<size_t>(parent)].num_children;
-  ++stats_.blocks;
+  NewBlock(hash, parent, tokens, /*resident=*/false);
   ++stats_.demoted;
   TrimDemoted();
   return FindHash(hash);

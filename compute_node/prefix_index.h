@@ -153,6 +153,9 @@ class PrefixIndex {
 
   // Id of the registered block with this hash, or -1.
   int32_t FindHash(uint64_t hash) const;
+  // Takes a free id and fills it as a new block without users, counted in stats_.blocks and in the
+  // parent's children; the caller does the resident accounting. Returns the id.
+  int32_t NewBlock(uint64_t hash, int32_t parent, std::span<const int32_t> tokens, bool resident);
   void Touch(int32_t id);
   void Remove(int32_t id);
   // One least-recently-used pass of Evict; blocks with keep[id] set are skipped (keep may be empty).

@@ -34,18 +34,11 @@
 namespace tandem::kernels::cuda {
 namespace {
 
+using ::tandem::testing_gpu::Bf16Ulp;
 using ::tandem::testing_gpu::GuardedBuffer;
 using ::tandem::testing_gpu::RandomBf16;
 using ::tandem::testing_gpu::ToFloat;
 using bf16 = __nv_bfloat16;
-
-double Bf16Ulp(float x) {
-  const double a = std::abs(static_cast<double>(x));
-  if (a < static_cast<double>(std::numeric_limits<float>::min())) return std::ldexp(1.0, -133);
-  int e = 0;
-  std::frexp(a, &e);
-  return std::ldexp(1.0, e - 8);
-}
 
 struct Case {
   int64_t m, n, k;

@@ -43,6 +43,7 @@
 namespace tandem::kernels::cuda {
 namespace {
 
+using ::tandem::testing_gpu::Bf16Ulp;
 using ::tandem::testing_gpu::GuardedBuffer;
 using ::tandem::testing_gpu::RandomBf16;
 using ::tandem::testing_gpu::ToFloat;
@@ -59,15 +60,6 @@ std::vector<float> RandomFloats(std::mt19937& rng, int64_t n, float lo, float hi
   std::vector<float> v(static_cast<size_t>(n));
   for (float& x : v) x = u(rng);
   return v;
-}
-
-// One unit in the last place of a bf16 value of magnitude |x| (8 significant bits).
-double Bf16Ulp(float x) {
-  const double a = std::abs(static_cast<double>(x));
-  if (a < static_cast<double>(std::numeric_limits<float>::min())) return std::ldexp(1.0, -133);
-  int e = 0;
-  std::frexp(a, &e);  // a in [2^(e-1), 2^e)
-  return std::ldexp(1.0, e - 8);
 }
 
 // got[i] within tol(want[i]) of want[i] for every i (NaN fails); reports the first few misses.

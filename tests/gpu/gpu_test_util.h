@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -111,6 +112,15 @@ inline __nv_bfloat16 FromBits(uint16_t b) {
   return __nv_bfloat16(r);
 }
 inline float ToFloat(__nv_bfloat16 v) { return Bf16ToFloat(BitsOf(v)); }
+
+// One unit in the last place of a bf16 value of magnitude |x| (8 significant bits).
+inline double Bf16Ulp(float x) {
+  const double a = std::abs(static_cast<double>(x));
+  if (a < static_cast<double>(std::numeric_limits<float>::min())) return std::ldexp(1.0, -133);
+  int e = 0;
+  std::frexp(a, &e);  // a in [2^(e-1), 2^e)
+  return std::ldexp(1.0, e - 8);
+}
 inline __nv_bfloat16 ToBf16(float f) { return FromBits(FloatToBf16(f)); }
 
 // Random bf16 values in [lo, hi) and their exact fp32 values (for the CPU reference).
