@@ -52,7 +52,8 @@
 //                          [--checksums 1] [--shared-gpu 0|1] [--partition request|head]
 //                          [--pipeline-batches 1,2]
 // --compute-ranks C > 1 puts compute ranks on cuda:0 .. cuda:C-1 (replicas 1.. as `tandem compute
-// --replica` processes; pipeline.mode fixed) and the memory ranks after them.
+// --replica` processes; pipeline.mode fixed, or rotational with --slice-layers N > 0) and the
+// memory ranks after them.
 // --pipeline-batches runs every transport once per value: 1 runs steps whole, N > 1 with
 // pipeline.mode pingpong over N micro-batches (the row's transport reads "p2p/pp2"). In a pingpong
 // row the attention phase is only the compute rank's wait for attention (the rest overlaps its
@@ -118,7 +119,7 @@ constexpr const char* kUsage =
     "                         [--json PATH] [--tandem PATH] [--run-timeout S] [--startup-timeout S]\n"
     "                         [--checksums 0|1] [--max-tokens-per-step N] [--cuda-graphs 0|1]\n"
     "                         [--shared-gpu 0|1] [--partition request|head] [--pipeline-batches 1,2]\n"
-    "                         [--compute-ranks 1]\n"
+    "                         [--compute-ranks 1] [--slice-layers 0]\n"
     "Decode step time of a deployment (compute rank on cuda:0, memory ranks on cuda:1..) per\n"
     "transport, split into compute, attention, exchange and idle, beside the colocated engine.\n"
     "  --model            preset name (random weights, seed 0) or checkpoint directory\n"
@@ -134,6 +135,8 @@ constexpr const char* kUsage =
     "  --compute-ranks    compute ranks (cuda:0 .. cuda:C-1; memory ranks after them): C > 1 runs\n"
     "                     pipeline.mode fixed with compute replicas, for --pipeline-batches values >= C\n"
     "                     (rows \"TRANSPORT/CcNb\"; default 1)\n"
+    "  --slice-layers     with --compute-ranks > 1: N > 0 runs pipeline.mode rotational, slices of N layers\n"
+    "                     moving round the compute ranks (rows \"TRANSPORT/CcNbrN\"); 0 (default) fixed\n"
     "  --json             also write the rows as a JSON array to PATH\n"
     "  --tandem           the tandem executable that runs the memory ranks\n"
     "  --run-timeout      wall limit of one (transport, batch, context) run, seconds (600)\n"
@@ -411,6 +414,7 @@ struct Settings {
   tandem::AttentionPartition partition = tandem::AttentionPartition::kRequest;
   int micro_batches = 1;  // pipeline.batches (1: pipeline.mode none)
   int compute_ranks = 1;  // compute.ranks: replicas 1.. as `tandem compute --replica` processes
+  int slice_layers = 0;   // pipeline.slice_layers of pipeline.mode rotational; 0: fixed
   std::string model;      // what the replicas load (model.path, weight seed 0)
 };
 
@@ -476,7 +480,9 @@ absl::Status StartDeployment(const tandem::WeightSource& source, transport::Tran
                           << "\n  cuda_graphs: " << (s.cuda_graphs ? "true" : "false")
                           << "\nmemory:\n  ranks: " << s.memory_ranks
                           << "\n  partition: " << tandem::AttentionPartitionName(s.partition)
-                          << "\npipeline:\n  mode: fixed\n  batches: " << s.micro_batches
+                          << "\npipeline:\n  mode: " << (s.slice_layers > 0 ? "rotational" : "fixed")
+                          << "\n  slice_layers: " << std::max(1, s.slice_layers)
+                          << "\n  batches: " << s.micro_batches
                           << "\nscheduler:\n  max_batch_size: " << s.max_batch
                           << "\n  max_tokens_per_step: " << s.max_tokens
                           << "\ntransport:\n  checksums: " << (s.checksums ? "true" : "false")
@@ -516,6 +522,7 @@ absl::Status StartDeployment(const tandem::WeightSource& source, transport::Tran
   o.cuda_graphs = s.cuda_graphs;
   o.partition = s.partition;
   o.micro_batches = s.micro_batches;
+  o.slice_layers = s.compute_ranks > 1 ? s.slice_layers : 0;
   o.startup_timeout = absl::Seconds(s.startup_s);
   o.step_timeout = absl::Seconds(s.step_timeout_s);
   std::fprintf(stderr, "  loading the weights on cuda:0 and connecting to %d memory rank(s)\n",
@@ -576,7 +583,7 @@ int main(int argc, char** argv) {
   std::string model = "llama3-8b", json_path, tandem_binary = TANDEM_BINARY_DEFAULT;
   std::string transports_flag = "ucx,p2p,nccl";
   std::vector<int64_t> batches = {64, 256}, contexts = {1024, 4096}, pipeline_batches = {1};
-  int64_t decode_tokens = 16, memory_ranks = 1, max_tokens_flag = 0, compute_ranks = 1;
+  int64_t decode_tokens = 16, memory_ranks = 1, max_tokens_flag = 0, compute_ranks = 1, slice_layers = 0;
   double run_timeout_s = 600, startup_s = 600;
   bool checksums = true, cuda_graphs = false, shared_gpu = false;
   tandem::AttentionPartition partition = tandem::AttentionPartition::kRequest;
@@ -615,6 +622,9 @@ int main(int argc, char** argv) {
     } else if (k == "--decode-tokens") {
       if (!absl::SimpleAtoi(v, &decode_tokens) || decode_tokens < 2)
         st = absl::InvalidArgumentError(absl::StrCat(k, ": '", v, "' is not an integer >= 2"));
+    } else if (k == "--slice-layers") {
+      if (!absl::SimpleAtoi(v, &slice_layers) || slice_layers < 0 || slice_layers > 1 << 16)
+        st = absl::InvalidArgumentError(absl::StrCat(k, ": '", v, "' is not an integer in [0, 65536]"));
     } else if (k == "--compute-ranks") {
       if (!absl::SimpleAtoi(v, &compute_ranks) || compute_ranks < 1 || compute_ranks > 8)
         st = absl::InvalidArgumentError(absl::StrCat(k, ": '", v, "' is not an integer in [1, 8]"));
@@ -815,6 +825,7 @@ int main(int argc, char** argv) {
                     .partition = partition,
                     .micro_batches = 1,
                     .compute_ranks = static_cast<int>(compute_ranks),
+                    .slice_layers = static_cast<int>(slice_layers),
                     .model = model};
   transport::RankLayout layout{.compute_device = 0};
   for (int m = 0; m < memory_ranks; ++m) layout.memory_devices.push_back(MemoryDevice(settings, m));
@@ -828,7 +839,8 @@ int main(int argc, char** argv) {
     settings.micro_batches = runs[k].second;
     const std::string name =
         absl::StrCat(transport::TransportKindName(kind),
-                     compute_ranks > 1 ? absl::StrCat("/", compute_ranks, "c", runs[k].second, "b")
+                     compute_ranks > 1 ? absl::StrCat("/", compute_ranks, "c", runs[k].second, "b",
+                                                      slice_layers > 0 ? absl::StrCat("r", slice_layers) : "")
                                        : (runs[k].second > 1 ? absl::StrCat("/pp", runs[k].second) : ""));
     std::string skip;
     if (!transport::TransportBuilt(kind)) {

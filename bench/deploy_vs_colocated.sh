@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The disaggregated runtime on one GPU (deploy/examples/gpu.yaml: compute rank 0 with its memory
-# rank as a thread, transport local; also p2p between processes and the head partition) against
-# the colocated CUDA engine: the same tokens, then tokens/s.
+# rank as a thread, transport local; also p2p between processes, the head partition, and the
+# pipeline modes) against the colocated CUDA engine: the same tokens, then tokens/s.
 # Usage: bench/deploy_vs_colocated.sh path/to/tandem OUTDIR
+# (ONLY=REGEX runs the equality cases whose names match; SPECS="" skips the throughput runs.)
 set -uo pipefail
 TANDEM=${1:?usage: deploy_vs_colocated.sh TANDEM OUTDIR}
 out=${2:?usage: deploy_vs_colocated.sh TANDEM OUTDIR}
@@ -23,6 +24,7 @@ for i in range(24):
 PY
 same() {  # same NAME ARGS...: deploy vs colocated, identical JSON output expected (DEPLOY_SETS: deployment only)
   local name=$1; shift
+  [[ "$name" =~ ${ONLY:-.} ]] || return 0  # ONLY: a regex of the cases to run
   # shellcheck disable=SC2086
   timeout "$LIMIT" "$TANDEM" generate --deploy "$src/deploy/examples/gpu.yaml" "$@" ${DEPLOY_SETS:-} --json --logprobs --set launch.run_dir="$out/run-$name" \
     >"$name.deploy.json" 2>"$name.deploy.err" || { echo "FAIL $name: deploy run failed: $(tail -3 "$name.deploy.err")"; fail=1; return; }
@@ -65,6 +67,15 @@ DEPLOY_SETS="--set compute.ranks=2 --set pipeline.mode=fixed --set transport.kin
 DEPLOY_SETS="--set compute.ranks=2 --set pipeline.mode=fixed --set pipeline.batches=3 --set transport.kind=p2p \
   --set memory.ranks=2" same llama3-gqa-tied-fixed2-p2p --model "$src/tests/data/reference/llama3-gqa-tied" \
   --prompts-file mixed.jsonl
+# The rotational pipeline (layer slices moving round a ring of compute ranks), processes on the
+# same GPU: the device path over p2p, the host-staged path over ucx, and 3 compute ranks.
+DEPLOY_SETS="--set compute.ranks=2 --set pipeline.mode=rotational --set pipeline.batches=3 --set transport.kind=p2p" \
+  same small-rotational2-p2p --model small --prompts-file mixed.jsonl
+DEPLOY_SETS="--set compute.ranks=2 --set pipeline.mode=rotational --set pipeline.batches=3 --set transport.kind=ucx" \
+  same small-rotational2-ucx --model small --prompts-file mixed.jsonl
+DEPLOY_SETS="--set compute.ranks=3 --set pipeline.mode=rotational --set pipeline.batches=4 --set pipeline.slice_layers=2 \
+  --set transport.kind=p2p --set memory.ranks=2" same llama3-gqa-tied-rotational3-p2p \
+  --model "$src/tests/data/reference/llama3-gqa-tied" --prompts-file mixed.jsonl
 unset TOL
 # Throughput: B requests of P prompt tokens, G generated tokens each (ignore EOS).
 IFS=';' read -r -a specs <<<"$SPECS"

@@ -22,7 +22,9 @@
 #            GPU count allows (MODEL, BATCHES, CONTEXTS override), each with pipeline.mode none
 #            and pingpong over 2 and 4 micro-batches (PIPELINE_BATCHES overrides "1,2,4"; nccl
 #            runs pingpong never: it refuses it); from 3 GPUs also compute replicas (fixed: 2 compute
-#            GPUs, the rest memory GPUs; FIXED_BATCHES overrides "2,4")
+#            GPUs, the rest memory GPUs; FIXED_BATCHES overrides "2,4") and the rotational pipeline
+#            (2 compute GPUs and 3 micro-batches, ROTATIONAL_BATCHES overrides; from 4 GPUs also 3
+#            compute GPUs and 4 micro-batches; slices of SLICE_LAYERS layers, default 1)
 set -uo pipefail
 out=${1:?usage: run_gpu_suite.sh OUTDIR [tests] [kernels] [engine] [hf]}
 shift
@@ -103,6 +105,13 @@ for what in "$@"; do
         # Compute replicas (pipeline.mode fixed): 2 compute GPUs, the rest memory GPUs.
         run_steps fixed_2_compute --transports p2p --compute-ranks 2 --memory-ranks $((gpus - 2)) \
           --pipeline-batches "${FIXED_BATCHES:-2,4}"
+        # The rotational pipeline, the paper's layout: 3 micro-batches on 2 compute GPUs.
+        run_steps rotational_2_compute --transports p2p --compute-ranks 2 --memory-ranks $((gpus - 2)) \
+          --slice-layers "${SLICE_LAYERS:-1}" --pipeline-batches "${ROTATIONAL_BATCHES:-3}"
+      fi
+      if [ "$gpus" -ge 4 ]; then
+        run_steps rotational_3_compute --transports p2p --compute-ranks 3 --memory-ranks $((gpus - 3)) \
+          --slice-layers "${SLICE_LAYERS:-1}" --pipeline-batches 4
       fi
       if [ "$gpus" -ge 4 ]; then
         run_steps four_gpus_request --transports p2p --memory-ranks 3 --pipeline-batches "$pp"

@@ -192,6 +192,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
   o.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks");
   o.heartbeat = absl::Seconds(c.GetDouble("launch.heartbeat_s"));
   o.micro_batches = PipelineMicroBatches(c);
+  o.slice_layers = PipelineSliceLayers(c);
   if (!a.replicas.empty()) o.replica_addresses = absl::StrSplit(a.replicas, ',');
   if (a.replica > 0) {
     // A compute replica: it runs the micro-batches compute rank 0 hands it, until bye.

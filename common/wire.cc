@@ -154,7 +154,8 @@ absl::StatusOr<absl::Span<const uint8_t>> Unframe(absl::Span<const uint8_t> fram
     return absl::InvalidArgumentError(absl::StrCat(
         ToAbsl(what), ": version ", version, " at byte offset 4 is older than the supported version ",
         kWireVersion,
-        " (versions 2 to 4 changed the hello, step plan and replica result layouts; 5 added the heartbeat)"));
+        " (versions 2 to 4 changed the hello, step plan and replica result layouts; 5 added the heartbeat; "
+        "6 the rotational pipeline's hello field and messages)"));
   }
   ASSIGN_OR_RETURN(uint16_t header_bytes, r.U16("header_bytes"));
   if (header_bytes != kFrameHeaderBytes) {
@@ -469,9 +470,10 @@ absl::Status ValidateStepPlan(const StepPlan& plan) {
 absl::Status ValidateLayerMessageHeader(const LayerMessageHeader& h) {
   const auto kind = static_cast<uint8_t>(h.kind);
   if (kind != static_cast<uint8_t>(LayerMessageKind::kQkv) &&
-      kind != static_cast<uint8_t>(LayerMessageKind::kAttnOut)) {
+      kind != static_cast<uint8_t>(LayerMessageKind::kAttnOut) &&
+      kind != static_cast<uint8_t>(LayerMessageKind::kResidual)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("layer message header: kind ", kind, " must be 1 (qkv) or 2 (attn_out)"));
+        absl::StrCat("layer message header: kind ", kind, " must be 1 (qkv), 2 (attn_out) or 3 (residual)"));
   }
   RETURN_IF_ERROR(CheckDType(h.dtype, "layer message header"));
   if (h.row_bytes % DTypeSize(h.dtype) != 0) {
@@ -756,6 +758,10 @@ absl::Status ValidateHello(const HelloMessage& h) {
   if (h.compute_ranks < 1 || h.compute_ranks > h.lanes) {
     return bad("compute_ranks ", int{h.compute_ranks}, " must be in [1, lanes ", int{h.lanes}, "]");
   }
+  if (h.slice_layers > h.num_layers || (h.slice_layers > 0 && h.compute_ranks < 2)) {
+    return bad("slice_layers ", h.slice_layers, " must be 0 or in [1, num_layers ", h.num_layers,
+               "] with compute_ranks >= 2 (compute_ranks ", int{h.compute_ranks}, ")");
+  }
   const auto partition = static_cast<uint8_t>(h.partition);
   uint64_t begin = 0, end = h.num_kv_heads;  // the slice the partition gives this rank
   if (h.partition == AttentionPartition::kHead) {
@@ -862,6 +868,8 @@ std::vector<uint8_t> EncodeHello(const HelloMessage& h) {
   w.U8(h.compute_ranks);
   w.U32(h.kv_head_begin);
   w.U32(h.kv_head_end);
+  w.U16(h.slice_layers);
+  w.Zeros(6);
   return Frame(kHelloMagic, body);
 }
 
@@ -892,6 +900,8 @@ absl::StatusOr<HelloMessage> DecodeHello(absl::Span<const uint8_t> frame) {
   ASSIGN_OR_RETURN(h.compute_ranks, r.U8("compute_ranks"));
   ASSIGN_OR_RETURN(h.kv_head_begin, r.U32("kv_head_begin"));
   ASSIGN_OR_RETURN(h.kv_head_end, r.U32("kv_head_end"));
+  ASSIGN_OR_RETURN(h.slice_layers, r.U16("slice_layers"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 6));
   // Enum values are checked by ValidateHello before any use as an enum.
   h.dtype = static_cast<DType>(dtype);
   h.partition = static_cast<AttentionPartition>(partition);
@@ -1160,6 +1170,36 @@ absl::StatusOr<RestoreReplyMessage> DecodeRestoreReply(absl::Span<const uint8_t>
   return m;
 }
 
+std::vector<uint8_t> EncodeReplicaRing(const ReplicaRingMessage& m) {
+  TANDEM_CHECK_MSG(m.next_address.size() <= kMaxAddressBytes, "replica ring address of ",
+                   m.next_address.size(), " bytes exceeds ", kMaxAddressBytes);
+  std::vector<uint8_t> body;
+  body.reserve(kReplicaRingFixedBytes + m.next_address.size());
+  Writer w(&body);
+  w.U16(static_cast<uint16_t>(m.next_address.size()));
+  w.Zeros(6);
+  body.insert(body.end(), m.next_address.begin(), m.next_address.end());
+  return Frame(kReplicaRingMagic, body);
+}
+
+absl::StatusOr<ReplicaRingMessage> DecodeReplicaRing(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "replica ring";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kReplicaRingMagic, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  ASSIGN_OR_RETURN(const uint16_t bytes, r.U16("address_bytes"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 6));
+  RETURN_IF_ERROR(CheckRest(r, bytes, kWhat, "address_bytes", bytes, "next_address"));
+  if (bytes > kMaxAddressBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("replica ring: address_bytes ", bytes, " must be <= ", kMaxAddressBytes));
+  }
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> address, r.Bytes("next_address", bytes));
+  ReplicaRingMessage m;
+  m.next_address.assign(address.begin(), address.end());
+  RETURN_IF_ERROR(CheckNoNul(m.next_address, "replica ring", "next_address"));
+  return m;
+}
+
 absl::StatusOr<ComputeHelloMessage> DecodeComputeHello(absl::Span<const uint8_t> frame) {
   constexpr std::string_view kWhat = "compute hello";
   ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kComputeHelloMagic, kWhat));
@@ -1333,6 +1373,7 @@ absl::StatusOr<uint32_t> PeekFrameMagic(absl::Span<const uint8_t> frame) {
     case kRestoreReplyMagic:
     case kHeartbeatMagic:
     case kHeartbeatReplyMagic:
+    case kReplicaRingMagic:
       return magic;
     default:
       return absl::InvalidArgumentError(

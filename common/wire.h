@@ -28,7 +28,8 @@
 //                                 'T','D','R','T' restore reply        0x54524454
 //                                 'T','D','H','B' heartbeat            0x42484454
 //                                 'T','D','H','A' heartbeat reply      0x41484454
-//        4     2  version       u16, kWireVersion (5); a newer one decodes as Unimplemented, an
+//                                 'T','D','R','G' replica ring         0x47524454
+//        4     2  version       u16, kWireVersion (6); a newer one decodes as Unimplemented, an
 //                               older one as InvalidArgument (one build runs every rank).
 //                               Version 2 added the hello's partition and KV head slice (its
 //                               body grew from 56 to 64 bytes); version 3 the step plan's
@@ -38,9 +39,11 @@
 //                               alternatives, the step plan's restores (KV tiers: restore_count
 //                               in the fixed part's last 4 bytes, reserved before, and the
 //                               PrefixRestore records after the evictions) and the restore reply;
-//                               version 5 the heartbeat and its reply; the other layouts are
-//                               unchanged
-//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 5
+//                               version 5 the heartbeat and its reply; version 6 the hello's
+//                               slice_layers (its body grew from 64 to 72 bytes), the
+//                               layer message kind 3 (residual) and the replica ring; the
+//                               other layouts are unchanged
+//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 6
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
 //
@@ -141,12 +144,12 @@
 //       28     4  rows            u32
 //       32     4  row_bytes       u32  a multiple of DTypeSize(dtype)
 //       36     4  payload_crc32c  u32  Crc32c() of the payload that follows the frame
-//       40     1  kind            u8   LayerMessageKind: 1 (kQkv) or 2 (kAttnOut)
+//       40     1  kind            u8   LayerMessageKind: 1 (kQkv), 2 (kAttnOut), 3 (kResidual)
 //       41     1  dtype           u8   tandem::DType: 0 (f32), 1 (f16), 2 (bf16)
 //       42     6  reserved        must be 0
 //
-// Hello body (compute rank -> memory rank, the first message on a connection; 64 bytes, a whole
-// frame is 80 bytes):
+// Hello body (compute rank -> memory rank, the first message on a connection; 72 bytes, a whole
+// frame is 88 bytes):
 //
 //   offset  size  field                  notes
 //   ------  ----  ---------------------  -------------------------------------------------------
@@ -188,6 +191,12 @@
 //                                             partition: num_kv_heads a multiple of
 //                                             num_memory_ranks and exactly [m·Hkv/M, (m+1)·Hkv/M)
 //                                             for m = memory_rank, M = num_memory_ranks
+//       64     2  slice_layers           u16  0: lane j stays on compute rank j % compute_ranks;
+//                                             else pipeline.mode rotational, in [1, num_layers]
+//                                             with compute_ranks >= 2: lane j's output of layer l
+//                                             goes to compute rank (j + l / slice_layers) %
+//                                             compute_ranks (common/pipeline_schedule.h)
+//       66     6  reserved               must be 0
 //
 // Hello reply body (memory rank -> compute rank; body_bytes = 18 + device_bytes;
 // kv_capacity_tokens counts tokens of the rank's KV head slice, which under the head partition
@@ -298,7 +307,7 @@
 
 namespace tandem {
 
-inline constexpr uint16_t kWireVersion = 5;
+inline constexpr uint16_t kWireVersion = 6;
 inline constexpr uint32_t kStepPlanMagic = 0x50534454;      // "TDSP" on the wire
 inline constexpr uint32_t kLayerMessageMagic = 0x4d4c4454;  // "TDLM" on the wire
 inline constexpr size_t kFrameHeaderBytes = 16;
@@ -327,13 +336,16 @@ inline constexpr size_t kComputeHelloBodyBytes = 8;           // compute hello b
 inline constexpr size_t kReplicaStepFixedBytes = 8;           // replica step body before the tokens
 inline constexpr size_t kReplicaResultFixedBytes = 16;        // replica result body before the tokens
 inline constexpr size_t kMaxMicroBatches = 8;                 // pipeline.batches at most
-inline constexpr size_t kHelloBodyBytes = 64;                 // hello body
+inline constexpr size_t kHelloBodyBytes = 72;                 // hello body
 inline constexpr size_t kHelloReplyFixedBytes = 18;           // hello reply body before the device
 inline constexpr size_t kReleaseFixedBytes = 16;              // release body before the request ids
 inline constexpr size_t kErrorFixedBytes = 8;                 // error body before the message
 inline constexpr size_t kByeBodyBytes = 8;                    // bye body
 inline constexpr size_t kStatsRequestBodyBytes = 8;           // stats request body
 inline constexpr size_t kMemoryStatsBodyBytes = 32;           // memory stats body
+inline constexpr uint32_t kReplicaRingMagic = 0x47524454;     // "TDRG" on the wire
+inline constexpr size_t kReplicaRingFixedBytes = 8;           // replica ring body before the address
+inline constexpr size_t kMaxAddressBytes = 1024;              // ReplicaRingMessage::next_address
 inline constexpr uint32_t kHeartbeatMagic = 0x42484454;       // "TDHB" on the wire
 inline constexpr uint32_t kHeartbeatReplyMagic = 0x41484454;  // "TDHA" on the wire
 inline constexpr size_t kHeartbeatBodyBytes = 16;             // heartbeat and heartbeat reply bodies
@@ -440,7 +452,9 @@ struct StepPlan {
 // kv.prefix_sharing: whether attention reads a group's shared prefix once for all its rows.
 enum class PrefixSharing : uint8_t { kOff = 0, kOn = 1, kAuto = 2 };
 
-enum class LayerMessageKind : uint8_t { kQkv = 1, kAttnOut = 2 };
+// kResidual: a compute rank hands a micro-batch's residual stream to the next compute rank
+// (pipeline.mode rotational; common/pipeline_schedule.h), host-staged path.
+enum class LayerMessageKind : uint8_t { kQkv = 1, kAttnOut = 2, kResidual = 3 };
 
 // Precedes each per-layer payload between compute and memory ranks.
 struct LayerMessageHeader {
@@ -487,6 +501,9 @@ struct HelloMessage {
   // attn_out_buffer + lane.
   uint8_t lanes = 1;
   uint8_t compute_ranks = 1;  // compute.ranks; lane j belongs to compute rank j % compute_ranks
+  // pipeline.mode rotational: layers per slice (common/pipeline_schedule.h); 0: fixed (each lane
+  // stays on compute rank j % compute_ranks).
+  uint16_t slice_layers = 0;
 
   friend bool operator==(const HelloMessage&, const HelloMessage&) = default;
 };
@@ -547,6 +564,17 @@ struct ComputeHelloMessage {
   uint16_t compute_ranks = 2;
 
   friend bool operator==(const ComputeHelloMessage&, const ComputeHelloMessage&) = default;
+};
+
+// Compute rank 0 -> compute replica r, once every replica is ready (pipeline.mode rotational with
+// 3 or more compute ranks): r connects to next_address (compute rank r + 1's; empty for the last
+// replica, whose successor is compute rank 0) with a compute hello, accepts its predecessor's
+// connection (r >= 2), then says hello to compute rank 0 again. Body: u16 address_bytes at 0
+// (<= kMaxAddressBytes), 6 reserved bytes (0), then the address (no NUL); the body ends there.
+struct ReplicaRingMessage {
+  std::string next_address;
+
+  friend bool operator==(const ReplicaRingMessage&, const ReplicaRingMessage&) = default;
 };
 
 // Compute rank 0 -> a compute replica: one micro-batch of a step (its plan, with micro_batch and
@@ -675,6 +703,8 @@ absl::StatusOr<StatsRequestMessage> DecodeStatsRequest(absl::Span<const uint8_t>
 absl::StatusOr<MemoryStatsMessage> DecodeMemoryStats(absl::Span<const uint8_t> frame);
 std::vector<uint8_t> EncodeComputeHello(const ComputeHelloMessage& hello);
 absl::StatusOr<ComputeHelloMessage> DecodeComputeHello(absl::Span<const uint8_t> frame);
+std::vector<uint8_t> EncodeReplicaRing(const ReplicaRingMessage& ring);
+absl::StatusOr<ReplicaRingMessage> DecodeReplicaRing(absl::Span<const uint8_t> frame);
 std::vector<uint8_t> EncodeReplicaStep(const ReplicaStepMessage& step);
 absl::StatusOr<ReplicaStepMessage> DecodeReplicaStep(absl::Span<const uint8_t> frame);
 std::vector<uint8_t> EncodeReplicaResult(const ReplicaResultMessage& result);

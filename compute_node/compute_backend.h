@@ -108,6 +108,19 @@ class ComputeBackend {
   // rows (copied to the host on CUDA) go through kernels::cpu::TopLogprobs.
   virtual absl::Status Finish(SampledTokens* out) = 0;
 
+  // Ends a step this backend does not sample (pipeline.mode rotational: a micro-batch whose last
+  // layer runs on another compute rank): waits for the step's work and, on the backend that opened
+  // the phase timeline, closes it, as Finish does.
+  virtual absl::Status EndStep() = 0;
+  // The residual stream: (max_tokens, hidden_size) fp32 in memory(), rows [0, T) this step's. A
+  // rotational pipeline (common/pipeline_schedule.h) hands it from one compute rank to the next
+  // between PreAttention(l) and PostAttention(l): the sender reads it once PreAttention(l)'s work
+  // is done (stream order on a GPU), the receiver overwrites it after BeginStep and before
+  // PostAttention(l). The CUDA backend's is one allocation for the backend's life (a transport
+  // can register it); the CPU backend's is valid from BeginStep to the next BeginStep.
+  virtual void* residual() = 0;
+  int64_t residual_bytes(int64_t rows) const { return rows * spec().hidden_size * 4; }
+
   // Where qkv and attn live, for staging to and from the network (see the file comment).
   virtual MemorySpace& memory() = 0;
   // The CUDA stream the backend enqueues on (cudaStream_t), so attention can share it; nullptr

@@ -18,6 +18,10 @@ namespace tandem {
 
 namespace {
 constexpr uint32_t kAttnBufferBase = 100;  // our receive buffer for memory rank m: 100 + m
+// Rotational pipeline: where the previous compute rank writes micro-batch j's residual stream
+// (90 + j: below the attention buffers, distinct from them modulo the p2p transport's doorbell
+// slots for up to 51 memory ranks).
+constexpr uint32_t kResidualBufferBase = 90;
 
 double MsSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
@@ -48,6 +52,12 @@ absl::StatusOr<std::unique_ptr<ComputeRank>> ComputeRank::Create(const WeightSou
     return absl::InvalidArgumentError(absl::StrCat(
         "compute.ranks ", compute_ranks, " needs pipeline.batches of at least as many micro-batches (",
         options.micro_batches, ")"));
+  }
+  if (options.slice_layers < 0 || options.slice_layers > source.spec().num_layers ||
+      (options.slice_layers > 0 && compute_ranks < 2)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pipeline.slice_layers: ", options.slice_layers, " must be in [1, ", source.spec().num_layers,
+        "] with 2 or more compute ranks (pipeline.mode rotational; ", compute_ranks, " compute rank(s))"));
   }
   std::unique_ptr<ComputeRank> r(new ComputeRank());
   r->options_ = options;
@@ -82,6 +92,8 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
     ASSIGN_OR_RETURN(backend_, CreateCudaComputeBackend(source, bo, o.device));
   }
   const ModelSpec& s = backend_->spec();
+  num_layers_ = s.num_layers;
+  schedule_ = PipelineSchedule{.compute_ranks = compute_ranks_, .slice_layers = o.slice_layers};
   elem_ = static_cast<size_t>(DTypeSize(backend_->dtype()));
   const size_t t = static_cast<size_t>(o.scheduler.max_tokens_per_step);
   const size_t qkv_bytes = t * static_cast<size_t>(backend_->qkv_width()) * elem_;
@@ -95,7 +107,7 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
   bool primary_used = false;  // the first lane this rank owns runs on backend_ itself
   for (size_t j = 0; j < num_lanes; ++j) {
     Lane& lane = lanes_[j];
-    if (!Owns(j)) continue;  // another compute rank's micro-batch
+    if (!Runs(j)) continue;  // another compute rank's micro-batch
     if (!primary_used) {
       lane.backend = backend_.get();
       primary_used = true;
@@ -109,6 +121,19 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
       ASSIGN_OR_RETURN(lane.qkv_host, backend_->memory().Allocate(qkv_bytes, true));
       if (head_) {
         ASSIGN_OR_RETURN(lane.attn_host, backend_->memory().Allocate(attn_bytes, true));
+      }
+    }
+    if (schedule_.rotational()) {
+      // The residual stream comes from the previous compute rank into a buffer of its own, copied
+      // into the lane's after the wait: written straight into the lane's, it could land before this
+      // rank's BeginStep (which embeds into it) had run.
+      const size_t resid_bytes = static_cast<size_t>(lane.backend->residual_bytes(static_cast<int64_t>(t)));
+      lane.resid_in_bytes = device_path_ ? resid_bytes : kLayerMessageHeaderFrameBytes + resid_bytes;
+      ASSIGN_OR_RETURN(lane.resid_in, backend_->memory().Allocate(lane.resid_in_bytes, !device_path_));
+      RETURN_IF_ERROR(transport_->RegisterBuffer(kResidualBufferBase + static_cast<uint32_t>(j),
+                                                 lane.resid_in.get(), lane.resid_in_bytes));
+      if (!backend_->memory().host() && !device_path_) {
+        ASSIGN_OR_RETURN(lane.resid_host, backend_->memory().Allocate(resid_bytes, true));
       }
     }
   }
@@ -126,7 +151,7 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
     for (size_t j = 0; j < num_lanes; ++j) {
       RankLane& rl = rank.lanes[j];
       rl.attn_buffer = kAttnBufferBase + static_cast<uint32_t>(m * kMaxMicroBatches + j);
-      if (!Owns(j)) continue;
+      if (!Runs(j)) continue;
       if (head_) {
         ASSIGN_OR_RETURN(rl.pack, backend_->memory().Allocate(pack_bytes, !device_path_));
       }
@@ -166,6 +191,7 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
     hello.attn_out_buffer = rank.lanes[0].attn_buffer;
     hello.lanes = static_cast<uint8_t>(num_lanes);
     hello.compute_ranks = static_cast<uint8_t>(compute_ranks_);
+    hello.slice_layers = static_cast<uint16_t>(schedule_.rotational() ? o.slice_layers : 0);
     hello.checksums = o.checksums;
     hello.prefix_block_tokens = static_cast<uint16_t>(o.scheduler.prefix_block_tokens);
     hello.prefix_sharing = static_cast<uint8_t>(o.scheduler.prefix_sharing);
@@ -206,8 +232,11 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
       "compute", "transport ", transport_->capabilities().name, ", ",
       device_path_ ? "device data path (whole steps enqueued, device-side waits)" : "host-staged data path",
       ", memory.partition ", AttentionPartitionName(o.partition),
-      o.micro_batches > 1 ? absl::StrCat(", pipeline ", compute_ranks_ > 1 ? "fixed" : "pingpong", " over ",
-                                         o.micro_batches, " micro-batches")
+      o.micro_batches > 1 ? absl::StrCat(", pipeline ",
+                                         schedule_.rotational() ? absl::StrCat("rotational (slices of ",
+                                                                               o.slice_layers, " layers)")
+                                                                : (compute_ranks_ > 1 ? "fixed" : "pingpong"),
+                                         " over ", o.micro_batches, " micro-batches")
                           : "",
       compute_ranks_ > 1 ? absl::StrCat(" on ", compute_ranks_, " compute ranks") : "");
   return absl::OkStatus();
@@ -241,7 +270,82 @@ absl::Status ComputeRank::ConnectReplicas(absl::Time deadline) {
     ++got;
     TANDEM_LOG_INFO("compute", replicas_[r].name, " ready");
   }
+  if (!schedule_.rotational()) return absl::OkStatus();
+  // The ring: compute rank 0 -> 1 -> ... -> R-1 -> 0. Rank 0 hands residual streams to replica 1
+  // and takes them from the last replica, over the connections it has; with 3 or more compute
+  // ranks the replicas connect to their successors, and each says hello again once it has.
+  next_peer_ = replicas_.front().peer, next_name_ = replicas_.front().name;
+  prev_peer_ = replicas_.back().peer, prev_name_ = replicas_.back().name;
+  if (replicas_.size() < 2) return absl::OkStatus();
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    const ReplicaRingMessage ring{.next_address = r + 1 < replicas_.size() ? options_.replica_addresses[r + 1]
+                                                                           : std::string()};
+    RETURN_IF_ERROR(
+        Annotate(transport_->Send(replicas_[r].peer, EncodeReplicaRing(ring)), replicas_[r].name));
+  }
+  for (size_t got = 0; got < replicas_.size(); ++got) {
+    std::vector<uint8_t> msg;
+    ASSIGN_OR_RETURN(const size_t from, ReceiveFromRank(deadline, "the compute replicas' ring", &msg));
+    if (from < ranks_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(ranks_[from].name, ": unexpected message at start-up"));
+    }
+    const size_t r = from - ranks_.size();
+    absl::StatusOr<ComputeHelloMessage> hello = DecodeComputeHello(msg);
+    if (!hello.ok()) return Annotate(hello.status(), replicas_[r].name);
+    if (hello->compute_rank != r + 1 || !ready[r]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          replicas_[r].name, ": joined the ring twice, or as compute rank ", hello->compute_rank));
+    }
+    ready[r] = false;
+  }
+  TANDEM_LOG_INFO("compute", "compute ranks connected in a ring");
   return absl::OkStatus();
+}
+
+absl::Status ComputeRank::JoinRing(absl::Time deadline) {
+  const std::string me = absl::StrCat("compute rank ", compute_rank_);
+  const std::string rank0 = "compute rank 0";
+  if (compute_ranks_ == 2) {
+    next_peer_ = prev_peer_ = rank0_peer_;
+    next_name_ = prev_name_ = rank0;
+    return absl::OkStatus();
+  }
+  std::vector<uint8_t> msg;
+  transport::PeerId from = 0;
+  RETURN_IF_ERROR(
+      Annotate(transport_->Receive(&from, &msg, deadline), absl::StrCat(me, ": the ring from ", rank0)));
+  if (from != rank0_peer_)
+    return absl::InvalidArgumentError(absl::StrCat(me, ": unexpected message before the ring"));
+  ASSIGN_OR_RETURN(const ReplicaRingMessage ring, DecodeReplicaRing(msg));
+  const bool last = compute_rank_ + 1 == compute_ranks_;
+  if (ring.next_address.empty() != last) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        me, ": the ring message ", last ? "names a successor for the last replica" : "names no successor"));
+  }
+  const ComputeHelloMessage hello{.compute_rank = static_cast<uint16_t>(compute_rank_),
+                                  .compute_ranks = static_cast<uint16_t>(compute_ranks_)};
+  if (last) {
+    next_peer_ = rank0_peer_, next_name_ = rank0;
+  } else {
+    next_name_ = absl::StrCat("compute rank ", compute_rank_ + 1, " (", ring.next_address, ")");
+    ASSIGN_OR_RETURN(next_peer_, transport_->Connect(ring.next_address));
+    RETURN_IF_ERROR(Annotate(transport_->Send(next_peer_, EncodeComputeHello(hello)), next_name_));
+  }
+  if (compute_rank_ == 1) {
+    prev_peer_ = rank0_peer_, prev_name_ = rank0;
+  } else {
+    // The predecessor connects and says which compute rank it is.
+    ASSIGN_OR_RETURN(prev_peer_, transport_->Accept(deadline));
+    RETURN_IF_ERROR(Annotate(transport_->Receive(&from, &msg, deadline),
+                             absl::StrCat(me, ": compute rank ", compute_rank_ - 1, "'s hello")));
+    ASSIGN_OR_RETURN(const ComputeHelloMessage prev, DecodeComputeHello(msg));
+    if (from != prev_peer_ || prev.compute_rank + 1 != compute_rank_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          me, ": the connection from its predecessor says it is compute rank ", prev.compute_rank));
+    }
+    prev_name_ = absl::StrCat("compute rank ", compute_rank_ - 1);
+  }
+  return Annotate(transport_->Send(rank0_peer_, EncodeComputeHello(hello)), rank0);
 }
 
 absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>* finished) {
@@ -323,17 +427,20 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
         if (!sent.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(sent, ranks_[m].name)));
       }
     }
+    // Each replica gets the parts it runs any layer of (fixed: its own; rotational: most often all).
     for (const PlannedStep& part : parts) {
-      if (Owns(part.plan.micro_batch)) continue;
-      const Replica& replica = replicas_[part.plan.micro_batch % compute_ranks_ - 1];
-      const ReplicaStepMessage msg{.plan = part.plan, .tokens = part.rows.tokens};
-      RETURN_IF_ERROR(Annotate(transport_->Send(replica.peer, EncodeReplicaStep(msg)), replica.name));
+      for (size_t r = 0; r < replicas_.size(); ++r) {
+        if (!schedule_.Touches(static_cast<int>(r + 1), part.plan.micro_batch, num_layers_)) continue;
+        const ReplicaStepMessage msg{.plan = part.plan, .tokens = part.rows.tokens};
+        RETURN_IF_ERROR(
+            Annotate(transport_->Send(replicas_[r].peer, EncodeReplicaStep(msg)), replicas_[r].name));
+      }
     }
   }
   // This rank's parts k, run on lane j = their micro-batch index.
   std::vector<size_t> mine;
   for (size_t k = 0; k < n; ++k) {
-    if (Owns(parts[k].plan.micro_batch)) mine.push_back(k);
+    if (Runs(parts[k].plan.micro_batch)) mine.push_back(k);
   }
   auto lane_of = [&](size_t k) -> Lane& { return lanes_[parts[k].plan.micro_batch]; };
   const bool host = backend_->memory().host();
@@ -351,26 +458,46 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
   // Interleaved: layer l of micro-batch j runs its linear parts while the memory ranks run the
   // attention of the micro-batches sent before it. With one micro-batch this is the plain
   // sequence QKV -> send -> wait -> rest of the layer.
-  const uint32_t num_layers = static_cast<uint32_t>(backend_->spec().num_layers);
+  // Rotational: a rank runs the layers of a micro-batch that the schedule gives it (receiving the
+  // residual stream first where it comes from the previous rank, handing it on where the next
+  // layer belongs to the next rank) and only counts the layers it neither sends nor receives. Every
+  // rank goes through (layer, micro-batch) in the same order, so what a rank waits for was sent
+  // by a rank at an earlier (layer, micro-batch): no rank waits on another in a cycle.
+  const uint32_t num_layers = static_cast<uint32_t>(num_layers_);
+  const int me = compute_rank_;
   for (size_t k : mine) {
+    const size_t j = parts[k].plan.micro_batch;
+    if (schedule_.OwnerOf(static_cast<int64_t>(j), 0) != me) {
+      SkipLayer(j, parts[k]);
+      continue;
+    }
     RETURN_IF_ERROR(lane_of(k).backend->PreAttention(0, lane_of(k).qkv.get()));
     charge(&host_compute_ms_);
-    RETURN_IF_ERROR(SendLayer(parts[k].plan.micro_batch, parts[k], 0));
+    RETURN_IF_ERROR(SendLayer(j, parts[k], 0));
     charge(&host_attention_ms_);
   }
   for (uint32_t layer = 0; layer < num_layers; ++layer) {
     for (size_t k : mine) {
       Lane& lane = lane_of(k);
       const size_t j = parts[k].plan.micro_batch;
+      const bool more = layer + 1 < num_layers;
+      if (schedule_.OwnerOf(static_cast<int64_t>(j), layer) != me) {
+        if (more) SkipLayer(j, parts[k]);
+        continue;
+      }
+      if (schedule_.HandsOff(static_cast<int64_t>(j), layer))
+        RETURN_IF_ERROR(ReceiveResidual(j, parts[k], layer));
       RETURN_IF_ERROR(ReceiveLayer(j, parts[k], layer));
       lane.backend->MarkAttention();
       charge(&host_attention_ms_);
       RETURN_IF_ERROR(lane.backend->PostAttention(layer, lane.attn.get()));
-      const bool more = layer + 1 < num_layers;
       if (more) RETURN_IF_ERROR(lane.backend->PreAttention(layer + 1, lane.qkv.get()));
       charge(&host_compute_ms_);
       if (more) {
         RETURN_IF_ERROR(SendLayer(j, parts[k], layer + 1));
+        if (schedule_.HandsOff(static_cast<int64_t>(j), layer + 1)) {
+          RETURN_IF_ERROR(SendResidual(j, parts[k], layer + 1));
+        }
         charge(&host_attention_ms_);
       }
     }
@@ -383,12 +510,17 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
   const auto finish = std::chrono::steady_clock::now();
   for (size_t i = mine.size(); i-- > 0;) {
     const size_t k = mine[i];
-    RETURN_IF_ERROR(lane_of(k).backend->Finish(&(*sampled)[k]));
+    if (Finishes(parts[k].plan.micro_batch)) {
+      RETURN_IF_ERROR(lane_of(k).backend->Finish(&(*sampled)[k]));
+    } else {
+      RETURN_IF_ERROR(lane_of(k).backend->EndStep());
+    }
   }
   if (host) host_compute_ms_ += MsSince(finish);
   if (compute_rank_ != 0) return absl::OkStatus();
   // The replicas' results.
-  size_t remote = n - mine.size();
+  size_t remote = 0;
+  for (size_t k = 0; k < n; ++k) remote += Finishes(parts[k].plan.micro_batch) ? 0 : 1;
   std::vector<bool> got(n, false);
   const absl::Time deadline = absl::Now() + options_.step_timeout;
   while (remote > 0) {
@@ -410,9 +542,10 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
     absl::StatusOr<ReplicaResultMessage> result = DecodeReplicaResult(msg);
     if (!result.ok()) return Annotate(result.status(), replica.name);
     const size_t j = result->micro_batch;
-    if (result->step_id != parts[0].plan.step_id || j >= n || Owns(j) ||
-        static_cast<size_t>(j % compute_ranks_) != from - ranks_.size() + 1 || got[j] ||
-        result->tokens.size() != parts[j].rows.sample_rows.size()) {
+    if (result->step_id != parts[0].plan.step_id || j >= n ||
+        static_cast<size_t>(schedule_.FinisherOf(static_cast<int64_t>(j), num_layers_)) !=
+            from - ranks_.size() + 1 ||
+        got[j] || result->tokens.size() != parts[j].rows.sample_rows.size()) {
       return absl::InvalidArgumentError(absl::StrCat(replica.name, ": a result for step ", result->step_id,
                                                      " micro-batch ", j, " with ", result->tokens.size(),
                                                      " tokens does not match what it was given"));
@@ -762,6 +895,76 @@ absl::Status ComputeRank::SendLayer(size_t j, const PlannedStep& step, uint32_t 
   return absl::OkStatus();
 }
 
+void ComputeRank::SkipLayer(size_t j, const PlannedStep& step) {
+  // As SendLayer counts: every rank with rows (the host-staged path skips lost ranks, which only a
+  // deployment with one compute rank has).
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    const auto [begin, end] = RowsOf(step, m);
+    if (begin == end || (!device_path_ && ranks_[m].lost)) continue;
+    ++ranks_[m].lanes[j].seqno;
+  }
+}
+
+absl::Status ComputeRank::SendResidual(size_t j, const PlannedStep& step, uint32_t layer) {
+  Lane& lane = lanes_[j];
+  const int64_t t = step.rows.num_tokens();
+  const size_t bytes = static_cast<size_t>(lane.backend->residual_bytes(t));
+  const uint32_t buffer = kResidualBufferBase + static_cast<uint32_t>(j);
+  MemorySpace& memory = backend_->memory();
+  const void* src = lane.backend->residual();
+  if (device_path_) {
+    return Annotate(transport_->EnqueueWrite(next_peer_, buffer, 0, src, bytes, ++lane.resid_out_seqno,
+                                             backend_->stream()),
+                    next_name_);
+  }
+  if (!memory.host()) {
+    RETURN_IF_ERROR(memory.CopyOut(lane.resid_host.get(), src, bytes));
+    RETURN_IF_ERROR(memory.Synchronize());
+    src = lane.resid_host.get();
+  }
+  const LayerMessageExpect what{.step_id = step.plan.step_id,
+                                .layer = layer,
+                                .kind = LayerMessageKind::kResidual,
+                                .dtype = DType::kF32,
+                                .rows = static_cast<uint32_t>(t),
+                                .row_bytes = static_cast<uint32_t>(backend_->spec().hidden_size * 4),
+                                .seqno = ++lane.resid_out_seqno};
+  const absl::Span<const uint8_t> body(static_cast<const uint8_t*>(src), bytes);
+  const std::vector<uint8_t> header = MakeLayerMessageHeader(what, body, options_.checksums);
+  const absl::Span<const uint8_t> pieces[] = {header, body};
+  return Annotate(transport_->Write(next_peer_, buffer, 0, pieces, what.seqno), next_name_);
+}
+
+absl::Status ComputeRank::ReceiveResidual(size_t j, const PlannedStep& step, uint32_t layer) {
+  Lane& lane = lanes_[j];
+  const int64_t t = step.rows.num_tokens();
+  const size_t bytes = static_cast<size_t>(lane.backend->residual_bytes(t));
+  const uint32_t buffer = kResidualBufferBase + static_cast<uint32_t>(j);
+  MemorySpace& memory = backend_->memory();
+  const std::string what = absl::StrCat(prev_name_, ": residual stream of step ", step.plan.step_id,
+                                        " micro-batch ", j, " layer ", layer);
+  if (device_path_) {
+    RETURN_IF_ERROR(transport_->EnqueueWait(
+        prev_peer_, buffer, 0, bytes, ++lane.resid_in_seqno, options_.step_timeout,
+        absl::StrCat("compute rank ", compute_rank_, ": ", what), backend_->stream()));
+    return memory.CopyStrided(lane.backend->residual(), bytes, lane.resid_in.get(), bytes, bytes, 1);
+  }
+  RETURN_IF_ERROR(Annotate(
+      transport_->WaitDoorbell(buffer, ++lane.resid_in_seqno, absl::Now() + options_.step_timeout), what));
+  const LayerMessageExpect expect{.step_id = step.plan.step_id,
+                                  .layer = layer,
+                                  .kind = LayerMessageKind::kResidual,
+                                  .dtype = DType::kF32,
+                                  .rows = static_cast<uint32_t>(t),
+                                  .row_bytes = static_cast<uint32_t>(backend_->spec().hidden_size * 4),
+                                  .seqno = lane.resid_in_seqno,
+                                  .verify_checksum = options_.checksums};
+  absl::StatusOr<absl::Span<const uint8_t>> payload =
+      ReadLayerMessage({static_cast<const uint8_t*>(lane.resid_in.get()), lane.resid_in_bytes}, expect);
+  if (!payload.ok()) return Annotate(payload.status(), what);
+  return memory.CopyIn(lane.backend->residual(), payload->data(), payload->size());
+}
+
 absl::Status ComputeRank::ReceiveLayer(size_t j, const PlannedStep& step, uint32_t layer) {
   Lane& lane = lanes_[j];
   const ModelSpec& s = backend_->spec();
@@ -955,11 +1158,21 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
   const ComputeHelloMessage ready{.compute_rank = static_cast<uint16_t>(compute_rank_),
                                   .compute_ranks = static_cast<uint16_t>(compute_ranks_)};
   RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeComputeHello(ready)));
+  if (schedule_.rotational()) RETURN_IF_ERROR(JoinRing(deadline));
   TANDEM_LOG_INFO("compute", me, ": ready, serving compute rank 0");
   const size_t groups = head_ ? 1 : ranks_.size();
   std::vector<PlannedStep> parts;
   size_t expected = 0;
   uint64_t steps = 0;
+  // Rotational ring: the connections to other replicas (not rank 0's), and the byes that came on
+  // them before rank 0's.
+  std::vector<transport::PeerId> ring;
+  if (schedule_.rotational()) {
+    for (transport::PeerId p : {next_peer_, prev_peer_}) {
+      if (p != rank0_peer_ && std::find(ring.begin(), ring.end(), p) == ring.end()) ring.push_back(p);
+    }
+  }
+  size_t ring_byes = 0;
   while (true) {
     std::vector<uint8_t> msg;
     transport::PeerId from = 0;
@@ -974,6 +1187,10 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
       ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
       return Annotate(StatusFromErrorMessage(err),
                       from == rank0_peer_ ? "compute rank 0 stopped" : "a memory rank stopped");
+    }
+    if (magic == kByeMagic && std::find(ring.begin(), ring.end(), from) != ring.end()) {
+      ++ring_byes;  // a ring neighbour got rank 0's bye first
+      continue;
     }
     if (from != rank0_peer_) {
       return absl::InvalidArgumentError(
@@ -990,6 +1207,13 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
         transport_->Close(rank.peer);  // closed first: its going away later is expected
         waiting += transport_->Send(rank.peer, bye).ok() ? 1 : 0;
       }
+      // The ring's connections between replicas (rotational, 3 or more compute ranks): a bye each
+      // way too, so that neither leaves while the other could still see it go unannounced.
+      for (transport::PeerId p : ring) {
+        transport_->Close(p);
+        (void)transport_->Send(p, bye);
+      }
+      waiting += ring.size() - std::min(ring.size(), ring_byes);
       const absl::Time until = absl::Now() + absl::Seconds(5);
       while (waiting > 0) {
         transport::PeerId peer = 0;
@@ -1007,7 +1231,7 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
     }
     ASSIGN_OR_RETURN(ReplicaStepMessage step, DecodeReplicaStep(msg));
     const StepPlan& plan = step.plan;
-    if (!Owns(plan.micro_batch) || plan.micro_batches > lanes_.size() ||
+    if (!Runs(plan.micro_batch) || plan.micro_batches > lanes_.size() ||
         (!parts.empty() &&
          (plan.step_id != parts[0].plan.step_id || plan.micro_batches != parts[0].plan.micro_batches ||
           plan.micro_batch <= parts.back().plan.micro_batch))) {
@@ -1017,7 +1241,7 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
     }
     if (parts.empty()) {
       expected = 0;
-      for (size_t j = 0; j < plan.micro_batches; ++j) expected += Owns(j) ? 1 : 0;
+      for (size_t j = 0; j < plan.micro_batches; ++j) expected += Runs(j) ? 1 : 0;
     }
     // The part's rows, as the controller built them (compute_node/controller.cc, Schedule).
     PlannedStep part;
@@ -1050,6 +1274,7 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
     std::vector<SampledTokens> sampled;
     RETURN_IF_ERROR(RunParts(parts, &sampled));
     for (size_t k = 0; k < parts.size(); ++k) {
+      if (!Finishes(parts[k].plan.micro_batch)) continue;  // another rank samples it
       const ReplicaResultMessage result{.step_id = parts[k].plan.step_id,
                                         .micro_batch = parts[k].plan.micro_batch,
                                         .tokens = std::move(sampled[k].tokens),

@@ -52,6 +52,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/head_partition.h"
+#include "common/pipeline_schedule.h"
 #include "common/status.h"
 #include "common/transport/factory.h"
 #include "compute_node/compute_backend.h"
@@ -82,6 +83,10 @@ struct ComputeRankOptions {
   // --replica r`, listening), compute rank r at replica_addresses[r - 1]. Micro-batch j runs on
   // compute rank j % compute.ranks, so micro_batches must be at least compute.ranks.
   std::vector<std::string> replica_addresses;
+  // pipeline.mode rotational (pipeline.slice_layers): with compute replicas, micro-batch j's layer
+  // slice k (slice_layers layers each) runs on compute rank (j + k) % compute.ranks, the residual
+  // stream handed from rank to rank (common/pipeline_schedule.h); 0: fixed.
+  int slice_layers = 0;
   absl::Duration startup_timeout = absl::Minutes(10);
   absl::Duration step_timeout = absl::Minutes(2);  // for each layer's attention output, and each send
   // launch.recover_memory_ranks: a memory rank that fails, disconnects or stays silent past the
@@ -192,8 +197,13 @@ class ComputeRank : public Engine {
   absl::Status ConnectReplicas(absl::Time deadline);
   // A replica: serves rank 0's replica steps until bye (see RunComputeReplica).
   absl::Status ServeReplica(const ComputeReplicaOptions& options);
-  bool Owns(size_t micro_batch) const {
-    return micro_batch % static_cast<size_t>(compute_ranks_) == static_cast<size_t>(compute_rank_);
+  // Whether this rank runs any part of micro-batch j (fixed: j % compute.ranks; rotational: see
+  // common/pipeline_schedule.h).
+  bool Runs(size_t micro_batch) const {
+    return schedule_.Touches(compute_rank_, static_cast<int64_t>(micro_batch), num_layers_);
+  }
+  bool Finishes(size_t micro_batch) const {
+    return schedule_.FinisherOf(static_cast<int64_t>(micro_batch), num_layers_) == compute_rank_;
   }
   // Runs the step's micro-batches (one, or several interleaved: see the file comment) and sets
   // (*sampled)[k] to what part k sampled. Parts owned by replicas go to them; this rank runs its
@@ -204,6 +214,16 @@ class ComputeRank : public Engine {
   // Waits for (host path) or enqueues the waits for (device path) micro-batch j's attention
   // outputs of `layer`, which end up in lane j's attention buffer.
   absl::Status ReceiveLayer(size_t j, const PlannedStep& step, uint32_t layer);
+  // Rotational pipeline: a memory rank's seqno of micro-batch j's next layer, advanced by a rank
+  // that neither sends nor receives that layer (every compute rank keeps the memory ranks' count).
+  void SkipLayer(size_t j, const PlannedStep& step);
+  // Rotational pipeline: hands micro-batch j's residual stream (after PreAttention(layer)) to the
+  // next compute rank, and takes it from the previous one (before PostAttention(layer)).
+  absl::Status SendResidual(size_t j, const PlannedStep& step, uint32_t layer);
+  absl::Status ReceiveResidual(size_t j, const PlannedStep& step, uint32_t layer);
+  // Rotational pipeline with 3 or more compute ranks: the replicas connect in a ring (each to its
+  // successor); compute rank 0 gives each its successor's address (ConnectReplicas).
+  absl::Status JoinRing(absl::Time deadline);
   // The status of a failed device-path step, naming the memory rank where it can.
   absl::Status DeviceStepError(absl::Status synced, uint64_t step_id);
   // The next control message, from memory rank m (returned) into `msg`, before `deadline`; an
@@ -270,7 +290,12 @@ class ComputeRank : public Engine {
     return rank.beat_seq != 0 && now - rank.beat_sent > options_.step_timeout;
   }
   int compute_rank_ = 0, compute_ranks_ = 1;  // this rank, and compute.ranks
-  struct Replica {                            // compute rank 0's view of compute rank r > 0
+  PipelineSchedule schedule_;                 // who runs which layers of which micro-batch
+  int64_t num_layers_ = 0;
+  // Rotational pipeline: the connections to the next and the previous compute rank of the ring.
+  uint32_t next_peer_ = 0, prev_peer_ = 0;
+  std::string next_name_, prev_name_;
+  struct Replica {  // compute rank 0's view of compute rank r > 0
     uint32_t peer = 0;
     std::string name;
   };
@@ -288,6 +313,12 @@ class ComputeRank : public Engine {
     BackendBuffer qkv{nullptr, nullptr}, attn{nullptr, nullptr};  // backend memory
     BackendBuffer qkv_host{nullptr, nullptr};                     // staging of qkv rows (CUDA)
     BackendBuffer attn_host{nullptr, nullptr};  // staging of attention rows (CUDA, head partition)
+    // Rotational pipeline: where the previous compute rank writes the residual stream (host-staged:
+    // a layer message in host memory; device path: device memory), the staging of ours on the way
+    // out (host-staged path on a GPU), and the two directions' doorbell seqnos.
+    BackendBuffer resid_in{nullptr, nullptr}, resid_host{nullptr, nullptr};
+    size_t resid_in_bytes = 0;
+    uint64_t resid_in_seqno = 0, resid_out_seqno = 0;
   };
   std::vector<Lane> lanes_;
   HostMemorySpace host_copies_;  // packs and scatters of the host-staged path

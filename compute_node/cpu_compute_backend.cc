@@ -57,6 +57,8 @@ class CpuComputeBackend : public ComputeBackend {
     return absl::OkStatus();
   }
 
+  absl::Status EndStep() override { return absl::OkStatus(); }
+  void* residual() override { return x_.data(); }
   MemorySpace& memory() override { return memory_; }
 
   absl::StatusOr<std::unique_ptr<ComputeBackend>> CreateLane() override {

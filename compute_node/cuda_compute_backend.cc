@@ -221,6 +221,13 @@ class CudaComputeBackend : public ComputeBackend {
     return absl::OkStatus();
   }
 
+  absl::Status EndStep() override {
+    RETURN_IF_ERROR(ReleaseHeldPost());
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    if (!lane_) timer_->Collect();
+    return absl::OkStatus();
+  }
+  void* residual() override { return x_.ptr; }
   MemorySpace& memory() override { return memory_; }
 
   std::vector<std::pair<std::string, double>> PhaseTotalsMs() const override {

@@ -51,13 +51,20 @@ const ConfigSchema& DeploySchema() {
               "how attention is split over the memory ranks: request (each request's KV on one rank, "
               "placed by free KV) or head (every rank holds a slice of the KV heads of every request; "
               "needs num_key_value_heads divisible by memory.ranks)")
-        .Enum("pipeline.mode", "none", {"none", "pingpong", "fixed"},
+        .Enum("pipeline.mode", "none", {"none", "pingpong", "fixed", "rotational"},
               "none: each step runs whole (linear layers, then attention, layer by layer); pingpong: each "
               "step is split into pipeline.batches micro-batches of balanced rows and KV, and compute rank 0 "
               "runs the linear layers of one while the memory ranks run the attention of another; fixed: the "
-              "same over compute.ranks compute ranks, micro-batch j on compute rank j % compute.ranks (not "
-              "over transport.kind nccl)")
-        .Int("pipeline.batches", 2, "micro-batches per step with pipeline.mode pingpong", 2, 8)
+              "same over compute.ranks compute ranks, micro-batch j on compute rank j % compute.ranks; "
+              "rotational: over compute.ranks compute ranks, slice k (pipeline.slice_layers layers) of "
+              "micro-batch j on compute rank (j + k) % compute.ranks, the residual stream handed on while "
+              "the next layer's attention runs (none of them over transport.kind nccl)")
+        .Int("pipeline.batches", 2, "micro-batches per step with pipeline.mode pingpong, fixed or rotational",
+             2, 8)
+        .Int("pipeline.slice_layers", 1,
+             "pipeline.mode rotational: layers each compute rank runs of a micro-batch before handing it to "
+             "the next (at most the model's layers)",
+             1, 1 << 16)
         .String("memory.host", "127.0.0.1", "address the memory ranks listen on")
         .Int("memory.base_port", 0,
              "port of memory rank 0 (rank i listens on base_port + i); 0: any free port", 0, 65535)
@@ -124,7 +131,9 @@ std::string DescribePlacement(const DeployPlan& p) {
   }
   if (p.micro_batches > 1) {
     absl::StrAppend(&out, "# pipeline: ", p.micro_batches, " micro-batches per step on ", p.compute_ranks,
-                    " compute rank(s)\n");
+                    " compute rank(s)",
+                    p.slice_layers > 0 ? absl::StrCat(", rotating every ", p.slice_layers, " layer(s)") : "",
+                    "\n");
   }
   absl::StrAppend(&out, "# transport (per-layer data; control messages over UCX, authenticated):\n");
   for (const RankPlacement& r : p.placement.memory) {
@@ -137,6 +146,11 @@ std::string DescribePlacement(const DeployPlan& p) {
 
 int PipelineMicroBatches(const Config& c) {
   return c.GetString("pipeline.mode") == "none" ? 1 : static_cast<int>(c.GetInt("pipeline.batches"));
+}
+
+int PipelineSliceLayers(const Config& c) {
+  return c.GetString("pipeline.mode") == "rotational" ? static_cast<int>(c.GetInt("pipeline.slice_layers"))
+                                                      : 0;
 }
 
 absl::StatusOr<std::optional<transport::TransportKind>> ParseTransportSetting(std::string_view value) {
@@ -249,10 +263,21 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
         " does not run over transport.kind nccl (NCCL orders a peer's transfers on one stream, so several "
         "micro-batches in flight would deadlock); use p2p, verbs, local or ucx"));
   }
+  p.slice_layers = PipelineSliceLayers(c);
+  if (mode == "rotational" && p.compute_ranks < 2) {
+    return absl::InvalidArgumentError(
+        "pipeline.mode: rotational needs compute.ranks of 2 or more (the micro-batches move between compute "
+        "ranks)");
+  }
+  if (p.slice_layers > spec.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("pipeline.slice_layers: ", p.slice_layers,
+                                                   " exceeds the model's ", spec.num_layers, " layers"));
+  }
   if (p.compute_ranks > 1) {
-    if (mode != "fixed") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "compute.ranks: ", p.compute_ranks, " compute ranks need pipeline.mode fixed (it is ", mode, ")"));
+    if (mode != "fixed" && mode != "rotational") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("compute.ranks: ", p.compute_ranks,
+                       " compute ranks need pipeline.mode fixed or rotational (it is ", mode, ")"));
     }
     if (p.micro_batches < p.compute_ranks) {
       return absl::InvalidArgumentError(absl::StrCat("pipeline.batches: ", p.micro_batches,

@@ -52,8 +52,11 @@ namespace tandem {
 // The deployment schema (the scheduler and kv knobs included).
 const ConfigSchema& DeploySchema();
 // Micro-batches per step a deployment config asks for: pipeline.batches with pipeline.mode
-// pingpong or fixed, 1 with none.
+// pingpong, fixed or rotational, 1 with none.
 int PipelineMicroBatches(const Config& config);
+// Layers per slice of the rotational pipeline: pipeline.slice_layers with pipeline.mode
+// rotational, else 0 (ComputeRankOptions::slice_layers).
+int PipelineSliceLayers(const Config& config);
 
 // A deployment's settings, resolved against the model and the visible devices.
 struct DeployPlan {
@@ -63,7 +66,8 @@ struct DeployPlan {
   std::vector<std::string> memory_devices;                      // per memory rank
   std::vector<std::string> listen_addresses;                    // per memory rank, host:port
   AttentionPartition partition = AttentionPartition::kRequest;  // memory.partition
-  int micro_batches = 1;                     // pipeline.batches with pipeline.mode pingpong or fixed, else 1
+  int micro_batches = 1;                     // pipeline.batches with pipeline.mode other than none, else 1
+  int slice_layers = 0;                      // PipelineSliceLayers
   int compute_ranks = 1;                     // compute.ranks
   std::vector<std::string> replica_devices;  // of compute ranks 1.. ("cpu", "cuda:N")
   std::string compute_host;                  // where the compute replicas listen

@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "common/layer_message.h"
 #include "common/log.h"
+#include "common/pipeline_schedule.h"
 #include "common/status.h"
 #include "common/transport/transport.h"
 #include "common/wire.h"
@@ -248,17 +249,15 @@ class MemoryRank {
                                                      "rank 0 counts ",
                                                      int{hello_.compute_ranks}, " compute ranks"));
     }
-    // Each lane's q,k,v come from, and its outputs go to, the compute rank that owns it.
-    for (size_t j = 0; j < lanes_.size(); ++j) {
-      const size_t owner = j % hello_.compute_ranks;
-      if (owner == 0) {
-        lanes_[j].peer = peer_;
-      } else {
-        auto it = replicas_.find(static_cast<uint16_t>(owner));
-        if (it == replicas_.end())
-          return absl::InvalidArgumentError(absl::StrCat("compute rank ", owner, " never said hello"));
-        lanes_[j].peer = it->second;
-      }
+    // A lane's q,k,v come from, and its outputs go to, the compute rank the schedule names for
+    // each layer (fixed: always j % compute_ranks).
+    schedule_ = PipelineSchedule{.compute_ranks = hello_.compute_ranks, .slice_layers = hello_.slice_layers};
+    compute_peers_.assign(1, peer_);
+    for (uint16_t c = 1; c < hello_.compute_ranks; ++c) {
+      auto it = replicas_.find(c);
+      if (it == replicas_.end())
+        return absl::InvalidArgumentError(absl::StrCat("compute rank ", c, " never said hello"));
+      compute_peers_.push_back(it->second);
     }
     return absl::OkStatus();
   }
@@ -472,8 +471,8 @@ class MemoryRank {
         const absl::Span<const uint8_t> body(static_cast<const uint8_t*>(out), out_bytes);
         const std::vector<uint8_t> header = MakeLayerMessageHeader(reply, body, hello_.checksums);
         const absl::Span<const uint8_t> pieces[] = {header, body};
-        RETURN_IF_ERROR(transport_->Write(lane.peer, hello_.attn_out_buffer + static_cast<uint32_t>(j), 0,
-                                          pieces, lane.seqno));
+        RETURN_IF_ERROR(transport_->Write(
+            OwnerPeer(j, layer), hello_.attn_out_buffer + static_cast<uint32_t>(j), 0, pieces, lane.seqno));
       }
     }
     return absl::OkStatus();
@@ -492,19 +491,25 @@ class MemoryRank {
         const size_t t = static_cast<size_t>(lane.rows);
         ++lane.seqno;
         RETURN_IF_ERROR(transport_->EnqueueWait(
-            lane.peer, kQkvBuffer + static_cast<uint32_t>(j), 0, t * qkv_row, lane.seqno, o_.step_timeout,
+            compute_peers_[static_cast<size_t>(schedule_.SenderOf(static_cast<int64_t>(j), layer))],
+            kQkvBuffer + static_cast<uint32_t>(j), 0, t * qkv_row, lane.seqno, o_.step_timeout,
             absl::StrCat("memory rank ", o_.rank, ": q,k,v of step ", step_id,
                          lanes > 1 ? absl::StrCat(" micro-batch ", j) : "", " layer ", layer),
             stream));
         RETURN_IF_ERROR(lane.exec->MarkLayerStart());
         RETURN_IF_ERROR(lane.exec->Layer(layer, lane.qkv_dev.get(), lane.out_dev.get()));
         RETURN_IF_ERROR(lane.exec->MarkLayerEnd());
-        RETURN_IF_ERROR(transport_->EnqueueWrite(lane.peer, hello_.attn_out_buffer + static_cast<uint32_t>(j),
-                                                 lane.row_offset * out_row, lane.out_dev.get(), t * out_row,
-                                                 lane.seqno, stream));
+        RETURN_IF_ERROR(transport_->EnqueueWrite(
+            OwnerPeer(j, layer), hello_.attn_out_buffer + static_cast<uint32_t>(j), lane.row_offset * out_row,
+            lane.out_dev.get(), t * out_row, lane.seqno, stream));
       }
     }
     return transport_->SyncStream(stream, absl::Now() + 2 * o_.step_timeout);
+  }
+
+  // The compute rank that gets lane j's attention output of `layer` (common/pipeline_schedule.h).
+  PeerId OwnerPeer(size_t j, uint32_t layer) const {
+    return compute_peers_[static_cast<size_t>(schedule_.OwnerOf(static_cast<int64_t>(j), layer))];
   }
 
   MemoryRankOptions o_;
@@ -519,8 +524,9 @@ class MemoryRank {
   std::unique_ptr<KvTable> kv_;
   std::unique_ptr<KvTiers> tiers_;  // kv.tiers.*; declared after exec_, which it copies from
   // One per micro-batch in flight (lane 0 uses exec_ itself).
+  PipelineSchedule schedule_;          // which compute rank sends and gets which layer of a lane
+  std::vector<PeerId> compute_peers_;  // compute rank c's connection
   struct Lane {
-    PeerId peer = 0;  // the compute rank that owns it (lane j: compute rank j % compute_ranks)
     std::unique_ptr<AttentionExecutor> owned;
     AttentionExecutor* exec = nullptr;
     AttentionBatch batch;

@@ -228,9 +228,19 @@ python3 "$SRC/tests/cli/compare_results.py" "$TMP/out" "$TMP/deployed.json" 1e-4
   bad "compute replicas differ from colocated: $(cat "$TMP/cmp")"
 ! grep -h " [WE] \[" "$TMP"/run/latest/*.log || bad "a clean run with compute replicas logged warnings"
 grep -q "bye after" "$TMP/run/latest/compute-1.log" || bad "compute-1 did not get its bye"
+# The rotational pipeline: 3 compute ranks in a ring, the residual stream handed on every layer.
+rm -rf "$TMP/run"
+expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --set compute.ranks=3 --set pipeline.mode=rotational --set pipeline.batches=4 --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs
+grep -q "pipeline rotational (slices of 1 layers) over 4 micro-batches on 3 compute ranks" "$TMP/run/latest/compute-0.log" || bad "compute-0 does not log the rotational pipeline"
+grep -q "compute ranks connected in a ring" "$TMP/run/latest/compute-0.log" || bad "the compute ranks did not form a ring"
+python3 "$SRC/tests/cli/compare_results.py" "$TMP/out" "$TMP/deployed.json" 1e-4 >/dev/null 2>"$TMP/cmp" ||
+  bad "the rotational pipeline differs from colocated: $(cat "$TMP/cmp")"
+! grep -h " [WE] \[" "$TMP"/run/latest/*.log || bad "a clean rotational run logged warnings"
+expect_fail "pipeline.mode: rotational needs compute.ranks of 2 or more" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set pipeline.mode=rotational
+expect_fail "pipeline.slice_layers: 99 exceeds the model's" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=rotational --set pipeline.slice_layers=99
 expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=fixed
 grep -q "compute-1: cpu on compute-0.s host (replica" "$TMP/out" || bad "config check does not list the compute replica"
-expect_fail "compute.ranks: 2 compute ranks need pipeline.mode fixed (it is none)" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2
+expect_fail "compute.ranks: 2 compute ranks need pipeline.mode fixed or rotational (it is none)" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2
 expect_fail "pipeline.batches: 2 micro-batches for 3 compute ranks" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=3 --set pipeline.mode=fixed
 expect_fail "which transport.kind local (one process) cannot connect" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=fixed --set transport.kind=local
 expect_fail "kv.tiers.persist: true works with the colocated engine only" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set kv.tiers.disk_dir="$TMP/tiers" --set kv.tiers.disk_bytes=1000000 --set kv.tiers.persist=true

@@ -85,6 +85,7 @@ void DecodeEveryFormat(absl::Span<const uint8_t> f) {
   RoundTrip<StatsRequestMessage>(f, DecodeStatsRequest, EncodeStatsRequest, "stats request");
   RoundTrip<MemoryStatsMessage>(f, DecodeMemoryStats, EncodeMemoryStats, "memory stats");
   RoundTrip<ComputeHelloMessage>(f, DecodeComputeHello, EncodeComputeHello, "compute hello");
+  RoundTrip<ReplicaRingMessage>(f, DecodeReplicaRing, EncodeReplicaRing, "replica ring");
   RoundTrip<ReplicaStepMessage>(f, DecodeReplicaStep, EncodeReplicaStep, "replica step");
   RoundTrip<ReplicaResultMessage>(f, DecodeReplicaResult, EncodeReplicaResult, "replica result");
   RoundTrip<RestoreReplyMessage>(f, DecodeRestoreReply, EncodeRestoreReply, "restore reply");
@@ -216,6 +217,8 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
       EncodeStatsRequest({.cookie = 5}),
       EncodeMemoryStats({.cookie = 5, .memory_rank = 1, .steps = 3, .attention_ns = 1000}),
       EncodeComputeHello({.compute_rank = 1, .compute_ranks = 2}),
+      EncodeReplicaRing({.next_address = "127.0.0.1:4567"}),
+      EncodeReplicaRing({}),
       EncodeReplicaStep(replica),
       EncodeReplicaResult({.step_id = 7, .micro_batch = 1, .tokens = {4, 5}, .logprobs = {-0.5f, -1.0f}}),
       EncodeReplicaResult({.step_id = 7,

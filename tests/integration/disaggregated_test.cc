@@ -680,7 +680,7 @@ INSTANTIATE_TEST_SUITE_P(ModelsAndRanks, HeadPartition,
 // j with j % compute.ranks == r.
 class PingPong
     : public DisaggregatedTest,
-      public ::testing::WithParamInterface<std::tuple<std::string, int, AttentionPartition, int, int>> {
+      public ::testing::WithParamInterface<std::tuple<std::string, int, AttentionPartition, int, int, int>> {
  protected:
   // Starts compute ranks 1..ranks-1 (after the memory ranks) for compute rank 0's options `o`.
   void StartReplicas(const std::string& model, int ranks, const ComputeRankOptions& o,
@@ -691,7 +691,9 @@ class PingPong
     std::ofstream(config) << "model:\n  path: " << ModelDir(model) << "\ncompute:\n  ranks: " << ranks
                           << "\n  device: cpu\nmemory:\n  ranks: " << addresses_.size()
                           << "\n  partition: " << AttentionPartitionName(o.partition)
-                          << "\npipeline:\n  mode: fixed\n  batches: " << o.micro_batches
+                          << "\npipeline:\n  mode: " << (o.slice_layers > 0 ? "rotational" : "fixed")
+                          << "\n  slice_layers: " << std::max(1, o.slice_layers)
+                          << "\n  batches: " << o.micro_batches
                           << "\nscheduler:\n  max_batch_size: " << o.scheduler.max_batch_size
                           << "\n  max_tokens_per_step: " << o.scheduler.max_tokens_per_step
                           << "\nlaunch:\n  startup_timeout_s: 60\n  step_timeout_s: 20\n";
@@ -712,7 +714,7 @@ class PingPong
 };
 
 TEST_P(PingPong, EqualsColocated) {
-  const auto& [model, n, partition, batches, compute_ranks] = GetParam();
+  const auto& [model, n, partition, batches, compute_ranks, slice_layers] = GetParam();
   std::unique_ptr<WeightSource> source = OpenHeadModel(model);
   ASSERT_NE(source, nullptr);
   constexpr int64_t kBatch = 8, kStepTokens = 40, kBlock = 8;
@@ -738,6 +740,7 @@ TEST_P(PingPong, EqualsColocated) {
   ASSERT_NO_FATAL_FAILURE(UsePrefixCache(&o, kBlock, "on"));
   o.partition = partition;
   o.micro_batches = batches;
+  o.slice_layers = slice_layers;
   if (compute_ranks > 1) {
     ASSERT_NO_FATAL_FAILURE(StartMemoryRanks(n));
     ASSERT_NO_FATAL_FAILURE(StartReplicas(model, compute_ranks, o, &o.replica_addresses));
@@ -757,10 +760,13 @@ TEST_P(PingPong, EqualsColocated) {
   }
   const ControllerStats& stats = rank_->controller().stats();
   std::printf(
-      "%s, %d compute rank(s), %d memory rank(s), %s partition, %d micro-batches: %lld tokens in %lld steps, "
+      "%s, %d compute rank(s)%s, %d memory rank(s), %s partition, %d micro-batches: %lld tokens in %lld "
+      "steps, "
       "%lld prompt tokens reused, %lld rows in prefix groups, max |logprob difference| %.3g\n",
-      model.c_str(), compute_ranks, n, std::string(AttentionPartitionName(partition)).c_str(), batches,
-      static_cast<long long>(generated), static_cast<long long>(stats.steps), static_cast<long long>(cached),
+      model.c_str(), compute_ranks,
+      slice_layers > 0 ? absl::StrCat(" rotating every ", slice_layers, " layer(s)").c_str() : "", n,
+      std::string(AttentionPartitionName(partition)).c_str(), batches, static_cast<long long>(generated),
+      static_cast<long long>(stats.steps), static_cast<long long>(cached),
       static_cast<long long>(stats.grouped_rows), ExpectSameResults(got, want));
   EXPECT_GT(cached, 0) << "the prefix cache was not used";
   absl::StatusOr<PipelineTotals> totals = rank_->Pipeline();
@@ -772,24 +778,33 @@ TEST_P(PingPong, EqualsColocated) {
   EXPECT_LE(report.compute_ms + report.attention_phase_ms, report.step_ms * 1.0001);
 }
 
-using PingPongCase = std::tuple<std::string, int, AttentionPartition, int, int>;
+// (model, memory ranks, partition, micro-batches, compute ranks, slice_layers: 0 fixed, else rotational)
+using PingPongCase = std::tuple<std::string, int, AttentionPartition, int, int, int>;
 INSTANTIATE_TEST_SUITE_P(
     ModelsRanksPartitionsBatches, PingPong,
-    ::testing::Values(PingPongCase{"llama3-gqa-tied", 1, AttentionPartition::kRequest, 2, 1},
-                      PingPongCase{"llama2-mha", 2, AttentionPartition::kRequest, 3, 1},
-                      PingPongCase{"mqa-headdim", 3, AttentionPartition::kRequest, 2, 1},
-                      PingPongCase{"llama3-gqa-tied", 2, AttentionPartition::kHead, 2, 1},
-                      PingPongCase{"gqa-8x4", 4, AttentionPartition::kHead, 4, 1},
+    ::testing::Values(PingPongCase{"llama3-gqa-tied", 1, AttentionPartition::kRequest, 2, 1, 0},
+                      PingPongCase{"llama2-mha", 2, AttentionPartition::kRequest, 3, 1, 0},
+                      PingPongCase{"mqa-headdim", 3, AttentionPartition::kRequest, 2, 1, 0},
+                      PingPongCase{"llama3-gqa-tied", 2, AttentionPartition::kHead, 2, 1, 0},
+                      PingPongCase{"gqa-8x4", 4, AttentionPartition::kHead, 4, 1, 0},
                       // Compute replicas (pipeline.mode fixed).
-                      PingPongCase{"llama3-gqa-tied", 1, AttentionPartition::kRequest, 2, 2},
-                      PingPongCase{"llama2-mha", 2, AttentionPartition::kRequest, 3, 2},
-                      PingPongCase{"mqa-headdim", 2, AttentionPartition::kRequest, 3, 3},
-                      PingPongCase{"llama2-mha", 2, AttentionPartition::kHead, 4, 3}),
+                      PingPongCase{"llama3-gqa-tied", 1, AttentionPartition::kRequest, 2, 2, 0},
+                      PingPongCase{"llama2-mha", 2, AttentionPartition::kRequest, 3, 2, 0},
+                      PingPongCase{"mqa-headdim", 2, AttentionPartition::kRequest, 3, 3, 0},
+                      PingPongCase{"llama2-mha", 2, AttentionPartition::kHead, 4, 3, 0},
+                      // Rotational: n micro-batches on n - 1 compute ranks (the paper's layout),
+                      // slices of one layer and of more, both partitions, 1-4 memory ranks.
+                      PingPongCase{"llama3-gqa-tied", 1, AttentionPartition::kRequest, 3, 2, 1},
+                      PingPongCase{"llama2-mha", 2, AttentionPartition::kRequest, 4, 3, 1},
+                      PingPongCase{"mqa-headdim", 3, AttentionPartition::kRequest, 2, 2, 2},
+                      PingPongCase{"llama2-mha", 4, AttentionPartition::kHead, 4, 3, 1},
+                      PingPongCase{"llama3-gqa-tied", 2, AttentionPartition::kHead, 3, 2, 3}),
     [](const auto& info) {
+      const int slice = std::get<5>(info.param);
       return absl::StrCat(testing_names::Identifier(std::get<0>(info.param)), "_", std::get<4>(info.param),
                           "_compute_", std::get<1>(info.param), "_memory_",
                           AttentionPartitionName(std::get<2>(info.param)), "_", std::get<3>(info.param),
-                          "_batches");
+                          "_batches", slice > 0 ? absl::StrCat("_rotating_", slice) : "");
     });
 
 // Head partition with KV heads that do not divide among the ranks: refused by Create, with both

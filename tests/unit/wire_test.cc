@@ -474,8 +474,8 @@ TEST(StepPlanWire, GoldenBytes) {
   plan.evictions.push_back(PrefixEvict{0x5152535455565758, 0x0405});
   // Layout written out by hand; crc computed independently (bitwise Python reference).
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x05, 0x00, 0x10, 0x00,
-      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 5, body_bytes 168
+      0x54, 0x44, 0x53, 0x50, 0x06, 0x00, 0x10, 0x00,
+      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 6, body_bytes 168
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // request_count, group_count
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -526,7 +526,7 @@ TEST(LayerMessageWire, RoundTripsAndGoldenBytes) {
   h.step_id = 1, h.seqno = 2, h.payload_bytes = 256, h.layer = 3, h.rows = 4, h.row_bytes = 64;
   h.payload_crc32c = 0xdeadbeef, h.kind = LayerMessageKind::kAttnOut, h.dtype = DType::kBF16;
   const Bytes golden = {
-      0x54, 0x44, 0x4c, 0x4d, 0x05, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x4c, 0x4d, 0x06, 0x00, 0x10, 0x00,
       0x30, 0x00, 0x00, 0x00, 0xc4, 0x00, 0x01, 0xea,  // frame
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // id, seq
@@ -943,8 +943,9 @@ TEST(LayerMessageWire, FieldRangeViolationsNameField) {
     std::string want;
   };
   const std::vector<Case> cases = {
-      {[](RawHeader& h) { h.kind = 0; }, "layer message header: kind 0 must be 1 (qkv) or 2 (attn_out)"},
-      {[](RawHeader& h) { h.kind = 3; }, "kind 3"},
+      {[](RawHeader& h) { h.kind = 0; },
+       "layer message header: kind 0 must be 1 (qkv), 2 (attn_out) or 3 (residual)"},
+      {[](RawHeader& h) { h.kind = 4; }, "kind 4"},
       {[](RawHeader& h) { h.dtype = 3; }, "dtype 3 must be 0 (f32), 1 (f16) or 2 (bf16)"},
       {[](RawHeader& h) { h.dtype = 0, h.row_bytes = 6, h.payload_bytes = 18; },
        "row_bytes 6 must be a multiple of 4 (f32)"},
@@ -985,25 +986,25 @@ TEST(Wire, FrameHeaderChecks) {
   s = DecodeLayerMessageHeader(SmallPlanFrame()).status();
   EXPECT_CONTAINS(std::string(s.message()), "layer message header: magic 0x50534454 ('TDSP')");
 
-  ASSERT_EQ(kWireVersion, 5);
-  for (uint16_t version : {uint16_t{6}, uint16_t{0xffff}}) {
+  ASSERT_EQ(kWireVersion, 6);
+  for (uint16_t version : {uint16_t{7}, uint16_t{0xffff}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
     EXPECT_EQ(s.message(),
-              "step plan: version " + std::to_string(version) + " is newer than the supported version 5");
+              "step plan: version " + std::to_string(version) + " is newer than the supported version 6");
   }
   // An older version is refused too, whatever the format: version 2 (the step plan's 24-byte
   // fixed part) and version 1 (also the hello's older layout).
-  for (uint16_t version : {uint16_t{4}, uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
+  for (uint16_t version : {uint16_t{5}, uint16_t{4}, uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "step plan: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 5 (versions 2 to 4 "
+                               " at byte offset 4 is older than the supported version 6 (versions 2 to 4 "
                                "changed the hello, step plan and replica result layouts; 5 added the "
-                               "heartbeat)");
+                               "heartbeat; 6 the rotational pipeline's hello field and messages)");
   }
   // A version 2 plan as a version 2 encoder wrote it (records right after evict_count, at body
-  // offset 24) is refused by its version, not misread as a version 5 plan.
+  // offset 24) is refused by its version, not misread as a version 6 plan.
   {
     Bytes v2 = PlanBody(RawPlan{.requests = {RawRequest{}}});
     v2.erase(v2.begin() + 24, v2.begin() + 32);
@@ -1088,6 +1089,8 @@ struct RawHello {
   uint8_t compute_ranks = 1;
   uint32_t kv_head_begin = 0;
   uint32_t kv_head_end = 2;  // request partition: every KV head
+  uint16_t slice_layers = 0;
+  uint8_t reserved[6] = {};
 };
 
 Bytes HelloBody(const RawHello& h) {
@@ -1097,7 +1100,8 @@ Bytes HelloBody(const RawHello& h) {
   w.F32(h.kv_memory_fraction).U32(h.attn_out_buffer).U16(h.memory_rank).U16(h.num_memory_ranks);
   w.U8(h.dtype).U8(h.checksums).U16(h.prefix_block_tokens).U8(h.prefix_sharing).U8(h.partition);
   w.U8(h.lanes).U8(h.compute_ranks);
-  w.U32(h.kv_head_begin).U32(h.kv_head_end);
+  w.U32(h.kv_head_begin).U32(h.kv_head_end).U16(h.slice_layers);
+  for (uint8_t b : h.reserved) w.U8(b);
   return w.b;
 }
 
@@ -1185,6 +1189,8 @@ HelloMessage RandomHello(std::mt19937_64& rng, bool extreme) {
   h.kv_head_begin = h.partition == AttentionPartition::kHead ? per_rank * h.memory_rank : 0;
   h.kv_head_end = h.kv_head_begin + per_rank;
   h.lanes = static_cast<uint8_t>(u(1, kMaxMicroBatches));
+  h.compute_ranks = static_cast<uint8_t>(u(1, h.lanes));
+  h.slice_layers = h.compute_ranks > 1 && u(0, 1) ? static_cast<uint16_t>(u(1, h.num_layers)) : 0;
   return h;
 }
 
@@ -1321,8 +1327,8 @@ TEST(ControlWire, RoundTrips) {
 
 TEST(ControlWire, GoldenBytes) {
   // Layouts written out by hand; crcs computed independently (bitwise Python reference). The crc
-  // covers the body alone: of these frames, version 3 changed only the hello's body (its lanes and
-  // compute_ranks), and versions 4 and 5 none of their bodies.
+  // covers the body alone: of these frames, versions 3 and 6 changed only the hello's body (its lanes
+  // and compute_ranks; its slice_layers), and versions 4 and 5 none of their bodies.
   HelloMessage h;
   h.memory_rank = 2, h.num_memory_ranks = 4, h.num_layers = 32, h.num_heads = 32, h.num_kv_heads = 8;
   h.head_dim = 128, h.max_tokens_per_step = 8192, h.max_requests_per_step = 256, h.max_position = 131072;
@@ -1330,10 +1336,10 @@ TEST(ControlWire, GoldenBytes) {
   h.attn_out_buffer = 0xa1b2c3d4, h.checksums = true;
   h.prefix_block_tokens = 0x0810, h.prefix_sharing = static_cast<uint8_t>(PrefixSharing::kAuto);
   h.partition = AttentionPartition::kHead, h.kv_head_begin = 4, h.kv_head_end = 6, h.lanes = 4;
-  h.compute_ranks = 2;
+  h.compute_ranks = 2, h.slice_layers = 3;
   const Bytes hello = {
-      0x54, 0x44, 0x48, 0x49, 0x05, 0x00, 0x10, 0x00, 0x40, 0x00, 0x00, 0x00, 0x77, 0x00, 0xf0,
-      0x22,                                            // frame
+      0x54, 0x44, 0x48, 0x49, 0x06, 0x00, 0x10, 0x00, 0x48, 0x00, 0x00, 0x00, 0x79, 0x37, 0x3d,
+      0x02,                                            // frame
       0x78, 0x56, 0x34, 0x12, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x20, 0x00, 0x00, 0x00, 0x20, 0x00, 0x00, 0x00,  // num_layers, num_heads
       0x08, 0x00, 0x00, 0x00, 0x80, 0x00, 0x00, 0x00,  // num_kv_heads, head_dim
@@ -1343,6 +1349,7 @@ TEST(ControlWire, GoldenBytes) {
       0x02, 0x01, 0x10, 0x08, 0x02, 0x01, 0x04, 0x02,  // dtype, checksums, prefix_block_tokens,
                                                        // prefix_sharing, partition, lanes, compute_ranks
       0x04, 0x00, 0x00, 0x00, 0x06, 0x00, 0x00, 0x00,  // kv_head_begin, kv_head_end
+      0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // slice_layers, reserved
   };
   EXPECT_EQ(EncodeHello(h), hello);
   absl::StatusOr<HelloMessage> hb = DecodeHello(hello);
@@ -1353,7 +1360,7 @@ TEST(ControlWire, GoldenBytes) {
   r.kv_capacity_tokens = 0x01020304, r.qkv_buffer = 7, r.memory_rank = 2, r.dtype = DType::kBF16;
   r.device = "cuda:0";
   const Bytes reply = {
-      0x54, 0x44, 0x48, 0x52, 0x05, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x52, 0x06, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0xdb, 0xf4, 0x8d, 0x50,  // frame
       0x04, 0x03, 0x02, 0x01, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x07, 0x00, 0x00, 0x00, 0x02, 0x00, 0x02, 0x00,  // qkv_buffer, memory_rank, dtype, reserved
@@ -1366,7 +1373,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ReleaseMessage m{0x0102030405060708, {5, kU64Max}};
   const Bytes release = {
-      0x54, 0x44, 0x52, 0x4c, 0x05, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x52, 0x4c, 0x06, 0x00, 0x10, 0x00,
       0x20, 0x00, 0x00, 0x00, 0x21, 0x77, 0x58, 0xc2,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, reserved
@@ -1380,7 +1387,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ErrorMessage e{14, "peer gone"};
   const Bytes error = {
-      0x54, 0x44, 0x45, 0x52, 0x05, 0x00, 0x10, 0x00, 0x11,
+      0x54, 0x44, 0x45, 0x52, 0x06, 0x00, 0x10, 0x00, 0x11,
       0x00, 0x00, 0x00, 0x56, 0xa5, 0x51, 0x47,        // frame
       0x0e, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00,  // code, message_bytes
       'p',  'e',  'e',  'r',  ' ',  'g',  'o',  'n',  'e',
@@ -1391,7 +1398,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_TRUE(*eb == e);
 
   const Bytes bye = {
-      0x54, 0x44, 0x42, 0x59, 0x05, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x42, 0x59, 0x06, 0x00, 0x10, 0x00,
       0x08, 0x00, 0x00, 0x00, 0xc7, 0xfb, 0x17, 0x55,  // frame
       0xe8, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // steps
   };
@@ -1401,7 +1408,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(bb->steps, 1000u);
 
   const Bytes heartbeat = {
-      0x54, 0x44, 0x48, 0x42, 0x05, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x42, 0x06, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x6e, 0x14, 0x17, 0xba,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x88, 0x13, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // silence_ms 5000, reserved
@@ -1413,7 +1420,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(beat->silence_ms, 5000u);
 
   const Bytes heartbeat_reply = {
-      0x54, 0x44, 0x48, 0x41, 0x05, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x41, 0x06, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x47, 0x8e, 0x37, 0x33,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // memory_rank 3, reserved
@@ -1623,6 +1630,11 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
        "hello: prefix_sharing 2 needs prefix_block_tokens >= 1"},
       {[](RawHello& h) { h.compute_ranks = 0; }, "hello: compute_ranks 0 must be in [1, lanes 1]"},
       {[](RawHello& h) { h.compute_ranks = 2; }, "hello: compute_ranks 2 must be in [1, lanes 1]"},
+      {[](RawHello& h) { h.lanes = 2, h.compute_ranks = 1, h.slice_layers = 1; },
+       "hello: slice_layers 1 must be 0 or in [1, num_layers 4] with compute_ranks >= 2 (compute_ranks 1)"},
+      {[](RawHello& h) { h.lanes = 2, h.compute_ranks = 2, h.slice_layers = 5; },
+       "hello: slice_layers 5 must be 0 or in [1, num_layers 4]"},
+      {[](RawHello& h) { h.reserved[5] = 1; }, "hello: reserved at byte offset 87 is 1, must be 0"},
       {[](RawHello& h) { h.lanes = 0; }, "hello: lanes 0 must be in [1, 8]"},
       {[](RawHello& h) { h.lanes = 9; }, "hello: lanes 9 must be in [1, 8]"},
       {[](RawHello& h) { h.lanes = 255; }, "hello: lanes 255 must be in [1, 8]"},
@@ -1659,16 +1671,16 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     EXPECT_EQ(m->kv_head_end, begin + kv_heads / ranks);
   }
   // A version 1 hello (before the partition) and a version 2 hello (byte 54 reserved, 0: no lanes)
-  // are refused by their version, not read as version 5.
+  // are refused by their version, not read as version 6.
   for (uint16_t version : {uint16_t{1}, uint16_t{2}}) {
     RawHello old;
     old.lanes = 0;
     const absl::Status s = DecodeHello(MakeFrame(kHelloMagic, HelloBody(old), version)).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "hello: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 5 (versions 2 to 4 "
+                               " at byte offset 4 is older than the supported version 6 (versions 2 to 4 "
                                "changed the hello, step plan and replica result layouts; 5 added the "
-                               "heartbeat)");
+                               "heartbeat; 6 the rotational pipeline's hello field and messages)");
   }
   // The limits and combinations that are valid.
   for (auto [tokens, sharing] : {std::pair<uint16_t, uint8_t>{0, 0}, {1, 0}, {1, 1}, {4096, 2}, {4096, 0}}) {
@@ -1687,13 +1699,13 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.want << ": " << s;
     EXPECT_CONTAINS(std::string(s.message()), c.want);
   }
-  for (size_t size : {56, 63, 65}) {
+  for (size_t size : {56, 64, 71, 73}) {
     Bytes body = HelloBody(RawHello{});
     body.resize(size);
     absl::Status s = DecodeHello(MakeFrame(kHelloMagic, body)).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_CONTAINS(std::string(s.message()),
-                    "hello: body_bytes " + std::to_string(size) + " at byte offset 8 must be 64");
+                    "hello: body_bytes " + std::to_string(size) + " at byte offset 8 must be 72");
   }
   // The struct validator says the same, and the encoder writes invalid values as given.
   HelloMessage h;
@@ -2172,8 +2184,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
                            .block_index = 1,
                            .memory_rank = 1});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x05, 0x00, 0x10, 0x00,
-      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 5, body_bytes 120
+      0x54, 0x44, 0x53, 0x50, 0x06, 0x00, 0x10, 0x00,
+      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 6, body_bytes 120
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -2199,8 +2211,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
 
   const RestoreReplyMessage reply{.step_id = 9, .memory_rank = 1, .failed = {0x1112131415161718}};
   const Bytes reply_golden = {
-      0x54, 0x44, 0x52, 0x54, 0x05, 0x00, 0x10, 0x00,
-      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 5, body_bytes 24
+      0x54, 0x44, 0x52, 0x54, 0x06, 0x00, 0x10, 0x00,
+      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 6, body_bytes 24
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // memory_rank, reserved, failed_count
       0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // failed[0]
@@ -2231,6 +2243,34 @@ TEST(ComputeReplicaWire, RoundTripsAndRefusesBadFrames) {
   Le reserved;
   reserved.U16(1).U16(2).U32(0x100);
   EXPECT_FALSE(DecodeComputeHello(MakeFrame(kComputeHelloMagic, reserved.b)).ok());
+
+  // Replica ring: golden body, round trips, and every malformed body refused with the field named.
+  const Bytes ring = EncodeReplicaRing({.next_address = "h:1"});
+  EXPECT_EQ(Bytes(ring.begin() + 16, ring.end()), (Bytes{0x03, 0x00, 0, 0, 0, 0, 0, 0, 'h', ':', '1'}));
+  EXPECT_EQ(PeekFrameMagic(ring).value_or(0), kReplicaRingMagic);
+  for (const std::string& address :
+       {std::string(), std::string("127.0.0.1:40123"), std::string(kMaxAddressBytes, 'a')}) {
+    absl::StatusOr<ReplicaRingMessage> got = DecodeReplicaRing(EncodeReplicaRing({.next_address = address}));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->next_address, address);
+  }
+  auto ring_body = [](uint16_t bytes, const std::string& text, uint8_t reserved = 0) {
+    Le w;
+    w.U16(bytes).U8(reserved).U8(0).U32(0);
+    w.b.insert(w.b.end(), text.begin(), text.end());
+    return w.b;
+  };
+  for (const auto& [body, want] : std::vector<std::pair<Bytes, std::string>>{
+           {ring_body(4, "h:1"), "replica ring: truncated: address_bytes 4"},
+           {ring_body(2, "h:1"), "replica ring: address_bytes 2 leaves 1 unused body bytes"},
+           {ring_body(3, std::string("h\0", 2) + "1"), "next_address"},
+           {ring_body(3, "h:1", 1), "replica ring: reserved"},
+           {ring_body(kMaxAddressBytes + 1, std::string(kMaxAddressBytes + 1, 'a')), "must be <= 1024"},
+       }) {
+    absl::StatusOr<ReplicaRingMessage> bad = DecodeReplicaRing(MakeFrame(kReplicaRingMagic, body));
+    ASSERT_FALSE(bad.ok()) << want;
+    EXPECT_CONTAINS(std::string(bad.status().message()), want);
+  }
 
   // Replica step: a part of a real-looking plan with its tokens.
   std::mt19937_64 rng(31);
