@@ -18,6 +18,7 @@ namespace tandem {
 
 namespace {
 constexpr uint32_t kAttnBufferBase = 100;  // our receive buffer for memory rank m: 100 + m
+constexpr absl::Duration kMaxProbeInterval = absl::Seconds(30);  // between rejoin probes of a rank
 
 double MsSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
@@ -545,8 +546,8 @@ absl::Status ComputeRank::LoseRank(size_t m, absl::Status why) {
   if (rank.lost) return absl::OkStatus();
   if (!CanRecover()) return why;
   rank.lost = true;
-  transport_->Close(rank.peer);         // its failure no longer fails waits on the others
-  retired_peers_.push_back(rank.peer);  // and whatever it still sends is dropped
+  transport_->Close(rank.peer);      // its failure no longer fails waits on the others
+  retired_peers_.insert(rank.peer);  // and whatever it still sends is dropped
   lost_in_step_.push_back(m);
   ++memory_ranks_lost_;
   TANDEM_LOG_WARN("compute", "giving up ", rank.name, ": ", why.message());
@@ -562,16 +563,21 @@ bool ComputeRank::TakeStrayMessage(transport::PeerId from, std::vector<uint8_t>*
     if (probe.reply.empty()) probe.reply = std::move(*msg);
     return true;
   }
-  return std::find(retired_peers_.begin(), retired_peers_.end(), from) != retired_peers_.end();
+  return retired_peers_.contains(from);
 }
 
 void ComputeRank::DropProbe(size_t m, const std::string& why) {
   Probe& probe = probes_[m];
-  if (probe.active) retired_peers_.push_back(probe.peer);  // Close()d from the start
+  if (probe.active) retired_peers_.insert(probe.peer);  // Close()d from the start
   // Buffers registered for it stay registered: their memory must outlive the transport.
   for (RankLane& rl : probe.lanes) retired_lanes_.push_back(std::move(rl));
-  TANDEM_LOG_DEBUG("compute", ranks_[m].name, ": rejoin probe dropped: ", why);
-  probe = Probe{.next = absl::Now() + options_.rejoin_probe};
+  // Nothing answered: the next probe a rejoin_probe later, then less often (a rank restarted
+  // within a second or so is found quickly; one that stays away costs a connection per 30 s).
+  const absl::Duration wait = std::max(
+      options_.rejoin_probe, std::min(probe.backoff * 2, std::max(options_.rejoin_probe, kMaxProbeInterval)));
+  TANDEM_LOG_DEBUG("compute", ranks_[m].name, ": rejoin probe dropped (next in ", absl::FormatDuration(wait),
+                   "): ", why);
+  probe = Probe{.next = absl::Now() + wait, .backoff = wait};
 }
 
 void ComputeRank::AdvanceRejoins() {

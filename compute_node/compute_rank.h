@@ -46,6 +46,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -144,7 +145,8 @@ class ComputeRank : public Engine {
   // hello reply, taken wherever compute rank 0 reads messages, makes the rank live again at the
   // start of the next Step or Heartbeat (Controller::RejoinRank: its KV capacity back, a fresh
   // prefix registry). A probe that is refused, fails, or has no reply within the step timeout is
-  // dropped (its late messages too) and tried again a rejoin_probe later. Probes reach the host-
+  // dropped (its late messages too) and tried again a rejoin_probe later, then less often while
+  // nothing answers (the wait doubles, up to 30 s). Probes reach the host-
   // staged path only, where recovery works (CanRecover).
   absl::Status Check(const GenerationRequest& request) const override { return controller_->Check(request); }
   absl::StatusOr<int64_t> Submit(GenerationRequest request) override {
@@ -313,11 +315,12 @@ class ComputeRank : public Engine {
     std::vector<RankLane> lanes;             // the rank's lanes once it rejoins: fresh buffers, seqnos at 0
     std::vector<uint8_t> reply;              // its hello reply, once it came
     absl::Time next = absl::InfinitePast();  // when the next probe may start
+    absl::Duration backoff;                  // the wait before it (doubles while nothing answers)
   };
-  std::vector<Probe> probes_;                     // per memory rank
-  std::vector<transport::PeerId> retired_peers_;  // connections given up: their messages are dropped
-  uint32_t next_attn_buffer_ = 0;                 // the next free attention-output buffer id
-  std::vector<RankLane> retired_lanes_;           // buffers of lost processes and dropped probes
+  std::vector<Probe> probes_;                            // per memory rank
+  std::unordered_set<transport::PeerId> retired_peers_;  // connections given up: their messages are dropped
+  uint32_t next_attn_buffer_ = 0;                        // the next free attention-output buffer id
+  std::vector<RankLane> retired_lanes_;                  // buffers of lost processes and dropped probes
   PlannedStep step_;
   // One per micro-batch in flight: lane 0 is backend_ itself, lane j > 0 a backend lane over the
   // same weights (ComputeBackend::CreateLane).

@@ -101,8 +101,9 @@ const ConfigSchema& DeploySchema() {
         .Double(
             "launch.rejoin_probe_s", 1,
             "with launch.recover_memory_ranks, compute rank 0 tries a lost memory rank's address this often "
-            "(between steps, never blocking one) and takes back a new process of the rank that answers "
-            "there (restarted by tandem launch or by hand); 0: a lost rank stays lost",
+            "(between steps, never blocking one; the wait doubles, up to 30 s, while nothing answers) and "
+            "takes back a new process of the rank that answers there (restarted by tandem launch or by "
+            "hand); 0: a lost rank stays lost",
             0, 3600);
     AddPoolKnobs(s);
     AddSchedulerKvKnobs(s);
