@@ -191,6 +191,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
   o.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
   o.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks");
   o.heartbeat = absl::Seconds(c.GetDouble("launch.heartbeat_s"));
+  o.rejoin_probe = absl::Seconds(c.GetDouble("launch.rejoin_probe_s"));
   o.micro_batches = PipelineMicroBatches(c);
   o.slice_layers = PipelineSliceLayers(c);
   if (!a.replicas.empty()) o.replica_addresses = absl::StrSplit(a.replicas, ',');
@@ -263,8 +264,9 @@ absl::Status RunCompute(const ComputeArgs& a) {
   stats.pipeline = MakePipelineReport(totals).ToString();
   TANDEM_LOG_INFO("compute", "pipeline: ", stats.pipeline);
   if (const EngineStats es = rank->stats(); es.memory_ranks_lost > 0) {
-    stats.recovery = absl::StrCat(es.memory_ranks_lost, " memory rank(s) lost, ", es.requests_recovered,
-                                  " request(s) recovered by recomputation");
+    stats.recovery =
+        absl::StrCat(es.memory_ranks_lost, " memory rank(s) lost, ", es.memory_ranks_rejoined, " rejoined, ",
+                     es.requests_recovered, " request(s) recovered by recomputation");
     TANDEM_LOG_WARN("compute", "recovery: ", stats.recovery);
   }
   RETURN_IF_ERROR(WriteResultsFile(a.results, *results, stats));

@@ -22,6 +22,7 @@ constexpr uint32_t kAttnBufferBase = 100;  // our receive buffer for memory rank
 // (90 + j: below the attention buffers, distinct from them modulo the p2p transport's doorbell
 // slots for up to 51 memory ranks).
 constexpr uint32_t kResidualBufferBase = 90;
+constexpr absl::Duration kMaxProbeInterval = absl::Seconds(30);  // between rejoin probes of a rank
 
 double MsSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
@@ -175,31 +176,12 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
       RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, EncodeComputeHello(hello)), rank.name));
       continue;
     }
-    HelloMessage hello;
-    hello.memory_rank = static_cast<uint16_t>(m);
-    hello.num_memory_ranks = static_cast<uint16_t>(ranks_.size());
-    hello.num_layers = static_cast<uint32_t>(s.num_layers);
-    hello.num_heads = static_cast<uint32_t>(s.num_heads);
-    hello.num_kv_heads = static_cast<uint32_t>(s.num_kv_heads);
-    hello.head_dim = static_cast<uint32_t>(s.head_dim);
-    hello.max_tokens_per_step = static_cast<uint32_t>(o.scheduler.max_tokens_per_step);
-    hello.max_requests_per_step = static_cast<uint32_t>(o.scheduler.max_batch_size);
-    hello.max_position = static_cast<uint32_t>(s.max_position);
-    hello.dtype = backend_->dtype();
-    hello.kv_capacity_tokens = static_cast<uint64_t>(o.kv_capacity_tokens);
-    hello.kv_memory_fraction = static_cast<float>(o.kv_memory_fraction);
-    hello.attn_out_buffer = rank.lanes[0].attn_buffer;
-    hello.lanes = static_cast<uint8_t>(num_lanes);
-    hello.compute_ranks = static_cast<uint8_t>(compute_ranks_);
-    hello.slice_layers = static_cast<uint16_t>(schedule_.rotational() ? o.slice_layers : 0);
-    hello.checksums = o.checksums;
-    hello.prefix_block_tokens = static_cast<uint16_t>(o.scheduler.prefix_block_tokens);
-    hello.prefix_sharing = static_cast<uint8_t>(o.scheduler.prefix_sharing);
-    hello.partition = o.partition;
-    hello.kv_head_begin = static_cast<uint32_t>(rank.slice.kv_head_begin());
-    hello.kv_head_end = static_cast<uint32_t>(rank.slice.kv_head_end());
-    RETURN_IF_ERROR(Annotate(transport_->Send(rank.peer, EncodeHello(hello)), rank.name));
+    RETURN_IF_ERROR(Annotate(
+        transport_->Send(rank.peer, EncodeHello(MakeHello(m, rank.lanes[0].attn_buffer))), rank.name));
   }
+  // Attention-output buffers of rejoining ranks come after every rank's first ones.
+  next_attn_buffer_ = kAttnBufferBase + static_cast<uint32_t>(ranks_.size() * kMaxMicroBatches);
+  probes_.resize(ranks_.size());
   // Replies, in any order.
   std::vector<int64_t> capacity(ranks_.size(), 0);
   rank_names_.assign(ranks_.size(), "");  // in rank order, whatever the order of the replies
@@ -240,6 +222,36 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
                           : "",
       compute_ranks_ > 1 ? absl::StrCat(" on ", compute_ranks_, " compute ranks") : "");
   return absl::OkStatus();
+}
+
+HelloMessage ComputeRank::MakeHello(size_t m, uint32_t attn_buffer) const {
+  const ComputeRankOptions& o = options_;
+  const ModelSpec& s = backend_->spec();
+  const Rank& rank = ranks_[m];
+  HelloMessage hello;
+  hello.memory_rank = static_cast<uint16_t>(m);
+  hello.num_memory_ranks = static_cast<uint16_t>(ranks_.size());
+  hello.num_layers = static_cast<uint32_t>(s.num_layers);
+  hello.num_heads = static_cast<uint32_t>(s.num_heads);
+  hello.num_kv_heads = static_cast<uint32_t>(s.num_kv_heads);
+  hello.head_dim = static_cast<uint32_t>(s.head_dim);
+  hello.max_tokens_per_step = static_cast<uint32_t>(o.scheduler.max_tokens_per_step);
+  hello.max_requests_per_step = static_cast<uint32_t>(o.scheduler.max_batch_size);
+  hello.max_position = static_cast<uint32_t>(s.max_position);
+  hello.dtype = backend_->dtype();
+  hello.kv_capacity_tokens = static_cast<uint64_t>(o.kv_capacity_tokens);
+  hello.kv_memory_fraction = static_cast<float>(o.kv_memory_fraction);
+  hello.attn_out_buffer = attn_buffer;
+  hello.lanes = static_cast<uint8_t>(lanes_.size());
+  hello.compute_ranks = static_cast<uint8_t>(compute_ranks_);
+  hello.slice_layers = static_cast<uint16_t>(schedule_.rotational() ? options_.slice_layers : 0);
+  hello.checksums = o.checksums;
+  hello.prefix_block_tokens = static_cast<uint16_t>(o.scheduler.prefix_block_tokens);
+  hello.prefix_sharing = static_cast<uint8_t>(o.scheduler.prefix_sharing);
+  hello.partition = o.partition;
+  hello.kv_head_begin = static_cast<uint32_t>(rank.slice.kv_head_begin());
+  hello.kv_head_end = static_cast<uint32_t>(rank.slice.kv_head_end());
+  return hello;
 }
 
 absl::Status ComputeRank::ConnectReplicas(absl::Time deadline) {
@@ -352,6 +364,7 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   const auto t0 = std::chrono::steady_clock::now();
   for (auto& ended : ended_while_idle_) finished->push_back(std::move(ended));
   ended_while_idle_.clear();
+  AdvanceRejoins();  // between steps: a rank that answered its probe takes requests from this one
   controller_->Schedule(&step_);
   if (step_.empty()) return absl::OkStatus();
   if (!step_.has_rows()) {
@@ -666,13 +679,132 @@ absl::Status ComputeRank::LoseRank(size_t m, absl::Status why) {
   if (rank.lost) return absl::OkStatus();
   if (!CanRecover()) return why;
   rank.lost = true;
-  transport_->Close(rank.peer);  // its failure no longer fails waits on the others
+  transport_->Close(rank.peer);      // its failure no longer fails waits on the others
+  retired_peers_.insert(rank.peer);  // and whatever it still sends is dropped
   lost_in_step_.push_back(m);
   ++memory_ranks_lost_;
   TANDEM_LOG_WARN("compute", "giving up ", rank.name, ": ", why.message());
   const bool any = std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return !r.lost; });
   if (!any) return Annotate(why, "every memory rank is lost");
   return absl::OkStatus();
+}
+
+bool ComputeRank::TakeStrayMessage(transport::PeerId from, std::vector<uint8_t>* msg) {
+  for (Probe& probe : probes_) {
+    if (!probe.active || probe.peer != from) continue;
+    // Its first message: the hello reply (or an error report), read at the next AdvanceRejoins.
+    if (probe.reply.empty()) probe.reply = std::move(*msg);
+    return true;
+  }
+  return retired_peers_.contains(from);
+}
+
+void ComputeRank::DropProbe(size_t m, const std::string& why) {
+  Probe& probe = probes_[m];
+  if (probe.active) retired_peers_.insert(probe.peer);  // Close()d from the start
+  // Buffers registered for it stay registered: their memory must outlive the transport.
+  for (RankLane& rl : probe.lanes) retired_lanes_.push_back(std::move(rl));
+  // Nothing answered: the next probe a rejoin_probe later, then less often (a rank restarted
+  // within a second or so is found quickly; one that stays away costs a connection per 30 s).
+  const absl::Duration wait = std::max(
+      options_.rejoin_probe, std::min(probe.backoff * 2, std::max(options_.rejoin_probe, kMaxProbeInterval)));
+  TANDEM_LOG_DEBUG("compute", ranks_[m].name, ": rejoin probe dropped (next in ", absl::FormatDuration(wait),
+                   "): ", why);
+  probe = Probe{.next = absl::Now() + wait, .backoff = wait};
+}
+
+void ComputeRank::AdvanceRejoins() {
+  if (options_.rejoin_probe <= absl::ZeroDuration() || !CanRecover()) return;
+  const absl::Time now = absl::Now();
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    Rank& rank = ranks_[m];
+    Probe& probe = probes_[m];
+    if (!rank.lost) continue;
+    if (!probe.active) {
+      if (now < probe.next) continue;
+      // A connection whose refusal (reported by the transport from any later wait) must fail
+      // nothing: Close()d before anything can fail on it. Connect itself does not block.
+      absl::StatusOr<transport::PeerId> peer = transport_->Connect(options_.memory_addresses[m]);
+      if (!peer.ok()) {
+        DropProbe(m, std::string(peer.status().message()));
+        continue;
+      }
+      transport_->Close(*peer);
+      probe = Probe{.active = true, .peer = *peer, .started = now};
+    }
+    if (absl::Status st = transport_->PeerStatus(probe.peer); !st.ok()) {
+      DropProbe(m, std::string(st.message()));  // refused (nothing listens there yet) or failed
+      continue;
+    }
+    if (now - probe.started > options_.step_timeout) {
+      DropProbe(m, absl::StrCat("no ", probe.hello_sent ? "hello reply" : "connection", " within ",
+                                absl::FormatDuration(options_.step_timeout), " (launch.step_timeout_s)"));
+      continue;
+    }
+    if (!probe.hello_sent) {
+      if (transport_->Connecting(probe.peer)) continue;  // the bootstrap is still under way
+      // Attention outputs of the new process go to buffers of its own: fresh ids (the old ones'
+      // doorbells stay at the lost process's last seqno) over fresh memory (a late write of the
+      // lost process, stopped and then continued, lands in its own buffers).
+      const size_t out_bytes = static_cast<size_t>(options_.scheduler.max_tokens_per_step) *
+                               static_cast<size_t>(rank.slice.slice_q_dim()) * elem_;
+      const uint32_t first = next_attn_buffer_;
+      probe.lanes.clear();
+      probe.lanes.resize(lanes_.size());
+      absl::Status st;
+      for (size_t j = 0; j < lanes_.size() && st.ok(); ++j) {
+        RankLane& rl = probe.lanes[j];
+        rl.attn_buffer = next_attn_buffer_++;
+        rl.recv_bytes = kLayerMessageHeaderFrameBytes + out_bytes;
+        absl::StatusOr<BackendBuffer> recv = backend_->memory().Allocate(rl.recv_bytes, true);
+        st = recv.status();
+        if (!st.ok()) break;
+        rl.recv = std::move(*recv);
+        st = transport_->RegisterBuffer(rl.attn_buffer, rl.recv.get(), rl.recv_bytes);
+      }
+      if (st.ok()) st = transport_->Send(probe.peer, EncodeHello(MakeHello(m, first)));
+      if (!st.ok()) {
+        DropProbe(m, std::string(st.message()));
+        continue;
+      }
+      probe.hello_sent = true;
+      TANDEM_LOG_INFO("compute", rank.name, " answers at its address again: sent it a hello");
+      continue;
+    }
+    if (probe.reply.empty()) continue;
+    // The reply: the new process is set up; it takes the rank's place from the next step.
+    absl::StatusOr<HelloReplyMessage> reply = DecodeHelloReply(probe.reply);
+    if (!reply.ok()) {
+      absl::StatusOr<ErrorMessage> err = DecodeError(probe.reply);
+      DropProbe(m, std::string(err.ok() ? StatusFromErrorMessage(*err).message() : reply.status().message()));
+      continue;
+    }
+    if (reply->memory_rank != m || reply->dtype != backend_->dtype()) {
+      TANDEM_LOG_WARN("compute", rank.name, ": a process at its address answers as memory rank ",
+                      reply->memory_rank, " with dtype ", std::string(DTypeName(reply->dtype)),
+                      "; not taken");
+      DropProbe(m, "not this rank");
+      continue;
+    }
+    const int64_t capacity = static_cast<int64_t>(reply->kv_capacity_tokens);
+    if (absl::Status st = controller_->RejoinRank(static_cast<int>(m), capacity); !st.ok()) {
+      DropProbe(m, std::string(st.message()));
+      continue;
+    }
+    transport_->Reopen(probe.peer);  // live: its failure is a failure again
+    rank.peer = probe.peer;
+    rank.qkv_buffer = reply->qkv_buffer;
+    for (RankLane& rl : rank.lanes) retired_lanes_.push_back(std::move(rl));  // still registered
+    rank.lanes = std::move(probe.lanes);
+    rank.lost = false;
+    rank.beat_seq = 0;
+    probe = Probe{};
+    ++memory_ranks_rejoined_;
+    rank_names_[m] = absl::StrCat("memory rank ", m, ": ", reply->device, ", ", capacity, " KV tokens");
+    TANDEM_LOG_WARN("compute", rank.name, " rejoined (", reply->device, ", ", capacity,
+                    " KV tokens); it takes requests again (", memory_ranks_rejoined_, " rejoin(s) so far, ",
+                    controller_->live_ranks(), " live memory rank(s))");
+  }
 }
 
 absl::Status ComputeRank::LoseFailedRanks(size_t waited_on, absl::Status why) {
@@ -697,7 +829,7 @@ absl::Status ComputeRank::LoseFailedRanks(size_t waited_on, absl::Status why) {
   }
   bool blamed = false;
   while (transport_->Receive(&from, &msg, absl::Now()).ok()) {
-    if (heartbeat_reply(from)) continue;
+    if (TakeStrayMessage(from, &msg) || heartbeat_reply(from)) continue;
     absl::StatusOr<ErrorMessage> err = DecodeError(msg);
     for (size_t m = 0; m < ranks_.size(); ++m) {
       if (ranks_[m].peer != from || ranks_[m].lost) continue;
@@ -745,6 +877,7 @@ absl::Status ComputeRank::Heartbeat() {
   transport::PeerId from = 0;
   std::vector<uint8_t> msg;
   while (transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(1)).ok()) {
+    if (TakeStrayMessage(from, &msg)) continue;
     size_t m = 0;
     while (m < ranks_.size() && ranks_[m].peer != from) ++m;
     if (m == ranks_.size()) {
@@ -807,6 +940,7 @@ absl::Status ComputeRank::Heartbeat() {
     }
   }
   RecoverLostRanks(&ended_while_idle_);
+  AdvanceRejoins();
   return absl::OkStatus();
 }
 
@@ -1063,6 +1197,7 @@ absl::StatusOr<size_t> ComputeRank::ReceiveFromRank(absl::Time deadline, const s
   while (true) {
     RETURN_IF_ERROR(
         Annotate(transport_->Receive(&from, msg, deadline), absl::StrCat("waiting for ", awaited)));
+    if (TakeStrayMessage(from, msg)) continue;  // a probe's reply, or a connection given up
     m = 0;
     while (m < ranks_.size() && ranks_[m].peer != from) ++m;
     if (m < ranks_.size() && ranks_[m].lost) continue;  // whatever a lost memory rank still sends is dropped
@@ -1329,7 +1464,8 @@ EngineStats ComputeRank::stats() const {
           .tiers = tiers,
           .busy_seconds = busy_seconds_,
           .memory_ranks_lost = memory_ranks_lost_,
-          .requests_recovered = requests_recovered_};
+          .requests_recovered = requests_recovered_,
+          .memory_ranks_rejoined = memory_ranks_rejoined_};
 }
 
 void ComputeRank::Abandon(const absl::Status& why) {
@@ -1377,6 +1513,18 @@ absl::Status ComputeRank::Shutdown() {
   };
   part(replicas_);
   part(ranks_);
+  // A rejoining rank's new process that got its hello waits for steps: a bye for it too.
+  size_t probe_byes = 0;
+  for (const Probe& probe : probes_) {
+    if (!probe.active || !probe.hello_sent) continue;
+    probe_byes += transport_->Send(probe.peer, frame).ok() ? 1 : 0;
+  }
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(5); probe_byes > 0;) {
+    std::vector<uint8_t> msg;
+    transport::PeerId from = 0;
+    if (!transport_->Receive(&from, &msg, deadline).ok()) break;
+    if (PeekFrameMagic(msg).value_or(0) == kByeMagic) --probe_byes;
+  }
   (void)transport_->Flush(absl::Now() + absl::Seconds(5));
   return absl::OkStatus();
 }

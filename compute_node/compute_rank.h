@@ -46,6 +46,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -99,6 +100,10 @@ struct ComputeRankOptions {
   // it); each heartbeat also tells the rank to stop once this rank has been silent for
   // heartbeat + step_timeout. Zero: no heartbeats.
   absl::Duration heartbeat = absl::ZeroDuration();
+  // launch.rejoin_probe_s: a memory rank given up (recovery) is probed at its address this often
+  // and rejoins when a new process of it answers there (see ComputeRank's rejoin); zero: a lost
+  // rank stays lost.
+  absl::Duration rejoin_probe = absl::ZeroDuration();
 };
 
 // A compute replica (compute rank r > 0 of compute.ranks; pipeline.mode fixed): the weights on its
@@ -135,6 +140,19 @@ class ComputeRank : public Engine {
   // recovery (or where it is not supported), or once every rank is lost, the step fails with a
   // Status naming the rank. Cancel: the memory rank that
   // holds the request's KV is told to free it (a release message, as for a finished request).
+  //
+  // Rejoin (ComputeRankOptions::rejoin_probe): a lost rank's address (memory_addresses[m], where a
+  // restarted `tandem memory --rank m` listens again) is probed every rejoin_probe, and a process
+  // that answers there takes the rank's place. Nothing of it ever blocks or fails a step: the probe
+  // connection is Close()d from the start (its refusal fails no other wait) and polled at the
+  // start of each Step and in Heartbeat; once it is connected it gets a hello with attention-output
+  // buffers of its own (fresh ids, doorbells at 0; its seqnos start again on both sides), and its
+  // hello reply, taken wherever compute rank 0 reads messages, makes the rank live again at the
+  // start of the next Step or Heartbeat (Controller::RejoinRank: its KV capacity back, a fresh
+  // prefix registry). A probe that is refused, fails, or has no reply within the step timeout is
+  // dropped (its late messages too) and tried again a rejoin_probe later, then less often while
+  // nothing answers (the wait doubles, up to 30 s). Probes reach the host-
+  // staged path only, where recovery works (CanRecover).
   absl::Status Check(const GenerationRequest& request) const override { return controller_->Check(request); }
   absl::StatusOr<int64_t> Submit(GenerationRequest request) override {
     return controller_->Submit(std::move(request));
@@ -304,6 +322,30 @@ class ComputeRank : public Engine {
   std::string listen_address_;  // a replica's (compute rank 0 does not listen)
   std::function<absl::Status(const std::string&)> on_listening_;
   std::vector<std::string> rank_names_;
+  // Rejoins (see the class comment). Starts, advances and completes the probes of the lost ranks;
+  // never blocks beyond one small send. Call between steps only.
+  void AdvanceRejoins();
+  // A message from a probe (kept as its hello reply: true) or from a connection given up (a lost
+  // rank's old one, a dropped probe: dropped, true); false for any other peer's.
+  bool TakeStrayMessage(transport::PeerId from, std::vector<uint8_t>* msg);
+  // Drops rank m's probe (its connection's later messages are dropped too) and schedules the next.
+  void DropProbe(size_t m, const std::string& why);
+  // The hello that sets memory rank m up, its attention outputs going to buffers attn_buffer + j.
+  HelloMessage MakeHello(size_t m, uint32_t attn_buffer) const;
+  struct Probe {
+    bool active = false;
+    transport::PeerId peer = 0;
+    absl::Time started;
+    bool hello_sent = false;
+    std::vector<RankLane> lanes;             // the rank's lanes once it rejoins: fresh buffers, seqnos at 0
+    std::vector<uint8_t> reply;              // its hello reply, once it came
+    absl::Time next = absl::InfinitePast();  // when the next probe may start
+    absl::Duration backoff;                  // the wait before it (doubles while nothing answers)
+  };
+  std::vector<Probe> probes_;                            // per memory rank
+  std::unordered_set<transport::PeerId> retired_peers_;  // connections given up: their messages are dropped
+  uint32_t next_attn_buffer_ = 0;                        // the next free attention-output buffer id
+  std::vector<RankLane> retired_lanes_;                  // buffers of lost processes and dropped probes
   PlannedStep step_;
   // One per micro-batch in flight: lane 0 is backend_ itself, lane j > 0 a backend lane over the
   // same weights (ComputeBackend::CreateLane).
@@ -337,7 +379,7 @@ class ComputeRank : public Engine {
   // Requests ended by a loss found by Heartbeat (RecoverLostRanks), reported by the next Step.
   std::vector<std::pair<int64_t, GenerationResult>> ended_while_idle_;
   absl::Time next_beat_ = absl::InfinitePast();
-  int64_t memory_ranks_lost_ = 0, requests_recovered_ = 0;
+  int64_t memory_ranks_lost_ = 0, requests_recovered_ = 0, memory_ranks_rejoined_ = 0;
 };
 
 }  // namespace tandem

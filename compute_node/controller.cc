@@ -728,6 +728,35 @@ std::vector<int64_t> Controller::LoseRank(int m) {
   return requeued;
 }
 
+absl::Status Controller::RejoinRank(int m, int64_t capacity) {
+  if (m < 0 || m >= num_memory_ranks()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("memory rank ", m, " rejoins, but the deployment has ", num_memory_ranks()));
+  }
+  const size_t mi = static_cast<size_t>(m);
+  if (!lost_[mi])
+    return absl::InvalidArgumentError(absl::StrCat("memory rank ", m, " rejoins but was not lost"));
+  if (capacity < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("memory rank ", m, " rejoins with a KV capacity of ", capacity, " tokens"));
+  }
+  // LoseRank emptied its state (no request is placed on it, nothing is pending or restoring); the
+  // registry starts again, as the new process's pool does.
+  lost_[mi] = false;
+  capacity_[mi] = capacity;
+  reserved_[mi] = 0;
+  evicted_[mi].clear();
+  evicted_tokens_[mi].clear();
+  pending_[mi].clear();
+  restores_[mi].clear();
+  restoring_[mi].clear();
+  if (!index_.empty()) {
+    index_[mi] =
+        std::make_unique<PrefixIndex>(options_.prefix_block_tokens, &DefaultBlockHash, options_.tier_blocks);
+  }
+  return absl::OkStatus();
+}
+
 const GenerationResult* Controller::Progress(int64_t id) const {
   for (const Live& w : waiting_)
     if (w.id == id) return &w.result;

@@ -218,6 +218,13 @@ class Controller {
   // appended to `failed` with finish_reason "error" and an Unavailable error naming its need, the
   // largest surviving rank and the ranks lost. Call after LoseRank. Its KV held nothing (waiting).
   void FailUnplaceable(std::vector<std::pair<int64_t, GenerationResult>>* failed);
+  // Memory rank m, lost (LoseRank), is back: a new process of that rank, with an empty KV pool of
+  // `capacity` slots (it need not be what the rank had). It takes requests again from the next
+  // Schedule: its capacity is `capacity`, nothing is reserved on it, and its prefix registry is a
+  // fresh one (the blocks of the lost process, resident or demoted, are not there). Requests
+  // requeued by its loss stay where they were placed meanwhile. InvalidArgument (nothing changed)
+  // for a rank out of range or not lost, or a capacity below 1.
+  absl::Status RejoinRank(int m, int64_t capacity);
   bool rank_lost(int m) const { return lost_[static_cast<size_t>(m)]; }
   int live_ranks() const { return static_cast<int>(std::count(lost_.begin(), lost_.end(), false)); }
 

@@ -86,6 +86,7 @@ struct EngineStats {
   // that went back to the queue to be recomputed on the others.
   int64_t memory_ranks_lost = 0;
   int64_t requests_recovered = 0;
+  int64_t memory_ranks_rejoined = 0;  // lost ranks that a new process of took back (ComputeRank)
 };
 
 // KV of one memory rank, in tokens (slots).

@@ -99,7 +99,19 @@ const ConfigSchema& DeploySchema() {
         .Bool("launch.recover_memory_ranks", true,
               "a memory rank that dies, disconnects or stays silent past launch.step_timeout_s is given "
               "up and its requests are recomputed on the others (ucx transport, one compute rank, "
-              "memory.partition request); false: the deployment stops");
+              "memory.partition request); false: the deployment stops")
+        .Int("launch.restart_memory_ranks", 3,
+             "with launch.recover_memory_ranks, tandem launch restarts a memory rank process that died (not "
+             "one that exited cleanly) on the address it listened on, up to this many times per rank, and "
+             "compute rank 0 takes it back; past the limit it stays lost; 0: never restart",
+             0, 1000)
+        .Double(
+            "launch.rejoin_probe_s", 1,
+            "with launch.recover_memory_ranks, compute rank 0 tries a lost memory rank's address this often "
+            "(between steps, never blocking one; the wait doubles, up to 30 s, while nothing answers) and "
+            "takes back a new process of the rank that answers there (restarted by tandem launch or by "
+            "hand); 0: a lost rank stays lost",
+            0, 3600);
     AddPoolKnobs(s);
     AddSchedulerKvKnobs(s);
     server::AddApiKnobs(s);  // compute rank 0 serves the API (cli/rank_cmds.cc)
@@ -318,6 +330,10 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   p.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks") &&
                            p.transport == transport::TransportKind::kUcx && p.compute_ranks == 1 &&
                            p.partition == AttentionPartition::kRequest;
+  // A restarted rank is of use only where compute rank 0 takes it back.
+  p.restart_memory_ranks = p.recover_memory_ranks && c.GetDouble("launch.rejoin_probe_s") > 0
+                               ? static_cast<int>(c.GetInt("launch.restart_memory_ranks"))
+                               : 0;
   return p;
 }
 
@@ -365,15 +381,15 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
   // transport.kind local: the memory ranks are threads of compute-0 (deploy/local_ranks.h).
   const bool in_process = transport::GetTransportInfo(plan.transport).one_process;
   std::vector<std::string> addresses;
-  for (size_t i = 0; i < plan.memory_devices.size() && !in_process; ++i) {
+  // Memory rank i's command line, listening on `listen` (a restart listens where the rank did).
+  auto memory_command = [&](size_t i, const std::string& listen) {
     const RankPlacement& r = plan.placement.memory[i];
-    const std::string name = r.name, ready = path(name + ".ready");
     std::vector<std::string> argv = {r.tandem.empty() ? o.tandem_binary : r.tandem,
                                      "memory",
                                      "--rank",
                                      std::to_string(i),
                                      "--listen",
-                                     plan.listen_addresses[i],
+                                     listen,
                                      "--device",
                                      plan.memory_devices[i],
                                      "--kv-share",
@@ -383,13 +399,20 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
                                      "--log-level",
                                      o.log_level};
     if (r.local()) {
-      argv.insert(argv.end(), {"--config", cfg, "--secret-file", secret, "--ready-file", ready});
-      RETURN_IF_ERROR(group.Start(name, argv, path(name + ".log")));
+      argv.insert(argv.end(),
+                  {"--config", cfg, "--secret-file", secret, "--ready-file", path(r.name + ".ready")});
+      return argv;
+    }
+    argv.insert(argv.end(), {"--stdin-bootstrap", "--ready-file", "-"});
+    return plan.srun ? SrunArgv(r.host, argv) : SshArgv(plan.ssh, r.host, argv);
+  };
+  for (size_t i = 0; i < plan.memory_devices.size() && !in_process; ++i) {
+    const RankPlacement& r = plan.placement.memory[i];
+    const std::vector<std::string> argv = memory_command(i, plan.listen_addresses[i]);
+    if (r.local()) {
+      RETURN_IF_ERROR(group.Start(r.name, argv, path(r.name + ".log")));
     } else {
-      argv.insert(argv.end(), {"--stdin-bootstrap", "--ready-file", "-"});
-      RETURN_IF_ERROR(
-          group.StartWithStdin(name, plan.srun ? SrunArgv(r.host, argv) : SshArgv(plan.ssh, r.host, argv),
-                               path(name + ".log"), StdinBootstrap(key, yaml)));
+      RETURN_IF_ERROR(group.StartWithStdin(r.name, argv, path(r.name + ".log"), StdinBootstrap(key, yaml)));
     }
   }
   for (size_t i = 0; i < plan.memory_devices.size() && !in_process; ++i) {
@@ -464,8 +487,12 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
   RETURN_IF_ERROR(group.Start("compute-0", argv, path("compute-0.log")));
   ASSIGN_OR_RETURN(const std::string compute, group.WaitReady("compute-0", ready, plan.startup_timeout));
   if (plan.recover_memory_ranks) {
-    // Running: compute-0 recovers the requests of a memory rank that fails (launch.recover_memory_ranks).
-    for (size_t i = 0; i < addresses.size(); ++i) group.Tolerate(absl::StrCat("memory-", i));
+    // Running: compute-0 recovers the requests of a memory rank that fails (launch.recover_memory_ranks),
+    // and takes back a new process of it that listens where it did (launch.restart_memory_ranks).
+    for (size_t i = 0; i < addresses.size(); ++i) {
+      group.Tolerate(plan.placement.memory[i].name, plan.restart_memory_ranks,
+                     memory_command(i, addresses[i]), "compute-0");
+    }
   }
   std::fprintf(stderr, "tandem launch: compute-0 ready on %s; %zu memory rank(s)%s; logs in %s/\n",
                std::string(absl::StripAsciiWhitespace(compute)).c_str(), plan.memory_devices.size(),
@@ -473,6 +500,10 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
   if (!o.requests_file.empty()) {
     // Compute rank 0 runs the requests, says bye to the memory ranks and exits; they follow.
     RETURN_IF_ERROR(group.WaitExit("compute-0"));
+    if (plan.recover_memory_ranks) {
+      // Nobody would take a restarted rank back now.
+      for (size_t i = 0; i < addresses.size(); ++i) group.Tolerate(plan.placement.memory[i].name, 0);
+    }
     for (size_t i = 0; i < addresses.size(); ++i) {
       // A memory rank compute-0 gave up (recovery) may never exit by itself (a stopped process):
       // after a while it is left to the final StopAll.

@@ -76,6 +76,9 @@ struct DeployPlan {
   // launch.recover_memory_ranks, where compute rank 0 can recover (ucx, one compute rank, the
   // request partition): the launcher then lets a memory rank fail without stopping the deployment.
   bool recover_memory_ranks = false;
+  // launch.restart_memory_ranks where it applies (recovery, and compute rank 0 probing lost ranks:
+  // launch.rejoin_probe_s > 0), else 0: how often the launcher restarts a memory rank that died.
+  int restart_memory_ranks = 0;
   Placement placement;  // per rank: host, address to bind, device (resolved), device type
   std::string run_dir;  // this run's own directory (<launch.run_dir>/run-<time>-<pid>; made by Launch)
   std::string ssh;      // launch.ssh: the ssh client command line for ranks on other hosts

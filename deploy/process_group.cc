@@ -15,6 +15,8 @@
 #include <csignal>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <system_error>
 #include <utility>
 
@@ -291,7 +293,23 @@ absl::Status ProcessGroup::StartImpl(const std::string& name, const std::vector<
   if (Find(name) != nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("two processes are named ", name));
   }
+  int stdin_fd = -1;
+  ASSIGN_OR_RETURN(const pid_t pid, Spawn(name, argv, log_path, stdin_data, &stdin_fd));
+  Child child;
+  child.name = name;
+  child.pid = pid;
+  child.log_path = log_path;
+  child.running = true;
+  child.stdin_fd = stdin_fd;  // closed when the child is reaped
+  child.argv = argv;
+  if (stdin_data != nullptr) child.stdin_data = *stdin_data;
+  children_.push_back(std::move(child));
+  return absl::OkStatus();
+}
 
+absl::StatusOr<pid_t> ProcessGroup::Spawn(const std::string& name, const std::vector<std::string>& argv,
+                                          const std::string& log_path, const std::string* stdin_data,
+                                          int* stdin_fd) {
   const std::filesystem::path dir = std::filesystem::path(log_path).parent_path();
   if (!dir.empty()) {
     std::error_code ec;
@@ -367,16 +385,54 @@ absl::Status ProcessGroup::StartImpl(const std::string& name, const std::vector<
     return ErrnoToStatus(msg[1], absl::StrCat(name, ": cannot set up the process for ", argv[0]));
   }
 
-  Child child;
-  child.name = name;
-  child.pid = pid;
-  child.log_path = log_path;
-  child.running = true;
-  if (stdin_write.get() >= 0) {
-    child.stdin_fd = stdin_write.Release();  // closed when the child is reaped
+  if (stdin_write.get() >= 0) *stdin_fd = stdin_write.Release();
+  return pid;
+}
+
+namespace {
+// Whether process `pid` is stopped (SIGSTOP, or traced): its state in /proc/<pid>/stat.
+bool ProcessStopped(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t paren = stat.rfind(')');  // the command name may hold spaces and parentheses
+  return paren != std::string::npos && paren + 2 < stat.size() &&
+         (stat[paren + 2] == 'T' || stat[paren + 2] == 't');
+}
+}  // namespace
+
+bool ProcessGroup::RestartIfAllowed(Child& child) {
+  if (child.restarts_left <= 0) return false;
+  if (!child.serves.empty()) {
+    // A rank that left because the process it serves went silent (stopped) or away would only
+    // wait for it again.
+    const Child* served = Find(child.serves);
+    if (served == nullptr || !served->running || ProcessStopped(served->pid)) {
+      std::fprintf(stderr, "tandem launch: %s; not restarted (%s is %s); the deployment goes on without it\n",
+                   DescribeExit(child, "").c_str(), child.serves.c_str(),
+                   served == nullptr || !served->running ? "not running" : "stopped");
+      return true;
+    }
   }
-  children_.push_back(std::move(child));
-  return absl::OkStatus();
+  --child.restarts_left;
+  ++child.restarts;
+  std::fprintf(stderr, "tandem launch: %s; restarting it (restart %d of %d)\n",
+               DescribeExit(child, "").c_str(), child.restarts, child.restarts + child.restarts_left);
+  const std::vector<std::string>& argv = child.restart_argv.empty() ? child.argv : child.restart_argv;
+  int stdin_fd = -1;
+  absl::StatusOr<pid_t> pid =
+      Spawn(child.name, argv, child.log_path, child.stdin_data ? &*child.stdin_data : nullptr, &stdin_fd);
+  if (!pid.ok()) {
+    std::fprintf(stderr, "tandem launch: %s could not be restarted: %s; the deployment goes on without it\n",
+                 child.name.c_str(), std::string(pid.status().message()).c_str());
+    return true;
+  }
+  child.pid = *pid;
+  child.running = true;
+  child.wait_status = 0;
+  child.reported = false;
+  child.stdin_fd = stdin_fd;
+  std::fprintf(stderr, "tandem launch: %s restarted (pid %d)\n", child.name.c_str(), static_cast<int>(*pid));
+  return true;
 }
 
 void ProcessGroup::ReapRunning() {
@@ -510,8 +566,14 @@ absl::StatusOr<std::string> ProcessGroup::WaitFor(
   }
 }
 
-void ProcessGroup::Tolerate(const std::string& name) {
-  if (Child* c = Find(name); c != nullptr) c->tolerated = true;
+void ProcessGroup::Tolerate(const std::string& name, int restarts, std::vector<std::string> restart_argv,
+                            std::string serves) {
+  Child* c = Find(name);
+  if (c == nullptr) return;
+  c->tolerated = true;
+  c->restarts_left = std::max(0, restarts);
+  c->restart_argv = std::move(restart_argv);
+  c->serves = std::move(serves);
 }
 
 namespace {
@@ -525,10 +587,12 @@ absl::Status ProcessGroup::WaitExit(const std::string& name, absl::Duration time
   if (target == nullptr) return absl::NotFoundError(absl::StrCat("no process is named ", name));
   const std::string waiting = absl::StrCat("waiting for ", name, " to exit");
   const absl::Time deadline = absl::Now() + timeout;
-  auto tolerated = [this](const Child& c) {
+  auto tolerated = [this](Child& c) {
     if (!c.tolerated || CleanExit(c.wait_status)) return false;
-    std::fprintf(stderr, "tandem launch: %s; the deployment goes on without it\n",
-                 DescribeExit(c, "").c_str());
+    if (RestartIfAllowed(c)) return true;
+    std::fprintf(
+        stderr, "tandem launch: %s%s; the deployment goes on without it\n", DescribeExit(c, "").c_str(),
+        c.restarts > 0 ? absl::StrCat(" (restarted ", c.restarts, " time(s), the limit)").c_str() : "");
     return true;
   };
   while (true) {
@@ -538,6 +602,7 @@ absl::Status ProcessGroup::WaitExit(const std::string& name, absl::Duration time
       const bool was_reported = target->reported;
       target->reported = true;
       if (CleanExit(target->wait_status)) return absl::OkStatus();
+      if (!was_reported && target->tolerated && RestartIfAllowed(*target)) continue;  // wait for the new one
       if (was_reported || tolerated(*target)) return absl::OkStatus();
       return absl::UnavailableError(DescribeExit(*target, ""));
     }
@@ -564,8 +629,12 @@ absl::Status ProcessGroup::WaitAny() {
     if (Child* exited = FirstUnreportedExit(); exited != nullptr) {
       exited->reported = true;
       if (exited->tolerated && !CleanExit(exited->wait_status)) {
-        std::fprintf(stderr, "tandem launch: %s; the deployment goes on without it\n",
-                     DescribeExit(*exited, "").c_str());
+        if (RestartIfAllowed(*exited)) continue;
+        std::fprintf(stderr, "tandem launch: %s%s; the deployment goes on without it\n",
+                     DescribeExit(*exited, "").c_str(),
+                     exited->restarts > 0
+                         ? absl::StrCat(" (restarted ", exited->restarts, " time(s), the limit)").c_str()
+                         : "");
         continue;
       }
       return absl::UnavailableError(DescribeExit(*exited, ""));

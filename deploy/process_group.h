@@ -85,8 +85,17 @@ class ProcessGroup {
 
   // From now on the failure of process `name` is not an error of the group's waits (WaitExit of
   // it or of another process, WaitAny): it is reported on stderr, once, and the wait goes on (a
-  // memory rank whose requests compute rank 0 recovers; see launch.recover_memory_ranks).
-  void Tolerate(const std::string& name);
+  // memory rank whose requests compute rank 0 recovers; see launch.recover_memory_ranks). With
+  // `restarts` > 0 a failure (not a clean exit) is followed by a restart, up to `restarts` times
+  // in all: the same log (appended), the same stdin data, the command line `restart_argv` (empty:
+  // the one it was started with); each restart is a line on stderr ("restarting it (restart 1 of
+  // 3)", then "restarted (pid N)"), and a WaitExit of it waits for the new process. A failure past
+  // the limit is reported as without restarts. With `serves` (the name of another process of the
+  // group, e.g. compute-0) there is no restart while that process is not running or is stopped
+  // (SIGSTOP): a rank that left because it went silent would only wait for it again. Calling it
+  // again replaces the limit (0: no more restarts).
+  void Tolerate(const std::string& name, int restarts = 0, std::vector<std::string> restart_argv = {},
+                std::string serves = "");
 
   // SIGTERM to every running process, up to `grace` for them to exit, then SIGKILL; reaps all.
   // Returns the names of the processes that needed SIGKILL (for the launcher's message).
@@ -110,9 +119,21 @@ class ProcessGroup {
     bool reported = false;   // its exit was returned by a wait (or it was stopped by StopAll)
     bool tolerated = false;  // Tolerate(): a failure is reported on stderr, not returned
     int stdin_fd = -1;       // write end of its stdin pipe (StartWithStdin), closed once reaped
+    // What a restart needs (Tolerate with restarts).
+    std::vector<std::string> argv, restart_argv;
+    std::optional<std::string> stdin_data;
+    int restarts_left = 0, restarts = 0;
+    std::string serves;  // no restart while this process is not running or stopped
   };
   absl::Status StartImpl(const std::string& name, const std::vector<std::string>& argv,
                          const std::string& log_path, const std::string* stdin_data);
+  // Forks and execs (StartImpl's work): the pid, and the write end of its stdin pipe in *stdin_fd
+  // when `stdin_data` is given.
+  absl::StatusOr<pid_t> Spawn(const std::string& name, const std::vector<std::string>& argv,
+                              const std::string& log_path, const std::string* stdin_data, int* stdin_fd);
+  // A tolerated child that failed: restarts it when restarts are left (true: reported and
+  // restarted, or reported as not restartable), else false (the caller reports it).
+  bool RestartIfAllowed(Child& child);
   // Waits for `read_ready` to return a value (polling), as WaitReady describes.
   absl::StatusOr<std::string> WaitFor(
       const std::string& name, const std::string& what,

@@ -176,7 +176,12 @@ class MemoryRank {
       replicas_.erase(it);
       return ReceiveFromCompute(msg, deadline, what);
     }
-    return absl::InvalidArgumentError("message from an unknown peer");
+    // Compute rank 0 connects anew to probe for a new process of a rank it gave up (a stop or a
+    // silence past launch.step_timeout_s): this process is that rank's old one.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a message from ", transport_->PeerName(from),
+        ", which is not compute rank 0's connection: compute rank 0 gave this rank up and probes for a new "
+        "process of it; this rank stops"));
   }
 
   // Tells the compute rank (if it can be reached) why this rank stops, and returns `st`.

@@ -205,6 +205,7 @@ void EngineLoop::Run() {
       }
       stats_.running = stats_.waiting = 0;
       stats_.kv = engine_->kv_usage();
+      stats_.recovery = RecoveryCounters(engine_->stats());  // a loss or rejoin found while idle
       continue;
     }
     finished.clear();
@@ -249,7 +250,9 @@ void EngineLoop::Run() {
     stats_.running = engine_->num_running();
     stats_.waiting = engine_->num_waiting();
     stats_.kv = engine_->kv_usage();
-    stats_.tiers = engine_->stats().tiers;
+    const EngineStats engine_stats = engine_->stats();
+    stats_.tiers = engine_stats.tiers;
+    stats_.recovery = RecoveryCounters(engine_stats);
     if (pipeline) {
       if (stats_.pipeline) stats_.pipeline_window = MakePipelineReport(*pipeline, *stats_.pipeline);
       stats_.pipeline = std::move(pipeline);

@@ -78,6 +78,17 @@ struct LoopOptions {
 };
 
 // Counters and gauges of the loop (a snapshot).
+// A deployment's recoveries so far (EngineStats): memory ranks lost, lost ranks taken back, and
+// requests recomputed after a loss.
+struct RecoveryCounters {
+  int64_t memory_ranks_lost = 0, memory_ranks_rejoined = 0, requests_recovered = 0;
+  RecoveryCounters() = default;
+  explicit RecoveryCounters(const EngineStats& s)
+      : memory_ranks_lost(s.memory_ranks_lost),
+        memory_ranks_rejoined(s.memory_ranks_rejoined),
+        requests_recovered(s.requests_recovered) {}
+};
+
 struct LoopStats {
   int64_t running = 0, waiting = 0;
   int64_t finished = 0, cancelled = 0, failed = 0, refused = 0;
@@ -85,8 +96,9 @@ struct LoopStats {
   int64_t steps = 0;
   double step_seconds = 0;
   bool healthy = true;
-  std::vector<KvUsage> kv;  // per memory rank, after the last step
-  KvTierCounters tiers;     // the engine's KV tiers, after the last step
+  std::vector<KvUsage> kv;    // per memory rank, after the last step
+  KvTierCounters tiers;       // the engine's KV tiers, after the last step
+  RecoveryCounters recovery;  // after the last step or idle heartbeat
   // A deployment's pipeline totals (about once a second while it steps) and the report of the
   // steps between the last two snapshots; absent for the colocated engine.
   std::optional<PipelineTotals> pipeline;

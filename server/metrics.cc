@@ -125,6 +125,14 @@ std::string ServerMetrics::Render(const LoopStats& s, const std::string& model_n
   metric("request_refused_total", "counter", "Requests refused at submission (queue full, bad request).",
          static_cast<double>(s.refused));
   metric("engine_steps_total", "counter", "Engine steps run.", static_cast<double>(s.steps));
+  metric("memory_ranks_lost_total", "counter",
+         "Memory ranks given up (their requests recomputed on the others).",
+         static_cast<double>(s.recovery.memory_ranks_lost));
+  metric("memory_ranks_rejoined_total", "counter",
+         "Lost memory ranks taken back (a new process of the rank).",
+         static_cast<double>(s.recovery.memory_ranks_rejoined));
+  metric("requests_recovered_total", "counter", "Requests recomputed on another memory rank after a loss.",
+         static_cast<double>(s.recovery.requests_recovered));
   metric("engine_step_seconds_total", "counter", "Wall time inside engine steps.", s.step_seconds);
   if (s.pipeline) {
     // A deployment's pipeline (compute_node/pipeline_report.h): totals as counters, and the split

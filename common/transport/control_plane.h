@@ -36,6 +36,8 @@ class ControlPlaneTransport : public Transport {
   // (applying this transport's frames met on the way).
   absl::Status Receive(PeerId* from, std::vector<uint8_t>* message, absl::Time deadline) override;
   void Close(PeerId peer) override { control_->Close(peer); }
+  void Reopen(PeerId peer) override { control_->Reopen(peer); }
+  bool Connecting(PeerId peer) const override { return control_->Connecting(peer); }
 
  protected:
   explicit ControlPlaneTransport(std::unique_ptr<Transport> control) : control_(std::move(control)) {}

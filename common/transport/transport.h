@@ -100,6 +100,19 @@ class Transport {
     (void)peer;
     return absl::OkStatus();
   }
+  // Whether the connection that Connect() started to `peer` is still being set up (its bootstrap
+  // has not finished, nor failed): an operation on the peer would first wait for that, up to the
+  // transport's connect timeout. A caller that must not block (a probe of an address that may be
+  // refused, or may be a stopped process) polls this before its first operation. Progress happens
+  // inside the transport's other calls.
+  virtual bool Connecting(PeerId peer) const {
+    (void)peer;
+    return false;
+  }
+  // Undoes Close(): from now on the peer's failure fails waits on other peers again, and its
+  // disconnect is a warning. For a connection Close()d from the start (a probe, whose refusal must
+  // fail nothing else) that turned out to be a live peer.
+  virtual void Reopen(PeerId peer) { (void)peer; }
 
   // ---- The device data path (capabilities().device_polling) ------------------------------------
   // Work enqueued on one of the caller's CUDA streams (a cudaStream_t, passed as void* so that

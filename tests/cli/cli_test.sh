@@ -283,7 +283,8 @@ kill -TERM $lpid; wait $lpid; rc=$?
 [ $rc -eq 0 ] || bad "launch exited $rc after SIGTERM: $(tail -3 "$TMP/launch.out")"
 pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left behind after SIGTERM"
 # A memory rank that dies: with launch.recover_memory_ranks (the default) the deployment goes on and
-# answers through the survivor; without it, it comes down with a message naming the rank.
+# answers through the survivor, and the launcher restarts the rank (launch.restart_memory_ranks);
+# without recovery, it comes down with a message naming the rank.
 "$TANDEM" launch "$TMP/deploy.yaml" >"$TMP/launch.out" 2>&1 &
 lpid=$!
 for _ in $(seq 1 200); do grep -q "running until" "$TMP/launch.out" && break; sleep 0.1; done
@@ -297,7 +298,8 @@ print(len(json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]["text
 }
 for i in 1 2 3; do api_answer >/dev/null 2>"$TMP/api.err" || bad "the API did not answer after memory-1 died (request $i): $(tail -2 "$TMP/api.err")"; done
 grep -q "memory-1 (pid [0-9]*) was killed by signal 9.*" "$TMP/launch.out" || bad "launch does not report the dead rank: $(tail -3 "$TMP/launch.out")"
-grep -q "the deployment goes on without it" "$TMP/launch.out" || bad "launch does not say it goes on: $(tail -3 "$TMP/launch.out")"
+grep -q "restarting it (restart 1 of 3)" "$TMP/launch.out" || bad "launch does not say it restarts the rank: $(tail -3 "$TMP/launch.out")"
+grep -q "memory-1 restarted (pid [0-9]*)" "$TMP/launch.out" || bad "launch does not report the restarted rank: $(tail -3 "$TMP/launch.out")"
 kill -TERM $lpid; wait $lpid; rc=$?
 [ $rc -eq 0 ] || bad "launch exited $rc after SIGTERM with a memory rank lost: $(tail -3 "$TMP/launch.out")"
 pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left behind after a recovered loss"

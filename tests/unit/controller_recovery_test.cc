@@ -26,10 +26,14 @@ int32_t Sample(const std::vector<int32_t>& kv, int64_t upto, uint64_t counter, i
 
 // Runs `requests` to the end; before step s (if lose.count(s)) memory rank lose[s] is lost, after
 // the step's rows were applied to the other ranks (as ComputeRank does: the step finishes without
-// the lost rank, its requests' tokens dropped).
+// the lost rank, its requests' tokens dropped). Before step s is planned (if rejoin.count(s)),
+// memory rank rejoin[s], if lost, rejoins with an empty pool (RejoinRank); `placed_after_rejoin`
+// counts the requests placed on a rank after it rejoined.
 std::map<int64_t, std::vector<int32_t>> RunAll(const ModelSpec& spec, int ranks,
                                                const std::vector<GenerationRequest>& requests,
-                                               const std::map<int, int>& lose, int64_t* requeued) {
+                                               const std::map<int, int>& lose, int64_t* requeued,
+                                               const std::map<int, int>& rejoin = {},
+                                               int64_t* placed_after_rejoin = nullptr) {
   ControllerOptions o;
   o.max_batch_size = 6;
   o.max_tokens_per_step = 32;
@@ -38,7 +42,12 @@ std::map<int64_t, std::vector<int32_t>> RunAll(const ModelSpec& spec, int ranks,
   for (const GenerationRequest& r : requests) EXPECT_TRUE(c.Submit(r).ok());
   std::map<int64_t, std::vector<int32_t>> done;
   int step_index = 0;
+  std::vector<bool> rejoined(static_cast<size_t>(ranks), false);
   while (!c.Idle()) {
+    if (auto it = rejoin.find(step_index); it != rejoin.end() && c.rank_lost(it->second)) {
+      EXPECT_TRUE(c.RejoinRank(it->second, 400).ok());
+      rejoined[static_cast<size_t>(it->second)] = true;
+    }
     PlannedStep step;
     c.Schedule(&step);
     EXPECT_FALSE(step.empty()) << "nothing scheduled while requests wait (step " << step_index << ")";
@@ -47,6 +56,8 @@ std::map<int64_t, std::vector<int32_t>> RunAll(const ModelSpec& spec, int ranks,
     SampledTokens sampled;
     size_t row = 0, next_sample = 0;
     for (const StepRequest& r : step.plan.requests) {
+      if (placed_after_rejoin != nullptr && rejoined[r.memory_rank] && r.position == 0)
+        ++*placed_after_rejoin;
       std::vector<int32_t>& mine = kv[r.memory_rank][static_cast<int64_t>(r.request_id)];
       EXPECT_EQ(static_cast<int64_t>(mine.size()), r.position) << "request " << r.request_id;
       for (int32_t j = 0; j < r.q_len; ++j, ++row) {
@@ -112,6 +123,98 @@ TEST(ControllerRecovery, LostRanksRequestsGetTheTokensOfAnUninterruptedRun) {
     total_requeued += requeued;
   }
   EXPECT_GT(total_requeued, 40) << "few requests were on the lost ranks: the scenarios test little";
+}
+
+// Ranks lost and then rejoining (a restarted process, empty pool) at random steps: still the
+// tokens of an uninterrupted run, and the rejoined ranks take requests again.
+TEST(ControllerRecovery, RejoinedRanksTakeRequestsAndTokensStayTheSame) {
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gqa");
+  ASSERT_TRUE(spec.ok());
+  int64_t total_placed = 0;
+  for (uint32_t seed = 1; seed <= 40; ++seed) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    auto rnd = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+    const int ranks = rnd(2, 3);
+    std::vector<GenerationRequest> requests(static_cast<size_t>(rnd(10, 20)));
+    for (GenerationRequest& r : requests) {
+      for (int i = rnd(1, 40); i > 0; --i) r.prompt.push_back(rnd(2, 200));
+      r.max_tokens = rnd(1, 30);
+      r.ignore_eos = true;
+    }
+    int64_t none = 0, requeued = 0, placed = 0;
+    const auto expect = RunAll(*spec, ranks, requests, {}, &none);
+    ASSERT_EQ(expect.size(), requests.size());
+    const int m = rnd(0, ranks - 1);
+    const int lost_at = rnd(0, 4);
+    const auto got =
+        RunAll(*spec, ranks, requests, {{lost_at, m}}, &requeued, {{lost_at + rnd(1, 3), m}}, &placed);
+    EXPECT_EQ(got, expect);
+    total_placed += placed;
+  }
+  EXPECT_GT(total_placed, 40) << "rejoined ranks took few requests: the scenarios test little";
+}
+
+TEST(ControllerRecovery, RejoinRankGivesTheCapacityBackWithAFreshRegistry) {
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gqa");
+  ASSERT_TRUE(spec.ok());
+  ControllerOptions o;
+  o.max_batch_size = 8;
+  o.max_tokens_per_step = 128;
+  o.prefix_block_tokens = 4;
+  Controller c(*spec, {100, 100}, o);
+  EXPECT_EQ(c.RejoinRank(1, 100).code(), absl::StatusCode::kInvalidArgument);  // not lost
+  EXPECT_EQ(c.RejoinRank(2, 100).code(), absl::StatusCode::kInvalidArgument);  // no such rank
+  for (int i = 0; i < 4; ++i) {  // different prompts: placed by free KV, not by a shared prefix
+    GenerationRequest r;
+    r.prompt = {2 + i, 3, 4, 5, 6, 7, 8, 9, 10};
+    r.max_tokens = 3;
+    r.ignore_eos = true;
+    ASSERT_TRUE(c.Submit(r).ok());
+  }
+  PlannedStep step;
+  c.Schedule(&step);
+  bool on1 = false;
+  for (const StepRequest& q : step.plan.requests) on1 |= q.memory_rank == 1;
+  ASSERT_TRUE(on1);
+  SampledTokens sampled;
+  for (size_t i = 0; i < step.rows.sample_rows.size(); ++i) sampled.Append(7, -1.0f);
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  std::vector<std::vector<uint64_t>> released;
+  ASSERT_TRUE(c.Complete(step, sampled, &finished, &released).ok());
+  ASSERT_GT(c.prefix_index(1)->stats().blocks, 0);  // rank 1 registered the prompt's blocks
+  c.LoseRank(1);
+  GenerationRequest big;
+  big.prompt = {40, 41, 42, 43};
+  big.max_tokens = 200;
+  EXPECT_EQ(c.Check(big).code(), absl::StatusCode::kResourceExhausted);  // only rank 0's 100 left
+  EXPECT_EQ(c.RejoinRank(1, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(c.rank_lost(1));
+  ASSERT_TRUE(c.RejoinRank(1, 250).ok());
+  EXPECT_FALSE(c.rank_lost(1));
+  EXPECT_EQ(c.live_ranks(), 2);
+  EXPECT_EQ(c.kv_capacity(1), 250);
+  EXPECT_EQ(c.kv_reserved(1), 0);
+  EXPECT_EQ(c.prefix_index(1)->stats().blocks, 0);  // the new process holds nothing
+  EXPECT_EQ(c.RejoinRank(1, 250).code(), absl::StatusCode::kInvalidArgument);  // once
+  // A request that only the larger rejoined rank can hold is placed there.
+  ASSERT_TRUE(c.Check(big).ok());
+  const int64_t id = *c.Submit(big);
+  bool placed = false;
+  for (int s = 0; s < 20 && !placed; ++s) {
+    c.Schedule(&step);
+    for (const StepRequest& q : step.plan.requests) {
+      if (static_cast<int64_t>(q.request_id) == id) {
+        EXPECT_EQ(q.memory_rank, 1);
+        placed = true;
+      }
+    }
+    SampledTokens tokens;
+    for (size_t i = 0; i < step.rows.sample_rows.size(); ++i) tokens.Append(7, -1.0f);
+    finished.clear();
+    ASSERT_TRUE(c.Complete(step, tokens, &finished, &released).ok());
+  }
+  EXPECT_TRUE(placed);
 }
 
 TEST(ControllerRecovery, RequeuedRequestsGoFirstInAdmissionOrderAndTheRankTakesNoMore) {

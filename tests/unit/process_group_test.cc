@@ -160,6 +160,38 @@ TEST_F(ProcessGroupTest, WaitExitToleratesAnotherCleanExit) {
   EXPECT_TRUE(g.WaitExit("memory-0").ok());
 }
 
+// Tolerate with restarts: a tolerated process that dies is started again (its restart command,
+// the same log), up to the limit; past it the failure is reported and the group goes on. A clean
+// exit is not restarted.
+TEST_F(ProcessGroupTest, ToleratedProcessIsRestartedUpToTheLimit) {
+  ProcessGroup g;
+  ASSERT_TRUE(g.Start("compute", {"/bin/sleep", "100"}, Log("compute")).ok());
+  ASSERT_TRUE(g.Start("memory-1", Sh("echo first; kill -9 $$"), Log("memory-1")).ok());
+  g.Tolerate("memory-1", 2, Sh("echo again; exit 3"), "compute");
+  // compute runs on: the waits return only at their deadline, meanwhile memory-1 runs 3 times.
+  const absl::Status s = g.WaitExit("compute", absl::Seconds(2));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_FALSE(g.running("memory-1"));
+  EXPECT_EQ(ReadFile(Log("memory-1")), "first\nagain\nagain\n");
+  ASSERT_TRUE(g.Start("memory-2", Sh("exit 0"), Log("memory-2")).ok());
+  g.Tolerate("memory-2", 2, Sh("echo restarted"), "compute");
+  EXPECT_EQ(g.WaitExit("compute", absl::Seconds(1)).code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(ReadFile(Log("memory-2")), "");  // a clean exit: not restarted
+}
+
+// No restart while the process that the rank serves is stopped (SIGSTOP): it would only wait for it.
+TEST_F(ProcessGroupTest, NoRestartWhileTheServedProcessIsStopped) {
+  ProcessGroup g;
+  ASSERT_TRUE(g.Start("compute", {"/bin/sleep", "100"}, Log("compute")).ok());
+  ASSERT_TRUE(kill(g.pid("compute"), SIGSTOP) == 0);
+  ASSERT_TRUE(g.Start("memory-0", Sh("sleep 0.3; echo left; exit 1"), Log("memory-0")).ok());
+  g.Tolerate("memory-0", 3, {}, "compute");
+  EXPECT_EQ(g.WaitExit("compute", absl::Seconds(1.5)).code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_FALSE(g.running("memory-0"));
+  EXPECT_EQ(ReadFile(Log("memory-0")), "left\n");
+  kill(g.pid("compute"), SIGCONT);
+}
+
 TEST_F(ProcessGroupTest, KilledBySignalIsNamed) {
   ProcessGroup g;
   ASSERT_TRUE(g.Start("victim", Sh("echo before-death; kill -9 $$"), Log("victim")).ok());

@@ -184,6 +184,8 @@ class FaultTransport final : public Transport {
   }
   uint64_t Doorbell(uint32_t buffer) const override { return inner_->Doorbell(buffer); }
   void Close(PeerId peer) override { inner_->Close(peer); }
+  void Reopen(PeerId peer) override { inner_->Reopen(peer); }
+  bool Connecting(PeerId peer) const override { return inner_->Connecting(peer); }
 
   absl::Status Send(PeerId peer, absl::Span<const uint8_t> message) override {
     RETURN_IF_ERROR(Pump());

@@ -295,6 +295,12 @@ class UcxTransport final : public Transport {
   void Close(PeerId peer) override {
     if (peer < peers_.size()) peers_[peer]->closing = true;
   }
+  void Reopen(PeerId peer) override {
+    if (peer < peers_.size()) peers_[peer]->closing = false;
+  }
+  bool Connecting(PeerId peer) const override {
+    return peer < peers_.size() && peers_[peer]->connecting != nullptr && !peers_[peer]->failed;
+  }
   absl::Status PeerStatus(PeerId peer) const override {
     if (peer >= peers_.size()) return absl::InvalidArgumentError(absl::StrCat("ucx: no peer ", peer));
     return peers_[peer]->failed ? PeerFailure(*peers_[peer]) : absl::OkStatus();
@@ -448,6 +454,10 @@ absl::Status UcxTransport::Init(const UcxOptions& options) {
     RETURN_IF_ERROR(Resolve(host, port, /*passive=*/true, &ss, &len));
     listen_fd_ = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (listen_fd_ < 0) return ErrnoToStatus(errno, "ucx: socket for the bootstrap listener");
+    // A process restarted on the port of one that died (a memory rank rejoining) must not wait
+    // for the bootstrap connections it left in TIME_WAIT; two listeners on one port are still refused.
+    const int reuse = 1;
+    setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &reuse, sizeof(reuse));
     if (bind(listen_fd_, reinterpret_cast<const sockaddr*>(&ss), len) != 0 || listen(listen_fd_, 128) != 0) {
       return absl::UnavailableError(
           absl::StrCat("ucx: cannot listen on ", options.listen_address, ": ", std::strerror(errno)));
@@ -613,7 +623,11 @@ bool UcxTransport::DriveBootstrap() {
       p->connecting.reset();
       p->failed = true;
       p->failure = absl::StrCat("bootstrap handshake failed: ", st.message());
-      TANDEM_LOG_WARN("transport", "ucx: connecting to ", p->name, ": ", p->failure);
+      if (p->closing) {  // a probe (Close()d from the start): its refusal is expected
+        TANDEM_LOG_DEBUG("transport", "ucx: connecting to ", p->name, ": ", p->failure);
+      } else {
+        TANDEM_LOG_WARN("transport", "ucx: connecting to ", p->name, ": ", p->failure);
+      }
       progressed = true;
     }
   }

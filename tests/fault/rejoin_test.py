@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""A lost memory rank is restarted by the launcher and rejoins (launch.restart_memory_ranks).
+
+Real processes: `tandem serve --deploy` starts compute rank 0 (serving the API) and two CPU memory
+ranks over UCX on 127.0.0.1 (launch.step_timeout_s 2, launch.rejoin_probe_s 0.2,
+launch.restart_memory_ranks 2). Four clients keep sending completions (greedy and seeded
+sampling) whose tokens must equal those of the same requests sent one by one before any fault.
+  * kill -9 of memory rank 1 under that load: the launcher restarts it (a line per restart),
+    compute rank 0 takes it back (its log, tandem:memory_ranks_rejoined_total 1), every request
+    completes with the fault-free tokens, and the new process runs attention for requests placed
+    on it after the rejoin (the steps with rows it logs at its bye);
+  * SIGSTOP of the restarted rank under load, SIGCONT once compute rank 0 gave it up: nothing
+    wedges; the old process leaves, is restarted a second time and rejoins, requests still get the
+    same tokens.
+Every wait is bounded. Usage: rejoin_test.py path/to/tandem
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+TANDEM = sys.argv[1]
+MODEL = "tiny-gqa"
+STEP_TIMEOUT_S = 2
+BOUND_S = 25  # for each event awaited (a loss, a rejoin) on a loaded 2-core machine
+failures = []
+
+
+def bad(msg):
+    print("FAIL:", msg, flush=True)
+    failures.append(msg)
+
+
+def pids(pattern):
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def signal_all(pid_list, sig):
+    for pid in pid_list:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for(cond, bound):
+    start = time.time()
+    while time.time() - start < bound:
+        if cond():
+            return time.time() - start
+        time.sleep(0.05)
+    return None
+
+
+# (prompt, extra request fields): greedy and seeded sampling.
+REQUESTS = [([5 + i, 17, 99, 3, 250 - i, 7, 11 * i % 500 + 1], {"temperature": 0.8, "seed": i} if i % 2 else {})
+            for i in range(8)]
+
+
+class Deployment:
+    def __init__(self, tmp):
+        self.dir = os.path.join(tmp, "rejoin")
+        os.makedirs(self.dir)
+        yaml = os.path.join(self.dir, "deploy.yaml")
+        with open(yaml, "w") as f:
+            f.write(f"model:\n  path: {MODEL}\ncompute:\n  device: cpu\nmemory:\n  ranks: 2\n  devices: cpu\n"
+                    f"scheduler:\n  max_batch_size: 4\n  max_tokens_per_step: 64\nkv:\n  capacity_tokens: 512\n"
+                    f"launch:\n  run_dir: {self.dir}/run\n  step_timeout_s: {STEP_TIMEOUT_S}\n  heartbeat_s: 0.5\n"
+                    f"  rejoin_probe_s: 0.2\n  restart_memory_ranks: 2\n  startup_timeout_s: 60\n"
+                    f"api:\n  port: 0\n  served_model_name: rj\n")
+        ready = os.path.join(self.dir, "ready")
+        self.err_path = os.path.join(self.dir, "serve.err")
+        self.proc = subprocess.Popen([TANDEM, "serve", "--deploy", yaml, "--ready-file", ready],
+                                     stdout=subprocess.DEVNULL, stderr=open(self.err_path, "w"))
+        self.url = None
+        if wait_for(lambda: os.path.exists(ready) and open(ready).read().strip(), 60) is not None:
+            self.url = open(ready).read().strip()
+        else:
+            bad(f"the deployment did not become ready: {self.err()[-600:]}")
+
+    def err(self):
+        return open(self.err_path).read()
+
+    def log(self, rank):
+        path = os.path.join(self.dir, "run", "latest", f"{rank}.log")
+        return open(path).read() if os.path.exists(path) else ""
+
+    def memory_pids(self, rank):
+        return pids(f"memory --rank {rank} .*{self.dir}")
+
+    def tokens(self, prompt, extra):
+        body = json.dumps({"model": "rj", "prompt": prompt, "max_tokens": 48, "ignore_eos": True,
+                           "temperature": 0, **extra}).encode()
+        req = urllib.request.Request(self.url + "/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.loads(r.read())["choices"][0]["token_ids"]
+        except urllib.error.HTTPError as e:
+            return f"HTTP {e.code}: {e.read()[:300]!r}"
+        except OSError as e:
+            return f"{e}"
+
+    def metric(self, name):
+        with urllib.request.urlopen(self.url.rsplit("/v1", 1)[0] + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        m = re.search(rf"^tandem:{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else None
+
+    def stop(self):
+        stopped = pids(f"compute --config .*{self.dir}") + self.memory_pids(0) + self.memory_pids(1)
+        signal_all(stopped, signal.SIGCONT)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                bad("the launcher did not stop within 30 s of SIGTERM")
+                self.proc.kill()
+                self.proc.wait()
+        signal_all(stopped, signal.SIGKILL)
+
+
+class Load:
+    """Four clients sending REQUESTS round and round until stopped; each result is checked."""
+
+    def __init__(self, d, expect, label):
+        self.d, self.expect, self.label = d, expect, label
+        self.done, self.wrong, self.stop_flag = 0, [], False
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self.run, args=(k,)) for k in range(4)]
+        for t in self.threads:
+            t.start()
+
+    def run(self, k):
+        i = k
+        while not self.stop_flag:
+            prompt, extra = REQUESTS[i % len(REQUESTS)]
+            got = self.d.tokens(prompt, extra)
+            with self.lock:
+                self.done += 1
+                if got != self.expect[i % len(REQUESTS)]:
+                    self.wrong.append((i % len(REQUESTS), got))
+            i += 4
+
+    def finish(self):
+        self.stop_flag = True
+        for t in self.threads:
+            t.join(timeout=90)
+        if any(t.is_alive() for t in self.threads):
+            bad(f"{self.label}: a client is still waiting 90 s after the load stopped")
+        print(f"{self.label}: {self.done} requests under load, {len(self.wrong)} with other tokens", flush=True)
+        for i, got in self.wrong[:3]:
+            bad(f"{self.label}: request {i} got {got}, fault-free {self.expect[i]}")
+
+
+def main():
+    with tempfile.TemporaryDirectory(prefix="tandem-rejoin-") as tmp:
+        d = Deployment(tmp)
+        try:
+            if d.url is None:
+                return
+            expect = [d.tokens(p, e) for p, e in REQUESTS]  # fault-free, one at a time
+            if not all(isinstance(t, list) and len(t) == 48 for t in expect):
+                bad(f"fault-free requests failed: {expect}")
+                return
+
+            # kill -9 under load: restarted by the launcher, taken back by compute rank 0.
+            load = Load(d, expect, "kill -9")
+            time.sleep(1.0)
+            victim = d.memory_pids(1)
+            if not victim:
+                bad("memory rank 1 not found")
+                load.finish()
+                return
+            signal_all(victim, signal.SIGKILL)
+            took = wait_for(lambda: "rejoined" in d.log("compute-0"), BOUND_S)
+            time.sleep(1.0)  # requests placed on the rejoined rank
+            load.finish()
+            print(f"kill -9 of memory rank 1: rejoined {'%.1f s' % took if took is not None else 'never'} after "
+                  f"the kill", flush=True)
+            if took is None:
+                bad(f"memory rank 1 did not rejoin within {BOUND_S} s: {d.log('compute-0')[-800:]}\n{d.err()[-600:]}")
+                return
+            if "restarting it (restart 1 of 2)" not in d.err() or "memory-1 restarted (pid" not in d.err():
+                bad(f"the launcher did not report the restart: {d.err()[-600:]}")
+            if not re.search(r"memory rank 1 \(\S+\) rejoined", d.log("compute-0")):
+                bad(f"compute-0 did not log the rejoin of memory rank 1: {d.log('compute-0')[-600:]}")
+            if d.metric("memory_ranks_rejoined_total") != 1 or d.metric("memory_ranks_lost_total") != 1:
+                bad(f"metrics: lost {d.metric('memory_ranks_lost_total')}, "
+                    f"rejoined {d.metric('memory_ranks_rejoined_total')}; expected 1 and 1")
+            # New requests after the rejoin: the restarted rank holds some of them.
+            after = [d.tokens(p, e) for p, e in REQUESTS]
+            if after != expect:
+                bad(f"after the rejoin: tokens {after} differ from the fault-free {expect}")
+
+            # SIGSTOP of the restarted rank under load, SIGCONT once it is given up.
+            load = Load(d, expect, "SIGSTOP/SIGCONT")
+            time.sleep(0.5)
+            victim = d.memory_pids(1)
+            signal_all(victim, signal.SIGSTOP)
+            gave_up = wait_for(lambda: d.log("compute-0").count("giving up memory rank 1 (") >= 2, BOUND_S)
+            signal_all(victim, signal.SIGCONT)
+            again = wait_for(lambda: d.log("compute-0").count(") rejoined") >= 2, BOUND_S)
+            load.finish()
+            print(f"SIGSTOP of memory rank 1: given up after "
+                  f"{'%.1f s' % gave_up if gave_up is not None else 'never'}, rejoined "
+                  f"{'%.1f s after SIGCONT' % again if again is not None else 'never'}", flush=True)
+            if gave_up is None:
+                bad(f"the stopped rank was not given up within {BOUND_S} s: {d.log('compute-0')[-800:]}")
+            elif again is None:
+                bad(f"the continued rank did not leave and rejoin within {BOUND_S} s: "
+                    f"{d.log('compute-0')[-800:]}\n{d.err()[-800:]}")
+            if d.proc.poll() is not None:
+                bad(f"the deployment stopped: {d.err()[-600:]}")
+            if [d.tokens(p, e) for p, e in REQUESTS] != expect:
+                bad("after the second rejoin: tokens differ from the fault-free ones")
+        finally:
+            d.stop()
+        # The bye of each process of memory rank 1: the restarted ones ran steps with rows.
+        byes = re.findall(r"memory rank 1: bye after \d+ steps \((\d+) with rows here\)", d.log("memory-1"))
+        print(f"memory rank 1's last process: {byes[-1] if byes else '?'} steps with rows", flush=True)
+        if not byes or int(byes[-1]) == 0:
+            bad(f"the restarted memory rank 1 ran no steps with rows: {d.log('memory-1')[-600:]}")
+    print(f"{len(failures)} failure(s)")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
