@@ -163,6 +163,7 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
   stats_.restored_tokens = cs.restored_tokens;
   stats_.restore_failed_tokens = cs.restore_failed_tokens;
   stats_.demoted_tokens = cs.demoted_tokens;
+  stats_.prefetched_tokens = cs.prefetched_tokens;
   if (tiers_ != nullptr) {
     KvTierCounters& t = stats_.tiers;
     const int64_t block_bytes = tiers_->store().block_bytes();
@@ -172,6 +173,9 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
     t.restore_failed_blocks = cs.restore_failed_blocks;
     t.pool_bytes_out = cs.demoted_blocks * block_bytes;
     t.pool_bytes_in = cs.restored_blocks * block_bytes;
+    t.prefetched_blocks = cs.prefetched_blocks;
+    t.prefetch_used_blocks = cs.prefetch_used_blocks;
+    t.prefetch_wasted_blocks = cs.prefetch_wasted_blocks;
     const KvTierStats ts = tiers_->stats();
     t.host_hits = ts.host_hits;
     t.disk_hits = ts.disk_hits;
