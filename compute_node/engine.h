@@ -74,6 +74,9 @@ struct KvTierCounters {
   int64_t host_evictions = 0, disk_evictions = 0;  // blocks each tier dropped to make room
   int64_t disk_write_errors = 0;
   double restore_seconds = 0;  // time loading blocks back into the pool (checks and copies)
+  // Of restore_seconds, the time spent before a step's layers could start (layer-wise restore
+  // copies each layer into the pool just before that layer's attention; the rest is loads).
+  double restore_stall_seconds = 0;
 };
 
 struct EngineStats {

@@ -65,6 +65,10 @@ void RenderTiers(const KvTierCounters& t, const std::string& model_name, std::st
            {{"", d(t.disk_write_errors)}});
     family("kv_tier_restore_seconds_total", "counter",
            "Time loading blocks from the lower tiers back into the KV pool.", {{"", t.restore_seconds}});
+    family("kv_tier_restore_stall_seconds_total", "counter",
+           "Of the restore time, the part spent before a step's layers could start (the rest is copied "
+           "layer by layer, just before each layer's attention).",
+           {{"", t.restore_stall_seconds}});
   }
   family("kv_tier_evictions_total", "counter",
          "Blocks evicted from each tier: the pool's go to the lower tiers, the lower tiers' are dropped.",

@@ -1,6 +1,8 @@
 // KV tiers (memory_node/kv_tier_store.h, memory_node/kv_tiers.h): the store's host and disk tiers,
 // its checks of what it reads back, and the colocated engine over a tiny KV pool, whose
 // conversations must get the same tokens with tiers on and off, whatever happens to the files.
+#include "memory_node/kv_tiers.h"
+
 #include <unistd.h>
 
 #include <filesystem>
@@ -269,6 +271,58 @@ TEST(KvTierStore, SettingsAreCheckedAgainstTheMachine) {
   EXPECT_TRUE(CheckKvTierOptions({.host_bytes = 1 << 20, .disk_dir = dir, .disk_bytes = 1 << 20}).ok());
 }
 
+// Layer-wise restore (memory_node/kv_tiers.h): Restore puts nothing in the pool yet, RestoreLayer(l)
+// copies layers up to l, FinishRestores the rest; whole-block restore copies everything at once.
+TEST(KvTiersLayerwise, EachLayerReachesThePoolWhenAsked) {
+  const AttentionShape shape{
+      .num_layers = 3, .num_heads = 2, .num_kv_heads = 2, .head_dim = 4, .max_tokens = 8, .max_requests = 1};
+  absl::StatusOr<std::unique_ptr<AttentionExecutor>> exec =
+      CreateCpuAttentionExecutor(shape, {.capacity_tokens = 32});
+  ASSERT_TRUE(exec.ok()) << exec.status();
+  constexpr int64_t kTokens = 4;
+  const std::vector<int32_t> slots = {3, 9, 4, 20};
+  const size_t layer_bytes = 2 * kTokens * shape.kv_dim() * sizeof(float);  // K then V rows
+  const std::vector<uint8_t> kv = Bytes(static_cast<int64_t>(3 * layer_bytes), 7);
+  const std::vector<uint8_t> garbage(kv.size(), 0xEE);
+  for (const bool layerwise : {true, false}) {
+    SCOPED_TRACE(layerwise ? "layer-wise" : "whole");
+    absl::StatusOr<std::unique_ptr<KvTiers>> tiers =
+        KvTiers::Create({.host_bytes = 1 << 20}, exec->get(), kTokens, "m");
+    ASSERT_TRUE(tiers.ok()) << tiers.status();
+    (*tiers)->set_layerwise(layerwise);
+    ASSERT_TRUE((*exec)->WriteSlots(slots, kv.data()).ok());
+    (*tiers)->Demote(1, 0, 1, slots, {});
+    ASSERT_TRUE((*exec)->WriteSlots(slots, garbage.data()).ok());
+    ASSERT_TRUE((*tiers)->Restore(1, 0, 1, slots));
+    std::vector<uint8_t> pool(kv.size());
+    // How many leading layers of the pool hold the block's KV (the rest must still be garbage).
+    auto layers_in_pool = [&]() -> int {
+      EXPECT_TRUE((*exec)->ReadSlots(slots, pool.data()).ok());
+      int n = 0;
+      for (int l = 0; l < 3; ++l) {
+        const size_t at = static_cast<size_t>(l) * layer_bytes;
+        const bool restored = std::equal(pool.begin() + at, pool.begin() + at + layer_bytes, kv.begin() + at);
+        const bool untouched =
+            std::equal(pool.begin() + at, pool.begin() + at + layer_bytes, garbage.begin() + at);
+        EXPECT_TRUE(restored || untouched) << "layer " << l << " is neither the block's KV nor untouched";
+        if (restored && n == l) ++n;
+      }
+      return n;
+    };
+    EXPECT_EQ(layers_in_pool(), layerwise ? 0 : 3);
+    ASSERT_TRUE((*tiers)->RestoreLayer(0).ok());
+    EXPECT_EQ(layers_in_pool(), layerwise ? 1 : 3);
+    ASSERT_TRUE((*tiers)->RestoreLayer(0).ok());  // a second lane: nothing more
+    ASSERT_TRUE((*tiers)->RestoreLayer(1).ok());
+    EXPECT_EQ(layers_in_pool(), layerwise ? 2 : 3);
+    ASSERT_TRUE((*tiers)->FinishRestores().ok());
+    EXPECT_EQ(layers_in_pool(), 3);
+    EXPECT_EQ(pool, kv);
+    EXPECT_GT((*tiers)->restore_seconds(), 0);
+    EXPECT_LE((*tiers)->restore_stall_seconds(), (*tiers)->restore_seconds());
+  }
+}
+
 // --- The colocated engine over a pool that holds about one conversation ---
 
 constexpr int64_t kBlock = 8;
@@ -382,6 +436,25 @@ TEST_F(KvTiersEngine, HostTierRestoresEvictedTurnsWithTheSameTokens) {
   EXPECT_GT(t.bytes_to_host, 0);
   EXPECT_LE(t.bytes_to_host, t.pool_bytes_out);
   EXPECT_GT(t.restore_seconds, 0);
+}
+
+// Layer-wise restore (the default) and whole-block restore give the same tokens; layer-wise, only
+// the loads delay a step (restore_stall_seconds), the pool copies run before each layer.
+TEST_F(KvTiersEngine, LayerwiseAndWholeRestoresGiveTheSameTokens) {
+  for (const bool layerwise : {true, false}) {
+    SCOPED_TRACE(layerwise ? "layer-wise" : "whole");
+    auto e = MakeEngine(*weights_, true, {.host_bytes = 64 * block_bytes_});
+    e->tiers()->set_layerwise(layerwise);
+    EXPECT_EQ(Converse(*e, vocab()), expected_);
+    const KvTierCounters t = e->stats().tiers;
+    EXPECT_GT(t.restored_blocks, 0);
+    EXPECT_GT(t.restore_stall_seconds, 0);
+    if (layerwise) {
+      EXPECT_LT(t.restore_stall_seconds, t.restore_seconds);
+    } else {
+      EXPECT_EQ(t.restore_stall_seconds, t.restore_seconds);
+    }
+  }
 }
 
 // The tiers' counters on the server's /metrics (server/metrics.h), as Prometheus reads them.
