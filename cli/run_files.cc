@@ -16,12 +16,17 @@ std::string TierSummary(const EngineStats& s) {
   std::string out = absl::StrCat("demoted ", s.demoted_tokens, " tokens to lower tiers, restored ",
                                  s.restored_tokens, ", failed ", s.restore_failed_tokens, " (recomputed); ",
                                  t.pool_bytes_out, " bytes out of the KV pool, ", t.pool_bytes_in, " in");
+  if (s.prefetched_tokens > 0 || t.prefetch_wasted_blocks > 0) {
+    absl::StrAppend(&out, "; prefetched ", s.prefetched_tokens, " tokens (", t.prefetched_blocks, " blocks, ",
+                    t.prefetch_used_blocks, " used, ", t.prefetch_wasted_blocks, " wasted)");
+  }
   if (t.per_tier) {
     absl::StrAppend(&out, "; hits host ", t.host_hits, ", disk ", t.disk_hits, ", misses ", t.misses,
                     ", discarded ", t.discarded, "; bytes to host ", t.bytes_to_host, ", from host ",
                     t.bytes_from_host, ", to disk ", t.bytes_to_disk, ", from disk ", t.bytes_from_disk,
                     "; evictions host ", t.host_evictions, ", disk ", t.disk_evictions,
-                    absl::StrFormat("; restore time %.3f ms", t.restore_seconds * 1e3));
+                    absl::StrFormat("; restore time %.3f ms (%.3f ms before a step's layers)",
+                                    t.restore_seconds * 1e3, t.restore_stall_seconds * 1e3));
     if (t.disk_write_errors > 0) absl::StrAppend(&out, "; disk write errors ", t.disk_write_errors);
   }
   return out;

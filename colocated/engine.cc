@@ -141,16 +141,20 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
   RETURN_IF_ERROR(Annotate(kv_table_.Apply(step_.plan, 0, &batch_, &failed, step_.eviction_tokens),
                            "KV reservation broken"));
   if (!step_.plan.restores.empty()) controller_.RestoreResult(step_.plan, 0, failed);
-  if (!step_.has_rows()) return absl::OkStatus();  // restores only
+  if (!step_.has_rows())
+    return tiers_ == nullptr ? absl::OkStatus() : tiers_->FinishRestores();  // restores only
   SampledTokens sampled;
   RETURN_IF_ERROR(backend_->BeginStep(step_.rows));
   RETURN_IF_ERROR(attention_->BeginStep(batch_));
   for (int64_t layer = 0; layer < spec().num_layers; ++layer) {
     RETURN_IF_ERROR(backend_->PreAttention(layer, qkv_.get()));
+    // Layer-wise restore: this layer's KV of the blocks restored for the step, just before it is read.
+    if (tiers_ != nullptr) RETURN_IF_ERROR(tiers_->RestoreLayer(layer));
     RETURN_IF_ERROR(attention_->Layer(layer, qkv_.get(), attn_.get()));
     backend_->MarkAttention();
     RETURN_IF_ERROR(backend_->PostAttention(layer, attn_.get()));
   }
+  if (tiers_ != nullptr) RETURN_IF_ERROR(tiers_->FinishRestores());
   RETURN_IF_ERROR(backend_->Finish(&sampled));
   std::vector<std::vector<uint64_t>> released;
   RETURN_IF_ERROR(controller_.Complete(step_, sampled, finished, &released));
@@ -163,6 +167,7 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
   stats_.restored_tokens = cs.restored_tokens;
   stats_.restore_failed_tokens = cs.restore_failed_tokens;
   stats_.demoted_tokens = cs.demoted_tokens;
+  stats_.prefetched_tokens = cs.prefetched_tokens;
   if (tiers_ != nullptr) {
     KvTierCounters& t = stats_.tiers;
     const int64_t block_bytes = tiers_->store().block_bytes();
@@ -172,6 +177,9 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
     t.restore_failed_blocks = cs.restore_failed_blocks;
     t.pool_bytes_out = cs.demoted_blocks * block_bytes;
     t.pool_bytes_in = cs.restored_blocks * block_bytes;
+    t.prefetched_blocks = cs.prefetched_blocks;
+    t.prefetch_used_blocks = cs.prefetch_used_blocks;
+    t.prefetch_wasted_blocks = cs.prefetch_wasted_blocks;
     const KvTierStats ts = tiers_->stats();
     t.host_hits = ts.host_hits;
     t.disk_hits = ts.disk_hits;
@@ -185,6 +193,7 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
     t.disk_evictions = ts.disk_evictions;
     t.disk_write_errors = ts.write_errors;
     t.restore_seconds = tiers_->restore_seconds();
+    t.restore_stall_seconds = tiers_->restore_stall_seconds();
   }
   stats_.busy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return absl::OkStatus();

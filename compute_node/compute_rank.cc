@@ -1452,7 +1452,10 @@ EngineStats ComputeRank::stats() const {
              .restored_blocks = cs.restored_blocks,
              .restore_failed_blocks = cs.restore_failed_blocks,
              .pool_bytes_out = cs.demoted_blocks * block_bytes,
-             .pool_bytes_in = cs.restored_blocks * block_bytes};
+             .pool_bytes_in = cs.restored_blocks * block_bytes,
+             .prefetched_blocks = cs.prefetched_blocks,
+             .prefetch_used_blocks = cs.prefetch_used_blocks,
+             .prefetch_wasted_blocks = cs.prefetch_wasted_blocks};
   }
   return {.steps = cs.steps,
           .prefill_tokens = cs.prefill_tokens,
@@ -1461,6 +1464,7 @@ EngineStats ComputeRank::stats() const {
           .demoted_tokens = cs.demoted_tokens,
           .restored_tokens = cs.restored_tokens,
           .restore_failed_tokens = cs.restore_failed_tokens,
+          .prefetched_tokens = cs.prefetched_tokens,
           .tiers = tiers,
           .busy_seconds = busy_seconds_,
           .memory_ranks_lost = memory_ranks_lost_,

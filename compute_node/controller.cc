@@ -68,6 +68,8 @@ Controller::Controller(const ModelSpec& spec, std::vector<int64_t> kv_capacity,
   restores_.resize(capacity_.size());
   restoring_.resize(capacity_.size());
   pending_.resize(capacity_.size());
+  prefetching_.resize(capacity_.size());
+  prefetched_.resize(capacity_.size());
   if (options_.prefix_block_tokens > 0) {
     for (size_t m = 0; m < capacity_.size(); ++m) {
       index_.push_back(std::make_unique<PrefixIndex>(options_.prefix_block_tokens, &DefaultBlockHash,
@@ -234,28 +236,13 @@ void Controller::Admit() {
         if (restoring_[bi].contains(h)) live->restoring.push_back(h);
       }
       index.Acquire(best_match);
+      NoteAttached(bi, best_match);
       const int64_t cached = static_cast<int64_t>(best_match.size()) * index.block_tokens();
       index.CountLookup(static_cast<int64_t>(live->request.prompt.size()), cached);
       best_need = live->reserve;
       const int64_t free = capacity_[bi] - reserved_[bi] - index.stats().tokens_held;
       if (free < best_need) {
-        // The blocks the next waiting requests would reuse here are taken last (kv.eviction_lookahead).
-        std::vector<int32_t> wanted;
-        const size_t lookahead = std::min(waiting_.size(), static_cast<size_t>(options_.eviction_lookahead));
-        for (size_t w = 0; w < lookahead; ++w) {
-          const std::vector<int32_t>& p = waiting_[w].request.prompt;
-          const std::vector<int32_t> m =
-              index.Match(p, (static_cast<int64_t>(p.size()) - 1) / index.block_tokens());
-          wanted.insert(wanted.end(), m.begin(), m.end());
-        }
-        const size_t before = evicted_[bi].size();
-        index.Evict(best_need - free, &evicted_[bi],
-                    options_.tier_blocks > 0 ? &evicted_tokens_[bi] : nullptr, wanted);
-        if (options_.tier_blocks > 0) {
-          const int64_t blocks = static_cast<int64_t>(evicted_[bi].size() - before);
-          stats_.demoted_blocks += blocks;
-          stats_.demoted_tokens += blocks * index.block_tokens();
-        }
+        EvictForRoom(bi, best_need - free);
       }
       live->chain = std::move(best_match);
       live->prefilled = live->context = live->result.cached_tokens = cached;
@@ -264,6 +251,108 @@ void Controller::Admit() {
     }
     reserved_[bi] += best_need;
     running_.push_back(std::move(live));
+  }
+}
+
+int64_t Controller::EvictForRoom(size_t m, int64_t need) {
+  PrefixIndex& index = *index_[m];
+  // The blocks the next waiting requests would reuse here are taken last (kv.eviction_lookahead).
+  std::vector<int32_t> wanted;
+  const size_t lookahead = std::min(waiting_.size(), static_cast<size_t>(options_.eviction_lookahead));
+  for (size_t w = 0; w < lookahead; ++w) {
+    const std::vector<int32_t>& p = waiting_[w].request.prompt;
+    const std::vector<int32_t> match =
+        index.Match(p, (static_cast<int64_t>(p.size()) - 1) / index.block_tokens());
+    wanted.insert(wanted.end(), match.begin(), match.end());
+  }
+  const size_t before = evicted_[m].size();
+  const int64_t freed =
+      index.Evict(need, &evicted_[m], options_.tier_blocks > 0 ? &evicted_tokens_[m] : nullptr, wanted);
+  CountEvictions(m, before);
+  return freed;
+}
+
+void Controller::CountEvictions(size_t m, size_t from) {
+  if (options_.tier_blocks == 0) return;
+  const int64_t blocks = static_cast<int64_t>(evicted_[m].size() - from);
+  stats_.demoted_blocks += blocks;
+  stats_.demoted_tokens += blocks * options_.prefix_block_tokens;
+  for (size_t i = from; i < evicted_[m].size(); ++i)
+    stats_.prefetch_wasted_blocks += prefetched_[m].erase(evicted_[m][i]);
+}
+
+void Controller::NoteAttached(size_t m, std::span<const int32_t> ids) {
+  if (prefetched_[m].empty()) return;
+  const PrefixIndex& index = *index_[m];
+  for (int32_t id : ids) stats_.prefetch_used_blocks += prefetched_[m].erase(index.hash(id));
+}
+
+void Controller::Prefetch(std::vector<uint64_t>* evictions) {
+  if (index_.empty() || options_.tier_blocks == 0 || options_.prefetch_lookahead == 0 || waiting_.empty())
+    return;
+  bool demoted = false;
+  for (size_t m = 0; m < index_.size(); ++m) demoted |= !lost_[m] && index_[m]->stats().demoted > 0;
+  if (!demoted) return;
+  const int64_t bt = options_.prefix_block_tokens;
+  const size_t window = std::min(waiting_.size(), static_cast<size_t>(options_.prefetch_lookahead));
+  // Per rank: the blocks that the window's requests match (resident or not), kept from eviction.
+  std::vector<std::vector<int32_t>> keep(index_.size());
+  for (size_t w = 0; w < window; ++w) {
+    const std::vector<int32_t>& prompt = waiting_[w].request.prompt;
+    for (size_t m = 0; m < index_.size(); ++m) {
+      if (lost_[m]) continue;
+      const std::vector<int32_t> match =
+          index_[m]->Match(prompt, (static_cast<int64_t>(prompt.size()) - 1) / bt);
+      keep[m].insert(keep[m].end(), match.begin(), match.end());
+    }
+  }
+  for (size_t w = 0; w < window; ++w) {
+    const std::vector<int32_t>& prompt = waiting_[w].request.prompt;
+    // The rank admission will prefer: the longest match in any tier, then the most of it resident.
+    int best = -1;
+    std::vector<int32_t> best_match;
+    size_t best_resident = 0;
+    for (size_t m = 0; m < index_.size(); ++m) {
+      if (lost_[m]) continue;
+      const PrefixIndex& index = *index_[m];
+      std::vector<int32_t> match = index.Match(prompt, (static_cast<int64_t>(prompt.size()) - 1) / bt);
+      size_t resident = 0;
+      while (resident < match.size() && index.resident(match[resident])) ++resident;
+      if (match.size() > best_match.size() ||
+          (match.size() == best_match.size() && resident > best_resident)) {
+        best = static_cast<int>(m);
+        best_match = std::move(match);
+        best_resident = resident;
+      }
+    }
+    if (best < 0 || best_resident == best_match.size()) continue;  // nothing demoted
+    const size_t bi = static_cast<size_t>(best);
+    PrefixIndex& index = *index_[bi];
+    const int64_t want = static_cast<int64_t>(best_match.size() - best_resident) * bt;
+    int64_t room = capacity_[bi] - reserved_[bi] - index.stats().tokens_held;
+    if (room < want) {
+      const size_t before = evicted_[bi].size();
+      room +=
+          index.EvictExcept(want - std::max<int64_t>(room, 0), keep[bi], &evicted_[bi], &evicted_tokens_[bi]);
+      evictions->insert(evictions->end(), evicted_[bi].begin() + static_cast<std::ptrdiff_t>(before),
+                        evicted_[bi].end());
+      CountEvictions(bi, before);
+      // Eviction may have forgotten demoted leaves beyond the tiers' size: match again.
+      best_match = index.Match(prompt, (static_cast<int64_t>(prompt.size()) - 1) / bt);
+    }
+    for (size_t k = best_resident; k < best_match.size() && room >= bt; ++k) {
+      const int32_t id = best_match[k];
+      TANDEM_CHECK(!index.resident(id));
+      const uint64_t h = index.hash(id);
+      index.MarkRestored(id);
+      restoring_[bi][h] = id;
+      prefetching_[bi].insert(h);
+      restores_[bi].push_back({.block_hash = h,
+                               .parent_hash = k == 0 ? 0 : index.hash(best_match[k - 1]),
+                               .block_index = static_cast<int32_t>(k),
+                               .memory_rank = static_cast<uint16_t>(best)});
+      room -= bt;
+    }
   }
 }
 
@@ -303,6 +392,7 @@ void Controller::Rematch(Live& live) {
   if (match.size() <= live.chain.size()) return;
   const std::span<const int32_t> extra = std::span(match).subspan(live.chain.size());
   index.Acquire(extra);
+  NoteAttached(static_cast<size_t>(live.memory_rank), extra);
   const int64_t tokens = static_cast<int64_t>(extra.size()) * bt;
   index.CountLookup(0, tokens);
   live.reserve -= tokens;
@@ -420,8 +510,10 @@ void Controller::Schedule(PlannedStep* step) {
   step->plan = StepPlan{};
   step->rows = StepTokens{};
   step->eviction_tokens.clear();
+  step->prefetch_evictions.clear();
   step->rank_rows.assign(capacity_.size() + 1, 0);
   Admit();
+  Prefetch(&step->prefetch_evictions);
   // Rows per request: one for each decoding request, then prompt chunks in admission order.
   std::vector<std::pair<Live*, int64_t>> chosen;
   int64_t budget = options_.max_tokens_per_step;
@@ -552,6 +644,7 @@ void Controller::RestoreResult(const StepPlan& plan, int m, std::span<const uint
     if (r.memory_rank != m) continue;
     auto it = restoring_[mi].find(r.block_hash);
     if (it == restoring_[mi].end()) continue;
+    const bool prefetch = prefetching_[mi].erase(r.block_hash) > 0;
     if (bad.contains(r.block_hash)) {
       forget.push_back(it->second);
       stats_.restore_failed_tokens += bt;
@@ -559,10 +652,16 @@ void Controller::RestoreResult(const StepPlan& plan, int m, std::span<const uint
     } else {
       stats_.restored_tokens += bt;
       ++stats_.restored_blocks;
+      if (prefetch) {
+        prefetched_[mi].insert(r.block_hash);
+        stats_.prefetched_tokens += bt;
+        ++stats_.prefetched_blocks;
+      }
     }
     restoring_[mi].erase(it);
   }
   // Requests that waited: keep the chain up to the first block that failed, compute the rest.
+  std::vector<Live*> cut;  // admission order
   for (auto& live : running_) {
     if (live->memory_rank != m || live->restoring.empty()) continue;
     std::erase_if(live->restoring, [&](uint64_t h) { return !restoring_[mi].contains(h); });
@@ -579,12 +678,39 @@ void Controller::RestoreResult(const StepPlan& plan, int m, std::span<const uint
     live->prefilled = live->context = live->result.cached_tokens = static_cast<int64_t>(keep) * bt;
     live->pending = PendingBlockHashes(*live, static_cast<int64_t>(live->request.prompt.size()));
     for (uint64_t h : live->pending) ++pending_[mi][h];
+    cut.push_back(live.get());
   }
   // Their blocks (and everything below them) are gone from the rank's tiers as far as we know.
   for (int32_t id : forget) {
     const uint64_t h = index.hash(id);
     if (index.Find(h) == id) index.Forget(id);
   }
+  // Requests that shared a failed block now each compute it, and the rank may lack room for the
+  // copies: the most recently admitted of them go back to the front of the queue (none has
+  // started) until the rest fit; admission places them again at the next Schedule, evicting
+  // unused blocks as it needs.
+  int64_t over = reserved_[mi] + index.stats().tokens_held - capacity_[mi];
+  std::vector<Live> back;
+  while (over > 0) {
+    TANDEM_CHECK_MSG(!cut.empty(), "memory rank ", m, ": ", over,
+                     " KV slots over capacity after failed restores");
+    Live* live = cut.back();
+    cut.pop_back();
+    TANDEM_CHECK(!live->started);
+    reserved_[mi] -= live->reserve;
+    over -= live->reserve;
+    index.Release(live->chain);
+    DropPending(*live);
+    auto it = std::find_if(running_.begin(), running_.end(), [&](const auto& r) { return r.get() == live; });
+    Live requeued = std::move(**it);
+    running_.erase(it);
+    requeued.memory_rank = -1;
+    requeued.prefilled = requeued.context = requeued.reserve = requeued.result.cached_tokens = 0;
+    requeued.chain.clear();
+    requeued.restoring.clear();
+    back.push_back(std::move(requeued));
+  }
+  for (Live& live : back) waiting_.push_front(std::move(live));  // newest first: admission order
 }
 
 absl::Status Controller::Complete(const PlannedStep& step, const SampledTokens& sampled,
@@ -697,6 +823,8 @@ std::vector<int64_t> Controller::LoseRank(int m) {
   // requeued below; no restore reply of the rank is awaited any more).
   restores_[mi].clear();
   restoring_[mi].clear();
+  prefetching_[mi].clear();
+  prefetched_[mi].clear();
   if (!index_.empty()) {
     index_[mi] =
         std::make_unique<PrefixIndex>(options_.prefix_block_tokens, &DefaultBlockHash, options_.tier_blocks);

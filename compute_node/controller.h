@@ -42,6 +42,18 @@
 // tiers already hold blocks when it starts (kv.tiers.persist) offers them with AddTierBlocks; they
 // are registered demoted, so that a prompt starting with them restores them.
 //
+// Prefetch (options.prefetch_lookahead > 0, with tiers): after a step's admissions, each of the
+// first prefetch_lookahead waiting requests, in queue order, whose prefix match (on the rank with
+// the longest one, where admission will prefer to place it) holds demoted blocks gets them
+// restored in the same plan (StepPlan::restores, parents first), as far as the rank has room: its
+// free slots, then resident blocks that no running request uses and that no request of the
+// look-ahead window matches (least recently used first; they are demoted). Blocks a running or
+// a waiting request of the window needs are never evicted for a prefetch, and no slot promised
+// to a running request is taken, so a prefetch never delays an admission: a prefetched block is
+// an unused registered block until its request is admitted and attaches it (prefetch_used_blocks),
+// and admission may still evict it when it needs the room (prefetch_wasted_blocks; it is taken
+// after every block that no waiting request of kv.eviction_lookahead wants).
+//
 // Stop conditions: an EOS token (unless ignore_eos), max_tokens, or Cancel(). A finished
 // request's KV is released on its rank (Complete()/Cancel() report which ids to release).
 //
@@ -56,6 +68,7 @@
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -106,6 +119,9 @@ struct ControllerOptions {
   // kv.eviction_lookahead: eviction takes the blocks that the first this many waiting requests match
   // last (their next use is nearest); 0: least recently used only.
   int64_t eviction_lookahead = 64;
+  // kv.tiers.prefetch_lookahead: waiting requests (from the head of the queue) whose demoted prefix
+  // blocks are restored before they are admitted; 0: off (blocks come back at admission).
+  int64_t prefetch_lookahead = 8;
 };
 
 // scheduler.max_batch_size and scheduler.max_tokens_per_step as the controller takes them: a
@@ -143,6 +159,9 @@ struct PlannedStep {
   // With KV tiers: the tokens of the block of each plan.evictions record, in the same order (the
   // colocated engine hands them to its tiers, whose files keep them); else empty.
   std::vector<std::vector<int32_t>> eviction_tokens;
+  // The hashes among plan.evictions that were evicted to make room for prefetched blocks (never a
+  // block that a running request or a waiting request of the prefetch window matches).
+  std::vector<uint64_t> prefetch_evictions;
   bool empty() const { return plan.requests.empty() && plan.restores.empty(); }
   bool has_rows() const { return !plan.requests.empty(); }
 };
@@ -167,6 +186,13 @@ struct ControllerStats {
   int64_t restored_blocks = 0;        // blocks of restored_tokens
   int64_t restore_failed_blocks = 0;  // blocks of restore_failed_tokens
   int64_t tier_blocks_added = 0;      // blocks offered with AddTierBlocks and registered
+  // Prefetch (options.prefetch_lookahead): blocks restored for waiting requests (also counted in
+  // restored_*), those an admitted request then attached, and those evicted again before any
+  // request attached them (wasted).
+  int64_t prefetched_blocks = 0;
+  int64_t prefetched_tokens = 0;
+  int64_t prefetch_used_blocks = 0;
+  int64_t prefetch_wasted_blocks = 0;
 };
 
 class Controller {
@@ -272,6 +298,17 @@ class Controller {
   // "; memory rank(s) 1, 3 lost" when any is, else "".
   std::string LostRanksNote() const;
   void Admit();
+  // Restores the demoted prefix blocks of the first options_.prefetch_lookahead waiting requests
+  // (see the top of this file); appends the hashes it evicted for room to `evictions`.
+  void Prefetch(std::vector<uint64_t>* evictions);
+  // Evicts unused blocks of rank m for `need` tokens of room, those that the first
+  // kv.eviction_lookahead waiting requests match last; returns the tokens freed.
+  int64_t EvictForRoom(size_t m, int64_t need);
+  // Counts the evictions appended to evicted_[m] from index `from` on (demotions; prefetched blocks
+  // evicted before use are wasted).
+  void CountEvictions(size_t m, size_t from);
+  // A request attaches blocks of rank m: prefetched ones among them were used.
+  void NoteAttached(size_t m, std::span<const int32_t> ids);
   // Forgets the blocks a request was going to compute (its prefill ended, or it did).
   void DropPending(Live& live);
   // Ends a running request's claims: its reservation and its use of registered blocks.
@@ -299,6 +336,10 @@ class Controller {
       restoring_;  // per rank: hash -> block id, until RestoreResult
   // Per rank: block hash -> running requests that will compute it (placement looks ahead).
   std::vector<std::unordered_map<uint64_t, int32_t>> pending_;
+  // Per rank: prefetch restores awaiting RestoreResult, and prefetched blocks restored and not yet
+  // attached by a request nor evicted (by hash).
+  std::vector<std::unordered_set<uint64_t>> prefetching_;
+  std::vector<std::unordered_set<uint64_t>> prefetched_;
   ControllerOptions options_;
   std::unique_ptr<SchedulingPolicy> policy_;
   int64_t next_id_ = 0;

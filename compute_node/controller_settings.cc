@@ -50,7 +50,13 @@ void AddSchedulerKvKnobs(ConfigSchema* schema) {
             "keep the disk tier's block files when the engine ends (with the blocks still in the KV pool) "
             "and register them again at the next start with the same kv.tiers.disk_dir, so that a "
             "conversation continued after a restart restores its KV; false: the files are scratch, removed "
-            "at start and at the end. The colocated engine only (needs kv.tiers.disk_bytes > 0)");
+            "at start and at the end. The colocated engine only (needs kv.tiers.disk_bytes > 0)")
+      .Int("kv.tiers.prefetch_lookahead", d.tiers_prefetch_lookahead,
+           "KV tiers: the first this many waiting requests get the prefix blocks they will reuse restored "
+           "from the lower tiers before they are admitted, into free KV slots or the room of unused blocks "
+           "that no running request and none of these waiting requests needs; 0: off (blocks come back "
+           "when their request is admitted, which then waits a step)",
+           0, 1 << 20);
 }
 
 SchedulerKvSettings SchedulerKvSettingsFromConfig(const Config& config) {
@@ -67,6 +73,7 @@ SchedulerKvSettings SchedulerKvSettingsFromConfig(const Config& config) {
   s.tiers_disk_dir = config.GetString("kv.tiers.disk_dir");
   s.tiers_disk_bytes = config.GetInt("kv.tiers.disk_bytes");
   s.tiers_persist = config.GetBool("kv.tiers.persist");
+  s.tiers_prefetch_lookahead = config.GetInt("kv.tiers.prefetch_lookahead");
   return s;
 }
 
@@ -78,6 +85,7 @@ absl::StatusOr<ControllerOptions> ResolveControllerOptions(const SchedulerKvSett
                    ResolvePrefixOptions(s.prefix_cache, s.prefix_block_tokens, s.prefix_sharing));
   options.prefix_block_tokens = prefix.block_tokens;
   options.eviction_lookahead = s.eviction_lookahead;
+  options.prefetch_lookahead = s.tiers_prefetch_lookahead;
   options.prefix_sharing = prefix.sharing;
   if (s.tiers_enabled()) {
     if (options.prefix_block_tokens == 0)

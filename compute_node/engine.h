@@ -55,6 +55,12 @@ struct KvTierCounters {
   int64_t restore_failed_blocks = 0;
   int64_t pool_bytes_out = 0;
   int64_t pool_bytes_in = 0;
+  // Prefetch (kv.tiers.prefetch_lookahead), counted by the controller: blocks restored for waiting
+  // requests before their admission (part of restored_blocks), those a request then attached, and
+  // those evicted again before any request attached them (wasted).
+  int64_t prefetched_blocks = 0;
+  int64_t prefetch_used_blocks = 0;
+  int64_t prefetch_wasted_blocks = 0;
   // Counted by the tiers themselves, per tier: the colocated engine. A deployment's memory ranks
   // own their tiers and log these when they end (reporting them to compute rank 0 needs a wire
   // message); per_tier is then false and the fields below are 0.
@@ -68,6 +74,9 @@ struct KvTierCounters {
   int64_t host_evictions = 0, disk_evictions = 0;  // blocks each tier dropped to make room
   int64_t disk_write_errors = 0;
   double restore_seconds = 0;  // time loading blocks back into the pool (checks and copies)
+  // Of restore_seconds, the time spent before a step's layers could start (layer-wise restore
+  // copies each layer into the pool just before that layer's attention; the rest is loads).
+  double restore_stall_seconds = 0;
 };
 
 struct EngineStats {
@@ -80,6 +89,7 @@ struct EngineStats {
   int64_t demoted_tokens = 0;
   int64_t restored_tokens = 0;
   int64_t restore_failed_tokens = 0;
+  int64_t prefetched_tokens = 0;  // of restored_tokens: restored for waiting requests (prefetch)
   KvTierCounters tiers;
   double busy_seconds = 0;  // wall time inside Step()
   // A deployment's recoveries (ComputeRank): memory ranks given up, and the requests they held

@@ -245,6 +245,18 @@ int64_t PrefixIndex::Evict(int64_t need, std::vector<uint64_t>* evicted,
   return freed;
 }
 
+int64_t PrefixIndex::EvictExcept(int64_t need, std::span<const int32_t> keep, std::vector<uint64_t>* evicted,
+                                 std::vector<std::vector<int32_t>>* evicted_tokens) {
+  int64_t freed = 0;
+  std::vector<char> kept(blocks_.size(), 0);
+  for (const int32_t id : keep) {
+    if (id >= 0 && static_cast<size_t>(id) < kept.size()) kept[static_cast<size_t>(id)] = 1;
+  }
+  EvictPass(need, kept, &freed, evicted, evicted_tokens);
+  if (max_demoted_ > 0) TrimDemoted();
+  return freed;
+}
+
 void PrefixIndex::EvictPass(int64_t need, const std::vector<char>& keep, int64_t* freed_out,
                             std::vector<uint64_t>* evicted,
                             std::vector<std::vector<int32_t>>* evicted_tokens) {

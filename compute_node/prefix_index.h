@@ -108,6 +108,10 @@ class PrefixIndex {
   int64_t Evict(int64_t need, std::vector<uint64_t>* evicted,
                 std::vector<std::vector<int32_t>>* evicted_tokens = nullptr,
                 std::span<const int32_t> wanted = {});
+  // As Evict, but never takes a block in `keep` (ids; stale ids are ignored): the room a prefetch
+  // may make without touching the blocks that requests ahead of it need. Returns the tokens freed.
+  int64_t EvictExcept(int64_t need, std::span<const int32_t> keep, std::vector<uint64_t>* evicted,
+                      std::vector<std::vector<int32_t>>* evicted_tokens = nullptr);
   // Registers a block held by a lower tier, demoted: `tokens` (block_tokens of them) after the
   // registered block `parent_hash` (PrefixIndex::kSeed: the chain's first block). Returns its id, or
   // -1 (nothing changed) when the tiers are off, the parent is not registered, the tokens do not

@@ -136,6 +136,14 @@ class AttentionExecutor {
     (void)in;
     return absl::UnimplementedError(absl::StrCat("KV tiers: no slot copy on ", device()));
   }
+  // One layer of WriteSlots (a layer-wise restore): `in` is the whole block in ReadSlots' layout,
+  // and only layer `layer`'s K and V rows are copied into the pool.
+  virtual absl::Status WriteSlotsLayer(std::span<const int32_t> slots, int64_t layer, const uint8_t* in) {
+    (void)slots;
+    (void)layer;
+    (void)in;
+    return absl::UnimplementedError(absl::StrCat("KV tiers: no slot copy on ", device()));
+  }
 
   // Whether reading `prefix_tokens` shared keys once for `rows` rows (then merging) is faster here
   // than each row reading them itself: the measured crossover of kv.prefix_sharing: auto.

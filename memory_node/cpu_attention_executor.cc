@@ -165,6 +165,21 @@ class CpuAttentionExecutor : public AttentionExecutor {
     }
     return absl::OkStatus();
   }
+  absl::Status WriteSlotsLayer(std::span<const int32_t> slots, int64_t layer, const uint8_t* in) override {
+    RETURN_IF_ERROR(CheckSlots(slots));
+    if (layer < 0 || layer >= shape_.num_layers)
+      return absl::InvalidArgumentError(absl::StrCat("KV tiers: layer ", layer, " outside the model"));
+    const size_t row = static_cast<size_t>(shape_.kv_dim()) * sizeof(float);
+    in += static_cast<size_t>(layer) * 2 * slots.size() * row;
+    for (float* cache :
+         {pool_->k[static_cast<size_t>(layer)].get(), pool_->v[static_cast<size_t>(layer)].get()}) {
+      for (int32_t s : slots) {
+        std::memcpy(cache + static_cast<int64_t>(s) * shape_.kv_dim(), in, row);
+        in += row;
+      }
+    }
+    return absl::OkStatus();
+  }
 
  private:
   absl::Status CheckSlots(std::span<const int32_t> slots) const {

@@ -400,12 +400,20 @@ absl::Status KvTierStore::ReadFile(const std::string& path, uint64_t expect_hash
 
 absl::StatusOr<int> KvTierStore::Load(uint64_t hash, KvTierBlock* block, std::span<uint8_t> out) {
   TANDEM_CHECK(static_cast<int64_t>(out.size()) == block_bytes_);
+  std::shared_ptr<const std::vector<uint8_t>> bytes;
+  ASSIGN_OR_RETURN(const int tier, LoadShared(hash, block, &bytes));
+  std::memcpy(out.data(), bytes->data(), out.size());
+  return tier;
+}
+
+absl::StatusOr<int> KvTierStore::LoadShared(uint64_t hash, KvTierBlock* block,
+                                            std::shared_ptr<const std::vector<uint8_t>>* out) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = host_.find(hash);
     if (it != host_.end()) {
       // Host copies were checked when made and never leave this process's memory.
-      std::memcpy(out.data(), it->second.bytes->data(), out.size());
+      *out = it->second.bytes;
       *block = it->second.block;
       host_lru_.splice(host_lru_.end(), host_lru_, it->second.lru);
       ++stats_.host_hits;
@@ -414,7 +422,7 @@ absl::StatusOr<int> KvTierStore::Load(uint64_t hash, KvTierBlock* block, std::sp
     }
     if (auto q = queued_.find(hash); q != queued_.end()) {
       // On its way to disk: the queued copy is the one that will be written (checked when made).
-      std::memcpy(out.data(), q->second.bytes->data(), out.size());
+      *out = q->second.bytes;
       *block = q->second.block;
       ++stats_.host_hits;
       stats_.bytes_from_host += block_bytes_;
@@ -428,7 +436,9 @@ absl::StatusOr<int> KvTierStore::Load(uint64_t hash, KvTierBlock* block, std::sp
     disk_lru_.splice(disk_lru_.end(), disk_lru_, d->second.lru);
   }
   const std::string path = FilePath(hash);
-  const absl::Status st = ReadFile(path, hash, block, out);
+  auto read = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(block_bytes_));
+  const absl::Status st = ReadFile(path, hash, block, *read);
+  *out = std::move(read);
   std::lock_guard<std::mutex> lock(mu_);
   if (!st.ok()) {
     TANDEM_LOG_WARN("kv-tiers", "discarding ", path, ": ", st.message(), "; its tokens are recomputed");

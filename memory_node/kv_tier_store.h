@@ -136,6 +136,11 @@ class KvTierStore {
   // Fills `out` (block_bytes) and `block`; returns the tier it came from (1 host, 2 disk). NotFound
   // when no good copy exists (a bad one is discarded first, with a warning).
   absl::StatusOr<int> Load(uint64_t hash, KvTierBlock* block, std::span<uint8_t> out);
+  // As Load, but hands out the bytes without copying them where it can: the host tier's (or the
+  // queued) copy itself, which stays valid while `out` holds it, else a fresh buffer read from
+  // the file. Counted as Load counts.
+  absl::StatusOr<int> LoadShared(uint64_t hash, KvTierBlock* block,
+                                 std::shared_ptr<const std::vector<uint8_t>>* out);
   bool Contains(uint64_t hash) const;
   // Blocks found on disk (with their tokens, as written) when the store opened the directory with
   // persist, parents before children (by depth). A block whose parent is missing is listed too: the

@@ -58,6 +58,10 @@ std::vector<KvTierBlock> KvTiers::PersistedBlocks() const {
 
 void KvTiers::Demote(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots,
                      std::span<const int32_t> tokens) {
+  if (!staged_.empty()) {  // a step left restores unfinished: their slots may be the ones read here
+    if (const absl::Status done = FinishRestores(); !done.ok())
+      TANDEM_LOG_WARN("kv-tiers", "finishing restores: ", done.message());
+  }
   const absl::Status st = executor_->ReadSlots(slots, buffer_.data());
   if (!st.ok()) {  // the block is then simply not kept; a later restore of it fails and recomputes
     TANDEM_LOG_WARN("kv-tiers", "block ", absl::StrFormat("%016x", hash), " not saved: ", st.message());
@@ -71,15 +75,41 @@ void KvTiers::Demote(uint64_t hash, uint64_t parent_hash, int32_t depth, std::sp
 }
 
 bool KvTiers::Restore(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots) {
+  if (layers_copied_ > 0) {  // an earlier step's layers ran but it was not finished
+    if (const absl::Status done = FinishRestores(); !done.ok())
+      TANDEM_LOG_WARN("kv-tiers", "finishing restores: ", done.message());
+  }
   const auto t0 = std::chrono::steady_clock::now();
   const bool ok = Load(hash, parent_hash, depth, slots);
-  restore_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  restore_seconds_ += seconds;
+  restore_stall_seconds_ += seconds;
   return ok;
+}
+
+absl::Status KvTiers::RestoreLayer(int64_t layer) {
+  if (staged_.empty()) return absl::OkStatus();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (; layers_copied_ <= layer && layers_copied_ < executor_->shape().num_layers; ++layers_copied_) {
+    for (const Staged& s : staged_)
+      RETURN_IF_ERROR(executor_->WriteSlotsLayer(s.slots, layers_copied_, s.bytes->data()));
+  }
+  restore_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return absl::OkStatus();
+}
+
+absl::Status KvTiers::FinishRestores() {
+  const absl::Status st = RestoreLayer(executor_->shape().num_layers - 1);
+  staged_.clear();
+  layers_copied_ = 0;
+  return st;
 }
 
 bool KvTiers::Load(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots) {
   KvTierBlock block;
-  absl::StatusOr<int> tier = store_->Load(hash, &block, buffer_);
+  std::shared_ptr<const std::vector<uint8_t>> bytes;
+  absl::StatusOr<int> tier =
+      layerwise_ ? store_->LoadShared(hash, &block, &bytes) : store_->Load(hash, &block, buffer_);
   if (!tier.ok()) {
     TANDEM_LOG_WARN("kv-tiers", "restore of block ", absl::StrFormat("%016x", hash), " failed (",
                     tier.status().message(), "); its tokens are recomputed");
@@ -89,6 +119,10 @@ bool KvTiers::Load(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span
     TANDEM_LOG_WARN("kv-tiers", "restore of block ", absl::StrFormat("%016x", hash),
                     ": the saved copy has another parent or depth; its tokens are recomputed");
     return false;
+  }
+  if (layerwise_) {  // the pool copy happens layer by layer (RestoreLayer)
+    staged_.push_back({.slots = std::vector<int32_t>(slots.begin(), slots.end()), .bytes = std::move(bytes)});
+    return true;
   }
   const absl::Status st = executor_->WriteSlots(slots, buffer_.data());
   if (!st.ok()) {

@@ -15,6 +15,16 @@
 // registered again after a restart: PersistedBlocks lists the blocks found on disk at start whose
 // files hold a whole block of tokens.
 //
+// Layer-wise restore (the default): Restore loads and checks the block at once (a host copy is
+// shared, not copied; a file is read and checked) but writes none of its KV into the pool; the
+// owner calls RestoreLayer(l) just before layer l's attention of the step, which copies layer l of
+// every block restored since the last FinishRestores into its slots, and FinishRestores once the
+// step's layers have run (or at once for a plan without rows), which copies what is left. So a
+// restore's pool copy is spread over the step's layers instead of delaying its first one: on a
+// memory rank, each layer's copy runs while compute rank 0 computes that layer's q, k, v. A later
+// Demote or Restore first finishes what an earlier step left. set_layerwise(false) copies every
+// layer inside Restore.
+//
 // Thread safety: as the KV table's (one thread); the store's disk writer runs on its own thread.
 #pragma once
 
@@ -45,13 +55,25 @@ class KvTiers : public KvBlockTiers {
               std::span<const int32_t> tokens) override;
   bool Restore(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots) override;
 
+  // Layer-wise restore (see the top): copies layers up to `layer` of the blocks restored since
+  // the last FinishRestores (layers already copied are skipped, so several lanes may call it).
+  absl::Status RestoreLayer(int64_t layer);
+  // Copies every layer not yet copied of those blocks and forgets them.
+  absl::Status FinishRestores();
+  void set_layerwise(bool on) { layerwise_ = on; }
+  bool layerwise() const { return layerwise_; }
+
   // kv.tiers.persist: blocks found on disk at start with block_tokens tokens each, parents first.
   std::vector<KvTierBlock> PersistedBlocks() const;
 
   KvTierStore& store() { return *store_; }
   KvTierStats stats() const { return store_->stats(); }
-  // Wall time spent in Restore (loads from the store, checks and the copy into the pool).
+  // Wall time spent restoring: loads from the store, checks and the copies into the pool, wherever
+  // they ran (Restore, RestoreLayer, FinishRestores).
   double restore_seconds() const { return restore_seconds_; }
+  // The part of restore_seconds spent inside Restore, before the step's layers start: what a
+  // restore delays the step by (with layer-wise restore, the loads and checks only).
+  double restore_stall_seconds() const { return restore_stall_seconds_; }
 
  private:
   KvTiers(AttentionExecutor* executor, std::unique_ptr<KvTierStore> store, int64_t block_tokens)
@@ -60,10 +82,19 @@ class KvTiers : public KvBlockTiers {
   std::unique_ptr<KvTierStore> store_;
   // Restore without the clock.
   bool Load(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots);
+  // A block loaded by a layer-wise Restore, its layers not all in the pool yet.
+  struct Staged {
+    std::vector<int32_t> slots;
+    std::shared_ptr<const std::vector<uint8_t>> bytes;
+  };
 
   int64_t block_tokens_;
   std::vector<uint8_t> buffer_;  // one block
+  bool layerwise_ = true;
+  std::vector<Staged> staged_;
+  int64_t layers_copied_ = 0;  // of staged_: layers [0, layers_copied_) are in the pool
   double restore_seconds_ = 0;
+  double restore_stall_seconds_ = 0;
 };
 
 }  // namespace tandem

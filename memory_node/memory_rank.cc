@@ -114,7 +114,8 @@ class MemoryRank {
                           ", from host ", t.bytes_from_host, ", to disk ", t.bytes_to_disk, ", from disk ",
                           t.bytes_from_disk, "; evictions host ", t.host_evictions, ", disk ",
                           t.disk_evictions, "; disk write errors ", t.write_errors, "; restore time ",
-                          tiers_->restore_seconds(), " s");
+                          tiers_->restore_seconds(), " s, of which ", tiers_->restore_stall_seconds(),
+                          " s before a step's layers");
         }
         // Answer (the compute rank waits for it before it leaves), then go.
         transport_->Close(peer_);
@@ -411,9 +412,10 @@ class MemoryRank {
     const size_t lanes = plan.micro_batches;
     bool any = false;
     for (size_t k = 0; k < lanes; ++k) any |= lanes_[k].rows > 0;
-    if (!any) return absl::OkStatus();
+    if (!any) return tiers_ == nullptr ? absl::OkStatus() : tiers_->FinishRestores();  // restores only
     ++steps_;
     RETURN_IF_ERROR(device_path_ ? LayersOnDevice(plan.step_id, lanes) : Layers(plan.step_id, lanes));
+    if (tiers_ != nullptr) RETURN_IF_ERROR(tiers_->FinishRestores());
     // The step's work has run (both paths wait for it): its attention time.
     for (size_t k = 0; k < lanes; ++k) {
       ASSIGN_OR_RETURN(const uint64_t attention, lanes_[k].exec->TakeLayerTimeNs());
@@ -428,6 +430,9 @@ class MemoryRank {
     const uint32_t qkv_row = static_cast<uint32_t>(shape_.qkv_width() * static_cast<int64_t>(elem_));
     const uint32_t out_row = static_cast<uint32_t>(shape_.q_dim() * static_cast<int64_t>(elem_));
     for (uint32_t layer = 0; layer < static_cast<uint32_t>(shape_.num_layers); ++layer) {
+      // Layer-wise restore: this layer's KV of the blocks restored for the step, copied while
+      // compute rank 0 computes the layer's q, k, v (before waiting for them).
+      if (tiers_ != nullptr) RETURN_IF_ERROR(tiers_->RestoreLayer(layer));
       for (size_t j = 0; j < lanes; ++j) {
         Lane& lane = lanes_[j];
         if (lane.rows == 0) continue;

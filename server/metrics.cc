@@ -35,6 +35,15 @@ void RenderTiers(const KvTierCounters& t, const std::string& model_name, std::st
   family("kv_tier_restore_failed_blocks_total", "counter",
          "Prefix blocks whose restore found no good copy (their tokens were recomputed).",
          {{"", d(t.restore_failed_blocks)}});
+  family("kv_tier_prefetched_blocks_total", "counter",
+         "Prefix blocks restored for waiting requests before their admission (kv.tiers.prefetch_lookahead; "
+         "part of kv_tier_restored_blocks_total).",
+         {{"", d(t.prefetched_blocks)}});
+  family("kv_tier_prefetch_used_blocks_total", "counter",
+         "Prefetched blocks that an admitted request then attached.", {{"", d(t.prefetch_used_blocks)}});
+  family("kv_tier_prefetch_wasted_blocks_total", "counter",
+         "Prefetched blocks evicted again before any request attached them.",
+         {{"", d(t.prefetch_wasted_blocks)}});
   std::vector<Sample> evictions = {{",tier=\"pool\"", d(t.demoted_blocks)}};
   std::vector<Sample> bytes = {{",tier=\"pool\",direction=\"out\"", d(t.pool_bytes_out)},
                                {",tier=\"pool\",direction=\"in\"", d(t.pool_bytes_in)}};
@@ -56,6 +65,10 @@ void RenderTiers(const KvTierCounters& t, const std::string& model_name, std::st
            {{"", d(t.disk_write_errors)}});
     family("kv_tier_restore_seconds_total", "counter",
            "Time loading blocks from the lower tiers back into the KV pool.", {{"", t.restore_seconds}});
+    family("kv_tier_restore_stall_seconds_total", "counter",
+           "Of the restore time, the part spent before a step's layers could start (the rest is copied "
+           "layer by layer, just before each layer's attention).",
+           {{"", t.restore_stall_seconds}});
   }
   family("kv_tier_evictions_total", "counter",
          "Blocks evicted from each tier: the pool's go to the lower tiers, the lower tiers' are dropped.",

@@ -13,7 +13,10 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <optional>
 #include <random>
+#include <tuple>
+#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "memory_node/kv_table.h"
@@ -241,6 +244,224 @@ TEST(ControllerEviction, WaitingRequestsKeepTheirPrefixBlocks) {
   EXPECT_EQ(CachedTokensOfFollowUp(0), 16);  // least recently used only
   EXPECT_EQ(CachedTokensOfFollowUp(1), 48);
   EXPECT_EQ(CachedTokensOfFollowUp(64), 48);
+}
+
+// KV tiers with prefetch (kv.tiers.prefetch_lookahead) against the memory ranks' KV tables, over
+// tiers that keep every demoted block and lose some (a restore of those fails and is recomputed).
+// Conversations come back in bursts, so that the queue holds turns whose history was demoted.
+// Checked after every step, as above: every plan applies, the accounting covers each rank, and the
+// registries agree (resident blocks are the rank's); and the property of prefetch: no block that
+// a running request or one of the first prefetch_lookahead waiting requests matched before the
+// step is evicted to make room for a prefetch.
+class RecordingTiers : public KvBlockTiers {
+ public:
+  explicit RecordingTiers(uint32_t seed) : rng_(seed) {}
+  void Demote(uint64_t hash, uint64_t, int32_t, std::span<const int32_t>, std::span<const int32_t>) override {
+    saved_.insert(hash);
+  }
+  bool Restore(uint64_t hash, uint64_t, int32_t, std::span<const int32_t>) override {
+    return saved_.contains(hash) && rng_() % 16 != 0;  // one in 16 copies is found damaged
+  }
+
+ private:
+  std::mt19937 rng_;
+  std::unordered_set<uint64_t> saved_;
+};
+
+struct PrefetchRun {
+  int64_t steps = 0, prefetch_evictions = 0, restored = 0, failed = 0, prefetched = 0, used = 0, wasted = 0,
+          cached = 0;
+};
+
+PrefetchRun RunConversations(int ranks, int64_t capacity, int64_t prefetch, uint32_t seed) {
+  PrefetchRun run;
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gqa");
+  EXPECT_TRUE(spec.ok());
+  constexpr int64_t kBlockTokens = 8;
+  ControllerOptions o;
+  o.max_batch_size = 3;
+  o.max_tokens_per_step = 48;
+  o.prefix_block_tokens = kBlockTokens;
+  o.tier_blocks = 4096;
+  o.eviction_lookahead = 16;
+  o.prefetch_lookahead = prefetch;
+  Controller c(*spec, std::vector<int64_t>(static_cast<size_t>(ranks), capacity), o);
+  std::vector<std::unique_ptr<KvTable>> tables;
+  std::vector<std::unique_ptr<RecordingTiers>> tiers;
+  for (int m = 0; m < ranks; ++m) {
+    tables.push_back(std::make_unique<KvTable>(capacity, kBlockTokens));
+    tiers.push_back(std::make_unique<RecordingTiers>(seed + static_cast<uint32_t>(m)));
+    tables.back()->SetTiers(tiers.back().get());
+  }
+  std::mt19937 rng(seed);
+  auto rnd = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  // Conversations open with one of two system prompts of two blocks: a waiting turn often
+  // matches resident shared blocks followed by its own demoted ones.
+  std::vector<std::vector<int32_t>> systems(2);
+  for (auto& sys : systems) {
+    for (int i = 0; i < 2 * kBlockTokens; ++i) sys.push_back(rnd(2, static_cast<int>(spec->vocab_size) - 1));
+  }
+  std::vector<std::vector<int32_t>> history(12);
+  std::vector<bool> busy(history.size(), false);  // a turn of it is live
+  struct Turn {
+    size_t conv;
+    int64_t max_tokens;
+  };
+  std::map<int64_t, Turn> live;  // by id: submission order
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  std::vector<std::vector<uint64_t>> released;
+  for (int step = 0; step < 2000; ++step) {
+    if (step < 1500 && rnd(0, 5) == 0) {  // a burst of returning conversations
+      for (int k = rnd(1, 6); k > 0; --k) {
+        const size_t conv = static_cast<size_t>(rnd(0, static_cast<int>(history.size()) - 1));
+        if (busy[conv]) continue;
+        if (history[conv].empty()) history[conv] = systems[conv % systems.size()];
+        for (int i = rnd(3, 12); i > 0; --i)
+          history[conv].push_back(rnd(2, static_cast<int>(spec->vocab_size) - 1));
+        GenerationRequest r;
+        r.prompt = history[conv];
+        r.max_tokens = rnd(1, 8);
+        r.ignore_eos = true;
+        if (!c.Check(r).ok()) {  // grew past the pool: start over
+          history[conv].clear();
+          continue;
+        }
+        absl::StatusOr<int64_t> id = c.Submit(r);
+        EXPECT_TRUE(id.ok()) << id.status();
+        live[*id] = {conv, r.max_tokens};
+        busy[conv] = true;
+      }
+    }
+    if (!live.empty() && rnd(0, 39) == 0) {  // a cancellation now and then
+      auto it = live.begin();
+      std::advance(it, rnd(0, static_cast<int>(live.size()) - 1));
+      GenerationResult res;
+      EXPECT_TRUE(c.Cancel(it->first, &res, &released).ok());
+      for (int m = 0; m < ranks; ++m)
+        tables[static_cast<size_t>(m)]->Release(released[static_cast<size_t>(m)]);
+      busy[it->second.conv] = false;
+      history[it->second.conv].clear();
+      live.erase(it);
+    }
+    // What the step must not evict for a prefetch: the blocks that running requests use (on their
+    // rank) and that the first `prefetch` waiting ones match (on any rank) and still need after
+    // the step's admissions (FIFO: the waiting requests are the newest live ones; one admitted by
+    // the step holds its blocks on its rank, which no eviction may take).
+    std::vector<std::unordered_set<uint64_t>> needed(static_cast<size_t>(ranks));
+    std::vector<std::vector<std::unordered_set<uint64_t>>> window;  // per waiting request, per rank
+    const size_t running = live.size() - static_cast<size_t>(c.num_waiting());
+    size_t pos = 0;
+    for (const auto& [id, turn] : live) {
+      const bool waiting = pos >= running;
+      if (pos++ >= running + static_cast<size_t>(prefetch)) break;
+      const std::optional<std::vector<int32_t>> h = c.History(id);
+      EXPECT_TRUE(h.has_value());
+      if (waiting) window.emplace_back(static_cast<size_t>(ranks));
+      for (int m = 0; m < ranks; ++m) {
+        const PrefixIndex& index = *c.prefix_index(m);
+        for (int32_t b : index.Match(*h, static_cast<int64_t>(h->size()) / kBlockTokens)) {
+          if (!index.resident(b)) break;
+          if (waiting) window.back()[static_cast<size_t>(m)].insert(index.hash(b));
+          if (!waiting && index.users(b) > 0) needed[static_cast<size_t>(m)].insert(index.hash(b));
+        }
+      }
+    }
+    const size_t waiting_before = static_cast<size_t>(c.num_waiting());
+    PlannedStep ps;
+    c.Schedule(&ps);
+    const size_t admitted = waiting_before - static_cast<size_t>(c.num_waiting());
+    for (size_t w = admitted; w < window.size(); ++w) {
+      for (int m = 0; m < ranks; ++m)
+        needed[static_cast<size_t>(m)].insert(window[w][static_cast<size_t>(m)].begin(),
+                                              window[w][static_cast<size_t>(m)].end());
+    }
+    if (ps.empty()) {
+      if (c.Idle() && step >= 1500) break;
+      continue;
+    }
+    ++run.steps;
+    run.prefetch_evictions += static_cast<int64_t>(ps.prefetch_evictions.size());
+    for (uint64_t h : ps.prefetch_evictions) {
+      const auto e = std::find_if(ps.plan.evictions.begin(), ps.plan.evictions.end(),
+                                  [&](const PrefixEvict& x) { return x.block_hash == h; });
+      EXPECT_NE(e, ps.plan.evictions.end()) << "a prefetch eviction that is not in the plan";
+      if (e == ps.plan.evictions.end()) continue;
+      EXPECT_FALSE(needed[e->memory_rank].contains(h))
+          << "step " << step << ": block " << h << " was evicted for a prefetch but a request ahead needs it";
+    }
+    for (int m = 0; m < ranks; ++m) {
+      AttentionBatch batch;
+      std::vector<uint64_t> failed;
+      const absl::Status st =
+          tables[static_cast<size_t>(m)]->Apply(ps.plan, static_cast<uint16_t>(m), &batch, &failed);
+      EXPECT_TRUE(st.ok()) << "step " << step << " rank " << m << ": " << st;
+      if (!st.ok()) return run;
+      if (std::any_of(ps.plan.restores.begin(), ps.plan.restores.end(),
+                      [&](const PrefixRestore& r) { return r.memory_rank == m; }))
+        c.RestoreResult(ps.plan, m, failed);
+    }
+    SampledTokens sampled;
+    for (size_t i = 0; i < ps.rows.sample_rows.size(); ++i) sampled.Append(5, -1.0f);
+    finished.clear();
+    EXPECT_TRUE(c.Complete(ps, sampled, &finished, &released).ok());
+    for (int m = 0; m < ranks; ++m) tables[static_cast<size_t>(m)]->Release(released[static_cast<size_t>(m)]);
+    for (auto& [id, res] : finished) {
+      auto it = live.find(id);
+      EXPECT_NE(it, live.end());
+      if (it == live.end()) continue;
+      std::vector<int32_t>& h = history[it->second.conv];
+      EXPECT_EQ(static_cast<int64_t>(res.token_ids.size()), it->second.max_tokens);
+      h.insert(h.end(), res.token_ids.begin(), res.token_ids.end());
+      busy[it->second.conv] = false;
+      live.erase(it);
+    }
+    for (int m = 0; m < ranks; ++m) {
+      const KvTable& t = *tables[static_cast<size_t>(m)];
+      const PrefixIndex& index = *c.prefix_index(m);
+      EXPECT_EQ(index.stats().blocks - index.stats().demoted, t.num_blocks())
+          << "rank " << m << " step " << step;
+      EXPECT_LE(t.num_slots() - t.num_free(), c.kv_reserved(m) + index.stats().tokens_held)
+          << "rank " << m << " step " << step;
+      EXPECT_LE(c.kv_reserved(m) + index.stats().tokens_held, capacity) << "rank " << m << " step " << step;
+    }
+    if (::testing::Test::HasFailure()) return run;
+  }
+  EXPECT_TRUE(c.Idle());
+  EXPECT_TRUE(live.empty());
+  const ControllerStats& s = c.stats();
+  run.restored = s.restored_blocks;
+  run.failed = s.restore_failed_blocks;
+  run.prefetched = s.prefetched_blocks;
+  run.used = s.prefetch_used_blocks;
+  run.wasted = s.prefetch_wasted_blocks;
+  run.cached = s.cached_tokens;
+  EXPECT_LE(run.prefetched, run.restored);
+  EXPECT_LE(run.used + run.wasted, run.prefetched);
+  std::printf(
+      "%d rank(s), %lld slots, prefetch %lld: %lld steps, %lld blocks restored (%lld failed), "
+      "%lld prefetched (%lld used, %lld wasted; %lld blocks evicted for them), %lld prompt tokens "
+      "reused\n",
+      ranks, static_cast<long long>(capacity), static_cast<long long>(prefetch),
+      static_cast<long long>(run.steps), static_cast<long long>(run.restored),
+      static_cast<long long>(run.failed), static_cast<long long>(run.prefetched),
+      static_cast<long long>(run.used), static_cast<long long>(run.wasted),
+      static_cast<long long>(run.prefetch_evictions), static_cast<long long>(run.cached));
+  return run;
+}
+
+TEST(ControllerPrefetch, NeverEvictsWhatRequestsAheadNeedAndPlansAlwaysApply) {
+  for (const auto& [ranks, capacity, seed] :
+       std::vector<std::tuple<int, int64_t, uint32_t>>{{1, 240, 11}, {2, 200, 12}, {3, 160, 13}}) {
+    SCOPED_TRACE(absl::StrCat(ranks, " ranks of ", capacity, " slots"));
+    const PrefetchRun on = RunConversations(ranks, capacity, 8, seed);
+    EXPECT_GT(on.prefetched, 0) << "the queue held returning conversations but nothing was prefetched";
+    EXPECT_GT(on.used, 0) << "no prefetched block was ever attached";
+    EXPECT_GT(on.failed, 0) << "the damaged copies were never met";
+    const PrefetchRun off = RunConversations(ranks, capacity, 0, seed);
+    EXPECT_EQ(off.prefetched, 0);
+    EXPECT_EQ(off.used + off.wasted, 0);
+    EXPECT_GT(off.restored, 0);
+  }
 }
 
 }  // namespace

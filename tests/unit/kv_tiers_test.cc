@@ -1,11 +1,14 @@
 // KV tiers (memory_node/kv_tier_store.h, memory_node/kv_tiers.h): the store's host and disk tiers,
 // its checks of what it reads back, and the colocated engine over a tiny KV pool, whose
 // conversations must get the same tokens with tiers on and off, whatever happens to the files.
+#include "memory_node/kv_tiers.h"
+
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "colocated/engine.h"
 #include "gtest/gtest.h"
@@ -268,6 +271,58 @@ TEST(KvTierStore, SettingsAreCheckedAgainstTheMachine) {
   EXPECT_TRUE(CheckKvTierOptions({.host_bytes = 1 << 20, .disk_dir = dir, .disk_bytes = 1 << 20}).ok());
 }
 
+// Layer-wise restore (memory_node/kv_tiers.h): Restore puts nothing in the pool yet, RestoreLayer(l)
+// copies layers up to l, FinishRestores the rest; whole-block restore copies everything at once.
+TEST(KvTiersLayerwise, EachLayerReachesThePoolWhenAsked) {
+  const AttentionShape shape{
+      .num_layers = 3, .num_heads = 2, .num_kv_heads = 2, .head_dim = 4, .max_tokens = 8, .max_requests = 1};
+  absl::StatusOr<std::unique_ptr<AttentionExecutor>> exec =
+      CreateCpuAttentionExecutor(shape, {.capacity_tokens = 32});
+  ASSERT_TRUE(exec.ok()) << exec.status();
+  constexpr int64_t kTokens = 4;
+  const std::vector<int32_t> slots = {3, 9, 4, 20};
+  const size_t layer_bytes = 2 * kTokens * shape.kv_dim() * sizeof(float);  // K then V rows
+  const std::vector<uint8_t> kv = Bytes(static_cast<int64_t>(3 * layer_bytes), 7);
+  const std::vector<uint8_t> garbage(kv.size(), 0xEE);
+  for (const bool layerwise : {true, false}) {
+    SCOPED_TRACE(layerwise ? "layer-wise" : "whole");
+    absl::StatusOr<std::unique_ptr<KvTiers>> tiers =
+        KvTiers::Create({.host_bytes = 1 << 20}, exec->get(), kTokens, "m");
+    ASSERT_TRUE(tiers.ok()) << tiers.status();
+    (*tiers)->set_layerwise(layerwise);
+    ASSERT_TRUE((*exec)->WriteSlots(slots, kv.data()).ok());
+    (*tiers)->Demote(1, 0, 1, slots, {});
+    ASSERT_TRUE((*exec)->WriteSlots(slots, garbage.data()).ok());
+    ASSERT_TRUE((*tiers)->Restore(1, 0, 1, slots));
+    std::vector<uint8_t> pool(kv.size());
+    // How many leading layers of the pool hold the block's KV (the rest must still be garbage).
+    auto layers_in_pool = [&]() -> int {
+      EXPECT_TRUE((*exec)->ReadSlots(slots, pool.data()).ok());
+      int n = 0;
+      for (int l = 0; l < 3; ++l) {
+        const size_t at = static_cast<size_t>(l) * layer_bytes;
+        const bool restored = std::equal(pool.begin() + at, pool.begin() + at + layer_bytes, kv.begin() + at);
+        const bool untouched =
+            std::equal(pool.begin() + at, pool.begin() + at + layer_bytes, garbage.begin() + at);
+        EXPECT_TRUE(restored || untouched) << "layer " << l << " is neither the block's KV nor untouched";
+        if (restored && n == l) ++n;
+      }
+      return n;
+    };
+    EXPECT_EQ(layers_in_pool(), layerwise ? 0 : 3);
+    ASSERT_TRUE((*tiers)->RestoreLayer(0).ok());
+    EXPECT_EQ(layers_in_pool(), layerwise ? 1 : 3);
+    ASSERT_TRUE((*tiers)->RestoreLayer(0).ok());  // a second lane: nothing more
+    ASSERT_TRUE((*tiers)->RestoreLayer(1).ok());
+    EXPECT_EQ(layers_in_pool(), layerwise ? 2 : 3);
+    ASSERT_TRUE((*tiers)->FinishRestores().ok());
+    EXPECT_EQ(layers_in_pool(), 3);
+    EXPECT_EQ(pool, kv);
+    EXPECT_GT((*tiers)->restore_seconds(), 0);
+    EXPECT_LE((*tiers)->restore_stall_seconds(), (*tiers)->restore_seconds());
+  }
+}
+
 // --- The colocated engine over a pool that holds about one conversation ---
 
 constexpr int64_t kBlock = 8;
@@ -277,12 +332,14 @@ struct Tiers {
   int64_t disk_bytes = 0;
   std::string dir;
   bool persist = false;
+  int64_t prefetch = 8;  // kv.tiers.prefetch_lookahead
+  int64_t batch = 2;     // scheduler.max_batch_size
 };
 
 std::unique_ptr<ColocatedEngine> MakeEngine(const WeightSource& w, bool cache, const Tiers& t) {
   EngineOptions o;
   o.device = "cpu";
-  o.max_batch_size = 2;
+  o.max_batch_size = t.batch;
   o.max_tokens_per_step = 64;
   o.kv_capacity_tokens = 160;
   o.prefix_cache = cache;
@@ -291,6 +348,7 @@ std::unique_ptr<ColocatedEngine> MakeEngine(const WeightSource& w, bool cache, c
   o.tiers_disk_bytes = t.disk_bytes;
   o.tiers_disk_dir = t.dir;
   o.tiers_persist = t.persist;
+  o.tiers_prefetch_lookahead = t.prefetch;
   absl::StatusOr<std::unique_ptr<ColocatedEngine>> e = ColocatedEngine::Create(w, o);
   EXPECT_TRUE(e.ok()) << e.status();
   return std::move(*e);
@@ -378,6 +436,25 @@ TEST_F(KvTiersEngine, HostTierRestoresEvictedTurnsWithTheSameTokens) {
   EXPECT_GT(t.bytes_to_host, 0);
   EXPECT_LE(t.bytes_to_host, t.pool_bytes_out);
   EXPECT_GT(t.restore_seconds, 0);
+}
+
+// Layer-wise restore (the default) and whole-block restore give the same tokens; layer-wise, only
+// the loads delay a step (restore_stall_seconds), the pool copies run before each layer.
+TEST_F(KvTiersEngine, LayerwiseAndWholeRestoresGiveTheSameTokens) {
+  for (const bool layerwise : {true, false}) {
+    SCOPED_TRACE(layerwise ? "layer-wise" : "whole");
+    auto e = MakeEngine(*weights_, true, {.host_bytes = 64 * block_bytes_});
+    e->tiers()->set_layerwise(layerwise);
+    EXPECT_EQ(Converse(*e, vocab()), expected_);
+    const KvTierCounters t = e->stats().tiers;
+    EXPECT_GT(t.restored_blocks, 0);
+    EXPECT_GT(t.restore_stall_seconds, 0);
+    if (layerwise) {
+      EXPECT_LT(t.restore_stall_seconds, t.restore_seconds);
+    } else {
+      EXPECT_EQ(t.restore_stall_seconds, t.restore_seconds);
+    }
+  }
 }
 
 // The tiers' counters on the server's /metrics (server/metrics.h), as Prometheus reads them.
@@ -536,6 +613,92 @@ TEST_F(KvTiersEngine, PersistedDiskTierWithDamagedFilesRecomputes) {
   EXPECT_EQ(answers, expected_);
   EXPECT_GT(second->stats().restore_failed_tokens, 0);  // the corrupt file, when read
   EXPECT_EQ(second->tiers()->stats().discarded, 2);
+}
+
+// The three conversations' turns submitted together behind a one-off prompt, one round per turn,
+// one request running at a time: the turns wait in the queue while their histories sit demoted
+// in the host tier, and the one-off prompts leave blocks that no conversation needs.
+constexpr int kOneOff = 96;  // tokens of a one-off prompt: its blocks make room for prefetches
+std::vector<std::vector<int32_t>> Rounds(ColocatedEngine& e, int64_t vocab) {
+  Conversations c;
+  std::vector<std::vector<int32_t>> answers;
+  for (int turn = 0; turn < 4; ++turn) {
+    std::vector<GenerationRequest> round;
+    GenerationRequest one_off;
+    for (int i = 0; i < kOneOff; ++i) {
+      c.x = c.x * 1664525u + 1013904223u;
+      one_off.prompt.push_back(static_cast<int32_t>(2 + (c.x >> 8) % static_cast<uint32_t>(vocab - 2)));
+    }
+    one_off.max_tokens = 9;
+    one_off.ignore_eos = true;
+    round.push_back(one_off);
+    for (std::vector<int32_t>& history : c.history) {
+      for (int i = 0; i < 13; ++i) {
+        c.x = c.x * 1664525u + 1013904223u;
+        history.push_back(static_cast<int32_t>(2 + (c.x >> 8) % static_cast<uint32_t>(vocab - 2)));
+      }
+      GenerationRequest r;
+      r.prompt = history;
+      r.max_tokens = 9;
+      r.ignore_eos = true;
+      round.push_back(r);
+    }
+    absl::StatusOr<std::vector<GenerationResult>> out = e.GenerateAll(round);
+    EXPECT_TRUE(out.ok()) << out.status();
+    if (!out.ok()) return answers;
+    for (size_t k = 0; k < round.size(); ++k) {
+      const std::vector<int32_t>& tokens = (*out)[k].token_ids;
+      if (k > 0) c.history[k - 1].insert(c.history[k - 1].end(), tokens.begin(), tokens.end());
+      answers.push_back(tokens);
+    }
+  }
+  return answers;
+}
+
+// kv.tiers.prefetch_lookahead: the waiting turns' demoted blocks come back while the turn ahead
+// of them runs, so that they attach them at admission; the tokens are those of a run without the
+// prefix cache, with tiers but no prefetch, and with the cache but no tiers.
+TEST_F(KvTiersEngine, PrefetchBringsWaitingTurnsBackWithTheSameTokens) {
+  const auto expected = Rounds(*MakeEngine(*weights_, false, {.batch = 1}), vocab());
+  const auto no_tiers = MakeEngine(*weights_, true, {.batch = 1});
+  EXPECT_EQ(Rounds(*no_tiers, vocab()), expected);
+  const auto no_prefetch =
+      MakeEngine(*weights_, true, {.host_bytes = 64 * block_bytes_, .prefetch = 0, .batch = 1});
+  EXPECT_EQ(Rounds(*no_prefetch, vocab()), expected);
+  const auto prefetch =
+      MakeEngine(*weights_, true, {.host_bytes = 64 * block_bytes_, .prefetch = 8, .batch = 1});
+  EXPECT_EQ(Rounds(*prefetch, vocab()), expected);
+  const EngineStats off = no_prefetch->stats();
+  const EngineStats on = prefetch->stats();
+  std::printf(
+      "no tiers: %lld cached; tiers: %lld cached, %lld restored; prefetch: %lld cached, %lld restored, "
+      "%lld prefetched (%lld blocks used, %lld wasted), %lld steps against %lld\n",
+      static_cast<long long>(no_tiers->stats().cached_tokens), static_cast<long long>(off.cached_tokens),
+      static_cast<long long>(off.restored_tokens), static_cast<long long>(on.cached_tokens),
+      static_cast<long long>(on.restored_tokens), static_cast<long long>(on.prefetched_tokens),
+      static_cast<long long>(on.tiers.prefetch_used_blocks),
+      static_cast<long long>(on.tiers.prefetch_wasted_blocks), static_cast<long long>(on.steps),
+      static_cast<long long>(off.steps));
+  EXPECT_GT(off.restored_tokens, 0);
+  EXPECT_EQ(off.prefetched_tokens, 0);
+  EXPECT_GT(on.prefetched_tokens, 0) << "the queue held returning conversations";
+  EXPECT_EQ(on.tiers.prefetched_blocks * kBlock, on.prefetched_tokens);
+  EXPECT_GT(on.tiers.prefetch_used_blocks, 0) << "admitted turns found their prefetched blocks resident";
+  EXPECT_LE(on.tiers.prefetch_used_blocks + on.tiers.prefetch_wasted_blocks, on.tiers.prefetched_blocks);
+  EXPECT_LE(on.prefetched_tokens, on.restored_tokens);
+  EXPECT_EQ(on.restore_failed_tokens, 0);
+  EXPECT_GE(on.cached_tokens, off.cached_tokens);
+  // The counters on /metrics.
+  server::LoopStats loop;
+  loop.tiers = on.tiers;
+  const std::string text = server::ServerMetrics().Render(loop, "m");
+  EXPECT_NE(text.find(absl::StrCat("\ntandem:kv_tier_prefetched_blocks_total{model_name=\"m\"} ",
+                                   on.tiers.prefetched_blocks, "\n")),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find(absl::StrCat("\ntandem:kv_tier_prefetch_wasted_blocks_total{model_name=\"m\"} ",
+                                   on.tiers.prefetch_wasted_blocks, "\n")),
+            std::string::npos);
 }
 
 TEST_F(KvTiersEngine, TiersNeedThePrefixCache) {
