@@ -318,11 +318,23 @@ absl::Status RunDeployed(const GenerateArgs& a, std::vector<std::string> sets) {
   const std::string res = (std::filesystem::path(plan.run_dir) / "results.jsonl").string();
   std::filesystem::remove(res, ec);
   RETURN_IF_ERROR(WriteRequestsFile(req, requests));
-  RETURN_IF_ERROR(Launch(
+  const absl::Status launched = Launch(
       config, plan,
-      {.tandem_binary = SelfPath(), .log_level = a.log_level, .requests_file = req, .results_file = res}));
+      {.tandem_binary = SelfPath(), .log_level = a.log_level, .requests_file = req, .results_file = res});
   std::vector<GenerationResult> results;
   RunStats stats;
+  if (!launched.ok()) {
+    // Compute rank 0 that lost a rank it cannot do without writes an error line per request
+    // before it exits: print them, then fail with the launcher's message.
+    if (!std::filesystem::exists(res, ec) || !ReadResultsFile(res, &results, &stats).ok() ||
+        results.size() != requests.size()) {
+      return launched;
+    }
+    stats.device =
+        absl::StrCat("disaggregated: ", stats.device, " + ", plan.memory_devices.size(), " memory rank(s)");
+    (void)PrintResults(a, results, std::vector<std::string>(results.size()), stats);
+    return launched;
+  }
   RETURN_IF_ERROR(ReadResultsFile(res, &results, &stats));
   if (results.size() != requests.size()) {
     return absl::DataLossError(

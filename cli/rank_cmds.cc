@@ -232,11 +232,18 @@ absl::Status RunCompute(const ComputeArgs& a) {
       // A rank lost that this deployment cannot do without (a failed step or heartbeat): the
       // requests were told; the memory ranks are told why (each stops naming the cause), and
       // compute rank 0 exits with it.
+      // The API answers 503 with the cause (/health too) until the ranks are told, and for at
+      // least kFailedLinger, so that a client polling /health learns why before the port closes.
+      constexpr absl::Duration kFailedLinger = absl::Seconds(1);
+      const absl::Time failed_at = absl::Now();
       TANDEM_LOG_ERROR("compute", "the deployment cannot go on: ", failed.message());
       http->Draining();
       loop.Shutdown(absl::ZeroDuration());
-      http->Stop();
       rank->Abandon(failed);
+      while (absl::Now() < failed_at + kFailedLinger && TerminationSignal() == 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      http->Stop();
       return join_local(failed);
     }
     TANDEM_LOG_INFO("compute", "draining the API (api.shutdown_grace_s ", api.shutdown_grace_s, ")");
@@ -255,8 +262,23 @@ absl::Status RunCompute(const ComputeArgs& a) {
     return TerminationSignal() != 0 ? absl::CancelledError("stopped by a signal") : absl::OkStatus();
   });
   if (!results.ok()) {
-    (void)rank->Shutdown();
-    return results.status();
+    if (absl::IsCancelled(results.status())) {  // stopped by a signal: the ranks are told bye
+      (void)rank->Shutdown();
+      return results.status();
+    }
+    // A rank lost that this deployment cannot do without: an error line per request (the steps'
+    // tokens are not kept), the ranks told why (each stops naming the cause), and exit with it.
+    TANDEM_LOG_ERROR("compute", "the deployment cannot go on: ", results.status().message());
+    std::vector<GenerationResult> failed(specs.size());
+    for (GenerationResult& r : failed) {
+      r.finish_reason = "error";
+      r.error = Annotate(results.status(), "the engine failed");
+    }
+    stats.device = rank->device();
+    const absl::Status written = WriteResultsFile(a.results, failed, stats);
+    if (!written.ok()) TANDEM_LOG_ERROR("compute", written.message());
+    rank->Abandon(results.status());
+    return join_local(results.status());
   }
   // Where the steps' time went (compute_node/pipeline_report.h); a memory rank that cannot say
   // fails the run, as it would fail a step.

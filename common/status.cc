@@ -5,11 +5,20 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "absl/strings/match.h"
+
 namespace tandem {
 
 absl::Status Annotate(const absl::Status& status, std::string_view context) {
   if (status.ok()) return status;
   return absl::Status(status.code(), absl::StrCat(ToAbsl(context), ": ", status.message()));
+}
+
+absl::Status AnnotateGone(const absl::Status& status, std::string_view who, const absl::Status& peer) {
+  if (status.ok()) return status;
+  const bool said = peer.ok() || absl::StrContains(status.message(), peer.message());
+  return Annotate(status,
+                  absl::StrCat(ToAbsl(who), " is gone", said ? "" : absl::StrCat(" (", peer.message(), ")")));
 }
 
 absl::Status ErrnoToStatus(int err, std::string_view what) {

@@ -32,6 +32,10 @@ inline absl::string_view ToAbsl(std::string_view s) { return absl::string_view(s
 // Returns `status` with `context` prepended to its message ("context: message"); OK stays OK.
 absl::Status Annotate(const absl::Status& status, std::string_view context);
 
+// `status` (a failed wait or send) blamed on a peer that failed: "<who> is gone: <message>", with
+// the peer's own failure `peer` in brackets unless the message already says it.
+absl::Status AnnotateGone(const absl::Status& status, std::string_view who, const absl::Status& peer);
+
 // errno value -> Status with the matching canonical code; `what` names the failed operation and
 // its object, e.g. "open(/models/x/config.json)".
 absl::Status ErrnoToStatus(int err, std::string_view what);

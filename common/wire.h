@@ -257,23 +257,24 @@
 //                                    device time on a GPU, host time on the CPU; the rest of each
 //                                    step of compute rank 0 the rank waits
 //
-// Heartbeat body (compute rank 0 -> memory rank, while the deployment is idle; 16 bytes):
+// Heartbeat body (compute rank 0 -> memory rank or compute replica, while the deployment is idle;
+// 16 bytes):
 //
 //   offset  size  field       notes
 //   ------  ----  ----------  --------------------------------------------------------------------
 //        0     8  seq         u64  echoed by the reply
-//        8     4  silence_ms  u32  in [1, kMaxHeartbeatSilenceMs]: from now on the memory rank
+//        8     4  silence_ms  u32  in [1, kMaxHeartbeatSilenceMs]: from now on the receiver
 //                                  stops (with an error naming compute rank 0) once it has heard
 //                                  nothing from compute rank 0 for this long; each heartbeat sets
 //                                  it anew
 //       12     4  reserved    must be 0
 //
-// Heartbeat reply body (memory rank -> compute rank 0, at once; 16 bytes):
+// Heartbeat reply body (memory rank or compute replica -> compute rank 0, at once; 16 bytes):
 //
 //   offset  size  field        notes
 //   ------  ----  -----------  -------------------------------------------------------------------
 //        0     8  seq          u64  the heartbeat's
-//        8     2  memory_rank  u16
+//        8     2  memory_rank  u16  the memory rank's index; a compute replica's compute rank
 //       10     6  reserved     must be 0
 //
 // Decoders trust nothing: they never read past the span, check every length before reading,
@@ -626,9 +627,9 @@ struct MemoryStatsMessage {
   friend bool operator==(const MemoryStatsMessage&, const MemoryStatsMessage&) = default;
 };
 
-// Compute rank 0 -> memory rank while the deployment is idle (launch.heartbeat_s): answer with a
-// heartbeat reply; and stop once compute rank 0 has been silent for silence_ms (see the body
-// layout above).
+// Compute rank 0 -> memory rank or compute replica while the deployment is idle
+// (launch.heartbeat_s): answer with a heartbeat reply; and stop once compute rank 0 has been silent
+// for silence_ms (see the body layout above).
 struct HeartbeatMessage {
   uint64_t seq = 0;
   uint32_t silence_ms = 1;  // in [1, kMaxHeartbeatSilenceMs]
@@ -636,10 +637,10 @@ struct HeartbeatMessage {
   friend bool operator==(const HeartbeatMessage&, const HeartbeatMessage&) = default;
 };
 
-// Memory rank -> compute rank 0: the answer to a heartbeat.
+// Memory rank or compute replica -> compute rank 0: the answer to a heartbeat.
 struct HeartbeatReplyMessage {
   uint64_t seq = 0;
-  uint16_t memory_rank = 0;
+  uint16_t memory_rank = 0;  // a compute replica puts its compute rank here
 
   friend bool operator==(const HeartbeatReplyMessage&, const HeartbeatReplyMessage&) = default;
 };

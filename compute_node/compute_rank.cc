@@ -870,6 +870,20 @@ absl::StatusOr<bool> ComputeRank::TakeHeartbeatReply(size_t m, const std::vector
   return true;
 }
 
+absl::StatusOr<bool> ComputeRank::TakeReplicaHeartbeatReply(size_t r, const std::vector<uint8_t>& msg) {
+  absl::StatusOr<uint32_t> magic = PeekFrameMagic(msg);
+  if (!magic.ok() || *magic != kHeartbeatReplyMagic) return false;
+  Replica& replica = replicas_[r];
+  absl::StatusOr<HeartbeatReplyMessage> reply = DecodeHeartbeatReply(msg);
+  if (!reply.ok()) return Annotate(reply.status(), replica.name);
+  if (reply->memory_rank != r + 1) {  // a replica answers with its compute rank
+    return absl::InvalidArgumentError(
+        absl::StrCat(replica.name, ": a heartbeat reply names compute rank ", reply->memory_rank));
+  }
+  if (reply->seq == replica.beat_seq) replica.beat_seq = 0;
+  return true;
+}
+
 absl::Status ComputeRank::Heartbeat() {
   if (options_.heartbeat <= absl::ZeroDuration()) return absl::OkStatus();
   // What arrived since the last call (replies, error reports); a wait of 1 ms lets the transport
@@ -884,6 +898,9 @@ absl::Status ComputeRank::Heartbeat() {
       size_t r = 0;
       while (r < replicas_.size() && replicas_[r].peer != from) ++r;
       if (r == replicas_.size()) continue;
+      absl::StatusOr<bool> beat = TakeReplicaHeartbeatReply(r, msg);
+      if (!beat.ok()) return beat.status();
+      if (*beat) continue;
       absl::StatusOr<ErrorMessage> err = DecodeError(msg);
       return err.ok() ? Annotate(StatusFromErrorMessage(*err), absl::StrCat(replicas_[r].name, " stopped"))
                       : absl::InvalidArgumentError(
@@ -920,11 +937,34 @@ absl::Status ComputeRank::Heartbeat() {
                           "): stopped, hung or cut off"))));
     }
   }
+  // Compute replicas: no recovery without one (the step needs its micro-batches), so a replica
+  // that failed or stays silent ends the deployment, named.
+  for (Replica& replica : replicas_) {
+    if (absl::Status peer = transport_->PeerStatus(replica.peer); !peer.ok()) {
+      return Annotate(peer, absl::StrCat(replica.name, " is lost"));
+    }
+    if (replica.beat_seq != 0 && now - replica.beat_sent > options_.step_timeout) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(replica.name, " is lost: no answer to a heartbeat for ",
+                       absl::StrFormat("%.1f s", absl::ToDoubleSeconds(now - replica.beat_sent)),
+                       " (launch.step_timeout_s ", absl::ToDoubleSeconds(options_.step_timeout),
+                       "): stopped, hung or cut off"));
+    }
+  }
   if (now >= next_beat_) {
     next_beat_ = now + options_.heartbeat;
     // A rank may stop once it has not heard from this one for a heartbeat and a step timeout.
     const int64_t silence_ms = std::clamp<int64_t>(
         absl::ToInt64Milliseconds(options_.heartbeat + options_.step_timeout), 1, kMaxHeartbeatSilenceMs);
+    const std::vector<uint8_t> replica_beat =
+        EncodeHeartbeat({.seq = beat_seq_ + 1, .silence_ms = static_cast<uint32_t>(silence_ms)});
+    for (Replica& replica : replicas_) {
+      if (replica.beat_seq != 0) continue;
+      RETURN_IF_ERROR(Annotate(transport_->Send(replica.peer, replica_beat), replica.name));
+      replica.beat_seq = beat_seq_ + 1;
+      replica.beat_sent = now;
+    }
+    if (!replicas_.empty()) ++beat_seq_;
     for (size_t m = 0; m < ranks_.size(); ++m) {
       Rank& rank = ranks_[m];
       if (rank.lost || rank.beat_seq != 0) continue;
@@ -1218,6 +1258,9 @@ absl::StatusOr<size_t> ComputeRank::ReceiveFromRank(absl::Time deadline, const s
       return absl::InternalError(absl::StrCat("a message from an unknown peer (", awaited, ")"));
     name = replicas_[r].name;
     m = ranks_.size() + r;
+    absl::StatusOr<bool> beat = TakeReplicaHeartbeatReply(r, *msg);
+    if (!beat.ok()) return beat.status();
+    if (*beat) return ReceiveFromRank(deadline, awaited, msg);  // the answer to a heartbeat sent while idle
   }
   ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(*msg));
   if (magic == kErrorMagic) {
@@ -1273,6 +1316,34 @@ absl::StatusOr<PipelineTotals> ComputeRank::Pipeline(absl::Duration timeout) {
   return t;
 }
 
+absl::Status ComputeRank::NameFailedPeer(absl::Status st) {
+  if (st.ok()) return st;
+  // The memory ranks leave as soon as compute rank 0 dies, and their disconnects may reach this
+  // rank before its own: give the transport a moment (the failure path only) to report it.
+  const absl::Time until = absl::Now() + absl::Seconds(1);
+  while (transport_->PeerStatus(rank0_peer_).ok() && absl::Now() < until) {
+    transport::PeerId from = 0;
+    std::vector<uint8_t> msg;
+    (void)transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(50));  // progress only
+  }
+  // Compute rank 0 first: when it dies, the memory ranks it served may leave too.
+  if (absl::Status peer = transport_->PeerStatus(rank0_peer_); !peer.ok()) {
+    return AnnotateGone(st, absl::StrCat("compute rank 0 (", transport_->PeerName(rank0_peer_), ")"), peer);
+  }
+  for (const Rank& rank : ranks_) {
+    if (absl::Status peer = transport_->PeerStatus(rank.peer); !peer.ok()) {
+      return AnnotateGone(st, rank.name, peer);
+    }
+  }
+  for (const auto& [peer, name] : {std::pair(next_peer_, next_name_), std::pair(prev_peer_, prev_name_)}) {
+    if (!schedule_.rotational() || peer == rank0_peer_) continue;
+    if (absl::Status failed = transport_->PeerStatus(peer); !failed.ok()) {
+      return AnnotateGone(st, name, failed);
+    }
+  }
+  return st;
+}
+
 absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
   auto stopped = [&] { return options.stop_requested && options.stop_requested(); };
   const std::string me = absl::StrCat("compute rank ", compute_rank_);
@@ -1308,18 +1379,39 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
     }
   }
   size_t ring_byes = 0;
+  // Compute rank 0's heartbeats (sent while it is idle) say how long it may stay silent: past that
+  // (no heartbeat, no replica step) it is stopped, hung or cut off, and this rank stops.
+  absl::Time last_heard = absl::Now();
+  absl::Duration silence = absl::InfiniteDuration();
   while (true) {
     std::vector<uint8_t> msg;
     transport::PeerId from = 0;
     const absl::Status got = transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(100));
     if (absl::IsDeadlineExceeded(got)) {
       if (stopped()) return absl::CancelledError("stopped");
+      if (parts.empty() && absl::Now() - last_heard > silence) {
+        rank0_gone_ = true;
+        // Not told: a silent peer may not read, and a send would wait for the send timeout.
+        return absl::DeadlineExceededError(
+            absl::StrCat(me, ": compute rank 0 has been silent for ",
+                         absl::StrFormat("%.1f s", absl::ToDoubleSeconds(absl::Now() - last_heard)),
+                         " (no step, no heartbeat; its heartbeats allow ",
+                         absl::StrFormat("%.1f s", absl::ToDoubleSeconds(silence)),
+                         "): it is stopped, hung or cut off; this rank stops"));
+      }
       continue;
     }
-    RETURN_IF_ERROR(got);
+    if (!got.ok()) {
+      rank0_gone_ = !transport_->PeerStatus(rank0_peer_).ok();
+      return NameFailedPeer(got);
+    }
+    if (from == rank0_peer_) last_heard = absl::Now();
     ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
     if (magic == kErrorMagic) {
       ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
+      // A memory rank that left because compute rank 0 went silent says so: then rank 0 is not
+      // told why this rank stops (a send to a silent peer waits for the send timeout).
+      if (from != rank0_peer_ && absl::Now() - last_heard > silence / 2) rank0_gone_ = true;
       return Annotate(StatusFromErrorMessage(err),
                       from == rank0_peer_ ? "compute rank 0 stopped" : "a memory rank stopped");
     }
@@ -1359,6 +1451,14 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
       (void)transport_->Send(rank0_peer_, bye);
       (void)transport_->Flush(absl::Now() + absl::Seconds(2));
       return absl::OkStatus();
+    }
+    if (magic == kHeartbeatMagic) {
+      // The same heartbeat as the memory ranks get; the reply names this compute rank.
+      ASSIGN_OR_RETURN(const HeartbeatMessage beat, DecodeHeartbeat(msg));
+      silence = absl::Milliseconds(beat.silence_ms);
+      const HeartbeatReplyMessage reply{.seq = beat.seq, .memory_rank = static_cast<uint16_t>(compute_rank_)};
+      RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeHeartbeatReply(reply)));
+      continue;
     }
     if (magic != kReplicaStepMagic) {
       return absl::InvalidArgumentError(
@@ -1407,7 +1507,7 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
     parts.push_back(std::move(part));
     if (parts.size() < expected) continue;
     std::vector<SampledTokens> sampled;
-    RETURN_IF_ERROR(RunParts(parts, &sampled));
+    if (absl::Status ran = RunParts(parts, &sampled); !ran.ok()) return NameFailedPeer(ran);
     for (size_t k = 0; k < parts.size(); ++k) {
       if (!Finishes(parts[k].plan.micro_batch)) continue;  // another rank samples it
       const ReplicaResultMessage result{.step_id = parts[k].plan.step_id,
@@ -1415,10 +1515,11 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
                                         .tokens = std::move(sampled[k].tokens),
                                         .logprobs = std::move(sampled[k].logprobs),
                                         .top = std::move(sampled[k].top)};
-      RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeReplicaResult(result)));
+      RETURN_IF_ERROR(NameFailedPeer(transport_->Send(rank0_peer_, EncodeReplicaResult(result))));
     }
     parts.clear();
     ++steps;
+    last_heard = absl::Now();  // the step came from compute rank 0
   }
 }
 
@@ -1479,6 +1580,12 @@ void ComputeRank::Abandon(const absl::Status& why) {
   for (const Rank& rank : ranks_) {
     if (rank.lost || SilentPastHeartbeat(rank, now)) continue;
     (void)transport_->Send(rank.peer, frame);
+  }
+  // The compute replicas too (each stops naming the cause), but not one that failed or is silent.
+  for (const Replica& replica : replicas_) {
+    if (!transport_->PeerStatus(replica.peer).ok()) continue;
+    if (replica.beat_seq != 0 && now - replica.beat_sent > options_.step_timeout) continue;
+    (void)transport_->Send(replica.peer, frame);
   }
   (void)transport_->Flush(absl::Now() + absl::Seconds(2));
 }
@@ -1559,7 +1666,7 @@ absl::Status RunComputeReplica(const WeightSource& source, const ComputeReplicaO
   r->on_listening_ = options.on_listening;
   RETURN_IF_ERROR(r->Connect(source));
   absl::Status st = r->ServeReplica(options);
-  if (!st.ok() && !absl::IsCancelled(st)) {
+  if (!st.ok() && !absl::IsCancelled(st) && !r->rank0_gone_) {
     // Compute rank 0 learns why (best effort), then the replica ends.
     (void)r->transport_->Send(r->rank0_peer_, EncodeError(ErrorMessageFromStatus(Annotate(
                                                   st, absl::StrCat("compute rank ", options.compute_rank)))));

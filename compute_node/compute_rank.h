@@ -112,6 +112,11 @@ struct ComputeRankOptions {
 // micro-batches rank 0 hands it (replica steps: a part's plan and input tokens) on lanes of its
 // own, exchanging q,k,v and outputs with the memory ranks itself, and sends back the sampled tokens
 // (replica results), until bye.
+// Losing compute rank 0: compute rank 0's heartbeats (ComputeRankOptions::heartbeat) reach the
+// replicas too, which answer them; a replica that hears nothing from compute rank 0 for the
+// heartbeats' allowance while idle, or whose wait fails because compute rank 0's connection failed,
+// stops with an error naming compute rank 0 (a memory rank that stops for compute rank 0's
+// silence tells the replicas why, so they name rank 0, not it).
 struct ComputeReplicaOptions {
   int compute_rank = 1;  // r, in [1, compute_ranks)
   int compute_ranks = 2;
@@ -138,7 +143,9 @@ class ComputeRank : public Engine {
   // request that now fits no surviving rank is reported finished with an error
   // (GenerationResult::error, Controller::FailUnplaceable). Without
   // recovery (or where it is not supported), or once every rank is lost, the step fails with a
-  // Status naming the rank. Cancel: the memory rank that
+  // Status naming the rank. A compute replica that fails or goes silent mid-step fails the step,
+  // naming it: its micro-batches' attention is half done on the memory ranks, which would have to
+  // be told to drop the step (see docs/architecture.md, "Failures"). Cancel: the memory rank that
   // holds the request's KV is told to free it (a release message, as for a finished request).
   //
   // Rejoin (ComputeRankOptions::rejoin_probe): a lost rank's address (memory_addresses[m], where a
@@ -165,7 +172,9 @@ class ComputeRank : public Engine {
   // error) or have not answered their heartbeat within the step timeout (each named by its own
   // silence, whatever its neighbours do), and sends the next heartbeats when they are due. A rank
   // it gives up is recovered as in Step (its requests, none while idle, requeued); without
-  // recovery, or once every rank is lost, it returns the error naming the rank.
+  // recovery, or once every rank is lost, it returns the error naming the rank. The compute
+  // replicas get heartbeats too; one that failed or left its heartbeat unanswered for the step
+  // timeout is an error naming it (a replica is not recovered: see Step).
   absl::Duration heartbeat_interval() const override {
     return options_.heartbeat > absl::ZeroDuration() ? options_.heartbeat : absl::InfiniteDuration();
   }
@@ -182,9 +191,10 @@ class ComputeRank : public Engine {
 
   // Tells every memory rank to stop (bye), best effort: it never fails.
   absl::Status Shutdown();
-  // The deployment cannot go on (`why`: a failed step or heartbeat): every memory rank still
-  // reachable (not given up, not silent past its heartbeat) gets an error message with `why` and
-  // stops naming it, so that whichever process the launcher sees leave first names the cause.
+  // The deployment cannot go on (`why`: a failed step or heartbeat): every memory rank and compute
+  // replica still reachable (not given up or failed, not silent past its heartbeat) gets an error
+  // message with `why` and stops naming it, so that whichever process the launcher sees leave
+  // first names the cause.
   // Best effort, bounded by a 2 s flush.
   void Abandon(const absl::Status& why);
 
@@ -215,6 +225,11 @@ class ComputeRank : public Engine {
   absl::Status ConnectReplicas(absl::Time deadline);
   // A replica: serves rank 0's replica steps until bye (see RunComputeReplica).
   absl::Status ServeReplica(const ComputeReplicaOptions& options);
+  // A replica: `st` (a failed wait or send) annotated with the peer the transport knows failed,
+  // compute rank 0 before the others (its death takes the memory ranks with it); `st` when none did.
+  // Waits up to 1 s for compute rank 0's failure to be known, since its disconnect can come after
+  // those of the memory ranks that saw it go.
+  absl::Status NameFailedPeer(absl::Status st);
   // Whether this rank runs any part of micro-batch j (fixed: j % compute.ranks; rotational: see
   // common/pipeline_schedule.h).
   bool Runs(size_t micro_batch) const {
@@ -316,7 +331,13 @@ class ComputeRank : public Engine {
   struct Replica {  // compute rank 0's view of compute rank r > 0
     uint32_t peer = 0;
     std::string name;
+    // Heartbeat, as Rank's: the one not yet answered (seq 0: none) and when it was sent.
+    uint64_t beat_seq = 0;
+    absl::Time beat_sent;
   };
+  // A heartbeat reply from replica r (compute rank r + 1), as TakeHeartbeatReply.
+  absl::StatusOr<bool> TakeReplicaHeartbeatReply(size_t r, const std::vector<uint8_t>& msg);
+  bool rank0_gone_ = false;  // a replica: compute rank 0 failed or went silent (it is not told why we stop)
   std::vector<Replica> replicas_;
   uint32_t rank0_peer_ = 0;     // a replica's connection to compute rank 0
   std::string listen_address_;  // a replica's (compute rank 0 does not listen)

@@ -538,6 +538,13 @@ absl::Status Launch(const Config& config, const DeployPlan& plan, const LaunchOp
   ProcessGroup group;
   absl::Status st = LaunchIn(group, config, plan, options);
   const bool interrupted = absl::IsCancelled(st) && TerminationSignal() != 0;
+  if (!st.ok() && !interrupted && group.stopped("compute-0")) {
+    // The ranks leave on their own once compute rank 0 has been silent past its heartbeats: the
+    // first to go is not the cause.
+    st = Annotate(st,
+                  absl::StrCat("compute-0 (pid ", group.pid("compute-0"),
+                               ") is stopped (SIGSTOP, or a debugger), and the ranks it drives gave it up"));
+  }
   if (interrupted && options.requests_file.empty() && group.running("compute-0")) {
     // Compute rank 0 serves the API: it drains first (api.shutdown_grace_s), while the memory
     // ranks still hold the KV of the requests it finishes; then everything stops.

@@ -455,10 +455,16 @@ void ProcessGroup::ReapRunning() {
 }
 
 ProcessGroup::Child* ProcessGroup::FirstUnreportedExit() {
+  // Exits found by one poll are in start order, not in the order they happened. A process killed
+  // by a signal is more likely the cause than one that exited with a status (its peers see it
+  // vanish and exit naming it), so it is reported first.
+  Child* first = nullptr;
   for (Child& c : children_) {
-    if (!c.running && !c.reported) return &c;
+    if (c.running || c.reported) continue;
+    if (c.wait_status != -1 && WIFSIGNALED(c.wait_status)) return &c;
+    if (first == nullptr) first = &c;
   }
-  return nullptr;
+  return first;
 }
 
 std::string ProcessGroup::DescribeExit(const Child& child, const std::string& context) const {
@@ -714,6 +720,11 @@ bool ProcessGroup::Stop(const std::string& name, absl::Duration grace) {
 bool ProcessGroup::running(const std::string& name) const {
   const Child* c = Find(name);
   return c != nullptr && c->running;
+}
+
+bool ProcessGroup::stopped(const std::string& name) const {
+  const Child* c = Find(name);
+  return c != nullptr && c->running && ProcessStopped(c->pid);
 }
 
 std::string ProcessGroup::LogTail(const std::string& name, int n) const {

@@ -106,6 +106,8 @@ class ProcessGroup {
   // pid of a started process (0 if unknown); whether it is still running (not yet reaped).
   pid_t pid(const std::string& name) const;
   bool running(const std::string& name) const;
+  // Whether process `name` is running but stopped (SIGSTOP, or traced).
+  bool stopped(const std::string& name) const;
   // The last `n` lines of a process's log ("" if unreadable).
   std::string LogTail(const std::string& name, int n = 20) const;
 
@@ -142,7 +144,8 @@ class ProcessGroup {
   const Child* Find(const std::string& name) const;
   // waitpid(WNOHANG) on every running child; records the exits.
   void ReapRunning();
-  // The first child that exited and whose exit no wait has returned yet, or null.
+  // The first child that exited and whose exit no wait has returned yet (one killed by a signal
+  // before one that exited with a status), or null.
   Child* FirstUnreportedExit();
   // "<name> (pid N) exited with status 3<context>; last lines of <log>:\n<tail>".
   std::string DescribeExit(const Child& child, const std::string& context) const;

@@ -64,12 +64,15 @@ class MemoryRank {
       if (absl::IsCancelled(r)) return absl::OkStatus();  // stop requested
       if (absl::IsDeadlineExceeded(r) && silence != absl::InfiniteDuration()) {
         // Not sent to it: a silent peer may not read, and a send would wait for the send timeout.
-        return absl::DeadlineExceededError(
+        // The compute replicas are told, so that they name compute rank 0, not this rank.
+        const absl::Status silent = absl::DeadlineExceededError(
             absl::StrCat("memory rank ", o_.rank, ": compute rank 0 has been silent for ",
                          absl::StrFormat("%.1f s", absl::ToDoubleSeconds(absl::Now() - last_heard)),
                          " (no step, no heartbeat; its heartbeats allow ",
                          absl::StrFormat("%.1f s", absl::ToDoubleSeconds(silence)),
                          "): it is stopped, hung or cut off; this rank stops"));
+        TellReplicas(silent);
+        return silent;
       }
       RETURN_IF_ERROR(r);
       last_heard = absl::Now();
@@ -86,7 +89,7 @@ class MemoryRank {
       if (magic == kStepPlanMagic) {
         absl::StatusOr<StepPlan> plan = DecodeStepPlan(msg);
         st = plan.ok() ? RunStep(*plan) : plan.status();
-        if (!st.ok()) return Fail(st);
+        if (!st.ok()) return Fail(NameFailedPeer(st));
         last_heard = absl::Now();  // the step's data came from compute rank 0 too
       } else if (magic == kStatsRequestMagic) {
         absl::StatusOr<StatsRequestMessage> req = DecodeStatsRequest(msg);
@@ -161,7 +164,7 @@ class MemoryRank {
           return true;
         },
         deadline, what);
-    if (!r.ok()) return r.status();
+    if (!r.ok()) return absl::IsDeadlineExceeded(r.status()) ? r.status() : NameFailedPeer(r.status());
     if (from == peer_) return absl::OkStatus();
     for (auto it = replicas_.begin(); it != replicas_.end(); ++it) {
       if (it->second != from) continue;
@@ -183,6 +186,33 @@ class MemoryRank {
         "a message from ", transport_->PeerName(from),
         ", which is not compute rank 0's connection: compute rank 0 gave this rank up and probes for a new "
         "process of it; this rank stops"));
+  }
+
+  // `st` (a failed wait or send) annotated with the compute rank the transport knows failed:
+  // compute rank 0 first, then the replicas; `st` when none did.
+  absl::Status NameFailedPeer(absl::Status st) const {
+    if (st.ok() || !transport_) return st;
+    if (absl::Status peer = transport_->PeerStatus(peer_); peer_set_ && !peer.ok()) {
+      return AnnotateGone(st, absl::StrCat("compute rank 0 (", transport_->PeerName(peer_), ")"), peer);
+    }
+    for (const auto& [rank, peer] : replicas_) {
+      if (absl::Status failed = transport_->PeerStatus(peer); !failed.ok()) {
+        return AnnotateGone(st, absl::StrCat("compute rank ", rank, " (", transport_->PeerName(peer), ")"),
+                            failed);
+      }
+    }
+    return st;
+  }
+
+  // Tells the compute replicas still connected why this rank stops (best effort, bounded by a 2 s
+  // flush).
+  void TellReplicas(const absl::Status& why) {
+    if (replicas_.empty()) return;
+    const std::vector<uint8_t> frame = EncodeError(ErrorMessageFromStatus(why));
+    for (const auto& [rank, peer] : replicas_) {
+      if (transport_->PeerStatus(peer).ok()) (void)transport_->Send(peer, frame);
+    }
+    (void)transport_->Flush(absl::Now() + absl::Seconds(2));
   }
 
   // Tells the compute rank (if it can be reached) why this rank stops, and returns `st`.

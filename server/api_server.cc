@@ -53,12 +53,13 @@ void SendError(httplib::Response& res, int status, const std::string& message,
   res.set_content(json{{"error", e}}.dump(), "application/json");
 }
 
-// The HTTP status and message of a request that ended with an error: the engine's failure (500),
-// or the request's own (GenerationResult::error): 503 when it cannot be served now (a lost memory
-// rank left no rank that can hold it), 400 for the caller's input.
+// The HTTP status and message of a request that ended with an error: the engine's failure (503:
+// the server takes no more requests, so the client should go elsewhere; the message says why, e.g.
+// the rank that was lost), or the request's own (GenerationResult::error): 503 when it cannot be
+// served now (a lost memory rank left no rank that can hold it), 400 for the caller's input.
 std::pair<int, std::string> EndedWithError(const StreamEvent& e) {
   const std::string message(e.error.message());
-  if (e.engine_failed) return {500, absl::StrCat("the engine failed: ", message)};
+  if (e.engine_failed) return {503, absl::StrCat("the engine failed: ", message)};
   if (absl::IsUnavailable(e.error)) return {503, message};
   if (absl::IsInvalidArgument(e.error) || absl::IsResourceExhausted(e.error)) return {400, message};
   return {500, message};
@@ -560,8 +561,10 @@ void ApiServer::Routes() {
   h.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
     EngineLoop* loop = loop_;
     if (loop == nullptr) return SendError(res, 503, "loading the model");
+    if (!loop->stats().healthy) {
+      return SendError(res, 503, absl::StrCat("the engine failed: ", loop->failure().message()));
+    }
     if (draining_) return SendError(res, 503, "shutting down");
-    if (!loop->stats().healthy) return SendError(res, 503, "the engine failed");
     res.set_content("ok\n", "text/plain");
   });
   h.Get("/version", [](const httplib::Request&, httplib::Response& res) {

@@ -1,0 +1,312 @@
+#!/usr/bin/env python3
+"""Losing a compute rank ends the deployment cleanly: every rank stops, the clients are told.
+
+Real processes: `tandem serve --deploy` on the CPU over UCX on 127.0.0.1, launch.heartbeat_s 0.5 and
+launch.step_timeout_s 2. Cases, each bounded in time:
+  * compute rank 0 killed (kill -9) under a stream of requests, with a compute replica
+    (compute.ranks 2, pipeline.mode fixed) and two memory ranks: the launcher ends with a non-zero
+    status naming compute-0, no rank is left running, and a rank that says why it stopped names
+    compute rank 0;
+  * compute rank 0 stopped (SIGSTOP) while idle, same deployment: the replica and both memory ranks
+    exit on their own, each saying compute rank 0 went silent, and the launcher ends non-zero saying
+    compute-0 is stopped; no rank is left;
+  * the compute replica killed under a stream of requests: every request in flight is answered
+    503 with an error naming compute rank 1; the launcher ends non-zero naming compute-1;
+  * every memory rank killed under a stream of requests (one compute rank, recovery on, no
+    restarts): the requests in flight are answered 503 with an error saying every memory rank is
+    lost, /health answers 503 with the same cause, and the deployment ends; no rank is left.
+Usage: compute_loss_test.py path/to/tandem
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+TANDEM = sys.argv[1]
+HEARTBEAT_S, STEP_TIMEOUT_S = 0.5, 2
+# A kill is seen at once (the transport reports the disconnect); a stopped compute rank 0 once its
+# heartbeats' allowance (heartbeat + step timeout) has passed. The rest is slack for a loaded
+# 2-core machine, and for the launcher's 10 s grace before it kills a rank that does not stop.
+KILL_BOUND_S = 20
+SILENT_BOUND_S = HEARTBEAT_S + STEP_TIMEOUT_S + 20
+failures = []
+
+
+def bad(msg):
+    print("FAIL:", msg, flush=True)
+    failures.append(msg)
+
+
+def pids(pattern):
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split() if int(p) != os.getpid()]
+
+
+def signal_all(pid_list, sig):
+    for pid in pid_list:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for(cond, bound):
+    start = time.time()
+    while time.time() - start < bound:
+        if cond():
+            return time.time() - start
+        time.sleep(0.05)
+    return None
+
+
+class Deployment:
+    def __init__(self, tmp, name, compute_ranks, extra=""):
+        self.name = name
+        self.dir = os.path.join(tmp, name)
+        os.makedirs(self.dir)
+        self.yaml = os.path.join(self.dir, "deploy.yaml")
+        pipeline = f"pipeline:\n  mode: fixed\n  batches: 2\n" if compute_ranks > 1 else ""
+        with open(self.yaml, "w") as f:
+            f.write(f"model:\n  path: tiny-gqa\ncompute:\n  device: cpu\n  ranks: {compute_ranks}\n"
+                    f"memory:\n  ranks: 2\n  devices: cpu\n{pipeline}"
+                    f"scheduler:\n  max_batch_size: 4\n  max_tokens_per_step: 64\nkv:\n  capacity_tokens: 512\n"
+                    f"launch:\n  run_dir: {self.dir}/run\n  step_timeout_s: {STEP_TIMEOUT_S}\n"
+                    f"  heartbeat_s: {HEARTBEAT_S}\n  startup_timeout_s: 60\n{extra}"
+                    f"api:\n  port: 0\n  served_model_name: cl\n")
+        ready = os.path.join(self.dir, "ready")
+        self.err_path = os.path.join(self.dir, "serve.err")
+        self.proc = subprocess.Popen([TANDEM, "serve", "--deploy", self.yaml, "--ready-file", ready],
+                                     stdout=subprocess.DEVNULL, stderr=open(self.err_path, "w"))
+        self.url = None
+        if wait_for(lambda: os.path.exists(ready) and open(ready).read().strip(), 60) is not None:
+            self.url = open(ready).read().strip()
+        else:
+            bad(f"{name}: the deployment did not become ready: {self.err()[-600:]}")
+        self.answers = []  # (status, body) of the first request of each client that did not get 200
+        self.completed = 0
+        self.stop_clients = False
+        self.clients = []
+
+    def err(self):
+        return open(self.err_path).read()
+
+    def log(self, rank):
+        path = os.path.join(self.dir, "run", "latest", f"{rank}.log")
+        return open(path).read() if os.path.exists(path) else ""
+
+    def last_line(self, rank):
+        lines = self.log(rank).strip().splitlines()
+        return lines[-1] if lines else ""
+
+    def rank_pids(self, rank):
+        if rank == "compute-0":
+            return pids(f"compute --config {self.dir}")
+        if rank.startswith("compute-"):
+            return pids(f"compute --replica {rank[len('compute-'):]} .*{self.dir}")
+        return pids(f"memory --rank {rank[len('memory-'):]} .*{self.dir}")
+
+    def left_running(self):
+        return pids(self.dir)
+
+    def get(self, path):
+        try:
+            with urllib.request.urlopen(self.url.rsplit("/v1", 1)[0] + path, timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except OSError as e:
+            return None, str(e)
+
+    def client(self, i):
+        n = 0
+        while not self.stop_clients:
+            n += 1
+            body = json.dumps({"model": "cl", "prompt": [5, 17, 99, i, n % 50], "max_tokens": 100,
+                               "temperature": 0}).encode()
+            req = urllib.request.Request(self.url + "/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    r.read()
+                    self.completed += 1
+            except urllib.error.HTTPError as e:
+                self.answers.append((e.code, e.read().decode()))
+                return
+            except OSError as e:  # the server went away without an answer
+                self.answers.append((None, str(e)))
+                return
+
+    def start_clients(self, n=3):
+        self.clients = [threading.Thread(target=self.client, args=(i,)) for i in range(n)]
+        for t in self.clients:
+            t.start()
+        if wait_for(lambda: self.completed >= 5, 30) is None:
+            bad(f"{self.name}: the requests do not complete: {self.err()[-600:]}")
+
+    def end_clients(self):
+        self.stop_clients = True
+        for t in self.clients:
+            t.join(70)
+
+    def stop(self):
+        """Ends the deployment, whatever state its ranks are in."""
+        left = self.left_running()
+        signal_all(left, signal.SIGCONT)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        signal_all(left, signal.SIGKILL)
+        self.end_clients()
+
+    def check_ended(self, bound, what):
+        """The launcher ends non-zero within `bound` s, and no rank is left; returns its stderr."""
+        took = wait_for(lambda: self.proc.poll() is not None, bound)
+        print(f"{self.name}: {what}: launcher ended after {'%.1f s' % took if took is not None else 'never'}",
+              flush=True)
+        if took is None:
+            bad(f"{self.name}: the launcher did not end within {bound} s of {what}")
+            return self.err()
+        if self.proc.returncode == 0:
+            bad(f"{self.name}: the launcher ended with status 0 after {what}")
+        if wait_for(lambda: not self.left_running(), 5) is None:
+            bad(f"{self.name}: processes left running after the launcher ended: {self.left_running()}")
+        return self.err()
+
+
+def compute0_killed(tmp):
+    d = Deployment(tmp, "compute0-killed", compute_ranks=2)
+    try:
+        if d.url is None:
+            return
+        d.start_clients()
+        victim = d.rank_pids("compute-0")
+        if not victim:
+            bad("compute0-killed: compute-0 not found")
+            return
+        signal_all(victim, signal.SIGKILL)
+        err = d.check_ended(KILL_BOUND_S, "kill -9 of compute-0")
+        if f"compute-0 (pid {victim[0]}) was killed by signal 9" not in err:
+            bad(f"compute0-killed: the launcher does not name compute-0: {err[-800:]}")
+        for rank in ("compute-1", "memory-0", "memory-1"):
+            line = d.last_line(rank)
+            # A rank stopped by the launcher first says nothing; one that saw compute rank 0 go
+            # names it.
+            if line.startswith("tandem ") and "compute rank 0" not in line:
+                bad(f"compute0-killed: {rank} stopped without naming compute rank 0: {line}")
+    finally:
+        d.stop()
+
+
+def compute0_stopped(tmp):
+    d = Deployment(tmp, "compute0-stopped", compute_ranks=2)
+    try:
+        if d.url is None:
+            return
+        status, _ = d.get("/health")
+        if status != 200:
+            bad(f"compute0-stopped: /health answered {status} before the fault")
+        body = json.dumps({"model": "cl", "prompt": [40, 41, 42], "max_tokens": 8}).encode()
+        urllib.request.urlopen(urllib.request.Request(d.url + "/completions", data=body,
+                                                      headers={"Content-Type": "application/json"}),
+                               timeout=30).read()
+        time.sleep(HEARTBEAT_S * 3)  # every rank has had a heartbeat
+        victim = d.rank_pids("compute-0")
+        signal_all(victim, signal.SIGSTOP)
+        others = ("compute-1", "memory-0", "memory-1")
+        took = wait_for(lambda: not any(d.rank_pids(r) for r in others), SILENT_BOUND_S)
+        print(f"compute0-stopped: the other ranks exited after "
+              f"{'%.1f s' % took if took is not None else 'never'}", flush=True)
+        if took is None:
+            bad(f"compute0-stopped: ranks still running {SILENT_BOUND_S} s after compute-0 was stopped: "
+                f"{[r for r in others if d.rank_pids(r)]}")
+        for rank in others:
+            if "compute rank 0 has been silent" not in d.last_line(rank):
+                bad(f"compute0-stopped: {rank} does not say compute rank 0 went silent: {d.last_line(rank)}")
+        err = d.check_ended(15, "the ranks leaving")
+        if f"compute-0 (pid {victim[0]}) is stopped" not in err:
+            bad(f"compute0-stopped: the launcher does not say compute-0 is stopped: {err[-800:]}")
+    finally:
+        d.stop()
+
+
+def replica_killed(tmp):
+    d = Deployment(tmp, "replica-killed", compute_ranks=2)
+    try:
+        if d.url is None:
+            return
+        d.start_clients()
+        victim = d.rank_pids("compute-1")
+        signal_all(victim, signal.SIGKILL)
+        err = d.check_ended(KILL_BOUND_S, "kill -9 of compute-1")
+        d.end_clients()
+        print(f"replica-killed: {d.completed} requests completed; then {[a[0] for a in d.answers]}", flush=True)
+        if len(d.answers) != len(d.clients):
+            bad(f"replica-killed: {len(d.clients) - len(d.answers)} client(s) got no answer")
+        for status, body in d.answers:
+            if status != 503 or "compute rank 1" not in body:
+                bad(f"replica-killed: a request in flight was answered {status} {body[:300]}, "
+                    "not 503 naming compute rank 1")
+        if f"compute-1 (pid {victim[0]}) was killed by signal 9" not in err:
+            bad(f"replica-killed: the launcher does not name compute-1: {err[-800:]}")
+    finally:
+        d.stop()
+
+
+def memory_ranks_lost(tmp):
+    d = Deployment(tmp, "memory-lost", compute_ranks=1, extra="  restart_memory_ranks: 0\n")
+    health = []
+    try:
+        if d.url is None:
+            return
+        d.start_clients()
+
+        def poll_health():
+            while d.proc.poll() is None and not d.stop_clients:
+                status, body = d.get("/health")
+                if status is None:
+                    return
+                health.append((status, body))
+                time.sleep(0.02)
+
+        poller = threading.Thread(target=poll_health)
+        poller.start()
+        signal_all(d.rank_pids("memory-0") + d.rank_pids("memory-1"), signal.SIGKILL)
+        d.check_ended(KILL_BOUND_S, "kill -9 of both memory ranks")
+        d.end_clients()
+        poller.join(10)
+        print(f"memory-lost: {d.completed} requests completed; then {[a[0] for a in d.answers]}; "
+              f"/health said {sorted(set(s for s, _ in health))}", flush=True)
+        if len(d.answers) != len(d.clients):
+            bad(f"memory-lost: {len(d.clients) - len(d.answers)} client(s) got no answer")
+        for status, body in d.answers:
+            if status != 503 or "every memory rank is lost" not in body:
+                bad(f"memory-lost: a request in flight was answered {status} {body[:300]}, not 503 "
+                    "saying every memory rank is lost")
+        failed = [b for s, b in health if s == 503]
+        if not failed or not all("every memory rank is lost" in json.loads(b)["error"]["message"] for b in failed):
+            bad(f"memory-lost: /health did not answer 503 naming the cause: {health[-3:]}")
+    finally:
+        d.stop()
+
+
+def main():
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="tandem-computeloss-") as tmp:
+        for case in (compute0_killed, compute0_stopped, replica_killed, memory_ranks_lost):
+            case(tmp)
+    print(f"{len(failures)} failure(s) in {time.time() - start:.1f} s")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
