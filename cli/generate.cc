@@ -332,7 +332,7 @@ absl::Status RunDeployed(const GenerateArgs& a, std::vector<std::string> sets) {
     }
     stats.device =
         absl::StrCat("disaggregated: ", stats.device, " + ", plan.memory_devices.size(), " memory rank(s)");
-    (void)PrintResults(a, results, std::vector<std::string>(results.size()), stats);
+    (void)PrintResults(a, results, {}, stats);
     return launched;
   }
   RETURN_IF_ERROR(ReadResultsFile(res, &results, &stats));

@@ -10,11 +10,14 @@ launch.step_timeout_s 2. Cases, each bounded in time:
   * compute rank 0 stopped (SIGSTOP) while idle, same deployment: the replica and both memory ranks
     exit on their own, each saying compute rank 0 went silent, and the launcher ends non-zero saying
     compute-0 is stopped; no rank is left;
-  * the compute replica killed under a stream of requests: every request in flight is answered
-    503 with an error naming compute rank 1; the launcher ends non-zero naming compute-1;
+  * the compute replica killed under a stream of requests (pipeline.mode fixed, then rotational):
+    every request in flight is answered 503 with an error naming compute rank 1; the launcher ends
+    non-zero naming compute-1;
   * every memory rank killed under a stream of requests (one compute rank, recovery on, no
     restarts): the requests in flight are answered 503 with an error saying every memory rank is
-    lost, /health answers 503 with the same cause, and the deployment ends; no rank is left.
+    lost, /health answers 503 with the same cause, and the deployment ends; no rank is left;
+  * `generate --deploy` (a requests file) with the replica killed mid-run: an error line naming
+    compute rank 1 for every request, status 1, no rank left.
 Usage: compute_loss_test.py path/to/tandem
 """
 import json
@@ -66,12 +69,12 @@ def wait_for(cond, bound):
 
 
 class Deployment:
-    def __init__(self, tmp, name, compute_ranks, extra=""):
+    def __init__(self, tmp, name, compute_ranks, extra="", mode="fixed"):
         self.name = name
         self.dir = os.path.join(tmp, name)
         os.makedirs(self.dir)
         self.yaml = os.path.join(self.dir, "deploy.yaml")
-        pipeline = f"pipeline:\n  mode: fixed\n  batches: 2\n" if compute_ranks > 1 else ""
+        pipeline = f"pipeline:\n  mode: {mode}\n  batches: 2\n" if compute_ranks > 1 else ""
         with open(self.yaml, "w") as f:
             f.write(f"model:\n  path: tiny-gqa\ncompute:\n  device: cpu\n  ranks: {compute_ranks}\n"
                     f"memory:\n  ranks: 2\n  devices: cpu\n{pipeline}"
@@ -239,8 +242,8 @@ def compute0_stopped(tmp):
         d.stop()
 
 
-def replica_killed(tmp):
-    d = Deployment(tmp, "replica-killed", compute_ranks=2)
+def replica_killed(tmp, mode):
+    d = Deployment(tmp, f"replica-killed-{mode}", compute_ranks=2, mode=mode)
     try:
         if d.url is None:
             return
@@ -249,15 +252,15 @@ def replica_killed(tmp):
         signal_all(victim, signal.SIGKILL)
         err = d.check_ended(KILL_BOUND_S, "kill -9 of compute-1")
         d.end_clients()
-        print(f"replica-killed: {d.completed} requests completed; then {[a[0] for a in d.answers]}", flush=True)
+        print(f"{d.name}: {d.completed} requests completed; then {[a[0] for a in d.answers]}", flush=True)
         if len(d.answers) != len(d.clients):
-            bad(f"replica-killed: {len(d.clients) - len(d.answers)} client(s) got no answer")
+            bad(f"{d.name}: {len(d.clients) - len(d.answers)} client(s) got no answer")
         for status, body in d.answers:
             if status != 503 or "compute rank 1" not in body:
-                bad(f"replica-killed: a request in flight was answered {status} {body[:300]}, "
+                bad(f"{d.name}: a request in flight was answered {status} {body[:300]}, "
                     "not 503 naming compute rank 1")
         if f"compute-1 (pid {victim[0]}) was killed by signal 9" not in err:
-            bad(f"replica-killed: the launcher does not name compute-1: {err[-800:]}")
+            bad(f"{d.name}: the launcher does not name compute-1: {err[-800:]}")
     finally:
         d.stop()
 
@@ -299,10 +302,60 @@ def memory_ranks_lost(tmp):
         d.stop()
 
 
+def requests_file_replica_killed(tmp):
+    """`generate --deploy` with a replica killed mid-run: an error line per request, status 1."""
+    run = os.path.join(tmp, "generate")
+    os.makedirs(run)
+    yaml = os.path.join(run, "deploy.yaml")
+    with open(yaml, "w") as f:
+        f.write(f"model:\n  path: tiny-gqa\ncompute:\n  device: cpu\n  ranks: 2\nmemory:\n  ranks: 2\n"
+                f"  devices: cpu\npipeline:\n  mode: fixed\n  batches: 2\nscheduler:\n  max_batch_size: 4\n"
+                f"  max_tokens_per_step: 64\nkv:\n  capacity_tokens: 2048\nlaunch:\n  run_dir: {run}/run\n"
+                f"  step_timeout_s: {STEP_TIMEOUT_S}\n  heartbeat_s: {HEARTBEAT_S}\n  startup_timeout_s: 60\n")
+    prompts = os.path.join(run, "prompts.jsonl")
+    n = 200  # long enough (some 20 s on a 2-core host) that the kill lands mid-run
+    with open(prompts, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt_ids": [5, 17, i + 1], "max_tokens": 400}) + "\n")
+    out_path, err_path = os.path.join(run, "out.jsonl"), os.path.join(run, "err.txt")
+    proc = subprocess.Popen([TANDEM, "generate", "--deploy", yaml, "--prompts-file", prompts, "--json"],
+                            stdout=open(out_path, "w"), stderr=open(err_path, "w"))
+    try:
+        log = os.path.join(run, "run", "latest", "compute-0.log")
+        if wait_for(lambda: os.path.exists(log) and "ready on" in open(log).read(), 60) is None:
+            bad(f"generate: compute-0 did not get ready: {open(err_path).read()[-600:]}")
+            return
+        time.sleep(1)
+        victim = pids(f"compute --replica 1 .*{run}")
+        if proc.poll() is not None or not victim:
+            bad(f"generate: the run ended before the replica could be killed: {open(err_path).read()[-600:]}")
+            return
+        signal_all(victim, signal.SIGKILL)
+        took = wait_for(lambda: proc.poll() is not None, KILL_BOUND_S)
+        print(f"generate: kill -9 of compute-1: generate ended after "
+              f"{'%.1f s' % took if took is not None else 'never'} with status {proc.returncode}", flush=True)
+        if took is None:
+            bad("generate: did not end after the replica was killed")
+            return
+        if proc.returncode == 0:
+            bad("generate: ended with status 0 after the replica was killed")
+        lines = [json.loads(line) for line in open(out_path) if line.strip()]
+        if len(lines) != n or not all("compute rank 1" in line.get("error", "") for line in lines):
+            bad(f"generate: expected {n} error lines naming compute rank 1, got {len(lines)}: {lines[:1]}")
+        if wait_for(lambda: not pids(run), 5) is None:
+            bad(f"generate: processes left running: {pids(run)}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        signal_all(pids(run), signal.SIGKILL)
+
+
 def main():
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="tandem-computeloss-") as tmp:
-        for case in (compute0_killed, compute0_stopped, replica_killed, memory_ranks_lost):
+        for case in (compute0_killed, compute0_stopped, lambda t: replica_killed(t, "fixed"),
+                     lambda t: replica_killed(t, "rotational"), memory_ranks_lost, requests_file_replica_killed):
             case(tmp)
     print(f"{len(failures)} failure(s) in {time.time() - start:.1f} s")
     sys.exit(1 if failures else 0)
