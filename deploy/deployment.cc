@@ -533,11 +533,24 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
 
 }  // namespace
 
+// How long compute-0 may take, after another rank failed, to end its requests and exit by itself.
+constexpr absl::Duration kComputeZeroFailureGrace = absl::Seconds(3);
+
 absl::Status Launch(const Config& config, const DeployPlan& plan, const LaunchOptions& options) {
   InstallTerminationSignals();
   ProcessGroup group;
   absl::Status st = LaunchIn(group, config, plan, options);
   const bool interrupted = absl::IsCancelled(st) && TerminationSignal() != 0;
+  if (!st.ok() && !interrupted && group.running("compute-0") && !group.stopped("compute-0")) {
+    // A rank failed and compute-0 is still up: it most likely saw the failure too. It is given a
+    // moment to end the requests in flight (503, or an error line each in the results file) and to
+    // tell the other ranks why, before everything is stopped.
+    const absl::Time until = absl::Now() + kComputeZeroFailureGrace;
+    while (group.running("compute-0") && absl::Now() < until) {
+      const absl::Status exited = group.WaitExit("compute-0", until - absl::Now());
+      if (exited.ok() || absl::IsDeadlineExceeded(exited) || absl::IsCancelled(exited)) break;
+    }
+  }
   if (!st.ok() && !interrupted && group.stopped("compute-0")) {
     // The ranks leave on their own once compute rank 0 has been silent past its heartbeats: the
     // first to go is not the cause.
