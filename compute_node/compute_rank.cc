@@ -1320,15 +1320,30 @@ absl::Status ComputeRank::NameFailedPeer(absl::Status st) {
   if (st.ok()) return st;
   // The memory ranks leave as soon as compute rank 0 dies, and their disconnects may reach this
   // rank before its own: give the transport a moment (the failure path only) to report it.
+  // A memory rank that saw compute rank 0 go says so first (an error message): that is the cause.
   const absl::Time until = absl::Now() + absl::Seconds(1);
-  while (transport_->PeerStatus(rank0_peer_).ok() && absl::Now() < until) {
+  absl::Status told;
+  while (transport_->PeerStatus(rank0_peer_).ok() && told.ok() && absl::Now() < until) {
     transport::PeerId from = 0;
     std::vector<uint8_t> msg;
-    (void)transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(50));  // progress only
+    if (!transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(50)).ok()) continue;
+    if (from == rank0_peer_ || PeekFrameMagic(msg).value_or(0) != kErrorMagic) continue;
+    absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+    if (err.ok()) told = Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
   }
-  // Compute rank 0 first: when it dies, the memory ranks it served may leave too.
+  if (!told.ok() && transport_->PeerStatus(rank0_peer_).ok()) return told;
+  // Compute rank 0 first: when it dies, the memory ranks it served may leave too. They are told
+  // (so that one that sees this rank leave first names compute rank 0, not it).
   if (absl::Status peer = transport_->PeerStatus(rank0_peer_); !peer.ok()) {
-    return AnnotateGone(st, absl::StrCat("compute rank 0 (", transport_->PeerName(rank0_peer_), ")"), peer);
+    rank0_gone_ = true;
+    st = AnnotateGone(st, absl::StrCat("compute rank 0 (", transport_->PeerName(rank0_peer_), ")"), peer);
+    const std::vector<uint8_t> frame =
+        EncodeError(ErrorMessageFromStatus(Annotate(st, absl::StrCat("compute rank ", compute_rank_))));
+    for (const Rank& rank : ranks_) {
+      if (transport_->PeerStatus(rank.peer).ok()) (void)transport_->Send(rank.peer, frame);
+    }
+    (void)transport_->Flush(absl::Now() + absl::Seconds(2));
+    return st;
   }
   for (const Rank& rank : ranks_) {
     if (absl::Status peer = transport_->PeerStatus(rank.peer); !peer.ok()) {
@@ -1391,13 +1406,20 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
       if (stopped()) return absl::CancelledError("stopped");
       if (parts.empty() && absl::Now() - last_heard > silence) {
         rank0_gone_ = true;
-        // Not told: a silent peer may not read, and a send would wait for the send timeout.
-        return absl::DeadlineExceededError(
+        // Not told: a silent peer may not read, and a send would wait for the send timeout. The
+        // memory ranks are told, so that they name compute rank 0, not this rank.
+        const absl::Status silent = absl::DeadlineExceededError(
             absl::StrCat(me, ": compute rank 0 has been silent for ",
                          absl::StrFormat("%.1f s", absl::ToDoubleSeconds(absl::Now() - last_heard)),
                          " (no step, no heartbeat; its heartbeats allow ",
                          absl::StrFormat("%.1f s", absl::ToDoubleSeconds(silence)),
                          "): it is stopped, hung or cut off; this rank stops"));
+        const std::vector<uint8_t> frame = EncodeError(ErrorMessageFromStatus(silent));
+        for (const Rank& rank : ranks_) {
+          if (transport_->PeerStatus(rank.peer).ok()) (void)transport_->Send(rank.peer, frame);
+        }
+        (void)transport_->Flush(absl::Now() + absl::Seconds(2));
+        return silent;
       }
       continue;
     }

@@ -227,8 +227,9 @@ class ComputeRank : public Engine {
   absl::Status ServeReplica(const ComputeReplicaOptions& options);
   // A replica: `st` (a failed wait or send) annotated with the peer the transport knows failed,
   // compute rank 0 before the others (its death takes the memory ranks with it); `st` when none did.
-  // Waits up to 1 s for compute rank 0's failure to be known, since its disconnect can come after
-  // those of the memory ranks that saw it go.
+  // Waits up to 1 s for compute rank 0's failure to be known (its disconnect can come after those
+  // of the memory ranks that saw it go) or for a memory rank's error message, which is then the
+  // cause. When compute rank 0 is gone the memory ranks are told so.
   absl::Status NameFailedPeer(absl::Status st);
   // Whether this rank runs any part of micro-batch j (fixed: j % compute.ranks; rotational: see
   // common/pipeline_schedule.h).

@@ -171,6 +171,11 @@ class MemoryRank {
       // A compute replica leaving (compute rank 0 ends the deployment): a bye each way, and its
       // connection closes quietly. Anything else from it is not expected.
       absl::StatusOr<uint32_t> magic = PeekFrameMagic(*msg);
+      if (magic.ok() && *magic == kErrorMagic) {  // it stopped (compute rank 0 went silent, ...)
+        absl::StatusOr<ErrorMessage> err = DecodeError(*msg);
+        if (!err.ok()) return Annotate(err.status(), absl::StrCat("compute rank ", it->first));
+        return Annotate(StatusFromErrorMessage(*err), absl::StrCat("compute rank ", it->first, " stopped"));
+      }
       if (!magic.ok() || *magic != kByeMagic) {
         return absl::InvalidArgumentError(absl::StrCat("unexpected message from compute rank ", it->first));
       }
@@ -190,10 +195,35 @@ class MemoryRank {
 
   // `st` (a failed wait or send) annotated with the compute rank the transport knows failed:
   // compute rank 0 first, then the replicas; `st` when none did.
-  absl::Status NameFailedPeer(absl::Status st) const {
+  // The replicas are told when it is compute rank 0 (TellReplicas), so that they name it too.
+  // A replica's disconnect can come before compute rank 0's when the replica left because rank 0
+  // went: up to 1 s (the failure path only) for rank 0's to be known, or for the replica's error
+  // message saying why it stopped.
+  absl::Status NameFailedPeer(absl::Status st) {
     if (st.ok() || !transport_) return st;
+    const bool replica_failed = std::any_of(replicas_.begin(), replicas_.end(), [&](const auto& r) {
+      return !transport_->PeerStatus(r.second).ok();
+    });
+    absl::Status told;
+    for (const absl::Time until = absl::Now() + absl::Seconds(1); replica_failed && peer_set_ &&
+                                                                  transport_->PeerStatus(peer_).ok() &&
+                                                                  told.ok() && absl::Now() < until;) {
+      PeerId from = 0;
+      std::vector<uint8_t> msg;
+      if (!transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(50)).ok()) continue;
+      if (PeekFrameMagic(msg).value_or(0) != kErrorMagic) continue;
+      for (const auto& [rank, peer] : replicas_) {
+        absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+        if (peer == from && err.ok()) {
+          told = Annotate(StatusFromErrorMessage(*err), absl::StrCat("compute rank ", rank, " stopped"));
+        }
+      }
+    }
+    if (!told.ok() && transport_->PeerStatus(peer_).ok()) return told;
     if (absl::Status peer = transport_->PeerStatus(peer_); peer_set_ && !peer.ok()) {
-      return AnnotateGone(st, absl::StrCat("compute rank 0 (", transport_->PeerName(peer_), ")"), peer);
+      st = AnnotateGone(st, absl::StrCat("compute rank 0 (", transport_->PeerName(peer_), ")"), peer);
+      TellReplicas(Annotate(st, absl::StrCat("memory rank ", o_.rank)));
+      return st;
     }
     for (const auto& [rank, peer] : replicas_) {
       if (absl::Status failed = transport_->PeerStatus(peer); !failed.ok()) {

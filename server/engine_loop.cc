@@ -41,8 +41,11 @@ absl::StatusOr<std::shared_ptr<RequestStream>> EngineLoop::Submit(GenerationRequ
   p->stream = std::make_shared<RequestStream>();
   p->submitted = absl::Now();
   std::unique_lock<std::mutex> lock(mu_);
+  if (!stats_.healthy) {
+    return absl::UnavailableError(
+        absl::StrCat("the engine failed: ", failure_.message(), "; the server takes no more requests"));
+  }
   if (stopping_) return absl::UnavailableError("the server is shutting down");
-  if (!stats_.healthy) return absl::UnavailableError("the engine failed; the server takes no more requests");
   if (stats_.waiting + static_cast<int64_t>(inbox_.size()) >= options_.max_waiting) {
     ++stats_.refused;
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -174,7 +177,8 @@ void EngineLoop::Run() {
     if (failed) {
       std::lock_guard<std::mutex> lock(mu_);
       for (const std::shared_ptr<Pending>& p : inbox) {
-        p->verdict = absl::UnavailableError("the engine failed; the server takes no more requests");
+        p->verdict = absl::UnavailableError(
+            absl::StrCat("the engine failed: ", failure_.message(), "; the server takes no more requests"));
         p->decided = true;
       }
       decided_.notify_all();
