@@ -273,9 +273,19 @@ expect_fail "exceeds the model's context" "$TANDEM" generate --deploy "$TMP/depl
 pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left behind after generate --deploy"
 
 # tandem launch: ready, then SIGTERM stops every rank and exits 0, leaving no process behind.
-"$TANDEM" launch "$TMP/deploy.yaml" >"$TMP/launch.out" 2>&1 &
-lpid=$!
-for _ in $(seq 1 200); do grep -q "running until" "$TMP/launch.out" && break; sleep 0.1; done
+# Each launch runs under a time limit, and its output file is new: a stale "running until" would let
+# a check go on before the ranks exist.
+launch_bg() {  # launch_bg ARGS...: tandem launch in the background (lpid), its output in launch.out
+  rm -f "$TMP/launch.out"
+  timeout 300 "$TANDEM" launch "$@" >"$TMP/launch.out" 2>&1 &
+  lpid=$!
+  for _ in $(seq 1 300); do grep -qs "running until" "$TMP/launch.out" && break; sleep 0.1; done
+}
+kill_memory_1() {  # SIGKILL to this run's memory rank 1, once it exists
+  for _ in $(seq 1 100); do pgrep -f -- "--rank 1 .*$TMP/run" >/dev/null && break; sleep 0.1; done
+  pkill -KILL -f -- "--rank 1 .*$TMP/run" || bad "no memory-1 process to kill"
+}
+launch_bg "$TMP/deploy.yaml"
 grep -q "running until" "$TMP/launch.out" || bad "launch did not become ready: $(cat "$TMP/launch.out")"
 # (the checks for processes left behind look for this run's config path on command lines)
 pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null || bad "no rank process names the run's deploy.yaml"
@@ -285,10 +295,8 @@ pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left
 # A memory rank that dies: with launch.recover_memory_ranks (the default) the deployment goes on and
 # answers through the survivor, and the launcher restarts the rank (launch.restart_memory_ranks);
 # without recovery, it comes down with a message naming the rank.
-"$TANDEM" launch "$TMP/deploy.yaml" >"$TMP/launch.out" 2>&1 &
-lpid=$!
-for _ in $(seq 1 200); do grep -q "running until" "$TMP/launch.out" && break; sleep 0.1; done
-pkill -KILL -f -- "--rank 1 .*$TMP/run" || pkill -KILL -f "memory --rank 1 .*--config $TMP/run/"
+launch_bg "$TMP/deploy.yaml"
+kill_memory_1
 sleep 0.5
 api_answer() {  # a completion of 4 tokens through the API on port 8000
   python3 -c 'import json, sys, urllib.request
@@ -303,10 +311,8 @@ grep -q "memory-1 restarted (pid [0-9]*)" "$TMP/launch.out" || bad "launch does 
 kill -TERM $lpid; wait $lpid; rc=$?
 [ $rc -eq 0 ] || bad "launch exited $rc after SIGTERM with a memory rank lost: $(tail -3 "$TMP/launch.out")"
 pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left behind after a recovered loss"
-"$TANDEM" launch "$TMP/deploy.yaml" --set launch.recover_memory_ranks=false >"$TMP/launch.out" 2>&1 &
-lpid=$!
-for _ in $(seq 1 200); do grep -q "running until" "$TMP/launch.out" && break; sleep 0.1; done
-pkill -KILL -f -- "--rank 1 .*$TMP/run" || pkill -KILL -f "memory --rank 1 .*--config $TMP/run/"
+launch_bg "$TMP/deploy.yaml" --set launch.recover_memory_ranks=false
+kill_memory_1
 wait $lpid; rc=$?
 [ $rc -ne 0 ] || bad "launch exited 0 after a memory rank was killed"
 grep -q "memory-1 (pid [0-9]*) was killed by signal 9" "$TMP/launch.out" || bad "launch does not name the dead rank: $(tail -3 "$TMP/launch.out")"
