@@ -230,7 +230,8 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
                                                                 : (compute_ranks_ > 1 ? "fixed" : "pingpong"),
                                          " over ", o.micro_batches, " micro-batches")
                           : "",
-      compute_ranks_ > 1 ? absl::StrCat(" on ", compute_ranks_, " compute ranks") : "");
+      compute_ranks_ > 1 ? absl::StrCat(" on ", compute_ranks_, " compute ranks") : "",
+      o.q_first ? ", q first (k,v after)" : "");
   return absl::OkStatus();
 }
 
