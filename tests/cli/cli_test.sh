@@ -236,6 +236,16 @@ grep -q "compute ranks connected in a ring" "$TMP/run/latest/compute-0.log" || b
 python3 "$SRC/tests/cli/compare_results.py" "$TMP/out" "$TMP/deployed.json" 1e-4 >/dev/null 2>"$TMP/cmp" ||
   bad "the rotational pipeline differs from colocated: $(cat "$TMP/cmp")"
 ! grep -h " [WE] \[" "$TMP"/run/latest/*.log || bad "a clean rotational run logged warnings"
+# pipeline.q_first: q first, k,v after, attention over the context merged with the new rows'; same
+# tokens, with pingpong micro-batches too.
+for mode in none pingpong; do
+  rm -rf "$TMP/run"
+  expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --set pipeline.q_first=true --set pipeline.mode=$mode --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs
+  grep -q "q first (k,v after)" "$TMP/run/latest/compute-0.log" || bad "compute-0 does not log q_first (pipeline.mode $mode)"
+  python3 "$SRC/tests/cli/compare_results.py" "$TMP/out" "$TMP/deployed.json" 1e-4 >/dev/null 2>"$TMP/cmp" ||
+    bad "q_first with pipeline.mode $mode differs from colocated: $(cat "$TMP/cmp")"
+  ! grep -h " [WE] \[" "$TMP"/run/latest/*.log || bad "a clean q_first run logged warnings"
+done
 expect_fail "pipeline.mode: rotational needs compute.ranks of 2 or more" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set pipeline.mode=rotational
 expect_fail "pipeline.slice_layers: 99 exceeds the model's" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=rotational --set pipeline.slice_layers=99
 expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=fixed
