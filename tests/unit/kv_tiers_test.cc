@@ -506,7 +506,8 @@ TEST_F(KvTiersEngine, DiskTierRestoresEvictedTurnsWithTheSameTokens) {
   EXPECT_EQ(Converse(*e, vocab(), [&](int) { e->tiers()->store().Flush(); }), expected_);
   EXPECT_GT(e->stats().restored_tokens, 0);
   EXPECT_GT(e->tiers()->stats().disk_hits, 0);
-  EXPECT_EQ(e->tiers()->stats().host_hits, 0);
+  // No host tier here; a block restored while still queued for its disk write is served from that
+  // queued copy and counts as a host hit, which a slow (loaded) writer makes happen: not checked.
 }
 
 // Fault cases: each ends in recomputation (a failed restore) and the same tokens.
