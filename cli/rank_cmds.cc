@@ -194,6 +194,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
   o.rejoin_probe = absl::Seconds(c.GetDouble("launch.rejoin_probe_s"));
   o.micro_batches = PipelineMicroBatches(c);
   o.slice_layers = PipelineSliceLayers(c);
+  o.q_first = c.GetBool("pipeline.q_first");
   if (!a.replicas.empty()) o.replica_addresses = absl::StrSplit(a.replicas, ',');
   if (a.replica > 0) {
     // A compute replica: it runs the micro-batches compute rank 0 hands it, until bye.

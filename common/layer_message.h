@@ -15,6 +15,14 @@ namespace tandem {
 
 inline constexpr size_t kLayerMessageHeaderFrameBytes = kFrameHeaderBytes + kLayerMessageBodyBytes;  // 64
 
+// pipeline.q_first: where the k,v message of a layer starts in a receive buffer whose q message
+// (header frame, then up to `max_rows` rows of `q_row_bytes`) starts at 0. Both sides compute it
+// from the hello (max_tokens_per_step, the rank's q width); the buffer then needs
+// QFirstKvOffset + kLayerMessageHeaderFrameBytes + max_rows × (k,v row bytes).
+inline constexpr size_t QFirstKvOffset(size_t max_rows, size_t q_row_bytes) {
+  return kLayerMessageHeaderFrameBytes + max_rows * q_row_bytes;
+}
+
 // What the receiver expects of the next message.
 struct LayerMessageExpect {
   uint64_t step_id = 0;

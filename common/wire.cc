@@ -471,9 +471,12 @@ absl::Status ValidateLayerMessageHeader(const LayerMessageHeader& h) {
   const auto kind = static_cast<uint8_t>(h.kind);
   if (kind != static_cast<uint8_t>(LayerMessageKind::kQkv) &&
       kind != static_cast<uint8_t>(LayerMessageKind::kAttnOut) &&
-      kind != static_cast<uint8_t>(LayerMessageKind::kResidual)) {
+      kind != static_cast<uint8_t>(LayerMessageKind::kResidual) &&
+      kind != static_cast<uint8_t>(LayerMessageKind::kQ) &&
+      kind != static_cast<uint8_t>(LayerMessageKind::kKv)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("layer message header: kind ", kind, " must be 1 (qkv), 2 (attn_out) or 3 (residual)"));
+        absl::StrCat("layer message header: kind ", kind,
+                     " must be 1 (qkv), 2 (attn_out), 3 (residual), 4 (q) or 5 (kv)"));
   }
   RETURN_IF_ERROR(CheckDType(h.dtype, "layer message header"));
   if (h.row_bytes % DTypeSize(h.dtype) != 0) {
@@ -869,7 +872,8 @@ std::vector<uint8_t> EncodeHello(const HelloMessage& h) {
   w.U32(h.kv_head_begin);
   w.U32(h.kv_head_end);
   w.U16(h.slice_layers);
-  w.Zeros(6);
+  w.U8(h.q_first ? 1 : 0);
+  w.Zeros(5);
   return Frame(kHelloMagic, body);
 }
 
@@ -901,7 +905,8 @@ absl::StatusOr<HelloMessage> DecodeHello(absl::Span<const uint8_t> frame) {
   ASSIGN_OR_RETURN(h.kv_head_begin, r.U32("kv_head_begin"));
   ASSIGN_OR_RETURN(h.kv_head_end, r.U32("kv_head_end"));
   ASSIGN_OR_RETURN(h.slice_layers, r.U16("slice_layers"));
-  RETURN_IF_ERROR(r.Reserved("reserved", 6));
+  ASSIGN_OR_RETURN(h.q_first, ReadBool(r, "q_first", kWhat));
+  RETURN_IF_ERROR(r.Reserved("reserved", 5));
   // Enum values are checked by ValidateHello before any use as an enum.
   h.dtype = static_cast<DType>(dtype);
   h.partition = static_cast<AttentionPartition>(partition);

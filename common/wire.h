@@ -41,8 +41,10 @@
 //                               PrefixRestore records after the evictions) and the restore reply;
 //                               version 5 the heartbeat and its reply; version 6 the hello's
 //                               slice_layers (its body grew from 64 to 72 bytes), the
-//                               layer message kind 3 (residual) and the replica ring; the
-//                               other layouts are unchanged
+//                               layer message kind 3 (residual) and the replica ring, and
+//                               then the hello's q_first (its byte 66, reserved before) with
+//                               the layer message kinds 4 (q) and 5 (kv); the other layouts
+//                               are unchanged
 //        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 6
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
@@ -144,7 +146,8 @@
 //       28     4  rows            u32
 //       32     4  row_bytes       u32  a multiple of DTypeSize(dtype)
 //       36     4  payload_crc32c  u32  Crc32c() of the payload that follows the frame
-//       40     1  kind            u8   LayerMessageKind: 1 (kQkv), 2 (kAttnOut), 3 (kResidual)
+//       40     1  kind            u8   LayerMessageKind: 1 (kQkv), 2 (kAttnOut), 3 (kResidual),
+//                                      4 (kQ), 5 (kKv)
 //       41     1  dtype           u8   tandem::DType: 0 (f32), 1 (f16), 2 (bf16)
 //       42     6  reserved        must be 0
 //
@@ -196,7 +199,12 @@
 //                                             with compute_ranks >= 2: lane j's output of layer l
 //                                             goes to compute rank (j + l / slice_layers) %
 //                                             compute_ranks (common/pipeline_schedule.h)
-//       66     6  reserved               must be 0
+//       66     1  q_first                u8   0 or 1: pipeline.q_first: each layer's rows come
+//                                             as two messages into the lane's receive buffer, q
+//                                             (kind 4) at offset 0 with seqno s, then k,v (kind 5)
+//                                             at QFirstKvOffset (common/layer_message.h) with
+//                                             seqno s + 1; the output carries seqno s + 1
+//       67     5  reserved               must be 0
 //
 // Hello reply body (memory rank -> compute rank; body_bytes = 18 + device_bytes;
 // kv_capacity_tokens counts tokens of the rank's KV head slice, which under the head partition
@@ -454,8 +462,10 @@ struct StepPlan {
 enum class PrefixSharing : uint8_t { kOff = 0, kOn = 1, kAuto = 2 };
 
 // kResidual: a compute rank hands a micro-batch's residual stream to the next compute rank
-// (pipeline.mode rotational; common/pipeline_schedule.h), host-staged path.
-enum class LayerMessageKind : uint8_t { kQkv = 1, kAttnOut = 2, kResidual = 3 };
+// (pipeline.mode rotational; common/pipeline_schedule.h), host-staged path. kQ and kKv:
+// pipeline.q_first splits a layer's kQkv rows into the q columns of every row (rows, q width),
+// sent first, and the k and v columns (rows, 2 × kv width) after them.
+enum class LayerMessageKind : uint8_t { kQkv = 1, kAttnOut = 2, kResidual = 3, kQ = 4, kKv = 5 };
 
 // Precedes each per-layer payload between compute and memory ranks.
 struct LayerMessageHeader {
@@ -505,6 +515,9 @@ struct HelloMessage {
   // pipeline.mode rotational: layers per slice (common/pipeline_schedule.h); 0: fixed (each lane
   // stays on compute rank j % compute_ranks).
   uint16_t slice_layers = 0;
+  // pipeline.q_first: each layer's q rows come first (kind kQ) and its k,v rows after (kind kKv),
+  // so that the memory rank runs attention over the existing context while k,v are in flight.
+  bool q_first = false;
 
   friend bool operator==(const HelloMessage&, const HelloMessage&) = default;
 };

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -59,6 +60,12 @@ absl::StatusOr<std::unique_ptr<ComputeRank>> ComputeRank::Create(const WeightSou
     return absl::InvalidArgumentError(absl::StrCat(
         "pipeline.slice_layers: ", options.slice_layers, " must be in [1, ", source.spec().num_layers,
         "] with 2 or more compute ranks (pipeline.mode rotational; ", compute_ranks, " compute rank(s))"));
+  }
+  if (options.q_first && options.device >= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pipeline.q_first: compute rank on cuda:", options.device,
+        "; q-first needs CPU compute and memory ranks (the CUDA attention executor and the device data path "
+        "have no split attention layer yet); set pipeline.q_first: false"));
   }
   std::unique_ptr<ComputeRank> r(new ComputeRank());
   r->options_ = options;
@@ -118,6 +125,9 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
     }
     ASSIGN_OR_RETURN(lane.qkv, backend_->memory().Allocate(qkv_bytes, false));
     ASSIGN_OR_RETURN(lane.attn, backend_->memory().Allocate(attn_bytes, false));
+    if (o.q_first) {
+      ASSIGN_OR_RETURN(lane.split, host_copies_.Allocate(qkv_bytes, true));
+    }
     if (!backend_->memory().host() && !device_path_) {
       ASSIGN_OR_RETURN(lane.qkv_host, backend_->memory().Allocate(qkv_bytes, true));
       if (head_) {
@@ -220,7 +230,8 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
                                                                 : (compute_ranks_ > 1 ? "fixed" : "pingpong"),
                                          " over ", o.micro_batches, " micro-batches")
                           : "",
-      compute_ranks_ > 1 ? absl::StrCat(" on ", compute_ranks_, " compute ranks") : "");
+      compute_ranks_ > 1 ? absl::StrCat(" on ", compute_ranks_, " compute ranks") : "",
+      o.q_first ? ", q first (k,v after)" : "");
   return absl::OkStatus();
 }
 
@@ -245,6 +256,7 @@ HelloMessage ComputeRank::MakeHello(size_t m, uint32_t attn_buffer) const {
   hello.lanes = static_cast<uint8_t>(lanes_.size());
   hello.compute_ranks = static_cast<uint8_t>(compute_ranks_);
   hello.slice_layers = static_cast<uint16_t>(schedule_.rotational() ? options_.slice_layers : 0);
+  hello.q_first = o.q_first;
   hello.checksums = o.checksums;
   hello.prefix_block_tokens = static_cast<uint16_t>(o.scheduler.prefix_block_tokens);
   hello.prefix_sharing = static_cast<uint8_t>(o.scheduler.prefix_sharing);
@@ -1052,6 +1064,12 @@ absl::Status ComputeRank::SendLayer(size_t j, const PlannedStep& step, uint32_t 
       RETURN_IF_ERROR(PackHeadSlice(host_copies_, rank.slice, t, elem_, qkv_rows, rl.pack.get()));
       rows = static_cast<const uint8_t*>(rl.pack.get());
     }
+    if (options_.q_first) {
+      const absl::Status wrote =
+          SendSplit(step, layer, m, j, rows, static_cast<size_t>(end - begin), row_bytes);
+      if (!wrote.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(wrote, rank.name)));
+      continue;
+    }
     const LayerMessageExpect what{.step_id = step.plan.step_id,
                                   .layer = layer,
                                   .kind = LayerMessageKind::kQkv,
@@ -1069,13 +1087,48 @@ absl::Status ComputeRank::SendLayer(size_t j, const PlannedStep& step, uint32_t 
   return absl::OkStatus();
 }
 
+absl::Status ComputeRank::SendSplit(const PlannedStep& step, uint32_t layer, size_t m, size_t j,
+                                    const uint8_t* rows, size_t n, size_t row_bytes) {
+  Rank& rank = ranks_[m];
+  // Its rows' q columns first, then their k,v columns, each a message of its own.
+  const size_t q_row = static_cast<size_t>(rank.slice.slice_q_dim()) * elem_;
+  const size_t kv_row = row_bytes - q_row;
+  auto* split = static_cast<uint8_t*>(lanes_[j].split.get());
+  uint8_t* kv = split + n * q_row;
+  for (size_t i = 0; i < n; ++i) {
+    std::memcpy(split + i * q_row, rows + i * row_bytes, q_row);
+    std::memcpy(kv + i * kv_row, rows + i * row_bytes + q_row, kv_row);
+  }
+  RankLane& rl = rank.lanes[j];
+  const uint32_t buffer = rank.qkv_buffer + static_cast<uint32_t>(j);
+  LayerMessageExpect what{.step_id = step.plan.step_id,
+                          .layer = layer,
+                          .kind = LayerMessageKind::kQ,
+                          .dtype = backend_->dtype(),
+                          .rows = static_cast<uint32_t>(n),
+                          .row_bytes = static_cast<uint32_t>(q_row),
+                          .seqno = ++rl.seqno};
+  const absl::Span<const uint8_t> q_body(split, n * q_row);
+  const std::vector<uint8_t> q_header = MakeLayerMessageHeader(what, q_body, options_.checksums);
+  const absl::Span<const uint8_t> q_pieces[] = {q_header, q_body};
+  RETURN_IF_ERROR(transport_->Write(rank.peer, buffer, 0, q_pieces, rl.seqno));
+  what.kind = LayerMessageKind::kKv;
+  what.row_bytes = static_cast<uint32_t>(kv_row);
+  what.seqno = ++rl.seqno;
+  const absl::Span<const uint8_t> kv_body(kv, n * kv_row);
+  const std::vector<uint8_t> kv_header = MakeLayerMessageHeader(what, kv_body, options_.checksums);
+  const absl::Span<const uint8_t> kv_pieces[] = {kv_header, kv_body};
+  const size_t offset = QFirstKvOffset(static_cast<size_t>(options_.scheduler.max_tokens_per_step), q_row);
+  return transport_->Write(rank.peer, buffer, offset, kv_pieces, rl.seqno);
+}
+
 void ComputeRank::SkipLayer(size_t j, const PlannedStep& step) {
   // As SendLayer counts: every rank with rows (the host-staged path skips lost ranks, which only a
   // deployment with one compute rank has).
   for (size_t m = 0; m < ranks_.size(); ++m) {
     const auto [begin, end] = RowsOf(step, m);
     if (begin == end || (!device_path_ && ranks_[m].lost)) continue;
-    ++ranks_[m].lanes[j].seqno;
+    ranks_[m].lanes[j].seqno += options_.q_first ? 2 : 1;  // q-first: a q and a k,v message
   }
 }
 

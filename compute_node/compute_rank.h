@@ -88,6 +88,12 @@ struct ComputeRankOptions {
   // slice k (slice_layers layers each) runs on compute rank (j + k) % compute.ranks, the residual
   // stream handed from rank to rank (common/pipeline_schedule.h); 0: fixed.
   int slice_layers = 0;
+  // pipeline.q_first: per layer each memory rank gets its rows' q first and their k,v after, as
+  // two layer messages (kinds q and kv) in its lane's receive buffer, and runs attention over the
+  // existing context while the k,v are in flight (docs/architecture.md, "q-first overlap inside a
+  // layer"). Needs the CPU backend and CPU memory ranks (host-staged path); Create refuses a
+  // CUDA compute rank and a CUDA memory rank refuses the hello, both naming the setting.
+  bool q_first = false;
   absl::Duration startup_timeout = absl::Minutes(10);
   absl::Duration step_timeout = absl::Minutes(2);  // for each layer's attention output, and each send
   // launch.recover_memory_ranks: a memory rank that fails, disconnects or stays silent past the
@@ -251,6 +257,11 @@ class ComputeRank : public Engine {
   // Rotational pipeline: a memory rank's seqno of micro-batch j's next layer, advanced by a rank
   // that neither sends nor receives that layer (every compute rank keeps the memory ranks' count).
   void SkipLayer(size_t j, const PlannedStep& step);
+  // pipeline.q_first, host-staged: memory rank m's `n` rows of lane j (`row_bytes` each, [q | k | v]
+  // of its heads) as a q message at offset 0 of its receive buffer and a k,v message at
+  // QFirstKvOffset, each with a seqno of its own.
+  absl::Status SendSplit(const PlannedStep& step, uint32_t layer, size_t m, size_t j, const uint8_t* rows,
+                         size_t n, size_t row_bytes);
   // Rotational pipeline: hands micro-batch j's residual stream (after PreAttention(layer)) to the
   // next compute rank, and takes it from the previous one (before PostAttention(layer)).
   absl::Status SendResidual(size_t j, const PlannedStep& step, uint32_t layer);
@@ -383,6 +394,8 @@ class ComputeRank : public Engine {
     BackendBuffer resid_in{nullptr, nullptr}, resid_host{nullptr, nullptr};
     size_t resid_in_bytes = 0;
     uint64_t resid_in_seqno = 0, resid_out_seqno = 0;
+    // pipeline.q_first: one memory rank's rows split at a time, its q rows then its k,v rows (host).
+    BackendBuffer split{nullptr, nullptr};
   };
   std::vector<Lane> lanes_;
   HostMemorySpace host_copies_;  // packs and scatters of the host-staged path

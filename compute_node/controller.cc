@@ -813,22 +813,10 @@ std::vector<int64_t> Controller::LoseRank(int m) {
   std::vector<int64_t> requeued;
   if (lost_[mi]) return requeued;
   lost_[mi] = true;
-  capacity_[mi] = 0;
-  reserved_[mi] = 0;
-  evicted_[mi].clear();
-  evicted_tokens_[mi].clear();
-  pending_[mi].clear();
   // Its KV tiers went with it: every block the registry knew there, resident or demoted, is
   // forgotten, and restores not yet sent or not yet answered are dropped (their requests are
   // requeued below; no restore reply of the rank is awaited any more).
-  restores_[mi].clear();
-  restoring_[mi].clear();
-  prefetching_[mi].clear();
-  prefetched_[mi].clear();
-  if (!index_.empty()) {
-    index_[mi] =
-        std::make_unique<PrefixIndex>(options_.prefix_block_tokens, &DefaultBlockHash, options_.tier_blocks);
-  }
+  ResetRank(mi, 0);
   std::vector<Live> back;
   for (auto it = running_.begin(); it != running_.end();) {
     if ((*it)->memory_rank != m) {
@@ -871,18 +859,24 @@ absl::Status Controller::RejoinRank(int m, int64_t capacity) {
   // LoseRank emptied its state (no request is placed on it, nothing is pending or restoring); the
   // registry starts again, as the new process's pool does.
   lost_[mi] = false;
-  capacity_[mi] = capacity;
-  reserved_[mi] = 0;
-  evicted_[mi].clear();
-  evicted_tokens_[mi].clear();
-  pending_[mi].clear();
-  restores_[mi].clear();
-  restoring_[mi].clear();
+  ResetRank(mi, capacity);
+  return absl::OkStatus();
+}
+
+void Controller::ResetRank(size_t m, int64_t capacity) {
+  capacity_[m] = capacity;
+  reserved_[m] = 0;
+  evicted_[m].clear();
+  evicted_tokens_[m].clear();
+  pending_[m].clear();
+  restores_[m].clear();
+  restoring_[m].clear();
+  prefetching_[m].clear();
+  prefetched_[m].clear();
   if (!index_.empty()) {
-    index_[mi] =
+    index_[m] =
         std::make_unique<PrefixIndex>(options_.prefix_block_tokens, &DefaultBlockHash, options_.tier_blocks);
   }
-  return absl::OkStatus();
 }
 
 const GenerationResult* Controller::Progress(int64_t id) const {

@@ -274,6 +274,9 @@ class Controller {
   const SchedulingPolicy& policy() const { return *policy_; }
 
  private:
+  // Rank m's placement state from scratch (LoseRank, RejoinRank): `capacity` KV tokens, nothing
+  // reserved, evicted, pending, restoring or prefetched, and a fresh prefix registry.
+  void ResetRank(size_t m, int64_t capacity);
   struct Live {
     int64_t id = 0;
     GenerationRequest request;

@@ -65,6 +65,10 @@ const ConfigSchema& DeploySchema() {
              "pipeline.mode rotational: layers each compute rank runs of a micro-batch before handing it to "
              "the next (at most the model's layers)",
              1, 1 << 16)
+        .Bool("pipeline.q_first", false,
+              "per layer, send each memory rank its rows' q first and their k, v after: it runs attention "
+              "over the context it holds while k, v are in flight, then over the new rows, and merges the "
+              "two by log-sum-exp (any pipeline.mode; CPU compute and memory ranks only)")
         .String("memory.host", "127.0.0.1", "address the memory ranks listen on")
         .Int("memory.base_port", 0,
              "port of memory rank 0 (rank i listens on base_port + i); 0: any free port", 0, 65535)
@@ -145,7 +149,9 @@ std::string DescribePlacement(const DeployPlan& p) {
     absl::StrAppend(&out, "# pipeline: ", p.micro_batches, " micro-batches per step on ", p.compute_ranks,
                     " compute rank(s)",
                     p.slice_layers > 0 ? absl::StrCat(", rotating every ", p.slice_layers, " layer(s)") : "",
-                    "\n");
+                    p.q_first ? ", q first" : "", "\n");
+  } else if (p.q_first) {
+    absl::StrAppend(&out, "# pipeline: q first (attention over the context while k, v are in flight)\n");
   }
   absl::StrAppend(&out, "# transport (per-layer data; control messages over UCX, authenticated):\n");
   for (const RankPlacement& r : p.placement.memory) {
@@ -320,6 +326,14 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
       }
       p.replica_devices.push_back(*idx < 0 ? "cpu" : absl::StrCat("cuda:", *idx));
     }
+  }
+  p.q_first = c.GetBool("pipeline.q_first");
+  if (p.q_first && p.compute_device != "cpu") {
+    // The memory ranks are on the compute rank's kind of device (checked above).
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pipeline.q_first: compute rank 0 is on ", p.compute_device,
+        "; q-first needs CPU compute and memory ranks (the CUDA attention executor and the device data path "
+        "have no split attention layer yet)"));
   }
   p.checksums = c.GetBool("transport.checksums");
   p.run_dir = (std::filesystem::path(c.GetString("launch.run_dir")) / RunDirName()).string();

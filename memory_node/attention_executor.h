@@ -111,6 +111,32 @@ class AttentionExecutor {
   // for cpu, device for cuda); the CUDA executor enqueues on its stream and does not synchronise.
   virtual absl::Status Layer(int64_t layer, const void* qkv, void* out) = 0;
 
+  // q-first (pipeline.q_first; docs/architecture.md, "q-first overlap inside a layer"): layer
+  // `layer` in two calls, the same result as Layer up to float rounding, so that attention over
+  // the context starts while the new rows' keys are still on their way.
+  //   LayerContext(layer, q): q (T, q_dim) rows. Each row's attention over the keys its request
+  //     had before this step (the context before its new rows, and its groups' shared prefixes),
+  //     kept as a partial state with its log-sum-exp. Reads the KV pool, writes nothing to it.
+  //   LayerNew(layer, kv, out): kv (T, 2·kv_dim), [k | v] per row. Appends them to new_slots, runs
+  //     each row's attention over its request's new keys (causal within the step), merges that
+  //     with the context state by log-sum-exp and writes out (T, q_dim).
+  // Both in the order written, once per layer, after BeginStep. A step where the split does not
+  // hold (a request's keys do not end with its new rows' slots, or a context or shared-prefix key
+  // is one of the step's new slots) runs whole in LayerNew: LayerContext then only keeps q.
+  // Unimplemented where SupportsSplitLayer() is false (the CUDA executor).
+  virtual bool SupportsSplitLayer() const { return false; }
+  virtual absl::Status LayerContext(int64_t layer, const void* q) {
+    (void)layer;
+    (void)q;
+    return absl::UnimplementedError(absl::StrCat("pipeline.q_first: no split attention layer on ", device()));
+  }
+  virtual absl::Status LayerNew(int64_t layer, const void* kv, void* out) {
+    (void)layer;
+    (void)kv;
+    (void)out;
+    return absl::UnimplementedError(absl::StrCat("pipeline.q_first: no split attention layer on ", device()));
+  }
+
   // Where qkv and out live, for staging to and from the network (a memory rank's buffers).
   virtual MemorySpace& memory() = 0;
   // The CUDA stream Layer enqueues on (cudaStream_t), so that a transport's device-side waits and

@@ -1,4 +1,5 @@
 // The CPU attention executor: fp32 KV in host memory, attention by the CPU reference op.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -56,7 +57,80 @@ class CpuAttentionExecutor : public AttentionExecutor {
       group_out_.resize(group_q_.size());
       group_lse_.resize(static_cast<size_t>(batch.max_group_rows * shape_.num_heads));
     }
+    split_ready_ = false;
     return absl::OkStatus();
+  }
+
+  bool SupportsSplitLayer() const override { return true; }
+
+  absl::Status LayerContext(int64_t layer, const void* q) override {
+    if (!split_ready_) RETURN_IF_ERROR(PrepareSplit());
+    const AttentionBatch& b = *batch_;
+    const int64_t t = b.num_tokens(), qd = shape_.q_dim(), heads = shape_.num_heads;
+    std::memcpy(q_.data(), q, static_cast<size_t>(t * qd) * sizeof(float));
+    if (!split_) return absl::OkStatus();  // runs whole in LayerNew
+    const float* kc = pool_->k[static_cast<size_t>(layer)].get();
+    const float* vc = pool_->v[static_cast<size_t>(layer)].get();
+    // Each request's rows over its keys before this step: every one of them precedes every row,
+    // so no mask (an empty context gives the empty state, lse -inf).
+    for (int64_t r = 0; r < b.num_requests(); ++r) {
+      const int32_t row0 = b.q_indptr[static_cast<size_t>(r)];
+      const int32_t k0 = ctx_kv_indptr_[static_cast<size_t>(r)];
+      RETURN_IF_ERROR(
+          kernels::cpu::PrefixAttention({.q = q_.data() + row0 * qd,
+                                         .k_cache = kc,
+                                         .v_cache = vc,
+                                         .prefix_slots = ctx_kv_slots_.data() + k0,
+                                         .out = ctx_out_.data() + row0 * qd,
+                                         .lse = ctx_lse_.data() + row0 * heads,
+                                         .rows = b.q_indptr[static_cast<size_t>(r) + 1] - row0,
+                                         .prefix_len = ctx_kv_indptr_[static_cast<size_t>(r) + 1] - k0,
+                                         .num_slots = num_slots_,
+                                         .num_heads = heads,
+                                         .num_kv_heads = shape_.num_kv_heads,
+                                         .head_dim = shape_.head_dim,
+                                         .scale = Scale()}));
+    }
+    return MergeGroups(kc, vc, ctx_out_.data(), ctx_lse_.data());
+  }
+
+  absl::Status LayerNew(int64_t layer, const void* kv_v, void* out) override {
+    if (!split_ready_) return absl::FailedPreconditionError("LayerNew before LayerContext of the step");
+    const AttentionBatch& b = *batch_;
+    const int64_t t = b.num_tokens(), kvd = shape_.kv_dim(), heads = shape_.num_heads;
+    const auto* kv = static_cast<const float*>(kv_v);
+    float* kc = pool_->k[static_cast<size_t>(layer)].get();
+    float* vc = pool_->v[static_cast<size_t>(layer)].get();
+    for (int64_t r = 0; r < t; ++r) {
+      const int64_t slot = b.new_slots[static_cast<size_t>(r)];
+      std::memcpy(kc + slot * kvd, kv + r * 2 * kvd, static_cast<size_t>(kvd) * sizeof(float));
+      std::memcpy(vc + slot * kvd, kv + r * 2 * kvd + kvd, static_cast<size_t>(kvd) * sizeof(float));
+    }
+    if (!split_) return Attend(kc, vc, static_cast<float*>(out));
+    // The new rows' own keys, causal (request r's keys are its rows' slots, in position order),
+    // then the merge with the context state.
+    RETURN_IF_ERROR(kernels::cpu::Attention({.q = q_.data(),
+                                             .k_cache = kc,
+                                             .v_cache = vc,
+                                             .out = new_out_.data(),
+                                             .lse = new_lse_.data(),
+                                             .q_indptr = b.q_indptr.data(),
+                                             .kv_indptr = b.q_indptr.data(),
+                                             .kv_slots = b.new_slots.data(),
+                                             .num_requests = b.num_requests(),
+                                             .num_slots = num_slots_,
+                                             .num_heads = heads,
+                                             .num_kv_heads = shape_.num_kv_heads,
+                                             .head_dim = shape_.head_dim,
+                                             .scale = Scale()}));
+    return kernels::cpu::MergeAttentionStates({.out_a = ctx_out_.data(),
+                                               .lse_a = ctx_lse_.data(),
+                                               .out_b = new_out_.data(),
+                                               .lse_b = new_lse_.data(),
+                                               .out = static_cast<float*>(out),
+                                               .rows = t,
+                                               .num_heads = heads,
+                                               .head_dim = shape_.head_dim});
   }
 
   absl::Status Layer(int64_t layer, const void* qkv_v, void* out) override {
@@ -72,61 +146,7 @@ class CpuAttentionExecutor : public AttentionExecutor {
       std::memcpy(kc + slot * kvd, row + qd, static_cast<size_t>(kvd) * sizeof(float));
       std::memcpy(vc + slot * kvd, row + qd + kvd, static_cast<size_t>(kvd) * sizeof(float));
     }
-    const int64_t heads = shape_.num_heads, groups = b.num_groups();
-    const float scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
-    auto* o = static_cast<float*>(out);
-    // Each request's own keys (its suffix when it is in a group), with the lse for the merges.
-    RETURN_IF_ERROR(kernels::cpu::Attention({.q = q_.data(),
-                                             .k_cache = kc,
-                                             .v_cache = vc,
-                                             .out = o,
-                                             .lse = groups > 0 ? lse_.data() : nullptr,
-                                             .q_indptr = b.q_indptr.data(),
-                                             .kv_indptr = b.kv_indptr.data(),
-                                             .kv_slots = b.kv_slots.data(),
-                                             .num_requests = b.num_requests(),
-                                             .num_slots = num_slots_,
-                                             .num_heads = heads,
-                                             .num_kv_heads = shape_.num_kv_heads,
-                                             .head_dim = shape_.head_dim,
-                                             .scale = scale}));
-    // Each group's shared keys once for all its rows, merged into each row's state.
-    for (int64_t g = 0; g < groups; ++g) {
-      const int32_t row0 = b.group_row_indptr[static_cast<size_t>(g)];
-      const int64_t n = b.group_row_indptr[static_cast<size_t>(g) + 1] - row0;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t row = b.group_rows[static_cast<size_t>(row0 + i)];
-        std::memcpy(group_q_.data() + i * qd, q_.data() + row * qd, static_cast<size_t>(qd) * sizeof(float));
-      }
-      const int32_t kv0 = b.group_kv_indptr[static_cast<size_t>(g)];
-      RETURN_IF_ERROR(
-          kernels::cpu::PrefixAttention({.q = group_q_.data(),
-                                         .k_cache = kc,
-                                         .v_cache = vc,
-                                         .prefix_slots = b.group_kv_slots.data() + kv0,
-                                         .out = group_out_.data(),
-                                         .lse = group_lse_.data(),
-                                         .rows = n,
-                                         .prefix_len = b.group_kv_indptr[static_cast<size_t>(g) + 1] - kv0,
-                                         .num_slots = num_slots_,
-                                         .num_heads = heads,
-                                         .num_kv_heads = shape_.num_kv_heads,
-                                         .head_dim = shape_.head_dim,
-                                         .scale = scale}));
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t row = b.group_rows[static_cast<size_t>(row0 + i)];
-        RETURN_IF_ERROR(kernels::cpu::MergeAttentionStates({.out_a = o + row * qd,
-                                                            .lse_a = lse_.data() + row * heads,
-                                                            .out_b = group_out_.data() + i * qd,
-                                                            .lse_b = group_lse_.data() + i * heads,
-                                                            .out = o + row * qd,
-                                                            .lse = lse_.data() + row * heads,
-                                                            .rows = 1,
-                                                            .num_heads = heads,
-                                                            .head_dim = shape_.head_dim}));
-      }
-    }
-    return absl::OkStatus();
+    return Attend(kc, vc, static_cast<float*>(out));
   }
 
   // Measured with bench/cpu_prefix_attention_bench (docs/benchmarks.md, 2 threads): the cascade
@@ -182,6 +202,123 @@ class CpuAttentionExecutor : public AttentionExecutor {
   }
 
  private:
+  float Scale() const { return 1.0f / std::sqrt(static_cast<float>(shape_.head_dim)); }
+
+  // The whole layer from q_ and the pool (this step's K and V already in it): each request's own
+  // keys (its suffix when it is in a group), then each group's shared keys merged in.
+  absl::Status Attend(const float* kc, const float* vc, float* o) {
+    const AttentionBatch& b = *batch_;
+    const int64_t groups = b.num_groups();
+    RETURN_IF_ERROR(kernels::cpu::Attention({.q = q_.data(),
+                                             .k_cache = kc,
+                                             .v_cache = vc,
+                                             .out = o,
+                                             .lse = groups > 0 ? lse_.data() : nullptr,
+                                             .q_indptr = b.q_indptr.data(),
+                                             .kv_indptr = b.kv_indptr.data(),
+                                             .kv_slots = b.kv_slots.data(),
+                                             .num_requests = b.num_requests(),
+                                             .num_slots = num_slots_,
+                                             .num_heads = shape_.num_heads,
+                                             .num_kv_heads = shape_.num_kv_heads,
+                                             .head_dim = shape_.head_dim,
+                                             .scale = Scale()}));
+    return MergeGroups(kc, vc, o, lse_.data());
+  }
+
+  // Each group's shared keys once for all its rows (q_), merged into the state (o, lse) of each
+  // of those rows.
+  absl::Status MergeGroups(const float* kc, const float* vc, float* o, float* lse) {
+    const AttentionBatch& b = *batch_;
+    const int64_t qd = shape_.q_dim(), heads = shape_.num_heads;
+    for (int64_t g = 0; g < b.num_groups(); ++g) {
+      const int32_t row0 = b.group_row_indptr[static_cast<size_t>(g)];
+      const int64_t n = b.group_row_indptr[static_cast<size_t>(g) + 1] - row0;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = b.group_rows[static_cast<size_t>(row0 + i)];
+        std::memcpy(group_q_.data() + i * qd, q_.data() + row * qd, static_cast<size_t>(qd) * sizeof(float));
+      }
+      const int32_t kv0 = b.group_kv_indptr[static_cast<size_t>(g)];
+      RETURN_IF_ERROR(
+          kernels::cpu::PrefixAttention({.q = group_q_.data(),
+                                         .k_cache = kc,
+                                         .v_cache = vc,
+                                         .prefix_slots = b.group_kv_slots.data() + kv0,
+                                         .out = group_out_.data(),
+                                         .lse = group_lse_.data(),
+                                         .rows = n,
+                                         .prefix_len = b.group_kv_indptr[static_cast<size_t>(g) + 1] - kv0,
+                                         .num_slots = num_slots_,
+                                         .num_heads = heads,
+                                         .num_kv_heads = shape_.num_kv_heads,
+                                         .head_dim = shape_.head_dim,
+                                         .scale = Scale()}));
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = b.group_rows[static_cast<size_t>(row0 + i)];
+        RETURN_IF_ERROR(kernels::cpu::MergeAttentionStates({.out_a = o + row * qd,
+                                                            .lse_a = lse + row * heads,
+                                                            .out_b = group_out_.data() + i * qd,
+                                                            .lse_b = group_lse_.data() + i * heads,
+                                                            .out = o + row * qd,
+                                                            .lse = lse + row * heads,
+                                                            .rows = 1,
+                                                            .num_heads = heads,
+                                                            .head_dim = shape_.head_dim}));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Once per step, before its first LayerContext: whether the split holds (every request's keys
+  // end with its new rows' slots, and no context or shared-prefix key is a new slot), and if so
+  // each request's context keys (its keys less its new rows') and the split's scratch.
+  absl::Status PrepareSplit() {
+    if (batch_ == nullptr) return absl::FailedPreconditionError("LayerContext before BeginStep");
+    const AttentionBatch& b = *batch_;
+    const int64_t t = b.num_tokens(), heads = shape_.num_heads;
+    split_ready_ = true;
+    split_ = true;
+    sorted_new_.assign(b.new_slots.begin(), b.new_slots.end());
+    std::sort(sorted_new_.begin(), sorted_new_.end());
+    auto is_new = [&](int32_t slot) {
+      return std::binary_search(sorted_new_.begin(), sorted_new_.end(), slot);
+    };
+    ctx_kv_indptr_.assign(1, 0);
+    ctx_kv_slots_.clear();
+    for (int64_t r = 0; r < b.num_requests() && split_; ++r) {
+      const int32_t q0 = b.q_indptr[static_cast<size_t>(r)],
+                    q_len = b.q_indptr[static_cast<size_t>(r) + 1] - q0;
+      const int32_t k0 = b.kv_indptr[static_cast<size_t>(r)], k1 = b.kv_indptr[static_cast<size_t>(r) + 1];
+      if (k1 - k0 < q_len) {
+        split_ = false;
+        break;
+      }
+      for (int32_t i = 0; i < q_len; ++i) {
+        if (b.kv_slots[static_cast<size_t>(k1 - q_len + i)] != b.new_slots[static_cast<size_t>(q0 + i)])
+          split_ = false;
+      }
+      for (int32_t k = k0; k < k1 - q_len && split_; ++k) {
+        const int32_t slot = b.kv_slots[static_cast<size_t>(k)];
+        if (is_new(slot)) split_ = false;
+        ctx_kv_slots_.push_back(slot);
+      }
+      ctx_kv_indptr_.push_back(static_cast<int32_t>(ctx_kv_slots_.size()));
+    }
+    for (size_t k = 0; k < b.group_kv_slots.size() && split_; ++k) split_ = !is_new(b.group_kv_slots[k]);
+    if (!split_) {
+      TANDEM_LOG_DEBUG("attention",
+                       "q-first: this step's keys do not split into context and new rows; the "
+                       "layers run whole");
+      return absl::OkStatus();
+    }
+    ctx_out_.resize(static_cast<size_t>(t * shape_.q_dim()));
+    new_out_.resize(ctx_out_.size());
+    ctx_lse_.resize(static_cast<size_t>(t * heads));
+    new_lse_.resize(ctx_lse_.size());
+    if (b.num_groups() > 0) lse_.resize(ctx_lse_.size());
+    return absl::OkStatus();
+  }
+
   absl::Status CheckSlots(std::span<const int32_t> slots) const {
     for (int32_t s : slots) {
       if (s < 0 || s >= num_slots_)
@@ -196,6 +333,11 @@ class CpuAttentionExecutor : public AttentionExecutor {
   std::shared_ptr<Pool> pool_;
   std::vector<float> q_, lse_;                          // (T, q_dim), (T, heads)
   std::vector<float> group_q_, group_out_, group_lse_;  // one group's rows
+  // q-first (LayerContext / LayerNew): whether this step's split was checked and holds, each
+  // request's context keys, and the two partial states.
+  bool split_ready_ = false, split_ = false;
+  std::vector<int32_t> sorted_new_, ctx_kv_indptr_, ctx_kv_slots_;
+  std::vector<float> ctx_out_, ctx_lse_, new_out_, new_lse_;  // (T, q_dim), (T, heads)
   static constexpr int64_t kCascadeMinRows = 2, kCascadeMinElements = 65536;
 };
 

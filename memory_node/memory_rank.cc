@@ -381,6 +381,15 @@ class MemoryRank {
     const size_t qkv_bytes = static_cast<size_t>(shape_.max_tokens * shape_.qkv_width()) * elem_;
     const size_t out_bytes = static_cast<size_t>(shape_.max_tokens * shape_.q_dim()) * elem_;
     device_path_ = !exec_->memory().host() && transport_->capabilities().device_polling;
+    if (hello_.q_first && (device_path_ || !exec_->SupportsSplitLayer() || !exec_->memory().host())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "pipeline.q_first: memory rank ", o_.rank, " runs attention on ", exec_->device(),
+          ", which has no split attention layer yet (q-first needs CPU memory ranks and the host-staged "
+          "path); set pipeline.q_first: false"));
+    }
+    // q-first: the q message at 0, the k,v message at kv_offset_ (common/layer_message.h).
+    kv_offset_ =
+        QFirstKvOffset(static_cast<size_t>(shape_.max_tokens), static_cast<size_t>(shape_.q_dim()) * elem_);
     // One lane per micro-batch in flight (the hello's lanes): each its own executor lane over the
     // one KV pool, its own receive buffer (kQkvBuffer + j) and staging.
     lanes_.resize(hello_.lanes);
@@ -401,7 +410,7 @@ class MemoryRank {
         // q,k,v rows land straight in the executor's input buffer; no header, no staging.
         RETURN_IF_ERROR(transport_->RegisterBuffer(buffer, lane.qkv_dev.get(), qkv_bytes));
       } else {
-        lane.recv_bytes = kLayerMessageHeaderFrameBytes + qkv_bytes;
+        lane.recv_bytes = (hello_.q_first ? 2 : 1) * kLayerMessageHeaderFrameBytes + qkv_bytes;
         ASSIGN_OR_RETURN(lane.recv, exec_->memory().Allocate(lane.recv_bytes, true));
         ASSIGN_OR_RETURN(lane.send, exec_->memory().Allocate(out_bytes, true));
         RETURN_IF_ERROR(transport_->RegisterBuffer(buffer, lane.recv.get(), lane.recv_bytes));
@@ -498,6 +507,10 @@ class MemoryRank {
         if (lane.rows == 0) continue;
         AttentionExecutor& exec = *lane.exec;
         const size_t out_bytes = static_cast<size_t>(lane.rows) * out_row;
+        if (hello_.q_first) {
+          RETURN_IF_ERROR(SplitLayer(step_id, lanes, j, layer));
+          continue;
+        }
         ++lane.seqno;
         const uint32_t buffer = kQkvBuffer + static_cast<uint32_t>(j);
         const LayerMessageExpect in{.step_id = step_id,
@@ -546,6 +559,62 @@ class MemoryRank {
       }
     }
     return absl::OkStatus();
+  }
+
+  // q-first (pipeline.q_first, CPU executor): lane j's layer from two messages. The q rows
+  // (seqno s) start the attention over the context; the k,v rows (seqno s + 1, at kv_offset_)
+  // complete it; the output goes back with seqno s + 1.
+  absl::Status SplitLayer(uint64_t step_id, size_t lanes, size_t j, uint32_t layer) {
+    Lane& lane = lanes_[j];
+    AttentionExecutor& exec = *lane.exec;
+    const uint32_t q_row = static_cast<uint32_t>(shape_.q_dim() * static_cast<int64_t>(elem_));
+    const uint32_t kv_row = static_cast<uint32_t>(2 * shape_.kv_dim() * static_cast<int64_t>(elem_));
+    const uint32_t buffer = kQkvBuffer + static_cast<uint32_t>(j);
+    const auto* recv = static_cast<const uint8_t*>(lane.recv.get());
+    const std::string micro = lanes > 1 ? absl::StrCat(" micro-batch ", j) : "";
+    // Twice the step timeout, as in Layers.
+    auto wait = [&](uint64_t seqno, const char* what) {
+      return WaitFor(
+                 [&](absl::Time d) -> absl::StatusOr<bool> {
+                   RETURN_IF_ERROR(transport_->WaitDoorbell(buffer, seqno, d));
+                   return true;
+                 },
+                 absl::Now() + 2 * o_.step_timeout,
+                 absl::StrCat(what, " of step ", step_id, micro, " layer ", layer))
+          .status();
+    };
+    LayerMessageExpect in{.step_id = step_id,
+                          .layer = layer,
+                          .kind = LayerMessageKind::kQ,
+                          .dtype = exec.dtype(),
+                          .rows = static_cast<uint32_t>(lane.rows),
+                          .row_bytes = q_row,
+                          .seqno = ++lane.seqno,
+                          .verify_checksum = hello_.checksums};
+    RETURN_IF_ERROR(wait(in.seqno, "q"));
+    ASSIGN_OR_RETURN(absl::Span<const uint8_t> q, ReadLayerMessage({recv, kv_offset_}, in));
+    RETURN_IF_ERROR(exec.MarkLayerStart());
+    RETURN_IF_ERROR(exec.LayerContext(layer, q.data()));
+    RETURN_IF_ERROR(exec.MarkLayerEnd());
+    in.kind = LayerMessageKind::kKv;
+    in.row_bytes = kv_row;
+    in.seqno = ++lane.seqno;
+    RETURN_IF_ERROR(wait(in.seqno, "k,v"));
+    ASSIGN_OR_RETURN(absl::Span<const uint8_t> kv,
+                     ReadLayerMessage({recv + kv_offset_, lane.recv_bytes - kv_offset_}, in));
+    void* out = lane.send.get();
+    RETURN_IF_ERROR(exec.MarkLayerStart());
+    RETURN_IF_ERROR(exec.LayerNew(layer, kv.data(), out));
+    RETURN_IF_ERROR(exec.MarkLayerEnd());
+    LayerMessageExpect reply = in;
+    reply.kind = LayerMessageKind::kAttnOut;
+    reply.row_bytes = static_cast<uint32_t>(shape_.q_dim() * static_cast<int64_t>(elem_));
+    const absl::Span<const uint8_t> body(static_cast<const uint8_t*>(out),
+                                         static_cast<size_t>(lane.rows) * reply.row_bytes);
+    const std::vector<uint8_t> header = MakeLayerMessageHeader(reply, body, hello_.checksums);
+    const absl::Span<const uint8_t> pieces[] = {header, body};
+    return transport_->Write(OwnerPeer(j, layer), hello_.attn_out_buffer + static_cast<uint32_t>(j), 0,
+                             pieces, lane.seqno);
   }
 
   // The whole step enqueued on the executor's stream (see memory_rank.h), the lanes in turn per
@@ -612,6 +681,7 @@ class MemoryRank {
   uint64_t micro_step_id_ = 0;
   size_t micro_count_ = 1;  // its micro_batches
   size_t elem_ = 4;
+  size_t kv_offset_ = 0;       // q-first: where a lane's k,v message starts in its receive buffer
   int64_t steps_ = 0;          // steps with rows here
   uint64_t attention_ns_ = 0;  // their attention time (device time on a GPU)
   bool device_path_ = false;

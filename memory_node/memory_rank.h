@@ -28,6 +28,10 @@
 // With KV tiers, a plan's evictions save the blocks to the tiers and its restores load them back;
 // a plan with restores for this rank is answered with a restore reply (the ones that failed) as
 // soon as it is applied, before its layers.
+// With the hello's q_first (pipeline.q_first; CPU ranks, host-staged path), each layer comes as a
+// q message and then a k,v message: attention over the context runs once q is there, the new rows'
+// part once k,v are, merged by log-sum-exp (AttentionExecutor::LayerContext / LayerNew); a CUDA
+// rank refuses such a hello, naming the setting.
 // With the host-staged transport (ucx), CUDA ranks stage q,k,v and outputs through pinned host
 // buffers, layer by layer. With a device-polling transport (p2p, nccl, verbs) a CUDA rank
 // enqueues the whole step at once on its executor's stream, per layer: a device-side wait for

@@ -236,6 +236,16 @@ grep -q "compute ranks connected in a ring" "$TMP/run/latest/compute-0.log" || b
 python3 "$SRC/tests/cli/compare_results.py" "$TMP/out" "$TMP/deployed.json" 1e-4 >/dev/null 2>"$TMP/cmp" ||
   bad "the rotational pipeline differs from colocated: $(cat "$TMP/cmp")"
 ! grep -h " [WE] \[" "$TMP"/run/latest/*.log || bad "a clean rotational run logged warnings"
+# pipeline.q_first: q first, k,v after, attention over the context merged with the new rows'; same
+# tokens, with pingpong micro-batches too.
+for mode in none pingpong; do
+  rm -rf "$TMP/run"
+  expect_ok "$TANDEM" generate --deploy "$TMP/deploy.yaml" --set pipeline.q_first=true --set pipeline.mode=$mode --prompts-file "$TMP/prompts.jsonl" --max-tokens 6 --json --logprobs
+  grep -q "q first (k,v after)" "$TMP/run/latest/compute-0.log" || bad "compute-0 does not log q_first (pipeline.mode $mode)"
+  python3 "$SRC/tests/cli/compare_results.py" "$TMP/out" "$TMP/deployed.json" 1e-4 >/dev/null 2>"$TMP/cmp" ||
+    bad "q_first with pipeline.mode $mode differs from colocated: $(cat "$TMP/cmp")"
+  ! grep -h " [WE] \[" "$TMP"/run/latest/*.log || bad "a clean q_first run logged warnings"
+done
 expect_fail "pipeline.mode: rotational needs compute.ranks of 2 or more" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set pipeline.mode=rotational
 expect_fail "pipeline.slice_layers: 99 exceeds the model's" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=rotational --set pipeline.slice_layers=99
 expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=fixed
@@ -273,9 +283,19 @@ expect_fail "exceeds the model's context" "$TANDEM" generate --deploy "$TMP/depl
 pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left behind after generate --deploy"
 
 # tandem launch: ready, then SIGTERM stops every rank and exits 0, leaving no process behind.
-"$TANDEM" launch "$TMP/deploy.yaml" >"$TMP/launch.out" 2>&1 &
-lpid=$!
-for _ in $(seq 1 200); do grep -q "running until" "$TMP/launch.out" && break; sleep 0.1; done
+# Each launch runs under a time limit, and its output file is new: a stale "running until" would let
+# a check go on before the ranks exist.
+launch_bg() {  # launch_bg ARGS...: tandem launch in the background (lpid), its output in launch.out
+  rm -f "$TMP/launch.out"
+  timeout 300 "$TANDEM" launch "$@" >"$TMP/launch.out" 2>&1 &
+  lpid=$!
+  for _ in $(seq 1 300); do grep -qs "running until" "$TMP/launch.out" && break; sleep 0.1; done
+}
+kill_memory_1() {  # SIGKILL to this run's memory rank 1, once it exists
+  for _ in $(seq 1 100); do pgrep -f -- "--rank 1 .*$TMP/run" >/dev/null && break; sleep 0.1; done
+  pkill -KILL -f -- "--rank 1 .*$TMP/run" || bad "no memory-1 process to kill"
+}
+launch_bg "$TMP/deploy.yaml"
 grep -q "running until" "$TMP/launch.out" || bad "launch did not become ready: $(cat "$TMP/launch.out")"
 # (the checks for processes left behind look for this run's config path on command lines)
 pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null || bad "no rank process names the run's deploy.yaml"
@@ -285,10 +305,8 @@ pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left
 # A memory rank that dies: with launch.recover_memory_ranks (the default) the deployment goes on and
 # answers through the survivor, and the launcher restarts the rank (launch.restart_memory_ranks);
 # without recovery, it comes down with a message naming the rank.
-"$TANDEM" launch "$TMP/deploy.yaml" >"$TMP/launch.out" 2>&1 &
-lpid=$!
-for _ in $(seq 1 200); do grep -q "running until" "$TMP/launch.out" && break; sleep 0.1; done
-pkill -KILL -f -- "--rank 1 .*$TMP/run" || pkill -KILL -f "memory --rank 1 .*--config $TMP/run/"
+launch_bg "$TMP/deploy.yaml"
+kill_memory_1
 sleep 0.5
 api_answer() {  # a completion of 4 tokens through the API on port 8000
   python3 -c 'import json, sys, urllib.request
@@ -303,10 +321,8 @@ grep -q "memory-1 restarted (pid [0-9]*)" "$TMP/launch.out" || bad "launch does 
 kill -TERM $lpid; wait $lpid; rc=$?
 [ $rc -eq 0 ] || bad "launch exited $rc after SIGTERM with a memory rank lost: $(tail -3 "$TMP/launch.out")"
 pgrep -f "$TMP/run/run-[^ ]*/deploy.yaml" >/dev/null && bad "rank processes left behind after a recovered loss"
-"$TANDEM" launch "$TMP/deploy.yaml" --set launch.recover_memory_ranks=false >"$TMP/launch.out" 2>&1 &
-lpid=$!
-for _ in $(seq 1 200); do grep -q "running until" "$TMP/launch.out" && break; sleep 0.1; done
-pkill -KILL -f -- "--rank 1 .*$TMP/run" || pkill -KILL -f "memory --rank 1 .*--config $TMP/run/"
+launch_bg "$TMP/deploy.yaml" --set launch.recover_memory_ranks=false
+kill_memory_1
 wait $lpid; rc=$?
 [ $rc -ne 0 ] || bad "launch exited 0 after a memory rank was killed"
 grep -q "memory-1 (pid [0-9]*) was killed by signal 9" "$TMP/launch.out" || bad "launch does not name the dead rank: $(tail -3 "$TMP/launch.out")"

@@ -223,6 +223,15 @@ def main():
                 bad(f"the deployment stopped: {d.err()[-600:]}")
             if [d.tokens(p, e) for p, e in REQUESTS] != expect:
                 bad("after the second rejoin: tokens differ from the fault-free ones")
+            # Prompts no rank has cached, two at a time, so that placement by free KV reaches the
+            # rejoined rank (the requests above may all follow their cached prefixes to rank 0).
+            for i in range(6):
+                threads = [threading.Thread(target=d.tokens, args=([300 + 7 * i + k, 41, 42 + k, 9], {}))
+                           for k in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
         finally:
             d.stop()
         # The bye of each process of memory rank 1: the restarted ones ran steps with rows.

@@ -199,6 +199,11 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
                             .seqno = 5,
                             .payload_bytes = 16,
                             .payload_crc32c = 0x1234};
+  // pipeline.q_first: the hello's flag and a q message's header.
+  HelloMessage q_hello = hello;
+  q_hello.q_first = true;
+  LayerMessageHeader q_header = header;
+  q_header.kind = LayerMessageKind::kQ;
   ReplicaStepMessage replica{.plan = plan, .tokens = {1, 2, 3, 4, 5}};
   replica.plan.micro_batches = 2;
   return {
@@ -230,6 +235,8 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
       EncodeHeartbeat({.seq = 3, .silence_ms = 4000}),
       EncodeHeartbeatReply({.seq = 3, .memory_rank = 1}),
       Concat(EncodeBye({.steps = 1}), EncodeBye({.steps = 2})),  // two frames: refused
+      EncodeHello(q_hello),
+      EncodeLayerMessageHeader(q_header),
   };
 }
 

@@ -9,6 +9,9 @@
 //     heads) gives the same as the colocated engine and as the request partition, with 1, 2 and 4
 //     memory ranks, on a mixed batch with prefix sharing on; a model whose KV heads do not divide
 //     among the ranks is refused with both numbers;
+//   * pipeline.q_first (q, then k,v; attention over the context merged with the new rows') gives
+//     the colocated engine's tokens in every pipeline mode and both partitions, and a CUDA compute
+//     rank refuses it;
 //   * a full KV cache makes requests wait, never drops one; a request that can never fit is
 //     refused at Submit and the deployment keeps working;
 //   * the transformers reference data is met through a deployment as it is by the engine;
@@ -40,6 +43,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -678,9 +682,9 @@ INSTANTIATE_TEST_SUITE_P(ModelsAndRanks, HeadPartition,
 // With compute replicas (pipeline.mode fixed, compute.ranks > 1): `tandem compute --replica r`
 // processes that load the same checkpoint, connect to the memory ranks and run the micro-batches
 // j with j % compute.ranks == r.
-class PingPong
-    : public DisaggregatedTest,
-      public ::testing::WithParamInterface<std::tuple<std::string, int, AttentionPartition, int, int, int>> {
+class PingPong : public DisaggregatedTest,
+                 public ::testing::WithParamInterface<
+                     std::tuple<std::string, int, AttentionPartition, int, int, int, bool>> {
  protected:
   // Starts compute ranks 1..ranks-1 (after the memory ranks) for compute rank 0's options `o`.
   void StartReplicas(const std::string& model, int ranks, const ComputeRankOptions& o,
@@ -694,6 +698,7 @@ class PingPong
                           << "\npipeline:\n  mode: " << (o.slice_layers > 0 ? "rotational" : "fixed")
                           << "\n  slice_layers: " << std::max(1, o.slice_layers)
                           << "\n  batches: " << o.micro_batches
+                          << "\n  q_first: " << (o.q_first ? "true" : "false")
                           << "\nscheduler:\n  max_batch_size: " << o.scheduler.max_batch_size
                           << "\n  max_tokens_per_step: " << o.scheduler.max_tokens_per_step
                           << "\nlaunch:\n  startup_timeout_s: 60\n  step_timeout_s: 20\n";
@@ -714,7 +719,7 @@ class PingPong
 };
 
 TEST_P(PingPong, EqualsColocated) {
-  const auto& [model, n, partition, batches, compute_ranks, slice_layers] = GetParam();
+  const auto& [model, n, partition, batches, compute_ranks, slice_layers, q_first] = GetParam();
   std::unique_ptr<WeightSource> source = OpenHeadModel(model);
   ASSERT_NE(source, nullptr);
   constexpr int64_t kBatch = 8, kStepTokens = 40, kBlock = 8;
@@ -741,6 +746,7 @@ TEST_P(PingPong, EqualsColocated) {
   o.partition = partition;
   o.micro_batches = batches;
   o.slice_layers = slice_layers;
+  o.q_first = q_first;
   if (compute_ranks > 1) {
     ASSERT_NO_FATAL_FAILURE(StartMemoryRanks(n));
     ASSERT_NO_FATAL_FAILURE(StartReplicas(model, compute_ranks, o, &o.replica_addresses));
@@ -760,13 +766,13 @@ TEST_P(PingPong, EqualsColocated) {
   }
   const ControllerStats& stats = rank_->controller().stats();
   std::printf(
-      "%s, %d compute rank(s)%s, %d memory rank(s), %s partition, %d micro-batches: %lld tokens in %lld "
+      "%s, %d compute rank(s)%s, %d memory rank(s), %s partition, %d micro-batches%s: %lld tokens in %lld "
       "steps, "
       "%lld prompt tokens reused, %lld rows in prefix groups, max |logprob difference| %.3g\n",
       model.c_str(), compute_ranks,
       slice_layers > 0 ? absl::StrCat(" rotating every ", slice_layers, " layer(s)").c_str() : "", n,
-      std::string(AttentionPartitionName(partition)).c_str(), batches, static_cast<long long>(generated),
-      static_cast<long long>(stats.steps), static_cast<long long>(cached),
+      std::string(AttentionPartitionName(partition)).c_str(), batches, q_first ? ", q first" : "",
+      static_cast<long long>(generated), static_cast<long long>(stats.steps), static_cast<long long>(cached),
       static_cast<long long>(stats.grouped_rows), ExpectSameResults(got, want));
   EXPECT_GT(cached, 0) << "the prefix cache was not used";
   absl::StatusOr<PipelineTotals> totals = rank_->Pipeline();
@@ -778,34 +784,61 @@ TEST_P(PingPong, EqualsColocated) {
   EXPECT_LE(report.compute_ms + report.attention_phase_ms, report.step_ms * 1.0001);
 }
 
-// (model, memory ranks, partition, micro-batches, compute ranks, slice_layers: 0 fixed, else rotational)
-using PingPongCase = std::tuple<std::string, int, AttentionPartition, int, int, int>;
+// (model, memory ranks, partition, micro-batches, compute ranks, slice_layers: 0 fixed, else
+// rotational, pipeline.q_first)
+using PingPongCase = std::tuple<std::string, int, AttentionPartition, int, int, int, bool>;
 INSTANTIATE_TEST_SUITE_P(
     ModelsRanksPartitionsBatches, PingPong,
-    ::testing::Values(PingPongCase{"llama3-gqa-tied", 1, AttentionPartition::kRequest, 2, 1, 0},
-                      PingPongCase{"llama2-mha", 2, AttentionPartition::kRequest, 3, 1, 0},
-                      PingPongCase{"mqa-headdim", 3, AttentionPartition::kRequest, 2, 1, 0},
-                      PingPongCase{"llama3-gqa-tied", 2, AttentionPartition::kHead, 2, 1, 0},
-                      PingPongCase{"gqa-8x4", 4, AttentionPartition::kHead, 4, 1, 0},
+    ::testing::Values(PingPongCase{"llama3-gqa-tied", 1, AttentionPartition::kRequest, 2, 1, 0, false},
+                      PingPongCase{"llama2-mha", 2, AttentionPartition::kRequest, 3, 1, 0, false},
+                      PingPongCase{"mqa-headdim", 3, AttentionPartition::kRequest, 2, 1, 0, false},
+                      PingPongCase{"llama3-gqa-tied", 2, AttentionPartition::kHead, 2, 1, 0, false},
+                      PingPongCase{"gqa-8x4", 4, AttentionPartition::kHead, 4, 1, 0, false},
                       // Compute replicas (pipeline.mode fixed).
-                      PingPongCase{"llama3-gqa-tied", 1, AttentionPartition::kRequest, 2, 2, 0},
-                      PingPongCase{"llama2-mha", 2, AttentionPartition::kRequest, 3, 2, 0},
-                      PingPongCase{"mqa-headdim", 2, AttentionPartition::kRequest, 3, 3, 0},
-                      PingPongCase{"llama2-mha", 2, AttentionPartition::kHead, 4, 3, 0},
+                      PingPongCase{"llama3-gqa-tied", 1, AttentionPartition::kRequest, 2, 2, 0, false},
+                      PingPongCase{"llama2-mha", 2, AttentionPartition::kRequest, 3, 2, 0, false},
+                      PingPongCase{"mqa-headdim", 2, AttentionPartition::kRequest, 3, 3, 0, false},
+                      PingPongCase{"llama2-mha", 2, AttentionPartition::kHead, 4, 3, 0, false},
                       // Rotational: n micro-batches on n - 1 compute ranks (the paper's layout),
                       // slices of one layer and of more, both partitions, 1-4 memory ranks.
-                      PingPongCase{"llama3-gqa-tied", 1, AttentionPartition::kRequest, 3, 2, 1},
-                      PingPongCase{"llama2-mha", 2, AttentionPartition::kRequest, 4, 3, 1},
-                      PingPongCase{"mqa-headdim", 3, AttentionPartition::kRequest, 2, 2, 2},
-                      PingPongCase{"llama2-mha", 4, AttentionPartition::kHead, 4, 3, 1},
-                      PingPongCase{"llama3-gqa-tied", 2, AttentionPartition::kHead, 3, 2, 3}),
+                      PingPongCase{"llama3-gqa-tied", 1, AttentionPartition::kRequest, 3, 2, 1, false},
+                      PingPongCase{"llama2-mha", 2, AttentionPartition::kRequest, 4, 3, 1, false},
+                      PingPongCase{"mqa-headdim", 3, AttentionPartition::kRequest, 2, 2, 2, false},
+                      PingPongCase{"llama2-mha", 4, AttentionPartition::kHead, 4, 3, 1, false},
+                      PingPongCase{"llama3-gqa-tied", 2, AttentionPartition::kHead, 3, 2, 3, false},
+                      // q-first (q, then k,v; attention over the context merged with the new rows'
+                      // by log-sum-exp): without micro-batches, pingpong, fixed and rotational, both
+                      // partitions, 1-3 memory ranks.
+                      PingPongCase{"llama3-gqa-tied", 1, AttentionPartition::kRequest, 1, 1, 0, true},
+                      PingPongCase{"llama2-mha", 2, AttentionPartition::kRequest, 2, 1, 0, true},
+                      PingPongCase{"gqa-8x4", 2, AttentionPartition::kHead, 2, 1, 0, true},
+                      PingPongCase{"mqa-headdim", 3, AttentionPartition::kRequest, 3, 2, 0, true},
+                      PingPongCase{"llama2-mha", 2, AttentionPartition::kHead, 3, 2, 1, true},
+                      PingPongCase{"llama3-gqa-tied", 3, AttentionPartition::kRequest, 3, 2, 2, true}),
     [](const auto& info) {
       const int slice = std::get<5>(info.param);
       return absl::StrCat(testing_names::Identifier(std::get<0>(info.param)), "_", std::get<4>(info.param),
                           "_compute_", std::get<1>(info.param), "_memory_",
                           AttentionPartitionName(std::get<2>(info.param)), "_", std::get<3>(info.param),
-                          "_batches", slice > 0 ? absl::StrCat("_rotating_", slice) : "");
+                          "_batches", slice > 0 ? absl::StrCat("_rotating_", slice) : "",
+                          std::get<6>(info.param) ? "_q_first" : "");
     });
+
+// pipeline.q_first on a CUDA compute rank: refused by Create, naming the setting, before any
+// device or connection is touched (nothing listens at the address).
+TEST_F(DisaggregatedTest, QFirstRefusesCudaComputeRank) {
+  std::unique_ptr<WeightSource> source = OpenReference("llama3-gqa-tied");
+  ASSERT_NE(source, nullptr);
+  ComputeRankOptions o = Options(8, 24, 1024);
+  o.device = 0;
+  o.q_first = true;
+  o.memory_addresses = {"127.0.0.1:1"};
+  absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(*source, o);
+  ASSERT_FALSE(rank.ok());
+  EXPECT_EQ(rank.status().code(), absl::StatusCode::kInvalidArgument) << rank.status();
+  EXPECT_TRUE(absl::StartsWith(rank.status().message(), "pipeline.q_first: compute rank on cuda:0"))
+      << rank.status();
+}
 
 // Head partition with KV heads that do not divide among the ranks: refused by Create, with both
 // numbers, before anything connects (nothing listens at these addresses).

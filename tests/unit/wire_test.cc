@@ -539,6 +539,21 @@ TEST(LayerMessageWire, RoundTripsAndGoldenBytes) {
   absl::StatusOr<LayerMessageHeader> back = DecodeLayerMessageHeader(golden);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_TRUE(*back == h);
+
+  // pipeline.q_first's two kinds, q (4) and kv (5): the same header in f32, only byte 40 and the
+  // body crc differ (crcs from the bitwise Python reference).
+  for (const auto& [kind, crc] : {std::pair{LayerMessageKind::kQ, Bytes{0x77, 0x21, 0x62, 0x89}},
+                                  std::pair{LayerMessageKind::kKv, Bytes{0x50, 0x5c, 0x5e, 0xc0}}}) {
+    LayerMessageHeader q = h;
+    q.kind = kind, q.dtype = DType::kF32;
+    Bytes want = golden;
+    std::copy(crc.begin(), crc.end(), want.begin() + 12);
+    want[16 + 40] = static_cast<uint8_t>(kind), want[16 + 41] = 0;
+    EXPECT_EQ(EncodeLayerMessageHeader(q), want);
+    absl::StatusOr<LayerMessageHeader> qb = DecodeLayerMessageHeader(want);
+    ASSERT_TRUE(qb.ok()) << qb.status();
+    EXPECT_TRUE(*qb == q);
+  }
 }
 
 TEST(StepPlanWire, HandBuiltBodyMatchesEncoder) {
@@ -944,8 +959,8 @@ TEST(LayerMessageWire, FieldRangeViolationsNameField) {
   };
   const std::vector<Case> cases = {
       {[](RawHeader& h) { h.kind = 0; },
-       "layer message header: kind 0 must be 1 (qkv), 2 (attn_out) or 3 (residual)"},
-      {[](RawHeader& h) { h.kind = 4; }, "kind 4"},
+       "layer message header: kind 0 must be 1 (qkv), 2 (attn_out), 3 (residual), 4 (q) or 5 (kv)"},
+      {[](RawHeader& h) { h.kind = 6; }, "kind 6"},
       {[](RawHeader& h) { h.dtype = 3; }, "dtype 3 must be 0 (f32), 1 (f16) or 2 (bf16)"},
       {[](RawHeader& h) { h.dtype = 0, h.row_bytes = 6, h.payload_bytes = 18; },
        "row_bytes 6 must be a multiple of 4 (f32)"},
@@ -1090,7 +1105,8 @@ struct RawHello {
   uint32_t kv_head_begin = 0;
   uint32_t kv_head_end = 2;  // request partition: every KV head
   uint16_t slice_layers = 0;
-  uint8_t reserved[6] = {};
+  uint8_t q_first = 0;
+  uint8_t reserved[5] = {};
 };
 
 Bytes HelloBody(const RawHello& h) {
@@ -1100,7 +1116,7 @@ Bytes HelloBody(const RawHello& h) {
   w.F32(h.kv_memory_fraction).U32(h.attn_out_buffer).U16(h.memory_rank).U16(h.num_memory_ranks);
   w.U8(h.dtype).U8(h.checksums).U16(h.prefix_block_tokens).U8(h.prefix_sharing).U8(h.partition);
   w.U8(h.lanes).U8(h.compute_ranks);
-  w.U32(h.kv_head_begin).U32(h.kv_head_end).U16(h.slice_layers);
+  w.U32(h.kv_head_begin).U32(h.kv_head_end).U16(h.slice_layers).U8(h.q_first);
   for (uint8_t b : h.reserved) w.U8(b);
   return w.b;
 }
@@ -1191,6 +1207,7 @@ HelloMessage RandomHello(std::mt19937_64& rng, bool extreme) {
   h.lanes = static_cast<uint8_t>(u(1, kMaxMicroBatches));
   h.compute_ranks = static_cast<uint8_t>(u(1, h.lanes));
   h.slice_layers = h.compute_ranks > 1 && u(0, 1) ? static_cast<uint16_t>(u(1, h.num_layers)) : 0;
+  h.q_first = u(0, 1) == 1;
   return h;
 }
 
@@ -1355,6 +1372,17 @@ TEST(ControlWire, GoldenBytes) {
   absl::StatusOr<HelloMessage> hb = DecodeHello(hello);
   ASSERT_TRUE(hb.ok()) << hb.status();
   EXPECT_TRUE(*hb == h);
+  // pipeline.q_first: byte 66 of the body (reserved before), and the body crc.
+  h.q_first = true;
+  Bytes q_hello = hello;
+  q_hello[16 + 66] = 0x01;
+  const Bytes q_crc = {0x60, 0x5c, 0x0d, 0xed};
+  std::copy(q_crc.begin(), q_crc.end(), q_hello.begin() + 12);
+  EXPECT_EQ(EncodeHello(h), q_hello);
+  hb = DecodeHello(q_hello);
+  ASSERT_TRUE(hb.ok()) << hb.status();
+  EXPECT_TRUE(*hb == h);
+  h.q_first = false;
 
   HelloReplyMessage r;
   r.kv_capacity_tokens = 0x01020304, r.qkv_buffer = 7, r.memory_rank = 2, r.dtype = DType::kBF16;
@@ -1618,6 +1646,8 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
       {[](RawHello& h) { h.kv_memory_fraction = std::numeric_limits<float>::infinity(); },
        "hello: kv_memory_fraction inf"},
       {[](RawHello& h) { h.checksums = 2; }, "hello: checksums 2 at byte offset 65 must be 0 or 1"},
+      {[](RawHello& h) { h.q_first = 2; }, "hello: q_first 2 at byte offset 82 must be 0 or 1"},
+      {[](RawHello& h) { h.reserved[0] = 1; }, "reserved at byte offset 83 is 1, must be 0"},
       {[](RawHello& h) { h.prefix_block_tokens = 4097; },
        "hello: prefix_block_tokens 4097 must be 0 (no prefix registry) or in [1, 4096]"},
       {[](RawHello& h) { h.prefix_block_tokens = 0xffff; }, "hello: prefix_block_tokens 65535"},
@@ -1634,7 +1664,7 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
        "hello: slice_layers 1 must be 0 or in [1, num_layers 4] with compute_ranks >= 2 (compute_ranks 1)"},
       {[](RawHello& h) { h.lanes = 2, h.compute_ranks = 2, h.slice_layers = 5; },
        "hello: slice_layers 5 must be 0 or in [1, num_layers 4]"},
-      {[](RawHello& h) { h.reserved[5] = 1; }, "hello: reserved at byte offset 87 is 1, must be 0"},
+      {[](RawHello& h) { h.reserved[4] = 1; }, "hello: reserved at byte offset 87 is 1, must be 0"},
       {[](RawHello& h) { h.lanes = 0; }, "hello: lanes 0 must be in [1, 8]"},
       {[](RawHello& h) { h.lanes = 9; }, "hello: lanes 9 must be in [1, 8]"},
       {[](RawHello& h) { h.lanes = 255; }, "hello: lanes 255 must be in [1, 8]"},
