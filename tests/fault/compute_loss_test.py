@@ -31,6 +31,8 @@ import time
 import urllib.error
 import urllib.request
 
+from fault_util import bad, failures, pids, signal_all, wait_for
+
 TANDEM = sys.argv[1]
 HEARTBEAT_S, STEP_TIMEOUT_S = 0.5, 2
 # A kill is seen at once (the transport reports the disconnect); a stopped compute rank 0 once its
@@ -38,34 +40,6 @@ HEARTBEAT_S, STEP_TIMEOUT_S = 0.5, 2
 # 2-core machine, and for the launcher's 10 s grace before it kills a rank that does not stop.
 KILL_BOUND_S = 20
 SILENT_BOUND_S = HEARTBEAT_S + STEP_TIMEOUT_S + 20
-failures = []
-
-
-def bad(msg):
-    print("FAIL:", msg, flush=True)
-    failures.append(msg)
-
-
-def pids(pattern):
-    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split() if int(p) != os.getpid()]
-
-
-def signal_all(pid_list, sig):
-    for pid in pid_list:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def wait_for(cond, bound):
-    start = time.time()
-    while time.time() - start < bound:
-        if cond():
-            return time.time() - start
-        time.sleep(0.05)
-    return None
 
 
 class Deployment:

@@ -23,31 +23,14 @@ import time
 import urllib.error
 import urllib.request
 
+from fault_util import bad, failures, pids, signal_all, wait_for
+
 TANDEM = sys.argv[1]
 MODEL = "tiny-gqa"
 HEARTBEAT_S, STEP_TIMEOUT_S = 0.5, 2
 # Detection: a heartbeat unanswered for the step timeout, found at the next idle wake-up; the rest
 # is slack for a loaded 2-core machine.
 DETECT_BOUND_S = HEARTBEAT_S * 2 + STEP_TIMEOUT_S + 6
-failures = []
-
-
-def bad(msg):
-    print("FAIL:", msg, flush=True)
-    failures.append(msg)
-
-
-def pids(pattern):
-    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def signal_all(pid_list, sig):
-    for pid in pid_list:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 class Deployment:
@@ -117,15 +100,6 @@ class Deployment:
                 self.proc.kill()
                 self.proc.wait()
         signal_all(stopped, signal.SIGKILL)
-
-
-def wait_for(cond, bound):
-    start = time.time()
-    while time.time() - start < bound:
-        if cond():
-            return time.time() - start
-        time.sleep(0.1)
-    return None
 
 
 PROMPTS = [[5, 17, 99, 3, 250, 7], [40, 41, 42, 43]]

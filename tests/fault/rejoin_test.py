@@ -26,38 +26,12 @@ import time
 import urllib.error
 import urllib.request
 
+from fault_util import bad, failures, pids, signal_all, wait_for
+
 TANDEM = sys.argv[1]
 MODEL = "tiny-gqa"
 STEP_TIMEOUT_S = 2
 BOUND_S = 25  # for each event awaited (a loss, a rejoin) on a loaded 2-core machine
-failures = []
-
-
-def bad(msg):
-    print("FAIL:", msg, flush=True)
-    failures.append(msg)
-
-
-def pids(pattern):
-    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def signal_all(pid_list, sig):
-    for pid in pid_list:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def wait_for(cond, bound):
-    start = time.time()
-    while time.time() - start < bound:
-        if cond():
-            return time.time() - start
-        time.sleep(0.05)
-    return None
 
 
 # (prompt, extra request fields): greedy and seeded sampling.
