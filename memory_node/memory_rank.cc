@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -222,7 +223,7 @@ class MemoryRank {
     if (!told.ok() && transport_->PeerStatus(peer_).ok()) return told;
     if (absl::Status peer = transport_->PeerStatus(peer_); peer_set_ && !peer.ok()) {
       st = AnnotateGone(st, absl::StrCat("compute rank 0 (", transport_->PeerName(peer_), ")"), peer);
-      TellReplicas(Annotate(st, absl::StrCat("memory rank ", o_.rank)));
+      TellReplicas(Named(st));
       return st;
     }
     for (const auto& [rank, peer] : replicas_) {
@@ -245,9 +246,16 @@ class MemoryRank {
     (void)transport_->Flush(absl::Now() + absl::Seconds(2));
   }
 
+  // `st` with "memory rank N: " in front, unless its message starts so already (the waits name
+  // this rank themselves).
+  absl::Status Named(const absl::Status& st) const {
+    const std::string me = absl::StrCat("memory rank ", o_.rank);
+    return absl::StartsWith(st.message(), absl::StrCat(me, ": ")) ? st : Annotate(st, me);
+  }
+
   // Tells the compute rank (if it can be reached) why this rank stops, and returns `st`.
   absl::Status Fail(absl::Status st) {
-    st = Annotate(st, absl::StrCat("memory rank ", o_.rank));
+    st = Named(st);
     if (transport_ && !absl::IsUnavailable(st)) {
       const std::vector<uint8_t> frame = EncodeError(ErrorMessageFromStatus(st));
       (void)transport_->Send(peer_, frame);
