@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -1077,11 +1076,8 @@ absl::Status ComputeRank::SendLayer(size_t j, const PlannedStep& step, uint32_t 
                                   .rows = static_cast<uint32_t>(end - begin),
                                   .row_bytes = static_cast<uint32_t>(row_bytes),
                                   .seqno = ++rl.seqno};
-    const absl::Span<const uint8_t> body(rows, static_cast<size_t>(end - begin) * row_bytes);
-    const std::vector<uint8_t> header = MakeLayerMessageHeader(what, body, options_.checksums);
-    const absl::Span<const uint8_t> pieces[] = {header, body};
-    const absl::Status wrote =
-        transport_->Write(rank.peer, rank.qkv_buffer + static_cast<uint32_t>(j), 0, pieces, rl.seqno);
+    const absl::Status wrote = WriteLayer(rank.peer, rank.qkv_buffer + static_cast<uint32_t>(j), 0, what,
+                                          {rows, static_cast<size_t>(end - begin) * row_bytes});
     if (!wrote.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(wrote, rank.name)));
   }
   return absl::OkStatus();
@@ -1095,10 +1091,8 @@ absl::Status ComputeRank::SendSplit(const PlannedStep& step, uint32_t layer, siz
   const size_t kv_row = row_bytes - q_row;
   auto* split = static_cast<uint8_t*>(lanes_[j].split.get());
   uint8_t* kv = split + n * q_row;
-  for (size_t i = 0; i < n; ++i) {
-    std::memcpy(split + i * q_row, rows + i * row_bytes, q_row);
-    std::memcpy(kv + i * kv_row, rows + i * row_bytes + q_row, kv_row);
-  }
+  CopyStridedHost(split, q_row, rows, row_bytes, q_row, n);
+  CopyStridedHost(kv, kv_row, rows + q_row, row_bytes, kv_row, n);
   RankLane& rl = rank.lanes[j];
   const uint32_t buffer = rank.qkv_buffer + static_cast<uint32_t>(j);
   LayerMessageExpect what{.step_id = step.plan.step_id,
@@ -1108,18 +1102,19 @@ absl::Status ComputeRank::SendSplit(const PlannedStep& step, uint32_t layer, siz
                           .rows = static_cast<uint32_t>(n),
                           .row_bytes = static_cast<uint32_t>(q_row),
                           .seqno = ++rl.seqno};
-  const absl::Span<const uint8_t> q_body(split, n * q_row);
-  const std::vector<uint8_t> q_header = MakeLayerMessageHeader(what, q_body, options_.checksums);
-  const absl::Span<const uint8_t> q_pieces[] = {q_header, q_body};
-  RETURN_IF_ERROR(transport_->Write(rank.peer, buffer, 0, q_pieces, rl.seqno));
+  RETURN_IF_ERROR(WriteLayer(rank.peer, buffer, 0, what, {split, n * q_row}));
   what.kind = LayerMessageKind::kKv;
   what.row_bytes = static_cast<uint32_t>(kv_row);
   what.seqno = ++rl.seqno;
-  const absl::Span<const uint8_t> kv_body(kv, n * kv_row);
-  const std::vector<uint8_t> kv_header = MakeLayerMessageHeader(what, kv_body, options_.checksums);
-  const absl::Span<const uint8_t> kv_pieces[] = {kv_header, kv_body};
   const size_t offset = QFirstKvOffset(static_cast<size_t>(options_.scheduler.max_tokens_per_step), q_row);
-  return transport_->Write(rank.peer, buffer, offset, kv_pieces, rl.seqno);
+  return WriteLayer(rank.peer, buffer, offset, what, {kv, n * kv_row});
+}
+
+absl::Status ComputeRank::WriteLayer(uint32_t peer, uint32_t buffer, uint64_t offset,
+                                     const LayerMessageExpect& what, absl::Span<const uint8_t> body) {
+  const std::vector<uint8_t> header = MakeLayerMessageHeader(what, body, options_.checksums);
+  const absl::Span<const uint8_t> pieces[] = {header, body};
+  return transport_->Write(peer, buffer, offset, pieces, what.seqno);
 }
 
 void ComputeRank::SkipLayer(size_t j, const PlannedStep& step) {
@@ -1156,10 +1151,8 @@ absl::Status ComputeRank::SendResidual(size_t j, const PlannedStep& step, uint32
                                 .rows = static_cast<uint32_t>(t),
                                 .row_bytes = static_cast<uint32_t>(backend_->spec().hidden_size * 4),
                                 .seqno = ++lane.resid_out_seqno};
-  const absl::Span<const uint8_t> body(static_cast<const uint8_t*>(src), bytes);
-  const std::vector<uint8_t> header = MakeLayerMessageHeader(what, body, options_.checksums);
-  const absl::Span<const uint8_t> pieces[] = {header, body};
-  return Annotate(transport_->Write(next_peer_, buffer, 0, pieces, what.seqno), next_name_);
+  return Annotate(WriteLayer(next_peer_, buffer, 0, what, {static_cast<const uint8_t*>(src), bytes}),
+                  next_name_);
 }
 
 absl::Status ComputeRank::ReceiveResidual(size_t j, const PlannedStep& step, uint32_t layer) {

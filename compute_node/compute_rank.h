@@ -53,6 +53,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/head_partition.h"
+#include "common/layer_message.h"
 #include "common/pipeline_schedule.h"
 #include "common/status.h"
 #include "common/transport/factory.h"
@@ -254,6 +255,10 @@ class ComputeRank : public Engine {
   // Waits for (host path) or enqueues the waits for (device path) micro-batch j's attention
   // outputs of `layer`, which end up in lane j's attention buffer.
   absl::Status ReceiveLayer(size_t j, const PlannedStep& step, uint32_t layer);
+  // A layer message: `body` behind its header (crc with checksums on) at `offset` of the peer's
+  // buffer `buffer`, doorbell what.seqno (host-staged path).
+  absl::Status WriteLayer(uint32_t peer, uint32_t buffer, uint64_t offset, const LayerMessageExpect& what,
+                          absl::Span<const uint8_t> body);
   // Rotational pipeline: a memory rank's seqno of micro-batch j's next layer, advanced by a rank
   // that neither sends nor receives that layer (every compute rank keeps the memory ranks' count).
   void SkipLayer(size_t j, const PlannedStep& step);

@@ -73,6 +73,14 @@ class Deployment:
     def err(self):
         return open(self.err_path).read()
 
+    def expect_503s(self, cause):
+        """Every client got an answer to its request in flight, and each was 503 saying `cause`."""
+        if len(self.answers) != len(self.clients):
+            bad(f"{self.name}: {len(self.clients) - len(self.answers)} client(s) got no answer")
+        for status, body in self.answers:
+            if status != 503 or cause not in body:
+                bad(f"{self.name}: a request in flight was answered {status} {body[:300]}, not 503 saying {cause!r}")
+
     def log(self, rank):
         path = os.path.join(self.dir, "run", "latest", f"{rank}.log")
         return open(path).read() if os.path.exists(path) else ""
@@ -227,12 +235,7 @@ def replica_killed(tmp, mode):
         err = d.check_ended(KILL_BOUND_S, "kill -9 of compute-1")
         d.end_clients()
         print(f"{d.name}: {d.completed} requests completed; then {[a[0] for a in d.answers]}", flush=True)
-        if len(d.answers) != len(d.clients):
-            bad(f"{d.name}: {len(d.clients) - len(d.answers)} client(s) got no answer")
-        for status, body in d.answers:
-            if status != 503 or "compute rank 1" not in body:
-                bad(f"{d.name}: a request in flight was answered {status} {body[:300]}, "
-                    "not 503 naming compute rank 1")
+        d.expect_503s("compute rank 1")
         if f"compute-1 (pid {victim[0]}) was killed by signal 9" not in err:
             bad(f"{d.name}: the launcher does not name compute-1: {err[-800:]}")
     finally:
@@ -263,12 +266,7 @@ def memory_ranks_lost(tmp):
         poller.join(10)
         print(f"memory-lost: {d.completed} requests completed; then {[a[0] for a in d.answers]}; "
               f"/health said {sorted(set(s for s, _ in health))}", flush=True)
-        if len(d.answers) != len(d.clients):
-            bad(f"memory-lost: {len(d.clients) - len(d.answers)} client(s) got no answer")
-        for status, body in d.answers:
-            if status != 503 or "every memory rank is lost" not in body:
-                bad(f"memory-lost: a request in flight was answered {status} {body[:300]}, not 503 "
-                    "saying every memory rank is lost")
+        d.expect_503s("every memory rank is lost")
         failed = [b for s, b in health if s == 503]
         if not failed or not all("every memory rank is lost" in json.loads(b)["error"]["message"] for b in failed):
             bad(f"memory-lost: /health did not answer 503 naming the cause: {health[-3:]}")
