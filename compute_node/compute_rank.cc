@@ -1367,7 +1367,8 @@ absl::Status ComputeRank::NameFailedPeer(absl::Status st) {
   // The memory ranks leave as soon as compute rank 0 dies, and their disconnects may reach this
   // rank before its own: give the transport a moment (the failure path only) to report it.
   // A memory rank that saw compute rank 0 go says so first (an error message): that is the cause.
-  const absl::Time until = absl::Now() + absl::Seconds(1);
+  // Up to 3 s: 1 s was seen too short on a loaded 2-core host.
+  const absl::Time until = absl::Now() + absl::Seconds(3);
   absl::Status told;
   while (transport_->PeerStatus(rank0_peer_).ok() && told.ok() && absl::Now() < until) {
     transport::PeerId from = 0;

@@ -198,15 +198,15 @@ class MemoryRank {
   // compute rank 0 first, then the replicas; `st` when none did.
   // The replicas are told when it is compute rank 0 (TellReplicas), so that they name it too.
   // A replica's disconnect can come before compute rank 0's when the replica left because rank 0
-  // went: up to 1 s (the failure path only) for rank 0's to be known, or for the replica's error
-  // message saying why it stopped.
+  // went: up to 3 s (the failure path only; 1 s was seen too short on a loaded 2-core host) for
+  // rank 0's to be known, or for the replica's error message saying why it stopped.
   absl::Status NameFailedPeer(absl::Status st) {
     if (st.ok() || !transport_) return st;
     const bool replica_failed = std::any_of(replicas_.begin(), replicas_.end(), [&](const auto& r) {
       return !transport_->PeerStatus(r.second).ok();
     });
     absl::Status told;
-    for (const absl::Time until = absl::Now() + absl::Seconds(1); replica_failed && peer_set_ &&
+    for (const absl::Time until = absl::Now() + absl::Seconds(3); replica_failed && peer_set_ &&
                                                                   transport_->PeerStatus(peer_).ok() &&
                                                                   told.ok() && absl::Now() < until;) {
       PeerId from = 0;
