@@ -155,17 +155,17 @@ absl::Status RunCompute(const ComputeArgs& a) {
   std::unique_ptr<LocalMemoryRanks> local;
   const SchedulerKvSettings settings = SchedulerKvSettingsFromConfig(c);
   if (transport::GetTransportInfo(o.transport).one_process) {
-    if (settings.tiers_enabled()) {
-      return absl::InvalidArgumentError(
-          "kv.tiers.host_bytes / kv.tiers.disk_bytes: KV tiers need CPU memory ranks (processes), not memory "
-          "ranks on the compute GPU (transport.kind local)");
-    }
     if (a.memory_devices.empty())
       return absl::InvalidArgumentError("--memory-devices: needed with --transport local");
     ASSIGN_OR_RETURN(
         local, LocalMemoryRanks::Start(absl::StrSplit(a.memory_devices, ','),
                                        {.startup = absl::Seconds(c.GetDouble("launch.startup_timeout_s")),
-                                        .step = absl::Seconds(c.GetDouble("launch.step_timeout_s"))}));
+                                        .step = absl::Seconds(c.GetDouble("launch.step_timeout_s")),
+                                        .tiers = {.host_bytes = settings.tiers_host_bytes,
+                                                  .disk_dir = settings.tiers_disk_dir,
+                                                  .disk_bytes = settings.tiers_disk_bytes},
+                                        .model = absl::StrCat(c.GetString("model.path"), " seed ",
+                                                              c.GetInt("model.weight_seed"))}));
     o.memory_addresses = local->addresses();
   } else {
     if (a.memory.empty())
@@ -179,9 +179,10 @@ absl::Status RunCompute(const ComputeArgs& a) {
     return st.ok() ? joined : st;
   };
   ASSIGN_OR_RETURN(o.partition, ParseAttentionPartition(c.GetString("memory.partition")));
-  // KV tiers live on CPU memory ranks: fp32 KV.
-  ASSIGN_OR_RETURN(o.scheduler,
-                   ResolveControllerOptions(settings, source->spec().kv_bytes_per_token(sizeof(float))));
+  // The memory ranks compute in the compute rank's dtype, and keep KV in it: fp32 on CPU ranks, bf16
+  // on CUDA ranks (the tiers' block size follows).
+  ASSIGN_OR_RETURN(o.scheduler, ResolveControllerOptions(
+                                    settings, source->spec().kv_bytes_per_token(o.device < 0 ? 4 : 2)));
   o.kv_capacity_tokens = settings.kv_capacity_tokens;
   o.kv_memory_fraction = settings.kv_memory_fraction;
   o.checksums = c.GetBool("transport.checksums");

@@ -37,11 +37,12 @@ absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const W
                                                                          const EngineOptions& requested) {
   EngineOptions options = requested;
   const ModelSpec& spec = source.spec();
-  ASSIGN_OR_RETURN(const ControllerOptions scheduler,
-                   ResolveControllerOptions(
-                       options, 2 * spec.num_layers * spec.kv_dim() * static_cast<int64_t>(sizeof(float))));
-  options.max_batch_size = scheduler.max_batch_size;
   ASSIGN_OR_RETURN(const int device, kernels::ResolveDevice(options.device, spec));
+  // KV elements: fp32 in the CPU pool, bf16 in the CUDA pool (the tiers' block size follows).
+  const int64_t kv_elem = device < 0 ? 4 : 2;
+  ASSIGN_OR_RETURN(const ControllerOptions scheduler,
+                   ResolveControllerOptions(options, 2 * spec.num_layers * spec.kv_dim() * kv_elem));
+  options.max_batch_size = scheduler.max_batch_size;
   const ComputeBackendOptions co{.max_tokens = options.max_tokens_per_step,
                                  .max_requests = options.max_batch_size,
                                  .profile = options.profile,

@@ -1614,9 +1614,10 @@ EngineStats ComputeRank::stats() const {
   const ControllerStats& cs = controller_->stats();
   KvTierCounters tiers;
   if (options_.scheduler.tier_blocks > 0) {
-    // Memory ranks keep fp32 KV (KV tiers need CPU ranks); a block is prefix_block_tokens of it.
-    const int64_t block_bytes =
-        options_.scheduler.prefix_block_tokens * backend_->spec().kv_bytes_per_token(sizeof(float));
+    // Memory ranks keep KV in the compute rank's dtype (fp32 on CPU, bf16 on CUDA); a block is
+    // prefix_block_tokens of it.
+    const int64_t block_bytes = options_.scheduler.prefix_block_tokens *
+                                backend_->spec().kv_bytes_per_token(DTypeSize(backend_->dtype()));
     tiers = {.enabled = true,
              .demoted_blocks = cs.demoted_blocks,
              .restored_blocks = cs.restored_blocks,

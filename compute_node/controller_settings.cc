@@ -35,9 +35,9 @@ void AddSchedulerKvKnobs(ConfigSchema* schema) {
            "recently used first); 0: least recently used only",
            0, 1 << 20)
       .Int("kv.tiers.host_bytes", d.tiers_host_bytes,
-           "KV tiers (CPU memory ranks and the CPU engine): bytes of host memory per memory rank that keep "
-           "prefix blocks evicted from the KV pool, so that a later turn restores them instead of "
-           "recomputing; 0: off",
+           "KV tiers (the colocated engine and every memory rank, CPU or CUDA): bytes of host memory per "
+           "memory rank that keep prefix blocks evicted from the KV pool, so that a later turn restores them "
+           "instead of recomputing; 0: off",
            0, int64_t{1} << 50)
       .String("kv.tiers.disk_dir", d.tiers_disk_dir,
               "directory of the disk KV tier (memory rank m uses its subdirectory rank-<m>); needed when "

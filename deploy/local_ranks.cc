@@ -27,6 +27,8 @@ absl::StatusOr<std::unique_ptr<LocalMemoryRanks>> LocalMemoryRanks::Start(
     o.transport = transport::TransportKind::kLocal;
     o.startup_timeout = timeouts.startup;
     o.step_timeout = timeouts.step;
+    o.tiers = timeouts.tiers;
+    o.model = timeouts.model;
     o.on_listening = [self, m](const std::string& address) {
       std::lock_guard<std::mutex> lock(self->mu_);
       self->ranks_[m].address = address;

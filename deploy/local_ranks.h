@@ -22,12 +22,17 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "memory_node/kv_tier_store.h"
 
 namespace tandem {
 
 struct LocalRankTimeouts {
   absl::Duration startup = absl::Minutes(10);  // MemoryRankOptions::startup_timeout
   absl::Duration step = absl::Minutes(2);      // MemoryRankOptions::step_timeout
+  // KV tiers of each rank (MemoryRankOptions::tiers and ::model; disk files under
+  // disk_dir/rank-<m>/); off by default.
+  KvTierOptions tiers;
+  std::string model;
 };
 
 class LocalMemoryRanks {

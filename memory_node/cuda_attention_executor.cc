@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -385,6 +386,64 @@ class CudaAttentionExecutor : public AttentionExecutor {
   MemorySpace& memory() override { return memory_; }
   void* stream() const override { return stream_; }
 
+  // KV tiers: a block's slots are gathered into (or scattered from) a device staging buffer in
+  // ReadSlots' layout with the existing row kernels (GatherRows, KvAppend), and that buffer is copied
+  // to or from the host buffer in one piece, on the executor's stream. ReadSlots waits for its copy
+  // (the caller reads `out` next); the writes are stream-ordered before the attention that reads
+  // the slots, and the host bytes are copied out before cudaMemcpyAsync returns (pageable memory is
+  // staged by the driver), so the caller may free them at once.
+  absl::Status ReadSlots(std::span<const int32_t> slots, uint8_t* out) const override {
+    RETURN_IF_ERROR(CheckSlots(slots));
+    const int64_t n = static_cast<int64_t>(slots.size()), kv_dim = shape_.kv_dim();
+    if (n == 0) return absl::OkStatus();
+    RETURN_IF_ERROR(UploadSlots(slots, shape_.num_layers));
+    const int64_t layer_kv = num_slots_ * kv_dim;
+    bf16* stage = tier_stage_.as<bf16>();
+    for (int64_t l = 0; l < shape_.num_layers; ++l) {
+      for (int64_t half = 0; half < 2; ++half) {
+        RETURN_IF_ERROR(kc::GatherRows({.src = kv_->as<bf16>() + (2 * l + half) * layer_kv,
+                                        .dst = stage + (2 * l + half) * n * kv_dim,
+                                        .rows = tier_slots_.as<int32_t>(),
+                                        .n = n,
+                                        .width = kv_dim,
+                                        .src_stride = kv_dim},
+                                       stream_));
+      }
+    }
+    const size_t bytes = static_cast<size_t>(shape_.num_layers * 2 * n * kv_dim * 2);
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out, stage, bytes, cudaMemcpyDeviceToHost, stream_));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    return absl::OkStatus();
+  }
+  absl::Status WriteSlots(std::span<const int32_t> slots, const uint8_t* in) override {
+    for (int64_t l = 0; l < shape_.num_layers; ++l) RETURN_IF_ERROR(WriteSlotsLayer(slots, l, in));
+    return absl::OkStatus();
+  }
+  absl::Status WriteSlotsLayer(std::span<const int32_t> slots, int64_t layer, const uint8_t* in) override {
+    RETURN_IF_ERROR(CheckSlots(slots));
+    if (layer < 0 || layer >= shape_.num_layers)
+      return absl::InvalidArgumentError(absl::StrCat("KV tiers: layer ", layer, " outside the model"));
+    const int64_t n = static_cast<int64_t>(slots.size()), kv_dim = shape_.kv_dim();
+    if (n == 0) return absl::OkStatus();
+    RETURN_IF_ERROR(UploadSlots(slots, 1));
+    const int64_t part = 2 * n * kv_dim;  // elements of one layer's K and V rows
+    bf16* stage = tier_stage_.as<bf16>();
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(stage, in + layer * part * 2, static_cast<size_t>(part * 2),
+                                         cudaMemcpyHostToDevice, stream_));
+    const int64_t layer_kv = num_slots_ * kv_dim;
+    bf16* k_cache = kv_->as<bf16>() + 2 * layer * layer_kv;
+    kc::KvAppendParams app;
+    app.k = stage;
+    app.v = stage + n * kv_dim;
+    app.slots = tier_slots_.as<int32_t>();
+    app.k_cache = k_cache;
+    app.v_cache = k_cache + layer_kv;
+    app.n = n;
+    app.kv_dim = kv_dim;
+    app.num_slots = num_slots_;
+    return kc::KvAppend(app, stream_);
+  }
+
  private:
   kc::CudaMemorySpace memory_;
   CudaAttentionExecutor() = default;
@@ -422,6 +481,24 @@ class CudaAttentionExecutor : public AttentionExecutor {
     CUDA_RETURN_IF_ERROR(cudaEventRecord(timing_[timing_used_++], stream_));
     return absl::OkStatus();
   }
+  absl::Status CheckSlots(std::span<const int32_t> slots) const {
+    for (int32_t s : slots) {
+      if (s < 0 || s >= num_slots_)
+        return absl::InvalidArgumentError(absl::StrCat("KV tiers: slot ", s, " outside the pool"));
+    }
+    return absl::OkStatus();
+  }
+  // The slots of a tier copy on the device, and staging room for `layers` layers of their K and V.
+  // Growing a buffer frees the old one (cudaFree waits for the work that still uses it).
+  absl::Status UploadSlots(std::span<const int32_t> slots, int64_t layers) const {
+    const int64_t n = static_cast<int64_t>(slots.size());
+    RETURN_IF_ERROR(tier_slots_.Reserve(n * 4));
+    RETURN_IF_ERROR(tier_stage_.Reserve(layers * 2 * n * shape_.kv_dim() * 2));
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tier_slots_.ptr, slots.data(), static_cast<size_t>(n * 4),
+                                         cudaMemcpyHostToDevice, stream_));
+    return absl::OkStatus();
+  }
+  mutable kc::DeviceBuffer tier_slots_, tier_stage_;  // KV tiers' slot copies (ReadSlots, WriteSlots*)
   int64_t num_slots_ = 0;
   std::shared_ptr<kc::DeviceBuffer> kv_;  // the KV pool, shared with the lanes
   kc::DeviceBuffer q_, meta_, decode_ws_;

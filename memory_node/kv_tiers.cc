@@ -24,12 +24,6 @@ uint64_t KvBlockFingerprint(const AttentionShape& shape, DType dtype, int64_t bl
 absl::StatusOr<std::unique_ptr<KvTiers>> KvTiers::Create(const KvTierOptions& options,
                                                          AttentionExecutor* executor, int64_t block_tokens,
                                                          std::string_view model) {
-  if (!executor->memory().host()) {
-    return absl::UnimplementedError(
-        absl::StrCat("kv.tiers.host_bytes / kv.tiers.disk_bytes: KV tiers need a KV "
-                     "pool in host memory (a CPU rank); this one is on ",
-                     executor->device(), ": set both to 0"));
-  }
   if (block_tokens < 1)
     return absl::InvalidArgumentError("kv.tiers.*: KV tiers need the prefix cache (kv.prefix_cache: true)");
   const AttentionShape& shape = executor->shape();

@@ -7,8 +7,8 @@
 // the model's identity (a string its owner gives: weights and their seed where it knows them), the
 // executor's KV shape and dtype and the block size, so a file written for anything else is refused.
 //
-// Only executors whose pool is in host memory copy slots today (the CPU executor): Create refuses
-// others with an error naming kv.tiers.
+// The CPU executor copies slots with memcpy; the CUDA executor gathers and scatters them on its
+// stream through a device staging buffer (bf16 KV: a block is half the bytes of the CPU's).
 //
 // Demote passes the block's tokens on to the store when its caller knows them (the colocated
 // engine does, from its controller; a memory rank does not), so that a persisted file can be

@@ -632,6 +632,9 @@ class MemoryRank {
     const size_t qkv_row = static_cast<size_t>(shape_.qkv_width()) * elem_;
     const size_t out_row = static_cast<size_t>(shape_.q_dim()) * elem_;
     for (uint32_t layer = 0; layer < static_cast<uint32_t>(shape_.num_layers); ++layer) {
+      // Layer-wise restore: this layer's KV of the blocks restored for the step, enqueued on the
+      // executor's stream ahead of the layer's attention.
+      if (tiers_ != nullptr) RETURN_IF_ERROR(tiers_->RestoreLayer(layer));
       for (size_t j = 0; j < lanes; ++j) {
         Lane& lane = lanes_[j];
         if (lane.rows == 0) continue;
