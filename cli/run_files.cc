@@ -21,12 +21,13 @@ std::string TierSummary(const EngineStats& s) {
                     t.prefetch_used_blocks, " used, ", t.prefetch_wasted_blocks, " wasted)");
   }
   if (t.per_tier) {
-    absl::StrAppend(&out, "; hits host ", t.host_hits, ", disk ", t.disk_hits, ", misses ", t.misses,
-                    ", discarded ", t.discarded, "; bytes to host ", t.bytes_to_host, ", from host ",
-                    t.bytes_from_host, ", to disk ", t.bytes_to_disk, ", from disk ", t.bytes_from_disk,
-                    "; evictions host ", t.host_evictions, ", disk ", t.disk_evictions,
-                    absl::StrFormat("; restore time %.3f ms (%.3f ms before a step's layers)",
-                                    t.restore_seconds * 1e3, t.restore_stall_seconds * 1e3));
+    absl::StrAppend(
+        &out, "; hits host ", t.host_hits, ", disk ", t.disk_hits, ", misses ", t.misses, ", discarded ",
+        t.discarded, "; bytes to host ", t.bytes_to_host, ", from host ", t.bytes_from_host, ", to disk ",
+        t.bytes_to_disk, ", from disk ", t.bytes_from_disk, "; evictions host ", t.host_evictions, ", disk ",
+        t.disk_evictions,
+        absl::StrFormat("; restore time %.3f ms (%.3f ms before a step's layers); save time %.3f ms",
+                        t.restore_seconds * 1e3, t.restore_stall_seconds * 1e3, t.save_seconds * 1e3));
     if (t.disk_write_errors > 0) absl::StrAppend(&out, "; disk write errors ", t.disk_write_errors);
   }
   return out;

@@ -195,6 +195,7 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
     t.disk_write_errors = ts.write_errors;
     t.restore_seconds = tiers_->restore_seconds();
     t.restore_stall_seconds = tiers_->restore_stall_seconds();
+    t.save_seconds = tiers_->save_seconds();
   }
   stats_.busy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return absl::OkStatus();

@@ -77,6 +77,7 @@ struct KvTierCounters {
   // Of restore_seconds, the time spent before a step's layers could start (layer-wise restore
   // copies each layer into the pool just before that layer's attention; the rest is loads).
   double restore_stall_seconds = 0;
+  double save_seconds = 0;  // time copying demoted blocks out of the pool into the tiers (KvTiers::Demote)
 };
 
 struct EngineStats {

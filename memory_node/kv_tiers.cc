@@ -56,6 +56,7 @@ void KvTiers::Demote(uint64_t hash, uint64_t parent_hash, int32_t depth, std::sp
     if (const absl::Status done = FinishRestores(); !done.ok())
       TANDEM_LOG_WARN("kv-tiers", "finishing restores: ", done.message());
   }
+  const auto t0 = std::chrono::steady_clock::now();
   const absl::Status st = executor_->ReadSlots(slots, buffer_.data());
   if (!st.ok()) {  // the block is then simply not kept; a later restore of it fails and recomputes
     TANDEM_LOG_WARN("kv-tiers", "block ", absl::StrFormat("%016x", hash), " not saved: ", st.message());
@@ -66,6 +67,7 @@ void KvTiers::Demote(uint64_t hash, uint64_t parent_hash, int32_t depth, std::sp
                 .depth = depth,
                 .tokens = std::vector<int32_t>(tokens.begin(), tokens.end())},
                buffer_);
+  save_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 bool KvTiers::Restore(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots) {

@@ -74,6 +74,10 @@ class KvTiers : public KvBlockTiers {
   // The part of restore_seconds spent inside Restore, before the step's layers start: what a
   // restore delays the step by (with layer-wise restore, the loads and checks only).
   double restore_stall_seconds() const { return restore_stall_seconds_; }
+  // Wall time spent in Demote: the copy out of the pool (a device-to-host copy on a GPU) and the
+  // hand-over to the store (its host copy; disk writes run on the store's thread). It delays the
+  // step whose admission evicted the blocks.
+  double save_seconds() const { return save_seconds_; }
 
  private:
   KvTiers(AttentionExecutor* executor, std::unique_ptr<KvTierStore> store, int64_t block_tokens)
@@ -95,6 +99,7 @@ class KvTiers : public KvBlockTiers {
   int64_t layers_copied_ = 0;  // of staged_: layers [0, layers_copied_) are in the pool
   double restore_seconds_ = 0;
   double restore_stall_seconds_ = 0;
+  double save_seconds_ = 0;
 };
 
 }  // namespace tandem

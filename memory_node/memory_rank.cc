@@ -119,7 +119,7 @@ class MemoryRank {
                           t.bytes_from_disk, "; evictions host ", t.host_evictions, ", disk ",
                           t.disk_evictions, "; disk write errors ", t.write_errors, "; restore time ",
                           tiers_->restore_seconds(), " s, of which ", tiers_->restore_stall_seconds(),
-                          " s before a step's layers");
+                          " s before a step's layers; save time ", tiers_->save_seconds(), " s");
         }
         // Answer (the compute rank waits for it before it leaves), then go.
         transport_->Close(peer_);

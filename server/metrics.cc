@@ -69,6 +69,10 @@ void RenderTiers(const KvTierCounters& t, const std::string& model_name, std::st
            "Of the restore time, the part spent before a step's layers could start (the rest is copied "
            "layer by layer, just before each layer's attention).",
            {{"", t.restore_stall_seconds}});
+    family("kv_tier_save_seconds_total", "counter",
+           "Time copying blocks evicted from the KV pool into the lower tiers (it delays the step whose "
+           "admission evicted them).",
+           {{"", t.save_seconds}});
   }
   family("kv_tier_evictions_total", "counter",
          "Blocks evicted from each tier: the pool's go to the lower tiers, the lower tiers' are dropped.",

@@ -13,7 +13,7 @@
 // theirs when they end):
 //   tandem:kv_tier_hits_total{tier="host"|"disk"}, tandem:kv_tier_misses_total,
 //   tandem:kv_tier_discarded_total, tandem:kv_tier_disk_write_errors_total,
-//   tandem:kv_tier_restore_seconds_total,
+//   tandem:kv_tier_restore_seconds_total, tandem:kv_tier_save_seconds_total,
 //   tandem:kv_tier_evictions_total{tier="host"|"disk"},
 //   tandem:kv_tier_bytes_total{tier="host"|"disk",direction="in"|"out"}
 //
