@@ -156,9 +156,11 @@ class ComputeRank : public Engine {
   // request that now fits no surviving rank is reported finished with an error
   // (GenerationResult::error, Controller::FailUnplaceable). Without
   // recovery (or where it is not supported), or once every rank is lost, the step fails with a
-  // Status naming the rank. A compute replica that fails or goes silent mid-step fails the step,
-  // naming it: its micro-batches' attention is half done on the memory ranks, which would have to
-  // be told to drop the step (see docs/architecture.md, "Failures"). Cancel: the memory rank that
+  // Status naming the rank. A compute replica that fails or goes silent mid-step is given up
+  // (recover_compute_replicas; compute.ranks 2, host-staged path): the memory ranks get a step
+  // discard and the step runs again with every micro-batch on this rank, as every step after it
+  // (RecoverFromFailedStep, LoseReplica; docs/architecture.md, "Failures"); elsewhere it fails the
+  // step, naming it. Cancel: the memory rank that
   // holds the request's KV is told to free it (a release message, as for a finished request).
   //
   // Rejoin (ComputeRankOptions::rejoin_probe): a lost rank's address (memory_addresses[m], where a
@@ -187,7 +189,8 @@ class ComputeRank : public Engine {
   // it gives up is recovered as in Step (its requests, none while idle, requeued); without
   // recovery, or once every rank is lost, it returns the error naming the rank. The compute
   // replicas get heartbeats too; one that failed or left its heartbeat unanswered for the step
-  // timeout is an error naming it (a replica is not recovered: see Step).
+  // timeout is given up as in Step (with no step to discard), or, without that recovery, is an
+  // error naming it.
   absl::Duration heartbeat_interval() const override {
     return options_.heartbeat > absl::ZeroDuration() ? options_.heartbeat : absl::InfiniteDuration();
   }
