@@ -191,6 +191,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
   o.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   o.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
   o.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks");
+  o.recover_compute_replicas = c.GetBool("launch.recover_compute_replicas");
   o.heartbeat = absl::Seconds(c.GetDouble("launch.heartbeat_s"));
   o.rejoin_probe = absl::Seconds(c.GetDouble("launch.rejoin_probe_s"));
   o.micro_batches = PipelineMicroBatches(c);
@@ -287,10 +288,16 @@ absl::Status RunCompute(const ComputeArgs& a) {
   ASSIGN_OR_RETURN(const PipelineTotals totals, rank->Pipeline());
   stats.pipeline = MakePipelineReport(totals).ToString();
   TANDEM_LOG_INFO("compute", "pipeline: ", stats.pipeline);
-  if (const EngineStats es = rank->stats(); es.memory_ranks_lost > 0) {
-    stats.recovery =
-        absl::StrCat(es.memory_ranks_lost, " memory rank(s) lost, ", es.memory_ranks_rejoined, " rejoined, ",
-                     es.requests_recovered, " request(s) recovered by recomputation");
+  if (const EngineStats es = rank->stats(); es.memory_ranks_lost > 0 || es.compute_ranks_lost > 0) {
+    if (es.memory_ranks_lost > 0) {
+      stats.recovery =
+          absl::StrCat(es.memory_ranks_lost, " memory rank(s) lost, ", es.memory_ranks_rejoined,
+                       " rejoined, ", es.requests_recovered, " request(s) recovered by recomputation");
+    }
+    if (es.compute_ranks_lost > 0) {
+      absl::StrAppend(&stats.recovery, stats.recovery.empty() ? "" : "; ", es.compute_ranks_lost,
+                      " compute replica(s) lost, ", es.steps_rerun, " step(s) rerun on the survivors");
+    }
     TANDEM_LOG_WARN("compute", "recovery: ", stats.recovery);
   }
   RETURN_IF_ERROR(WriteResultsFile(a.results, *results, stats));

@@ -155,7 +155,7 @@ absl::StatusOr<absl::Span<const uint8_t>> Unframe(absl::Span<const uint8_t> fram
         ToAbsl(what), ": version ", version, " at byte offset 4 is older than the supported version ",
         kWireVersion,
         " (versions 2 to 4 changed the hello, step plan and replica result layouts; 5 added the heartbeat; "
-        "6 the rotational pipeline's hello field and messages)"));
+        "6 the rotational pipeline's hello field and messages; 7 the step discard)"));
   }
   ASSIGN_OR_RETURN(uint16_t header_bytes, r.U16("header_bytes"));
   if (header_bytes != kFrameHeaderBytes) {
@@ -1131,6 +1131,38 @@ absl::StatusOr<HeartbeatReplyMessage> DecodeHeartbeatReply(absl::Span<const uint
   return m;
 }
 
+std::vector<uint8_t> EncodeStepDiscard(const StepDiscardMessage& m) {
+  std::vector<uint8_t> body;
+  body.reserve(kStepDiscardBodyBytes);
+  Writer w(&body);
+  w.U64(m.step_id);
+  w.U64(m.seqno_base);
+  w.U8(m.compute_mask);
+  w.Zeros(7);
+  return Frame(kStepDiscardMagic, body);
+}
+
+absl::StatusOr<StepDiscardMessage> DecodeStepDiscard(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "step discard";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kStepDiscardMagic, kWhat));
+  RETURN_IF_ERROR(CheckBodySize(body, kStepDiscardBodyBytes, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  StepDiscardMessage m;
+  ASSIGN_OR_RETURN(m.step_id, r.U64("step_id"));
+  ASSIGN_OR_RETURN(m.seqno_base, r.U64("seqno_base"));
+  if (m.seqno_base == 0) {
+    return absl::InvalidArgumentError("step discard: seqno_base 0 at byte offset 24 must be >= 1");
+  }
+  ASSIGN_OR_RETURN(m.compute_mask, r.U8("compute_mask"));
+  if ((m.compute_mask & 1) == 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "step discard: compute_mask 0x%02x at byte offset 32 must have bit 0 (compute rank 0) set",
+        m.compute_mask));
+  }
+  RETURN_IF_ERROR(r.Reserved("reserved", 7));
+  return m;
+}
+
 std::vector<uint8_t> EncodeComputeHello(const ComputeHelloMessage& m) {
   std::vector<uint8_t> body;
   body.reserve(kComputeHelloBodyBytes);
@@ -1379,6 +1411,7 @@ absl::StatusOr<uint32_t> PeekFrameMagic(absl::Span<const uint8_t> frame) {
     case kHeartbeatMagic:
     case kHeartbeatReplyMagic:
     case kReplicaRingMagic:
+    case kStepDiscardMagic:
       return magic;
     default:
       return absl::InvalidArgumentError(

@@ -29,7 +29,8 @@
 //                                 'T','D','H','B' heartbeat            0x42484454
 //                                 'T','D','H','A' heartbeat reply      0x41484454
 //                                 'T','D','R','G' replica ring         0x47524454
-//        4     2  version       u16, kWireVersion (6); a newer one decodes as Unimplemented, an
+//                                 'T','D','S','D' step discard         0x44534454
+//        4     2  version       u16, kWireVersion (7); a newer one decodes as Unimplemented, an
 //                               older one as InvalidArgument (one build runs every rank).
 //                               Version 2 added the hello's partition and KV head slice (its
 //                               body grew from 56 to 64 bytes); version 3 the step plan's
@@ -43,9 +44,9 @@
 //                               slice_layers (its body grew from 64 to 72 bytes), the
 //                               layer message kind 3 (residual) and the replica ring, and
 //                               then the hello's q_first (its byte 66, reserved before) with
-//                               the layer message kinds 4 (q) and 5 (kv); the other layouts
-//                               are unchanged
-//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 6
+//                               the layer message kinds 4 (q) and 5 (kv); version 7 the
+//                               step discard; the other layouts are unchanged
+//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 7
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
 //
@@ -285,11 +286,30 @@
 //        8     2  memory_rank  u16  the memory rank's index; a compute replica's compute rank
 //       10     6  reserved     must be 0
 //
+// Step discard body (compute rank 0 -> memory ranks and surviving compute replicas, when a compute
+// replica was lost; 24 bytes; docs/architecture.md, "Failures"):
+//
+//   offset  size  field          notes
+//   ------  ----  -------------  -------------------------------------------------------------------
+//        0     8  step_id        u64  the step in flight to drop and run again from layer 0 with the
+//                                     plans already applied (KV slots, prefix blocks and restores
+//                                     stay as the plans left them; the rerun writes the same new
+//                                     slots again); 0: no step in flight (a loss found while idle)
+//        8     8  seqno_base     u64  >= 1: every lane's doorbell seqno (q,k,v, outputs, residual
+//                                     streams) starts again from here, on every rank, above any
+//                                     seqno written so far
+//       16     1  compute_mask   u8   bit c set: compute rank c goes on; bit 0 (compute rank 0)
+//                                     always set, no bit at or above the hello's compute_ranks. The
+//                                     survivors, in rank order, are the pipeline's compute ranks
+//                                     0, 1, ... from now on (common/pipeline_schedule.h with their
+//                                     count; one left: every lane on compute rank 0)
+//       17     7  reserved       must be 0
+//
 // Decoders trust nothing: they never read past the span, check every length before reading,
 // bound counts and lengths by the body length before allocating, and check every field's range.
 // Errors (messages start with the format's name: "step plan: ", "layer message header: ",
 // "hello: ", "hello reply: ", "release: ", "error message: ", "bye: ", "stats request: ",
-// "memory stats: ", "heartbeat: ", "heartbeat reply: ", and name the field with
+// "memory stats: ", "heartbeat: ", "heartbeat reply: ", "step discard: ", and name the field with
 // its record ("request 3: ", "group 0: ", "publish 1: ", "eviction 2: ") or byte offset):
 //   DataLoss         the span is shorter than the frame or the body shorter than its contents
 //                    claim (truncation; checked before the range of a count or length), or a crc
@@ -316,7 +336,7 @@
 
 namespace tandem {
 
-inline constexpr uint16_t kWireVersion = 6;
+inline constexpr uint16_t kWireVersion = 7;
 inline constexpr uint32_t kStepPlanMagic = 0x50534454;      // "TDSP" on the wire
 inline constexpr uint32_t kLayerMessageMagic = 0x4d4c4454;  // "TDLM" on the wire
 inline constexpr size_t kFrameHeaderBytes = 16;
@@ -358,6 +378,8 @@ inline constexpr size_t kMaxAddressBytes = 1024;              // ReplicaRingMess
 inline constexpr uint32_t kHeartbeatMagic = 0x42484454;       // "TDHB" on the wire
 inline constexpr uint32_t kHeartbeatReplyMagic = 0x41484454;  // "TDHA" on the wire
 inline constexpr size_t kHeartbeatBodyBytes = 16;             // heartbeat and heartbeat reply bodies
+inline constexpr uint32_t kStepDiscardMagic = 0x44534454;     // "TDSD" on the wire
+inline constexpr size_t kStepDiscardBodyBytes = 24;           // step discard body
 inline constexpr uint32_t kMaxHeartbeatSilenceMs = (uint32_t{1} << 31) - 1;  // about 24.8 days
 inline constexpr uint32_t kMaxHeadDim = 1024;
 inline constexpr uint16_t kMaxPrefixBlockTokens = 4096;  // HelloMessage::prefix_block_tokens
@@ -658,6 +680,17 @@ struct HeartbeatReplyMessage {
   friend bool operator==(const HeartbeatReplyMessage&, const HeartbeatReplyMessage&) = default;
 };
 
+// Compute rank 0 -> memory ranks and surviving compute replicas: a compute replica is lost; drop
+// step `step_id` where it is and run it again with the compute ranks of `compute_mask`, every
+// doorbell seqno starting again from `seqno_base` (see the body layout above).
+struct StepDiscardMessage {
+  uint64_t step_id = 0;      // 0: none in flight
+  uint64_t seqno_base = 1;   // >= 1
+  uint8_t compute_mask = 1;  // bit 0 always set
+
+  friend bool operator==(const StepDiscardMessage&, const StepDiscardMessage&) = default;
+};
+
 // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78, initial and final xor 0xFFFFFFFF): the
 // SSE4.2 instruction where the CPU has it, else a table. Crc32c("123456789") == 0xE3069283.
 uint32_t Crc32c(absl::Span<const uint8_t> data);
@@ -730,6 +763,10 @@ std::vector<uint8_t> EncodeHeartbeat(const HeartbeatMessage& heartbeat);
 absl::StatusOr<HeartbeatMessage> DecodeHeartbeat(absl::Span<const uint8_t> frame);
 std::vector<uint8_t> EncodeHeartbeatReply(const HeartbeatReplyMessage& reply);
 absl::StatusOr<HeartbeatReplyMessage> DecodeHeartbeatReply(absl::Span<const uint8_t> frame);
+// Decoding refuses seqno_base 0 and a compute_mask without bit 0 (the receiver checks the mask
+// against its compute ranks).
+std::vector<uint8_t> EncodeStepDiscard(const StepDiscardMessage& discard);
+absl::StatusOr<StepDiscardMessage> DecodeStepDiscard(absl::Span<const uint8_t> frame);
 
 // The magic of the frame at the start of `frame` (one of the k*Magic constants above), so that a
 // receiver can dispatch to the decoder; nothing else of the frame is checked. DataLoss if `frame`

@@ -102,50 +102,14 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
   num_layers_ = s.num_layers;
   schedule_ = PipelineSchedule{.compute_ranks = compute_ranks_, .slice_layers = o.slice_layers};
   elem_ = static_cast<size_t>(DTypeSize(backend_->dtype()));
-  const size_t t = static_cast<size_t>(o.scheduler.max_tokens_per_step);
-  const size_t qkv_bytes = t * static_cast<size_t>(backend_->qkv_width()) * elem_;
-  const size_t attn_bytes = t * static_cast<size_t>(s.q_dim()) * elem_;
   device_path_ = !backend_->memory().host() && transport_->capabilities().device_polling;
   head_ = o.partition == AttentionPartition::kHead;
   // Lanes (micro-batches in flight) before the hellos: a memory rank on this GPU sizes its KV from
   // what they leave.
   const size_t num_lanes = static_cast<size_t>(o.micro_batches);
   lanes_.resize(num_lanes);
-  bool primary_used = false;  // the first lane this rank owns runs on backend_ itself
   for (size_t j = 0; j < num_lanes; ++j) {
-    Lane& lane = lanes_[j];
-    if (!Runs(j)) continue;  // another compute rank's micro-batch
-    if (!primary_used) {
-      lane.backend = backend_.get();
-      primary_used = true;
-    } else {
-      ASSIGN_OR_RETURN(lane.owned, backend_->CreateLane());
-      lane.backend = lane.owned.get();
-    }
-    ASSIGN_OR_RETURN(lane.qkv, backend_->memory().Allocate(qkv_bytes, false));
-    ASSIGN_OR_RETURN(lane.attn, backend_->memory().Allocate(attn_bytes, false));
-    if (o.q_first) {
-      ASSIGN_OR_RETURN(lane.split, host_copies_.Allocate(qkv_bytes, true));
-    }
-    if (!backend_->memory().host() && !device_path_) {
-      ASSIGN_OR_RETURN(lane.qkv_host, backend_->memory().Allocate(qkv_bytes, true));
-      if (head_) {
-        ASSIGN_OR_RETURN(lane.attn_host, backend_->memory().Allocate(attn_bytes, true));
-      }
-    }
-    if (schedule_.rotational()) {
-      // The residual stream comes from the previous compute rank into a buffer of its own, copied
-      // into the lane's after the wait: written straight into the lane's, it could land before this
-      // rank's BeginStep (which embeds into it) had run.
-      const size_t resid_bytes = static_cast<size_t>(lane.backend->residual_bytes(static_cast<int64_t>(t)));
-      lane.resid_in_bytes = device_path_ ? resid_bytes : kLayerMessageHeaderFrameBytes + resid_bytes;
-      ASSIGN_OR_RETURN(lane.resid_in, backend_->memory().Allocate(lane.resid_in_bytes, !device_path_));
-      RETURN_IF_ERROR(transport_->RegisterBuffer(kResidualBufferBase + static_cast<uint32_t>(j),
-                                                 lane.resid_in.get(), lane.resid_in_bytes));
-      if (!backend_->memory().host() && !device_path_) {
-        ASSIGN_OR_RETURN(lane.resid_host, backend_->memory().Allocate(resid_bytes, true));
-      }
-    }
+    if (Runs(j)) RETURN_IF_ERROR(SetUpLane(j));  // else another compute rank's micro-batch
   }
   const int64_t num_ranks = static_cast<int64_t>(ranks_.size());
   for (size_t m = 0; m < ranks_.size(); ++m) {
@@ -155,28 +119,10 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
                            .head_dim = s.head_dim,
                            .num_ranks = head_ ? num_ranks : 1,
                            .rank = head_ ? static_cast<int64_t>(m) : 0};
-    const size_t pack_bytes = t * static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_;
-    const size_t out_bytes = t * static_cast<size_t>(rank.slice.slice_q_dim()) * elem_;
     rank.lanes.resize(num_lanes);
     for (size_t j = 0; j < num_lanes; ++j) {
-      RankLane& rl = rank.lanes[j];
-      rl.attn_buffer = kAttnBufferBase + static_cast<uint32_t>(m * kMaxMicroBatches + j);
-      if (!Runs(j)) continue;
-      if (head_) {
-        ASSIGN_OR_RETURN(rl.pack, backend_->memory().Allocate(pack_bytes, !device_path_));
-      }
-      if (device_path_ && head_) {
-        // Its outputs land in a buffer of its own, at row 0, and are scattered into its columns.
-        ASSIGN_OR_RETURN(rl.out, backend_->memory().Allocate(out_bytes, false));
-        RETURN_IF_ERROR(transport_->RegisterBuffer(rl.attn_buffer, rl.out.get(), out_bytes));
-      } else if (device_path_) {
-        // Every rank writes its rows' outputs straight into the lane's attention buffer, at its offset.
-        RETURN_IF_ERROR(transport_->RegisterBuffer(rl.attn_buffer, lanes_[j].attn.get(), attn_bytes));
-      } else {
-        rl.recv_bytes = kLayerMessageHeaderFrameBytes + out_bytes;
-        ASSIGN_OR_RETURN(rl.recv, backend_->memory().Allocate(rl.recv_bytes, true));
-        RETURN_IF_ERROR(transport_->RegisterBuffer(rl.attn_buffer, rl.recv.get(), rl.recv_bytes));
-      }
+      rank.lanes[j].attn_buffer = kAttnBufferBase + static_cast<uint32_t>(m * kMaxMicroBatches + j);
+      if (Runs(j)) RETURN_IF_ERROR(SetUpRankLane(m, j));
     }
     if (compute_rank_ > 0) {
       // A replica: compute rank 0's hello set the memory rank up; this one says which it is.
@@ -231,6 +177,76 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
                           : "",
       compute_ranks_ > 1 ? absl::StrCat(" on ", compute_ranks_, " compute ranks") : "",
       o.q_first ? ", q first (k,v after)" : "");
+  return absl::OkStatus();
+}
+
+absl::Status ComputeRank::SetUpLane(size_t j) {
+  const ComputeRankOptions& o = options_;
+  Lane& lane = lanes_[j];
+  if (lane.backend != nullptr) return absl::OkStatus();
+  const size_t t = static_cast<size_t>(o.scheduler.max_tokens_per_step);
+  const size_t qkv_bytes = t * static_cast<size_t>(backend_->qkv_width()) * elem_;
+  const size_t attn_bytes = t * static_cast<size_t>(backend_->spec().q_dim()) * elem_;
+  // The first lane this rank owns runs on backend_ itself, the others on lanes over its weights.
+  const bool primary_used =
+      std::any_of(lanes_.begin(), lanes_.end(), [&](const Lane& l) { return l.backend == backend_.get(); });
+  if (!primary_used) {
+    lane.backend = backend_.get();
+  } else {
+    ASSIGN_OR_RETURN(lane.owned, backend_->CreateLane());
+    lane.backend = lane.owned.get();
+  }
+  ASSIGN_OR_RETURN(lane.qkv, backend_->memory().Allocate(qkv_bytes, false));
+  ASSIGN_OR_RETURN(lane.attn, backend_->memory().Allocate(attn_bytes, false));
+  if (o.q_first) {
+    ASSIGN_OR_RETURN(lane.split, host_copies_.Allocate(qkv_bytes, true));
+  }
+  if (!backend_->memory().host() && !device_path_) {
+    ASSIGN_OR_RETURN(lane.qkv_host, backend_->memory().Allocate(qkv_bytes, true));
+    if (head_) {
+      ASSIGN_OR_RETURN(lane.attn_host, backend_->memory().Allocate(attn_bytes, true));
+    }
+  }
+  if (schedule_.rotational()) {
+    // The residual stream comes from the previous compute rank into a buffer of its own, copied
+    // into the lane's after the wait: written straight into the lane's, it could land before this
+    // rank's BeginStep (which embeds into it) had run.
+    const size_t resid_bytes = static_cast<size_t>(lane.backend->residual_bytes(static_cast<int64_t>(t)));
+    lane.resid_in_bytes = device_path_ ? resid_bytes : kLayerMessageHeaderFrameBytes + resid_bytes;
+    ASSIGN_OR_RETURN(lane.resid_in, backend_->memory().Allocate(lane.resid_in_bytes, !device_path_));
+    RETURN_IF_ERROR(transport_->RegisterBuffer(kResidualBufferBase + static_cast<uint32_t>(j),
+                                               lane.resid_in.get(), lane.resid_in_bytes));
+    if (!backend_->memory().host() && !device_path_) {
+      ASSIGN_OR_RETURN(lane.resid_host, backend_->memory().Allocate(resid_bytes, true));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ComputeRank::SetUpRankLane(size_t m, size_t j) {
+  Rank& rank = ranks_[m];
+  RankLane& rl = rank.lanes[j];
+  if (rl.recv.get() != nullptr || rl.pack.get() != nullptr || rl.out.get() != nullptr)
+    return absl::OkStatus();
+  const size_t t = static_cast<size_t>(options_.scheduler.max_tokens_per_step);
+  const size_t pack_bytes = t * static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_;
+  const size_t out_bytes = t * static_cast<size_t>(rank.slice.slice_q_dim()) * elem_;
+  const size_t attn_bytes = t * static_cast<size_t>(backend_->spec().q_dim()) * elem_;
+  if (head_) {
+    ASSIGN_OR_RETURN(rl.pack, backend_->memory().Allocate(pack_bytes, !device_path_));
+  }
+  if (device_path_ && head_) {
+    // Its outputs land in a buffer of its own, at row 0, and are scattered into its columns.
+    ASSIGN_OR_RETURN(rl.out, backend_->memory().Allocate(out_bytes, false));
+    RETURN_IF_ERROR(transport_->RegisterBuffer(rl.attn_buffer, rl.out.get(), out_bytes));
+  } else if (device_path_) {
+    // Every rank writes its rows' outputs straight into the lane's attention buffer, at its offset.
+    RETURN_IF_ERROR(transport_->RegisterBuffer(rl.attn_buffer, lanes_[j].attn.get(), attn_bytes));
+  } else {
+    rl.recv_bytes = kLayerMessageHeaderFrameBytes + out_bytes;
+    ASSIGN_OR_RETURN(rl.recv, backend_->memory().Allocate(rl.recv_bytes, true));
+    RETURN_IF_ERROR(transport_->RegisterBuffer(rl.attn_buffer, rl.recv.get(), rl.recv_bytes));
+  }
   return absl::OkStatus();
 }
 
@@ -395,34 +411,12 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   if (options_.micro_batches > 1) {
     const MicroBatches mb = SplitStep(step_, options_.micro_batches);
     absl::Status ran = RunParts(mb.parts, &parts);
-    if (!ran.ok()) {
-      // A replica that went away fails the step wherever rank 0 was waiting (often on a memory
-      // rank that waits for the replica's rows, or one that stopped because the replica left it):
-      // name the replica when the transport knows it failed, or named it. The memory rank's
-      // disconnect may reach us before the replica's own: give the transport a moment (this is the
-      // failure path only) to report it.
-      // (Failed memory ranks are let go first, so that their failure does not cut those waits
-      // short; the step has failed and the deployment stops anyway.)
-      for (const Rank& rank : ranks_) {
-        if (!transport_->PeerStatus(rank.peer).ok()) transport_->Close(rank.peer);
-      }
-      const absl::Time until = absl::Now() + absl::Seconds(1);
-      do {
-        for (size_t r = 0; r < replicas_.size(); ++r) {
-          if (!transport_->PeerStatus(replicas_[r].peer).ok()) {
-            return Annotate(ran, absl::StrCat(replicas_[r].name, " failed"));
-          }
-        }
-        transport::PeerId from = 0;
-        std::vector<uint8_t> msg;
-        (void)transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(50));  // progress only
-      } while (absl::Now() < until);
-      for (size_t r = 0; r < replicas_.size(); ++r) {
-        if (absl::StrContains(ran.message(), options_.replica_addresses[r])) {
-          return Annotate(ran, absl::StrCat(replicas_[r].name, " failed"));
-        }
-      }
-      return ran;
+    while (!ran.ok()) {
+      // A compute replica that failed or went silent is given up and the step runs again without
+      // it (its plans stay applied on the memory ranks); anything else fails the step.
+      RETURN_IF_ERROR(RecoverFromFailedStep(std::move(ran), step_.plan.step_id));
+      ++steps_rerun_;
+      ran = RunParts(mb.parts, &parts, /*rerun=*/true);
     }
     RETURN_IF_ERROR(MergeSampled(mb, parts, &sampled));
   } else {
@@ -438,12 +432,196 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   return absl::OkStatus();
 }
 
-absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vector<SampledTokens>* sampled) {
+bool ComputeRank::CanRecoverReplica() const {
+  // The step runs again on compute rank 0 alone: the host-staged path (the memory ranks' waits can
+  // be left), and one replica (more would need their own discard and a new ring; see
+  // docs/architecture.md, "Failures").
+  return options_.recover_compute_replicas && !device_path_ && compute_ranks_ == 2;
+}
+
+absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_id) {
+  // Which replica failed: the one whose connection failed or that says it stopped. The memory
+  // rank's disconnect may reach us before the replica's own: the transport gets a moment (the
+  // failure path only) to report it. Restore replies that come meanwhile are kept for after the
+  // step; an error report of a memory rank means the step cannot go on.
+  absl::Status memory_told;
+  std::optional<size_t> failed;
+  absl::Status failed_why;
+  auto find = [&](size_t r, absl::Status why) {
+    if (!failed.has_value()) failed = r, failed_why = std::move(why);
+  };
+  auto drain = [&](absl::Time until) {
+    transport::PeerId from = 0;
+    std::vector<uint8_t> msg;
+    while (transport_->Receive(&from, &msg, until).ok()) {
+      until = absl::Now();
+      if (TakeStrayMessage(from, &msg)) continue;
+      const uint32_t magic = PeekFrameMagic(msg).value_or(0);
+      for (size_t m = 0; m < ranks_.size(); ++m) {
+        if (ranks_[m].peer != from || ranks_[m].lost) continue;
+        if (magic == kRestoreReplyMagic) {
+          early_replies_.emplace_back(m, std::move(msg));
+        } else if (magic == kErrorMagic) {
+          absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+          if (err.ok()) memory_told = Annotate(StatusFromErrorMessage(*err), ranks_[m].name);
+        } else {
+          (void)TakeHeartbeatReply(m, msg);
+        }
+      }
+      for (size_t r = 0; r < replicas_.size(); ++r) {
+        if (replicas_[r].peer != from || replicas_[r].lost) continue;
+        if (magic == kErrorMagic) {
+          absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+          if (err.ok())
+            find(r, Annotate(StatusFromErrorMessage(*err), absl::StrCat(replicas_[r].name, " stopped")));
+        } else {
+          (void)TakeReplicaHeartbeatReply(r, msg);  // a late result of the failed step is dropped
+        }
+      }
+    }
+  };
+  auto peer_failed = [&] {
+    for (size_t r = 0; r < replicas_.size(); ++r) {
+      if (replicas_[r].lost) continue;
+      if (absl::Status peer = transport_->PeerStatus(replicas_[r].peer); !peer.ok()) find(r, peer);
+    }
+  };
+  // (After a deadline nothing disconnected: no moment to wait for.)
+  const absl::Time until =
+      absl::Now() + (absl::IsDeadlineExceeded(ran) ? absl::ZeroDuration() : absl::Seconds(1));
+  do {
+    peer_failed();
+    if (failed.has_value() || !memory_told.ok()) break;
+    drain(std::min(until, absl::Now() + absl::Milliseconds(50)));
+  } while (absl::Now() < until);
+  if (!failed.has_value() && memory_told.ok() && absl::IsDeadlineExceeded(ran)) {
+    // Nothing failed but the step's deadline passed: a replica that does not answer a heartbeat
+    // within a quarter of the step timeout (at least 0.25 s, at most 5 s; a live one answers from
+    // its waits within 0.1 s) is silent: stopped, hung or cut off. The memory ranks wait twice the
+    // step timeout for a layer's input, so they are still there for the rerun.
+    const absl::Duration allowance =
+        std::clamp(options_.step_timeout / 4, absl::Milliseconds(250), absl::Seconds(5));
+    const int64_t silence_ms =
+        options_.heartbeat > absl::ZeroDuration()
+            ? std::clamp<int64_t>(absl::ToInt64Milliseconds(options_.heartbeat + options_.step_timeout), 1,
+                                  kMaxHeartbeatSilenceMs)
+            : kMaxHeartbeatSilenceMs;
+    const absl::Time sent = absl::Now();
+    for (Replica& replica : replicas_) {
+      if (replica.lost) continue;
+      replica.beat_seq = ++beat_seq_;
+      replica.beat_sent = sent;
+      (void)transport_->Send(
+          replica.peer,
+          EncodeHeartbeat({.seq = replica.beat_seq, .silence_ms = static_cast<uint32_t>(silence_ms)}));
+    }
+    auto answered = [&] {
+      return std::all_of(replicas_.begin(), replicas_.end(),
+                         [](const Replica& r) { return r.lost || r.beat_seq == 0; });
+    };
+    while (!answered() && !failed.has_value() && memory_told.ok() && absl::Now() < sent + allowance) {
+      drain(std::min(sent + allowance, absl::Now() + absl::Milliseconds(50)));
+      peer_failed();
+    }
+    for (size_t r = 0; r < replicas_.size() && memory_told.ok(); ++r) {
+      if (replicas_[r].lost || replicas_[r].beat_seq == 0) continue;
+      find(r, absl::DeadlineExceededError(
+                  absl::StrCat("no answer to a heartbeat for ", absl::FormatDuration(absl::Now() - sent),
+                               " after step ", step_id, " passed its deadline (launch.step_timeout_s ",
+                               absl::ToDoubleSeconds(options_.step_timeout), "): stopped, hung or cut off")));
+    }
+  }
+  if (!memory_told.ok()) return memory_told;
+  if (failed.has_value() && CanRecoverReplica()) return LoseReplica(*failed, failed_why, step_id);
+  // The step fails (the deployment stops): failed memory ranks are let go first, so that their
+  // failure does not cut later waits short.
+  for (const Rank& rank : ranks_) {
+    if (!transport_->PeerStatus(rank.peer).ok()) transport_->Close(rank.peer);
+  }
+  if (failed.has_value()) return Annotate(ran, absl::StrCat(replicas_[*failed].name, " failed"));
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    if (absl::StrContains(ran.message(), options_.replica_addresses[r])) {
+      return Annotate(ran, absl::StrCat(replicas_[r].name, " failed"));
+    }
+  }
+  return ran;
+}
+
+absl::Status ComputeRank::LoseReplica(size_t r, const absl::Status& why, uint64_t step_id) {
+  Replica& replica = replicas_[r];
+  replica.lost = true;
+  transport_->Close(replica.peer);      // its failure no longer fails waits on the others
+  retired_peers_.insert(replica.peer);  // and whatever it still sends is dropped
+  ++compute_ranks_lost_;
+  // Compute rank 0 alone: every micro-batch on it, the pipeline's micro-batches kept (pingpong).
+  compute_ranks_ = 1;
+  schedule_ = PipelineSchedule{.compute_ranks = 1, .slice_layers = 0};
+  for (size_t j = 0; j < lanes_.size(); ++j) {
+    RETURN_IF_ERROR(SetUpLane(j));
+    for (size_t m = 0; m < ranks_.size(); ++m) RETURN_IF_ERROR(SetUpRankLane(m, j));
+  }
+  // Every doorbell starts again above anything written so far, on every rank (doorbells only
+  // grow): a late write of the failed attempt can never satisfy a wait of the rerun.
+  const uint64_t base = ++seqno_ceiling_;
+  for (Rank& rank : ranks_) {
+    for (RankLane& rl : rank.lanes) rl.seqno = base;
+  }
+  for (Lane& lane : lanes_) lane.resid_in_seqno = lane.resid_out_seqno = base;
+  TANDEM_LOG_WARN("compute", "giving up ", replica.name, ": ", why.message(), "; ",
+                  step_id != 0 ? absl::StrCat("step ", step_id, " runs again, and ") : std::string(),
+                  "compute rank 0 runs every micro-batch from now on (", compute_ranks_lost_,
+                  " compute replica(s) lost)");
+  const std::vector<uint8_t> discard =
+      EncodeStepDiscard({.step_id = step_id, .seqno_base = base, .compute_mask = 1});
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    if (ranks_[m].lost) continue;
+    const absl::Status sent = transport_->Send(ranks_[m].peer, discard);
+    if (!sent.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(sent, ranks_[m].name)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ComputeRank::WaitInput(uint32_t buffer, uint64_t seqno, absl::Time deadline) {
+  if (compute_rank_ == 0) return transport_->WaitDoorbell(buffer, seqno, deadline);
+  // A replica answers compute rank 0's heartbeats while it waits: after a step deadline compute
+  // rank 0 asks each replica, and gives up the one that does not answer.
+  while (true) {
+    const absl::Status st =
+        transport_->WaitDoorbell(buffer, seqno, std::min(deadline, absl::Now() + absl::Milliseconds(100)));
+    if (!absl::IsDeadlineExceeded(st) || absl::Now() >= deadline) return st;
+    transport::PeerId from = 0;
+    std::vector<uint8_t> msg;
+    absl::Status got;
+    while ((got = transport_->Receive(&from, &msg, absl::Now())).ok()) {
+      ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
+      if (from == rank0_peer_ && magic == kHeartbeatMagic) {
+        ASSIGN_OR_RETURN(const HeartbeatMessage beat, DecodeHeartbeat(msg));
+        const HeartbeatReplyMessage reply{.seq = beat.seq,
+                                          .memory_rank = static_cast<uint16_t>(compute_rank_)};
+        RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeHeartbeatReply(reply)));
+        continue;
+      }
+      if (magic == kErrorMagic) {
+        ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
+        return Annotate(StatusFromErrorMessage(err),
+                        from == rank0_peer_ ? "compute rank 0 stopped" : "a memory rank stopped");
+      }
+      return absl::InvalidArgumentError(
+          absl::StrCat("unexpected message (magic 0x", absl::Hex(magic), ") within a step"));
+    }
+    if (!absl::IsDeadlineExceeded(got)) return got;
+  }
+}
+
+absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vector<SampledTokens>* sampled,
+                                   bool rerun) {
   const size_t n = parts.size();
   sampled->assign(n, {});
   if (compute_rank_ == 0) {
-    // Every plan first (micro-batches in order), then the replicas' parts, then the layers.
-    for (const PlannedStep& part : parts) {
+    seqno_ceiling_ += static_cast<uint64_t>(num_layers_) * (options_.q_first ? 2 : 1);
+    // Every plan first (micro-batches in order; a rerun's are applied already), then the replicas'
+    // parts, then the layers.
+    for (const PlannedStep& part : rerun ? std::span<const PlannedStep>() : parts) {
       const std::vector<uint8_t> plan = EncodeStepPlan(part.plan);
       for (size_t m = 0; m < ranks_.size(); ++m) {
         if (ranks_[m].lost) continue;
@@ -454,7 +632,9 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
     // Each replica gets the parts it runs any layer of (fixed: its own; rotational: most often all).
     for (const PlannedStep& part : parts) {
       for (size_t r = 0; r < replicas_.size(); ++r) {
-        if (!schedule_.Touches(static_cast<int>(r + 1), part.plan.micro_batch, num_layers_)) continue;
+        if (replicas_[r].lost ||
+            !schedule_.Touches(static_cast<int>(r + 1), part.plan.micro_batch, num_layers_))
+          continue;
         const ReplicaStepMessage msg{.plan = part.plan, .tokens = part.rows.tokens};
         RETURN_IF_ERROR(
             Annotate(transport_->Send(replicas_[r].peer, EncodeReplicaStep(msg)), replicas_[r].name));
@@ -831,10 +1011,20 @@ absl::Status ComputeRank::LoseFailedRanks(size_t waited_on, absl::Status why) {
     // The step fails: with the error report of a memory rank that stopped when there is one,
     // else with the wait's error (which names the peer that failed first).
     while (transport_->Receive(&from, &msg, absl::Now()).ok()) {
-      if (heartbeat_reply(from)) continue;
+      if (TakeStrayMessage(from, &msg) || heartbeat_reply(from)) continue;
+      size_t m = 0;
+      while (m < ranks_.size() && ranks_[m].peer != from) ++m;
+      if (m < ranks_.size() && PeekFrameMagic(msg).value_or(0) == kRestoreReplyMagic) {
+        early_replies_.emplace_back(m, std::move(msg));  // read after the step (CollectRestoreReplies)
+        continue;
+      }
       absl::StatusOr<ErrorMessage> err = DecodeError(msg);
-      if (err.ok()) return Annotate(StatusFromErrorMessage(*err), "a memory rank stopped");
-      break;
+      if (!err.ok()) break;
+      std::string who = "a memory rank stopped";
+      for (const Replica& replica : replicas_) {
+        if (replica.peer == from) who = absl::StrCat(replica.name, " stopped");
+      }
+      return Annotate(StatusFromErrorMessage(*err), who);
     }
     return why;
   }
@@ -913,9 +1103,12 @@ absl::Status ComputeRank::Heartbeat() {
       if (!beat.ok()) return beat.status();
       if (*beat) continue;
       absl::StatusOr<ErrorMessage> err = DecodeError(msg);
-      return err.ok() ? Annotate(StatusFromErrorMessage(*err), absl::StrCat(replicas_[r].name, " stopped"))
-                      : absl::InvalidArgumentError(
-                            absl::StrCat(replicas_[r].name, ": unexpected message while idle"));
+      const absl::Status why =
+          err.ok() ? Annotate(StatusFromErrorMessage(*err), absl::StrCat(replicas_[r].name, " stopped"))
+                   : absl::InvalidArgumentError(
+                         absl::StrCat(replicas_[r].name, ": unexpected message while idle"));
+      if (!CanRecoverReplica()) return why;
+      RETURN_IF_ERROR(LoseReplica(r, why, 0));
     }
     if (ranks_[m].lost) continue;
     absl::StatusOr<bool> beat = TakeHeartbeatReply(m, msg);
@@ -950,17 +1143,22 @@ absl::Status ComputeRank::Heartbeat() {
   }
   // Compute replicas: no recovery without one (the step needs its micro-batches), so a replica
   // that failed or stays silent ends the deployment, named.
-  for (Replica& replica : replicas_) {
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    Replica& replica = replicas_[r];
+    if (replica.lost) continue;
+    absl::Status why;
     if (absl::Status peer = transport_->PeerStatus(replica.peer); !peer.ok()) {
-      return Annotate(peer, absl::StrCat(replica.name, " is lost"));
-    }
-    if (replica.beat_seq != 0 && now - replica.beat_sent > options_.step_timeout) {
-      return absl::DeadlineExceededError(
+      why = Annotate(peer, absl::StrCat(replica.name, " is lost"));
+    } else if (replica.beat_seq != 0 && now - replica.beat_sent > options_.step_timeout) {
+      why = absl::DeadlineExceededError(
           absl::StrCat(replica.name, " is lost: no answer to a heartbeat for ",
                        absl::StrFormat("%.1f s", absl::ToDoubleSeconds(now - replica.beat_sent)),
                        " (launch.step_timeout_s ", absl::ToDoubleSeconds(options_.step_timeout),
                        "): stopped, hung or cut off"));
     }
+    if (why.ok()) continue;
+    if (!CanRecoverReplica()) return why;
+    RETURN_IF_ERROR(LoseReplica(r, why, 0));
   }
   if (now >= next_beat_) {
     next_beat_ = now + options_.heartbeat;
@@ -970,7 +1168,7 @@ absl::Status ComputeRank::Heartbeat() {
     const std::vector<uint8_t> replica_beat =
         EncodeHeartbeat({.seq = beat_seq_ + 1, .silence_ms = static_cast<uint32_t>(silence_ms)});
     for (Replica& replica : replicas_) {
-      if (replica.beat_seq != 0) continue;
+      if (replica.lost || replica.beat_seq != 0) continue;
       RETURN_IF_ERROR(Annotate(transport_->Send(replica.peer, replica_beat), replica.name));
       replica.beat_seq = beat_seq_ + 1;
       replica.beat_sent = now;
@@ -1169,8 +1367,8 @@ absl::Status ComputeRank::ReceiveResidual(size_t j, const PlannedStep& step, uin
         absl::StrCat("compute rank ", compute_rank_, ": ", what), backend_->stream()));
     return memory.CopyStrided(lane.backend->residual(), bytes, lane.resid_in.get(), bytes, bytes, 1);
   }
-  RETURN_IF_ERROR(Annotate(
-      transport_->WaitDoorbell(buffer, ++lane.resid_in_seqno, absl::Now() + options_.step_timeout), what));
+  RETURN_IF_ERROR(
+      Annotate(WaitInput(buffer, ++lane.resid_in_seqno, absl::Now() + options_.step_timeout), what));
   const LayerMessageExpect expect{.step_id = step.plan.step_id,
                                   .layer = layer,
                                   .kind = LayerMessageKind::kResidual,
@@ -1224,7 +1422,7 @@ absl::Status ComputeRank::ReceiveLayer(size_t j, const PlannedStep& step, uint32
     if (begin == end || rank.lost) continue;
     const absl::Time deadline = absl::Now() + options_.step_timeout;
     absl::Status waited;
-    while (!rank.lost && !(waited = transport_->WaitDoorbell(rl.attn_buffer, rl.seqno, deadline)).ok()) {
+    while (!rank.lost && !(waited = WaitInput(rl.attn_buffer, rl.seqno, deadline)).ok()) {
       // Which rank failed: the one whose error message is waiting (a memory rank that stops says
       // why), those the transport knows to have failed, or else this one, silent past the
       // deadline. A wait cut short by another rank's failure goes on once that rank is lost.
@@ -1640,7 +1838,9 @@ EngineStats ComputeRank::stats() const {
           .busy_seconds = busy_seconds_,
           .memory_ranks_lost = memory_ranks_lost_,
           .requests_recovered = requests_recovered_,
-          .memory_ranks_rejoined = memory_ranks_rejoined_};
+          .memory_ranks_rejoined = memory_ranks_rejoined_,
+          .compute_ranks_lost = compute_ranks_lost_,
+          .steps_rerun = steps_rerun_};
 }
 
 void ComputeRank::Abandon(const absl::Status& why) {
@@ -1653,7 +1853,7 @@ void ComputeRank::Abandon(const absl::Status& why) {
   }
   // The compute replicas too (each stops naming the cause), but not one that failed or is silent.
   for (const Replica& replica : replicas_) {
-    if (!transport_->PeerStatus(replica.peer).ok()) continue;
+    if (replica.lost || !transport_->PeerStatus(replica.peer).ok()) continue;
     if (replica.beat_seq != 0 && now - replica.beat_sent > options_.step_timeout) continue;
     (void)transport_->Send(replica.peer, frame);
   }
@@ -1671,7 +1871,7 @@ absl::Status ComputeRank::Shutdown() {
   auto part = [&](auto& peers) {
     size_t byes = 0;
     for (auto& peer : peers) {
-      if constexpr (requires { peer.lost; }) {
+      if constexpr (requires { peer.slice; }) {
         // Given up, or silent past its heartbeat (recovery off): nothing to say to it, no answer to wait for.
         if (peer.lost || SilentPastHeartbeat(peer, absl::Now())) continue;
       }
@@ -1692,7 +1892,11 @@ absl::Status ComputeRank::Shutdown() {
       if (magic.ok() && *magic == kByeMagic) --byes;
     }
   };
-  part(replicas_);
+  std::vector<Replica> live;  // a replica given up gets no bye
+  for (const Replica& replica : replicas_) {
+    if (!replica.lost) live.push_back(replica);
+  }
+  part(live);
   part(ranks_);
   // A rejoining rank's new process that got its hello waits for steps: a bye for it too.
   size_t probe_byes = 0;

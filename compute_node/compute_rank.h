@@ -43,6 +43,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -102,6 +103,11 @@ struct ComputeRankOptions {
   // false: the step fails. Recovery needs the host-staged path (ucx), one compute rank and the
   // request partition; elsewhere a loss fails the step.
   bool recover_memory_ranks = true;
+  // launch.recover_compute_replicas: with compute.ranks 2 on the host-staged path, a compute replica
+  // that fails, disconnects or stays silent past the step timeout is given up: the step in flight
+  // is discarded on the memory ranks and run again, and this rank runs every micro-batch from then
+  // on (see ComputeRank::Step); false (or elsewhere): the step fails, naming it.
+  bool recover_compute_replicas = true;
   // launch.heartbeat_s: while idle (Heartbeat), every memory rank gets a heartbeat this often and
   // must answer within step_timeout, or it is lost as in a step (recovered, or the error names
   // it); each heartbeat also tells the rank to stop once this rank has been silent for
@@ -150,9 +156,11 @@ class ComputeRank : public Engine {
   // request that now fits no surviving rank is reported finished with an error
   // (GenerationResult::error, Controller::FailUnplaceable). Without
   // recovery (or where it is not supported), or once every rank is lost, the step fails with a
-  // Status naming the rank. A compute replica that fails or goes silent mid-step fails the step,
-  // naming it: its micro-batches' attention is half done on the memory ranks, which would have to
-  // be told to drop the step (see docs/architecture.md, "Failures"). Cancel: the memory rank that
+  // Status naming the rank. A compute replica that fails or goes silent mid-step is given up
+  // (recover_compute_replicas; compute.ranks 2, host-staged path): the memory ranks get a step
+  // discard and the step runs again with every micro-batch on this rank, as every step after it
+  // (RecoverFromFailedStep, LoseReplica; docs/architecture.md, "Failures"); elsewhere it fails the
+  // step, naming it. Cancel: the memory rank that
   // holds the request's KV is told to free it (a release message, as for a finished request).
   //
   // Rejoin (ComputeRankOptions::rejoin_probe): a lost rank's address (memory_addresses[m], where a
@@ -181,7 +189,8 @@ class ComputeRank : public Engine {
   // it gives up is recovered as in Step (its requests, none while idle, requeued); without
   // recovery, or once every rank is lost, it returns the error naming the rank. The compute
   // replicas get heartbeats too; one that failed or left its heartbeat unanswered for the step
-  // timeout is an error naming it (a replica is not recovered: see Step).
+  // timeout is given up as in Step (with no step to discard), or, without that recovery, is an
+  // error naming it.
   absl::Duration heartbeat_interval() const override {
     return options_.heartbeat > absl::ZeroDuration() ? options_.heartbeat : absl::InfiniteDuration();
   }
@@ -246,10 +255,34 @@ class ComputeRank : public Engine {
   bool Finishes(size_t micro_batch) const {
     return schedule_.FinisherOf(static_cast<int64_t>(micro_batch), num_layers_) == compute_rank_;
   }
+  // The buffers of micro-batch j on this rank: its backend lane, and its receive buffer of every
+  // memory rank's outputs (no-ops when they exist: a lane taken over from a lost replica is set
+  // up when it is).
+  absl::Status SetUpLane(size_t j);
+  absl::Status SetUpRankLane(size_t m, size_t j);
+  // Compute rank 0, after the step's micro-batches failed with `ran`: finds the compute replica that
+  // failed (its connection, an error it sent, or, after a step deadline, no answer to a heartbeat
+  // within a quarter of the step timeout, 0.25 to 5 s) and, where recovery applies (CanRecoverReplica), gives
+  // it up (LoseReplica) so that the step can run again: OK. Otherwise the step's error, naming the replica
+  // when one failed.
+  absl::Status RecoverFromFailedStep(absl::Status ran, uint64_t step_id);
+  // Whether this rank can go on without a compute replica (see
+  // ComputeRankOptions::recover_compute_replicas).
+  bool CanRecoverReplica() const;
+  // Gives up replica r (compute rank r + 1) for `why`: its connection is let go, this rank takes
+  // over its micro-batches (every one: compute rank 0 is left alone), every doorbell seqno jumps to
+  // a common base above any used so far, and the memory ranks get a step discard of `step_id` (0:
+  // none in flight) that tells them so.
+  absl::Status LoseReplica(size_t r, const absl::Status& why, uint64_t step_id);
+  // Waits until doorbell `buffer` reaches `seqno` (a layer's output or residual stream); a replica
+  // answers compute rank 0's heartbeats meanwhile (see RecoverFromFailedStep).
+  absl::Status WaitInput(uint32_t buffer, uint64_t seqno, absl::Time deadline);
   // Runs the step's micro-batches (one, or several interleaved: see the file comment) and sets
   // (*sampled)[k] to what part k sampled. Parts owned by replicas go to them; this rank runs its
   // own parts and collects the replicas' results (whoever ran parts[k]).
-  absl::Status RunParts(std::span<const PlannedStep> parts, std::vector<SampledTokens>* sampled);
+  // `rerun`: the step runs again after a step discard (LoseReplica): the memory ranks keep its plans.
+  absl::Status RunParts(std::span<const PlannedStep> parts, std::vector<SampledTokens>* sampled,
+                        bool rerun = false);
   // Sends micro-batch j's q,k,v rows of `layer` (in lane j's qkv buffer) to the memory ranks.
   absl::Status SendLayer(size_t j, const PlannedStep& step, uint32_t layer);
   // Waits for (host path) or enqueues the waits for (device path) micro-batch j's attention
@@ -351,6 +384,7 @@ class ComputeRank : public Engine {
     // Heartbeat, as Rank's: the one not yet answered (seq 0: none) and when it was sent.
     uint64_t beat_seq = 0;
     absl::Time beat_sent;
+    bool lost = false;  // given up (LoseReplica): nothing is sent to it or awaited from it
   };
   // A heartbeat reply from replica r (compute rank r + 1), as TakeHeartbeatReply.
   absl::StatusOr<bool> TakeReplicaHeartbeatReply(size_t r, const std::vector<uint8_t>& msg);
@@ -420,6 +454,11 @@ class ComputeRank : public Engine {
   std::vector<std::pair<int64_t, GenerationResult>> ended_while_idle_;
   absl::Time next_beat_ = absl::InfinitePast();
   int64_t memory_ranks_lost_ = 0, requests_recovered_ = 0, memory_ranks_rejoined_ = 0;
+  int64_t compute_ranks_lost_ = 0, steps_rerun_ = 0;
+  // Compute rank 0: at least every doorbell seqno used so far (each step's layers add at most
+  // num_layers messages, two with q-first, to any one): where they all start again after a replica
+  // is lost (LoseReplica).
+  uint64_t seqno_ceiling_ = 0;
 };
 
 }  // namespace tandem

@@ -98,6 +98,10 @@ struct EngineStats {
   int64_t memory_ranks_lost = 0;
   int64_t requests_recovered = 0;
   int64_t memory_ranks_rejoined = 0;  // lost ranks that a new process of took back (ComputeRank)
+  // Compute replicas given up (their micro-batches run on the surviving compute ranks), and the
+  // steps run again because one was lost in the middle of them.
+  int64_t compute_ranks_lost = 0;
+  int64_t steps_rerun = 0;
 };
 
 // KV of one memory rank, in tokens (slots).

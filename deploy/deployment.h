@@ -77,6 +77,9 @@ struct DeployPlan {
   // launch.recover_memory_ranks, where compute rank 0 can recover (ucx, one compute rank, the
   // request partition): the launcher then lets a memory rank fail without stopping the deployment.
   bool recover_memory_ranks = false;
+  // launch.recover_compute_replicas, where compute rank 0 can recover (ucx, compute.ranks 2): the
+  // launcher tolerates a replica's exit (compute rank 0 goes on without it).
+  bool recover_compute_replicas = false;
   // launch.restart_memory_ranks where it applies (recovery, and compute rank 0 probing lost ranks:
   // launch.rejoin_probe_s > 0), else 0: how often the launcher restarts a memory rank that died.
   int restart_memory_ranks = 0;

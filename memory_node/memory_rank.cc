@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -87,6 +89,14 @@ class MemoryRank {
         if (!st.ok()) return Fail(st);
         continue;
       }
+      if (magic == kStepDiscardMagic) {
+        // A compute replica was lost after this rank ran the step's layers (or while idle): the
+        // step, if it is the last one, runs again with the survivors.
+        st = RerunAfterDiscard(msg);
+        if (!st.ok()) return Fail(NameFailedPeer(st));
+        last_heard = absl::Now();
+        continue;
+      }
       if (magic == kStepPlanMagic) {
         absl::StatusOr<StepPlan> plan = DecodeStepPlan(msg);
         st = plan.ok() ? RunStep(*plan) : plan.status();
@@ -158,24 +168,41 @@ class MemoryRank {
   }
 
   absl::Status ReceiveFromCompute(std::vector<uint8_t>* msg, absl::Time deadline, const std::string& what) {
-    PeerId from = 0;
-    absl::StatusOr<bool> r = WaitFor(
-        [&](absl::Time d) -> absl::StatusOr<bool> {
-          RETURN_IF_ERROR(transport_->Receive(&from, msg, d));
-          return true;
-        },
-        deadline, what);
-    if (!r.ok()) return absl::IsDeadlineExceeded(r.status()) ? r.status() : NameFailedPeer(r.status());
-    if (from == peer_) return absl::OkStatus();
-    for (auto it = replicas_.begin(); it != replicas_.end(); ++it) {
-      if (it->second != from) continue;
+    while (true) {
+      PeerId from = 0;
+      absl::StatusOr<bool> r = WaitFor(
+          [&](absl::Time d) -> absl::StatusOr<bool> {
+            RETURN_IF_ERROR(transport_->Receive(&from, msg, d));
+            return true;
+          },
+          deadline, what);
+      if (!r.ok()) {
+        if (absl::IsDeadlineExceeded(r.status())) return r.status();
+        if (DropFailedReplicas()) continue;  // compute rank 0 goes on without it (a step discard)
+        return NameFailedPeer(r.status());
+      }
+      if (from == peer_) return absl::OkStatus();
+      auto it =
+          std::find_if(replicas_.begin(), replicas_.end(), [&](const auto& r) { return r.second == from; });
+      if (it == replicas_.end()) {
+        // Compute rank 0 connects anew to probe for a new process of a rank it gave up (a stop or a
+        // silence past launch.step_timeout_s): this process is that rank's old one.
+        return absl::FailedPreconditionError(
+            absl::StrCat("a message from ", transport_->PeerName(from),
+                         ", which is not compute rank 0's connection: compute rank 0 gave this rank up and "
+                         "probes for a new "
+                         "process of it; this rank stops"));
+      }
+      if (lost_replicas_.contains(it->first)) continue;  // whatever a replica given up still sends
       // A compute replica leaving (compute rank 0 ends the deployment): a bye each way, and its
-      // connection closes quietly. Anything else from it is not expected.
+      // connection closes quietly. One that stops says why (an error message) and is given up:
+      // compute rank 0 goes on without it or ends the deployment, and says which.
       absl::StatusOr<uint32_t> magic = PeekFrameMagic(*msg);
-      if (magic.ok() && *magic == kErrorMagic) {  // it stopped (compute rank 0 went silent, ...)
+      if (magic.ok() && *magic == kErrorMagic) {
         absl::StatusOr<ErrorMessage> err = DecodeError(*msg);
-        if (!err.ok()) return Annotate(err.status(), absl::StrCat("compute rank ", it->first));
-        return Annotate(StatusFromErrorMessage(*err), absl::StrCat("compute rank ", it->first, " stopped"));
+        DropReplica(it->first, err.ok() ? std::string(StatusFromErrorMessage(*err).message())
+                                        : std::string(err.status().message()));
+        continue;
       }
       if (!magic.ok() || *magic != kByeMagic) {
         return absl::InvalidArgumentError(absl::StrCat("unexpected message from compute rank ", it->first));
@@ -184,14 +211,163 @@ class MemoryRank {
       RETURN_IF_ERROR(transport_->Send(from, EncodeBye(ByeMessage{.steps = static_cast<uint64_t>(steps_)})));
       (void)transport_->Flush(absl::Now() + absl::Seconds(2));
       replicas_.erase(it);
-      return ReceiveFromCompute(msg, deadline, what);
     }
-    // Compute rank 0 connects anew to probe for a new process of a rank it gave up (a stop or a
-    // silence past launch.step_timeout_s): this process is that rank's old one.
-    return absl::FailedPreconditionError(absl::StrCat(
-        "a message from ", transport_->PeerName(from),
-        ", which is not compute rank 0's connection: compute rank 0 gave this rank up and probes for a new "
-        "process of it; this rank stops"));
+  }
+
+  // A compute replica gone (its connection failed, it said it stops, or compute rank 0 gave it up):
+  // its connection is let go (its failure no longer fails waits) and its messages are dropped.
+  // Compute rank 0 decides what follows: a step discard that goes on without it, or an error.
+  void DropReplica(uint16_t rank, const std::string& why) {
+    if (!lost_replicas_.insert(rank).second) return;
+    auto it = replicas_.find(rank);
+    if (it != replicas_.end()) transport_->Close(it->second);
+    TANDEM_LOG_WARN("memory", "memory rank ", o_.rank, ": compute rank ", rank, " is gone (", why,
+                    "); compute rank 0 decides whether the step goes on without it");
+  }
+
+  // Gives up the compute replicas whose connection failed; true if there were any.
+  bool DropFailedReplicas() {
+    bool any = false;
+    for (const auto& [rank, peer] : replicas_) {
+      if (lost_replicas_.contains(rank)) continue;
+      if (absl::Status st = transport_->PeerStatus(peer); !st.ok()) {
+        DropReplica(rank, std::string(st.message()));
+        any = true;
+      }
+    }
+    return any;
+  }
+
+  // Within a step's layers: the control messages that came (none is expected but these). A step
+  // discard from compute rank 0 is kept in discard_ and returns Aborted (the layers stop where they
+  // are); an error message from compute rank 0 is the rank's error; a replica that stops is given
+  // up. OK when nothing (else) came.
+  absl::Status TakeMidStepMessages() {
+    while (true) {
+      PeerId from = 0;
+      std::vector<uint8_t> msg;
+      const absl::Status got = transport_->Receive(&from, &msg, absl::Now());
+      if (absl::IsDeadlineExceeded(got)) return absl::OkStatus();
+      if (!got.ok()) {
+        if (DropFailedReplicas()) continue;
+        return got;
+      }
+      ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
+      if (from == peer_) {
+        if (magic == kStepDiscardMagic) {
+          ASSIGN_OR_RETURN(discard_, DecodeStepDiscard(msg));
+          return absl::AbortedError(absl::StrCat("step ", discard_->step_id, " discarded"));
+        }
+        if (magic == kErrorMagic) {
+          ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
+          return Annotate(StatusFromErrorMessage(err), "the compute rank stopped");
+        }
+        return absl::InvalidArgumentError(absl::StrCat("unexpected message (magic 0x", absl::Hex(magic),
+                                                       ") from compute rank 0 within a step"));
+      }
+      auto it =
+          std::find_if(replicas_.begin(), replicas_.end(), [&](const auto& r) { return r.second == from; });
+      if (it == replicas_.end()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "a message from ", transport_->PeerName(from),
+            " within a step, which is not a compute rank's connection: compute rank 0 gave this rank up and "
+            "probes for a new process of it; this rank stops"));
+      }
+      if (lost_replicas_.contains(it->first)) continue;
+      if (magic != kErrorMagic) {
+        return absl::InvalidArgumentError(absl::StrCat("unexpected message (magic 0x", absl::Hex(magic),
+                                                       ") from compute rank ", it->first, " within a step"));
+      }
+      absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+      DropReplica(it->first, err.ok() ? std::string(StatusFromErrorMessage(*err).message())
+                                      : std::string(err.status().message()));
+    }
+  }
+
+  // A layer's input of lane j (doorbell `seqno` of `buffer`), within twice the step timeout (the
+  // compute rank may itself spend one step timeout waiting for another memory rank that went
+  // silent, or for a compute replica, before it goes on without it). Meanwhile: a stop request
+  // (Cancelled), a step discard (Aborted, see TakeMidStepMessages; also when it came before the
+  // write that reached the doorbell), a replica that fails (given up;
+  // the wait goes on until compute rank 0 says what follows).
+  absl::Status WaitLayerInput(uint32_t buffer, uint64_t seqno, const std::string& what) {
+    const absl::Time deadline = absl::Now() + 2 * o_.step_timeout;
+    while (true) {
+      if (o_.stop_requested && o_.stop_requested()) {
+        return absl::CancelledError(absl::StrCat("stopped while waiting for ", what));
+      }
+      RETURN_IF_ERROR(TakeMidStepMessages());
+      const absl::Status st =
+          transport_->WaitDoorbell(buffer, seqno, std::min(deadline, absl::Now() + kPoll));
+      // Reached: unless compute rank 0 discarded the step meanwhile, and the write is its rerun's
+      // (a step discard is sent before the rerun's data, and one connection delivers in order).
+      if (st.ok()) return TakeMidStepMessages();
+      if (absl::IsDeadlineExceeded(st)) {
+        if (absl::Now() >= deadline) {
+          return absl::DeadlineExceededError(
+              absl::StrCat("memory rank ", o_.rank, ": timed out waiting for ", what));
+        }
+        continue;
+      }
+      if (DropFailedReplicas()) continue;
+      return st;
+    }
+  }
+
+  // A step discard (wire.h): the compute ranks of its mask go on, in rank order the pipeline's
+  // ranks 0, 1, ...; every lane's seqno starts again from its base.
+  absl::Status ApplyDiscard(const StepDiscardMessage& d) {
+    if (hello_.compute_ranks < 8 && (d.compute_mask >> hello_.compute_ranks) != 0) {
+      return absl::InvalidArgumentError(absl::StrFormat("a step discard keeps compute ranks 0x%02x of %d",
+                                                        d.compute_mask, int{hello_.compute_ranks}));
+    }
+    std::vector<PeerId> peers;
+    for (uint16_t c = 0; c < hello_.compute_ranks; ++c) {
+      const bool keep = (d.compute_mask >> c) & 1;
+      if (c == 0) {
+        peers.push_back(peer_);
+        continue;
+      }
+      auto it = replicas_.find(c);
+      if (!keep) {
+        DropReplica(c, "compute rank 0 gave it up");
+        continue;
+      }
+      if (it == replicas_.end() || lost_replicas_.contains(c)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("a step discard keeps compute rank ", c, ", which this rank lost"));
+      }
+      peers.push_back(it->second);
+    }
+    compute_peers_ = std::move(peers);
+    const int survivors = static_cast<int>(compute_peers_.size());
+    schedule_ =
+        PipelineSchedule{.compute_ranks = survivors, .slice_layers = survivors > 1 ? hello_.slice_layers : 0};
+    for (Lane& lane : lanes_) lane.seqno = d.seqno_base;
+    TANDEM_LOG_WARN("memory", "memory rank ", o_.rank, ": step discard",
+                    d.step_id != 0 ? absl::StrCat(" of step ", d.step_id) : std::string(), "; ", survivors,
+                    " compute rank(s) go on, seqnos from ", d.seqno_base);
+    return absl::OkStatus();
+  }
+
+  // The step's layers (host-staged path), run again from layer 0 each time compute rank 0 discards
+  // the step: the plans stay applied (the same slots take the new rows' K and V again).
+  absl::Status RunLayers(uint64_t step_id, size_t lanes) {
+    if (device_path_) return LayersOnDevice(step_id, lanes);
+    while (true) {
+      const absl::Status st = Layers(step_id, lanes);
+      if (!discard_.has_value()) return st;
+      const StepDiscardMessage d = *discard_;
+      discard_.reset();
+      if (d.step_id != step_id) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("a step discard of step ", d.step_id, " arrived within step ", step_id));
+      }
+      RETURN_IF_ERROR(ApplyDiscard(d));
+      for (size_t k = 0; k < lanes; ++k) {
+        if (lanes_[k].rows > 0) RETURN_IF_ERROR(lanes_[k].exec->BeginStep(lanes_[k].batch));
+      }
+    }
   }
 
   // `st` (a failed wait or send) annotated with the compute rank the transport knows failed:
@@ -441,6 +617,28 @@ class MemoryRank {
     return absl::OkStatus();
   }
 
+  // A step discard taken between steps: applied, and the last step's layers run again when it
+  // names that step (its plans all arrived and it had rows here).
+  absl::Status RerunAfterDiscard(const std::vector<uint8_t>& msg) {
+    ASSIGN_OR_RETURN(const StepDiscardMessage d, DecodeStepDiscard(msg));
+    RETURN_IF_ERROR(ApplyDiscard(d));
+    if (d.step_id == 0 || d.step_id != micro_step_id_ || next_micro_batch_ != 0) return absl::OkStatus();
+    const size_t lanes = micro_count_;
+    bool any = false;
+    for (size_t k = 0; k < lanes; ++k) {
+      if (lanes_[k].rows == 0) continue;
+      any = true;
+      RETURN_IF_ERROR(lanes_[k].exec->BeginStep(lanes_[k].batch));
+    }
+    if (!any) return absl::OkStatus();
+    RETURN_IF_ERROR(RunLayers(d.step_id, lanes));
+    for (size_t k = 0; k < lanes; ++k) {
+      ASSIGN_OR_RETURN(const uint64_t attention, lanes_[k].exec->TakeLayerTimeNs());
+      attention_ns_ += attention;
+    }
+    return absl::OkStatus();
+  }
+
   // A step plan, or one micro-batch's plan of a pipelined step: micro-batches arrive in order,
   // each is applied to the KV table and begun on its lane at once, and the last one runs the
   // step's layers, the lanes in turn per layer (the order the compute rank sends them in).
@@ -491,7 +689,7 @@ class MemoryRank {
     for (size_t k = 0; k < lanes; ++k) any |= lanes_[k].rows > 0;
     if (!any) return tiers_ == nullptr ? absl::OkStatus() : tiers_->FinishRestores();  // restores only
     ++steps_;
-    RETURN_IF_ERROR(device_path_ ? LayersOnDevice(plan.step_id, lanes) : Layers(plan.step_id, lanes));
+    RETURN_IF_ERROR(RunLayers(plan.step_id, lanes));
     if (tiers_ != nullptr) RETURN_IF_ERROR(tiers_->FinishRestores());
     // The step's work has run (both paths wait for it): its attention time.
     for (size_t k = 0; k < lanes; ++k) {
@@ -529,17 +727,10 @@ class MemoryRank {
                                     .row_bytes = qkv_row,
                                     .seqno = lane.seqno,
                                     .verify_checksum = hello_.checksums};
-        absl::StatusOr<bool> got = WaitFor(
-            [&](absl::Time d) -> absl::StatusOr<bool> {
-              RETURN_IF_ERROR(transport_->WaitDoorbell(buffer, lane.seqno, d));
-              return true;
-            },
-            // Twice the step timeout: the compute rank may itself spend one step timeout waiting
-            // for another memory rank that went silent, and then goes on without it.
-            absl::Now() + 2 * o_.step_timeout,
+        RETURN_IF_ERROR(WaitLayerInput(
+            buffer, lane.seqno,
             absl::StrCat("q,k,v of step ", step_id, lanes > 1 ? absl::StrCat(" micro-batch ", j) : "",
-                         " layer ", layer));
-        RETURN_IF_ERROR(got.status());
+                         " layer ", layer)));
         ASSIGN_OR_RETURN(
             absl::Span<const uint8_t> payload,
             ReadLayerMessage({static_cast<const uint8_t*>(lane.recv.get()), lane.recv_bytes}, in));
@@ -562,8 +753,7 @@ class MemoryRank {
         const absl::Span<const uint8_t> body(static_cast<const uint8_t*>(out), out_bytes);
         const std::vector<uint8_t> header = MakeLayerMessageHeader(reply, body, hello_.checksums);
         const absl::Span<const uint8_t> pieces[] = {header, body};
-        RETURN_IF_ERROR(transport_->Write(
-            OwnerPeer(j, layer), hello_.attn_out_buffer + static_cast<uint32_t>(j), 0, pieces, lane.seqno));
+        RETURN_IF_ERROR(WriteOutput(j, layer, pieces, lane.seqno));
       }
     }
     return absl::OkStatus();
@@ -580,16 +770,8 @@ class MemoryRank {
     const uint32_t buffer = kQkvBuffer + static_cast<uint32_t>(j);
     const auto* recv = static_cast<const uint8_t*>(lane.recv.get());
     const std::string micro = lanes > 1 ? absl::StrCat(" micro-batch ", j) : "";
-    // Twice the step timeout, as in Layers.
     auto wait = [&](uint64_t seqno, const char* what) {
-      return WaitFor(
-                 [&](absl::Time d) -> absl::StatusOr<bool> {
-                   RETURN_IF_ERROR(transport_->WaitDoorbell(buffer, seqno, d));
-                   return true;
-                 },
-                 absl::Now() + 2 * o_.step_timeout,
-                 absl::StrCat(what, " of step ", step_id, micro, " layer ", layer))
-          .status();
+      return WaitLayerInput(buffer, seqno, absl::StrCat(what, " of step ", step_id, micro, " layer ", layer));
     };
     LayerMessageExpect in{.step_id = step_id,
                           .layer = layer,
@@ -621,8 +803,25 @@ class MemoryRank {
                                          static_cast<size_t>(lane.rows) * reply.row_bytes);
     const std::vector<uint8_t> header = MakeLayerMessageHeader(reply, body, hello_.checksums);
     const absl::Span<const uint8_t> pieces[] = {header, body};
-    return transport_->Write(OwnerPeer(j, layer), hello_.attn_out_buffer + static_cast<uint32_t>(j), 0,
-                             pieces, lane.seqno);
+    return WriteOutput(j, layer, pieces, lane.seqno);
+  }
+
+  // Lane j's attention output of `layer` to the compute rank that gets it (host-staged path). A
+  // replica that fails meanwhile (or was given up) is let go: compute rank 0 discards the step.
+  absl::Status WriteOutput(size_t j, uint32_t layer, absl::Span<const absl::Span<const uint8_t>> pieces,
+                           uint64_t seqno) {
+    const int owner = schedule_.OwnerOf(static_cast<int64_t>(j), layer);
+    const PeerId peer = compute_peers_[static_cast<size_t>(owner)];
+    uint16_t replica = 0;
+    for (const auto& [rank, p] : replicas_) {
+      if (p == peer && owner != 0) replica = rank;
+    }
+    if (replica != 0 && lost_replicas_.contains(replica)) return absl::OkStatus();
+    const absl::Status st =
+        transport_->Write(peer, hello_.attn_out_buffer + static_cast<uint32_t>(j), 0, pieces, seqno);
+    if (st.ok() || replica == 0 || transport_->PeerStatus(peer).ok()) return st;
+    DropReplica(replica, std::string(st.message()));
+    return absl::OkStatus();
   }
 
   // The whole step enqueued on the executor's stream (see memory_rank.h), the lanes in turn per
@@ -666,8 +865,10 @@ class MemoryRank {
   std::unique_ptr<Transport> transport_;
   PeerId peer_ = 0;  // compute rank 0
   bool peer_set_ = false;
-  std::map<uint16_t, PeerId> replicas_;  // compute rank -> its connection (compute.ranks > 1)
-  std::vector<uint8_t> reply_;           // the hello reply every compute rank gets
+  std::map<uint16_t, PeerId> replicas_;        // compute rank -> its connection (compute.ranks > 1)
+  std::set<uint16_t> lost_replicas_;           // given up (DropReplica): their messages are dropped
+  std::optional<StepDiscardMessage> discard_;  // taken within a step's layers, applied by RunLayers
+  std::vector<uint8_t> reply_;                 // the hello reply every compute rank gets
   HelloMessage hello_;
   AttentionShape shape_;
   std::unique_ptr<AttentionExecutor> exec_;

@@ -38,7 +38,11 @@
 // the q,k,v rows (written straight into its GPU buffer) -> KV append and attention -> the write of
 // the output straight into the compute rank's attention buffer at this rank's row offset (under the
 // head partition: into the compute rank's buffer for this rank, at row 0); it then
-// waits once for the step. Every wait has a deadline; a malformed or unexpected frame, a peer that disappears
+// waits once for the step. A compute replica that fails or stops is let go, and compute rank 0
+// decides what follows: a step discard (common/wire.h), taken in any state of the step, makes the
+// rank leave its layers, apply the surviving compute ranks and the new seqno base, and run the
+// step's layers again with its plans still applied (host-staged path); an error message ends it.
+// Every wait has a deadline; a malformed or unexpected frame, a peer that disappears
 // or a deadline that passes ends the rank with an error naming it (the compute rank is told first when it can
 // still be reached).
 #pragma once

@@ -78,15 +78,18 @@ struct LoopOptions {
 };
 
 // Counters and gauges of the loop (a snapshot).
-// A deployment's recoveries so far (EngineStats): memory ranks lost, lost ranks taken back, and
-// requests recomputed after a loss.
+// A deployment's recoveries so far (EngineStats): memory ranks lost, lost ranks taken back,
+// requests recomputed after a loss, compute replicas lost and steps run again after such a loss.
 struct RecoveryCounters {
   int64_t memory_ranks_lost = 0, memory_ranks_rejoined = 0, requests_recovered = 0;
+  int64_t compute_ranks_lost = 0, steps_rerun = 0;
   RecoveryCounters() = default;
   explicit RecoveryCounters(const EngineStats& s)
       : memory_ranks_lost(s.memory_ranks_lost),
         memory_ranks_rejoined(s.memory_ranks_rejoined),
-        requests_recovered(s.requests_recovered) {}
+        requests_recovered(s.requests_recovered),
+        compute_ranks_lost(s.compute_ranks_lost),
+        steps_rerun(s.steps_rerun) {}
 };
 
 struct LoopStats {

@@ -150,6 +150,11 @@ std::string ServerMetrics::Render(const LoopStats& s, const std::string& model_n
          static_cast<double>(s.recovery.memory_ranks_rejoined));
   metric("requests_recovered_total", "counter", "Requests recomputed on another memory rank after a loss.",
          static_cast<double>(s.recovery.requests_recovered));
+  metric("compute_ranks_lost_total", "counter",
+         "Compute replicas given up (their micro-batches run on the surviving compute ranks).",
+         static_cast<double>(s.recovery.compute_ranks_lost));
+  metric("steps_rerun_total", "counter", "Steps run again because a compute replica was lost in them.",
+         static_cast<double>(s.recovery.steps_rerun));
   metric("engine_step_seconds_total", "counter", "Wall time inside engine steps.", s.step_seconds);
   if (s.pipeline) {
     // A deployment's pipeline (compute_node/pipeline_report.h): totals as counters, and the split

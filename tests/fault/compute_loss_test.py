@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Losing a compute rank ends the deployment cleanly: every rank stops, the clients are told.
+"""Losing compute rank 0 ends the deployment cleanly; losing a compute replica costs a delay.
 
 Real processes: `tandem serve --deploy` on the CPU over UCX on 127.0.0.1, launch.heartbeat_s 0.5 and
 launch.step_timeout_s 2. Cases, each bounded in time:
@@ -10,18 +10,25 @@ launch.step_timeout_s 2. Cases, each bounded in time:
   * compute rank 0 stopped (SIGSTOP) while idle, same deployment: the replica and both memory ranks
     exit on their own, each saying compute rank 0 went silent, and the launcher ends non-zero saying
     compute-0 is stopped; no rank is left;
-  * the compute replica killed under a stream of requests (pipeline.mode fixed, then rotational):
-    every request in flight is answered 503 with an error naming compute rank 1; the launcher ends
-    non-zero naming compute-1;
+  * the compute replica killed (kill -9) or stopped (SIGSTOP) under a stream of requests
+    (launch.recover_compute_replicas on, the default; pipeline.mode fixed and rotational): compute
+    rank 0 gives it up, the step in flight runs again, and every request completes with the tokens
+    the same requests got one by one before the fault (greedy and seeded sampling), within a bound;
+    compute-0's log names the replica and the rerun, /metrics counts it
+    (tandem:compute_ranks_lost_total 1), and the deployment goes on;
+  * with launch.recover_compute_replicas false, the compute replica killed under a stream of
+    requests (pipeline.mode fixed): every request in flight is answered 503 with an error naming
+    compute rank 1; the launcher ends non-zero naming compute-1;
   * every memory rank killed under a stream of requests (one compute rank, recovery on, no
     restarts): the requests in flight are answered 503 with an error saying every memory rank is
     lost, /health answers 503 with the same cause, and the deployment ends; no rank is left;
-  * `generate --deploy` (a requests file) with the replica killed mid-run: an error line naming
-    compute rank 1 for every request, status 1, no rank left.
+  * `generate --deploy` (a requests file) with the replica killed mid-run and recovery off: an error
+    line naming compute rank 1 for every request, status 1, no rank left.
 Usage: compute_loss_test.py path/to/tandem
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +47,12 @@ HEARTBEAT_S, STEP_TIMEOUT_S = 0.5, 2
 # 2-core machine, and for the launcher's 10 s grace before it kills a rank that does not stop.
 KILL_BOUND_S = 20
 SILENT_BOUND_S = HEARTBEAT_S + STEP_TIMEOUT_S + 20
+# A lost replica: found at once (kill -9) or after a step deadline and half of one more (SIGSTOP);
+# the rest is slack for a loaded 2-core machine.
+LOSS_BOUND_S = 2 * STEP_TIMEOUT_S + 15
+# (prompt, extra request fields): greedy and seeded sampling.
+REQUESTS = [([5 + i, 17, 99, 3, 250 - i, 7, 11 * i % 500 + 1], {"temperature": 0.8, "seed": i} if i % 2 else {})
+            for i in range(6)]
 
 
 class Deployment:
@@ -95,6 +108,24 @@ class Deployment:
         if rank.startswith("compute-"):
             return pids(f"compute --replica {rank[len('compute-'):]} .*{self.dir}")
         return pids(f"memory --rank {rank[len('memory-'):]} .*{self.dir}")
+
+    def tokens(self, prompt, extra):
+        body = json.dumps({"model": "cl", "prompt": prompt, "max_tokens": 40, "ignore_eos": True,
+                           "temperature": 0, **extra}).encode()
+        req = urllib.request.Request(self.url + "/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.loads(r.read())["choices"][0]["token_ids"]
+        except urllib.error.HTTPError as e:
+            return f"HTTP {e.code}: {e.read()[:300]!r}"
+        except OSError as e:
+            return f"{e}"
+
+    def metric(self, name):
+        status, text = self.get("/metrics")
+        m = re.search(rf"^tandem:{name}\{{[^}}]*\}} (\S+)$", text, re.M) if status == 200 else None
+        return float(m.group(1)) if m else None
 
     def left_running(self):
         return pids(self.dir)
@@ -224,8 +255,70 @@ def compute0_stopped(tmp):
         d.stop()
 
 
+def replica_lost(tmp, mode, sig):
+    """The replica killed or stopped under load: every request completes with the fault-free tokens."""
+    how = "killed" if sig == signal.SIGKILL else "stopped"
+    d = Deployment(tmp, f"replica-{how}-{mode}", compute_ranks=2, mode=mode)
+    try:
+        if d.url is None:
+            return
+        expect = [d.tokens(p, e) for p, e in REQUESTS]  # one by one, before any fault
+        if not all(isinstance(t, list) and len(t) == 40 for t in expect):
+            bad(f"{d.name}: the fault-free requests failed: {expect[:1]}")
+            return
+        done, wrong, stop = [0], [], [False]
+        lock = threading.Lock()
+
+        def client(k):
+            i = k
+            while not stop[0]:
+                got = d.tokens(*REQUESTS[i % len(REQUESTS)])
+                with lock:
+                    done[0] += 1
+                    if got != expect[i % len(REQUESTS)]:
+                        wrong.append((i % len(REQUESTS), got))
+                i += 3
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        if wait_for(lambda: done[0] >= 3, 30) is None:
+            bad(f"{d.name}: the requests do not complete: {d.err()[-600:]}")
+        victim = d.rank_pids("compute-1")
+        signal_all(victim, sig)
+        start = time.time()
+        took = wait_for(lambda: "giving up compute rank 1" in d.log("compute-0"), LOSS_BOUND_S)
+        before = done[0]
+        more = wait_for(lambda: done[0] >= before + 6, LOSS_BOUND_S)
+        stop[0] = True
+        for t in threads:
+            t.join(90)
+        print(f"{d.name}: compute rank 1 given up after {'%.1f s' % took if took is not None else 'never'}; "
+              f"{done[0]} requests in {time.time() - start:.1f} s, {len(wrong)} with other tokens; "
+              f"steps rerun {d.metric('steps_rerun_total')}", flush=True)
+        if took is None:
+            bad(f"{d.name}: compute-0 did not give up compute rank 1 within {LOSS_BOUND_S} s: "
+                f"{d.log('compute-0')[-800:]}")
+        if more is None:
+            bad(f"{d.name}: requests stopped completing after the loss: {d.err()[-600:]}")
+        if any(t.is_alive() for t in threads):
+            bad(f"{d.name}: a client still waits 90 s after the load stopped")
+        for i, got in wrong[:3]:
+            bad(f"{d.name}: request {i} got {got}, fault-free {expect[i]}")
+        if d.metric("compute_ranks_lost_total") != 1:
+            bad(f"{d.name}: tandem:compute_ranks_lost_total is {d.metric('compute_ranks_lost_total')}, not 1")
+        if d.proc.poll() is not None:
+            bad(f"{d.name}: the deployment ended after the replica was lost: {d.err()[-600:]}")
+        for rank in ("memory-0", "memory-1"):
+            if not d.rank_pids(rank):
+                bad(f"{d.name}: {rank} exited after the replica was lost: {d.last_line(rank)}")
+    finally:
+        d.stop()
+
+
 def replica_killed(tmp, mode):
-    d = Deployment(tmp, f"replica-killed-{mode}", compute_ranks=2, mode=mode)
+    d = Deployment(tmp, f"replica-killed-{mode}-norecovery", compute_ranks=2, mode=mode,
+                   extra="  recover_compute_replicas: false\n")
     try:
         if d.url is None:
             return
@@ -283,7 +376,8 @@ def requests_file_replica_killed(tmp):
         f.write(f"model:\n  path: tiny-gqa\ncompute:\n  device: cpu\n  ranks: 2\nmemory:\n  ranks: 2\n"
                 f"  devices: cpu\npipeline:\n  mode: fixed\n  batches: 2\nscheduler:\n  max_batch_size: 4\n"
                 f"  max_tokens_per_step: 64\nkv:\n  capacity_tokens: 2048\nlaunch:\n  run_dir: {run}/run\n"
-                f"  step_timeout_s: {STEP_TIMEOUT_S}\n  heartbeat_s: {HEARTBEAT_S}\n  startup_timeout_s: 60\n")
+                f"  step_timeout_s: {STEP_TIMEOUT_S}\n  heartbeat_s: {HEARTBEAT_S}\n  startup_timeout_s: 60\n"
+                f"  recover_compute_replicas: false\n")
     prompts = os.path.join(run, "prompts.jsonl")
     n = 200  # long enough (some 20 s on a 2-core host) that the kill lands mid-run
     with open(prompts, "w") as f:
@@ -325,10 +419,17 @@ def requests_file_replica_killed(tmp):
 
 def main():
     start = time.time()
-    with tempfile.TemporaryDirectory(prefix="tandem-computeloss-") as tmp:
-        for case in (compute0_killed, compute0_stopped, lambda t: replica_killed(t, "fixed"),
-                     lambda t: replica_killed(t, "rotational"), memory_ranks_lost, requests_file_replica_killed):
-            case(tmp)
+    keep = os.environ.get("TANDEM_KEEP_RUN")  # a directory to keep the runs (and their logs) in
+    with tempfile.TemporaryDirectory(prefix="tandem-computeloss-") as scratch:
+        tmp = tempfile.mkdtemp(prefix="tandem-computeloss-", dir=keep) if keep else scratch
+        cases = [compute0_killed, compute0_stopped, lambda t: replica_killed(t, "fixed"), memory_ranks_lost,
+                 requests_file_replica_killed]
+        cases += [lambda t, m=m, s=s: replica_lost(t, m, s) for m in ("fixed", "rotational")
+                  for s in (signal.SIGKILL, signal.SIGSTOP)]
+        only = os.environ.get("TANDEM_FAULT_CASE")  # a case's index, to run it alone
+        for k, case in enumerate(cases):
+            if only is None or int(only) == k:
+                case(tmp)
     print(f"{len(failures)} failure(s) in {time.time() - start:.1f} s")
     sys.exit(1 if failures else 0)
 

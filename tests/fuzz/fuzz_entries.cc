@@ -91,6 +91,7 @@ void DecodeEveryFormat(absl::Span<const uint8_t> f) {
   RoundTrip<RestoreReplyMessage>(f, DecodeRestoreReply, EncodeRestoreReply, "restore reply");
   RoundTrip<HeartbeatMessage>(f, DecodeHeartbeat, EncodeHeartbeat, "heartbeat");
   RoundTrip<HeartbeatReplyMessage>(f, DecodeHeartbeatReply, EncodeHeartbeatReply, "heartbeat reply");
+  RoundTrip<StepDiscardMessage>(f, DecodeStepDiscard, EncodeStepDiscard, "step discard");
   if (absl::StatusOr<StepPlan> plan = DecodeStepPlan(f); plan.ok()) {
     TANDEM_CHECK_MSG(ValidateStepPlan(*plan).ok(), "a decoded step plan fails ValidateStepPlan");
   }
@@ -237,6 +238,7 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
       Concat(EncodeBye({.steps = 1}), EncodeBye({.steps = 2})),  // two frames: refused
       EncodeHello(q_hello),
       EncodeLayerMessageHeader(q_header),
+      EncodeStepDiscard({.step_id = 7, .seqno_base = 40, .compute_mask = 5}),
   };
 }
 

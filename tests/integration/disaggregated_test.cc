@@ -1133,14 +1133,60 @@ TEST_F(DisaggregatedTest, MemoryRankKilledMidRunFailsTheStepWithoutRecovery) {
   EXPECT_LT(Seconds(t1), 25.0);
 }
 
-// A compute replica killed mid-run fails the step within the step timeout, naming it.
+// A compute replica killed mid-run: with recovery off the step fails within the step timeout,
+// naming it; with recovery (the default) the step runs again on compute rank 0, and every request
+// ends with the colocated engine's tokens.
 class ReplicaFailure : public PingPong {};
+
+TEST_F(ReplicaFailure, KilledReplicaStepIsRerunWithTheSameTokens) {
+  std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
+  ASSERT_NE(source, nullptr);
+  ComputeRankOptions o = Options(8, 24, 1024);
+  o.micro_batches = 2;
+  ASSERT_NO_FATAL_FAILURE(StartMemoryRanks(2));
+  ASSERT_NO_FATAL_FAILURE(StartReplicas("mqa-headdim", 2, o, &o.replica_addresses));
+  o.memory_addresses = addresses_;
+  std::mt19937 rng(12);
+  std::vector<GenerationRequest> requests;
+  for (int i = 0; i < 6; ++i) {
+    requests.push_back(MakeRequest(rng, source->spec().vocab_size, 8, 30, i % 2 == 1, 50 + i));
+    requests.back().ignore_eos = true;
+  }
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, 8, 24);
+  ASSERT_NE(engine, nullptr);
+  absl::StatusOr<std::vector<GenerationResult>> want = engine->GenerateAll(requests);
+  ASSERT_TRUE(want.ok()) << want.status();
+  absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(*source, o);
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  rank_ = std::move(*rank);
+  expect_clean_exit_ = false;  // the killed replica
+  std::vector<int64_t> ids;
+  for (const GenerationRequest& r : requests) {
+    absl::StatusOr<int64_t> id = rank_->Submit(r);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  for (int step = 0; step < 4; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
+  ASSERT_EQ(kill(group_.pid("compute-1"), SIGKILL), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (!rank_->Idle() && Seconds(t0) < 60) ASSERT_TRUE(rank_->Step(&finished).ok());
+  ASSERT_TRUE(rank_->Idle());
+  EXPECT_EQ(rank_->stats().compute_ranks_lost, 1);
+  std::vector<GenerationResult> got(ids.size());
+  for (auto& [id, result] : finished) {
+    got[static_cast<size_t>(std::find(ids.begin(), ids.end(), id) - ids.begin())] = std::move(result);
+  }
+  std::printf("replica killed: %lld step(s) rerun, max |logprob difference| %.3g\n",
+              static_cast<long long>(rank_->stats().steps_rerun), ExpectSameResults(got, *want));
+}
 
 TEST_F(ReplicaFailure, KilledReplicaFailsTheStepNamingIt) {
   std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
   ASSERT_NE(source, nullptr);
   ComputeRankOptions o = Options(8, 24, 1024);
   o.micro_batches = 2;
+  o.recover_compute_replicas = false;
   ASSERT_NO_FATAL_FAILURE(StartMemoryRanks(1));
   ASSERT_NO_FATAL_FAILURE(StartReplicas("mqa-headdim", 2, o, &o.replica_addresses));
   o.memory_addresses = addresses_;

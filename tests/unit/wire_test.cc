@@ -474,7 +474,7 @@ TEST(StepPlanWire, GoldenBytes) {
   plan.evictions.push_back(PrefixEvict{0x5152535455565758, 0x0405});
   // Layout written out by hand; crc computed independently (bitwise Python reference).
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x06, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x53, 0x50, 0x07, 0x00, 0x10, 0x00,
       0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 6, body_bytes 168
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // request_count, group_count
@@ -526,7 +526,7 @@ TEST(LayerMessageWire, RoundTripsAndGoldenBytes) {
   h.step_id = 1, h.seqno = 2, h.payload_bytes = 256, h.layer = 3, h.rows = 4, h.row_bytes = 64;
   h.payload_crc32c = 0xdeadbeef, h.kind = LayerMessageKind::kAttnOut, h.dtype = DType::kBF16;
   const Bytes golden = {
-      0x54, 0x44, 0x4c, 0x4d, 0x06, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x4c, 0x4d, 0x07, 0x00, 0x10, 0x00,
       0x30, 0x00, 0x00, 0x00, 0xc4, 0x00, 0x01, 0xea,  // frame
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // id, seq
@@ -1001,22 +1001,23 @@ TEST(Wire, FrameHeaderChecks) {
   s = DecodeLayerMessageHeader(SmallPlanFrame()).status();
   EXPECT_CONTAINS(std::string(s.message()), "layer message header: magic 0x50534454 ('TDSP')");
 
-  ASSERT_EQ(kWireVersion, 6);
-  for (uint16_t version : {uint16_t{7}, uint16_t{0xffff}}) {
+  ASSERT_EQ(kWireVersion, 7);
+  for (uint16_t version : {uint16_t{8}, uint16_t{0xffff}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
     EXPECT_EQ(s.message(),
-              "step plan: version " + std::to_string(version) + " is newer than the supported version 6");
+              "step plan: version " + std::to_string(version) + " is newer than the supported version 7");
   }
   // An older version is refused too, whatever the format: version 2 (the step plan's 24-byte
   // fixed part) and version 1 (also the hello's older layout).
-  for (uint16_t version : {uint16_t{5}, uint16_t{4}, uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
+  for (uint16_t version : {uint16_t{6}, uint16_t{5}, uint16_t{4}, uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "step plan: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 6 (versions 2 to 4 "
+                               " at byte offset 4 is older than the supported version 7 (versions 2 to 4 "
                                "changed the hello, step plan and replica result layouts; 5 added the "
-                               "heartbeat; 6 the rotational pipeline's hello field and messages)");
+                               "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
+                               "step discard)");
   }
   // A version 2 plan as a version 2 encoder wrote it (records right after evict_count, at body
   // offset 24) is refused by its version, not misread as a version 6 plan.
@@ -1262,6 +1263,7 @@ const std::vector<AnyDecoder>& ControlDecoders() {
       {"memory stats", kMemoryStatsMagic, StatusOf(&DecodeMemoryStats)},
       {"heartbeat", kHeartbeatMagic, StatusOf(&DecodeHeartbeat)},
       {"heartbeat reply", kHeartbeatReplyMagic, StatusOf(&DecodeHeartbeatReply)},
+      {"step discard", kStepDiscardMagic, StatusOf(&DecodeStepDiscard)},
   };
   return decoders;
 }
@@ -1278,7 +1280,8 @@ std::vector<Bytes> ControlFrames() {
       EncodeStatsRequest(StatsRequestMessage{9}),
       EncodeMemoryStats(MemoryStatsMessage{.cookie = 9, .memory_rank = 3, .steps = 12, .attention_ns = 34}),
       EncodeHeartbeat(HeartbeatMessage{.seq = 21, .silence_ms = 122000}),
-      EncodeHeartbeatReply(HeartbeatReplyMessage{.seq = 21, .memory_rank = 2})};
+      EncodeHeartbeatReply(HeartbeatReplyMessage{.seq = 21, .memory_rank = 2}),
+      EncodeStepDiscard(StepDiscardMessage{.step_id = 31, .seqno_base = 960, .compute_mask = 3})};
 }
 
 TEST(ControlWire, RoundTrips) {
@@ -1355,7 +1358,7 @@ TEST(ControlWire, GoldenBytes) {
   h.partition = AttentionPartition::kHead, h.kv_head_begin = 4, h.kv_head_end = 6, h.lanes = 4;
   h.compute_ranks = 2, h.slice_layers = 3;
   const Bytes hello = {
-      0x54, 0x44, 0x48, 0x49, 0x06, 0x00, 0x10, 0x00, 0x48, 0x00, 0x00, 0x00, 0x79, 0x37, 0x3d,
+      0x54, 0x44, 0x48, 0x49, 0x07, 0x00, 0x10, 0x00, 0x48, 0x00, 0x00, 0x00, 0x79, 0x37, 0x3d,
       0x02,                                            // frame
       0x78, 0x56, 0x34, 0x12, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x20, 0x00, 0x00, 0x00, 0x20, 0x00, 0x00, 0x00,  // num_layers, num_heads
@@ -1388,7 +1391,7 @@ TEST(ControlWire, GoldenBytes) {
   r.kv_capacity_tokens = 0x01020304, r.qkv_buffer = 7, r.memory_rank = 2, r.dtype = DType::kBF16;
   r.device = "cuda:0";
   const Bytes reply = {
-      0x54, 0x44, 0x48, 0x52, 0x06, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x52, 0x07, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0xdb, 0xf4, 0x8d, 0x50,  // frame
       0x04, 0x03, 0x02, 0x01, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x07, 0x00, 0x00, 0x00, 0x02, 0x00, 0x02, 0x00,  // qkv_buffer, memory_rank, dtype, reserved
@@ -1401,7 +1404,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ReleaseMessage m{0x0102030405060708, {5, kU64Max}};
   const Bytes release = {
-      0x54, 0x44, 0x52, 0x4c, 0x06, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x52, 0x4c, 0x07, 0x00, 0x10, 0x00,
       0x20, 0x00, 0x00, 0x00, 0x21, 0x77, 0x58, 0xc2,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, reserved
@@ -1415,7 +1418,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ErrorMessage e{14, "peer gone"};
   const Bytes error = {
-      0x54, 0x44, 0x45, 0x52, 0x06, 0x00, 0x10, 0x00, 0x11,
+      0x54, 0x44, 0x45, 0x52, 0x07, 0x00, 0x10, 0x00, 0x11,
       0x00, 0x00, 0x00, 0x56, 0xa5, 0x51, 0x47,        // frame
       0x0e, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00,  // code, message_bytes
       'p',  'e',  'e',  'r',  ' ',  'g',  'o',  'n',  'e',
@@ -1426,7 +1429,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_TRUE(*eb == e);
 
   const Bytes bye = {
-      0x54, 0x44, 0x42, 0x59, 0x06, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x42, 0x59, 0x07, 0x00, 0x10, 0x00,
       0x08, 0x00, 0x00, 0x00, 0xc7, 0xfb, 0x17, 0x55,  // frame
       0xe8, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // steps
   };
@@ -1436,7 +1439,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(bb->steps, 1000u);
 
   const Bytes heartbeat = {
-      0x54, 0x44, 0x48, 0x42, 0x06, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x42, 0x07, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x6e, 0x14, 0x17, 0xba,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x88, 0x13, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // silence_ms 5000, reserved
@@ -1448,7 +1451,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(beat->silence_ms, 5000u);
 
   const Bytes heartbeat_reply = {
-      0x54, 0x44, 0x48, 0x41, 0x06, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x41, 0x07, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x47, 0x8e, 0x37, 0x33,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // memory_rank 3, reserved
@@ -1460,8 +1463,22 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(beat_reply->seq, 0x0102030405060708u);
   EXPECT_EQ(beat_reply->memory_rank, 3);
 
+  const Bytes discard = {
+      0x54, 0x44, 0x53, 0x44, 0x07, 0x00, 0x10, 0x00,
+      0x18, 0x00, 0x00, 0x00, 0x6f, 0xab, 0x9e, 0xf3,  // frame
+      0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
+      0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // seqno_base
+      0x05, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // compute_mask 0b101, reserved
+  };
+  const StepDiscardMessage want_discard{
+      .step_id = 0x0102030405060708, .seqno_base = 0x1112131415161718, .compute_mask = 5};
+  EXPECT_EQ(EncodeStepDiscard(want_discard), discard);
+  absl::StatusOr<StepDiscardMessage> got_discard = DecodeStepDiscard(discard);
+  ASSERT_TRUE(got_discard.ok()) << got_discard.status();
+  EXPECT_TRUE(*got_discard == want_discard);
+
   // The magic constants are the documented ASCII bytes.
-  for (const Bytes* f : {&hello, &reply, &release, &error, &bye, &heartbeat, &heartbeat_reply}) {
+  for (const Bytes* f : {&hello, &reply, &release, &error, &bye, &heartbeat, &heartbeat_reply, &discard}) {
     absl::StatusOr<uint32_t> magic = PeekFrameMagic(*f);
     ASSERT_TRUE(magic.ok()) << magic.status();
     EXPECT_EQ(*magic, static_cast<uint32_t>((*f)[0]) | (*f)[1] << 8 | (*f)[2] << 16 |
@@ -1701,16 +1718,17 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     EXPECT_EQ(m->kv_head_end, begin + kv_heads / ranks);
   }
   // A version 1 hello (before the partition) and a version 2 hello (byte 54 reserved, 0: no lanes)
-  // are refused by their version, not read as version 6.
+  // are refused by their version, not read as version 7.
   for (uint16_t version : {uint16_t{1}, uint16_t{2}}) {
     RawHello old;
     old.lanes = 0;
     const absl::Status s = DecodeHello(MakeFrame(kHelloMagic, HelloBody(old), version)).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "hello: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 6 (versions 2 to 4 "
+                               " at byte offset 4 is older than the supported version 7 (versions 2 to 4 "
                                "changed the hello, step plan and replica result layouts; 5 added the "
-                               "heartbeat; 6 the rotational pipeline's hello field and messages)");
+                               "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
+                               "step discard)");
   }
   // The limits and combinations that are valid.
   for (auto [tokens, sharing] : {std::pair<uint16_t, uint8_t>{0, 0}, {1, 0}, {1, 1}, {4096, 2}, {4096, 0}}) {
@@ -1964,6 +1982,39 @@ TEST(ControlWire, HeartbeatRoundTripRangesAndReservedBytes) {
   EXPECT_EQ(s.message(), "heartbeat reply: body_bytes 17 at byte offset 8 must be 16");
 }
 
+TEST(ControlWire, StepDiscardRoundTripRangesAndReservedBytes) {
+  std::mt19937_64 rng(17);
+  for (int i = 0; i < 200; ++i) {
+    const StepDiscardMessage d{.step_id = i == 0 ? kU64Max : rng(),
+                               .seqno_base = i == 0 ? kU64Max : 1 + rng() % kU64Max,
+                               .compute_mask = static_cast<uint8_t>(rng() | 1)};
+    const Bytes f = EncodeStepDiscard(d);
+    ASSERT_EQ(f.size(), kFrameHeaderBytes + kStepDiscardBodyBytes);
+    absl::StatusOr<StepDiscardMessage> back = DecodeStepDiscard(f);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_TRUE(*back == d);
+  }
+  // seqno_base 0, a mask without compute rank 0, a reserved byte that is not 0, a wrong size.
+  Bytes body(kStepDiscardBodyBytes, 0);
+  body[16] = 1;
+  absl::Status s = DecodeStepDiscard(MakeFrame(kStepDiscardMagic, body)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(), "step discard: seqno_base 0 at byte offset 24 must be >= 1");
+  body[8] = 1;
+  body[16] = 6;
+  s = DecodeStepDiscard(MakeFrame(kStepDiscardMagic, body)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()), "compute_mask 0x06 at byte offset 32 must have bit 0");
+  body[16] = 1;
+  body[23] = 1;
+  s = DecodeStepDiscard(MakeFrame(kStepDiscardMagic, body)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()), "step discard: reserved");
+  s = DecodeStepDiscard(MakeFrame(kStepDiscardMagic, Bytes(25, 0))).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(), "step discard: body_bytes 25 at byte offset 8 must be 24");
+}
+
 TEST(ErrorWire, StatusConversions) {
   for (int code = 1; code <= 16; ++code) {
     const absl::Status st(static_cast<absl::StatusCode>(code), "something failed: x=1");
@@ -1999,10 +2050,10 @@ TEST(PeekFrameMagic, KnownUnknownAndShort) {
   std::vector<Bytes> frames = ControlFrames();
   frames.push_back(SmallPlanFrame());
   frames.push_back(EncodeLayerMessageHeader(LayerMessageHeader{}));
-  const uint32_t want[] = {kHelloMagic,       kHelloReplyMagic,  kReleaseMagic,
-                           kErrorMagic,       kByeMagic,         kStatsRequestMagic,
-                           kMemoryStatsMagic, kHeartbeatMagic,   kHeartbeatReplyMagic,
-                           kStepPlanMagic,    kLayerMessageMagic};
+  const uint32_t want[] = {kHelloMagic,       kHelloReplyMagic, kReleaseMagic,
+                           kErrorMagic,       kByeMagic,        kStatsRequestMagic,
+                           kMemoryStatsMagic, kHeartbeatMagic,  kHeartbeatReplyMagic,
+                           kStepDiscardMagic, kStepPlanMagic,   kLayerMessageMagic};
   for (size_t k = 0; k < frames.size(); ++k) {
     absl::StatusOr<uint32_t> m = PeekFrameMagic(frames[k]);
     ASSERT_TRUE(m.ok()) << m.status();
@@ -2214,7 +2265,7 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
                            .block_index = 1,
                            .memory_rank = 1});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x06, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x53, 0x50, 0x07, 0x00, 0x10, 0x00,
       0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 6, body_bytes 120
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
@@ -2241,7 +2292,7 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
 
   const RestoreReplyMessage reply{.step_id = 9, .memory_rank = 1, .failed = {0x1112131415161718}};
   const Bytes reply_golden = {
-      0x54, 0x44, 0x52, 0x54, 0x06, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x52, 0x54, 0x07, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 6, body_bytes 24
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // memory_rank, reserved, failed_count
