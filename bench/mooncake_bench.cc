@@ -105,7 +105,8 @@ Per mode: TTFT (first token - arrival) mean, p50, p99; prefill time (each step's
 prefill rows / all its rows, plus steps that only restore blocks); prefill throughput (all prompt
 tokens, computed or reused, / prefill time); prompt tokens computed and reused (from the pool,
 restored from a tier); wall time and the process's CPU time. Then tiers against recompute and prefix. Tokens must match
-across modes (greedy); the bench fails if they do not, or if a mode could not run.
+across modes (greedy) on the CPU, where the bench fails if they do not (on a GPU the requests that differ are counted:
+bf16 KV reused and recomputed round differently), or if a mode could not run.
 )";
 
 struct Flags {
@@ -633,7 +634,11 @@ int main(int argc, char** argv) {
     std::printf("targets (issue 18): TTFT -80%%, prefill throughput >= 5x against recompute\n");
   }
   // Greedy tokens must not depend on the mode.
+  // On the CPU every mode must give the same tokens. On a GPU, KV reused from the pool or a tier
+  // holds the bf16 values of the pass that computed it, and a prompt prefilled in another batch
+  // rounds differently, which can flip a near-tie: differences are counted there, not fatal.
   bool same = true;
+  int64_t differing = 0;
   std::string diff;
   const ModeResult* first = nullptr;
   for (const ModeResult& r : results) {
@@ -642,17 +647,20 @@ int main(int argc, char** argv) {
       first = &r;
       continue;
     }
-    for (size_t i = 0; i < reqs.size() && same; ++i) {
-      if (r.tokens[i] != first->tokens[i]) {
-        same = false;
-        diff = absl::StrCat("request ", i, ": ", r.mode, " differs from ", first->mode);
-      }
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      if (r.tokens[i] == first->tokens[i]) continue;
+      if (same) diff = absl::StrCat("request ", i, ": ", r.mode, " differs from ", first->mode);
+      same = false;
+      ++differing;
     }
   }
+  const bool on_cpu = f.device == "cpu";
   if (by_mode.size() > 1)
-    std::printf(
-        "tokens: %s\n",
-        same ? absl::StrCat("the same in every mode (", reqs.size(), " requests)").c_str() : diff.c_str());
+    std::printf("tokens: %s\n",
+                same ? absl::StrCat("the same in every mode (", reqs.size(), " requests)").c_str()
+                     : absl::StrCat(differing, " request(s) differ between modes (first: ", diff, ")",
+                                    on_cpu ? "" : "; bf16 rounding of reused KV on a GPU")
+                           .c_str());
   if (!f.json.empty()) {
     nlohmann::json j = {{"trace", f.trace},
                         {"model", f.model},
@@ -685,7 +693,8 @@ int main(int argc, char** argv) {
                           {"longest_context", shape.longest_context}}},
                         {"modes", jmodes},
                         {"tiers_vs", jratios},
-                        {"tokens_identical", same}};
+                        {"tokens_identical", same},
+                        {"requests_differing", differing}};
     std::ofstream out(f.json);
     out << j.dump(2) << "\n";
     if (!out) {
@@ -693,7 +702,7 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  if (!same) {
+  if (!same && on_cpu) {
     std::fprintf(stderr, "mooncake_bench: tokens differ between modes: %s\n", diff.c_str());
     return 1;
   }
