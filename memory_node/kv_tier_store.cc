@@ -216,12 +216,24 @@ void KvTierStore::Save(const KvTierBlock& block, std::span<const uint8_t> bytes)
     host_lru_.splice(host_lru_.end(), host_lru_, it->second.lru);
     copy = it->second.bytes;
   } else if (block_bytes_ <= options_.host_bytes) {
+    // An evicted copy that nothing else holds (no load in flight, no queued write) is reused for
+    // the new block: a fresh allocation of a block's size page-faults on every page as it is
+    // filled, which on a GPU pool costs more than the device-to-host copy itself.
+    std::shared_ptr<std::vector<uint8_t>> reuse;
     while (static_cast<int64_t>(host_.size() + 1) * block_bytes_ > options_.host_bytes) {
-      host_.erase(host_lru_.front());
+      auto victim = host_.find(host_lru_.front());
+      if (!reuse && victim->second.bytes.use_count() == 1)
+        reuse = std::const_pointer_cast<std::vector<uint8_t>>(victim->second.bytes);
+      host_.erase(victim);
       host_lru_.pop_front();
       ++stats_.host_evictions;
     }
-    copy = std::make_shared<const std::vector<uint8_t>>(bytes.begin(), bytes.end());
+    if (reuse) {
+      std::copy(bytes.begin(), bytes.end(), reuse->begin());
+      copy = std::move(reuse);
+    } else {
+      copy = std::make_shared<std::vector<uint8_t>>(bytes.begin(), bytes.end());
+    }
     HostEntry& e = host_[block.hash];
     e.block = block;
     e.bytes = copy;
@@ -242,7 +254,7 @@ void KvTierStore::Save(const KvTierBlock& block, std::span<const uint8_t> bytes)
                          absl::ResourceExhaustedError("the block is larger than kv.tiers.disk_bytes"));
     return;
   }
-  if (!copy) copy = std::make_shared<const std::vector<uint8_t>>(bytes.begin(), bytes.end());
+  if (!copy) copy = std::make_shared<std::vector<uint8_t>>(bytes.begin(), bytes.end());
   queue_.push_back({block, std::move(copy)});
   queued_.emplace(block.hash, queue_.back());
   cv_.notify_all();

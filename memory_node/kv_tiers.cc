@@ -39,7 +39,8 @@ absl::StatusOr<std::unique_ptr<KvTiers>> KvTiers::Create(const KvTierOptions& op
                       : std::string("off"),
                   "; ", block_bytes, " bytes per block of ", block_tokens, " tokens");
   auto tiers = std::unique_ptr<KvTiers>(new KvTiers(executor, std::move(store), block_tokens));
-  tiers->buffer_.resize(static_cast<size_t>(block_bytes));
+  ASSIGN_OR_RETURN(tiers->pinned_, executor->memory().Allocate(static_cast<size_t>(block_bytes), true));
+  tiers->buffer_ = {static_cast<uint8_t*>(tiers->pinned_.get()), static_cast<size_t>(block_bytes)};
   return tiers;
 }
 

@@ -93,7 +93,10 @@ class KvTiers : public KvBlockTiers {
   };
 
   int64_t block_tokens_;
-  std::vector<uint8_t> buffer_;  // one block
+  // One block, in memory the executor copies to and from fastest (pinned host memory on a GPU:
+  // a device-to-host copy into pageable memory measured several times slower).
+  BackendBuffer pinned_{nullptr, nullptr};
+  std::span<uint8_t> buffer_;
   bool layerwise_ = true;
   std::vector<Staged> staged_;
   int64_t layers_copied_ = 0;  // of staged_: layers [0, layers_copied_) are in the pool
