@@ -151,7 +151,8 @@ class AttentionExecutor {
 
   // KV tiers (memory_node/kv_tiers.h): copies the K and V of `slots` over every layer to `out`, or
   // from `in`: per layer, the K rows of the slots in order, then their V rows (kv_dim elements of
-  // dtype() each). Unimplemented where the pool is not in host memory.
+  // dtype() each). The writes may read `in` asynchronously (the CUDA executor, from pinned memory):
+  // keep it unchanged until memory().Synchronize().
   virtual absl::Status ReadSlots(std::span<const int32_t> slots, uint8_t* out) const {
     (void)slots;
     (void)out;

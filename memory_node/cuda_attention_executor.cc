@@ -390,8 +390,8 @@ class CudaAttentionExecutor : public AttentionExecutor {
   // ReadSlots' layout with the existing row kernels (GatherRows, KvAppend), and that buffer is copied
   // to or from the host buffer in one piece, on the executor's stream. ReadSlots waits for its copy
   // (the caller reads `out` next); the writes are stream-ordered before the attention that reads
-  // the slots, and the host bytes are copied out before cudaMemcpyAsync returns (pageable memory is
-  // staged by the driver), so the caller may free them at once.
+  // the slots, and read their host bytes asynchronously when those are pinned: the caller keeps
+  // them until memory().Synchronize() (KvTiers does).
   absl::Status ReadSlots(std::span<const int32_t> slots, uint8_t* out) const override {
     RETURN_IF_ERROR(CheckSlots(slots));
     const int64_t n = static_cast<int64_t>(slots.size()), kv_dim = shape_.kv_dim();

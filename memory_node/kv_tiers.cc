@@ -96,7 +96,10 @@ absl::Status KvTiers::RestoreLayer(int64_t layer) {
 }
 
 absl::Status KvTiers::FinishRestores() {
-  const absl::Status st = RestoreLayer(executor_->shape().num_layers - 1);
+  absl::Status st = RestoreLayer(executor_->shape().num_layers - 1);
+  // A GPU executor's copies from the staged bytes are asynchronous: they must have run before the
+  // store may hand those bytes to another block.
+  if (st.ok() && !staged_.empty()) st = executor_->memory().Synchronize();
   staged_.clear();
   layers_copied_ = 0;
   return st;
@@ -121,7 +124,8 @@ bool KvTiers::Load(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span
     staged_.push_back({.slots = std::vector<int32_t>(slots.begin(), slots.end()), .bytes = std::move(bytes)});
     return true;
   }
-  const absl::Status st = executor_->WriteSlots(slots, buffer_.data());
+  absl::Status st = executor_->WriteSlots(slots, buffer_.data());
+  if (st.ok()) st = executor_->memory().Synchronize();  // buffer_ is the next Demote's or Load's
   if (!st.ok()) {
     TANDEM_LOG_WARN("kv-tiers", "restore of block ", absl::StrFormat("%016x", hash), ": ", st.message());
     return false;

@@ -240,12 +240,18 @@ TEST(CudaKvTiersEngine, EvictedTurnsComeBackWithTheSameTokensAndLogprobs) {
   ASSERT_EQ(expected.size(), 15u);
   const int64_t block_bytes = kBlock * (*source)->spec().kv_bytes_per_token(2);
   const std::string dir = ::testing::TempDir() + "/cuda_kv_tiers_disk";
-  for (const bool disk : {false, true}) {
-    SCOPED_TRACE(disk ? "disk tier only" : "host tier");
+  // Host tier with layer-wise restore (the default) and with whole-block restore (one Load into a
+  // buffer reused by the next block: its copies must have run first), then the disk tier alone.
+  for (const int variant : {0, 1, 2}) {
+    const bool disk = variant == 2;
+    SCOPED_TRACE(variant == 0   ? "host tier"
+                 : variant == 1 ? "host tier, whole-block restore"
+                                : "disk tier only");
     // A pool that holds about one conversation: the others' blocks are evicted between their turns.
     std::unique_ptr<ColocatedEngine> e = disk ? MakeEngine(**source, 224, 0, dir, 256 * block_bytes)
                                               : MakeEngine(**source, 224, 256 * block_bytes);
     ASSERT_NE(e, nullptr);
+    e->tiers()->set_layerwise(variant != 1);
     const std::vector<GenerationResult> got = Converse(*e, vocab);
     ASSERT_EQ(got.size(), expected.size());
     for (size_t i = 0; i < got.size(); ++i) {
@@ -262,7 +268,10 @@ TEST(CudaKvTiersEngine, EvictedTurnsComeBackWithTheSameTokensAndLogprobs) {
     } else {
       EXPECT_EQ(s.tiers.host_hits, s.tiers.restored_blocks);
     }
-    std::printf("%s: %lld tokens demoted, %lld restored, %lld recomputed\n", disk ? "disk" : "host",
+    std::printf("%s: %lld tokens demoted, %lld restored, %lld recomputed\n",
+                variant == 0   ? "host"
+                : variant == 1 ? "host, whole"
+                               : "disk",
                 static_cast<long long>(s.demoted_tokens), static_cast<long long>(s.restored_tokens),
                 static_cast<long long>(s.restore_failed_tokens));
   }
