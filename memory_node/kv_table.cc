@@ -194,6 +194,13 @@ absl::Status KvTable::Apply(const StepPlan& plan, uint16_t memory_rank, Attentio
   std::vector<const StepRequest*> mine;
   RETURN_IF_ERROR(Check(plan, memory_rank, &mine));
 
+  if (tiers_ != nullptr && plan.micro_batch == 0) {
+    std::vector<KvTierNextUse> uses;
+    for (const PrefixNextUse& u : plan.next_uses) {
+      if (u.memory_rank == memory_rank) uses.push_back({.hash = u.block_hash, .next_use = u.next_use});
+    }
+    tiers_->SetNextUse(uses);
+  }
   for (size_t i = 0; i < plan.evictions.size(); ++i) {
     const PrefixEvict& e = plan.evictions[i];
     if (e.memory_rank != memory_rank) continue;
