@@ -74,6 +74,7 @@ Controller::Controller(const ModelSpec& spec, std::vector<int64_t> kv_capacity,
     for (size_t m = 0; m < capacity_.size(); ++m) {
       index_.push_back(std::make_unique<PrefixIndex>(options_.prefix_block_tokens, &DefaultBlockHash,
                                                      options_.tier_blocks));
+      index_.back()->set_demoted_wanted_last(options_.tier_next_use);
     }
   }
 }
@@ -921,6 +922,7 @@ void Controller::ResetRank(size_t m, int64_t capacity) {
   if (!index_.empty()) {
     index_[m] =
         std::make_unique<PrefixIndex>(options_.prefix_block_tokens, &DefaultBlockHash, options_.tier_blocks);
+    index_[m]->set_demoted_wanted_last(options_.tier_next_use);
   }
 }
 

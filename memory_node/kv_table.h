@@ -23,8 +23,10 @@
 // whose parent failed, registers nothing, frees its slots and is reported to the caller. A restore
 // must name a block that is not registered (after the plan's evictions) and a parent that is
 // registered or restored earlier in the plan. Before the evictions, the plan's next-use records of
-// the rank go to the tiers (SetNextUse; micro-batch 0 only, since the others carry none), so that
-// the blocks demoted by the plan already take their place in the tiers' eviction order.
+// the rank go to the tiers (SetNextUse; micro-batch 0 only, since the others carry none), with the
+// plan's own restores of the rank at position 0 (the evictions' saves must not push out a block
+// the same plan loads), so that the blocks demoted by the plan take their place in the tiers'
+// eviction order.
 //
 // Thread safety: not thread-safe; the owning rank serialises calls.
 #pragma once

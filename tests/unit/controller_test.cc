@@ -427,8 +427,10 @@ PrefetchRun RunConversations(int ranks, int64_t capacity, int64_t prefetch, uint
       if (std::any_of(ps.plan.restores.begin(), ps.plan.restores.end(),
                       [&](const PrefixRestore& r) { return r.memory_rank == m; }))
         c.RestoreResult(ps.plan, m, failed);
-      // The table handed its rank's records to the tiers.
+      // The table handed its rank's restores (used now) and records to the tiers.
       std::vector<std::pair<uint64_t, int32_t>> mine, handed;
+      for (const PrefixRestore& r : ps.plan.restores)
+        if (r.memory_rank == m) mine.emplace_back(r.block_hash, 0);
       for (const PrefixNextUse& u : ps.plan.next_uses)
         if (u.memory_rank == m) mine.emplace_back(u.block_hash, u.next_use);
       for (const KvTierNextUse& u : tiers[static_cast<size_t>(m)]->next_uses())
