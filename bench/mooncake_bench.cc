@@ -98,6 +98,7 @@ prefix caching off (recompute), in the KV pool only (prefix), and over KV tiers 
   --disk-dir D         tiers: kv.tiers.disk_dir ("": no disk tier)
   --disk-bytes N       tiers: kv.tiers.disk_bytes (0 with --disk-dir: 4x the host tier)
   --prefetch N         tiers: kv.tiers.prefetch_lookahead (8)
+  --eviction E         tiers: kv.tiers.eviction, next_use or lru (next_use)
   --seed S             token seed (1); weights use seed 1
   --json FILE          write every figure as JSON
 
@@ -128,6 +129,7 @@ struct Flags {
   std::string disk_dir;
   int64_t disk_bytes = 0;
   int64_t prefetch = 8;
+  std::string eviction = "next_use";
   uint64_t seed = 1;
   std::string json;
 };
@@ -199,6 +201,11 @@ absl::Status ParseFlags(int argc, char** argv, Flags* f) {
       st = int_flag(flag, v, 0, &f->disk_bytes);
     } else if (flag == "--prefetch") {
       st = int_flag(flag, v, 0, &f->prefetch);
+    } else if (flag == "--eviction") {
+      if (v != "next_use" && v != "lru") {
+        st = absl::InvalidArgumentError(absl::StrCat("--eviction: \"", v, "\" is neither next_use nor lru"));
+      }
+      f->eviction = v;
     } else if (flag == "--seed") {
       st = int_flag(flag, v, 0, &seed);
       f->seed = static_cast<uint64_t>(seed);
@@ -529,11 +536,12 @@ int main(int argc, char** argv) {
       static_cast<long long>(distinct));
   std::printf(
       "model %s on %s; KV pool %lld tokens (%.1f%% of the distinct prompt tokens), block %lld; "
-      "tiers: host %s%s\n",
+      "tiers: host %s%s, eviction %s\n",
       f.model.c_str(), f.device.c_str(), static_cast<long long>(kv_tokens),
       100.0 * static_cast<double>(kv_tokens) / static_cast<double>(distinct),
       static_cast<long long>(kv_block), Bytes(host_bytes).c_str(),
-      f.disk_dir.empty() ? "" : absl::StrCat(", disk ", Bytes(disk_bytes), " in ", f.disk_dir).c_str());
+      f.disk_dir.empty() ? "" : absl::StrCat(", disk ", Bytes(disk_bytes), " in ", f.disk_dir).c_str(),
+      f.eviction.c_str());
   std::fflush(stdout);
 
   const std::unique_ptr<tandem::WeightSource> weights = tandem::RandomWeights(*spec, 1);
@@ -547,6 +555,7 @@ int main(int argc, char** argv) {
   base.tiers_disk_dir = f.disk_dir;
   base.tiers_disk_bytes = f.disk_dir.empty() ? 0 : disk_bytes;
   base.tiers_prefetch_lookahead = f.prefetch;
+  base.tiers_eviction = f.eviction;
 
   std::vector<ModeResult> results;
   bool failed = false;
@@ -680,6 +689,7 @@ int main(int argc, char** argv) {
                           {"disk_dir", f.disk_dir},
                           {"disk_bytes", f.disk_dir.empty() ? 0 : disk_bytes},
                           {"prefetch", f.prefetch},
+                          {"eviction", f.eviction},
                           {"seed", f.seed}}},
                         {"shape",
                          {{"requests", shape.requests},

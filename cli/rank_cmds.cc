@@ -112,8 +112,11 @@ absl::Status RunMemory(const MemoryArgs& a) {
   o.startup_timeout = absl::Seconds(config.GetDouble("launch.startup_timeout_s"));
   o.step_timeout = absl::Seconds(config.GetDouble("launch.step_timeout_s"));
   const SchedulerKvSettings kv = SchedulerKvSettingsFromConfig(config);
-  o.tiers = {
-      .host_bytes = kv.tiers_host_bytes, .disk_dir = kv.tiers_disk_dir, .disk_bytes = kv.tiers_disk_bytes};
+  ASSIGN_OR_RETURN(const KvTierEviction eviction, ParseKvTierEviction(kv.tiers_eviction));
+  o.tiers = {.host_bytes = kv.tiers_host_bytes,
+             .disk_dir = kv.tiers_disk_dir,
+             .disk_bytes = kv.tiers_disk_bytes,
+             .eviction = eviction};
   o.model = absl::StrCat(config.GetString("model.path"), " seed ", config.GetInt("model.weight_seed"));
   o.on_listening = [&](const std::string& address) {
     if (a.ready_file == "-") {  // to the launcher through ssh (deploy/ssh_launcher.h)
@@ -157,13 +160,15 @@ absl::Status RunCompute(const ComputeArgs& a) {
   if (transport::GetTransportInfo(o.transport).one_process) {
     if (a.memory_devices.empty())
       return absl::InvalidArgumentError("--memory-devices: needed with --transport local");
+    ASSIGN_OR_RETURN(const KvTierEviction eviction, ParseKvTierEviction(settings.tiers_eviction));
     ASSIGN_OR_RETURN(
         local, LocalMemoryRanks::Start(absl::StrSplit(a.memory_devices, ','),
                                        {.startup = absl::Seconds(c.GetDouble("launch.startup_timeout_s")),
                                         .step = absl::Seconds(c.GetDouble("launch.step_timeout_s")),
                                         .tiers = {.host_bytes = settings.tiers_host_bytes,
                                                   .disk_dir = settings.tiers_disk_dir,
-                                                  .disk_bytes = settings.tiers_disk_bytes},
+                                                  .disk_bytes = settings.tiers_disk_bytes,
+                                                  .eviction = eviction},
                                         .model = absl::StrCat(c.GetString("model.path"), " seed ",
                                                               c.GetInt("model.weight_seed"))}));
     o.memory_addresses = local->addresses();

@@ -72,11 +72,13 @@ absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const W
   }
   std::unique_ptr<KvTiers> tiers;
   if (options.tiers_enabled()) {
+    ASSIGN_OR_RETURN(const KvTierEviction eviction, ParseKvTierEviction(options.tiers_eviction));
     ASSIGN_OR_RETURN(tiers,
                      KvTiers::Create({.host_bytes = options.tiers_host_bytes,
                                       .disk_dir = options.tiers_disk_dir,
                                       .disk_bytes = options.tiers_disk_bytes,
-                                      .persist = options.tiers_persist},
+                                      .persist = options.tiers_persist,
+                                      .eviction = eviction},
                                      attention.get(), scheduler.prefix_block_tokens, source.Describe()));
   }
   auto engine = std::unique_ptr<ColocatedEngine>(

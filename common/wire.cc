@@ -155,7 +155,8 @@ absl::StatusOr<absl::Span<const uint8_t>> Unframe(absl::Span<const uint8_t> fram
         ToAbsl(what), ": version ", version, " at byte offset 4 is older than the supported version ",
         kWireVersion,
         " (versions 2 to 4 changed the hello, step plan and replica result layouts; 5 added the heartbeat; "
-        "6 the rotational pipeline's hello field and messages; 7 the step discard)"));
+        "6 the rotational pipeline's hello field and messages; 7 the step discard; 8 the step plan's "
+        "next-use records)"));
   }
   ASSIGN_OR_RETURN(uint16_t header_bytes, r.U16("header_bytes"));
   if (header_bytes != kFrameHeaderBytes) {
@@ -409,7 +410,24 @@ absl::Status ValidatePlanLinks(const StepPlan& plan) {
                                                      "parent_hash 0 exactly at block_index 0"));
     }
   }
-  return CheckNoRepeatedBlocks(plan.restores, "restore");
+  RETURN_IF_ERROR(CheckNoRepeatedBlocks(plan.restores, "restore"));
+  if (plan.next_uses.size() > kMaxPrefixNextUses) {
+    return absl::InvalidArgumentError(absl::StrCat("step plan: ", plan.next_uses.size(),
+                                                   " next-use records, at most ", kMaxPrefixNextUses));
+  }
+  if (!plan.next_uses.empty() && plan.micro_batch != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("step plan: micro_batch ", int{plan.micro_batch},
+                                                   " carries next-use records (only micro-batch 0 may)"));
+  }
+  for (size_t i = 0; i < plan.next_uses.size(); ++i) {
+    const PrefixNextUse& u = plan.next_uses[i];
+    if (u.block_hash == 0 || u.next_use < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("step plan: next use ", i, ": block_hash ", u.block_hash,
+                                                     ", next_use ", u.next_use,
+                                                     ": the hash must not be 0 and next_use must be >= 0"));
+    }
+  }
+  return CheckNoRepeatedBlocks(plan.next_uses, "next use");
 }
 
 }  // namespace
@@ -503,10 +521,13 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
        {std::pair{plan.requests.size(), kStepRequestBytes}, std::pair{plan.groups.size(), kPrefixGroupBytes},
         std::pair{plan.publishes.size(), kPrefixPublishBytes},
         std::pair{plan.evictions.size(), kPrefixEvictBytes},
-        std::pair{plan.restores.size(), kPrefixRestoreBytes}}) {
+        std::pair{plan.restores.size(), kPrefixRestoreBytes},
+        std::pair{plan.next_uses.size(), kPrefixNextUseBytes}}) {
     fits = fits && count <= (kMaxBody - body_bytes) / record_bytes;
     if (fits) body_bytes += count * record_bytes;
   }
+  TANDEM_CHECK_MSG(plan.next_uses.size() <= kMaxPrefixNextUses, "step plan of ", plan.next_uses.size(),
+                   " next-use records");
   TANDEM_CHECK_MSG(fits, "step plan of ", plan.requests.size(), " requests, ", plan.groups.size(),
                    " groups, ", plan.publishes.size(), " publishes and ", plan.evictions.size(),
                    " evictions does not fit in one frame");
@@ -520,7 +541,7 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
   w.U32(static_cast<uint32_t>(plan.evictions.size()));
   w.U8(plan.micro_batch);
   w.U8(plan.micro_batches);
-  w.Zeros(2);
+  w.U16(static_cast<uint16_t>(plan.next_uses.size()));
   w.U32(static_cast<uint32_t>(plan.restores.size()));
   for (const StepRequest& q : plan.requests) {
     w.U64(q.request_id);
@@ -565,6 +586,12 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
     w.U16(e.memory_rank);
     w.Zeros(2);
   }
+  for (const PrefixNextUse& u : plan.next_uses) {
+    w.U64(u.block_hash);
+    w.I32(u.next_use);
+    w.U16(u.memory_rank);
+    w.Zeros(2);
+  }
   return Frame(kStepPlanMagic, body);
 }
 
@@ -580,7 +607,8 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
   ASSIGN_OR_RETURN(uint32_t evict_count, r.U32("evict_count"));
   ASSIGN_OR_RETURN(plan.micro_batch, r.U8("micro_batch"));
   ASSIGN_OR_RETURN(plan.micro_batches, r.U8("micro_batches"));
-  RETURN_IF_ERROR(r.Reserved("reserved", 2));
+  const size_t next_use_at = r.offset();
+  ASSIGN_OR_RETURN(uint16_t next_use_count, r.U16("next_use_count"));
   ASSIGN_OR_RETURN(uint32_t restore_count, r.U32("restore_count"));
   // Bound every count by the bytes present before allocating anything: each area, in order, must
   // fit in what the areas before it leave, and together they must fill the body exactly.
@@ -594,8 +622,9 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
                         {"group_count", group_count, kPrefixGroupBytes, "groups"},
                         {"publish_count", publish_count, kPrefixPublishBytes, "publishes"},
                         {"evict_count", evict_count, kPrefixEvictBytes, "evictions"},
-                        {"restore_count", restore_count, kPrefixRestoreBytes, "restores"}};
-  uint64_t used = 0;  // at most 5 * 2^32 * 64: cannot wrap
+                        {"restore_count", restore_count, kPrefixRestoreBytes, "restores"},
+                        {"next_use_count", next_use_count, kPrefixNextUseBytes, "next uses"}};
+  uint64_t used = 0;  // at most 6 * 2^32 * 64: cannot wrap
   for (const Area& a : areas) {
     const uint64_t needed = static_cast<uint64_t>(a.count) * a.record_bytes;
     if (needed > r.remaining() - used) {
@@ -607,10 +636,11 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
     used += needed;
   }
   if (used < r.remaining()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        ToAbsl(kWhat), ": request_count ", request_count, ", group_count ", group_count, ", publish_count ",
-        publish_count, ", evict_count ", evict_count, " and restore_count ", restore_count, " leave ",
-        r.remaining() - used, " unused body bytes at byte offset ", r.offset() + used));
+    return absl::InvalidArgumentError(
+        absl::StrCat(ToAbsl(kWhat), ": request_count ", request_count, ", group_count ", group_count,
+                     ", publish_count ", publish_count, ", evict_count ", evict_count, ", restore_count ",
+                     restore_count, " and next_use_count ", next_use_count, " leave ", r.remaining() - used,
+                     " unused body bytes at byte offset ", r.offset() + used));
   }
   plan.requests.resize(request_count);
   for (uint32_t i = 0; i < request_count; ++i) {
@@ -670,6 +700,19 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
     ASSIGN_OR_RETURN(e.block_index, r.I32("block_index"));
     ASSIGN_OR_RETURN(e.memory_rank, r.U16("memory_rank"));
     RETURN_IF_ERROR(RecordReserved(r, "restore", i, 2));
+  }
+  if (next_use_count > kMaxPrefixNextUses) {
+    return absl::InvalidArgumentError(absl::StrCat(ToAbsl(kWhat), ": next_use_count ", next_use_count,
+                                                   " at byte offset ", next_use_at, " exceeds ",
+                                                   kMaxPrefixNextUses));
+  }
+  plan.next_uses.resize(next_use_count);
+  for (uint32_t i = 0; i < next_use_count; ++i) {
+    PrefixNextUse& u = plan.next_uses[i];
+    ASSIGN_OR_RETURN(u.block_hash, r.U64("block_hash"));
+    ASSIGN_OR_RETURN(u.next_use, r.I32("next_use"));
+    ASSIGN_OR_RETURN(u.memory_rank, r.U16("memory_rank"));
+    RETURN_IF_ERROR(RecordReserved(r, "next use", i, 2));
   }
   RETURN_IF_ERROR(ValidateStepPlan(plan));
   return plan;

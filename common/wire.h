@@ -30,7 +30,7 @@
 //                                 'T','D','H','A' heartbeat reply      0x41484454
 //                                 'T','D','R','G' replica ring         0x47524454
 //                                 'T','D','S','D' step discard         0x44534454
-//        4     2  version       u16, kWireVersion (7); a newer one decodes as Unimplemented, an
+//        4     2  version       u16, kWireVersion (8); a newer one decodes as Unimplemented, an
 //                               older one as InvalidArgument (one build runs every rank).
 //                               Version 2 added the hello's partition and KV head slice (its
 //                               body grew from 56 to 64 bytes); version 3 the step plan's
@@ -45,13 +45,16 @@
 //                               layer message kind 3 (residual) and the replica ring, and
 //                               then the hello's q_first (its byte 66, reserved before) with
 //                               the layer message kinds 4 (q) and 5 (kv); version 7 the
-//                               step discard; the other layouts are unchanged
-//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 7
+//                               step discard; version 8 the step plan's next-use records
+//                               (next_use_count in the fixed part's bytes 26..27, reserved
+//                               before, and the PrefixNextUse records after the restores); the
+//                               other layouts are unchanged
+//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 8
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
 //
 // Step plan body (body_bytes = 32 + 64 * request_count + 24 * group_count + 32 * publish_count +
-// 16 * evict_count + 24 * restore_count; the records fill the body exactly):
+// 16 * evict_count + 24 * restore_count + 16 * next_use_count; the records fill the body exactly):
 //
 //   offset  size  field          notes
 //   ------  ----  -------------  ---------------------------------------------------------------
@@ -64,13 +67,15 @@
 //       25     1  micro_batches  u8   in [1, kMaxMicroBatches]: plans the step is split into
 //                                     (pipeline.batches); they share step_id and are sent in
 //                                     micro_batch order before any of the step's layer data
-//       26     2  reserved       must be 0
+//       26     2  next_use_count u16  n <= kMaxPrefixNextUses (2048): demoted blocks that waiting
+//                                     requests will reuse; not 0 only in micro-batch 0
 //       28     4  restore_count  u32  s: blocks to bring back from the rank's KV tiers
 //       32  64*r  requests[r]    StepRequest records, each laid out as below (offsets relative)
 //        R  24*g  groups[g]      PrefixGroup records; R = 32 + 64*r
 //        G  32*p  publishes[p]   PrefixPublish records; G = R + 24*g
 //        P  16*e  evictions[e]   PrefixEvict records; P = G + 32*p
-//        E  24*s  restores[s]    PrefixRestore records; E = P + 16*e, and the body ends at E + 24*s
+//        E  24*s  restores[s]    PrefixRestore records; E = P + 16*e
+//        S  16*n  next_uses[n]   PrefixNextUse records; S = E + 24*s, and the body ends at S + 16*n
 //
 //   StepRequest record (64 bytes):
 //        0     8  request_id     u64
@@ -123,6 +128,15 @@
 //       16     4  block_index    i32  >= 0: its position in the chain
 //       20     2  memory_rank    u16
 //       22     2  reserved       must be 0
+//
+//   PrefixNextUse record (16 bytes; no two with the same memory_rank and block_hash): a block in
+//   the rank's KV tiers (demoted) that a waiting request will reuse, for the tiers' eviction order
+//   (memory_node/tier_eviction_order.h). The list replaces the previous plan's.
+//        0     8  block_hash     u64  not 0
+//        8     4  next_use       i32  >= 0: queue position of the first waiting request that will
+//                                     reuse it (0: the head of the queue)
+//       12     2  memory_rank    u16
+//       14     2  reserved       must be 0
 //
 // Restore reply body (memory rank -> compute rank 0, once per plan with restores for the rank,
 // sent when the plan is applied; body_bytes = 16 + 8 * failed_count):
@@ -336,7 +350,7 @@
 
 namespace tandem {
 
-inline constexpr uint16_t kWireVersion = 7;
+inline constexpr uint16_t kWireVersion = 8;
 inline constexpr uint32_t kStepPlanMagic = 0x50534454;      // "TDSP" on the wire
 inline constexpr uint32_t kLayerMessageMagic = 0x4d4c4454;  // "TDLM" on the wire
 inline constexpr size_t kFrameHeaderBytes = 16;
@@ -346,6 +360,8 @@ inline constexpr size_t kPrefixGroupBytes = 24;             // one PrefixGroup r
 inline constexpr size_t kPrefixPublishBytes = 32;           // one PrefixPublish record
 inline constexpr size_t kPrefixEvictBytes = 16;             // one PrefixEvict record
 inline constexpr size_t kPrefixRestoreBytes = 24;           // one PrefixRestore record
+inline constexpr size_t kPrefixNextUseBytes = 16;           // one PrefixNextUse record
+inline constexpr size_t kMaxPrefixNextUses = 2048;          // PrefixNextUse records in one plan
 inline constexpr uint32_t kRestoreReplyMagic = 0x54524454;  // "TDRT" on the wire
 inline constexpr size_t kRestoreReplyFixedBytes = 16;       // restore reply body before the hashes
 inline constexpr size_t kLayerMessageBodyBytes = 48;        // layer message header body
@@ -462,9 +478,21 @@ struct PrefixRestore {
   friend bool operator==(const PrefixRestore&, const PrefixRestore&) = default;
 };
 
+// A block of a rank's KV tiers that a waiting request will reuse (KV tiers' next-use eviction):
+// `next_use` is the queue position of the first waiting request that will. A plan's list (at most
+// kMaxPrefixNextUses records, all in micro-batch 0) replaces the previous plan's; no two name the
+// same (memory_rank, block_hash).
+struct PrefixNextUse {
+  uint64_t block_hash = 0;
+  int32_t next_use = 0;  // >= 0
+  uint16_t memory_rank = 0;
+
+  friend bool operator==(const PrefixNextUse&, const PrefixNextUse&) = default;
+};
+
 // Sent once per step by the controller to every rank. A memory rank applies it in this order:
-// evictions (saved to the rank's KV tiers when it has them), restores, requests (attach and new
-// slots), publishes; then it resolves the groups.
+// next uses (handed to its KV tiers), evictions (saved to the rank's KV tiers when it has them),
+// restores, requests (attach and new slots), publishes; then it resolves the groups.
 struct StepPlan {
   uint64_t step_id = 0;
   // Pipelining (pipeline.batches): the step is split into `micro_batches` plans, this one is
@@ -476,6 +504,7 @@ struct StepPlan {
   std::vector<PrefixPublish> publishes;
   std::vector<PrefixEvict> evictions;
   std::vector<PrefixRestore> restores;
+  std::vector<PrefixNextUse> next_uses;
 
   friend bool operator==(const StepPlan&, const StepPlan&) = default;
 };

@@ -74,6 +74,7 @@ Controller::Controller(const ModelSpec& spec, std::vector<int64_t> kv_capacity,
     for (size_t m = 0; m < capacity_.size(); ++m) {
       index_.push_back(std::make_unique<PrefixIndex>(options_.prefix_block_tokens, &DefaultBlockHash,
                                                      options_.tier_blocks));
+      index_.back()->set_demoted_wanted_last(options_.tier_next_use);
     }
   }
 }
@@ -619,6 +620,51 @@ void Controller::Schedule(PlannedStep* step) {
   for (const auto& [live, n] : chosen) {
     Publish(*live, n, &step->plan);
   }
+  PlanNextUses(&step->plan);
+}
+
+const std::vector<uint64_t>& Controller::PromptHashes(Live& live) const {
+  const std::vector<int32_t>& prompt = live.request.prompt;
+  if (live.hashed_prompt_tokens == static_cast<int64_t>(prompt.size())) return live.prompt_hashes;
+  const int64_t bt = options_.prefix_block_tokens;
+  live.prompt_hashes.clear();
+  uint64_t h = PrefixIndex::kSeed;
+  for (int64_t i = 0; (i + 1) * bt <= static_cast<int64_t>(prompt.size()) - 1; ++i) {
+    h = index_[0]->HashBlock(h,
+                             std::span(prompt).subspan(static_cast<size_t>(i * bt), static_cast<size_t>(bt)));
+    live.prompt_hashes.push_back(h);
+  }
+  live.hashed_prompt_tokens = static_cast<int64_t>(prompt.size());
+  return live.prompt_hashes;
+}
+
+void Controller::PlanNextUses(StepPlan* plan) {
+  if (index_.empty() || options_.tier_blocks == 0 || !options_.tier_next_use || waiting_.empty()) return;
+  std::vector<size_t> ranks;  // those with demoted blocks
+  for (size_t m = 0; m < index_.size(); ++m) {
+    if (!lost_[m] && index_[m]->stats().demoted > 0) ranks.push_back(m);
+  }
+  if (ranks.empty()) return;
+  const size_t window = std::min(waiting_.size(), static_cast<size_t>(options_.eviction_lookahead));
+  std::vector<std::unordered_set<uint64_t>> listed(index_.size());
+  for (size_t w = 0; w < window; ++w) {
+    const std::vector<uint64_t>& hashes = PromptHashes(waiting_[w]);
+    for (size_t m : ranks) {
+      const PrefixIndex& index = *index_[m];
+      int32_t parent = -1;
+      // The registered run of the prompt's blocks, as Match finds it (a hash names one block; its
+      // parent link confirms the chain).
+      for (uint64_t h : hashes) {
+        const int32_t id = index.Find(h);
+        if (id < 0 || index.parent(id) != parent) break;
+        parent = id;
+        if (index.resident(id) || !listed[m].insert(h).second) continue;
+        if (plan->next_uses.size() == kMaxPrefixNextUses) return;
+        plan->next_uses.push_back(
+            {.block_hash = h, .next_use = static_cast<int32_t>(w), .memory_rank = static_cast<uint16_t>(m)});
+      }
+    }
+  }
 }
 
 int64_t Controller::AddTierBlocks(int m, std::span<const TierBlock> blocks) {
@@ -876,6 +922,7 @@ void Controller::ResetRank(size_t m, int64_t capacity) {
   if (!index_.empty()) {
     index_[m] =
         std::make_unique<PrefixIndex>(options_.prefix_block_tokens, &DefaultBlockHash, options_.tier_blocks);
+    index_[m]->set_demoted_wanted_last(options_.tier_next_use);
   }
 }
 

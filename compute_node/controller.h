@@ -54,6 +54,15 @@
 // and admission may still evict it when it needs the room (prefetch_wasted_blocks; it is taken
 // after every block that no waiting request of kv.eviction_lookahead wants).
 //
+// Next-use eviction in the tiers (options.tier_next_use, with tiers and eviction_lookahead > 0):
+// every plan lists, per rank, the demoted blocks that the first eviction_lookahead waiting requests
+// match there (resident ones need no tier copy), each with the queue position of the first request
+// that does (StepPlan::next_uses, at most kMaxPrefixNextUses: the nearest uses first; the rest
+// count as unwanted). The rank's tiers evict the blocks nobody in that window wants first, then the
+// farthest use (memory_node/tier_eviction_order.h). A request's prompt block hashes are computed once
+// (Live::prompt_hashes); each plan then costs registry look-ups only, and nothing while no rank
+// holds demoted blocks.
+//
 // Stop conditions: an EOS token (unless ignore_eos), max_tokens, or Cancel(). A finished
 // request's KV is released on its rank (Complete()/Cancel() report which ids to release).
 //
@@ -122,6 +131,9 @@ struct ControllerOptions {
   // kv.tiers.prefetch_lookahead: waiting requests (from the head of the queue) whose demoted prefix
   // blocks are restored before they are admitted; 0: off (blocks come back at admission).
   int64_t prefetch_lookahead = 8;
+  // kv.tiers.eviction next_use (true) or lru (false): with tiers, each plan lists the demoted
+  // blocks that the first eviction_lookahead waiting requests will reuse (StepPlan::next_uses).
+  bool tier_next_use = true;
 };
 
 // scheduler.max_batch_size and scheduler.max_tokens_per_step as the controller takes them: a
@@ -292,6 +304,10 @@ class Controller {
     // Generated tokens folded into request.prompt by LoseRank (recomputed with the prompt): the
     // history is request.prompt + result.token_ids[resumed:].
     int64_t resumed = 0;
+    // Chained hashes of the prompt blocks a match may cover ((prompt - 1) / block tokens of
+    // them), computed for hashed_prompt_tokens tokens of prompt (-1: not yet).
+    std::vector<uint64_t> prompt_hashes;
+    int64_t hashed_prompt_tokens = -1;
   };
   int64_t ContextNeed(const GenerationRequest& r) const {
     return static_cast<int64_t>(r.prompt.size()) + r.max_tokens;
@@ -312,6 +328,10 @@ class Controller {
   void CountEvictions(size_t m, size_t from);
   // A request attaches blocks of rank m: prefetched ones among them were used.
   void NoteAttached(size_t m, std::span<const int32_t> ids);
+  // The next-use records of the plan (see the top of this file).
+  void PlanNextUses(StepPlan* plan);
+  // Live::prompt_hashes, brought up to date.
+  const std::vector<uint64_t>& PromptHashes(Live& live) const;
   // Forgets the blocks a request was going to compute (its prefill ended, or it did).
   void DropPending(Live& live);
   // Ends a running request's claims: its reservation and its use of registered blocks.

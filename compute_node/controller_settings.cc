@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
 #include "common/status.h"
 
 namespace tandem {
@@ -56,7 +57,11 @@ void AddSchedulerKvKnobs(ConfigSchema* schema) {
            "from the lower tiers before they are admitted, into free KV slots or the room of unused blocks "
            "that no running request and none of these waiting requests needs; 0: off (blocks come back "
            "when their request is admitted, which then waits a step)",
-           0, 1 << 20);
+           0, 1 << 20)
+      .Enum("kv.tiers.eviction", d.tiers_eviction, {"next_use", "lru"},
+            "KV tiers: which blocks the host and disk tiers evict when full. next_use: first those that "
+            "none of the first kv.eviction_lookahead waiting requests will reuse (least recently used "
+            "first), then the one whose first use is farthest in the queue; lru: least recently used");
 }
 
 SchedulerKvSettings SchedulerKvSettingsFromConfig(const Config& config) {
@@ -74,6 +79,7 @@ SchedulerKvSettings SchedulerKvSettingsFromConfig(const Config& config) {
   s.tiers_disk_bytes = config.GetInt("kv.tiers.disk_bytes");
   s.tiers_persist = config.GetBool("kv.tiers.persist");
   s.tiers_prefetch_lookahead = config.GetInt("kv.tiers.prefetch_lookahead");
+  s.tiers_eviction = config.GetString("kv.tiers.eviction");
   return s;
 }
 
@@ -86,6 +92,11 @@ absl::StatusOr<ControllerOptions> ResolveControllerOptions(const SchedulerKvSett
   options.prefix_block_tokens = prefix.block_tokens;
   options.eviction_lookahead = s.eviction_lookahead;
   options.prefetch_lookahead = s.tiers_prefetch_lookahead;
+  if (s.tiers_eviction != "next_use" && s.tiers_eviction != "lru") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv.tiers.eviction: \"", s.tiers_eviction, "\" is neither \"next_use\" nor \"lru\""));
+  }
+  options.tier_next_use = s.tiers_eviction == "next_use";
   options.prefix_sharing = prefix.sharing;
   if (s.tiers_enabled()) {
     if (options.prefix_block_tokens == 0)

@@ -16,6 +16,9 @@
 //   kv.tiers.persist               the disk tier survives a restart (the colocated engine only)
 //   kv.tiers.prefetch_lookahead    waiting requests whose demoted prefix blocks are restored before
 //                                  admission; 0: off
+//   kv.tiers.eviction              next_use: each tier evicts the blocks no request of the first
+//                                  kv.eviction_lookahead waiting ones wants first, then the farthest
+//                                  use; lru: least recently used
 //
 // The kv.capacity_tokens and kv.memory_fraction values are not the controller's: they size the
 // KV pool of whoever owns it (the colocated engine, or each memory rank through the hello).
@@ -32,20 +35,21 @@ namespace tandem {
 
 // The values of the settings above; the defaults are the schema's.
 struct SchedulerKvSettings {
-  int64_t max_batch_size = 0;            // requests in one step; 0: as many as the KV cache holds
-                                         // (at most max_tokens_per_step)
-  int64_t max_tokens_per_step = 2048;    // decode tokens + prefill chunk tokens in one step
-  int64_t kv_capacity_tokens = 0;        // KV slots; 0: sized from free device or host memory
-  double kv_memory_fraction = 0.9;       // share of free memory (after weights) for KV when auto
-  bool prefix_cache = true;              // reuse registered prompt blocks' KV (kv.prefix_cache)
-  int64_t prefix_block_tokens = 64;      // tokens per registered block
-  std::string prefix_sharing = "auto";   // shared-prefix attention: auto, on or off
-  int64_t eviction_lookahead = 64;       // kv.eviction_lookahead
-  int64_t tiers_host_bytes = 0;          // kv.tiers.host_bytes
-  std::string tiers_disk_dir;            // kv.tiers.disk_dir
-  int64_t tiers_disk_bytes = 0;          // kv.tiers.disk_bytes
-  bool tiers_persist = false;            // kv.tiers.persist
-  int64_t tiers_prefetch_lookahead = 8;  // kv.tiers.prefetch_lookahead
+  int64_t max_batch_size = 0;               // requests in one step; 0: as many as the KV cache holds
+                                            // (at most max_tokens_per_step)
+  int64_t max_tokens_per_step = 2048;       // decode tokens + prefill chunk tokens in one step
+  int64_t kv_capacity_tokens = 0;           // KV slots; 0: sized from free device or host memory
+  double kv_memory_fraction = 0.9;          // share of free memory (after weights) for KV when auto
+  bool prefix_cache = true;                 // reuse registered prompt blocks' KV (kv.prefix_cache)
+  int64_t prefix_block_tokens = 64;         // tokens per registered block
+  std::string prefix_sharing = "auto";      // shared-prefix attention: auto, on or off
+  int64_t eviction_lookahead = 64;          // kv.eviction_lookahead
+  int64_t tiers_host_bytes = 0;             // kv.tiers.host_bytes
+  std::string tiers_disk_dir;               // kv.tiers.disk_dir
+  int64_t tiers_disk_bytes = 0;             // kv.tiers.disk_bytes
+  bool tiers_persist = false;               // kv.tiers.persist
+  int64_t tiers_prefetch_lookahead = 8;     // kv.tiers.prefetch_lookahead
+  std::string tiers_eviction = "next_use";  // kv.tiers.eviction: next_use or lru
   bool tiers_enabled() const { return tiers_host_bytes > 0 || tiers_disk_bytes > 0; }
 };
 

@@ -100,6 +100,7 @@ MicroBatches SplitStep(const PlannedStep& step, int n) {
   }
   mb.parts[0].plan.evictions = plan.evictions;
   mb.parts[0].plan.restores = plan.restores;
+  mb.parts[0].plan.next_uses = plan.next_uses;
   for (PlannedStep& part : mb.parts) {
     for (size_t m = 1; m < part.rank_rows.size(); ++m) part.rank_rows[m] += part.rank_rows[m - 1];
   }

@@ -200,11 +200,19 @@ void PrefixIndex::Forget(int32_t id) {
   Remove(id);
 }
 
-void PrefixIndex::TrimDemoted() {
+void PrefixIndex::TrimDemoted(const std::vector<char>& keep) {
+  if (!keep.empty() && demoted_wanted_last_) TrimDemotedPass(keep);
+  TrimDemotedPass({});
+}
+
+void PrefixIndex::TrimDemotedPass(const std::vector<char>& keep) {
+  auto kept = [&](int32_t id) {
+    return !keep.empty() && static_cast<size_t>(id) < keep.size() && keep[static_cast<size_t>(id)] != 0;
+  };
   auto it = lru_.begin();
   while (stats_.demoted > max_demoted_ && it != lru_.end()) {
     const Block& b = blocks_[static_cast<size_t>(*it)];
-    if (b.resident || b.num_children != 0 || b.users != 0) {
+    if (b.resident || b.num_children != 0 || b.users != 0 || kept(*it)) {
       ++it;
       continue;
     }
@@ -225,7 +233,7 @@ int32_t PrefixIndex::AddDemoted(uint64_t hash, uint64_t parent_hash, std::span<c
   if (parent_hash != kSeed && parent < 0) return -1;
   NewBlock(hash, parent, tokens, /*resident=*/false);
   ++stats_.demoted;
-  TrimDemoted();
+  TrimDemoted({});
   return FindHash(hash);
 }
 
@@ -233,15 +241,16 @@ int64_t PrefixIndex::Evict(int64_t need, std::vector<uint64_t>* evicted,
                            std::vector<std::vector<int32_t>>* evicted_tokens,
                            std::span<const int32_t> wanted) {
   int64_t freed = 0;
+  std::vector<char> keep;
   if (!wanted.empty()) {
-    std::vector<char> keep(blocks_.size(), 0);
+    keep.assign(blocks_.size(), 0);
     for (const int32_t id : wanted) {
       if (id >= 0 && static_cast<size_t>(id) < keep.size()) keep[static_cast<size_t>(id)] = 1;
     }
     EvictPass(need, keep, &freed, evicted, evicted_tokens);
   }
   EvictPass(need, {}, &freed, evicted, evicted_tokens);
-  if (max_demoted_ > 0) TrimDemoted();
+  if (max_demoted_ > 0) TrimDemoted(keep);
   return freed;
 }
 
@@ -253,7 +262,7 @@ int64_t PrefixIndex::EvictExcept(int64_t need, std::span<const int32_t> keep, st
     if (id >= 0 && static_cast<size_t>(id) < kept.size()) kept[static_cast<size_t>(id)] = 1;
   }
   EvictPass(need, kept, &freed, evicted, evicted_tokens);
-  if (max_demoted_ > 0) TrimDemoted();
+  if (max_demoted_ > 0) TrimDemoted(kept);
   return freed;
 }
 

@@ -118,6 +118,11 @@ class PrefixIndex {
   // give `hash`, or the hash is taken. The least recently used demoted leaves beyond max_demoted are
   // then forgotten, as after Evict (possibly this block).
   int32_t AddDemoted(uint64_t hash, uint64_t parent_hash, std::span<const int32_t> tokens);
+  // kv.tiers.eviction next_use: the demoted blocks forgotten beyond max_demoted are those that the
+  // caller's `wanted` (Evict) or `keep` (EvictExcept) do not name first, as the rank's tiers do
+  // (memory_node/tier_eviction_order.h), so that the registry offers what the tiers keep. Off:
+  // least recently used only.
+  void set_demoted_wanted_last(bool on) { demoted_wanted_last_ = on; }
   // A demoted block whose parent is resident (or that starts a chain) becomes resident.
   void MarkRestored(int32_t id);
   // Drops `id` and every block below it (none may have users).
@@ -165,12 +170,15 @@ class PrefixIndex {
   // One least-recently-used pass of Evict; blocks with keep[id] set are skipped (keep may be empty).
   void EvictPass(int64_t need, const std::vector<char>& keep, int64_t* freed, std::vector<uint64_t>* evicted,
                  std::vector<std::vector<int32_t>>* evicted_tokens);
-  // Forgets least recently used demoted leaves while more than max_demoted_ are kept.
-  void TrimDemoted();
+  // Forgets least recently used demoted leaves while more than max_demoted_ are kept; with
+  // demoted_wanted_last_, those with keep[id] set only once no other can go (keep may be empty).
+  void TrimDemoted(const std::vector<char>& keep);
+  void TrimDemotedPass(const std::vector<char>& keep);
 
   int64_t block_tokens_;
   BlockHashFn hash_;
   int64_t max_demoted_;
+  bool demoted_wanted_last_ = false;
   std::vector<Block> blocks_;                      // by id; dead ones are reused
   std::vector<int32_t> free_ids_;                  // dead block ids
   std::unordered_map<uint64_t, int32_t> by_hash_;  // chained hash -> block id

@@ -194,6 +194,17 @@ absl::Status KvTable::Apply(const StepPlan& plan, uint16_t memory_rank, Attentio
   std::vector<const StepRequest*> mine;
   RETURN_IF_ERROR(Check(plan, memory_rank, &mine));
 
+  if (tiers_ != nullptr && plan.micro_batch == 0) {
+    // The plan's own restores are used now (position 0): its evictions must not push them out.
+    std::vector<KvTierNextUse> uses;
+    for (const PrefixRestore& e : plan.restores) {
+      if (e.memory_rank == memory_rank) uses.push_back({.hash = e.block_hash, .next_use = 0});
+    }
+    for (const PrefixNextUse& u : plan.next_uses) {
+      if (u.memory_rank == memory_rank) uses.push_back({.hash = u.block_hash, .next_use = u.next_use});
+    }
+    tiers_->SetNextUse(uses);
+  }
   for (size_t i = 0; i < plan.evictions.size(); ++i) {
     const PrefixEvict& e = plan.evictions[i];
     if (e.memory_rank != memory_rank) continue;

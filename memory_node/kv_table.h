@@ -22,7 +22,11 @@
 // fill them (Restore) and register the block with no users; a restore that finds no good copy, or
 // whose parent failed, registers nothing, frees its slots and is reported to the caller. A restore
 // must name a block that is not registered (after the plan's evictions) and a parent that is
-// registered or restored earlier in the plan.
+// registered or restored earlier in the plan. Before the evictions, the plan's next-use records of
+// the rank go to the tiers (SetNextUse; micro-batch 0 only, since the others carry none), with the
+// plan's own restores of the rank at position 0 (the evictions' saves must not push out a block
+// the same plan loads), so that the blocks demoted by the plan take their place in the tiers'
+// eviction order.
 //
 // Thread safety: not thread-safe; the owning rank serialises calls.
 #pragma once
@@ -37,6 +41,7 @@
 #include "common/wire.h"
 #include "memory_node/attention_executor.h"
 #include "memory_node/kv_slot_allocator.h"
+#include "memory_node/kv_tier_store.h"
 
 namespace tandem {
 
@@ -51,6 +56,9 @@ class KvBlockTiers {
   // Fills `slots` with block `hash`'s KV; false when no good copy exists (the slots are then unused).
   virtual bool Restore(uint64_t hash, uint64_t parent_hash, int32_t depth,
                        std::span<const int32_t> slots) = 0;
+  // The demoted blocks waiting requests will reuse (the plan's next-use records for this rank),
+  // replacing the last list: the tiers' eviction order (KvTierStore::SetNextUse).
+  virtual void SetNextUse(std::span<const KvTierNextUse> uses) = 0;
 };
 
 class KvTable {

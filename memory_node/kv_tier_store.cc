@@ -70,6 +70,13 @@ bool WriteAll(int fd, const uint8_t* p, size_t n) {
 
 }  // namespace
 
+absl::StatusOr<KvTierEviction> ParseKvTierEviction(std::string_view name) {
+  if (name == "next_use") return KvTierEviction::kNextUse;
+  if (name == "lru") return KvTierEviction::kLru;
+  return absl::InvalidArgumentError(
+      absl::StrCat("kv.tiers.eviction: \"", std::string(name), "\" is neither \"next_use\" nor \"lru\""));
+}
+
 absl::Status CheckKvTierOptions(const KvTierOptions& o) {
   if (o.host_bytes < 0) return absl::InvalidArgumentError("kv.tiers.host_bytes must be >= 0");
   if (o.disk_bytes < 0) return absl::InvalidArgumentError("kv.tiers.disk_bytes must be >= 0");
@@ -191,7 +198,7 @@ absl::Status KvTierStore::OpenDirectory() {
   for (const auto& [time, block] : found) {
     DiskEntry& e = disk_[block.hash];
     e.file_bytes = FileBytes(block);
-    e.lru = disk_lru_.insert(disk_lru_.end(), block.hash);
+    disk_order_.Insert(block.hash, -1);
     disk_used_ += e.file_bytes;
   }
   for (auto& [time, block] : found) persisted_.push_back(std::move(block));
@@ -213,37 +220,46 @@ void KvTierStore::Save(const KvTierBlock& block, std::span<const uint8_t> bytes)
   std::shared_ptr<const std::vector<uint8_t>> copy;
   auto it = host_.find(block.hash);
   if (it != host_.end()) {
-    host_lru_.splice(host_lru_.end(), host_lru_, it->second.lru);
+    host_order_.Touch(block.hash);
     copy = it->second.bytes;
   } else if (block_bytes_ <= options_.host_bytes) {
     // An evicted copy that nothing else holds (no load in flight, no queued write) is reused for
     // the new block: a fresh allocation of a block's size page-faults on every page as it is
     // filled, which on a GPU pool costs more than the device-to-host copy itself.
     std::shared_ptr<std::vector<uint8_t>> reuse;
+    const int32_t use = NextUseLocked(block.hash);
+    bool keep = true;
     while (static_cast<int64_t>(host_.size() + 1) * block_bytes_ > options_.host_bytes) {
-      auto victim = host_.find(host_lru_.front());
-      if (!reuse && victim->second.bytes.use_count() == 1)
-        reuse = std::const_pointer_cast<std::vector<uint8_t>>(victim->second.bytes);
-      host_.erase(victim);
-      host_lru_.pop_front();
       ++stats_.host_evictions;
+      if (!host_order_.Keeps(use)) {  // it would be the first to go: every block held is needed sooner
+        keep = false;
+        break;
+      }
+      const uint64_t victim = host_order_.Victim();
+      host_order_.Erase(victim);
+      auto gone = host_.find(victim);
+      if (!reuse && gone->second.bytes.use_count() == 1)
+        reuse = std::const_pointer_cast<std::vector<uint8_t>>(gone->second.bytes);
+      host_.erase(gone);
     }
-    if (reuse) {
+    if (keep && reuse) {
       std::copy(bytes.begin(), bytes.end(), reuse->begin());
       copy = std::move(reuse);
-    } else {
+    } else if (keep) {
       copy = std::make_shared<std::vector<uint8_t>>(bytes.begin(), bytes.end());
     }
-    HostEntry& e = host_[block.hash];
-    e.block = block;
-    e.bytes = copy;
-    e.lru = host_lru_.insert(host_lru_.end(), block.hash);
-    stats_.bytes_to_host += block_bytes_;
+    if (keep) {
+      HostEntry& e = host_[block.hash];
+      e.block = block;
+      e.bytes = copy;
+      host_order_.Insert(block.hash, use);
+      stats_.bytes_to_host += block_bytes_;
+    }
   }
   stats_.host_blocks = static_cast<int64_t>(host_.size());
   if (options_.disk_bytes == 0) return;
-  if (auto d = disk_.find(block.hash); d != disk_.end()) {
-    disk_lru_.splice(disk_lru_.end(), disk_lru_, d->second.lru);
+  if (disk_.contains(block.hash)) {
+    disk_order_.Touch(block.hash);
     return;
   }
   if (queued_.contains(block.hash)) return;
@@ -263,7 +279,7 @@ void KvTierStore::Save(const KvTierBlock& block, std::span<const uint8_t> bytes)
 void KvTierStore::DropDiskLocked(uint64_t hash, bool count_eviction) {
   auto it = disk_.find(hash);
   if (it == disk_.end()) return;
-  disk_lru_.erase(it->second.lru);
+  disk_order_.Erase(hash);
   disk_used_ -= it->second.file_bytes;
   disk_.erase(it);
   ::unlink(FilePath(hash).c_str());
@@ -279,7 +295,21 @@ void KvTierStore::WriterLoop() {
     Write w = std::move(queue_.front());
     queue_.pop_front();
     const int64_t file_bytes = FileBytes(w.block);  // <= disk_bytes: Save refuses larger blocks
-    while (disk_used_ + file_bytes > options_.disk_bytes) DropDiskLocked(disk_lru_.front(), true);
+    const int32_t use = NextUseLocked(w.block.hash);
+    bool keep = true;
+    while (disk_used_ + file_bytes > options_.disk_bytes) {
+      if (!disk_order_.Keeps(use)) {  // every file held is needed sooner: this block is not written
+        ++stats_.disk_evictions;
+        keep = false;
+        break;
+      }
+      DropDiskLocked(disk_order_.Victim(), true);
+    }
+    if (!keep) {
+      queued_.erase(w.block.hash);
+      cv_.notify_all();
+      continue;
+    }
     writing_ = true;
     lock.unlock();
     absl::Status st = WriteFile(w);
@@ -289,7 +319,7 @@ void KvTierStore::WriterLoop() {
     if (st.ok()) {
       DiskEntry& e = disk_[w.block.hash];
       e.file_bytes = file_bytes;
-      e.lru = disk_lru_.insert(disk_lru_.end(), w.block.hash);
+      disk_order_.Insert(w.block.hash, NextUseLocked(w.block.hash));
       disk_used_ += file_bytes;
       stats_.bytes_to_disk += file_bytes;
       stats_.disk_blocks = static_cast<int64_t>(disk_.size());
@@ -427,7 +457,7 @@ absl::StatusOr<int> KvTierStore::LoadShared(uint64_t hash, KvTierBlock* block,
       // Host copies were checked when made and never leave this process's memory.
       *out = it->second.bytes;
       *block = it->second.block;
-      host_lru_.splice(host_lru_.end(), host_lru_, it->second.lru);
+      host_order_.Touch(hash);
       ++stats_.host_hits;
       stats_.bytes_from_host += block_bytes_;
       return 1;
@@ -445,7 +475,7 @@ absl::StatusOr<int> KvTierStore::LoadShared(uint64_t hash, KvTierBlock* block,
       ++stats_.misses;
       return absl::NotFoundError(absl::StrFormat("block %016x is in no KV tier", hash));
     }
-    disk_lru_.splice(disk_lru_.end(), disk_lru_, d->second.lru);
+    disk_order_.Touch(hash);
   }
   const std::string path = FilePath(hash);
   auto read = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(block_bytes_));
@@ -466,6 +496,40 @@ absl::StatusOr<int> KvTierStore::LoadShared(uint64_t hash, KvTierBlock* block,
 bool KvTierStore::Contains(uint64_t hash) const {
   std::lock_guard<std::mutex> lock(mu_);
   return host_.contains(hash) || queued_.contains(hash) || disk_.contains(hash);
+}
+
+void KvTierStore::SetNextUse(std::span<const KvTierNextUse> uses) {
+  if (options_.eviction == KvTierEviction::kLru) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [hash, use] : next_use_) {
+    host_order_.SetNextUse(hash, -1);
+    disk_order_.SetNextUse(hash, -1);
+  }
+  next_use_.clear();
+  for (const KvTierNextUse& u : uses) {
+    if (u.next_use < 0) continue;
+    auto [it, added] = next_use_.emplace(u.hash, u.next_use);
+    if (!added) it->second = std::min(it->second, u.next_use);
+  }
+  for (const auto& [hash, use] : next_use_) {
+    host_order_.SetNextUse(hash, use);
+    disk_order_.SetNextUse(hash, use);
+  }
+}
+
+int32_t KvTierStore::NextUseLocked(uint64_t hash) const {
+  auto it = next_use_.find(hash);
+  return it == next_use_.end() ? -1 : it->second;
+}
+
+bool KvTierStore::InHost(uint64_t hash) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return host_.contains(hash);
+}
+
+bool KvTierStore::OnDisk(uint64_t hash) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return disk_.contains(hash);
 }
 
 KvTierStats KvTierStore::stats() const {

@@ -8,11 +8,15 @@
 // owner knows them, its token ids (what a restarted owner needs to register the block again: its
 // registry compares tokens, not only hashes).
 //
-//   Save(block, bytes)  copies the bytes into the host tier (least recently used host blocks make
-//                       room; a block larger than the tier, or a tier of 0 bytes, is not kept there)
+//   Save(block, bytes)  copies the bytes into the host tier (evicted blocks make room, in the order
+//                       below; a block larger than the tier, or a tier of 0 bytes, is not kept there)
 //                       and, when the disk tier is on and the block is not on disk yet, queues it for
 //                       the writer thread: a block is written once per tier. Save never waits for
 //                       the disk.
+//   SetNextUse(uses)    the blocks that waiting requests will reuse, each with the queue position
+//                       of the first request that will (the owner's controller computes them each
+//                       step: the step plan's next-use records of this rank); replaces the last
+//                       call's list. Costs the size of the two lists, not of the tiers.
 //   Load(hash, out)     the host copy if there is one, else the copy queued for its file (a block
 //                       on its way to disk; counted as a host hit), else the file (read on the
 //                       calling thread).
@@ -43,9 +47,17 @@
 //
 // The writer writes `<name>.tmp`, then renames it, so a crash mid-write leaves no file with a good
 // name (leftover .tmp files are removed when a store opens the directory; a file renamed before
-// its bytes reached the disk fails its checksums). Files are evicted least recently used when
-// disk_bytes would be exceeded. A write that fails (disk full, directory gone) is logged once per
-// store, counted, and the block stays in the host tier only.
+// its bytes reached the disk fails its checksums). Files are evicted when disk_bytes would be
+// exceeded.
+//
+// Eviction (kv.tiers.eviction; memory_node/tier_eviction_order.h): with kNextUse (the default) each
+// tier evicts first the blocks no waiting request of the controller's look-ahead window will reuse
+// (least recently used first), then, only when every block it holds is wanted, the one whose next
+// use is farthest in the queue; a block that would itself be evicted first (it is not wanted while
+// every block held is, or it is wanted later than all of them) is not taken into a full tier
+// (counted as an eviction of that tier). With kLru the next uses are ignored: least recently used. A write
+// that fails (disk full, directory gone) is logged once per store, counted, and the block stays in the host
+// tier only.
 //
 // persist: false: the directory is this store's scratch space: block files (and leftover .tmp
 // files) found there at start are removed, and so are the store's files when it is destroyed;
@@ -56,23 +68,24 @@
 // warning line counting them. PersistedBlocks() lists the rest so that the owner can tell its
 // registry; the most recently written are kept when the files exceed disk_bytes.
 //
-// Thread safety: Save, Load, Contains, stats and Flush may be called from any thread; one writer
+// Thread safety: Save, Load, Contains, SetNextUse, stats and Flush may be called from any thread; one writer
 // thread of the store's own does the disk writes.
 #pragma once
 
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
-#include <list>
 #include <memory>
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "memory_node/tier_eviction_order.h"
 
 namespace tandem {
 
@@ -81,12 +94,26 @@ inline constexpr size_t kKvBlockHeaderBytes = 64;
 // Tokens a block file holds at most (kv.prefix_block_tokens is at most 4096).
 inline constexpr int64_t kKvBlockMaxTokens = 4096;
 
+// kv.tiers.eviction: "next_use" or "lru".
+enum class KvTierEviction : uint8_t { kNextUse = 0, kLru = 1 };
+// "next_use" -> kNextUse, "lru" -> kLru; InvalidArgument naming kv.tiers.eviction otherwise.
+absl::StatusOr<KvTierEviction> ParseKvTierEviction(std::string_view name);
+
+// A block that a waiting request will reuse: `next_use` is the queue position (0: the head) of the
+// first waiting request that will.
+struct KvTierNextUse {
+  uint64_t hash = 0;
+  int32_t next_use = 0;
+};
+
 // kv.tiers.* as a memory rank (or the colocated engine) takes them.
 struct KvTierOptions {
   int64_t host_bytes = 0;  // host DRAM tier; 0: off
   std::string disk_dir;    // directory of the disk tier; "" with disk_bytes 0: off
   int64_t disk_bytes = 0;  // 0: disk tier off
   bool persist = false;    // keep files across restarts and re-index them at start
+  // kv.tiers.eviction: by next use in the waiting queue (SetNextUse), or least recently used.
+  KvTierEviction eviction = KvTierEviction::kNextUse;
   bool enabled() const { return host_bytes > 0 || disk_bytes > 0; }
 };
 
@@ -113,7 +140,7 @@ struct KvTierStats {
   int64_t bytes_from_host = 0;  // host -> pool
   int64_t bytes_to_disk = 0;    // written to files (whole files: header, tokens and KV)
   int64_t bytes_from_disk = 0;  // read from files for the pool (whole files)
-  int64_t host_evictions = 0;
+  int64_t host_evictions = 0;   // blocks evicted, and blocks a full tier did not take (next-use)
   int64_t disk_evictions = 0;
   int64_t write_errors = 0;  // disk writes that failed
   int64_t host_blocks = 0;   // now
@@ -142,6 +169,13 @@ class KvTierStore {
   absl::StatusOr<int> LoadShared(uint64_t hash, KvTierBlock* block,
                                  std::shared_ptr<const std::vector<uint8_t>>* out);
   bool Contains(uint64_t hash) const;
+  // The blocks waiting requests will reuse (see the top); a hash listed twice keeps its nearest
+  // use. Ignored with KvTierEviction::kLru.
+  void SetNextUse(std::span<const KvTierNextUse> uses);
+  // Whether the host / disk tier holds the block now (tests; a block queued for its file is not on
+  // disk yet).
+  bool InHost(uint64_t hash) const;
+  bool OnDisk(uint64_t hash) const;
   // Blocks found on disk (with their tokens, as written) when the store opened the directory with
   // persist, parents before children (by depth). A block whose parent is missing is listed too: the
   // owner keeps whole chains only.
@@ -158,11 +192,9 @@ class KvTierStore {
   struct HostEntry {
     KvTierBlock block;
     std::shared_ptr<const std::vector<uint8_t>> bytes;
-    std::list<uint64_t>::iterator lru;
   };
   struct DiskEntry {
     int64_t file_bytes = 0;
-    std::list<uint64_t>::iterator lru;
   };
   // Why a file was refused (counted when a store opens its directory).
   enum class FileProblem { kNone, kTruncated, kCorrupt, kVersion, kModel };
@@ -183,6 +215,8 @@ class KvTierStore {
            block_bytes_;
   }
   void DropDiskLocked(uint64_t hash, bool count_eviction);
+  // The block's next use (-1: none, or the lru policy). Called with mu_ held.
+  int32_t NextUseLocked(uint64_t hash) const;
   // Counts a block the disk tier did not keep (the first one is logged). Called with mu_ held.
   void NoteWriteErrorLocked(uint64_t hash, const absl::Status& why);
 
@@ -192,10 +226,11 @@ class KvTierStore {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::unordered_map<uint64_t, HostEntry> host_;
-  std::list<uint64_t> host_lru_;  // front: least recently used
+  TierEvictionOrder host_order_;
   std::unordered_map<uint64_t, DiskEntry> disk_;
-  std::list<uint64_t> disk_lru_;
-  int64_t disk_used_ = 0;  // bytes of the files in disk_
+  TierEvictionOrder disk_order_;
+  std::unordered_map<uint64_t, int32_t> next_use_;  // SetNextUse's list
+  int64_t disk_used_ = 0;                           // bytes of the files in disk_
   std::deque<Write> queue_;
   std::unordered_map<uint64_t, Write> queued_;  // blocks queued or being written, by hash
   bool writing_ = false;

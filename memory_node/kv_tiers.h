@@ -54,6 +54,7 @@ class KvTiers : public KvBlockTiers {
   void Demote(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots,
               std::span<const int32_t> tokens) override;
   bool Restore(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots) override;
+  void SetNextUse(std::span<const KvTierNextUse> uses) override { store_->SetNextUse(uses); }
 
   // Layer-wise restore (see the top): copies layers up to `layer` of the blocks restored since
   // the last FinishRestores (layers already copied are skipped, so several lanes may call it).

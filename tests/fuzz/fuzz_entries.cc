@@ -179,6 +179,8 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
   plan.evictions.push_back({.block_hash = 97, .memory_rank = 1});
   plan.restores.push_back({.block_hash = 96, .parent_hash = 0, .block_index = 0, .memory_rank = 1});
   plan.restores.push_back({.block_hash = 95, .parent_hash = 96, .block_index = 1, .memory_rank = 1});
+  plan.next_uses.push_back({.block_hash = 97, .next_use = 0, .memory_rank = 1});
+  plan.next_uses.push_back({.block_hash = 94, .next_use = 3, .memory_rank = 1});
   HelloMessage hello{.memory_rank = 1,
                      .num_memory_ranks = 2,
                      .num_layers = 2,

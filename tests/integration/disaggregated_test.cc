@@ -1310,5 +1310,73 @@ TEST_P(TieredDeployment, ConversationsEqualColocated) {
 
 INSTANTIATE_TEST_SUITE_P(Tiers, TieredDeployment, ::testing::Values("host", "disk_damaged"));
 
+// kv.tiers.eviction on a memory rank: compute rank 0 sends the rank the demoted blocks that waiting
+// turns will reuse (the plan's next-use records), and its host tier of 16 blocks keeps them. Each
+// round submits three conversations' next turns behind a one-off prompt, one request running at a
+// time, over a pool too small for all of them: with next_use every block the controller plans to
+// restore is still there; with lru the tier has dropped some, and those turns compute them again.
+// The tokens are the colocated engine's either way.
+class NextUseDeployment : public DisaggregatedTest, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(NextUseDeployment, TiersKeepWhatWaitingTurnsNeed) {
+  const bool next_use = GetParam() == "next_use";
+  std::unique_ptr<WeightSource> source = OpenReference("llama3-gqa-tied");
+  ASSERT_NE(source, nullptr);
+  constexpr int64_t kBlock = 8;
+  const int64_t block_bytes = kBlock * source->spec().kv_bytes_per_token(sizeof(float));
+  std::ofstream(dir_ + "/deploy.yaml")
+      << "launch:\n  startup_timeout_s: 60\n  step_timeout_s: 20\nkv:\n  tiers:\n"
+      << "    host_bytes: " << 16 * block_bytes << "\n    eviction: " << GetParam() << "\n";
+  const int64_t vocab = source->spec().vocab_size;
+  auto rounds = [&](tandem::Engine& e) {
+    std::vector<std::vector<int32_t>> history(3), answers;
+    std::mt19937 rng(9);
+    auto next = [&] { return static_cast<int32_t>(2 + rng() % static_cast<uint32_t>(vocab - 2)); };
+    for (int turn = 0; turn < 4; ++turn) {
+      std::vector<GenerationRequest> round(1);
+      for (int i = 0; i < 96; ++i) round[0].prompt.push_back(next());
+      for (auto& h : history) {
+        for (int i = 0; i < 13; ++i) h.push_back(next());
+        round.push_back({.prompt = h});
+      }
+      for (GenerationRequest& r : round) r.max_tokens = 9, r.ignore_eos = true;
+      absl::StatusOr<std::vector<GenerationResult>> out = e.GenerateAll(round);
+      EXPECT_TRUE(out.ok()) << out.status();
+      if (!out.ok()) return answers;
+      for (size_t k = 0; k < round.size(); ++k) {
+        const std::vector<int32_t>& tokens = (*out)[k].token_ids;
+        if (k > 0) history[k - 1].insert(history[k - 1].end(), tokens.begin(), tokens.end());
+        answers.push_back(tokens);
+      }
+    }
+    return answers;
+  };
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, 1, 64, /*prefix_cache=*/false);
+  ASSERT_NE(engine, nullptr);
+  const auto want = rounds(*engine);
+
+  ComputeRankOptions o = Options(1, 64, 160);
+  UsePrefixCache(&o, kBlock, "off");
+  o.scheduler.tier_blocks = 16;  // as ResolveControllerOptions sizes it for the tier
+  o.scheduler.prefetch_lookahead = 0;
+  o.scheduler.tier_next_use = next_use;
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 1, o));
+  EXPECT_EQ(rounds(*rank_), want);
+  const EngineStats s = rank_->stats();
+  std::printf("%s: %lld tokens demoted, %lld restored, %lld restores failed\n", GetParam().c_str(),
+              static_cast<long long>(s.demoted_tokens), static_cast<long long>(s.restored_tokens),
+              static_cast<long long>(s.restore_failed_tokens));
+  EXPECT_GT(s.demoted_tokens, 0);
+  if (next_use) {
+    EXPECT_GT(s.restored_tokens, 0);
+    EXPECT_EQ(s.restore_failed_tokens, 0) << "the rank's tier dropped a block a waiting turn needed";
+  } else {
+    EXPECT_GT(s.restore_failed_tokens, 0)
+        << "lru never dropped a block a waiting turn needed: the test shows nothing";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Eviction, NextUseDeployment, ::testing::Values("next_use", "lru"));
+
 }  // namespace
 }  // namespace tandem

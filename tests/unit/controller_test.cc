@@ -262,15 +262,20 @@ class RecordingTiers : public KvBlockTiers {
   bool Restore(uint64_t hash, uint64_t, int32_t, std::span<const int32_t>) override {
     return saved_.contains(hash) && rng_() % 16 != 0;  // one in 16 copies is found damaged
   }
+  void SetNextUse(std::span<const KvTierNextUse> uses) override {
+    next_uses_.assign(uses.begin(), uses.end());
+  }
+  const std::vector<KvTierNextUse>& next_uses() const { return next_uses_; }
 
  private:
   std::mt19937 rng_;
   std::unordered_set<uint64_t> saved_;
+  std::vector<KvTierNextUse> next_uses_;
 };
 
 struct PrefetchRun {
   int64_t steps = 0, prefetch_evictions = 0, restored = 0, failed = 0, prefetched = 0, used = 0, wasted = 0,
-          cached = 0;
+          cached = 0, next_uses = 0;
 };
 
 PrefetchRun RunConversations(int ranks, int64_t capacity, int64_t prefetch, uint32_t seed) {
@@ -380,6 +385,29 @@ PrefetchRun RunConversations(int ranks, int64_t capacity, int64_t prefetch, uint
       continue;
     }
     ++run.steps;
+    // Next-use records: exactly the demoted blocks that the first eviction_lookahead waiting
+    // requests match, per rank, each with the queue position of the first one that matches it.
+    {
+      std::map<std::pair<uint16_t, uint64_t>, int32_t> want;
+      const size_t first_waiting = live.size() - static_cast<size_t>(c.num_waiting());
+      int32_t w = 0;
+      for (auto it = std::next(live.begin(), static_cast<std::ptrdiff_t>(first_waiting));
+           it != live.end() && w < o.eviction_lookahead; ++it, ++w) {
+        const std::optional<std::vector<int32_t>> h = c.History(it->first);
+        EXPECT_TRUE(h.has_value());
+        for (int m = 0; m < ranks; ++m) {
+          const PrefixIndex& index = *c.prefix_index(m);
+          for (int32_t b : index.Match(*h, (static_cast<int64_t>(h->size()) - 1) / kBlockTokens)) {
+            if (!index.resident(b)) want.emplace(std::pair(static_cast<uint16_t>(m), index.hash(b)), w);
+          }
+        }
+      }
+      std::map<std::pair<uint16_t, uint64_t>, int32_t> got;
+      for (const PrefixNextUse& u : ps.plan.next_uses) got[{u.memory_rank, u.block_hash}] = u.next_use;
+      EXPECT_EQ(got.size(), ps.plan.next_uses.size()) << "step " << step << ": a block listed twice";
+      EXPECT_EQ(got, want) << "step " << step;
+      run.next_uses += static_cast<int64_t>(ps.plan.next_uses.size());
+    }
     run.prefetch_evictions += static_cast<int64_t>(ps.prefetch_evictions.size());
     for (uint64_t h : ps.prefetch_evictions) {
       const auto e = std::find_if(ps.plan.evictions.begin(), ps.plan.evictions.end(),
@@ -399,6 +427,15 @@ PrefetchRun RunConversations(int ranks, int64_t capacity, int64_t prefetch, uint
       if (std::any_of(ps.plan.restores.begin(), ps.plan.restores.end(),
                       [&](const PrefixRestore& r) { return r.memory_rank == m; }))
         c.RestoreResult(ps.plan, m, failed);
+      // The table handed its rank's restores (used now) and records to the tiers.
+      std::vector<std::pair<uint64_t, int32_t>> mine, handed;
+      for (const PrefixRestore& r : ps.plan.restores)
+        if (r.memory_rank == m) mine.emplace_back(r.block_hash, 0);
+      for (const PrefixNextUse& u : ps.plan.next_uses)
+        if (u.memory_rank == m) mine.emplace_back(u.block_hash, u.next_use);
+      for (const KvTierNextUse& u : tiers[static_cast<size_t>(m)]->next_uses())
+        handed.emplace_back(u.hash, u.next_use);
+      EXPECT_EQ(mine, handed) << "step " << step << " rank " << m;
     }
     SampledTokens sampled;
     for (size_t i = 0; i < ps.rows.sample_rows.size(); ++i) sampled.Append(5, -1.0f);
@@ -461,6 +498,7 @@ TEST(ControllerPrefetch, NeverEvictsWhatRequestsAheadNeedAndPlansAlwaysApply) {
     EXPECT_EQ(off.prefetched, 0);
     EXPECT_EQ(off.used + off.wasted, 0);
     EXPECT_GT(off.restored, 0);
+    EXPECT_GT(on.next_uses, 0) << "no plan listed a demoted block that a waiting request wants";
   }
 }
 

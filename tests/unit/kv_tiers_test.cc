@@ -7,6 +7,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -77,6 +79,125 @@ TEST(KvTierStore, HostTierKeepsTheMostRecentlyUsedBlocks) {
   EXPECT_EQ(s.host_hits, 3);
   EXPECT_EQ(s.misses, 1);
   EXPECT_EQ(s.bytes_to_host, 400);
+}
+
+// kv.tiers.eviction, randomized over saves, loads and next-use lists, for the host tier and for the
+// disk tier (its writes flushed after each save): whenever a full tier lets a block go (one it held,
+// or the new block it did not take), next_use never lets a wanted block go while an unwanted one
+// is there (counting the new block), takes the least recently used unwanted block first, and
+// among wanted ones the farthest use (least recently used among equals); lru takes the least
+// recently used, whatever is wanted.
+void CheckEvictionOrder(KvTierEviction eviction, bool disk, uint32_t seed) {
+  constexpr int64_t kBlockBytes = 100;
+  constexpr int kSlots = 6;      // blocks a tier holds
+  constexpr int kUniverse = 24;  // distinct block hashes
+  const int64_t file_bytes = static_cast<int64_t>(kKvBlockHeaderBytes) + kBlockBytes;
+  KvTierOptions o{.eviction = eviction};
+  if (disk) {
+    o.disk_dir = TempDir(absl::StrCat("eviction_order_", seed));
+    o.disk_bytes = kSlots * file_bytes;
+  } else {
+    o.host_bytes = kSlots * kBlockBytes;
+  }
+  auto store = KvTierStore::Create(o, 3, kBlockBytes);
+  ASSERT_TRUE(store.ok()) << store.status();
+  KvTierStore& st = **store;
+  auto held = [&](uint64_t h) { return disk ? st.OnDisk(h) : st.InHost(h); };
+  std::mt19937 rng(seed);
+  auto rnd = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  std::map<uint64_t, int64_t> used;  // the model's last use of each held block
+  std::map<uint64_t, int32_t> wanted;
+  int64_t tick = 0, let_go = 0, wanted_let_go = 0;
+  for (int op = 0; op < 3000; ++op) {
+    if (rnd(0, 9) == 0) {  // a new next-use list
+      wanted.clear();
+      std::vector<KvTierNextUse> uses;
+      for (int k = rnd(0, 12); k > 0; --k) {
+        const uint64_t h = static_cast<uint64_t>(rnd(1, kUniverse));
+        const int32_t use = rnd(0, 9);
+        uses.push_back({.hash = h, .next_use = use});
+        auto [it, added] = wanted.emplace(h, use);
+        if (!added) it->second = std::min(it->second, use);
+      }
+      st.SetNextUse(uses);
+      if (eviction == KvTierEviction::kLru) wanted.clear();  // ignored
+      continue;
+    }
+    const uint64_t h = static_cast<uint64_t>(rnd(1, kUniverse));
+    if (rnd(0, 3) == 0) {  // a load: a hit makes the block the most recently used
+      std::vector<uint8_t> out(kBlockBytes);
+      KvTierBlock b;
+      const bool hit = st.Load(h, &b, out).ok();
+      EXPECT_EQ(hit, used.contains(h)) << "op " << op;
+      if (hit) used[h] = ++tick;
+      continue;
+    }
+    const std::map<uint64_t, int64_t> before = used;
+    st.Save({.hash = h, .parent_hash = 0, .depth = 1}, Bytes(kBlockBytes, static_cast<uint8_t>(h)));
+    if (disk) st.Flush();
+    std::vector<uint64_t> gone;
+    for (const auto& [b, t] : before)
+      if (!held(b)) gone.push_back(b);
+    const bool taken = held(h);
+    if (before.contains(h)) {
+      EXPECT_TRUE(taken && gone.empty()) << "op " << op << ": saving a held block changed the tier";
+      used[h] = ++tick;
+      continue;
+    }
+    ASSERT_LE(gone.size(), 1u) << "op " << op;
+    if (!taken) {
+      ASSERT_TRUE(gone.empty()) << "op " << op << ": a block went and the new one was not taken";
+    }
+    if (gone.empty() && taken) {  // room was free
+      EXPECT_LT(before.size(), static_cast<size_t>(kSlots)) << "op " << op;
+      used[h] = ++tick;
+      continue;
+    }
+    ++let_go;
+    // The candidates: every held block, and the new one (most recently used).
+    const uint64_t victim = taken ? gone[0] : h;
+    std::map<uint64_t, int64_t> all = before;
+    all[h] = tick + 1;
+    auto use_of = [&](uint64_t b) { return wanted.contains(b) ? wanted.at(b) : -1; };
+    // Expected: the oldest unwanted; else the farthest use, oldest among equals.
+    uint64_t expect = 0;
+    for (const auto& [b, t] : all) {
+      if (expect == 0) {
+        expect = b;
+        continue;
+      }
+      const int32_t ub = use_of(b), ue = use_of(expect);
+      const bool better = (ub < 0) != (ue < 0) ? ub < 0 : (ub != ue ? ub > ue : t < all.at(expect));
+      if (better) expect = b;
+    }
+    EXPECT_EQ(victim, expect) << "op " << op << ": use " << use_of(victim) << " went instead of use "
+                              << use_of(expect);
+    wanted_let_go += use_of(victim) >= 0;
+    if (taken) {
+      used.erase(victim);
+      used[h] = ++tick;
+    }
+    if (::testing::Test::HasFailure()) return;
+  }
+  EXPECT_GT(let_go, 100) << "the tier was seldom full";
+  if (eviction == KvTierEviction::kNextUse) {
+    EXPECT_GT(wanted_let_go, 0) << "never full of wanted blocks";
+  }
+}
+
+TEST(KvTierStore, NextUseEvictionOrderRandomized) {
+  for (uint32_t seed : {1u, 2u, 3u}) {
+    for (bool disk : {false, true}) {
+      for (KvTierEviction e : {KvTierEviction::kNextUse, KvTierEviction::kLru}) {
+        SCOPED_TRACE(absl::StrCat("seed ", seed, disk ? " disk" : " host",
+                                  e == KvTierEviction::kLru ? " lru" : " next_use"));
+        CheckEvictionOrder(e, disk, seed);
+      }
+    }
+  }
+  EXPECT_EQ(ParseKvTierEviction("lru").value(), KvTierEviction::kLru);
+  EXPECT_EQ(ParseKvTierEviction("next_use").value(), KvTierEviction::kNextUse);
+  EXPECT_NE(ParseKvTierEviction("fifo").status().message().find("kv.tiers.eviction"), std::string_view::npos);
 }
 
 TEST(KvTierStore, DiskTierWritesOnceAndReadsBack) {
@@ -332,8 +453,9 @@ struct Tiers {
   int64_t disk_bytes = 0;
   std::string dir;
   bool persist = false;
-  int64_t prefetch = 8;  // kv.tiers.prefetch_lookahead
-  int64_t batch = 2;     // scheduler.max_batch_size
+  int64_t prefetch = 8;               // kv.tiers.prefetch_lookahead
+  int64_t batch = 2;                  // scheduler.max_batch_size
+  std::string eviction = "next_use";  // kv.tiers.eviction
 };
 
 std::unique_ptr<ColocatedEngine> MakeEngine(const WeightSource& w, bool cache, const Tiers& t) {
@@ -349,6 +471,7 @@ std::unique_ptr<ColocatedEngine> MakeEngine(const WeightSource& w, bool cache, c
   o.tiers_disk_dir = t.dir;
   o.tiers_persist = t.persist;
   o.tiers_prefetch_lookahead = t.prefetch;
+  o.tiers_eviction = t.eviction;
   absl::StatusOr<std::unique_ptr<ColocatedEngine>> e = ColocatedEngine::Create(w, o);
   EXPECT_TRUE(e.ok()) << e.status();
   return std::move(*e);
@@ -694,6 +817,38 @@ TEST_F(KvTiersEngine, PrefetchBringsWaitingTurnsBackWithTheSameTokens) {
   EXPECT_NE(text.find(absl::StrCat("\ntandem:kv_tier_prefetch_wasted_blocks_total{model_name=\"m\"} ",
                                    on.tiers.prefetch_wasted_blocks, "\n")),
             std::string::npos);
+}
+
+// kv.tiers.eviction: a host tier of 16 blocks, too small for the three histories and the one-off
+// prompts' blocks. While the turns wait behind the one-off prompt, next-use eviction drops the
+// blocks no waiting turn wants (the one-off prompts', and the histories of turns already served
+// this round) and keeps those of the turns still waiting; least recently used eviction drops the
+// oldest, which are the histories the next turns need. Same tokens; more host hits with next_use.
+TEST_F(KvTiersEngine, NextUseEvictionKeepsWhatWaitingTurnsNeed) {
+  const auto expected = Rounds(*MakeEngine(*weights_, false, {.batch = 1}), vocab());
+  EngineStats stats[2];
+  int i = 0;
+  for (const std::string eviction : {"lru", "next_use"}) {
+    SCOPED_TRACE(eviction);
+    const auto e = MakeEngine(
+        *weights_, true, {.host_bytes = 16 * block_bytes_, .prefetch = 0, .batch = 1, .eviction = eviction});
+    EXPECT_EQ(Rounds(*e, vocab()), expected);
+    stats[i++] = e->stats();
+  }
+  const EngineStats& lru = stats[0];
+  const EngineStats& next_use = stats[1];
+  std::printf(
+      "lru: %lld host hits, %lld restored tokens, %lld failed, %lld host evictions; next_use: %lld, "
+      "%lld, %lld, %lld\n",
+      static_cast<long long>(lru.tiers.host_hits), static_cast<long long>(lru.restored_tokens),
+      static_cast<long long>(lru.restore_failed_tokens), static_cast<long long>(lru.tiers.host_evictions),
+      static_cast<long long>(next_use.tiers.host_hits), static_cast<long long>(next_use.restored_tokens),
+      static_cast<long long>(next_use.restore_failed_tokens),
+      static_cast<long long>(next_use.tiers.host_evictions));
+  EXPECT_GT(next_use.tiers.host_hits, 2 * lru.tiers.host_hits);
+  EXPECT_GT(next_use.restored_tokens, 2 * lru.restored_tokens);
+  EXPECT_LT(next_use.restore_failed_tokens, lru.restore_failed_tokens);
+  EXPECT_GT(lru.tiers.host_evictions, 0) << "the host tier never filled: the test shows nothing";
 }
 
 TEST_F(KvTiersEngine, TiersNeedThePrefixCache) {

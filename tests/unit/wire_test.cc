@@ -474,8 +474,8 @@ TEST(StepPlanWire, GoldenBytes) {
   plan.evictions.push_back(PrefixEvict{0x5152535455565758, 0x0405});
   // Layout written out by hand; crc computed independently (bitwise Python reference).
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x07, 0x00, 0x10, 0x00,
-      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 6, body_bytes 168
+      0x54, 0x44, 0x53, 0x50, 0x08, 0x00, 0x10, 0x00,
+      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 8, body_bytes 168
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // request_count, group_count
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -526,7 +526,7 @@ TEST(LayerMessageWire, RoundTripsAndGoldenBytes) {
   h.step_id = 1, h.seqno = 2, h.payload_bytes = 256, h.layer = 3, h.rows = 4, h.row_bytes = 64;
   h.payload_crc32c = 0xdeadbeef, h.kind = LayerMessageKind::kAttnOut, h.dtype = DType::kBF16;
   const Bytes golden = {
-      0x54, 0x44, 0x4c, 0x4d, 0x07, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x4c, 0x4d, 0x08, 0x00, 0x10, 0x00,
       0x30, 0x00, 0x00, 0x00, 0xc4, 0x00, 0x01, 0xea,  // frame
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // id, seq
@@ -635,15 +635,18 @@ TEST(StepPlanWire, MicroBatchFields) {
   EXPECT_EQ(defaults, MakeFrame(kStepPlanMagic, Bytes{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                                       0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0}));
 
-  // Each reserved byte after them (frame offsets 42..43; restore_count follows) is named when not 0.
+  // The bytes after them (frame offsets 42..43, reserved before version 8) are next_use_count: a
+  // count whose records are missing is truncation.
   for (size_t k = 0; k < 2; ++k) {
     for (uint8_t v : {uint8_t{1}, uint8_t{0x80}, uint8_t{0xff}}) {
       RawPlan p = FullRawPlan();
       p.reserved[k] = v;
       absl::Status s = DecodeStepPlan(PlanFrame(p)).status();
-      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-      EXPECT_EQ(s.message(), "step plan: reserved at byte offset " + std::to_string(42 + k) + " is " +
-                                 std::to_string(v) + ", must be 0");
+      EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+      const uint32_t count = k == 0 ? v : uint32_t{v} << 8;
+      EXPECT_CONTAINS(std::string(s.message()), "step plan: truncated: next_use_count " +
+                                                    std::to_string(count) + " needs " +
+                                                    std::to_string(16 * count) + " bytes of next uses");
     }
   }
 }
@@ -749,15 +752,14 @@ TEST(StepPlanWire, ForgedCountsFailFastWithoutAllocating) {
   p.evict_count = 0;
   s = DecodeStepPlan(PlanFrame(p)).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_EQ(
-      s.message(),
-      "step plan: request_count 1, group_count 1, publish_count 1, evict_count 0 and restore_count 0 leave "
-      "16 unused body bytes at byte offset 168");
+  EXPECT_EQ(s.message(),
+            "step plan: request_count 1, group_count 1, publish_count 1, evict_count 0, restore_count 0 and "
+            "next_use_count 0 leave 16 unused body bytes at byte offset 168");
   s = DecodeStepPlan(MakeFrame(kStepPlanMagic, PlanBody(RawPlan{.requests = {RawRequest{}, RawRequest{}},
                                                                 .request_count = 1})))
           .status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_CONTAINS(std::string(s.message()), "restore_count 0 leave 64 unused body bytes at byte offset 112");
+  EXPECT_CONTAINS(std::string(s.message()), "next_use_count 0 leave 64 unused body bytes at byte offset 112");
 }
 
 TEST(StepPlanWire, FieldRangeViolationsNameFieldAndRequest) {
@@ -802,8 +804,6 @@ TEST(StepPlanWire, FieldRangeViolationsNameFieldAndRequest) {
   }
   // Reserved bytes of the fixed part and of the other records (offsets: see FullRawPlan).
   const std::vector<std::pair<std::function<void(RawPlan&)>, std::string>> reserved = {
-      {[](RawPlan& p) { p.reserved[0] = 1; }, "step plan: reserved at byte offset 42 is 1, must be 0"},
-      {[](RawPlan& p) { p.reserved[1] = 0x40; }, "step plan: reserved at byte offset 43 is 64, must be 0"},
       {[](RawPlan& p) { p.groups[1].reserved[0] = 1; },
        "step plan: group 1: reserved at byte offset 410 is 1"},
       {[](RawPlan& p) { p.groups[2].reserved[5] = 0x80; },
@@ -1001,23 +1001,24 @@ TEST(Wire, FrameHeaderChecks) {
   s = DecodeLayerMessageHeader(SmallPlanFrame()).status();
   EXPECT_CONTAINS(std::string(s.message()), "layer message header: magic 0x50534454 ('TDSP')");
 
-  ASSERT_EQ(kWireVersion, 7);
-  for (uint16_t version : {uint16_t{8}, uint16_t{0xffff}}) {
+  ASSERT_EQ(kWireVersion, 8);
+  for (uint16_t version : {uint16_t{9}, uint16_t{0xffff}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
     EXPECT_EQ(s.message(),
-              "step plan: version " + std::to_string(version) + " is newer than the supported version 7");
+              "step plan: version " + std::to_string(version) + " is newer than the supported version 8");
   }
   // An older version is refused too, whatever the format: version 2 (the step plan's 24-byte
   // fixed part) and version 1 (also the hello's older layout).
-  for (uint16_t version : {uint16_t{6}, uint16_t{5}, uint16_t{4}, uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
+  for (uint16_t version :
+       {uint16_t{7}, uint16_t{6}, uint16_t{5}, uint16_t{4}, uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "step plan: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 7 (versions 2 to 4 "
+                               " at byte offset 4 is older than the supported version 8 (versions 2 to 4 "
                                "changed the hello, step plan and replica result layouts; 5 added the "
                                "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
-                               "step discard)");
+                               "step discard; 8 the step plan's next-use records)");
   }
   // A version 2 plan as a version 2 encoder wrote it (records right after evict_count, at body
   // offset 24) is refused by its version, not misread as a version 6 plan.
@@ -1358,7 +1359,7 @@ TEST(ControlWire, GoldenBytes) {
   h.partition = AttentionPartition::kHead, h.kv_head_begin = 4, h.kv_head_end = 6, h.lanes = 4;
   h.compute_ranks = 2, h.slice_layers = 3;
   const Bytes hello = {
-      0x54, 0x44, 0x48, 0x49, 0x07, 0x00, 0x10, 0x00, 0x48, 0x00, 0x00, 0x00, 0x79, 0x37, 0x3d,
+      0x54, 0x44, 0x48, 0x49, 0x08, 0x00, 0x10, 0x00, 0x48, 0x00, 0x00, 0x00, 0x79, 0x37, 0x3d,
       0x02,                                            // frame
       0x78, 0x56, 0x34, 0x12, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x20, 0x00, 0x00, 0x00, 0x20, 0x00, 0x00, 0x00,  // num_layers, num_heads
@@ -1391,7 +1392,7 @@ TEST(ControlWire, GoldenBytes) {
   r.kv_capacity_tokens = 0x01020304, r.qkv_buffer = 7, r.memory_rank = 2, r.dtype = DType::kBF16;
   r.device = "cuda:0";
   const Bytes reply = {
-      0x54, 0x44, 0x48, 0x52, 0x07, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x52, 0x08, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0xdb, 0xf4, 0x8d, 0x50,  // frame
       0x04, 0x03, 0x02, 0x01, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x07, 0x00, 0x00, 0x00, 0x02, 0x00, 0x02, 0x00,  // qkv_buffer, memory_rank, dtype, reserved
@@ -1404,7 +1405,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ReleaseMessage m{0x0102030405060708, {5, kU64Max}};
   const Bytes release = {
-      0x54, 0x44, 0x52, 0x4c, 0x07, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x52, 0x4c, 0x08, 0x00, 0x10, 0x00,
       0x20, 0x00, 0x00, 0x00, 0x21, 0x77, 0x58, 0xc2,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, reserved
@@ -1418,7 +1419,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ErrorMessage e{14, "peer gone"};
   const Bytes error = {
-      0x54, 0x44, 0x45, 0x52, 0x07, 0x00, 0x10, 0x00, 0x11,
+      0x54, 0x44, 0x45, 0x52, 0x08, 0x00, 0x10, 0x00, 0x11,
       0x00, 0x00, 0x00, 0x56, 0xa5, 0x51, 0x47,        // frame
       0x0e, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00,  // code, message_bytes
       'p',  'e',  'e',  'r',  ' ',  'g',  'o',  'n',  'e',
@@ -1429,7 +1430,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_TRUE(*eb == e);
 
   const Bytes bye = {
-      0x54, 0x44, 0x42, 0x59, 0x07, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x42, 0x59, 0x08, 0x00, 0x10, 0x00,
       0x08, 0x00, 0x00, 0x00, 0xc7, 0xfb, 0x17, 0x55,  // frame
       0xe8, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // steps
   };
@@ -1439,7 +1440,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(bb->steps, 1000u);
 
   const Bytes heartbeat = {
-      0x54, 0x44, 0x48, 0x42, 0x07, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x42, 0x08, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x6e, 0x14, 0x17, 0xba,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x88, 0x13, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // silence_ms 5000, reserved
@@ -1451,7 +1452,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(beat->silence_ms, 5000u);
 
   const Bytes heartbeat_reply = {
-      0x54, 0x44, 0x48, 0x41, 0x07, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x41, 0x08, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x47, 0x8e, 0x37, 0x33,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // memory_rank 3, reserved
@@ -1464,7 +1465,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(beat_reply->memory_rank, 3);
 
   const Bytes discard = {
-      0x54, 0x44, 0x53, 0x44, 0x07, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x53, 0x44, 0x08, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0x6f, 0xab, 0x9e, 0xf3,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // seqno_base
@@ -1718,17 +1719,17 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     EXPECT_EQ(m->kv_head_end, begin + kv_heads / ranks);
   }
   // A version 1 hello (before the partition) and a version 2 hello (byte 54 reserved, 0: no lanes)
-  // are refused by their version, not read as version 7.
+  // are refused by their version, not read as version 8.
   for (uint16_t version : {uint16_t{1}, uint16_t{2}}) {
     RawHello old;
     old.lanes = 0;
     const absl::Status s = DecodeHello(MakeFrame(kHelloMagic, HelloBody(old), version)).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "hello: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 7 (versions 2 to 4 "
+                               " at byte offset 4 is older than the supported version 8 (versions 2 to 4 "
                                "changed the hello, step plan and replica result layouts; 5 added the "
                                "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
-                               "step discard)");
+                               "step discard; 8 the step plan's next-use records)");
   }
   // The limits and combinations that are valid.
   for (auto [tokens, sharing] : {std::pair<uint16_t, uint8_t>{0, 0}, {1, 0}, {1, 1}, {4096, 2}, {4096, 0}}) {
@@ -2244,6 +2245,83 @@ TEST(RestoreWire, RoundTripsAndRefusesBadPlansAndFrames) {
   EXPECT_FALSE(ValidateStepPlan(bad).ok());
 }
 
+// Version 8 carries the plan's next-use records (next_use_count in the fixed part's bytes 26..27,
+// the records after the restores): golden bytes written out by hand (crc by the bitwise
+// reference), round trips, and every malformed list refused naming what is wrong.
+TEST(NextUseWire, GoldenBytesAndRefusals) {
+  StepPlan plan;
+  plan.step_id = 9;
+  plan.next_uses.push_back({.block_hash = 0x1112131415161718, .next_use = 0, .memory_rank = 1});
+  plan.next_uses.push_back({.block_hash = 0x2122232425262728, .next_use = 5, .memory_rank = 1});
+  const Bytes golden = {
+      0x54, 0x44, 0x53, 0x50, 0x08, 0x00, 0x10, 0x00,
+      0x40, 0x00, 0x00, 0x00, 0xa5, 0x74, 0x3a, 0x3a,  // frame: version 8, body_bytes 64
+      0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
+      0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
+      0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
+      0x00, 0x01, 0x02, 0x00, 0x00, 0x00, 0x00, 0x00,  // micro-batch fields, next_use_count, restores
+      0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // next use 0: block_hash
+      0x00, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // next_use, memory_rank, reserved
+      0x28, 0x27, 0x26, 0x25, 0x24, 0x23, 0x22, 0x21,  // next use 1: block_hash
+      0x05, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // next_use, memory_rank, reserved
+  };
+  EXPECT_EQ(EncodeStepPlan(plan), golden);
+  absl::StatusOr<StepPlan> back = DecodeStepPlan(golden);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == plan);
+
+  // The largest list round-trips; a random plan with one does too.
+  StepPlan full;
+  for (size_t i = 0; i < kMaxPrefixNextUses; ++i)
+    full.next_uses.push_back({.block_hash = i + 1,
+                              .next_use = static_cast<int32_t>(i % 64),
+                              .memory_rank = static_cast<uint16_t>(i % 3)});
+  back = DecodeStepPlan(EncodeStepPlan(full));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == full);
+  std::mt19937_64 rng(8);
+  StepPlan random = RandomPlan(rng, 17, false);
+  random.micro_batch = 0;
+  random.next_uses = plan.next_uses;
+  back = DecodeStepPlan(EncodeStepPlan(random));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == random);
+
+  // Refused by the decoder and by ValidateStepPlan alike, naming the record.
+  const std::vector<std::pair<std::function<void(StepPlan&)>, std::string>> cases = {
+      {[](StepPlan& p) { p.next_uses[1].block_hash = 0; },
+       "step plan: next use 1: block_hash 0, next_use 5: the hash must not be 0 and next_use must be >= 0"},
+      {[](StepPlan& p) { p.next_uses[0].next_use = -1; },
+       "step plan: next use 0: block_hash 1230066625199609624, "
+       "next_use -1"},
+      {[](StepPlan& p) { p.next_uses[1].block_hash = p.next_uses[0].block_hash; }, "next use"},
+      {[](StepPlan& p) { p.micro_batch = 1, p.micro_batches = 2; },
+       "step plan: micro_batch 1 carries next-use records (only micro-batch 0 may)"},
+  };
+  for (const auto& [mutate, want] : cases) {
+    StepPlan p = plan;
+    mutate(p);
+    EXPECT_EQ(ValidateStepPlan(p).code(), absl::StatusCode::kInvalidArgument) << want;
+    EXPECT_CONTAINS(std::string(ValidateStepPlan(p).message()), want);
+    const absl::Status s = DecodeStepPlan(EncodeStepPlan(p)).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << want << ": " << s;
+    EXPECT_CONTAINS(std::string(s.message()), want);
+  }
+  // A reserved byte of a record, and a count above kMaxPrefixNextUses (with its records present).
+  Bytes bad = golden;
+  bad[16 + 32 + 14] = 7;
+  absl::Status s = DecodeStepPlan(MakeFrame(kStepPlanMagic, Bytes(bad.begin() + 16, bad.end()))).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()),
+                  "step plan: next use 0: reserved at byte offset 62 is 7, must be 0");
+  Le over;
+  over.U64(9).U32(0).U32(0).U32(0).U32(0).U8(0).U8(1).U16(kMaxPrefixNextUses + 1).U32(0);
+  for (size_t i = 0; i <= kMaxPrefixNextUses; ++i) over.U64(i + 1).I32(0).U16(0).U16(0);
+  s = DecodeStepPlan(MakeFrame(kStepPlanMagic, over.b)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()), "step plan: next_use_count 2049 at byte offset 42 exceeds 2048");
+}
+
 // Version 4 carries both the step request's top_logprobs (its last byte, 63) and the plan's
 // restores (restore_count in the fixed part's bytes 28..31, the records after the evictions): one
 // plan with both, and a restore reply, written out by hand (crc by the bitwise reference).
@@ -2265,8 +2343,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
                            .block_index = 1,
                            .memory_rank = 1});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x07, 0x00, 0x10, 0x00,
-      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 6, body_bytes 120
+      0x54, 0x44, 0x53, 0x50, 0x08, 0x00, 0x10, 0x00,
+      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 8, body_bytes 120
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -2292,8 +2370,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
 
   const RestoreReplyMessage reply{.step_id = 9, .memory_rank = 1, .failed = {0x1112131415161718}};
   const Bytes reply_golden = {
-      0x54, 0x44, 0x52, 0x54, 0x07, 0x00, 0x10, 0x00,
-      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 6, body_bytes 24
+      0x54, 0x44, 0x52, 0x54, 0x08, 0x00, 0x10, 0x00,
+      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 8, body_bytes 24
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // memory_rank, reserved, failed_count
       0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // failed[0]
