@@ -163,6 +163,20 @@ class AttentionExecutor {
     (void)in;
     return absl::UnimplementedError(absl::StrCat("KV tiers: no slot copy on ", device()));
   }
+  // A save that need not wait (KV tiers on a GPU): starts copying the K and V of `slots` into
+  // `out` (ReadSlots' layout) and returns a ticket; FinishReadSlots(ticket), callable from another
+  // thread, waits until `out` holds them. `out` must stay valid until then; work enqueued after
+  // StartReadSlots returns may overwrite the slots. AsyncReads() says whether the copy can still be
+  // running when StartReadSlots returns (else it copied at once, as here).
+  virtual bool AsyncReads() const { return false; }
+  virtual absl::StatusOr<int64_t> StartReadSlots(std::span<const int32_t> slots, uint8_t* out) {
+    if (absl::Status st = ReadSlots(slots, out); !st.ok()) return st;
+    return int64_t{0};
+  }
+  virtual absl::Status FinishReadSlots(int64_t ticket) {
+    (void)ticket;
+    return absl::OkStatus();
+  }
   // One layer of WriteSlots (a layer-wise restore): `in` is the whole block in ReadSlots' layout,
   // and only layer `layer`'s K and V rows are copied into the pool.
   virtual absl::Status WriteSlotsLayer(std::span<const int32_t> slots, int64_t layer, const uint8_t* in) {

@@ -53,6 +53,12 @@ class CudaAttentionExecutor : public AttentionExecutor {
     if (side_) cudaStreamDestroy(side_);
     if (q_ready_) cudaEventDestroy(q_ready_);
     if (prefix_done_) cudaEventDestroy(prefix_done_);
+    for (ReadBuffer& r : read_ring_) {
+      if (r.done) cudaEventSynchronize(r.done);
+      if (r.ready) cudaEventDestroy(r.ready);
+      if (r.done) cudaEventDestroy(r.done);
+    }
+    if (copy_) cudaStreamDestroy(copy_);
   }
 
   static absl::StatusOr<std::unique_ptr<AttentionExecutor>> Create(const AttentionShape& shape,
@@ -415,6 +421,53 @@ class CudaAttentionExecutor : public AttentionExecutor {
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return absl::OkStatus();
   }
+  // The asynchronous save: the gathers run on the executor's stream (before anything enqueued later
+  // can overwrite the slots), into one of kReadRing device staging buffers; the device-to-host copy
+  // runs on a copy stream of its own, beside the step's work. A ring buffer is reused once its
+  // previous copy is done.
+  bool AsyncReads() const override { return true; }
+  absl::StatusOr<int64_t> StartReadSlots(std::span<const int32_t> slots, uint8_t* out) override {
+    RETURN_IF_ERROR(CheckSlots(slots));
+    const int64_t n = static_cast<int64_t>(slots.size()), kv_dim = shape_.kv_dim();
+    if (n == 0) return int64_t{-1};
+    if (copy_ == nullptr) CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
+    const int64_t ticket = next_read_++;
+    ReadBuffer& r = read_ring_[static_cast<size_t>(ticket % kReadRing)];
+    if (r.done == nullptr) {
+      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&r.ready, cudaEventDisableTiming));
+      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&r.done, cudaEventDisableTiming));
+    } else {
+      CUDA_RETURN_IF_ERROR(cudaEventSynchronize(r.done));
+    }
+    const int64_t bytes = shape_.num_layers * 2 * n * kv_dim * 2;
+    RETURN_IF_ERROR(r.stage.Reserve(bytes));
+    RETURN_IF_ERROR(UploadSlots(slots, 0));
+    const int64_t layer_kv = num_slots_ * kv_dim;
+    for (int64_t l = 0; l < shape_.num_layers; ++l) {
+      for (int64_t half = 0; half < 2; ++half) {
+        RETURN_IF_ERROR(kc::GatherRows({.src = kv_->as<bf16>() + (2 * l + half) * layer_kv,
+                                        .dst = r.stage.as<bf16>() + (2 * l + half) * n * kv_dim,
+                                        .rows = tier_slots_.as<int32_t>(),
+                                        .n = n,
+                                        .width = kv_dim,
+                                        .src_stride = kv_dim},
+                                       stream_));
+      }
+    }
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(r.ready, stream_));
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_, r.ready, 0));
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(out, r.stage.ptr, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, copy_));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(r.done, copy_));
+    return ticket;
+  }
+  // Waits for the ticket's copy (or a later one of its ring buffer, which the copy stream runs after
+  // it). The event handles are made before the ticket is handed out and never replaced.
+  absl::Status FinishReadSlots(int64_t ticket) override {
+    if (ticket < 0) return absl::OkStatus();
+    CUDA_RETURN_IF_ERROR(cudaEventSynchronize(read_ring_[static_cast<size_t>(ticket % kReadRing)].done));
+    return absl::OkStatus();
+  }
   absl::Status WriteSlots(std::span<const int32_t> slots, const uint8_t* in) override {
     for (int64_t l = 0; l < shape_.num_layers; ++l) RETURN_IF_ERROR(WriteSlotsLayer(slots, l, in));
     return absl::OkStatus();
@@ -499,6 +552,16 @@ class CudaAttentionExecutor : public AttentionExecutor {
     return absl::OkStatus();
   }
   mutable kc::DeviceBuffer tier_slots_, tier_stage_;  // KV tiers' slot copies (ReadSlots, WriteSlots*)
+  // StartReadSlots' ring of device staging buffers, each with the events of its gathers (ready) and
+  // of its device-to-host copy (done), and the copy stream.
+  struct ReadBuffer {
+    kc::DeviceBuffer stage;
+    cudaEvent_t ready = nullptr, done = nullptr;
+  };
+  static constexpr int64_t kReadRing = 4;
+  ReadBuffer read_ring_[kReadRing];
+  int64_t next_read_ = 0;
+  cudaStream_t copy_ = nullptr;
   int64_t num_slots_ = 0;
   std::shared_ptr<kc::DeviceBuffer> kv_;  // the KV pool, shared with the lanes
   kc::DeviceBuffer q_, meta_, decode_ws_;

@@ -1,5 +1,6 @@
 #include "memory_node/kv_tiers.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
@@ -41,7 +42,61 @@ absl::StatusOr<std::unique_ptr<KvTiers>> KvTiers::Create(const KvTierOptions& op
   auto tiers = std::unique_ptr<KvTiers>(new KvTiers(executor, std::move(store), block_tokens));
   ASSIGN_OR_RETURN(tiers->pinned_, executor->memory().Allocate(static_cast<size_t>(block_bytes), true));
   tiers->buffer_ = {static_cast<uint8_t*>(tiers->pinned_.get()), static_cast<size_t>(block_bytes)};
+  if (executor->AsyncReads()) {
+    // A ring of pinned buffers for the saves in flight: up to 16 blocks, at most 256 MiB.
+    const int64_t buffers = std::clamp<int64_t>((int64_t{256} << 20) / block_bytes, 2, 16);
+    ASSIGN_OR_RETURN(tiers->ring_,
+                     executor->memory().Allocate(static_cast<size_t>(buffers * block_bytes), true));
+    for (int64_t i = 0; i < buffers; ++i)
+      tiers->free_buffers_.push_back(static_cast<uint8_t*>(tiers->ring_.get()) + i * block_bytes);
+    KvTiers* t = tiers.get();
+    tiers->saver_ = std::thread([t] { t->SaverLoop(); });
+  }
   return tiers;
+}
+
+KvTiers::~KvTiers() {
+  if (!saver_.joinable()) return;
+  DrainSaves();
+  {
+    std::lock_guard<std::mutex> lock(save_mu_);
+    stop_ = true;
+  }
+  save_cv_.notify_all();
+  saver_.join();
+}
+
+void KvTiers::SaverLoop() {
+  const size_t bytes = static_cast<size_t>(store_->block_bytes());
+  while (true) {
+    SaveJob job;
+    {
+      std::unique_lock<std::mutex> lock(save_mu_);
+      save_cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping, nothing left
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    const absl::Status st = executor_->FinishReadSlots(job.ticket);
+    if (st.ok()) {
+      store_->Save(job.block, {job.bytes, bytes});
+    } else {  // not kept; a later restore of it fails and recomputes
+      TANDEM_LOG_WARN("kv-tiers", "block ", absl::StrFormat("%016x", job.block.hash),
+                      " not saved: ", st.message());
+    }
+    {
+      std::lock_guard<std::mutex> lock(save_mu_);
+      free_buffers_.push_back(job.bytes);
+      --in_flight_;
+    }
+    save_cv_.notify_all();
+  }
+}
+
+void KvTiers::DrainSaves() {
+  if (!saver_.joinable()) return;
+  std::unique_lock<std::mutex> lock(save_mu_);
+  save_cv_.wait(lock, [this] { return in_flight_ == 0; });
 }
 
 std::vector<KvTierBlock> KvTiers::PersistedBlocks() const {
@@ -58,16 +113,41 @@ void KvTiers::Demote(uint64_t hash, uint64_t parent_hash, int32_t depth, std::sp
       TANDEM_LOG_WARN("kv-tiers", "finishing restores: ", done.message());
   }
   const auto t0 = std::chrono::steady_clock::now();
+  KvTierBlock block{.hash = hash,
+                    .parent_hash = parent_hash,
+                    .depth = depth,
+                    .tokens = std::vector<int32_t>(tokens.begin(), tokens.end())};
+  if (saver_.joinable()) {  // asynchronous: start the copy into a free ring buffer, the saver does the rest
+    uint8_t* bytes = nullptr;
+    {
+      std::unique_lock<std::mutex> lock(save_mu_);
+      save_cv_.wait(lock, [this] { return !free_buffers_.empty(); });
+      bytes = free_buffers_.back();
+      free_buffers_.pop_back();
+    }
+    absl::StatusOr<int64_t> ticket = executor_->StartReadSlots(slots, bytes);
+    {
+      std::lock_guard<std::mutex> lock(save_mu_);
+      if (ticket.ok()) {
+        jobs_.push_back({.ticket = *ticket, .block = std::move(block), .bytes = bytes});
+        ++in_flight_;
+      } else {
+        free_buffers_.push_back(bytes);
+      }
+    }
+    save_cv_.notify_all();
+    if (!ticket.ok())
+      TANDEM_LOG_WARN("kv-tiers", "block ", absl::StrFormat("%016x", hash),
+                      " not saved: ", ticket.status().message());
+    save_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return;
+  }
   const absl::Status st = executor_->ReadSlots(slots, buffer_.data());
   if (!st.ok()) {  // the block is then simply not kept; a later restore of it fails and recomputes
     TANDEM_LOG_WARN("kv-tiers", "block ", absl::StrFormat("%016x", hash), " not saved: ", st.message());
     return;
   }
-  store_->Save({.hash = hash,
-                .parent_hash = parent_hash,
-                .depth = depth,
-                .tokens = std::vector<int32_t>(tokens.begin(), tokens.end())},
-               buffer_);
+  store_->Save(block, buffer_);
   save_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -75,6 +155,11 @@ bool KvTiers::Restore(uint64_t hash, uint64_t parent_hash, int32_t depth, std::s
   if (layers_copied_ > 0) {  // an earlier step's layers ran but it was not finished
     if (const absl::Status done = FinishRestores(); !done.ok())
       TANDEM_LOG_WARN("kv-tiers", "finishing restores: ", done.message());
+  }
+  if (saver_.joinable()) {  // the block may still be on its way to the store
+    const auto w0 = std::chrono::steady_clock::now();
+    DrainSaves();
+    save_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
   }
   const auto t0 = std::chrono::steady_clock::now();
   const bool ok = Load(hash, parent_hash, depth, slots);

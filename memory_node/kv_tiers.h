@@ -25,13 +25,25 @@
 // Demote or Restore first finishes what an earlier step left. set_layerwise(false) copies every
 // layer inside Restore.
 //
-// Thread safety: as the KV table's (one thread); the store's disk writer runs on its own thread.
+// Asynchronous saves (executors whose AsyncReads(): the CUDA executor): Demote only starts the
+// block's copy out of the pool (AttentionExecutor::StartReadSlots, into one of a ring of pinned
+// buffers) and returns; a saver thread of the tiers waits for each copy and hands the bytes to the
+// store. A Demote waits only when every ring buffer is still in use. Restore, store() and the
+// destructor first wait for the saves in flight, so a block demoted in one step can be restored in
+// the next.
+//
+// Thread safety: as the KV table's (one thread); the store's disk writer and the saver run on
+// threads of their own.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -67,7 +79,12 @@ class KvTiers : public KvBlockTiers {
   // kv.tiers.persist: blocks found on disk at start with block_tokens tokens each, parents first.
   std::vector<KvTierBlock> PersistedBlocks() const;
 
-  KvTierStore& store() { return *store_; }
+  // Waits for the saves in flight first (the store then holds every demoted block).
+  KvTierStore& store() {
+    DrainSaves();
+    return *store_;
+  }
+  ~KvTiers();
   KvTierStats stats() const { return store_->stats(); }
   // Wall time spent restoring: loads from the store, checks and the copies into the pool, wherever
   // they ran (Restore, RestoreLayer, FinishRestores).
@@ -75,9 +92,10 @@ class KvTiers : public KvBlockTiers {
   // The part of restore_seconds spent inside Restore, before the step's layers start: what a
   // restore delays the step by (with layer-wise restore, the loads and checks only).
   double restore_stall_seconds() const { return restore_stall_seconds_; }
-  // Wall time spent in Demote: the copy out of the pool (a device-to-host copy on a GPU) and the
-  // hand-over to the store (its host copy; disk writes run on the store's thread). It delays the
-  // step whose admission evicted the blocks.
+  // Wall time the step's thread spent saving: in Demote, the copy out of the pool and the hand-over
+  // to the store (its host copy; disk writes run on the store's thread), or with asynchronous saves
+  // starting the copy and any wait for a free ring buffer; and waits for saves in flight before a
+  // restore. It delays the step whose admission evicted the blocks.
   double save_seconds() const { return save_seconds_; }
 
  private:
@@ -85,6 +103,14 @@ class KvTiers : public KvBlockTiers {
       : executor_(executor), store_(std::move(store)), block_tokens_(block_tokens) {}
   AttentionExecutor* executor_;
   std::unique_ptr<KvTierStore> store_;
+  // Asynchronous saves: the saver thread's loop, and the wait until no save is in flight.
+  void SaverLoop();
+  void DrainSaves();
+  struct SaveJob {
+    int64_t ticket = 0;
+    KvTierBlock block;
+    uint8_t* bytes = nullptr;  // a ring buffer
+  };
   // Restore without the clock.
   bool Load(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots);
   // A block loaded by a layer-wise Restore, its layers not all in the pool yet.
@@ -104,6 +130,15 @@ class KvTiers : public KvBlockTiers {
   double restore_seconds_ = 0;
   double restore_stall_seconds_ = 0;
   double save_seconds_ = 0;
+  // Asynchronous saves (see the top): the pinned ring and its free buffers, the jobs for the saver.
+  BackendBuffer ring_{nullptr, nullptr};
+  std::mutex save_mu_;
+  std::condition_variable save_cv_;
+  std::vector<uint8_t*> free_buffers_;  // guarded by save_mu_
+  std::deque<SaveJob> jobs_;            // guarded by save_mu_
+  int64_t in_flight_ = 0;               // jobs queued or being saved; guarded by save_mu_
+  bool stop_ = false;                   // guarded by save_mu_
+  std::thread saver_;
 };
 
 }  // namespace tandem

@@ -87,11 +87,27 @@ TEST(CudaKvTiers, SlotCopiesMatchAHostMirror) {
     const std::vector<uint8_t> fill = RandomBytes(m.bytes.size(), rng);
     ASSERT_TRUE((*exec)->WriteSlots(every, fill.data()).ok());
     m.Write(every, fill.data());
-    for (int round = 0; round < 60; ++round) {
+    EXPECT_TRUE((*exec)->AsyncReads());
+    for (int round = 0; round < 80; ++round) {
       const int64_t n = 1 + static_cast<int64_t>(rng() % 40);
       const std::vector<int32_t> s = DistinctSlots(n, kSlots, rng);
       const size_t block = static_cast<size_t>(shape.num_layers) * 2 * s.size() * m.row();
-      switch (round % 3) {
+      switch (round % 4) {
+        case 3: {
+          // An asynchronous read, then a write over the same slots enqueued behind it: the read
+          // returns the bytes from before the write.
+          const std::vector<uint8_t> before = m.Read(s);
+          std::vector<uint8_t> out(block, 0xCD);
+          absl::StatusOr<int64_t> ticket = (*exec)->StartReadSlots(s, out.data());
+          ASSERT_TRUE(ticket.ok()) << ticket.status();
+          const std::vector<uint8_t> in = RandomBytes(block, rng);
+          ASSERT_TRUE((*exec)->WriteSlots(s, in.data()).ok());
+          m.Write(s, in.data());
+          ASSERT_TRUE((*exec)->FinishReadSlots(*ticket).ok());
+          ASSERT_EQ(out, before) << "round " << round;
+          ASSERT_TRUE((*exec)->memory().Synchronize().ok());
+          break;
+        }
         case 0: {
           const std::vector<uint8_t> in = RandomBytes(block, rng);
           ASSERT_TRUE((*exec)->WriteSlots(s, in.data()).ok());
