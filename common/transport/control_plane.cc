@@ -4,15 +4,20 @@
 
 namespace tandem::transport {
 
+absl::Status ControlPlaneTransport::Greet(PeerId peer) {
+  if (!greeted_.insert(peer).second) return absl::OkStatus();
+  return OnNewPeer(peer);
+}
+
 absl::StatusOr<PeerId> ControlPlaneTransport::Connect(const std::string& address) {
   ASSIGN_OR_RETURN(const PeerId peer, control_->Connect(address));
-  RETURN_IF_ERROR(OnNewPeer(peer));
+  RETURN_IF_ERROR(Greet(peer));
   return peer;
 }
 
 absl::StatusOr<PeerId> ControlPlaneTransport::Accept(absl::Time deadline) {
   ASSIGN_OR_RETURN(const PeerId peer, control_->Accept(deadline));
-  RETURN_IF_ERROR(OnNewPeer(peer));
+  RETURN_IF_ERROR(Greet(peer));
   return peer;
 }
 
@@ -29,6 +34,7 @@ absl::Status ControlPlaneTransport::Receive(PeerId* from, std::vector<uint8_t>* 
   if (TakeKept(from, message)) return absl::OkStatus();
   while (true) {
     RETURN_IF_ERROR(control_->Receive(from, message, deadline));
+    RETURN_IF_ERROR(Greet(*from));
     ASSIGN_OR_RETURN(const bool ours, Consume(*from, *message));
     if (!ours) return absl::OkStatus();
   }
@@ -41,6 +47,7 @@ absl::Status ControlPlaneTransport::Pump(absl::Duration wait) {
     const absl::Status s = control_->Receive(&from, &m, absl::Now() + wait);
     if (absl::IsDeadlineExceeded(s)) return absl::OkStatus();
     RETURN_IF_ERROR(s);
+    RETURN_IF_ERROR(Greet(from));
     ASSIGN_OR_RETURN(const bool ours, Consume(from, m));
     if (!ours) kept_.emplace_back(from, std::move(m));
     wait = absl::Microseconds(1);

@@ -6,6 +6,13 @@
 //
 // A subclass names its frames (Consume), greets each new peer (OnNewPeer), and implements the
 // data path; it calls Pump() wherever it waits for frames of its own.
+//
+// Every peer is greeted exactly once, before anything it sent is handed on: by Connect, by Accept,
+// or by the first Receive or Pump that meets a message from it. The inner transport takes
+// connections as it makes progress, so a peer's first message can arrive in a Receive before an
+// Accept has returned that peer (or with no Accept to follow: a memory rank stops accepting once
+// its compute ranks have said hello); greeting only in Accept once left such a peer without this
+// transport's hello, and its writes waiting for a buffer that was "never registered".
 #pragma once
 
 #include <cstdint>
@@ -13,6 +20,7 @@
 #include <deque>
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -42,8 +50,11 @@ class ControlPlaneTransport : public Transport {
  protected:
   explicit ControlPlaneTransport(std::unique_ptr<Transport> control) : control_(std::move(control)) {}
 
-  // A new connection (from Connect or Accept): send it what it needs of us.
+  // A new connection (see the top): send it what it needs of us. Called once per peer.
   virtual absl::Status OnNewPeer(PeerId peer) = 0;
+  // Calls OnNewPeer the first time `peer` is met; a subclass that receives from control() itself
+  // calls it before it looks at a message.
+  absl::Status Greet(PeerId peer);
   // Applies one of this transport's frames (true), or leaves `message` to the caller (false).
   virtual absl::StatusOr<bool> Consume(PeerId from, const std::vector<uint8_t>& message) = 0;
 
@@ -78,6 +89,7 @@ class ControlPlaneTransport : public Transport {
  private:
   std::unique_ptr<Transport> control_;
   std::deque<std::pair<PeerId, std::vector<uint8_t>>> kept_;  // caller's messages seen by Pump
+  std::unordered_set<PeerId> greeted_;                        // peers OnNewPeer was called for
 };
 
 }  // namespace tandem::transport

@@ -396,6 +396,7 @@ absl::Status NcclTransport::Receive(PeerId* from, std::vector<uint8_t>* message,
     const absl::Status s = control().Receive(from, message, std::min(deadline, now + WaitFor(deadline)));
     if (absl::IsDeadlineExceeded(s)) continue;
     RETURN_IF_ERROR(s);
+    RETURN_IF_ERROR(Greet(*from));
     ASSIGN_OR_RETURN(const bool ours, Consume(*from, *message));
     if (!ours) return absl::OkStatus();
   }
