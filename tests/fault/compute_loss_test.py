@@ -38,7 +38,7 @@ import time
 import urllib.error
 import urllib.request
 
-from fault_util import bad, failures, pids, signal_all, wait_for
+from fault_util import bad, completion_tokens, failures, pids, signal_all, wait_for
 
 TANDEM = sys.argv[1]
 HEARTBEAT_S, STEP_TIMEOUT_S = 0.5, 2
@@ -110,17 +110,7 @@ class Deployment:
         return pids(f"memory --rank {rank[len('memory-'):]} .*{self.dir}")
 
     def tokens(self, prompt, extra):
-        body = json.dumps({"model": "cl", "prompt": prompt, "max_tokens": 40, "ignore_eos": True,
-                           "temperature": 0, **extra}).encode()
-        req = urllib.request.Request(self.url + "/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return json.loads(r.read())["choices"][0]["token_ids"]
-        except urllib.error.HTTPError as e:
-            return f"HTTP {e.code}: {e.read()[:300]!r}"
-        except OSError as e:
-            return f"{e}"
+        return completion_tokens(self.url, "cl", prompt, 40, extra)
 
     def metric(self, name):
         status, text = self.get("/metrics")

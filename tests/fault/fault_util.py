@@ -1,8 +1,11 @@
 """What the fault tests (tests/fault/*_test.py) share: failure bookkeeping, the processes of a run
 found by their command lines, signals, and bounded waits."""
+import json
 import os
 import subprocess
 import time
+import urllib.error
+import urllib.request
 
 failures = []  # every bad() message; a test exits 1 when it is not empty
 
@@ -34,3 +37,19 @@ def wait_for(cond, bound, poll=0.05):
             return time.time() - start
         time.sleep(poll)
     return None
+
+
+def completion_tokens(url, model, prompt, max_tokens, extra):
+    """The token ids of a greedy /completions answer (EOS ignored; `extra` adds request fields), or
+    a string saying why there are none (an HTTP error with its body, or the connection's error)."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                       "temperature": 0, **extra}).encode()
+    req = urllib.request.Request(url + "/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())["choices"][0]["token_ids"]
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}: {e.read()[:300]!r}"
+    except OSError as e:
+        return f"{e}"

@@ -14,7 +14,6 @@ sampling) whose tokens must equal those of the same requests sent one by one bef
     same tokens.
 Every wait is bounded. Usage: rejoin_test.py path/to/tandem
 """
-import json
 import os
 import re
 import signal
@@ -23,10 +22,9 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 
-from fault_util import bad, failures, pids, signal_all, wait_for
+from fault_util import bad, completion_tokens, failures, pids, signal_all, wait_for
 
 TANDEM = sys.argv[1]
 MODEL = "tiny-gqa"
@@ -71,17 +69,7 @@ class Deployment:
         return pids(f"memory --rank {rank} .*{self.dir}")
 
     def tokens(self, prompt, extra):
-        body = json.dumps({"model": "rj", "prompt": prompt, "max_tokens": 48, "ignore_eos": True,
-                           "temperature": 0, **extra}).encode()
-        req = urllib.request.Request(self.url + "/completions", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return json.loads(r.read())["choices"][0]["token_ids"]
-        except urllib.error.HTTPError as e:
-            return f"HTTP {e.code}: {e.read()[:300]!r}"
-        except OSError as e:
-            return f"{e}"
+        return completion_tokens(self.url, "rj", prompt, 48, extra)
 
     def metric(self, name):
         with urllib.request.urlopen(self.url.rsplit("/v1", 1)[0] + "/metrics", timeout=10) as r:
