@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "memory_node/attention_executor.h"
 #include "memory_node/kv_tiers.h"
+#include "unit/kv_layers_in_pool.h"
 
 namespace tandem {
 namespace {
@@ -168,19 +169,7 @@ TEST(CudaKvTiers, LayerwiseRestoreReachesThePoolLayerByLayer) {
   ASSERT_TRUE((*exec)->WriteSlots(slots, garbage.data()).ok());
   ASSERT_TRUE((*tiers)->Restore(1, 0, 1, slots));
   std::vector<uint8_t> pool(kv.size());
-  auto layers_in_pool = [&]() -> int {
-    EXPECT_TRUE((*exec)->ReadSlots(slots, pool.data()).ok());
-    int n = 0;
-    for (int l = 0; l < 3; ++l) {
-      const size_t at = static_cast<size_t>(l) * layer_bytes;
-      const bool restored = std::equal(pool.begin() + at, pool.begin() + at + layer_bytes, kv.begin() + at);
-      const bool untouched =
-          std::equal(pool.begin() + at, pool.begin() + at + layer_bytes, garbage.begin() + at);
-      EXPECT_TRUE(restored || untouched) << "layer " << l << " is neither the block's KV nor untouched";
-      if (restored && n == l) ++n;
-    }
-    return n;
-  };
+  auto layers_in_pool = [&] { return testing_tiers::LayersInPool(**exec, slots, kv, garbage, 3, &pool); };
   EXPECT_EQ(layers_in_pool(), 0);
   ASSERT_TRUE((*tiers)->RestoreLayer(0).ok());
   EXPECT_EQ(layers_in_pool(), 1);

@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "memory_node/kv_tier_store.h"
 #include "server/metrics.h"
+#include "unit/kv_layers_in_pool.h"
 
 namespace tandem {
 namespace {
@@ -417,19 +418,7 @@ TEST(KvTiersLayerwise, EachLayerReachesThePoolWhenAsked) {
     ASSERT_TRUE((*tiers)->Restore(1, 0, 1, slots));
     std::vector<uint8_t> pool(kv.size());
     // How many leading layers of the pool hold the block's KV (the rest must still be garbage).
-    auto layers_in_pool = [&]() -> int {
-      EXPECT_TRUE((*exec)->ReadSlots(slots, pool.data()).ok());
-      int n = 0;
-      for (int l = 0; l < 3; ++l) {
-        const size_t at = static_cast<size_t>(l) * layer_bytes;
-        const bool restored = std::equal(pool.begin() + at, pool.begin() + at + layer_bytes, kv.begin() + at);
-        const bool untouched =
-            std::equal(pool.begin() + at, pool.begin() + at + layer_bytes, garbage.begin() + at);
-        EXPECT_TRUE(restored || untouched) << "layer " << l << " is neither the block's KV nor untouched";
-        if (restored && n == l) ++n;
-      }
-      return n;
-    };
+    auto layers_in_pool = [&] { return testing_tiers::LayersInPool(**exec, slots, kv, garbage, 3, &pool); };
     EXPECT_EQ(layers_in_pool(), layerwise ? 0 : 3);
     ASSERT_TRUE((*tiers)->RestoreLayer(0).ok());
     EXPECT_EQ(layers_in_pool(), layerwise ? 1 : 3);
