@@ -46,16 +46,6 @@ absl::StatusOr<Config> LoadDeployConfig(const std::string& file, const std::vect
   return LoadConfigFile(DeploySchema(), file, sets);
 }
 
-// kv.tiers.persist needs the owner of the tiers to tell the controller what its disk holds at
-// start: the colocated engine does, a memory rank has no message for it.
-absl::Status RefusePersistedTiers(const Config& config) {
-  if (!config.GetBool("kv.tiers.persist")) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      "kv.tiers.persist: true works with the colocated engine only (tandem generate / tandem serve without "
-      "a deployment): a memory rank cannot yet offer the blocks it finds on disk to compute rank 0; set it "
-      "to false");
-}
-
 struct MemoryArgs {
   std::string config, ready_file, listen = "127.0.0.1:0", device = "cpu", log_level = "info",
                                   transport = "ucx", secret_file;
@@ -102,7 +92,6 @@ absl::Status RunMemory(const MemoryArgs& a) {
   InstallTerminationSignals();
   RETURN_IF_ERROR(UseSecretFile(a.secret_file));
   ASSIGN_OR_RETURN(const Config config, LoadRankConfig(a.config, a.stdin_bootstrap));
-  RETURN_IF_ERROR(RefusePersistedTiers(config));
   MemoryRankOptions o;
   o.rank = a.rank;
   ASSIGN_OR_RETURN(o.listen_address, ListenAddress(a.listen));
@@ -116,6 +105,7 @@ absl::Status RunMemory(const MemoryArgs& a) {
   o.tiers = {.host_bytes = kv.tiers_host_bytes,
              .disk_dir = kv.tiers_disk_dir,
              .disk_bytes = kv.tiers_disk_bytes,
+             .persist = kv.tiers_persist,
              .eviction = eviction};
   o.model = absl::StrCat(config.GetString("model.path"), " seed ", config.GetInt("model.weight_seed"));
   o.on_listening = [&](const std::string& address) {
@@ -145,7 +135,6 @@ absl::Status RunCompute(const ComputeArgs& a) {
     bootstrap::LimitUcxToInterface(iface);
   }
   ASSIGN_OR_RETURN(const Config c, LoadDeployConfig(a.config, {}));
-  RETURN_IF_ERROR(RefusePersistedTiers(c));
   ASSIGN_OR_RETURN(
       std::unique_ptr<WeightSource> source,
       OpenModel(c.GetString("model.path"), static_cast<uint64_t>(c.GetInt("model.weight_seed"))));
@@ -168,6 +157,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
                                         .tiers = {.host_bytes = settings.tiers_host_bytes,
                                                   .disk_dir = settings.tiers_disk_dir,
                                                   .disk_bytes = settings.tiers_disk_bytes,
+                                                  .persist = settings.tiers_persist,
                                                   .eviction = eviction},
                                         .model = absl::StrCat(c.GetString("model.path"), " seed ",
                                                               c.GetInt("model.weight_seed"))}));
@@ -321,7 +311,6 @@ std::string SelfPath() {
 }
 
 absl::StatusOr<DeployPlan> PlanDeployment(const Config& config) {
-  RETURN_IF_ERROR(RefusePersistedTiers(config));
   ASSIGN_OR_RETURN(
       std::unique_ptr<WeightSource> source,
       OpenModel(config.GetString("model.path"), static_cast<uint64_t>(config.GetInt("model.weight_seed"))));

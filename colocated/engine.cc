@@ -141,8 +141,7 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
   controller_.Schedule(&step_);
   if (step_.empty()) return absl::OkStatus();
   std::vector<uint64_t> failed;
-  RETURN_IF_ERROR(Annotate(kv_table_.Apply(step_.plan, 0, &batch_, &failed, step_.eviction_tokens),
-                           "KV reservation broken"));
+  RETURN_IF_ERROR(Annotate(kv_table_.Apply(step_.plan, 0, &batch_, &failed), "KV reservation broken"));
   if (!step_.plan.restores.empty()) controller_.RestoreResult(step_.plan, 0, failed);
   if (!step_.has_rows())
     return tiers_ == nullptr ? absl::OkStatus() : tiers_->FinishRestores();  // restores only

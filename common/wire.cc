@@ -156,7 +156,7 @@ absl::StatusOr<absl::Span<const uint8_t>> Unframe(absl::Span<const uint8_t> fram
         kWireVersion,
         " (versions 2 to 4 changed the hello, step plan and replica result layouts; 5 added the heartbeat; "
         "6 the rotational pipeline's hello field and messages; 7 the step discard; 8 the step plan's "
-        "next-use records)"));
+        "next-use records; 9 the evictions' tokens and the persisted blocks report)"));
   }
   ASSIGN_OR_RETURN(uint16_t header_bytes, r.U16("header_bytes"));
   if (header_bytes != kFrameHeaderBytes) {
@@ -400,6 +400,13 @@ absl::Status ValidatePlanLinks(const StepPlan& plan) {
   }
   RETURN_IF_ERROR(CheckNoRepeatedBlocks(plan.publishes, "publish"));
   RETURN_IF_ERROR(CheckNoRepeatedBlocks(plan.evictions, "eviction"));
+  for (size_t i = 0; i < plan.evictions.size(); ++i) {
+    if (plan.evictions[i].tokens.size() > kMaxPrefixBlockTokens) {
+      return absl::InvalidArgumentError(absl::StrCat("step plan: eviction ", i, ": ",
+                                                     plan.evictions[i].tokens.size(), " tokens, at most ",
+                                                     kMaxPrefixBlockTokens));
+    }
+  }
   for (size_t i = 0; i < plan.restores.size(); ++i) {
     const PrefixRestore& e = plan.restores[i];
     if (e.block_hash == 0 || e.block_index < 0 || (e.block_index == 0) != (e.parent_hash == 0)) {
@@ -526,6 +533,11 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
     fits = fits && count <= (kMaxBody - body_bytes) / record_bytes;
     if (fits) body_bytes += count * record_bytes;
   }
+  for (const PrefixEvict& e : plan.evictions) {
+    TANDEM_CHECK_MSG(e.tokens.size() <= kMaxPrefixBlockTokens, "eviction of ", e.tokens.size(), " tokens");
+    fits = fits && e.tokens.size() <= (kMaxBody - body_bytes) / 4;
+    if (fits) body_bytes += 4 * e.tokens.size();
+  }
   TANDEM_CHECK_MSG(plan.next_uses.size() <= kMaxPrefixNextUses, "step plan of ", plan.next_uses.size(),
                    " next-use records");
   TANDEM_CHECK_MSG(fits, "step plan of ", plan.requests.size(), " requests, ", plan.groups.size(),
@@ -577,7 +589,8 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
   for (const PrefixEvict& e : plan.evictions) {
     w.U64(e.block_hash);
     w.U16(e.memory_rank);
-    w.Zeros(6);
+    w.U16(static_cast<uint16_t>(e.tokens.size()));
+    w.Zeros(4);
   }
   for (const PrefixRestore& e : plan.restores) {
     w.U64(e.block_hash);
@@ -591,6 +604,9 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
     w.I32(u.next_use);
     w.U16(u.memory_rank);
     w.Zeros(2);
+  }
+  for (const PrefixEvict& e : plan.evictions) {
+    for (int32_t t : e.tokens) w.I32(t);
   }
   return Frame(kStepPlanMagic, body);
 }
@@ -611,7 +627,8 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
   ASSIGN_OR_RETURN(uint16_t next_use_count, r.U16("next_use_count"));
   ASSIGN_OR_RETURN(uint32_t restore_count, r.U32("restore_count"));
   // Bound every count by the bytes present before allocating anything: each area, in order, must
-  // fit in what the areas before it leave, and together they must fill the body exactly.
+  // fit in what the areas before it leave; with the evictions' tokens they must fill the body
+  // exactly (checked once the evictions say how many tokens follow).
   struct Area {
     std::string_view field;
     uint32_t count;
@@ -634,13 +651,6 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
                                               r.remaining() - used, " remain"));
     }
     used += needed;
-  }
-  if (used < r.remaining()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(ToAbsl(kWhat), ": request_count ", request_count, ", group_count ", group_count,
-                     ", publish_count ", publish_count, ", evict_count ", evict_count, ", restore_count ",
-                     restore_count, " and next_use_count ", next_use_count, " leave ", r.remaining() - used,
-                     " unused body bytes at byte offset ", r.offset() + used));
   }
   plan.requests.resize(request_count);
   for (uint32_t i = 0; i < request_count; ++i) {
@@ -686,11 +696,21 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
     RETURN_IF_ERROR(RecordReserved(r, "publish", i, 2));
   }
   plan.evictions.resize(evict_count);
+  std::vector<uint16_t> token_counts(evict_count);
+  uint64_t token_total = 0;
   for (uint32_t i = 0; i < evict_count; ++i) {
     PrefixEvict& e = plan.evictions[i];
     ASSIGN_OR_RETURN(e.block_hash, r.U64("block_hash"));
     ASSIGN_OR_RETURN(e.memory_rank, r.U16("memory_rank"));
-    RETURN_IF_ERROR(RecordReserved(r, "eviction", i, 6));
+    const size_t count_at = r.offset();
+    ASSIGN_OR_RETURN(token_counts[i], r.U16("token_count"));
+    if (token_counts[i] > kMaxPrefixBlockTokens) {
+      return absl::InvalidArgumentError(absl::StrCat(ToAbsl(kWhat), ": eviction ", i, ": token_count ",
+                                                     token_counts[i], " at byte offset ", count_at,
+                                                     " exceeds ", kMaxPrefixBlockTokens));
+    }
+    token_total += token_counts[i];
+    RETURN_IF_ERROR(RecordReserved(r, "eviction", i, 4));
   }
   plan.restores.resize(restore_count);
   for (uint32_t i = 0; i < restore_count; ++i) {
@@ -713,6 +733,26 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
     ASSIGN_OR_RETURN(u.next_use, r.I32("next_use"));
     ASSIGN_OR_RETURN(u.memory_rank, r.U16("memory_rank"));
     RETURN_IF_ERROR(RecordReserved(r, "next use", i, 2));
+  }
+  if (4 * token_total > r.remaining()) {
+    return absl::DataLossError(absl::StrCat(ToAbsl(kWhat), ": truncated: the evictions' ", token_total,
+                                            " tokens need ", 4 * token_total, " bytes at byte offset ",
+                                            r.offset(), " but ", r.remaining(), " remain"));
+  }
+  if (4 * token_total < r.remaining()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        ToAbsl(kWhat), ": request_count ", request_count, ", group_count ", group_count, ", publish_count ",
+        publish_count, ", evict_count ", evict_count, ", restore_count ", restore_count,
+        " and next_use_count ", next_use_count,
+        token_total > 0 ? absl::StrCat(" (with ", token_total, " eviction tokens)") : "", " leave ",
+        r.remaining() - 4 * token_total, " unused body bytes at byte offset ", r.offset() + 4 * token_total));
+  }
+  for (uint32_t i = 0; i < evict_count; ++i) {
+    PrefixEvict& e = plan.evictions[i];
+    e.tokens.resize(token_counts[i]);
+    for (int32_t& t : e.tokens) {
+      ASSIGN_OR_RETURN(t, r.I32("token"));
+    }
   }
   RETURN_IF_ERROR(ValidateStepPlan(plan));
   return plan;
@@ -967,7 +1007,7 @@ std::vector<uint8_t> EncodeHelloReply(const HelloReplyMessage& h) {
   w.U32(h.qkv_buffer);
   w.U16(h.memory_rank);
   w.U8(static_cast<uint8_t>(h.dtype));
-  w.Zeros(1);
+  w.U8(h.persisted ? 1 : 0);
   w.U16(static_cast<uint16_t>(h.device.size()));
   body.insert(body.end(), h.device.begin(), h.device.end());
   return Frame(kHelloReplyMagic, body);
@@ -982,7 +1022,7 @@ absl::StatusOr<HelloReplyMessage> DecodeHelloReply(absl::Span<const uint8_t> fra
   ASSIGN_OR_RETURN(h.qkv_buffer, r.U32("qkv_buffer"));
   ASSIGN_OR_RETURN(h.memory_rank, r.U16("memory_rank"));
   ASSIGN_OR_RETURN(uint8_t dtype, r.U8("dtype"));
-  RETURN_IF_ERROR(r.Reserved("reserved", 1));
+  ASSIGN_OR_RETURN(h.persisted, ReadBool(r, "persisted", kWhat));
   ASSIGN_OR_RETURN(uint16_t device_bytes, r.U16("device_bytes"));
   RETURN_IF_ERROR(CheckRest(r, device_bytes, kWhat, "device_bytes", device_bytes, "device"));
   if (device_bytes > kMaxDeviceBytes) {
@@ -1204,6 +1244,109 @@ absl::StatusOr<StepDiscardMessage> DecodeStepDiscard(absl::Span<const uint8_t> f
   }
   RETURN_IF_ERROR(r.Reserved("reserved", 7));
   return m;
+}
+
+namespace {
+
+size_t PersistedBlockBytes(const PersistedBlock& b) {
+  return kPersistedBlockFixedBytes + 4 * b.tokens.size();
+}
+
+}  // namespace
+
+std::vector<uint8_t> EncodePersistedBlocks(const PersistedBlocksMessage& m) {
+  size_t body_bytes = kPersistedBlocksFixedBytes;
+  for (const PersistedBlock& b : m.blocks) body_bytes += PersistedBlockBytes(b);
+  TANDEM_CHECK_MSG(body_bytes <= kMaxPersistedBlocksBodyBytes, "persisted blocks report of ", body_bytes,
+                   " bytes exceeds ", kMaxPersistedBlocksBodyBytes);
+  std::vector<uint8_t> body;
+  body.reserve(body_bytes);
+  Writer w(&body);
+  w.U16(m.memory_rank);
+  w.U8(m.last ? 1 : 0);
+  w.Zeros(1);
+  w.U32(static_cast<uint32_t>(m.blocks.size()));
+  for (const PersistedBlock& b : m.blocks) {
+    w.U64(b.hash);
+    w.U64(b.parent_hash);
+    w.I32(b.depth);
+    w.U32(static_cast<uint32_t>(b.tokens.size()));
+    for (int32_t t : b.tokens) w.I32(t);
+  }
+  return Frame(kPersistedBlocksMagic, body);
+}
+
+absl::StatusOr<PersistedBlocksMessage> DecodePersistedBlocks(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "persisted blocks";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kPersistedBlocksMagic, kWhat));
+  if (body.size() > kMaxPersistedBlocksBodyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("persisted blocks: body_bytes ", body.size(), " exceeds ",
+                                                   kMaxPersistedBlocksBodyBytes));
+  }
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  PersistedBlocksMessage m;
+  ASSIGN_OR_RETURN(m.memory_rank, r.U16("memory_rank"));
+  ASSIGN_OR_RETURN(m.last, ReadBool(r, "last", kWhat));
+  RETURN_IF_ERROR(r.Reserved("reserved", 1));
+  ASSIGN_OR_RETURN(const uint32_t count, r.U32("block_count"));
+  // Each record takes at least kPersistedBlockFixedBytes: bound the count before allocating.
+  if (static_cast<uint64_t>(count) * kPersistedBlockFixedBytes > r.remaining()) {
+    return absl::DataLossError(absl::StrCat(
+        "persisted blocks: truncated: block_count ", count, " needs at least ",
+        static_cast<uint64_t>(count) * kPersistedBlockFixedBytes, " bytes but ", r.remaining(), " remain"));
+  }
+  m.blocks.resize(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    PersistedBlock& b = m.blocks[i];
+    const size_t at = r.offset();
+    ASSIGN_OR_RETURN(b.hash, r.U64("hash"));
+    ASSIGN_OR_RETURN(b.parent_hash, r.U64("parent_hash"));
+    ASSIGN_OR_RETURN(b.depth, r.I32("depth"));
+    ASSIGN_OR_RETURN(const uint32_t tokens, r.U32("token_count"));
+    if (b.hash == 0 || b.depth < 1 || (b.depth == 1) != (b.parent_hash == 0) || tokens < 1 ||
+        tokens > kMaxPrefixBlockTokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "persisted blocks: block ", i, " at byte offset ", at, ": hash ", b.hash, ", parent_hash ",
+          b.parent_hash, ", depth ", b.depth, ", token_count ", tokens,
+          ": the hash must not be 0, depth must be >= 1 with parent_hash 0 exactly at depth 1, and "
+          "token_count in [1, ",
+          kMaxPrefixBlockTokens, "]"));
+    }
+    if (uint64_t{tokens} * 4 > r.remaining()) {
+      return absl::DataLossError(absl::StrCat("persisted blocks: truncated: block ", i, "'s ", tokens,
+                                              " tokens need ", uint64_t{tokens} * 4, " bytes at byte offset ",
+                                              r.offset(), " but ", r.remaining(), " remain"));
+    }
+    b.tokens.resize(tokens);
+    for (int32_t& t : b.tokens) {
+      ASSIGN_OR_RETURN(t, r.I32("token"));
+    }
+  }
+  if (r.remaining() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("persisted blocks: block_count ", count, " leaves ",
+                                                   r.remaining(), " unused body bytes at byte offset ",
+                                                   r.offset()));
+  }
+  return m;
+}
+
+std::vector<PersistedBlocksMessage> SplitPersistedBlocks(uint16_t memory_rank,
+                                                         std::vector<PersistedBlock> blocks) {
+  std::vector<PersistedBlocksMessage> reports(1);
+  reports.back().memory_rank = memory_rank;
+  size_t body_bytes = kPersistedBlocksFixedBytes;
+  for (PersistedBlock& b : blocks) {
+    TANDEM_CHECK(!b.tokens.empty() && b.tokens.size() <= kMaxPrefixBlockTokens);
+    const size_t bytes = PersistedBlockBytes(b);
+    if (body_bytes + bytes > kMaxPersistedBlocksBodyBytes) {
+      reports.back().last = false;
+      reports.emplace_back().memory_rank = memory_rank;
+      body_bytes = kPersistedBlocksFixedBytes;
+    }
+    body_bytes += bytes;
+    reports.back().blocks.push_back(std::move(b));
+  }
+  return reports;
 }
 
 std::vector<uint8_t> EncodeComputeHello(const ComputeHelloMessage& m) {
@@ -1455,6 +1598,7 @@ absl::StatusOr<uint32_t> PeekFrameMagic(absl::Span<const uint8_t> frame) {
     case kHeartbeatReplyMagic:
     case kReplicaRingMagic:
     case kStepDiscardMagic:
+    case kPersistedBlocksMagic:
       return magic;
     default:
       return absl::InvalidArgumentError(

@@ -30,7 +30,8 @@
 //                                 'T','D','H','A' heartbeat reply      0x41484454
 //                                 'T','D','R','G' replica ring         0x47524454
 //                                 'T','D','S','D' step discard         0x44534454
-//        4     2  version       u16, kWireVersion (8); a newer one decodes as Unimplemented, an
+//                                 'T','D','P','B' persisted blocks     0x42504454
+//        4     2  version       u16, kWireVersion (9); a newer one decodes as Unimplemented, an
 //                               older one as InvalidArgument (one build runs every rank).
 //                               Version 2 added the hello's partition and KV head slice (its
 //                               body grew from 56 to 64 bytes); version 3 the step plan's
@@ -47,14 +48,18 @@
 //                               the layer message kinds 4 (q) and 5 (kv); version 7 the
 //                               step discard; version 8 the step plan's next-use records
 //                               (next_use_count in the fixed part's bytes 26..27, reserved
-//                               before, and the PrefixNextUse records after the restores); the
-//                               other layouts are unchanged
-//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 8
+//                               before, and the PrefixNextUse records after the restores);
+//                               version 9 the evictions' tokens (each PrefixEvict record's
+//                               token_count, reserved before, and the tokens after the next-use
+//                               records), the hello reply's persisted byte (reserved before) and
+//                               the persisted blocks report; the other layouts are unchanged
+//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 9
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
 //
 // Step plan body (body_bytes = 32 + 64 * request_count + 24 * group_count + 32 * publish_count +
-// 16 * evict_count + 24 * restore_count + 16 * next_use_count; the records fill the body exactly):
+// 16 * evict_count + 24 * restore_count + 16 * next_use_count + 4 * (the evictions' token_count
+// summed); the records fill the body exactly):
 //
 //   offset  size  field          notes
 //   ------  ----  -------------  ---------------------------------------------------------------
@@ -75,7 +80,9 @@
 //        G  32*p  publishes[p]   PrefixPublish records; G = R + 24*g
 //        P  16*e  evictions[e]   PrefixEvict records; P = G + 32*p
 //        E  24*s  restores[s]    PrefixRestore records; E = P + 16*e
-//        S  16*n  next_uses[n]   PrefixNextUse records; S = E + 24*s, and the body ends at S + 16*n
+//        S  16*n  next_uses[n]   PrefixNextUse records; S = E + 24*s
+//        T   4*t  tokens[t]      i32 each: eviction 0's token_count tokens, then eviction 1's, and
+//                                so on (t = their sum); T = S + 16*n, and the body ends at T + 4*t
 //
 //   StepRequest record (64 bytes):
 //        0     8  request_id     u64
@@ -118,7 +125,11 @@
 //   PrefixEvict record (16 bytes; no two with the same memory_rank and block_hash):
 //        0     8  block_hash     u64  hash of the registered block to drop
 //        8     2  memory_rank    u16
-//       10     6  reserved       must be 0
+//       10     2  token_count    u16  <= kMaxPrefixBlockTokens (4096): 0, or the block's tokens
+//                                     (kv.tiers.persist: the rank writes them into the block's
+//                                     file, so that a restarted deployment can register it again);
+//                                     the tokens themselves are at the end of the body
+//       12     4  reserved       must be 0
 //
 //   PrefixRestore record (24 bytes; no two with the same memory_rank and block_hash):
 //        0     8  block_hash     u64  not 0: the block to load from the rank's KV tiers into free
@@ -231,7 +242,9 @@
 //        8     4  qkv_buffer          u32  id of the memory rank's buffer receiving q, k, v rows
 //       12     2  memory_rank         u16
 //       14     1  dtype               u8   tandem::DType the memory rank computes in: 0, 1, 2
-//       15     1  reserved            must be 0
+//       15     1  persisted           u8   0 or 1: kv.tiers.persist is on at this rank, whose
+//                                          persisted blocks reports (below) follow the reply on
+//                                          compute rank 0's connection; compute replicas ignore it
 //       16     2  device_bytes        u16  <= 256
 //       18     n  device              device_bytes bytes of UTF-8 text (not checked to be UTF-8),
 //                                     no NUL byte, e.g. "cuda:0 (NVIDIA H200)"
@@ -319,12 +332,31 @@
 //                                     count; one left: every lane on compute rank 0)
 //       17     7  reserved       must be 0
 //
+// Persisted blocks report body (memory rank -> compute rank 0, right after the hello reply when
+// its `persisted` byte is 1: the blocks the rank's disk tier found at start, with their tokens,
+// parents before children, in one or more reports, the last one marked; a rank that found none
+// sends one empty report; body_bytes <= kMaxPersistedBlocksBodyBytes, 1 MiB):
+//
+//   offset  size  field         notes
+//   ------  ----  ------------  ----------------------------------------------------------------
+//        0     2  memory_rank   u16
+//        2     1  last          u8   0 or 1: this is the rank's last report
+//        3     1  reserved      must be 0
+//        4     4  block_count   u32
+//        8        blocks        block_count records, each 24 + 4 * token_count bytes:
+//                                 0  8  hash         u64  not 0
+//                                 8  8  parent_hash  u64  0 exactly when depth is 1
+//                                16  4  depth        i32  >= 1: the block's place in its chain
+//                                20  4  token_count  u32  in [1, kMaxPrefixBlockTokens]
+//                                24     tokens       token_count i32
+//                               the body ends after the last record
+//
 // Decoders trust nothing: they never read past the span, check every length before reading,
 // bound counts and lengths by the body length before allocating, and check every field's range.
 // Errors (messages start with the format's name: "step plan: ", "layer message header: ",
 // "hello: ", "hello reply: ", "release: ", "error message: ", "bye: ", "stats request: ",
-// "memory stats: ", "heartbeat: ", "heartbeat reply: ", "step discard: ", and name the field with
-// its record ("request 3: ", "group 0: ", "publish 1: ", "eviction 2: ") or byte offset):
+// "memory stats: ", "heartbeat: ", "heartbeat reply: ", "step discard: ", "persisted blocks: ", and name the
+// field with its record ("request 3: ", "group 0: ", "publish 1: ", "eviction 2: ") or byte offset):
 //   DataLoss         the span is shorter than the frame or the body shorter than its contents
 //                    claim (truncation; checked before the range of a count or length), or a crc
 //                    mismatch
@@ -350,7 +382,7 @@
 
 namespace tandem {
 
-inline constexpr uint16_t kWireVersion = 8;
+inline constexpr uint16_t kWireVersion = 9;
 inline constexpr uint32_t kStepPlanMagic = 0x50534454;      // "TDSP" on the wire
 inline constexpr uint32_t kLayerMessageMagic = 0x4d4c4454;  // "TDLM" on the wire
 inline constexpr size_t kFrameHeaderBytes = 16;
@@ -367,35 +399,39 @@ inline constexpr size_t kRestoreReplyFixedBytes = 16;       // restore reply bod
 inline constexpr size_t kLayerMessageBodyBytes = 48;        // layer message header body
 
 // Control messages.
-inline constexpr uint32_t kHelloMagic = 0x49484454;           // "TDHI" on the wire
-inline constexpr uint32_t kHelloReplyMagic = 0x52484454;      // "TDHR" on the wire
-inline constexpr uint32_t kReleaseMagic = 0x4c524454;         // "TDRL" on the wire
-inline constexpr uint32_t kErrorMagic = 0x52454454;           // "TDER" on the wire
-inline constexpr uint32_t kByeMagic = 0x59424454;             // "TDBY" on the wire
-inline constexpr uint32_t kStatsRequestMagic = 0x51534454;    // "TDSQ" on the wire
-inline constexpr uint32_t kMemoryStatsMagic = 0x534d4454;     // "TDMS" on the wire
-inline constexpr uint32_t kComputeHelloMagic = 0x48434454;    // "TDCH" on the wire
-inline constexpr uint32_t kReplicaStepMagic = 0x53524454;     // "TDRS" on the wire
-inline constexpr uint32_t kReplicaResultMagic = 0x52524454;   // "TDRR" on the wire
-inline constexpr size_t kComputeHelloBodyBytes = 8;           // compute hello body
-inline constexpr size_t kReplicaStepFixedBytes = 8;           // replica step body before the tokens
-inline constexpr size_t kReplicaResultFixedBytes = 16;        // replica result body before the tokens
-inline constexpr size_t kMaxMicroBatches = 8;                 // pipeline.batches at most
-inline constexpr size_t kHelloBodyBytes = 72;                 // hello body
-inline constexpr size_t kHelloReplyFixedBytes = 18;           // hello reply body before the device
-inline constexpr size_t kReleaseFixedBytes = 16;              // release body before the request ids
-inline constexpr size_t kErrorFixedBytes = 8;                 // error body before the message
-inline constexpr size_t kByeBodyBytes = 8;                    // bye body
-inline constexpr size_t kStatsRequestBodyBytes = 8;           // stats request body
-inline constexpr size_t kMemoryStatsBodyBytes = 32;           // memory stats body
-inline constexpr uint32_t kReplicaRingMagic = 0x47524454;     // "TDRG" on the wire
-inline constexpr size_t kReplicaRingFixedBytes = 8;           // replica ring body before the address
-inline constexpr size_t kMaxAddressBytes = 1024;              // ReplicaRingMessage::next_address
-inline constexpr uint32_t kHeartbeatMagic = 0x42484454;       // "TDHB" on the wire
-inline constexpr uint32_t kHeartbeatReplyMagic = 0x41484454;  // "TDHA" on the wire
-inline constexpr size_t kHeartbeatBodyBytes = 16;             // heartbeat and heartbeat reply bodies
-inline constexpr uint32_t kStepDiscardMagic = 0x44534454;     // "TDSD" on the wire
-inline constexpr size_t kStepDiscardBodyBytes = 24;           // step discard body
+inline constexpr uint32_t kHelloMagic = 0x49484454;            // "TDHI" on the wire
+inline constexpr uint32_t kHelloReplyMagic = 0x52484454;       // "TDHR" on the wire
+inline constexpr uint32_t kReleaseMagic = 0x4c524454;          // "TDRL" on the wire
+inline constexpr uint32_t kErrorMagic = 0x52454454;            // "TDER" on the wire
+inline constexpr uint32_t kByeMagic = 0x59424454;              // "TDBY" on the wire
+inline constexpr uint32_t kStatsRequestMagic = 0x51534454;     // "TDSQ" on the wire
+inline constexpr uint32_t kMemoryStatsMagic = 0x534d4454;      // "TDMS" on the wire
+inline constexpr uint32_t kComputeHelloMagic = 0x48434454;     // "TDCH" on the wire
+inline constexpr uint32_t kReplicaStepMagic = 0x53524454;      // "TDRS" on the wire
+inline constexpr uint32_t kReplicaResultMagic = 0x52524454;    // "TDRR" on the wire
+inline constexpr size_t kComputeHelloBodyBytes = 8;            // compute hello body
+inline constexpr size_t kReplicaStepFixedBytes = 8;            // replica step body before the tokens
+inline constexpr size_t kReplicaResultFixedBytes = 16;         // replica result body before the tokens
+inline constexpr size_t kMaxMicroBatches = 8;                  // pipeline.batches at most
+inline constexpr size_t kHelloBodyBytes = 72;                  // hello body
+inline constexpr size_t kHelloReplyFixedBytes = 18;            // hello reply body before the device
+inline constexpr size_t kReleaseFixedBytes = 16;               // release body before the request ids
+inline constexpr size_t kErrorFixedBytes = 8;                  // error body before the message
+inline constexpr size_t kByeBodyBytes = 8;                     // bye body
+inline constexpr size_t kStatsRequestBodyBytes = 8;            // stats request body
+inline constexpr size_t kMemoryStatsBodyBytes = 32;            // memory stats body
+inline constexpr uint32_t kReplicaRingMagic = 0x47524454;      // "TDRG" on the wire
+inline constexpr size_t kReplicaRingFixedBytes = 8;            // replica ring body before the address
+inline constexpr size_t kMaxAddressBytes = 1024;               // ReplicaRingMessage::next_address
+inline constexpr uint32_t kHeartbeatMagic = 0x42484454;        // "TDHB" on the wire
+inline constexpr uint32_t kHeartbeatReplyMagic = 0x41484454;   // "TDHA" on the wire
+inline constexpr size_t kHeartbeatBodyBytes = 16;              // heartbeat and heartbeat reply bodies
+inline constexpr uint32_t kStepDiscardMagic = 0x44534454;      // "TDSD" on the wire
+inline constexpr size_t kStepDiscardBodyBytes = 24;            // step discard body
+inline constexpr uint32_t kPersistedBlocksMagic = 0x42504454;  // "TDPB" on the wire
+inline constexpr size_t kPersistedBlocksFixedBytes = 8;        // persisted blocks body before the blocks
+inline constexpr size_t kPersistedBlockFixedBytes = 24;        // one block record before its tokens
+inline constexpr size_t kMaxPersistedBlocksBodyBytes = size_t{1} << 20;      // one report's body at most
 inline constexpr uint32_t kMaxHeartbeatSilenceMs = (uint32_t{1} << 31) - 1;  // about 24.8 days
 inline constexpr uint32_t kMaxHeadDim = 1024;
 inline constexpr uint16_t kMaxPrefixBlockTokens = 4096;  // HelloMessage::prefix_block_tokens
@@ -462,6 +498,9 @@ struct PrefixPublish {
 struct PrefixEvict {
   uint64_t block_hash = 0;
   uint16_t memory_rank = 0;
+  // Empty, or the block's tokens (at most kMaxPrefixBlockTokens): with kv.tiers.persist the
+  // controller sends them, so that the rank's block file can be registered again after a restart.
+  std::vector<int32_t> tokens;
 
   friend bool operator==(const PrefixEvict&, const PrefixEvict&) = default;
 };
@@ -580,6 +619,9 @@ struct HelloReplyMessage {
   uint64_t kv_capacity_tokens = 1;  // in [1, kMaxKvCapacityTokens]
   uint32_t qkv_buffer = 0;          // memory rank's buffer receiving q, k, v rows
   std::string device;               // UTF-8, <= kMaxDeviceBytes bytes, no NUL; "cuda:0 (NVIDIA H200)"
+  // kv.tiers.persist is on at the rank: its persisted blocks reports follow on compute rank 0's
+  // connection.
+  bool persisted = false;
 
   friend bool operator==(const HelloReplyMessage&, const HelloReplyMessage&) = default;
 };
@@ -720,6 +762,25 @@ struct StepDiscardMessage {
   friend bool operator==(const StepDiscardMessage&, const StepDiscardMessage&) = default;
 };
 
+// A block a memory rank's persisted disk tier found at start (kv.tiers.persist).
+struct PersistedBlock {
+  uint64_t hash = 0;            // not 0
+  uint64_t parent_hash = 0;     // 0 exactly when depth is 1
+  int32_t depth = 1;            // >= 1
+  std::vector<int32_t> tokens;  // 1 to kMaxPrefixBlockTokens of them
+
+  friend bool operator==(const PersistedBlock&, const PersistedBlock&) = default;
+};
+
+// Memory rank -> compute rank 0, after its hello reply: (part of) the blocks it found on disk.
+struct PersistedBlocksMessage {
+  uint16_t memory_rank = 0;
+  bool last = true;  // the rank's last report
+  std::vector<PersistedBlock> blocks;
+
+  friend bool operator==(const PersistedBlocksMessage&, const PersistedBlocksMessage&) = default;
+};
+
 // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78, initial and final xor 0xFFFFFFFF): the
 // SSE4.2 instruction where the CPU has it, else a table. Crc32c("123456789") == 0xE3069283.
 uint32_t Crc32c(absl::Span<const uint8_t> data);
@@ -796,6 +857,15 @@ absl::StatusOr<HeartbeatReplyMessage> DecodeHeartbeatReply(absl::Span<const uint
 // against its compute ranks).
 std::vector<uint8_t> EncodeStepDiscard(const StepDiscardMessage& discard);
 absl::StatusOr<StepDiscardMessage> DecodeStepDiscard(absl::Span<const uint8_t> frame);
+// Encoding CHECKs that the body fits in kMaxPersistedBlocksBodyBytes (SplitPersistedBlocks makes
+// reports that do); decoding refuses a larger body, and every field out of its range.
+std::vector<uint8_t> EncodePersistedBlocks(const PersistedBlocksMessage& report);
+absl::StatusOr<PersistedBlocksMessage> DecodePersistedBlocks(absl::Span<const uint8_t> frame);
+// Memory rank `memory_rank`'s reports of `blocks` (each with 1 to kMaxPrefixBlockTokens tokens),
+// in order, each body within kMaxPersistedBlocksBodyBytes: at least one (empty when `blocks` is),
+// only the last marked last.
+std::vector<PersistedBlocksMessage> SplitPersistedBlocks(uint16_t memory_rank,
+                                                         std::vector<PersistedBlock> blocks);
 
 // The magic of the frame at the start of `frame` (one of the k*Magic constants above), so that a
 // receiver can dispatch to the decoder; nothing else of the frame is checked. DataLoss if `frame`

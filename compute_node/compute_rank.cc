@@ -137,12 +137,25 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
   // Attention-output buffers of rejoining ranks come after every rank's first ones.
   next_attn_buffer_ = kAttnBufferBase + static_cast<uint32_t>(ranks_.size() * kMaxMicroBatches);
   probes_.resize(ranks_.size());
-  // Replies, in any order.
+  // Replies, in any order; on compute rank 0 a rank with kv.tiers.persist follows its reply with
+  // its persisted blocks reports.
   std::vector<int64_t> capacity(ranks_.size(), 0);
-  rank_names_.assign(ranks_.size(), "");  // in rank order, whatever the order of the replies
-  for (size_t got = 0; got < ranks_.size(); ++got) {
+  rank_names_.assign(ranks_.size(), "");     // in rank order, whatever the order of the replies
+  std::vector<int> state(ranks_.size(), 0);  // 0: no reply yet, 1: reports to come, 2: done
+  std::vector<std::vector<TierBlock>> persisted(ranks_.size());
+  for (size_t done = 0; done < ranks_.size();) {
     std::vector<uint8_t> msg;
     ASSIGN_OR_RETURN(const size_t m, ReceiveFromRank(deadline, "the memory ranks' replies", &msg));
+    if (state[m] == 1) {
+      ASSIGN_OR_RETURN(const bool last, TakePersistedReport(m, msg, &persisted[m]));
+      if (last) state[m] = 2, ++done;
+      continue;
+    }
+    if (state[m] == 2) {
+      return absl::InvalidArgumentError(absl::StrCat(ranks_[m].name, ": a message (magic 0x",
+                                                     absl::Hex(PeekFrameMagic(msg).value_or(0)),
+                                                     ") after its hello reply"));
+    }
     absl::StatusOr<HelloReplyMessage> reply = DecodeHelloReply(msg);
     if (!reply.ok()) return Annotate(reply.status(), ranks_[m].name);
     if (reply->memory_rank != m || reply->dtype != backend_->dtype()) {
@@ -157,6 +170,11 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
                                                        ", ", ranks_[m].slice.kv_head_end(), ")")
                                         : "");
     TANDEM_LOG_INFO("compute", rank_names_[m]);
+    if (reply->persisted && compute_rank_ == 0) {
+      state[m] = 1;
+    } else {
+      state[m] = 2, ++done;
+    }
   }
   if (head_) {
     // Every rank holds every request: one placement group, as large as the smallest rank.
@@ -164,6 +182,9 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
   }
   if (compute_rank_ > 0) return absl::OkStatus();  // a replica: no controller
   controller_ = std::make_unique<Controller>(s, capacity, o.scheduler);
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    if (state[m] == 2 && !persisted[m].empty()) OfferPersisted(m, persisted[m]);
+  }
   RETURN_IF_ERROR(ConnectReplicas(deadline));
   TANDEM_LOG_INFO(
       "compute", "transport ", transport_->capabilities().name, ", ",
@@ -880,11 +901,43 @@ absl::Status ComputeRank::LoseRank(size_t m, absl::Status why) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> ComputeRank::TakePersistedReport(size_t m, const std::vector<uint8_t>& msg,
+                                                      std::vector<TierBlock>* blocks) {
+  if (absl::StatusOr<ErrorMessage> err = DecodeError(msg); err.ok())
+    return Annotate(StatusFromErrorMessage(*err), ranks_[m].name);
+  absl::StatusOr<PersistedBlocksMessage> report = DecodePersistedBlocks(msg);
+  if (!report.ok()) {
+    return Annotate(report.status(),
+                    absl::StrCat(ranks_[m].name, ": its persisted blocks report (kv.tiers.persist)"));
+  }
+  if (report->memory_rank != m) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        ranks_[m].name, ": its persisted blocks report names memory rank ", report->memory_rank));
+  }
+  for (PersistedBlock& b : report->blocks)
+    blocks->push_back({.hash = b.hash, .parent_hash = b.parent_hash, .tokens = std::move(b.tokens)});
+  return report->last;
+}
+
+void ComputeRank::OfferPersisted(size_t m, std::span<const TierBlock> blocks) {
+  const int64_t added = controller_->AddTierBlocks(static_cast<int>(m), blocks);
+  TANDEM_LOG_INFO("compute", ranks_[m].name, ": kv.tiers.persist: ", added, " of ", blocks.size(),
+                  " blocks it found on disk registered for reuse");
+}
+
 bool ComputeRank::TakeStrayMessage(transport::PeerId from, std::vector<uint8_t>* msg) {
-  for (Probe& probe : probes_) {
+  for (size_t m = 0; m < probes_.size(); ++m) {
+    Probe& probe = probes_[m];
     if (!probe.active || probe.peer != from) continue;
-    // Its first message: the hello reply (or an error report), read at the next AdvanceRejoins.
-    if (probe.reply.empty()) probe.reply = std::move(*msg);
+    // Its first message: the hello reply (or an error report), read at the next AdvanceRejoins;
+    // then its persisted blocks reports (kv.tiers.persist).
+    if (probe.reply.empty()) {
+      probe.reply = std::move(*msg);
+    } else if (!probe.reports_done && probe.report_error.empty()) {
+      absl::StatusOr<bool> last = TakePersistedReport(m, *msg, &probe.persisted);
+      if (!last.ok()) probe.report_error = std::string(last.status().message());
+      probe.reports_done = last.value_or(false);
+    }
     return true;
   }
   return retired_peers_.contains(from);
@@ -977,6 +1030,11 @@ void ComputeRank::AdvanceRejoins() {
       DropProbe(m, "not this rank");
       continue;
     }
+    if (!probe.report_error.empty()) {
+      DropProbe(m, probe.report_error);
+      continue;
+    }
+    if (reply->persisted && !probe.reports_done) continue;  // its reports are still on their way
     const int64_t capacity = static_cast<int64_t>(reply->kv_capacity_tokens);
     if (absl::Status st = controller_->RejoinRank(static_cast<int>(m), capacity); !st.ok()) {
       DropProbe(m, std::string(st.message()));
@@ -989,6 +1047,7 @@ void ComputeRank::AdvanceRejoins() {
     rank.lanes = std::move(probe.lanes);
     rank.lost = false;
     rank.beat_seq = 0;
+    if (!probe.persisted.empty()) OfferPersisted(m, probe.persisted);
     probe = Probe{};
     ++memory_ranks_rejoined_;
     rank_names_[m] = absl::StrCat("memory rank ", m, ": ", reply->device, ", ", capacity, " KV tokens");

@@ -400,6 +400,12 @@ class ComputeRank : public Engine {
   // A message from a probe (kept as its hello reply: true) or from a connection given up (a lost
   // rank's old one, a dropped probe: dropped, true); false for any other peer's.
   bool TakeStrayMessage(transport::PeerId from, std::vector<uint8_t>* msg);
+  // Memory rank m's persisted blocks report (kv.tiers.persist; or an error report): its blocks
+  // appended to `blocks`; true when it was the rank's last. Errors name the rank.
+  absl::StatusOr<bool> TakePersistedReport(size_t m, const std::vector<uint8_t>& msg,
+                                           std::vector<TierBlock>* blocks);
+  // Registers the blocks memory rank m found on disk (Controller::AddTierBlocks) and logs how many.
+  void OfferPersisted(size_t m, std::span<const TierBlock> blocks);
   // Drops rank m's probe (its connection's later messages are dropped too) and schedules the next.
   void DropProbe(size_t m, const std::string& why);
   // The hello that sets memory rank m up, its attention outputs going to buffers attn_buffer + j.
@@ -411,6 +417,9 @@ class ComputeRank : public Engine {
     bool hello_sent = false;
     std::vector<RankLane> lanes;             // the rank's lanes once it rejoins: fresh buffers, seqnos at 0
     std::vector<uint8_t> reply;              // its hello reply, once it came
+    std::vector<TierBlock> persisted;        // kv.tiers.persist: the blocks its reports offer
+    bool reports_done = false;               // its last report came
+    std::string report_error;                // a report that was refused: the probe is dropped
     absl::Time next = absl::InfinitePast();  // when the next probe may start
     absl::Duration backoff;                  // the wait before it (doubles while nothing answers)
   };

@@ -510,7 +510,6 @@ void Controller::Group(int m, const std::vector<std::pair<Live*, int64_t>>& chos
 void Controller::Schedule(PlannedStep* step) {
   step->plan = StepPlan{};
   step->rows = StepTokens{};
-  step->eviction_tokens.clear();
   step->prefetch_evictions.clear();
   step->rank_rows.assign(capacity_.size() + 1, 0);
   Admit();
@@ -605,13 +604,14 @@ void Controller::Schedule(PlannedStep* step) {
   // since the last plan), then the groups over blocks registered before the step, then the blocks
   // that this step's rows complete (prompt chunks and decode rows).
   for (size_t m = 0; m < evicted_.size(); ++m) {
-    for (uint64_t h : evicted_[m])
-      step->plan.evictions.push_back({.block_hash = h, .memory_rank = static_cast<uint16_t>(m)});
-    evicted_[m].clear();
-    if (options_.tier_blocks > 0) {
-      for (std::vector<int32_t>& t : evicted_tokens_[m]) step->eviction_tokens.push_back(std::move(t));
-      evicted_tokens_[m].clear();
+    const bool tokens = options_.tier_blocks > 0 && options_.eviction_tokens;
+    for (size_t i = 0; i < evicted_[m].size(); ++i) {
+      step->plan.evictions.push_back({.block_hash = evicted_[m][i], .memory_rank = static_cast<uint16_t>(m)});
+      if (tokens && i < evicted_tokens_[m].size())
+        step->plan.evictions.back().tokens = std::move(evicted_tokens_[m][i]);
     }
+    evicted_[m].clear();
+    evicted_tokens_[m].clear();
   }
   if (options_.prefix_sharing != PrefixSharing::kOff) {
     for (int m = 0; m < num_memory_ranks(); ++m) Group(m, chosen, &step->plan);

@@ -134,6 +134,10 @@ struct ControllerOptions {
   // kv.tiers.eviction next_use (true) or lru (false): with tiers, each plan lists the demoted
   // blocks that the first eviction_lookahead waiting requests will reuse (StepPlan::next_uses).
   bool tier_next_use = true;
+  // kv.tiers.persist: with tiers, each plan's evictions carry their blocks' tokens
+  // (PrefixEvict::tokens), which the tiers write into the block files, so that a restarted engine
+  // or memory rank can offer them back (AddTierBlocks).
+  bool eviction_tokens = false;
 };
 
 // scheduler.max_batch_size and scheduler.max_tokens_per_step as the controller takes them: a
@@ -168,9 +172,6 @@ struct PlannedStep {
   std::vector<int32_t> rank_rows;  // (memory ranks + 1): rows of rank m are [rank_rows[m], rank_rows[m+1])
   // Nothing to send. A plan with restores and no requests is sent (the ranks restore) but runs no
   // layers.
-  // With KV tiers: the tokens of the block of each plan.evictions record, in the same order (the
-  // colocated engine hands them to its tiers, whose files keep them); else empty.
-  std::vector<std::vector<int32_t>> eviction_tokens;
   // The hashes among plan.evictions that were evicted to make room for prefetched blocks (never a
   // block that a running request or a waiting request of the prefetch window matches).
   std::vector<uint64_t> prefetch_evictions;

@@ -48,10 +48,11 @@ void AddSchedulerKvKnobs(ConfigSchema* schema) {
            "(checksummed; a bad file is discarded and its tokens recomputed); 0: off",
            0, int64_t{1} << 50)
       .Bool("kv.tiers.persist", d.tiers_persist,
-            "keep the disk tier's block files when the engine ends (with the blocks still in the KV pool) "
-            "and register them again at the next start with the same kv.tiers.disk_dir, so that a "
-            "conversation continued after a restart restores its KV; false: the files are scratch, removed "
-            "at start and at the end. The colocated engine only (needs kv.tiers.disk_bytes > 0)")
+            "keep the disk tier's block files (evicted blocks, written with their tokens; the colocated "
+            "engine also writes the blocks still in its KV pool when it ends) and register them again at "
+            "the next start with the same kv.tiers.disk_dir (each memory rank reports its rank-<m> files "
+            "to compute rank 0), so that a conversation continued after a restart restores its KV; false: "
+            "the files are scratch, removed at start and at the end. Needs kv.tiers.disk_bytes > 0")
       .Int("kv.tiers.prefetch_lookahead", d.tiers_prefetch_lookahead,
            "KV tiers: the first this many waiting requests get the prefix blocks they will reuse restored "
            "from the lower tiers before they are admitted, into free KV slots or the room of unused blocks "
@@ -97,6 +98,7 @@ absl::StatusOr<ControllerOptions> ResolveControllerOptions(const SchedulerKvSett
         absl::StrCat("kv.tiers.eviction: \"", s.tiers_eviction, "\" is neither \"next_use\" nor \"lru\""));
   }
   options.tier_next_use = s.tiers_eviction == "next_use";
+  options.eviction_tokens = s.tiers_persist;
   options.prefix_sharing = prefix.sharing;
   if (s.tiers_enabled()) {
     if (options.prefix_block_tokens == 0)

@@ -13,7 +13,7 @@
 //   kv.tiers.host_bytes            KV tiers (per memory rank): host DRAM below the KV pool; 0: off
 //   kv.tiers.disk_dir              directory of the disk tier (each memory rank uses rank-<m>/)
 //   kv.tiers.disk_bytes            disk tier size; 0: off
-//   kv.tiers.persist               the disk tier survives a restart (the colocated engine only)
+//   kv.tiers.persist               the disk tier survives a restart (plans' evictions carry tokens)
 //   kv.tiers.prefetch_lookahead    waiting requests whose demoted prefix blocks are restored before
 //                                  admission; 0: off
 //   kv.tiers.eviction              next_use: each tier evicts the blocks no request of the first

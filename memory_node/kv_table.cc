@@ -186,9 +186,7 @@ absl::Status KvTable::Check(const StepPlan& plan, uint16_t memory_rank,
 }
 
 absl::Status KvTable::Apply(const StepPlan& plan, uint16_t memory_rank, AttentionBatch* batch,
-                            std::vector<uint64_t>* failed_restores,
-                            std::span<const std::vector<int32_t>> eviction_tokens) {
-  TANDEM_CHECK(eviction_tokens.empty() || eviction_tokens.size() == plan.evictions.size());
+                            std::vector<uint64_t>* failed_restores) {
   batch->Clear();
   // Check everything first: nothing may change if the step is refused.
   std::vector<const StepRequest*> mine;
@@ -205,14 +203,11 @@ absl::Status KvTable::Apply(const StepPlan& plan, uint16_t memory_rank, Attentio
     }
     tiers_->SetNextUse(uses);
   }
-  for (size_t i = 0; i < plan.evictions.size(); ++i) {
-    const PrefixEvict& e = plan.evictions[i];
+  for (const PrefixEvict& e : plan.evictions) {
     if (e.memory_rank != memory_rank) continue;
     auto it = blocks_.find(e.block_hash);
-    if (tiers_ != nullptr) {
-      tiers_->Demote(e.block_hash, it->second.parent, it->second.depth, it->second.slots,
-                     eviction_tokens.empty() ? std::span<const int32_t>() : eviction_tokens[i]);
-    }
+    if (tiers_ != nullptr)
+      tiers_->Demote(e.block_hash, it->second.parent, it->second.depth, it->second.slots, e.tokens);
     allocator_.Release(it->second.slots);
     if (it->second.depth > 1) --blocks_.at(it->second.parent).num_children;
     blocks_.erase(it);

@@ -85,12 +85,11 @@ class KvTable {
   // Fills `batch` with the rows of the plan's requests owned by `memory_rank`, in plan order,
   // allocating their new slots. Errors (nothing changed): InvalidArgument naming the request,
   // block or group and the rule it breaks; ResourceExhausted when the pool lacks free slots.
-  // `failed_restores` (may be nullptr) gets the hashes of this rank's restores that failed.
-  // `eviction_tokens`: empty, or the tokens of each plan.evictions record's block, in the same
-  // order (handed to the tiers with the block).
+  // `failed_restores` (may be nullptr) gets the hashes of this rank's restores that failed. An
+  // eviction's tokens (PrefixEvict::tokens, when the plan carries them) go to the tiers with the
+  // block.
   absl::Status Apply(const StepPlan& plan, uint16_t memory_rank, AttentionBatch* batch,
-                     std::vector<uint64_t>* failed_restores = nullptr,
-                     std::span<const std::vector<int32_t>> eviction_tokens = {});
+                     std::vector<uint64_t>* failed_restores = nullptr);
   // Hands every registered block to the tiers (Demote; the blocks stay registered), parents first,
   // with the tokens `tokens_of` gives for its hash (empty when unknown): what a clean shutdown
   // with a persisted disk tier keeps. No-op without tiers.

@@ -10,10 +10,10 @@
 // The CPU executor copies slots with memcpy; the CUDA executor gathers and scatters them on its
 // stream through a device staging buffer (bf16 KV: a block is half the bytes of the CPU's).
 //
-// Demote passes the block's tokens on to the store when its caller knows them (the colocated
-// engine does, from its controller; a memory rank does not), so that a persisted file can be
-// registered again after a restart: PersistedBlocks lists the blocks found on disk at start whose
-// files hold a whole block of tokens.
+// Demote passes the block's tokens on to the store when its caller knows them (with
+// kv.tiers.persist the controller puts them in the plan's evictions, for the colocated engine and
+// for a memory rank alike), so that a persisted file can be registered again after a restart: PersistedBlocks
+// lists the blocks found on disk at start whose files hold a whole block of tokens.
 //
 // Layer-wise restore (the default): Restore loads and checks the block at once (a host copy is
 // shared, not copied; a file is read and checked) but writes none of its KV into the pool; the

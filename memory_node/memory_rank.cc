@@ -606,14 +606,34 @@ class MemoryRank {
     reply.kv_capacity_tokens = static_cast<uint64_t>(exec_->kv_capacity());
     reply.qkv_buffer = kQkvBuffer;
     reply.device = exec_->device().substr(0, 256);
+    reply.persisted = tiers_ != nullptr && o_.tiers.persist;
     reply_ = EncodeHelloReply(reply);
     RETURN_IF_ERROR(transport_->Send(peer_, reply_));
+    if (reply.persisted) RETURN_IF_ERROR(ReportPersistedBlocks());
     TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, ": ", shape_.num_layers, " layers, ", shape_.num_heads,
                     "/", shape_.num_kv_heads, " heads of ", shape_.head_dim, " (partition ",
                     AttentionPartitionName(hello_.partition), ", KV heads [", hello_.kv_head_begin, ", ",
                     hello_.kv_head_end, ")); KV ", exec_->kv_capacity(), " tokens on ", exec_->device(),
                     "; transport ", transport_->capabilities().name, ", ",
                     device_path_ ? "device data path" : "host-staged data path");
+    return absl::OkStatus();
+  }
+
+  // kv.tiers.persist: the blocks the disk tier found at start (with their tokens, parents first) go
+  // to compute rank 0, which registers them demoted on this rank; one empty report when none.
+  absl::Status ReportPersistedBlocks() {
+    std::vector<PersistedBlock> found;
+    for (KvTierBlock& b : tiers_->PersistedBlocks()) {
+      found.push_back(
+          {.hash = b.hash, .parent_hash = b.parent_hash, .depth = b.depth, .tokens = std::move(b.tokens)});
+    }
+    const size_t blocks = found.size();
+    const std::vector<PersistedBlocksMessage> reports =
+        SplitPersistedBlocks(static_cast<uint16_t>(o_.rank), std::move(found));
+    for (const PersistedBlocksMessage& report : reports)
+      RETURN_IF_ERROR(transport_->Send(peer_, EncodePersistedBlocks(report)));
+    TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, ": kv.tiers.persist: ", blocks,
+                    " blocks found on disk offered to compute rank 0 (", reports.size(), " report(s))");
     return absl::OkStatus();
   }
 

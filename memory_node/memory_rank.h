@@ -27,7 +27,9 @@
 //      compute rank sends them (docs/architecture.md, "Micro-batches").
 // With KV tiers, a plan's evictions save the blocks to the tiers and its restores load them back;
 // a plan with restores for this rank is answered with a restore reply (the ones that failed) as
-// soon as it is applied, before its layers.
+// soon as it is applied, before its layers. With kv.tiers.persist the hello reply says so and is
+// followed by persisted blocks reports to compute rank 0 (the blocks its disk tier found at start,
+// with the tokens the plans' evictions carried when they were written).
 // With the hello's q_first (pipeline.q_first; CPU ranks, host-staged path), each layer comes as a
 // q message and then a k,v message: attention over the context runs once q is there, the new rows'
 // part once k,v are, merged by log-sum-exp (AttentionExecutor::LayerContext / LayerNew); a CUDA

@@ -253,7 +253,7 @@ grep -q "compute-1: cpu on compute-0.s host (replica" "$TMP/out" || bad "config 
 expect_fail "compute.ranks: 2 compute ranks need pipeline.mode fixed or rotational (it is none)" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2
 expect_fail "pipeline.batches: 2 micro-batches for 3 compute ranks" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=3 --set pipeline.mode=fixed
 expect_fail "which transport.kind local (one process) cannot connect" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set compute.ranks=2 --set pipeline.mode=fixed --set transport.kind=local
-expect_fail "kv.tiers.persist: true works with the colocated engine only" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set kv.tiers.disk_dir="$TMP/tiers" --set kv.tiers.disk_bytes=1000000 --set kv.tiers.persist=true
+expect_ok "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set kv.tiers.disk_dir="$TMP/tiers" --set kv.tiers.disk_bytes=1000000 --set kv.tiers.persist=true
 expect_fail "pipeline.batches=9: expected an integer in [2, 8]" "$TANDEM" config check --deploy "$TMP/deploy.yaml" --set pipeline.mode=pingpong --set pipeline.batches=9
 expect_ok "$TANDEM" devices
 grep -q "transports in this build: ucx" "$TMP/out" || bad "devices does not list the transports"

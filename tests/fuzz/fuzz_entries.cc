@@ -92,6 +92,7 @@ void DecodeEveryFormat(absl::Span<const uint8_t> f) {
   RoundTrip<HeartbeatMessage>(f, DecodeHeartbeat, EncodeHeartbeat, "heartbeat");
   RoundTrip<HeartbeatReplyMessage>(f, DecodeHeartbeatReply, EncodeHeartbeatReply, "heartbeat reply");
   RoundTrip<StepDiscardMessage>(f, DecodeStepDiscard, EncodeStepDiscard, "step discard");
+  RoundTrip<PersistedBlocksMessage>(f, DecodePersistedBlocks, EncodePersistedBlocks, "persisted blocks");
   if (absl::StatusOr<StepPlan> plan = DecodeStepPlan(f); plan.ok()) {
     TANDEM_CHECK_MSG(ValidateStepPlan(*plan).ok(), "a decoded step plan fails ValidateStepPlan");
   }
@@ -176,7 +177,7 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
   plan.groups.push_back({.block_hash = 99, .prefix_tokens = 2, .parent = -1, .memory_rank = 0});
   plan.publishes.push_back(
       {.request_id = 1, .block_hash = 98, .parent_hash = 0, .block_index = 0, .memory_rank = 0});
-  plan.evictions.push_back({.block_hash = 97, .memory_rank = 1});
+  plan.evictions.push_back({.block_hash = 97, .memory_rank = 1, .tokens = {3, 4}});
   plan.restores.push_back({.block_hash = 96, .parent_hash = 0, .block_index = 0, .memory_rank = 1});
   plan.restores.push_back({.block_hash = 95, .parent_hash = 96, .block_index = 1, .memory_rank = 1});
   plan.next_uses.push_back({.block_hash = 97, .next_use = 0, .memory_rank = 1});
@@ -218,7 +219,8 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
                         .dtype = DType::kF32,
                         .kv_capacity_tokens = 100,
                         .qkv_buffer = 2,
-                        .device = "cpu"}),
+                        .device = "cpu",
+                        .persisted = true}),
       EncodeRelease({.step_id = 4, .request_ids = {1, 2, 3}}),
       EncodeError({.code = 14, .message = "memory rank 1: gone"}),
       EncodeBye({.steps = 12}),
@@ -241,6 +243,11 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
       EncodeHello(q_hello),
       EncodeLayerMessageHeader(q_header),
       EncodeStepDiscard({.step_id = 7, .seqno_base = 40, .compute_mask = 5}),
+      EncodePersistedBlocks({.memory_rank = 1,
+                             .last = false,
+                             .blocks = {{.hash = 96, .parent_hash = 0, .depth = 1, .tokens = {1, 2}},
+                                        {.hash = 95, .parent_hash = 96, .depth = 2, .tokens = {3, 4}}}}),
+      EncodePersistedBlocks({.memory_rank = 0}),
   };
 }
 

@@ -1378,5 +1378,96 @@ TEST_P(NextUseDeployment, TiersKeepWhatWaitingTurnsNeed) {
 
 INSTANTIATE_TEST_SUITE_P(Eviction, NextUseDeployment, ::testing::Values("next_use", "lru"));
 
+// kv.tiers.persist on a deployment: four conversations over two memory ranks whose pools hold about
+// one conversation each, their evicted blocks written to rank-<m>/ with their tokens (the plan's
+// evictions carry them). The deployment stops after two turns; a new one over the same directory
+// gets each rank's persisted blocks report at start, registers them, and the third turn restores
+// them from disk with the colocated engine's tokens. "damaged": rank 0's files are truncated while
+// the deployment is down; that rank discards them at start with a warning (none is offered), the
+// conversations compute those tokens again, and the tokens are the same.
+class PersistedDeployment : public DisaggregatedTest, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(PersistedDeployment, RestartRestoresTheConversationsFromDisk) {
+  const bool damaged = GetParam() == "damaged";
+  std::unique_ptr<WeightSource> source = OpenReference("llama3-gqa-tied");
+  ASSERT_NE(source, nullptr);
+  const std::string tier_dir = dir_ + "/tiers";
+  std::ofstream(dir_ + "/deploy.yaml")
+      << "launch:\n  startup_timeout_s: 60\n  step_timeout_s: 20\nkv:\n  tiers:\n"
+      << "    disk_bytes: 16777216\n    disk_dir: " << tier_dir << "\n    persist: true\n";
+  const int64_t vocab = source->spec().vocab_size;
+  std::vector<std::vector<int32_t>> history(4);
+  std::mt19937 rng(5);
+  // Turns [from, to) of the four conversations; each turn is the history plus 11 new tokens, 6 answered.
+  auto converse = [&](tandem::Engine& e, int from, int to) {
+    std::vector<std::vector<int32_t>> answers;
+    for (int turn = from; turn < to; ++turn) {
+      for (auto& h : history) {
+        for (int i = 0; i < 11; ++i)
+          h.push_back(static_cast<int32_t>(2 + rng() % static_cast<uint32_t>(vocab - 2)));
+        GenerationRequest r;
+        r.prompt = h;
+        r.max_tokens = 6;
+        r.ignore_eos = true;
+        absl::StatusOr<std::vector<GenerationResult>> out = e.GenerateAll({r});
+        EXPECT_TRUE(out.ok()) << out.status();
+        if (!out.ok()) return answers;
+        h.insert(h.end(), (*out)[0].token_ids.begin(), (*out)[0].token_ids.end());
+        answers.push_back((*out)[0].token_ids);
+      }
+    }
+    return answers;
+  };
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, 4, 32, /*prefix_cache=*/false);
+  ASSERT_NE(engine, nullptr);
+  const auto want = converse(*engine, 0, 3);
+  history.assign(4, {});
+  rng.seed(5);
+
+  ComputeRankOptions o = Options(4, 32, 64);
+  UsePrefixCache(&o, 8, "off");
+  o.scheduler.tier_blocks = 1024;
+  o.scheduler.eviction_tokens = true;  // as ResolveControllerOptions sets it for kv.tiers.persist
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, o));
+  EXPECT_EQ(rank_->controller().stats().tier_blocks_added, 0) << "nothing on disk yet";
+  auto got = converse(*rank_, 0, 2);
+  EXPECT_GT(rank_->stats().demoted_tokens, 0);
+  StopDeployment();
+
+  size_t files[2] = {0, 0};
+  for (int m = 0; m < 2; ++m) {
+    for (const auto& f : std::filesystem::directory_iterator(absl::StrCat(tier_dir, "/rank-", m))) {
+      if (f.path().extension() != ".kvb") continue;
+      ++files[m];
+      if (damaged && m == 0) std::filesystem::resize_file(f.path(), 70);
+    }
+  }
+  ASSERT_GT(files[0] + files[1], 0u);
+
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, o));
+  const int64_t added = rank_->controller().stats().tier_blocks_added;
+  // A file whose parent stayed in the pool when the deployment stopped (its rank has no tokens for
+  // it, so it was not written) is not registered.
+  EXPECT_LE(added, static_cast<int64_t>(damaged ? files[1] : files[0] + files[1]));
+  const auto later = converse(*rank_, 2, 3);
+  got.insert(got.end(), later.begin(), later.end());
+  EXPECT_EQ(got, want);
+  const EngineStats s = rank_->stats();
+  std::printf("%s: %zu + %zu block files, %lld registered again, %lld tokens restored\n", GetParam().c_str(),
+              files[0], files[1], static_cast<long long>(added), static_cast<long long>(s.restored_tokens));
+  EXPECT_EQ(s.restore_failed_tokens, 0);
+  if (!damaged) {
+    EXPECT_GT(added, 0);
+    EXPECT_GT(s.restored_tokens, 0);
+  } else if (files[0] > 0) {
+    EXPECT_NE(
+        group_.LogTail(names_[2], 100000).find("discarded " + std::to_string(files[0]) + " block files"),
+        std::string::npos)
+        << "rank 0 names the files it refused";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiers, PersistedDeployment, ::testing::Values("intact", "damaged"));
+
 }  // namespace
 }  // namespace tandem

@@ -131,7 +131,8 @@ struct RawPublish {
 struct RawEvict {
   uint64_t block_hash = 0xe1;
   uint16_t memory_rank = 1;
-  uint8_t reserved[6] = {0, 0, 0, 0, 0, 0};
+  uint16_t token_count = 0;  // its tokens are not written (PlanBody): a forged count
+  uint8_t reserved[4] = {0, 0, 0, 0};
 };
 
 struct RawPlan {
@@ -171,7 +172,7 @@ Bytes PlanBody(const RawPlan& p) {
     for (uint8_t r : x.reserved) w.U8(r);
   }
   for (const RawEvict& e : p.evictions) {
-    w.U64(e.block_hash).U16(e.memory_rank);
+    w.U64(e.block_hash).U16(e.memory_rank).U16(e.token_count);
     for (uint8_t r : e.reserved) w.U8(r);
   }
   return w.b;
@@ -474,8 +475,8 @@ TEST(StepPlanWire, GoldenBytes) {
   plan.evictions.push_back(PrefixEvict{0x5152535455565758, 0x0405});
   // Layout written out by hand; crc computed independently (bitwise Python reference).
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x08, 0x00, 0x10, 0x00,
-      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 8, body_bytes 168
+      0x54, 0x44, 0x53, 0x50, 0x09, 0x00, 0x10, 0x00,
+      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 9, body_bytes 168
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // request_count, group_count
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -526,7 +527,7 @@ TEST(LayerMessageWire, RoundTripsAndGoldenBytes) {
   h.step_id = 1, h.seqno = 2, h.payload_bytes = 256, h.layer = 3, h.rows = 4, h.row_bytes = 64;
   h.payload_crc32c = 0xdeadbeef, h.kind = LayerMessageKind::kAttnOut, h.dtype = DType::kBF16;
   const Bytes golden = {
-      0x54, 0x44, 0x4c, 0x4d, 0x08, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x4c, 0x4d, 0x09, 0x00, 0x10, 0x00,
       0x30, 0x00, 0x00, 0x00, 0xc4, 0x00, 0x01, 0xea,  // frame
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // id, seq
@@ -813,8 +814,8 @@ TEST(StepPlanWire, FieldRangeViolationsNameFieldAndRequest) {
       {[](RawPlan& p) { p.publishes[1].reserved[1] = 3; },
        "step plan: publish 1: reserved at byte offset 503 is 3, must be 0"},
       {[](RawPlan& p) { p.evictions[0].reserved[0] = 4; },
-       "step plan: eviction 0: reserved at byte offset 514 is 4, must be 0"},
-      {[](RawPlan& p) { p.evictions[1].reserved[5] = 5; },
+       "step plan: eviction 0: reserved at byte offset 516 is 4, must be 0"},
+      {[](RawPlan& p) { p.evictions[1].reserved[3] = 5; },
        "step plan: eviction 1: reserved at byte offset 535 is 5, must be 0"},
   };
   for (const auto& [mutate, want] : reserved) {
@@ -1001,24 +1002,25 @@ TEST(Wire, FrameHeaderChecks) {
   s = DecodeLayerMessageHeader(SmallPlanFrame()).status();
   EXPECT_CONTAINS(std::string(s.message()), "layer message header: magic 0x50534454 ('TDSP')");
 
-  ASSERT_EQ(kWireVersion, 8);
-  for (uint16_t version : {uint16_t{9}, uint16_t{0xffff}}) {
+  ASSERT_EQ(kWireVersion, 9);
+  for (uint16_t version : {uint16_t{10}, uint16_t{0xffff}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
     EXPECT_EQ(s.message(),
-              "step plan: version " + std::to_string(version) + " is newer than the supported version 8");
+              "step plan: version " + std::to_string(version) + " is newer than the supported version 9");
   }
   // An older version is refused too, whatever the format: version 2 (the step plan's 24-byte
   // fixed part) and version 1 (also the hello's older layout).
-  for (uint16_t version :
-       {uint16_t{7}, uint16_t{6}, uint16_t{5}, uint16_t{4}, uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
+  for (uint16_t version : {uint16_t{8}, uint16_t{7}, uint16_t{6}, uint16_t{5}, uint16_t{4}, uint16_t{3},
+                           uint16_t{2}, uint16_t{1}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "step plan: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 8 (versions 2 to 4 "
+                               " at byte offset 4 is older than the supported version 9 (versions 2 to 4 "
                                "changed the hello, step plan and replica result layouts; 5 added the "
                                "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
-                               "step discard; 8 the step plan's next-use records)");
+                               "step discard; 8 the step plan's next-use records; 9 the evictions' "
+                               "tokens and the persisted blocks report)");
   }
   // A version 2 plan as a version 2 encoder wrote it (records right after evict_count, at body
   // offset 24) is refused by its version, not misread as a version 6 plan.
@@ -1128,14 +1130,14 @@ struct RawReply {
   uint32_t qkv_buffer = 5;
   uint16_t memory_rank = 1;
   uint8_t dtype = 2;
-  uint8_t reserved = 0;
+  uint8_t persisted = 0;
   std::optional<uint16_t> device_bytes;  // default: device.size()
   std::string device = "cuda:0";
 };
 
 Bytes ReplyBody(const RawReply& h) {
   Le w;
-  w.U64(h.kv_capacity_tokens).U32(h.qkv_buffer).U16(h.memory_rank).U8(h.dtype).U8(h.reserved);
+  w.U64(h.kv_capacity_tokens).U32(h.qkv_buffer).U16(h.memory_rank).U8(h.dtype).U8(h.persisted);
   w.U16(h.device_bytes ? *h.device_bytes : static_cast<uint16_t>(h.device.size()));
   w.b.insert(w.b.end(), h.device.begin(), h.device.end());
   return w.b;
@@ -1220,6 +1222,7 @@ HelloReplyMessage RandomReply(std::mt19937_64& rng) {
   h.kv_capacity_tokens = 1 + rng() % kMaxKvCapacityTokens;
   h.qkv_buffer = static_cast<uint32_t>(rng());
   h.device = RandomText(rng, rng() % (kMaxDeviceBytes + 1));
+  h.persisted = rng() % 2 == 1;
   return h;
 }
 
@@ -1265,6 +1268,7 @@ const std::vector<AnyDecoder>& ControlDecoders() {
       {"heartbeat", kHeartbeatMagic, StatusOf(&DecodeHeartbeat)},
       {"heartbeat reply", kHeartbeatReplyMagic, StatusOf(&DecodeHeartbeatReply)},
       {"step discard", kStepDiscardMagic, StatusOf(&DecodeStepDiscard)},
+      {"persisted blocks", kPersistedBlocksMagic, StatusOf(&DecodePersistedBlocks)},
   };
   return decoders;
 }
@@ -1282,7 +1286,12 @@ std::vector<Bytes> ControlFrames() {
       EncodeMemoryStats(MemoryStatsMessage{.cookie = 9, .memory_rank = 3, .steps = 12, .attention_ns = 34}),
       EncodeHeartbeat(HeartbeatMessage{.seq = 21, .silence_ms = 122000}),
       EncodeHeartbeatReply(HeartbeatReplyMessage{.seq = 21, .memory_rank = 2}),
-      EncodeStepDiscard(StepDiscardMessage{.step_id = 31, .seqno_base = 960, .compute_mask = 3})};
+      EncodeStepDiscard(StepDiscardMessage{.step_id = 31, .seqno_base = 960, .compute_mask = 3}),
+      EncodePersistedBlocks(
+          PersistedBlocksMessage{.memory_rank = 1,
+                                 .last = true,
+                                 .blocks = {{.hash = 5, .parent_hash = 0, .depth = 1, .tokens = {1, 2}},
+                                            {.hash = 6, .parent_hash = 5, .depth = 2, .tokens = {3, 4}}}})};
 }
 
 TEST(ControlWire, RoundTrips) {
@@ -1359,7 +1368,7 @@ TEST(ControlWire, GoldenBytes) {
   h.partition = AttentionPartition::kHead, h.kv_head_begin = 4, h.kv_head_end = 6, h.lanes = 4;
   h.compute_ranks = 2, h.slice_layers = 3;
   const Bytes hello = {
-      0x54, 0x44, 0x48, 0x49, 0x08, 0x00, 0x10, 0x00, 0x48, 0x00, 0x00, 0x00, 0x79, 0x37, 0x3d,
+      0x54, 0x44, 0x48, 0x49, 0x09, 0x00, 0x10, 0x00, 0x48, 0x00, 0x00, 0x00, 0x79, 0x37, 0x3d,
       0x02,                                            // frame
       0x78, 0x56, 0x34, 0x12, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x20, 0x00, 0x00, 0x00, 0x20, 0x00, 0x00, 0x00,  // num_layers, num_heads
@@ -1392,7 +1401,7 @@ TEST(ControlWire, GoldenBytes) {
   r.kv_capacity_tokens = 0x01020304, r.qkv_buffer = 7, r.memory_rank = 2, r.dtype = DType::kBF16;
   r.device = "cuda:0";
   const Bytes reply = {
-      0x54, 0x44, 0x48, 0x52, 0x08, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x52, 0x09, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0xdb, 0xf4, 0x8d, 0x50,  // frame
       0x04, 0x03, 0x02, 0x01, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x07, 0x00, 0x00, 0x00, 0x02, 0x00, 0x02, 0x00,  // qkv_buffer, memory_rank, dtype, reserved
@@ -1405,7 +1414,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ReleaseMessage m{0x0102030405060708, {5, kU64Max}};
   const Bytes release = {
-      0x54, 0x44, 0x52, 0x4c, 0x08, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x52, 0x4c, 0x09, 0x00, 0x10, 0x00,
       0x20, 0x00, 0x00, 0x00, 0x21, 0x77, 0x58, 0xc2,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, reserved
@@ -1419,7 +1428,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ErrorMessage e{14, "peer gone"};
   const Bytes error = {
-      0x54, 0x44, 0x45, 0x52, 0x08, 0x00, 0x10, 0x00, 0x11,
+      0x54, 0x44, 0x45, 0x52, 0x09, 0x00, 0x10, 0x00, 0x11,
       0x00, 0x00, 0x00, 0x56, 0xa5, 0x51, 0x47,        // frame
       0x0e, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00,  // code, message_bytes
       'p',  'e',  'e',  'r',  ' ',  'g',  'o',  'n',  'e',
@@ -1430,7 +1439,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_TRUE(*eb == e);
 
   const Bytes bye = {
-      0x54, 0x44, 0x42, 0x59, 0x08, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x42, 0x59, 0x09, 0x00, 0x10, 0x00,
       0x08, 0x00, 0x00, 0x00, 0xc7, 0xfb, 0x17, 0x55,  // frame
       0xe8, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // steps
   };
@@ -1440,7 +1449,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(bb->steps, 1000u);
 
   const Bytes heartbeat = {
-      0x54, 0x44, 0x48, 0x42, 0x08, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x42, 0x09, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x6e, 0x14, 0x17, 0xba,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x88, 0x13, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // silence_ms 5000, reserved
@@ -1452,7 +1461,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(beat->silence_ms, 5000u);
 
   const Bytes heartbeat_reply = {
-      0x54, 0x44, 0x48, 0x41, 0x08, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x41, 0x09, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x47, 0x8e, 0x37, 0x33,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // memory_rank 3, reserved
@@ -1465,7 +1474,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(beat_reply->memory_rank, 3);
 
   const Bytes discard = {
-      0x54, 0x44, 0x53, 0x44, 0x08, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x53, 0x44, 0x09, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0x6f, 0xab, 0x9e, 0xf3,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // seqno_base
@@ -1719,17 +1728,18 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     EXPECT_EQ(m->kv_head_end, begin + kv_heads / ranks);
   }
   // A version 1 hello (before the partition) and a version 2 hello (byte 54 reserved, 0: no lanes)
-  // are refused by their version, not read as version 8.
+  // are refused by their version, not read as version 9.
   for (uint16_t version : {uint16_t{1}, uint16_t{2}}) {
     RawHello old;
     old.lanes = 0;
     const absl::Status s = DecodeHello(MakeFrame(kHelloMagic, HelloBody(old), version)).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "hello: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 8 (versions 2 to 4 "
+                               " at byte offset 4 is older than the supported version 9 (versions 2 to 4 "
                                "changed the hello, step plan and replica result layouts; 5 added the "
                                "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
-                               "step discard; 8 the step plan's next-use records)");
+                               "step discard; 8 the step plan's next-use records; 9 the evictions' "
+                               "tokens and the persisted blocks report)");
   }
   // The limits and combinations that are valid.
   for (auto [tokens, sharing] : {std::pair<uint16_t, uint8_t>{0, 0}, {1, 0}, {1, 1}, {4096, 2}, {4096, 0}}) {
@@ -1830,7 +1840,7 @@ TEST(HelloReplyWire, FieldRangeViolationsNameField) {
        "hello reply: kv_capacity_tokens 0 must be in [1, 2147483647]"},
       {[](RawReply& r) { r.kv_capacity_tokens = uint64_t{1} << 31; },
        "hello reply: kv_capacity_tokens 2147483648 must be in [1, 2147483647]"},
-      {[](RawReply& r) { r.reserved = 9; }, "hello reply: reserved at byte offset 31 is 9, must be 0"},
+      {[](RawReply& r) { r.persisted = 9; }, "hello reply: persisted 9 at byte offset 31 must be 0 or 1"},
       {[](RawReply& r) { r.device = std::string("cuda\0:0", 7); },
        "hello reply: device has a NUL byte at index 4"},
       {[](RawReply& r) { r.device = std::string(1, '\0'); }, "hello reply: device has a NUL byte at index 0"},
@@ -2051,17 +2061,17 @@ TEST(PeekFrameMagic, KnownUnknownAndShort) {
   std::vector<Bytes> frames = ControlFrames();
   frames.push_back(SmallPlanFrame());
   frames.push_back(EncodeLayerMessageHeader(LayerMessageHeader{}));
-  const uint32_t want[] = {kHelloMagic,       kHelloReplyMagic, kReleaseMagic,
-                           kErrorMagic,       kByeMagic,        kStatsRequestMagic,
-                           kMemoryStatsMagic, kHeartbeatMagic,  kHeartbeatReplyMagic,
-                           kStepDiscardMagic, kStepPlanMagic,   kLayerMessageMagic};
+  const uint32_t want[] = {
+      kHelloMagic,           kHelloReplyMagic,  kReleaseMagic,     kErrorMagic,          kByeMagic,
+      kStatsRequestMagic,    kMemoryStatsMagic, kHeartbeatMagic,   kHeartbeatReplyMagic, kStepDiscardMagic,
+      kPersistedBlocksMagic, kStepPlanMagic,    kLayerMessageMagic};
   for (size_t k = 0; k < frames.size(); ++k) {
     absl::StatusOr<uint32_t> m = PeekFrameMagic(frames[k]);
     ASSERT_TRUE(m.ok()) << m.status();
     EXPECT_EQ(*m, want[k]);
     // Only the magic is looked at: a bad version or a truncated body still peeks.
     Bytes f = frames[k];
-    f[4] = 9;
+    f[4] = 99;
     f.resize(kFrameHeaderBytes);
     EXPECT_EQ(PeekFrameMagic(f).value_or(0), want[k]);
     for (size_t n = 0; n < kFrameHeaderBytes; ++n) {
@@ -2254,8 +2264,8 @@ TEST(NextUseWire, GoldenBytesAndRefusals) {
   plan.next_uses.push_back({.block_hash = 0x1112131415161718, .next_use = 0, .memory_rank = 1});
   plan.next_uses.push_back({.block_hash = 0x2122232425262728, .next_use = 5, .memory_rank = 1});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x08, 0x00, 0x10, 0x00,
-      0x40, 0x00, 0x00, 0x00, 0xa5, 0x74, 0x3a, 0x3a,  // frame: version 8, body_bytes 64
+      0x54, 0x44, 0x53, 0x50, 0x09, 0x00, 0x10, 0x00,
+      0x40, 0x00, 0x00, 0x00, 0xa5, 0x74, 0x3a, 0x3a,  // frame: version 9, body_bytes 64
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -2343,8 +2353,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
                            .block_index = 1,
                            .memory_rank = 1});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x08, 0x00, 0x10, 0x00,
-      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 8, body_bytes 120
+      0x54, 0x44, 0x53, 0x50, 0x09, 0x00, 0x10, 0x00,
+      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 9, body_bytes 120
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -2370,8 +2380,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
 
   const RestoreReplyMessage reply{.step_id = 9, .memory_rank = 1, .failed = {0x1112131415161718}};
   const Bytes reply_golden = {
-      0x54, 0x44, 0x52, 0x54, 0x08, 0x00, 0x10, 0x00,
-      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 8, body_bytes 24
+      0x54, 0x44, 0x52, 0x54, 0x09, 0x00, 0x10, 0x00,
+      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 9, body_bytes 24
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // memory_rank, reserved, failed_count
       0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // failed[0]
@@ -2542,6 +2552,145 @@ TEST(ComputeReplicaWire, RoundTripsAndRefusesBadFrames) {
   bad = top_body;
   bad.push_back(0);
   refused(bad, "replica result: 2 alternatives need 16 bytes at byte offset 50 but 17 remain");
+}
+
+}  // namespace
+}  // namespace tandem
+
+namespace tandem {
+namespace {
+
+// Version 9: an eviction's tokens (its token_count in the record's bytes 10..11, the tokens after
+// the next-use records), written out by hand (crc by the bitwise reference); round trips, and
+// every malformed count refused naming what is wrong.
+TEST(EvictionTokensWire, GoldenBytesAndRefusals) {
+  StepPlan plan;
+  plan.step_id = 9;
+  plan.evictions.push_back({.block_hash = 0x1112131415161718, .memory_rank = 1, .tokens = {5, -1}});
+  plan.evictions.push_back({.block_hash = 0x21, .memory_rank = 1});
+  plan.next_uses.push_back({.block_hash = 0x31, .next_use = 2, .memory_rank = 1});
+  Le body;
+  body.U64(9).U32(0).U32(0).U32(0).U32(2).U8(0).U8(1).U16(1).U32(0);  // fixed part
+  body.U64(0x1112131415161718).U16(1).U16(2).U32(0);                  // eviction 0: 2 tokens
+  body.U64(0x21).U16(1).U16(0).U32(0);                                // eviction 1: none
+  body.U64(0x31).I32(2).U16(1).U16(0);                                // next use 0
+  body.I32(5).I32(-1);                                                // eviction 0's tokens
+  const Bytes golden = MakeFrame(kStepPlanMagic, body.b);
+  EXPECT_EQ(EncodeStepPlan(plan), golden);
+  absl::StatusOr<StepPlan> back = DecodeStepPlan(golden);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == plan);
+  // The largest block round-trips; one token more is refused by the validator.
+  StepPlan big = plan;
+  big.evictions[1].tokens.assign(kMaxPrefixBlockTokens, 7);
+  back = DecodeStepPlan(EncodeStepPlan(big));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == big);
+  big.evictions[1].tokens.push_back(7);
+  EXPECT_EQ(ValidateStepPlan(big).message(), "step plan: eviction 1: 4097 tokens, at most 4096");
+  // Forged counts: tokens missing (truncation), tokens left over, a count above the limit.
+  auto with_count = [&](uint16_t count) {
+    Bytes b = body.b;
+    b[32 + 10] = static_cast<uint8_t>(count), b[32 + 11] = static_cast<uint8_t>(count >> 8);
+    return MakeFrame(kStepPlanMagic, b);
+  };
+  absl::Status st = DecodeStepPlan(with_count(3)).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_EQ(st.message(),
+            "step plan: truncated: the evictions' 3 tokens need 12 bytes at byte offset 96 but 8 remain");
+  st = DecodeStepPlan(with_count(1)).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_CONTAINS(std::string(st.message()),
+                  "next_use_count 1 (with 1 eviction tokens) leave 4 unused body bytes at byte offset 100");
+  st = DecodeStepPlan(with_count(4097)).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_EQ(st.message(), "step plan: eviction 0: token_count 4097 at byte offset 58 exceeds 4096");
+}
+
+// The persisted blocks report: golden bytes, round trips, splitting under the size bound, and
+// every malformed record refused naming the block and field.
+TEST(PersistedBlocksWire, GoldenBytesSplitAndRefusals) {
+  const PersistedBlocksMessage m{.memory_rank = 2,
+                                 .last = true,
+                                 .blocks = {{.hash = 0x11, .parent_hash = 0, .depth = 1, .tokens = {7, 8}},
+                                            {.hash = 0x12, .parent_hash = 0x11, .depth = 2, .tokens = {9}}}};
+  Le body;
+  body.U16(2).U8(1).U8(0).U32(2);
+  body.U64(0x11).U64(0).I32(1).U32(2).I32(7).I32(8);
+  body.U64(0x12).U64(0x11).I32(2).U32(1).I32(9);
+  const Bytes golden = MakeFrame(kPersistedBlocksMagic, body.b);
+  EXPECT_EQ(EncodePersistedBlocks(m), golden);
+  absl::StatusOr<PersistedBlocksMessage> back = DecodePersistedBlocks(golden);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, m);
+  EXPECT_EQ(*PeekFrameMagic(golden), kPersistedBlocksMagic);
+  const std::vector<PersistedBlocksMessage> none = SplitPersistedBlocks(3, {});
+  ASSERT_EQ(none.size(), 1u);
+  EXPECT_TRUE(none[0].last && none[0].blocks.empty() && none[0].memory_rank == 3);
+  back = DecodePersistedBlocks(EncodePersistedBlocks(none[0]));
+  ASSERT_TRUE(back.ok()) << back.status();
+
+  // 600 blocks of 4096 tokens (about 9.8 MB) take several reports, each within the bound, only the
+  // last marked, the blocks in order.
+  std::vector<PersistedBlock> many;
+  for (int i = 0; i < 600; ++i) {
+    many.push_back({.hash = static_cast<uint64_t>(i + 1),
+                    .parent_hash = static_cast<uint64_t>(i),
+                    .depth = i + 1,
+                    .tokens = std::vector<int32_t>(kMaxPrefixBlockTokens, i)});
+  }
+  const std::vector<PersistedBlock> want = many;
+  const std::vector<PersistedBlocksMessage> parts = SplitPersistedBlocks(1, std::move(many));
+  ASSERT_GE(parts.size(), 10u);
+  std::vector<PersistedBlock> got;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const Bytes frame = EncodePersistedBlocks(parts[i]);
+    EXPECT_LE(frame.size() - kFrameHeaderBytes, kMaxPersistedBlocksBodyBytes);
+    absl::StatusOr<PersistedBlocksMessage> p = DecodePersistedBlocks(frame);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(p->last, i + 1 == parts.size());
+    EXPECT_EQ(p->memory_rank, 1);
+    got.insert(got.end(), p->blocks.begin(), p->blocks.end());
+  }
+  EXPECT_TRUE(got == want);
+
+  // Malformed bodies.
+  auto refused = [](const Le& b) {
+    return DecodePersistedBlocks(MakeFrame(kPersistedBlocksMagic, b.b)).status();
+  };
+  Le bad;
+  bad.U16(2).U8(2).U8(0).U32(0);
+  EXPECT_EQ(refused(bad).message(), "persisted blocks: last 2 at byte offset 18 must be 0 or 1");
+  bad = Le();
+  bad.U16(2).U8(1).U8(0).U32(0x10000000);
+  EXPECT_EQ(refused(bad).code(), absl::StatusCode::kDataLoss);
+  const std::vector<std::pair<std::function<void(Le&)>, std::string>> records = {
+      {[](Le& b) { b.U64(0).U64(0).I32(1).U32(1).I32(3); }, "block 0 at byte offset 24: hash 0"},
+      {[](Le& b) { b.U64(4).U64(3).I32(1).U32(1).I32(3); }, "parent_hash 3, depth 1"},
+      {[](Le& b) { b.U64(4).U64(0).I32(2).U32(1).I32(3); }, "parent_hash 0, depth 2"},
+      {[](Le& b) { b.U64(4).U64(0).I32(1).U32(0); }, "token_count 0"},
+      {[](Le& b) { b.U64(4).U64(0).I32(1).U32(4097); }, "token_count 4097"},
+  };
+  for (const auto& [write, want_text] : records) {
+    Le b;
+    b.U16(2).U8(1).U8(0).U32(1);
+    write(b);
+    const absl::Status st = refused(b);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << want_text << ": " << st;
+    EXPECT_CONTAINS(std::string(st.message()), want_text);
+  }
+  Le trunc;
+  trunc.U16(2).U8(1).U8(0).U32(1).U64(4).U64(0).I32(1).U32(3).I32(1);
+  EXPECT_EQ(refused(trunc).message(),
+            "persisted blocks: truncated: block 0's 3 tokens need 12 bytes at byte offset 48 but 4 remain");
+  Le extra;
+  extra.U16(2).U8(1).U8(0).U32(0).U32(0);
+  EXPECT_EQ(refused(extra).message(),
+            "persisted blocks: block_count 0 leaves 4 unused body bytes at byte offset 24");
+  Le huge;
+  huge.U16(2).U8(1).U8(0).U32(0);
+  huge.b.resize(kMaxPersistedBlocksBodyBytes + 1);
+  EXPECT_EQ(refused(huge).message(), "persisted blocks: body_bytes 1048577 exceeds 1048576");
 }
 
 }  // namespace
