@@ -403,19 +403,8 @@ class CudaAttentionExecutor : public AttentionExecutor {
     const int64_t n = static_cast<int64_t>(slots.size()), kv_dim = shape_.kv_dim();
     if (n == 0) return absl::OkStatus();
     RETURN_IF_ERROR(UploadSlots(slots, shape_.num_layers));
-    const int64_t layer_kv = num_slots_ * kv_dim;
     bf16* stage = tier_stage_.as<bf16>();
-    for (int64_t l = 0; l < shape_.num_layers; ++l) {
-      for (int64_t half = 0; half < 2; ++half) {
-        RETURN_IF_ERROR(kc::GatherRows({.src = kv_->as<bf16>() + (2 * l + half) * layer_kv,
-                                        .dst = stage + (2 * l + half) * n * kv_dim,
-                                        .rows = tier_slots_.as<int32_t>(),
-                                        .n = n,
-                                        .width = kv_dim,
-                                        .src_stride = kv_dim},
-                                       stream_));
-      }
-    }
+    RETURN_IF_ERROR(GatherSlots(n, stage));
     const size_t bytes = static_cast<size_t>(shape_.num_layers * 2 * n * kv_dim * 2);
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out, stage, bytes, cudaMemcpyDeviceToHost, stream_));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
@@ -442,18 +431,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
     const int64_t bytes = shape_.num_layers * 2 * n * kv_dim * 2;
     RETURN_IF_ERROR(r.stage.Reserve(bytes));
     RETURN_IF_ERROR(UploadSlots(slots, 0));
-    const int64_t layer_kv = num_slots_ * kv_dim;
-    for (int64_t l = 0; l < shape_.num_layers; ++l) {
-      for (int64_t half = 0; half < 2; ++half) {
-        RETURN_IF_ERROR(kc::GatherRows({.src = kv_->as<bf16>() + (2 * l + half) * layer_kv,
-                                        .dst = r.stage.as<bf16>() + (2 * l + half) * n * kv_dim,
-                                        .rows = tier_slots_.as<int32_t>(),
-                                        .n = n,
-                                        .width = kv_dim,
-                                        .src_stride = kv_dim},
-                                       stream_));
-      }
-    }
+    RETURN_IF_ERROR(GatherSlots(n, r.stage.as<bf16>()));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(r.ready, stream_));
     CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_, r.ready, 0));
     CUDA_RETURN_IF_ERROR(
@@ -549,6 +527,23 @@ class CudaAttentionExecutor : public AttentionExecutor {
     RETURN_IF_ERROR(tier_stage_.Reserve(layers * 2 * n * shape_.kv_dim() * 2));
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tier_slots_.ptr, slots.data(), static_cast<size_t>(n * 4),
                                          cudaMemcpyHostToDevice, stream_));
+    return absl::OkStatus();
+  }
+  // The K and V of the n slots in tier_slots_ (UploadSlots) over every layer into `dst`, in ReadSlots'
+  // layout, on the executor's stream.
+  absl::Status GatherSlots(int64_t n, bf16* dst) const {
+    const int64_t kv_dim = shape_.kv_dim(), layer_kv = num_slots_ * kv_dim;
+    for (int64_t l = 0; l < shape_.num_layers; ++l) {
+      for (int64_t half = 0; half < 2; ++half) {
+        RETURN_IF_ERROR(kc::GatherRows({.src = kv_->as<bf16>() + (2 * l + half) * layer_kv,
+                                        .dst = dst + (2 * l + half) * n * kv_dim,
+                                        .rows = tier_slots_.as<int32_t>(),
+                                        .n = n,
+                                        .width = kv_dim,
+                                        .src_stride = kv_dim},
+                                       stream_));
+      }
+    }
     return absl::OkStatus();
   }
   mutable kc::DeviceBuffer tier_slots_, tier_stage_;  // KV tiers' slot copies (ReadSlots, WriteSlots*)

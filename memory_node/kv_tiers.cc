@@ -156,7 +156,7 @@ bool KvTiers::Restore(uint64_t hash, uint64_t parent_hash, int32_t depth, std::s
     if (const absl::Status done = FinishRestores(); !done.ok())
       TANDEM_LOG_WARN("kv-tiers", "finishing restores: ", done.message());
   }
-  if (saver_.joinable()) {  // the block may still be on its way to the store
+  if (saver_.joinable() && !store_->Contains(hash)) {  // it may still be on its way to the store
     const auto w0 = std::chrono::steady_clock::now();
     DrainSaves();
     save_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();

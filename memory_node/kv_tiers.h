@@ -28,9 +28,9 @@
 // Asynchronous saves (executors whose AsyncReads(): the CUDA executor): Demote only starts the
 // block's copy out of the pool (AttentionExecutor::StartReadSlots, into one of a ring of pinned
 // buffers) and returns; a saver thread of the tiers waits for each copy and hands the bytes to the
-// store. A Demote waits only when every ring buffer is still in use. Restore, store() and the
-// destructor first wait for the saves in flight, so a block demoted in one step can be restored in
-// the next.
+// store. A Demote waits only when every ring buffer is still in use. A Restore of a block the store
+// does not hold yet, store() and the destructor first wait for the saves in flight, so a block
+// demoted in one step can be restored in the next.
 //
 // Thread safety: as the KV table's (one thread); the store's disk writer and the saver run on
 // threads of their own.

@@ -1239,22 +1239,21 @@ TEST_F(DisaggregatedTest, NothingListeningFailsCreateWithinTheStartupTimeout) {
 // get the colocated engine's tokens, with evicted blocks restored from the host tier, and with the
 // disk tier's files damaged mid-run (restores fail, the tokens are recomputed).
 
-class TieredDeployment : public DisaggregatedTest, public ::testing::WithParamInterface<std::string> {};
-
-TEST_P(TieredDeployment, ConversationsEqualColocated) {
-  const bool disk = GetParam() == "disk_damaged";
-  std::unique_ptr<WeightSource> source = OpenReference("llama3-gqa-tied");
-  ASSERT_NE(source, nullptr);
-  const std::string tier_dir = dir_ + "/tiers";
-  std::ofstream(dir_ + "/deploy.yaml")
-      << "launch:\n  startup_timeout_s: 60\n  step_timeout_s: 20\nkv:\n  tiers:\n"
-      << (disk ? "    disk_bytes: 16777216\n    disk_dir: " + tier_dir + "\n" : "    host_bytes: 16777216\n");
-  const int64_t vocab = source->spec().vocab_size;
-  // Four conversations of three turns; each turn is the history plus 11 new tokens, 6 answered.
-  auto converse = [&](tandem::Engine& e, const std::function<void(int)>& between) {
-    std::vector<std::vector<int32_t>> history(4), answers;
-    std::mt19937 rng(5);
-    for (int turn = 0; turn < 3; ++turn) {
+// Four conversations, each turn the history plus 11 new tokens, 6 answered (greedy, EOS ignored),
+// one request at a time. Turns continue where the last call stopped; Reset starts them over.
+struct TierConversations {
+  int64_t vocab = 0;
+  std::vector<std::vector<int32_t>> history = std::vector<std::vector<int32_t>>(4);
+  std::mt19937 rng{5};
+  void Reset() {
+    history.assign(4, {});
+    rng.seed(5);
+  }
+  // Turns [from, to) on `e`; before each turn, `between(turn)` may damage the tiers. Every answer.
+  std::vector<std::vector<int32_t>> Turns(tandem::Engine& e, int from, int to,
+                                          const std::function<void(int)>& between = nullptr) {
+    std::vector<std::vector<int32_t>> answers;
+    for (int turn = from; turn < to; ++turn) {
       if (between) between(turn);
       for (auto& h : history) {
         for (int i = 0; i < 11; ++i)
@@ -1271,16 +1270,30 @@ TEST_P(TieredDeployment, ConversationsEqualColocated) {
       }
     }
     return answers;
-  };
+  }
+};
+
+class TieredDeployment : public DisaggregatedTest, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(TieredDeployment, ConversationsEqualColocated) {
+  const bool disk = GetParam() == "disk_damaged";
+  std::unique_ptr<WeightSource> source = OpenReference("llama3-gqa-tied");
+  ASSERT_NE(source, nullptr);
+  const std::string tier_dir = dir_ + "/tiers";
+  std::ofstream(dir_ + "/deploy.yaml")
+      << "launch:\n  startup_timeout_s: 60\n  step_timeout_s: 20\nkv:\n  tiers:\n"
+      << (disk ? "    disk_bytes: 16777216\n    disk_dir: " + tier_dir + "\n" : "    host_bytes: 16777216\n");
+  TierConversations c{.vocab = source->spec().vocab_size};
   std::unique_ptr<ColocatedEngine> engine = Engine(*source, 4, 32, /*prefix_cache=*/false);
   ASSERT_NE(engine, nullptr);
-  const auto want = converse(*engine, nullptr);
+  const auto want = c.Turns(*engine, 0, 3);
+  c.Reset();
 
   ComputeRankOptions o = Options(4, 32, 64);  // a rank's pool holds about one conversation
   UsePrefixCache(&o, 8, "off");
   o.scheduler.tier_blocks = 1024;
   ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, o));
-  const auto got = converse(*rank_, [&](int turn) {
+  const auto got = c.Turns(*rank_, 0, 3, [&](int turn) {
     if (!disk || turn < 2) return;
     for (const auto& f : std::filesystem::recursive_directory_iterator(tier_dir)) {
       if (f.path().extension() == ".kvb") std::filesystem::resize_file(f.path(), 70);
@@ -1395,34 +1408,11 @@ TEST_P(PersistedDeployment, RestartRestoresTheConversationsFromDisk) {
   std::ofstream(dir_ + "/deploy.yaml")
       << "launch:\n  startup_timeout_s: 60\n  step_timeout_s: 20\nkv:\n  tiers:\n"
       << "    disk_bytes: 16777216\n    disk_dir: " << tier_dir << "\n    persist: true\n";
-  const int64_t vocab = source->spec().vocab_size;
-  std::vector<std::vector<int32_t>> history(4);
-  std::mt19937 rng(5);
-  // Turns [from, to) of the four conversations; each turn is the history plus 11 new tokens, 6 answered.
-  auto converse = [&](tandem::Engine& e, int from, int to) {
-    std::vector<std::vector<int32_t>> answers;
-    for (int turn = from; turn < to; ++turn) {
-      for (auto& h : history) {
-        for (int i = 0; i < 11; ++i)
-          h.push_back(static_cast<int32_t>(2 + rng() % static_cast<uint32_t>(vocab - 2)));
-        GenerationRequest r;
-        r.prompt = h;
-        r.max_tokens = 6;
-        r.ignore_eos = true;
-        absl::StatusOr<std::vector<GenerationResult>> out = e.GenerateAll({r});
-        EXPECT_TRUE(out.ok()) << out.status();
-        if (!out.ok()) return answers;
-        h.insert(h.end(), (*out)[0].token_ids.begin(), (*out)[0].token_ids.end());
-        answers.push_back((*out)[0].token_ids);
-      }
-    }
-    return answers;
-  };
+  TierConversations c{.vocab = source->spec().vocab_size};
   std::unique_ptr<ColocatedEngine> engine = Engine(*source, 4, 32, /*prefix_cache=*/false);
   ASSERT_NE(engine, nullptr);
-  const auto want = converse(*engine, 0, 3);
-  history.assign(4, {});
-  rng.seed(5);
+  const auto want = c.Turns(*engine, 0, 3);
+  c.Reset();
 
   ComputeRankOptions o = Options(4, 32, 64);
   UsePrefixCache(&o, 8, "off");
@@ -1430,7 +1420,7 @@ TEST_P(PersistedDeployment, RestartRestoresTheConversationsFromDisk) {
   o.scheduler.eviction_tokens = true;  // as ResolveControllerOptions sets it for kv.tiers.persist
   ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 2, o));
   EXPECT_EQ(rank_->controller().stats().tier_blocks_added, 0) << "nothing on disk yet";
-  auto got = converse(*rank_, 0, 2);
+  auto got = c.Turns(*rank_, 0, 2);
   EXPECT_GT(rank_->stats().demoted_tokens, 0);
   StopDeployment();
 
@@ -1449,7 +1439,7 @@ TEST_P(PersistedDeployment, RestartRestoresTheConversationsFromDisk) {
   // A file whose parent stayed in the pool when the deployment stopped (its rank has no tokens for
   // it, so it was not written) is not registered.
   EXPECT_LE(added, static_cast<int64_t>(damaged ? files[1] : files[0] + files[1]));
-  const auto later = converse(*rank_, 2, 3);
+  const auto later = c.Turns(*rank_, 2, 3);
   got.insert(got.end(), later.begin(), later.end());
   EXPECT_EQ(got, want);
   const EngineStats s = rank_->stats();
