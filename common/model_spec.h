@@ -25,6 +25,8 @@ struct RopeSpec {
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
   int64_t original_max_position = 8192;
+
+  friend bool operator==(const RopeSpec&, const RopeSpec&) = default;
 };
 
 struct ModelSpec {

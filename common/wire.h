@@ -378,6 +378,7 @@
 #include "absl/types/span.h"
 #include "common/dtype.h"
 #include "common/head_partition.h"
+#include "common/model_spec.h"
 #include "common/top_logprobs.h"
 
 namespace tandem {
@@ -508,11 +509,28 @@ struct PrefixEvict {
 // Brings a block the controller evicted from a rank's KV pool back from the rank's KV tiers: the rank
 // loads it into free slots and registers it (or reports it failed in its restore reply). Requests
 // attach restored blocks from the next plan on.
+// kv.store_pre_rope: rows of a block registered on a rank (in its KV pool or its KV tiers) that a
+// shifted restore copies into a new block at other positions.
+struct PrefixSegment {
+  uint64_t source_hash = 0;  // not 0: the registered block the rows come from
+  int32_t source_index = 0;  // >= 0: its block_index (its row r holds position source_index * B + r)
+  uint16_t source_row = 0;   // first row copied
+  uint16_t rows = 1;         // >= 1; source_row + rows <= B
+
+  friend bool operator==(const PrefixSegment&, const PrefixSegment&) = default;
+};
+
 struct PrefixRestore {
   uint64_t block_hash = 0;
   uint64_t parent_hash = 0;  // 0 when block_index is 0
   int32_t block_index = 0;   // >= 0
   uint16_t memory_rank = 0;
+  // Empty: the block's own KV comes back from the rank's tiers. Else (kv.store_pre_rope) the block
+  // is assembled: the segments' rows, in order, are its B rows (their rows add up to B), each key
+  // turned from its source position to its new one (block_index * B + row; AttentionExecutor::
+  // RotateKeys). A segment's source is registered on the rank before the plan's restores are
+  // applied, or restored earlier in the same plan.
+  std::vector<PrefixSegment> segments;
 
   friend bool operator==(const PrefixRestore&, const PrefixRestore&) = default;
 };
@@ -608,6 +626,9 @@ struct HelloMessage {
   // pipeline.q_first: each layer's q rows come first (kind kQ) and its k,v rows after (kind kKv),
   // so that the memory rank runs attention over the existing context while k,v are in flight.
   bool q_first = false;
+  // The model's rotary embedding (kv.store_pre_rope: a memory rank turns restored keys to new
+  // positions with it; common/model_spec.h).
+  RopeSpec rope;
 
   friend bool operator==(const HelloMessage&, const HelloMessage&) = default;
 };

@@ -186,6 +186,23 @@ class AttentionExecutor {
     return absl::UnimplementedError(absl::StrCat("KV tiers: no slot copy on ", device()));
   }
 
+  // kv.store_pre_rope (a shifted restore, memory_node/kv_tiers.h): turns the K rows of `slots`, in
+  // every layer, from the rotary angle of from_positions[i] to that of to_positions[i]. Each pair
+  // (k[j], k[j + d/2]) of every KV head turns by theta_j(to) - theta_j(from), theta_j(p) =
+  // float(p) * inv_freq[j] in fp32 exactly as the RoPE kernels compute it (kernels/cpu/ops.h), so
+  // keys written at one position become the keys of the same token at the other (up to rounding).
+  // V rows are not touched; a row whose two positions are equal stays bit-identical. inv_freq holds
+  // head_dim / 2 values; positions >= 0. InvalidArgument for mismatched lengths or a slot outside
+  // the pool.
+  virtual absl::Status RotateKeys(std::span<const int32_t> slots, std::span<const int32_t> from_positions,
+                                  std::span<const int32_t> to_positions, std::span<const float> inv_freq) {
+    (void)slots;
+    (void)from_positions;
+    (void)to_positions;
+    (void)inv_freq;
+    return absl::UnimplementedError(absl::StrCat("kv.store_pre_rope: no key rotation on ", device()));
+  }
+
   // Whether reading `prefix_tokens` shared keys once for `rows` rows (then merging) is faster here
   // than each row reading them itself: the measured crossover of kv.prefix_sharing: auto.
   virtual bool CascadePays(int64_t rows, int64_t prefix_tokens) const = 0;

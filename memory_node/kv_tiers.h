@@ -74,6 +74,10 @@ class KvTiers : public KvBlockTiers {
   // Copies every layer not yet copied of those blocks and forgets them.
   absl::Status FinishRestores();
   void set_layerwise(bool on) { layerwise_ = on; }
+  // kv.store_pre_rope: the model's inverse rotary frequencies (kernels::cpu::RopeInvFreq of its
+  // RopeSpec and head_dim), with which a shifted restore turns keys to their new positions. Empty
+  // (the default): shifted restores fail, and their blocks are recomputed.
+  void set_rotary(std::vector<float> inv_freq) { inv_freq_ = std::move(inv_freq); }
   bool layerwise() const { return layerwise_; }
 
   // kv.tiers.persist: blocks found on disk at start with block_tokens tokens each, parents first.
@@ -125,6 +129,7 @@ class KvTiers : public KvBlockTiers {
   BackendBuffer pinned_{nullptr, nullptr};
   std::span<uint8_t> buffer_;
   bool layerwise_ = true;
+  std::vector<float> inv_freq_;  // set_rotary
   std::vector<Staged> staged_;
   int64_t layers_copied_ = 0;  // of staged_: layers [0, layers_copied_) are in the pool
   double restore_seconds_ = 0;
