@@ -20,6 +20,10 @@ std::string TierSummary(const EngineStats& s) {
     absl::StrAppend(&out, "; prefetched ", s.prefetched_tokens, " tokens (", t.prefetched_blocks, " blocks, ",
                     t.prefetch_used_blocks, " used, ", t.prefetch_wasted_blocks, " wasted)");
   }
+  if (t.shifted_blocks > 0 || t.shifted_failed_blocks > 0) {
+    absl::StrAppend(&out, "; kv.store_pre_rope: ", t.shifted_blocks, " blocks reused at new positions, ",
+                    t.shifted_failed_blocks, " failed");
+  }
   if (t.per_tier) {
     absl::StrAppend(
         &out, "; hits host ", t.host_hits, ", disk ", t.disk_hits, ", misses ", t.misses, ", discarded ",

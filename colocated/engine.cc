@@ -10,6 +10,7 @@
 #include "common/dtype.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "kernels/cpu/ops.h"
 #include "kernels/cuda/device_choice.h"
 
 namespace tandem {
@@ -80,6 +81,7 @@ absl::StatusOr<std::unique_ptr<ColocatedEngine>> ColocatedEngine::Create(const W
                                       .persist = options.tiers_persist,
                                       .eviction = eviction},
                                      attention.get(), scheduler.prefix_block_tokens, source.Describe()));
+    tiers->set_rotary(kernels::cpu::RopeInvFreq(spec.rope, spec.head_dim));
   }
   auto engine = std::unique_ptr<ColocatedEngine>(
       new ColocatedEngine(std::move(backend), std::move(attention), options, scheduler));
@@ -182,6 +184,8 @@ absl::Status ColocatedEngine::Step(std::vector<std::pair<int64_t, GenerationResu
     t.prefetched_blocks = cs.prefetched_blocks;
     t.prefetch_used_blocks = cs.prefetch_used_blocks;
     t.prefetch_wasted_blocks = cs.prefetch_wasted_blocks;
+    t.shifted_blocks = cs.shifted_blocks;
+    t.shifted_failed_blocks = cs.shifted_failed_blocks;
     const KvTierStats ts = tiers_->stats();
     t.host_hits = ts.host_hits;
     t.disk_hits = ts.disk_hits;

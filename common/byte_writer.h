@@ -20,6 +20,7 @@ class ByteWriter {
   void U64(uint64_t v) { Le(v, 8); }
   void I32(int32_t v) { U32(static_cast<uint32_t>(v)); }
   void F32(float v) { U32(std::bit_cast<uint32_t>(v)); }
+  void F64(double v) { U64(std::bit_cast<uint64_t>(v)); }
   void Zeros(size_t n) { out_->insert(out_->end(), n, 0); }
   void Bytes(absl::Span<const uint8_t> b) { out_->insert(out_->end(), b.begin(), b.end()); }
 

@@ -74,6 +74,10 @@ class Reader {
     ASSIGN_OR_RETURN(uint32_t v, U32(f));
     return std::bit_cast<float>(v);
   }
+  absl::StatusOr<double> F64(std::string_view f) {
+    ASSIGN_OR_RETURN(uint64_t v, U64(f));
+    return std::bit_cast<double>(v);
+  }
   // Returns the next `n` bytes.
   absl::StatusOr<absl::Span<const uint8_t>> Bytes(std::string_view field, size_t n) {
     if (remaining() < n) {
@@ -156,7 +160,9 @@ absl::StatusOr<absl::Span<const uint8_t>> Unframe(absl::Span<const uint8_t> fram
         kWireVersion,
         " (versions 2 to 4 changed the hello, step plan and replica result layouts; 5 added the heartbeat; "
         "6 the rotational pipeline's hello field and messages; 7 the step discard; 8 the step plan's "
-        "next-use records; 9 the evictions' tokens and the persisted blocks report)"));
+        "next-use records; 9 the evictions' tokens and the persisted blocks report; 10 the restores' "
+        "segments "
+        "and the hello's rope)"));
   }
   ASSIGN_OR_RETURN(uint16_t header_bytes, r.U16("header_bytes"));
   if (header_bytes != kFrameHeaderBytes) {
@@ -416,6 +422,21 @@ absl::Status ValidatePlanLinks(const StepPlan& plan) {
                                                      ": the hash must not be 0, block_index must be >= 0 and "
                                                      "parent_hash 0 exactly at block_index 0"));
     }
+    if (e.segments.size() > kMaxPrefixSegments) {
+      return absl::InvalidArgumentError(absl::StrCat("step plan: restore ", i, ": ", e.segments.size(),
+                                                     " segments, at most ", kMaxPrefixSegments));
+    }
+    for (size_t j = 0; j < e.segments.size(); ++j) {
+      const PrefixSegment& g = e.segments[j];
+      if (g.source_hash == 0 || g.source_index < 0 || g.rows < 1 ||
+          g.source_row + g.rows > kMaxPrefixBlockTokens) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "step plan: restore ", i, ": segment ", j, ": source_hash ", g.source_hash, ", source_index ",
+            g.source_index, ", rows [", g.source_row, ", ", g.source_row + g.rows,
+            "): the hash must not be 0, source_index must be >= 0 and the rows non-empty and below ",
+            kMaxPrefixBlockTokens));
+      }
+    }
   }
   RETURN_IF_ERROR(CheckNoRepeatedBlocks(plan.restores, "restore"));
   if (plan.next_uses.size() > kMaxPrefixNextUses) {
@@ -538,6 +559,11 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
     fits = fits && e.tokens.size() <= (kMaxBody - body_bytes) / 4;
     if (fits) body_bytes += 4 * e.tokens.size();
   }
+  for (const PrefixRestore& e : plan.restores) {
+    TANDEM_CHECK_MSG(e.segments.size() <= kMaxPrefixSegments, "restore of ", e.segments.size(), " segments");
+    fits = fits && e.segments.size() <= (kMaxBody - body_bytes) / kPrefixSegmentBytes;
+    if (fits) body_bytes += kPrefixSegmentBytes * e.segments.size();
+  }
   TANDEM_CHECK_MSG(plan.next_uses.size() <= kMaxPrefixNextUses, "step plan of ", plan.next_uses.size(),
                    " next-use records");
   TANDEM_CHECK_MSG(fits, "step plan of ", plan.requests.size(), " requests, ", plan.groups.size(),
@@ -597,7 +623,7 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
     w.U64(e.parent_hash);
     w.I32(e.block_index);
     w.U16(e.memory_rank);
-    w.Zeros(2);
+    w.U16(static_cast<uint16_t>(e.segments.size()));
   }
   for (const PrefixNextUse& u : plan.next_uses) {
     w.U64(u.block_hash);
@@ -607,6 +633,14 @@ std::vector<uint8_t> EncodeStepPlan(const StepPlan& plan) {
   }
   for (const PrefixEvict& e : plan.evictions) {
     for (int32_t t : e.tokens) w.I32(t);
+  }
+  for (const PrefixRestore& e : plan.restores) {
+    for (const PrefixSegment& g : e.segments) {
+      w.U64(g.source_hash);
+      w.I32(g.source_index);
+      w.U16(g.source_row);
+      w.U16(g.rows);
+    }
   }
   return Frame(kStepPlanMagic, body);
 }
@@ -713,13 +747,22 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
     RETURN_IF_ERROR(RecordReserved(r, "eviction", i, 4));
   }
   plan.restores.resize(restore_count);
+  std::vector<uint16_t> segment_counts(restore_count);
+  uint64_t segment_total = 0;
   for (uint32_t i = 0; i < restore_count; ++i) {
     PrefixRestore& e = plan.restores[i];
     ASSIGN_OR_RETURN(e.block_hash, r.U64("block_hash"));
     ASSIGN_OR_RETURN(e.parent_hash, r.U64("parent_hash"));
     ASSIGN_OR_RETURN(e.block_index, r.I32("block_index"));
     ASSIGN_OR_RETURN(e.memory_rank, r.U16("memory_rank"));
-    RETURN_IF_ERROR(RecordReserved(r, "restore", i, 2));
+    const size_t count_at = r.offset();
+    ASSIGN_OR_RETURN(segment_counts[i], r.U16("segment_count"));
+    if (segment_counts[i] > kMaxPrefixSegments) {
+      return absl::InvalidArgumentError(absl::StrCat(ToAbsl(kWhat), ": restore ", i, ": segment_count ",
+                                                     segment_counts[i], " at byte offset ", count_at,
+                                                     " exceeds ", kMaxPrefixSegments));
+    }
+    segment_total += segment_counts[i];
   }
   if (next_use_count > kMaxPrefixNextUses) {
     return absl::InvalidArgumentError(absl::StrCat(ToAbsl(kWhat), ": next_use_count ", next_use_count,
@@ -734,24 +777,37 @@ absl::StatusOr<StepPlan> DecodeStepPlan(absl::Span<const uint8_t> frame) {
     ASSIGN_OR_RETURN(u.memory_rank, r.U16("memory_rank"));
     RETURN_IF_ERROR(RecordReserved(r, "next use", i, 2));
   }
-  if (4 * token_total > r.remaining()) {
-    return absl::DataLossError(absl::StrCat(ToAbsl(kWhat), ": truncated: the evictions' ", token_total,
-                                            " tokens need ", 4 * token_total, " bytes at byte offset ",
-                                            r.offset(), " but ", r.remaining(), " remain"));
+  const uint64_t tail = 4 * token_total + kPrefixSegmentBytes * segment_total;  // small: cannot wrap
+  if (tail > r.remaining()) {
+    return absl::DataLossError(absl::StrCat(
+        ToAbsl(kWhat), ": truncated: the evictions' ", token_total, " tokens",
+        segment_total > 0 ? absl::StrCat(" and the restores' ", segment_total, " segments") : "", " need ",
+        tail, " bytes at byte offset ", r.offset(), " but ", r.remaining(), " remain"));
   }
-  if (4 * token_total < r.remaining()) {
+  if (tail < r.remaining()) {
     return absl::InvalidArgumentError(absl::StrCat(
         ToAbsl(kWhat), ": request_count ", request_count, ", group_count ", group_count, ", publish_count ",
         publish_count, ", evict_count ", evict_count, ", restore_count ", restore_count,
         " and next_use_count ", next_use_count,
-        token_total > 0 ? absl::StrCat(" (with ", token_total, " eviction tokens)") : "", " leave ",
-        r.remaining() - 4 * token_total, " unused body bytes at byte offset ", r.offset() + 4 * token_total));
+        token_total > 0 ? absl::StrCat(" (with ", token_total, " eviction tokens)") : "",
+        segment_total > 0 ? absl::StrCat(" (with ", segment_total, " restore segments)") : "", " leave ",
+        r.remaining() - tail, " unused body bytes at byte offset ", r.offset() + tail));
   }
   for (uint32_t i = 0; i < evict_count; ++i) {
     PrefixEvict& e = plan.evictions[i];
     e.tokens.resize(token_counts[i]);
     for (int32_t& t : e.tokens) {
       ASSIGN_OR_RETURN(t, r.I32("token"));
+    }
+  }
+  for (uint32_t i = 0; i < restore_count; ++i) {
+    PrefixRestore& e = plan.restores[i];
+    e.segments.resize(segment_counts[i]);
+    for (PrefixSegment& g : e.segments) {
+      ASSIGN_OR_RETURN(g.source_hash, r.U64("source_hash"));
+      ASSIGN_OR_RETURN(g.source_index, r.I32("source_index"));
+      ASSIGN_OR_RETURN(g.source_row, r.U16("source_row"));
+      ASSIGN_OR_RETURN(g.rows, r.U16("rows"));
     }
   }
   RETURN_IF_ERROR(ValidateStepPlan(plan));
@@ -847,6 +903,12 @@ absl::Status ValidateHello(const HelloMessage& h) {
   if (h.slice_layers > h.num_layers || (h.slice_layers > 0 && h.compute_ranks < 2)) {
     return bad("slice_layers ", h.slice_layers, " must be 0 or in [1, num_layers ", h.num_layers,
                "] with compute_ranks >= 2 (compute_ranks ", int{h.compute_ranks}, ")");
+  }
+  for (const auto& [name, value] :
+       {std::pair{"rope_theta", h.rope.theta}, std::pair{"rope_factor", h.rope.factor},
+        std::pair{"rope_low_freq_factor", h.rope.low_freq_factor},
+        std::pair{"rope_high_freq_factor", h.rope.high_freq_factor}}) {
+    if (!(std::isfinite(value) && value > 0)) return bad(name, " ", value, " must be finite and > 0");
   }
   const auto partition = static_cast<uint8_t>(h.partition);
   uint64_t begin = 0, end = h.num_kv_heads;  // the slice the partition gives this rank
@@ -956,7 +1018,13 @@ std::vector<uint8_t> EncodeHello(const HelloMessage& h) {
   w.U32(h.kv_head_end);
   w.U16(h.slice_layers);
   w.U8(h.q_first ? 1 : 0);
-  w.Zeros(5);
+  w.U8(static_cast<uint8_t>(h.rope.type));
+  w.Zeros(4);
+  w.F64(h.rope.theta);
+  w.F64(h.rope.factor);
+  w.F64(h.rope.low_freq_factor);
+  w.F64(h.rope.high_freq_factor);
+  w.U64(static_cast<uint64_t>(h.rope.original_max_position));
   return Frame(kHelloMagic, body);
 }
 
@@ -989,7 +1057,23 @@ absl::StatusOr<HelloMessage> DecodeHello(absl::Span<const uint8_t> frame) {
   ASSIGN_OR_RETURN(h.kv_head_end, r.U32("kv_head_end"));
   ASSIGN_OR_RETURN(h.slice_layers, r.U16("slice_layers"));
   ASSIGN_OR_RETURN(h.q_first, ReadBool(r, "q_first", kWhat));
-  RETURN_IF_ERROR(r.Reserved("reserved", 5));
+  ASSIGN_OR_RETURN(uint8_t rope_type, r.U8("rope_type"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 4));
+  ASSIGN_OR_RETURN(h.rope.theta, r.F64("rope_theta"));
+  ASSIGN_OR_RETURN(h.rope.factor, r.F64("rope_factor"));
+  ASSIGN_OR_RETURN(h.rope.low_freq_factor, r.F64("rope_low_freq_factor"));
+  ASSIGN_OR_RETURN(h.rope.high_freq_factor, r.F64("rope_high_freq_factor"));
+  ASSIGN_OR_RETURN(uint64_t original_max, r.U64("rope_original_max_position"));
+  if (rope_type > static_cast<uint8_t>(RopeType::kLlama3)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hello: rope_type ", rope_type, " must be 0 (default) or 1 (llama3)"));
+  }
+  if (original_max < 1 || original_max > kMaxKvCapacityTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("hello: rope_original_max_position ", original_max,
+                                                   " must be in [1, ", kMaxKvCapacityTokens, "]"));
+  }
+  h.rope.type = static_cast<RopeType>(rope_type);
+  h.rope.original_max_position = static_cast<int64_t>(original_max);
   // Enum values are checked by ValidateHello before any use as an enum.
   h.dtype = static_cast<DType>(dtype);
   h.partition = static_cast<AttentionPartition>(partition);

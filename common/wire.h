@@ -31,7 +31,7 @@
 //                                 'T','D','R','G' replica ring         0x47524454
 //                                 'T','D','S','D' step discard         0x44534454
 //                                 'T','D','P','B' persisted blocks     0x42504454
-//        4     2  version       u16, kWireVersion (9); a newer one decodes as Unimplemented, an
+//        4     2  version       u16, kWireVersion (10); a newer one decodes as Unimplemented, an
 //                               older one as InvalidArgument (one build runs every rank).
 //                               Version 2 added the hello's partition and KV head slice (its
 //                               body grew from 56 to 64 bytes); version 3 the step plan's
@@ -52,14 +52,18 @@
 //                               version 9 the evictions' tokens (each PrefixEvict record's
 //                               token_count, reserved before, and the tokens after the next-use
 //                               records), the hello reply's persisted byte (reserved before) and
-//                               the persisted blocks report; the other layouts are unchanged
-//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 9
+//                               the persisted blocks report; version 10 the restores' segments
+//                               (each PrefixRestore record's segment_count, reserved before, and
+//                               the PrefixSegment records after the evictions' tokens) and the
+//                               hello's rope (its body grew from 72 to 112 bytes); the other
+//                               layouts are unchanged
+//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 10
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
 //
 // Step plan body (body_bytes = 32 + 64 * request_count + 24 * group_count + 32 * publish_count +
 // 16 * evict_count + 24 * restore_count + 16 * next_use_count + 4 * (the evictions' token_count
-// summed); the records fill the body exactly):
+// summed) + 16 * (the restores' segment_count summed); the records fill the body exactly):
 //
 //   offset  size  field          notes
 //   ------  ----  -------------  ---------------------------------------------------------------
@@ -82,7 +86,10 @@
 //        E  24*s  restores[s]    PrefixRestore records; E = P + 16*e
 //        S  16*n  next_uses[n]   PrefixNextUse records; S = E + 24*s
 //        T   4*t  tokens[t]      i32 each: eviction 0's token_count tokens, then eviction 1's, and
-//                                so on (t = their sum); T = S + 16*n, and the body ends at T + 4*t
+//                                so on (t = their sum); T = S + 16*n
+//        U  16*u  segments[u]    PrefixSegment records: restore 0's segment_count segments, then
+//                                restore 1's, and so on (u = their sum); U = T + 4*t, and the body
+//                                ends at U + 16*u
 //
 //   StepRequest record (64 bytes):
 //        0     8  request_id     u64
@@ -138,7 +145,18 @@
 //                                     plan); 0 exactly when block_index is 0
 //       16     4  block_index    i32  >= 0: its position in the chain
 //       20     2  memory_rank    u16
-//       22     2  reserved       must be 0
+//       22     2  segment_count  u16  <= kMaxPrefixSegments (16): 0, the block's own KV comes back
+//                                     from the tiers; else (kv.store_pre_rope) the block is
+//                                     assembled from rows of other registered blocks, the
+//                                     segments at the end of the body
+//
+//   PrefixSegment record (16 bytes): rows of a registered block a shifted restore copies
+//        0     8  source_hash    u64  not 0
+//        8     4  source_index   i32  >= 0: the source's block_index
+//       12     2  source_row     u16  first row copied
+//       14     2  rows           u16  >= 1; source_row + rows <= kMaxPrefixBlockTokens (the
+//                                     rank checks against its block size, and that a restore's
+//                                     segments' rows add up to it)
 //
 //   PrefixNextUse record (16 bytes; no two with the same memory_rank and block_hash): a block in
 //   the rank's KV tiers (demoted) that a waiting request will reuse, for the tiers' eviction order
@@ -177,8 +195,8 @@
 //       41     1  dtype           u8   tandem::DType: 0 (f32), 1 (f16), 2 (bf16)
 //       42     6  reserved        must be 0
 //
-// Hello body (compute rank -> memory rank, the first message on a connection; 72 bytes, a whole
-// frame is 88 bytes):
+// Hello body (compute rank -> memory rank, the first message on a connection; 112 bytes, a whole
+// frame is 128 bytes; f64 values travel as their IEEE-754 binary64 bit pattern):
 //
 //   offset  size  field                  notes
 //   ------  ----  ---------------------  -------------------------------------------------------
@@ -230,7 +248,15 @@
 //                                             (kind 4) at offset 0 with seqno s, then k,v (kind 5)
 //                                             at QFirstKvOffset (common/layer_message.h) with
 //                                             seqno s + 1; the output carries seqno s + 1
-//       67     5  reserved               must be 0
+//       67     1  rope_type              u8   RopeType (common/model_spec.h): 0 (default),
+//                                             1 (llama3)
+//       68     4  reserved               must be 0
+//       72     8  rope_theta             f64  finite, > 0 (the model's rotary embedding, with
+//       80     8  rope_factor            f64  which a memory rank turns restored keys to new
+//       88     8  rope_low_freq_factor   f64  positions: kv.store_pre_rope); the three factors
+//       96     8  rope_high_freq_factor  f64  finite, > 0
+//      104     8  rope_original_max_position
+//                                        u64  >= 1, <= 2^31-1
 //
 // Hello reply body (memory rank -> compute rank; body_bytes = 18 + device_bytes;
 // kv_capacity_tokens counts tokens of the rank's KV head slice, which under the head partition
@@ -383,7 +409,7 @@
 
 namespace tandem {
 
-inline constexpr uint16_t kWireVersion = 9;
+inline constexpr uint16_t kWireVersion = 10;
 inline constexpr uint32_t kStepPlanMagic = 0x50534454;      // "TDSP" on the wire
 inline constexpr uint32_t kLayerMessageMagic = 0x4d4c4454;  // "TDLM" on the wire
 inline constexpr size_t kFrameHeaderBytes = 16;
@@ -394,6 +420,8 @@ inline constexpr size_t kPrefixPublishBytes = 32;           // one PrefixPublish
 inline constexpr size_t kPrefixEvictBytes = 16;             // one PrefixEvict record
 inline constexpr size_t kPrefixRestoreBytes = 24;           // one PrefixRestore record
 inline constexpr size_t kPrefixNextUseBytes = 16;           // one PrefixNextUse record
+inline constexpr size_t kPrefixSegmentBytes = 16;           // one PrefixSegment record
+inline constexpr size_t kMaxPrefixSegments = 16;            // PrefixSegment records of one restore
 inline constexpr size_t kMaxPrefixNextUses = 2048;          // PrefixNextUse records in one plan
 inline constexpr uint32_t kRestoreReplyMagic = 0x54524454;  // "TDRT" on the wire
 inline constexpr size_t kRestoreReplyFixedBytes = 16;       // restore reply body before the hashes
@@ -414,7 +442,7 @@ inline constexpr size_t kComputeHelloBodyBytes = 8;            // compute hello 
 inline constexpr size_t kReplicaStepFixedBytes = 8;            // replica step body before the tokens
 inline constexpr size_t kReplicaResultFixedBytes = 16;         // replica result body before the tokens
 inline constexpr size_t kMaxMicroBatches = 8;                  // pipeline.batches at most
-inline constexpr size_t kHelloBodyBytes = 72;                  // hello body
+inline constexpr size_t kHelloBodyBytes = 112;                 // hello body
 inline constexpr size_t kHelloReplyFixedBytes = 18;            // hello reply body before the device
 inline constexpr size_t kReleaseFixedBytes = 16;               // release body before the request ids
 inline constexpr size_t kErrorFixedBytes = 8;                  // error body before the message

@@ -293,6 +293,7 @@ HelloMessage ComputeRank::MakeHello(size_t m, uint32_t attn_buffer) const {
   hello.compute_ranks = static_cast<uint8_t>(compute_ranks_);
   hello.slice_layers = static_cast<uint16_t>(schedule_.rotational() ? options_.slice_layers : 0);
   hello.q_first = o.q_first;
+  hello.rope = s.rope;
   hello.checksums = o.checksums;
   hello.prefix_block_tokens = static_cast<uint16_t>(o.scheduler.prefix_block_tokens);
   hello.prefix_sharing = static_cast<uint8_t>(o.scheduler.prefix_sharing);
@@ -1883,7 +1884,9 @@ EngineStats ComputeRank::stats() const {
              .pool_bytes_in = cs.restored_blocks * block_bytes,
              .prefetched_blocks = cs.prefetched_blocks,
              .prefetch_used_blocks = cs.prefetch_used_blocks,
-             .prefetch_wasted_blocks = cs.prefetch_wasted_blocks};
+             .prefetch_wasted_blocks = cs.prefetch_wasted_blocks,
+             .shifted_blocks = cs.shifted_blocks,
+             .shifted_failed_blocks = cs.shifted_failed_blocks};
   }
   return {.steps = cs.steps,
           .prefill_tokens = cs.prefill_tokens,

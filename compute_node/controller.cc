@@ -70,13 +70,80 @@ Controller::Controller(const ModelSpec& spec, std::vector<int64_t> kv_capacity,
   pending_.resize(capacity_.size());
   prefetching_.resize(capacity_.size());
   prefetched_.resize(capacity_.size());
+  shifted_.resize(capacity_.size());
+  shifted_failed_.resize(capacity_.size());
   if (options_.prefix_block_tokens > 0) {
-    for (size_t m = 0; m < capacity_.size(); ++m) {
-      index_.push_back(std::make_unique<PrefixIndex>(options_.prefix_block_tokens, &DefaultBlockHash,
-                                                     options_.tier_blocks));
-      index_.back()->set_demoted_wanted_last(options_.tier_next_use);
-    }
+    for (size_t m = 0; m < capacity_.size(); ++m) index_.push_back(MakeIndex());
   }
+}
+
+std::unique_ptr<PrefixIndex> Controller::MakeIndex() const {
+  auto index =
+      std::make_unique<PrefixIndex>(options_.prefix_block_tokens, &DefaultBlockHash, options_.tier_blocks);
+  index->set_demoted_wanted_last(options_.tier_next_use);
+  if (options_.shifted_reuse) index->EnableContentLookup();
+  return index;
+}
+
+void Controller::AddShiftedBlocks(size_t m, std::span<const int32_t> prompt) {
+  if (!options_.shifted_reuse || index_.empty() || lost_[m]) return;
+  PrefixIndex& index = *index_[m];
+  const int64_t bt = index.block_tokens();
+  const int64_t max_blocks = (static_cast<int64_t>(prompt.size()) - 1) / bt;
+  const std::vector<int32_t> match = index.Match(prompt, max_blocks);
+  if (static_cast<int64_t>(match.size()) >= max_blocks) return;
+  auto& recipes = shifted_[m];
+  // Recipes of blocks the registry forgot before they were restored.
+  if (recipes.size() > 4096) {
+    std::erase_if(recipes, [&](const auto& entry) { return index.Find(entry.first) < 0; });
+  }
+  if (shifted_failed_[m].size() > 4096) shifted_failed_[m].clear();
+  const auto usable = [&](int32_t id) { return !recipes.contains(index.hash(id)); };
+  int32_t prev = match.empty() ? -1 : match.back();
+  ShiftedCursor cursor;
+  if (prev >= 0) {
+    auto it = recipes.find(index.hash(prev));
+    if (it != recipes.end()) cursor = it->second.next;
+  }
+  for (int64_t b = static_cast<int64_t>(match.size()); b < max_blocks; ++b) {
+    ShiftedCursor next;
+    const std::optional<std::vector<ShiftedRun>> runs =
+        FindShiftedBlock(index, prompt, b * bt, prev, cursor, usable, &next);
+    if (!runs) return;
+    const std::span<const int32_t> tokens =
+        prompt.subspan(static_cast<size_t>(b * bt), static_cast<size_t>(bt));
+    const uint64_t parent_hash = prev >= 0 ? index.hash(prev) : PrefixIndex::kSeed;
+    const uint64_t hash = index.HashBlock(parent_hash, tokens);
+    if (shifted_failed_[m].contains(hash)) return;
+    ShiftedRecipe recipe{.next = next};
+    for (const ShiftedRun& run : *runs) {
+      int32_t depth = 0;
+      for (int32_t id = run.block; id >= 0; id = index.parent(id)) ++depth;
+      recipe.segments.push_back({.source_hash = index.hash(run.block),
+                                 .source_index = depth - 1,
+                                 .source_row = static_cast<uint16_t>(run.row),
+                                 .rows = static_cast<uint16_t>(run.rows)});
+    }
+    const int32_t id = index.AddDemoted(hash, parent_hash, tokens);
+    if (id < 0 || index.Find(hash) != id) return;  // taken, or trimmed at once
+    recipes[hash] = std::move(recipe);
+    prev = id;
+    cursor = next;
+  }
+}
+
+PrefixRestore Controller::MakeRestore(size_t m, int32_t id, int32_t parent, size_t k) {
+  const PrefixIndex& index = *index_[m];
+  PrefixRestore r{.block_hash = index.hash(id),
+                  .parent_hash = k == 0 ? 0 : index.hash(parent),
+                  .block_index = static_cast<int32_t>(k),
+                  .memory_rank = static_cast<uint16_t>(m)};
+  auto it = shifted_[m].find(r.block_hash);
+  if (it != shifted_[m].end()) {
+    r.segments = std::move(it->second.segments);
+    shifted_[m].erase(it);
+  }
+  return r;
 }
 
 absl::Status Controller::Check(const GenerationRequest& request) const {
@@ -160,6 +227,7 @@ void Controller::Admit() {
     const size_t pick = policy_->NextToAdmit(view);
     TANDEM_CHECK(pick < waiting_.size());
     const std::vector<int32_t>& prompt = waiting_[pick].request.prompt;
+    for (size_t m = 0; m < capacity_.size(); ++m) AddShiftedBlocks(m, prompt);
     // The prompt's block hashes (all ranks hash alike), for blocks that running requests are
     // computing: a rank where the prompt's leading blocks are registered or about to be is
     // preferred, so that requests arriving together with one prompt share it on one rank.
@@ -228,10 +296,7 @@ void Controller::Admit() {
         if (!index.resident(id)) {
           index.MarkRestored(id);
           restoring_[bi][h] = id;
-          restores_[bi].push_back({.block_hash = h,
-                                   .parent_hash = k == 0 ? 0 : index.hash(best_match[k - 1]),
-                                   .block_index = static_cast<int32_t>(k),
-                                   .memory_rank = static_cast<uint16_t>(best)});
+          restores_[bi].push_back(MakeRestore(bi, id, k == 0 ? -1 : best_match[k - 1], k));
           live->reserve -= index.block_tokens();  // held as a registered block from now on
         }
         if (restoring_[bi].contains(h)) live->restoring.push_back(h);
@@ -296,6 +361,9 @@ void Controller::Prefetch(std::vector<uint64_t>* evictions) {
   if (!demoted) return;
   const int64_t bt = options_.prefix_block_tokens;
   const size_t window = std::min(waiting_.size(), static_cast<size_t>(options_.prefetch_lookahead));
+  for (size_t w = 0; w < window; ++w) {
+    for (size_t m = 0; m < index_.size(); ++m) AddShiftedBlocks(m, waiting_[w].request.prompt);
+  }
   // Per rank: the blocks that the window's requests match (resident or not), kept from eviction.
   std::vector<std::vector<int32_t>> keep(index_.size());
   for (size_t w = 0; w < window; ++w) {
@@ -348,10 +416,7 @@ void Controller::Prefetch(std::vector<uint64_t>* evictions) {
       index.MarkRestored(id);
       restoring_[bi][h] = id;
       prefetching_[bi].insert(h);
-      restores_[bi].push_back({.block_hash = h,
-                               .parent_hash = k == 0 ? 0 : index.hash(best_match[k - 1]),
-                               .block_index = static_cast<int32_t>(k),
-                               .memory_rank = static_cast<uint16_t>(best)});
+      restores_[bi].push_back(MakeRestore(bi, id, k == 0 ? -1 : best_match[k - 1], k));
       room -= bt;
     }
   }
@@ -438,6 +503,9 @@ void Controller::Publish(Live& live, int64_t rows, StepPlan* plan) {
     // Registered meanwhile by a request that computed the same tokens (or a hash collision): the
     // rest of this request's KV stays private, so every registered chain is one request's slots.
     if (id < 0) break;
+    // A shifted block registered for a waiting request and computed here first: its KV is this
+    // request's now (exact), so its recipe is not needed.
+    if (!shifted_.empty()) shifted_[static_cast<size_t>(live.memory_rank)].erase(index.hash(id));
     index.Acquire({&id, 1});
     live.chain.push_back(id);
     live.reserve -= index.block_tokens();
@@ -695,9 +763,17 @@ void Controller::RestoreResult(const StepPlan& plan, int m, std::span<const uint
       forget.push_back(it->second);
       stats_.restore_failed_tokens += bt;
       ++stats_.restore_failed_blocks;
+      if (!r.segments.empty()) {
+        ++stats_.shifted_failed_blocks;
+        shifted_failed_[mi].insert(r.block_hash);
+      }
     } else {
       stats_.restored_tokens += bt;
       ++stats_.restored_blocks;
+      if (!r.segments.empty()) {
+        stats_.shifted_tokens += bt;
+        ++stats_.shifted_blocks;
+      }
       if (prefetch) {
         prefetched_[mi].insert(r.block_hash);
         stats_.prefetched_tokens += bt;
@@ -919,11 +995,9 @@ void Controller::ResetRank(size_t m, int64_t capacity) {
   restoring_[m].clear();
   prefetching_[m].clear();
   prefetched_[m].clear();
-  if (!index_.empty()) {
-    index_[m] =
-        std::make_unique<PrefixIndex>(options_.prefix_block_tokens, &DefaultBlockHash, options_.tier_blocks);
-    index_[m]->set_demoted_wanted_last(options_.tier_next_use);
-  }
+  shifted_[m].clear();
+  shifted_failed_[m].clear();
+  if (!index_.empty()) index_[m] = MakeIndex();
 }
 
 const GenerationResult* Controller::Progress(int64_t id) const {

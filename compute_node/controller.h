@@ -63,6 +63,15 @@
 // (Live::prompt_hashes); each plan then costs registry look-ups only, and nothing while no rank
 // holds demoted blocks.
 //
+// Shifted reuse (options.shifted_reuse: kv.store_pre_rope, with tiers; compute_node/shifted_match.h):
+// before a waiting request is placed or prefetched, the prompt blocks after its chained match on a
+// rank that shifted runs of that rank's registered blocks can give are registered there, demoted,
+// each with its recipe (the runs). Match then covers them, and their restores (admission or
+// prefetch) carry the recipe (PrefixRestore::segments): the rank assembles the block from those rows
+// and turns the keys to their new positions. A block whose KV does not exist yet (a recipe not yet
+// restored) is never a source. A shifted restore that fails is forgotten like any other, and its
+// hash is not synthesized again (the rank could not find a source).
+//
 // Stop conditions: an EOS token (unless ignore_eos), max_tokens, or Cancel(). A finished
 // request's KV is released on its rank (Complete()/Cancel() report which ids to release).
 //
@@ -86,6 +95,7 @@
 #include "common/wire.h"
 #include "compute_node/compute_backend.h"
 #include "compute_node/prefix_index.h"
+#include "compute_node/shifted_match.h"
 #include "kernels/cpu/ops.h"
 
 namespace tandem {
@@ -138,6 +148,9 @@ struct ControllerOptions {
   // (PrefixEvict::tokens), which the tiers write into the block files, so that a restarted engine
   // or memory rank can offer them back (AddTierBlocks).
   bool eviction_tokens = false;
+  // kv.store_pre_rope, with tiers: a prompt block that no chained match finds but whose tokens
+  // registered blocks hold at other positions is restored from their rows (see the top).
+  bool shifted_reuse = false;
 };
 
 // scheduler.max_batch_size and scheduler.max_tokens_per_step as the controller takes them: a
@@ -206,6 +219,11 @@ struct ControllerStats {
   int64_t prefetched_tokens = 0;
   int64_t prefetch_used_blocks = 0;
   int64_t prefetch_wasted_blocks = 0;
+  // kv.store_pre_rope: blocks restored from shifted rows of other blocks (also counted in
+  // restored_*), and those whose restore failed (also in restore_failed_*).
+  int64_t shifted_blocks = 0;
+  int64_t shifted_tokens = 0;
+  int64_t shifted_failed_blocks = 0;
 };
 
 class Controller {
@@ -321,6 +339,14 @@ class Controller {
   // Restores the demoted prefix blocks of the first options_.prefetch_lookahead waiting requests
   // (see the top of this file); appends the hashes it evicted for room to `evictions`.
   void Prefetch(std::vector<uint64_t>* evictions);
+  // Shifted reuse (see the top): registers the blocks of `prompt` after rank m's chained match that
+  // shifted runs can give, demoted, with their recipes.
+  void AddShiftedBlocks(size_t m, std::span<const int32_t> prompt);
+  // The restore record of block `id` of rank m (index k in its chain, after `parent`), with its
+  // recipe's segments when it is a shifted block (the recipe is then used up).
+  PrefixRestore MakeRestore(size_t m, int32_t id, int32_t parent, size_t k);
+  // A fresh prefix registry for a rank.
+  std::unique_ptr<PrefixIndex> MakeIndex() const;
   // Evicts unused blocks of rank m for `need` tokens of room, those that the first
   // kv.eviction_lookahead waiting requests match last; returns the tokens freed.
   int64_t EvictForRoom(size_t m, int64_t need);
@@ -364,6 +390,14 @@ class Controller {
   // attached by a request nor evicted (by hash).
   std::vector<std::unordered_set<uint64_t>> prefetching_;
   std::vector<std::unordered_set<uint64_t>> prefetched_;
+  // Per rank, shifted reuse: hash of a shifted block not restored yet -> its recipe, and the hashes
+  // of shifted blocks whose restore failed (not synthesized again).
+  struct ShiftedRecipe {
+    std::vector<PrefixSegment> segments;
+    ShiftedCursor next;  // where the run of the block after it would continue
+  };
+  std::vector<std::unordered_map<uint64_t, ShiftedRecipe>> shifted_;
+  std::vector<std::unordered_set<uint64_t>> shifted_failed_;
   ControllerOptions options_;
   std::unique_ptr<SchedulingPolicy> policy_;
   int64_t next_id_ = 0;

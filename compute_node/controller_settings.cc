@@ -62,7 +62,16 @@ void AddSchedulerKvKnobs(ConfigSchema* schema) {
       .Enum("kv.tiers.eviction", d.tiers_eviction, {"next_use", "lru"},
             "KV tiers: which blocks the host and disk tiers evict when full. next_use: first those that "
             "none of the first kv.eviction_lookahead waiting requests will reuse (least recently used "
-            "first), then the one whose first use is farthest in the queue; lru: least recently used");
+            "first), then the one whose first use is farthest in the queue; lru: least recently used")
+      .Bool(
+          "kv.store_pre_rope", d.store_pre_rope,
+          "KV tiers: reuse saved KV at new positions. A prompt block that no cached prefix holds, but whose "
+          "tokens registered blocks hold elsewhere (a conversation whose oldest turns the client dropped), "
+          "is "
+          "restored from those rows, its keys turned to their new positions by the rotary embedding, instead "
+          "of being recomputed. The first layer's KV is then exact; deeper layers keep the context the rows "
+          "were computed in, an approximation (docs/benchmarks.md measures how often tokens differ). Needs "
+          "kv.tiers.host_bytes or kv.tiers.disk_bytes > 0");
 }
 
 SchedulerKvSettings SchedulerKvSettingsFromConfig(const Config& config) {
@@ -81,6 +90,7 @@ SchedulerKvSettings SchedulerKvSettingsFromConfig(const Config& config) {
   s.tiers_persist = config.GetBool("kv.tiers.persist");
   s.tiers_prefetch_lookahead = config.GetInt("kv.tiers.prefetch_lookahead");
   s.tiers_eviction = config.GetString("kv.tiers.eviction");
+  s.store_pre_rope = config.GetBool("kv.store_pre_rope");
   return s;
 }
 
@@ -107,6 +117,11 @@ absl::StatusOr<ControllerOptions> ResolveControllerOptions(const SchedulerKvSett
     const int64_t block_bytes = std::max<int64_t>(1, options.prefix_block_tokens * kv_bytes_per_token);
     options.tier_blocks = std::max<int64_t>(1, (s.tiers_host_bytes + s.tiers_disk_bytes) / block_bytes);
   }
+  if (s.store_pre_rope && !s.tiers_enabled()) {
+    return absl::InvalidArgumentError(
+        "kv.store_pre_rope needs KV tiers (kv.tiers.host_bytes or kv.tiers.disk_bytes > 0)");
+  }
+  options.shifted_reuse = s.store_pre_rope;
   return options;
 }
 

@@ -19,6 +19,9 @@
 //   kv.tiers.eviction              next_use: each tier evicts the blocks no request of the first
 //                                  kv.eviction_lookahead waiting ones wants first, then the farthest
 //                                  use; lru: least recently used
+//   kv.store_pre_rope              with tiers: reuse registered blocks' KV at other positions (keys
+//                                  turned by their rotary embedding), e.g. a history whose oldest
+//                                  turns were dropped; an approximation (docs/architecture.md)
 //
 // The kv.capacity_tokens and kv.memory_fraction values are not the controller's: they size the
 // KV pool of whoever owns it (the colocated engine, or each memory rank through the hello).
@@ -50,6 +53,7 @@ struct SchedulerKvSettings {
   bool tiers_persist = false;               // kv.tiers.persist
   int64_t tiers_prefetch_lookahead = 8;     // kv.tiers.prefetch_lookahead
   std::string tiers_eviction = "next_use";  // kv.tiers.eviction: next_use or lru
+  bool store_pre_rope = false;              // kv.store_pre_rope
   bool tiers_enabled() const { return tiers_host_bytes > 0 || tiers_disk_bytes > 0; }
 };
 

@@ -61,6 +61,11 @@ struct KvTierCounters {
   int64_t prefetched_blocks = 0;
   int64_t prefetch_used_blocks = 0;
   int64_t prefetch_wasted_blocks = 0;
+  // kv.store_pre_rope, counted by the controller: blocks assembled from rows of other registered
+  // blocks at new positions (part of restored_blocks), and those whose assembly failed (part of
+  // restore_failed_blocks; their tokens were recomputed).
+  int64_t shifted_blocks = 0;
+  int64_t shifted_failed_blocks = 0;
   // Counted by the tiers themselves, per tier: the colocated engine. A deployment's memory ranks
   // own their tiers and log these when they end (reporting them to compute rank 0 needs a wire
   // message); per_tier is then false and the fields below are 0.

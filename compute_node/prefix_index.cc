@@ -155,6 +155,10 @@ int32_t PrefixIndex::NewBlock(uint64_t hash, int32_t parent, std::span<const int
   b.last_used = ++tick_;
   b.lru_it = lru_.insert(lru_.end(), id);
   by_hash_.emplace(hash, id);
+  if (content_lookup_) {
+    by_anchor_.emplace(AnchorHash(b.tokens), id);
+    by_parent_.emplace(parent, id);
+  }
   if (parent >= 0) ++blocks_[static_cast<size_t>(parent)].num_children;
   ++stats_.blocks;
   return id;
@@ -164,6 +168,19 @@ void PrefixIndex::Remove(int32_t id) {
   Block& b = blocks_[static_cast<size_t>(id)];
   TANDEM_CHECK(b.users == 0 && b.num_children == 0);
   by_hash_.erase(b.hash);
+  if (content_lookup_) {
+    const auto erase = [id](auto& map, auto key) {
+      auto [first, last] = map.equal_range(key);
+      for (auto it = first; it != last; ++it) {
+        if (it->second == id) {
+          map.erase(it);
+          return;
+        }
+      }
+    };
+    erase(by_anchor_, AnchorHash(b.tokens));
+    erase(by_parent_, b.parent);
+  }
   if (b.parent >= 0) {
     --blocks_[static_cast<size_t>(b.parent)].num_children;
     if (b.resident) --blocks_[static_cast<size_t>(b.parent)].resident_children;
@@ -312,6 +329,32 @@ void PrefixIndex::EvictPass(int64_t need, const std::vector<char>& keep, int64_t
 void PrefixIndex::CountLookup(int64_t prompt_tokens, int64_t matched_tokens) {
   stats_.looked_up_tokens += prompt_tokens;
   stats_.matched_tokens += matched_tokens;
+}
+
+uint64_t PrefixIndex::AnchorHash(std::span<const int32_t> tokens) const {
+  return DefaultBlockHash(kSeed, tokens.first(static_cast<size_t>(anchor_tokens())));
+}
+
+std::vector<int32_t> PrefixIndex::WithAnchor(std::span<const int32_t> tokens) const {
+  std::vector<int32_t> ids;
+  const size_t k = static_cast<size_t>(anchor_tokens());
+  if (!content_lookup_ || tokens.size() < k) return ids;
+  auto [first, last] = by_anchor_.equal_range(AnchorHash(tokens));
+  for (auto it = first; it != last; ++it) {
+    const std::vector<int32_t>& t = blocks_[static_cast<size_t>(it->second)].tokens;
+    if (std::equal(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(k), tokens.begin()))
+      ids.push_back(it->second);
+  }
+  std::sort(ids.begin(), ids.end());  // an order that does not depend on the hash table's
+  return ids;
+}
+
+std::vector<int32_t> PrefixIndex::Children(int32_t id) const {
+  std::vector<int32_t> ids;
+  auto [first, last] = by_parent_.equal_range(id);
+  for (auto it = first; it != last; ++it) ids.push_back(it->second);
+  std::sort(ids.begin(), ids.end());
+  return ids;
 }
 
 }  // namespace tandem

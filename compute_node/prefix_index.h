@@ -41,6 +41,7 @@
 // Thread safety: not thread-safe; the controller serialises calls.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <list>
 #include <span>
@@ -133,6 +134,19 @@ class PrefixIndex {
   const std::vector<int32_t>& tokens(int32_t id) const { return blocks_[static_cast<size_t>(id)].tokens; }
 
   int64_t block_tokens() const { return block_tokens_; }
+
+  // Content look-ups (kv.store_pre_rope; compute_node/shifted_match.h), off until enabled: once on,
+  // every registered block is also indexed by its first anchor_tokens() tokens and by its parent.
+  // Enable before the first Insert.
+  void EnableContentLookup() { content_lookup_ = true; }
+  bool content_lookup() const { return content_lookup_; }
+  // min(block_tokens, 8): the tokens a block is anchored by.
+  int64_t anchor_tokens() const { return std::min<int64_t>(block_tokens_, 8); }
+  // Ids of the registered blocks whose first anchor_tokens() tokens are `tokens`' first ones
+  // (compared, not only hashed); empty when `tokens` is shorter or the look-up is off.
+  std::vector<int32_t> WithAnchor(std::span<const int32_t> tokens) const;
+  // Ids of the registered children of block `id` (empty when the look-up is off).
+  std::vector<int32_t> Children(int32_t id) const;
   // The chained hash of a block of tokens after the block `parent_hash` (kSeed for block 0).
   uint64_t HashBlock(uint64_t parent_hash, std::span<const int32_t> block) const {
     return hash_(parent_hash, block);
@@ -182,7 +196,12 @@ class PrefixIndex {
   std::vector<Block> blocks_;                      // by id; dead ones are reused
   std::vector<int32_t> free_ids_;                  // dead block ids
   std::unordered_map<uint64_t, int32_t> by_hash_;  // chained hash -> block id
-  std::list<int32_t> lru_;                         // front: least recently used
+  // Content look-ups (EnableContentLookup): anchor hash -> block ids, parent id -> child ids.
+  bool content_lookup_ = false;
+  std::unordered_multimap<uint64_t, int32_t> by_anchor_;
+  std::unordered_multimap<int32_t, int32_t> by_parent_;
+  uint64_t AnchorHash(std::span<const int32_t> tokens) const;
+  std::list<int32_t> lru_;  // front: least recently used
   int64_t unused_blocks_ = 0;
   uint64_t tick_ = 0;
   Stats stats_;

@@ -83,4 +83,25 @@ absl::Status CheckAttentionBatch(const AttentionBatch& b, const AttentionShape& 
   return absl::OkStatus();
 }
 
+absl::Status CheckRotation(const AttentionShape& shape, std::span<const int32_t> slots,
+                           std::span<const int32_t> from_positions, std::span<const int32_t> to_positions,
+                           std::span<const float> inv_freq) {
+  if (from_positions.size() != slots.size() || to_positions.size() != slots.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("RotateKeys: ", slots.size(), " slots but ",
+                                                   from_positions.size(), " from and ", to_positions.size(),
+                                                   " to positions"));
+  }
+  if (static_cast<int64_t>(inv_freq.size()) != shape.head_dim / 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RotateKeys: ", inv_freq.size(), " inverse frequencies for head_dim ", shape.head_dim));
+  }
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (from_positions[i] < 0 || to_positions[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("RotateKeys: slot ", slots[i], " turns from position ",
+                                                     from_positions[i], " to ", to_positions[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace tandem

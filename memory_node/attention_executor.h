@@ -237,6 +237,12 @@ class AttentionExecutor {
 // naming what is wrong.
 absl::Status CheckAttentionBatch(const AttentionBatch& batch, const AttentionShape& shape, int64_t num_slots);
 
+// RotateKeys' arguments other than the slots' range: one from and one to position per slot, each
+// >= 0, and head_dim / 2 inverse frequencies.
+absl::Status CheckRotation(const AttentionShape& shape, std::span<const int32_t> slots,
+                           std::span<const int32_t> from_positions, std::span<const int32_t> to_positions,
+                           std::span<const float> inv_freq);
+
 // fp32 KV in host memory; sized from MemAvailable when capacity_tokens is 0.
 absl::StatusOr<std::unique_ptr<AttentionExecutor>> CreateCpuAttentionExecutor(const AttentionShape& shape,
                                                                               const KvPoolOptions& kv);

@@ -185,6 +185,24 @@ class CpuAttentionExecutor : public AttentionExecutor {
     }
     return absl::OkStatus();
   }
+  absl::Status RotateKeys(std::span<const int32_t> slots, std::span<const int32_t> from_positions,
+                          std::span<const int32_t> to_positions, std::span<const float> inv_freq) override {
+    RETURN_IF_ERROR(CheckRotation(shape_, slots, from_positions, to_positions, inv_freq));
+    RETURN_IF_ERROR(CheckSlots(slots));
+    if (slots.empty()) return absl::OkStatus();
+    for (int64_t l = 0; l < shape_.num_layers; ++l) {
+      RETURN_IF_ERROR(kernels::cpu::RopeShift({.k = pool_->k[static_cast<size_t>(l)].get(),
+                                               .rows = slots.data(),
+                                               .from_positions = from_positions.data(),
+                                               .to_positions = to_positions.data(),
+                                               .inv_freq = inv_freq.data(),
+                                               .n = static_cast<int64_t>(slots.size()),
+                                               .num_rows = num_slots_,
+                                               .num_kv_heads = shape_.num_kv_heads,
+                                               .head_dim = shape_.head_dim}));
+    }
+    return absl::OkStatus();
+  }
   absl::Status WriteSlotsLayer(std::span<const int32_t> slots, int64_t layer, const uint8_t* in) override {
     RETURN_IF_ERROR(CheckSlots(slots));
     if (layer < 0 || layer >= shape_.num_layers)

@@ -3,6 +3,7 @@
 // One metadata upload per step.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <vector>
@@ -446,6 +447,36 @@ class CudaAttentionExecutor : public AttentionExecutor {
     CUDA_RETURN_IF_ERROR(cudaEventSynchronize(read_ring_[static_cast<size_t>(ticket % kReadRing)].done));
     return absl::OkStatus();
   }
+  // kv.store_pre_rope: the slots, their positions and the frequencies go up in one copy (from pageable
+  // memory: staged before cudaMemcpyAsync returns), then one kernel turns every layer's keys, on the
+  // executor's stream.
+  absl::Status RotateKeys(std::span<const int32_t> slots, std::span<const int32_t> from_positions,
+                          std::span<const int32_t> to_positions, std::span<const float> inv_freq) override {
+    RETURN_IF_ERROR(CheckRotation(shape_, slots, from_positions, to_positions, inv_freq));
+    RETURN_IF_ERROR(CheckSlots(slots));
+    const int64_t n = static_cast<int64_t>(slots.size());
+    if (n == 0) return absl::OkStatus();
+    std::vector<int32_t> meta(static_cast<size_t>(3 * n + static_cast<int64_t>(inv_freq.size())));
+    std::copy(slots.begin(), slots.end(), meta.begin());
+    std::copy(from_positions.begin(), from_positions.end(), meta.begin() + n);
+    std::copy(to_positions.begin(), to_positions.end(), meta.begin() + 2 * n);
+    std::memcpy(meta.data() + 3 * n, inv_freq.data(), inv_freq.size() * sizeof(float));
+    RETURN_IF_ERROR(shift_meta_.Reserve(static_cast<int64_t>(meta.size()) * 4));
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(shift_meta_.ptr, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, stream_));
+    const int32_t* d = shift_meta_.as<int32_t>();
+    return kc::RopeShift({.k = kv_->as<bf16>(),
+                          .rows = d,
+                          .from_positions = d + n,
+                          .to_positions = d + 2 * n,
+                          .inv_freq = reinterpret_cast<const float*>(d + 3 * n),
+                          .n = n,
+                          .num_kv_heads = shape_.num_kv_heads,
+                          .head_dim = shape_.head_dim,
+                          .layers = shape_.num_layers,
+                          .layer_stride = 2 * num_slots_ * shape_.kv_dim()},
+                         stream_);
+  }
   absl::Status WriteSlots(std::span<const int32_t> slots, const uint8_t* in) override {
     for (int64_t l = 0; l < shape_.num_layers; ++l) RETURN_IF_ERROR(WriteSlotsLayer(slots, l, in));
     return absl::OkStatus();
@@ -547,6 +578,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
     return absl::OkStatus();
   }
   mutable kc::DeviceBuffer tier_slots_, tier_stage_;  // KV tiers' slot copies (ReadSlots, WriteSlots*)
+  kc::DeviceBuffer shift_meta_;                       // RotateKeys' slots, positions and frequencies
   // StartReadSlots' ring of device staging buffers, each with the events of its gathers (ready) and
   // of its device-to-host copy (done), and the copy stream.
   struct ReadBuffer {

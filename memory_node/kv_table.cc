@@ -69,6 +69,17 @@ absl::Status KvTable::Check(const StepPlan& plan, uint16_t memory_rank,
       if (!parent_ok)
         return bad(what, "its parent ", Hex(e.parent_hash), " is not registered at depth ", e.block_index);
     }
+    if (!e.segments.empty()) {  // a shifted restore: its segments must fill the block
+      int64_t rows = 0;
+      for (size_t j = 0; j < e.segments.size(); ++j) {
+        const PrefixSegment& g = e.segments[j];
+        if (g.rows < 1 || g.source_row + g.rows > block_tokens_)
+          return bad(what, "segment ", j, " copies rows [", g.source_row, ", ", g.source_row + g.rows,
+                     ") of a block of ", block_tokens_);
+        rows += g.rows;
+      }
+      if (rows != block_tokens_) return bad(what, "its segments copy ", rows, " rows, not ", block_tokens_);
+    }
     new_rows += block_tokens_;
   }
 
@@ -220,7 +231,8 @@ absl::Status KvTable::Apply(const StepPlan& plan, uint16_t memory_rank, Attentio
     b.depth = e.block_index + 1;
     TANDEM_CHECK(allocator_.Allocate(block_tokens_, &b.slots).ok());  // counted in Check
     const bool ok = (e.block_index == 0 || !failed.contains(e.parent_hash)) &&
-                    tiers_->Restore(e.block_hash, e.parent_hash, b.depth, b.slots);
+                    (e.segments.empty() ? tiers_->Restore(e.block_hash, e.parent_hash, b.depth, b.slots)
+                                        : RestoreShifted(e, b.slots));
     if (!ok) {
       allocator_.Release(b.slots);
       failed.insert(e.block_hash);
@@ -356,6 +368,21 @@ void KvTable::Release(std::span<const uint64_t> request_ids) {
 int64_t KvTable::context_length(uint64_t request_id) const {
   auto it = contexts_.find(request_id);
   return it == contexts_.end() ? 0 : static_cast<int64_t>(it->second.slots.size());
+}
+
+bool KvTable::RestoreShifted(const PrefixRestore& restore, std::span<const int32_t> slots) {
+  std::vector<KvShiftedSource> sources;
+  for (const PrefixSegment& g : restore.segments) {
+    KvShiftedSource src{
+        .hash = g.source_hash, .source_index = g.source_index, .row = g.source_row, .rows = g.rows};
+    // In the pool (registered before the plan, or restored earlier in it) at the depth the plan
+    // names; else the tiers' copy.
+    auto it = blocks_.find(g.source_hash);
+    if (it != blocks_.end() && it->second.depth == g.source_index + 1)
+      src.pool_slots = std::span(it->second.slots).subspan(g.source_row, g.rows);
+    sources.push_back(src);
+  }
+  return tiers_->RestoreShifted(sources, slots, static_cast<int64_t>(restore.block_index) * block_tokens_);
 }
 
 }  // namespace tandem

@@ -45,6 +45,17 @@
 
 namespace tandem {
 
+// A shifted restore's source (kv.store_pre_rope; PrefixRestore::segments): rows [row, row + rows) of
+// block `hash` at depth source_index + 1, from the pool (pool_slots, which the KV table resolves
+// for a source registered there) or else from the tiers.
+struct KvShiftedSource {
+  uint64_t hash = 0;
+  int32_t source_index = 0;
+  int32_t row = 0;
+  int32_t rows = 0;
+  std::span<const int32_t> pool_slots;  // `rows` slots, or empty: from the tiers
+};
+
 // Moves a block's KV between the pool and the lower tiers (memory_node/kv_tiers.h).
 class KvBlockTiers {
  public:
@@ -59,6 +70,10 @@ class KvBlockTiers {
   // The demoted blocks waiting requests will reuse (the plan's next-use records for this rank),
   // replacing the last list: the tiers' eviction order (KvTierStore::SetNextUse).
   virtual void SetNextUse(std::span<const KvTierNextUse> uses) = 0;
+  // Fills `slots` (one block, positions first_position on) with the sources' rows in order, their
+  // keys turned to the new positions; false when that cannot be done (the slots are then unused).
+  virtual bool RestoreShifted(std::span<const KvShiftedSource> sources, std::span<const int32_t> slots,
+                              int64_t first_position) = 0;
 };
 
 class KvTable {
@@ -119,6 +134,8 @@ class KvTable {
     std::vector<uint64_t> chain;  // hashes of the registered blocks it holds, from block 0
   };
 
+  // A restore with segments: its sources resolved (pool or tiers) and handed to the tiers.
+  bool RestoreShifted(const PrefixRestore& restore, std::span<const int32_t> slots);
   // The chain of hashes from block 0 to `hash` (which must be registered).
   std::vector<uint64_t> ChainTo(uint64_t hash) const;
   absl::Status Check(const StepPlan& plan, uint16_t memory_rank, std::vector<const StepRequest*>* mine) const;

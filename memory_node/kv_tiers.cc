@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -215,6 +217,80 @@ bool KvTiers::Load(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span
     TANDEM_LOG_WARN("kv-tiers", "restore of block ", absl::StrFormat("%016x", hash), ": ", st.message());
     return false;
   }
+  return true;
+}
+
+bool KvTiers::RestoreShifted(std::span<const KvShiftedSource> sources, std::span<const int32_t> slots,
+                             int64_t first_position) {
+  const auto fail = [&](const std::string& why) {
+    TANDEM_LOG_WARN("kv-tiers", "shifted restore at position ", first_position, " failed (", why,
+                    "); its tokens are recomputed");
+    return false;
+  };
+  if (inv_freq_.empty()) return fail("no rotary frequencies");
+  if (const absl::Status done = FinishRestores(); !done.ok()) return fail(std::string(done.message()));
+  if (saver_.joinable()) {  // a store source may still be on its way to the store
+    bool pending = false;
+    for (const KvShiftedSource& src : sources)
+      pending |= src.pool_slots.empty() && !store_->Contains(src.hash);
+    if (pending) {
+      const auto w0 = std::chrono::steady_clock::now();
+      DrainSaves();
+      save_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+    }
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t bt = block_tokens_;
+  const int64_t layers = executor_->shape().num_layers;
+  const size_t row_bytes = static_cast<size_t>(executor_->shape().kv_dim()) * DTypeSize(executor_->dtype());
+  TANDEM_CHECK(static_cast<int64_t>(slots.size()) == bt);
+  // Copies `rows` rows of each layer's K and V from `from` (a block of `from_rows` rows in ReadSlots'
+  // layout, starting at row `row`) to rows [at, at + rows) of buffer_.
+  const auto place = [&](const uint8_t* from, int64_t from_rows, int64_t row, int64_t rows, int64_t at) {
+    for (int64_t l = 0; l < layers; ++l) {
+      for (int64_t kv = 0; kv < 2; ++kv) {
+        std::memcpy(buffer_.data() + static_cast<size_t>((l * 2 + kv) * bt + at) * row_bytes,
+                    from + static_cast<size_t>((l * 2 + kv) * from_rows + row) * row_bytes,
+                    static_cast<size_t>(rows) * row_bytes);
+      }
+    }
+  };
+  std::vector<int32_t> from_positions, to_positions;
+  std::vector<uint8_t> rows_read;
+  int64_t at = 0;
+  for (const KvShiftedSource& src : sources) {
+    if (src.rows < 1 || src.row < 0 || src.row + src.rows > bt || at + src.rows > bt)
+      return fail("bad segment");
+    if (!src.pool_slots.empty()) {
+      rows_read.resize(static_cast<size_t>(layers * 2 * src.rows) * row_bytes);
+      if (const absl::Status st = executor_->ReadSlots(src.pool_slots, rows_read.data()); !st.ok())
+        return fail(std::string(st.message()));
+      place(rows_read.data(), src.rows, 0, src.rows, at);
+    } else {
+      KvTierBlock block;
+      std::shared_ptr<const std::vector<uint8_t>> bytes;
+      const absl::StatusOr<int> tier = store_->LoadShared(src.hash, &block, &bytes);
+      if (!tier.ok())
+        return fail(
+            absl::StrCat("block ", absl::StrFormat("%016x", src.hash), ": ", tier.status().message()));
+      if (block.depth != src.source_index + 1)
+        return fail(absl::StrCat("block ", absl::StrFormat("%016x", src.hash), " has another depth"));
+      place(bytes->data(), bt, src.row, src.rows, at);
+    }
+    for (int32_t i = 0; i < src.rows; ++i) {
+      from_positions.push_back(static_cast<int32_t>(src.source_index * bt + src.row + i));
+      to_positions.push_back(static_cast<int32_t>(first_position + at + i));
+    }
+    at += src.rows;
+  }
+  if (at != bt) return fail("the segments do not fill the block");
+  absl::Status st = executor_->WriteSlots(slots, buffer_.data());
+  if (st.ok()) st = executor_->memory().Synchronize();  // buffer_ is the next restore's
+  if (st.ok()) st = executor_->RotateKeys(slots, from_positions, to_positions, inv_freq_);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  restore_seconds_ += seconds;
+  restore_stall_seconds_ += seconds;
+  if (!st.ok()) return fail(std::string(st.message()));
   return true;
 }
 

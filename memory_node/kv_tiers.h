@@ -68,6 +68,16 @@ class KvTiers : public KvBlockTiers {
   bool Restore(uint64_t hash, uint64_t parent_hash, int32_t depth, std::span<const int32_t> slots) override;
   void SetNextUse(std::span<const KvTierNextUse> uses) override { store_->SetNextUse(uses); }
 
+  // Shifted restore (kv.store_pre_rope; PrefixRestore::segments): fills `slots` (block_tokens of
+  // them, positions first_position, first_position + 1, ...) with the sources' rows in order (their
+  // rows add up to block_tokens) and turns their keys from the sources' positions (source_index *
+  // block_tokens + row + i) to the new ones (AttentionExecutor::RotateKeys). All layers at once:
+  // restores staged earlier are finished first, since they may be the sources. False (with a
+  // warning; the caller recomputes the block) when a source has no good copy, set_rotary was not
+  // called, or the executor fails.
+  bool RestoreShifted(std::span<const KvShiftedSource> sources, std::span<const int32_t> slots,
+                      int64_t first_position) override;
+
   // Layer-wise restore (see the top): copies layers up to `layer` of the blocks restored since
   // the last FinishRestores (layers already copied are skipped, so several lanes may call it).
   absl::Status RestoreLayer(int64_t layer);

@@ -17,6 +17,7 @@
 #include "common/status.h"
 #include "common/transport/transport.h"
 #include "common/wire.h"
+#include "kernels/cpu/ops.h"
 #include "memory_node/attention_executor.h"
 #include "memory_node/kv_table.h"
 #include "memory_node/kv_tiers.h"
@@ -556,6 +557,8 @@ class MemoryRank {
       KvTierOptions tiers = o_.tiers;
       if (!tiers.disk_dir.empty()) tiers.disk_dir = absl::StrCat(tiers.disk_dir, "/rank-", o_.rank);
       ASSIGN_OR_RETURN(tiers_, KvTiers::Create(tiers, exec_.get(), hello_.prefix_block_tokens, o_.model));
+      // kv.store_pre_rope: shifted restores turn keys with the model's rotary embedding.
+      tiers_->set_rotary(kernels::cpu::RopeInvFreq(hello_.rope, hello_.head_dim));
       kv_->SetTiers(tiers_.get());
     }
     AttentionExecutor* exec = exec_.get();

@@ -44,6 +44,14 @@ void RenderTiers(const KvTierCounters& t, const std::string& model_name, std::st
   family("kv_tier_prefetch_wasted_blocks_total", "counter",
          "Prefetched blocks evicted again before any request attached them.",
          {{"", d(t.prefetch_wasted_blocks)}});
+  family("kv_tier_shifted_blocks_total", "counter",
+         "Prefix blocks assembled from rows of other registered blocks at new positions (kv.store_pre_rope; "
+         "part of kv_tier_restored_blocks_total).",
+         {{"", d(t.shifted_blocks)}});
+  family("kv_tier_shifted_failed_blocks_total", "counter",
+         "kv.store_pre_rope blocks whose assembly failed (recomputed; part of "
+         "kv_tier_restore_failed_blocks_total).",
+         {{"", d(t.shifted_failed_blocks)}});
   std::vector<Sample> evictions = {{",tier=\"pool\"", d(t.demoted_blocks)}};
   std::vector<Sample> bytes = {{",tier=\"pool\",direction=\"out\"", d(t.pool_bytes_out)},
                                {",tier=\"pool\",direction=\"in\"", d(t.pool_bytes_in)}};

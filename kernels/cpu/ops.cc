@@ -181,6 +181,60 @@ absl::Status Rope(const RopeParams& p) {
   return absl::OkStatus();
 }
 
+void RopeShiftAngles(int32_t from, int32_t to, const float* inv_freq, int64_t half, float* cos_out,
+                     float* sin_out) {
+  const float f = static_cast<float>(from), t = static_cast<float>(to);
+  for (int64_t j = 0; j < half; ++j) {
+    const double delta = static_cast<double>(t * inv_freq[j]) - static_cast<double>(f * inv_freq[j]);
+    cos_out[j] = static_cast<float>(std::cos(delta));
+    sin_out[j] = static_cast<float>(std::sin(delta));
+  }
+}
+
+absl::Status RopeShift(const RopeShiftParams& p) {
+  constexpr absl::string_view kOp = "RopeShift";
+  RETURN_IF_ERROR(CheckNotNull(kOp, "k", p.k));
+  RETURN_IF_ERROR(CheckNotNull(kOp, "rows", p.rows));
+  RETURN_IF_ERROR(CheckNotNull(kOp, "from_positions", p.from_positions));
+  RETURN_IF_ERROR(CheckNotNull(kOp, "to_positions", p.to_positions));
+  RETURN_IF_ERROR(CheckNotNull(kOp, "inv_freq", p.inv_freq));
+  RETURN_IF_ERROR(CheckPositive(kOp, "n", p.n));
+  RETURN_IF_ERROR(CheckPositive(kOp, "num_kv_heads", p.num_kv_heads));
+  RETURN_IF_ERROR(CheckPositive(kOp, "head_dim", p.head_dim));
+  if (p.head_dim % 2 != 0) return Invalid(kOp, absl::StrCat("head_dim must be even, got ", p.head_dim));
+  const int64_t stride = p.k_stride == 0 ? p.num_kv_heads * p.head_dim : p.k_stride;
+  if (stride < p.num_kv_heads * p.head_dim) {
+    return Invalid(kOp, absl::StrCat("k_stride ", stride, " < num_kv_heads * head_dim"));
+  }
+  for (int64_t i = 0; i < p.n; ++i) {
+    if (p.rows[i] < 0 || p.rows[i] >= p.num_rows) {
+      return Invalid(kOp, absl::StrCat("rows[", i, "] = ", p.rows[i], " outside [0, ", p.num_rows, ")"));
+    }
+    if (p.from_positions[i] < 0 || p.to_positions[i] < 0) {
+      return Invalid(kOp, absl::StrCat("positions of row ", i, " (", p.from_positions[i], " -> ",
+                                       p.to_positions[i], ") must be >= 0"));
+    }
+  }
+  const int64_t half = p.head_dim / 2;
+  ParallelFor(p.n, RowGrain(p.num_kv_heads * p.head_dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> cos_v(static_cast<size_t>(half)), sin_v(static_cast<size_t>(half));
+    for (int64_t i = begin; i < end; ++i) {
+      if (p.from_positions[i] == p.to_positions[i]) continue;
+      RopeShiftAngles(p.from_positions[i], p.to_positions[i], p.inv_freq, half, cos_v.data(), sin_v.data());
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+        float* x = p.k + static_cast<int64_t>(p.rows[i]) * stride + h * p.head_dim;
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = x[j], b = x[j + half];
+          const float c = cos_v[static_cast<size_t>(j)], s = sin_v[static_cast<size_t>(j)];
+          x[j] = a * c - b * s;
+          x[j + half] = b * c + a * s;
+        }
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
 // ---- Matmul ------------------------------------------------------------------------------------
 
 namespace {

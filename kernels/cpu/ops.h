@@ -61,6 +61,28 @@ struct RopeParams {
 };
 absl::Status Rope(const RopeParams& p);
 
+// Turns keys already rotated by Rope from one position to another (kv.store_pre_rope: KV reused at
+// new positions): row `rows[i]` of k (every KV head) turns by theta_j(to[i]) - theta_j(from[i]),
+// theta_j(p) = float(p) * inv_freq[j] in fp32 as Rope forms it; the difference is taken in double
+// and its cos/sin evaluated in double, rounded once to fp32. The result equals Rope applied at
+// to[i] to the unrotated row up to rounding; a row with to[i] == from[i] is left bit-identical.
+// Positions >= 0; rows[i] in [0, num_rows).
+struct RopeShiftParams {
+  float* k = nullptr;                       // (num_rows, num_kv_heads, head_dim); row stride k_stride
+  const int32_t* rows = nullptr;            // (n) rows of k to turn
+  const int32_t* from_positions = nullptr;  // (n)
+  const int32_t* to_positions = nullptr;    // (n)
+  const float* inv_freq = nullptr;          // (head_dim / 2)
+  int64_t n = 0, num_rows = 0, num_kv_heads = 0, head_dim = 0;
+  int64_t k_stride = 0;  // 0: packed (num_kv_heads * head_dim)
+};
+absl::Status RopeShift(const RopeShiftParams& p);
+
+// cos and sin (fp32) of theta_j(to) - theta_j(from) for j < half, as RopeShift turns a row by
+// (the CUDA kernel forms the same values).
+void RopeShiftAngles(int32_t from, int32_t to, const float* inv_freq, int64_t half, float* cos_out,
+                     float* sin_out);
+
 // y(m, n) = x(m, k) · w(n, k)ᵀ  (+ y if accumulate). Row strides are in elements (0: packed).
 struct MatmulParams {
   const float* x = nullptr;

@@ -62,6 +62,21 @@ struct RopeParams {
 };
 absl::Status Rope(const RopeParams& p, cudaStream_t stream);
 
+// cpu::RopeShift on bf16 key caches (kv.store_pre_rope): rows[i] of k (every KV head) in each of
+// `layers` layers (layer l's cache at k + l * layer_stride) turns from from_positions[i] to
+// to_positions[i], fp32 math (cos/sin as cpu::RopeShiftAngles, products without FMA contraction),
+// one bf16 rounding. Rows whose two positions are equal are not touched. Device pointers.
+struct RopeShiftParams {
+  bf16* k = nullptr;                        // (num_rows, num_kv_heads * head_dim) per layer
+  const int32_t* rows = nullptr;            // (n), each in [0, num_rows): not checked on the device
+  const int32_t* from_positions = nullptr;  // (n), >= 0
+  const int32_t* to_positions = nullptr;    // (n), >= 0
+  const float* inv_freq = nullptr;          // (head_dim / 2)
+  int64_t n = 0, num_kv_heads = 0, head_dim = 0;
+  int64_t layers = 1, layer_stride = 0;  // elements between layers' caches
+};
+absl::Status RopeShift(const RopeShiftParams& p, cudaStream_t stream);
+
 // out(n, inter) = bf16(silu(gate) * up), gate_up(n, 2·inter) = [gate | up].
 struct SiluMulParams {
   const bf16* gate_up = nullptr;

@@ -4,6 +4,8 @@
 // double and rounded once, as the CPU reference), then rotates every q and k head with them.
 // Products and sums use explicit round-to-nearest intrinsics (no FMA contraction), so the fp32
 // result equals the CPU reference's before the bf16 rounding.
+// RopeShift (kv.store_pre_rope): keys in the cache turned from one position to another, one block
+// per (row, layer), cos/sin of the angle differences formed as cpu::RopeShiftAngles.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -104,7 +106,70 @@ __global__ void RopeKernel(bf16* __restrict__ q, bf16* __restrict__ k, const int
   }
 }
 
+// RopeShift: block (row i, layer l); cos/sin of the row's angle differences in shared memory.
+__global__ void RopeShiftKernel(bf16* __restrict__ k, const int32_t* __restrict__ rows,
+                                const int32_t* __restrict__ from, const int32_t* __restrict__ to,
+                                const float* __restrict__ inv_freq, int num_kv_heads, int head_dim,
+                                int64_t layer_stride) {
+  extern __shared__ float cos_sin[];  // cos[half], then sin[half]
+  const int64_t i = blockIdx.x;
+  if (from[i] == to[i]) return;
+  const int half = head_dim / 2;
+  float* cos_v = cos_sin;
+  float* sin_v = cos_sin + half;
+  const float f = static_cast<float>(from[i]), t = static_cast<float>(to[i]);
+  for (int j = threadIdx.x; j < half; j += blockDim.x) {
+    // The same fp32 angles as RopeKernel; their difference and its cos/sin in double.
+    const double delta =
+        static_cast<double>(__fmul_rn(t, inv_freq[j])) - static_cast<double>(__fmul_rn(f, inv_freq[j]));
+    double s, c;
+    sincos(delta, &s, &c);
+    cos_v[j] = static_cast<float>(c);
+    sin_v[j] = static_cast<float>(s);
+  }
+  __syncthreads();
+  bf16* row = k + blockIdx.y * layer_stride + static_cast<int64_t>(rows[i]) * num_kv_heads * head_dim;
+  for (int w = threadIdx.x; w < num_kv_heads * half; w += blockDim.x) {
+    const int h = w / half, j = w - h * half;
+    bf16* x = row + static_cast<int64_t>(h) * head_dim;
+    const float a = __bfloat162float(x[j]), b = __bfloat162float(x[j + half]);
+    const float c = cos_v[j], s = sin_v[j];
+    x[j] = __float2bfloat16_rn(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
+    x[j + half] = __float2bfloat16_rn(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
+  }
+}
+
 }  // namespace
+
+absl::Status RopeShift(const RopeShiftParams& p, cudaStream_t stream) {
+  constexpr int64_t kMaxGridY = 65535;
+  if (p.k == nullptr || p.rows == nullptr || p.from_positions == nullptr || p.to_positions == nullptr ||
+      p.inv_freq == nullptr) {
+    return absl::InvalidArgumentError("RopeShift: a pointer is null");
+  }
+  if (p.n <= 0 || p.n > kMaxGrid)
+    return absl::InvalidArgumentError(absl::StrCat("RopeShift: n ", p.n, " must be in [1, ", kMaxGrid, "]"));
+  if (p.num_kv_heads <= 0 || p.head_dim <= 0 || p.head_dim % 2 != 0 || p.head_dim > kMaxHeadDim ||
+      p.num_kv_heads * p.head_dim > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat("RopeShift: num_kv_heads ", p.num_kv_heads,
+                                                   " and head_dim ", p.head_dim,
+                                                   " must be positive, head_dim even and <= ", kMaxHeadDim));
+  }
+  if (p.layers <= 0 || p.layers > kMaxGridY ||
+      (p.layers > 1 && p.layer_stride < p.num_kv_heads * p.head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat("RopeShift: layers ", p.layers, " (layer_stride ",
+                                                   p.layer_stride, ") must be in [1, ", kMaxGridY,
+                                                   "] with caches that do not overlap"));
+  }
+  const int64_t items = p.num_kv_heads * p.head_dim / 2;
+  const int threads = static_cast<int>(std::clamp<int64_t>((items + 31) / 32 * 32, 32, 256));
+  const dim3 grid(static_cast<unsigned>(p.n), static_cast<unsigned>(p.layers));
+  RopeShiftKernel<<<grid, threads, static_cast<size_t>(p.head_dim) * sizeof(float), stream>>>(
+      p.k, p.rows, p.from_positions, p.to_positions, p.inv_freq, static_cast<int>(p.num_kv_heads),
+      static_cast<int>(p.head_dim), p.layer_stride);
+  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
 
 absl::Status Rope(const RopeParams& p, cudaStream_t stream) {
   if (p.q == nullptr) return Invalid("q is null");

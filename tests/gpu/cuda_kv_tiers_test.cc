@@ -2,7 +2,7 @@
 // WriteSlotsLayer) against a host mirror of its pool, the tiers' layer-wise restore over it, and the
 // CUDA colocated engine's multi-turn conversations through a pool too small to keep them: restored
 // blocks carry the very bytes the pool held, so the tokens and log-probabilities equal those of an
-// engine whose pool keeps everything. Skips without a GPU.
+// engine whose pool keeps everything; and a shifted restore (kv.store_pre_rope). Skips without a GPU.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -16,6 +16,7 @@
 #include "memory_node/attention_executor.h"
 #include "memory_node/kv_tiers.h"
 #include "unit/kv_layers_in_pool.h"
+#include "unit/shifted_restore_check.h"
 
 namespace tandem {
 namespace {
@@ -179,6 +180,25 @@ TEST(CudaKvTiers, LayerwiseRestoreReachesThePoolLayerByLayer) {
   EXPECT_EQ(pool.size(), kv.size());
   EXPECT_EQ(layers_in_pool(), 3);
   EXPECT_EQ(pool, kv);
+}
+
+// kv.store_pre_rope on a bf16 pool: a block assembled from turned rows of a pooled and a demoted
+// block (the RopeShift kernel against the CPU op).
+TEST(CudaKvTiers, ShiftedRestoreTurnsRowsFromThePoolAndTheHostTier) {
+  TANDEM_SKIP_WITHOUT_GPU();
+  for (const int64_t head_dim : {64, 128}) {
+    SCOPED_TRACE(testing::Message() << "head_dim " << head_dim);
+    const AttentionShape shape{.num_layers = 3,
+                               .num_heads = 4,
+                               .num_kv_heads = 2,
+                               .head_dim = head_dim,
+                               .max_tokens = 8,
+                               .max_requests = 1};
+    absl::StatusOr<std::unique_ptr<AttentionExecutor>> exec =
+        CreateCudaAttentionExecutor(shape, {.capacity_tokens = 32}, 0, nullptr);
+    ASSERT_TRUE(exec.ok()) << exec.status();
+    testing_tiers::CheckShiftedRestore(**exec);
+  }
 }
 
 // --- The CUDA colocated engine, multi-turn ---

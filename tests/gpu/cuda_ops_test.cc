@@ -1,4 +1,4 @@
-// cuda::Embedding, AddRmsNorm, Rope, SiluMul and KvAppend against the CPU references (fp32) on
+// cuda::Embedding, AddRmsNorm, Rope, RopeShift, SiluMul and KvAppend against the CPU references (fp32) on
 // the exact fp32 values of random bf16 inputs (fixed seeds), aligned and odd shapes (n = 17,
 // d = 97, strided rows, misaligned pointers for the scalar paths). Every device output sits in a
 // GuardedBuffer whose guards must stay intact; NaN in an output always fails.
@@ -340,6 +340,94 @@ TEST(CudaOpsTest, RopeMatchesCpu) {
   CheckRope({RopeType::kDefault, 6, 3, 1, /*fused=*/false, /*with_k=*/true});    // half = 3: scalar path
   CheckRope({RopeType::kLlama3, 10, 3, 1, /*fused=*/true, /*with_k=*/true});     // odd strides: scalar path
   CheckRope({RopeType::kDefault, 4, 1, 1, /*fused=*/false, /*with_k=*/true});    // half = 2: pairs path
+}
+
+// ---- RopeShift -----------------------------------------------------------------------------------
+
+// Keys of random bf16 values in a cache of several layers, some rows turned from one position to
+// another: against cpu::RopeShift on the same fp32 values (the kernel forms the same cos/sin and
+// products, so within 1 bf16 ulp + 1e-6 as Rope); rows not listed, rows whose positions are equal
+// and every V half stay bit-identical.
+void CheckRopeShift(RopeType type, int64_t head_dim, int64_t kv_heads) {
+  SCOPED_TRACE(std::string(type == RopeType::kLlama3 ? "llama3" : "default") + " head_dim " +
+               std::to_string(head_dim) + " kv_heads " + std::to_string(kv_heads));
+  RopeSpec spec;
+  if (type == RopeType::kLlama3) spec = {.type = type, .theta = 500000.0, .factor = 8.0};
+  const std::vector<float> inv_freq = cpu::RopeInvFreq(spec, head_dim);
+  const int64_t layers = 3, num_rows = 37, n = 19, kv_dim = kv_heads * head_dim;
+  const int64_t layer_stride =
+      2 * num_rows * kv_dim;  // K then V per layer, as the attention executor lays them
+  std::mt19937 rng(static_cast<uint32_t>(head_dim * 7 + kv_heads + static_cast<int>(type) * 13));
+  std::vector<bf16> cache;
+  std::vector<float> cache_f;
+  RandomBf16(rng, layers * layer_stride, -1.0f, 1.0f, &cache, &cache_f);
+  std::vector<int32_t> rows(static_cast<size_t>(num_rows));
+  std::iota(rows.begin(), rows.end(), 0);
+  std::shuffle(rows.begin(), rows.end(), rng);
+  rows.resize(static_cast<size_t>(n));
+  std::vector<int32_t> from(static_cast<size_t>(n)), to(static_cast<size_t>(n));
+  std::uniform_int_distribution<int32_t> pd(0, 131071);
+  for (int64_t i = 0; i < n; ++i)
+    from[static_cast<size_t>(i)] = pd(rng), to[static_cast<size_t>(i)] = pd(rng);
+  from[0] = 131071, to[0] = 0;
+  to[1] = from[1];  // not moved
+  std::vector<float> want = cache_f;
+  for (int64_t l = 0; l < layers; ++l) {
+    ASSERT_TRUE(cpu::RopeShift({.k = want.data() + l * layer_stride,
+                                .rows = rows.data(),
+                                .from_positions = from.data(),
+                                .to_positions = to.data(),
+                                .inv_freq = inv_freq.data(),
+                                .n = n,
+                                .num_rows = num_rows,
+                                .num_kv_heads = kv_heads,
+                                .head_dim = head_dim})
+                    .ok());
+  }
+  GuardedBuffer<bf16> d_cache(layers * layer_stride);
+  GuardedBuffer<int32_t> d_rows(n), d_from(n), d_to(n);
+  GuardedBuffer<float> d_inv(static_cast<int64_t>(inv_freq.size()));
+  d_cache.Upload(cache);
+  d_rows.Upload(rows);
+  d_from.Upload(from);
+  d_to.Upload(to);
+  d_inv.Upload(inv_freq);
+  const absl::Status st = RopeShift({.k = d_cache.get(),
+                                     .rows = d_rows.get(),
+                                     .from_positions = d_from.get(),
+                                     .to_positions = d_to.get(),
+                                     .inv_freq = d_inv.get(),
+                                     .n = n,
+                                     .num_kv_heads = kv_heads,
+                                     .head_dim = head_dim,
+                                     .layers = layers,
+                                     .layer_stride = layer_stride},
+                                    nullptr);
+  ASSERT_TRUE(st.ok()) << st;
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  const std::vector<float> got = ToFloats(d_cache.Download());
+  EXPECT_TRUE(AllClose(got, want, [](float w) { return Bf16Ulp(w) + 1e-6; }));
+  int64_t changed = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const int64_t in_layer = static_cast<int64_t>(i) % layer_stride, row = in_layer / kv_dim;
+    const bool moved = in_layer < num_rows * kv_dim &&
+                       (row == rows[0] || std::find(rows.begin() + 2, rows.end(), row) != rows.end());
+    if (!moved) {
+      ASSERT_EQ(got[i], cache_f[i]) << "element " << i << " must keep its bits";
+    }
+    changed += got[i] != cache_f[i];
+  }
+  EXPECT_GT(changed, 0);
+  EXPECT_TRUE(d_cache.GuardsIntact());
+}
+
+TEST(CudaOpsTest, RopeShiftMatchesCpu) {
+  TANDEM_SKIP_WITHOUT_GPU();
+  for (const RopeType type : {RopeType::kDefault, RopeType::kLlama3}) {
+    CheckRopeShift(type, 128, 8);
+    CheckRopeShift(type, 64, 2);
+  }
+  CheckRopeShift(RopeType::kDefault, 6, 3);  // odd half
 }
 
 // ---- SiluMul -------------------------------------------------------------------------------------

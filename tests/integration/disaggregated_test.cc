@@ -57,6 +57,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "param_names.h"
+#include "unit/truncated_conversations.h"
 
 namespace tandem {
 namespace {
@@ -1322,6 +1323,42 @@ TEST_P(TieredDeployment, ConversationsEqualColocated) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiers, TieredDeployment, ::testing::Values("host", "disk_damaged"));
+
+// kv.store_pre_rope on a memory rank: the restores' segments (wire version 10) and the hello's
+// rotary embedding reach it, and it assembles blocks of truncated histories from turned rows of
+// registered ones (from its pool and its host tier). With one layer a token's KV depends on its id
+// and position alone, so the truncated turns' answers equal a colocated engine's without any cache.
+TEST_F(DisaggregatedTest, PreRopeReuseOnAMemoryRankIsExactWithOneLayer) {
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gqa");
+  ASSERT_TRUE(spec.ok());
+  spec->num_layers = 1;
+  spec->tie_word_embeddings = false;  // see OpenHeadModel
+  const std::unique_ptr<WeightSource> source = RandomWeights(*spec, 7);
+  std::ofstream(dir_ + "/deploy.yaml")
+      << "launch:\n  startup_timeout_s: 60\n  step_timeout_s: 20\nkv:\n  tiers:\n    host_bytes: 16777216\n";
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, 1, 64, /*prefix_cache=*/false);
+  ASSERT_NE(engine, nullptr);
+  const testing_tiers::TruncatedRun want =
+      testing_tiers::TruncatedConversations(*engine, spec->vocab_size, 8);
+
+  ComputeRankOptions o = Options(1, 64, 160);  // the pool holds about one conversation
+  UsePrefixCache(&o, 8, "off");
+  o.scheduler.tier_blocks = 1024;
+  o.scheduler.shifted_reuse = true;
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 1, o));
+  const testing_tiers::TruncatedRun got = testing_tiers::TruncatedConversations(*rank_, spec->vocab_size, 8);
+  EXPECT_EQ(got.answers, want.answers);
+  ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
+  for (size_t i = 0; i < got.logprobs.size(); ++i) {
+    ASSERT_EQ(got.logprobs[i].size(), want.logprobs[i].size());
+    for (size_t j = 0; j < got.logprobs[i].size(); ++j)
+      EXPECT_NEAR(got.logprobs[i][j], want.logprobs[i][j], 1e-4);
+  }
+  const KvTierCounters t = rank_->stats().tiers;
+  EXPECT_GE(t.shifted_blocks, 3) << "each truncated turn reuses its kept history";
+  EXPECT_EQ(t.shifted_failed_blocks, 0);
+  EXPECT_EQ(t.restore_failed_blocks, 0);
+}
 
 // kv.tiers.eviction on a memory rank: compute rank 0 sends the rank the demoted blocks that waiting
 // turns will reuse (the plan's next-use records), and its host tier of 16 blocks keeps them. Each

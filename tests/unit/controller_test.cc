@@ -265,20 +265,33 @@ class RecordingTiers : public KvBlockTiers {
   void SetNextUse(std::span<const KvTierNextUse> uses) override {
     next_uses_.assign(uses.begin(), uses.end());
   }
+  // A source must be in the pool or saved; one in 16 shifted restores fails.
+  bool RestoreShifted(std::span<const KvShiftedSource> sources, std::span<const int32_t>, int64_t) override {
+    ++shifted_;
+    for (const KvShiftedSource& s : sources) {
+      if (s.pool_slots.empty() && !saved_.contains(s.hash)) return false;
+    }
+    return rng_() % 16 != 0;
+  }
   const std::vector<KvTierNextUse>& next_uses() const { return next_uses_; }
+  int64_t shifted() const { return shifted_; }
 
  private:
   std::mt19937 rng_;
   std::unordered_set<uint64_t> saved_;
   std::vector<KvTierNextUse> next_uses_;
+  int64_t shifted_ = 0;
 };
 
 struct PrefetchRun {
   int64_t steps = 0, prefetch_evictions = 0, restored = 0, failed = 0, prefetched = 0, used = 0, wasted = 0,
-          cached = 0, next_uses = 0;
+          cached = 0, next_uses = 0, shifted = 0, shifted_failed = 0, shifted_calls = 0;
 };
 
-PrefetchRun RunConversations(int ranks, int64_t capacity, int64_t prefetch, uint32_t seed) {
+// With `truncate`, a returning conversation now and then drops some tokens after its system prompt,
+// as a client that truncates its history does; `shifted` is kv.store_pre_rope.
+PrefetchRun RunConversations(int ranks, int64_t capacity, int64_t prefetch, uint32_t seed,
+                             bool truncate = false, bool shifted = false) {
   PrefetchRun run;
   absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gqa");
   EXPECT_TRUE(spec.ok());
@@ -290,6 +303,7 @@ PrefetchRun RunConversations(int ranks, int64_t capacity, int64_t prefetch, uint
   o.tier_blocks = 4096;
   o.eviction_lookahead = 16;
   o.prefetch_lookahead = prefetch;
+  o.shifted_reuse = shifted;
   Controller c(*spec, std::vector<int64_t>(static_cast<size_t>(ranks), capacity), o);
   std::vector<std::unique_ptr<KvTable>> tables;
   std::vector<std::unique_ptr<RecordingTiers>> tiers;
@@ -321,6 +335,9 @@ PrefetchRun RunConversations(int ranks, int64_t capacity, int64_t prefetch, uint
         const size_t conv = static_cast<size_t>(rnd(0, static_cast<int>(history.size()) - 1));
         if (busy[conv]) continue;
         if (history[conv].empty()) history[conv] = systems[conv % systems.size()];
+        const auto sys_end = static_cast<std::ptrdiff_t>(2 * kBlockTokens);
+        if (truncate && static_cast<std::ptrdiff_t>(history[conv].size()) > sys_end + 24 && rnd(0, 2) == 0)
+          history[conv].erase(history[conv].begin() + sys_end, history[conv].begin() + sys_end + rnd(1, 20));
         for (int i = rnd(3, 12); i > 0; --i)
           history[conv].push_back(rnd(2, static_cast<int>(spec->vocab_size) - 1));
         GenerationRequest r;
@@ -472,6 +489,15 @@ PrefetchRun RunConversations(int ranks, int64_t capacity, int64_t prefetch, uint
   run.used = s.prefetch_used_blocks;
   run.wasted = s.prefetch_wasted_blocks;
   run.cached = s.cached_tokens;
+  run.shifted = s.shifted_blocks;
+  run.shifted_failed = s.shifted_failed_blocks;
+  for (const auto& t : tiers) run.shifted_calls += t->shifted();
+  // Every shifted restore that succeeded reached the tiers; one whose parent failed in the same
+  // plan fails without reaching them.
+  EXPECT_LE(run.shifted, run.shifted_calls);
+  EXPECT_LE(run.shifted_calls, run.shifted + run.shifted_failed);
+  EXPECT_LE(run.shifted, run.restored);
+  EXPECT_LE(run.shifted_failed, run.failed);
   EXPECT_LE(run.prefetched, run.restored);
   EXPECT_LE(run.used + run.wasted, run.prefetched);
   std::printf(
@@ -499,6 +525,21 @@ TEST(ControllerPrefetch, NeverEvictsWhatRequestsAheadNeedAndPlansAlwaysApply) {
     EXPECT_EQ(off.used + off.wasted, 0);
     EXPECT_GT(off.restored, 0);
     EXPECT_GT(on.next_uses, 0) << "no plan listed a demoted block that a waiting request wants";
+  }
+}
+
+// kv.store_pre_rope: truncated histories are restored from shifted rows; with restores that fail
+// now and then (a source gone, a damaged copy), every plan still applies, the accounting holds and
+// every request ends with its max_tokens (all checked by RunConversations after each step).
+TEST(ControllerShifted, TruncatedHistoriesAreRestoredAndPlansAlwaysApply) {
+  for (const auto& [ranks, capacity, seed] :
+       std::vector<std::tuple<int, int64_t, uint32_t>>{{1, 240, 21}, {2, 200, 22}, {3, 160, 23}}) {
+    SCOPED_TRACE(absl::StrCat(ranks, " ranks of ", capacity, " slots"));
+    const PrefetchRun on = RunConversations(ranks, capacity, 8, seed, /*truncate=*/true, /*shifted=*/true);
+    EXPECT_GT(on.shifted, 0) << "no truncated history was restored from shifted rows";
+    EXPECT_GT(on.shifted_failed, 0) << "the failing shifted restores were never met";
+    const PrefetchRun off = RunConversations(ranks, capacity, 8, seed, /*truncate=*/true, /*shifted=*/false);
+    EXPECT_EQ(off.shifted_calls, 0);
   }
 }
 

@@ -391,6 +391,105 @@ TEST(RopeTest, RejectsBadParams) {
   EXPECT_TRUE(Rope({q.data(), k.data(), ok_pos.data(), inv.data(), 2, 1, 1, 4}).ok());
 }
 
+// RopeShift: keys rotated at one position and turned to another equal keys rotated at the other
+// (a double reference of Rope at the new position); rows not listed, and rows whose two positions
+// are equal, keep their bits.
+TEST(RopeShiftTest, TurnedKeysMatchRopeAtTheNewPosition) {
+  std::mt19937 rng(23);
+  struct Shape {
+    int64_t kv_heads, d, stride;
+  };
+  for (const Shape& sh : {Shape{2, 64, 0}, Shape{1, 128, 0}, Shape{3, 32, 3 * 32 + 8}}) {
+    for (const RopeType type : {RopeType::kDefault, RopeType::kLlama3}) {
+      SCOPED_TRACE("kv_heads " + std::to_string(sh.kv_heads) + " d " + std::to_string(sh.d));
+      RopeSpec spec;
+      if (type == RopeType::kLlama3) spec = {.type = type, .theta = 500000.0, .factor = 8.0};
+      const std::vector<float> inv = RopeInvFreq(spec, sh.d);
+      const int64_t width = sh.kv_heads * sh.d, stride = sh.stride == 0 ? width : sh.stride;
+      const int64_t num_rows = 40, n = 23;
+      const std::vector<float> x = RandomFloats(rng, num_rows * stride);
+      // n distinct rows; positions up to 100K, the last row not moved.
+      std::vector<int32_t> rows(static_cast<size_t>(num_rows));
+      std::iota(rows.begin(), rows.end(), 0);
+      std::shuffle(rows.begin(), rows.end(), rng);
+      rows.resize(static_cast<size_t>(n));
+      std::vector<int32_t> from(static_cast<size_t>(n)), to(static_cast<size_t>(n)), all_from(num_rows, 0);
+      std::uniform_int_distribution<int32_t> pd(0, 100000);
+      for (int64_t i = 0; i < n; ++i) {
+        from[static_cast<size_t>(i)] = pd(rng), to[static_cast<size_t>(i)] = pd(rng);
+        all_from[static_cast<size_t>(rows[static_cast<size_t>(i)])] = from[static_cast<size_t>(i)];
+      }
+      to[static_cast<size_t>(n - 1)] = from[static_cast<size_t>(n - 1)];
+      std::vector<float> k = x;  // every row rotated at its from position (0 for the unlisted)
+      ASSERT_TRUE(Rope({.q = k.data(),
+                        .positions = all_from.data(),
+                        .inv_freq = inv.data(),
+                        .n = num_rows,
+                        .num_heads = sh.kv_heads,
+                        .head_dim = sh.d,
+                        .q_stride = stride})
+                      .ok());
+      const std::vector<float> before = k;
+      ASSERT_TRUE(RopeShift({.k = k.data(),
+                             .rows = rows.data(),
+                             .from_positions = from.data(),
+                             .to_positions = to.data(),
+                             .inv_freq = inv.data(),
+                             .n = n,
+                             .num_rows = num_rows,
+                             .num_kv_heads = sh.kv_heads,
+                             .head_dim = sh.d,
+                             .k_stride = sh.stride})
+                      .ok());
+      std::vector<int32_t> want_pos = all_from;
+      for (int64_t i = 0; i < n; ++i)
+        want_pos[static_cast<size_t>(rows[static_cast<size_t>(i)])] = to[static_cast<size_t>(i)];
+      std::vector<double> ref(x.begin(), x.end());
+      RopeRef(ref, num_rows, stride, sh.kv_heads, sh.d, want_pos, inv, 0);
+      // Two rotations of inputs in [-1, 1], each within ~5e-7 (see the Rope tests): 2e-6.
+      for (int64_t r = 0; r < num_rows; ++r) {
+        for (int64_t j = 0; j < width; ++j) {
+          const size_t at = static_cast<size_t>(r * stride + j);
+          ASSERT_NEAR(k[at], ref[at], 2e-6) << "row " << r << " element " << j;
+        }
+        for (int64_t j = width; j < stride; ++j)
+          ASSERT_EQ(k[static_cast<size_t>(r * stride + j)], x[static_cast<size_t>(r * stride + j)]);
+      }
+      const auto listed = [&](int32_t r) {
+        return std::find(rows.begin(), rows.end() - 1, r) != rows.end() - 1;
+      };
+      for (int32_t r = 0; r < num_rows; ++r) {
+        if (listed(r)) continue;
+        for (int64_t j = 0; j < stride; ++j)
+          ASSERT_EQ(k[static_cast<size_t>(r * stride + j)], before[static_cast<size_t>(r * stride + j)]);
+      }
+    }
+  }
+}
+
+TEST(RopeShiftTest, RejectsBadParams) {
+  std::vector<float> k(16), inv(2);
+  const std::vector<int32_t> rows = {0, 1}, pos = {0, 5}, neg = {0, -1}, outside = {0, 4};
+  auto params = [&](const std::vector<int32_t>& r, const std::vector<int32_t>& from, int64_t d) {
+    return RopeShiftParams{.k = k.data(),
+                           .rows = r.data(),
+                           .from_positions = from.data(),
+                           .to_positions = pos.data(),
+                           .inv_freq = inv.data(),
+                           .n = 2,
+                           .num_rows = 4,
+                           .num_kv_heads = 1,
+                           .head_dim = d};
+  };
+  EXPECT_TRUE(RopeShift(params(rows, pos, 4)).ok());
+  EXPECT_EQ(RopeShift(params(rows, neg, 4)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RopeShift(params(outside, pos, 4)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RopeShift(params(rows, pos, 3)).code(), absl::StatusCode::kInvalidArgument);
+  RopeShiftParams no_freq = params(rows, pos, 4);
+  no_freq.inv_freq = nullptr;
+  EXPECT_EQ(RopeShift(no_freq).code(), absl::StatusCode::kInvalidArgument);
+}
+
 // ---- Matmul -------------------------------------------------------------------------------------
 
 struct MatmulCase {

@@ -17,11 +17,15 @@
 #include "memory_node/kv_tier_store.h"
 #include "server/metrics.h"
 #include "unit/kv_layers_in_pool.h"
+#include "unit/shifted_restore_check.h"
+#include "unit/truncated_conversations.h"
 
 namespace tandem {
 namespace {
 
 namespace fs = std::filesystem;
+using testing_tiers::TruncatedConversations;
+using testing_tiers::TruncatedRun;
 
 // This process's directory under gtest's temporary directory (TEST_TMPDIR, TMPDIR or /tmp),
 // removed when the tests end.
@@ -433,6 +437,16 @@ TEST(KvTiersLayerwise, EachLayerReachesThePoolWhenAsked) {
   }
 }
 
+// kv.store_pre_rope: a block assembled from turned rows of a pooled and a demoted block (fp32 pool).
+TEST(KvTiersShifted, TurnedRowsComeFromThePoolAndTheHostTier) {
+  const AttentionShape shape{
+      .num_layers = 2, .num_heads = 4, .num_kv_heads = 2, .head_dim = 16, .max_tokens = 8, .max_requests = 1};
+  absl::StatusOr<std::unique_ptr<AttentionExecutor>> exec =
+      CreateCpuAttentionExecutor(shape, {.capacity_tokens = 32});
+  ASSERT_TRUE(exec.ok()) << exec.status();
+  testing_tiers::CheckShiftedRestore(**exec);
+}
+
 // --- The colocated engine over a pool that holds about one conversation ---
 
 constexpr int64_t kBlock = 8;
@@ -445,6 +459,7 @@ struct Tiers {
   int64_t prefetch = 8;               // kv.tiers.prefetch_lookahead
   int64_t batch = 2;                  // scheduler.max_batch_size
   std::string eviction = "next_use";  // kv.tiers.eviction
+  bool pre_rope = false;              // kv.store_pre_rope
 };
 
 std::unique_ptr<ColocatedEngine> MakeEngine(const WeightSource& w, bool cache, const Tiers& t) {
@@ -461,6 +476,7 @@ std::unique_ptr<ColocatedEngine> MakeEngine(const WeightSource& w, bool cache, c
   o.tiers_persist = t.persist;
   o.tiers_prefetch_lookahead = t.prefetch;
   o.tiers_eviction = t.eviction;
+  o.store_pre_rope = t.pre_rope;
   absl::StatusOr<std::unique_ptr<ColocatedEngine>> e = ColocatedEngine::Create(w, o);
   EXPECT_TRUE(e.ok()) << e.status();
   return std::move(*e);
@@ -838,6 +854,71 @@ TEST_F(KvTiersEngine, NextUseEvictionKeepsWhatWaitingTurnsNeed) {
   EXPECT_GT(next_use.restored_tokens, 2 * lru.restored_tokens);
   EXPECT_LT(next_use.restore_failed_tokens, lru.restore_failed_tokens);
   EXPECT_GT(lru.tiers.host_evictions, 0) << "the host tier never filled: the test shows nothing";
+}
+
+// --- kv.store_pre_rope: histories whose oldest turn the client dropped ---
+
+// One layer: a token's KV there depends on its id and position alone, so KV reused at a new
+// position with its keys turned is what recomputation gives (up to rounding), and the answers equal
+// a run without any cache. The turned blocks come back from the pool and from the host tier.
+TEST_F(KvTiersEngine, PreRopeReuseOfTruncatedHistoriesIsExactWithOneLayer) {
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gqa");
+  ASSERT_TRUE(spec.ok());
+  spec->num_layers = 1;
+  // Untied: with tied random embeddings each token predicts itself whatever attention returns.
+  spec->tie_word_embeddings = false;
+  const std::unique_ptr<WeightSource> one = RandomWeights(*spec, 7);
+  auto plain = MakeEngine(*one, false, {});
+  const TruncatedRun want = TruncatedConversations(*plain, vocab(), kBlock);
+  auto e = MakeEngine(
+      *one, true, {.host_bytes = 64 * kBlock * spec->kv_bytes_per_token(sizeof(float)), .pre_rope = true});
+  const TruncatedRun got = TruncatedConversations(*e, vocab(), kBlock);
+  EXPECT_EQ(got.answers, want.answers);
+  ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
+  for (size_t i = 0; i < got.logprobs.size(); ++i) {
+    ASSERT_EQ(got.logprobs[i].size(), want.logprobs[i].size());
+    for (size_t j = 0; j < got.logprobs[i].size(); ++j)
+      EXPECT_NEAR(got.logprobs[i][j], want.logprobs[i][j], 1e-4);
+  }
+  const KvTierCounters t = e->stats().tiers;
+  EXPECT_GE(t.shifted_blocks, 3) << "each truncated turn reuses its kept history";
+  EXPECT_EQ(t.shifted_failed_blocks, 0);
+  EXPECT_EQ(t.restore_failed_blocks, 0);
+}
+
+// Several layers: the reused rows keep the context they were computed in (the dropped turn), so
+// tokens may differ from recomputation; what must hold is that the setting reuses the truncated
+// histories, that without it none is reused, and that the reuse is counted where users read it.
+TEST_F(KvTiersEngine, PreRopeReusesTruncatedHistoriesOnlyWhenAsked) {
+  auto off = MakeEngine(*weights_, true, {.host_bytes = 64 * block_bytes_});
+  const TruncatedRun a = TruncatedConversations(*off, vocab(), kBlock);
+  EXPECT_EQ(off->stats().tiers.shifted_blocks, 0);
+  auto on = MakeEngine(*weights_, true, {.host_bytes = 64 * block_bytes_, .pre_rope = true});
+  const TruncatedRun b = TruncatedConversations(*on, vocab(), kBlock);
+  ASSERT_EQ(a.answers.size(), 3u);
+  ASSERT_EQ(b.answers.size(), 3u);
+  const EngineStats s = on->stats();
+  EXPECT_GE(s.tiers.shifted_blocks, 3);
+  EXPECT_GT(s.cached_tokens, off->stats().cached_tokens) << "turned blocks are not prefilled again";
+  server::LoopStats loop;
+  loop.tiers = s.tiers;
+  const std::string metrics = server::ServerMetrics().Render(loop, "m");
+  EXPECT_NE(metrics.find("\ntandem:kv_tier_shifted_blocks_total{model_name=\"m\"} " +
+                         std::to_string(s.tiers.shifted_blocks) + "\n"),
+            std::string::npos)
+      << metrics;
+}
+
+TEST_F(KvTiersEngine, PreRopeNeedsTiers) {
+  EngineOptions o;
+  o.device = "cpu";
+  o.kv_capacity_tokens = 160;
+  o.prefix_block_tokens = kBlock;
+  o.store_pre_rope = true;
+  absl::StatusOr<std::unique_ptr<ColocatedEngine>> e = ColocatedEngine::Create(*weights_, o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("kv.store_pre_rope needs KV tiers"), std::string_view::npos)
+      << e.status();
 }
 
 TEST_F(KvTiersEngine, TiersNeedThePrefixCache) {

@@ -9,8 +9,12 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <set>
+#include <vector>
+
+#include "compute_node/shifted_match.h"
 
 namespace tandem {
 namespace {
@@ -634,6 +638,58 @@ TEST(PrefixIndex, RandomizedAgainstShadow) {
   EXPECT_EQ(idx.stats().tokens_held, 0);
   EXPECT_EQ(idx.unused_tokens(), 0);
   for (const auto& prompt : seen_set) EXPECT_TRUE(idx.Match(prompt, kAll).empty());
+}
+
+// Shifted matches (compute_node/shifted_match.h): a history registered as one chain of 4-token
+// blocks (tokens 100, 101, ...), asked for with its tokens 104..109 dropped. The block after the
+// chained match starts inside the old block 2 (found through the block anchored two positions
+// on), and the next one continues where it stopped, across the old blocks' boundaries.
+TEST(ShiftedMatch, TruncatedHistoryIsCoveredByRunsOfTheOldChain) {
+  PrefixIndex index(4, &DefaultBlockHash, 64);
+  index.EnableContentLookup();
+  std::vector<int32_t> old(24);
+  std::iota(old.begin(), old.end(), 100);
+  std::vector<int32_t> ids;
+  for (int64_t b = 0; b < 6; ++b) ids.push_back(index.Insert(old, b, b == 0 ? -1 : ids.back()));
+  ASSERT_EQ(std::count(ids.begin(), ids.end(), -1), 0);
+  std::vector<int32_t> prompt = {100, 101, 102, 103};
+  for (int32_t t = 110; t < 124; ++t) prompt.push_back(t);
+  const std::vector<int32_t> match = index.Match(prompt, 4);
+  ASSERT_EQ(match.size(), 1u);
+  const auto any = [](int32_t) { return true; };
+  ShiftedCursor next;
+  std::optional<std::vector<ShiftedRun>> runs = FindShiftedBlock(index, prompt, 4, match[0], {}, any, &next);
+  ASSERT_TRUE(runs.has_value());
+  ASSERT_EQ(runs->size(), 2u);
+  EXPECT_EQ((*runs)[0].block, ids[2]);
+  EXPECT_EQ((*runs)[0].row, 2);
+  EXPECT_EQ((*runs)[0].rows, 2);
+  EXPECT_EQ((*runs)[1].block, ids[3]);
+  EXPECT_EQ((*runs)[1].row, 0);
+  EXPECT_EQ((*runs)[1].rows, 2);
+  runs = FindShiftedBlock(index, prompt, 8, -1, next, any, &next);
+  ASSERT_TRUE(runs.has_value());
+  ASSERT_EQ(runs->size(), 2u);
+  EXPECT_EQ((*runs)[0].block, ids[3]);
+  EXPECT_EQ((*runs)[0].row, 2);
+  EXPECT_EQ((*runs)[1].block, ids[4]);
+  EXPECT_EQ((*runs)[1].rows, 2);
+  // Every run's tokens are the prompt's.
+  int64_t at = 12;
+  runs = FindShiftedBlock(index, prompt, at, -1, next, any, nullptr);
+  ASSERT_TRUE(runs.has_value());
+  for (const ShiftedRun& r : *runs) {
+    for (int32_t i = 0; i < r.rows; ++i)
+      EXPECT_EQ(index.tokens(r.block)[static_cast<size_t>(r.row + i)], prompt[static_cast<size_t>(at++)]);
+  }
+  EXPECT_EQ(at, 16);
+  // A token no block holds, or sources the caller may not use: no cover.
+  std::vector<int32_t> unknown = prompt;
+  unknown[9] = 999;
+  EXPECT_FALSE(FindShiftedBlock(index, unknown, 8, -1, {}, any, nullptr).has_value());
+  EXPECT_FALSE(FindShiftedBlock(
+                   index, prompt, 4, match[0], {}, [&](int32_t id) { return id != ids[3]; }, nullptr)
+                   .has_value());
 }
 
 }  // namespace

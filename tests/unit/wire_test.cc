@@ -14,6 +14,7 @@
 #include <functional>
 #include <limits>
 #include <new>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <string>
@@ -80,6 +81,7 @@ struct Le {
   Le& U64(uint64_t v) { return U32(static_cast<uint32_t>(v)).U32(static_cast<uint32_t>(v >> 32)); }
   Le& I32(int32_t v) { return U32(static_cast<uint32_t>(v)); }
   Le& F32(float v) { return U32(std::bit_cast<uint32_t>(v)); }
+  Le& F64(double v) { return U64(std::bit_cast<uint64_t>(v)); }
 };
 
 // A frame around `body` with explicit header fields; the crc is computed unless given.
@@ -358,6 +360,13 @@ StepPlan RandomPlan(std::mt19937_64& rng, size_t n, bool extreme) {
     e.block_index = static_cast<int32_t>(u(0, 3));
     e.parent_hash = e.block_index == 0 ? 0 : (rng() | 1);
     e.memory_rank = static_cast<uint16_t>(u(0, 3));
+    const size_t num_segments = u(0, 2) == 0 ? u(1, kMaxPrefixSegments) : 0;
+    for (size_t j = 0; j < num_segments; ++j) {
+      PrefixSegment g{.source_hash = rng() | 1, .source_index = static_cast<int32_t>(u(0, 1000))};
+      g.source_row = static_cast<uint16_t>(u(0, kMaxPrefixBlockTokens - 1));
+      g.rows = static_cast<uint16_t>(u(1, kMaxPrefixBlockTokens - g.source_row));
+      e.segments.push_back(g);
+    }
     if (distinct(plan.restores, e.memory_rank, e.block_hash)) plan.restores.push_back(e);
   }
   return plan;
@@ -367,7 +376,10 @@ StepPlan RandomPlan(std::mt19937_64& rng, size_t n, bool extreme) {
 size_t PlanFrameBytes(const StepPlan& plan) {
   return kFrameHeaderBytes + kStepPlanFixedBytes + kStepRequestBytes * plan.requests.size() +
          kPrefixGroupBytes * plan.groups.size() + kPrefixPublishBytes * plan.publishes.size() +
-         kPrefixEvictBytes * plan.evictions.size() + kPrefixRestoreBytes * plan.restores.size();
+         kPrefixEvictBytes * plan.evictions.size() + kPrefixRestoreBytes * plan.restores.size() +
+         std::accumulate(
+             plan.restores.begin(), plan.restores.end(), size_t{0},
+             [](size_t n, const PrefixRestore& e) { return n + kPrefixSegmentBytes * e.segments.size(); });
 }
 
 LayerMessageHeader RandomHeader(std::mt19937_64& rng) {
@@ -475,8 +487,8 @@ TEST(StepPlanWire, GoldenBytes) {
   plan.evictions.push_back(PrefixEvict{0x5152535455565758, 0x0405});
   // Layout written out by hand; crc computed independently (bitwise Python reference).
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x09, 0x00, 0x10, 0x00,
-      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 9, body_bytes 168
+      0x54, 0x44, 0x53, 0x50, 0x0a, 0x00, 0x10, 0x00,
+      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 10, body_bytes 168
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // request_count, group_count
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -527,7 +539,7 @@ TEST(LayerMessageWire, RoundTripsAndGoldenBytes) {
   h.step_id = 1, h.seqno = 2, h.payload_bytes = 256, h.layer = 3, h.rows = 4, h.row_bytes = 64;
   h.payload_crc32c = 0xdeadbeef, h.kind = LayerMessageKind::kAttnOut, h.dtype = DType::kBF16;
   const Bytes golden = {
-      0x54, 0x44, 0x4c, 0x4d, 0x09, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x4c, 0x4d, 0x0a, 0x00, 0x10, 0x00,
       0x30, 0x00, 0x00, 0x00, 0xc4, 0x00, 0x01, 0xea,  // frame
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // id, seq
@@ -1002,25 +1014,26 @@ TEST(Wire, FrameHeaderChecks) {
   s = DecodeLayerMessageHeader(SmallPlanFrame()).status();
   EXPECT_CONTAINS(std::string(s.message()), "layer message header: magic 0x50534454 ('TDSP')");
 
-  ASSERT_EQ(kWireVersion, 9);
-  for (uint16_t version : {uint16_t{10}, uint16_t{0xffff}}) {
+  ASSERT_EQ(kWireVersion, 10);
+  for (uint16_t version : {uint16_t{11}, uint16_t{0xffff}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
     EXPECT_EQ(s.message(),
-              "step plan: version " + std::to_string(version) + " is newer than the supported version 9");
+              "step plan: version " + std::to_string(version) + " is newer than the supported version 10");
   }
   // An older version is refused too, whatever the format: version 2 (the step plan's 24-byte
   // fixed part) and version 1 (also the hello's older layout).
-  for (uint16_t version : {uint16_t{8}, uint16_t{7}, uint16_t{6}, uint16_t{5}, uint16_t{4}, uint16_t{3},
-                           uint16_t{2}, uint16_t{1}}) {
+  for (uint16_t version : {uint16_t{9}, uint16_t{8}, uint16_t{7}, uint16_t{6}, uint16_t{5}, uint16_t{4},
+                           uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "step plan: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 9 (versions 2 to 4 "
+                               " at byte offset 4 is older than the supported version 10 (versions 2 to 4 "
                                "changed the hello, step plan and replica result layouts; 5 added the "
                                "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
                                "step discard; 8 the step plan's next-use records; 9 the evictions' "
-                               "tokens and the persisted blocks report)");
+                               "tokens and the persisted blocks report; 10 the restores' segments and "
+                               "the hello's rope)");
   }
   // A version 2 plan as a version 2 encoder wrote it (records right after evict_count, at body
   // offset 24) is refused by its version, not misread as a version 6 plan.
@@ -1110,7 +1123,10 @@ struct RawHello {
   uint32_t kv_head_end = 2;  // request partition: every KV head
   uint16_t slice_layers = 0;
   uint8_t q_first = 0;
-  uint8_t reserved[5] = {};
+  uint8_t rope_type = 0;
+  uint8_t reserved[4] = {};
+  double rope_theta = 10000.0, rope_factor = 1.0, rope_low_freq_factor = 1.0, rope_high_freq_factor = 4.0;
+  uint64_t rope_original_max_position = 8192;
 };
 
 Bytes HelloBody(const RawHello& h) {
@@ -1120,8 +1136,10 @@ Bytes HelloBody(const RawHello& h) {
   w.F32(h.kv_memory_fraction).U32(h.attn_out_buffer).U16(h.memory_rank).U16(h.num_memory_ranks);
   w.U8(h.dtype).U8(h.checksums).U16(h.prefix_block_tokens).U8(h.prefix_sharing).U8(h.partition);
   w.U8(h.lanes).U8(h.compute_ranks);
-  w.U32(h.kv_head_begin).U32(h.kv_head_end).U16(h.slice_layers).U8(h.q_first);
+  w.U32(h.kv_head_begin).U32(h.kv_head_end).U16(h.slice_layers).U8(h.q_first).U8(h.rope_type);
   for (uint8_t b : h.reserved) w.U8(b);
+  w.F64(h.rope_theta).F64(h.rope_factor).F64(h.rope_low_freq_factor).F64(h.rope_high_freq_factor);
+  w.U64(h.rope_original_max_position);
   return w.b;
 }
 
@@ -1212,6 +1230,12 @@ HelloMessage RandomHello(std::mt19937_64& rng, bool extreme) {
   h.compute_ranks = static_cast<uint8_t>(u(1, h.lanes));
   h.slice_layers = h.compute_ranks > 1 && u(0, 1) ? static_cast<uint16_t>(u(1, h.num_layers)) : 0;
   h.q_first = u(0, 1) == 1;
+  h.rope = {.type = static_cast<RopeType>(u(0, 1)),
+            .theta = static_cast<double>(u(1, 1u << 24)),
+            .factor = static_cast<double>(u(1, 64)) / 4,
+            .low_freq_factor = static_cast<double>(u(1, 64)) / 8,
+            .high_freq_factor = static_cast<double>(u(1, 64)) / 2,
+            .original_max_position = static_cast<int64_t>(u(1, kMaxKvCapacityTokens))};
   return h;
 }
 
@@ -1358,7 +1382,8 @@ TEST(ControlWire, RoundTrips) {
 TEST(ControlWire, GoldenBytes) {
   // Layouts written out by hand; crcs computed independently (bitwise Python reference). The crc
   // covers the body alone: of these frames, versions 3 and 6 changed only the hello's body (its lanes
-  // and compute_ranks; its slice_layers), and versions 4 and 5 none of their bodies.
+  // and compute_ranks; its slice_layers) and version 10 its length (the rope), and versions 4 and 5 none
+  // of their bodies.
   HelloMessage h;
   h.memory_rank = 2, h.num_memory_ranks = 4, h.num_layers = 32, h.num_heads = 32, h.num_kv_heads = 8;
   h.head_dim = 128, h.max_tokens_per_step = 8192, h.max_requests_per_step = 256, h.max_position = 131072;
@@ -1367,9 +1392,10 @@ TEST(ControlWire, GoldenBytes) {
   h.prefix_block_tokens = 0x0810, h.prefix_sharing = static_cast<uint8_t>(PrefixSharing::kAuto);
   h.partition = AttentionPartition::kHead, h.kv_head_begin = 4, h.kv_head_end = 6, h.lanes = 4;
   h.compute_ranks = 2, h.slice_layers = 3;
+  h.rope = {.type = RopeType::kLlama3, .theta = 500000.0, .factor = 8.0, .original_max_position = 8192};
   const Bytes hello = {
-      0x54, 0x44, 0x48, 0x49, 0x09, 0x00, 0x10, 0x00, 0x48, 0x00, 0x00, 0x00, 0x79, 0x37, 0x3d,
-      0x02,                                            // frame
+      0x54, 0x44, 0x48, 0x49, 0x0a, 0x00, 0x10, 0x00, 0x70, 0x00, 0x00, 0x00, 0x66, 0xa5, 0xff,
+      0xef,                                            // frame
       0x78, 0x56, 0x34, 0x12, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x20, 0x00, 0x00, 0x00, 0x20, 0x00, 0x00, 0x00,  // num_layers, num_heads
       0x08, 0x00, 0x00, 0x00, 0x80, 0x00, 0x00, 0x00,  // num_kv_heads, head_dim
@@ -1379,7 +1405,12 @@ TEST(ControlWire, GoldenBytes) {
       0x02, 0x01, 0x10, 0x08, 0x02, 0x01, 0x04, 0x02,  // dtype, checksums, prefix_block_tokens,
                                                        // prefix_sharing, partition, lanes, compute_ranks
       0x04, 0x00, 0x00, 0x00, 0x06, 0x00, 0x00, 0x00,  // kv_head_begin, kv_head_end
-      0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // slice_layers, reserved
+      0x03, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x00,  // slice_layers, q_first, rope_type, reserved
+      0x00, 0x00, 0x00, 0x00, 0x80, 0x84, 0x1e, 0x41,  // rope_theta 500000
+      0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x20, 0x40,  // rope_factor 8
+      0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0xf0, 0x3f,  // rope_low_freq_factor 1
+      0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x10, 0x40,  // rope_high_freq_factor 4
+      0x00, 0x20, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // rope_original_max_position 8192
   };
   EXPECT_EQ(EncodeHello(h), hello);
   absl::StatusOr<HelloMessage> hb = DecodeHello(hello);
@@ -1389,7 +1420,7 @@ TEST(ControlWire, GoldenBytes) {
   h.q_first = true;
   Bytes q_hello = hello;
   q_hello[16 + 66] = 0x01;
-  const Bytes q_crc = {0x60, 0x5c, 0x0d, 0xed};
+  const Bytes q_crc = {0x88, 0xc4, 0xef, 0xaf};
   std::copy(q_crc.begin(), q_crc.end(), q_hello.begin() + 12);
   EXPECT_EQ(EncodeHello(h), q_hello);
   hb = DecodeHello(q_hello);
@@ -1401,7 +1432,7 @@ TEST(ControlWire, GoldenBytes) {
   r.kv_capacity_tokens = 0x01020304, r.qkv_buffer = 7, r.memory_rank = 2, r.dtype = DType::kBF16;
   r.device = "cuda:0";
   const Bytes reply = {
-      0x54, 0x44, 0x48, 0x52, 0x09, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x52, 0x0a, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0xdb, 0xf4, 0x8d, 0x50,  // frame
       0x04, 0x03, 0x02, 0x01, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x07, 0x00, 0x00, 0x00, 0x02, 0x00, 0x02, 0x00,  // qkv_buffer, memory_rank, dtype, reserved
@@ -1414,7 +1445,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ReleaseMessage m{0x0102030405060708, {5, kU64Max}};
   const Bytes release = {
-      0x54, 0x44, 0x52, 0x4c, 0x09, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x52, 0x4c, 0x0a, 0x00, 0x10, 0x00,
       0x20, 0x00, 0x00, 0x00, 0x21, 0x77, 0x58, 0xc2,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, reserved
@@ -1428,7 +1459,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ErrorMessage e{14, "peer gone"};
   const Bytes error = {
-      0x54, 0x44, 0x45, 0x52, 0x09, 0x00, 0x10, 0x00, 0x11,
+      0x54, 0x44, 0x45, 0x52, 0x0a, 0x00, 0x10, 0x00, 0x11,
       0x00, 0x00, 0x00, 0x56, 0xa5, 0x51, 0x47,        // frame
       0x0e, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00,  // code, message_bytes
       'p',  'e',  'e',  'r',  ' ',  'g',  'o',  'n',  'e',
@@ -1439,7 +1470,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_TRUE(*eb == e);
 
   const Bytes bye = {
-      0x54, 0x44, 0x42, 0x59, 0x09, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x42, 0x59, 0x0a, 0x00, 0x10, 0x00,
       0x08, 0x00, 0x00, 0x00, 0xc7, 0xfb, 0x17, 0x55,  // frame
       0xe8, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // steps
   };
@@ -1449,7 +1480,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(bb->steps, 1000u);
 
   const Bytes heartbeat = {
-      0x54, 0x44, 0x48, 0x42, 0x09, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x42, 0x0a, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x6e, 0x14, 0x17, 0xba,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x88, 0x13, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // silence_ms 5000, reserved
@@ -1461,7 +1492,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(beat->silence_ms, 5000u);
 
   const Bytes heartbeat_reply = {
-      0x54, 0x44, 0x48, 0x41, 0x09, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x41, 0x0a, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x47, 0x8e, 0x37, 0x33,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // memory_rank 3, reserved
@@ -1474,7 +1505,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(beat_reply->memory_rank, 3);
 
   const Bytes discard = {
-      0x54, 0x44, 0x53, 0x44, 0x09, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x53, 0x44, 0x0a, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0x6f, 0xab, 0x9e, 0xf3,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // seqno_base
@@ -1674,7 +1705,18 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
        "hello: kv_memory_fraction inf"},
       {[](RawHello& h) { h.checksums = 2; }, "hello: checksums 2 at byte offset 65 must be 0 or 1"},
       {[](RawHello& h) { h.q_first = 2; }, "hello: q_first 2 at byte offset 82 must be 0 or 1"},
-      {[](RawHello& h) { h.reserved[0] = 1; }, "reserved at byte offset 83 is 1, must be 0"},
+      {[](RawHello& h) { h.reserved[0] = 1; }, "reserved at byte offset 84 is 1, must be 0"},
+      {[](RawHello& h) { h.rope_type = 2; }, "hello: rope_type 2 must be 0 (default) or 1 (llama3)"},
+      {[](RawHello& h) { h.rope_theta = 0; }, "hello: rope_theta 0 must be finite and > 0"},
+      {[](RawHello& h) { h.rope_factor = -1; }, "hello: rope_factor -1 must be finite and > 0"},
+      {[](RawHello& h) { h.rope_low_freq_factor = std::numeric_limits<double>::quiet_NaN(); },
+       "hello: rope_low_freq_factor nan must be finite and > 0"},
+      {[](RawHello& h) { h.rope_high_freq_factor = std::numeric_limits<double>::infinity(); },
+       "hello: rope_high_freq_factor inf must be finite and > 0"},
+      {[](RawHello& h) { h.rope_original_max_position = 0; },
+       "hello: rope_original_max_position 0 must be in [1, 2147483647]"},
+      {[](RawHello& h) { h.rope_original_max_position = kU64Max; },
+       "hello: rope_original_max_position 18446744073709551615 must be in [1, 2147483647]"},
       {[](RawHello& h) { h.prefix_block_tokens = 4097; },
        "hello: prefix_block_tokens 4097 must be 0 (no prefix registry) or in [1, 4096]"},
       {[](RawHello& h) { h.prefix_block_tokens = 0xffff; }, "hello: prefix_block_tokens 65535"},
@@ -1691,7 +1733,7 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
        "hello: slice_layers 1 must be 0 or in [1, num_layers 4] with compute_ranks >= 2 (compute_ranks 1)"},
       {[](RawHello& h) { h.lanes = 2, h.compute_ranks = 2, h.slice_layers = 5; },
        "hello: slice_layers 5 must be 0 or in [1, num_layers 4]"},
-      {[](RawHello& h) { h.reserved[4] = 1; }, "hello: reserved at byte offset 87 is 1, must be 0"},
+      {[](RawHello& h) { h.reserved[3] = 1; }, "hello: reserved at byte offset 87 is 1, must be 0"},
       {[](RawHello& h) { h.lanes = 0; }, "hello: lanes 0 must be in [1, 8]"},
       {[](RawHello& h) { h.lanes = 9; }, "hello: lanes 9 must be in [1, 8]"},
       {[](RawHello& h) { h.lanes = 255; }, "hello: lanes 255 must be in [1, 8]"},
@@ -1735,11 +1777,12 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     const absl::Status s = DecodeHello(MakeFrame(kHelloMagic, HelloBody(old), version)).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "hello: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 9 (versions 2 to 4 "
+                               " at byte offset 4 is older than the supported version 10 (versions 2 to 4 "
                                "changed the hello, step plan and replica result layouts; 5 added the "
                                "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
                                "step discard; 8 the step plan's next-use records; 9 the evictions' "
-                               "tokens and the persisted blocks report)");
+                               "tokens and the persisted blocks report; 10 the restores' segments and "
+                               "the hello's rope)");
   }
   // The limits and combinations that are valid.
   for (auto [tokens, sharing] : {std::pair<uint16_t, uint8_t>{0, 0}, {1, 0}, {1, 1}, {4096, 2}, {4096, 0}}) {
@@ -1758,13 +1801,13 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.want << ": " << s;
     EXPECT_CONTAINS(std::string(s.message()), c.want);
   }
-  for (size_t size : {56, 64, 71, 73}) {
+  for (size_t size : {56, 64, 72, 111, 113}) {  // versions 1, 2 to 9, this one's less or more
     Bytes body = HelloBody(RawHello{});
     body.resize(size);
     absl::Status s = DecodeHello(MakeFrame(kHelloMagic, body)).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_CONTAINS(std::string(s.message()),
-                    "hello: body_bytes " + std::to_string(size) + " at byte offset 8 must be 72");
+                    "hello: body_bytes " + std::to_string(size) + " at byte offset 8 must be 112");
   }
   // The struct validator says the same, and the encoder writes invalid values as given.
   HelloMessage h;
@@ -2264,8 +2307,8 @@ TEST(NextUseWire, GoldenBytesAndRefusals) {
   plan.next_uses.push_back({.block_hash = 0x1112131415161718, .next_use = 0, .memory_rank = 1});
   plan.next_uses.push_back({.block_hash = 0x2122232425262728, .next_use = 5, .memory_rank = 1});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x09, 0x00, 0x10, 0x00,
-      0x40, 0x00, 0x00, 0x00, 0xa5, 0x74, 0x3a, 0x3a,  // frame: version 9, body_bytes 64
+      0x54, 0x44, 0x53, 0x50, 0x0a, 0x00, 0x10, 0x00,
+      0x40, 0x00, 0x00, 0x00, 0xa5, 0x74, 0x3a, 0x3a,  // frame: version 10, body_bytes 64
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -2353,8 +2396,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
                            .block_index = 1,
                            .memory_rank = 1});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x09, 0x00, 0x10, 0x00,
-      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 9, body_bytes 120
+      0x54, 0x44, 0x53, 0x50, 0x0a, 0x00, 0x10, 0x00,
+      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 10, body_bytes 120
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -2380,8 +2423,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
 
   const RestoreReplyMessage reply{.step_id = 9, .memory_rank = 1, .failed = {0x1112131415161718}};
   const Bytes reply_golden = {
-      0x54, 0x44, 0x52, 0x54, 0x09, 0x00, 0x10, 0x00,
-      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 9, body_bytes 24
+      0x54, 0x44, 0x52, 0x54, 0x0a, 0x00, 0x10, 0x00,
+      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 10, body_bytes 24
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // memory_rank, reserved, failed_count
       0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // failed[0]
@@ -2390,6 +2433,74 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
   absl::StatusOr<RestoreReplyMessage> reply_back = DecodeRestoreReply(reply_golden);
   ASSERT_TRUE(reply_back.ok()) << reply_back.status();
   EXPECT_EQ(*reply_back, reply);
+}
+
+// Version 10: a shifted restore (kv.store_pre_rope) with two segments, written out by hand (crc by
+// the bitwise reference), and segment fields out of range.
+TEST(RestoreWire, SegmentsGoldenBytesAndRanges) {
+  StepPlan plan;
+  plan.step_id = 5;
+  plan.restores.push_back(
+      {.block_hash = 0x1112131415161718,
+       .parent_hash = 0x2122232425262728,
+       .block_index = 3,
+       .memory_rank = 2,
+       .segments = {{.source_hash = 0x3132333435363738, .source_index = 1, .source_row = 10, .rows = 6},
+                    {.source_hash = 0x4142434445464748, .source_index = 2, .source_row = 0, .rows = 10}}});
+  const Bytes golden = {
+      0x54, 0x44, 0x53, 0x50, 0x0a, 0x00, 0x10, 0x00, 0x58,
+      0x00, 0x00, 0x00, 0x73, 0x90, 0xc6, 0x16,        // frame: version 10, body_bytes 88
+      0x05, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
+      0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
+      0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
+      0x00, 0x01, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // micro_batch, micro_batches, next_use_count,
+                                                       // restore_count
+      0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // restore 0: block_hash
+      0x28, 0x27, 0x26, 0x25, 0x24, 0x23, 0x22, 0x21,  // parent_hash
+      0x03, 0x00, 0x00, 0x00, 0x02, 0x00, 0x02, 0x00,  // block_index, memory_rank, segment_count
+      0x38, 0x37, 0x36, 0x35, 0x34, 0x33, 0x32, 0x31,  // segment 0: source_hash
+      0x01, 0x00, 0x00, 0x00, 0x0a, 0x00, 0x06, 0x00,  // source_index, source_row, rows
+      0x48, 0x47, 0x46, 0x45, 0x44, 0x43, 0x42, 0x41,  // segment 1: source_hash
+      0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x0a, 0x00,  // source_index, source_row, rows
+  };
+  EXPECT_EQ(EncodeStepPlan(plan), golden);
+  absl::StatusOr<StepPlan> back = DecodeStepPlan(golden);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == plan);
+
+  // One segment fewer than segment_count says: the body is short.
+  Bytes body(golden.begin() + 16, golden.end() - 16);
+  absl::Status s = DecodeStepPlan(MakeFrame(kStepPlanMagic, body)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_CONTAINS(std::string(s.message()),
+                  "the restores' 2 segments need 32 bytes at byte offset 72 but 16 remain");
+  // segment_count above the limit.
+  body.assign(golden.begin() + 16, golden.end());
+  body[54] = 17;
+  s = DecodeStepPlan(MakeFrame(kStepPlanMagic, body)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()),
+                  "step plan: restore 0: segment_count 17 at byte offset 70 exceeds 16");
+  // Fields out of range, each named.
+  const std::vector<std::pair<std::function<void(PrefixSegment&)>, std::string>> cases = {
+      {[](PrefixSegment& g) { g.source_hash = 0; }, "source_hash 0,"},
+      {[](PrefixSegment& g) { g.source_index = -1; }, "source_index -1"},
+      {[](PrefixSegment& g) { g.rows = 0; }, "rows [0, 0)"},
+      {[](PrefixSegment& g) { g.source_row = 4000, g.rows = 97; }, "rows [4000, 4097)"},
+  };
+  for (const auto& [mutate, want] : cases) {
+    StepPlan bad = plan;
+    mutate(bad.restores[0].segments[1]);
+    Le w;
+    w.U64(5).U32(0).U32(0).U32(0).U32(0).U8(0).U8(1).U16(0).U32(1);
+    w.U64(0x1112131415161718).U64(0x2122232425262728).I32(3).U16(2).U16(2);
+    for (const PrefixSegment& g : bad.restores[0].segments)
+      w.U64(g.source_hash).I32(g.source_index).U16(g.source_row).U16(g.rows);
+    s = DecodeStepPlan(MakeFrame(kStepPlanMagic, w.b)).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_CONTAINS(std::string(s.message()), "step plan: restore 0: segment 1: ");
+    EXPECT_CONTAINS(std::string(s.message()), want);
+  }
 }
 
 TEST(ComputeReplicaWire, RoundTripsAndRefusesBadFrames) {
