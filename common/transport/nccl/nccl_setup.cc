@@ -535,14 +535,17 @@ NcclTransport::~NcclTransport() {
       cudaEventDestroy(w.before);
       cudaEventDestroy(w.after);
     }
+    for (auto& [peer, sent] : work.sent) cudaEventDestroy(sent);
   }
   for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
   if (done) {
     // Bounded waits: an aborted communicator's kernels return by themselves.
-    // (cudaFree synchronises the device, so first_ is freed only once both streams are idle.)
+    // (cudaFree synchronises the device, so first_ is freed only once every stream is idle.)
     const absl::Time until = absl::Now() + kDrainTimeout;
     bool idle = true;
-    for (cudaStream_t s : {stream_, recv_stream_}) {
+    std::vector<cudaStream_t> ours = {stream_, recv_stream_};
+    for (const auto& [id, p] : peers_) ours.push_back(p.send_stream);
+    for (cudaStream_t s : ours) {
       if (s == nullptr) continue;
       if (s == stream_ && staging_ != nullptr) cudaFreeAsync(staging_, s);
       if (s == recv_stream_ && scratch_ != nullptr) cudaFreeAsync(scratch_, s);
