@@ -40,14 +40,6 @@ absl::StatusOr<std::unique_ptr<ComputeRank>> ComputeRank::Create(const WeightSou
     return absl::InvalidArgumentError(
         absl::StrCat("pipeline.batches: ", options.micro_batches, " must be in [1, ", kMaxMicroBatches, "]"));
   }
-  if (options.micro_batches > 1 && options.transport == transport::TransportKind::kNccl) {
-    // NCCL matches a peer's transfers in the order they were issued on one stream: with two
-    // micro-batches in flight, the second one's q,k,v send would wait for a receive that the
-    // memory rank posts only after its first output, which waits for our receive behind that send.
-    return absl::InvalidArgumentError(
-        "pipeline.mode pingpong does not run over transport.kind nccl (NCCL orders a peer's transfers on one "
-        "stream, and two micro-batches in flight would deadlock it); use p2p, verbs, local or ucx");
-  }
   const size_t compute_ranks = 1 + options.replica_addresses.size();
   if (compute_ranks > static_cast<size_t>(options.micro_batches)) {
     return absl::InvalidArgumentError(absl::StrCat(

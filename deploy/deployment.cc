@@ -58,7 +58,7 @@ const ConfigSchema& DeploySchema() {
               "same over compute.ranks compute ranks, micro-batch j on compute rank j % compute.ranks; "
               "rotational: over compute.ranks compute ranks, slice k (pipeline.slice_layers layers) of "
               "micro-batch j on compute rank (j + k) % compute.ranks, the residual stream handed on while "
-              "the next layer's attention runs (none of them over transport.kind nccl)")
+              "the next layer's attention runs")
         .Int("pipeline.batches", 2, "micro-batches per step with pipeline.mode pingpong, fixed or rotational",
              2, 8)
         .Int("pipeline.slice_layers", 1,
@@ -199,6 +199,7 @@ absl::StatusOr<transport::TransportKind> ResolveTransport(std::optional<transpor
   transport::RankLayout layout{.compute_device = DeviceIndex(p.compute_device),
                                .one_host = p.placement.one_host()};
   for (const std::string& d : p.memory_devices) layout.memory_devices.push_back(DeviceIndex(d));
+  for (const std::string& d : p.replica_devices) layout.replica_devices.push_back(DeviceIndex(d));
   if (!requested) return transport::PickTransport(layout);
   const std::string why = transport::GetTransportInfo(*requested).CannotConnect(layout);
   if (!why.empty()) return absl::InvalidArgumentError(absl::StrCat("transport.kind: ", why));
@@ -279,12 +280,6 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   const std::string mode = c.GetString("pipeline.mode");
   p.micro_batches = PipelineMicroBatches(c);
   p.compute_ranks = static_cast<int>(c.GetInt("compute.ranks"));
-  if (p.micro_batches > 1 && p.transport == transport::TransportKind::kNccl) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "pipeline.mode: ", mode,
-        " does not run over transport.kind nccl (NCCL orders a peer's transfers on one stream, so several "
-        "micro-batches in flight would deadlock); use p2p, verbs, local or ucx"));
-  }
   p.slice_layers = PipelineSliceLayers(c);
   if (mode == "rotational" && p.compute_ranks < 2) {
     return absl::InvalidArgumentError(
@@ -330,6 +325,9 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
       }
       p.replica_devices.push_back(*idx < 0 ? "cpu" : absl::StrCat("cuda:", *idx));
     }
+    // The replicas connect to compute rank 0 and to every memory rank: the transport must connect
+    // them too (nccl: each on a GPU of its own).
+    RETURN_IF_ERROR(ResolveTransport(p.transport, p).status());
   }
   p.q_first = c.GetBool("pipeline.q_first");
   if (p.q_first && p.compute_device != "cpu") {

@@ -99,12 +99,12 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& config, const ModelSp
 // The value of transport.kind: nullopt for "auto", else the kind. InvalidArgument naming
 // transport.kind for anything else. Parsed once, when the deployment is resolved.
 absl::StatusOr<std::optional<transport::TransportKind>> ParseTransportSetting(std::string_view value);
-// The kind to run, from the transport table (common/transport/factory.h) and the plan's compute
-// and memory devices: `requested`, if it can connect them, or for auto (nullopt) what
+// The kind to run, from the transport table (common/transport/factory.h) and the plan's compute,
+// memory and replica devices: `requested`, if it can connect them, or for auto (nullopt) what
 // transport::PickTransport chooses (p2p when every rank is on a CUDA device and no memory rank
 // shares the compute rank's GPU, else ucx). A kind that cannot connect them (p2p and nccl refuse
-// CPU ranks and a memory rank on the compute GPU; a kind this build lacks) is InvalidArgument
-// naming transport.kind and the reason.
+// CPU ranks; nccl a memory rank on the compute GPU and a compute replica on a GPU another rank
+// uses; a kind this build lacks) is InvalidArgument naming transport.kind and the reason.
 absl::StatusOr<transport::TransportKind> ResolveTransport(std::optional<transport::TransportKind> requested,
                                                           const DeployPlan& plan);
 

@@ -93,6 +93,22 @@ std::string TransportInfo::CannotConnect(const RankLayout& layout) const {
     return absl::StrCat(name, " needs every memory rank on a GPU other than the compute rank's, but ", shared,
                         " is on ", DeviceName(layout.compute_device), " too (use ucx or auto)");
   }
+  for (size_t r = 0; r < layout.replica_devices.size() && !shares_compute_gpu; ++r) {
+    const int device = layout.replica_devices[r];
+    if (device < 0) continue;
+    std::string other;  // a rank it may connect to, on its GPU
+    if (device == layout.compute_device) other = "compute rank 0";
+    for (size_t i = 0; i < layout.memory_devices.size() && other.empty(); ++i) {
+      if (layout.memory_devices[i] == device) other = absl::StrCat("memory rank ", i);
+    }
+    for (size_t q = 0; q < r && other.empty(); ++q) {
+      if (layout.replica_devices[q] == device) other = absl::StrCat("compute rank ", q + 1);
+    }
+    if (!other.empty()) {
+      return absl::StrCat(name, " needs every compute replica on a GPU of its own, but compute rank ", r + 1,
+                          " is on ", DeviceName(device), " as is ", other, " (set compute.replica_devices)");
+    }
+  }
   return "";
 }
 

@@ -24,7 +24,10 @@ enum class TransportKind : uint8_t { kUcx, kP2p, kNccl, kVerbs, kLocal };
 struct RankLayout {
   int compute_device = -1;          // compute rank 0
   std::vector<int> memory_devices;  // memory rank m's device
-  bool one_host = true;             // every rank is a process of one host (all the launcher starts today)
+  // Compute ranks 1.. (compute.ranks > 1), on compute rank 0's host: each connects to compute rank
+  // 0, to every memory rank and, in a rotational ring of 3 or more, to its neighbours.
+  std::vector<int> replica_devices;
+  bool one_host = true;  // every rank is a process of one host (all the launcher starts today)
 };
 
 // One row of the transport table. The flags describe the kind, not an instance: an instance's
@@ -37,14 +40,16 @@ struct TransportInfo {
   bool same_host_only;      // every rank on one host
   bool device_polling;      // CUDA ranks enqueue whole steps with device-side waits (no host per layer)
   bool shares_compute_gpu;  // a memory rank may run on the compute rank's GPU (a transport whose
-                            // device waits spin would hold the GPU against the kernels awaited)
+                            // device waits spin would hold the GPU against the kernels awaited);
+                            // if not, a compute replica needs a GPU of its own too (nccl: NCCL
+                            // refuses two ranks of one communicator on one GPU)
   bool chosen_by_auto;      // transport.kind auto may pick it
   bool one_process;         // the memory ranks run as threads of compute rank 0's process (the
                             // launcher starts no memory rank processes); auto picks it first, but
                             // only when every memory rank is on the compute rank's GPU
   // Empty when this transport can connect `layout`, else why not, naming the kind ("p2p moves
   // data between GPUs, but ranks run on the CPU"). Checks, in order: built, needs_gpus,
-  // same_host_only, shares_compute_gpu.
+  // same_host_only, shares_compute_gpu (the memory ranks, then the replicas).
   std::string CannotConnect(const RankLayout& layout) const;
 };
 

@@ -4,8 +4,10 @@
 // them and for which seqno, 16 B to 64 MiB, first through the host path (Write; the parent checks
 // every byte) and then through the device path (EnqueueWrite; the parent's EnqueueWait and a copy
 // behind it on the same stream, compared by hash). Then bounds errors, writes in the other
-// direction, and a device wait that expires. Also: registration errors, an invalid device, and the
-// machine without a GPU (Unavailable). Prints one-way write times.
+// direction, two device-path writes in flight each way interleaved with their echoes (the order of
+// two pipelined micro-batches, which deadlocked while sends ran on the caller's stream), receives
+// from one peer on a second stream (refused), and a device wait that expires. Also: registration
+// errors, an invalid device, and the machine without a GPU (Unavailable). Prints one-way write times.
 #include "common/transport/nccl/nccl_transport.h"
 
 #include <cuda_runtime.h>
@@ -40,6 +42,9 @@ const size_t kSizes[] = {16, 4096, 65536, 1u << 20, 16u << 20, 64u << 20};
 constexpr int kReps = 5;
 constexpr uint64_t kOddOffset = 4104;  // a device-path receive away from the buffer's start
 constexpr size_t kBackBytes = 1u << 20;
+// The pipelined exchange's two writes each way: large, so that a send cannot complete before its
+// receive is posted (NCCL buffers a few MiB per channel ahead of the receiver).
+constexpr size_t kPipeBytes = 32u << 20;
 constexpr uint64_t kBackOrigin = 4242;
 
 absl::Time In(absl::Duration d) { return absl::Now() + d; }
@@ -195,6 +200,33 @@ TEST(NcclChildHelper, DISABLED_Peer) {
   EXPECT_EQ(tr.Doorbell(2), 8u);
   ASSERT_TRUE(tr.Send(*peer, Text("done")).ok());
 
+  // Pipelined: writes A and B in flight, then the waits for the parent's echoes of A and B (at the
+  // same offsets of our buffer 2, seqnos 9 and 10), one synchronisation.
+  seq += 2;
+  auto* pipe = static_cast<uint8_t*>(src.p);
+  for (size_t k = 0; k < 2; ++k) {
+    const std::vector<uint8_t> data = Payload(origin, seq - 1 + k, kPipeBytes);
+    CUDA_ASSERT_OK(cudaMemcpy(pipe + k * kPipeBytes, data.data(), kPipeBytes, cudaMemcpyHostToDevice));
+  }
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());  // a pageable upload may still be in flight
+  for (size_t k = 0; k < 2; ++k) {
+    s = tr.EnqueueWrite(*peer, 1, k * kPipeBytes, pipe + k * kPipeBytes, kPipeBytes, seq - 1 + k, stream.s);
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  for (size_t k = 0; k < 2; ++k) {
+    s = tr.EnqueueWait(*peer, 2, k * kPipeBytes, kPipeBytes, 9 + k, absl::Seconds(30),
+                       absl::StrCat("child: the parent's echo ", k), stream.s);
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
+  ASSERT_TRUE(s.ok()) << s;
+  for (size_t k = 0; k < 2; ++k) {
+    EXPECT_TRUE(mine.Read(kPipeBytes, k * kPipeBytes) == Payload(origin, seq - 1 + k, kPipeBytes))
+        << "the parent's echo " << k;
+  }
+  EXPECT_EQ(tr.Doorbell(2), 10u);
+  ASSERT_TRUE(tr.Send(*peer, Text("echoes checked")).ok());
+
   // The parent now lets a wait for a write of ours expire (and aborts its communicator from us),
   // which must not disturb us: nothing of ours is pending, so Flush succeeds. The parent keeps
   // its transport going until "closing", so that the flush can complete; then both tear down at
@@ -343,6 +375,39 @@ TEST(NcclTransport, TwoProcesses) {
   ASSERT_TRUE(s.ok()) << s;
   ExpectMessage(tr, "done");
   if (HasFatalFailure()) return;
+
+  // Pipelined, as two micro-batches: the child enqueues writes A and B and then the waits for
+  // their echoes; this side the wait for A, the echo of A (sent from where A landed), the wait for
+  // B, the echo of B. Were the child's write of B on its stream, it would hold up the wait for A's
+  // echo until this side waits for B, which comes after the echo of A: a deadlock.
+  seq += 2;
+  for (size_t k = 0; k < 2; ++k) {
+    s = tr.EnqueueWait(*peer, 1, k * kPipeBytes, kPipeBytes, seq - 1 + k, absl::Seconds(30),
+                       absl::StrCat("parent: pipelined write ", k), stream.s);
+    ASSERT_TRUE(s.ok()) << s;
+    s = tr.EnqueueWrite(*peer, 2, k * kPipeBytes, static_cast<uint8_t*>(buffer.p) + k * kPipeBytes,
+                        kPipeBytes, 9 + k, stream.s);
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(tr.Doorbell(1), seq);
+  ExpectMessage(tr, "echoes checked");
+  if (HasFatalFailure()) return;
+
+  // Receives from the child on a second stream while the first has one enqueued: refused (NCCL
+  // would match them in the order issued, whichever stream reached its own first).
+  {
+    Stream other;
+    ++seq;
+    ASSERT_TRUE(
+        tr.EnqueueWait(*peer, 1, 0, 0, seq, absl::Seconds(1), "parent: an empty wait", stream.s).ok());
+    s = tr.EnqueueWait(*peer, 1, 0, 16, seq + 1, absl::Seconds(1), "parent: another stream", other.s);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(std::string(s.message()).find("another stream"), std::string::npos) << s;
+    s = tr.SyncStream(stream.s, In(absl::Seconds(10)));
+    ASSERT_TRUE(s.ok()) << s;
+  }
 
   // A device wait for a write that never comes expires with its label; the device path then stays
   // failed, and the control plane still works.

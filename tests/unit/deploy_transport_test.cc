@@ -4,6 +4,7 @@
 // the YAML key.
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/transport/factory.h"
@@ -118,6 +119,35 @@ TEST(ResolveTransport, ExplicitKinds) {
     } else {
       EXPECT_EQ(Resolve(kind, Plan("cuda:0", {"cuda:1", "cuda:0"})), kind);
     }
+  }
+}
+
+// Compute replicas connect to compute rank 0 and to every memory rank (and, in a rotational ring,
+// to each other): nccl needs each on a GPU of its own (NCCL refuses two ranks of one communicator
+// on one GPU); p2p does not.
+TEST(ResolveTransport, NcclNeedsAGpuOfItsOwnPerComputeReplica) {
+  DeployPlan p = Plan("cuda:0", {"cuda:1", "cuda:2"});
+  p.replica_devices = {"cuda:3", "cuda:4"};
+  for (const std::string kind : {"p2p", "nccl"}) {
+    if (TransportBuilt(kind == "p2p" ? TransportKind::kP2p : TransportKind::kNccl)) {
+      EXPECT_EQ(Resolve(kind, p), kind);
+    }
+  }
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"cuda:0"}, "compute rank 1 is on cuda:0 as is compute rank 0"},
+      {{"cuda:3", "cuda:2"}, "compute rank 2 is on cuda:2 as is memory rank 1"},
+      {{"cuda:3", "cuda:3"}, "compute rank 2 is on cuda:3 as is compute rank 1"}};
+  for (const auto& [replicas, want] : cases) {
+    SCOPED_TRACE(want);
+    p.replica_devices = replicas;
+    if (TransportBuilt(TransportKind::kP2p)) {
+      EXPECT_EQ(Resolve("p2p", p), "p2p");
+    }
+    if (!TransportBuilt(TransportKind::kNccl)) continue;
+    const std::string why = Resolve("nccl", p);
+    EXPECT_THAT(why, HasSubstr("nccl needs every compute replica on a GPU of its own"));
+    EXPECT_THAT(why, HasSubstr(want));
+    EXPECT_THAT(why, HasSubstr("compute.replica_devices"));
   }
 }
 

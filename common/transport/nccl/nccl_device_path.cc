@@ -1,5 +1,5 @@
-// The NCCL transport's device path: transfers enqueued on the caller's stream, watched from the host (see
-// nccl_internal.h for the design).
+// The NCCL transport's device path: receives enqueued on the caller's stream, sends on a stream per peer
+// ordered after the caller's, watched from the host (see nccl_internal.h for the design).
 #include "common/transport/nccl/nccl_internal.h"
 
 namespace tandem::transport::nccl_internal {
@@ -29,10 +29,26 @@ absl::Status NcclTransport::EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t 
   }
   ASSIGN_OR_RETURN(ncclComm_t comm, ReadyComm(peer, true));
   NCCL_T_CUDA(cudaSetDevice(device_), name);
+  ASSIGN_OR_RETURN(cudaStream_t send, SendStream(peer));
+  // The send runs on the peer's send stream once the caller's stream has reached this point (the
+  // source is written by then); the caller's stream goes on without waiting for the peer.
+  ASSIGN_OR_RETURN(cudaEvent_t reached, RecordEvent(static_cast<cudaStream_t>(stream), name));
+  const cudaError_t waited = cudaStreamWaitEvent(send, reached, 0);
+  ReleaseEvent(reached);  // the wait holds what it captured; the event may be recorded again
+  if (waited != cudaSuccess) {
+    (void)cudaGetLastError();
+    return CudaError(waited, "cudaStreamWaitEvent", name);
+  }
   StreamWork& work = streams_[stream];
   work.sends_to.insert(peer);
-  return Issued(peer, true, ncclSend(src, bytes, ncclUint8, 1, comm, static_cast<cudaStream_t>(stream)),
-                "ncclSend");
+  RETURN_IF_ERROR(Issued(peer, true, ncclSend(src, bytes, ncclUint8, 1, comm, send), "ncclSend"));
+  ASSIGN_OR_RETURN(cudaEvent_t sent, RecordEvent(send, name));
+  auto [it, first] = work.sent.try_emplace(peer, sent);
+  if (!first) {
+    ReleaseEvent(it->second);  // this send completes after that one
+    it->second = sent;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status NcclTransport::EnqueueWait(PeerId peer, uint32_t buffer, uint64_t offset, size_t bytes,
@@ -47,6 +63,14 @@ absl::Status NcclTransport::EnqueueWait(PeerId peer, uint32_t buffer, uint64_t o
     return absl::InvalidArgumentError(absl::StrCat("nccl transport: ", label, ": a wait for ", bytes,
                                                    " bytes at offset ", offset, " outside buffer ", buffer,
                                                    " (", it->second.bytes, " bytes)"));
+  }
+  for (const auto& [other, work] : streams_) {
+    if (other != stream && work.receives_from.contains(peer)) {
+      // NCCL would match them in the order issued, not the order the streams reach them.
+      return absl::InvalidArgumentError(absl::StrCat(
+          "nccl transport: ", label, ": receives from ", peers_.at(peer).name,
+          " are enqueued on another stream that was not synchronised since (one stream per peer)"));
+    }
   }
   ASSIGN_OR_RETURN(ncclComm_t comm, ReadyComm(peer, false));
   const std::string& name = peers_.at(peer).name;
@@ -82,8 +106,15 @@ absl::Status NcclTransport::EnqueueWait(PeerId peer, uint32_t buffer, uint64_t o
 absl::Status NcclTransport::SyncStream(void* stream, absl::Time deadline) {
   if (!device_failure_.ok()) return DeviceFailed();
   NCCL_T_CUDA(cudaSetDevice(device_), "SyncStream");
-  ASSIGN_OR_RETURN(cudaEvent_t done, RecordEvent(static_cast<cudaStream_t>(stream), "SyncStream"));
+  auto caller = static_cast<cudaStream_t>(stream);
   StreamWork& work = streams_[stream];
+  // The stream's sends ran on the peers' send streams: joined here, after everything the stream
+  // enqueued, so that `done` covers them (and a drain after an abort waits for them too).
+  for (const auto& [peer, sent] : work.sent) {
+    NCCL_T_CUDA(cudaStreamWaitEvent(caller, sent, 0),
+                absl::StrCat("SyncStream, the sends to ", peers_.at(peer).name));
+  }
+  ASSIGN_OR_RETURN(cudaEvent_t done, RecordEvent(caller, "SyncStream"));
   while (true) {
     const cudaError_t q = cudaEventQuery(done);
     if (q == cudaSuccess) break;
@@ -110,6 +141,13 @@ absl::Status NcclTransport::SyncStream(void* stream, absl::Time deadline) {
           break;
         }
       }
+      for (const auto& [peer, sent] : work.sent) {
+        if (!pending.empty()) break;
+        const cudaError_t sq = cudaEventQuery(sent);
+        if (sq == cudaSuccess) continue;
+        (void)cudaGetLastError();
+        pending = absl::StrCat("; a send to ", peers_.at(peer).name, " was not received");
+      }
       s = absl::DeadlineExceededError(
           absl::StrCat("nccl transport: the stream's work did not finish before the deadline", pending));
     }
@@ -121,6 +159,7 @@ absl::Status NcclTransport::SyncStream(void* stream, absl::Time deadline) {
     ReleaseEvent(w.before);
     ReleaseEvent(w.after);
   }
+  for (const auto& [peer, sent] : work.sent) ReleaseEvent(sent);
   streams_.erase(stream);
   ReleaseEvent(done);
   return absl::OkStatus();
@@ -162,8 +201,8 @@ absl::Status NcclTransport::CheckWaits(StreamWork& work) {
   return absl::OkStatus();
 }
 
-// Aborts the communicators the stream's NCCL kernels use, so that they return instead of waiting
-// forever, and keeps the device path failed.
+// Aborts the communicators the stream's NCCL kernels use (its receives and, on the peers' send
+// streams, its sends), so that they return instead of waiting forever, and keeps the device path failed.
 absl::Status NcclTransport::FailStream(void* stream, cudaEvent_t done, absl::Status why) {
   device_failure_ = why;
   TANDEM_LOG_WARN("transport", "nccl: device path failed: ", why.message());
@@ -176,14 +215,24 @@ absl::Status NcclTransport::FailStream(void* stream, cudaEvent_t done, absl::Sta
   for (PeerId p : work.receives_from) {
     if (CommOf(p, false).failure.ok()) (void)FailComm(p, false, aborted, false);
   }
-  Drain(done, kDrainTimeout);
+  Drain(done, kDrainTimeout);  // the stream waits for its sends too (SyncStream joined them)
   cudaEventDestroy(done);
   for (DeviceWait& w : work.waits) {
     cudaEventDestroy(w.before);
     cudaEventDestroy(w.after);
   }
+  for (const auto& [peer, sent] : work.sent) cudaEventDestroy(sent);
   streams_.erase(stream);
   return why;
+}
+
+absl::StatusOr<cudaStream_t> NcclTransport::SendStream(PeerId peer) {
+  Peer& p = peers_.at(peer);
+  if (p.send_stream == nullptr) {
+    NCCL_T_CUDA(cudaStreamCreateWithFlags(&p.send_stream, cudaStreamNonBlocking),
+                absl::StrCat("the send stream to ", p.name));
+  }
+  return p.send_stream;
 }
 
 }  // namespace tandem::transport::nccl_internal

@@ -32,6 +32,24 @@
 // (pumping the control plane) up to kSetupTimeout, then fails with DeadlineExceeded naming the
 // peer.
 //
+// Set-up order. A set-up job needs the peer in it at the same time (NCCL's init waits for the
+// other rank), and each process runs one job at a time, so three processes that each started
+// another pair (A with B, B with C, C with A) would wait for each other until kSetupTimeout.
+// Peers are therefore set up in the order this side met them (OnNewPeer; Peer::met), and a peer
+// whose hello has not arrived yet holds up the peers met after it instead of being overtaken (one
+// that was Close()d or whose connection failed is passed over). A deployment's processes meet
+// each other in orders without a cycle: a compute rank (0 or a replica) connects to the memory
+// ranks first, in rank order; compute rank 0 then connects to the replicas; a replica meets
+// compute rank 0 before its ring neighbours (rotational with 3 or more compute ranks), which
+// connect only after compute rank 0 sent the ring; a memory rank meets its compute ranks in any
+// order. In a cycle of set-ups each waiting for the next, a compute rank that a memory rank waits
+// for would be busy with a memory rank of lower rank (those come first, in order), so the memory
+// ranks would decrease all the way round the cycle; a cycle of compute ranks alone would need
+// compute rank 0 to wait for a replica busy with a ring neighbour, which the replica meets after
+// compute rank 0; and the ring's edges among the replicas form a path. Waiting for a hello always
+// ends: the peer sends it as soon as it meets this side (its Connect, Accept, or the first frame
+// of ours it receives), never held back by a set-up.
+//
 // Host path (Write / WaitDoorbell / Doorbell). Write checks bounds against the peer's descriptor,
 // sends the write frame, stages the pieces (host or device memory) into a device staging buffer
 // and ncclSends it on this transport's stream, then waits for the send to complete so that the
@@ -42,19 +60,72 @@
 // refused with DataLoss (returned by the next WaitDoorbell/Receive) and its bytes are still
 // received, into scratch, so that the communicator stays in step with the sender.
 //
-// Device path (EnqueueWrite / EnqueueWait / SyncStream). EnqueueWrite is an ncclSend from the
-// caller's device memory on the caller's stream; EnqueueWait an ncclRecv into the registered
-// buffer at the offset. Offsets and seqnos do not travel: NCCL matches sends and receives of a
-// communicator in order, so the k-th EnqueueWrite to a peer lands where that peer's k-th
-// EnqueueWait from us says. NCCL's kernels wait on the device and cannot be given a timeout, so
-// the host watches them: EnqueueWait records a CUDA event before and after its receive, and
-// SyncStream polls the stream while, every ~100 us, it pumps the control plane, checks every
-// communicator for asynchronous errors and checks the pending waits (a wait whose "before" event
-// has completed but whose "after" event has not, `timeout` after it was first seen reached, has
-// expired). On an error or at the deadline it aborts the communicators the stream uses, which
-// makes their kernels return, and the device path stays failed (FailedPrecondition with the first
-// error). Host-path and device-path writes must not both be in flight on one peer in one
-// direction: their receives would be posted in an order the sender cannot know.
+// Device path (EnqueueWrite / EnqueueWait / SyncStream). EnqueueWait is an ncclRecv into the
+// registered buffer at the offset, on the caller's stream. EnqueueWrite is an ncclSend from the
+// caller's device memory on a stream of the peer's own (Peer::send_stream), made to wait
+// (cudaStreamWaitEvent) for an event recorded on the caller's stream at the call: the send starts
+// once the caller's earlier work (which wrote the source) has run, and the caller's stream goes
+// on without waiting for the peer to receive. Offsets and seqnos do not travel: NCCL matches sends
+// and receives of a communicator in order, so the k-th EnqueueWrite to a peer lands where that
+// peer's k-th EnqueueWait from us says.
+//
+// Why sends leave the caller's stream. An NCCL kernel that waits for its peer holds up the
+// stream behind it. With two micro-batches A and B in flight (pipeline.batches 2), compute rank
+// 0 enqueues: send A's q,k,v, send B's q,k,v, receive A's output, ...; the memory rank: receive
+// A's q,k,v, attention, send A's output, receive B's q,k,v. Were B's send on compute rank 0's
+// stream, it would hold up the receive of A's output behind it until the memory rank posts B's
+// receive, which that rank does only after it sent A's output, which completes only once that
+// receive runs: a deadlock. On a send stream, a send waits only for the work that wrote its
+// source and for the matching receive; nothing on a caller's stream waits for a send.
+//
+// One stream per communicator in each process, and the same order on both sides. The
+// communicator we write on is used from the peer's send stream (and by the host path from
+// stream_, never while device-path writes to that peer are in flight: see below); the one we
+// receive on from the caller's stream (host path: recv_stream_). A communicator's transfers are
+// then issued, on each side, in the order the caller called EnqueueWrite / EnqueueWait for that
+// peer, and the ranks keep those orders equal: a compute rank sends each lane's q,k,v and
+// receives its attention outputs in (layer, micro-batch) order, a memory rank receives the q,k,v
+// and sends the outputs in that order too (LayersOnDevice: per layer, the lanes in turn), and a
+// rotational ring's residual streams are handed on and taken in that order. Each rank has one
+// caller stream (a compute rank's lanes share its backend's stream, a memory rank's lanes its
+// executor's), so a memory rank receives the q,k,v of all its lanes from one compute rank on one
+// stream; a compute rank's sends to a peer all go to that peer's send stream. Receives from one
+// peer posted on two caller streams at once would be matched in the order they were issued, not
+// the order the streams reach them, so EnqueueWait refuses them (InvalidArgument).
+//
+// No cycle. Take the transfers in the order (layer, micro-batch, stage), an item's stages being
+// the transfer of its q,k,v (and of its residual stream, rotational), then of its attention
+// output. Every stream meets its blocking transfers in that order: a caller's stream blocks only
+// in receives, enqueued in item order; a send stream's sends are in item order too, each also
+// waiting for the caller's work that produced its source, which follows the transfer one stage
+// back on that stream (item (l, j)'s q,k,v are computed after (l-1, j)'s output was received, its
+// output after its q,k,v were). A transfer completes once its match on the peer runs, which in
+// turn waits only for transfers before it. So each transfer waits only for earlier ones, and all
+// complete. Several NCCL kernels may now run at once on a GPU (a send per peer beside the
+// caller's receive); they are small point-to-point kernels that fit on the device together, and
+// the device path makes no device-wide synchronising call while transfers are in flight (Grow is
+// stream-ordered), which is what NCCL's caution about concurrent communicators is about.
+//
+// A write's source is read after the caller's stream has passed the call, until the peer has
+// received it (nccl_transport.h says so to callers). The ranks rewrite a source only after
+// something that the peer computed from it has come back (a compute rank rewrites a lane's q,k,v
+// after receiving that lane's attention output; a memory rank rewrites a lane's output after
+// receiving the lane's next q,k,v, computed from it; a handed-on residual stream returns only
+// round the ring), or after SyncStream.
+//
+// Watchdog. NCCL's kernels wait on the device and cannot be given a timeout, so the host watches
+// them: EnqueueWait records a CUDA event before and after its receive, and EnqueueWrite one on the
+// send stream after its send (StreamWork::sent, the stream's last send to each peer). SyncStream
+// first makes the caller's stream wait for those send events, so the event it then records covers
+// the stream's sends too, and polls it while, every ~100 us, it pumps the control plane, checks
+// every communicator for asynchronous errors and checks the pending waits (a wait whose "before"
+// event has completed but whose "after" event has not, `timeout` after it was first seen reached,
+// has expired). On an error or at the deadline (which names the first pending wait, else a send
+// still in flight) it aborts the communicators the stream's receives and sends use, which makes
+// their kernels return, drains the stream (and with it the joined sends), and the device path
+// stays failed (FailedPrecondition with the first error). Host-path and device-path writes must
+// not both be in flight on one peer in one direction: their receives would be posted in an order
+// the sender cannot know.
 //
 // Teardown: healthy, idle communicators are finalized and destroyed; ones with work that can no
 // longer complete, that failed, or that do not finalize within kFinalizeTimeout are aborted.
@@ -211,7 +282,7 @@ inline absl::Status NcclError(ncclResult_t r, std::string_view call, std::string
 // Set-up of a peer's pair of communicators.
 enum class Setup : uint8_t {
   kAwaitingHello,  // the peer's ncclUniqueId has not arrived yet
-  kQueued,         // both ids known; waits for its turn (one NCCL job at a time)
+  kQueued,         // both ids known; waits for its turn (one NCCL job at a time, in the order met)
   kInit,           // both ncclCommInitRankConfig running, in one group
   kConnecting,     // the one-byte first transfers running, in one group (NCCL connects)
   kReady,
@@ -223,7 +294,7 @@ inline const char* SetupName(Setup s) {
     case Setup::kAwaitingHello:
       return "no hello from the peer yet";
     case Setup::kQueued:
-      return "waiting for another peer's set-up";
+      return "waiting for the set-up of a peer met before it";
     case Setup::kInit:
       return "initialising";
     case Setup::kConnecting:
@@ -243,6 +314,7 @@ struct Comm {
 
 struct Peer {
   std::string name;
+  uint64_t met = 0;      // when OnNewPeer met it, as a count: set-ups run in this order
   bool greeted = false;  // our hello went out
   bool closed = false;   // Close()d: its communicators failing is expected, not the transport's failure
   Setup setup = Setup::kAwaitingHello;
@@ -252,6 +324,7 @@ struct Peer {
   Comm recv;                            // this side is rank 1 and receives
   std::map<uint32_t, uint64_t> remote;  // the peer's buffers: id -> bytes
   std::deque<WriteFrame> incoming;      // announced host-path writes, receive not posted yet
+  cudaStream_t send_stream = nullptr;   // device-path sends to it (created by the first EnqueueWrite)
 };
 
 struct Local {
@@ -285,6 +358,9 @@ struct DeviceWait {
 struct StreamWork {
   std::vector<DeviceWait> waits;
   std::set<PeerId> sends_to, receives_from;  // communicators the stream's NCCL kernels use
+  // Per peer written to: an event recorded on its send stream after the last send this stream
+  // enqueued there (sends on one send stream complete in order), joined by SyncStream.
+  std::map<PeerId, cudaEvent_t> sent;
 };
 
 class NcclTransport : public ControlPlaneTransport {
@@ -353,7 +429,8 @@ class NcclTransport : public ControlPlaneTransport {
  private:
   // ---- connections and communicators ----
   absl::Status OnNewPeer(PeerId peer) override;
-  // Starts the set-up of the first queued peer, if no NCCL job is in flight.
+  // Starts the set-up of the first peer, in the order met, still to be set up, if its hello has
+  // arrived and no NCCL job is in flight (see "Set-up order" above).
   void StartNextSetup();
   // Advances the set-up in flight (job_) once NCCL has finished its current phase.
   void PollSetup();
@@ -407,6 +484,8 @@ class NcclTransport : public ControlPlaneTransport {
   }
   absl::Status CheckWaits(StreamWork& work);
   absl::Status FailStream(void* stream, cudaEvent_t done, absl::Status why);
+  // The stream device-path sends to `peer` are issued on (created on first use).
+  absl::StatusOr<cudaStream_t> SendStream(PeerId peer);
 
   // ---- CUDA resources ----
   absl::StatusOr<cudaEvent_t> RecordEvent(cudaStream_t stream, std::string_view context);
@@ -438,6 +517,7 @@ class NcclTransport : public ControlPlaneTransport {
   uint64_t scratch_bytes_ = 0;
   std::map<uint32_t, Local> local_;
   std::map<PeerId, Peer> peers_;
+  uint64_t met_ = 0;                 // peers met so far (Peer::met)
   std::optional<PeerId> job_;        // the peer whose set-up job NCCL is running
   std::deque<absl::Status> errors_;  // refused writes, for WaitDoorbell/Receive
   absl::Status broken_;              // first genuine communicator failure

@@ -11,6 +11,7 @@ namespace tandem::transport::nccl_internal {
 absl::Status NcclTransport::OnNewPeer(PeerId peer) {
   Peer& p = peers_[peer];
   p.name = PeerName(peer);
+  p.met = met_++;
   HelloFrame h;
   const ncclResult_t r = ncclGetUniqueId(&h.id);
   if (r != ncclSuccess) {
@@ -31,8 +32,23 @@ absl::Status NcclTransport::OnNewPeer(PeerId peer) {
 
 void NcclTransport::StartNextSetup() {
   if (job_) return;
-  for (auto& [id, p] : peers_) {
-    if (!p.greeted || p.setup != Setup::kQueued) continue;
+  bool queued = false;
+  std::vector<std::pair<uint64_t, PeerId>> order;  // (met, peer) of the peers to set up
+  for (const auto& [id, p] : peers_) {
+    if (!p.greeted || p.setup == Setup::kReady || p.setup == Setup::kFailed) continue;
+    queued = queued || p.setup == Setup::kQueued;
+    order.emplace_back(p.met, id);
+  }
+  if (!queued) return;
+  std::sort(order.begin(), order.end());
+  for (const auto& entry : order) {
+    const PeerId id = entry.second;
+    Peer& p = peers_.at(id);
+    if (p.setup == Setup::kAwaitingHello) {
+      // Its hello holds up the peers met after it, unless it will not come (see "Set-up order").
+      if (p.closed || !control().PeerStatus(id).ok()) continue;
+      return;
+    }
     if (cudaSetDevice(device_) != cudaSuccess) {
       (void)cudaGetLastError();
       return;
@@ -535,14 +551,17 @@ NcclTransport::~NcclTransport() {
       cudaEventDestroy(w.before);
       cudaEventDestroy(w.after);
     }
+    for (auto& [peer, sent] : work.sent) cudaEventDestroy(sent);
   }
   for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
   if (done) {
     // Bounded waits: an aborted communicator's kernels return by themselves.
-    // (cudaFree synchronises the device, so first_ is freed only once both streams are idle.)
+    // (cudaFree synchronises the device, so first_ is freed only once every stream is idle.)
     const absl::Time until = absl::Now() + kDrainTimeout;
     bool idle = true;
-    for (cudaStream_t s : {stream_, recv_stream_}) {
+    std::vector<cudaStream_t> ours = {stream_, recv_stream_};
+    for (const auto& [id, p] : peers_) ours.push_back(p.send_stream);
+    for (cudaStream_t s : ours) {
       if (s == nullptr) continue;
       if (s == stream_ && staging_ != nullptr) cudaFreeAsync(staging_, s);
       if (s == recv_stream_ && scratch_ != nullptr) cudaFreeAsync(scratch_, s);

@@ -5,8 +5,15 @@
 //
 // NCCL matches sends and receives by order, not by address: every EnqueueWrite to a peer must be
 // matched by exactly one EnqueueWait of that peer for the same number of bytes, in the same order
-// (the receiver's offset decides where the bytes land). Host-path writes (Write) and device-path
+// (the receiver's offset decides where the bytes land), and the receives from one peer are
+// enqueued on one stream between two SyncStreams of it. Host-path writes (Write) and device-path
 // writes must not both be in flight on one peer in one direction.
+//
+// EnqueueWrite's send runs on a stream of the peer's own, after the caller's stream has reached
+// the call, so that the caller's stream never waits for the peer to receive (pipelined steps
+// depend on it). Its source is therefore read until the peer has received it, not only until the
+// caller's stream has passed the call: rewrite it only after something the peer sent back in
+// response has arrived, or after SyncStream (which waits for the stream's sends).
 #pragma once
 
 #include <memory>
