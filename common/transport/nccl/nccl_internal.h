@@ -32,24 +32,6 @@
 // (pumping the control plane) up to kSetupTimeout, then fails with DeadlineExceeded naming the
 // peer.
 //
-// Set-up order. A set-up job needs the peer in it at the same time (NCCL's init waits for the
-// other rank), and each process runs one job at a time, so three processes that each started
-// another pair (A with B, B with C, C with A) would wait for each other until kSetupTimeout.
-// Peers are therefore set up in the order this side met them (OnNewPeer; Peer::met), and a peer
-// whose hello has not arrived yet holds up the peers met after it instead of being overtaken (one
-// that was Close()d or whose connection failed is passed over). A deployment's processes meet
-// each other in orders without a cycle: a compute rank (0 or a replica) connects to the memory
-// ranks first, in rank order; compute rank 0 then connects to the replicas; a replica meets
-// compute rank 0 before its ring neighbours (rotational with 3 or more compute ranks), which
-// connect only after compute rank 0 sent the ring; a memory rank meets its compute ranks in any
-// order. In a cycle of set-ups each waiting for the next, a compute rank that a memory rank waits
-// for would be busy with a memory rank of lower rank (those come first, in order), so the memory
-// ranks would decrease all the way round the cycle; a cycle of compute ranks alone would need
-// compute rank 0 to wait for a replica busy with a ring neighbour, which the replica meets after
-// compute rank 0; and the ring's edges among the replicas form a path. Waiting for a hello always
-// ends: the peer sends it as soon as it meets this side (its Connect, Accept, or the first frame
-// of ours it receives), never held back by a set-up.
-//
 // Host path (Write / WaitDoorbell / Doorbell). Write checks bounds against the peer's descriptor,
 // sends the write frame, stages the pieces (host or device memory) into a device staging buffer
 // and ncclSends it on this transport's stream, then waits for the send to complete so that the
@@ -282,7 +264,7 @@ inline absl::Status NcclError(ncclResult_t r, std::string_view call, std::string
 // Set-up of a peer's pair of communicators.
 enum class Setup : uint8_t {
   kAwaitingHello,  // the peer's ncclUniqueId has not arrived yet
-  kQueued,         // both ids known; waits for its turn (one NCCL job at a time, in the order met)
+  kQueued,         // both ids known; waits for its turn (one NCCL job at a time)
   kInit,           // both ncclCommInitRankConfig running, in one group
   kConnecting,     // the one-byte first transfers running, in one group (NCCL connects)
   kReady,
@@ -294,7 +276,7 @@ inline const char* SetupName(Setup s) {
     case Setup::kAwaitingHello:
       return "no hello from the peer yet";
     case Setup::kQueued:
-      return "waiting for the set-up of a peer met before it";
+      return "waiting for another peer's set-up";
     case Setup::kInit:
       return "initialising";
     case Setup::kConnecting:
@@ -314,7 +296,6 @@ struct Comm {
 
 struct Peer {
   std::string name;
-  uint64_t met = 0;      // when OnNewPeer met it, as a count: set-ups run in this order
   bool greeted = false;  // our hello went out
   bool closed = false;   // Close()d: its communicators failing is expected, not the transport's failure
   Setup setup = Setup::kAwaitingHello;
@@ -429,8 +410,7 @@ class NcclTransport : public ControlPlaneTransport {
  private:
   // ---- connections and communicators ----
   absl::Status OnNewPeer(PeerId peer) override;
-  // Starts the set-up of the first peer, in the order met, still to be set up, if its hello has
-  // arrived and no NCCL job is in flight (see "Set-up order" above).
+  // Starts the set-up of the first queued peer, if no NCCL job is in flight.
   void StartNextSetup();
   // Advances the set-up in flight (job_) once NCCL has finished its current phase.
   void PollSetup();
@@ -517,7 +497,6 @@ class NcclTransport : public ControlPlaneTransport {
   uint64_t scratch_bytes_ = 0;
   std::map<uint32_t, Local> local_;
   std::map<PeerId, Peer> peers_;
-  uint64_t met_ = 0;                 // peers met so far (Peer::met)
   std::optional<PeerId> job_;        // the peer whose set-up job NCCL is running
   std::deque<absl::Status> errors_;  // refused writes, for WaitDoorbell/Receive
   absl::Status broken_;              // first genuine communicator failure

@@ -11,7 +11,6 @@ namespace tandem::transport::nccl_internal {
 absl::Status NcclTransport::OnNewPeer(PeerId peer) {
   Peer& p = peers_[peer];
   p.name = PeerName(peer);
-  p.met = met_++;
   HelloFrame h;
   const ncclResult_t r = ncclGetUniqueId(&h.id);
   if (r != ncclSuccess) {
@@ -32,23 +31,8 @@ absl::Status NcclTransport::OnNewPeer(PeerId peer) {
 
 void NcclTransport::StartNextSetup() {
   if (job_) return;
-  bool queued = false;
-  std::vector<std::pair<uint64_t, PeerId>> order;  // (met, peer) of the peers to set up
-  for (const auto& [id, p] : peers_) {
-    if (!p.greeted || p.setup == Setup::kReady || p.setup == Setup::kFailed) continue;
-    queued = queued || p.setup == Setup::kQueued;
-    order.emplace_back(p.met, id);
-  }
-  if (!queued) return;
-  std::sort(order.begin(), order.end());
-  for (const auto& entry : order) {
-    const PeerId id = entry.second;
-    Peer& p = peers_.at(id);
-    if (p.setup == Setup::kAwaitingHello) {
-      // Its hello holds up the peers met after it, unless it will not come (see "Set-up order").
-      if (p.closed || !control().PeerStatus(id).ok()) continue;
-      return;
-    }
+  for (auto& [id, p] : peers_) {
+    if (!p.greeted || p.setup != Setup::kQueued) continue;
     if (cudaSetDevice(device_) != cudaSuccess) {
       (void)cudaGetLastError();
       return;
