@@ -376,7 +376,8 @@ class NcclTransport : public ControlPlaneTransport {
       const absl::Time until = std::min(deadline, now + (Busy() ? kPump : kIdleWait));
       absl::StatusOr<PeerId> peer = control().Accept(std::max(until, now + absl::Microseconds(1)));
       if (peer.ok()) {
-        RETURN_IF_ERROR(OnNewPeer(*peer));
+        // Greet, not OnNewPeer: a Receive or Pump may have met this peer first (and greeted it).
+        RETURN_IF_ERROR(Greet(*peer));
         return *peer;
       }
       if (!absl::IsDeadlineExceeded(peer.status()) || absl::Now() >= deadline) return peer.status();
