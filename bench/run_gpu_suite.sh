@@ -20,9 +20,9 @@
 #            and efficiency, per layout): memory ranks on the compute GPU (local, p2p), then 1 + 1
 #            and 1 + 3 GPUs (p2p, nccl) with the request and the head partition, as the machine's
 #            GPU count allows (MODEL, BATCHES, CONTEXTS override), each with pipeline.mode none
-#            and pingpong over 2 and 4 micro-batches (PIPELINE_BATCHES overrides "1,2,4"; nccl
-#            runs pingpong never: it refuses it); from 3 GPUs also compute replicas (fixed: 2 compute
-#            GPUs, the rest memory GPUs; FIXED_BATCHES overrides "2,4") and the rotational pipeline
+#            and pingpong over 2 and 4 micro-batches (PIPELINE_BATCHES overrides "1,2,4"; over p2p
+#            and nccl alike); from 3 GPUs also compute replicas (fixed: 2 compute
+#            GPUs, the rest memory GPUs; FIXED_BATCHES overrides "2,4"; p2p: nccl refuses replicas) and the rotational pipeline
 #            (2 compute GPUs and 3 micro-batches, ROTATIONAL_BATCHES overrides; from 4 GPUs also 3
 #            compute GPUs and 4 micro-batches; slices of SLICE_LAYERS layers, default 1)
 set -uo pipefail
@@ -98,8 +98,7 @@ for what in "$@"; do
       pp=${PIPELINE_BATCHES:-1,2,4}
       run_steps one_gpu --shared-gpu 1 --transports local,p2p --pipeline-batches "$pp"
       if [ "$gpus" -ge 2 ]; then
-        run_steps two_gpus --transports p2p --memory-ranks 1 --pipeline-batches "$pp"
-        run_steps two_gpus_nccl --transports nccl --memory-ranks 1
+        run_steps two_gpus --transports p2p,nccl --memory-ranks 1 --pipeline-batches "$pp"
       fi
       if [ "$gpus" -ge 3 ]; then
         # Compute replicas (pipeline.mode fixed): 2 compute GPUs, the rest memory GPUs.
@@ -114,8 +113,7 @@ for what in "$@"; do
           --slice-layers "${SLICE_LAYERS:-1}" --pipeline-batches 4
       fi
       if [ "$gpus" -ge 4 ]; then
-        run_steps four_gpus_request --transports p2p --memory-ranks 3 --pipeline-batches "$pp"
-        run_steps four_gpus_request_nccl --transports nccl --memory-ranks 3
+        run_steps four_gpus_request --transports p2p,nccl --memory-ranks 3 --pipeline-batches "$pp"
         # Head partition over 3 memory ranks needs KV heads divisible by 3: 2 ranks on 3 GPUs instead.
         run_steps three_gpus_head --transports p2p --memory-ranks 2 --partition head --pipeline-batches "$pp"
       fi ;;

@@ -42,10 +42,10 @@ absl::StatusOr<std::unique_ptr<ComputeRank>> ComputeRank::Create(const WeightSou
   }
   const size_t compute_ranks = 1 + options.replica_addresses.size();
   if (compute_ranks > 1 && options.transport == transport::TransportKind::kNccl) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "compute.ranks ", compute_ranks,
-        ": compute replicas do not run over transport.kind nccl yet (its communicator set-up among three or more "
-        "processes can deadlock); use p2p, verbs or ucx"));
+    return absl::InvalidArgumentError(absl::StrCat("compute.ranks ", compute_ranks,
+                                                   ": compute replicas do not run over transport.kind nccl "
+                                                   "yet (its communicator set-up among three or more "
+                                                   "processes can deadlock); use p2p, verbs or ucx"));
   }
   if (compute_ranks > static_cast<size_t>(options.micro_batches)) {
     return absl::InvalidArgumentError(absl::StrCat(
