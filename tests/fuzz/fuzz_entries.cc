@@ -180,6 +180,13 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
   plan.evictions.push_back({.block_hash = 97, .memory_rank = 1, .tokens = {3, 4}});
   plan.restores.push_back({.block_hash = 96, .parent_hash = 0, .block_index = 0, .memory_rank = 1});
   plan.restores.push_back({.block_hash = 95, .parent_hash = 96, .block_index = 1, .memory_rank = 1});
+  plan.restores.push_back(
+      {.block_hash = 94,
+       .parent_hash = 95,
+       .block_index = 2,
+       .memory_rank = 1,
+       .segments = {{.source_hash = 93, .source_index = 4, .source_row = 3, .rows = 5},
+                    {.source_hash = 92, .source_index = 5, .source_row = 0, .rows = 11}}});
   plan.next_uses.push_back({.block_hash = 97, .next_use = 0, .memory_rank = 1});
   plan.next_uses.push_back({.block_hash = 94, .next_use = 3, .memory_rank = 1});
   HelloMessage hello{.memory_rank = 1,
