@@ -1347,17 +1347,7 @@ TEST_F(DisaggregatedTest, PreRopeReuseOnAMemoryRankIsExactWithOneLayer) {
   o.scheduler.shifted_reuse = true;
   ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, 1, o));
   const testing_tiers::TruncatedRun got = testing_tiers::TruncatedConversations(*rank_, spec->vocab_size, 8);
-  EXPECT_EQ(got.answers, want.answers);
-  ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
-  for (size_t i = 0; i < got.logprobs.size(); ++i) {
-    ASSERT_EQ(got.logprobs[i].size(), want.logprobs[i].size());
-    for (size_t j = 0; j < got.logprobs[i].size(); ++j)
-      EXPECT_NEAR(got.logprobs[i][j], want.logprobs[i][j], 1e-4);
-  }
-  const KvTierCounters t = rank_->stats().tiers;
-  EXPECT_GE(t.shifted_blocks, 3) << "each truncated turn reuses its kept history";
-  EXPECT_EQ(t.shifted_failed_blocks, 0);
-  EXPECT_EQ(t.restore_failed_blocks, 0);
+  testing_tiers::ExpectExactReuse(got, want, rank_->stats().tiers);
 }
 
 // kv.tiers.eviction on a memory rank: compute rank 0 sends the rank the demoted blocks that waiting

@@ -873,17 +873,7 @@ TEST_F(KvTiersEngine, PreRopeReuseOfTruncatedHistoriesIsExactWithOneLayer) {
   auto e = MakeEngine(
       *one, true, {.host_bytes = 64 * kBlock * spec->kv_bytes_per_token(sizeof(float)), .pre_rope = true});
   const TruncatedRun got = TruncatedConversations(*e, vocab(), kBlock);
-  EXPECT_EQ(got.answers, want.answers);
-  ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
-  for (size_t i = 0; i < got.logprobs.size(); ++i) {
-    ASSERT_EQ(got.logprobs[i].size(), want.logprobs[i].size());
-    for (size_t j = 0; j < got.logprobs[i].size(); ++j)
-      EXPECT_NEAR(got.logprobs[i][j], want.logprobs[i][j], 1e-4);
-  }
-  const KvTierCounters t = e->stats().tiers;
-  EXPECT_GE(t.shifted_blocks, 3) << "each truncated turn reuses its kept history";
-  EXPECT_EQ(t.shifted_failed_blocks, 0);
-  EXPECT_EQ(t.restore_failed_blocks, 0);
+  testing_tiers::ExpectExactReuse(got, want, e->stats().tiers);
 }
 
 // Several layers: the reused rows keep the context they were computed in (the dropped turn), so

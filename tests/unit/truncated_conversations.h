@@ -57,4 +57,20 @@ inline TruncatedRun TruncatedConversations(Engine& e, int64_t vocab, int64_t blo
   return run;
 }
 
+// With one layer (a token's KV there depends on its id and position alone): the third turns of a
+// run reusing KV at new positions equal recomputation's (`want`), tokens and log-probabilities, and
+// every truncated turn reused its kept history without a failed restore.
+inline void ExpectExactReuse(const TruncatedRun& got, const TruncatedRun& want, const KvTierCounters& t) {
+  EXPECT_EQ(got.answers, want.answers);
+  ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
+  for (size_t i = 0; i < got.logprobs.size(); ++i) {
+    ASSERT_EQ(got.logprobs[i].size(), want.logprobs[i].size());
+    for (size_t j = 0; j < got.logprobs[i].size(); ++j)
+      EXPECT_NEAR(got.logprobs[i][j], want.logprobs[i][j], 1e-4);
+  }
+  EXPECT_GE(t.shifted_blocks, 3) << "each truncated turn reuses its kept history";
+  EXPECT_EQ(t.shifted_failed_blocks, 0);
+  EXPECT_EQ(t.restore_failed_blocks, 0);
+}
+
 }  // namespace tandem::testing_tiers
