@@ -203,6 +203,16 @@ class AttentionExecutor {
     return absl::UnimplementedError(absl::StrCat("kv.store_pre_rope: no key rotation on ", device()));
   }
 
+  // kv.store_pre_rope (a shifted restore): copies the K and V rows of slots src[i] to slots dst[i],
+  // in every layer, inside the pool (no host copy; stream-ordered on a GPU). The dst slots must be
+  // distinct and none of them a src slot. InvalidArgument for mismatched lengths or a slot outside
+  // the pool.
+  virtual absl::Status CopySlots(std::span<const int32_t> src, std::span<const int32_t> dst) {
+    (void)src;
+    (void)dst;
+    return absl::UnimplementedError(absl::StrCat("kv.store_pre_rope: no slot copy on ", device()));
+  }
+
   // Whether reading `prefix_tokens` shared keys once for `rows` rows (then merging) is faster here
   // than each row reading them itself: the measured crossover of kv.prefix_sharing: auto.
   virtual bool CascadePays(int64_t rows, int64_t prefix_tokens) const = 0;

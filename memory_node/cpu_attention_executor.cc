@@ -185,6 +185,25 @@ class CpuAttentionExecutor : public AttentionExecutor {
     }
     return absl::OkStatus();
   }
+  absl::Status CopySlots(std::span<const int32_t> src, std::span<const int32_t> dst) override {
+    if (src.size() != dst.size())
+      return absl::InvalidArgumentError(
+          absl::StrCat("CopySlots: ", src.size(), " src and ", dst.size(), " dst slots"));
+    RETURN_IF_ERROR(CheckSlots(src));
+    RETURN_IF_ERROR(CheckSlots(dst));
+    if (src.empty()) return absl::OkStatus();
+    for (int64_t l = 0; l < shape_.num_layers; ++l) {
+      for (float* cache : {pool_->k[static_cast<size_t>(l)].get(), pool_->v[static_cast<size_t>(l)].get()}) {
+        RETURN_IF_ERROR(kernels::cpu::CopyRows({.cache = cache,
+                                                .src = src.data(),
+                                                .dst = dst.data(),
+                                                .n = static_cast<int64_t>(src.size()),
+                                                .width = shape_.kv_dim(),
+                                                .num_rows = num_slots_}));
+      }
+    }
+    return absl::OkStatus();
+  }
   absl::Status RotateKeys(std::span<const int32_t> slots, std::span<const int32_t> from_positions,
                           std::span<const int32_t> to_positions, std::span<const float> inv_freq) override {
     RETURN_IF_ERROR(CheckRotation(shape_, slots, from_positions, to_positions, inv_freq));

@@ -447,6 +447,31 @@ class CudaAttentionExecutor : public AttentionExecutor {
     CUDA_RETURN_IF_ERROR(cudaEventSynchronize(read_ring_[static_cast<size_t>(ticket % kReadRing)].done));
     return absl::OkStatus();
   }
+  // kv.store_pre_rope: the slot pairs go up in one copy (pageable: staged before it returns), then one
+  // CopyRows launch copies them in every layer's K and V planes, on the executor's stream.
+  absl::Status CopySlots(std::span<const int32_t> src, std::span<const int32_t> dst) override {
+    if (src.size() != dst.size())
+      return absl::InvalidArgumentError(
+          absl::StrCat("CopySlots: ", src.size(), " src and ", dst.size(), " dst slots"));
+    RETURN_IF_ERROR(CheckSlots(src));
+    RETURN_IF_ERROR(CheckSlots(dst));
+    const int64_t n = static_cast<int64_t>(src.size());
+    if (n == 0) return absl::OkStatus();
+    std::vector<int32_t> pairs(src.begin(), src.end());
+    pairs.insert(pairs.end(), dst.begin(), dst.end());
+    RETURN_IF_ERROR(copy_meta_.Reserve(2 * n * 4));
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(copy_meta_.ptr, pairs.data(), pairs.size() * 4, cudaMemcpyHostToDevice, stream_));
+    return kc::CopyRows({.cache = kv_->as<bf16>(),
+                         .src = copy_meta_.as<int32_t>(),
+                         .dst = copy_meta_.as<int32_t>() + n,
+                         .n = n,
+                         .width = shape_.kv_dim(),
+                         .num_rows = num_slots_,
+                         .planes = 2 * shape_.num_layers,
+                         .plane_stride = num_slots_ * shape_.kv_dim()},
+                        stream_);
+  }
   // kv.store_pre_rope: the slots, their positions and the frequencies go up in one copy (from pageable
   // memory: staged before cudaMemcpyAsync returns), then one kernel turns every layer's keys, on the
   // executor's stream.
@@ -579,6 +604,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
   }
   mutable kc::DeviceBuffer tier_slots_, tier_stage_;  // KV tiers' slot copies (ReadSlots, WriteSlots*)
   kc::DeviceBuffer shift_meta_;                       // RotateKeys' slots, positions and frequencies
+  kc::DeviceBuffer copy_meta_;                        // CopySlots' src and dst slots
   // StartReadSlots' ring of device staging buffers, each with the events of its gathers (ready) and
   // of its device-to-host copy (done), and the copy stream.
   struct ReadBuffer {

@@ -244,28 +244,20 @@ bool KvTiers::RestoreShifted(std::span<const KvShiftedSource> sources, std::span
   const int64_t layers = executor_->shape().num_layers;
   const size_t row_bytes = static_cast<size_t>(executor_->shape().kv_dim()) * DTypeSize(executor_->dtype());
   TANDEM_CHECK(static_cast<int64_t>(slots.size()) == bt);
-  // Copies `rows` rows of each layer's K and V from `from` (a block of `from_rows` rows in ReadSlots'
-  // layout, starting at row `row`) to rows [at, at + rows) of buffer_.
-  const auto place = [&](const uint8_t* from, int64_t from_rows, int64_t row, int64_t rows, int64_t at) {
-    for (int64_t l = 0; l < layers; ++l) {
-      for (int64_t kv = 0; kv < 2; ++kv) {
-        std::memcpy(buffer_.data() + static_cast<size_t>((l * 2 + kv) * bt + at) * row_bytes,
-                    from + static_cast<size_t>((l * 2 + kv) * from_rows + row) * row_bytes,
-                    static_cast<size_t>(rows) * row_bytes);
-      }
-    }
-  };
-  std::vector<int32_t> from_positions, to_positions;
-  std::vector<uint8_t> rows_read;
+  // Rows of sources in the pool are copied inside it (AttentionExecutor::CopySlots: no host copy);
+  // rows of sources only the tiers hold go through buffer_, each source's rows at their own offset
+  // in WriteSlots' layout (the sources' rows add up to one block, so they fit).
+  std::vector<int32_t> copy_src, copy_dst, from_positions, to_positions;
+  size_t staged = 0;  // bytes of buffer_ the tier sources use
   int64_t at = 0;
   for (const KvShiftedSource& src : sources) {
     if (src.rows < 1 || src.row < 0 || src.row + src.rows > bt || at + src.rows > bt)
       return fail("bad segment");
+    const std::span<const int32_t> dst =
+        slots.subspan(static_cast<size_t>(at), static_cast<size_t>(src.rows));
     if (!src.pool_slots.empty()) {
-      rows_read.resize(static_cast<size_t>(layers * 2 * src.rows) * row_bytes);
-      if (const absl::Status st = executor_->ReadSlots(src.pool_slots, rows_read.data()); !st.ok())
-        return fail(std::string(st.message()));
-      place(rows_read.data(), src.rows, 0, src.rows, at);
+      copy_src.insert(copy_src.end(), src.pool_slots.begin(), src.pool_slots.end());
+      copy_dst.insert(copy_dst.end(), dst.begin(), dst.end());
     } else {
       KvTierBlock block;
       std::shared_ptr<const std::vector<uint8_t>> bytes;
@@ -275,7 +267,15 @@ bool KvTiers::RestoreShifted(std::span<const KvShiftedSource> sources, std::span
             absl::StrCat("block ", absl::StrFormat("%016x", src.hash), ": ", tier.status().message()));
       if (block.depth != src.source_index + 1)
         return fail(absl::StrCat("block ", absl::StrFormat("%016x", src.hash), " has another depth"));
-      place(bytes->data(), bt, src.row, src.rows, at);
+      uint8_t* out = buffer_.data() + staged;
+      const size_t run = static_cast<size_t>(src.rows) * row_bytes;
+      for (int64_t part = 0; part < layers * 2; ++part) {  // each layer's K, then its V
+        std::memcpy(out + static_cast<size_t>(part) * run,
+                    bytes->data() + static_cast<size_t>(part * bt + src.row) * row_bytes, run);
+      }
+      if (const absl::Status st = executor_->WriteSlots(dst, out); !st.ok())
+        return fail(std::string(st.message()));
+      staged += static_cast<size_t>(layers * 2) * run;
     }
     for (int32_t i = 0; i < src.rows; ++i) {
       from_positions.push_back(static_cast<int32_t>(src.source_index * bt + src.row + i));
@@ -284,8 +284,8 @@ bool KvTiers::RestoreShifted(std::span<const KvShiftedSource> sources, std::span
     at += src.rows;
   }
   if (at != bt) return fail("the segments do not fill the block");
-  absl::Status st = executor_->WriteSlots(slots, buffer_.data());
-  if (st.ok()) st = executor_->memory().Synchronize();  // buffer_ is the next restore's
+  absl::Status st = executor_->CopySlots(copy_src, copy_dst);
+  if (st.ok() && staged > 0) st = executor_->memory().Synchronize();  // buffer_ is the next restore's
   if (st.ok()) st = executor_->RotateKeys(slots, from_positions, to_positions, inv_freq_);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   restore_seconds_ += seconds;

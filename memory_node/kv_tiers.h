@@ -70,11 +70,12 @@ class KvTiers : public KvBlockTiers {
 
   // Shifted restore (kv.store_pre_rope; PrefixRestore::segments): fills `slots` (block_tokens of
   // them, positions first_position, first_position + 1, ...) with the sources' rows in order (their
-  // rows add up to block_tokens) and turns their keys from the sources' positions (source_index *
-  // block_tokens + row + i) to the new ones (AttentionExecutor::RotateKeys). All layers at once:
-  // restores staged earlier are finished first, since they may be the sources. False (with a
-  // warning; the caller recomputes the block) when a source has no good copy, set_rotary was not
-  // called, or the executor fails.
+  // rows add up to block_tokens; rows of a source in the pool are copied inside it,
+  // AttentionExecutor::CopySlots, and only a tier source's go through host memory) and turns their keys from
+  // the sources' positions (source_index * block_tokens + row + i) to the new ones
+  // (AttentionExecutor::RotateKeys). All layers at once: restores staged earlier are finished first, since
+  // they may be the sources. False (with a warning; the caller recomputes the block) when a source has no
+  // good copy, set_rotary was not called, or the executor fails.
   bool RestoreShifted(std::span<const KvShiftedSource> sources, std::span<const int32_t> slots,
                       int64_t first_position) override;
 

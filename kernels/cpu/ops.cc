@@ -181,6 +181,41 @@ absl::Status Rope(const RopeParams& p) {
   return absl::OkStatus();
 }
 
+absl::Status CopyRows(const CopyRowsParams& p) {
+  constexpr absl::string_view kOp = "CopyRows";
+  RETURN_IF_ERROR(CheckNotNull(kOp, "cache", p.cache));
+  RETURN_IF_ERROR(CheckNotNull(kOp, "src", p.src));
+  RETURN_IF_ERROR(CheckNotNull(kOp, "dst", p.dst));
+  RETURN_IF_ERROR(CheckPositive(kOp, "width", p.width));
+  RETURN_IF_ERROR(CheckPositive(kOp, "planes", p.planes));
+  if (p.planes > 1 && p.plane_stride < p.num_rows * p.width)
+    return Invalid(kOp, absl::StrCat("plane_stride ", p.plane_stride, " < num_rows * width"));
+  std::vector<bool> is_src(static_cast<size_t>(std::max<int64_t>(p.num_rows, 0))), is_dst(is_src.size());
+  for (int64_t i = 0; i < p.n; ++i) {
+    for (const int32_t r : {p.src[i], p.dst[i]}) {
+      if (r < 0 || r >= p.num_rows)
+        return Invalid(kOp, absl::StrCat("row ", r, " outside [0, ", p.num_rows, ")"));
+    }
+    is_src[static_cast<size_t>(p.src[i])] = true;
+    if (is_dst[static_cast<size_t>(p.dst[i])])
+      return Invalid(kOp, absl::StrCat("dst row ", p.dst[i], " repeats"));
+    is_dst[static_cast<size_t>(p.dst[i])] = true;
+  }
+  for (int64_t i = 0; i < p.n; ++i) {
+    if (is_src[static_cast<size_t>(p.dst[i])])
+      return Invalid(kOp, absl::StrCat("dst row ", p.dst[i], " is a src row"));
+  }
+  for (int64_t q = 0; q < p.planes; ++q) {
+    float* plane = p.cache + q * p.plane_stride;
+    for (int64_t i = 0; i < p.n; ++i) {
+      std::memcpy(plane + static_cast<int64_t>(p.dst[i]) * p.width,
+                  plane + static_cast<int64_t>(p.src[i]) * p.width,
+                  static_cast<size_t>(p.width) * sizeof(float));
+    }
+  }
+  return absl::OkStatus();
+}
+
 void RopeShiftAngles(int32_t from, int32_t to, const float* inv_freq, int64_t half, float* cos_out,
                      float* sin_out) {
   const float f = static_cast<float>(from), t = static_cast<float>(to);

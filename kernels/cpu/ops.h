@@ -78,6 +78,18 @@ struct RopeShiftParams {
 };
 absl::Status RopeShift(const RopeShiftParams& p);
 
+// Rows copied inside a cache of `planes` planes (plane q at cache + q * plane_stride, rows of
+// `width` floats): row dst[i] = row src[i] of every plane, i in [0, n). Every src and dst in
+// [0, num_rows); the dst rows distinct and none of them a src row (InvalidArgument otherwise).
+struct CopyRowsParams {
+  float* cache = nullptr;
+  const int32_t* src = nullptr;  // (n)
+  const int32_t* dst = nullptr;  // (n)
+  int64_t n = 0, width = 0, num_rows = 0;
+  int64_t planes = 1, plane_stride = 0;  // plane_stride >= num_rows * width when planes > 1
+};
+absl::Status CopyRows(const CopyRowsParams& p);
+
 // cos and sin (fp32) of theta_j(to) - theta_j(from) for j < half, as RopeShift turns a row by
 // (the CUDA kernel forms the same values).
 void RopeShiftAngles(int32_t from, int32_t to, const float* inv_freq, int64_t half, float* cos_out,

@@ -1,6 +1,7 @@
 // KvAppend: k_cache(slots[i], :) = k(i, :), v_cache(slots[i], :) = v(i, :). Grid-stride over
 // chunks of 8 bf16 (16-byte copies) when sizes, strides and pointers allow, single elements
 // otherwise. Slots outside [0, num_slots) are skipped (the caller validates slots on the host).
+// CopyRows: rows copied inside the planes of a cache, one block per (row, plane).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -44,7 +45,50 @@ __global__ void KvAppendKernel(const bf16* __restrict__ k, const bf16* __restric
   }
 }
 
+// CopyRows: block (row i, plane q) copies row src[i] to row dst[i] of plane q.
+template <int kV>
+__global__ void CopyRowsKernel(bf16* __restrict__ cache, const int32_t* __restrict__ src,
+                               const int32_t* __restrict__ dst, int64_t chunks, int64_t width,
+                               int64_t num_rows, int64_t plane_stride) {
+  using Chunk = typename std::conditional<kV == 8, uint4, uint16_t>::type;
+  const int64_t from = src[blockIdx.x], to = dst[blockIdx.x];
+  if (from < 0 || from >= num_rows || to < 0 || to >= num_rows) return;
+  bf16* plane = cache + blockIdx.y * plane_stride;
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    *reinterpret_cast<Chunk*>(plane + to * width + c * kV) =
+        *reinterpret_cast<const Chunk*>(plane + from * width + c * kV);
+  }
+}
+
 }  // namespace
+
+absl::Status CopyRows(const CopyRowsParams& p, cudaStream_t stream) {
+  constexpr int64_t kMaxPlanes = 65535;
+  const auto bad = [](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("CopyRows: ", parts...));
+  };
+  if (p.cache == nullptr || p.src == nullptr || p.dst == nullptr) return bad("a pointer is null");
+  if (p.n <= 0 || p.n > kMaxGrid) return bad("n ", p.n, " must be in [1, ", kMaxGrid, "]");
+  if (p.width <= 0 || p.num_rows <= 0)
+    return bad("width ", p.width, " and num_rows ", p.num_rows, " must be positive");
+  if (p.planes <= 0 || p.planes > kMaxPlanes || (p.planes > 1 && p.plane_stride < p.num_rows * p.width)) {
+    return bad("planes ", p.planes, " (plane_stride ", p.plane_stride, ") must be in [1, ", kMaxPlanes,
+               "] with planes that do not overlap");
+  }
+  const bool vec = p.width % 8 == 0 && (p.planes == 1 || p.plane_stride % 8 == 0) && Aligned16(p.cache);
+  const int64_t chunks = vec ? p.width / 8 : p.width;
+  const int threads = static_cast<int>(std::clamp<int64_t>((chunks + 31) / 32 * 32, 32, kThreads));
+  const dim3 grid(static_cast<unsigned>(p.n), static_cast<unsigned>(p.planes));
+  if (vec) {
+    CopyRowsKernel<8>
+        <<<grid, threads, 0, stream>>>(p.cache, p.src, p.dst, chunks, p.width, p.num_rows, p.plane_stride);
+  } else {
+    CopyRowsKernel<1>
+        <<<grid, threads, 0, stream>>>(p.cache, p.src, p.dst, chunks, p.width, p.num_rows, p.plane_stride);
+  }
+  CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
 
 absl::Status KvAppend(const KvAppendParams& p, cudaStream_t stream) {
   if (p.k == nullptr) return Invalid("k is null");

@@ -98,6 +98,20 @@ struct KvAppendParams {
 };
 absl::Status KvAppend(const KvAppendParams& p, cudaStream_t stream);
 
+// Rows copied inside a cache of `planes` planes (plane q at cache + q * plane_stride, rows of
+// `width` elements): row dst[i] = row src[i] of every plane, i in [0, n) (a KV pool's layers' K and
+// V planes: kv.store_pre_rope's rows reused at new positions). The dst rows must be distinct and
+// none of them a src row (not checked on the device; rows outside [0, num_rows) are skipped).
+// 16-byte copies where width and the pointers allow. The semantics of cpu::CopyRows.
+struct CopyRowsParams {
+  bf16* cache = nullptr;
+  const int32_t* src = nullptr;  // device (n)
+  const int32_t* dst = nullptr;  // device (n)
+  int64_t n = 0, width = 0, num_rows = 0;
+  int64_t planes = 1, plane_stride = 0;  // plane_stride >= num_rows * width when planes > 1
+};
+absl::Status CopyRows(const CopyRowsParams& p, cudaStream_t stream);
+
 // Attention over token-granular KV for a ragged batch; same semantics as cpu::AttentionParams
 // (request r: query rows [q_indptr[r], q_indptr[r+1]), keys kv_slots[kv_indptr[r] ..
 // kv_indptr[r+1]) in position order, causal with the queries last; GQA head h reads KV head

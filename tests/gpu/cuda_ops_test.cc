@@ -1,7 +1,7 @@
-// cuda::Embedding, AddRmsNorm, Rope, RopeShift, SiluMul and KvAppend against the CPU references (fp32) on
-// the exact fp32 values of random bf16 inputs (fixed seeds), aligned and odd shapes (n = 17,
-// d = 97, strided rows, misaligned pointers for the scalar paths). Every device output sits in a
-// GuardedBuffer whose guards must stay intact; NaN in an output always fails.
+// cuda::Embedding, AddRmsNorm, Rope, RopeShift, CopyRows, SiluMul and KvAppend against the CPU references
+// (fp32) on the exact fp32 values of random bf16 inputs (fixed seeds), aligned and odd shapes (n = 17, d =
+// 97, strided rows, misaligned pointers for the scalar paths). Every device output sits in a GuardedBuffer
+// whose guards must stay intact; NaN in an output always fails.
 //
 // Tolerances (reasons):
 //   Embedding, KvAppend, the fp32 residual of AddRmsNorm: exact (copies and one fp32 add, the
@@ -419,6 +419,52 @@ void CheckRopeShift(RopeType type, int64_t head_dim, int64_t kv_heads) {
   }
   EXPECT_GT(changed, 0);
   EXPECT_TRUE(d_cache.GuardsIntact());
+}
+
+// CopyRows on random bf16 planes against cpu::CopyRows on their fp32 values: exact (copies).
+TEST(CudaOpsTest, CopyRowsMatchesCpu) {
+  TANDEM_SKIP_WITHOUT_GPU();
+  for (const int64_t width : {int64_t{256}, int64_t{97}}) {  // 16-byte and scalar copies
+    SCOPED_TRACE("width " + std::to_string(width));
+    std::mt19937 rng(static_cast<uint32_t>(width));
+    const int64_t planes = 6, num_rows = 41, n = 13, stride = num_rows * width;
+    std::vector<bf16> cache;
+    std::vector<float> cache_f;
+    RandomBf16(rng, planes * stride, -1.0f, 1.0f, &cache, &cache_f);
+    std::vector<int32_t> rows(static_cast<size_t>(num_rows));
+    std::iota(rows.begin(), rows.end(), 0);
+    std::shuffle(rows.begin(), rows.end(), rng);
+    const std::vector<int32_t> src(rows.begin(), rows.begin() + n),
+        dst(rows.begin() + n, rows.begin() + 2 * n);
+    std::vector<float> want = cache_f;
+    ASSERT_TRUE(cpu::CopyRows({.cache = want.data(),
+                               .src = src.data(),
+                               .dst = dst.data(),
+                               .n = n,
+                               .width = width,
+                               .num_rows = num_rows,
+                               .planes = planes,
+                               .plane_stride = stride})
+                    .ok());
+    GuardedBuffer<bf16> d_cache(planes * stride);
+    GuardedBuffer<int32_t> d_src(n), d_dst(n);
+    d_cache.Upload(cache);
+    d_src.Upload(src);
+    d_dst.Upload(dst);
+    const absl::Status st = CopyRows({.cache = d_cache.get(),
+                                      .src = d_src.get(),
+                                      .dst = d_dst.get(),
+                                      .n = n,
+                                      .width = width,
+                                      .num_rows = num_rows,
+                                      .planes = planes,
+                                      .plane_stride = stride},
+                                     nullptr);
+    ASSERT_TRUE(st.ok()) << st;
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(ToFloats(d_cache.Download()), want);
+    EXPECT_TRUE(d_cache.GuardsIntact());
+  }
 }
 
 TEST(CudaOpsTest, RopeShiftMatchesCpu) {

@@ -467,6 +467,48 @@ TEST(RopeShiftTest, TurnedKeysMatchRopeAtTheNewPosition) {
   }
 }
 
+// CopyRows against a naive copy over random planes, and its refusals.
+TEST(CopyRowsTest, CopiesRowsOfEveryPlaneAndNothingElse) {
+  std::mt19937 rng(31);
+  const int64_t planes = 3, num_rows = 20, width = 12, stride = num_rows * width + 5;
+  const std::vector<float> x = RandomFloats(rng, planes * stride);
+  std::vector<int32_t> rows(static_cast<size_t>(num_rows));
+  std::iota(rows.begin(), rows.end(), 0);
+  std::shuffle(rows.begin(), rows.end(), rng);
+  const std::vector<int32_t> src(rows.begin(), rows.begin() + 7), dst(rows.begin() + 7, rows.begin() + 14);
+  std::vector<float> got = x, want = x;
+  ASSERT_TRUE(CopyRows({.cache = got.data(),
+                        .src = src.data(),
+                        .dst = dst.data(),
+                        .n = 7,
+                        .width = width,
+                        .num_rows = num_rows,
+                        .planes = planes,
+                        .plane_stride = stride})
+                  .ok());
+  for (int64_t q = 0; q < planes; ++q) {
+    for (size_t i = 0; i < src.size(); ++i) {
+      for (int64_t j = 0; j < width; ++j)
+        want[static_cast<size_t>(q * stride + dst[i] * width + j)] =
+            x[static_cast<size_t>(q * stride + src[i] * width + j)];
+    }
+  }
+  EXPECT_EQ(got, want);
+  const std::vector<int32_t> repeat = {dst[0], dst[0]}, two = {src[0], src[1]}, onto_src = {src[1], dst[1]},
+                             outside = {dst[0], static_cast<int32_t>(num_rows)};
+  for (const std::vector<int32_t>* bad : {&repeat, &onto_src, &outside}) {
+    EXPECT_EQ(CopyRows({.cache = got.data(),
+                        .src = two.data(),
+                        .dst = bad->data(),
+                        .n = 2,
+                        .width = width,
+                        .num_rows = num_rows})
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(got, want) << "a refused copy changed the cache";
+}
+
 TEST(RopeShiftTest, RejectsBadParams) {
   std::vector<float> k(16), inv(2);
   const std::vector<int32_t> rows = {0, 1}, pos = {0, 5}, neg = {0, -1}, outside = {0, 4};
