@@ -1,6 +1,8 @@
 // What both attention executors share: the batch check and the CUDA kernels' head_dim support.
 #include "memory_node/attention_executor.h"
 
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -79,6 +81,24 @@ absl::Status CheckAttentionBatch(const AttentionBatch& b, const AttentionShape& 
   for (int32_t s : b.group_kv_slots) {
     if (s < 0 || s >= num_slots)
       return absl::InvalidArgumentError(absl::StrCat("attention batch: group slot ", s, " outside the pool"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSlotCopy(std::span<const int32_t> src, std::span<const int32_t> dst, int64_t num_slots) {
+  const auto bad = [](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("CopySlots: ", parts...));
+  };
+  if (src.size() != dst.size()) return bad(src.size(), " src and ", dst.size(), " dst slots");
+  std::unordered_set<int32_t> sources(src.begin(), src.end()), targets;
+  for (const auto& [what, slots] : {std::pair{"src", src}, std::pair{"dst", dst}}) {
+    for (int32_t s : slots) {
+      if (s < 0 || s >= num_slots) return bad(what, " slot ", s, " outside the pool of ", num_slots);
+    }
+  }
+  for (int32_t s : dst) {
+    if (sources.contains(s) || !targets.insert(s).second)
+      return bad("dst slot ", s, " is a src slot or repeats");
   }
   return absl::OkStatus();
 }

@@ -247,6 +247,10 @@ class AttentionExecutor {
 // naming what is wrong.
 absl::Status CheckAttentionBatch(const AttentionBatch& batch, const AttentionShape& shape, int64_t num_slots);
 
+// CopySlots' arguments: as many src as dst slots, each inside the pool, the dst slots distinct and
+// none of them a src slot (InvalidArgument naming the slot otherwise).
+absl::Status CheckSlotCopy(std::span<const int32_t> src, std::span<const int32_t> dst, int64_t num_slots);
+
 // RotateKeys' arguments other than the slots' range: one from and one to position per slot, each
 // >= 0, and head_dim / 2 inverse frequencies.
 absl::Status CheckRotation(const AttentionShape& shape, std::span<const int32_t> slots,

@@ -186,11 +186,7 @@ class CpuAttentionExecutor : public AttentionExecutor {
     return absl::OkStatus();
   }
   absl::Status CopySlots(std::span<const int32_t> src, std::span<const int32_t> dst) override {
-    if (src.size() != dst.size())
-      return absl::InvalidArgumentError(
-          absl::StrCat("CopySlots: ", src.size(), " src and ", dst.size(), " dst slots"));
-    RETURN_IF_ERROR(CheckSlots(src));
-    RETURN_IF_ERROR(CheckSlots(dst));
+    RETURN_IF_ERROR(CheckSlotCopy(src, dst, num_slots_));
     if (src.empty()) return absl::OkStatus();
     for (int64_t l = 0; l < shape_.num_layers; ++l) {
       for (float* cache : {pool_->k[static_cast<size_t>(l)].get(), pool_->v[static_cast<size_t>(l)].get()}) {

@@ -450,11 +450,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
   // kv.store_pre_rope: the slot pairs go up in one copy (pageable: staged before it returns), then one
   // CopyRows launch copies them in every layer's K and V planes, on the executor's stream.
   absl::Status CopySlots(std::span<const int32_t> src, std::span<const int32_t> dst) override {
-    if (src.size() != dst.size())
-      return absl::InvalidArgumentError(
-          absl::StrCat("CopySlots: ", src.size(), " src and ", dst.size(), " dst slots"));
-    RETURN_IF_ERROR(CheckSlots(src));
-    RETURN_IF_ERROR(CheckSlots(dst));
+    RETURN_IF_ERROR(CheckSlotCopy(src, dst, num_slots_));
     const int64_t n = static_cast<int64_t>(src.size());
     if (n == 0) return absl::OkStatus();
     std::vector<int32_t> pairs(src.begin(), src.end());

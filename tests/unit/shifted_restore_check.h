@@ -1,7 +1,7 @@
 // Shared by the KV tiers tests on the CPU (unit/kv_tiers_test.cc) and the GPU
 // (gpu/cuda_kv_tiers_test.cc): a shifted restore (kv.store_pre_rope, KvTiers::RestoreShifted)
 // assembles a block from rows of a block in the pool and of a block only the host tier holds, and
-// turns their keys to the new positions.
+// turns their keys to the new positions; AttentionExecutor::CopySlots' refusals.
 #pragma once
 
 #include <cmath>
@@ -131,6 +131,15 @@ inline void CheckShiftedRestore(AttentionExecutor& exec) {
   sources[1].hash = kHashB;
   sources.pop_back();
   EXPECT_FALSE((*tiers)->RestoreShifted(sources, fresh, 4));
+  // CopySlots refuses copies onto a source, repeated or outside targets and mismatched lengths,
+  // before anything moves.
+  const std::vector<int32_t> two = {0, 5}, onto = {5, 20}, twice = {20, 20}, outside = {20, 32}, one = {20};
+  for (const std::vector<int32_t>* dst : {&onto, &twice, &outside, &one}) {
+    EXPECT_EQ(exec.CopySlots(two, *dst).code(), absl::StatusCode::kInvalidArgument);
+  }
+  std::vector<uint8_t> after(got_bytes.size());
+  ASSERT_TRUE(exec.ReadSlots(fresh, after.data()).ok());
+  EXPECT_EQ(after, got_bytes) << "a refused copy changed the pool";
 }
 
 }  // namespace tandem::testing_tiers
