@@ -771,7 +771,6 @@ void Controller::RestoreResult(const StepPlan& plan, int m, std::span<const uint
       stats_.restored_tokens += bt;
       ++stats_.restored_blocks;
       if (!r.segments.empty()) {
-        stats_.shifted_tokens += bt;
         ++stats_.shifted_blocks;
       }
       if (prefetch) {

@@ -222,7 +222,6 @@ struct ControllerStats {
   // kv.store_pre_rope: blocks restored from shifted rows of other blocks (also counted in
   // restored_*), and those whose restore failed (also in restore_failed_*).
   int64_t shifted_blocks = 0;
-  int64_t shifted_tokens = 0;
   int64_t shifted_failed_blocks = 0;
 };
 
