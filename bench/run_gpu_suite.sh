@@ -22,7 +22,7 @@
 #            GPU count allows (MODEL, BATCHES, CONTEXTS override), each with pipeline.mode none
 #            and pingpong over 2 and 4 micro-batches (PIPELINE_BATCHES overrides "1,2,4"; over p2p
 #            and nccl alike); from 3 GPUs also compute replicas (fixed: 2 compute
-#            GPUs, the rest memory GPUs; FIXED_BATCHES overrides "2,4"; p2p: nccl refuses replicas) and the rotational pipeline
+#            GPUs, the rest memory GPUs; FIXED_BATCHES overrides "2,4"; p2p and nccl) and the rotational pipeline
 #            (2 compute GPUs and 3 micro-batches, ROTATIONAL_BATCHES overrides; from 4 GPUs also 3
 #            compute GPUs and 4 micro-batches; slices of SLICE_LAYERS layers, default 1)
 set -uo pipefail
@@ -102,14 +102,14 @@ for what in "$@"; do
       fi
       if [ "$gpus" -ge 3 ]; then
         # Compute replicas (pipeline.mode fixed): 2 compute GPUs, the rest memory GPUs.
-        run_steps fixed_2_compute --transports p2p --compute-ranks 2 --memory-ranks $((gpus - 2)) \
+        run_steps fixed_2_compute --transports p2p,nccl --compute-ranks 2 --memory-ranks $((gpus - 2)) \
           --pipeline-batches "${FIXED_BATCHES:-2,4}"
         # The rotational pipeline, the paper's layout: 3 micro-batches on 2 compute GPUs.
-        run_steps rotational_2_compute --transports p2p --compute-ranks 2 --memory-ranks $((gpus - 2)) \
+        run_steps rotational_2_compute --transports p2p,nccl --compute-ranks 2 --memory-ranks $((gpus - 2)) \
           --slice-layers "${SLICE_LAYERS:-1}" --pipeline-batches "${ROTATIONAL_BATCHES:-3}"
       fi
       if [ "$gpus" -ge 4 ]; then
-        run_steps rotational_3_compute --transports p2p --compute-ranks 3 --memory-ranks $((gpus - 3)) \
+        run_steps rotational_3_compute --transports p2p,nccl --compute-ranks 3 --memory-ranks $((gpus - 3)) \
           --slice-layers "${SLICE_LAYERS:-1}" --pipeline-batches 4
       fi
       if [ "$gpus" -ge 4 ]; then

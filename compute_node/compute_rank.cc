@@ -41,12 +41,6 @@ absl::StatusOr<std::unique_ptr<ComputeRank>> ComputeRank::Create(const WeightSou
         absl::StrCat("pipeline.batches: ", options.micro_batches, " must be in [1, ", kMaxMicroBatches, "]"));
   }
   const size_t compute_ranks = 1 + options.replica_addresses.size();
-  if (compute_ranks > 1 && options.transport == transport::TransportKind::kNccl) {
-    return absl::InvalidArgumentError(absl::StrCat("compute.ranks ", compute_ranks,
-                                                   ": compute replicas do not run over transport.kind nccl "
-                                                   "yet (its communicator set-up among three or more "
-                                                   "processes can deadlock); use p2p, verbs or ucx"));
-  }
   if (compute_ranks > static_cast<size_t>(options.micro_batches)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "compute.ranks ", compute_ranks, " needs pipeline.batches of at least as many micro-batches (",

@@ -290,14 +290,6 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
     return absl::InvalidArgumentError(absl::StrCat("pipeline.slice_layers: ", p.slice_layers,
                                                    " exceeds the model's ", spec.num_layers, " layers"));
   }
-  if (p.compute_ranks > 1 && p.transport == transport::TransportKind::kNccl) {
-    // Three or more processes that all connect to each other could each start a different NCCL
-    // set-up and wait for the other's peer (each process sets up one communicator at a time).
-    return absl::InvalidArgumentError(absl::StrCat(
-        "compute.ranks: ", p.compute_ranks,
-        " compute ranks do not run over transport.kind nccl yet (its communicator set-up among three or more "
-        "processes can deadlock); use p2p, verbs or ucx, or one compute rank with pipeline.mode pingpong"));
-  }
   if (p.compute_ranks > 1) {
     if (mode != "fixed" && mode != "rotational") {
       return absl::InvalidArgumentError(

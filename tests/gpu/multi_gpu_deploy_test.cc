@@ -10,6 +10,12 @@
 //     pipelining (pipeline.mode pingpong, one micro-batch more than memory ranks) on one GPU
 //     (local), 2 and 4 GPUs (p2p, and nccl, whose sends then run on a stream per peer: with
 //     them on the compute stream two micro-batches in flight deadlocked);
+//   * compute replicas (pipeline.mode fixed and rotational; 2 compute ranks and 1 or 2 memory
+//     ranks on 3 and 4 GPUs, 3 compute ranks rotating over 4), over p2p and nccl, where every
+//     process connects to every other (nccl: the agreed set-up order of setup_turns.h, and no
+//     transfer before every peer met so far is set up);
+//   * with micro-batches (pingpong, replicas) a request may part from the colocated tokens only at
+//     a near tie (the GEMMs run over fewer rows: other kernels, other bf16 rounding);
 //   * a memory rank that stops answering fails the step within the step timeout with a status
 //     naming the rank and the layer; one that dies fails it at once (its waits are released).
 // Skips with the reason when there are too few GPUs or the transport is not in the build.
@@ -32,6 +38,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "colocated/engine.h"
@@ -165,7 +172,8 @@ class MultiGpuDeploy : public ::testing::Test {
     }
   }
 
-  // Memory ranks m = 0..n-1 on cuda:1+m (transport local: threads of this process on cuda:0),
+  // Memory ranks m = 0..n-1 on cuda:C+m for C compute ranks (transport local: threads of this
+  // process on cuda:0), then compute replicas r = 1..C-1 (`tandem compute --replica r`) on cuda:r,
   // then compute rank 0 on cuda:0.
   void Start(const WeightSource& source, int n, int64_t batch, int64_t step_tokens) {
     const char* binary = std::getenv("TANDEM_BINARY");
@@ -185,8 +193,9 @@ class MultiGpuDeploy : public ::testing::Test {
           group_
               .Start(name,
                      {binary, "memory", "--config", dir_ + "/deploy.yaml", "--rank", std::to_string(m),
-                      "--listen", "127.0.0.1:0", "--device", absl::StrCat("cuda:", 1 + m), "--transport",
-                      transport::TransportKindName(kind_), "--ready-file", dir_ + "/" + name + ".ready"},
+                      "--listen", "127.0.0.1:0", "--device", absl::StrCat("cuda:", compute_ranks_ + m),
+                      "--transport", transport::TransportKindName(kind_), "--ready-file",
+                      dir_ + "/" + name + ".ready"},
                      dir_ + "/" + name + ".log")
               .ok());
       names_.push_back(name);
@@ -198,10 +207,16 @@ class MultiGpuDeploy : public ::testing::Test {
       while (!address->empty() && address->back() == '\n') address->pop_back();
       addresses.push_back(*address);
     }
+    std::vector<std::string> replicas;
+    if (compute_ranks_ > 1) {
+      ASSERT_NO_FATAL_FAILURE(StartReplicas(addresses, batch, step_tokens, &replicas));
+    }
     ComputeRankOptions o;
     o.device = 0;
     o.transport = kind_;
     o.memory_addresses = addresses;
+    o.replica_addresses = replicas;
+    o.slice_layers = slice_layers_;
     o.partition = partition_;
     o.micro_batches = micro_batches_;
     o.scheduler.max_batch_size = batch;
@@ -214,9 +229,51 @@ class MultiGpuDeploy : public ::testing::Test {
     rank_ = std::move(*rank);
   }
 
+  // Compute replicas 1..compute_ranks_-1 on cuda:1.., each a `tandem compute --replica` process
+  // with a deployment file saying what compute rank 0 will be told (model_dir_: a reference
+  // checkpoint, which the replicas load themselves).
+  void StartReplicas(const std::vector<std::string>& memory, int64_t batch, int64_t step_tokens,
+                     std::vector<std::string>* addresses) {
+    const char* binary = std::getenv("TANDEM_BINARY");
+    ASSERT_FALSE(model_dir_.empty()) << "replicas load a checkpoint from a directory";
+    const std::string config = dir_ + "/replicas.yaml";
+    std::ofstream(config) << "model:\n  path: " << model_dir_ << "\ncompute:\n  ranks: " << compute_ranks_
+                          << "\n  device: cuda\nmemory:\n  ranks: " << memory.size()
+                          << "\n  partition: " << AttentionPartitionName(partition_)
+                          << "\npipeline:\n  mode: " << (slice_layers_ > 0 ? "rotational" : "fixed")
+                          << "\n  slice_layers: " << std::max(1, slice_layers_)
+                          << "\n  batches: " << micro_batches_ << "\nscheduler:\n  max_batch_size: " << batch
+                          << "\n  max_tokens_per_step: " << step_tokens
+                          << "\ntransport:\n  kind: " << transport::TransportKindName(kind_)
+                          << "\nlaunch:\n  startup_timeout_s: 120\n  step_timeout_s: " << step_timeout_s_
+                          << "\n";
+    for (int r = 1; r < compute_ranks_; ++r) {
+      const std::string name = absl::StrCat("compute-", r), ready = absl::StrCat(dir_, "/", name, ".ready");
+      ASSERT_TRUE(group_
+                      .Start(name,
+                             {binary, "compute", "--replica", std::to_string(r), "--config", config,
+                              "--memory", absl::StrJoin(memory, ","), "--listen", "127.0.0.1:0", "--device",
+                              absl::StrCat("cuda:", r), "--transport", transport::TransportKindName(kind_),
+                              "--ready-file", ready},
+                             absl::StrCat(dir_, "/", name, ".log"))
+                      .ok());
+      names_.push_back(name);
+      absl::StatusOr<std::string> address = group_.WaitReady(name, ready, absl::Seconds(120));
+      ASSERT_TRUE(address.ok()) << address.status();
+      addresses->emplace_back(absl::StripAsciiWhitespace(*address));
+    }
+  }
+
+  // The same requests on the colocated engine on cuda:0 and on the deployment Start() makes
+  // (`memory_ranks` memory ranks): same tokens, log-probabilities within tolerance.
+  void RunShape(const std::string& kind, const std::string& model, int memory_ranks);
+
   transport::TransportKind kind_ = transport::TransportKind::kP2p;
   AttentionPartition partition_ = AttentionPartition::kRequest;
   int micro_batches_ = 1;  // pipeline.batches (pingpong when > 1)
+  int compute_ranks_ = 1;  // compute.ranks (replicas on cuda:1..)
+  int slice_layers_ = 0;   // pipeline.mode rotational when > 0 (else fixed, with replicas)
+  std::string model_dir_;  // the checkpoint's directory, for the replicas
   int step_timeout_s_ = 60;
   std::string dir_;
   ProcessGroup group_;
@@ -253,9 +310,30 @@ TEST_P(PingPongSameTokens, AsTheColocatedEngine) {
   Run();
 }
 
+// Compute replicas (pipeline.mode fixed and rotational): compute rank 0 and its replicas each on
+// a GPU of its own, the memory ranks on the GPUs after them; every process connects to every
+// other over the transport (nccl: the set-ups' agreed order, setup_turns.h).
+class ReplicasSameTokens
+    : public MultiGpuDeploy,
+      public ::testing::WithParamInterface<std::tuple<std::string, std::string, int, int, int>> {};
+
+TEST_P(ReplicasSameTokens, AsTheColocatedEngine) {
+  const auto& [kind, model, compute_ranks, memory_ranks, slice_layers] = GetParam();
+  compute_ranks_ = compute_ranks;
+  slice_layers_ = slice_layers;
+  micro_batches_ = compute_ranks + (slice_layers > 0 ? 1 : 0);
+  const char* src = std::getenv("TANDEM_SOURCE_DIR");
+  model_dir_ = std::string(src ? src : ".") + "/tests/data/reference/" + model;
+  RunShape(kind, model, memory_ranks);
+}
+
 void SameTokens::Run() {
   const auto& [kind, model, memory_ranks] = GetParam();
-  ASSERT_NO_FATAL_FAILURE(Require(kind == "local" ? 1 : 1 + memory_ranks, kind));
+  RunShape(kind, model, memory_ranks);
+}
+
+void MultiGpuDeploy::RunShape(const std::string& kind, const std::string& model, int memory_ranks) {
+  ASSERT_NO_FATAL_FAILURE(Require(kind == "local" ? 1 : compute_ranks_ + memory_ranks, kind));
   if (IsSkipped()) return;
   std::unique_ptr<WeightSource> source = Open(model);
   ASSERT_NE(source, nullptr);
@@ -285,25 +363,45 @@ void SameTokens::Run() {
   ASSERT_EQ(got.size(), want.size());
   double max_diff = 0;
   int64_t tokens = 0;
+  int near_ties = 0;
+  const double tol = micro_batches_ > 1 ? kPingPongLogprobTol : kLogprobTol;
   for (size_t i = 0; i < got.size(); ++i) {
     SCOPED_TRACE(testing::Message() << "request " << i);
-    EXPECT_EQ(got[i].token_ids, want[i].token_ids);
-    EXPECT_EQ(got[i].finish_reason, want[i].finish_reason);
-    ASSERT_EQ(got[i].logprobs.size(), want[i].logprobs.size());
-    for (size_t t = 0; t < got[i].logprobs.size(); ++t) {
-      EXPECT_NEAR(got[i].logprobs[t], want[i].logprobs[t],
-                  micro_batches_ > 1 ? kPingPongLogprobTol : kLogprobTol)
-          << "position " << t;
+    ASSERT_EQ(got[i].logprobs.size(), got[i].token_ids.size());
+    ASSERT_EQ(want[i].logprobs.size(), want[i].token_ids.size());
+    const size_t common = std::min(got[i].token_ids.size(), want[i].token_ids.size());
+    size_t t = 0;
+    for (; t < common && got[i].token_ids[t] == want[i].token_ids[t]; ++t) {
+      EXPECT_NEAR(got[i].logprobs[t], want[i].logprobs[t], tol) << "position " << t;
       max_diff = std::max(max_diff, std::fabs(static_cast<double>(got[i].logprobs[t] - want[i].logprobs[t])));
     }
     tokens += static_cast<int64_t>(got[i].token_ids.size());
+    if (t == common && got[i].token_ids.size() == want[i].token_ids.size()) {
+      EXPECT_EQ(got[i].finish_reason, want[i].finish_reason);
+      continue;
+    }
+    // Micro-batches run each GEMM over fewer rows (another cuBLAS kernel, other bf16 rounding):
+    // a request may take the other of two nearly tied tokens, and then goes its own way. That is
+    // accepted only where the two chosen tokens were that close (their log-probabilities within
+    // the tolerance), and for a few requests; a deployment bug shows as log-probabilities apart
+    // before any token differs, or as a divergence at a clear choice.
+    const bool near_tie = micro_batches_ > 1 && t < common &&
+                          std::fabs(static_cast<double>(got[i].logprobs[t] - want[i].logprobs[t])) < tol;
+    EXPECT_TRUE(near_tie) << "the tokens differ from position " << t << ": "
+                          << ::testing::PrintToString(got[i].token_ids) << " against "
+                          << ::testing::PrintToString(want[i].token_ids);
+    ++near_ties;
   }
+  EXPECT_LE(near_ties * 4, static_cast<int>(got.size()))
+      << "too many requests took another token at a near tie";
   std::printf(
-      "%s, %s, 1 compute + %d memory rank(s) on %d GPUs, %s partition, %d micro-batch(es): %lld tokens in "
-      "%lld steps (%.2f s), max |logprob difference| %.3g\n",
-      kind.c_str(), model.c_str(), memory_ranks, kind == "local" ? 1 : 1 + memory_ranks,
-      AttentionPartitionName(partition_), micro_batches_, static_cast<long long>(tokens),
-      static_cast<long long>(rank_->stats().steps), seconds, max_diff);
+      "%s, %s, %d compute%s + %d memory rank(s) on %d GPUs, %s partition, %d micro-batch(es): %lld tokens in "
+      "%lld steps (%.2f s), max |logprob difference| %.3g, %d request(s) parted at a near tie\n",
+      kind.c_str(), model.c_str(), compute_ranks_,
+      compute_ranks_ == 1 ? "" : (slice_layers_ > 0 ? " (rotational)" : " (fixed)"), memory_ranks,
+      kind == "local" ? 1 : compute_ranks_ + memory_ranks, AttentionPartitionName(partition_), micro_batches_,
+      static_cast<long long>(tokens), static_cast<long long>(rank_->stats().steps), seconds, max_diff,
+      near_ties);
 }
 
 std::string Name(const ::testing::TestParamInfo<std::tuple<std::string, std::string, int>>& info) {
@@ -356,6 +454,28 @@ INSTANTIATE_TEST_SUITE_P(FourGpus, SameTokens,
                                                               "llama3-8b"),
                                             ::testing::Values(3)),
                          Name);
+std::string ReplicaName(
+    const ::testing::TestParamInfo<std::tuple<std::string, std::string, int, int, int>>& info) {
+  const auto& [kind, model, compute, memory, slice] = info.param;
+  std::string s = absl::StrCat(kind, "_", model, "_", compute, "_plus_", memory, "_",
+                               slice > 0 ? absl::StrCat("rotational_", slice) : "fixed");
+  std::replace(s.begin(), s.end(), '-', '_');
+  return s;
+}
+// (kind, model, compute ranks, memory ranks, slice layers: 0 fixed, else rotational)
+INSTANTIATE_TEST_SUITE_P(ThreeGpus, ReplicasSameTokens,
+                         ::testing::Combine(::testing::Values("p2p", "nccl"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha"),
+                                            ::testing::Values(2), ::testing::Values(1),
+                                            ::testing::Values(0, 1)),
+                         ReplicaName);
+INSTANTIATE_TEST_SUITE_P(FourGpus, ReplicasSameTokens,
+                         ::testing::Values(std::tuple{"p2p", "llama2-mha", 2, 2, 0},
+                                           std::tuple{"nccl", "llama2-mha", 2, 2, 0},
+                                           std::tuple{"p2p", "llama2-mha", 2, 2, 2},
+                                           std::tuple{"nccl", "llama2-mha", 2, 2, 2},
+                                           std::tuple{"nccl", "llama3-gqa-tied", 3, 1, 1}),
+                         ReplicaName);
 // KV heads: llama3-gqa-tied 2, llama2-mha 4, llama3-8b 8 (mqa-headdim's 1 does not split).
 INSTANTIATE_TEST_SUITE_P(ThreeGpus, HeadPartitionSameTokens,
                          ::testing::Combine(::testing::Values("p2p", "nccl"),

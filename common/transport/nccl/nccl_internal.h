@@ -12,7 +12,9 @@
 // transport's (an inner transport this one wraps, as the p2p transport does). This transport's
 // own frames travel on that channel and are consumed inside its calls; the caller's messages
 // that arrive meanwhile are kept for Receive. Frames (fixed layout, magic first):
-//   hello       {magic, protocol, ncclUniqueId}  sent once per connection, by both sides
+//   hello       {magic, protocol, ncclUniqueId, key}  sent once per connection, by both sides
+//   propose     {magic}                       the set-up's leader asks to start (setup_turns.h)
+//   go          {magic}                       the follower starts; the leader starts on it
 //   descriptor  {magic, buffer, bytes}           a registered buffer's size, for bounds checks
 //   write       {magic, buffer, offset, bytes, seqno}  announces a host-path write
 //
@@ -28,9 +30,12 @@
 // connection set-up (which needs both sides) never runs inside a caller's transfer. NCCL keeps
 // the state of a non-blocking group in the calling thread (in some versions, one at a time), so
 // this transport has at most one NCCL job in flight: peers are set up one after the other, and a
-// transfer waits until no set-up is running. An operation that needs a communicator waits for it
-// (pumping the control plane) up to kSetupTimeout, then fails with DeadlineExceeded naming the
-// peer.
+// transfer waits until no set-up is running. Since a set-up needs both processes at once, the
+// processes agree on the order (setup_turns.h: a random key in each hello; of two peers the one
+// with the smaller key proposes, the other answers "go" when it is idle), so that three or more
+// processes that all connect to each other never each wait for a different partner. An operation
+// that needs a communicator waits for it (pumping the control plane) up to kSetupTimeout, then
+// fails with DeadlineExceeded naming the peer and what its set-up waits for.
 //
 // Host path (Write / WaitDoorbell / Doorbell). Write checks bounds against the peer's descriptor,
 // sends the write frame, stages the pieces (host or device memory) into a device staging buffer
@@ -135,6 +140,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <set>
 #include <string_view>
 #include <thread>
@@ -146,6 +152,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "common/transport/control_plane.h"
+#include "common/transport/nccl/setup_turns.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
 #error "the nccl transport needs NCCL 2.18 or newer"
@@ -156,7 +163,9 @@ namespace tandem::transport::nccl_internal {
 constexpr uint32_t kHelloMagic = 0x48434e54;       // "TNCH" on the wire
 constexpr uint32_t kDescriptorMagic = 0x42434e54;  // "TNCB"
 constexpr uint32_t kWriteMagic = 0x57434e54;       // "TNCW"
-constexpr uint32_t kProtocol = 1;
+constexpr uint32_t kProposeMagic = 0x50434e54;     // "TNCP"
+constexpr uint32_t kGoMagic = 0x47434e54;          // "TNCG"
+constexpr uint32_t kProtocol = 2;                  // 2: set-up turns (key, propose, go)
 
 // Communicator set-up (init and first connection) or a peer's descriptor, awaited by an operation.
 constexpr absl::Duration kSetupTimeout = absl::Seconds(60);
@@ -179,6 +188,11 @@ struct HelloFrame {
   uint32_t magic = kHelloMagic;
   uint32_t protocol = kProtocol;
   ncclUniqueId id{};
+  uint64_t key = 0;  // this process's set-up key (SetupTurns)
+};
+struct TurnFrame {  // propose or go
+  uint32_t magic = kProposeMagic;
+  uint32_t reserved = 0;
 };
 struct DescriptorFrame {
   uint32_t magic = kDescriptorMagic;
@@ -192,7 +206,8 @@ struct WriteFrame {
   uint64_t bytes = 0;
   uint64_t seqno = 0;
 };
-static_assert(sizeof(HelloFrame) == 8 + NCCL_UNIQUE_ID_BYTES);
+static_assert(sizeof(HelloFrame) == 16 + NCCL_UNIQUE_ID_BYTES);
+static_assert(sizeof(TurnFrame) == 8);
 static_assert(sizeof(DescriptorFrame) == 16);
 static_assert(sizeof(WriteFrame) == 32);
 
@@ -264,7 +279,7 @@ inline absl::Status NcclError(ncclResult_t r, std::string_view call, std::string
 // Set-up of a peer's pair of communicators.
 enum class Setup : uint8_t {
   kAwaitingHello,  // the peer's ncclUniqueId has not arrived yet
-  kQueued,         // both ids known; waits for its turn (one NCCL job at a time)
+  kQueued,         // both ids known; waits for its turn (SetupTurns: one set-up at a time, agreed)
   kInit,           // both ncclCommInitRankConfig running, in one group
   kConnecting,     // the one-byte first transfers running, in one group (NCCL connects)
   kReady,
@@ -276,7 +291,7 @@ inline const char* SetupName(Setup s) {
     case Setup::kAwaitingHello:
       return "no hello from the peer yet";
     case Setup::kQueued:
-      return "waiting for another peer's set-up";
+      return "waiting for its turn";
     case Setup::kInit:
       return "initialising";
     case Setup::kConnecting:
@@ -399,6 +414,7 @@ class NcclTransport : public ControlPlaneTransport {
   void Close(PeerId peer) override {
     auto it = peers_.find(peer);
     if (it != peers_.end()) it->second.closed = true;
+    if (turns_.current() == peer && !job_) turns_.Ended(peer);  // a proposal to it is withdrawn
     ControlPlaneTransport::Close(peer);
   }
 
@@ -411,8 +427,15 @@ class NcclTransport : public ControlPlaneTransport {
  private:
   // ---- connections and communicators ----
   absl::Status OnNewPeer(PeerId peer) override;
-  // Starts the set-up of the first queued peer, if no NCCL job is in flight.
+  // Takes the next set-up turn (SetupTurns), if no NCCL job is in flight: a proposal, an answer, or
+  // the start of a set-up.
   void StartNextSetup();
+  // Starts initialising the peer's two communicators (one group): the NCCL job of a set-up.
+  void InitComms(PeerId peer);
+  // What a peer whose set-up has not finished waits for, for error messages.
+  std::string SetupState(const Peer& p, PeerId peer) const {
+    return p.setup == Setup::kQueued ? turns_.Describe(peer) : SetupName(p.setup);
+  }
   // Advances the set-up in flight (job_) once NCCL has finished its current phase.
   void PollSetup();
   // Whether both communicators of `p` are done with their current NCCL job (or have failed).
@@ -429,7 +452,11 @@ class NcclTransport : public ControlPlaneTransport {
   // Aborts one communicator (its kernels return) and marks it failed with `why`; a genuine failure
   // (an NCCL error, not our decision) also fails every later wait, as a lost peer does.
   absl::Status FailComm(PeerId peer, bool sender, absl::Status why, bool genuine);
-  // Waits (pumping) until the peer's communicator is ready and no NCCL job is in flight.
+  // A peer met so far whose set-up has neither finished nor failed (closed peers and those
+  // given up on, not_awaited_, aside).
+  std::optional<PeerId> PendingSetup() const;
+  // Waits (pumping) until the peer's communicator is ready, no NCCL job is in flight and no other
+  // peer's set-up is pending (each awaited at most kSetupTimeout once).
   absl::StatusOr<ncclComm_t> ReadyComm(PeerId peer, bool sender);
   // After a transfer call: ncclInProgress (the launch runs in an NCCL thread) is waited out, since
   // the stream holds the transfer only once it has run; an error aborts the communicator.
@@ -481,6 +508,14 @@ class NcclTransport : public ControlPlaneTransport {
     (void)cudaGetLastError();
   }
 
+  // A random, nonzero set-up key for this transport (SetupTurns).
+  static uint64_t DrawKey() {
+    std::random_device rd;
+    uint64_t key = 0;
+    while (key == 0) key = (uint64_t{rd()} << 32) ^ rd();
+    return key;
+  }
+
   absl::Status TakeError() {
     absl::Status s = std::move(errors_.front());
     errors_.pop_front();
@@ -498,9 +533,11 @@ class NcclTransport : public ControlPlaneTransport {
   uint64_t scratch_bytes_ = 0;
   std::map<uint32_t, Local> local_;
   std::map<PeerId, Peer> peers_;
-  std::optional<PeerId> job_;        // the peer whose set-up job NCCL is running
-  std::deque<absl::Status> errors_;  // refused writes, for WaitDoorbell/Receive
-  absl::Status broken_;              // first genuine communicator failure
+  std::optional<PeerId> job_;            // the peer whose set-up job NCCL is running
+  SetupTurns<PeerId> turns_{DrawKey()};  // the agreed order of set-ups
+  std::set<PeerId> not_awaited_;         // peers whose pending set-up transfers no longer wait for
+  std::deque<absl::Status> errors_;      // refused writes, for WaitDoorbell/Receive
+  absl::Status broken_;                  // first genuine communicator failure
   std::deque<HostRecv> host_recvs_;
   std::map<void*, StreamWork> streams_;
   std::vector<cudaEvent_t> free_events_;

@@ -12,6 +12,7 @@ absl::Status NcclTransport::OnNewPeer(PeerId peer) {
   Peer& p = peers_[peer];
   p.name = PeerName(peer);
   HelloFrame h;
+  h.key = turns_.key();
   const ncclResult_t r = ncclGetUniqueId(&h.id);
   if (r != ncclSuccess) {
     return absl::UnavailableError(absl::StrCat("nccl transport: ncclGetUniqueId for ", p.name, ": ",
@@ -31,30 +32,43 @@ absl::Status NcclTransport::OnNewPeer(PeerId peer) {
 
 void NcclTransport::StartNextSetup() {
   if (job_) return;
-  for (auto& [id, p] : peers_) {
-    if (!p.greeted || p.setup != Setup::kQueued) continue;
-    if (cudaSetDevice(device_) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return;
-    }
-    // NCCL copies the configuration; one per communicator all the same.
-    ncclConfig_t send_config = NCCL_CONFIG_INITIALIZER, recv_config = NCCL_CONFIG_INITIALIZER;
-    send_config.blocking = 0;
-    recv_config.blocking = 0;
-    ncclResult_t r = ncclGroupStart();
-    if (r == ncclSuccess) {
-      const ncclResult_t a = ncclCommInitRankConfig(&p.send.comm, 2, p.mine, 0, &send_config);
-      const ncclResult_t b = ncclCommInitRankConfig(&p.recv.comm, 2, p.theirs, 1, &recv_config);
-      r = ncclGroupEnd();
-      if (a != ncclSuccess && a != ncclInProgress) r = a;
-      if (b != ncclSuccess && b != ncclInProgress) r = b;
-    }
-    p.setup = Setup::kInit;
-    job_ = id;
-    if (r != ncclSuccess && r != ncclInProgress) {
-      FailSetup(id, NcclError(r, "ncclCommInitRankConfig", absl::StrCat("communicators with ", p.name)));
-    }
-    return;
+  const std::optional<SetupTurns<PeerId>::Turn> turn = turns_.Next();
+  if (!turn) return;
+  using Action = SetupTurns<PeerId>::Action;
+  const PeerId id = turn->peer;
+  if (turn->action != Action::kStart) {
+    TurnFrame t;
+    t.magic = turn->action == Action::kPropose ? kProposeMagic : kGoMagic;
+    const absl::Status sent = control().Send(id, ToBytes(t));
+    if (!sent.ok()) return FailSetup(id, sent);
+    if (turn->action == Action::kPropose) return;  // started when the peer's "go" arrives
+  }
+  InitComms(id);
+}
+
+void NcclTransport::InitComms(PeerId id) {
+  Peer& p = peers_.at(id);
+  // job_ first: a failure below ends the set-up (FailSetup) and with it this side's turn.
+  job_ = id;
+  p.setup = Setup::kInit;
+  if (cudaSetDevice(device_) != cudaSuccess) {
+    const cudaError_t err = cudaGetLastError();
+    return FailSetup(id, CudaError(err, "cudaSetDevice", absl::StrCat("communicators with ", p.name)));
+  }
+  // NCCL copies the configuration; one per communicator all the same.
+  ncclConfig_t send_config = NCCL_CONFIG_INITIALIZER, recv_config = NCCL_CONFIG_INITIALIZER;
+  send_config.blocking = 0;
+  recv_config.blocking = 0;
+  ncclResult_t r = ncclGroupStart();
+  if (r == ncclSuccess) {
+    const ncclResult_t a = ncclCommInitRankConfig(&p.send.comm, 2, p.mine, 0, &send_config);
+    const ncclResult_t b = ncclCommInitRankConfig(&p.recv.comm, 2, p.theirs, 1, &recv_config);
+    r = ncclGroupEnd();
+    if (a != ncclSuccess && a != ncclInProgress) r = a;
+    if (b != ncclSuccess && b != ncclInProgress) r = b;
+  }
+  if (r != ncclSuccess && r != ncclInProgress) {
+    FailSetup(id, NcclError(r, "ncclCommInitRankConfig", absl::StrCat("communicators with ", p.name)));
   }
 }
 
@@ -87,6 +101,7 @@ void NcclTransport::PollSetup() {
   if (p.setup == Setup::kConnecting) {
     p.setup = Setup::kReady;
     job_.reset();
+    turns_.Ended(id);
     return;
   }
   // Initialised. The first transfer each way makes NCCL connect the two sides.
@@ -121,6 +136,7 @@ void NcclTransport::FailSetup(PeerId peer, absl::Status why, bool genuine) {
     p.setup_failure = why;
   }
   if (job_ == peer) job_.reset();
+  turns_.Ended(peer);
   p.incoming.clear();
   for (HostRecv& r : host_recvs_) {
     if (r.peer == peer) r.valid = false;
@@ -172,6 +188,14 @@ absl::Status NcclTransport::FailComm(PeerId peer, bool sender, absl::Status why,
   return why;
 }
 
+std::optional<PeerId> NcclTransport::PendingSetup() const {
+  for (const auto& [id, p] : peers_) {
+    if (p.closed || not_awaited_.contains(id)) continue;
+    if (p.setup != Setup::kReady && p.setup != Setup::kFailed) return id;
+  }
+  return std::nullopt;
+}
+
 absl::StatusOr<ncclComm_t> NcclTransport::ReadyComm(PeerId peer, bool sender) {
   if (!peers_.contains(peer)) return absl::NotFoundError(absl::StrCat("nccl transport: no peer ", peer));
   const absl::Time start = absl::Now();
@@ -179,12 +203,25 @@ absl::StatusOr<ncclComm_t> NcclTransport::ReadyComm(PeerId peer, bool sender) {
     const Peer& p = peers_.at(peer);
     const Comm& c = sender ? p.send : p.recv;
     if (!c.failure.ok()) return c.failure;
-    if (p.setup == Setup::kReady && !job_) return c.comm;
-    if (absl::Now() - start > kSetupTimeout) {
+    if (p.setup == Setup::kReady && !job_) {
+      // Other peers' set-ups first: an NCCL communicator initialised while transfers of another
+      // are in flight can wait for them, and they for it (NCCL's caution about concurrent
+      // communicators), so the first transfers wait until every peer met so far is set up. A peer
+      // whose set-up does not finish in time is left to fail on its own.
+      const std::optional<PeerId> other = PendingSetup();
+      if (!other) return c.comm;
+      if (absl::Now() - start > kSetupTimeout) {
+        TANDEM_LOG_WARN("transport", "nccl: transfers go on while the set-up with ", peers_.at(*other).name,
+                        " has not finished after ", absl::FormatDuration(kSetupTimeout), " (",
+                        SetupState(peers_.at(*other), *other), ")");
+        not_awaited_.insert(*other);
+        continue;
+      }
+    } else if (absl::Now() - start > kSetupTimeout) {
       if (p.setup != Setup::kReady) {
         return absl::DeadlineExceededError(absl::StrCat(
             "nccl transport: the communicator ", Direction(peer, sender), " is not set up after ",
-            absl::FormatDuration(kSetupTimeout), " (", SetupName(p.setup), ")"));
+            absl::FormatDuration(kSetupTimeout), " (", SetupState(p, peer), ")"));
       }
       return absl::DeadlineExceededError(
           absl::StrCat("nccl transport: the set-up of ", peers_.at(*job_).name, " kept NCCL busy for ",
@@ -244,20 +281,36 @@ absl::Status NcclTransport::Progress(absl::Duration wait) {
 // A frame of this transport is applied and consumed (true); anything else is the caller's (false).
 absl::StatusOr<bool> NcclTransport::Consume(PeerId from, const std::vector<uint8_t>& m) {
   const uint32_t magic = MagicOf(m);
-  if (magic != kHelloMagic && magic != kDescriptorMagic && magic != kWriteMagic) return false;
+  if (magic != kHelloMagic && magic != kDescriptorMagic && magic != kWriteMagic && magic != kProposeMagic &&
+      magic != kGoMagic) {
+    return false;
+  }
   if (!peers_.contains(from)) peers_[from].name = PeerName(from);
   Peer& p = peers_.at(from);
-  if (magic == kHelloMagic && m.size() == sizeof(HelloFrame)) {
+  if (magic == kHelloMagic && m.size() >= 8) {
     HelloFrame h;
-    std::memcpy(&h, m.data(), sizeof(h));
+    std::memcpy(&h, m.data(), std::min(m.size(), sizeof(h)));
     if (p.setup != Setup::kAwaitingHello) {
       errors_.push_back(absl::DataLossError(absl::StrCat("nccl transport: a second hello from ", p.name)));
     } else if (h.protocol != kProtocol) {
       FailSetup(from, absl::DataLossError(absl::StrCat("nccl transport: ", p.name, " speaks protocol ",
                                                        h.protocol, ", this side ", kProtocol)));
+    } else if (m.size() != sizeof(HelloFrame)) {
+      FailSetup(from,
+                absl::DataLossError(absl::StrCat("nccl transport: a hello of ", m.size(), " bytes from ",
+                                                 p.name, " (", sizeof(HelloFrame), " expected)")));
+    } else if (absl::Status s = turns_.Hello(from, h.key); !s.ok()) {
+      FailSetup(from, absl::DataLossError(absl::StrCat("nccl transport: ", p.name, ": ", s.message())));
     } else {
       p.theirs = h.id;
-      p.setup = Setup::kQueued;  // started by Advance, when no other set-up is running
+      p.setup = Setup::kQueued;  // taken in turn by Advance (StartNextSetup)
+    }
+    return true;
+  }
+  if ((magic == kProposeMagic || magic == kGoMagic) && m.size() == sizeof(TurnFrame)) {
+    const absl::Status s = magic == kProposeMagic ? turns_.Proposed(from) : turns_.Go(from);
+    if (!s.ok()) {
+      FailSetup(from, absl::DataLossError(absl::StrCat("nccl transport: ", s.message(), " from ", p.name)));
     }
     return true;
   }
