@@ -1294,9 +1294,9 @@ absl::Status ComputeRank::SendLayer(size_t j, const PlannedStep& step, uint32_t 
   if (device_path_) {
     // The rows go straight from the lane's qkv buffer (or a rank's packed columns) to the rank's
     // GPU buffer of this lane, ordered on the backend's stream.
+    if (options_.q_first) return SendSplitOnDevice(j, step);
     void* stream = backend_->stream();
     auto* qkv = static_cast<const uint8_t*>(lane.qkv.get());
-    if (options_.q_first) return SendSplitOnDevice(j, step);
     for (size_t m = 0; m < ranks_.size(); ++m) {
       Rank& rank = ranks_[m];
       RankLane& rl = rank.lanes[j];
