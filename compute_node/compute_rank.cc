@@ -27,6 +27,27 @@ constexpr absl::Duration kMaxProbeInterval = absl::Seconds(30);  // between rejo
 double MsSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
 }
+
+// pipeline.q_first on the device path: rank s.rank's columns of `rows` q,k,v rows (rows of
+// s.qkv_width() elements of `elem` bytes) split into its q rows at `q` (s.slice_q_dim() each) and
+// its k,v rows at `kv` (its k heads then its v heads), three strided copies in `memory`'s order.
+// Under the request partition (one slice) that is every row's q and [k | v].
+absl::Status PackSplitColumns(MemorySpace& memory, const HeadSlice& s, int64_t rows, size_t elem,
+                              const void* qkv, void* q, void* kv) {
+  const size_t d = static_cast<size_t>(s.head_dim) * elem, n = static_cast<size_t>(rows);
+  const size_t src_pitch = static_cast<size_t>(s.qkv_width()) * elem;
+  const size_t q_width = static_cast<size_t>(s.slice_heads()) * d;
+  const size_t kv_width = static_cast<size_t>(s.slice_kv_heads()) * d;
+  const size_t q_all = static_cast<size_t>(s.num_heads) * d, kv_all = static_cast<size_t>(s.num_kv_heads) * d;
+  const size_t rank = static_cast<size_t>(s.rank);
+  const auto* src = static_cast<const uint8_t*>(qkv);
+  auto* kv_dst = static_cast<uint8_t*>(kv);
+  RETURN_IF_ERROR(memory.CopyStrided(q, q_width, src + rank * q_width, src_pitch, q_width, n));
+  RETURN_IF_ERROR(
+      memory.CopyStrided(kv_dst, 2 * kv_width, src + q_all + rank * kv_width, src_pitch, kv_width, n));
+  return memory.CopyStrided(kv_dst + kv_width, 2 * kv_width, src + q_all + kv_all + rank * kv_width,
+                            src_pitch, kv_width, n);
+}
 }  // namespace
 
 ComputeRank::~ComputeRank() = default;
@@ -51,12 +72,6 @@ absl::StatusOr<std::unique_ptr<ComputeRank>> ComputeRank::Create(const WeightSou
     return absl::InvalidArgumentError(absl::StrCat(
         "pipeline.slice_layers: ", options.slice_layers, " must be in [1, ", source.spec().num_layers,
         "] with 2 or more compute ranks (pipeline.mode rotational; ", compute_ranks, " compute rank(s))"));
-  }
-  if (options.q_first && options.device >= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "pipeline.q_first: compute rank on cuda:", options.device,
-        "; q-first needs CPU compute and memory ranks (the CUDA attention executor and the device data path "
-        "have no split attention layer yet); set pipeline.q_first: false"));
   }
   std::unique_ptr<ComputeRank> r(new ComputeRank());
   r->options_ = options;
@@ -211,8 +226,10 @@ absl::Status ComputeRank::SetUpLane(size_t j) {
   }
   ASSIGN_OR_RETURN(lane.qkv, backend_->memory().Allocate(qkv_bytes, false));
   ASSIGN_OR_RETURN(lane.attn, backend_->memory().Allocate(attn_bytes, false));
-  if (o.q_first) {
+  if (o.q_first && !device_path_) {
     ASSIGN_OR_RETURN(lane.split, host_copies_.Allocate(qkv_bytes, true));
+  } else if (o.q_first && !head_) {
+    ASSIGN_OR_RETURN(lane.split, backend_->memory().Allocate(qkv_bytes, false));
   }
   if (!backend_->memory().host() && !device_path_) {
     ASSIGN_OR_RETURN(lane.qkv_host, backend_->memory().Allocate(qkv_bytes, true));
@@ -1271,6 +1288,7 @@ absl::Status ComputeRank::SendLayer(size_t j, const PlannedStep& step, uint32_t 
   if (device_path_) {
     // The rows go straight from the lane's qkv buffer (or a rank's packed columns) to the rank's
     // GPU buffer of this lane, ordered on the backend's stream.
+    if (options_.q_first) return SendSplitOnDevice(j, step);
     void* stream = backend_->stream();
     auto* qkv = static_cast<const uint8_t*>(lane.qkv.get());
     for (size_t m = 0; m < ranks_.size(); ++m) {
@@ -1358,6 +1376,50 @@ absl::Status ComputeRank::SendSplit(const PlannedStep& step, uint32_t layer, siz
   what.seqno = ++rl.seqno;
   const size_t offset = QFirstKvOffset(static_cast<size_t>(options_.scheduler.max_tokens_per_step), q_row);
   return WriteLayer(rank.peer, buffer, offset, what, {kv, n * kv_row});
+}
+
+absl::Status ComputeRank::SendSplitOnDevice(size_t j, const PlannedStep& step) {
+  Lane& lane = lanes_[j];
+  const int64_t t = step.rows.num_tokens();
+  MemorySpace& memory = backend_->memory();
+  void* stream = backend_->stream();
+  const size_t max_rows = static_cast<size_t>(options_.scheduler.max_tokens_per_step);
+  // Request partition: every row's q and k,v columns split once into the lane's split buffer (q
+  // rows, then k,v rows); each rank's rows are a range of both.
+  auto* split = static_cast<uint8_t*>(lane.split.get());
+  if (!head_) {
+    const size_t q_row = static_cast<size_t>(backend_->spec().q_dim()) * elem_;
+    RETURN_IF_ERROR(PackSplitColumns(memory, ranks_[0].slice, t, elem_, lane.qkv.get(), split,
+                                     split + static_cast<size_t>(t) * q_row));
+  }
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    Rank& rank = ranks_[m];
+    RankLane& rl = rank.lanes[j];
+    const auto [begin, end] = RowsOf(step, m);
+    if (begin == end) continue;
+    const size_t q_row = static_cast<size_t>(rank.slice.slice_q_dim()) * elem_;
+    const size_t kv_row = static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_ - q_row;
+    const uint8_t *q = nullptr, *kv = nullptr;
+    if (head_) {
+      // Its columns of every row, split into its own pack buffer (its writes read from there).
+      auto* pack = static_cast<uint8_t*>(rl.pack.get());
+      RETURN_IF_ERROR(PackSplitColumns(memory, rank.slice, t, elem_, lane.qkv.get(), pack,
+                                       pack + static_cast<size_t>(t) * q_row));
+      q = pack;
+      kv = pack + static_cast<size_t>(t) * q_row;
+    } else {
+      q = split + static_cast<size_t>(begin) * q_row;
+      kv = split + static_cast<size_t>(t) * q_row + static_cast<size_t>(begin) * kv_row;
+    }
+    const size_t n = static_cast<size_t>(end - begin);
+    const uint32_t buffer = rank.qkv_buffer + static_cast<uint32_t>(j);
+    RETURN_IF_ERROR(Annotate(transport_->EnqueueWrite(rank.peer, buffer, 0, q, n * q_row, ++rl.seqno, stream),
+                             rank.name));
+    RETURN_IF_ERROR(Annotate(transport_->EnqueueWrite(rank.peer, buffer, QFirstKvOffset(max_rows, q_row), kv,
+                                                      n * kv_row, ++rl.seqno, stream),
+                             rank.name));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ComputeRank::WriteLayer(uint32_t peer, uint32_t buffer, uint64_t offset,

@@ -93,8 +93,9 @@ struct ComputeRankOptions {
   // pipeline.q_first: per layer each memory rank gets its rows' q first and their k,v after, as
   // two layer messages (kinds q and kv) in its lane's receive buffer, and runs attention over the
   // existing context while the k,v are in flight (docs/architecture.md, "q-first overlap inside a
-  // layer"). Needs the CPU backend and CPU memory ranks (host-staged path); Create refuses a
-  // CUDA compute rank and a CUDA memory rank refuses the hello, both naming the setting.
+  // layer"). On the device path the q rows and the k,v rows are two device writes into the rank's
+  // GPU buffer (at 0 and at QFirstKvOffset, common/layer_message.h), packed from the strided
+  // [q | k | v] rows first. Every executor, transport and pipeline mode has it.
   bool q_first = false;
   absl::Duration startup_timeout = absl::Minutes(10);
   absl::Duration step_timeout = absl::Minutes(2);  // for each layer's attention output, and each send
@@ -300,6 +301,11 @@ class ComputeRank : public Engine {
   // QFirstKvOffset, each with a seqno of its own.
   absl::Status SendSplit(const PlannedStep& step, uint32_t layer, size_t m, size_t j, const uint8_t* rows,
                          size_t n, size_t row_bytes);
+  // pipeline.q_first, device path: lane j's rows to every memory rank with rows as two device
+  // writes on the backend's stream, its q rows at 0 (seqno s) and its k,v rows at QFirstKvOffset
+  // (s + 1), packed into contiguous device buffers first (the lane's split buffer under the request
+  // partition, the rank's pack buffer under the head partition).
+  absl::Status SendSplitOnDevice(size_t j, const PlannedStep& step);
   // Rotational pipeline: hands micro-batch j's residual stream (after PreAttention(layer)) to the
   // next compute rank, and takes it from the previous one (before PostAttention(layer)).
   absl::Status SendResidual(size_t j, const PlannedStep& step, uint32_t layer);
@@ -442,7 +448,9 @@ class ComputeRank : public Engine {
     BackendBuffer resid_in{nullptr, nullptr}, resid_host{nullptr, nullptr};
     size_t resid_in_bytes = 0;
     uint64_t resid_in_seqno = 0, resid_out_seqno = 0;
-    // pipeline.q_first: one memory rank's rows split at a time, its q rows then its k,v rows (host).
+    // pipeline.q_first: host-staged, one memory rank's rows split at a time, its q rows then its
+    // k,v rows (host); device path under the request partition, every row's q rows then k,v rows
+    // (device memory).
     BackendBuffer split{nullptr, nullptr};
   };
   std::vector<Lane> lanes_;

@@ -68,7 +68,7 @@ const ConfigSchema& DeploySchema() {
         .Bool("pipeline.q_first", false,
               "per layer, send each memory rank its rows' q first and their k, v after: it runs attention "
               "over the context it holds while k, v are in flight, then over the new rows, and merges the "
-              "two by log-sum-exp (any pipeline.mode; CPU compute and memory ranks only)")
+              "two by log-sum-exp (any pipeline.mode, device and transport)")
         .String("memory.host", "127.0.0.1", "address the memory ranks listen on")
         .Int("memory.base_port", 0,
              "port of memory rank 0 (rank i listens on base_port + i); 0: any free port", 0, 65535)
@@ -330,13 +330,6 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
     RETURN_IF_ERROR(ResolveTransport(p.transport, p).status());
   }
   p.q_first = c.GetBool("pipeline.q_first");
-  if (p.q_first && p.compute_device != "cpu") {
-    // The memory ranks are on the compute rank's kind of device (checked above).
-    return absl::InvalidArgumentError(absl::StrCat(
-        "pipeline.q_first: compute rank 0 is on ", p.compute_device,
-        "; q-first needs CPU compute and memory ranks (the CUDA attention executor and the device data path "
-        "have no split attention layer yet)"));
-  }
   p.checksums = c.GetBool("transport.checksums");
   p.run_dir = (std::filesystem::path(c.GetString("launch.run_dir")) / RunDirName()).string();
   p.ssh = c.GetString("launch.ssh");

@@ -69,7 +69,7 @@ struct DeployPlan {
   int micro_batches = 1;                     // pipeline.batches with pipeline.mode other than none, else 1
   int slice_layers = 0;                      // PipelineSliceLayers
   int compute_ranks = 1;                     // compute.ranks
-  bool q_first = false;                      // pipeline.q_first (CPU ranks only)
+  bool q_first = false;                      // pipeline.q_first
   std::vector<std::string> replica_devices;  // of compute ranks 1.. ("cpu", "cuda:N")
   std::string compute_host;                  // where the compute replicas listen
   transport::TransportKind transport = transport::TransportKind::kUcx;  // resolved transport.kind

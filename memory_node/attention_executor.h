@@ -9,7 +9,8 @@
 // KV layout is the executor's business: token-granular slots (memory_node/kv_slot_allocator.h
 // hands them out), one K and one V array per layer indexed by slot. The CPU executor keeps fp32
 // in host memory; the CUDA executor bf16 on its device, with the decode kernel for single-row
-// requests and the prefill kernel for chunks.
+// requests and the prefill kernel for chunks. Both can run a layer in two parts, attention over
+// the context before the new rows' k,v arrive (LayerContext, LayerNew: pipeline.q_first).
 //
 // Thread safety: one thread drives an executor.
 #pragma once
@@ -123,8 +124,17 @@ class AttentionExecutor {
   // Both in the order written, once per layer, after BeginStep. A step where the split does not
   // hold (a request's keys do not end with its new rows' slots, or a context or shared-prefix key
   // is one of the step's new slots) runs whole in LayerNew: LayerContext then only keeps q.
-  // Unimplemented where SupportsSplitLayer() is false (the CUDA executor).
+  // The CUDA executor enqueues both on its stream like Layer: the context part's state (output
+  // and log-sum-exp) stays on the device, and nothing synchronises between the two calls.
+  // Unimplemented where SupportsSplitLayer() is false.
   virtual bool SupportsSplitLayer() const { return false; }
+  // Says that this executor's steps from now on run as LayerContext + LayerNew (a memory rank
+  // with pipeline.q_first), so that BeginStep prepares each step's split with the rest of the
+  // step. The CUDA executor then sizes the split's scratch and uploads its metadata in BeginStep
+  // (which may synchronise) rather than in the step's first LayerContext, which on the device
+  // path is enqueued behind a device-side wait. Optional: without it the first LayerContext of a
+  // step prepares the split. Lanes created afterwards inherit it.
+  virtual void ExpectSplitLayers() {}
   virtual absl::Status LayerContext(int64_t layer, const void* q) {
     (void)layer;
     (void)q;

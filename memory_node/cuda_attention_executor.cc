@@ -50,6 +50,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
   ~CudaAttentionExecutor() override {
     for (cudaEvent_t e : timing_) cudaEventDestroy(e);
     if (host_meta_) cudaFreeHost(host_meta_);
+    if (split_host_meta_) cudaFreeHost(split_host_meta_);
     if (own_stream_ && stream_) cudaStreamDestroy(stream_);
     if (side_) cudaStreamDestroy(side_);
     if (q_ready_) cudaEventDestroy(q_ready_);
@@ -125,6 +126,7 @@ class CudaAttentionExecutor : public AttentionExecutor {
     e->memory_.set_stream(stream_);
     e->kv_ = kv_;
     e->num_slots_ = num_slots_;
+    e->expect_split_ = expect_split_;
     RETURN_IF_ERROR(e->InitScratch());
     RETURN_IF_ERROR(e->InitMeta());
     return std::unique_ptr<AttentionExecutor>(std::move(e));
@@ -137,6 +139,8 @@ class CudaAttentionExecutor : public AttentionExecutor {
 
   absl::Status BeginStep(const AttentionBatch& b) override {
     RETURN_IF_ERROR(CheckAttentionBatch(b, shape_, num_slots_));
+    batch_ = &b;
+    split_ready_ = false;
     const int64_t num_req = b.num_requests(), ns = b.num_single;
     t_ = b.num_tokens();
     ns_ = ns;
@@ -179,40 +183,158 @@ class CudaAttentionExecutor : public AttentionExecutor {
                                       b.max_kv_len, num_sms_);
       RETURN_IF_ERROR(decode_ws_.Reserve(std::max<int64_t>(16, plan_.workspace_bytes)));
     }
+    if (expect_split_) RETURN_IF_ERROR(PrepareSplit());
     return absl::OkStatus();
   }
 
   absl::Status Layer(int64_t layer, const void* qkv_v, void* out_v) override {
     const int64_t width = shape_.qkv_width(), q_dim = shape_.q_dim(), kv_dim = shape_.kv_dim();
-    const int64_t layer_kv = num_slots_ * kv_dim;  // elements of one layer's K (or V)
     const auto* qkv = static_cast<const bf16*>(qkv_v);
+    RETURN_IF_ERROR(AppendKv(layer, qkv + q_dim, qkv + q_dim + kv_dim, width));
+    CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(q_.ptr, q_dim * 2, qkv, width * 2, q_dim * 2, t_,
+                                           cudaMemcpyDeviceToDevice, stream_));
+    return Attend(layer, static_cast<bf16*>(out_v));
+  }
+
+  // q-first: the context part. Single rows run the decode kernel (split-KV over long contexts),
+  // chunks the prefill kernel without mask, each over its request's keys before the step into
+  // (ctx_out_, ctx_lse_); the groups' shared keys are merged in as Layer merges them.
+  bool SupportsSplitLayer() const override { return true; }
+  void ExpectSplitLayers() override { expect_split_ = true; }
+
+  absl::Status LayerContext(int64_t layer, const void* q) override {
+    if (!split_ready_) RETURN_IF_ERROR(PrepareSplit());
+    const int64_t q_dim = shape_.q_dim(), heads = shape_.num_heads;
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(q_.ptr, q, static_cast<size_t>(t_ * q_dim * 2), cudaMemcpyDeviceToDevice, stream_));
+    if (!split_ || !ctx_any_) return absl::OkStatus();  // whole in LayerNew, or nothing before the step
+    const kc::AttentionParams ap = LayerParams(layer);
+    bf16* qb = q_.as<bf16>();
+    bf16* ctx_out = ctx_out_.as<bf16>();
+    float* ctx_lse = ctx_lse_.as<float>();
+    if (groups_ > 0) RETURN_IF_ERROR(SharedPrefixes(ap, qb));
+    if (ns_ > 0) {
+      kc::AttentionParams d = ap;
+      d.q = qb;
+      d.out = ctx_out;
+      d.lse = ctx_lse;
+      d.q_indptr = nullptr;
+      d.kv_indptr = split_meta_.as<int32_t>(o_ctx_s_);
+      d.kv_slots = split_meta_.as<int32_t>(o_ctx_slots_);
+      d.num_requests = ns_;
+      d.max_q_len = 1;
+      d.max_kv_len = std::max<int64_t>(1, max_ctx_single_);  // empty contexts give the empty state
+      RETURN_IF_ERROR(kc::DecodeAttention(d, ctx_plan_, decode_ws_.ptr, stream_));
+    }
+    if (nm_ > 0) {
+      kc::AttentionParams p = ap;
+      p.causal = false;
+      p.q = qb + static_cast<int64_t>(q_split_) * q_dim;
+      p.out = ctx_out + static_cast<int64_t>(q_split_) * q_dim;
+      p.lse = ctx_lse + static_cast<int64_t>(q_split_) * heads;
+      p.q_indptr = meta_.as<int32_t>(o_q_m_);
+      p.kv_indptr = split_meta_.as<int32_t>(o_ctx_m_);
+      p.kv_slots = split_meta_.as<int32_t>(o_ctx_slots_) + ctx_split_;
+      p.num_requests = nm_;
+      p.max_q_len = max_q_len_;
+      p.max_kv_len = std::max<int64_t>(1, max_ctx_multi_);
+      RETURN_IF_ERROR(kc::PrefillAttention(p, stream_));
+    }
+    if (groups_ > 0) RETURN_IF_ERROR(MergeSharedPrefixes(ctx_out, ctx_lse));
+    return absl::OkStatus();
+  }
+
+  // q-first: the new part. k,v appended as Layer appends them; each request's rows over its new
+  // keys (causal: request r's new keys are its rows' slots) straight into out, then the context
+  // state merged in (MergeStates: an empty context state leaves a row's bits as they are).
+  absl::Status LayerNew(int64_t layer, const void* kv_v, void* out_v) override {
+    if (!split_ready_) return absl::FailedPreconditionError("LayerNew before LayerContext of the step");
+    const int64_t q_dim = shape_.q_dim(), kv_dim = shape_.kv_dim(), heads = shape_.num_heads;
+    const auto* kv = static_cast<const bf16*>(kv_v);
     auto* out = static_cast<bf16*>(out_v);
-    bf16* q = q_.as<bf16>();
+    RETURN_IF_ERROR(AppendKv(layer, kv, kv + kv_dim, 2 * kv_dim));
+    if (!split_) return Attend(layer, out);
+    const kc::AttentionParams ap = LayerParams(layer);
+    bf16* qb = q_.as<bf16>();
+    float* new_lse = ctx_any_ ? new_lse_.as<float>() : nullptr;
+    if (ns_ > 0) {
+      kc::AttentionParams d = ap;
+      d.q = qb;
+      d.out = out;
+      d.lse = new_lse;
+      d.q_indptr = nullptr;
+      d.kv_indptr = split_meta_.as<int32_t>(o_q_s_);  // one key each: the row's own
+      d.kv_slots = meta_.as<int32_t>(o_new_);
+      d.num_requests = ns_;
+      d.max_q_len = 1;
+      d.max_kv_len = 1;
+      RETURN_IF_ERROR(kc::DecodeAttention(d, new_plan_, decode_ws_.ptr, stream_));
+    }
+    if (nm_ > 0) {
+      kc::AttentionParams p = ap;
+      p.q = qb + static_cast<int64_t>(q_split_) * q_dim;
+      p.out = out + static_cast<int64_t>(q_split_) * q_dim;
+      p.lse = new_lse == nullptr ? nullptr : new_lse + static_cast<int64_t>(q_split_) * heads;
+      p.q_indptr = meta_.as<int32_t>(o_q_m_);
+      p.kv_indptr = meta_.as<int32_t>(o_q_m_);  // as many keys as rows
+      p.kv_slots = meta_.as<int32_t>(o_new_) + q_split_;
+      p.num_requests = nm_;
+      p.max_q_len = max_q_len_;
+      p.max_kv_len = max_q_len_;
+      RETURN_IF_ERROR(kc::PrefillAttention(p, stream_));
+    }
+    if (!ctx_any_) return absl::OkStatus();
+    return kc::MergeStates({.out = out,
+                            .lse = new_lse,
+                            .out_b = ctx_out_.as<bf16>(),
+                            .lse_b = ctx_lse_.as<float>(),
+                            .n = t_,
+                            .num_heads = heads,
+                            .head_dim = shape_.head_dim},
+                           stream_);
+  }
+
+  // Layer `layer`'s K and V rows of the step (row i at k + i * stride, v + i * stride) into the
+  // new slots.
+  absl::Status AppendKv(int64_t layer, const bf16* k, const bf16* v, int64_t stride) {
+    const int64_t kv_dim = shape_.kv_dim(), layer_kv = num_slots_ * kv_dim;
     bf16* kc_layer = kv_->as<bf16>() + 2 * layer * layer_kv;
-    bf16* vc_layer = kc_layer + layer_kv;
     kc::KvAppendParams app;
-    app.k = qkv + q_dim;
-    app.v = qkv + q_dim + kv_dim;
-    app.k_stride = width;
-    app.v_stride = width;
+    app.k = k;
+    app.v = v;
+    app.k_stride = stride;
+    app.v_stride = stride;
     app.slots = meta_.as<int32_t>(o_new_);
     app.k_cache = kc_layer;
-    app.v_cache = vc_layer;
+    app.v_cache = kc_layer + layer_kv;
     app.n = t_;
     app.kv_dim = kv_dim;
     app.num_slots = num_slots_;
-    RETURN_IF_ERROR(kc::KvAppend(app, stream_));
-    CUDA_RETURN_IF_ERROR(
-        cudaMemcpy2DAsync(q, q_dim * 2, qkv, width * 2, q_dim * 2, t_, cudaMemcpyDeviceToDevice, stream_));
+    return kc::KvAppend(app, stream_);
+  }
+
+  // What every attention launch of layer `layer` shares.
+  kc::AttentionParams LayerParams(int64_t layer) const {
+    const int64_t layer_kv = num_slots_ * shape_.kv_dim();  // elements of one layer's K (or V)
     kc::AttentionParams ap;
-    ap.k_cache = kc_layer;
-    ap.v_cache = vc_layer;
+    ap.k_cache = kv_->as<bf16>() + 2 * layer * layer_kv;
+    ap.v_cache = ap.k_cache + layer_kv;
     ap.num_slots = num_slots_;
     ap.num_heads = shape_.num_heads;
     ap.num_kv_heads = shape_.num_kv_heads;
     ap.head_dim = shape_.head_dim;
     ap.scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
     ap.max_kv_len = max_kv_len_;
+    return ap;
+  }
+
+  // The whole layer from q_ and the pool (this step's K and V already in it): single rows by the
+  // decode kernel, chunks by the prefill kernel, each over its own keys (its suffix when it is in a
+  // group), then the groups' shared keys merged in.
+  absl::Status Attend(int64_t layer, bf16* out) {
+    const int64_t q_dim = shape_.q_dim();
+    bf16* q = q_.as<bf16>();
+    const kc::AttentionParams ap = LayerParams(layer);
     if (groups_ > 0) RETURN_IF_ERROR(SharedPrefixes(ap, q));
     if (ns_ > 0) {
       kc::AttentionParams d = ap;
@@ -238,7 +360,96 @@ class CudaAttentionExecutor : public AttentionExecutor {
       if (groups_ > 0) p.lse = lse_.as<float>() + static_cast<int64_t>(q_split_) * shape_.num_heads;
       RETURN_IF_ERROR(kc::PrefillAttention(p, stream_));
     }
-    if (groups_ > 0) RETURN_IF_ERROR(MergeSharedPrefixes(out));
+    if (groups_ > 0) RETURN_IF_ERROR(MergeSharedPrefixes(out, lse_.as<float>()));
+    return absl::OkStatus();
+  }
+
+  // q-first, once per step (in BeginStep after ExpectSplitLayers, else in the step's first
+  // LayerContext): whether the split holds (every request's keys end with its new rows' slots, and
+  // no context or shared-prefix key is a new slot), as the CPU executor decides it, and if so each
+  // request's context keys, uploaded on the stream from a pinned buffer of their own (BeginStep's
+  // copy from host_meta_ may still be in flight), and the scratch of the two states.
+  absl::Status PrepareSplit() {
+    if (batch_ == nullptr) return absl::FailedPreconditionError("LayerContext before BeginStep");
+    const AttentionBatch& b = *batch_;
+    split_ready_ = true;
+    split_ = true;
+    ctx_any_ = false;
+    sorted_new_.assign(b.new_slots.begin(), b.new_slots.end());
+    std::sort(sorted_new_.begin(), sorted_new_.end());
+    auto is_new = [&](int32_t slot) {
+      return std::binary_search(sorted_new_.begin(), sorted_new_.end(), slot);
+    };
+    ctx_kv_indptr_.assign(1, 0);
+    ctx_kv_slots_.clear();
+    max_ctx_single_ = max_ctx_multi_ = 0;
+    for (int64_t r = 0; r < b.num_requests() && split_; ++r) {
+      const int32_t q0 = b.q_indptr[static_cast<size_t>(r)],
+                    q_len = b.q_indptr[static_cast<size_t>(r) + 1] - q0;
+      const int32_t k0 = b.kv_indptr[static_cast<size_t>(r)], k1 = b.kv_indptr[static_cast<size_t>(r) + 1];
+      if (k1 - k0 < q_len) {
+        split_ = false;
+        break;
+      }
+      for (int32_t i = 0; i < q_len; ++i) {
+        if (b.kv_slots[static_cast<size_t>(k1 - q_len + i)] != b.new_slots[static_cast<size_t>(q0 + i)])
+          split_ = false;
+      }
+      for (int32_t k = k0; k < k1 - q_len && split_; ++k) {
+        const int32_t slot = b.kv_slots[static_cast<size_t>(k)];
+        if (is_new(slot)) split_ = false;
+        ctx_kv_slots_.push_back(slot);
+      }
+      ctx_kv_indptr_.push_back(static_cast<int32_t>(ctx_kv_slots_.size()));
+      int64_t& max_ctx = r < ns_ ? max_ctx_single_ : max_ctx_multi_;
+      max_ctx = std::max<int64_t>(max_ctx, k1 - q_len - k0);
+    }
+    for (size_t k = 0; k < b.group_kv_slots.size() && split_; ++k) split_ = !is_new(b.group_kv_slots[k]);
+    if (!split_) {
+      TANDEM_LOG_DEBUG("attention",
+                       "q-first: this step's keys do not split into context and new rows; the "
+                       "layers run whole");
+      return absl::OkStatus();
+    }
+    ctx_any_ = !ctx_kv_slots_.empty() || groups_ > 0;
+    // Single rows' new keys: kv_indptr 0, 1, .., ns over new_slots (the rows' q_indptr).
+    split_packer_.Reset();
+    o_q_s_ = split_packer_.Add(b.q_indptr.data(), static_cast<size_t>(ns_) + 1);
+    if (ctx_any_) {
+      ctx_split_ = ctx_kv_indptr_[static_cast<size_t>(ns_)];
+      std::vector<int32_t> ctx_m;
+      for (size_t r = static_cast<size_t>(ns_); r < ctx_kv_indptr_.size(); ++r)
+        ctx_m.push_back(ctx_kv_indptr_[r] - ctx_split_);
+      o_ctx_s_ = split_packer_.Add(ctx_kv_indptr_.data(), static_cast<size_t>(ns_) + 1);
+      o_ctx_m_ = split_packer_.Add(ctx_m);
+      o_ctx_slots_ = split_packer_.Add(ctx_kv_slots_);
+    }
+    const std::vector<unsigned char>& mb = split_packer_.bytes();
+    if (static_cast<int64_t>(mb.size()) > split_host_bytes_) {
+      const int64_t grown = std::max<int64_t>(4096, static_cast<int64_t>(mb.size()) * 3 / 2);
+      if (split_host_meta_) CUDA_RETURN_IF_ERROR(cudaFreeHost(split_host_meta_));
+      split_host_meta_ = nullptr;
+      split_host_bytes_ = 0;
+      CUDA_RETURN_IF_ERROR(cudaMallocHost(&split_host_meta_, static_cast<size_t>(grown)));
+      split_host_bytes_ = grown;
+      RETURN_IF_ERROR(split_meta_.Reserve(grown));
+    }
+    std::memcpy(split_host_meta_, mb.data(), mb.size());
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(split_meta_.ptr, split_host_meta_, mb.size(), cudaMemcpyHostToDevice, stream_));
+    const int64_t heads = shape_.num_heads;
+    if (ctx_any_) {
+      RETURN_IF_ERROR(ctx_out_.Reserve(std::max<int64_t>(16, t_ * shape_.q_dim() * 2)));
+      RETURN_IF_ERROR(ctx_lse_.Reserve(std::max<int64_t>(16, t_ * heads * 4)));
+      RETURN_IF_ERROR(new_lse_.Reserve(std::max<int64_t>(16, t_ * heads * 4)));
+    }
+    if (ns_ > 0) {
+      new_plan_ = kc::PlanDecodeAttention(ns_, heads, shape_.num_kv_heads, shape_.head_dim, 1, num_sms_);
+      ctx_plan_ = kc::PlanDecodeAttention(ns_, heads, shape_.num_kv_heads, shape_.head_dim,
+                                          std::max<int64_t>(1, max_ctx_single_), num_sms_);
+      RETURN_IF_ERROR(decode_ws_.Reserve(std::max<int64_t>(
+          {16, plan_.workspace_bytes, new_plan_.workspace_bytes, ctx_plan_.workspace_bytes})));
+    }
     return absl::OkStatus();
   }
 
@@ -361,10 +572,10 @@ class CudaAttentionExecutor : public AttentionExecutor {
   }
 
   // Cascade, part 2 (main stream, after the rows' own keys): each group's state merged into its
-  // rows, one level at a time.
-  absl::Status MergeSharedPrefixes(bf16* out) {
+  // rows' states (out, lse), one level at a time.
+  absl::Status MergeSharedPrefixes(bf16* out, float* lse) {
     CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, prefix_done_, 0));
-    for (const Merge& m : levels_) RETURN_IF_ERROR(Merge1(m, out, lse_.as<float>(), stream_));
+    for (const Merge& m : levels_) RETURN_IF_ERROR(Merge1(m, out, lse, stream_));
     return absl::OkStatus();
   }
 
@@ -629,6 +840,23 @@ class CudaAttentionExecutor : public AttentionExecutor {
   int64_t groups_ = 0, prefix_requests_ = 0, group_rows_ = 0, max_group_rows_ = 0, max_group_kv_ = 0;
   int64_t o_g_rows_ = 0, o_g_q_ = 0, o_g_kv_ = 0, o_g_slots_ = 0;
   std::vector<Merge> rounds_, levels_;  // split reduction rounds; per level, groups into rows
+  // q-first (LayerContext / LayerNew): the step's batch, whether its split was prepared and holds,
+  // and whether any row has keys before the step (its context or a group's); each request's
+  // context keys (host), their metadata on the device (split_meta_: the single rows' q_indptr at
+  // o_q_s_, context kv_indptr of the single rows at o_ctx_s_ and of the chunks rebased at o_ctx_m_,
+  // context slots at o_ctx_slots_, the chunks' from ctx_split_), the decode plans of both parts and
+  // the context state (T, q_dim) bf16 and (T, heads) fp32 natural-log lse, and the new part's lse.
+  const AttentionBatch* batch_ = nullptr;
+  bool expect_split_ = false, split_ready_ = false, split_ = false, ctx_any_ = false;
+  std::vector<int32_t> sorted_new_, ctx_kv_indptr_, ctx_kv_slots_;
+  int64_t max_ctx_single_ = 0, max_ctx_multi_ = 0;
+  int32_t ctx_split_ = 0;
+  kc::MetaPacker split_packer_;
+  void* split_host_meta_ = nullptr;
+  int64_t split_host_bytes_ = 0;
+  kc::DeviceBuffer split_meta_, ctx_out_, ctx_lse_, new_lse_;
+  int64_t o_q_s_ = 0, o_ctx_s_ = 0, o_ctx_m_ = 0, o_ctx_slots_ = 0;
+  kc::DecodePlan ctx_plan_, new_plan_;
   static constexpr int64_t kCascadeMinRows = 16, kCascadeMinElements = 80'000'000;
 };
 

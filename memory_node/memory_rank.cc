@@ -568,15 +568,20 @@ class MemoryRank {
     const size_t qkv_bytes = static_cast<size_t>(shape_.max_tokens * shape_.qkv_width()) * elem_;
     const size_t out_bytes = static_cast<size_t>(shape_.max_tokens * shape_.q_dim()) * elem_;
     device_path_ = !exec_->memory().host() && transport_->capabilities().device_polling;
-    if (hello_.q_first && (device_path_ || !exec_->SupportsSplitLayer() || !exec_->memory().host())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "pipeline.q_first: memory rank ", o_.rank, " runs attention on ", exec_->device(),
-          ", which has no split attention layer yet (q-first needs CPU memory ranks and the host-staged "
-          "path); set pipeline.q_first: false"));
+    if (hello_.q_first && !exec_->SupportsSplitLayer()) {
+      return absl::InvalidArgumentError(absl::StrCat("pipeline.q_first: memory rank ", o_.rank,
+                                                     " runs attention on ", exec_->device(),
+                                                     ", which has no split attention layer; set "
+                                                     "pipeline.q_first: false"));
     }
-    // q-first: the q message at 0, the k,v message at kv_offset_ (common/layer_message.h).
+    // q-first: the q rows at 0, the k,v rows at kv_offset_ (common/layer_message.h), on both data
+    // paths (the device path's rows come without headers, at the same offsets); a CUDA rank's device
+    // input buffer then holds both.
     kv_offset_ =
         QFirstKvOffset(static_cast<size_t>(shape_.max_tokens), static_cast<size_t>(shape_.q_dim()) * elem_);
+    const size_t in_bytes =
+        hello_.q_first ? kv_offset_ + static_cast<size_t>(shape_.max_tokens * 2 * shape_.kv_dim()) * elem_
+                       : qkv_bytes;
     // One lane per micro-batch in flight (the hello's lanes): each its own executor lane over the
     // one KV pool, its own receive buffer (kQkvBuffer + j) and staging.
     lanes_.resize(hello_.lanes);
@@ -589,13 +594,14 @@ class MemoryRank {
         lane.exec = lane.owned.get();
       }
       const uint32_t buffer = kQkvBuffer + static_cast<uint32_t>(j);
+      if (hello_.q_first) lane.exec->ExpectSplitLayers();
       if (!exec_->memory().host()) {
-        ASSIGN_OR_RETURN(lane.qkv_dev, exec_->memory().Allocate(qkv_bytes, false));
+        ASSIGN_OR_RETURN(lane.qkv_dev, exec_->memory().Allocate(in_bytes, false));
         ASSIGN_OR_RETURN(lane.out_dev, exec_->memory().Allocate(out_bytes, false));
       }
       if (device_path_) {
         // q,k,v rows land straight in the executor's input buffer; no header, no staging.
-        RETURN_IF_ERROR(transport_->RegisterBuffer(buffer, lane.qkv_dev.get(), qkv_bytes));
+        RETURN_IF_ERROR(transport_->RegisterBuffer(buffer, lane.qkv_dev.get(), in_bytes));
       } else {
         lane.recv_bytes = (hello_.q_first ? 2 : 1) * kLayerMessageHeaderFrameBytes + qkv_bytes;
         ASSIGN_OR_RETURN(lane.recv, exec_->memory().Allocate(lane.recv_bytes, true));
@@ -782,9 +788,11 @@ class MemoryRank {
     return absl::OkStatus();
   }
 
-  // q-first (pipeline.q_first, CPU executor): lane j's layer from two messages. The q rows
+  // q-first (pipeline.q_first), host-staged: lane j's layer from two messages. The q rows
   // (seqno s) start the attention over the context; the k,v rows (seqno s + 1, at kv_offset_)
-  // complete it; the output goes back with seqno s + 1.
+  // complete it; the output goes back with seqno s + 1. A CUDA executor gets each part copied to
+  // its input buffer (q at 0, k,v at kv_offset_) and runs the context part while the host waits
+  // for k,v.
   absl::Status SplitLayer(uint64_t step_id, size_t lanes, size_t j, uint32_t layer) {
     Lane& lane = lanes_[j];
     AttentionExecutor& exec = *lane.exec;
@@ -806,8 +814,11 @@ class MemoryRank {
                           .verify_checksum = hello_.checksums};
     RETURN_IF_ERROR(wait(in.seqno, "q"));
     ASSIGN_OR_RETURN(absl::Span<const uint8_t> q, ReadLayerMessage({recv, kv_offset_}, in));
+    const bool host = exec.memory().host();
+    auto* dev = static_cast<uint8_t*>(lane.qkv_dev.get());
+    if (!host) RETURN_IF_ERROR(exec.memory().CopyIn(dev, q.data(), q.size()));
     RETURN_IF_ERROR(exec.MarkLayerStart());
-    RETURN_IF_ERROR(exec.LayerContext(layer, q.data()));
+    RETURN_IF_ERROR(exec.LayerContext(layer, host ? q.data() : dev));
     RETURN_IF_ERROR(exec.MarkLayerEnd());
     in.kind = LayerMessageKind::kKv;
     in.row_bytes = kv_row;
@@ -816,14 +827,23 @@ class MemoryRank {
     ASSIGN_OR_RETURN(absl::Span<const uint8_t> kv,
                      ReadLayerMessage({recv + kv_offset_, lane.recv_bytes - kv_offset_}, in));
     void* out = lane.send.get();
-    RETURN_IF_ERROR(exec.MarkLayerStart());
-    RETURN_IF_ERROR(exec.LayerNew(layer, kv.data(), out));
-    RETURN_IF_ERROR(exec.MarkLayerEnd());
+    const size_t out_bytes = static_cast<size_t>(lane.rows) * static_cast<size_t>(shape_.q_dim()) * elem_;
+    if (host) {
+      RETURN_IF_ERROR(exec.MarkLayerStart());
+      RETURN_IF_ERROR(exec.LayerNew(layer, kv.data(), out));
+      RETURN_IF_ERROR(exec.MarkLayerEnd());
+    } else {
+      RETURN_IF_ERROR(exec.memory().CopyIn(dev + kv_offset_, kv.data(), kv.size()));
+      RETURN_IF_ERROR(exec.MarkLayerStart());
+      RETURN_IF_ERROR(exec.LayerNew(layer, dev + kv_offset_, lane.out_dev.get()));
+      RETURN_IF_ERROR(exec.MarkLayerEnd());
+      RETURN_IF_ERROR(exec.memory().CopyOut(out, lane.out_dev.get(), out_bytes));
+      RETURN_IF_ERROR(exec.memory().Synchronize());
+    }
     LayerMessageExpect reply = in;
     reply.kind = LayerMessageKind::kAttnOut;
     reply.row_bytes = static_cast<uint32_t>(shape_.q_dim() * static_cast<int64_t>(elem_));
-    const absl::Span<const uint8_t> body(static_cast<const uint8_t*>(out),
-                                         static_cast<size_t>(lane.rows) * reply.row_bytes);
+    const absl::Span<const uint8_t> body(static_cast<const uint8_t*>(out), out_bytes);
     const std::vector<uint8_t> header = MakeLayerMessageHeader(reply, body, hello_.checksums);
     const absl::Span<const uint8_t> pieces[] = {header, body};
     return WriteOutput(j, layer, pieces, lane.seqno);
@@ -848,11 +868,16 @@ class MemoryRank {
   }
 
   // The whole step enqueued on the executor's stream (see memory_rank.h), the lanes in turn per
-  // layer; the host waits once.
+  // layer; the host waits once. With q-first a layer has two device-side waits, for its q rows
+  // (seqno s, at 0) and then its k,v rows (s + 1, at kv_offset_): the compute rank writes them in
+  // that order (a two-sided transport matches them in issue order), and the context part runs
+  // between the two.
   absl::Status LayersOnDevice(uint64_t step_id, size_t lanes) {
     void* stream = exec_->stream();
     const size_t qkv_row = static_cast<size_t>(shape_.qkv_width()) * elem_;
     const size_t out_row = static_cast<size_t>(shape_.q_dim()) * elem_;
+    const size_t q_row = static_cast<size_t>(shape_.q_dim()) * elem_;
+    const size_t kv_row = static_cast<size_t>(2 * shape_.kv_dim()) * elem_;
     for (uint32_t layer = 0; layer < static_cast<uint32_t>(shape_.num_layers); ++layer) {
       // Layer-wise restore: this layer's KV of the blocks restored for the step, enqueued on the
       // executor's stream ahead of the layer's attention.
@@ -861,16 +886,31 @@ class MemoryRank {
         Lane& lane = lanes_[j];
         if (lane.rows == 0) continue;
         const size_t t = static_cast<size_t>(lane.rows);
-        ++lane.seqno;
-        RETURN_IF_ERROR(transport_->EnqueueWait(
-            compute_peers_[static_cast<size_t>(schedule_.SenderOf(static_cast<int64_t>(j), layer))],
-            kQkvBuffer + static_cast<uint32_t>(j), 0, t * qkv_row, lane.seqno, o_.step_timeout,
-            absl::StrCat("memory rank ", o_.rank, ": q,k,v of step ", step_id,
-                         lanes > 1 ? absl::StrCat(" micro-batch ", j) : "", " layer ", layer),
-            stream));
-        RETURN_IF_ERROR(lane.exec->MarkLayerStart());
-        RETURN_IF_ERROR(lane.exec->Layer(layer, lane.qkv_dev.get(), lane.out_dev.get()));
-        RETURN_IF_ERROR(lane.exec->MarkLayerEnd());
+        const PeerId sender =
+            compute_peers_[static_cast<size_t>(schedule_.SenderOf(static_cast<int64_t>(j), layer))];
+        auto wait = [&](const char* what, uint64_t offset, size_t bytes) {
+          return transport_->EnqueueWait(
+              sender, kQkvBuffer + static_cast<uint32_t>(j), offset, bytes, ++lane.seqno, o_.step_timeout,
+              absl::StrCat("memory rank ", o_.rank, ": ", what, " of step ", step_id,
+                           lanes > 1 ? absl::StrCat(" micro-batch ", j) : "", " layer ", layer),
+              stream);
+        };
+        auto* in = static_cast<uint8_t*>(lane.qkv_dev.get());
+        if (hello_.q_first) {
+          RETURN_IF_ERROR(wait("q", 0, t * q_row));
+          RETURN_IF_ERROR(lane.exec->MarkLayerStart());
+          RETURN_IF_ERROR(lane.exec->LayerContext(layer, in));
+          RETURN_IF_ERROR(lane.exec->MarkLayerEnd());
+          RETURN_IF_ERROR(wait("k,v", kv_offset_, t * kv_row));
+          RETURN_IF_ERROR(lane.exec->MarkLayerStart());
+          RETURN_IF_ERROR(lane.exec->LayerNew(layer, in + kv_offset_, lane.out_dev.get()));
+          RETURN_IF_ERROR(lane.exec->MarkLayerEnd());
+        } else {
+          RETURN_IF_ERROR(wait("q,k,v", 0, t * qkv_row));
+          RETURN_IF_ERROR(lane.exec->MarkLayerStart());
+          RETURN_IF_ERROR(lane.exec->Layer(layer, in, lane.out_dev.get()));
+          RETURN_IF_ERROR(lane.exec->MarkLayerEnd());
+        }
         RETURN_IF_ERROR(transport_->EnqueueWrite(
             OwnerPeer(j, layer), hello_.attn_out_buffer + static_cast<uint32_t>(j), lane.row_offset * out_row,
             lane.out_dev.get(), t * out_row, lane.seqno, stream));

@@ -30,10 +30,11 @@
 // soon as it is applied, before its layers. With kv.tiers.persist the hello reply says so and is
 // followed by persisted blocks reports to compute rank 0 (the blocks its disk tier found at start,
 // with the tokens the plans' evictions carried when they were written).
-// With the hello's q_first (pipeline.q_first; CPU ranks, host-staged path), each layer comes as a
-// q message and then a k,v message: attention over the context runs once q is there, the new rows'
-// part once k,v are, merged by log-sum-exp (AttentionExecutor::LayerContext / LayerNew); a CUDA
-// rank refuses such a hello, naming the setting.
+// With the hello's q_first (pipeline.q_first), each layer comes as q rows and then k,v rows:
+// attention over the context runs once q is there, the new rows' part once k,v are, merged by
+// log-sum-exp (AttentionExecutor::LayerContext / LayerNew). Host-staged, they are two messages
+// (on a CUDA rank each copied to the device as it comes); on the device path two writes into the
+// rank's GPU buffer (q at 0, k,v at QFirstKvOffset), each with a device-side wait of its own.
 // With the host-staged transport (ucx), CUDA ranks stage q,k,v and outputs through pinned host
 // buffers, layer by layer. With a device-polling transport (p2p, nccl, verbs) a CUDA rank
 // enqueues the whole step at once on its executor's stream, per layer: a device-side wait for

@@ -14,8 +14,14 @@
 //     ranks on 3 and 4 GPUs, 3 compute ranks rotating over 4), over p2p and nccl, where every
 //     process connects to every other (nccl: the agreed set-up order of setup_turns.h, and no
 //     transfer before every peer met so far is set up);
-//   * with micro-batches (pingpong, replicas) a request may part from the colocated tokens only at
+//   * with micro-batches (pingpong, replicas) or q-first a request may part from the colocated tokens only at
 //     a near tie (the GEMMs run over fewer rows: other kernels, other bf16 rounding);
+//   * pipeline.q_first (q rows, then k,v rows; the context part of attention merged with the new
+//     rows' by log-sum-exp) gives the same tokens, log-probabilities within bf16 rounding of the
+//     merge: on one GPU (local), with 1 and 2 memory ranks, pingpong and the head partition; on 2
+//     GPUs over p2p, nccl (two device writes and two device-side waits per layer) and ucx (the
+//     host-staged path: two messages, each copied to the memory rank's GPU as it comes); on 3
+//     GPUs under the head partition;
 //   * a memory rank that stops answering fails the step within the step timeout with a status
 //     naming the rank and the layer; one that dies fails it at once (its waits are released).
 // Skips with the reason when there are too few GPUs or the transport is not in the build.
@@ -58,6 +64,10 @@ constexpr double kLogprobTol = 1e-4;  // same kernels on the same kind of GPU: u
 // kernel: the bf16 activations may then round differently (the reference checkpoints measured
 // bit-identical on an H100; the llama3-8b preset did not, see the pingpong suites below).
 constexpr double kPingPongLogprobTol = 0.05;
+// q-first rounds each row's attention output to bf16 twice (the new rows' part, then the merge with
+// the context part) where one softmax over every key rounds once: the next layers' bf16 activations
+// then round differently, as with pipelining.
+constexpr double kQFirstLogprobTol = 0.05;
 
 double Seconds(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
@@ -219,6 +229,7 @@ class MultiGpuDeploy : public ::testing::Test {
     o.slice_layers = slice_layers_;
     o.partition = partition_;
     o.micro_batches = micro_batches_;
+    o.q_first = q_first_;
     o.scheduler.max_batch_size = batch;
     o.scheduler.max_tokens_per_step = step_tokens;
     o.kv_capacity_tokens = 4096;
@@ -242,7 +253,9 @@ class MultiGpuDeploy : public ::testing::Test {
                           << "\n  partition: " << AttentionPartitionName(partition_)
                           << "\npipeline:\n  mode: " << (slice_layers_ > 0 ? "rotational" : "fixed")
                           << "\n  slice_layers: " << std::max(1, slice_layers_)
-                          << "\n  batches: " << micro_batches_ << "\nscheduler:\n  max_batch_size: " << batch
+                          << "\n  batches: " << micro_batches_
+                          << "\n  q_first: " << (q_first_ ? "true" : "false")
+                          << "\nscheduler:\n  max_batch_size: " << batch
                           << "\n  max_tokens_per_step: " << step_tokens
                           << "\ntransport:\n  kind: " << transport::TransportKindName(kind_)
                           << "\nlaunch:\n  startup_timeout_s: 120\n  step_timeout_s: " << step_timeout_s_
@@ -274,6 +287,7 @@ class MultiGpuDeploy : public ::testing::Test {
   int compute_ranks_ = 1;  // compute.ranks (replicas on cuda:1..)
   int slice_layers_ = 0;   // pipeline.mode rotational when > 0 (else fixed, with replicas)
   std::string model_dir_;  // the checkpoint's directory, for the replicas
+  bool q_first_ = false;   // pipeline.q_first
   int step_timeout_s_ = 60;
   std::string dir_;
   ProcessGroup group_;
@@ -327,6 +341,30 @@ TEST_P(ReplicasSameTokens, AsTheColocatedEngine) {
   RunShape(kind, model, memory_ranks);
 }
 
+// pipeline.q_first, alone, with pingpong, and under the head partition.
+class QFirstSameTokens : public SameTokens {};
+
+TEST_P(QFirstSameTokens, AsTheColocatedEngine) {
+  q_first_ = true;
+  Run();
+}
+
+class QFirstPingPongSameTokens : public SameTokens {};
+
+TEST_P(QFirstPingPongSameTokens, AsTheColocatedEngine) {
+  q_first_ = true;
+  micro_batches_ = 1 + std::get<2>(GetParam());
+  Run();
+}
+
+class QFirstHeadPartitionSameTokens : public SameTokens {};
+
+TEST_P(QFirstHeadPartitionSameTokens, AsTheColocatedEngine) {
+  q_first_ = true;
+  partition_ = AttentionPartition::kHead;
+  Run();
+}
+
 void SameTokens::Run() {
   const auto& [kind, model, memory_ranks] = GetParam();
   RunShape(kind, model, memory_ranks);
@@ -364,7 +402,9 @@ void MultiGpuDeploy::RunShape(const std::string& kind, const std::string& model,
   double max_diff = 0;
   int64_t tokens = 0;
   int near_ties = 0;
-  const double tol = micro_batches_ > 1 ? kPingPongLogprobTol : kLogprobTol;
+  const double tol = q_first_ ? kQFirstLogprobTol : micro_batches_ > 1 ? kPingPongLogprobTol : kLogprobTol;
+  // Where the rounding differs from the colocated engine's (micro-batches, the q-first merge).
+  const bool rounds_apart = micro_batches_ > 1 || q_first_;
   for (size_t i = 0; i < got.size(); ++i) {
     SCOPED_TRACE(testing::Message() << "request " << i);
     ASSERT_EQ(got[i].logprobs.size(), got[i].token_ids.size());
@@ -380,12 +420,12 @@ void MultiGpuDeploy::RunShape(const std::string& kind, const std::string& model,
       EXPECT_EQ(got[i].finish_reason, want[i].finish_reason);
       continue;
     }
-    // Micro-batches run each GEMM over fewer rows (another cuBLAS kernel, other bf16 rounding):
-    // a request may take the other of two nearly tied tokens, and then goes its own way. That is
-    // accepted only where the two chosen tokens were that close (their log-probabilities within
-    // the tolerance), and for a few requests; a deployment bug shows as log-probabilities apart
-    // before any token differs, or as a divergence at a clear choice.
-    const bool near_tie = micro_batches_ > 1 && t < common &&
+    // Micro-batches run each GEMM over fewer rows (another cuBLAS kernel, other bf16 rounding),
+    // and q-first rounds attention outputs twice: a request may take the other of two nearly tied tokens, and
+    // then goes its own way. That is accepted only where the two chosen tokens were that close (their
+    // log-probabilities within the tolerance), and for a few requests; a deployment bug shows as
+    // log-probabilities apart before any token differs, or as a divergence at a clear choice.
+    const bool near_tie = rounds_apart && t < common &&
                           std::fabs(static_cast<double>(got[i].logprobs[t] - want[i].logprobs[t])) < tol;
     EXPECT_TRUE(near_tie) << "the tokens differ from position " << t << ": "
                           << ::testing::PrintToString(got[i].token_ids) << " against "
@@ -395,13 +435,14 @@ void MultiGpuDeploy::RunShape(const std::string& kind, const std::string& model,
   EXPECT_LE(near_ties * 4, static_cast<int>(got.size()))
       << "too many requests took another token at a near tie";
   std::printf(
-      "%s, %s, %d compute%s + %d memory rank(s) on %d GPUs, %s partition, %d micro-batch(es): %lld tokens in "
+      "%s, %s, %d compute%s + %d memory rank(s) on %d GPUs, %s partition, %d micro-batch(es)%s: %lld tokens "
+      "in "
       "%lld steps (%.2f s), max |logprob difference| %.3g, %d request(s) parted at a near tie\n",
       kind.c_str(), model.c_str(), compute_ranks_,
       compute_ranks_ == 1 ? "" : (slice_layers_ > 0 ? " (rotational)" : " (fixed)"), memory_ranks,
       kind == "local" ? 1 : compute_ranks_ + memory_ranks, AttentionPartitionName(partition_), micro_batches_,
-      static_cast<long long>(tokens), static_cast<long long>(rank_->stats().steps), seconds, max_diff,
-      near_ties);
+      q_first_ ? ", q first" : "", static_cast<long long>(tokens),
+      static_cast<long long>(rank_->stats().steps), seconds, max_diff, near_ties);
 }
 
 std::string Name(const ::testing::TestParamInfo<std::tuple<std::string, std::string, int>>& info) {
@@ -486,6 +527,38 @@ INSTANTIATE_TEST_SUITE_P(FiveGpus, HeadPartitionSameTokens,
                          ::testing::Combine(::testing::Values("p2p", "nccl"),
                                             ::testing::Values("llama2-mha", "llama3-8b"),
                                             ::testing::Values(4)),
+                         Name);
+// q-first on the reference checkpoints (the llama3-8b preset's nearly flat logits flip near-tied
+// tokens under any change of rounding; see the pingpong suites).
+INSTANTIATE_TEST_SUITE_P(OneGpu, QFirstSameTokens,
+                         ::testing::Combine(::testing::Values("local"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim"),
+                                            ::testing::Values(1, 2)),
+                         Name);
+INSTANTIATE_TEST_SUITE_P(OneGpu, QFirstPingPongSameTokens,
+                         ::testing::Combine(::testing::Values("local"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha"),
+                                            ::testing::Values(1)),
+                         Name);
+INSTANTIATE_TEST_SUITE_P(OneGpu, QFirstHeadPartitionSameTokens,
+                         ::testing::Combine(::testing::Values("local"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha"),
+                                            ::testing::Values(2)),
+                         Name);
+INSTANTIATE_TEST_SUITE_P(TwoGpus, QFirstSameTokens,
+                         ::testing::Combine(::testing::Values("p2p", "nccl", "ucx"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha", "mqa-headdim"),
+                                            ::testing::Values(1)),
+                         Name);
+INSTANTIATE_TEST_SUITE_P(TwoGpus, QFirstPingPongSameTokens,
+                         ::testing::Combine(::testing::Values("p2p", "nccl", "ucx"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha"),
+                                            ::testing::Values(1)),
+                         Name);
+INSTANTIATE_TEST_SUITE_P(ThreeGpus, QFirstHeadPartitionSameTokens,
+                         ::testing::Combine(::testing::Values("p2p", "nccl"),
+                                            ::testing::Values("llama3-gqa-tied", "llama2-mha"),
+                                            ::testing::Values(2)),
                          Name);
 
 // ---------------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@
 //     memory ranks, on a mixed batch with prefix sharing on; a model whose KV heads do not divide
 //     among the ranks is refused with both numbers;
 //   * pipeline.q_first (q, then k,v; attention over the context merged with the new rows') gives
-//     the colocated engine's tokens in every pipeline mode and both partitions, and a CUDA compute
-//     rank refuses it;
+//     the colocated engine's tokens in every pipeline mode and both partitions (GPU ranks:
+//     tests/gpu/multi_gpu_deploy_test.cc);
 //   * a full KV cache makes requests wait, never drops one; a request that can never fit is
 //     refused at Submit and the deployment keeps working;
 //   * the transformers reference data is met through a deployment as it is by the engine;
@@ -43,7 +43,6 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -824,22 +823,6 @@ INSTANTIATE_TEST_SUITE_P(
                           "_batches", slice > 0 ? absl::StrCat("_rotating_", slice) : "",
                           std::get<6>(info.param) ? "_q_first" : "");
     });
-
-// pipeline.q_first on a CUDA compute rank: refused by Create, naming the setting, before any
-// device or connection is touched (nothing listens at the address).
-TEST_F(DisaggregatedTest, QFirstRefusesCudaComputeRank) {
-  std::unique_ptr<WeightSource> source = OpenReference("llama3-gqa-tied");
-  ASSERT_NE(source, nullptr);
-  ComputeRankOptions o = Options(8, 24, 1024);
-  o.device = 0;
-  o.q_first = true;
-  o.memory_addresses = {"127.0.0.1:1"};
-  absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(*source, o);
-  ASSERT_FALSE(rank.ok());
-  EXPECT_EQ(rank.status().code(), absl::StatusCode::kInvalidArgument) << rank.status();
-  EXPECT_TRUE(absl::StartsWith(rank.status().message(), "pipeline.q_first: compute rank on cuda:0"))
-      << rank.status();
-}
 
 // Head partition with KV heads that do not divide among the ranks: refused by Create, with both
 // numbers, before anything connects (nothing listens at these addresses).
