@@ -634,7 +634,14 @@ absl::Status ProcessGroup::WaitAny() {
     ReapRunning();
     if (Child* exited = FirstUnreportedExit(); exited != nullptr) {
       exited->reported = true;
-      if (exited->tolerated && !CleanExit(exited->wait_status)) {
+      if (exited->tolerated && CleanExit(exited->wait_status)) {
+        // A rank told to stop while the deployment goes on (a compute replica that compute rank 0
+        // released when it went on alone).
+        std::fprintf(stderr, "tandem launch: %s (pid %d) exited cleanly; the deployment goes on without it\n",
+                     exited->name.c_str(), static_cast<int>(exited->pid));
+        continue;
+      }
+      if (exited->tolerated) {
         if (RestartIfAllowed(*exited)) continue;
         std::fprintf(stderr, "tandem launch: %s%s; the deployment goes on without it\n",
                      DescribeExit(*exited, "").c_str(),

@@ -79,8 +79,9 @@ class ProcessGroup {
   // DeadlineExceeded naming it if it is still running after `timeout`.
   absl::Status WaitExit(const std::string& name, absl::Duration timeout = absl::InfiniteDuration());
 
-  // Waits until any process exits (reported as in WaitExit, even with status 0) or a termination
-  // signal arrives (Cancelled). For a deployment that runs until stopped.
+  // Waits until any process exits (reported as in WaitExit, even with status 0, except a tolerated
+  // one: a line on stderr, and the wait goes on) or a termination signal arrives (Cancelled). For a
+  // deployment that runs until stopped.
   absl::Status WaitAny();
 
   // From now on the failure of process `name` is not an error of the group's waits (WaitExit of
