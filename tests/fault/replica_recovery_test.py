@@ -5,8 +5,8 @@ rank while a replica runs, cost a delay; every request completes with the tokens
 Real processes: `tandem serve --deploy` on the CPU over UCX on 127.0.0.1 (two memory ranks,
 launch.heartbeat_s 0.5, launch.step_timeout_s 2; tests/fault/compute_loss_test.py's deployment).
 Cases, each bounded in time:
-  * compute.ranks 3 (pipeline.mode fixed, and rotational), one replica killed (kill -9) under a
-    stream of requests: compute rank 0 gives it up, releases the other replica (which exits with
+  * compute.ranks 3 (pipeline.mode fixed, and rotational), one replica killed (kill -9), or
+    stopped (SIGSTOP; fixed: found silent after a step deadline) under a stream of requests: compute rank 0 gives it up, releases the other replica (which exits with
     status 0, and the launcher goes on), runs the step in flight again and every micro-batch from
     then on; every request gets the tokens the same requests got one by one before the fault
     (greedy and seeded sampling); /metrics counts tandem:compute_ranks_lost_total 1;
@@ -26,14 +26,14 @@ import time
 from compute_loss_test import REQUESTS, STEP_TIMEOUT_S, Deployment
 from fault_util import bad, failures, signal_all, wait_for
 
-# A kill is seen at once (the transport reports the disconnect); the rest is slack for a loaded
-# 2-core machine.
+# A kill is seen at once (the transport reports the disconnect), a stopped replica after a step
+# deadline and a heartbeat's allowance; the rest is slack for a loaded 2-core machine.
 LOSS_BOUND_S = 2 * STEP_TIMEOUT_S + 15
 
 
-def lose_rank(tmp, name, compute_ranks, mode, victim, given_up, metric, released):
-    """`victim` killed under load; `given_up` is compute-0's log line for it, `metric` the counter
-    that must read 1, `released` the replicas that must exit cleanly."""
+def lose_rank(tmp, name, compute_ranks, mode, victim, given_up, metric, released, sig=signal.SIGKILL):
+    """`victim` killed (or stopped: `sig`) under load; `given_up` is compute-0's log line for it,
+    `metric` the counter that must read 1, `released` the replicas that must exit cleanly."""
     d = Deployment(tmp, name, compute_ranks=compute_ranks, mode=mode, batches=max(2, compute_ranks))
     try:
         if d.url is None:
@@ -60,7 +60,7 @@ def lose_rank(tmp, name, compute_ranks, mode, victim, given_up, metric, released
             t.start()
         if wait_for(lambda: done[0] >= 3, 30) is None:
             bad(f"{name}: the requests do not complete: {d.err()[-600:]}")
-        signal_all(d.rank_pids(victim), signal.SIGKILL)
+        signal_all(d.rank_pids(victim), sig)
         start = time.time()
         took = wait_for(lambda: given_up in d.log("compute-0"), LOSS_BOUND_S)
         before = done[0]
@@ -109,6 +109,8 @@ def main():
                                 "compute_ranks_lost_total", ["compute-1"]),
             lambda t: lose_rank(t, "replica-killed-3-rotational", 3, "rotational", "compute-1",
                                 "giving up compute rank 1", "compute_ranks_lost_total", ["compute-2"]),
+            lambda t: lose_rank(t, "replica-stopped-3-fixed", 3, "fixed", "compute-1", "giving up compute rank 1",
+                                "compute_ranks_lost_total", ["compute-2"], sig=signal.SIGSTOP),
             lambda t: lose_rank(t, "memory-killed-with-replica", 2, "fixed", "memory-1", "giving up memory rank 1",
                                 "memory_ranks_lost_total", ["compute-1"]),
         ]
