@@ -292,6 +292,10 @@ absl::Status RunCompute(const ComputeArgs& a) {
     if (es.compute_ranks_lost > 0) {
       absl::StrAppend(&stats.recovery, stats.recovery.empty() ? "" : "; ", es.compute_ranks_lost,
                       " compute replica(s) lost, ", es.steps_rerun, " step(s) rerun on the survivors");
+    } else if (es.steps_rerun > 0) {
+      // A memory rank lost while replicas ran: they were released, the step rerun on compute rank 0.
+      absl::StrAppend(&stats.recovery, stats.recovery.empty() ? "" : "; ", "the compute replicas released, ",
+                      es.steps_rerun, " step(s) rerun on compute rank 0");
     }
     TANDEM_LOG_WARN("compute", "recovery: ", stats.recovery);
   }

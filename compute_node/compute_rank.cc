@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/layer_message.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -464,10 +465,15 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
 }
 
 bool ComputeRank::CanRecoverReplica() const {
-  // The step runs again on compute rank 0 alone: the host-staged path (the memory ranks' waits can
-  // be left), and one replica (more would need their own discard and a new ring; see
-  // docs/architecture.md, "Failures").
-  return options_.recover_compute_replicas && !device_path_ && compute_ranks_ == 2;
+  // The step runs again on compute rank 0 alone, the other replicas released: the host-staged path
+  // (the memory ranks' waits can be left). Keeping the survivors would need lanes of the lost one
+  // on them and, for rotational, a new ring (docs/architecture.md, "Failures").
+  return options_.recover_compute_replicas && !device_path_ && compute_rank_ == 0 && compute_ranks_ >= 2;
+}
+
+bool ComputeRank::CanRecoverAlone() const {
+  // Memory-rank recovery (CanRecover) applies once compute rank 0 is alone.
+  return options_.recover_memory_ranks && !device_path_ && !head_ && compute_rank_ == 0 && compute_ranks_ > 1;
 }
 
 absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_id) {
@@ -476,6 +482,7 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
   // failure path only) to report it. Restore replies that come meanwhile are kept for after the
   // step; an error report of a memory rank means the step cannot go on.
   absl::Status memory_told;
+  std::optional<size_t> told_rank;  // the memory rank that sent memory_told
   std::optional<size_t> failed;
   absl::Status failed_why;
   auto find = [&](size_t r, absl::Status why) {
@@ -494,7 +501,10 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
           early_replies_.emplace_back(m, std::move(msg));
         } else if (magic == kErrorMagic) {
           absl::StatusOr<ErrorMessage> err = DecodeError(msg);
-          if (err.ok()) memory_told = Annotate(StatusFromErrorMessage(*err), ranks_[m].name);
+          if (err.ok() && memory_told.ok()) {
+            memory_told = Annotate(StatusFromErrorMessage(*err), ranks_[m].name);
+            told_rank = m;
+          }
         } else {
           (void)TakeHeartbeatReply(m, msg);
         }
@@ -517,12 +527,19 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
       if (absl::Status peer = transport_->PeerStatus(replicas_[r].peer); !peer.ok()) find(r, peer);
     }
   };
+  // A memory rank whose connection failed: the moment for a replica's disconnect is not waited out
+  // (whichever failed, compute rank 0 goes on alone).
+  auto memory_failed = [&] {
+    return std::any_of(ranks_.begin(), ranks_.end(), [&](const Rank& rank) {
+      return !rank.lost && !transport_->PeerStatus(rank.peer).ok();
+    });
+  };
   // (After a deadline nothing disconnected: no moment to wait for.)
   const absl::Time until =
       absl::Now() + (absl::IsDeadlineExceeded(ran) ? absl::ZeroDuration() : absl::Seconds(1));
   do {
     peer_failed();
-    if (failed.has_value() || !memory_told.ok()) break;
+    if (failed.has_value() || !memory_told.ok() || (CanRecoverAlone() && memory_failed())) break;
     drain(std::min(until, absl::Now() + absl::Milliseconds(50)));
   } while (absl::Now() < until);
   if (!failed.has_value() && memory_told.ok() && absl::IsDeadlineExceeded(ran)) {
@@ -562,8 +579,37 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
                                absl::ToDoubleSeconds(options_.step_timeout), "): stopped, hung or cut off")));
     }
   }
+  if (failed.has_value() && CanRecoverReplica()) {
+    failed_ranks_.clear();  // a memory rank that waited on the replica is not to blame
+    return LoseReplica(*failed, failed_why, step_id);
+  }
+  if (!failed.has_value() && CanRecoverAlone()) {
+    // No replica failed: a memory rank did (it said so, its connection failed, or, when neither,
+    // a wait for it passed its deadline while every replica answered: failed_ranks_). The replicas
+    // are released and compute rank 0 goes on alone, where the rank can be given up and its
+    // requests recomputed.
+    std::vector<std::pair<size_t, absl::Status>> lose;
+    if (told_rank.has_value()) lose.emplace_back(*told_rank, memory_told);
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      if (ranks_[m].lost || (told_rank.has_value() && *told_rank == m)) continue;
+      if (absl::Status peer = transport_->PeerStatus(ranks_[m].peer); !peer.ok())
+        lose.emplace_back(m, Annotate(peer, ranks_[m].name));
+    }
+    if (lose.empty()) lose = std::move(failed_ranks_);
+    failed_ranks_.clear();
+    if (!lose.empty()) {
+      TANDEM_LOG_WARN("compute", "step ", step_id, " failed: ", ran.message(),
+                      "; compute rank 0 releases the compute replicas to recover ",
+                      ranks_[lose[0].first].name);
+      ASSIGN_OR_RETURN(const std::string released, GoAlone(step_id, lose));
+      TANDEM_LOG_WARN("compute", "step ", step_id,
+                      " runs again, and compute rank 0 runs every micro-batch from now on",
+                      released.empty() ? std::string() : absl::StrCat(" (released: ", released, ")"));
+      return absl::OkStatus();
+    }
+  }
+  failed_ranks_.clear();
   if (!memory_told.ok()) return memory_told;
-  if (failed.has_value() && CanRecoverReplica()) return LoseReplica(*failed, failed_why, step_id);
   // The step fails (the deployment stops): failed memory ranks are let go first, so that their
   // failure does not cut later waits short.
   for (const Rank& rank : ranks_) {
@@ -584,6 +630,28 @@ absl::Status ComputeRank::LoseReplica(size_t r, const absl::Status& why, uint64_
   transport_->Close(replica.peer);      // its failure no longer fails waits on the others
   retired_peers_.insert(replica.peer);  // and whatever it still sends is dropped
   ++compute_ranks_lost_;
+  ASSIGN_OR_RETURN(const std::string released, GoAlone(step_id, {}));
+  TANDEM_LOG_WARN("compute", "giving up ", replica.name, ": ", why.message(), "; ",
+                  step_id != 0 ? absl::StrCat("step ", step_id, " runs again, and ") : std::string(),
+                  "compute rank 0 runs every micro-batch from now on (", compute_ranks_lost_,
+                  " compute replica(s) lost",
+                  released.empty() ? std::string() : absl::StrCat("; released: ", released), ")");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ComputeRank::GoAlone(uint64_t step_id,
+                                                 std::span<const std::pair<size_t, absl::Status>> lose) {
+  // The replicas still running are released: their connections let go first (their leaving is
+  // expected, and whatever they still send is dropped), the step discard that tells them below.
+  std::vector<size_t> released;
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    Replica& replica = replicas_[r];
+    if (replica.lost) continue;
+    replica.lost = true;
+    transport_->Close(replica.peer);
+    retired_peers_.insert(replica.peer);
+    released.push_back(r);
+  }
   // Compute rank 0 alone: every micro-batch on it, the pipeline's micro-batches kept (pingpong).
   compute_ranks_ = 1;
   schedule_ = PipelineSchedule{.compute_ranks = 1, .slice_layers = 0};
@@ -591,6 +659,8 @@ absl::Status ComputeRank::LoseReplica(size_t r, const absl::Status& why, uint64_
     RETURN_IF_ERROR(SetUpLane(j));
     for (size_t m = 0; m < ranks_.size(); ++m) RETURN_IF_ERROR(SetUpRankLane(m, j));
   }
+  // Memory ranks to give up (CanRecover holds now): before the discard, which they do not get.
+  for (const auto& [m, why] : lose) RETURN_IF_ERROR(LoseRank(m, why));
   // Every doorbell starts again above anything written so far, on every rank (doorbells only
   // grow): a late write of the failed attempt can never satisfy a wait of the rerun.
   const uint64_t base = ++seqno_ceiling_;
@@ -598,10 +668,6 @@ absl::Status ComputeRank::LoseReplica(size_t r, const absl::Status& why, uint64_
     for (RankLane& rl : rank.lanes) rl.seqno = base;
   }
   for (Lane& lane : lanes_) lane.resid_in_seqno = lane.resid_out_seqno = base;
-  TANDEM_LOG_WARN("compute", "giving up ", replica.name, ": ", why.message(), "; ",
-                  step_id != 0 ? absl::StrCat("step ", step_id, " runs again, and ") : std::string(),
-                  "compute rank 0 runs every micro-batch from now on (", compute_ranks_lost_,
-                  " compute replica(s) lost)");
   const std::vector<uint8_t> discard =
       EncodeStepDiscard({.step_id = step_id, .seqno_base = base, .compute_mask = 1});
   for (size_t m = 0; m < ranks_.size(); ++m) {
@@ -609,7 +675,14 @@ absl::Status ComputeRank::LoseReplica(size_t r, const absl::Status& why, uint64_
     const absl::Status sent = transport_->Send(ranks_[m].peer, discard);
     if (!sent.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(sent, ranks_[m].name)));
   }
-  return absl::OkStatus();
+  // The same discard releases a replica (it keeps none of them): it stops, exit status 0. Best
+  // effort: one that cannot be told leaves on its own deadlines.
+  std::vector<std::string> names;
+  for (size_t r : released) {
+    (void)transport_->Send(replicas_[r].peer, discard);
+    names.push_back(replicas_[r].name);
+  }
+  return absl::StrJoin(names, ", ");
 }
 
 absl::Status ComputeRank::WaitInput(uint32_t buffer, uint64_t seqno, absl::Time deadline) {
@@ -632,6 +705,7 @@ absl::Status ComputeRank::WaitInput(uint32_t buffer, uint64_t seqno, absl::Time 
         RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeHeartbeatReply(reply)));
         continue;
       }
+      if (from == rank0_peer_ && magic == kStepDiscardMagic) return TakeRank0Discard(msg);
       if (magic == kErrorMagic) {
         ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
         return Annotate(StatusFromErrorMessage(err),
@@ -648,18 +722,29 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
                                    bool rerun) {
   const size_t n = parts.size();
   sampled->assign(n, {});
+  // With replicas running, a memory rank LoseRank cannot give up yet fails the step (see LoseRank).
+  struct InParts {
+    bool* flag;
+    ~InParts() { *flag = false; }
+  } in_parts{&in_parts_};
+  in_parts_ = compute_rank_ == 0 && compute_ranks_ > 1;
   if (compute_rank_ == 0) {
     seqno_ceiling_ += static_cast<uint64_t>(num_layers_) * (options_.q_first ? 2 : 1);
     // Every plan first (micro-batches in order; a rerun's are applied already), then the replicas'
-    // parts, then the layers.
+    // parts, then the layers. A failed send does not stop the plans to the other ranks: a rerun
+    // after it expects every surviving rank to have them.
+    absl::Status plans_sent;
     for (const PlannedStep& part : rerun ? std::span<const PlannedStep>() : parts) {
       const std::vector<uint8_t> plan = EncodeStepPlan(part.plan);
       for (size_t m = 0; m < ranks_.size(); ++m) {
         if (ranks_[m].lost) continue;
         const absl::Status sent = transport_->Send(ranks_[m].peer, plan);
-        if (!sent.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(sent, ranks_[m].name)));
+        if (sent.ok()) continue;
+        if (absl::Status lost = LoseRank(m, Annotate(sent, ranks_[m].name)); !lost.ok() && plans_sent.ok())
+          plans_sent = std::move(lost);
       }
     }
+    RETURN_IF_ERROR(plans_sent);
     // Each replica gets the parts it runs any layer of (fixed: its own; rotational: most often all).
     for (const PlannedStep& part : parts) {
       for (size_t r = 0; r < replicas_.size(); ++r) {
@@ -899,7 +984,22 @@ absl::Status ComputeRank::CollectRestoreReplies(const StepPlan& plan) {
 absl::Status ComputeRank::LoseRank(size_t m, absl::Status why) {
   Rank& rank = ranks_[m];
   if (rank.lost) return absl::OkStatus();
-  if (!CanRecover()) return why;
+  if (!CanRecover()) {
+    if (!CanRecoverAlone()) return why;
+    if (in_parts_) {
+      // The replicas' micro-batches are in flight: the step fails, and RecoverFromFailedStep
+      // releases the replicas and gives the rank up before it runs the step again.
+      failed_ranks_.emplace_back(m, why);
+      return why;
+    }
+    // Between steps: compute rank 0 goes on alone, then gives the rank up as it would alone.
+    TANDEM_LOG_WARN("compute", "compute rank 0 releases the compute replicas to recover ", rank.name, ": ",
+                    why.message());
+    ASSIGN_OR_RETURN(const std::string released, GoAlone(0, {}));
+    TANDEM_LOG_WARN("compute", "compute rank 0 runs every micro-batch from now on",
+                    released.empty() ? std::string() : absl::StrCat(" (released: ", released, ")"));
+    if (rank.lost) return absl::OkStatus();  // the discard's send to it failed
+  }
   rank.lost = true;
   transport_->Close(rank.peer);      // its failure no longer fails waits on the others
   retired_peers_.insert(rank.peer);  // and whatever it still sends is dropped
@@ -1076,6 +1176,14 @@ absl::Status ComputeRank::LoseFailedRanks(size_t waited_on, absl::Status why) {
     }
     return false;
   };
+  // A replica leaves the messages to AwaitRank0 (compute rank 0's step discard among them).
+  if (compute_rank_ != 0) return why;
+  if (!CanRecover() && CanRecoverAlone() && in_parts_) {
+    // Replicas run: the step fails, and RecoverFromFailedStep reads the messages and looks for the
+    // rank that failed; `waited_on` is the one given up when it finds none.
+    failed_ranks_.emplace_back(waited_on, why);
+    return why;
+  }
   if (!CanRecover()) {
     // The step fails: with the error report of a memory rank that stopped when there is one,
     // else with the wait's error (which names the peer that failed first).
@@ -1783,7 +1891,9 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
       continue;
     }
     if (!got.ok()) {
-      rank0_gone_ = !transport_->PeerStatus(rank0_peer_).ok();
+      // Another peer failed (a memory rank, a ring neighbour): compute rank 0 decides what follows.
+      if (transport_->PeerStatus(rank0_peer_).ok()) return AwaitRank0(got);
+      rank0_gone_ = true;
       return NameFailedPeer(got);
     }
     if (from == rank0_peer_) last_heard = absl::Now();
@@ -1841,6 +1951,7 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
       RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeHeartbeatReply(reply)));
       continue;
     }
+    if (magic == kStepDiscardMagic) return TakeRank0Discard(msg);  // released between steps
     if (magic != kReplicaStepMagic) {
       return absl::InvalidArgumentError(
           absl::StrCat("unexpected message (magic 0x", absl::Hex(magic), ") from compute rank 0"));
@@ -1888,7 +1999,7 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
     parts.push_back(std::move(part));
     if (parts.size() < expected) continue;
     std::vector<SampledTokens> sampled;
-    if (absl::Status ran = RunParts(parts, &sampled); !ran.ok()) return NameFailedPeer(ran);
+    if (absl::Status ran = RunParts(parts, &sampled); !ran.ok()) return AwaitRank0(std::move(ran));
     for (size_t k = 0; k < parts.size(); ++k) {
       if (!Finishes(parts[k].plan.micro_batch)) continue;  // another rank samples it
       const ReplicaResultMessage result{.step_id = parts[k].plan.step_id,
@@ -1902,6 +2013,72 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
     ++steps;
     last_heard = absl::Now();  // the step came from compute rank 0
   }
+}
+
+absl::Status ComputeRank::TakeRank0Discard(const std::vector<uint8_t>& msg) {
+  const std::string me = absl::StrCat("compute rank ", compute_rank_);
+  ASSIGN_OR_RETURN(const StepDiscardMessage d, DecodeStepDiscard(msg));
+  if (compute_rank_ < 8 && ((d.compute_mask >> compute_rank_) & 1) != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: a step discard that keeps compute ranks 0x%02x, this one among them: a replica does not "
+        "run a step again",
+        me, d.compute_mask));
+  }
+  TANDEM_LOG_WARN("compute", me, ": released by compute rank 0, which runs every micro-batch from now on",
+                  d.step_id != 0 ? absl::StrCat(" (step ", d.step_id, " discarded)") : std::string(),
+                  "; this rank stops");
+  return absl::CancelledError(absl::StrCat(me, ": released by compute rank 0"));
+}
+
+absl::Status ComputeRank::AwaitRank0(absl::Status ran) {
+  if (absl::IsCancelled(ran)) return ran;  // released (TakeRank0Discard)
+  if (!transport_->PeerStatus(rank0_peer_).ok()) return NameFailedPeer(ran);
+  // Only a peer's failure (or a wait past its deadline, a silent peer) is compute rank 0's to
+  // decide on; this rank's own error goes to compute rank 0 at once, which gives it up.
+  std::vector<transport::PeerId> others;
+  for (const Rank& rank : ranks_) others.push_back(rank.peer);
+  if (schedule_.rotational()) {
+    for (transport::PeerId p : {next_peer_, prev_peer_}) {
+      if (p != rank0_peer_) others.push_back(p);
+    }
+  }
+  const bool peer_failed = std::any_of(others.begin(), others.end(),
+                                       [&](transport::PeerId p) { return !transport_->PeerStatus(p).ok(); });
+  if (!peer_failed && !absl::IsDeadlineExceeded(ran)) return NameFailedPeer(ran);
+  const std::string me = absl::StrCat("compute rank ", compute_rank_);
+  TANDEM_LOG_WARN("compute", me, ": step failed (", ran.message(),
+                  "); waiting for compute rank 0 to say what follows");
+  // Done with every peer but compute rank 0 (it goes on without this rank, or ends the deployment):
+  // their failures must not cut the wait short.
+  for (transport::PeerId p : others) transport_->Close(p);
+  const absl::Time deadline = absl::Now() + 2 * options_.step_timeout + absl::Seconds(5);
+  while (absl::Now() < deadline) {
+    std::vector<uint8_t> msg;
+    transport::PeerId from = 0;
+    const absl::Status got =
+        transport_->Receive(&from, &msg, std::min(deadline, absl::Now() + absl::Milliseconds(100)));
+    if (!transport_->PeerStatus(rank0_peer_).ok()) return NameFailedPeer(ran);
+    if (!got.ok()) {
+      if (!absl::IsDeadlineExceeded(got)) absl::SleepFor(absl::Milliseconds(10));
+      continue;
+    }
+    const uint32_t magic = PeekFrameMagic(msg).value_or(0);
+    if (magic == kErrorMagic) {
+      ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
+      if (from != rank0_peer_) rank0_gone_ = true;  // a memory rank says compute rank 0 went
+      return Annotate(StatusFromErrorMessage(err),
+                      from == rank0_peer_ ? "compute rank 0 stopped" : "a memory rank stopped");
+    }
+    if (from != rank0_peer_) continue;  // a late message of a peer let go
+    if (magic == kStepDiscardMagic) return TakeRank0Discard(msg);
+    if (magic == kByeMagic) return absl::CancelledError(absl::StrCat(me, ": compute rank 0 said bye"));
+    if (magic == kHeartbeatMagic) {
+      ASSIGN_OR_RETURN(const HeartbeatMessage beat, DecodeHeartbeat(msg));
+      const HeartbeatReplyMessage reply{.seq = beat.seq, .memory_rank = static_cast<uint16_t>(compute_rank_)};
+      RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeHeartbeatReply(reply)));
+    }
+  }
+  return NameFailedPeer(ran);
 }
 
 absl::StatusOr<GenerationResult> ComputeRank::Cancel(int64_t id) {

@@ -101,13 +101,16 @@ struct ComputeRankOptions {
   absl::Duration step_timeout = absl::Minutes(2);  // for each layer's attention output, and each send
   // launch.recover_memory_ranks: a memory rank that fails, disconnects or stays silent past the
   // step timeout is given up and its requests recomputed on the others (see ComputeRank::Step);
-  // false: the step fails. Recovery needs the host-staged path (ucx), one compute rank and the
-  // request partition; elsewhere a loss fails the step.
+  // false: the step fails. Recovery needs the host-staged path (ucx) and the request partition;
+  // with compute replicas, compute rank 0 first releases them and runs every micro-batch itself
+  // (the step in flight is discarded on the memory ranks and run again). Elsewhere a loss fails
+  // the step.
   bool recover_memory_ranks = true;
-  // launch.recover_compute_replicas: with compute.ranks 2 on the host-staged path, a compute replica
-  // that fails, disconnects or stays silent past the step timeout is given up: the step in flight
-  // is discarded on the memory ranks and run again, and this rank runs every micro-batch from then
-  // on (see ComputeRank::Step); false (or elsewhere): the step fails, naming it.
+  // launch.recover_compute_replicas: on the host-staged path, a compute replica that fails,
+  // disconnects or stays silent past the step timeout is given up and the other replicas are
+  // released (they stop, exit status 0): the step in flight is discarded on the memory ranks and run
+  // again, and this rank runs every micro-batch from then on (see ComputeRank::Step); false (or
+  // elsewhere): the step fails, naming it.
   bool recover_compute_replicas = true;
   // launch.heartbeat_s: while idle (Heartbeat), every memory rank gets a heartbeat this often and
   // must answer within step_timeout, or it is lost as in a step (recovered, or the error names
@@ -158,10 +161,12 @@ class ComputeRank : public Engine {
   // (GenerationResult::error, Controller::FailUnplaceable). Without
   // recovery (or where it is not supported), or once every rank is lost, the step fails with a
   // Status naming the rank. A compute replica that fails or goes silent mid-step is given up
-  // (recover_compute_replicas; compute.ranks 2, host-staged path): the memory ranks get a step
-  // discard and the step runs again with every micro-batch on this rank, as every step after it
-  // (RecoverFromFailedStep, LoseReplica; docs/architecture.md, "Failures"); elsewhere it fails the
-  // step, naming it. Cancel: the memory rank that
+  // (recover_compute_replicas; host-staged path) and the other replicas are released: the memory
+  // ranks get a step discard and the step runs again with every micro-batch on this rank, as every
+  // step after it (RecoverFromFailedStep, LoseReplica, GoAlone; docs/architecture.md, "Failures");
+  // elsewhere it fails the step, naming it. A memory rank lost while replicas run is recovered the
+  // same way: the replicas are released, the step is discarded and run again on this rank alone
+  // without the lost rank, whose requests are requeued. Cancel: the memory rank that
   // holds the request's KV is told to free it (a release message, as for a finished request).
   //
   // Rejoin (ComputeRankOptions::rejoin_probe): a lost rank's address (memory_addresses[m], where a
@@ -264,17 +269,37 @@ class ComputeRank : public Engine {
   // Compute rank 0, after the step's micro-batches failed with `ran`: finds the compute replica that
   // failed (its connection, an error it sent, or, after a step deadline, no answer to a heartbeat
   // within a quarter of the step timeout, 0.25 to 5 s) and, where recovery applies (CanRecoverReplica), gives
-  // it up (LoseReplica) so that the step can run again: OK. Otherwise the step's error, naming the replica
-  // when one failed.
+  // it up (LoseReplica) so that the step can run again: OK. When no replica failed but a memory rank
+  // did (an error it sent, its connection, or a wait for it past its deadline: failed_ranks_) and
+  // memory-rank recovery applies (CanRecoverAlone), goes on alone and gives the rank up (GoAlone):
+  // OK. Otherwise the step's error, naming the replica when one failed.
   absl::Status RecoverFromFailedStep(absl::Status ran, uint64_t step_id);
   // Whether this rank can go on without a compute replica (see
   // ComputeRankOptions::recover_compute_replicas).
   bool CanRecoverReplica() const;
-  // Gives up replica r (compute rank r + 1) for `why`: its connection is let go, this rank takes
-  // over its micro-batches (every one: compute rank 0 is left alone), every doorbell seqno jumps to
-  // a common base above any used so far, and the memory ranks get a step discard of `step_id` (0:
-  // none in flight) that tells them so.
+  // Gives up replica r (compute rank r + 1) for `why` (counted as lost) and goes on alone
+  // (GoAlone).
   absl::Status LoseReplica(size_t r, const absl::Status& why, uint64_t step_id);
+  // Compute rank 0 runs every micro-batch from now on: every replica not yet given up is released
+  // (a step discard that keeps none of them: it stops, exit status 0) and its connection let go,
+  // this rank takes over every micro-batch, every doorbell seqno jumps to a common base above any
+  // used so far, and the memory ranks get a step discard of `step_id` (0: none in flight) that
+  // tells them so; the memory ranks of `lose` are given up (LoseRank, with their why) before it is
+  // sent. Returns the released replicas' names (for the log).
+  absl::StatusOr<std::string> GoAlone(uint64_t step_id,
+                                      std::span<const std::pair<size_t, absl::Status>> lose);
+  // Whether a memory rank's loss can be recovered by going alone first (replicas still run; see
+  // ComputeRankOptions::recover_memory_ranks).
+  bool CanRecoverAlone() const;
+  // A replica, after its step failed with `ran` while compute rank 0 is still there: waits (answering
+  // heartbeats) for compute rank 0's word on what follows, up to twice the step timeout and 5 s: a
+  // step discard that releases it (Cancelled: it stops cleanly), an error (returned), or nothing
+  // (`ran`, named). A peer's failure is not this rank's to report: compute rank 0 finds it and
+  // decides (see RecoverFromFailedStep).
+  absl::Status AwaitRank0(absl::Status ran);
+  // A replica: a step discard from compute rank 0. One that keeps this rank is refused (this
+  // rank cannot take part in a rerun); one that does not releases it: Cancelled, logged.
+  absl::Status TakeRank0Discard(const std::vector<uint8_t>& msg);
   // Waits until doorbell `buffer` reaches `seqno` (a layer's output or residual stream); a replica
   // answers compute rank 0's heartbeats meanwhile (see RecoverFromFailedStep).
   absl::Status WaitInput(uint32_t buffer, uint64_t seqno, absl::Time deadline);
@@ -466,7 +491,11 @@ class ComputeRank : public Engine {
   // looked for: (memory rank, frame).
   std::vector<std::pair<size_t, std::vector<uint8_t>>> early_replies_;
   std::vector<size_t> lost_in_step_;  // ranks lost during the current step
-  uint64_t beat_seq_ = 0;             // the last heartbeat sent
+  // Compute rank 0 within RunParts with replicas running: memory ranks that LoseRank could not give
+  // up yet (the step fails; RecoverFromFailedStep releases the replicas and loses them), with why.
+  bool in_parts_ = false;
+  std::vector<std::pair<size_t, absl::Status>> failed_ranks_;
+  uint64_t beat_seq_ = 0;  // the last heartbeat sent
   // Requests ended by a loss found by Heartbeat (RecoverLostRanks), reported by the next Step.
   std::vector<std::pair<int64_t, GenerationResult>> ended_while_idle_;
   absl::Time next_beat_ = absl::InfinitePast();

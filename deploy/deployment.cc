@@ -102,12 +102,13 @@ const ConfigSchema& DeploySchema() {
                 0, 3600)
         .Bool("launch.recover_memory_ranks", true,
               "a memory rank that dies, disconnects or stays silent past launch.step_timeout_s is given "
-              "up and its requests are recomputed on the others (ucx transport, one compute rank, "
-              "memory.partition request); false: the deployment stops")
+              "up and its requests are recomputed on the others (ucx transport, memory.partition request; "
+              "with compute replicas, compute rank 0 first releases them and runs every micro-batch "
+              "itself); false: the deployment stops")
         .Bool("launch.recover_compute_replicas", true,
-              "with compute.ranks 2, a compute replica that dies, disconnects or stays silent past "
-              "launch.step_timeout_s is given up: the step in flight runs again on compute rank 0, which "
-              "runs every micro-batch from then on (ucx transport); false: the deployment stops")
+              "a compute replica that dies, disconnects or stays silent past launch.step_timeout_s is "
+              "given up and the other replicas released: the step in flight runs again on compute rank 0, "
+              "which runs every micro-batch from then on (ucx transport); false: the deployment stops")
         .Int("launch.restart_memory_ranks", 3,
              "with launch.recover_memory_ranks, tandem launch restarts a memory rank process that died (not "
              "one that exited cleanly) on the address it listened on, up to this many times per rank, and "
@@ -337,10 +338,10 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   p.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   p.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
   p.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks") &&
-                           p.transport == transport::TransportKind::kUcx && p.compute_ranks == 1 &&
+                           p.transport == transport::TransportKind::kUcx &&
                            p.partition == AttentionPartition::kRequest;
   p.recover_compute_replicas = c.GetBool("launch.recover_compute_replicas") &&
-                               p.transport == transport::TransportKind::kUcx && p.compute_ranks == 2;
+                               p.transport == transport::TransportKind::kUcx && p.compute_ranks >= 2;
   // A restarted rank is of use only where compute rank 0 takes it back.
   p.restart_memory_ranks = p.recover_memory_ranks && c.GetDouble("launch.rejoin_probe_s") > 0
                                ? static_cast<int>(c.GetInt("launch.restart_memory_ranks"))
@@ -505,8 +506,9 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
                      memory_command(i, addresses[i]), "compute-0");
     }
   }
-  if (plan.recover_compute_replicas) {
-    // Running: compute-0 goes on without a replica that fails (launch.recover_compute_replicas).
+  if (plan.recover_compute_replicas || plan.recover_memory_ranks) {
+    // Running: compute-0 goes on without a replica that fails (launch.recover_compute_replicas), and
+    // releases the others (they exit 0), as it does to recover a memory rank.
     for (size_t r = 0; r < replica_addresses.size(); ++r) {
       group.Tolerate(absl::StrCat("compute-", r + 1), 0, {}, "compute-0");
     }
@@ -538,8 +540,9 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
       // A replica compute-0 gave up may never exit by itself (a stopped process): after a while it
       // is left to the final StopAll.
       const std::string name = absl::StrCat("compute-", r + 1);
-      const absl::Status exited =
-          group.WaitExit(name, plan.recover_compute_replicas ? absl::Seconds(10) : absl::InfiniteDuration());
+      const absl::Status exited = group.WaitExit(
+          name, plan.recover_compute_replicas || plan.recover_memory_ranks ? absl::Seconds(10)
+                                                                           : absl::InfiniteDuration());
       if (absl::IsDeadlineExceeded(exited)) {
         std::fprintf(stderr, "tandem launch: %s did not exit after compute-0 finished; stopping it\n",
                      name.c_str());

@@ -400,6 +400,12 @@ bool ProcessStopped(pid_t pid) {
 }
 }  // namespace
 
+bool ProcessGroup::ServedStopped(const Child& child) const {
+  if (child.serves.empty()) return false;
+  const Child* served = Find(child.serves);
+  return served != nullptr && served->running && ProcessStopped(served->pid);
+}
+
 bool ProcessGroup::RestartIfAllowed(Child& child) {
   if (child.restarts_left <= 0) return false;
   if (!child.serves.empty()) {
@@ -594,7 +600,7 @@ absl::Status ProcessGroup::WaitExit(const std::string& name, absl::Duration time
   const std::string waiting = absl::StrCat("waiting for ", name, " to exit");
   const absl::Time deadline = absl::Now() + timeout;
   auto tolerated = [this](Child& c) {
-    if (!c.tolerated || CleanExit(c.wait_status)) return false;
+    if (!c.tolerated || CleanExit(c.wait_status) || ServedStopped(c)) return false;
     if (RestartIfAllowed(c)) return true;
     std::fprintf(
         stderr, "tandem launch: %s%s; the deployment goes on without it\n", DescribeExit(c, "").c_str(),
@@ -608,7 +614,8 @@ absl::Status ProcessGroup::WaitExit(const std::string& name, absl::Duration time
       const bool was_reported = target->reported;
       target->reported = true;
       if (CleanExit(target->wait_status)) return absl::OkStatus();
-      if (!was_reported && target->tolerated && RestartIfAllowed(*target)) continue;  // wait for the new one
+      if (!was_reported && target->tolerated && !ServedStopped(*target) && RestartIfAllowed(*target))
+        continue;  // wait for the new one
       if (was_reported || tolerated(*target)) return absl::OkStatus();
       return absl::UnavailableError(DescribeExit(*target, ""));
     }
@@ -634,7 +641,14 @@ absl::Status ProcessGroup::WaitAny() {
     ReapRunning();
     if (Child* exited = FirstUnreportedExit(); exited != nullptr) {
       exited->reported = true;
-      if (exited->tolerated && !CleanExit(exited->wait_status)) {
+      if (exited->tolerated && CleanExit(exited->wait_status)) {
+        // A rank told to stop while the deployment goes on (a compute replica that compute rank 0
+        // released when it went on alone).
+        std::fprintf(stderr, "tandem launch: %s (pid %d) exited cleanly; the deployment goes on without it\n",
+                     exited->name.c_str(), static_cast<int>(exited->pid));
+        continue;
+      }
+      if (exited->tolerated && !ServedStopped(*exited)) {
         if (RestartIfAllowed(*exited)) continue;
         std::fprintf(stderr, "tandem launch: %s%s; the deployment goes on without it\n",
                      DescribeExit(*exited, "").c_str(),

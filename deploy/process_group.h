@@ -79,8 +79,9 @@ class ProcessGroup {
   // DeadlineExceeded naming it if it is still running after `timeout`.
   absl::Status WaitExit(const std::string& name, absl::Duration timeout = absl::InfiniteDuration());
 
-  // Waits until any process exits (reported as in WaitExit, even with status 0) or a termination
-  // signal arrives (Cancelled). For a deployment that runs until stopped.
+  // Waits until any process exits (reported as in WaitExit, even with status 0, except a tolerated
+  // one: a line on stderr, and the wait goes on) or a termination signal arrives (Cancelled). For a
+  // deployment that runs until stopped.
   absl::Status WaitAny();
 
   // From now on the failure of process `name` is not an error of the group's waits (WaitExit of
@@ -92,8 +93,10 @@ class ProcessGroup {
   // 3)", then "restarted (pid N)"), and a WaitExit of it waits for the new process. A failure past
   // the limit is reported as without restarts. With `serves` (the name of another process of the
   // group, e.g. compute-0) there is no restart while that process is not running or is stopped
-  // (SIGSTOP): a rank that left because it went silent would only wait for it again. Calling it
-  // again replaces the limit (0: no more restarts).
+  // (SIGSTOP): a rank that left because it went silent would only wait for it again; a failure
+  // while it is stopped is not tolerated (the waits return it: the ranks gave the stopped process
+  // up, and the deployment cannot go on). Calling it again replaces the limit (0: no more
+  // restarts).
   void Tolerate(const std::string& name, int restarts = 0, std::vector<std::string> restart_argv = {},
                 std::string serves = "");
 
@@ -136,6 +139,8 @@ class ProcessGroup {
   // A tolerated child that failed: restarts it when restarts are left (true: reported and
   // restarted, or reported as not restartable), else false (the caller reports it).
   bool RestartIfAllowed(Child& child);
+  // Whether the process `child` serves (Tolerate) is running but stopped.
+  bool ServedStopped(const Child& child) const;
   // Waits for `read_ready` to return a value (polling), as WaitReady describes.
   absl::StatusOr<std::string> WaitFor(
       const std::string& name, const std::string& what,

@@ -161,7 +161,9 @@ std::string ServerMetrics::Render(const LoopStats& s, const std::string& model_n
   metric("compute_ranks_lost_total", "counter",
          "Compute replicas given up (their micro-batches run on the surviving compute ranks).",
          static_cast<double>(s.recovery.compute_ranks_lost));
-  metric("steps_rerun_total", "counter", "Steps run again because a compute replica was lost in them.",
+  metric("steps_rerun_total", "counter",
+         "Steps run again after a step discard: a compute replica lost in them, or a memory rank lost while "
+         "replicas ran.",
          static_cast<double>(s.recovery.steps_rerun));
   metric("engine_step_seconds_total", "counter", "Wall time inside engine steps.", s.step_seconds);
   if (s.pipeline) {

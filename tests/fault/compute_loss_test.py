@@ -56,12 +56,12 @@ REQUESTS = [([5 + i, 17, 99, 3, 250 - i, 7, 11 * i % 500 + 1], {"temperature": 0
 
 
 class Deployment:
-    def __init__(self, tmp, name, compute_ranks, extra="", mode="fixed"):
+    def __init__(self, tmp, name, compute_ranks, extra="", mode="fixed", batches=2):
         self.name = name
         self.dir = os.path.join(tmp, name)
         os.makedirs(self.dir)
         self.yaml = os.path.join(self.dir, "deploy.yaml")
-        pipeline = f"pipeline:\n  mode: {mode}\n  batches: 2\n" if compute_ranks > 1 else ""
+        pipeline = f"pipeline:\n  mode: {mode}\n  batches: {batches}\n" if compute_ranks > 1 else ""
         with open(self.yaml, "w") as f:
             f.write(f"model:\n  path: tiny-gqa\ncompute:\n  device: cpu\n  ranks: {compute_ranks}\n"
                     f"memory:\n  ranks: 2\n  devices: cpu\n{pipeline}"

@@ -1165,6 +1165,99 @@ TEST_F(ReplicaFailure, KilledReplicaStepIsRerunWithTheSameTokens) {
               static_cast<long long>(rank_->stats().steps_rerun), ExpectSameResults(got, *want));
 }
 
+// Compute rank 0 with `compute_ranks` - 1 replicas (rotational with `slice_layers` > 0, else
+// fixed) and `memory_ranks` memory ranks runs 6 requests for 4 steps; then `victim` is killed and
+// the rest of the run must end with the colocated engine's tokens. The replicas that were not
+// killed are released and must exit with status 0.
+struct KillCase {
+  int compute_ranks = 3, memory_ranks = 2, slice_layers = 0;
+  std::string victim;
+};
+
+class RankLossWithReplicas : public ReplicaFailure {
+ protected:
+  void Run(const KillCase& c) {
+    std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
+    ASSERT_NE(source, nullptr);
+    ComputeRankOptions o = Options(8, 24, 1024);
+    o.micro_batches = c.compute_ranks;
+    o.slice_layers = c.slice_layers;
+    ASSERT_NO_FATAL_FAILURE(StartMemoryRanks(c.memory_ranks));
+    ASSERT_NO_FATAL_FAILURE(StartReplicas("mqa-headdim", c.compute_ranks, o, &o.replica_addresses));
+    o.memory_addresses = addresses_;
+    std::mt19937 rng(12);
+    std::vector<GenerationRequest> requests;
+    for (int i = 0; i < 6; ++i) {
+      requests.push_back(MakeRequest(rng, source->spec().vocab_size, 8, 30, i % 2 == 1, 50 + i));
+      requests.back().ignore_eos = true;
+    }
+    std::unique_ptr<ColocatedEngine> engine = Engine(*source, 8, 24);
+    ASSERT_NE(engine, nullptr);
+    absl::StatusOr<std::vector<GenerationResult>> want = engine->GenerateAll(requests);
+    ASSERT_TRUE(want.ok()) << want.status();
+    absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(*source, o);
+    ASSERT_TRUE(rank.ok()) << rank.status();
+    rank_ = std::move(*rank);
+    expect_clean_exit_ = false;  // the killed rank
+    std::vector<int64_t> ids;
+    for (const GenerationRequest& r : requests) {
+      absl::StatusOr<int64_t> id = rank_->Submit(r);
+      ASSERT_TRUE(id.ok()) << id.status();
+      ids.push_back(*id);
+    }
+    std::vector<std::pair<int64_t, GenerationResult>> finished;
+    for (int step = 0; step < 4; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
+    const bool replica = c.victim.starts_with("compute-");
+    if (!replica) {
+      ASSERT_GT(rank_->controller().kv_reserved(1), 0);  // requests to recover
+    }
+    group_.Tolerate(c.victim);
+    ASSERT_EQ(kill(group_.pid(c.victim), SIGKILL), 0);
+    const auto t0 = std::chrono::steady_clock::now();
+    while (!rank_->Idle() && Seconds(t0) < 60) {
+      const absl::Status st = rank_->Step(&finished);
+      ASSERT_TRUE(st.ok()) << st;
+    }
+    ASSERT_TRUE(rank_->Idle());
+    if (!replica) {
+      EXPECT_GT(rank_->stats().requests_recovered, 0);
+    }
+    EXPECT_EQ(rank_->stats().compute_ranks_lost, replica ? 1 : 0);
+    EXPECT_EQ(rank_->stats().memory_ranks_lost, replica ? 0 : 1);
+    EXPECT_GE(rank_->stats().steps_rerun, 1);
+    std::vector<GenerationResult> got(ids.size());
+    for (auto& [id, result] : finished) {
+      got[static_cast<size_t>(std::find(ids.begin(), ids.end(), id) - ids.begin())] = std::move(result);
+    }
+    std::printf(
+        "%s killed (%d compute ranks, %s, %d memory ranks): %.2f s to the end, %lld step(s) rerun, "
+        "max |logprob difference| %.3g\n",
+        c.victim.c_str(), c.compute_ranks, c.slice_layers > 0 ? "rotational" : "fixed", c.memory_ranks,
+        Seconds(t0), static_cast<long long>(rank_->stats().steps_rerun), ExpectSameResults(got, *want));
+    // Every replica not killed was released: it stops by itself, cleanly.
+    for (int r = 1; r < c.compute_ranks; ++r) {
+      const std::string name = absl::StrCat("compute-", r);
+      if (name == c.victim) continue;
+      const absl::Status exited = group_.WaitExit(name, absl::Seconds(20));
+      EXPECT_TRUE(exited.ok()) << name << ": " << exited;
+    }
+  }
+};
+
+TEST_F(RankLossWithReplicas, KilledReplicaAmongSeveralFixedStepIsRerunWithTheSameTokens) {
+  Run({.compute_ranks = 3, .memory_ranks = 2, .slice_layers = 0, .victim = "compute-2"});
+}
+
+TEST_F(RankLossWithReplicas, KilledReplicaAmongSeveralRotationalStepIsRerunWithTheSameTokens) {
+  Run({.compute_ranks = 3, .memory_ranks = 2, .slice_layers = 1, .victim = "compute-1"});
+}
+
+// A memory rank lost while a replica runs: compute rank 0 releases the replica, runs the step
+// again alone without the rank and recomputes its requests on the survivor.
+TEST_F(RankLossWithReplicas, KilledMemoryRankWithAReplicaIsRecovered) {
+  Run({.compute_ranks = 2, .memory_ranks = 2, .slice_layers = 0, .victim = "memory-1"});
+}
+
 TEST_F(ReplicaFailure, KilledReplicaFailsTheStepNamingIt) {
   std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
   ASSERT_NE(source, nullptr);
