@@ -1122,49 +1122,6 @@ TEST_F(DisaggregatedTest, MemoryRankKilledMidRunFailsTheStepWithoutRecovery) {
 // ends with the colocated engine's tokens.
 class ReplicaFailure : public PingPong {};
 
-TEST_F(ReplicaFailure, KilledReplicaStepIsRerunWithTheSameTokens) {
-  std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
-  ASSERT_NE(source, nullptr);
-  ComputeRankOptions o = Options(8, 24, 1024);
-  o.micro_batches = 2;
-  ASSERT_NO_FATAL_FAILURE(StartMemoryRanks(2));
-  ASSERT_NO_FATAL_FAILURE(StartReplicas("mqa-headdim", 2, o, &o.replica_addresses));
-  o.memory_addresses = addresses_;
-  std::mt19937 rng(12);
-  std::vector<GenerationRequest> requests;
-  for (int i = 0; i < 6; ++i) {
-    requests.push_back(MakeRequest(rng, source->spec().vocab_size, 8, 30, i % 2 == 1, 50 + i));
-    requests.back().ignore_eos = true;
-  }
-  std::unique_ptr<ColocatedEngine> engine = Engine(*source, 8, 24);
-  ASSERT_NE(engine, nullptr);
-  absl::StatusOr<std::vector<GenerationResult>> want = engine->GenerateAll(requests);
-  ASSERT_TRUE(want.ok()) << want.status();
-  absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(*source, o);
-  ASSERT_TRUE(rank.ok()) << rank.status();
-  rank_ = std::move(*rank);
-  expect_clean_exit_ = false;  // the killed replica
-  std::vector<int64_t> ids;
-  for (const GenerationRequest& r : requests) {
-    absl::StatusOr<int64_t> id = rank_->Submit(r);
-    ASSERT_TRUE(id.ok()) << id.status();
-    ids.push_back(*id);
-  }
-  std::vector<std::pair<int64_t, GenerationResult>> finished;
-  for (int step = 0; step < 4; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
-  ASSERT_EQ(kill(group_.pid("compute-1"), SIGKILL), 0);
-  const auto t0 = std::chrono::steady_clock::now();
-  while (!rank_->Idle() && Seconds(t0) < 60) ASSERT_TRUE(rank_->Step(&finished).ok());
-  ASSERT_TRUE(rank_->Idle());
-  EXPECT_EQ(rank_->stats().compute_ranks_lost, 1);
-  std::vector<GenerationResult> got(ids.size());
-  for (auto& [id, result] : finished) {
-    got[static_cast<size_t>(std::find(ids.begin(), ids.end(), id) - ids.begin())] = std::move(result);
-  }
-  std::printf("replica killed: %lld step(s) rerun, max |logprob difference| %.3g\n",
-              static_cast<long long>(rank_->stats().steps_rerun), ExpectSameResults(got, *want));
-}
-
 // Compute rank 0 with `compute_ranks` - 1 replicas (rotational with `slice_layers` > 0, else
 // fixed) and `memory_ranks` memory ranks runs 6 requests for 4 steps; then `victim` is killed and
 // the rest of the run must end with the colocated engine's tokens. The replicas that were not
@@ -1243,6 +1200,10 @@ class RankLossWithReplicas : public ReplicaFailure {
     }
   }
 };
+
+TEST_F(RankLossWithReplicas, KilledReplicaStepIsRerunWithTheSameTokens) {
+  Run({.compute_ranks = 2, .memory_ranks = 2, .slice_layers = 0, .victim = "compute-1"});
+}
 
 TEST_F(RankLossWithReplicas, KilledReplicaAmongSeveralFixedStepIsRerunWithTheSameTokens) {
   Run({.compute_ranks = 3, .memory_ranks = 2, .slice_layers = 0, .victim = "compute-2"});
