@@ -245,6 +245,55 @@ def compute0_stopped(tmp):
         d.stop()
 
 
+def fault_under_load(d, name, victim, sig, given_up, bound=LOSS_BOUND_S):
+    """Three clients send REQUESTS (whose fault-free tokens are taken one by one first); once some
+    complete, `victim` (a rank's name) gets `sig`. Checks that compute-0 logs `given_up` within
+    `bound` s, that requests go on completing, that no client hangs and that every request got its
+    fault-free tokens. False when the fault-free requests failed (and nothing else ran)."""
+    expect = [d.tokens(p, e) for p, e in REQUESTS]  # one by one, before any fault
+    if not all(isinstance(t, list) and len(t) == 40 for t in expect):
+        bad(f"{name}: the fault-free requests failed: {expect[:1]}")
+        return False
+    done, wrong, stop = [0], [], [False]
+    lock = threading.Lock()
+
+    def client(k):
+        i = k
+        while not stop[0]:
+            got = d.tokens(*REQUESTS[i % len(REQUESTS)])
+            with lock:
+                done[0] += 1
+                if got != expect[i % len(REQUESTS)]:
+                    wrong.append((i % len(REQUESTS), got))
+            i += 3
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    if wait_for(lambda: done[0] >= 3, 30) is None:
+        bad(f"{name}: the requests do not complete: {d.err()[-600:]}")
+    signal_all(d.rank_pids(victim), sig)
+    start = time.time()
+    took = wait_for(lambda: given_up in d.log("compute-0"), bound)
+    before = done[0]
+    more = wait_for(lambda: done[0] >= before + 6, bound)
+    stop[0] = True
+    for t in threads:
+        t.join(90)
+    print(f"{name}: {victim} given up after {'%.1f s' % took if took is not None else 'never'}; "
+          f"{done[0]} requests in {time.time() - start:.1f} s, {len(wrong)} with other tokens; "
+          f"steps rerun {d.metric('steps_rerun_total')}", flush=True)
+    if took is None:
+        bad(f"{name}: compute-0 did not log {given_up!r} within {bound} s: {d.log('compute-0')[-800:]}")
+    if more is None:
+        bad(f"{name}: requests stopped completing after the loss: {d.err()[-600:]}")
+    if any(t.is_alive() for t in threads):
+        bad(f"{name}: a client still waits 90 s after the load stopped")
+    for i, got in wrong[:3]:
+        bad(f"{name}: request {i} got {got}, fault-free {expect[i]}")
+    return True
+
+
 def replica_lost(tmp, mode, sig):
     """The replica killed or stopped under load: every request completes with the fault-free tokens."""
     how = "killed" if sig == signal.SIGKILL else "stopped"
@@ -252,49 +301,8 @@ def replica_lost(tmp, mode, sig):
     try:
         if d.url is None:
             return
-        expect = [d.tokens(p, e) for p, e in REQUESTS]  # one by one, before any fault
-        if not all(isinstance(t, list) and len(t) == 40 for t in expect):
-            bad(f"{d.name}: the fault-free requests failed: {expect[:1]}")
+        if not fault_under_load(d, d.name, "compute-1", sig, "giving up compute rank 1"):
             return
-        done, wrong, stop = [0], [], [False]
-        lock = threading.Lock()
-
-        def client(k):
-            i = k
-            while not stop[0]:
-                got = d.tokens(*REQUESTS[i % len(REQUESTS)])
-                with lock:
-                    done[0] += 1
-                    if got != expect[i % len(REQUESTS)]:
-                        wrong.append((i % len(REQUESTS), got))
-                i += 3
-
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
-        for t in threads:
-            t.start()
-        if wait_for(lambda: done[0] >= 3, 30) is None:
-            bad(f"{d.name}: the requests do not complete: {d.err()[-600:]}")
-        victim = d.rank_pids("compute-1")
-        signal_all(victim, sig)
-        start = time.time()
-        took = wait_for(lambda: "giving up compute rank 1" in d.log("compute-0"), LOSS_BOUND_S)
-        before = done[0]
-        more = wait_for(lambda: done[0] >= before + 6, LOSS_BOUND_S)
-        stop[0] = True
-        for t in threads:
-            t.join(90)
-        print(f"{d.name}: compute rank 1 given up after {'%.1f s' % took if took is not None else 'never'}; "
-              f"{done[0]} requests in {time.time() - start:.1f} s, {len(wrong)} with other tokens; "
-              f"steps rerun {d.metric('steps_rerun_total')}", flush=True)
-        if took is None:
-            bad(f"{d.name}: compute-0 did not give up compute rank 1 within {LOSS_BOUND_S} s: "
-                f"{d.log('compute-0')[-800:]}")
-        if more is None:
-            bad(f"{d.name}: requests stopped completing after the loss: {d.err()[-600:]}")
-        if any(t.is_alive() for t in threads):
-            bad(f"{d.name}: a client still waits 90 s after the load stopped")
-        for i, got in wrong[:3]:
-            bad(f"{d.name}: request {i} got {got}, fault-free {expect[i]}")
         if d.metric("compute_ranks_lost_total") != 1:
             bad(f"{d.name}: tandem:compute_ranks_lost_total is {d.metric('compute_ranks_lost_total')}, not 1")
         if d.proc.poll() is not None:

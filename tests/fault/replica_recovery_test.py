@@ -20,15 +20,10 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 
-from compute_loss_test import REQUESTS, STEP_TIMEOUT_S, Deployment
-from fault_util import bad, failures, signal_all, wait_for
-
-# A kill is seen at once (the transport reports the disconnect), a stopped replica after a step
-# deadline and a heartbeat's allowance; the rest is slack for a loaded 2-core machine.
-LOSS_BOUND_S = 2 * STEP_TIMEOUT_S + 15
+from compute_loss_test import Deployment, fault_under_load
+from fault_util import bad, failures, wait_for
 
 
 def lose_rank(tmp, name, compute_ranks, mode, victim, given_up, metric, released, sig=signal.SIGKILL):
@@ -38,47 +33,8 @@ def lose_rank(tmp, name, compute_ranks, mode, victim, given_up, metric, released
     try:
         if d.url is None:
             return
-        expect = [d.tokens(p, e) for p, e in REQUESTS]  # one by one, before any fault
-        if not all(isinstance(t, list) and len(t) == 40 for t in expect):
-            bad(f"{name}: the fault-free requests failed: {expect[:1]}")
+        if not fault_under_load(d, name, victim, sig, given_up):
             return
-        done, wrong, stop = [0], [], [False]
-        lock = threading.Lock()
-
-        def client(k):
-            i = k
-            while not stop[0]:
-                got = d.tokens(*REQUESTS[i % len(REQUESTS)])
-                with lock:
-                    done[0] += 1
-                    if got != expect[i % len(REQUESTS)]:
-                        wrong.append((i % len(REQUESTS), got))
-                i += 3
-
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
-        for t in threads:
-            t.start()
-        if wait_for(lambda: done[0] >= 3, 30) is None:
-            bad(f"{name}: the requests do not complete: {d.err()[-600:]}")
-        signal_all(d.rank_pids(victim), sig)
-        start = time.time()
-        took = wait_for(lambda: given_up in d.log("compute-0"), LOSS_BOUND_S)
-        before = done[0]
-        more = wait_for(lambda: done[0] >= before + 6, LOSS_BOUND_S)
-        stop[0] = True
-        for t in threads:
-            t.join(90)
-        print(f"{name}: {victim} given up after {'%.1f s' % took if took is not None else 'never'}; "
-              f"{done[0]} requests in {time.time() - start:.1f} s, {len(wrong)} with other tokens; "
-              f"steps rerun {d.metric('steps_rerun_total')}", flush=True)
-        if took is None:
-            bad(f"{name}: compute-0 did not log {given_up!r} within {LOSS_BOUND_S} s: {d.log('compute-0')[-800:]}")
-        if more is None:
-            bad(f"{name}: requests stopped completing after the loss: {d.err()[-600:]}")
-        if any(t.is_alive() for t in threads):
-            bad(f"{name}: a client still waits 90 s after the load stopped")
-        for i, got in wrong[:3]:
-            bad(f"{name}: request {i} got {got}, fault-free {expect[i]}")
         if d.metric(metric) != 1:
             bad(f"{name}: tandem:{metric} is {d.metric(metric)}, not 1")
         if not d.metric("steps_rerun_total"):
