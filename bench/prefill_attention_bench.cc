@@ -1,7 +1,8 @@
 // Prefill-chunk attention throughput (kernels::cuda::PrefillAttention) against the bf16 GEMM rate
 // measured in the same run (cublasGemmEx 8192³, bf16 in and out, fp32 compute).
 //
-// Shapes: fresh prefill (kv_len == chunk), chunk ∈ {512, 1K, 2K, 4K}, batch = 16K / chunk
+// Both kernels (ops.h PrefillKernel): mma.sync, and wgmma where the device runs it (sm_90).
+// Shapes: fresh prefill (kv_len == chunk), chunk ∈ {512, 1K, 2K, 4K, 16K}, batch = 16K / chunk
 // requests, heads 32/8 (GQA) and 32/32 (MHA), head_dim 128, token-granular KV with a shuffled
 // slot table. FLOPs (causal) = 4·d·heads·Σ_rows(visible keys); a fresh chunk of c rows sees
 // c(c+1)/2 keys in all. Each figure is the median of --reps runs (default 20) timed with CUDA
@@ -9,7 +10,7 @@
 // a few (row, head) outputs of every shape are checked against a double-precision computation.
 //
 // Usage: prefill_attention_bench [--json PATH] [--reps N]
-// Prints rows "kind chunk batch time_ms TFLOP/s %gemm"; --json writes the same rows.
+// Prints rows "kind kernel chunk batch time_ms TFLOP/s %gemm"; --json writes the same rows.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -32,6 +33,7 @@ namespace {
 
 using tandem::kernels::cuda::AttentionParams;
 using tandem::kernels::cuda::PrefillAttention;
+using tandem::kernels::cuda::PrefillKernel;
 
 #define CHECK_CUDA(expr)                                                                                   \
   do {                                                                                                     \
@@ -105,7 +107,7 @@ double TimeMs(int reps, cudaStream_t stream, Fn fn) {
 }
 
 struct Row {
-  std::string kind;
+  std::string kind, kernel;
   int64_t chunk = 0, batch = 0;
   double time_ms = 0.0, tflops = 0.0, pct_gemm = 0.0;
 };
@@ -185,12 +187,14 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaMalloc(&indptr, (kTokens + 1) * sizeof(int32_t)));
 
   std::vector<Row> rows;
-  rows.push_back(Row{"gemm8192", 8192, 1, gemm_ms, gemm_tflops, 100.0});
+  rows.push_back(Row{"gemm8192", "cublas", 8192, 1, gemm_ms, gemm_tflops, 100.0});
   bool all_checks_ok = true;
-  std::printf("%-10s %6s %6s %10s %9s %7s\n", "kind", "chunk", "batch", "time_ms", "TFLOP/s", "%gemm");
-  std::printf("%-10s %6d %6d %10.3f %9.1f %7.1f\n", "gemm8192", 8192, 1, gemm_ms, gemm_tflops, 100.0);
+  std::printf("%-10s %-8s %6s %6s %10s %9s %7s\n", "kind", "kernel", "chunk", "batch", "time_ms", "TFLOP/s",
+              "%gemm");
+  std::printf("%-10s %-8s %6d %6d %10.3f %9.1f %7.1f\n", "gemm8192", "cublas", 8192, 1, gemm_ms, gemm_tflops,
+              100.0);
   for (int64_t kv_heads : {int64_t{8}, int64_t{32}}) {
-    for (int64_t chunk : {512, 1024, 2048, 4096}) {
+    for (int64_t chunk : {512, 1024, 2048, 4096, 16384}) {
       const int64_t batch = kTokens / chunk;
       std::vector<int32_t> indptr_h(static_cast<size_t>(batch + 1));
       for (int64_t r = 0; r <= batch; ++r) indptr_h[static_cast<size_t>(r)] = static_cast<int32_t>(r * chunk);
@@ -213,71 +217,81 @@ int main(int argc, char** argv) {
       p.scale = 1.0f / std::sqrt(static_cast<float>(kDim));
       p.max_q_len = chunk;
       p.max_kv_len = chunk;
-      const absl::Status st = PrefillAttention(p, stream);
-      if (!st.ok()) {
-        std::fprintf(stderr, "PrefillAttention: %s\n", std::string(st.ToString()).c_str());
-        return 1;
-      }
-      CHECK_CUDA(cudaStreamSynchronize(stream));
-
-      // Spot check: a few (row, head) outputs against double precision.
-      std::vector<uint16_t> out_h(static_cast<size_t>(kTokens * kHeads * kDim));
-      CHECK_CUDA(cudaMemcpy(out_h.data(), out, out_h.size() * 2, cudaMemcpyDeviceToHost));
-      double max_err = 0.0, max_ref = 0.0;
-      std::mt19937 rng(static_cast<uint32_t>(chunk + kv_heads));
-      for (int s = 0; s < 12; ++s) {
-        const int64_t t = std::uniform_int_distribution<int64_t>(0, kTokens - 1)(rng);
-        const int64_t h = std::uniform_int_distribution<int64_t>(0, kHeads - 1)(rng);
-        const int64_t r = t / chunk, i = t % chunk, kvh = h / (kHeads / kv_heads);
-        std::vector<double> scores(static_cast<size_t>(i + 1));
-        double m = -1e300;
-        for (int64_t j = 0; j <= i; ++j) {
-          const int64_t slot = slots_h[static_cast<size_t>(r * chunk + j)];
-          double dot = 0.0;
-          for (int64_t d = 0; d < kDim; ++d) {
-            dot += static_cast<double>(
-                       tandem::Bf16ToFloat(q_h[static_cast<size_t>((t * kHeads + h) * kDim + d)])) *
-                   tandem::Bf16ToFloat(k_h[static_cast<size_t>((slot * kv_heads + kvh) * kDim + d)]);
-          }
-          scores[static_cast<size_t>(j)] = dot * p.scale;
-          m = std::max(m, scores[static_cast<size_t>(j)]);
+      for (const PrefillKernel kernel : {PrefillKernel::kMmaSync, PrefillKernel::kWgmma}) {
+        const char* kernel_name = kernel == PrefillKernel::kWgmma ? "wgmma" : "mma.sync";
+        const absl::Status st = PrefillAttention(p, stream, kernel);
+        if (absl::IsFailedPrecondition(st)) {
+          std::printf("(%s kernel: %s)\n", kernel_name, std::string(st.message()).c_str());
+          continue;
         }
-        double sum = 0.0;
-        for (double& sc : scores) sum += (sc = std::exp(sc - m));
-        for (int64_t d = 0; d < kDim; ++d) {
-          double acc = 0.0;
+        if (!st.ok()) {
+          std::fprintf(stderr, "PrefillAttention: %s\n", std::string(st.ToString()).c_str());
+          return 1;
+        }
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+
+        // Spot check: a few (row, head) outputs against double precision.
+        std::vector<uint16_t> out_h(static_cast<size_t>(kTokens * kHeads * kDim));
+        CHECK_CUDA(cudaMemcpy(out_h.data(), out, out_h.size() * 2, cudaMemcpyDeviceToHost));
+        double max_err = 0.0, max_ref = 0.0;
+        std::mt19937 rng(static_cast<uint32_t>(chunk + kv_heads));
+        for (int s = 0; s < 12; ++s) {
+          const int64_t t = std::uniform_int_distribution<int64_t>(0, kTokens - 1)(rng);
+          const int64_t h = std::uniform_int_distribution<int64_t>(0, kHeads - 1)(rng);
+          const int64_t r = t / chunk, i = t % chunk, kvh = h / (kHeads / kv_heads);
+          std::vector<double> scores(static_cast<size_t>(i + 1));
+          double m = -1e300;
           for (int64_t j = 0; j <= i; ++j) {
             const int64_t slot = slots_h[static_cast<size_t>(r * chunk + j)];
-            acc += scores[static_cast<size_t>(j)] *
-                   tandem::Bf16ToFloat(v_h[static_cast<size_t>((slot * kv_heads + kvh) * kDim + d)]);
+            double dot = 0.0;
+            for (int64_t d = 0; d < kDim; ++d) {
+              dot += static_cast<double>(
+                         tandem::Bf16ToFloat(q_h[static_cast<size_t>((t * kHeads + h) * kDim + d)])) *
+                     tandem::Bf16ToFloat(k_h[static_cast<size_t>((slot * kv_heads + kvh) * kDim + d)]);
+            }
+            scores[static_cast<size_t>(j)] = dot * p.scale;
+            m = std::max(m, scores[static_cast<size_t>(j)]);
           }
-          acc /= sum;
-          const double got = tandem::Bf16ToFloat(out_h[static_cast<size_t>((t * kHeads + h) * kDim + d)]);
-          max_ref = std::max(max_ref, std::fabs(acc));
-          max_err = std::isnan(got) ? 1e30 : std::max(max_err, std::fabs(got - acc));
+          double sum = 0.0;
+          for (double& sc : scores) sum += (sc = std::exp(sc - m));
+          for (int64_t d = 0; d < kDim; ++d) {
+            double acc = 0.0;
+            for (int64_t j = 0; j <= i; ++j) {
+              const int64_t slot = slots_h[static_cast<size_t>(r * chunk + j)];
+              acc += scores[static_cast<size_t>(j)] *
+                     tandem::Bf16ToFloat(v_h[static_cast<size_t>((slot * kv_heads + kvh) * kDim + d)]);
+            }
+            acc /= sum;
+            const double got = tandem::Bf16ToFloat(out_h[static_cast<size_t>((t * kHeads + h) * kDim + d)]);
+            max_ref = std::max(max_ref, std::fabs(acc));
+            max_err = std::isnan(got) ? 1e30 : std::max(max_err, std::fabs(got - acc));
+          }
         }
-      }
-      const double rel = max_err / std::max(max_ref, 1e-30);
-      if (!(rel <= 1e-2)) {
-        all_checks_ok = false;
-        std::fprintf(stderr, "CHECK FAILED: heads %lld/%lld chunk %lld: max|err|/max|ref| = %g\n",
-                     static_cast<long long>(kHeads), static_cast<long long>(kv_heads),
-                     static_cast<long long>(chunk), rel);
-      }
+        const double rel = max_err / std::max(max_ref, 1e-30);
+        if (!(rel <= 1e-2)) {
+          all_checks_ok = false;
+          std::fprintf(stderr,
+                       "CHECK FAILED: %s kernel, heads %lld/%lld chunk %lld: max|err|/max|ref| = %g\n",
+                       kernel_name, static_cast<long long>(kHeads), static_cast<long long>(kv_heads),
+                       static_cast<long long>(chunk), rel);
+        }
 
-      const double ms = TimeMs(reps, stream, [&] { (void)PrefillAttention(p, stream); });
-      const double flops = 4.0 * kDim * kHeads * batch * (static_cast<double>(chunk) * (chunk + 1) / 2.0);
-      Row row;
-      row.kind = kv_heads == kHeads ? "mha32/32" : "gqa32/8";
-      row.chunk = chunk;
-      row.batch = batch;
-      row.time_ms = ms;
-      row.tflops = flops / (ms * 1e-3) / 1e12;
-      row.pct_gemm = 100.0 * row.tflops / gemm_tflops;
-      rows.push_back(row);
-      std::printf("%-10s %6lld %6lld %10.3f %9.1f %7.1f\n", row.kind.c_str(), static_cast<long long>(chunk),
-                  static_cast<long long>(batch), ms, row.tflops, row.pct_gemm);
-      std::fflush(stdout);
+        const double ms = TimeMs(reps, stream, [&] { (void)PrefillAttention(p, stream, kernel); });
+        const double flops = 4.0 * kDim * kHeads * batch * (static_cast<double>(chunk) * (chunk + 1) / 2.0);
+        Row row;
+        row.kind = kv_heads == kHeads ? "mha32/32" : "gqa32/8";
+        row.kernel = kernel_name;
+        row.chunk = chunk;
+        row.batch = batch;
+        row.time_ms = ms;
+        row.tflops = flops / (ms * 1e-3) / 1e12;
+        row.pct_gemm = 100.0 * row.tflops / gemm_tflops;
+        rows.push_back(row);
+        std::printf("%-10s %-8s %6lld %6lld %10.3f %9.1f %7.1f\n", row.kind.c_str(), kernel_name,
+                    static_cast<long long>(chunk), static_cast<long long>(batch), ms, row.tflops,
+                    row.pct_gemm);
+        std::fflush(stdout);
+      }
     }
   }
   std::printf(
@@ -297,12 +311,13 @@ int main(int argc, char** argv) {
                  static_cast<long long>(kTokens), reps, all_checks_ok ? "true" : "false");
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
-      std::fprintf(
-          f,
-          "    {\"kind\": \"%s\", \"chunk\": %lld, \"batch\": %lld, \"time_ms\": %.4f, \"tflops\": %.2f, "
-          "\"pct_gemm\": %.2f}%s\n",
-          r.kind.c_str(), static_cast<long long>(r.chunk), static_cast<long long>(r.batch), r.time_ms,
-          r.tflops, r.pct_gemm, i + 1 < rows.size() ? "," : "");
+      std::fprintf(f,
+                   "    {\"kind\": \"%s\", \"kernel\": \"%s\", \"chunk\": %lld, \"batch\": %lld, "
+                   "\"time_ms\": %.4f, \"tflops\": %.2f, "
+                   "\"pct_gemm\": %.2f}%s\n",
+                   r.kind.c_str(), r.kernel.c_str(), static_cast<long long>(r.chunk),
+                   static_cast<long long>(r.batch), r.time_ms, r.tflops, r.pct_gemm,
+                   i + 1 < rows.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);

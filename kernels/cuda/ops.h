@@ -161,7 +161,14 @@ absl::Status DecodeAttention(const AttentionParams& p, const DecodePlan& plan, v
 // (no split-KV): a long prefix with few rows uses few SMs (64 rows, 32 heads: 32 CTAs). The caller
 // may then split the prefix into several requests, each with its own copy of the rows
 // (GatherRows), and merge their states with MergeStates (bench/prefix_attention_bench.cc: "split").
-absl::Status PrefillAttention(const AttentionParams& p, cudaStream_t stream);
+//
+// Two kernels: `kMmaSync` (mma.sync, any GPU the build targets) and `kWgmma` (Hopper's warpgroup
+// MMA: an sm_90 device and head_dim 128, for chunks of more than 64 rows). `kAuto` takes kWgmma
+// where it can run and kMmaSync otherwise; asking for kWgmma where it cannot run is
+// FailedPrecondition. Both give the same results up to fp32 summation order.
+enum class PrefillKernel { kAuto, kMmaSync, kWgmma };
+absl::Status PrefillAttention(const AttentionParams& p, cudaStream_t stream,
+                              PrefillKernel kernel = PrefillKernel::kAuto);
 
 // Cascade attention, the merge: in place, for i in [0, n): a = rows_a[i], b = rows_b[i],
 //   (out[a], lse[a]) = merge((out[a], lse[a]), (out_b[b], lse_b[b]))   for every head,

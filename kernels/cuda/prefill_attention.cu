@@ -34,6 +34,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/prefill_attention_sm90.h"
 
 namespace tandem::kernels::cuda {
 namespace {
@@ -74,27 +75,12 @@ struct KernelArgs {
   float scale, scale_log2;
 };
 
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile with kChunks chunks per row. The low
 // three bits of the chunk index are XORed with the row, so the 8 rows read by one ldmatrix phase
 // (or written by one 16-byte store phase) hit 8 distinct bank groups.
 template <int kChunks>
 __device__ __forceinline__ uint32_t Swizzle(int row, int chunk) {
   return static_cast<uint32_t>((row * kChunks + (chunk ^ (row & 7))) * 16);
-}
-
-__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;  // 0: zero-fill, nothing read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ void Ldsm4(uint32_t addr, uint32_t (&r)[4]) {
@@ -106,19 +92,6 @@ __device__ __forceinline__ void Ldsm4Trans(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
-}
-
-__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low half
-  uint32_t r;
-  memcpy(&r, &v, 4);
-  return r;
-}
-
-__device__ __forceinline__ float Exp2(float x) {  // 2^x; -inf -> +0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 template <class C, bool kCausal>
@@ -454,7 +427,7 @@ absl::Status Dispatch(const AttentionParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-absl::Status PrefillAttention(const AttentionParams& p, cudaStream_t stream) {
+absl::Status PrefillAttention(const AttentionParams& p, cudaStream_t stream, PrefillKernel kernel) {
   const std::pair<const char*, const void*> pointers[] = {{"q", p.q},
                                                           {"k_cache", p.k_cache},
                                                           {"v_cache", p.v_cache},
@@ -492,6 +465,14 @@ absl::Status PrefillAttention(const AttentionParams& p, cudaStream_t stream) {
   for (const auto& pr : aligned) {
     if (reinterpret_cast<uintptr_t>(pr.second) % 16 != 0) {
       return Invalid(absl::StrCat(pr.first, " must be 16-byte aligned"));
+    }
+  }
+  if (kernel != PrefillKernel::kMmaSync) {
+    if (PrefillAttentionSm90Supported(p)) return PrefillAttentionSm90(p, stream);
+    if (kernel == PrefillKernel::kWgmma) {
+      return absl::FailedPreconditionError(
+          "PrefillAttention: the wgmma kernel needs an sm_90 device with sm_90a code in this build, "
+          "head_dim 128 and max_q_len > 64");
     }
   }
   if (p.head_dim == 64) return Dispatch<64>(p, stream);

@@ -183,11 +183,18 @@ class DeviceCase {
     return p;
   }
 
-  // Prefills the outputs with NaN, runs the kernel, and downloads out (as float) and lse.
-  void Run(bool with_lse, std::vector<float>* out, std::vector<float>* lse) {
+  // Prefills the outputs with NaN, runs the kernel, and downloads out (as float) and lse. With
+  // `ran`, a kernel that cannot run this case (FailedPrecondition) sets *ran = false instead of
+  // failing.
+  void Run(bool with_lse, std::vector<float>* out, std::vector<float>* lse,
+           PrefillKernel kernel = PrefillKernel::kAuto, bool* ran = nullptr) {
     out_.Upload(std::vector<__nv_bfloat16>(static_cast<size_t>(out_.size()), FromBits(0x7FC0)));
     lse_.Upload(std::vector<float>(static_cast<size_t>(lse_.size()), kNaN));
-    const absl::Status st = PrefillAttention(Params(with_lse), nullptr);
+    const absl::Status st = PrefillAttention(Params(with_lse), nullptr, kernel);
+    if (ran != nullptr) {
+      *ran = st.ok();
+      if (absl::IsFailedPrecondition(st)) return;
+    }
     ASSERT_TRUE(st.ok()) << st;
     CUDA_ASSERT_OK(cudaDeviceSynchronize());
     ASSERT_TRUE(out_.GuardsIntact()) << "write outside out";
@@ -265,14 +272,51 @@ void ExpectMatches(const Case& c, const Inputs& in, const Reference& ref, const 
                                   << worst_lse % H;
 }
 
+// Runs the case on each kernel that can run it (the mma.sync kernel always; the wgmma kernel on
+// an sm_90 device for head_dim 128 and chunks over 64 rows) and compares each with the reference.
 void CheckCase(const Case& c) {
   SCOPED_TRACE(c.Describe());
   const Inputs in = MakeInputs(c);
   const Reference ref = RunCpu(c, in);
   DeviceCase dev(c, in);
-  std::vector<float> out, lse;
-  ASSERT_NO_FATAL_FAILURE(dev.Run(/*with_lse=*/true, &out, &lse));
-  ExpectMatches(c, in, ref, out, lse);
+  for (PrefillKernel kernel : {PrefillKernel::kMmaSync, PrefillKernel::kWgmma}) {
+    SCOPED_TRACE(kernel == PrefillKernel::kWgmma ? "wgmma kernel" : "mma.sync kernel");
+    std::vector<float> out, lse;
+    bool ran = false;
+    ASSERT_NO_FATAL_FAILURE(dev.Run(/*with_lse=*/true, &out, &lse, kernel, &ran));
+    if (ran) ExpectMatches(c, in, ref, out, lse);
+  }
+}
+
+// On a compute capability 9.0 device the wgmma kernel must be there (an sm_90a build) and be what
+// kAuto picks for head_dim 128 and chunks over 64 rows; elsewhere it is refused with
+// FailedPrecondition and kAuto runs the mma.sync kernel.
+TEST(CudaPrefillAttention, WgmmaKernelOnSm90) {
+  TANDEM_SKIP_WITHOUT_GPU();
+  int device = 0, major = 0, minor = 0;
+  CUDA_ASSERT_OK(cudaGetDevice(&device));
+  CUDA_ASSERT_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  CUDA_ASSERT_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  Case c;
+  c.requests = {{200, 300}, {65, 65}};
+  const Inputs in = MakeInputs(c);
+  DeviceCase dev(c, in);
+  const absl::Status wgmma = PrefillAttention(dev.Params(true), nullptr, PrefillKernel::kWgmma);
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  if (major == 9 && minor == 0) {
+    ASSERT_TRUE(wgmma.ok()) << wgmma;
+    std::vector<float> out_auto, lse_auto, out_wgmma, lse_wgmma;
+    ASSERT_NO_FATAL_FAILURE(dev.Run(true, &out_auto, &lse_auto, PrefillKernel::kAuto));
+    ASSERT_NO_FATAL_FAILURE(dev.Run(true, &out_wgmma, &lse_wgmma, PrefillKernel::kWgmma));
+    EXPECT_EQ(std::memcmp(out_auto.data(), out_wgmma.data(), out_auto.size() * sizeof(float)), 0)
+        << "kAuto did not run the wgmma kernel";
+  } else {
+    EXPECT_TRUE(absl::IsFailedPrecondition(wgmma)) << wgmma;
+  }
+  // Never for head_dim 64 or chunks of at most 64 rows.
+  AttentionParams p = dev.Params(true);
+  p.max_q_len = 64;
+  EXPECT_TRUE(absl::IsFailedPrecondition(PrefillAttention(p, nullptr, PrefillKernel::kWgmma)));
 }
 
 // ---- single requests over head layouts and head dims -----------------------------------------
