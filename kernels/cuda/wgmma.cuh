@@ -58,6 +58,49 @@ __device__ __forceinline__ void FenceRegs(uint32_t (&r)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
+// mbarrier in shared memory (`bar`: a shared-state-space address of 8 bytes, 8-byte aligned).
+__device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// An arrival on `bar` once every cp.async this thread issued before it has completed; it counts
+// against the count given at init (.noinc).
+__device__ __forceinline__ void MbarArriveOnCpAsync(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of `bar` with parity `parity` has completed.
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// Hands registers between warpgroups (every warp of a warpgroup must run the same one).
+template <int N>
+__device__ __forceinline__ void SetMaxRegsDec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void SetMaxRegsInc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// Arrives at named barrier kId (counted among `threads`) without waiting for it.
+template <int kId>
+__device__ __forceinline__ void NamedBarrierArrive(int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "r"(threads) : "memory");
+}
+// A barrier among `threads` threads (a multiple of 32) with id 1 .. 15 (0 is __syncthreads).
+template <int kId>
+__device__ __forceinline__ void NamedBarrier(int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "r"(threads) : "memory");
+}
+
 // d (+)= a · b, m64n128k16, bf16 operands, fp32 accumulators; a and b in shared memory, both
 // K-major. accumulate == 0 overwrites d.
 __device__ __forceinline__ void WgmmaM64N128K16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
