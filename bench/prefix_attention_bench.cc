@@ -3,7 +3,7 @@
 //
 //   prefix_attention_bench [--models llama3-8b,llama-13b] [--batches 64,128,256,512]
 //                          [--prefixes 1024,4096,16384,32768] [--suffixes 64,256,1024,2048]
-//                          [--reps N] [--quick] [--crossover]
+//                          [--reps N] [--quick] [--crossover] [--prefill-kernel auto|mma|wgmma]
 //
 // Main table (default): B decode rows share one prefix of P keys and each has S keys of its own
 // (the suffix, its newest key included). One layer's KV pool in bf16, P + B·S slots in a random
@@ -82,6 +82,9 @@
 namespace {
 
 namespace kc = ::tandem::kernels::cuda;
+
+// The prefix launches' kernel (--prefill-kernel; ops.h PrefillKernel).
+kc::PrefillKernel g_prefill_kernel = kc::PrefillKernel::kAuto;
 
 #define BENCH_OK(expr)                                                            \
   do {                                                                            \
@@ -422,7 +425,8 @@ Result RunScenario(const Scenario& sc, const L2Flusher& flush, cudaStream_t s, c
     cr.v = var;
     if (!var.overlapped) {
       cr.us = TimeStages(
-          {[&] { BENCH_OK(kc::GatherRows(gp, s)); }, [&] { BENCH_OK(kc::PrefillAttention(prep, s)); },
+          {[&] { BENCH_OK(kc::GatherRows(gp, s)); },
+           [&] { BENCH_OK(kc::PrefillAttention(prep, s, g_prefill_kernel)); },
            [&] { BENCH_OK(kc::DecodeAttention(own, own_plan, own_ws.get(), s)); }, [&] { merge(s); }},
           2, sc.reps, flush, s);
     } else {
@@ -435,7 +439,7 @@ Result RunScenario(const Scenario& sc, const L2Flusher& flush, cudaStream_t s, c
                            BENCH_CUDA(cudaEventRecord(fork, s));
                            BENCH_CUDA(cudaStreamWaitEvent(s2, fork, 0));
                            BENCH_OK(kc::GatherRows(gp, s2));
-                           BENCH_OK(kc::PrefillAttention(prep, s2));
+                           BENCH_OK(kc::PrefillAttention(prep, s2, g_prefill_kernel));
                            BENCH_CUDA(cudaEventRecord(join, s2));
                            BENCH_OK(kc::DecodeAttention(own, own_plan, own_ws.get(), s));
                            BENCH_CUDA(cudaStreamWaitEvent(s, join, 0));
@@ -536,11 +540,20 @@ Options ParseArgs(int argc, char** argv) {
       o.suffixes = {256, 2048};
     } else if (a == "--crossover") {
       o.crossover = true;
+    } else if (a == "--prefill-kernel" && has_value) {
+      const std::string k = argv[++i];
+      if (k != "auto" && k != "mma" && k != "wgmma") {
+        std::fprintf(stderr, "--prefill-kernel: auto, mma or wgmma, got %s\n", k.c_str());
+        std::exit(2);
+      }
+      g_prefill_kernel = k == "mma"     ? kc::PrefillKernel::kMmaSync
+                         : k == "wgmma" ? kc::PrefillKernel::kWgmma
+                                        : kc::PrefillKernel::kAuto;
     } else {
       std::fprintf(stderr,
                    "usage: %s [--models llama3-8b,llama-13b] [--batches 64,128,256,512]\n"
                    "  [--prefixes 1024,4096,16384,32768] [--suffixes 64,256,1024,2048] [--reps N] [--quick]\n"
-                   "  [--crossover]\n",
+                   "  [--crossover] [--prefill-kernel auto|mma|wgmma]\n",
                    argv[0]);
       std::exit(a == "--help" || a == "-h" ? 0 : 2);
     }
