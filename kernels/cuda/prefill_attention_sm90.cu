@@ -15,9 +15,10 @@
 // ("free" mbarriers, K and V apart: a K tile is free once its Q·Kᵀ is done, before the P·V that
 // reads the V tile beside it). No CTA-wide barrier after the set-up: the consumers (216 registers)
 // meet only at their turns (below). The producer's instructions are what bounds the kernel (with
-// its copies left out, the consumers alone run at 74-88% of the GEMM rate): each copy is the plain
-// 16-byte cp.async (a row without a slot reads 16 zero bytes from global memory instead of using
-// the zero-filling form, which cost 10-15%), slots are read once per row for K and V.
+// its copies left out, the consumers alone ran at 74-88% of the GEMM rate on an H200): each copy
+// is the plain 16-byte cp.async (a row without a slot reads 16 zero bytes from global memory
+// instead of using the zero-filling form) and each slot is read once for K and V, which together
+// took 16K-token chunks from 430 to 469 TFLOP/s.
 //
 // Per key tile and consumer: S (64 × 128, fp32) = Q · Kᵀ with 8 wgmma m64n128k16 (Q and K in
 // shared memory, both K-major); the causal mask and the online softmax in registers (log2
