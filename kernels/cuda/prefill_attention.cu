@@ -34,6 +34,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/prefill_attention_launch.h"
 #include "kernels/cuda/prefill_attention_sm90.h"
 
 namespace tandem::kernels::cuda {
@@ -61,19 +62,7 @@ struct PrefillConfig {
   static_assert(kLoadRows <= 32 && kLoadRows % kRowsPerPass == 0, "K/V load mapping");
 };
 
-struct KernelArgs {
-  const bf16* q;
-  const bf16* k_cache;
-  const bf16* v_cache;
-  bf16* out;
-  float* lse;
-  const int32_t* q_indptr;
-  const int32_t* kv_indptr;
-  const int32_t* kv_slots;
-  int64_t num_slots;
-  int num_heads, num_kv_heads;
-  float scale, scale_log2;
-};
+using KernelArgs = PrefillKernelArgs;
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile with kChunks chunks per row. The low
 // three bits of the chunk index are XORed with the row, so the 8 rows read by one ldmatrix phase
@@ -385,34 +374,12 @@ absl::Status Invalid(absl::string_view what) {
 
 template <class C>
 absl::Status Launch(const AttentionParams& p, cudaStream_t stream) {
-  const int64_t m_tiles = (p.max_q_len + C::kBlockM - 1) / C::kBlockM;
-  if (m_tiles > 65535) {
-    return Invalid(
-        absl::StrCat("max_q_len ", p.max_q_len, " needs more than 65535 tiles of ", C::kBlockM, " rows"));
-  }
-  const int64_t ctas_x = p.num_heads * p.num_requests;
-  if (ctas_x > std::numeric_limits<int32_t>::max()) {
-    return Invalid(absl::StrCat("num_heads * num_requests = ", ctas_x, " exceeds the grid limit"));
-  }
-  KernelArgs args;
-  args.q = p.q;
-  args.k_cache = p.k_cache;
-  args.v_cache = p.v_cache;
-  args.out = p.out;
-  args.lse = p.lse;
-  args.q_indptr = p.q_indptr;
-  args.kv_indptr = p.kv_indptr;
-  args.kv_slots = p.kv_slots;
-  args.num_slots = p.num_slots;
-  args.num_heads = static_cast<int>(p.num_heads);
-  args.num_kv_heads = static_cast<int>(p.num_kv_heads);
-  args.scale = p.scale;
-  args.scale_log2 = p.scale * 1.4426950408889634f;
+  ASSIGN_OR_RETURN(const dim3 grid, PrefillGrid(p, C::kBlockM));
+  const KernelArgs args = MakePrefillKernelArgs(p);
   auto* kernel = p.causal ? &PrefillAttentionKernel<C, true> : &PrefillAttentionKernel<C, false>;
   // A host-side attribute, not a stream operation: allowed while a graph is being captured.
   CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
-  const dim3 grid(static_cast<unsigned>(ctas_x), static_cast<unsigned>(m_tiles));
   kernel<<<grid, C::kThreads, C::kSmemBytes, stream>>>(args);
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();

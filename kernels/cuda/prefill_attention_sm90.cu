@@ -45,6 +45,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/mma.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/prefill_attention_launch.h"
 #include "kernels/cuda/prefill_attention_sm90.h"
 #include "kernels/cuda/wgmma.cuh"
 
@@ -70,19 +71,7 @@ constexpr int kProducerRegs = 64, kConsumerRegs = 216;
 // 16 zero bytes in global memory: the source of a K/V row without a slot.
 __device__ const uint4 kZero16[1] = {{0u, 0u, 0u, 0u}};
 
-struct KernelArgs {
-  const bf16* q;
-  const bf16* k_cache;
-  const bf16* v_cache;
-  bf16* out;
-  float* lse;
-  const int32_t* q_indptr;
-  const int32_t* kv_indptr;
-  const int32_t* kv_slots;
-  int64_t num_slots;
-  int num_heads, num_kv_heads;
-  float scale, scale_log2;
-};
+using KernelArgs = PrefillKernelArgs;
 
 // Byte offset of 16-byte chunk `chunk` (0 .. 15) of row `row` (0 .. 127) in a swizzled tile.
 __device__ __forceinline__ uint32_t TileOffset(int row, int chunk) {
@@ -450,33 +439,10 @@ bool PrefillAttentionSm90Supported(const AttentionParams& p) {
 }
 
 absl::Status PrefillAttentionSm90(const AttentionParams& p, cudaStream_t stream) {
-  const int64_t m_tiles = (p.max_q_len + kBlockM - 1) / kBlockM;
-  if (m_tiles > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("PrefillAttention: max_q_len ", p.max_q_len,
-                                                   " needs more than 65535 tiles of ", kBlockM, " rows"));
-  }
-  const int64_t ctas_x = p.num_heads * p.num_requests;
-  if (ctas_x > 0x7fffffff) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("PrefillAttention: num_heads * num_requests = ", ctas_x, " exceeds the grid limit"));
-  }
-  KernelArgs args;
-  args.q = p.q;
-  args.k_cache = p.k_cache;
-  args.v_cache = p.v_cache;
-  args.out = p.out;
-  args.lse = p.lse;
-  args.q_indptr = p.q_indptr;
-  args.kv_indptr = p.kv_indptr;
-  args.kv_slots = p.kv_slots;
-  args.num_slots = p.num_slots;
-  args.num_heads = static_cast<int>(p.num_heads);
-  args.num_kv_heads = static_cast<int>(p.num_kv_heads);
-  args.scale = p.scale;
-  args.scale_log2 = p.scale * 1.4426950408889634f;
+  ASSIGN_OR_RETURN(const dim3 grid, PrefillGrid(p, kBlockM));
+  const KernelArgs args = MakePrefillKernelArgs(p);
   auto* kernel = p.causal ? &PrefillAttentionSm90Kernel<true> : &PrefillAttentionSm90Kernel<false>;
   CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  const dim3 grid(static_cast<unsigned>(ctas_x), static_cast<unsigned>(m_tiles));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(args);
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
