@@ -293,9 +293,13 @@ absl::Status RunCompute(const ComputeArgs& a) {
       absl::StrAppend(&stats.recovery, stats.recovery.empty() ? "" : "; ", es.compute_ranks_lost,
                       " compute replica(s) lost, ", es.steps_rerun, " step(s) rerun on the survivors");
     } else if (es.steps_rerun > 0) {
-      // A memory rank lost while replicas ran: they were released, the step rerun on compute rank 0.
-      absl::StrAppend(&stats.recovery, stats.recovery.empty() ? "" : "; ", "the compute replicas released, ",
-                      es.steps_rerun, " step(s) rerun on compute rank 0");
+      // A memory rank lost while replicas ran: the step rerun on the same compute ranks.
+      absl::StrAppend(&stats.recovery, stats.recovery.empty() ? "" : "; ", es.steps_rerun,
+                      " step(s) rerun without the lost memory rank");
+    }
+    if (es.compute_replicas_kept > 0 || es.compute_replicas_released > 0) {
+      absl::StrAppend(&stats.recovery, "; compute replicas kept ", es.compute_replicas_kept, ", released ",
+                      es.compute_replicas_released, ", ", es.compute_ranks_live, " compute rank(s) running");
     }
     TANDEM_LOG_WARN("compute", "recovery: ", stats.recovery);
   }

@@ -161,8 +161,7 @@ absl::StatusOr<absl::Span<const uint8_t>> Unframe(absl::Span<const uint8_t> fram
         " (versions 2 to 4 changed the hello, step plan and replica result layouts; 5 added the heartbeat; "
         "6 the rotational pipeline's hello field and messages; 7 the step discard; 8 the step plan's "
         "next-use records; 9 the evictions' tokens and the persisted blocks report; 10 the restores' "
-        "segments "
-        "and the hello's rope)"));
+        "segments and the hello's rope; 11 the step discard's lost memory ranks)"));
   }
   ASSIGN_OR_RETURN(uint16_t header_bytes, r.U16("header_bytes"));
   if (header_bytes != kFrameHeaderBytes) {
@@ -1299,20 +1298,28 @@ absl::StatusOr<HeartbeatReplyMessage> DecodeHeartbeatReply(absl::Span<const uint
 }
 
 std::vector<uint8_t> EncodeStepDiscard(const StepDiscardMessage& m) {
+  TANDEM_CHECK(m.lost_memory_ranks.size() <= std::numeric_limits<uint16_t>::max());
+  TANDEM_CHECK(std::adjacent_find(m.lost_memory_ranks.begin(), m.lost_memory_ranks.end(),
+                                  [](uint16_t a, uint16_t b) { return a >= b; }) ==
+               m.lost_memory_ranks.end());
   std::vector<uint8_t> body;
-  body.reserve(kStepDiscardBodyBytes);
+  body.reserve(kStepDiscardFixedBytes + 2 * m.lost_memory_ranks.size());
   Writer w(&body);
   w.U64(m.step_id);
   w.U64(m.seqno_base);
   w.U8(m.compute_mask);
-  w.Zeros(7);
+  w.Zeros(1);
+  w.U16(static_cast<uint16_t>(m.lost_memory_ranks.size()));
+  w.Zeros(4);
+  for (uint16_t rank : m.lost_memory_ranks) w.U16(rank);
   return Frame(kStepDiscardMagic, body);
 }
 
 absl::StatusOr<StepDiscardMessage> DecodeStepDiscard(absl::Span<const uint8_t> frame) {
   constexpr std::string_view kWhat = "step discard";
   ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kStepDiscardMagic, kWhat));
-  RETURN_IF_ERROR(CheckBodySize(body, kStepDiscardBodyBytes, kWhat));
+  if (body.size() < kStepDiscardFixedBytes)
+    RETURN_IF_ERROR(CheckBodySize(body, kStepDiscardFixedBytes, kWhat));
   Reader r(body, kFrameHeaderBytes, kWhat);
   StepDiscardMessage m;
   ASSIGN_OR_RETURN(m.step_id, r.U64("step_id"));
@@ -1326,7 +1333,25 @@ absl::StatusOr<StepDiscardMessage> DecodeStepDiscard(absl::Span<const uint8_t> f
         "step discard: compute_mask 0x%02x at byte offset 32 must have bit 0 (compute rank 0) set",
         m.compute_mask));
   }
-  RETURN_IF_ERROR(r.Reserved("reserved", 7));
+  RETURN_IF_ERROR(r.Reserved("reserved", 1));
+  ASSIGN_OR_RETURN(const uint16_t lost, r.U16("lost_count"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 4));
+  if (static_cast<size_t>(lost) * 2 != r.remaining()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step discard: lost_count ", lost, " at byte offset 34 needs a body of ",
+                     kStepDiscardFixedBytes + 2 * static_cast<size_t>(lost), " bytes, not ", body.size()));
+  }
+  m.lost_memory_ranks.reserve(lost);
+  for (uint16_t i = 0; i < lost; ++i) {
+    ASSIGN_OR_RETURN(const uint16_t rank, r.U16("lost_memory"));
+    if (!m.lost_memory_ranks.empty() && rank <= m.lost_memory_ranks.back()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("step discard: lost memory rank ", rank, " at byte offset ",
+                       kFrameHeaderBytes + kStepDiscardFixedBytes + 2 * i,
+                       " must be above the one before it (", m.lost_memory_ranks.back(), ")"));
+    }
+    m.lost_memory_ranks.push_back(rank);
+  }
   return m;
 }
 

@@ -31,7 +31,7 @@
 //                                 'T','D','R','G' replica ring         0x47524454
 //                                 'T','D','S','D' step discard         0x44534454
 //                                 'T','D','P','B' persisted blocks     0x42504454
-//        4     2  version       u16, kWireVersion (10); a newer one decodes as Unimplemented, an
+//        4     2  version       u16, kWireVersion (11); a newer one decodes as Unimplemented, an
 //                               older one as InvalidArgument (one build runs every rank).
 //                               Version 2 added the hello's partition and KV head slice (its
 //                               body grew from 56 to 64 bytes); version 3 the step plan's
@@ -55,9 +55,11 @@
 //                               the persisted blocks report; version 10 the restores' segments
 //                               (each PrefixRestore record's segment_count, reserved before, and
 //                               the PrefixSegment records after the evictions' tokens) and the
-//                               hello's rope (its body grew from 72 to 112 bytes); the other
-//                               layouts are unchanged
-//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 10
+//                               hello's rope (its body grew from 72 to 112 bytes); version 11
+//                               the step discard's lost memory ranks (lost_count in its bytes
+//                               18..19, reserved before, and the ranks after its 24 bytes); the
+//                               other layouts are unchanged
+//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 11
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
 //
@@ -339,8 +341,9 @@
 //        8     2  memory_rank  u16  the memory rank's index; a compute replica's compute rank
 //       10     6  reserved     must be 0
 //
-// Step discard body (compute rank 0 -> memory ranks and surviving compute replicas, when a compute
-// replica was lost; 24 bytes; docs/architecture.md, "Failures"):
+// Step discard body (compute rank 0 -> memory ranks and compute replicas, when a compute replica
+// was lost, or a memory rank while replicas run; 24 bytes, then 2 per lost memory rank;
+// docs/architecture.md, "Failures"):
 //
 //   offset  size  field          notes
 //   ------  ----  -------------  -------------------------------------------------------------------
@@ -355,8 +358,18 @@
 //                                     always set, no bit at or above the hello's compute_ranks. The
 //                                     survivors, in rank order, are the pipeline's compute ranks
 //                                     0, 1, ... from now on (common/pipeline_schedule.h with their
-//                                     count; one left: every lane on compute rank 0)
-//       17     7  reserved       must be 0
+//                                     count; one left: every lane on compute rank 0). A replica
+//                                     whose bit is clear is released (it stops, exit status 0); one
+//                                     whose bit is set goes on as its place among the survivors and
+//                                     answers with a compute hello (as at start-up) once it has
+//                                     applied the discard
+//       17     1  reserved       must be 0
+//       18     2  lost_count     u16  how many memory ranks follow
+//       20     4  reserved       must be 0
+//       24  2·n   lost_memory    u16 each, strictly ascending: every memory rank compute rank 0
+//                                     has given up so far; a replica that goes on sends them
+//                                     nothing and awaits nothing from them (a memory rank ignores
+//                                     the list)
 //
 // Persisted blocks report body (memory rank -> compute rank 0, right after the hello reply when
 // its `persisted` byte is 1: the blocks the rank's disk tier found at start, with their tokens,
@@ -409,7 +422,7 @@
 
 namespace tandem {
 
-inline constexpr uint16_t kWireVersion = 10;
+inline constexpr uint16_t kWireVersion = 11;
 inline constexpr uint32_t kStepPlanMagic = 0x50534454;      // "TDSP" on the wire
 inline constexpr uint32_t kLayerMessageMagic = 0x4d4c4454;  // "TDLM" on the wire
 inline constexpr size_t kFrameHeaderBytes = 16;
@@ -456,7 +469,7 @@ inline constexpr uint32_t kHeartbeatMagic = 0x42484454;        // "TDHB" on the 
 inline constexpr uint32_t kHeartbeatReplyMagic = 0x41484454;   // "TDHA" on the wire
 inline constexpr size_t kHeartbeatBodyBytes = 16;              // heartbeat and heartbeat reply bodies
 inline constexpr uint32_t kStepDiscardMagic = 0x44534454;      // "TDSD" on the wire
-inline constexpr size_t kStepDiscardBodyBytes = 24;            // step discard body
+inline constexpr size_t kStepDiscardFixedBytes = 24;           // step discard body before the lost ranks
 inline constexpr uint32_t kPersistedBlocksMagic = 0x42504454;  // "TDPB" on the wire
 inline constexpr size_t kPersistedBlocksFixedBytes = 8;        // persisted blocks body before the blocks
 inline constexpr size_t kPersistedBlockFixedBytes = 24;        // one block record before its tokens
@@ -800,13 +813,15 @@ struct HeartbeatReplyMessage {
   friend bool operator==(const HeartbeatReplyMessage&, const HeartbeatReplyMessage&) = default;
 };
 
-// Compute rank 0 -> memory ranks and surviving compute replicas: a compute replica is lost; drop
-// step `step_id` where it is and run it again with the compute ranks of `compute_mask`, every
-// doorbell seqno starting again from `seqno_base` (see the body layout above).
+// Compute rank 0 -> memory ranks and compute replicas: a compute replica is lost, or a memory rank
+// while replicas run; drop step `step_id` where it is and run it again with the compute ranks of
+// `compute_mask`, every doorbell seqno starting again from `seqno_base`, without the memory ranks
+// of `lost_memory_ranks` (see the body layout above).
 struct StepDiscardMessage {
-  uint64_t step_id = 0;      // 0: none in flight
-  uint64_t seqno_base = 1;   // >= 1
-  uint8_t compute_mask = 1;  // bit 0 always set
+  uint64_t step_id = 0;                     // 0: none in flight
+  uint64_t seqno_base = 1;                  // >= 1
+  uint8_t compute_mask = 1;                 // bit 0 always set
+  std::vector<uint16_t> lost_memory_ranks;  // strictly ascending
 
   friend bool operator==(const StepDiscardMessage&, const StepDiscardMessage&) = default;
 };
@@ -902,8 +917,9 @@ std::vector<uint8_t> EncodeHeartbeat(const HeartbeatMessage& heartbeat);
 absl::StatusOr<HeartbeatMessage> DecodeHeartbeat(absl::Span<const uint8_t> frame);
 std::vector<uint8_t> EncodeHeartbeatReply(const HeartbeatReplyMessage& reply);
 absl::StatusOr<HeartbeatReplyMessage> DecodeHeartbeatReply(absl::Span<const uint8_t> frame);
-// Decoding refuses seqno_base 0 and a compute_mask without bit 0 (the receiver checks the mask
-// against its compute ranks).
+// Encoding CHECKs that lost_memory_ranks is strictly ascending and fits a u16 count; decoding
+// refuses seqno_base 0, a compute_mask without bit 0 (the receiver checks the mask against its
+// compute ranks), a body whose size is not 24 + 2 * lost_count, and lost ranks out of order.
 std::vector<uint8_t> EncodeStepDiscard(const StepDiscardMessage& discard);
 absl::StatusOr<StepDiscardMessage> DecodeStepDiscard(absl::Span<const uint8_t> frame);
 // Encoding CHECKs that the body fits in kMaxPersistedBlocksBodyBytes (SplitPersistedBlocks makes

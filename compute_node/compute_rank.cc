@@ -1,6 +1,7 @@
 #include "compute_node/compute_rank.h"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 
 #include "absl/strings/match.h"
@@ -76,7 +77,7 @@ absl::StatusOr<std::unique_ptr<ComputeRank>> ComputeRank::Create(const WeightSou
   }
   std::unique_ptr<ComputeRank> r(new ComputeRank());
   r->options_ = options;
-  r->compute_ranks_ = static_cast<int>(compute_ranks);
+  r->compute_ranks_ = r->initial_compute_ranks_ = static_cast<int>(compute_ranks);
   RETURN_IF_ERROR(r->Connect(source));
   return r;
 }
@@ -317,6 +318,7 @@ absl::Status ComputeRank::ConnectReplicas(absl::Time deadline) {
   for (size_t r = 0; r < options_.replica_addresses.size(); ++r) {
     Replica replica;
     replica.name = absl::StrCat("compute rank ", r + 1, " (", options_.replica_addresses[r], ")");
+    replica.place = static_cast<int>(r + 1);
     absl::StatusOr<uint32_t> peer = transport_->Connect(options_.replica_addresses[r]);
     if (!peer.ok()) return Annotate(peer.status(), replica.name);
     replica.peer = *peer;
@@ -465,14 +467,15 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
 }
 
 bool ComputeRank::CanRecoverReplica() const {
-  // The step runs again on compute rank 0 alone, the other replicas released: the host-staged path
-  // (the memory ranks' waits can be left). Keeping the survivors would need lanes of the lost one
-  // on them and, for rotational, a new ring (docs/architecture.md, "Failures").
+  // The step runs again on the surviving compute ranks: the host-staged path (the memory ranks'
+  // and the replicas' waits can be left). Under pipeline.mode rotational the other replicas are
+  // released instead: keeping them would need a new ring (docs/architecture.md, "Failures").
   return options_.recover_compute_replicas && !device_path_ && compute_rank_ == 0 && compute_ranks_ >= 2;
 }
 
-bool ComputeRank::CanRecoverAlone() const {
-  // Memory-rank recovery (CanRecover) applies once compute rank 0 is alone.
+bool ComputeRank::CanRecoverWithReplicas() const {
+  // The step is discarded on every rank and run again without the memory rank, by the same compute
+  // ranks (told which memory ranks are lost); with one compute rank CanRecover applies instead.
   return options_.recover_memory_ranks && !device_path_ && !head_ && compute_rank_ == 0 && compute_ranks_ > 1;
 }
 
@@ -516,7 +519,7 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
           if (err.ok())
             find(r, Annotate(StatusFromErrorMessage(*err), absl::StrCat(replicas_[r].name, " stopped")));
         } else {
-          (void)TakeReplicaHeartbeatReply(r, msg);  // a late result of the failed step is dropped
+          (void)TakeReplicaControl(r, msg);  // a late result of the failed step is dropped
         }
       }
     }
@@ -528,7 +531,7 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
     }
   };
   // A memory rank whose connection failed: the moment for a replica's disconnect is not waited out
-  // (whichever failed, compute rank 0 goes on alone).
+  // (whichever failed, the step is discarded and run again).
   auto memory_failed = [&] {
     return std::any_of(ranks_.begin(), ranks_.end(), [&](const Rank& rank) {
       return !rank.lost && !transport_->PeerStatus(rank.peer).ok();
@@ -539,7 +542,7 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
       absl::Now() + (absl::IsDeadlineExceeded(ran) ? absl::ZeroDuration() : absl::Seconds(1));
   do {
     peer_failed();
-    if (failed.has_value() || !memory_told.ok() || (CanRecoverAlone() && memory_failed())) break;
+    if (failed.has_value() || !memory_told.ok() || (CanRecoverWithReplicas() && memory_failed())) break;
     drain(std::min(until, absl::Now() + absl::Milliseconds(50)));
   } while (absl::Now() < until);
   if (!failed.has_value() && memory_told.ok() && absl::IsDeadlineExceeded(ran)) {
@@ -583,11 +586,11 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
     failed_ranks_.clear();  // a memory rank that waited on the replica is not to blame
     return LoseReplica(*failed, failed_why, step_id);
   }
-  if (!failed.has_value() && CanRecoverAlone()) {
+  if (!failed.has_value() && CanRecoverWithReplicas()) {
     // No replica failed: a memory rank did (it said so, its connection failed, or, when neither,
-    // a wait for it passed its deadline while every replica answered: failed_ranks_). The replicas
-    // are released and compute rank 0 goes on alone, where the rank can be given up and its
-    // requests recomputed.
+    // a wait for it passed its deadline while every replica answered: failed_ranks_). The rank is
+    // given up, its requests to be recomputed, and the step runs again on the same compute ranks,
+    // which the step discard tells that the rank is lost.
     std::vector<std::pair<size_t, absl::Status>> lose;
     if (told_rank.has_value()) lose.emplace_back(*told_rank, memory_told);
     for (size_t m = 0; m < ranks_.size(); ++m) {
@@ -599,12 +602,11 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
     failed_ranks_.clear();
     if (!lose.empty()) {
       TANDEM_LOG_WARN("compute", "step ", step_id, " failed: ", ran.message(),
-                      "; compute rank 0 releases the compute replicas to recover ",
-                      ranks_[lose[0].first].name);
-      ASSIGN_OR_RETURN(const std::string released, GoAlone(step_id, lose));
-      TANDEM_LOG_WARN("compute", "step ", step_id,
-                      " runs again, and compute rank 0 runs every micro-batch from now on",
-                      released.empty() ? std::string() : absl::StrCat(" (released: ", released, ")"));
+                      "; compute rank 0 discards it to recover ", ranks_[lose[0].first].name);
+      ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(step_id, lose, /*keep=*/true));
+      TANDEM_LOG_WARN("compute", "step ", step_id, " runs again without it on ", compute_ranks_,
+                      " compute rank(s)",
+                      regrouped.kept.empty() ? std::string() : absl::StrCat(" (kept: ", regrouped.kept, ")"));
       return absl::OkStatus();
     }
   }
@@ -627,62 +629,155 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
 absl::Status ComputeRank::LoseReplica(size_t r, const absl::Status& why, uint64_t step_id) {
   Replica& replica = replicas_[r];
   replica.lost = true;
+  replica.unanswered = 0;
   transport_->Close(replica.peer);      // its failure no longer fails waits on the others
   retired_peers_.insert(replica.peer);  // and whatever it still sends is dropped
   ++compute_ranks_lost_;
-  ASSIGN_OR_RETURN(const std::string released, GoAlone(step_id, {}));
-  TANDEM_LOG_WARN("compute", "giving up ", replica.name, ": ", why.message(), "; ",
-                  step_id != 0 ? absl::StrCat("step ", step_id, " runs again, and ") : std::string(),
-                  "compute rank 0 runs every micro-batch from now on (", compute_ranks_lost_,
-                  " compute replica(s) lost",
-                  released.empty() ? std::string() : absl::StrCat("; released: ", released), ")");
+  // Under pipeline.mode fixed the others go on, each as its place among the survivors; under
+  // rotational they are released: the ring would need to be connected anew without the lost rank.
+  const bool keep = options_.slice_layers == 0;
+  ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(step_id, {}, keep));
+  TANDEM_LOG_WARN(
+      "compute", "giving up ", replica.name, ": ", why.message(), "; ",
+      step_id != 0 ? absl::StrCat("step ", step_id, " runs again, and ") : std::string(),
+      compute_ranks_ == 1 ? std::string("compute rank 0 runs every micro-batch from now on")
+                          : absl::StrCat(compute_ranks_, " compute ranks run the micro-batches from now on"),
+      " (", compute_ranks_lost_, " compute replica(s) lost",
+      regrouped.kept.empty() ? std::string() : absl::StrCat("; kept: ", regrouped.kept),
+      regrouped.released.empty() ? std::string() : absl::StrCat("; released: ", regrouped.released), ")");
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> ComputeRank::GoAlone(uint64_t step_id,
-                                                 std::span<const std::pair<size_t, absl::Status>> lose) {
-  // The replicas still running are released: their connections let go first (their leaving is
-  // expected, and whatever they still send is dropped), the step discard that tells them below.
-  std::vector<size_t> released;
+absl::Status ComputeRank::MarkRankLost(size_t m, const absl::Status& why) {
+  Rank& rank = ranks_[m];
+  if (rank.lost) return absl::OkStatus();
+  rank.lost = true;
+  transport_->Close(rank.peer);      // its failure no longer fails waits on the others
+  retired_peers_.insert(rank.peer);  // and whatever it still sends is dropped
+  lost_in_step_.push_back(m);
+  ++memory_ranks_lost_;
+  TANDEM_LOG_WARN("compute", "giving up ", rank.name, ": ", why.message());
+  const bool any = std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return !r.lost; });
+  if (!any) return Annotate(why, "every memory rank is lost");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ComputeRank::Regrouped> ComputeRank::Regroup(
+    uint64_t step_id, std::span<const std::pair<size_t, absl::Status>> lose, bool keep) {
+  // The replicas still running are kept, each the pipeline's compute rank of its place among them
+  // (in rank order), or released: their connections let go first (their leaving is expected, and
+  // whatever they still send is dropped), the step discard below tells them.
+  std::vector<size_t> kept, released;
+  uint8_t mask = 1;
   for (size_t r = 0; r < replicas_.size(); ++r) {
     Replica& replica = replicas_[r];
     if (replica.lost) continue;
+    if (keep) {
+      kept.push_back(r);
+      replica.place = static_cast<int>(kept.size());
+      ++replica.unanswered;
+      mask = static_cast<uint8_t>(mask | (1u << (r + 1)));
+      continue;
+    }
     replica.lost = true;
+    replica.unanswered = 0;
     transport_->Close(replica.peer);
     retired_peers_.insert(replica.peer);
     released.push_back(r);
   }
-  // Compute rank 0 alone: every micro-batch on it, the pipeline's micro-batches kept (pingpong).
-  compute_ranks_ = 1;
-  schedule_ = PipelineSchedule{.compute_ranks = 1, .slice_layers = 0};
+  // The micro-batches over the compute ranks that go on: a pipeline of that many ranks (one left:
+  // every micro-batch on compute rank 0, the pipeline's micro-batches kept, pingpong).
+  compute_ranks_ = 1 + static_cast<int>(kept.size());
+  TANDEM_CHECK_MSG(
+      options_.slice_layers == 0 || compute_ranks_ == 1 || compute_ranks_ == initial_compute_ranks_,
+      "a rotational pipeline keeps its replicas only with its ring whole");
+  schedule_ = PipelineSchedule{.compute_ranks = compute_ranks_,
+                               .slice_layers = compute_ranks_ > 1 ? options_.slice_layers : 0};
   for (size_t j = 0; j < lanes_.size(); ++j) {
+    if (!Runs(j)) continue;  // a replica's
     RETURN_IF_ERROR(SetUpLane(j));
     for (size_t m = 0; m < ranks_.size(); ++m) RETURN_IF_ERROR(SetUpRankLane(m, j));
   }
-  // Memory ranks to give up (CanRecover holds now): before the discard, which they do not get.
-  for (const auto& [m, why] : lose) RETURN_IF_ERROR(LoseRank(m, why));
+  // Memory ranks to give up: before the discard, which they do not get and which names them.
+  for (const auto& [m, why] : lose) RETURN_IF_ERROR(MarkRankLost(m, why));
   // Every doorbell starts again above anything written so far, on every rank (doorbells only
-  // grow): a late write of the failed attempt can never satisfy a wait of the rerun.
-  const uint64_t base = ++seqno_ceiling_;
+  // grow): a late write of the failed attempt can never satisfy a wait of the rerun. A memory rank
+  // the discard cannot reach is given up too, and the discard goes out again (a new base) naming it.
+  StepDiscardMessage d{.step_id = step_id, .compute_mask = mask};
+  for (bool again = true; again;) {
+    again = false;
+    d.seqno_base = ++seqno_ceiling_;
+    d.lost_memory_ranks.clear();
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      if (ranks_[m].lost) d.lost_memory_ranks.push_back(static_cast<uint16_t>(m));
+    }
+    const std::vector<uint8_t> discard = EncodeStepDiscard(d);
+    for (size_t m = 0; m < ranks_.size() && !again; ++m) {
+      if (ranks_[m].lost) continue;
+      const absl::Status sent = transport_->Send(ranks_[m].peer, discard);
+      if (sent.ok()) continue;
+      if (!options_.recover_memory_ranks || head_) return Annotate(sent, ranks_[m].name);
+      RETURN_IF_ERROR(MarkRankLost(m, Annotate(sent, ranks_[m].name)));
+      again = true;
+    }
+  }
   for (Rank& rank : ranks_) {
-    for (RankLane& rl : rank.lanes) rl.seqno = base;
+    for (RankLane& rl : rank.lanes) rl.seqno = d.seqno_base;
   }
-  for (Lane& lane : lanes_) lane.resid_in_seqno = lane.resid_out_seqno = base;
-  const std::vector<uint8_t> discard =
-      EncodeStepDiscard({.step_id = step_id, .seqno_base = base, .compute_mask = 1});
-  for (size_t m = 0; m < ranks_.size(); ++m) {
-    if (ranks_[m].lost) continue;
-    const absl::Status sent = transport_->Send(ranks_[m].peer, discard);
-    if (!sent.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(sent, ranks_[m].name)));
+  for (Lane& lane : lanes_) lane.resid_in_seqno = lane.resid_out_seqno = d.seqno_base;
+  // The same discard keeps or releases each replica (a released one stops, exit status 0). Best
+  // effort: a kept one that cannot be told fails the rerun (its answer never comes) and is given
+  // up then; a released one leaves on its own deadlines.
+  const std::vector<uint8_t> discard = EncodeStepDiscard(d);
+  Regrouped names;
+  for (size_t r : kept) {
+    (void)transport_->Send(replicas_[r].peer, discard);
+    absl::StrAppend(&names.kept, names.kept.empty() ? "" : ", ", replicas_[r].name, " as compute rank ",
+                    replicas_[r].place);
   }
-  // The same discard releases a replica (it keeps none of them): it stops, exit status 0. Best
-  // effort: one that cannot be told leaves on its own deadlines.
-  std::vector<std::string> names;
   for (size_t r : released) {
     (void)transport_->Send(replicas_[r].peer, discard);
-    names.push_back(replicas_[r].name);
+    absl::StrAppend(&names.released, names.released.empty() ? "" : ", ", replicas_[r].name);
   }
-  return absl::StrJoin(names, ", ");
+  replicas_kept_ += static_cast<int64_t>(kept.size());
+  replicas_released_ += static_cast<int64_t>(released.size());
+  if (!kept.empty()) {
+    TANDEM_LOG_INFO("compute", "step discard",
+                    step_id != 0 ? absl::StrCat(" of step ", step_id) : std::string(), ": ", compute_ranks_,
+                    " compute ranks go on (kept: ", names.kept, "), seqnos from ", d.seqno_base,
+                    d.lost_memory_ranks.empty() ? std::string() : ", without the memory ranks lost");
+  }
+  for (size_t r : released) {
+    TANDEM_LOG_WARN("compute", "releasing ", replicas_[r].name, " (a step discard that does not keep it)");
+  }
+  return names;
+}
+
+absl::Status ComputeRank::AwaitKeptReplicas() {
+  const absl::Time deadline = absl::Now() + options_.step_timeout;
+  auto waiting = [&] {
+    return std::any_of(replicas_.begin(), replicas_.end(),
+                       [](const Replica& r) { return !r.lost && r.unanswered > 0; });
+  };
+  while (waiting()) {
+    std::vector<uint8_t> msg;
+    // The answers are taken by ReceiveFromRank (TakeReplicaControl), which then waits on: it is
+    // called for short slices, and what else comes is returned.
+    absl::StatusOr<size_t> got =
+        ReceiveFromRank(std::min(deadline, absl::Now() + absl::Milliseconds(20)),
+                        "the kept compute replicas' answers to the step discard", &msg);
+    if (!got.ok() && absl::IsDeadlineExceeded(got.status()) && absl::Now() < deadline) continue;
+    ASSIGN_OR_RETURN(const size_t from, std::move(got));
+    if (from < ranks_.size() && PeekFrameMagic(msg).value_or(0) == kRestoreReplyMagic) {
+      early_replies_.emplace_back(from, std::move(msg));  // read after the step (CollectRestoreReplies)
+      continue;
+    }
+    const std::string& name = from < ranks_.size() ? ranks_[from].name : replicas_[from - ranks_.size()].name;
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": unexpected message (magic 0x", absl::Hex(PeekFrameMagic(msg).value_or(0)),
+                     ") while the kept compute replicas' answers were awaited"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ComputeRank::WaitInput(uint32_t buffer, uint64_t seqno, absl::Time deadline) {
@@ -697,6 +792,7 @@ absl::Status ComputeRank::WaitInput(uint32_t buffer, uint64_t seqno, absl::Time 
     std::vector<uint8_t> msg;
     absl::Status got;
     while ((got = transport_->Receive(&from, &msg, absl::Now())).ok()) {
+      if (FromLostRank(from)) continue;  // whatever a memory rank given up still sends
       ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
       if (from == rank0_peer_ && magic == kHeartbeatMagic) {
         ASSIGN_OR_RETURN(const HeartbeatMessage beat, DecodeHeartbeat(msg));
@@ -745,11 +841,13 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
       }
     }
     RETURN_IF_ERROR(plans_sent);
-    // Each replica gets the parts it runs any layer of (fixed: its own; rotational: most often all).
+    // Replicas kept by a step discard first answer it: what they sent before is dropped.
+    RETURN_IF_ERROR(AwaitKeptReplicas());
+    // Each replica gets the parts it runs any layer of (fixed: its own; rotational: most often all),
+    // by its place among the compute ranks that go on.
     for (const PlannedStep& part : parts) {
       for (size_t r = 0; r < replicas_.size(); ++r) {
-        if (replicas_[r].lost ||
-            !schedule_.Touches(static_cast<int>(r + 1), part.plan.micro_batch, num_layers_))
+        if (replicas_[r].lost || !schedule_.Touches(replicas_[r].place, part.plan.micro_batch, num_layers_))
           continue;
         const ReplicaStepMessage msg{.plan = part.plan, .tokens = part.rows.tokens};
         RETURN_IF_ERROR(
@@ -784,7 +882,7 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
   // rank goes through (layer, micro-batch) in the same order, so what a rank waits for was sent
   // by a rank at an earlier (layer, micro-batch): no rank waits on another in a cycle.
   const uint32_t num_layers = static_cast<uint32_t>(num_layers_);
-  const int me = compute_rank_;
+  const int me = place_;
   for (size_t k : mine) {
     const size_t j = parts[k].plan.micro_batch;
     if (schedule_.OwnerOf(static_cast<int64_t>(j), 0) != me) {
@@ -863,9 +961,8 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
     if (!result.ok()) return Annotate(result.status(), replica.name);
     const size_t j = result->micro_batch;
     if (result->step_id != parts[0].plan.step_id || j >= n ||
-        static_cast<size_t>(schedule_.FinisherOf(static_cast<int64_t>(j), num_layers_)) !=
-            from - ranks_.size() + 1 ||
-        got[j] || result->tokens.size() != parts[j].rows.sample_rows.size()) {
+        schedule_.FinisherOf(static_cast<int64_t>(j), num_layers_) != replica.place || got[j] ||
+        result->tokens.size() != parts[j].rows.sample_rows.size()) {
       return absl::InvalidArgumentError(absl::StrCat(replica.name, ": a result for step ", result->step_id,
                                                      " micro-batch ", j, " with ", result->tokens.size(),
                                                      " tokens does not match what it was given"));
@@ -884,6 +981,7 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
     part.tokens = std::move(result->tokens);
     part.logprobs = std::move(result->logprobs);
     part.top = std::move(result->top);
+    ++replica_micro_batches_;
     --remote;
   }
   return absl::OkStatus();
@@ -985,30 +1083,23 @@ absl::Status ComputeRank::LoseRank(size_t m, absl::Status why) {
   Rank& rank = ranks_[m];
   if (rank.lost) return absl::OkStatus();
   if (!CanRecover()) {
-    if (!CanRecoverAlone()) return why;
+    if (!CanRecoverWithReplicas()) return why;
     if (in_parts_) {
-      // The replicas' micro-batches are in flight: the step fails, and RecoverFromFailedStep
-      // releases the replicas and gives the rank up before it runs the step again.
+      // The replicas' micro-batches are in flight: the step fails, and RecoverFromFailedStep gives
+      // the rank up and runs the step again with the replicas, told so by the step discard.
       failed_ranks_.emplace_back(m, why);
       return why;
     }
-    // Between steps: compute rank 0 goes on alone, then gives the rank up as it would alone.
-    TANDEM_LOG_WARN("compute", "compute rank 0 releases the compute replicas to recover ", rank.name, ": ",
-                    why.message());
-    ASSIGN_OR_RETURN(const std::string released, GoAlone(0, {}));
-    TANDEM_LOG_WARN("compute", "compute rank 0 runs every micro-batch from now on",
-                    released.empty() ? std::string() : absl::StrCat(" (released: ", released, ")"));
-    if (rank.lost) return absl::OkStatus();  // the discard's send to it failed
+    // Between steps: the rank is given up and the replicas, told so by a step discard (of no step),
+    // go on without it.
+    TANDEM_LOG_WARN("compute", "compute rank 0 gives up ", rank.name, " with ", compute_ranks_ - 1,
+                    " compute replica(s) running: ", why.message());
+    const std::pair<size_t, absl::Status> lose[] = {{m, why}};
+    ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(0, lose, /*keep=*/true));
+    (void)regrouped;
+    return absl::OkStatus();
   }
-  rank.lost = true;
-  transport_->Close(rank.peer);      // its failure no longer fails waits on the others
-  retired_peers_.insert(rank.peer);  // and whatever it still sends is dropped
-  lost_in_step_.push_back(m);
-  ++memory_ranks_lost_;
-  TANDEM_LOG_WARN("compute", "giving up ", rank.name, ": ", why.message());
-  const bool any = std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return !r.lost; });
-  if (!any) return Annotate(why, "every memory rank is lost");
-  return absl::OkStatus();
+  return MarkRankLost(m, why);
 }
 
 absl::StatusOr<bool> ComputeRank::TakePersistedReport(size_t m, const std::vector<uint8_t>& msg,
@@ -1178,7 +1269,7 @@ absl::Status ComputeRank::LoseFailedRanks(size_t waited_on, absl::Status why) {
   };
   // A replica leaves the messages to AwaitRank0 (compute rank 0's step discard among them).
   if (compute_rank_ != 0) return why;
-  if (!CanRecover() && CanRecoverAlone() && in_parts_) {
+  if (!CanRecover() && CanRecoverWithReplicas() && in_parts_) {
     // Replicas run: the step fails, and RecoverFromFailedStep reads the messages and looks for the
     // rank that failed; `waited_on` is the one given up when it finds none.
     failed_ranks_.emplace_back(waited_on, why);
@@ -1248,10 +1339,26 @@ absl::StatusOr<bool> ComputeRank::TakeHeartbeatReply(size_t m, const std::vector
   return true;
 }
 
-absl::StatusOr<bool> ComputeRank::TakeReplicaHeartbeatReply(size_t r, const std::vector<uint8_t>& msg) {
+absl::StatusOr<bool> ComputeRank::TakeReplicaControl(size_t r, const std::vector<uint8_t>& msg) {
   absl::StatusOr<uint32_t> magic = PeekFrameMagic(msg);
-  if (!magic.ok() || *magic != kHeartbeatReplyMagic) return false;
+  if (!magic.ok()) return false;
   Replica& replica = replicas_[r];
+  if (*magic == kComputeHelloMagic && replica.unanswered > 0) {
+    // Its answer to the step discard that kept it: from now on its messages are of the steps after.
+    // (Any other compute hello is the caller's: start-up's.)
+    absl::StatusOr<ComputeHelloMessage> hello = DecodeComputeHello(msg);
+    if (!hello.ok()) return Annotate(hello.status(), replica.name);
+    if (hello->compute_rank != r + 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(replica.name, ": answers a step discard as compute rank ", hello->compute_rank));
+    }
+    --replica.unanswered;
+    TANDEM_LOG_INFO("compute", replica.name, " goes on as compute rank ", replica.place, " of ",
+                    compute_ranks_);
+    return true;
+  }
+  if (*magic == kReplicaResultMagic && replica.unanswered > 0) return true;  // of a step discarded
+  if (*magic != kHeartbeatReplyMagic) return false;
   absl::StatusOr<HeartbeatReplyMessage> reply = DecodeHeartbeatReply(msg);
   if (!reply.ok()) return Annotate(reply.status(), replica.name);
   if (reply->memory_rank != r + 1) {  // a replica answers with its compute rank
@@ -1276,7 +1383,7 @@ absl::Status ComputeRank::Heartbeat() {
       size_t r = 0;
       while (r < replicas_.size() && replicas_[r].peer != from) ++r;
       if (r == replicas_.size()) continue;
-      absl::StatusOr<bool> beat = TakeReplicaHeartbeatReply(r, msg);
+      absl::StatusOr<bool> beat = TakeReplicaControl(r, msg);
       if (!beat.ok()) return beat.status();
       if (*beat) continue;
       absl::StatusOr<ErrorMessage> err = DecodeError(msg);
@@ -1538,8 +1645,8 @@ absl::Status ComputeRank::WriteLayer(uint32_t peer, uint32_t buffer, uint64_t of
 }
 
 void ComputeRank::SkipLayer(size_t j, const PlannedStep& step) {
-  // As SendLayer counts: every rank with rows (the host-staged path skips lost ranks, which only a
-  // deployment with one compute rank has).
+  // As SendLayer counts: every rank with rows (the host-staged path skips lost ranks; every compute
+  // rank knows them, from the step discards that named them).
   for (size_t m = 0; m < ranks_.size(); ++m) {
     const auto [begin, end] = RowsOf(step, m);
     if (begin == end || (!device_path_ && ranks_[m].lost)) continue;
@@ -1724,7 +1831,7 @@ absl::StatusOr<size_t> ComputeRank::ReceiveFromRank(absl::Time deadline, const s
       return absl::InternalError(absl::StrCat("a message from an unknown peer (", awaited, ")"));
     name = replicas_[r].name;
     m = ranks_.size() + r;
-    absl::StatusOr<bool> beat = TakeReplicaHeartbeatReply(r, *msg);
+    absl::StatusOr<bool> beat = TakeReplicaControl(r, *msg);
     if (!beat.ok()) return beat.status();
     if (*beat) return ReceiveFromRank(deadline, awaited, msg);  // the answer to a heartbeat sent while idle
   }
@@ -1813,6 +1920,7 @@ absl::Status ComputeRank::NameFailedPeer(absl::Status st) {
     return st;
   }
   for (const Rank& rank : ranks_) {
+    if (rank.lost) continue;  // given up by compute rank 0, which goes on without it
     if (absl::Status peer = transport_->PeerStatus(rank.peer); !peer.ok()) {
       return AnnotateGone(st, rank.name, peer);
     }
@@ -1892,10 +2000,16 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
     }
     if (!got.ok()) {
       // Another peer failed (a memory rank, a ring neighbour): compute rank 0 decides what follows.
-      if (transport_->PeerStatus(rank0_peer_).ok()) return AwaitRank0(got);
+      if (transport_->PeerStatus(rank0_peer_).ok()) {
+        const absl::Status st = AwaitRank0(got);
+        if (!kept_) return st;
+        kept_ = false, parts.clear(), last_heard = absl::Now();  // kept: the next steps come
+        continue;
+      }
       rank0_gone_ = true;
       return NameFailedPeer(got);
     }
+    if (FromLostRank(from)) continue;  // whatever a memory rank given up still sends
     if (from == rank0_peer_) last_heard = absl::Now();
     ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
     if (magic == kErrorMagic) {
@@ -1922,6 +2036,7 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
       transport_->Close(rank0_peer_);
       size_t waiting = 0;
       for (Rank& rank : ranks_) {
+        if (rank.lost) continue;       // given up: nothing to say to it
         transport_->Close(rank.peer);  // closed first: its going away later is expected
         waiting += transport_->Send(rank.peer, bye).ok() ? 1 : 0;
       }
@@ -1951,7 +2066,14 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
       RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeHeartbeatReply(reply)));
       continue;
     }
-    if (magic == kStepDiscardMagic) return TakeRank0Discard(msg);  // released between steps
+    if (magic == kStepDiscardMagic) {
+      // Between steps (or with some of a step's parts still to come): released, or kept, and then
+      // the parts that come are the rerun's (or the next step's).
+      const absl::Status st = TakeRank0Discard(msg);
+      if (!kept_) return st;
+      kept_ = false, parts.clear();
+      continue;
+    }
     if (magic != kReplicaStepMagic) {
       return absl::InvalidArgumentError(
           absl::StrCat("unexpected message (magic 0x", absl::Hex(magic), ") from compute rank 0"));
@@ -1999,7 +2121,13 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
     parts.push_back(std::move(part));
     if (parts.size() < expected) continue;
     std::vector<SampledTokens> sampled;
-    if (absl::Status ran = RunParts(parts, &sampled); !ran.ok()) return AwaitRank0(std::move(ran));
+    if (absl::Status ran = RunParts(parts, &sampled); !ran.ok()) {
+      const absl::Status st = AwaitRank0(std::move(ran));
+      if (!kept_) return st;
+      // Kept by a step discard: the step is dropped, and compute rank 0 sends it again.
+      kept_ = false, parts.clear(), last_heard = absl::Now();
+      continue;
+    }
     for (size_t k = 0; k < parts.size(); ++k) {
       if (!Finishes(parts[k].plan.micro_batch)) continue;  // another rank samples it
       const ReplicaResultMessage result{.step_id = parts[k].plan.step_id,
@@ -2019,10 +2147,10 @@ absl::Status ComputeRank::TakeRank0Discard(const std::vector<uint8_t>& msg) {
   const std::string me = absl::StrCat("compute rank ", compute_rank_);
   ASSIGN_OR_RETURN(const StepDiscardMessage d, DecodeStepDiscard(msg));
   if (compute_rank_ < 8 && ((d.compute_mask >> compute_rank_) & 1) != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: a step discard that keeps compute ranks 0x%02x, this one among them: a replica does not "
-        "run a step again",
-        me, d.compute_mask));
+    RETURN_IF_ERROR(KeepAfterDiscard(d));
+    kept_ = true;
+    return absl::AbortedError(
+        absl::StrCat(me, ": step ", d.step_id, " discarded by compute rank 0; this rank goes on"));
   }
   TANDEM_LOG_WARN("compute", me, ": released by compute rank 0, which runs every micro-batch from now on",
                   d.step_id != 0 ? absl::StrCat(" (step ", d.step_id, " discarded)") : std::string(),
@@ -2030,13 +2158,76 @@ absl::Status ComputeRank::TakeRank0Discard(const std::vector<uint8_t>& msg) {
   return absl::CancelledError(absl::StrCat(me, ": released by compute rank 0"));
 }
 
+absl::Status ComputeRank::KeepAfterDiscard(const StepDiscardMessage& d) {
+  const std::string me = absl::StrCat("compute rank ", compute_rank_);
+  if (initial_compute_ranks_ < 8 && (d.compute_mask >> initial_compute_ranks_) != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s: a step discard keeps compute ranks 0x%02x of %d",
+                                                      me, d.compute_mask, initial_compute_ranks_));
+  }
+  const int survivors = std::popcount(d.compute_mask);
+  if (options_.slice_layers > 0 && survivors != initial_compute_ranks_) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: a step discard keeps compute ranks 0x%02x of a rotational pipeline whose ring it breaks", me,
+        d.compute_mask));
+  }
+  for (uint16_t m : d.lost_memory_ranks) {
+    if (m >= ranks_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(me, ": a step discard names memory rank ", m, " lost, of ", ranks_.size()));
+    }
+  }
+  // Its place among the compute ranks that go on (in rank order) and their schedule.
+  place_ = std::popcount(static_cast<unsigned>(d.compute_mask & ((1u << compute_rank_) - 1)));
+  compute_ranks_ = survivors;
+  schedule_ = PipelineSchedule{.compute_ranks = compute_ranks_,
+                               .slice_layers = compute_ranks_ > 1 ? options_.slice_layers : 0};
+  // The memory ranks compute rank 0 gave up are let go (their failure no longer fails waits, what
+  // they still send is dropped); the others, let go while compute rank 0's word was awaited
+  // (AwaitRank0), count again, as do the ring's neighbours.
+  for (uint16_t m : d.lost_memory_ranks) {
+    if (ranks_[m].lost) continue;
+    ranks_[m].lost = true;
+    transport_->Close(ranks_[m].peer);
+    TANDEM_LOG_WARN("compute", me, ": ", ranks_[m].name, " is lost (compute rank 0 gave it up)");
+  }
+  for (const Rank& rank : ranks_) {
+    if (!rank.lost) transport_->Reopen(rank.peer);
+  }
+  if (schedule_.rotational()) {
+    for (transport::PeerId p : {next_peer_, prev_peer_}) {
+      if (p != rank0_peer_) transport_->Reopen(p);
+    }
+  }
+  // Every doorbell starts again from the discard's base, as on every other rank.
+  for (Rank& rank : ranks_) {
+    for (RankLane& rl : rank.lanes) rl.seqno = d.seqno_base;
+  }
+  for (Lane& lane : lanes_) lane.resid_in_seqno = lane.resid_out_seqno = d.seqno_base;
+  for (size_t j = 0; j < lanes_.size(); ++j) {
+    if (!Runs(j)) continue;
+    RETURN_IF_ERROR(SetUpLane(j));  // the lanes it takes over; no-ops for its own
+    for (size_t m = 0; m < ranks_.size(); ++m) RETURN_IF_ERROR(SetUpRankLane(m, j));
+  }
+  // The answer: what this rank sends compute rank 0 after it is of the steps that follow.
+  const ComputeHelloMessage hello{.compute_rank = static_cast<uint16_t>(compute_rank_),
+                                  .compute_ranks = static_cast<uint16_t>(initial_compute_ranks_)};
+  RETURN_IF_ERROR(Annotate(transport_->Send(rank0_peer_, EncodeComputeHello(hello)), "compute rank 0"));
+  TANDEM_LOG_WARN("compute", me, ": kept by compute rank 0",
+                  d.step_id != 0 ? absl::StrCat(" (step ", d.step_id, " discarded)") : std::string(),
+                  ": goes on as ", "compute rank ", place_, " of ", compute_ranks_,
+                  " in the pipeline, seqnos from ", d.seqno_base);
+  return absl::OkStatus();
+}
+
 absl::Status ComputeRank::AwaitRank0(absl::Status ran) {
-  if (absl::IsCancelled(ran)) return ran;  // released (TakeRank0Discard)
+  if (absl::IsCancelled(ran) || kept_) return ran;  // released or kept (TakeRank0Discard)
   if (!transport_->PeerStatus(rank0_peer_).ok()) return NameFailedPeer(ran);
   // Only a peer's failure (or a wait past its deadline, a silent peer) is compute rank 0's to
   // decide on; this rank's own error goes to compute rank 0 at once, which gives it up.
   std::vector<transport::PeerId> others;
-  for (const Rank& rank : ranks_) others.push_back(rank.peer);
+  for (const Rank& rank : ranks_) {
+    if (!rank.lost) others.push_back(rank.peer);
+  }
   if (schedule_.rotational()) {
     for (transport::PeerId p : {next_peer_, prev_peer_}) {
       if (p != rank0_peer_) others.push_back(p);
@@ -2069,8 +2260,8 @@ absl::Status ComputeRank::AwaitRank0(absl::Status ran) {
       return Annotate(StatusFromErrorMessage(err),
                       from == rank0_peer_ ? "compute rank 0 stopped" : "a memory rank stopped");
     }
-    if (from != rank0_peer_) continue;  // a late message of a peer let go
-    if (magic == kStepDiscardMagic) return TakeRank0Discard(msg);
+    if (from != rank0_peer_) continue;                             // a late message of a peer let go
+    if (magic == kStepDiscardMagic) return TakeRank0Discard(msg);  // released, or kept (kept_)
     if (magic == kByeMagic) return absl::CancelledError(absl::StrCat(me, ": compute rank 0 said bye"));
     if (magic == kHeartbeatMagic) {
       ASSIGN_OR_RETURN(const HeartbeatMessage beat, DecodeHeartbeat(msg));
@@ -2133,7 +2324,11 @@ EngineStats ComputeRank::stats() const {
           .requests_recovered = requests_recovered_,
           .memory_ranks_rejoined = memory_ranks_rejoined_,
           .compute_ranks_lost = compute_ranks_lost_,
-          .steps_rerun = steps_rerun_};
+          .steps_rerun = steps_rerun_,
+          .compute_replicas_kept = replicas_kept_,
+          .compute_replicas_released = replicas_released_,
+          .compute_ranks_live = compute_ranks_,
+          .replica_micro_batches = replica_micro_batches_};
 }
 
 void ComputeRank::Abandon(const absl::Status& why) {
@@ -2228,7 +2423,8 @@ absl::Status RunComputeReplica(const WeightSource& source, const ComputeReplicaO
   std::unique_ptr<ComputeRank> r(new ComputeRank());
   r->options_ = o;
   r->compute_rank_ = options.compute_rank;
-  r->compute_ranks_ = options.compute_ranks;
+  r->compute_ranks_ = r->initial_compute_ranks_ = options.compute_ranks;
+  r->place_ = options.compute_rank;
   r->listen_address_ = options.listen_address;
   r->on_listening_ = options.on_listening;
   RETURN_IF_ERROR(r->Connect(source));

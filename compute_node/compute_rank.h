@@ -40,6 +40,7 @@
 // fails the step with a Status naming it.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -102,14 +103,16 @@ struct ComputeRankOptions {
   // launch.recover_memory_ranks: a memory rank that fails, disconnects or stays silent past the
   // step timeout is given up and its requests recomputed on the others (see ComputeRank::Step);
   // false: the step fails. Recovery needs the host-staged path (ucx) and the request partition;
-  // with compute replicas, compute rank 0 first releases them and runs every micro-batch itself
-  // (the step in flight is discarded on the memory ranks and run again). Elsewhere a loss fails
-  // the step.
+  // with compute replicas the step in flight is discarded on the memory ranks and the replicas
+  // (which are told the rank is lost and go on) and run again without the rank. Elsewhere a loss
+  // fails the step.
   bool recover_memory_ranks = true;
   // launch.recover_compute_replicas: on the host-staged path, a compute replica that fails,
-  // disconnects or stays silent past the step timeout is given up and the other replicas are
-  // released (they stop, exit status 0): the step in flight is discarded on the memory ranks and run
-  // again, and this rank runs every micro-batch from then on (see ComputeRank::Step); false (or
+  // disconnects or stays silent past the step timeout is given up: the step in flight is discarded
+  // on the memory ranks and the other replicas and run again on the surviving compute ranks, which
+  // share the micro-batches from then on (pipeline.mode fixed). Under pipeline.mode rotational the
+  // other replicas are released instead (they stop, exit status 0; the ring would need to be
+  // connected anew) and this rank runs every micro-batch (see ComputeRank::Step); false (or
   // elsewhere): the step fails, naming it.
   bool recover_compute_replicas = true;
   // launch.heartbeat_s: while idle (Heartbeat), every memory rank gets a heartbeat this often and
@@ -161,12 +164,14 @@ class ComputeRank : public Engine {
   // (GenerationResult::error, Controller::FailUnplaceable). Without
   // recovery (or where it is not supported), or once every rank is lost, the step fails with a
   // Status naming the rank. A compute replica that fails or goes silent mid-step is given up
-  // (recover_compute_replicas; host-staged path) and the other replicas are released: the memory
-  // ranks get a step discard and the step runs again with every micro-batch on this rank, as every
-  // step after it (RecoverFromFailedStep, LoseReplica, GoAlone; docs/architecture.md, "Failures");
-  // elsewhere it fails the step, naming it. A memory rank lost while replicas run is recovered the
-  // same way: the replicas are released, the step is discarded and run again on this rank alone
-  // without the lost rank, whose requests are requeued. Cancel: the memory rank that
+  // (recover_compute_replicas; host-staged path): the memory ranks and the other replicas get a
+  // step discard and the step runs again on the surviving compute ranks, the micro-batches mapped
+  // onto them as onto a pipeline of that many ranks, as every step after it (RecoverFromFailedStep,
+  // LoseReplica, Regroup; docs/architecture.md, "Failures"); under pipeline.mode rotational the
+  // other replicas are released and every micro-batch runs on this rank. Elsewhere it fails the
+  // step, naming it. A memory rank lost while replicas run is recovered the same way: the step is
+  // discarded and run again by the same compute ranks without the lost rank (the discard names it),
+  // whose requests are requeued. Cancel: the memory rank that
   // holds the request's KV is told to free it (a release message, as for a finished request).
   //
   // Rejoin (ComputeRankOptions::rejoin_probe): a lost rank's address (memory_addresses[m], where a
@@ -254,12 +259,12 @@ class ComputeRank : public Engine {
   // cause. When compute rank 0 is gone the memory ranks are told so.
   absl::Status NameFailedPeer(absl::Status st);
   // Whether this rank runs any part of micro-batch j (fixed: j % compute.ranks; rotational: see
-  // common/pipeline_schedule.h).
+  // common/pipeline_schedule.h), as its place among the compute ranks that go on.
   bool Runs(size_t micro_batch) const {
-    return schedule_.Touches(compute_rank_, static_cast<int64_t>(micro_batch), num_layers_);
+    return schedule_.Touches(place_, static_cast<int64_t>(micro_batch), num_layers_);
   }
   bool Finishes(size_t micro_batch) const {
-    return schedule_.FinisherOf(static_cast<int64_t>(micro_batch), num_layers_) == compute_rank_;
+    return schedule_.FinisherOf(static_cast<int64_t>(micro_batch), num_layers_) == place_;
   }
   // The buffers of micro-batch j on this rank: its backend lane, and its receive buffer of every
   // memory rank's outputs (no-ops when they exist: a lane taken over from a lost replica is set
@@ -271,35 +276,56 @@ class ComputeRank : public Engine {
   // within a quarter of the step timeout, 0.25 to 5 s) and, where recovery applies (CanRecoverReplica), gives
   // it up (LoseReplica) so that the step can run again: OK. When no replica failed but a memory rank
   // did (an error it sent, its connection, or a wait for it past its deadline: failed_ranks_) and
-  // memory-rank recovery applies (CanRecoverAlone), goes on alone and gives the rank up (GoAlone):
-  // OK. Otherwise the step's error, naming the replica when one failed.
+  // memory-rank recovery applies (CanRecoverWithReplicas), gives the rank up and keeps the replicas
+  // (Regroup): OK. Otherwise the step's error, naming the replica when one failed.
   absl::Status RecoverFromFailedStep(absl::Status ran, uint64_t step_id);
   // Whether this rank can go on without a compute replica (see
   // ComputeRankOptions::recover_compute_replicas).
   bool CanRecoverReplica() const;
-  // Gives up replica r (compute rank r + 1) for `why` (counted as lost) and goes on alone
-  // (GoAlone).
+  // Gives up replica r (compute rank r + 1) for `why` (counted as lost) and goes on with the others
+  // (Regroup: kept under pipeline.mode fixed, released under rotational).
   absl::Status LoseReplica(size_t r, const absl::Status& why, uint64_t step_id);
-  // Compute rank 0 runs every micro-batch from now on: every replica not yet given up is released
-  // (a step discard that keeps none of them: it stops, exit status 0) and its connection let go,
-  // this rank takes over every micro-batch, every doorbell seqno jumps to a common base above any
-  // used so far, and the memory ranks get a step discard of `step_id` (0: none in flight) that
-  // tells them so; the memory ranks of `lose` are given up (LoseRank, with their why) before it is
-  // sent. Returns the released replicas' names (for the log).
-  absl::StatusOr<std::string> GoAlone(uint64_t step_id,
-                                      std::span<const std::pair<size_t, absl::Status>> lose);
-  // Whether a memory rank's loss can be recovered by going alone first (replicas still run; see
-  // ComputeRankOptions::recover_memory_ranks).
-  bool CanRecoverAlone() const;
+  // The replicas not given up go on (`keep`: each as its place among the survivors, in rank order,
+  // the pipeline's compute ranks 1, 2, ...) or are released (a step discard that does not keep
+  // them: they stop, exit status 0; their connections let go). The memory ranks of `lose` are given
+  // up (MarkRankLost) first. Then every doorbell seqno jumps to a common base above any used so far
+  // and the memory ranks and the replicas get a step discard of `step_id` (0: none in flight) with
+  // the mask of the compute ranks that go on and every memory rank lost so far; a kept replica
+  // answers it with a compute hello (awaited by AwaitKeptReplicas before its next replica step).
+  // `keep` needs the ring intact under pipeline.mode rotational (no replica lost). Returns the kept
+  // and released replicas' names (for the log).
+  struct Regrouped {
+    std::string kept, released;
+  };
+  absl::StatusOr<Regrouped> Regroup(uint64_t step_id, std::span<const std::pair<size_t, absl::Status>> lose,
+                                    bool keep);
+  // Compute rank 0: waits (up to the step timeout) until every kept replica has answered the step
+  // discard that kept it (TakeReplicaControl takes the answers wherever they come): what a replica
+  // sent before it had the discard (a result of the step discarded) is dropped, and its writes of
+  // that step are out before the rerun's. A restore reply that comes meanwhile is kept for after the
+  // step.
+  absl::Status AwaitKeptReplicas();
+  // Whether a memory rank's loss can be recovered while replicas run (the step is discarded and run
+  // again without it, the replicas kept; see ComputeRankOptions::recover_memory_ranks).
+  bool CanRecoverWithReplicas() const;
+  // Memory rank m is given up (nothing more is sent to it or awaited from it; its requests are
+  // requeued after the step, RecoverLostRanks): OK, or an error when no memory rank is left.
+  absl::Status MarkRankLost(size_t m, const absl::Status& why);
   // A replica, after its step failed with `ran` while compute rank 0 is still there: waits (answering
   // heartbeats) for compute rank 0's word on what follows, up to twice the step timeout and 5 s: a
   // step discard that releases it (Cancelled: it stops cleanly), an error (returned), or nothing
   // (`ran`, named). A peer's failure is not this rank's to report: compute rank 0 finds it and
   // decides (see RecoverFromFailedStep).
   absl::Status AwaitRank0(absl::Status ran);
-  // A replica: a step discard from compute rank 0. One that keeps this rank is refused (this
-  // rank cannot take part in a rerun); one that does not releases it: Cancelled, logged.
+  // A replica: a step discard from compute rank 0. One that does not keep this rank releases it:
+  // Cancelled, logged. One that keeps it is applied (KeepAfterDiscard): Aborted, with kept_ set; the
+  // replica drops the step it was in and serves compute rank 0's next replica steps (the rerun).
   absl::Status TakeRank0Discard(const std::vector<uint8_t>& msg);
+  // A replica kept by step discard `d`: its place among the compute ranks that go on (the pipeline's
+  // schedule over them), the memory ranks the discard names lost let go (nothing sent to or awaited
+  // from them), every doorbell seqno at the discard's base, the lanes it takes over set up, and
+  // compute rank 0 answered with a compute hello.
+  absl::Status KeepAfterDiscard(const StepDiscardMessage& d);
   // Waits until doorbell `buffer` reaches `seqno` (a layer's output or residual stream); a replica
   // answers compute rank 0's heartbeats meanwhile (see RecoverFromFailedStep).
   absl::Status WaitInput(uint32_t buffer, uint64_t seqno, absl::Time deadline);
@@ -403,8 +429,12 @@ class ComputeRank : public Engine {
   bool SilentPastHeartbeat(const Rank& rank, absl::Time now) const {
     return rank.beat_seq != 0 && now - rank.beat_sent > options_.step_timeout;
   }
-  int compute_rank_ = 0, compute_ranks_ = 1;  // this rank, and compute.ranks
-  PipelineSchedule schedule_;                 // who runs which layers of which micro-batch
+  // This rank and compute.ranks at start; compute_ranks_ then counts the compute ranks that go on
+  // after a loss, among which this rank is the pipeline's compute rank place_ (compute rank 0: 0).
+  int compute_rank_ = 0, compute_ranks_ = 1, initial_compute_ranks_ = 1, place_ = 0;
+  bool kept_ = false;  // a replica: a step discard kept it (TakeRank0Discard); the step is dropped
+  PipelineSchedule
+      schedule_;  // who runs which layers of which micro-batch (over the compute ranks that go on)
   int64_t num_layers_ = 0;
   // Rotational pipeline: the connections to the next and the previous compute rank of the ring.
   uint32_t next_peer_ = 0, prev_peer_ = 0;
@@ -415,10 +445,19 @@ class ComputeRank : public Engine {
     // Heartbeat, as Rank's: the one not yet answered (seq 0: none) and when it was sent.
     uint64_t beat_seq = 0;
     absl::Time beat_sent;
-    bool lost = false;  // given up (LoseReplica): nothing is sent to it or awaited from it
+    bool lost = false;   // given up (LoseReplica) or released: nothing is sent to it or awaited from it
+    int place = 0;       // its place among the compute ranks that go on (the pipeline's compute rank)
+    int unanswered = 0;  // step discards that kept it and that it has not answered yet (AwaitKeptReplicas)
   };
-  // A heartbeat reply from replica r (compute rank r + 1), as TakeHeartbeatReply.
-  absl::StatusOr<bool> TakeReplicaHeartbeatReply(size_t r, const std::vector<uint8_t>& msg);
+  // Replica r's (compute rank r + 1) control message that is no step's answer: a heartbeat reply
+  // (as TakeHeartbeatReply), its answer to a step discard that kept it (a compute hello), or a result
+  // it sent before that answer (of a step discarded: dropped). True when taken; an error for a
+  // malformed one.
+  absl::StatusOr<bool> TakeReplicaControl(size_t r, const std::vector<uint8_t>& msg);
+  // A replica: whether `from` is a memory rank compute rank 0 gave up (its messages are dropped).
+  bool FromLostRank(transport::PeerId from) const {
+    return std::any_of(ranks_.begin(), ranks_.end(), [&](const Rank& r) { return r.lost && r.peer == from; });
+  }
   bool rank0_gone_ = false;  // a replica: compute rank 0 failed or went silent (it is not told why we stop)
   std::vector<Replica> replicas_;
   uint32_t rank0_peer_ = 0;     // a replica's connection to compute rank 0
@@ -492,7 +531,7 @@ class ComputeRank : public Engine {
   std::vector<std::pair<size_t, std::vector<uint8_t>>> early_replies_;
   std::vector<size_t> lost_in_step_;  // ranks lost during the current step
   // Compute rank 0 within RunParts with replicas running: memory ranks that LoseRank could not give
-  // up yet (the step fails; RecoverFromFailedStep releases the replicas and loses them), with why.
+  // up yet (the step fails; RecoverFromFailedStep loses them and runs it again), with why.
   bool in_parts_ = false;
   std::vector<std::pair<size_t, absl::Status>> failed_ranks_;
   uint64_t beat_seq_ = 0;  // the last heartbeat sent
@@ -501,6 +540,9 @@ class ComputeRank : public Engine {
   absl::Time next_beat_ = absl::InfinitePast();
   int64_t memory_ranks_lost_ = 0, requests_recovered_ = 0, memory_ranks_rejoined_ = 0;
   int64_t compute_ranks_lost_ = 0, steps_rerun_ = 0;
+  // Replicas kept by a step discard (counted at each one) and released; micro-batches whose tokens a
+  // replica sampled.
+  int64_t replicas_kept_ = 0, replicas_released_ = 0, replica_micro_batches_ = 0;
   // Compute rank 0: at least every doorbell seqno used so far (each step's layers add at most
   // num_layers messages, two with q-first, to any one): where they all start again after a replica
   // is lost (LoseReplica).

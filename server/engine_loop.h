@@ -79,17 +79,25 @@ struct LoopOptions {
 
 // Counters and gauges of the loop (a snapshot).
 // A deployment's recoveries so far (EngineStats): memory ranks lost, lost ranks taken back,
-// requests recomputed after a loss, compute replicas lost and steps run again after such a loss.
+// requests recomputed after a loss, compute replicas lost, steps run again after such a loss,
+// replicas kept and released by those step discards, the compute ranks running micro-batches now
+// and the micro-batches the replicas sampled.
 struct RecoveryCounters {
   int64_t memory_ranks_lost = 0, memory_ranks_rejoined = 0, requests_recovered = 0;
   int64_t compute_ranks_lost = 0, steps_rerun = 0;
+  int64_t compute_replicas_kept = 0, compute_replicas_released = 0, compute_ranks_live = 0;
+  int64_t replica_micro_batches = 0;
   RecoveryCounters() = default;
   explicit RecoveryCounters(const EngineStats& s)
       : memory_ranks_lost(s.memory_ranks_lost),
         memory_ranks_rejoined(s.memory_ranks_rejoined),
         requests_recovered(s.requests_recovered),
         compute_ranks_lost(s.compute_ranks_lost),
-        steps_rerun(s.steps_rerun) {}
+        steps_rerun(s.steps_rerun),
+        compute_replicas_kept(s.compute_replicas_kept),
+        compute_replicas_released(s.compute_replicas_released),
+        compute_ranks_live(s.compute_ranks_live),
+        replica_micro_batches(s.replica_micro_batches) {}
 };
 
 struct LoopStats {

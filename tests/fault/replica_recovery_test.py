@@ -5,15 +5,18 @@ rank while a replica runs, cost a delay; every request completes with the tokens
 Real processes: `tandem serve --deploy` on the CPU over UCX on 127.0.0.1 (two memory ranks,
 launch.heartbeat_s 0.5, launch.step_timeout_s 2; tests/fault/compute_loss_test.py's deployment).
 Cases, each bounded in time:
-  * compute.ranks 3 (pipeline.mode fixed, and rotational), one replica killed (kill -9), or
-    stopped (SIGSTOP; fixed: found silent after a step deadline) under a stream of requests: compute rank 0 gives it up, releases the other replica (which exits with
-    status 0, and the launcher goes on), runs the step in flight again and every micro-batch from
-    then on; every request gets the tokens the same requests got one by one before the fault
-    (greedy and seeded sampling); /metrics counts tandem:compute_ranks_lost_total 1;
-  * compute.ranks 2, memory rank 1 killed under a stream of requests: compute rank 0 releases the
-    replica (exit status 0), runs the step again without the rank and recomputes its requests on
-    the survivor; the same tokens; tandem:memory_ranks_lost_total 1. The launcher restarts the
-    rank and compute rank 0 takes it back (launch.restart_memory_ranks, launch.rejoin_probe_s).
+  * compute.ranks 3, pipeline.mode fixed, one replica killed (kill -9), or stopped (SIGSTOP: found
+    silent after a step deadline) under a stream of requests: compute rank 0 gives it up, keeps the
+    other replica (its log says so; it keeps running; /metrics counts
+    tandem:compute_replicas_kept_total and tandem:compute_ranks_live 2), and runs the step in flight
+    again on the two compute ranks left, which share the micro-batches from then on;
+  * compute.ranks 3, pipeline.mode rotational, one replica killed: the other replica is released
+    (it exits with status 0, and the launcher goes on) and compute rank 0 runs every micro-batch;
+  * compute.ranks 2, memory rank 1 killed under a stream of requests: compute rank 0 keeps the
+    replica (the step discard tells it the rank is lost), runs the step again without the rank and
+    recomputes its requests on the survivor; tandem:memory_ranks_lost_total 1.
+Every request gets the tokens the same requests got one by one before the fault (greedy and seeded
+sampling); the counter of the loss reads 1.
 Usage: replica_recovery_test.py path/to/tandem
 """
 import os
@@ -26,9 +29,10 @@ from compute_loss_test import Deployment, fault_under_load
 from fault_util import bad, failures, wait_for
 
 
-def lose_rank(tmp, name, compute_ranks, mode, victim, given_up, metric, released, sig=signal.SIGKILL):
+def lose_rank(tmp, name, compute_ranks, mode, victim, given_up, metric, released=(), kept=(), sig=signal.SIGKILL):
     """`victim` killed (or stopped: `sig`) under load; `given_up` is compute-0's log line for it,
-    `metric` the counter that must read 1, `released` the replicas that must exit cleanly."""
+    `metric` the counter that must read 1, `released` the replicas that must exit cleanly, `kept`
+    those that must go on."""
     d = Deployment(tmp, name, compute_ranks=compute_ranks, mode=mode, batches=max(2, compute_ranks))
     try:
         if d.url is None:
@@ -48,6 +52,19 @@ def lose_rank(tmp, name, compute_ranks, mode, victim, given_up, metric, released
                 bad(f"{name}: the launcher does not report {rank}'s clean exit: {d.err()[-600:]}")
             if "released by compute rank 0" not in d.log(rank):
                 bad(f"{name}: {rank}'s log does not say it was released: {d.last_line(rank)}")
+        for rank in kept:
+            if not d.rank_pids(rank):
+                bad(f"{name}: {rank} exited after the loss, not kept: {d.last_line(rank)}")
+            if "kept by compute rank 0" not in d.log(rank):
+                bad(f"{name}: {rank}'s log does not say it was kept: {d.last_line(rank)}")
+            if f"tandem launch: {rank} (pid" in d.err():
+                bad(f"{name}: the launcher reports {rank} gone: {d.err()[-600:]}")
+        if kept:
+            if not d.metric("compute_replicas_kept_total"):
+                bad(f"{name}: tandem:compute_replicas_kept_total is {d.metric('compute_replicas_kept_total')}")
+            live = compute_ranks - (1 if victim.startswith("compute-") else 0)
+            if d.metric("compute_ranks_live") != live:
+                bad(f"{name}: tandem:compute_ranks_live is {d.metric('compute_ranks_live')}, not {live}")
         for rank in ("memory-0", "memory-1"):
             if rank != victim and not d.rank_pids(rank):
                 bad(f"{name}: {rank} exited after the loss: {d.last_line(rank)}")
@@ -62,13 +79,13 @@ def main():
         tmp = tempfile.mkdtemp(prefix="tandem-replicarecovery-", dir=keep) if keep else scratch
         cases = [
             lambda t: lose_rank(t, "replica-killed-3-fixed", 3, "fixed", "compute-2", "giving up compute rank 2",
-                                "compute_ranks_lost_total", ["compute-1"]),
+                                "compute_ranks_lost_total", kept=["compute-1"]),
             lambda t: lose_rank(t, "replica-killed-3-rotational", 3, "rotational", "compute-1",
-                                "giving up compute rank 1", "compute_ranks_lost_total", ["compute-2"]),
+                                "giving up compute rank 1", "compute_ranks_lost_total", released=["compute-2"]),
             lambda t: lose_rank(t, "replica-stopped-3-fixed", 3, "fixed", "compute-1", "giving up compute rank 1",
-                                "compute_ranks_lost_total", ["compute-2"], sig=signal.SIGSTOP),
+                                "compute_ranks_lost_total", kept=["compute-2"], sig=signal.SIGSTOP),
             lambda t: lose_rank(t, "memory-killed-with-replica", 2, "fixed", "memory-1", "giving up memory rank 1",
-                                "memory_ranks_lost_total", ["compute-1"]),
+                                "memory_ranks_lost_total", kept=["compute-1"]),
         ]
         only = os.environ.get("TANDEM_FAULT_CASE")  # a case's index, to run it alone
         for k, case in enumerate(cases):

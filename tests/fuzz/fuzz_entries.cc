@@ -249,7 +249,7 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
       Concat(EncodeBye({.steps = 1}), EncodeBye({.steps = 2})),  // two frames: refused
       EncodeHello(q_hello),
       EncodeLayerMessageHeader(q_header),
-      EncodeStepDiscard({.step_id = 7, .seqno_base = 40, .compute_mask = 5}),
+      EncodeStepDiscard({.step_id = 7, .seqno_base = 40, .compute_mask = 5, .lost_memory_ranks = {0, 2}}),
       EncodePersistedBlocks({.memory_rank = 1,
                              .last = false,
                              .blocks = {{.hash = 96, .parent_hash = 0, .depth = 1, .tokens = {1, 2}},

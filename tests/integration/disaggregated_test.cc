@@ -1118,14 +1118,16 @@ TEST_F(DisaggregatedTest, MemoryRankKilledMidRunFailsTheStepWithoutRecovery) {
 }
 
 // A compute replica killed mid-run: with recovery off the step fails within the step timeout,
-// naming it; with recovery (the default) the step runs again on compute rank 0, and every request
-// ends with the colocated engine's tokens.
+// naming it; with recovery (the default) the step runs again on the surviving compute ranks, and
+// every request ends with the colocated engine's tokens.
 class ReplicaFailure : public PingPong {};
 
 // Compute rank 0 with `compute_ranks` - 1 replicas (rotational with `slice_layers` > 0, else
-// fixed) and `memory_ranks` memory ranks runs 6 requests for 4 steps; then `victim` is killed and
-// the rest of the run must end with the colocated engine's tokens. The replicas that were not
-// killed are released and must exit with status 0.
+// fixed) and `memory_ranks` memory ranks runs 6 requests for 4 steps; then `victim` is killed while
+// 6 more requests arrive, one every other step, and every request must end with the colocated
+// engine's tokens. The replicas that were not killed are kept (pipeline.mode fixed, or a memory
+// rank lost): each still runs, and the replicas still sample micro-batches after the loss; under
+// rotational a lost replica's others are released and must exit with status 0.
 struct KillCase {
   int compute_ranks = 3, memory_ranks = 2, slice_layers = 0;
   std::string victim;
@@ -1144,7 +1146,7 @@ class RankLossWithReplicas : public ReplicaFailure {
     o.memory_addresses = addresses_;
     std::mt19937 rng(12);
     std::vector<GenerationRequest> requests;
-    for (int i = 0; i < 6; ++i) {
+    for (int i = 0; i < 12; ++i) {
       requests.push_back(MakeRequest(rng, source->spec().vocab_size, 8, 30, i % 2 == 1, 50 + i));
       requests.back().ignore_eos = true;
     }
@@ -1156,42 +1158,82 @@ class RankLossWithReplicas : public ReplicaFailure {
     ASSERT_TRUE(rank.ok()) << rank.status();
     rank_ = std::move(*rank);
     expect_clean_exit_ = false;  // the killed rank
+    EXPECT_EQ(rank_->stats().compute_ranks_live, c.compute_ranks);
     std::vector<int64_t> ids;
-    for (const GenerationRequest& r : requests) {
-      absl::StatusOr<int64_t> id = rank_->Submit(r);
+    auto submit = [&](size_t i) {
+      absl::StatusOr<int64_t> id = rank_->Submit(requests[i]);
       ASSERT_TRUE(id.ok()) << id.status();
       ids.push_back(*id);
-    }
+    };
+    for (size_t i = 0; i < 6; ++i) ASSERT_NO_FATAL_FAILURE(submit(i));
     std::vector<std::pair<int64_t, GenerationResult>> finished;
     for (int step = 0; step < 4; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
     const bool replica = c.victim.starts_with("compute-");
+    // A lost replica's others go on under fixed; under rotational they are released. A memory
+    // rank's loss keeps them all.
+    const bool kept = !replica || c.slice_layers == 0;
     if (!replica) {
       ASSERT_GT(rank_->controller().kv_reserved(1), 0);  // requests to recover
     }
+    const int64_t sampled_before = rank_->stats().replica_micro_batches;
+    EXPECT_GT(sampled_before, 0);
     group_.Tolerate(c.victim);
     ASSERT_EQ(kill(group_.pid(c.victim), SIGKILL), 0);
     const auto t0 = std::chrono::steady_clock::now();
-    while (!rank_->Idle() && Seconds(t0) < 60) {
+    size_t next = 6;
+    int64_t sampled_at_loss = -1;  // the replicas' micro-batches when the loss was recovered
+    for (int step = 0; (!rank_->Idle() || next < requests.size()) && Seconds(t0) < 60; ++step) {
+      if (step % 2 == 0 && next < requests.size()) {
+        ASSERT_NO_FATAL_FAILURE(submit(next++));
+      }
       const absl::Status st = rank_->Step(&finished);
       ASSERT_TRUE(st.ok()) << st;
+      const EngineStats es = rank_->stats();
+      if (sampled_at_loss < 0 && es.steps_rerun > 0) sampled_at_loss = es.replica_micro_batches;
     }
     ASSERT_TRUE(rank_->Idle());
+    ASSERT_EQ(next, requests.size());
+    const EngineStats es = rank_->stats();
     if (!replica) {
-      EXPECT_GT(rank_->stats().requests_recovered, 0);
+      EXPECT_GT(es.requests_recovered, 0);
     }
-    EXPECT_EQ(rank_->stats().compute_ranks_lost, replica ? 1 : 0);
-    EXPECT_EQ(rank_->stats().memory_ranks_lost, replica ? 0 : 1);
-    EXPECT_GE(rank_->stats().steps_rerun, 1);
+    EXPECT_EQ(es.compute_ranks_lost, replica ? 1 : 0);
+    EXPECT_EQ(es.memory_ranks_lost, replica ? 0 : 1);
+    EXPECT_GE(es.steps_rerun, 1);
     std::vector<GenerationResult> got(ids.size());
     for (auto& [id, result] : finished) {
       got[static_cast<size_t>(std::find(ids.begin(), ids.end(), id) - ids.begin())] = std::move(result);
     }
+    const int others = c.compute_ranks - 1 - (replica ? 1 : 0);
     std::printf(
-        "%s killed (%d compute ranks, %s, %d memory ranks): %.2f s to the end, %lld step(s) rerun, "
-        "max |logprob difference| %.3g\n",
+        "%s killed (%d compute ranks, %s, %d memory ranks): %.2f s to the end, %lld step(s) rerun, %d "
+        "replica(s) %s, replica micro-batches %lld before, %lld at the loss, %lld at the end, max |logprob "
+        "difference| %.3g\n",
         c.victim.c_str(), c.compute_ranks, c.slice_layers > 0 ? "rotational" : "fixed", c.memory_ranks,
-        Seconds(t0), static_cast<long long>(rank_->stats().steps_rerun), ExpectSameResults(got, *want));
+        Seconds(t0), static_cast<long long>(es.steps_rerun), others, kept ? "kept" : "released",
+        static_cast<long long>(sampled_before), static_cast<long long>(sampled_at_loss),
+        static_cast<long long>(es.replica_micro_batches), ExpectSameResults(got, *want));
+    if (kept) {
+      // The others go on: compute rank 0 counts them live and kept, they still sample
+      // micro-batches after the loss, and their processes still run.
+      EXPECT_EQ(es.compute_ranks_live, 1 + others);
+      EXPECT_GE(es.compute_replicas_kept, others);
+      EXPECT_EQ(es.compute_replicas_released, 0);
+      if (others > 0) {
+        ASSERT_GE(sampled_at_loss, 0);
+        EXPECT_GT(es.replica_micro_batches, sampled_at_loss) << "no replica ran a micro-batch after the loss";
+      }
+      for (int r = 1; r < c.compute_ranks; ++r) {
+        const std::string name = absl::StrCat("compute-", r);
+        if (name == c.victim) continue;
+        EXPECT_FALSE(group_.WaitExit(name, absl::Milliseconds(200)).ok()) << name << " exited after the loss";
+        EXPECT_EQ(kill(group_.pid(name), 0), 0) << name;
+      }
+      return;
+    }
     // Every replica not killed was released: it stops by itself, cleanly.
+    EXPECT_EQ(es.compute_ranks_live, 1);
+    EXPECT_EQ(es.compute_replicas_released, others);
     for (int r = 1; r < c.compute_ranks; ++r) {
       const std::string name = absl::StrCat("compute-", r);
       if (name == c.victim) continue;
@@ -1205,18 +1247,33 @@ TEST_F(RankLossWithReplicas, KilledReplicaStepIsRerunWithTheSameTokens) {
   Run({.compute_ranks = 2, .memory_ranks = 2, .slice_layers = 0, .victim = "compute-1"});
 }
 
-TEST_F(RankLossWithReplicas, KilledReplicaAmongSeveralFixedStepIsRerunWithTheSameTokens) {
+// pipeline.mode fixed, 3 compute ranks: either replica killed; the other goes on as the pipeline's
+// compute rank 1 of 2 and takes over micro-batches.
+TEST_F(RankLossWithReplicas, KilledReplicaAmongSeveralFixedKeepsTheOther) {
   Run({.compute_ranks = 3, .memory_ranks = 2, .slice_layers = 0, .victim = "compute-2"});
 }
 
-TEST_F(RankLossWithReplicas, KilledReplicaAmongSeveralRotationalStepIsRerunWithTheSameTokens) {
+TEST_F(RankLossWithReplicas, KilledFirstReplicaAmongSeveralFixedKeepsTheOther) {
+  Run({.compute_ranks = 3, .memory_ranks = 2, .slice_layers = 0, .victim = "compute-1"});
+}
+
+TEST_F(RankLossWithReplicas, KilledReplicaAmongSeveralRotationalReleasesTheOther) {
   Run({.compute_ranks = 3, .memory_ranks = 2, .slice_layers = 1, .victim = "compute-1"});
 }
 
-// A memory rank lost while a replica runs: compute rank 0 releases the replica, runs the step
-// again alone without the rank and recomputes its requests on the survivor.
+// A memory rank lost while replicas run: compute rank 0 gives it up, the step is discarded and
+// runs again on the same compute ranks without it (the discard names it), and its requests are
+// recomputed on the survivor.
 TEST_F(RankLossWithReplicas, KilledMemoryRankWithAReplicaIsRecovered) {
   Run({.compute_ranks = 2, .memory_ranks = 2, .slice_layers = 0, .victim = "memory-1"});
+}
+
+TEST_F(RankLossWithReplicas, KilledMemoryRankWithTwoReplicasKeepsThem) {
+  Run({.compute_ranks = 3, .memory_ranks = 2, .slice_layers = 0, .victim = "memory-1"});
+}
+
+TEST_F(RankLossWithReplicas, KilledMemoryRankWithRotationalReplicasKeepsThem) {
+  Run({.compute_ranks = 3, .memory_ranks = 2, .slice_layers = 1, .victim = "memory-1"});
 }
 
 TEST_F(ReplicaFailure, KilledReplicaFailsTheStepNamingIt) {

@@ -487,8 +487,8 @@ TEST(StepPlanWire, GoldenBytes) {
   plan.evictions.push_back(PrefixEvict{0x5152535455565758, 0x0405});
   // Layout written out by hand; crc computed independently (bitwise Python reference).
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x0a, 0x00, 0x10, 0x00,
-      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 10, body_bytes 168
+      0x54, 0x44, 0x53, 0x50, 0x0b, 0x00, 0x10, 0x00,
+      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 11, body_bytes 168
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // request_count, group_count
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -539,7 +539,7 @@ TEST(LayerMessageWire, RoundTripsAndGoldenBytes) {
   h.step_id = 1, h.seqno = 2, h.payload_bytes = 256, h.layer = 3, h.rows = 4, h.row_bytes = 64;
   h.payload_crc32c = 0xdeadbeef, h.kind = LayerMessageKind::kAttnOut, h.dtype = DType::kBF16;
   const Bytes golden = {
-      0x54, 0x44, 0x4c, 0x4d, 0x0a, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x4c, 0x4d, 0x0b, 0x00, 0x10, 0x00,
       0x30, 0x00, 0x00, 0x00, 0xc4, 0x00, 0x01, 0xea,  // frame
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // id, seq
@@ -1014,26 +1014,26 @@ TEST(Wire, FrameHeaderChecks) {
   s = DecodeLayerMessageHeader(SmallPlanFrame()).status();
   EXPECT_CONTAINS(std::string(s.message()), "layer message header: magic 0x50534454 ('TDSP')");
 
-  ASSERT_EQ(kWireVersion, 10);
-  for (uint16_t version : {uint16_t{11}, uint16_t{0xffff}}) {
+  ASSERT_EQ(kWireVersion, 11);
+  for (uint16_t version : {uint16_t{12}, uint16_t{0xffff}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
     EXPECT_EQ(s.message(),
-              "step plan: version " + std::to_string(version) + " is newer than the supported version 10");
+              "step plan: version " + std::to_string(version) + " is newer than the supported version 11");
   }
   // An older version is refused too, whatever the format: version 2 (the step plan's 24-byte
   // fixed part) and version 1 (also the hello's older layout).
-  for (uint16_t version : {uint16_t{9}, uint16_t{8}, uint16_t{7}, uint16_t{6}, uint16_t{5}, uint16_t{4},
-                           uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
+  for (uint16_t version : {uint16_t{10}, uint16_t{9}, uint16_t{8}, uint16_t{7}, uint16_t{6}, uint16_t{5},
+                           uint16_t{4}, uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "step plan: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 10 (versions 2 to 4 "
+                               " at byte offset 4 is older than the supported version 11 (versions 2 to 4 "
                                "changed the hello, step plan and replica result layouts; 5 added the "
                                "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
                                "step discard; 8 the step plan's next-use records; 9 the evictions' "
                                "tokens and the persisted blocks report; 10 the restores' segments and "
-                               "the hello's rope)");
+                               "the hello's rope; 11 the step discard's lost memory ranks)");
   }
   // A version 2 plan as a version 2 encoder wrote it (records right after evict_count, at body
   // offset 24) is refused by its version, not misread as a version 6 plan.
@@ -1394,7 +1394,7 @@ TEST(ControlWire, GoldenBytes) {
   h.compute_ranks = 2, h.slice_layers = 3;
   h.rope = {.type = RopeType::kLlama3, .theta = 500000.0, .factor = 8.0, .original_max_position = 8192};
   const Bytes hello = {
-      0x54, 0x44, 0x48, 0x49, 0x0a, 0x00, 0x10, 0x00, 0x70, 0x00, 0x00, 0x00, 0x66, 0xa5, 0xff,
+      0x54, 0x44, 0x48, 0x49, 0x0b, 0x00, 0x10, 0x00, 0x70, 0x00, 0x00, 0x00, 0x66, 0xa5, 0xff,
       0xef,                                            // frame
       0x78, 0x56, 0x34, 0x12, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x20, 0x00, 0x00, 0x00, 0x20, 0x00, 0x00, 0x00,  // num_layers, num_heads
@@ -1432,7 +1432,7 @@ TEST(ControlWire, GoldenBytes) {
   r.kv_capacity_tokens = 0x01020304, r.qkv_buffer = 7, r.memory_rank = 2, r.dtype = DType::kBF16;
   r.device = "cuda:0";
   const Bytes reply = {
-      0x54, 0x44, 0x48, 0x52, 0x0a, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x52, 0x0b, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0xdb, 0xf4, 0x8d, 0x50,  // frame
       0x04, 0x03, 0x02, 0x01, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x07, 0x00, 0x00, 0x00, 0x02, 0x00, 0x02, 0x00,  // qkv_buffer, memory_rank, dtype, reserved
@@ -1445,7 +1445,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ReleaseMessage m{0x0102030405060708, {5, kU64Max}};
   const Bytes release = {
-      0x54, 0x44, 0x52, 0x4c, 0x0a, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x52, 0x4c, 0x0b, 0x00, 0x10, 0x00,
       0x20, 0x00, 0x00, 0x00, 0x21, 0x77, 0x58, 0xc2,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, reserved
@@ -1459,7 +1459,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ErrorMessage e{14, "peer gone"};
   const Bytes error = {
-      0x54, 0x44, 0x45, 0x52, 0x0a, 0x00, 0x10, 0x00, 0x11,
+      0x54, 0x44, 0x45, 0x52, 0x0b, 0x00, 0x10, 0x00, 0x11,
       0x00, 0x00, 0x00, 0x56, 0xa5, 0x51, 0x47,        // frame
       0x0e, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00,  // code, message_bytes
       'p',  'e',  'e',  'r',  ' ',  'g',  'o',  'n',  'e',
@@ -1470,7 +1470,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_TRUE(*eb == e);
 
   const Bytes bye = {
-      0x54, 0x44, 0x42, 0x59, 0x0a, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x42, 0x59, 0x0b, 0x00, 0x10, 0x00,
       0x08, 0x00, 0x00, 0x00, 0xc7, 0xfb, 0x17, 0x55,  // frame
       0xe8, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // steps
   };
@@ -1480,7 +1480,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(bb->steps, 1000u);
 
   const Bytes heartbeat = {
-      0x54, 0x44, 0x48, 0x42, 0x0a, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x42, 0x0b, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x6e, 0x14, 0x17, 0xba,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x88, 0x13, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // silence_ms 5000, reserved
@@ -1492,7 +1492,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(beat->silence_ms, 5000u);
 
   const Bytes heartbeat_reply = {
-      0x54, 0x44, 0x48, 0x41, 0x0a, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x41, 0x0b, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x47, 0x8e, 0x37, 0x33,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // memory_rank 3, reserved
@@ -1505,14 +1505,17 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(beat_reply->memory_rank, 3);
 
   const Bytes discard = {
-      0x54, 0x44, 0x53, 0x44, 0x0a, 0x00, 0x10, 0x00,
-      0x18, 0x00, 0x00, 0x00, 0x6f, 0xab, 0x9e, 0xf3,  // frame
+      0x54, 0x44, 0x53, 0x44, 0x0b, 0x00, 0x10, 0x00,
+      0x1c, 0x00, 0x00, 0x00, 0x8f, 0x2f, 0xbd, 0xc9,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // seqno_base
-      0x05, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // compute_mask 0b101, reserved
+      0x05, 0x00, 0x02, 0x00, 0x00, 0x00, 0x00, 0x00,  // compute_mask 0b101, reserved, lost_count 2
+      0x01, 0x00, 0x03, 0x00,                          // lost memory ranks 1 and 3
   };
-  const StepDiscardMessage want_discard{
-      .step_id = 0x0102030405060708, .seqno_base = 0x1112131415161718, .compute_mask = 5};
+  const StepDiscardMessage want_discard{.step_id = 0x0102030405060708,
+                                        .seqno_base = 0x1112131415161718,
+                                        .compute_mask = 5,
+                                        .lost_memory_ranks = {1, 3}};
   EXPECT_EQ(EncodeStepDiscard(want_discard), discard);
   absl::StatusOr<StepDiscardMessage> got_discard = DecodeStepDiscard(discard);
   ASSERT_TRUE(got_discard.ok()) << got_discard.status();
@@ -1777,12 +1780,12 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     const absl::Status s = DecodeHello(MakeFrame(kHelloMagic, HelloBody(old), version)).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "hello: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 10 (versions 2 to 4 "
+                               " at byte offset 4 is older than the supported version 11 (versions 2 to 4 "
                                "changed the hello, step plan and replica result layouts; 5 added the "
                                "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
                                "step discard; 8 the step plan's next-use records; 9 the evictions' "
                                "tokens and the persisted blocks report; 10 the restores' segments and "
-                               "the hello's rope)");
+                               "the hello's rope; 11 the step discard's lost memory ranks)");
   }
   // The limits and combinations that are valid.
   for (auto [tokens, sharing] : {std::pair<uint16_t, uint8_t>{0, 0}, {1, 0}, {1, 1}, {4096, 2}, {4096, 0}}) {
@@ -2039,17 +2042,24 @@ TEST(ControlWire, HeartbeatRoundTripRangesAndReservedBytes) {
 TEST(ControlWire, StepDiscardRoundTripRangesAndReservedBytes) {
   std::mt19937_64 rng(17);
   for (int i = 0; i < 200; ++i) {
-    const StepDiscardMessage d{.step_id = i == 0 ? kU64Max : rng(),
-                               .seqno_base = i == 0 ? kU64Max : 1 + rng() % kU64Max,
-                               .compute_mask = static_cast<uint8_t>(rng() | 1)};
+    StepDiscardMessage d{.step_id = i == 0 ? kU64Max : rng(),
+                         .seqno_base = i == 0 ? kU64Max : 1 + rng() % kU64Max,
+                         .compute_mask = static_cast<uint8_t>(rng() | 1)};
+    // Lost memory ranks: none, a few, or the largest ids.
+    for (uint32_t rank = static_cast<uint32_t>(rng() % 4); rank <= 0xffff && d.lost_memory_ranks.size() < 40;
+         rank += 1 + static_cast<uint32_t>(rng() % (i % 2 == 0 ? 3 : 5000))) {
+      if (i % 3 == 0) break;
+      d.lost_memory_ranks.push_back(static_cast<uint16_t>(rank));
+    }
     const Bytes f = EncodeStepDiscard(d);
-    ASSERT_EQ(f.size(), kFrameHeaderBytes + kStepDiscardBodyBytes);
+    ASSERT_EQ(f.size(), kFrameHeaderBytes + kStepDiscardFixedBytes + 2 * d.lost_memory_ranks.size());
     absl::StatusOr<StepDiscardMessage> back = DecodeStepDiscard(f);
     ASSERT_TRUE(back.ok()) << back.status();
     EXPECT_TRUE(*back == d);
   }
-  // seqno_base 0, a mask without compute rank 0, a reserved byte that is not 0, a wrong size.
-  Bytes body(kStepDiscardBodyBytes, 0);
+  // seqno_base 0, a mask without compute rank 0, a reserved byte that is not 0, a wrong size, a
+  // lost_count that does not match the size, lost ranks out of order.
+  Bytes body(kStepDiscardFixedBytes, 0);
   body[16] = 1;
   absl::Status s = DecodeStepDiscard(MakeFrame(kStepDiscardMagic, body)).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
@@ -2060,13 +2070,34 @@ TEST(ControlWire, StepDiscardRoundTripRangesAndReservedBytes) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_CONTAINS(std::string(s.message()), "compute_mask 0x06 at byte offset 32 must have bit 0");
   body[16] = 1;
-  body[23] = 1;
-  s = DecodeStepDiscard(MakeFrame(kStepDiscardMagic, body)).status();
+  for (size_t reserved : {17, 20, 23}) {
+    Bytes bad = body;
+    bad[reserved] = 1;
+    s = DecodeStepDiscard(MakeFrame(kStepDiscardMagic, bad)).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_CONTAINS(std::string(s.message()), "step discard: reserved");
+  }
+  s = DecodeStepDiscard(MakeFrame(kStepDiscardMagic, Bytes(23, 0))).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_CONTAINS(std::string(s.message()), "step discard: reserved");
-  s = DecodeStepDiscard(MakeFrame(kStepDiscardMagic, Bytes(25, 0))).status();
+  EXPECT_EQ(s.message(), "step discard: body_bytes 23 at byte offset 8 must be 24");
+  Bytes odd = body;
+  odd.push_back(0);
+  s = DecodeStepDiscard(MakeFrame(kStepDiscardMagic, odd)).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_EQ(s.message(), "step discard: body_bytes 25 at byte offset 8 must be 24");
+  EXPECT_EQ(s.message(), "step discard: lost_count 0 at byte offset 34 needs a body of 24 bytes, not 25");
+  Bytes two = body;
+  two[18] = 2;
+  for (uint8_t b : {4, 0, 5, 0}) two.push_back(b);
+  ASSERT_TRUE(DecodeStepDiscard(MakeFrame(kStepDiscardMagic, two)).ok());
+  two[18] = 3;
+  s = DecodeStepDiscard(MakeFrame(kStepDiscardMagic, two)).status();
+  EXPECT_EQ(s.message(), "step discard: lost_count 3 at byte offset 34 needs a body of 30 bytes, not 28");
+  two[18] = 2;
+  two[26] = 3;
+  s = DecodeStepDiscard(MakeFrame(kStepDiscardMagic, two)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(),
+            "step discard: lost memory rank 3 at byte offset 42 must be above the one before it (4)");
 }
 
 TEST(ErrorWire, StatusConversions) {
@@ -2307,8 +2338,8 @@ TEST(NextUseWire, GoldenBytesAndRefusals) {
   plan.next_uses.push_back({.block_hash = 0x1112131415161718, .next_use = 0, .memory_rank = 1});
   plan.next_uses.push_back({.block_hash = 0x2122232425262728, .next_use = 5, .memory_rank = 1});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x0a, 0x00, 0x10, 0x00,
-      0x40, 0x00, 0x00, 0x00, 0xa5, 0x74, 0x3a, 0x3a,  // frame: version 10, body_bytes 64
+      0x54, 0x44, 0x53, 0x50, 0x0b, 0x00, 0x10, 0x00,
+      0x40, 0x00, 0x00, 0x00, 0xa5, 0x74, 0x3a, 0x3a,  // frame: version 11, body_bytes 64
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -2396,8 +2427,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
                            .block_index = 1,
                            .memory_rank = 1});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x0a, 0x00, 0x10, 0x00,
-      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 10, body_bytes 120
+      0x54, 0x44, 0x53, 0x50, 0x0b, 0x00, 0x10, 0x00,
+      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 11, body_bytes 120
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -2423,8 +2454,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
 
   const RestoreReplyMessage reply{.step_id = 9, .memory_rank = 1, .failed = {0x1112131415161718}};
   const Bytes reply_golden = {
-      0x54, 0x44, 0x52, 0x54, 0x0a, 0x00, 0x10, 0x00,
-      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 10, body_bytes 24
+      0x54, 0x44, 0x52, 0x54, 0x0b, 0x00, 0x10, 0x00,
+      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 11, body_bytes 24
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // memory_rank, reserved, failed_count
       0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // failed[0]
@@ -2448,7 +2479,7 @@ TEST(RestoreWire, SegmentsGoldenBytesAndRanges) {
        .segments = {{.source_hash = 0x3132333435363738, .source_index = 1, .source_row = 10, .rows = 6},
                     {.source_hash = 0x4142434445464748, .source_index = 2, .source_row = 0, .rows = 10}}});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x0a, 0x00, 0x10, 0x00,  // frame: magic, version 10, header_bytes
+      0x54, 0x44, 0x53, 0x50, 0x0b, 0x00, 0x10, 0x00,  // frame: magic, version 11, header_bytes
       0x58, 0x00, 0x00, 0x00, 0x73, 0x90, 0xc6, 0x16,  // body_bytes 88, crc
       0x05, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
