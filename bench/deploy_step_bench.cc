@@ -28,7 +28,8 @@
 //              compute_node/pipeline_report.h;
 // so step = compute + attention + exchange + idle. The colocated row has exchange 0 and idle = its
 // host time. decode tok/s = tokens generated in decode steps / the wall time of those steps. The
-// host-staged path (ucx) checksums its payloads as a deployment does by default (--checksums).
+// host-staged path (ucx) checksums its payloads, and p2p's device waits check theirs, as a
+// deployment does by default (--checksums).
 //
 // With --shared-gpu the memory ranks run on cuda:0 beside the compute rank (the one-GPU layout of
 // the quick start; ucx stages through host memory, p2p signals with CUDA IPC events).
@@ -141,7 +142,8 @@ constexpr const char* kUsage =
     "  --tandem           the tandem executable that runs the memory ranks\n"
     "  --run-timeout      wall limit of one (transport, batch, context) run, seconds (600)\n"
     "  --startup-timeout  limit for loading weights and starting a deployment, seconds (600)\n"
-    "  --checksums        crc32c of the host-staged (ucx) payloads, as a deployment's default (1)\n"
+    "  --checksums        payload checksums, as a deployment's default (1): crc32c of the host-staged (ucx)\n"
+    "                     payloads; p2p's device waits check each payload's checksum\n"
     "  --max-tokens-per-step  rows per step (decode + prefill chunk), both sides (max(8192, batch))\n"
     "  --cuda-graphs      layer parts as CUDA graphs on both sides (1), or launched one by one (0, the "
     "default)\n"

@@ -90,6 +90,7 @@ absl::Status ComputeRank::Connect(const WeightSource& source) {
                                                            .listen_address = listen_address_,
                                                            .device = o.device,
                                                            .send_timeout = o.step_timeout}));
+  transport_->SetDeviceChecksums(o.checksums);
   if (on_listening_) RETURN_IF_ERROR(on_listening_(transport_->address()));
   for (size_t m = 0; m < o.memory_addresses.size(); ++m) {
     Rank rank;

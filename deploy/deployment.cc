@@ -80,7 +80,8 @@ const ConfigSchema& DeploySchema() {
               "auto: local when every memory rank is on the compute rank's GPU, p2p when every rank is on "
               "a CUDA device, else ucx")
         .Bool("transport.checksums", true,
-              "crc32c of every per-layer payload of the host-staged path (ucx), verified by the receiver")
+              "per-layer payload checksums, verified by the receiver: crc32c on the host-staged path (ucx), "
+              "a checksum stored beside the doorbell on p2p's device path")
         .String("launch.run_dir", "tandem-run",
                 "directory under which every run gets its own directory (run-<time>-<pid>, and the link "
                 "latest): the ranks' logs, ready files, effective config and deployment secret")

@@ -568,6 +568,7 @@ class MemoryRank {
     const size_t qkv_bytes = static_cast<size_t>(shape_.max_tokens * shape_.qkv_width()) * elem_;
     const size_t out_bytes = static_cast<size_t>(shape_.max_tokens * shape_.q_dim()) * elem_;
     device_path_ = !exec_->memory().host() && transport_->capabilities().device_polling;
+    transport_->SetDeviceChecksums(hello_.checksums);
     if (hello_.q_first && !exec_->SupportsSplitLayer()) {
       return absl::InvalidArgumentError(absl::StrCat("pipeline.q_first: memory rank ", o_.rank,
                                                      " runs attention on ", exec_->device(),

@@ -143,6 +143,12 @@ class Transport {
         (void)stream;
     return Unsupported("EnqueueWait");
   }
+  // Whether device waits also check each payload against the checksum its writer stored beside
+  // the doorbell (a mismatch: DataLoss from SyncStream naming the wait). On from the start where a
+  // transport has such checksums (p2p); a rank sets it as its deployment says
+  // (transport.checksums). The host-staged path's payloads carry their own (layer messages).
+  virtual void SetDeviceChecksums(bool on) { (void)on; }
+
   // Waits until the work enqueued so far on `stream` has run, keeping the control plane moving.
   // Returns the first expired device wait (see EnqueueWait), Unavailable naming a peer that
   // failed (its pending waits are released rather than left to time out), a device error, or

@@ -1,8 +1,10 @@
 // The p2p transport between two processes: this test (listening, cuda:0) and a child process
 // (this binary in helper mode; cuda:1 when there are two GPUs, else cuda:0 as well). The child
 // writes payloads that record their origin, 16 B to 64 MB, each followed by its doorbell; the
-// parent checks every byte, then writes back. Also: gathered pieces, bounds, deadlines, and
-// registration errors. Skips without a GPU. Prints one-way host-driven write times.
+// parent checks every byte, then writes back. Also: gathered pieces, bounds, deadlines,
+// registration errors, and device-path payload checksums (an intact write passes the receiver's
+// check, one with a byte changed after it landed is DataLoss naming the wait). Skips without a GPU. Prints
+// one-way host-driven write times.
 #include "common/transport/p2p/p2p_transport.h"
 
 #include <cuda_runtime.h>
@@ -32,6 +34,7 @@ using testing_transport::Text;
 constexpr char kAddressEnv[] = "TANDEM_P2P_TEST_CONNECT_TO";
 constexpr size_t kBufferBytes = (64u << 20) + 64;
 const size_t kSizes[] = {16, 4096, 65536, 1u << 20, 16u << 20, 64u << 20};
+constexpr size_t kDeviceOffset = 40, kDeviceBytes = (1u << 20) + 3;  // the device-path checksum case
 
 absl::Time In(absl::Duration d) { return absl::Now() + d; }
 
@@ -109,6 +112,22 @@ TEST(P2pChildHelper, DISABLED_WriteAllSizes) {
   // The parent's write into buffer 2.
   ASSERT_TRUE((*t)->WaitDoorbell(2, 7, In(absl::Seconds(60))).ok());
   EXPECT_TRUE(mine.Read(1u << 20) == Payload(4242, 7, 1u << 20));
+  // Two device-path writes into buffer 1 (kDeviceBytes at kDeviceOffset), each announced: the
+  // parent checks the first as it came and changes a byte of the second before its check.
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  DeviceMemory src(kDeviceBytes);
+  for (uint64_t k = seq + 2; k <= seq + 3; ++k) {
+    const std::vector<uint8_t> data = Payload(getpid(), k, kDeviceBytes);
+    ASSERT_EQ(cudaMemcpy(src.p, data.data(), kDeviceBytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_TRUE((*t)->EnqueueWrite(*peer, 1, kDeviceOffset, src.p, kDeviceBytes, k, stream).ok());
+    const absl::Status synced = (*t)->SyncStream(stream, In(absl::Seconds(60)));
+    ASSERT_TRUE(synced.ok()) << synced;
+    ASSERT_TRUE((*t)->Send(*peer, Text(absl::StrCat("device ", k))).ok());
+    ExpectMessage(**t, absl::StrCat("ack ", k));
+  }
+  cudaStreamDestroy(stream);
   ASSERT_TRUE((*t)->Send(*peer, Text("bye")).ok());
   ASSERT_TRUE((*t)->Flush(In(absl::Seconds(10))).ok());
 }
@@ -161,6 +180,39 @@ TEST(P2pTransport, TwoProcessesEverySizeAndBack) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   absl::Span<const uint8_t> piece(static_cast<const uint8_t*>(src.p), back.size());
   ASSERT_TRUE((*t)->Write(*peer, 2, 0, {&piece, 1}, 7).ok());
+  // The device path's payload checksums: the child's device write arrives intact and passes the
+  // check; the next one has a bit changed here after it landed (as a stray write would) and the
+  // check reports DataLoss naming the wait. The child sends seqnos seq + 2 and seq + 3.
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  for (uint64_t k = seq + 2; k <= seq + 3; ++k) {
+    ExpectMessage(**t, absl::StrCat("device ", k));
+    if (k == seq + 3) {
+      const std::vector<uint8_t> at = buffer.Read(kDeviceOffset + 12345 + 1);
+      const uint8_t flipped = at.back() ^ 0x10;
+      ASSERT_EQ(cudaMemcpy(static_cast<uint8_t*>(buffer.p) + kDeviceOffset + 12345, &flipped, 1,
+                           cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // `stream` does not wait for the legacy stream
+    }
+    const std::string label = absl::StrCat("test: device write ", k);
+    ASSERT_TRUE(
+        (*t)->EnqueueWait(*peer, 1, kDeviceOffset, kDeviceBytes, k, absl::Seconds(30), label, stream).ok());
+    const absl::Status s = (*t)->SyncStream(stream, In(absl::Seconds(60)));
+    if (k == seq + 2) {
+      ASSERT_TRUE(s.ok()) << s;
+      const std::vector<uint8_t> got = buffer.Read(kDeviceOffset + kDeviceBytes);
+      EXPECT_TRUE(
+          std::equal(got.begin() + kDeviceOffset, got.end(), Payload(child, k, kDeviceBytes).begin()));
+    } else {
+      EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+      EXPECT_NE(std::string(s.message()).find(label + ": the payload's checksum does not match"),
+                std::string::npos)
+          << s;
+    }
+    ASSERT_TRUE((*t)->Send(*peer, Text(absl::StrCat("ack ", k))).ok());
+  }
+  cudaStreamDestroy(stream);
   ExpectMessage(**t, "bye");
   // The child flushes its bye before it exits, and a flush completes only as this side's transport
   // makes progress: keep it moving (Receive) while waiting for the exit, or the child's flush can

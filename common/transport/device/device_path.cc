@@ -7,6 +7,8 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status.h"
 #include "common/transport/device/device_path_kernels.h"
 
 namespace tandem::transport {
@@ -38,6 +40,10 @@ absl::StatusOr<std::unique_ptr<DevicePath>> DevicePath::Create(int device) {
   p->record_dev_ = static_cast<DeviceWaitRecord*>(dev);
   DP_CUDA(cudaMalloc(&p->counters_, kCounters * sizeof(uint32_t)));
   DP_CUDA(cudaMemset(p->counters_, 0, kCounters * sizeof(uint32_t)));
+  DP_CUDA(cudaMalloc(&p->failed_flag_, sizeof(uint32_t)));
+  DP_CUDA(cudaMemset(p->failed_flag_, 0, sizeof(uint32_t)));
+  DP_CUDA(cudaMalloc(&p->sums_, kCounters * sizeof(unsigned long long)));
+  DP_CUDA(cudaMemset(p->sums_, 0, kCounters * sizeof(unsigned long long)));
   DP_CUDA(cudaDeviceSynchronize());
   return p;
 }
@@ -49,7 +55,14 @@ DevicePath::~DevicePath() {
     cudaDeviceSynchronize();
     cudaFreeHost(record_);
   }
+  for (auto& [caller, side] : sides_) {
+    cudaEventDestroy(static_cast<cudaEvent_t>(side.fork));
+    cudaEventDestroy(static_cast<cudaEvent_t>(side.done));
+    cudaStreamDestroy(static_cast<cudaStream_t>(side.stream));
+  }
   if (counters_ != nullptr) cudaFree(counters_);
+  if (sums_ != nullptr) cudaFree(sums_);
+  if (failed_flag_ != nullptr) cudaFree(failed_flag_);
 }
 
 absl::Status DevicePath::EnqueueWait(const uint64_t* doorbell, uint64_t seqno, absl::Duration timeout,
@@ -59,16 +72,65 @@ absl::Status DevicePath::EnqueueWait(const uint64_t* doorbell, uint64_t seqno, a
   const uint64_t timeout_ns = static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Nanoseconds(timeout)));
   const uint32_t index = static_cast<uint32_t>(waits_.size());
   waits_.push_back({std::move(label), seqno, timeout});
-  DP_CUDA(LaunchWaitDoorbell(doorbell, seqno, timeout_ns, record_dev_, index, stream));
+  DP_CUDA(LaunchWaitDoorbell(doorbell, seqno, timeout_ns, record_dev_, failed_flag_, index, stream));
   return absl::OkStatus();
 }
 
 absl::Status DevicePath::EnqueueWriteWithDoorbell(void* dst, const void* src, size_t bytes,
-                                                  uint64_t* doorbell, uint64_t seqno, void* stream) {
+                                                  uint64_t* doorbell, uint64_t seqno, void* stream,
+                                                  ChecksumEntry* checksum) {
   if (!failure_.ok())
     return absl::FailedPreconditionError(absl::StrCat("device path failed: ", failure_.message()));
-  uint32_t* counter = counters_ + (next_counter_++ % kCounters);
-  DP_CUDA(LaunchWriteWithDoorbell(dst, src, bytes, doorbell, seqno, counter, stream));
+  RETURN_IF_ERROR(Join(stream));
+  const uint32_t slot = next_counter_++ % kCounters;
+  DP_CUDA(LaunchWriteWithDoorbell(dst, src, bytes, doorbell, seqno, counters_ + slot, sums_ + slot, checksum,
+                                  stream));
+  return absl::OkStatus();
+}
+
+absl::Status DevicePath::Join(void* stream) {
+  auto it = sides_.find(stream);
+  if (it == sides_.end() || !it->second.pending) return absl::OkStatus();
+  DP_CUDA(
+      cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(it->second.done), 0));
+  it->second.pending = false;
+  return absl::OkStatus();
+}
+
+absl::Status DevicePath::EnqueueVerify(const void* data, size_t bytes, const ChecksumEntry* entry,
+                                       uint64_t seqno, std::string label, void* stream, bool beside) {
+  if (!failure_.ok())
+    return absl::FailedPreconditionError(absl::StrCat("device path failed: ", failure_.message()));
+  const uint32_t index = static_cast<uint32_t>(waits_.size());
+  waits_.push_back({std::move(label), seqno, absl::ZeroDuration(), bytes});
+  if (!beside) {
+    const uint32_t slot = next_counter_++ % kCounters;
+    DP_CUDA(LaunchVerifyChecksum(data, bytes, entry, seqno, counters_ + slot, sums_ + slot, record_dev_,
+                                 failed_flag_, index, stream));
+    return absl::OkStatus();
+  }
+  auto [it, made] = sides_.try_emplace(stream);
+  Side& side = it->second;
+  if (made) {
+    cudaStream_t s = nullptr;
+    cudaEvent_t fork = nullptr, done = nullptr;
+    DP_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    side.stream = s;
+    DP_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    side.fork = fork;
+    DP_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    side.done = done;
+  }
+  // A wait on an event takes the event's latest record at the time of the call, so one fork and
+  // one done event per side serve every check.
+  DP_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(side.fork), static_cast<cudaStream_t>(stream)));
+  DP_CUDA(
+      cudaStreamWaitEvent(static_cast<cudaStream_t>(side.stream), static_cast<cudaEvent_t>(side.fork), 0));
+  const uint32_t slot = next_counter_++ % kCounters;
+  DP_CUDA(LaunchVerifyChecksum(data, bytes, entry, seqno, counters_ + slot, sums_ + slot, record_dev_,
+                               failed_flag_, index, side.stream));
+  DP_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(side.done), static_cast<cudaStream_t>(side.stream)));
+  side.pending = true;
   return absl::OkStatus();
 }
 
@@ -83,6 +145,7 @@ absl::Status DevicePath::Sync(void* stream, absl::Time deadline, const std::func
   if (!failure_.ok())
     return absl::FailedPreconditionError(absl::StrCat("device path failed: ", failure_.message()));
   DP_CUDA(cudaSetDevice(device_));
+  RETURN_IF_ERROR(Join(stream));  // the step's checks are part of it
   cudaEvent_t done = nullptr;
   DP_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
   const cudaError_t rec = cudaEventRecord(done, static_cast<cudaStream_t>(stream));
@@ -131,7 +194,18 @@ absl::Status DevicePath::Sync(void* stream, absl::Time deadline, const std::func
     st = pending_;
   } else if (st.ok() && r->failed != 0) {
     const uint32_t i = r->wait;
-    if (i < waits_.size()) {
+    if (i < waits_.size() && r->failed >= 3) {
+      const Wait& w = waits_[i];
+      st = absl::DataLossError(
+          r->failed == 3
+              ? absl::StrFormat("%s: the payload's checksum does not match (seqno %d, %d bytes: the writer's "
+                                "%016x, %016x here): it changed between the writer and this check",
+                                w.label, w.seqno, w.bytes, static_cast<uint64_t>(r->expected),
+                                static_cast<uint64_t>(r->seen))
+              : absl::StrFormat("%s: no checksum of seqno %d (%d bytes) beside the doorbell: its entry holds "
+                                "seqno %d's",
+                                w.label, w.seqno, w.bytes, static_cast<uint64_t>(r->expected)));
+    } else if (i < waits_.size()) {
       const Wait& w = waits_[i];
       st = absl::DeadlineExceededError(absl::StrCat(
           w.label, ": ", r->failed == 1 ? "waited " : "aborted after less than ",

@@ -10,10 +10,22 @@
 // gives up records which wait it was and the doorbell value seen in host-mapped memory, and every
 // later wait of the same DevicePath falls through at once, so a failed step drains in
 // microseconds; Sync() turns the record into a Status.
+//
+// Payload checksums (payload_checksum.h): the write kernel can store the checksum of what it
+// copied, with its seqno, into an entry the receiver owns (beside its doorbell), and the
+// receiver's EnqueueVerify recomputes it over the landed bytes after the wait; a mismatch fails
+// like an expired wait (DataLoss from Sync, naming the wait's label). The check runs on a side
+// stream of the caller's (unless asked not to), beside whatever the caller enqueues next (the
+// consumer of the bytes), so
+// the stream does not pay a kernel launch for it; the caller's stream joins its checks before its
+// next write (the write that lets the peer send again into the buffer checked) and at Sync, so a
+// step never ends unchecked and a buffer is never rewritten under its check. A payload found bad
+// after its consumer read it fails the step all the same, before the step's results are used.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,6 +37,7 @@
 namespace tandem::transport {
 
 struct DeviceWaitRecord;  // device_path_kernels.h
+struct ChecksumEntry;     // payload_checksum.h
 
 class DevicePath {
  public:
@@ -41,9 +54,21 @@ class DevicePath {
   // Enqueues on `stream` one kernel that copies `bytes` from `src` to `dst` (any memory this GPU
   // can address: its own, a peer's through an IPC mapping, host-mapped) and then, after a
   // system-wide fence, stores `seqno` to `doorbell` (same kinds of memory), so that a reader that
-  // sees the doorbell sees the bytes. bytes may be 0 (doorbell only); no alignment needed.
+  // sees the doorbell sees the bytes. bytes may be 0 (doorbell only); no alignment needed. With
+  // `checksum` (an entry in the same kinds of memory), {seqno, checksum of the bytes} is stored
+  // there before the doorbell.
   absl::Status EnqueueWriteWithDoorbell(void* dst, const void* src, size_t bytes, uint64_t* doorbell,
-                                        uint64_t seqno, void* stream);
+                                        uint64_t seqno, void* stream, ChecksumEntry* checksum = nullptr);
+  // Enqueues on `stream` the check of the `bytes` at `data` (this GPU's memory) against `entry`,
+  // which the write of `seqno` filled: Sync() returns DataLoss naming `label` when the checksum
+  // differs, or when the entry holds another seqno (the writer ran a ring ahead, or never stored
+  // one); a mismatch after an earlier failed wait is not reported (the wait is). Enqueue it after
+  // the wait for that write.
+  // `beside`: on the side stream (below), else on `stream` itself (for a writer that shares this
+  // GPU from another process: there a stream blocked on an event of the other process's lets the
+  // GPU's time slices between the two contexts run out idle, measured at 2 ms a message).
+  absl::Status EnqueueVerify(const void* data, size_t bytes, const ChecksumEntry* entry, uint64_t seqno,
+                             std::string label, void* stream, bool beside = true);
 
   // Waits until the work enqueued on `stream` so far has run. Calls `pump` about every 100 us
   // (the control plane: peer failures); an error from it aborts every pending wait and is
@@ -69,11 +94,25 @@ class DevicePath {
   DeviceWaitRecord* record_ = nullptr;      // pinned, mapped
   DeviceWaitRecord* record_dev_ = nullptr;  // its device address
   uint32_t* counters_ = nullptr;            // device: per-launch block counters of the write kernel
+  unsigned long long* sums_ = nullptr;      // device: per-launch checksum sums, beside the counters
+  uint32_t* failed_flag_ = nullptr;         // device: the record's failure code, for the kernels
   uint32_t next_counter_ = 0;
+  // A caller stream's side stream for checks, with the events that fork it from and join it back
+  // to the caller's stream (cudaStream_t / cudaEvent_t, kept as void* like the streams here).
+  struct Side {
+    void* stream = nullptr;
+    void* fork = nullptr;
+    void* done = nullptr;
+    bool pending = false;  // checks enqueued since the caller's stream last joined them
+  };
+  std::map<void*, Side> sides_;  // by caller stream
+  // Makes `stream` wait for the checks enqueued on its side stream so far.
+  absl::Status Join(void* stream);
   struct Wait {
     std::string label;
     uint64_t seqno;
     absl::Duration timeout;
+    size_t bytes = 0;  // a checksum check's payload
   };
   std::vector<Wait> waits_;  // enqueued since the last Sync, by the index the kernel records
   absl::Status failure_;

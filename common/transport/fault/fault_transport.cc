@@ -270,6 +270,7 @@ class FaultTransport final : public Transport {
                            absl::Duration timeout, const std::string& label, void* stream) override {
     return inner_->EnqueueWait(peer, buffer, offset, bytes, seqno, timeout, label, stream);
   }
+  void SetDeviceChecksums(bool on) override { inner_->SetDeviceChecksums(on); }
   absl::Status SyncStream(void* stream, absl::Time deadline) override {
     return inner_->SyncStream(stream, deadline);
   }

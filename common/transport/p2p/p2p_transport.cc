@@ -13,7 +13,12 @@
 // frames of this transport are consumed inside its calls and never reach the caller.
 //
 // Doorbells: one device page of 64-bit counters per process, exported once; buffer `id` owns slot
-// `id % kSlots` (ids must be distinct modulo kSlots).
+// `id % kSlots` (ids must be distinct modulo kSlots). After the counters, the same allocation holds
+// each slot's ring of payload checksums (common/transport/device/payload_checksum.h): every write
+// kernel stores {seqno, checksum} into the receiver's ring before the doorbell, and a receiver with
+// checksums on (P2pOptions::checksums, SetDeviceChecksums: a deployment's transport.checksums) checks the
+// landed bytes against it after each device wait (a kernel on the same stream: DataLoss from SyncStream
+// naming the wait on a mismatch). The host-driven WaitDoorbell does not check.
 //
 // Two data paths share the buffers and doorbells:
 //   * host-driven (Write / WaitDoorbell): the pieces (gathered into device staging unless they are
@@ -61,6 +66,7 @@
 #include "common/status.h"
 #include "common/transport/control_plane.h"
 #include "common/transport/device/device_path.h"
+#include "common/transport/device/payload_checksum.h"
 
 namespace tandem::transport {
 namespace {
@@ -71,6 +77,14 @@ constexpr uint32_t kSignalMagic = 0x53503254;      // "T2PS": a same-GPU write's
 constexpr size_t kSlots = 512;                     // doorbells per process
 constexpr int kEvents = 256;                       // interprocess events per process (a ring)
 constexpr size_t kMaxSignals = 1024;               // kept per buffer and peer; older ones dropped
+// The doorbell allocation: the counters, then every slot's ring of checksum entries.
+constexpr size_t kDoorbellBytes = kSlots * sizeof(uint64_t) + kSlots * kChecksumRing * sizeof(ChecksumEntry);
+
+// Buffer `buffer`'s checksum entry for `seqno` in a doorbell allocation (ours or a peer's).
+ChecksumEntry* EntryOf(void* doorbells, uint32_t buffer, uint64_t seqno) {
+  auto* ring = reinterpret_cast<ChecksumEntry*>(static_cast<uint64_t*>(doorbells) + kSlots);
+  return ring + (buffer % kSlots) * kChecksumRing + seqno % kChecksumRing;
+}
 
 #define P2P_CUDA(expr)                                                                                     \
   do {                                                                                                     \
@@ -105,8 +119,8 @@ struct SignalFrame {
 
 class P2pTransport : public ControlPlaneTransport {
  public:
-  P2pTransport(std::unique_ptr<Transport> control, int device)
-      : ControlPlaneTransport(std::move(control)), device_(device) {
+  P2pTransport(std::unique_ptr<Transport> control, int device, bool checksums)
+      : ControlPlaneTransport(std::move(control)), device_(device), checksums_(checksums) {
     caps_.name = "p2p";
     caps_.gpu_memory = true;
     caps_.device_polling = true;
@@ -131,8 +145,8 @@ class P2pTransport : public ControlPlaneTransport {
 
   absl::Status Init() {
     P2P_CUDA(cudaSetDevice(device_));
-    P2P_CUDA(cudaMalloc(&doorbells_, kSlots * sizeof(uint64_t)));
-    P2P_CUDA(cudaMemset(doorbells_, 0, kSlots * sizeof(uint64_t)));
+    P2P_CUDA(cudaMalloc(&doorbells_, kDoorbellBytes));
+    P2P_CUDA(cudaMemset(doorbells_, 0, kDoorbellBytes));
     P2P_CUDA(cudaIpcGetMemHandle(&doorbell_handle_, doorbells_));
     P2P_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     P2P_CUDA(cudaDeviceSynchronize());
@@ -180,6 +194,7 @@ class P2pTransport : public ControlPlaneTransport {
     }
     P2P_CUDA(cudaIpcGetMemHandle(&d.handle, reinterpret_cast<void*>(alloc)));
     local_[id] = d;
+    local_base_[id] = base;
     for (const auto& [peer, p] : peers_) RETURN_IF_ERROR(control().Send(peer, ToBytes(d)));
     return absl::OkStatus();
   }
@@ -220,8 +235,10 @@ class P2pTransport : public ControlPlaneTransport {
       src = staging_;
     }
     auto* dst = static_cast<uint8_t*>(r->mapped) + r->offset + offset;
-    auto* bell = static_cast<uint64_t*>(peers_.at(peer).doorbells) + buffer % kSlots;
-    RETURN_IF_ERROR(device_path_->EnqueueWriteWithDoorbell(dst, src, total, bell, seqno, stream_));
+    void* doorbells = peers_.at(peer).doorbells;
+    auto* bell = static_cast<uint64_t*>(doorbells) + buffer % kSlots;
+    RETURN_IF_ERROR(device_path_->EnqueueWriteWithDoorbell(dst, src, total, bell, seqno, stream_,
+                                                           EntryOf(doorbells, buffer, seqno)));
     P2P_CUDA(cudaStreamSynchronize(stream_));  // the pieces are reusable on return
     return absl::OkStatus();
   }
@@ -259,7 +276,8 @@ class P2pTransport : public ControlPlaneTransport {
     Peer& p = peers_.at(peer);
     auto* dst = static_cast<uint8_t*>(r->mapped) + r->offset + offset;
     auto* bell = static_cast<uint64_t*>(p.doorbells) + buffer % kSlots;
-    RETURN_IF_ERROR(device_path_->EnqueueWriteWithDoorbell(dst, src, bytes, bell, seqno, stream));
+    RETURN_IF_ERROR(device_path_->EnqueueWriteWithDoorbell(dst, src, bytes, bell, seqno, stream,
+                                                           EntryOf(p.doorbells, buffer, seqno)));
     if (!p.same_gpu) return absl::OkStatus();
     // Same GPU: the reader's stream waits for this event (see the file comment).
     SignalFrame f;
@@ -298,10 +316,20 @@ class P2pTransport : public ControlPlaneTransport {
             absl::StrCat(label, ": ", PeerName(peer), " never sent its hello"));
       }
     }
-    if (peers_.at(peer).same_gpu) return WaitForSignal(peer, buffer, seqno, timeout, label, stream);
-    return device_path_->EnqueueWait(static_cast<const uint64_t*>(doorbells_) + buffer % kSlots, seqno,
-                                     timeout, label, stream);
+    if (peers_.at(peer).same_gpu) {
+      RETURN_IF_ERROR(WaitForSignal(peer, buffer, seqno, timeout, label, stream));
+    } else {
+      RETURN_IF_ERROR(device_path_->EnqueueWait(static_cast<const uint64_t*>(doorbells_) + buffer % kSlots,
+                                                seqno, timeout, label, stream));
+    }
+    if (!checksums_ || device_path_->failed()) return absl::OkStatus();
+    // Beside the stream, except for a writer on this GPU (see EnqueueVerify).
+    return device_path_->EnqueueVerify(static_cast<const uint8_t*>(local_base_.at(buffer)) + offset, bytes,
+                                       EntryOf(doorbells_, buffer, seqno), seqno, label, stream,
+                                       !peers_.at(peer).same_gpu);
   }
+
+  void SetDeviceChecksums(bool on) override { checksums_ = on; }
 
   absl::Status SyncStream(void* stream, absl::Time deadline) override {
     P2P_CUDA(cudaSetDevice(device_));
@@ -472,8 +500,9 @@ class P2pTransport : public ControlPlaneTransport {
   }
 
   int device_;
+  bool checksums_;  // device waits check the payload's checksum
   Capabilities caps_;
-  void* doorbells_ = nullptr;  // kSlots u64 counters, device memory, exported
+  void* doorbells_ = nullptr;  // kDoorbellBytes of device memory (counters, checksum rings), exported
   cudaIpcMemHandle_t doorbell_handle_{};
   std::vector<cudaEvent_t> events_;  // interprocess, recorded after writes to same-GPU peers
   std::vector<cudaIpcEventHandle_t> event_handles_;
@@ -482,6 +511,7 @@ class P2pTransport : public ControlPlaneTransport {
   void* staging_ = nullptr;  // device: gathered pieces of host-driven writes
   uint64_t staging_bytes_ = 0;
   std::map<uint32_t, DescriptorFrame> local_;
+  std::map<uint32_t, void*> local_base_;  // where each registered buffer starts
   std::map<PeerId, Peer> peers_;
   std::unique_ptr<DevicePath> device_path_;
 };
@@ -500,7 +530,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateP2pTransport(const P2pOptions& 
   }
   ASSIGN_OR_RETURN(std::unique_ptr<Transport> control,
                    CreateUcxTransport({.listen_address = options.listen_address}));
-  auto t = std::make_unique<P2pTransport>(std::move(control), options.device);
+  auto t = std::make_unique<P2pTransport>(std::move(control), options.device, options.checksums);
   RETURN_IF_ERROR(t->Init());
   return std::unique_ptr<Transport>(std::move(t));
 }

@@ -14,6 +14,7 @@ namespace tandem::transport {
 struct P2pOptions {
   std::string listen_address;  // as UcxOptions::listen_address
   int device = 0;              // this process's GPU: registered buffers live there
+  bool checksums = true;       // device waits check each payload's checksum (see the .cc's comment)
 };
 
 // Unavailable without a CUDA device (or UCX); InvalidArgument for a device that is not visible.
