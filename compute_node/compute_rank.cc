@@ -546,11 +546,16 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
     if (failed.has_value() || !memory_told.ok() || (CanRecoverWithReplicas() && memory_failed())) break;
     drain(std::min(until, absl::Now() + absl::Milliseconds(50)));
   } while (absl::Now() < until);
+  // Memory ranks that left a heartbeat unanswered after the step's deadline (with their reasons).
+  std::vector<std::pair<size_t, absl::Status>> silent;
   if (!failed.has_value() && memory_told.ok() && absl::IsDeadlineExceeded(ran)) {
-    // Nothing failed but the step's deadline passed: a replica that does not answer a heartbeat
-    // within a quarter of the step timeout (at least 0.25 s, at most 5 s; a live one answers from
-    // its waits within 0.1 s) is silent: stopped, hung or cut off. The memory ranks wait twice the
-    // step timeout for a layer's input, so they are still there for the rerun.
+    // Nothing failed but the step's deadline passed: a replica, or a memory rank, that does not
+    // answer a heartbeat within a quarter of the step timeout (at least 0.25 s, at most 5 s; a live
+    // one answers from its waits within 0.1 s) is silent: stopped, hung or cut off. Compute rank 0
+    // may not have waited on the silent memory rank itself (none of its micro-batches has rows
+    // there: a replica waits on it, and this rank on the replica), so every memory rank is asked
+    // too, in the same window. The memory ranks wait twice the step timeout for a layer's input,
+    // so they are still there for the rerun.
     const absl::Duration allowance =
         std::clamp(options_.step_timeout / 4, absl::Milliseconds(250), absl::Seconds(5));
     const int64_t silence_ms =
@@ -567,20 +572,37 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
           replica.peer,
           EncodeHeartbeat({.seq = replica.beat_seq, .silence_ms = static_cast<uint32_t>(silence_ms)}));
     }
+    for (Rank& rank : ranks_) {
+      if (rank.lost) continue;
+      rank.beat_seq = ++beat_seq_;
+      rank.beat_sent = sent;
+      // A failed send is the rank's connection failing: found below (PeerStatus).
+      (void)transport_->Send(rank.peer, EncodeHeartbeat({.seq = rank.beat_seq,
+                                                         .silence_ms = static_cast<uint32_t>(silence_ms)}));
+    }
     auto answered = [&] {
       return std::all_of(replicas_.begin(), replicas_.end(),
-                         [](const Replica& r) { return r.lost || r.beat_seq == 0; });
+                         [](const Replica& r) { return r.lost || r.beat_seq == 0; }) &&
+             std::all_of(ranks_.begin(), ranks_.end(),
+                         [](const Rank& r) { return r.lost || r.beat_seq == 0; });
     };
     while (!answered() && !failed.has_value() && memory_told.ok() && absl::Now() < sent + allowance) {
       drain(std::min(sent + allowance, absl::Now() + absl::Milliseconds(50)));
       peer_failed();
     }
+    const std::string unanswered =
+        absl::StrCat("no answer to a heartbeat for ", absl::FormatDuration(absl::Now() - sent),
+                     " after step ", step_id, " passed its deadline (launch.step_timeout_s ",
+                     absl::ToDoubleSeconds(options_.step_timeout), "): stopped, hung or cut off");
     for (size_t r = 0; r < replicas_.size() && memory_told.ok(); ++r) {
       if (replicas_[r].lost || replicas_[r].beat_seq == 0) continue;
-      find(r, absl::DeadlineExceededError(
-                  absl::StrCat("no answer to a heartbeat for ", absl::FormatDuration(absl::Now() - sent),
-                               " after step ", step_id, " passed its deadline (launch.step_timeout_s ",
-                               absl::ToDoubleSeconds(options_.step_timeout), "): stopped, hung or cut off")));
+      find(r, absl::DeadlineExceededError(unanswered));
+    }
+    // A silent replica is the one to blame (the memory ranks it left waiting answer); else the
+    // memory ranks that did not answer, never one that did.
+    for (size_t m = 0; m < ranks_.size() && !failed.has_value() && memory_told.ok(); ++m) {
+      if (ranks_[m].lost || ranks_[m].beat_seq == 0 || !transport_->PeerStatus(ranks_[m].peer).ok()) continue;
+      silent.emplace_back(m, absl::DeadlineExceededError(absl::StrCat(ranks_[m].name, ": ", unanswered)));
     }
   }
   if (failed.has_value() && CanRecoverReplica()) {
@@ -599,7 +621,10 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
       if (absl::Status peer = transport_->PeerStatus(ranks_[m].peer); !peer.ok())
         lose.emplace_back(m, Annotate(peer, ranks_[m].name));
     }
-    if (lose.empty()) lose = std::move(failed_ranks_);
+    // Then the memory ranks silent past the step's deadline (a rank this one waited on that
+    // answered its heartbeat was only left waiting by a silent one), and only when none, the ranks
+    // a wait of this one timed out on.
+    if (lose.empty()) lose = silent.empty() ? std::move(failed_ranks_) : std::move(silent);
     failed_ranks_.clear();
     if (!lose.empty()) {
       TANDEM_LOG_WARN("compute", "step ", step_id, " failed: ", ran.message(),
@@ -619,6 +644,10 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
     if (!transport_->PeerStatus(rank.peer).ok()) transport_->Close(rank.peer);
   }
   if (failed.has_value()) return Annotate(ran, absl::StrCat(replicas_[*failed].name, " failed"));
+  if (!silent.empty()) {
+    // Without recovery the step fails naming the memory rank that went silent.
+    return absl::DeadlineExceededError(absl::StrCat(silent[0].second.message(), " (", ran.message(), ")"));
+  }
   for (size_t r = 0; r < replicas_.size(); ++r) {
     if (absl::StrContains(ran.message(), options_.replica_addresses[r])) {
       return Annotate(ran, absl::StrCat(replicas_[r].name, " failed"));

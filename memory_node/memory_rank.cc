@@ -239,10 +239,10 @@ class MemoryRank {
     return any;
   }
 
-  // Within a step's layers: the control messages that came (none is expected but these). A step
-  // discard from compute rank 0 is kept in discard_ and returns Aborted (the layers stop where they
-  // are); an error message from compute rank 0 is the rank's error; a replica that stops is given
-  // up. OK when nothing (else) came.
+  // Within a step's layers: the control messages that came (none is expected but these). A
+  // heartbeat from compute rank 0 is answered; a step discard from compute rank 0 is kept in
+  // discard_ and returns Aborted (the layers stop where they are); an error message from compute
+  // rank 0 is the rank's error; a replica that stops is given up. OK when nothing (else) came.
   absl::Status TakeMidStepMessages() {
     while (true) {
       PeerId from = 0;
@@ -255,6 +255,14 @@ class MemoryRank {
       }
       ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
       if (from == peer_) {
+        if (magic == kHeartbeatMagic) {
+          // After a step's deadline compute rank 0 asks every memory rank, and gives up the one that
+          // does not answer (this rank may be waiting on a replica that waits on a silent rank).
+          ASSIGN_OR_RETURN(const HeartbeatMessage beat, DecodeHeartbeat(msg));
+          const HeartbeatReplyMessage reply{.seq = beat.seq, .memory_rank = static_cast<uint16_t>(o_.rank)};
+          RETURN_IF_ERROR(transport_->Send(peer_, EncodeHeartbeatReply(reply)));
+          continue;
+        }
         if (magic == kStepDiscardMagic) {
           ASSIGN_OR_RETURN(discard_, DecodeStepDiscard(msg));
           return absl::AbortedError(absl::StrCat("step ", discard_->step_id, " discarded"));

@@ -14,7 +14,12 @@ Cases, each bounded in time:
     (it exits with status 0, and the launcher goes on) and compute rank 0 runs every micro-batch;
   * compute.ranks 2, memory rank 1 killed under a stream of requests: compute rank 0 keeps the
     replica (the step discard tells it the rank is lost), runs the step again without the rank and
-    recomputes its requests on the survivor; tandem:memory_ranks_lost_total 1.
+    recomputes its requests on the survivor; tandem:memory_ranks_lost_total 1;
+  * the same with memory rank 1 stopped (SIGSTOP): whether or not compute rank 0 itself waits on it
+    (its micro-batches may have no rows there: then only the replica does, and compute rank 0's wait
+    for the replica's result passes its deadline), compute rank 0 heartbeats every replica and
+    memory rank after the step's deadline, names and gives up memory rank 1, the one that does not
+    answer (never memory rank 0), and goes on as for the kill.
 Every request gets the tokens the same requests got one by one before the fault (greedy and seeded
 sampling); the counter of the loss reads 1.
 Usage: replica_recovery_test.py path/to/tandem
@@ -68,6 +73,11 @@ def lose_rank(tmp, name, compute_ranks, mode, victim, given_up, metric, released
         for rank in ("memory-0", "memory-1"):
             if rank != victim and not d.rank_pids(rank):
                 bad(f"{name}: {rank} exited after the loss: {d.last_line(rank)}")
+        # Only the victim is blamed: never a healthy neighbour, nor a replica for a memory rank.
+        for rank in ("memory-0", "memory-1", "compute-1", "compute-2"):
+            blamed = f"giving up {rank.split('-')[0]} rank {rank.split('-')[1]} ("
+            if rank != victim and blamed in d.log("compute-0"):
+                bad(f"{name}: compute-0 gave up {rank}, not only {victim}: {d.log('compute-0')[-800:]}")
     finally:
         d.stop()
 
@@ -86,6 +96,8 @@ def main():
                                 "compute_ranks_lost_total", kept=["compute-2"], sig=signal.SIGSTOP),
             lambda t: lose_rank(t, "memory-killed-with-replica", 2, "fixed", "memory-1", "giving up memory rank 1",
                                 "memory_ranks_lost_total", kept=["compute-1"]),
+            lambda t: lose_rank(t, "memory-stopped-with-replica", 2, "fixed", "memory-1", "giving up memory rank 1",
+                                "memory_ranks_lost_total", kept=["compute-1"], sig=signal.SIGSTOP),
         ]
         only = os.environ.get("TANDEM_FAULT_CASE")  # a case's index, to run it alone
         for k, case in enumerate(cases):

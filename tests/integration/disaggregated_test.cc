@@ -701,7 +701,8 @@ class PingPong : public DisaggregatedTest,
                           << "\n  q_first: " << (o.q_first ? "true" : "false")
                           << "\nscheduler:\n  max_batch_size: " << o.scheduler.max_batch_size
                           << "\n  max_tokens_per_step: " << o.scheduler.max_tokens_per_step
-                          << "\nlaunch:\n  startup_timeout_s: 60\n  step_timeout_s: 20\n";
+                          << "\nlaunch:\n  startup_timeout_s: 60\n  step_timeout_s: "
+                          << absl::ToInt64Seconds(o.step_timeout) << "\n";
     for (int r = 1; r < ranks; ++r) {
       const std::string name = absl::StrCat("compute-", r), ready = absl::StrCat(dir_, "/", name, ".ready");
       ASSERT_TRUE(group_
@@ -1275,6 +1276,98 @@ TEST_F(RankLossWithReplicas, KilledMemoryRankWithTwoReplicasKeepsThem) {
 TEST_F(RankLossWithReplicas, KilledMemoryRankWithRotationalReplicasKeepsThem) {
   Run({.compute_ranks = 3, .memory_ranks = 2, .slice_layers = 1, .victim = "memory-1"});
 }
+
+// A memory rank stopped (SIGSTOP) while a replica runs, where compute rank 0 never waits on it
+// itself: request A (long) is placed on memory rank 0, B (short) on memory rank 1, so each step's
+// micro-batch 0 (compute rank 0's, the heavier part) has rows on rank 0 only and micro-batch 1 (the
+// replica's) on rank 1 only. Compute rank 0's wait for the replica's result passes its deadline;
+// every replica answers a heartbeat, and so does memory rank 0, from its wait: memory rank 1, which
+// does not, is given up (never rank 0), the step runs again without it, and both requests end with
+// the colocated engine's tokens. Without that recovery the step fails naming memory rank 1.
+// The memory ranks and the replica run with a 2 s step timeout.
+class SilentMemoryRankWithReplica : public ReplicaFailure {
+ protected:
+  void Run(bool recover) {
+    std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
+    ASSERT_NE(source, nullptr);
+    std::mt19937 rng(21);
+    std::vector<GenerationRequest> requests = {MakeRequest(rng, source->spec().vocab_size, 16, 24, false, 0),
+                                               MakeRequest(rng, source->spec().vocab_size, 3, 24, true, 77)};
+    for (GenerationRequest& r : requests) r.ignore_eos = true;
+    std::unique_ptr<ColocatedEngine> engine = Engine(*source, 8, 24);
+    ASSERT_NE(engine, nullptr);
+    absl::StatusOr<std::vector<GenerationResult>> want = engine->GenerateAll(requests);
+    ASSERT_TRUE(want.ok()) << want.status();
+    constexpr int kStepTimeoutS = 2;
+    std::ofstream(dir_ + "/deploy.yaml")
+        << "launch:\n  startup_timeout_s: 60\n  step_timeout_s: " << kStepTimeoutS << "\n";
+    ComputeRankOptions o = Options(8, 24, 1024);
+    o.micro_batches = 2;
+    o.step_timeout = absl::Seconds(kStepTimeoutS);
+    o.recover_memory_ranks = recover;
+    ASSERT_NO_FATAL_FAILURE(StartMemoryRanks(2));
+    ASSERT_NO_FATAL_FAILURE(StartReplicas("mqa-headdim", 2, o, &o.replica_addresses));
+    o.memory_addresses = addresses_;
+    absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(*source, o);
+    ASSERT_TRUE(rank.ok()) << rank.status();
+    rank_ = std::move(*rank);
+    expect_clean_exit_ = false;  // the stopped rank
+    std::vector<int64_t> ids;
+    for (const GenerationRequest& r : requests) {
+      absl::StatusOr<int64_t> id = rank_->Submit(r);
+      ASSERT_TRUE(id.ok()) << id.status();
+      ids.push_back(*id);
+    }
+    std::vector<std::pair<int64_t, GenerationResult>> finished;
+    for (int step = 0; step < 3; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
+    // A on memory rank 0, B on memory rank 1: the replica's micro-batch is the only one there.
+    ASSERT_GT(rank_->controller().kv_reserved(0), rank_->controller().kv_reserved(1));
+    ASSERT_GT(rank_->controller().kv_reserved(1), 0);
+    ASSERT_GT(rank_->stats().replica_micro_batches, 0);
+    const pid_t victim = group_.pid(names_[names_.size() - 1]);
+    ASSERT_EQ(kill(victim, SIGSTOP), 0);
+    const auto t0 = std::chrono::steady_clock::now();
+    const absl::Status st = rank_->Step(&finished);
+    const double found = Seconds(t0);
+    std::printf("%s: memory rank 1 stopped, step back after %.2f s: %s\n",
+                recover ? "recovery" : "no recovery", found, st.ToString().c_str());
+    // The step's deadline (2 s) and a quarter of it for the heartbeats; the rest is slack.
+    EXPECT_LT(found, 4.0 * kStepTimeoutS + 5);
+    EXPECT_FALSE(rank_->controller().rank_lost(0));
+    if (recover) {
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_TRUE(rank_->controller().rank_lost(1));
+      for (int step = 0; !rank_->Idle() && Seconds(t0) < 60; ++step) {
+        const absl::Status more = rank_->Step(&finished);
+        ASSERT_TRUE(more.ok()) << more;
+      }
+      ASSERT_TRUE(rank_->Idle());
+      const EngineStats es = rank_->stats();
+      EXPECT_EQ(es.memory_ranks_lost, 1);
+      EXPECT_EQ(es.compute_ranks_lost, 0);
+      EXPECT_GE(es.steps_rerun, 1);
+      EXPECT_GE(es.requests_recovered, 1);
+      EXPECT_EQ(es.compute_ranks_live, 2);
+      std::vector<GenerationResult> got(ids.size());
+      for (auto& [id, result] : finished) {
+        got[static_cast<size_t>(std::find(ids.begin(), ids.end(), id) - ids.begin())] = std::move(result);
+      }
+      ExpectSameResults(got, *want);
+    } else {
+      ASSERT_FALSE(st.ok());
+      const std::string message(st.message());
+      EXPECT_NE(message.find("memory rank 1 (" + addresses_[1] + "): no answer to a heartbeat"),
+                std::string::npos)
+          << st;
+      EXPECT_EQ(message.find("memory rank 0"), std::string::npos) << st;
+    }
+    kill(victim, SIGKILL);
+  }
+};
+
+TEST_F(SilentMemoryRankWithReplica, FoundByItsHeartbeatAndRecovered) { Run(true); }
+
+TEST_F(SilentMemoryRankWithReplica, NamedWithoutRecovery) { Run(false); }
 
 TEST_F(ReplicaFailure, KilledReplicaFailsTheStepNamingIt) {
   std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");
