@@ -161,7 +161,8 @@ absl::StatusOr<absl::Span<const uint8_t>> Unframe(absl::Span<const uint8_t> fram
         " (versions 2 to 4 changed the hello, step plan and replica result layouts; 5 added the heartbeat; "
         "6 the rotational pipeline's hello field and messages; 7 the step discard; 8 the step plan's "
         "next-use records; 9 the evictions' tokens and the persisted blocks report; 10 the restores' "
-        "segments and the hello's rope; 11 the step discard's lost memory ranks)"));
+        "segments and the hello's rope; 11 the step discard's lost memory ranks; 12 the hello's compute mask "
+        "and the memory rejoin)"));
   }
   ASSIGN_OR_RETURN(uint16_t header_bytes, r.U16("header_bytes"));
   if (header_bytes != kFrameHeaderBytes) {
@@ -899,6 +900,10 @@ absl::Status ValidateHello(const HelloMessage& h) {
   if (h.compute_ranks < 1 || h.compute_ranks > h.lanes) {
     return bad("compute_ranks ", int{h.compute_ranks}, " must be in [1, lanes ", int{h.lanes}, "]");
   }
+  if ((h.compute_mask & 1) == 0 || (h.compute_mask >> h.compute_ranks) != 0) {
+    return bad("compute_mask 0x", absl::Hex(static_cast<unsigned>(h.compute_mask)),
+               " must have bit 0 set and none at or above compute_ranks ", int{h.compute_ranks});
+  }
   if (h.slice_layers > h.num_layers || (h.slice_layers > 0 && h.compute_ranks < 2)) {
     return bad("slice_layers ", h.slice_layers, " must be 0 or in [1, num_layers ", h.num_layers,
                "] with compute_ranks >= 2 (compute_ranks ", int{h.compute_ranks}, ")");
@@ -1018,7 +1023,8 @@ std::vector<uint8_t> EncodeHello(const HelloMessage& h) {
   w.U16(h.slice_layers);
   w.U8(h.q_first ? 1 : 0);
   w.U8(static_cast<uint8_t>(h.rope.type));
-  w.Zeros(4);
+  w.U8(h.compute_mask);
+  w.Zeros(3);
   w.F64(h.rope.theta);
   w.F64(h.rope.factor);
   w.F64(h.rope.low_freq_factor);
@@ -1057,7 +1063,8 @@ absl::StatusOr<HelloMessage> DecodeHello(absl::Span<const uint8_t> frame) {
   ASSIGN_OR_RETURN(h.slice_layers, r.U16("slice_layers"));
   ASSIGN_OR_RETURN(h.q_first, ReadBool(r, "q_first", kWhat));
   ASSIGN_OR_RETURN(uint8_t rope_type, r.U8("rope_type"));
-  RETURN_IF_ERROR(r.Reserved("reserved", 4));
+  ASSIGN_OR_RETURN(h.compute_mask, r.U8("compute_mask"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 3));
   ASSIGN_OR_RETURN(h.rope.theta, r.F64("rope_theta"));
   ASSIGN_OR_RETURN(h.rope.factor, r.F64("rope_factor"));
   ASSIGN_OR_RETURN(h.rope.low_freq_factor, r.F64("rope_low_freq_factor"));
@@ -1532,6 +1539,47 @@ absl::StatusOr<ReplicaRingMessage> DecodeReplicaRing(absl::Span<const uint8_t> f
   return m;
 }
 
+std::vector<uint8_t> EncodeMemoryRejoin(const MemoryRejoinMessage& m) {
+  TANDEM_CHECK_MSG(m.text.size() <= kMaxAddressBytes, "memory rejoin text of ", m.text.size(),
+                   " bytes exceeds ", kMaxAddressBytes);
+  std::vector<uint8_t> body;
+  body.reserve(kMemoryRejoinFixedBytes + m.text.size());
+  Writer w(&body);
+  w.U16(m.memory_rank);
+  w.U8(m.answer ? 1 : 0);
+  w.Zeros(1);
+  w.U32(m.attn_out_buffer);
+  w.U16(static_cast<uint16_t>(m.text.size()));
+  w.Zeros(6);
+  body.insert(body.end(), m.text.begin(), m.text.end());
+  return Frame(kMemoryRejoinMagic, body);
+}
+
+absl::StatusOr<MemoryRejoinMessage> DecodeMemoryRejoin(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "memory rejoin";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kMemoryRejoinMagic, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  MemoryRejoinMessage m;
+  ASSIGN_OR_RETURN(m.memory_rank, r.U16("memory_rank"));
+  ASSIGN_OR_RETURN(m.answer, ReadBool(r, "answer", kWhat));
+  RETURN_IF_ERROR(r.Reserved("reserved", 1));
+  ASSIGN_OR_RETURN(m.attn_out_buffer, r.U32("attn_out_buffer"));
+  ASSIGN_OR_RETURN(const uint16_t bytes, r.U16("text_bytes"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 6));
+  RETURN_IF_ERROR(CheckRest(r, bytes, kWhat, "text_bytes", bytes, "text"));
+  if (bytes > kMaxAddressBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("memory rejoin: text_bytes ", bytes, " must be <= ", kMaxAddressBytes));
+  }
+  if (bytes == 0 && !m.answer) {
+    return absl::InvalidArgumentError("memory rejoin: a request needs the rank's address (text_bytes 0)");
+  }
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> text, r.Bytes("text", bytes));
+  m.text.assign(text.begin(), text.end());
+  RETURN_IF_ERROR(CheckNoNul(m.text, "memory rejoin", "text"));
+  return m;
+}
+
 absl::StatusOr<ComputeHelloMessage> DecodeComputeHello(absl::Span<const uint8_t> frame) {
   constexpr std::string_view kWhat = "compute hello";
   ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kComputeHelloMagic, kWhat));
@@ -1708,6 +1756,7 @@ absl::StatusOr<uint32_t> PeekFrameMagic(absl::Span<const uint8_t> frame) {
     case kReplicaRingMagic:
     case kStepDiscardMagic:
     case kPersistedBlocksMagic:
+    case kMemoryRejoinMagic:
       return magic;
     default:
       return absl::InvalidArgumentError(

@@ -31,7 +31,8 @@
 //                                 'T','D','R','G' replica ring         0x47524454
 //                                 'T','D','S','D' step discard         0x44534454
 //                                 'T','D','P','B' persisted blocks     0x42504454
-//        4     2  version       u16, kWireVersion (11); a newer one decodes as Unimplemented, an
+//                                 'T','D','M','J' memory rejoin        0x4a4d4454
+//        4     2  version       u16, kWireVersion (12); a newer one decodes as Unimplemented, an
 //                               older one as InvalidArgument (one build runs every rank).
 //                               Version 2 added the hello's partition and KV head slice (its
 //                               body grew from 56 to 64 bytes); version 3 the step plan's
@@ -57,9 +58,10 @@
 //                               the PrefixSegment records after the evictions' tokens) and the
 //                               hello's rope (its body grew from 72 to 112 bytes); version 11
 //                               the step discard's lost memory ranks (lost_count in its bytes
-//                               18..19, reserved before, and the ranks after its 24 bytes); the
-//                               other layouts are unchanged
-//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 11
+//                               18..19, reserved before, and the ranks after its 24 bytes);
+//                               version 12 the hello's compute_mask (its byte 68, reserved
+//                               before) and the memory rejoin; the other layouts are unchanged
+//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 12
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
 //
@@ -252,7 +254,15 @@
 //                                             seqno s + 1; the output carries seqno s + 1
 //       67     1  rope_type              u8   RopeType (common/model_spec.h): 0 (default),
 //                                             1 (llama3)
-//       68     4  reserved               must be 0
+//       68     1  compute_mask           u8   the compute ranks that run lanes and connect to
+//                                             this rank (bit c: compute rank c): bit 0 set, no
+//                                             bit at or above compute_ranks; at start-up every
+//                                             one. A memory rank that rejoins while some were
+//                                             given up gets the ones that go on: it waits for
+//                                             their compute hellos only, and they are, in rank
+//                                             order, the pipeline's compute ranks 0, 1, ... (as
+//                                             after a step discard with this mask)
+//       69     3  reserved               must be 0
 //       72     8  rope_theta             f64  finite, > 0 (the model's rotary embedding, with
 //       80     8  rope_factor            f64  which a memory rank turns restored keys to new
 //       88     8  rope_low_freq_factor   f64  positions: kv.store_pre_rope); the three factors
@@ -371,6 +381,26 @@
 //                                     nothing and awaits nothing from them (a memory rank ignores
 //                                     the list)
 //
+// Memory rejoin body (compute rank 0 -> compute replica, then the replica's answer back; a memory
+// rank given up while replicas run rejoins: docs/architecture.md, "Failures"; body_bytes = 16 +
+// text_bytes):
+//
+//   offset  size  field            notes
+//   ------  ----  ---------------  -------------------------------------------------------------
+//        0     2  memory_rank      u16  the rank that rejoins
+//        2     1  answer           u8   0: compute rank 0's request: connect to the rank's new
+//                                       process at `text` (its address) with a compute hello,
+//                                       take its hello reply and its outputs in buffers
+//                                       attn_out_buffer + lane; 1: the replica's answer, `text`
+//                                       empty once it is connected (the rank is live for it from
+//                                       then on), else why not (it stays lost)
+//        3     1  reserved         must be 0
+//        4     4  attn_out_buffer  u32  the compute ranks' buffer id of lane 0 of the rank's
+//                                       attention outputs (the hello's, fresh ids)
+//        8     2  text_bytes       u16  <= 1024; a request's is not 0
+//       10     6  reserved         must be 0
+//       16     n  text             text_bytes bytes, no NUL
+//
 // Persisted blocks report body (memory rank -> compute rank 0, right after the hello reply when
 // its `persisted` byte is 1: the blocks the rank's disk tier found at start, with their tokens,
 // parents before children, in one or more reports, the last one marked; a rank that found none
@@ -422,7 +452,7 @@
 
 namespace tandem {
 
-inline constexpr uint16_t kWireVersion = 11;
+inline constexpr uint16_t kWireVersion = 12;
 inline constexpr uint32_t kStepPlanMagic = 0x50534454;      // "TDSP" on the wire
 inline constexpr uint32_t kLayerMessageMagic = 0x4d4c4454;  // "TDLM" on the wire
 inline constexpr size_t kFrameHeaderBytes = 16;
@@ -473,6 +503,8 @@ inline constexpr size_t kStepDiscardFixedBytes = 24;           // step discard b
 inline constexpr uint32_t kPersistedBlocksMagic = 0x42504454;  // "TDPB" on the wire
 inline constexpr size_t kPersistedBlocksFixedBytes = 8;        // persisted blocks body before the blocks
 inline constexpr size_t kPersistedBlockFixedBytes = 24;        // one block record before its tokens
+inline constexpr uint32_t kMemoryRejoinMagic = 0x4a4d4454;     // "TDMJ" on the wire
+inline constexpr size_t kMemoryRejoinFixedBytes = 16;          // memory rejoin body before its text
 inline constexpr size_t kMaxPersistedBlocksBodyBytes = size_t{1} << 20;      // one report's body at most
 inline constexpr uint32_t kMaxHeartbeatSilenceMs = (uint32_t{1} << 31) - 1;  // about 24.8 days
 inline constexpr uint32_t kMaxHeadDim = 1024;
@@ -661,6 +693,10 @@ struct HelloMessage {
   // attn_out_buffer + lane.
   uint8_t lanes = 1;
   uint8_t compute_ranks = 1;  // compute.ranks; lane j belongs to compute rank j % compute_ranks
+  // The compute ranks that go on (bit c: compute rank c; bit 0 always set): at start-up every one;
+  // a rank that rejoins after some were given up waits for these only, and they are the pipeline's
+  // compute ranks 0, 1, ... in rank order.
+  uint8_t compute_mask = 1;
   // pipeline.mode rotational: layers per slice (common/pipeline_schedule.h); 0: fixed (each lane
   // stays on compute rank j % compute_ranks).
   uint16_t slice_layers = 0;
@@ -826,6 +862,19 @@ struct StepDiscardMessage {
   friend bool operator==(const StepDiscardMessage&, const StepDiscardMessage&) = default;
 };
 
+// Compute rank 0 -> compute replica: memory rank `memory_rank`, given up, rejoins (a new process at
+// `text`, its address): connect to it and take its outputs in buffers attn_out_buffer + lane. The
+// replica answers with the same message, `answer` set and `text` empty once connected, else why
+// not (see the body layout above).
+struct MemoryRejoinMessage {
+  uint16_t memory_rank = 0;
+  bool answer = false;
+  uint32_t attn_out_buffer = 0;
+  std::string text;  // <= kMaxAddressBytes bytes, no NUL; a request's is not empty
+
+  friend bool operator==(const MemoryRejoinMessage&, const MemoryRejoinMessage&) = default;
+};
+
 // A block a memory rank's persisted disk tier found at start (kv.tiers.persist).
 struct PersistedBlock {
   uint64_t hash = 0;            // not 0
@@ -926,6 +975,11 @@ absl::StatusOr<StepDiscardMessage> DecodeStepDiscard(absl::Span<const uint8_t> f
 // reports that do); decoding refuses a larger body, and every field out of its range.
 std::vector<uint8_t> EncodePersistedBlocks(const PersistedBlocksMessage& report);
 absl::StatusOr<PersistedBlocksMessage> DecodePersistedBlocks(absl::Span<const uint8_t> frame);
+// Encoding CHECKs the text's size (a programmer's error; an answer's reason is cut to
+// kMaxAddressBytes by its sender); decoding refuses a text too long, with a NUL, or empty in a
+// request, and reserved bytes that are not 0.
+std::vector<uint8_t> EncodeMemoryRejoin(const MemoryRejoinMessage& rejoin);
+absl::StatusOr<MemoryRejoinMessage> DecodeMemoryRejoin(absl::Span<const uint8_t> frame);
 // Memory rank `memory_rank`'s reports of `blocks` (each with 1 to kMaxPrefixBlockTokens tokens),
 // in order, each body within kMaxPersistedBlocksBodyBytes: at least one (empty when `blocks` is),
 // only the last marked last.

@@ -302,7 +302,10 @@ HelloMessage ComputeRank::MakeHello(size_t m, uint32_t attn_buffer) const {
   hello.kv_memory_fraction = static_cast<float>(o.kv_memory_fraction);
   hello.attn_out_buffer = attn_buffer;
   hello.lanes = static_cast<uint8_t>(lanes_.size());
-  hello.compute_ranks = static_cast<uint8_t>(compute_ranks_);
+  // Compute ranks by their numbers at start-up (the compute hellos' and step discards' numbering);
+  // the mask says which go on (a rank that rejoins waits for their compute hellos only).
+  hello.compute_ranks = static_cast<uint8_t>(initial_compute_ranks_);
+  hello.compute_mask = LiveComputeMask();
   hello.slice_layers = static_cast<uint16_t>(schedule_.rotational() ? options_.slice_layers : 0);
   hello.q_first = o.q_first;
   hello.rope = s.rope;
@@ -313,6 +316,16 @@ HelloMessage ComputeRank::MakeHello(size_t m, uint32_t attn_buffer) const {
   hello.kv_head_begin = static_cast<uint32_t>(rank.slice.kv_head_begin());
   hello.kv_head_end = static_cast<uint32_t>(rank.slice.kv_head_end());
   return hello;
+}
+
+uint8_t ComputeRank::LiveComputeMask() const {
+  unsigned mask = 1;
+  for (int c = 1; c < initial_compute_ranks_; ++c) {
+    const size_t r = static_cast<size_t>(c - 1);
+    if (r < replicas_.size() && replicas_[r].lost) continue;  // (none yet at start-up: every one)
+    mask |= 1u << c;
+  }
+  return static_cast<uint8_t>(mask);
 }
 
 absl::Status ComputeRank::ConnectReplicas(absl::Time deadline) {
@@ -426,7 +439,8 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   const auto t0 = std::chrono::steady_clock::now();
   for (auto& ended : ended_while_idle_) finished->push_back(std::move(ended));
   ended_while_idle_.clear();
-  AdvanceRejoins();  // between steps: a rank that answered its probe takes requests from this one
+  RETURN_IF_ERROR(
+      AdvanceRejoins());  // between steps: a rank that answered its probe takes requests from this one
   controller_->Schedule(&step_);
   if (step_.empty()) return absl::OkStatus();
   if (!step_.has_rows()) {
@@ -1188,8 +1202,9 @@ void ComputeRank::DropProbe(size_t m, const std::string& why) {
   probe = Probe{.next = absl::Now() + wait, .backoff = wait};
 }
 
-void ComputeRank::AdvanceRejoins() {
-  if (options_.rejoin_probe <= absl::ZeroDuration() || !CanRecover()) return;
+absl::Status ComputeRank::AdvanceRejoins() {
+  if (options_.rejoin_probe <= absl::ZeroDuration() || !(CanRecover() || CanRecoverWithReplicas()))
+    return absl::OkStatus();
   const absl::Time now = absl::Now();
   for (size_t m = 0; m < ranks_.size(); ++m) {
     Rank& rank = ranks_[m];
@@ -1266,9 +1281,24 @@ void ComputeRank::AdvanceRejoins() {
       continue;
     }
     if (reply->persisted && !probe.reports_done) continue;  // its reports are still on their way
+    // With replicas running, each connects to the new process (which waits for their compute
+    // hellos) before the rank takes requests: their micro-batches have rows on it too.
+    const bool with_replicas = compute_ranks_ > 1;
+    if (with_replicas) {
+      ASSIGN_OR_RETURN(const std::string refused, RejoinReplicas(m, probe.lanes.front().attn_buffer));
+      if (!refused.empty()) {
+        DropProbe(m, refused);
+        continue;
+      }
+    }
     const int64_t capacity = static_cast<int64_t>(reply->kv_capacity_tokens);
     if (absl::Status st = controller_->RejoinRank(static_cast<int>(m), capacity); !st.ok()) {
       DropProbe(m, std::string(st.message()));
+      if (with_replicas) {
+        // The replicas took the rank: a step discard of no step names it lost again.
+        ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(0, {}, /*keep=*/true));
+        (void)regrouped;
+      }
       continue;
     }
     transport_->Reopen(probe.peer);  // live: its failure is a failure again
@@ -1284,8 +1314,105 @@ void ComputeRank::AdvanceRejoins() {
     rank_names_[m] = absl::StrCat("memory rank ", m, ": ", reply->device, ", ", capacity, " KV tokens");
     TANDEM_LOG_WARN("compute", rank.name, " rejoined (", reply->device, ", ", capacity,
                     " KV tokens); it takes requests again (", memory_ranks_rejoined_, " rejoin(s) so far, ",
-                    controller_->live_ranks(), " live memory rank(s))");
+                    controller_->live_ranks(), " live memory rank(s)",
+                    with_replicas ? absl::StrCat(", every one of the ", compute_ranks_ - 1,
+                                                 " compute replica(s) connected to it")
+                                  : std::string(),
+                    ")");
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ComputeRank::RejoinReplicas(size_t m, uint32_t attn_buffer) {
+  const MemoryRejoinMessage request{.memory_rank = static_cast<uint16_t>(m),
+                                    .attn_out_buffer = attn_buffer,
+                                    .text = options_.memory_addresses[m]};
+  const std::vector<uint8_t> frame = EncodeMemoryRejoin(request);
+  std::vector<bool> waiting(replicas_.size(), false);
+  std::string refused;
+  bool told = false;
+  for (size_t r = 0; r < replicas_.size() && refused.empty(); ++r) {
+    if (replicas_[r].lost) continue;
+    if (absl::Status sent = transport_->Send(replicas_[r].peer, frame); !sent.ok()) {
+      refused = absl::StrCat(replicas_[r].name, " cannot be told: ", sent.message());
+      break;
+    }
+    waiting[r] = told = true;
+  }
+  TANDEM_LOG_INFO("compute", ranks_[m].name,
+                  ": its new process answered; the compute replicas connect to it");
+  // The answers (up to the step timeout: each replica connects, says its compute hello and takes the
+  // hello reply). Whatever else comes between steps is taken as Heartbeat would (heartbeat replies,
+  // a probe's messages, restore replies kept for after the next step); anything else ends the wait,
+  // and the step or heartbeat that follows finds the rank or replica that failed.
+  const absl::Time deadline = absl::Now() + options_.step_timeout;
+  while (refused.empty() && std::find(waiting.begin(), waiting.end(), true) != waiting.end()) {
+    transport::PeerId from = 0;
+    std::vector<uint8_t> msg;
+    const absl::Status got =
+        transport_->Receive(&from, &msg, std::min(deadline, absl::Now() + absl::Milliseconds(20)));
+    if (!got.ok()) {
+      if (absl::Now() >= deadline) {
+        std::string names;
+        for (size_t r = 0; r < replicas_.size(); ++r) {
+          if (waiting[r]) absl::StrAppend(&names, names.empty() ? "" : ", ", replicas_[r].name);
+        }
+        refused =
+            absl::StrCat("no answer from ", names, " within ", absl::FormatDuration(options_.step_timeout),
+                         " (launch.step_timeout_s) to its memory rejoin");
+      } else if (!absl::IsDeadlineExceeded(got)) {
+        refused = absl::StrCat("a connection failed while the compute replicas connected: ", got.message());
+      }
+      continue;
+    }
+    if (TakeStrayMessage(from, &msg)) continue;
+    size_t k = 0;
+    while (k < ranks_.size() && ranks_[k].peer != from) ++k;
+    if (k < ranks_.size()) {
+      if (PeekFrameMagic(msg).value_or(0) == kRestoreReplyMagic) {
+        early_replies_.emplace_back(k, std::move(msg));
+      } else if (!TakeHeartbeatReply(k, msg).value_or(false)) {
+        refused = absl::StrCat(ranks_[k].name, " sent a message (magic 0x",
+                               absl::Hex(PeekFrameMagic(msg).value_or(0)),
+                               ") while the compute replicas connected");
+      }
+      continue;
+    }
+    size_t r = 0;
+    while (r < replicas_.size() && replicas_[r].peer != from) ++r;
+    if (r == replicas_.size()) continue;
+    const Replica& replica = replicas_[r];
+    if (PeekFrameMagic(msg).value_or(0) == kMemoryRejoinMagic) {
+      absl::StatusOr<MemoryRejoinMessage> answer = DecodeMemoryRejoin(msg);
+      if (!answer.ok()) return Annotate(answer.status(), replica.name);
+      if (!answer->answer || answer->memory_rank != m || !waiting[r]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(replica.name, ": a memory rejoin ", answer->answer ? "answer" : "request",
+                         " for memory rank ", answer->memory_rank, " while ", ranks_[m].name, " rejoined"));
+      }
+      waiting[r] = false;
+      if (!answer->text.empty())
+        refused = absl::StrCat(replica.name, " cannot connect to it: ", answer->text);
+      continue;
+    }
+    ASSIGN_OR_RETURN(const bool taken, TakeReplicaControl(r, msg));
+    if (!taken) {
+      absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+      refused = absl::StrCat(
+          replica.name,
+          err.ok() ? absl::StrCat(" stopped: ", err->message) : std::string(" sent an unexpected message"),
+          " while it connected");
+    }
+  }
+  if (refused.empty()) return refused;
+  TANDEM_LOG_WARN("compute", ranks_[m].name, ": not taken back: ", refused);
+  if (told) {
+    // A replica that connected took the rank: a step discard of no step names it lost again (and
+    // whatever the replicas still answer is dropped: TakeReplicaControl).
+    ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(0, {}, /*keep=*/true));
+    (void)regrouped;
+  }
+  return refused;
 }
 
 absl::Status ComputeRank::LoseFailedRanks(size_t waited_on, absl::Status why) {
@@ -1388,6 +1515,7 @@ absl::StatusOr<bool> ComputeRank::TakeReplicaControl(size_t r, const std::vector
     return true;
   }
   if (*magic == kReplicaResultMagic && replica.unanswered > 0) return true;  // of a step discarded
+  if (*magic == kMemoryRejoinMagic) return true;  // a late answer to a rejoin given up (RejoinReplicas)
   if (*magic != kHeartbeatReplyMagic) return false;
   absl::StatusOr<HeartbeatReplyMessage> reply = DecodeHeartbeatReply(msg);
   if (!reply.ok()) return Annotate(reply.status(), replica.name);
@@ -1503,8 +1631,7 @@ absl::Status ComputeRank::Heartbeat() {
     }
   }
   RecoverLostRanks(&ended_while_idle_);
-  AdvanceRejoins();
-  return absl::OkStatus();
+  return AdvanceRejoins();
 }
 
 std::pair<int32_t, int32_t> ComputeRank::RowsOf(const PlannedStep& step, size_t m) const {
@@ -2096,6 +2223,12 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
       RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeHeartbeatReply(reply)));
       continue;
     }
+    if (magic == kMemoryRejoinMagic) {
+      // Between steps: a memory rank compute rank 0 gave up comes back (a new process).
+      RETURN_IF_ERROR(TakeMemoryRejoin(msg));
+      last_heard = absl::Now();
+      continue;
+    }
     if (magic == kStepDiscardMagic) {
       // Between steps (or with some of a step's parts still to come): released, or kept, and then
       // the parts that come are the rerun's (or the next step's).
@@ -2247,6 +2380,104 @@ absl::Status ComputeRank::KeepAfterDiscard(const StepDiscardMessage& d) {
                   ": goes on as ", "compute rank ", place_, " of ", compute_ranks_,
                   " in the pipeline, seqnos from ", d.seqno_base);
   return absl::OkStatus();
+}
+
+absl::Status ComputeRank::TakeMemoryRejoin(const std::vector<uint8_t>& msg) {
+  const std::string me = absl::StrCat("compute rank ", compute_rank_);
+  ASSIGN_OR_RETURN(const MemoryRejoinMessage request, DecodeMemoryRejoin(msg));
+  const size_t m = request.memory_rank;
+  if (request.answer || m >= ranks_.size() || !ranks_[m].lost) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        me, ": compute rank 0 says memory rank ", m, " rejoins, which ",
+        request.answer ? "is an answer"
+                       : (m >= ranks_.size() ? "is not a memory rank" : "this rank has not lost")));
+  }
+  Rank& rank = ranks_[m];
+  auto answer = [&](const std::string& why) {
+    const MemoryRejoinMessage a{.memory_rank = request.memory_rank,
+                                .answer = true,
+                                .attn_out_buffer = request.attn_out_buffer,
+                                .text = why.substr(0, kMaxAddressBytes)};
+    return Annotate(transport_->Send(rank0_peer_, EncodeMemoryRejoin(a)), "compute rank 0");
+  };
+  // Like compute rank 0's probe: a connection Close()d from the start (its failure fails nothing),
+  // taken live only once the new process has answered.
+  absl::StatusOr<transport::PeerId> peer = transport_->Connect(request.text);
+  if (!peer.ok()) return answer(std::string(peer.status().message()));
+  transport_->Close(*peer);
+  auto refuse = [&](const std::string& why) {
+    retired_peers_.insert(*peer);  // whatever it still sends is dropped
+    TANDEM_LOG_WARN("compute", me, ": cannot connect to the new process of ", rank.name, ": ", why);
+    return answer(why);
+  };
+  const absl::Time deadline = absl::Now() + options_.step_timeout;
+  bool hello_sent = false;
+  std::vector<uint8_t> reply;
+  while (reply.empty()) {
+    if (absl::Status st = transport_->PeerStatus(*peer); !st.ok()) return refuse(std::string(st.message()));
+    if (absl::Now() >= deadline) {
+      return refuse(absl::StrCat("no ", hello_sent ? "hello reply" : "connection", " within ",
+                                 absl::FormatDuration(options_.step_timeout), " (launch.step_timeout_s)"));
+    }
+    if (!hello_sent && !transport_->Connecting(*peer)) {
+      const ComputeHelloMessage hello{.compute_rank = static_cast<uint16_t>(compute_rank_),
+                                      .compute_ranks = static_cast<uint16_t>(initial_compute_ranks_)};
+      if (absl::Status st = transport_->Send(*peer, EncodeComputeHello(hello)); !st.ok())
+        return refuse(std::string(st.message()));
+      hello_sent = true;
+    }
+    transport::PeerId from = 0;
+    std::vector<uint8_t> got;
+    if (!transport_->Receive(&from, &got, std::min(deadline, absl::Now() + absl::Milliseconds(20))).ok())
+      continue;  // a failed connection is found by its status (this one's) or by the next wait (others')
+    if (from == *peer) {
+      reply = std::move(got);
+      continue;
+    }
+    if (FromLostRank(from)) continue;
+    ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(got));
+    if (from == rank0_peer_ && magic == kHeartbeatMagic) {
+      ASSIGN_OR_RETURN(const HeartbeatMessage beat, DecodeHeartbeat(got));
+      const HeartbeatReplyMessage r{.seq = beat.seq, .memory_rank = static_cast<uint16_t>(compute_rank_)};
+      RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeHeartbeatReply(r)));
+      continue;
+    }
+    if (magic == kErrorMagic) {
+      ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(got));
+      return Annotate(StatusFromErrorMessage(err),
+                      from == rank0_peer_ ? "compute rank 0 stopped" : "a memory rank stopped");
+    }
+    return absl::InvalidArgumentError(absl::StrCat(me, ": unexpected message (magic 0x", absl::Hex(magic),
+                                                   ") while connecting to the new process of ", rank.name));
+  }
+  absl::StatusOr<HelloReplyMessage> hello_reply = DecodeHelloReply(reply);
+  if (!hello_reply.ok()) {
+    absl::StatusOr<ErrorMessage> err = DecodeError(reply);
+    return refuse(std::string(err.ok() ? err->message : hello_reply.status().message()));
+  }
+  if (hello_reply->memory_rank != m || hello_reply->dtype != backend_->dtype()) {
+    return refuse(absl::StrCat("the process at its address answers as memory rank ", hello_reply->memory_rank,
+                               " with dtype ", std::string(DTypeName(hello_reply->dtype))));
+  }
+  // Taken: its outputs land in fresh buffers (the request's ids, as compute rank 0's; the lost
+  // process's stay registered, their doorbells at its last seqno), every seqno of it from 0 as the
+  // new process's; the old connection's late messages are dropped.
+  retired_peers_.insert(rank.peer);
+  for (RankLane& rl : rank.lanes) retired_lanes_.push_back(std::move(rl));
+  rank.lanes.clear();
+  rank.lanes.resize(lanes_.size());
+  for (size_t j = 0; j < lanes_.size(); ++j)
+    rank.lanes[j].attn_buffer = request.attn_out_buffer + static_cast<uint32_t>(j);
+  rank.peer = *peer;
+  rank.qkv_buffer = hello_reply->qkv_buffer;
+  rank.lost = false;
+  for (size_t j = 0; j < lanes_.size(); ++j) {
+    if (Runs(j)) RETURN_IF_ERROR(SetUpRankLane(m, j));  // the others when taken over (KeepAfterDiscard)
+  }
+  transport_->Reopen(*peer);  // live: its failure is a failure again
+  TANDEM_LOG_WARN("compute", me, ": ", rank.name, " rejoined (a new process, ", hello_reply->device,
+                  "); this rank is connected to it");
+  return answer("");
 }
 
 absl::Status ComputeRank::AwaitRank0(absl::Status ran) {

@@ -184,8 +184,12 @@ class ComputeRank : public Engine {
   // start of the next Step or Heartbeat (Controller::RejoinRank: its KV capacity back, a fresh
   // prefix registry). A probe that is refused, fails, or has no reply within the step timeout is
   // dropped (its late messages too) and tried again a rejoin_probe later, then less often while
-  // nothing answers (the wait doubles, up to 30 s). Probes reach the host-
-  // staged path only, where recovery works (CanRecover).
+  // nothing answers (the wait doubles, up to 30 s). With compute replicas running, the new process
+  // waits for the compute hellos of the compute ranks that go on (the hello's compute_mask), and
+  // the rank is live again only once every replica has connected to it and answered (a memory
+  // rejoin message each way, RejoinReplicas); a replica that cannot reach it keeps it lost and the
+  // probe is dropped. Probes reach the host-staged path only, where recovery works (CanRecover,
+  // CanRecoverWithReplicas).
   absl::Status Check(const GenerationRequest& request) const override { return controller_->Check(request); }
   absl::StatusOr<int64_t> Submit(GenerationRequest request) override {
     return controller_->Submit(std::move(request));
@@ -454,10 +458,25 @@ class ComputeRank : public Engine {
   // it sent before that answer (of a step discarded: dropped). True when taken; an error for a
   // malformed one.
   absl::StatusOr<bool> TakeReplicaControl(size_t r, const std::vector<uint8_t>& msg);
-  // A replica: whether `from` is a memory rank compute rank 0 gave up (its messages are dropped).
+  // A replica: whether `from` is a memory rank compute rank 0 gave up, or a connection given up (a
+  // lost process's when its rank rejoined, a failed rejoin's): its messages are dropped.
   bool FromLostRank(transport::PeerId from) const {
-    return std::any_of(ranks_.begin(), ranks_.end(), [&](const Rank& r) { return r.lost && r.peer == from; });
+    return retired_peers_.contains(from) ||
+           std::any_of(ranks_.begin(), ranks_.end(), [&](const Rank& r) { return r.lost && r.peer == from; });
   }
+  // A replica: compute rank 0's memory rejoin request (wire.h): connects to the rank's new process
+  // with a compute hello, takes its hello reply (within the step timeout, answering heartbeats
+  // meanwhile), and takes the rank back with fresh attention-output buffers (the request's ids,
+  // seqnos at 0); then answers compute rank 0, or, when the new process cannot be reached, answers
+  // why and keeps the rank lost. An error only for a broken protocol.
+  absl::Status TakeMemoryRejoin(const std::vector<uint8_t>& msg);
+  // Compute rank 0, taking memory rank m back while replicas run: sends each replica a memory
+  // rejoin request (its outputs to buffers `attn_buffer` + lane) and waits, up to the step timeout,
+  // for every answer. "" once every replica has the rank; else why not, and the replicas that took
+  // it let it go again (a step discard of no step that names it lost).
+  absl::StatusOr<std::string> RejoinReplicas(size_t m, uint32_t attn_buffer);
+  // The compute ranks that go on, as a hello's compute_mask (bit c: compute rank c).
+  uint8_t LiveComputeMask() const;
   bool rank0_gone_ = false;  // a replica: compute rank 0 failed or went silent (it is not told why we stop)
   std::vector<Replica> replicas_;
   uint32_t rank0_peer_ = 0;     // a replica's connection to compute rank 0
@@ -465,8 +484,11 @@ class ComputeRank : public Engine {
   std::function<absl::Status(const std::string&)> on_listening_;
   std::vector<std::string> rank_names_;
   // Rejoins (see the class comment). Starts, advances and completes the probes of the lost ranks;
-  // never blocks beyond one small send. Call between steps only.
-  void AdvanceRejoins();
+  // never blocks beyond one small send, except while replicas run: then a rank whose new process
+  // answered is taken back once every replica is connected to it (RejoinReplicas, up to the step
+  // timeout). Call between steps only. An error only where a step discard that lets the replicas
+  // drop a failed rejoin fails (as Regroup).
+  absl::Status AdvanceRejoins();
   // A message from a probe (kept as its hello reply: true) or from a connection given up (a lost
   // rank's old one, a dropped probe: dropped, true); false for any other peer's.
   bool TakeStrayMessage(transport::PeerId from, std::vector<uint8_t>* msg);

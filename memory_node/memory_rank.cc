@@ -1,6 +1,7 @@
 #include "memory_node/memory_rank.h"
 
 #include <algorithm>
+#include <bit>
 #include <map>
 #include <memory>
 #include <optional>
@@ -451,12 +452,15 @@ class MemoryRank {
 
   // Start-up: the compute ranks connect, in any order: compute rank 0 with its hello (which sets
   // this rank up), and with compute.ranks > 1 the replicas with a compute hello each. Every one
-  // gets the hello reply once the rank is set up.
+  // gets the hello reply once the rank is set up. The hello's compute_mask names the replicas that
+  // connect: every one at start-up; a process that rejoins after compute rank 0 gave replicas up
+  // (or released them) waits for the ones that go on only.
   absl::Status Meet(int device, absl::Time deadline) {
     std::vector<uint8_t> msg;
     std::vector<PeerId> waiting;  // replicas that said hello before compute rank 0 did
     bool ready = false;
-    while (!ready || replicas_.size() + 1 < hello_.compute_ranks) {
+    auto expected = [&] { return static_cast<size_t>(std::popcount(unsigned{hello_.compute_mask})) - 1; };
+    while (!ready || replicas_.size() < expected()) {
       if (o_.stop_requested && o_.stop_requested()) return absl::CancelledError("stopped while starting");
       if (absl::Now() >= deadline) {
         return absl::DeadlineExceededError(
@@ -488,6 +492,10 @@ class MemoryRank {
               absl::StrCat("compute rank ", hello.compute_rank, " counts ", hello.compute_ranks,
                            " compute ranks, compute rank 0 ", int{hello_.compute_ranks}));
         }
+        if (ready && ((hello_.compute_mask >> hello.compute_rank) & 1) == 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("compute rank ", hello.compute_rank, " says hello, which compute rank 0 gave up"));
+        }
         replicas_[hello.compute_rank] = from;
         if (ready) {
           RETURN_IF_ERROR(transport_->Send(from, reply_));
@@ -502,21 +510,37 @@ class MemoryRank {
             absl::StrCat("unexpected first message (magic 0x", absl::Hex(magic), ") from a compute rank"));
       }
     }
-    if (ready && replicas_.size() + 1 > hello_.compute_ranks) {
+    if (ready && replicas_.size() > expected()) {
       return absl::InvalidArgumentError(absl::StrCat(replicas_.size(),
                                                      " compute replicas connected but compute "
                                                      "rank 0 counts ",
-                                                     int{hello_.compute_ranks}, " compute ranks"));
+                                                     expected() + 1, " compute ranks"));
     }
     // A lane's q,k,v come from, and its outputs go to, the compute rank the schedule names for
-    // each layer (fixed: always j % compute_ranks).
-    schedule_ = PipelineSchedule{.compute_ranks = hello_.compute_ranks, .slice_layers = hello_.slice_layers};
+    // each layer over the compute ranks that go on (fixed: always j % their count).
+    for (const auto& [c, peer] : replicas_) {
+      if (c >= hello_.compute_ranks || ((hello_.compute_mask >> c) & 1) == 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("compute rank ", c, " said hello, which compute rank 0 does not count"));
+      }
+    }
     compute_peers_.assign(1, peer_);
     for (uint16_t c = 1; c < hello_.compute_ranks; ++c) {
+      if (((hello_.compute_mask >> c) & 1) == 0) {
+        lost_replicas_.insert(c);  // given up before this process started
+        continue;
+      }
       auto it = replicas_.find(c);
-      if (it == replicas_.end())
+      if (it == replicas_.end()) {
         return absl::InvalidArgumentError(absl::StrCat("compute rank ", c, " never said hello"));
+      }
       compute_peers_.push_back(it->second);
+    }
+    const int ranks = static_cast<int>(compute_peers_.size());
+    schedule_ = PipelineSchedule{.compute_ranks = ranks, .slice_layers = ranks > 1 ? hello_.slice_layers : 0};
+    if (ranks < hello_.compute_ranks) {
+      TANDEM_LOG_INFO("memory", "memory rank ", o_.rank, ": ", ranks, " of ", int{hello_.compute_ranks},
+                      " compute ranks go on (compute rank 0 gave the others up)");
     }
     return absl::OkStatus();
   }

@@ -11,7 +11,12 @@ sampling) whose tokens must equal those of the same requests sent one by one bef
     on it after the rejoin (the steps with rows it logs at its bye);
   * SIGSTOP of the restarted rank under load, SIGCONT once compute rank 0 gave it up: nothing
     wedges; the old process leaves, is restarted a second time and rejoins, requests still get the
-    same tokens.
+    same tokens;
+  * with a compute replica (compute.ranks 2, pipeline.mode fixed, 2 micro-batches): kill -9 of memory
+    rank 1 under load: the launcher restarts it, the replica connects to the new process (its log
+    says so) before compute rank 0 takes the rank back (its log, tandem:memory_ranks_rejoined_total
+    1), the replica is kept and goes on sampling micro-batches, every request completes with the
+    fault-free tokens, and the new process runs attention for requests placed on it.
 Every wait is bounded. Usage: rejoin_test.py path/to/tandem
 """
 import os
@@ -38,12 +43,14 @@ REQUESTS = [([5 + i, 17, 99, 3, 250 - i, 7, 11 * i % 500 + 1], {"temperature": 0
 
 
 class Deployment:
-    def __init__(self, tmp):
-        self.dir = os.path.join(tmp, "rejoin")
+    def __init__(self, tmp, compute_ranks=1):
+        self.dir = os.path.join(tmp, f"rejoin-{compute_ranks}")
         os.makedirs(self.dir)
         yaml = os.path.join(self.dir, "deploy.yaml")
+        pipeline = "pipeline:\n  mode: fixed\n  batches: 2\n" if compute_ranks > 1 else ""
         with open(yaml, "w") as f:
-            f.write(f"model:\n  path: {MODEL}\ncompute:\n  device: cpu\nmemory:\n  ranks: 2\n  devices: cpu\n"
+            f.write(f"model:\n  path: {MODEL}\ncompute:\n  device: cpu\n  ranks: {compute_ranks}\n"
+                    f"memory:\n  ranks: 2\n  devices: cpu\n{pipeline}"
                     f"scheduler:\n  max_batch_size: 4\n  max_tokens_per_step: 64\nkv:\n  capacity_tokens: 512\n"
                     f"launch:\n  run_dir: {self.dir}/run\n  step_timeout_s: {STEP_TIMEOUT_S}\n  heartbeat_s: 0.5\n"
                     f"  rejoin_probe_s: 0.2\n  restart_memory_ranks: 2\n  startup_timeout_s: 60\n"
@@ -68,6 +75,9 @@ class Deployment:
     def memory_pids(self, rank):
         return pids(f"memory --rank {rank} .*{self.dir}")
 
+    def replica_pids(self):
+        return pids(f"compute --replica 1 .*{self.dir}")
+
     def tokens(self, prompt, extra):
         return completion_tokens(self.url, "rj", prompt, 48, extra)
 
@@ -78,7 +88,8 @@ class Deployment:
         return float(m.group(1)) if m else None
 
     def stop(self):
-        stopped = pids(f"compute --config .*{self.dir}") + self.memory_pids(0) + self.memory_pids(1)
+        stopped = (pids(f"compute --config .*{self.dir}") + self.replica_pids() + self.memory_pids(0) +
+                   self.memory_pids(1))
         signal_all(stopped, signal.SIGCONT)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -124,15 +135,101 @@ class Load:
             bad(f"{self.label}: request {i} got {got}, fault-free {self.expect[i]}")
 
 
+def fault_free(d):
+    """The tokens of REQUESTS sent one at a time before any fault, or None (reported) if they fail."""
+    expect = [d.tokens(p, e) for p, e in REQUESTS]
+    if not all(isinstance(t, list) and len(t) == 48 for t in expect):
+        bad(f"fault-free requests failed: {expect}")
+        return None
+    return expect
+
+
+def spread(d):
+    """Prompts no rank has cached, two at a time, so that placement by free KV reaches the rejoined
+    rank (the requests of REQUESTS may all follow their cached prefixes to rank 0)."""
+    for i in range(6):
+        threads = [threading.Thread(target=d.tokens, args=([300 + 7 * i + k, 41, 42 + k, 9], {})) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def check_byes(d, label):
+    """The bye of memory rank 1's last process: it ran steps with rows."""
+    byes = re.findall(r"memory rank 1: bye after \d+ steps \((\d+) with rows here\)", d.log("memory-1"))
+    print(f"{label}: memory rank 1's last process: {byes[-1] if byes else '?'} steps with rows", flush=True)
+    if not byes or int(byes[-1]) == 0:
+        bad(f"{label}: the restarted memory rank 1 ran no steps with rows: {d.log('memory-1')[-600:]}")
+
+
+def with_replica(tmp):
+    """kill -9 of memory rank 1 under load with a compute replica: the replica connects to the new
+    process, the rank rejoins, and the replica goes on with it."""
+    label = "kill -9 with a replica"
+    d = Deployment(tmp, compute_ranks=2)
+    try:
+        if d.url is None:
+            return
+        expect = fault_free(d)
+        if expect is None:
+            return
+        load = Load(d, expect, label)
+        time.sleep(1.0)
+        victim = d.memory_pids(1)
+        if not victim:
+            bad(f"{label}: memory rank 1 not found")
+            load.finish()
+            return
+        start = time.time()
+        signal_all(victim, signal.SIGKILL)
+        took = wait_for(lambda: re.search(r"memory rank 1 \(\S+\) rejoined", d.log("compute-0")), BOUND_S)
+        sampled = d.metric("replica_micro_batches_total")
+        time.sleep(1.0)  # requests placed on the rejoined rank, micro-batches on the replica
+        load.finish()
+        print(f"{label}: rejoined {'%.1f s' % took if took is not None else 'never'} after the kill; "
+              f"{load.done} requests in {time.time() - start:.1f} s", flush=True)
+        if took is None:
+            bad(f"{label}: memory rank 1 did not rejoin within {BOUND_S} s: {d.log('compute-0')[-800:]}\n"
+                f"{d.log('compute-1')[-600:]}\n{d.err()[-600:]}")
+            return
+        if "memory-1 restarted (pid" not in d.err():
+            bad(f"{label}: the launcher did not report the restart: {d.err()[-600:]}")
+        if not re.search(r"compute rank 1: memory rank 1 \(\S+\) rejoined .*this rank is connected to it",
+                         d.log("compute-1")):
+            bad(f"{label}: the replica did not log its connection to the new process: {d.log('compute-1')[-600:]}")
+        if "every one of the 1 compute replica(s) connected to it" not in d.log("compute-0"):
+            bad(f"{label}: compute-0 does not say the replica connected: {d.log('compute-0')[-600:]}")
+        for name, want in (("memory_ranks_rejoined_total", 1), ("memory_ranks_lost_total", 1),
+                           ("compute_ranks_live", 2), ("compute_ranks_lost_total", 0)):
+            if d.metric(name) != want:
+                bad(f"{label}: tandem:{name} is {d.metric(name)}, not {want}")
+        if not d.replica_pids() or d.proc.poll() is not None:
+            bad(f"{label}: the replica or the deployment stopped: {d.err()[-600:]}")
+        after = [d.tokens(p, e) for p, e in REQUESTS]
+        if after != expect:
+            bad(f"{label}: after the rejoin: tokens {after} differ from the fault-free {expect}")
+        spread(d)
+        if not (d.metric("replica_micro_batches_total") or 0) > (sampled or 0):
+            bad(f"{label}: the replica sampled no micro-batch after the rejoin")
+    finally:
+        d.stop()
+    check_byes(d, label)
+
+
 def main():
+    only = os.environ.get("TANDEM_FAULT_CASE")  # "replica": only the case with a compute replica
     with tempfile.TemporaryDirectory(prefix="tandem-rejoin-") as tmp:
+        with_replica(tmp)
+        if only == "replica":
+            print(f"{len(failures)} failure(s)")
+            sys.exit(1 if failures else 0)
         d = Deployment(tmp)
         try:
             if d.url is None:
                 return
-            expect = [d.tokens(p, e) for p, e in REQUESTS]  # fault-free, one at a time
-            if not all(isinstance(t, list) and len(t) == 48 for t in expect):
-                bad(f"fault-free requests failed: {expect}")
+            expect = fault_free(d)
+            if expect is None:
                 return
 
             # kill -9 under load: restarted by the launcher, taken back by compute rank 0.
@@ -185,22 +282,10 @@ def main():
                 bad(f"the deployment stopped: {d.err()[-600:]}")
             if [d.tokens(p, e) for p, e in REQUESTS] != expect:
                 bad("after the second rejoin: tokens differ from the fault-free ones")
-            # Prompts no rank has cached, two at a time, so that placement by free KV reaches the
-            # rejoined rank (the requests above may all follow their cached prefixes to rank 0).
-            for i in range(6):
-                threads = [threading.Thread(target=d.tokens, args=([300 + 7 * i + k, 41, 42 + k, 9], {}))
-                           for k in range(2)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
+            spread(d)
         finally:
             d.stop()
-        # The bye of each process of memory rank 1: the restarted ones ran steps with rows.
-        byes = re.findall(r"memory rank 1: bye after \d+ steps \((\d+) with rows here\)", d.log("memory-1"))
-        print(f"memory rank 1's last process: {byes[-1] if byes else '?'} steps with rows", flush=True)
-        if not byes or int(byes[-1]) == 0:
-            bad(f"the restarted memory rank 1 ran no steps with rows: {d.log('memory-1')[-600:]}")
+        check_byes(d, "one compute rank")
     print(f"{len(failures)} failure(s)")
     sys.exit(1 if failures else 0)
 

@@ -93,6 +93,7 @@ void DecodeEveryFormat(absl::Span<const uint8_t> f) {
   RoundTrip<HeartbeatReplyMessage>(f, DecodeHeartbeatReply, EncodeHeartbeatReply, "heartbeat reply");
   RoundTrip<StepDiscardMessage>(f, DecodeStepDiscard, EncodeStepDiscard, "step discard");
   RoundTrip<PersistedBlocksMessage>(f, DecodePersistedBlocks, EncodePersistedBlocks, "persisted blocks");
+  RoundTrip<MemoryRejoinMessage>(f, DecodeMemoryRejoin, EncodeMemoryRejoin, "memory rejoin");
   if (absl::StatusOr<StepPlan> plan = DecodeStepPlan(f); plan.ok()) {
     TANDEM_CHECK_MSG(ValidateStepPlan(*plan).ok(), "a decoded step plan fails ValidateStepPlan");
   }
@@ -255,6 +256,8 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
                              .blocks = {{.hash = 96, .parent_hash = 0, .depth = 1, .tokens = {1, 2}},
                                         {.hash = 95, .parent_hash = 96, .depth = 2, .tokens = {3, 4}}}}),
       EncodePersistedBlocks({.memory_rank = 0}),
+      EncodeMemoryRejoin({.memory_rank = 1, .attn_out_buffer = 130, .text = "127.0.0.1:4567"}),
+      EncodeMemoryRejoin({.memory_rank = 1, .answer = true, .attn_out_buffer = 130}),
   };
 }
 

@@ -487,8 +487,8 @@ TEST(StepPlanWire, GoldenBytes) {
   plan.evictions.push_back(PrefixEvict{0x5152535455565758, 0x0405});
   // Layout written out by hand; crc computed independently (bitwise Python reference).
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x0b, 0x00, 0x10, 0x00,
-      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 11, body_bytes 168
+      0x54, 0x44, 0x53, 0x50, 0x0c, 0x00, 0x10, 0x00,
+      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 12, body_bytes 168
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // request_count, group_count
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -539,7 +539,7 @@ TEST(LayerMessageWire, RoundTripsAndGoldenBytes) {
   h.step_id = 1, h.seqno = 2, h.payload_bytes = 256, h.layer = 3, h.rows = 4, h.row_bytes = 64;
   h.payload_crc32c = 0xdeadbeef, h.kind = LayerMessageKind::kAttnOut, h.dtype = DType::kBF16;
   const Bytes golden = {
-      0x54, 0x44, 0x4c, 0x4d, 0x0b, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x4c, 0x4d, 0x0c, 0x00, 0x10, 0x00,
       0x30, 0x00, 0x00, 0x00, 0xc4, 0x00, 0x01, 0xea,  // frame
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // id, seq
@@ -1014,26 +1014,27 @@ TEST(Wire, FrameHeaderChecks) {
   s = DecodeLayerMessageHeader(SmallPlanFrame()).status();
   EXPECT_CONTAINS(std::string(s.message()), "layer message header: magic 0x50534454 ('TDSP')");
 
-  ASSERT_EQ(kWireVersion, 11);
-  for (uint16_t version : {uint16_t{12}, uint16_t{0xffff}}) {
+  ASSERT_EQ(kWireVersion, 12);
+  for (uint16_t version : {uint16_t{13}, uint16_t{0xffff}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
     EXPECT_EQ(s.message(),
-              "step plan: version " + std::to_string(version) + " is newer than the supported version 11");
+              "step plan: version " + std::to_string(version) + " is newer than the supported version 12");
   }
   // An older version is refused too, whatever the format: version 2 (the step plan's 24-byte
   // fixed part) and version 1 (also the hello's older layout).
-  for (uint16_t version : {uint16_t{10}, uint16_t{9}, uint16_t{8}, uint16_t{7}, uint16_t{6}, uint16_t{5},
-                           uint16_t{4}, uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
+  for (uint16_t version : {uint16_t{11}, uint16_t{10}, uint16_t{9}, uint16_t{8}, uint16_t{7}, uint16_t{6},
+                           uint16_t{5}, uint16_t{4}, uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "step plan: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 11 (versions 2 to 4 "
+                               " at byte offset 4 is older than the supported version 12 (versions 2 to 4 "
                                "changed the hello, step plan and replica result layouts; 5 added the "
                                "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
                                "step discard; 8 the step plan's next-use records; 9 the evictions' "
                                "tokens and the persisted blocks report; 10 the restores' segments and "
-                               "the hello's rope; 11 the step discard's lost memory ranks)");
+                               "the hello's rope; 11 the step discard's lost memory ranks; 12 the hello's "
+                               "compute mask and the memory rejoin)");
   }
   // A version 2 plan as a version 2 encoder wrote it (records right after evict_count, at body
   // offset 24) is refused by its version, not misread as a version 6 plan.
@@ -1124,7 +1125,8 @@ struct RawHello {
   uint16_t slice_layers = 0;
   uint8_t q_first = 0;
   uint8_t rope_type = 0;
-  uint8_t reserved[4] = {};
+  uint8_t compute_mask = 1;
+  uint8_t reserved[3] = {};
   double rope_theta = 10000.0, rope_factor = 1.0, rope_low_freq_factor = 1.0, rope_high_freq_factor = 4.0;
   uint64_t rope_original_max_position = 8192;
 };
@@ -1137,6 +1139,7 @@ Bytes HelloBody(const RawHello& h) {
   w.U8(h.dtype).U8(h.checksums).U16(h.prefix_block_tokens).U8(h.prefix_sharing).U8(h.partition);
   w.U8(h.lanes).U8(h.compute_ranks);
   w.U32(h.kv_head_begin).U32(h.kv_head_end).U16(h.slice_layers).U8(h.q_first).U8(h.rope_type);
+  w.U8(h.compute_mask);
   for (uint8_t b : h.reserved) w.U8(b);
   w.F64(h.rope_theta).F64(h.rope_factor).F64(h.rope_low_freq_factor).F64(h.rope_high_freq_factor);
   w.U64(h.rope_original_max_position);
@@ -1228,6 +1231,7 @@ HelloMessage RandomHello(std::mt19937_64& rng, bool extreme) {
   h.kv_head_end = h.kv_head_begin + per_rank;
   h.lanes = static_cast<uint8_t>(u(1, kMaxMicroBatches));
   h.compute_ranks = static_cast<uint8_t>(u(1, h.lanes));
+  h.compute_mask = static_cast<uint8_t>(1 | (u(0, 255) & ((1u << h.compute_ranks) - 1)));
   h.slice_layers = h.compute_ranks > 1 && u(0, 1) ? static_cast<uint16_t>(u(1, h.num_layers)) : 0;
   h.q_first = u(0, 1) == 1;
   h.rope = {.type = static_cast<RopeType>(u(0, 1)),
@@ -1293,6 +1297,7 @@ const std::vector<AnyDecoder>& ControlDecoders() {
       {"heartbeat reply", kHeartbeatReplyMagic, StatusOf(&DecodeHeartbeatReply)},
       {"step discard", kStepDiscardMagic, StatusOf(&DecodeStepDiscard)},
       {"persisted blocks", kPersistedBlocksMagic, StatusOf(&DecodePersistedBlocks)},
+      {"memory rejoin", kMemoryRejoinMagic, StatusOf(&DecodeMemoryRejoin)},
   };
   return decoders;
 }
@@ -1315,7 +1320,9 @@ std::vector<Bytes> ControlFrames() {
           PersistedBlocksMessage{.memory_rank = 1,
                                  .last = true,
                                  .blocks = {{.hash = 5, .parent_hash = 0, .depth = 1, .tokens = {1, 2}},
-                                            {.hash = 6, .parent_hash = 5, .depth = 2, .tokens = {3, 4}}}})};
+                                            {.hash = 6, .parent_hash = 5, .depth = 2, .tokens = {3, 4}}}}),
+      EncodeMemoryRejoin(
+          MemoryRejoinMessage{.memory_rank = 1, .attn_out_buffer = 130, .text = "127.0.0.1:4000"})};
 }
 
 TEST(ControlWire, RoundTrips) {
@@ -1391,11 +1398,11 @@ TEST(ControlWire, GoldenBytes) {
   h.attn_out_buffer = 0xa1b2c3d4, h.checksums = true;
   h.prefix_block_tokens = 0x0810, h.prefix_sharing = static_cast<uint8_t>(PrefixSharing::kAuto);
   h.partition = AttentionPartition::kHead, h.kv_head_begin = 4, h.kv_head_end = 6, h.lanes = 4;
-  h.compute_ranks = 2, h.slice_layers = 3;
+  h.compute_ranks = 2, h.compute_mask = 3, h.slice_layers = 3;
   h.rope = {.type = RopeType::kLlama3, .theta = 500000.0, .factor = 8.0, .original_max_position = 8192};
   const Bytes hello = {
-      0x54, 0x44, 0x48, 0x49, 0x0b, 0x00, 0x10, 0x00, 0x70, 0x00, 0x00, 0x00, 0x66, 0xa5, 0xff,
-      0xef,                                            // frame
+      0x54, 0x44, 0x48, 0x49, 0x0c, 0x00, 0x10, 0x00, 0x70, 0x00, 0x00, 0x00, 0x27, 0xc9, 0x0c,
+      0x4f,                                            // frame
       0x78, 0x56, 0x34, 0x12, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x20, 0x00, 0x00, 0x00, 0x20, 0x00, 0x00, 0x00,  // num_layers, num_heads
       0x08, 0x00, 0x00, 0x00, 0x80, 0x00, 0x00, 0x00,  // num_kv_heads, head_dim
@@ -1405,7 +1412,8 @@ TEST(ControlWire, GoldenBytes) {
       0x02, 0x01, 0x10, 0x08, 0x02, 0x01, 0x04, 0x02,  // dtype, checksums, prefix_block_tokens,
                                                        // prefix_sharing, partition, lanes, compute_ranks
       0x04, 0x00, 0x00, 0x00, 0x06, 0x00, 0x00, 0x00,  // kv_head_begin, kv_head_end
-      0x03, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x00,  // slice_layers, q_first, rope_type, reserved
+      0x03, 0x00, 0x00, 0x01, 0x03, 0x00, 0x00, 0x00,  // slice_layers, q_first, rope_type,
+                                                       // compute_mask 0b11, reserved
       0x00, 0x00, 0x00, 0x00, 0x80, 0x84, 0x1e, 0x41,  // rope_theta 500000
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x20, 0x40,  // rope_factor 8
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0xf0, 0x3f,  // rope_low_freq_factor 1
@@ -1420,7 +1428,7 @@ TEST(ControlWire, GoldenBytes) {
   h.q_first = true;
   Bytes q_hello = hello;
   q_hello[16 + 66] = 0x01;
-  const Bytes q_crc = {0x88, 0xc4, 0xef, 0xaf};
+  const Bytes q_crc = {0xc9, 0xa8, 0x1c, 0x0f};
   std::copy(q_crc.begin(), q_crc.end(), q_hello.begin() + 12);
   EXPECT_EQ(EncodeHello(h), q_hello);
   hb = DecodeHello(q_hello);
@@ -1432,7 +1440,7 @@ TEST(ControlWire, GoldenBytes) {
   r.kv_capacity_tokens = 0x01020304, r.qkv_buffer = 7, r.memory_rank = 2, r.dtype = DType::kBF16;
   r.device = "cuda:0";
   const Bytes reply = {
-      0x54, 0x44, 0x48, 0x52, 0x0b, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x52, 0x0c, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0xdb, 0xf4, 0x8d, 0x50,  // frame
       0x04, 0x03, 0x02, 0x01, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x07, 0x00, 0x00, 0x00, 0x02, 0x00, 0x02, 0x00,  // qkv_buffer, memory_rank, dtype, reserved
@@ -1445,7 +1453,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ReleaseMessage m{0x0102030405060708, {5, kU64Max}};
   const Bytes release = {
-      0x54, 0x44, 0x52, 0x4c, 0x0b, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x52, 0x4c, 0x0c, 0x00, 0x10, 0x00,
       0x20, 0x00, 0x00, 0x00, 0x21, 0x77, 0x58, 0xc2,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, reserved
@@ -1459,7 +1467,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ErrorMessage e{14, "peer gone"};
   const Bytes error = {
-      0x54, 0x44, 0x45, 0x52, 0x0b, 0x00, 0x10, 0x00, 0x11,
+      0x54, 0x44, 0x45, 0x52, 0x0c, 0x00, 0x10, 0x00, 0x11,
       0x00, 0x00, 0x00, 0x56, 0xa5, 0x51, 0x47,        // frame
       0x0e, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00,  // code, message_bytes
       'p',  'e',  'e',  'r',  ' ',  'g',  'o',  'n',  'e',
@@ -1470,7 +1478,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_TRUE(*eb == e);
 
   const Bytes bye = {
-      0x54, 0x44, 0x42, 0x59, 0x0b, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x42, 0x59, 0x0c, 0x00, 0x10, 0x00,
       0x08, 0x00, 0x00, 0x00, 0xc7, 0xfb, 0x17, 0x55,  // frame
       0xe8, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // steps
   };
@@ -1480,7 +1488,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(bb->steps, 1000u);
 
   const Bytes heartbeat = {
-      0x54, 0x44, 0x48, 0x42, 0x0b, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x42, 0x0c, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x6e, 0x14, 0x17, 0xba,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x88, 0x13, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // silence_ms 5000, reserved
@@ -1492,7 +1500,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(beat->silence_ms, 5000u);
 
   const Bytes heartbeat_reply = {
-      0x54, 0x44, 0x48, 0x41, 0x0b, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x41, 0x0c, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x47, 0x8e, 0x37, 0x33,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // memory_rank 3, reserved
@@ -1505,7 +1513,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(beat_reply->memory_rank, 3);
 
   const Bytes discard = {
-      0x54, 0x44, 0x53, 0x44, 0x0b, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x53, 0x44, 0x0c, 0x00, 0x10, 0x00,
       0x1c, 0x00, 0x00, 0x00, 0x8f, 0x2f, 0xbd, 0xc9,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // seqno_base
@@ -1708,7 +1716,7 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
        "hello: kv_memory_fraction inf"},
       {[](RawHello& h) { h.checksums = 2; }, "hello: checksums 2 at byte offset 65 must be 0 or 1"},
       {[](RawHello& h) { h.q_first = 2; }, "hello: q_first 2 at byte offset 82 must be 0 or 1"},
-      {[](RawHello& h) { h.reserved[0] = 1; }, "reserved at byte offset 84 is 1, must be 0"},
+      {[](RawHello& h) { h.reserved[0] = 1; }, "reserved at byte offset 85 is 1, must be 0"},
       {[](RawHello& h) { h.rope_type = 2; }, "hello: rope_type 2 must be 0 (default) or 1 (llama3)"},
       {[](RawHello& h) { h.rope_theta = 0; }, "hello: rope_theta 0 must be finite and > 0"},
       {[](RawHello& h) { h.rope_factor = -1; }, "hello: rope_factor -1 must be finite and > 0"},
@@ -1736,7 +1744,13 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
        "hello: slice_layers 1 must be 0 or in [1, num_layers 4] with compute_ranks >= 2 (compute_ranks 1)"},
       {[](RawHello& h) { h.lanes = 2, h.compute_ranks = 2, h.slice_layers = 5; },
        "hello: slice_layers 5 must be 0 or in [1, num_layers 4]"},
-      {[](RawHello& h) { h.reserved[3] = 1; }, "hello: reserved at byte offset 87 is 1, must be 0"},
+      {[](RawHello& h) { h.reserved[2] = 1; }, "hello: reserved at byte offset 87 is 1, must be 0"},
+      {[](RawHello& h) { h.compute_mask = 0; },
+       "hello: compute_mask 0x0 must have bit 0 set and none at or above compute_ranks 1"},
+      {[](RawHello& h) { h.lanes = 4, h.compute_ranks = 3, h.compute_mask = 6; },
+       "hello: compute_mask 0x6 must have bit 0 set"},
+      {[](RawHello& h) { h.lanes = 4, h.compute_ranks = 3, h.compute_mask = 9; },
+       "hello: compute_mask 0x9 must have bit 0 set and none at or above compute_ranks 3"},
       {[](RawHello& h) { h.lanes = 0; }, "hello: lanes 0 must be in [1, 8]"},
       {[](RawHello& h) { h.lanes = 9; }, "hello: lanes 9 must be in [1, 8]"},
       {[](RawHello& h) { h.lanes = 255; }, "hello: lanes 255 must be in [1, 8]"},
@@ -1780,12 +1794,13 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     const absl::Status s = DecodeHello(MakeFrame(kHelloMagic, HelloBody(old), version)).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(s.message(), "hello: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 11 (versions 2 to 4 "
+                               " at byte offset 4 is older than the supported version 12 (versions 2 to 4 "
                                "changed the hello, step plan and replica result layouts; 5 added the "
                                "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
                                "step discard; 8 the step plan's next-use records; 9 the evictions' "
                                "tokens and the persisted blocks report; 10 the restores' segments and "
-                               "the hello's rope; 11 the step discard's lost memory ranks)");
+                               "the hello's rope; 11 the step discard's lost memory ranks; 12 the hello's "
+                               "compute mask and the memory rejoin)");
   }
   // The limits and combinations that are valid.
   for (auto [tokens, sharing] : {std::pair<uint16_t, uint8_t>{0, 0}, {1, 0}, {1, 1}, {4096, 2}, {4096, 0}}) {
@@ -1797,6 +1812,13 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     EXPECT_EQ(m->prefix_sharing, sharing);
   }
   ASSERT_TRUE(DecodeHello(MakeFrame(kHelloMagic, HelloBody(RawHello{}))).ok());
+  for (uint8_t mask : {1, 3, 5, 7}) {  // a rank that rejoins after compute ranks were given up
+    RawHello h;
+    h.lanes = 4, h.compute_ranks = 3, h.compute_mask = mask;
+    absl::StatusOr<HelloMessage> m = DecodeHello(MakeFrame(kHelloMagic, HelloBody(h)));
+    ASSERT_TRUE(m.ok()) << int{mask} << ": " << m.status();
+    EXPECT_EQ(m->compute_mask, mask);
+  }
   for (const Case& c : cases) {
     RawHello h;
     c.mutate(h);
@@ -2136,9 +2158,9 @@ TEST(PeekFrameMagic, KnownUnknownAndShort) {
   frames.push_back(SmallPlanFrame());
   frames.push_back(EncodeLayerMessageHeader(LayerMessageHeader{}));
   const uint32_t want[] = {
-      kHelloMagic,           kHelloReplyMagic,  kReleaseMagic,     kErrorMagic,          kByeMagic,
-      kStatsRequestMagic,    kMemoryStatsMagic, kHeartbeatMagic,   kHeartbeatReplyMagic, kStepDiscardMagic,
-      kPersistedBlocksMagic, kStepPlanMagic,    kLayerMessageMagic};
+      kHelloMagic,           kHelloReplyMagic,   kReleaseMagic,   kErrorMagic,          kByeMagic,
+      kStatsRequestMagic,    kMemoryStatsMagic,  kHeartbeatMagic, kHeartbeatReplyMagic, kStepDiscardMagic,
+      kPersistedBlocksMagic, kMemoryRejoinMagic, kStepPlanMagic,  kLayerMessageMagic};
   for (size_t k = 0; k < frames.size(); ++k) {
     absl::StatusOr<uint32_t> m = PeekFrameMagic(frames[k]);
     ASSERT_TRUE(m.ok()) << m.status();
@@ -2338,8 +2360,8 @@ TEST(NextUseWire, GoldenBytesAndRefusals) {
   plan.next_uses.push_back({.block_hash = 0x1112131415161718, .next_use = 0, .memory_rank = 1});
   plan.next_uses.push_back({.block_hash = 0x2122232425262728, .next_use = 5, .memory_rank = 1});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x0b, 0x00, 0x10, 0x00,
-      0x40, 0x00, 0x00, 0x00, 0xa5, 0x74, 0x3a, 0x3a,  // frame: version 11, body_bytes 64
+      0x54, 0x44, 0x53, 0x50, 0x0c, 0x00, 0x10, 0x00,
+      0x40, 0x00, 0x00, 0x00, 0xa5, 0x74, 0x3a, 0x3a,  // frame: version 12, body_bytes 64
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -2427,8 +2449,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
                            .block_index = 1,
                            .memory_rank = 1});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x0b, 0x00, 0x10, 0x00,
-      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 11, body_bytes 120
+      0x54, 0x44, 0x53, 0x50, 0x0c, 0x00, 0x10, 0x00,
+      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 12, body_bytes 120
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -2454,8 +2476,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
 
   const RestoreReplyMessage reply{.step_id = 9, .memory_rank = 1, .failed = {0x1112131415161718}};
   const Bytes reply_golden = {
-      0x54, 0x44, 0x52, 0x54, 0x0b, 0x00, 0x10, 0x00,
-      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 11, body_bytes 24
+      0x54, 0x44, 0x52, 0x54, 0x0c, 0x00, 0x10, 0x00,
+      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 12, body_bytes 24
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // memory_rank, reserved, failed_count
       0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // failed[0]
@@ -2479,7 +2501,7 @@ TEST(RestoreWire, SegmentsGoldenBytesAndRanges) {
        .segments = {{.source_hash = 0x3132333435363738, .source_index = 1, .source_row = 10, .rows = 6},
                     {.source_hash = 0x4142434445464748, .source_index = 2, .source_row = 0, .rows = 10}}});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x0b, 0x00, 0x10, 0x00,  // frame: magic, version 11, header_bytes
+      0x54, 0x44, 0x53, 0x50, 0x0c, 0x00, 0x10, 0x00,  // frame: magic, version 12, header_bytes
       0x58, 0x00, 0x00, 0x00, 0x73, 0x90, 0xc6, 0x16,  // body_bytes 88, crc
       0x05, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
@@ -2579,6 +2601,44 @@ TEST(ComputeReplicaWire, RoundTripsAndRefusesBadFrames) {
            {ring_body(kMaxAddressBytes + 1, std::string(kMaxAddressBytes + 1, 'a')), "must be <= 1024"},
        }) {
     absl::StatusOr<ReplicaRingMessage> bad = DecodeReplicaRing(MakeFrame(kReplicaRingMagic, body));
+    ASSERT_FALSE(bad.ok()) << want;
+    EXPECT_CONTAINS(std::string(bad.status().message()), want);
+  }
+
+  // Memory rejoin: golden body, round trips (a request and both answers), and every malformed body
+  // refused with the field named.
+  const Bytes rejoin = EncodeMemoryRejoin(
+      {.memory_rank = 0x0201, .answer = true, .attn_out_buffer = 0x0a0b0c0d, .text = "no"});
+  EXPECT_EQ(Bytes(rejoin.begin() + 16, rejoin.end()),
+            (Bytes{0x01, 0x02, 0x01, 0, 0x0d, 0x0c, 0x0b, 0x0a, 0x02, 0x00, 0, 0, 0, 0, 0, 0, 'n', 'o'}));
+  EXPECT_EQ(PeekFrameMagic(rejoin).value_or(0), kMemoryRejoinMagic);
+  for (const MemoryRejoinMessage& m :
+       {MemoryRejoinMessage{.memory_rank = 3, .attn_out_buffer = 1u << 20, .text = "127.0.0.1:40123"},
+        MemoryRejoinMessage{.memory_rank = 3, .answer = true, .attn_out_buffer = 7},
+        MemoryRejoinMessage{.memory_rank = 0xffff,
+        .answer = true,
+        .attn_out_buffer = kU32Max,
+        .text = std::string(kMaxAddressBytes, 'e')}}) {
+    absl::StatusOr<MemoryRejoinMessage> got = DecodeMemoryRejoin(EncodeMemoryRejoin(m));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(*got == m);
+  }
+  auto rejoin_body = [](uint8_t answer, uint16_t bytes, const std::string& text, uint8_t reserved = 0) {
+    Le w;
+    w.U16(1).U8(answer).U8(reserved).U32(130).U16(bytes).U16(0).U32(0);
+    w.b.insert(w.b.end(), text.begin(), text.end());
+    return w.b;
+  };
+  for (const auto& [body, want] : std::vector<std::pair<Bytes, std::string>>{
+           {rejoin_body(0, 4, "h:1"), "memory rejoin: truncated: text_bytes 4"},
+           {rejoin_body(0, 2, "h:1"), "memory rejoin: text_bytes 2 leaves 1 unused body bytes"},
+           {rejoin_body(0, 3, std::string("h\0", 2) + "1"), "memory rejoin: text"},
+           {rejoin_body(0, 3, "h:1", 1), "memory rejoin: reserved"},
+           {rejoin_body(2, 3, "h:1"), "memory rejoin: answer 2"},
+           {rejoin_body(0, 0, ""), "memory rejoin: a request needs the rank's address (text_bytes 0)"},
+           {rejoin_body(1, kMaxAddressBytes + 1, std::string(kMaxAddressBytes + 1, 'a')), "must be <= 1024"},
+       }) {
+    absl::StatusOr<MemoryRejoinMessage> bad = DecodeMemoryRejoin(MakeFrame(kMemoryRejoinMagic, body));
     ASSERT_FALSE(bad.ok()) << want;
     EXPECT_CONTAINS(std::string(bad.status().message()), want);
   }
