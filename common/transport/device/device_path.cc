@@ -103,34 +103,33 @@ absl::Status DevicePath::EnqueueVerify(const void* data, size_t bytes, const Che
     return absl::FailedPreconditionError(absl::StrCat("device path failed: ", failure_.message()));
   const uint32_t index = static_cast<uint32_t>(waits_.size());
   waits_.push_back({std::move(label), seqno, absl::ZeroDuration(), bytes});
-  if (!beside) {
-    const uint32_t slot = next_counter_++ % kCounters;
-    DP_CUDA(LaunchVerifyChecksum(data, bytes, entry, seqno, counters_ + slot, sums_ + slot, record_dev_,
-                                 failed_flag_, index, stream));
-    return absl::OkStatus();
+  Side* side = nullptr;
+  if (beside) {
+    auto [it, made] = sides_.try_emplace(stream);
+    side = &it->second;
+    if (made) {
+      cudaStream_t s = nullptr;
+      cudaEvent_t fork = nullptr, done = nullptr;
+      DP_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      side->stream = s;
+      DP_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+      side->fork = fork;
+      DP_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+      side->done = done;
+    }
+    // A wait on an event takes the event's latest record at the time of the call, so one fork and
+    // one done event per side serve every check.
+    DP_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(side->fork), static_cast<cudaStream_t>(stream)));
+    DP_CUDA(cudaStreamWaitEvent(static_cast<cudaStream_t>(side->stream), static_cast<cudaEvent_t>(side->fork),
+                                0));
   }
-  auto [it, made] = sides_.try_emplace(stream);
-  Side& side = it->second;
-  if (made) {
-    cudaStream_t s = nullptr;
-    cudaEvent_t fork = nullptr, done = nullptr;
-    DP_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    side.stream = s;
-    DP_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-    side.fork = fork;
-    DP_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    side.done = done;
-  }
-  // A wait on an event takes the event's latest record at the time of the call, so one fork and
-  // one done event per side serve every check.
-  DP_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(side.fork), static_cast<cudaStream_t>(stream)));
-  DP_CUDA(
-      cudaStreamWaitEvent(static_cast<cudaStream_t>(side.stream), static_cast<cudaEvent_t>(side.fork), 0));
   const uint32_t slot = next_counter_++ % kCounters;
   DP_CUDA(LaunchVerifyChecksum(data, bytes, entry, seqno, counters_ + slot, sums_ + slot, record_dev_,
-                               failed_flag_, index, side.stream));
-  DP_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(side.done), static_cast<cudaStream_t>(side.stream)));
-  side.pending = true;
+                               failed_flag_, index, beside ? side->stream : stream));
+  if (beside) {
+    DP_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(side->done), static_cast<cudaStream_t>(side->stream)));
+    side->pending = true;
+  }
   return absl::OkStatus();
 }
 
