@@ -259,8 +259,7 @@ absl::Status ComputeRank::SetUpLane(size_t j) {
 absl::Status ComputeRank::SetUpRankLane(size_t m, size_t j) {
   Rank& rank = ranks_[m];
   RankLane& rl = rank.lanes[j];
-  if (rl.recv.get() != nullptr || rl.pack.get() != nullptr || rl.out.get() != nullptr)
-    return absl::OkStatus();
+  if (rl.registered) return absl::OkStatus();  // set up already (a step discard sets up every lane again)
   const size_t t = static_cast<size_t>(options_.scheduler.max_tokens_per_step);
   const size_t pack_bytes = t * static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_;
   const size_t out_bytes = t * static_cast<size_t>(rank.slice.slice_q_dim()) * elem_;
@@ -280,6 +279,7 @@ absl::Status ComputeRank::SetUpRankLane(size_t m, size_t j) {
     ASSIGN_OR_RETURN(rl.recv, backend_->memory().Allocate(rl.recv_bytes, true));
     RETURN_IF_ERROR(transport_->RegisterBuffer(rl.attn_buffer, rl.recv.get(), rl.recv_bytes));
   }
+  rl.registered = true;
   return absl::OkStatus();
 }
 
@@ -469,7 +469,14 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
     }
     RETURN_IF_ERROR(MergeSampled(mb, parts, &sampled));
   } else {
-    RETURN_IF_ERROR(RunParts(std::span<const PlannedStep>(&step_, 1), &parts));
+    absl::Status ran = RunParts(std::span<const PlannedStep>(&step_, 1), &parts);
+    while (!ran.ok() && DeviceRecovery()) {
+      // The device path: a lost memory rank is given up and the step runs again without it.
+      RETURN_IF_ERROR(RecoverFromFailedStep(std::move(ran), step_.plan.step_id));
+      ++steps_rerun_;
+      ran = RunParts(std::span<const PlannedStep>(&step_, 1), &parts, /*rerun=*/true);
+    }
+    RETURN_IF_ERROR(ran);
     sampled = std::move(parts[0]);
   }
   RETURN_IF_ERROR(CollectRestoreReplies(step_.plan));
@@ -488,10 +495,21 @@ bool ComputeRank::CanRecoverReplica() const {
   return options_.recover_compute_replicas && !device_path_ && compute_rank_ == 0 && compute_ranks_ >= 2;
 }
 
-bool ComputeRank::CanRecoverWithReplicas() const {
+bool ComputeRank::CanRecoverByRerun() const {
   // The step is discarded on every rank and run again without the memory rank, by the same compute
-  // ranks (told which memory ranks are lost); with one compute rank CanRecover applies instead.
-  return options_.recover_memory_ranks && !device_path_ && !head_ && compute_rank_ == 0 && compute_ranks_ > 1;
+  // ranks (told which memory ranks are lost): on the host-staged path while replicas run (with one
+  // compute rank CanRecover applies instead), and on the device path (DeviceRecovery).
+  return options_.recover_memory_ranks && !head_ && compute_rank_ == 0 &&
+         ((!device_path_ && compute_ranks_ > 1) || DeviceRecovery());
+}
+
+bool ComputeRank::DeviceRecovery() const {
+  // The device path enqueues the whole step, so a memory rank's loss cannot be stepped around: the
+  // step is discarded and run again, with every rank's device path reset once it has drained. One
+  // compute rank (replicas would need the same on theirs), a transport whose device path can be
+  // reset (p2p).
+  return options_.recover_memory_ranks && device_path_ && !head_ && compute_rank_ == 0 &&
+         initial_compute_ranks_ == 1 && transport_->capabilities().device_path_reset;
 }
 
 absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_id) {
@@ -557,7 +575,7 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
       absl::Now() + (absl::IsDeadlineExceeded(ran) ? absl::ZeroDuration() : absl::Seconds(1));
   do {
     peer_failed();
-    if (failed.has_value() || !memory_told.ok() || (CanRecoverWithReplicas() && memory_failed())) break;
+    if (failed.has_value() || !memory_told.ok() || (CanRecoverByRerun() && memory_failed())) break;
     drain(std::min(until, absl::Now() + absl::Milliseconds(50)));
   } while (absl::Now() < until);
   // Memory ranks that left a heartbeat unanswered after the step's deadline (with their reasons).
@@ -572,11 +590,7 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
     // so they are still there for the rerun.
     const absl::Duration allowance =
         std::clamp(options_.step_timeout / 4, absl::Milliseconds(250), absl::Seconds(5));
-    const int64_t silence_ms =
-        options_.heartbeat > absl::ZeroDuration()
-            ? std::clamp<int64_t>(absl::ToInt64Milliseconds(options_.heartbeat + options_.step_timeout), 1,
-                                  kMaxHeartbeatSilenceMs)
-            : kMaxHeartbeatSilenceMs;
+    const int64_t silence_ms = SilenceMs();
     const absl::Time sent = absl::Now();
     for (Replica& replica : replicas_) {
       if (replica.lost) continue;
@@ -623,7 +637,7 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
     failed_ranks_.clear();  // a memory rank that waited on the replica is not to blame
     return LoseReplica(*failed, failed_why, step_id);
   }
-  if (!failed.has_value() && CanRecoverWithReplicas()) {
+  if (!failed.has_value() && CanRecoverByRerun()) {
     // No replica failed: a memory rank did (it said so, its connection failed, or, when neither,
     // a wait for it passed its deadline while every replica answered: failed_ranks_). The rank is
     // given up, its requests to be recomputed, and the step runs again on the same compute ranks,
@@ -640,10 +654,22 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
     // a wait of this one timed out on.
     if (lose.empty()) lose = silent.empty() ? std::move(failed_ranks_) : std::move(silent);
     failed_ranks_.clear();
-    if (!lose.empty()) {
+    // On the device path with no memory rank left there is nothing to run again on: the step's own
+    // error (naming the rank and the layer), below.
+    const size_t live = static_cast<size_t>(
+        std::count_if(ranks_.begin(), ranks_.end(), [](const Rank& r) { return !r.lost; }));
+    if (!lose.empty() && (!device_path_ || lose.size() < live)) {
       TANDEM_LOG_WARN("compute", "step ", step_id, " failed: ", ran.message(),
                       "; compute rank 0 discards it to recover ", ranks_[lose[0].first].name);
+      // The device path: this rank's step has drained (SyncStream released its waits and wrote
+      // nothing more); the memory ranks drain theirs when the discard comes and answer a heartbeat
+      // after it (AwaitDrained) before the rerun writes anything to them.
+      if (device_path_) {
+        RETURN_IF_ERROR(Annotate(transport_->ResetDevicePath(backend_->stream()),
+                                 absl::StrCat("recovering step ", step_id)));
+      }
       ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(step_id, lose, /*keep=*/true));
+      if (device_path_) RETURN_IF_ERROR(AwaitDrained(step_id));
       TANDEM_LOG_WARN("compute", "step ", step_id, " runs again without it on ", compute_ranks_,
                       " compute rank(s)",
                       regrouped.kept.empty() ? std::string() : absl::StrCat(" (kept: ", regrouped.kept, ")"));
@@ -824,6 +850,72 @@ absl::Status ComputeRank::AwaitKeptReplicas() {
   return absl::OkStatus();
 }
 
+absl::Status ComputeRank::AwaitDrained(uint64_t step_id) {
+  // A heartbeat after the discard: a memory rank takes it only once it has drained the discarded
+  // step and reset its device path (it reads its messages in order). One that does not answer
+  // within the step timeout, or fails meanwhile, is given up too, and the discard goes out again.
+  while (true) {
+    const absl::Time sent = absl::Now();
+    for (Rank& rank : ranks_) {
+      if (rank.lost) continue;
+      rank.beat_seq = ++beat_seq_;
+      rank.beat_sent = sent;
+      (void)transport_->Send(rank.peer, EncodeHeartbeat({.seq = rank.beat_seq,
+                                                         .silence_ms = static_cast<uint32_t>(SilenceMs())}));
+    }
+    const absl::Time deadline = sent + options_.step_timeout;
+    std::vector<std::pair<size_t, absl::Status>> lose;
+    while (lose.empty()) {
+      bool waiting = false;
+      for (size_t m = 0; m < ranks_.size(); ++m) {
+        if (ranks_[m].lost || ranks_[m].beat_seq == 0) continue;
+        waiting = true;
+        if (absl::Status peer = transport_->PeerStatus(ranks_[m].peer); !peer.ok()) {
+          lose.emplace_back(m, Annotate(peer, ranks_[m].name));
+        } else if (absl::Now() >= deadline) {
+          lose.emplace_back(
+              m, absl::DeadlineExceededError(absl::StrCat(
+                     ranks_[m].name, ": no answer within ", absl::FormatDuration(options_.step_timeout),
+                     " after the discard of step ", step_id, " (launch.step_timeout_s)")));
+        }
+      }
+      if (!waiting) return absl::OkStatus();
+      if (!lose.empty()) break;
+      transport::PeerId from = 0;
+      std::vector<uint8_t> msg;
+      if (!transport_->Receive(&from, &msg, std::min(deadline, absl::Now() + absl::Milliseconds(20))).ok())
+        continue;
+      if (TakeStrayMessage(from, &msg)) continue;
+      for (size_t m = 0; m < ranks_.size(); ++m) {
+        if (ranks_[m].peer != from || ranks_[m].lost) continue;
+        const uint32_t magic = PeekFrameMagic(msg).value_or(0);
+        if (magic == kRestoreReplyMagic) {
+          early_replies_.emplace_back(m, std::move(msg));  // read after the step (CollectRestoreReplies)
+        } else if (magic == kErrorMagic) {
+          absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+          lose.emplace_back(m,
+                            Annotate(err.ok() ? StatusFromErrorMessage(*err) : err.status(), ranks_[m].name));
+        } else {
+          absl::StatusOr<bool> beat = TakeHeartbeatReply(m, msg);
+          if (!beat.ok()) lose.emplace_back(m, beat.status());
+        }
+        break;
+      }
+    }
+    TANDEM_LOG_WARN("compute", "step ", step_id, ": ", ranks_[lose[0].first].name,
+                    " did not answer after the step discard; it is given up too");
+    ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(step_id, lose, /*keep=*/true));
+    (void)regrouped;
+  }
+}
+
+int64_t ComputeRank::SilenceMs() const {
+  return options_.heartbeat > absl::ZeroDuration()
+             ? std::clamp<int64_t>(absl::ToInt64Milliseconds(options_.heartbeat + options_.step_timeout), 1,
+                                   kMaxHeartbeatSilenceMs)
+             : kMaxHeartbeatSilenceMs;
+}
+
 absl::Status ComputeRank::WaitInput(uint32_t buffer, uint64_t seqno, absl::Time deadline) {
   if (compute_rank_ == 0) return transport_->WaitDoorbell(buffer, seqno, deadline);
   // A replica answers compute rank 0's heartbeats while it waits: after a step deadline compute
@@ -867,7 +959,7 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
     bool* flag;
     ~InParts() { *flag = false; }
   } in_parts{&in_parts_};
-  in_parts_ = compute_rank_ == 0 && compute_ranks_ > 1;
+  in_parts_ = compute_rank_ == 0 && (compute_ranks_ > 1 || DeviceRecovery());
   if (compute_rank_ == 0) {
     seqno_ceiling_ += static_cast<uint64_t>(num_layers_) * (options_.q_first ? 2 : 1);
     // Every plan first (micro-batches in order; a rerun's are applied already), then the replicas'
@@ -967,7 +1059,11 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
   if (device_path_ && !mine.empty()) {
     const absl::Status synced =
         transport_->SyncStream(backend_->stream(), absl::Now() + 2 * options_.step_timeout);
-    if (!synced.ok()) return DeviceStepError(synced, parts[0].plan.step_id);
+    if (!synced.ok()) {
+      // With recovery RecoverFromFailedStep reads what the ranks sent and finds the one lost.
+      if (DeviceRecovery()) return Annotate(synced, absl::StrCat("step ", parts[0].plan.step_id));
+      return DeviceStepError(synced, parts[0].plan.step_id);
+    }
   }
   const auto finish = std::chrono::steady_clock::now();
   for (size_t i = mine.size(); i-- > 0;) {
@@ -1127,7 +1223,7 @@ absl::Status ComputeRank::LoseRank(size_t m, absl::Status why) {
   Rank& rank = ranks_[m];
   if (rank.lost) return absl::OkStatus();
   if (!CanRecover()) {
-    if (!CanRecoverWithReplicas()) return why;
+    if (!CanRecoverByRerun()) return why;
     if (in_parts_) {
       // The replicas' micro-batches are in flight: the step fails, and RecoverFromFailedStep gives
       // the rank up and runs the step again with the replicas, told so by the step discard.
@@ -1203,7 +1299,8 @@ void ComputeRank::DropProbe(size_t m, const std::string& why) {
 }
 
 absl::Status ComputeRank::AdvanceRejoins() {
-  if (options_.rejoin_probe <= absl::ZeroDuration() || !(CanRecover() || CanRecoverWithReplicas()))
+  // On the device path a rejoin would need the device transport's connection set up anew.
+  if (options_.rejoin_probe <= absl::ZeroDuration() || device_path_ || !(CanRecover() || CanRecoverByRerun()))
     return absl::OkStatus();
   const absl::Time now = absl::Now();
   for (size_t m = 0; m < ranks_.size(); ++m) {
@@ -1251,6 +1348,7 @@ absl::Status ComputeRank::AdvanceRejoins() {
         if (!st.ok()) break;
         rl.recv = std::move(*recv);
         st = transport_->RegisterBuffer(rl.attn_buffer, rl.recv.get(), rl.recv_bytes);
+        rl.registered = st.ok();
       }
       if (st.ok()) st = transport_->Send(probe.peer, EncodeHello(MakeHello(m, first)));
       if (!st.ok()) {
@@ -1426,7 +1524,7 @@ absl::Status ComputeRank::LoseFailedRanks(size_t waited_on, absl::Status why) {
   };
   // A replica leaves the messages to AwaitRank0 (compute rank 0's step discard among them).
   if (compute_rank_ != 0) return why;
-  if (!CanRecover() && CanRecoverWithReplicas() && in_parts_) {
+  if (!CanRecover() && CanRecoverByRerun() && in_parts_) {
     // Replicas run: the step fails, and RecoverFromFailedStep reads the messages and looks for the
     // rank that failed; `waited_on` is the one given up when it finds none.
     failed_ranks_.emplace_back(waited_on, why);
@@ -1605,8 +1703,7 @@ absl::Status ComputeRank::Heartbeat() {
   if (now >= next_beat_) {
     next_beat_ = now + options_.heartbeat;
     // A rank may stop once it has not heard from this one for a heartbeat and a step timeout.
-    const int64_t silence_ms = std::clamp<int64_t>(
-        absl::ToInt64Milliseconds(options_.heartbeat + options_.step_timeout), 1, kMaxHeartbeatSilenceMs);
+    const int64_t silence_ms = SilenceMs();
     const std::vector<uint8_t> replica_beat =
         EncodeHeartbeat({.seq = beat_seq_ + 1, .silence_ms = static_cast<uint32_t>(silence_ms)});
     for (Replica& replica : replicas_) {
@@ -1667,7 +1764,7 @@ absl::Status ComputeRank::SendLayer(size_t j, const PlannedStep& step, uint32_t 
       Rank& rank = ranks_[m];
       RankLane& rl = rank.lanes[j];
       const auto [begin, end] = RowsOf(step, m);
-      if (begin == end) continue;
+      if (begin == end || rank.lost) continue;  // a rerun's rows of a lost rank are dropped after it
       const void* rows = qkv + begin * qkv_row;
       size_t bytes = static_cast<size_t>(end - begin) * qkv_row;
       if (head_) {
@@ -1768,7 +1865,7 @@ absl::Status ComputeRank::SendSplitOnDevice(size_t j, const PlannedStep& step) {
     Rank& rank = ranks_[m];
     RankLane& rl = rank.lanes[j];
     const auto [begin, end] = RowsOf(step, m);
-    if (begin == end) continue;
+    if (begin == end || rank.lost) continue;
     const size_t q_row = static_cast<size_t>(rank.slice.slice_q_dim()) * elem_;
     const size_t kv_row = static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_ - q_row;
     const uint8_t *q = nullptr, *kv = nullptr;
@@ -1802,11 +1899,11 @@ absl::Status ComputeRank::WriteLayer(uint32_t peer, uint32_t buffer, uint64_t of
 }
 
 void ComputeRank::SkipLayer(size_t j, const PlannedStep& step) {
-  // As SendLayer counts: every rank with rows (the host-staged path skips lost ranks; every compute
-  // rank knows them, from the step discards that named them).
+  // As SendLayer counts: every rank with rows but the lost ones (every compute rank knows them,
+  // from the step discards that named them).
   for (size_t m = 0; m < ranks_.size(); ++m) {
     const auto [begin, end] = RowsOf(step, m);
-    if (begin == end || (!device_path_ && ranks_[m].lost)) continue;
+    if (begin == end || ranks_[m].lost) continue;
     ranks_[m].lanes[j].seqno += options_.q_first ? 2 : 1;  // q-first: a q and a k,v message
   }
 }
@@ -1882,7 +1979,7 @@ absl::Status ComputeRank::ReceiveLayer(size_t j, const PlannedStep& step, uint32
       Rank& rank = ranks_[m];
       RankLane& rl = rank.lanes[j];
       const auto [begin, end] = RowsOf(step, m);
-      if (begin == end) continue;
+      if (begin == end || rank.lost) continue;
       // Request partition: its rows of the lane's attention buffer; head partition: its own
       // buffer, from row 0, then scattered into its columns.
       const size_t offset = head_ ? 0 : begin * attn_row;

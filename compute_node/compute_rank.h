@@ -37,7 +37,10 @@
 // output -> the rest of its layer -> its next QKV -> send. So micro-batch B's linear layers run
 // while the memory ranks run A's attention. The sampled tokens are merged back in the step's order.
 // Every wait has a deadline; a memory rank that reports an error, disconnects or stays silent
-// fails the step with a Status naming it.
+// fails the step with a Status naming it, or, with recovery (ComputeRankOptions::
+// recover_memory_ranks), is given up: on the host-staged path the step goes on without it; with
+// replicas, and on a device path that can be reset (DeviceRecovery), the step is discarded and
+// runs again without it.
 #pragma once
 
 #include <algorithm>
@@ -102,10 +105,11 @@ struct ComputeRankOptions {
   absl::Duration step_timeout = absl::Minutes(2);  // for each layer's attention output, and each send
   // launch.recover_memory_ranks: a memory rank that fails, disconnects or stays silent past the
   // step timeout is given up and its requests recomputed on the others (see ComputeRank::Step);
-  // false: the step fails. Recovery needs the host-staged path (ucx) and the request partition;
-  // with compute replicas the step in flight is discarded on the memory ranks and the replicas
-  // (which are told the rank is lost and go on) and run again without the rank. Elsewhere a loss
-  // fails the step.
+  // false: the step fails. Recovery needs the request partition, and the host-staged path (ucx) or
+  // a device path that can be reset (p2p) with one compute rank; with compute replicas, and on the
+  // device path, the step in flight is discarded on the memory ranks and the replicas (which are
+  // told the rank is lost and go on) and run again without the rank. Elsewhere a loss fails the
+  // step.
   bool recover_memory_ranks = true;
   // launch.recover_compute_replicas: on the host-staged path, a compute replica that fails,
   // disconnects or stays silent past the step timeout is given up: the step in flight is discarded
@@ -189,7 +193,7 @@ class ComputeRank : public Engine {
   // the rank is live again only once every replica has connected to it and answered (a memory
   // rejoin message each way, RejoinReplicas); a replica that cannot reach it keeps it lost and the
   // probe is dropped. Probes reach the host-staged path only, where recovery works (CanRecover,
-  // CanRecoverWithReplicas).
+  // CanRecoverByRerun).
   absl::Status Check(const GenerationRequest& request) const override { return controller_->Check(request); }
   absl::StatusOr<int64_t> Submit(GenerationRequest request) override {
     return controller_->Submit(std::move(request));
@@ -280,7 +284,7 @@ class ComputeRank : public Engine {
   // within a quarter of the step timeout, 0.25 to 5 s) and, where recovery applies (CanRecoverReplica), gives
   // it up (LoseReplica) so that the step can run again: OK. When no replica failed but a memory rank
   // did (an error it sent, its connection, or a wait for it past its deadline: failed_ranks_) and
-  // memory-rank recovery applies (CanRecoverWithReplicas), gives the rank up and keeps the replicas
+  // memory-rank recovery applies (CanRecoverByRerun), gives the rank up and keeps the replicas
   // (Regroup): OK. Otherwise the step's error, naming the replica when one failed.
   absl::Status RecoverFromFailedStep(absl::Status ran, uint64_t step_id);
   // Whether this rank can go on without a compute replica (see
@@ -309,9 +313,22 @@ class ComputeRank : public Engine {
   // that step are out before the rerun's. A restore reply that comes meanwhile is kept for after the
   // step.
   absl::Status AwaitKeptReplicas();
-  // Whether a memory rank's loss can be recovered while replicas run (the step is discarded and run
-  // again without it, the replicas kept; see ComputeRankOptions::recover_memory_ranks).
-  bool CanRecoverWithReplicas() const;
+  // Whether a memory rank's loss can be recovered by discarding the step and running it again
+  // without the rank: while replicas run (kept), or on the device path (DeviceRecovery); see
+  // ComputeRankOptions::recover_memory_ranks.
+  bool CanRecoverByRerun() const;
+  // The device path's recovery: one compute rank, the request partition, a transport whose device
+  // path can be reset. The failed step has drained (SyncStream); the device path is reset, the
+  // step discarded (Regroup), and the rerun waits for AwaitDrained.
+  bool DeviceRecovery() const;
+  // Device path, after a step discard: a heartbeat to every memory rank left, and their answers
+  // awaited (up to the step timeout): a memory rank takes it after it has drained the discarded
+  // step and reset its device path, so that nothing of the failed attempt is still in flight
+  // when the rerun writes. A rank that fails or does not answer is given up too (another
+  // discard).
+  absl::Status AwaitDrained(uint64_t step_id);
+  // The silence a heartbeat allows a memory rank (launch.heartbeat_s + launch.step_timeout_s).
+  int64_t SilenceMs() const;
   // Memory rank m is given up (nothing more is sent to it or awaited from it; its requests are
   // requeued after the step, RecoverLostRanks): OK, or an error when no memory rank is left.
   absl::Status MarkRankLost(size_t m, const absl::Status& why);
@@ -414,6 +431,7 @@ class ComputeRank : public Engine {
     // device memory, what is written to it), and on the device path its outputs (device memory,
     // registered as attn_buffer).
     BackendBuffer pack{nullptr, nullptr}, out{nullptr, nullptr};
+    bool registered = false;  // attn_buffer is registered with the transport (SetUpRankLane)
     uint64_t seqno = 0;
   };
   struct Rank {

@@ -74,7 +74,8 @@ struct DeployPlan {
   std::string compute_host;                  // where the compute replicas listen
   transport::TransportKind transport = transport::TransportKind::kUcx;  // resolved transport.kind
   bool checksums = true;
-  // launch.recover_memory_ranks, where compute rank 0 can recover (ucx, the request partition):
+  // launch.recover_memory_ranks, where compute rank 0 can recover (the request partition; ucx, or
+  // p2p with one compute rank):
   // the launcher then lets a memory rank fail without stopping the deployment, and, with compute
   // replicas, tolerates their exit (compute rank 0 releases them to recover the rank).
   bool recover_memory_ranks = false;

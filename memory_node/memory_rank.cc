@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -170,6 +171,11 @@ class MemoryRank {
   }
 
   absl::Status ReceiveFromCompute(std::vector<uint8_t>* msg, absl::Time deadline, const std::string& what) {
+    if (!deferred_.empty()) {  // compute rank 0's, taken while the last step's device work drained
+      *msg = std::move(deferred_.front());
+      deferred_.pop_front();
+      return absl::OkStatus();
+    }
     while (true) {
       PeerId from = 0;
       absl::StatusOr<bool> r = WaitFor(
@@ -272,6 +278,12 @@ class MemoryRank {
           ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
           return Annotate(StatusFromErrorMessage(err), "the compute rank stopped");
         }
+        if (device_path_) {
+          // The host polls until it sees the step's stream done, which can be after compute rank 0
+          // has its outputs and has gone on (releases, the next plan): kept, in order, for after.
+          deferred_.push_back(std::move(msg));
+          continue;
+        }
         return absl::InvalidArgumentError(absl::StrCat("unexpected message (magic 0x", absl::Hex(magic),
                                                        ") from compute rank 0 within a step"));
       }
@@ -362,10 +374,15 @@ class MemoryRank {
 
   // The step's layers (host-staged path), run again from layer 0 each time compute rank 0 discards
   // the step: the plans stay applied (the same slots take the new rows' K and V again).
+  // On the device path the discard fails the step's device work (every wait released, nothing
+  // more written, the stream drained) and the path is reset before the rerun enqueues anything;
+  // compute rank 0 writes nothing of the rerun until this rank has answered a heartbeat it sent
+  // after the discard, which this rank takes only in the rerun's waits: no late write of the
+  // failed attempt can land in its buffers, nor one of the rerun be taken by a wait of the
+  // failed attempt.
   absl::Status RunLayers(uint64_t step_id, size_t lanes) {
-    if (device_path_) return LayersOnDevice(step_id, lanes);
     while (true) {
-      const absl::Status st = Layers(step_id, lanes);
+      const absl::Status st = device_path_ ? LayersOnDevice(step_id, lanes) : Layers(step_id, lanes);
       if (!discard_.has_value()) return st;
       const StepDiscardMessage d = *discard_;
       discard_.reset();
@@ -373,6 +390,7 @@ class MemoryRank {
         return absl::InvalidArgumentError(
             absl::StrCat("a step discard of step ", d.step_id, " arrived within step ", step_id));
       }
+      if (device_path_) RETURN_IF_ERROR(transport_->ResetDevicePath(exec_->stream()));
       RETURN_IF_ERROR(ApplyDiscard(d));
       for (size_t k = 0; k < lanes; ++k) {
         if (lanes_[k].rows > 0) RETURN_IF_ERROR(lanes_[k].exec->BeginStep(lanes_[k].batch));
@@ -601,6 +619,10 @@ class MemoryRank {
     const size_t out_bytes = static_cast<size_t>(shape_.max_tokens * shape_.q_dim()) * elem_;
     device_path_ = !exec_->memory().host() && transport_->capabilities().device_polling;
     transport_->SetDeviceChecksums(hello_.checksums);
+    // While the host waits for a step on the device path, compute rank 0's messages are taken as
+    // between the host-staged path's waits: a heartbeat is answered, a step discard stops the step
+    // (its waits released, its stream drained) to be run again (RunLayers).
+    if (device_path_) transport_->SetDevicePoll([this] { return TakeMidStepMessages(); });
     if (hello_.q_first && !exec_->SupportsSplitLayer()) {
       return absl::InvalidArgumentError(absl::StrCat("pipeline.q_first: memory rank ", o_.rank,
                                                      " runs attention on ", exec_->device(),
@@ -922,8 +944,9 @@ class MemoryRank {
         const PeerId sender =
             compute_peers_[static_cast<size_t>(schedule_.SenderOf(static_cast<int64_t>(j), layer))];
         auto wait = [&](const char* what, uint64_t offset, size_t bytes) {
+          // Twice the step timeout, as on the host-staged path (WaitLayerInput).
           return transport_->EnqueueWait(
-              sender, kQkvBuffer + static_cast<uint32_t>(j), offset, bytes, ++lane.seqno, o_.step_timeout,
+              sender, kQkvBuffer + static_cast<uint32_t>(j), offset, bytes, ++lane.seqno, 2 * o_.step_timeout,
               absl::StrCat("memory rank ", o_.rank, ": ", what, " of step ", step_id,
                            lanes > 1 ? absl::StrCat(" micro-batch ", j) : "", " layer ", layer),
               stream);
@@ -964,6 +987,7 @@ class MemoryRank {
   std::map<uint16_t, PeerId> replicas_;        // compute rank -> its connection (compute.ranks > 1)
   std::set<uint16_t> lost_replicas_;           // given up (DropReplica): their messages are dropped
   std::optional<StepDiscardMessage> discard_;  // taken within a step's layers, applied by RunLayers
+  std::deque<std::vector<uint8_t>> deferred_;  // compute rank 0's messages of after a device step
   std::vector<uint8_t> reply_;                 // the hello reply every compute rank gets
   HelloMessage hello_;
   AttentionShape shape_;

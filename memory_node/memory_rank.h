@@ -44,7 +44,11 @@
 // waits once for the step. A compute replica that fails or stops is let go, and compute rank 0
 // decides what follows: a step discard (common/wire.h), taken in any state of the step, makes the
 // rank leave its layers, apply the surviving compute ranks and the new seqno base, and run the
-// step's layers again with its plans still applied (host-staged path); an error message ends it.
+// step's layers again with its plans still applied; an error message ends it. On the device path
+// the rank takes compute rank 0's messages while its host waits (Transport::SetDevicePoll): a
+// discard releases the step's device waits, the stream drains, the device path is reset
+// (Transport::ResetDevicePath) and the layers are enqueued again; compute rank 0 writes nothing of
+// the rerun until this rank has answered a heartbeat sent after the discard.
 // Every wait has a deadline; a malformed or unexpected frame, a peer that disappears
 // or a deadline that passes ends the rank with an error naming it (the compute rank is told first when it can
 // still be reached).

@@ -43,6 +43,8 @@ class ControlPlaneTransport : public Transport {
   // The caller's next message: one kept by Pump first, else the next from the inner transport
   // (applying this transport's frames met on the way).
   absl::Status Receive(PeerId* from, std::vector<uint8_t>* message, absl::Time deadline) override;
+  // The control plane's connection is the peer's: its failure is the peer's.
+  absl::Status PeerStatus(PeerId peer) const override { return control_->PeerStatus(peer); }
   void Close(PeerId peer) override { control_->Close(peer); }
   void Reopen(PeerId peer) override { control_->Reopen(peer); }
   bool Connecting(PeerId peer) const override { return control_->Connecting(peer); }

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,6 +46,9 @@ struct Capabilities {
   bool gpu_memory = false;      // registered buffers may live in device memory
   bool device_polling = false;  // a kernel can wait on a doorbell
   bool same_host_only = false;  // peers must be processes of this host
+  // A failed device path can be made usable again once its stream has drained (ResetDevicePath),
+  // so that a failed step can run again.
+  bool device_path_reset = false;
 };
 
 class Transport {
@@ -157,6 +161,24 @@ class Transport {
   virtual absl::Status SyncStream(void* stream, absl::Time deadline) {
     (void)stream, (void)deadline;
     return Unsupported("SyncStream");
+  }
+
+  // The caller's part of the host's waiting on the device path: `poll` is called while this
+  // transport waits on the host for the device path (SyncStream; p2p's waits for a writer on the
+  // same GPU), about every millisecond, outside any of this transport's own calls. An error from it
+  // fails the step as a failed peer does: every pending wait is released and SyncStream returns
+  // it. A memory rank takes compute rank 0's messages this way within a step (a heartbeat, a step
+  // discard). Empty: none.
+  virtual void SetDevicePoll(std::function<absl::Status()> poll) { (void)poll; }
+
+  // After SyncStream failed (or the caller drained `stream` otherwise): the device path forgets
+  // the failure, so that a step can run again (capabilities().device_path_reset). Nothing the
+  // failed step enqueued may still run: FailedPrecondition when `stream` (or this transport's own
+  // work for it) has not drained within a second. Doorbells keep their values: the rerun's seqnos
+  // must start above every seqno the failed step used (a step discard's base).
+  virtual absl::Status ResetDevicePath(void* stream) {
+    (void)stream;
+    return Unsupported("ResetDevicePath");
   }
 
  protected:

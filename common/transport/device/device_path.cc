@@ -69,6 +69,7 @@ absl::Status DevicePath::EnqueueWait(const uint64_t* doorbell, uint64_t seqno, a
                                      std::string label, void* stream) {
   if (!failure_.ok())
     return absl::FailedPreconditionError(absl::StrCat("device path failed: ", failure_.message()));
+  if (!pending_.ok()) return absl::OkStatus();  // failed (Fail): the next Sync says why
   const uint64_t timeout_ns = static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Nanoseconds(timeout)));
   const uint32_t index = static_cast<uint32_t>(waits_.size());
   waits_.push_back({std::move(label), seqno, timeout});
@@ -81,10 +82,11 @@ absl::Status DevicePath::EnqueueWriteWithDoorbell(void* dst, const void* src, si
                                                   ChecksumEntry* checksum) {
   if (!failure_.ok())
     return absl::FailedPreconditionError(absl::StrCat("device path failed: ", failure_.message()));
+  if (!pending_.ok()) return absl::OkStatus();  // nothing leaves a failed step (see the kernel)
   RETURN_IF_ERROR(Join(stream));
   const uint32_t slot = next_counter_++ % kCounters;
   DP_CUDA(LaunchWriteWithDoorbell(dst, src, bytes, doorbell, seqno, counters_ + slot, sums_ + slot, checksum,
-                                  stream));
+                                  failed_flag_, stream));
   return absl::OkStatus();
 }
 
@@ -101,6 +103,7 @@ absl::Status DevicePath::EnqueueVerify(const void* data, size_t bytes, const Che
                                        uint64_t seqno, std::string label, void* stream, bool beside) {
   if (!failure_.ok())
     return absl::FailedPreconditionError(absl::StrCat("device path failed: ", failure_.message()));
+  if (!pending_.ok()) return absl::OkStatus();
   const uint32_t index = static_cast<uint32_t>(waits_.size());
   waits_.push_back({std::move(label), seqno, absl::ZeroDuration(), bytes});
   Side* side = nullptr;
@@ -130,6 +133,40 @@ absl::Status DevicePath::EnqueueVerify(const void* data, size_t bytes, const Che
     DP_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(side->done), static_cast<cudaStream_t>(side->stream)));
     side->pending = true;
   }
+  return absl::OkStatus();
+}
+
+absl::Status DevicePath::Reset(void* stream) {
+  DP_CUDA(cudaSetDevice(device_));
+  std::vector<void*> streams = {stream};
+  for (const auto& [caller, side] : sides_) streams.push_back(side.stream);
+  const absl::Time until = absl::Now() + absl::Seconds(1);
+  for (void* s : streams) {
+    cudaError_t q;
+    while ((q = cudaStreamQuery(static_cast<cudaStream_t>(s))) == cudaErrorNotReady && absl::Now() < until) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    if (q == cudaErrorNotReady) {
+      return absl::FailedPreconditionError(
+          "the failed step's device work has not drained: the device path cannot be reset");
+    }
+    DP_CUDA(q);
+  }
+  auto* cuda_stream = static_cast<cudaStream_t>(stream);
+  DP_CUDA(cudaMemsetAsync(failed_flag_, 0, sizeof(uint32_t), cuda_stream));
+  DP_CUDA(cudaMemsetAsync(counters_, 0, kCounters * sizeof(uint32_t), cuda_stream));
+  DP_CUDA(cudaMemsetAsync(sums_, 0, kCounters * sizeof(unsigned long long), cuda_stream));
+  DP_CUDA(cudaStreamSynchronize(cuda_stream));
+  volatile DeviceWaitRecord* r = record_;
+  r->failed = 0;
+  r->wait = 0;
+  r->seen = 0;
+  r->expected = 0;
+  r->abort = 0;
+  for (auto& [caller, side] : sides_) side.pending = false;
+  waits_.clear();
+  failure_ = absl::OkStatus();
+  pending_ = absl::OkStatus();
   return absl::OkStatus();
 }
 

@@ -8,8 +8,9 @@
 // or host memory mapped into it) until it reaches the awaited seqno, until its timeout (counted
 // on the GPU clock from when the stream reaches it) passes, or until the host aborts. A wait that
 // gives up records which wait it was and the doorbell value seen in host-mapped memory, and every
-// later wait of the same DevicePath falls through at once, so a failed step drains in
-// microseconds; Sync() turns the record into a Status.
+// later wait of the same DevicePath falls through at once, and so does every later write (nothing
+// leaves this process once its step has failed), so a failed step drains in microseconds; Sync()
+// turns the record into a Status. Reset() makes the path usable again for a rerun.
 //
 // Payload checksums (payload_checksum.h): the write kernel can store the checksum of what it
 // copied, with its seqno, into an entry the receiver owns (beside its doorbell), and the
@@ -81,11 +82,18 @@ class DevicePath {
   void Abort();
 
   // A failure the host met while enqueueing (a wait whose writer never signalled, a peer that
-  // failed meanwhile; see the p2p transport's same-GPU waits): every pending and later wait falls
-  // through, and the next Sync drains the stream and returns `status` (the first one given).
+  // failed meanwhile; see the p2p transport's same-GPU waits): every pending wait falls through,
+  // later waits, writes and checks are not enqueued, and the next Sync drains the stream and
+  // returns `status` (the first one given).
   void Fail(absl::Status status);
   // True once Fail or a failed Sync has happened: the step in progress will not succeed.
   bool failed() const { return !failure_.ok() || !pending_.ok(); }
+
+  // Makes a failed path usable again for the next step (a rerun): once `stream` and its side
+  // stream have drained (within a second: FailedPrecondition otherwise, and the path stays
+  // failed), the failure record, the abort flag and the kernels' device state are cleared. Waits
+  // and writes of the failed step must not be pending anywhere: Sync drained them.
+  absl::Status Reset(void* stream);
 
  private:
   DevicePath() = default;

@@ -125,19 +125,26 @@ __device__ __forceinline__ uint64_t CopyAndSum(uint8_t* dst, const uint8_t* src,
 
 // Grid-stride copy, then the last block to finish stores the checksum entry (when asked) and the
 // doorbell after a system-wide fence: every block fences its own stores before it counts itself
-// done, so the doorbell cannot overtake any of them.
+// done, so the doorbell cannot overtake any of them. Once a wait of this path has failed (`flag`,
+// device memory) nothing is written: a failed step drains without touching its peers' memory (a
+// peer that died, or one that runs the step again once this rank has drained). Every block still
+// counts itself, so the counter and sum are left zeroed.
 __global__ void WriteWithDoorbellKernel(uint8_t* dst, const uint8_t* src, size_t bytes, uint64_t* bell,
                                         uint64_t seqno, uint32_t* counter, unsigned long long* sum,
-                                        ChecksumEntry* entry) {
-  const uint64_t part = CopyAndSum(dst, src, bytes, entry != nullptr);
+                                        ChecksumEntry* entry, const uint32_t* flag) {
+  __shared__ uint32_t skip;
+  if (threadIdx.x == 0) skip = *static_cast<const volatile uint32_t*>(flag);
+  __syncthreads();
+  const uint64_t part = skip != 0 ? 0 : CopyAndSum(dst, src, bytes, entry != nullptr);
   if (entry != nullptr) BlockAddSum(part, sum);
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
     if (atomicAdd(counter, 1u) == gridDim.x - 1) {
       *counter = 0;  // ready for the next launch that uses this counter
+      const uint64_t total = entry != nullptr ? atomicExch(sum, 0ull) : 0;
+      if (*static_cast<const volatile uint32_t*>(flag) != 0) return;  // some blocks may have skipped
       if (entry != nullptr) {
-        const uint64_t total = atomicExch(sum, 0ull);
         volatile ChecksumEntry* e = entry;
         e->checksum = ChecksumFinish(total, bytes);
         e->seqno = seqno;
@@ -198,9 +205,10 @@ unsigned Blocks(size_t bytes) {
 
 cudaError_t LaunchWriteWithDoorbell(void* dst, const void* src, size_t bytes, uint64_t* bell, uint64_t seqno,
                                     uint32_t* counter, unsigned long long* sum, ChecksumEntry* entry,
-                                    void* stream) {
+                                    const uint32_t* flag, void* stream) {
   WriteWithDoorbellKernel<<<Blocks(bytes), kWriteThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes, bell, seqno, counter, sum, entry);
+      static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), bytes, bell, seqno, counter, sum, entry,
+      flag);
   return cudaGetLastError();
 }
 

@@ -29,10 +29,10 @@ cudaError_t LaunchWaitDoorbell(const uint64_t* bell, uint64_t seqno, uint64_t ti
                                DeviceWaitRecord* record, uint32_t* flag, uint32_t index, void* stream);
 // `counter` and `sum`: zeroed device words no other launch in flight uses; the kernel leaves them
 // zeroed. With `entry` (the receiver's, or null) the kernel stores {seqno, checksum of the bytes}
-// there before the doorbell.
+// there before the doorbell. Nothing is written once `flag` (as for the waits) is set.
 cudaError_t LaunchWriteWithDoorbell(void* dst, const void* src, size_t bytes, uint64_t* bell, uint64_t seqno,
                                     uint32_t* counter, unsigned long long* sum, ChecksumEntry* entry,
-                                    void* stream);
+                                    const uint32_t* flag, void* stream);
 // Checks the `bytes` at `data` against `entry` (seqno and checksum), unless a wait of the record
 // already failed; a mismatch records failure 3 or 4 with `index`. Counter and sum as above.
 cudaError_t LaunchVerifyChecksum(const void* data, size_t bytes, const ChecksumEntry* entry, uint64_t seqno,

@@ -274,6 +274,8 @@ class FaultTransport final : public Transport {
   absl::Status SyncStream(void* stream, absl::Time deadline) override {
     return inner_->SyncStream(stream, deadline);
   }
+  void SetDevicePoll(std::function<absl::Status()> poll) override { inner_->SetDevicePoll(std::move(poll)); }
+  absl::Status ResetDevicePath(void* stream) override { return inner_->ResetDevicePath(stream); }
 
  private:
   struct Outgoing {

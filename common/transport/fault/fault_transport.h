@@ -52,7 +52,8 @@
 // Determinism: the decisions (which operation fires, which byte flips) depend only on the seed
 // and the sequence of operations this side makes; rules with at= also on time.
 // Faults apply to Send, Receive and Write (the host paths); the device path (EnqueueWrite,
-// EnqueueWait, SyncStream) is passed through, except that EnqueueWrite to a cut peer fails.
+// EnqueueWait, SyncStream, SetDevicePoll, ResetDevicePath) is passed through, except that
+// EnqueueWrite to a cut peer fails.
 // Every fault that fires is logged as a warning naming the rule, the operation and the peer.
 //
 // Thread safety: as Transport (none; one thread drives it).

@@ -43,8 +43,10 @@
 // the GPU (it enqueues layer l + 1 while layer l runs) as long as a signal's round trip is
 // shorter than a layer's device time. A writer's events form a ring of kEvents; a reader must
 // not fall kEvents signals behind its writer (a layer's request-reply keeps it at one or two). A
-// signal that does not come, or a peer that fails meanwhile, fails the device path (DevicePath::
-// Fail): later waits fall through and SyncStream reports it.
+// signal that does not come, a peer that fails meanwhile, or an error of the caller's poll
+// (SetDevicePoll, called there about every millisecond), fails the device path (DevicePath::Fail):
+// later waits fall through, nothing more is written, and SyncStream reports it. ResetDevicePath
+// makes the path usable again once the stream has drained (a step run again after a rank's loss).
 //
 // Trust: a peer with an IPC mapping can write anywhere in the mapped buffer, so bounds are checked
 // by the writer (an out-of-bounds Write is InvalidArgument before any copy); a malicious peer is
@@ -57,6 +59,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <thread>
 #include <utility>
@@ -125,6 +128,7 @@ class P2pTransport : public ControlPlaneTransport {
     caps_.gpu_memory = true;
     caps_.device_polling = true;
     caps_.same_host_only = true;
+    caps_.device_path_reset = true;
   }
 
   ~P2pTransport() override {
@@ -266,6 +270,9 @@ class P2pTransport : public ControlPlaneTransport {
 
   absl::Status EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t offset, const void* src, size_t bytes,
                             uint64_t seqno, void* stream) override {
+    // Nothing leaves a failed step (a peer may have died, the others run it again once this rank
+    // has drained); SyncStream says why.
+    if (device_path_->failed()) return absl::OkStatus();
     ASSIGN_OR_RETURN(Remote * r, RemoteBuffer(peer, buffer, absl::Now() + absl::Seconds(30)));
     if (offset > r->bytes || bytes > r->bytes - offset) {
       return absl::InvalidArgumentError(absl::StrCat("write of ", bytes, " bytes at offset ", offset,
@@ -333,8 +340,19 @@ class P2pTransport : public ControlPlaneTransport {
 
   absl::Status SyncStream(void* stream, absl::Time deadline) override {
     P2P_CUDA(cudaSetDevice(device_));
-    // The pump notices a failed peer (Unavailable), which releases the waits at once.
-    return device_path_->Sync(stream, deadline, [this] { return Pump(absl::Microseconds(20)); });
+    // The pump notices a failed peer (Unavailable), which releases the waits at once; so does an
+    // error of the caller's poll.
+    return device_path_->Sync(stream, deadline, [this] {
+      RETURN_IF_ERROR(Pump(absl::Microseconds(20)));
+      return poll_ ? poll_() : absl::OkStatus();
+    });
+  }
+
+  void SetDevicePoll(std::function<absl::Status()> poll) override { poll_ = std::move(poll); }
+
+  absl::Status ResetDevicePath(void* stream) override {
+    P2P_CUDA(cudaSetDevice(device_));
+    return device_path_->Reset(stream);
   }
 
   absl::Status Flush(absl::Time deadline) override {
@@ -458,6 +476,7 @@ class P2pTransport : public ControlPlaneTransport {
                              const std::string& label, void* stream) {
     if (device_path_->failed()) return absl::OkStatus();  // the step fails; SyncStream says why
     const absl::Time deadline = absl::Now() + timeout;
+    absl::Time next_poll = absl::Now() + absl::Milliseconds(1);
     while (true) {
       Peer& p = peers_.at(peer);
       std::deque<Signal>& q = p.signals[buffer];
@@ -478,6 +497,13 @@ class P2pTransport : public ControlPlaneTransport {
       if (!pumped.ok()) {
         device_path_->Fail(Annotate(pumped, label));
         return absl::OkStatus();
+      }
+      if (poll_ && absl::Now() >= next_poll) {
+        next_poll = absl::Now() + absl::Milliseconds(1);
+        if (absl::Status polled = poll_(); !polled.ok()) {
+          device_path_->Fail(std::move(polled));
+          return absl::OkStatus();
+        }
       }
     }
   }
@@ -514,6 +540,7 @@ class P2pTransport : public ControlPlaneTransport {
   std::map<uint32_t, void*> local_base_;  // where each registered buffer starts
   std::map<PeerId, Peer> peers_;
   std::unique_ptr<DevicePath> device_path_;
+  std::function<absl::Status()> poll_;  // the caller's (SetDevicePoll)
 };
 
 }  // namespace

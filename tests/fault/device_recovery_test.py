@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Losing a memory rank on the device path costs a delay, not a request (launch.recover_memory_ranks).
+
+Real processes on one GPU: `tandem generate --deploy` starts compute rank 0 and 2 or 3 memory ranks,
+every one on cuda:0, over the p2p transport (each step enqueued whole, device-side waits; between
+processes on one GPU, interprocess events). While the requests decode, one memory rank is killed
+(SIGKILL) or stopped (SIGSTOP, found silent after launch.step_timeout_s). Compute rank 0 discards
+the step, every surviving rank drains and resets its device path, and the step runs again without
+the rank; its requests are recomputed on the others. Every request must complete, with the tokens of
+a fault-free run of the same deployment up to bf16 rounding: log-probabilities as the fault-free
+run's until a request's tokens part from its tokens, and a greedy request may part only at a near
+tie (the recomputed requests are prefilled, and every step after the loss has other rows, so the
+GEMMs round differently). How many part is not bounded: the preset's random weights give nearly
+flat logits, near ties at most positions (11 of 16 requests parted at one in a run on an H200).
+Each case is bounded in time.
+Usage: device_recovery_test.py path/to/tandem   (exit 77, skipped, without a GPU)
+"""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fault_util import bad, failures, pids  # noqa: E402
+
+TANDEM = sys.argv[1]
+MODEL = "small"  # a preset (random weights): 12 layers
+TIE_GAP = 0.05   # log-probabilities this close are a near tie (bf16 rounding moves them by ~1e-2)
+
+
+def have_gpu():
+    if shutil.which("nvidia-smi") is None:
+        return False
+    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def prompts(path, n=16):
+    rng = random.Random(11)
+    with open(path, "w") as f:
+        for i in range(n):
+            req = {"prompt_ids": [rng.randrange(1, 30000) for _ in range(rng.randrange(4, 60))],
+                   "max_tokens": rng.randrange(600, 900)}
+            if i % 4 == 3:  # seeded sampling: the same counter-based draws after recomputation
+                req.update({"temperature": 0.8, "top_p": 0.9, "seed": 100 + i})
+            f.write(json.dumps(req) + "\n")
+
+
+def deployment(tmp, ranks, step_timeout):
+    path = os.path.join(tmp, f"deploy-{ranks}.yaml")
+    with open(path, "w") as f:
+        f.write(f"model:\n  path: {MODEL}\ncompute:\n  device: cuda:0\nmemory:\n  ranks: {ranks}\n"
+                f"  devices: cuda:0\ntransport:\n  kind: p2p\n"
+                f"scheduler:\n  max_batch_size: 16\n  max_tokens_per_step: 256\nkv:\n  capacity_tokens: 16384\n"
+                f"launch:\n  run_dir: {tmp}/run\n  step_timeout_s: {step_timeout}\n")
+    return path
+
+
+def run(tmp, ranks, step_timeout, victim=None, sig=None, delay=1.5, bound=240):
+    """Runs the requests through a deployment; with `victim`, sends `sig` to that memory rank `delay`
+    seconds after compute-0 is ready. Returns (rc, stdout, stderr, seconds, seconds run after the
+    signal)."""
+    cmd = [TANDEM, "generate", "--deploy", deployment(tmp, ranks, step_timeout), "--prompts-file",
+           os.path.join(tmp, "prompts.jsonl"), "--json", "--logprobs", "--ignore-eos"]
+    start = time.time()
+    out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+    signalled_at, stopped = None, []
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        while proc.poll() is None and time.time() - start < bound:
+            if victim is not None and signalled_at is None and "compute-0 ready" in open(err_path).read():
+                time.sleep(delay)
+                found = pids(f"memory --rank {victim} .*{tmp}")
+                if not found:
+                    bad(f"memory rank {victim} not found to signal")
+                    signalled_at = time.time()
+                    continue
+                for pid in found:
+                    os.kill(pid, sig)
+                if sig == signal.SIGSTOP:
+                    stopped = found
+                signalled_at = time.time()
+            time.sleep(0.02)
+        if proc.poll() is None:
+            proc.kill()
+            bad(f"{' '.join(cmd)} still running after {bound} s")
+        proc.wait()
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if victim is not None and signalled_at is None:
+        bad("the fault was never injected (the deployment never said it was ready)")
+    after = time.time() - signalled_at if signalled_at else 0.0
+    return proc.returncode, open(out_path).read(), open(err_path).read(), time.time() - start, after
+
+
+def compare(got_text, want_text, name):
+    """Tokens as the fault-free run's up to near ties; prints and returns the figures."""
+    got, want = got_text.strip().splitlines(), want_text.strip().splitlines()
+    if len(got) != len(want):
+        bad(f"{name}: {len(got)} results, expected {len(want)}")
+        return
+    parted, max_diff = 0, 0.0
+    for i, (g, w) in enumerate(zip(got, want)):
+        g, w = json.loads(g), json.loads(w)
+        if len(g["token_ids"]) != len(w["token_ids"]):
+            bad(f"{name}: request {i} has {len(g['token_ids'])} tokens, expected {len(w['token_ids'])}")
+            continue
+        k = 0
+        while k < len(w["token_ids"]) and g["token_ids"][k] == w["token_ids"][k]:
+            max_diff = max(max_diff, abs(g["logprobs"][k] - w["logprobs"][k]))
+            k += 1
+        if k == len(w["token_ids"]):
+            continue
+        parted += 1
+        gap = abs(g["logprobs"][k] - w["logprobs"][k])
+        sampled = i % 4 == 3  # as prompts() made them
+        # A sampled request may part wherever its log-probabilities agreed up to then (rounding
+        # moves the draw's boundaries); a greedy one only at a near tie.
+        if not sampled and gap >= TIE_GAP:
+            bad(f"{name}: request {i} parts at token {k} ({g['token_ids'][k]} vs {w['token_ids'][k]}, "
+                f"log-probabilities {g['logprobs'][k]:.4f} vs {w['logprobs'][k]:.4f}): not a near tie")
+    if max_diff > TIE_GAP:
+        bad(f"{name}: log-probabilities differ by up to {max_diff:.4f} before any token differs")
+    print(f"{name}: {parted} of {len(want)} requests parted at a near tie, max |logprob difference| "
+          f"{max_diff:.4f} before", flush=True)
+
+
+def print_logs(tmp):
+    """The ends of the run's rank logs (what a failed case is read from)."""
+    latest = os.path.join(tmp, "run", "latest")
+    for name in sorted(os.listdir(latest)) if os.path.isdir(latest) else []:
+        if name.endswith(".log"):
+            with open(os.path.join(latest, name), errors="replace") as f:
+                print(f"--- {name} (end)\n" + "".join(f.readlines()[-15:]), flush=True)
+
+
+def main():
+    if not have_gpu():
+        print("skipped: no GPU (nvidia-smi -L failed)")
+        sys.exit(77)
+    with tempfile.TemporaryDirectory(prefix="tandem-devrec-") as tmp:
+        prompts(os.path.join(tmp, "prompts.jsonl"))
+        cases = [("SIGKILL of memory rank 1 of 2", 2, 1, signal.SIGKILL, 20),
+                 ("SIGSTOP of memory rank 0 of 3", 3, 0, signal.SIGSTOP, 3)]
+        for name, ranks, victim, sig, timeout in cases:
+            rc, want, err, secs, _ = run(tmp, ranks, timeout)
+            print(f"fault-free, {ranks} memory ranks: exit {rc} after {secs:.1f} s", flush=True)
+            if rc != 0:
+                bad(f"fault-free run with {ranks} memory ranks failed: {err[-800:]}")
+                continue
+            rc, got, err, secs, after = run(tmp, ranks, timeout, victim, sig)
+            signalled = time.time() - after if after else 0.0
+            with open(os.path.join(tmp, "run", "latest", "compute-0.log")) as f:
+                log = f.read()
+            print(f"{name}: exit {rc} after {secs:.1f} s ({after:.1f} s after the signal)", flush=True)
+            for line in log.splitlines():
+                if "giving up" in line or "runs again" in line or "discards it" in line:
+                    print("  compute-0:", line[-300:], flush=True)
+                if "runs again without it" in line and after:
+                    # Log lines start with the local time to the millisecond.
+                    stamp = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + float(line[19:23])
+                    print(f"{name}: the step ran again {stamp - signalled:.2f} s after the signal", flush=True)
+            if rc != 0:
+                bad(f"{name}: generate failed: {err[-1200:]}")
+                print_logs(tmp)
+                continue
+            if f"memory rank {victim} (" not in log or "is lost;" not in log:
+                bad(f"{name}: compute-0 did not log the loss of memory rank {victim} (did the signal land "
+                    f"after the last step?): {log[-1200:]}")
+                continue
+            if "go back to the queue to be recomputed" not in log or "runs again without it" not in log:
+                bad(f"{name}: compute-0 did not log the rerun and the requeued requests: {log[-1200:]}")
+            compare(got, want, name)
+    print(f"{len(failures)} failure(s)")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
