@@ -489,10 +489,12 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
 }
 
 bool ComputeRank::CanRecoverReplica() const {
-  // The step runs again on the surviving compute ranks: the host-staged path (the memory ranks'
-  // and the replicas' waits can be left). Under pipeline.mode rotational the other replicas are
-  // released instead: keeping them would need a new ring (docs/architecture.md, "Failures").
-  return options_.recover_compute_replicas && !device_path_ && compute_rank_ == 0 && compute_ranks_ >= 2;
+  // The step runs again on the surviving compute ranks: on the host-staged path (the memory ranks'
+  // and the replicas' waits can be left), and on a device path that can be reset (every rank
+  // drains and resets it first). Under pipeline.mode rotational the other replicas are released
+  // instead: keeping them would need a new ring (docs/architecture.md, "Failures").
+  return options_.recover_compute_replicas && compute_rank_ == 0 && compute_ranks_ >= 2 &&
+         (!device_path_ || transport_->capabilities().device_path_reset);
 }
 
 bool ComputeRank::CanRecoverByRerun() const {
@@ -505,11 +507,10 @@ bool ComputeRank::CanRecoverByRerun() const {
 
 bool ComputeRank::DeviceRecovery() const {
   // The device path enqueues the whole step, so a memory rank's loss cannot be stepped around: the
-  // step is discarded and run again, with every rank's device path reset once it has drained. One
-  // compute rank (replicas would need the same on theirs), a transport whose device path can be
-  // reset (p2p).
+  // step is discarded and run again, with every rank's device path reset once it has drained (the
+  // replicas' too: KeepAfterDiscard). A transport whose device path can be reset (p2p).
   return options_.recover_memory_ranks && device_path_ && !head_ && compute_rank_ == 0 &&
-         initial_compute_ranks_ == 1 && transport_->capabilities().device_path_reset;
+         transport_->capabilities().device_path_reset;
 }
 
 absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_id) {
@@ -635,7 +636,14 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
   }
   if (failed.has_value() && CanRecoverReplica()) {
     failed_ranks_.clear();  // a memory rank that waited on the replica is not to blame
-    return LoseReplica(*failed, failed_why, step_id);
+    // The device path: as for a memory rank's loss (below), nothing of the failed attempt may be in
+    // flight when the rerun writes.
+    if (device_path_) {
+      RETURN_IF_ERROR(Annotate(transport_->ResetDevicePath(backend_->stream()),
+                               absl::StrCat("recovering step ", step_id)));
+    }
+    RETURN_IF_ERROR(LoseReplica(*failed, failed_why, step_id));
+    return device_path_ ? AwaitDrained(step_id) : absl::OkStatus();
   }
   if (!failed.has_value() && CanRecoverByRerun()) {
     // No replica failed: a memory rank did (it said so, its connection failed, or, when neither,
@@ -886,6 +894,11 @@ absl::Status ComputeRank::AwaitDrained(uint64_t step_id) {
       if (!transport_->Receive(&from, &msg, std::min(deadline, absl::Now() + absl::Milliseconds(20))).ok())
         continue;
       if (TakeStrayMessage(from, &msg)) continue;
+      // A kept replica's answer to the discard (AwaitKeptReplicas counts it) or a heartbeat reply;
+      // anything else of a replica's is left to the rerun, which finds a replica that failed.
+      for (size_t r = 0; r < replicas_.size(); ++r) {
+        if (replicas_[r].peer == from && !replicas_[r].lost) (void)TakeReplicaControl(r, msg);
+      }
       for (size_t m = 0; m < ranks_.size(); ++m) {
         if (ranks_[m].peer != from || ranks_[m].lost) continue;
         const uint32_t magic = PeekFrameMagic(msg).value_or(0);
@@ -948,6 +961,37 @@ absl::Status ComputeRank::WaitInput(uint32_t buffer, uint64_t seqno, absl::Time 
     }
     if (!absl::IsDeadlineExceeded(got)) return got;
   }
+}
+
+absl::Status ComputeRank::ReplicaPoll() {
+  // As WaitInput's loop, for a replica whose host waits on the device path: heartbeats answered, a
+  // step discard kept for AwaitRank0 (Aborted: the step's waits are released and it drains).
+  transport::PeerId from = 0;
+  std::vector<uint8_t> msg;
+  absl::Status got;
+  while ((got = transport_->Receive(&from, &msg, absl::Now())).ok()) {
+    if (FromLostRank(from)) continue;  // whatever a memory rank given up still sends
+    ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
+    if (from == rank0_peer_ && magic == kHeartbeatMagic) {
+      ASSIGN_OR_RETURN(const HeartbeatMessage beat, DecodeHeartbeat(msg));
+      const HeartbeatReplyMessage reply{.seq = beat.seq, .memory_rank = static_cast<uint16_t>(compute_rank_)};
+      RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeHeartbeatReply(reply)));
+      continue;
+    }
+    if (from == rank0_peer_ && magic == kStepDiscardMagic) {
+      rank0_discard_ = std::move(msg);
+      return absl::AbortedError(
+          absl::StrCat("compute rank ", compute_rank_, ": step discarded by compute rank 0"));
+    }
+    if (magic == kErrorMagic) {
+      ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
+      return Annotate(StatusFromErrorMessage(err),
+                      from == rank0_peer_ ? "compute rank 0 stopped" : "a memory rank stopped");
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("unexpected message (magic 0x", absl::Hex(magic), ") within a step"));
+  }
+  return absl::IsDeadlineExceeded(got) ? absl::OkStatus() : got;
 }
 
 absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vector<SampledTokens>* sampled,
@@ -1060,8 +1104,10 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
     const absl::Status synced =
         transport_->SyncStream(backend_->stream(), absl::Now() + 2 * options_.step_timeout);
     if (!synced.ok()) {
-      // With recovery RecoverFromFailedStep reads what the ranks sent and finds the one lost.
-      if (DeviceRecovery()) return Annotate(synced, absl::StrCat("step ", parts[0].plan.step_id));
+      // With recovery RecoverFromFailedStep reads what the ranks sent and finds the one lost; a
+      // replica leaves them to AwaitRank0 (compute rank 0's step discard among them).
+      if (DeviceRecovery() || compute_rank_ != 0)
+        return Annotate(synced, absl::StrCat("step ", parts[0].plan.step_id));
       return DeviceStepError(synced, parts[0].plan.step_id);
     }
   }
@@ -2209,6 +2255,9 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
                                   .compute_ranks = static_cast<uint16_t>(compute_ranks_)};
   RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeComputeHello(ready)));
   if (schedule_.rotational()) RETURN_IF_ERROR(JoinRing(deadline));
+  // While the host waits on the device path, compute rank 0's heartbeats are answered and its step
+  // discard stops the step (ReplicaPoll).
+  if (device_path_) transport_->SetDevicePoll([this] { return ReplicaPoll(); });
   TANDEM_LOG_INFO("compute", me, ": ready, serving compute rank 0");
   const size_t groups = head_ ? 1 : ranks_.size();
   std::vector<PlannedStep> parts;
@@ -2468,6 +2517,10 @@ absl::Status ComputeRank::KeepAfterDiscard(const StepDiscardMessage& d) {
     RETURN_IF_ERROR(SetUpLane(j));  // the lanes it takes over; no-ops for its own
     for (size_t m = 0; m < ranks_.size(); ++m) RETURN_IF_ERROR(SetUpRankLane(m, j));
   }
+  // The device path: the discarded step has drained (its SyncStream failed, or it had ended), and
+  // the path is made usable for the rerun before the answer, after which compute rank 0 lets the
+  // rerun write.
+  if (device_path_) RETURN_IF_ERROR(Annotate(transport_->ResetDevicePath(backend_->stream()), me));
   // The answer: what this rank sends compute rank 0 after it is of the steps that follow.
   const ComputeHelloMessage hello{.compute_rank = static_cast<uint16_t>(compute_rank_),
                                   .compute_ranks = static_cast<uint16_t>(initial_compute_ranks_)};
@@ -2579,6 +2632,12 @@ absl::Status ComputeRank::TakeMemoryRejoin(const std::vector<uint8_t>& msg) {
 
 absl::Status ComputeRank::AwaitRank0(absl::Status ran) {
   if (absl::IsCancelled(ran) || kept_) return ran;  // released or kept (TakeRank0Discard)
+  if (rank0_discard_.has_value()) {
+    // Taken while the step's device work ran (ReplicaPoll), which stopped it: drained now.
+    const std::vector<uint8_t> msg = std::move(*rank0_discard_);
+    rank0_discard_.reset();
+    return TakeRank0Discard(msg);
+  }
   if (!transport_->PeerStatus(rank0_peer_).ok()) return NameFailedPeer(ran);
   // Only a peer's failure (or a wait past its deadline, a silent peer) is compute rank 0's to
   // decide on; this rank's own error goes to compute rank 0 at once, which gives it up.

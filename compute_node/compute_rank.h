@@ -106,12 +106,12 @@ struct ComputeRankOptions {
   // launch.recover_memory_ranks: a memory rank that fails, disconnects or stays silent past the
   // step timeout is given up and its requests recomputed on the others (see ComputeRank::Step);
   // false: the step fails. Recovery needs the request partition, and the host-staged path (ucx) or
-  // a device path that can be reset (p2p) with one compute rank; with compute replicas, and on the
-  // device path, the step in flight is discarded on the memory ranks and the replicas (which are
-  // told the rank is lost and go on) and run again without the rank. Elsewhere a loss fails the
-  // step.
+  // a device path that can be reset (p2p); with compute replicas, and on the device path, the step
+  // in flight is discarded on the memory ranks and the replicas (which are told the rank is lost
+  // and go on) and run again without the rank. Elsewhere a loss fails the step.
   bool recover_memory_ranks = true;
-  // launch.recover_compute_replicas: on the host-staged path, a compute replica that fails,
+  // launch.recover_compute_replicas: on the host-staged path and a device path that can be reset
+  // (p2p: every rank drains and resets it before the rerun), a compute replica that fails,
   // disconnects or stays silent past the step timeout is given up: the step in flight is discarded
   // on the memory ranks and the other replicas and run again on the surviving compute ranks, which
   // share the micro-batches from then on (pipeline.mode fixed). Under pipeline.mode rotational the
@@ -168,7 +168,7 @@ class ComputeRank : public Engine {
   // (GenerationResult::error, Controller::FailUnplaceable). Without
   // recovery (or where it is not supported), or once every rank is lost, the step fails with a
   // Status naming the rank. A compute replica that fails or goes silent mid-step is given up
-  // (recover_compute_replicas; host-staged path): the memory ranks and the other replicas get a
+  // (recover_compute_replicas; host-staged path, p2p): the memory ranks and the other replicas get a
   // step discard and the step runs again on the surviving compute ranks, the micro-batches mapped
   // onto them as onto a pipeline of that many ranks, as every step after it (RecoverFromFailedStep,
   // LoseReplica, Regroup; docs/architecture.md, "Failures"); under pipeline.mode rotational the
@@ -327,6 +327,10 @@ class ComputeRank : public Engine {
   // when the rerun writes. A rank that fails or does not answer is given up too (another
   // discard).
   absl::Status AwaitDrained(uint64_t step_id);
+  // A replica's part of the host's wait on the device path (Transport::SetDevicePoll): compute
+  // rank 0's heartbeats answered; its step discard kept (rank0_discard_) and returned as Aborted,
+  // which stops the step; an error report returned.
+  absl::Status ReplicaPoll();
   // The silence a heartbeat allows a memory rank (launch.heartbeat_s + launch.step_timeout_s).
   int64_t SilenceMs() const;
   // Memory rank m is given up (nothing more is sent to it or awaited from it; its requests are
@@ -455,6 +459,8 @@ class ComputeRank : public Engine {
   // after a loss, among which this rank is the pipeline's compute rank place_ (compute rank 0: 0).
   int compute_rank_ = 0, compute_ranks_ = 1, initial_compute_ranks_ = 1, place_ = 0;
   bool kept_ = false;  // a replica: a step discard kept it (TakeRank0Discard); the step is dropped
+  // A replica: compute rank 0's step discard taken by ReplicaPoll, applied by AwaitRank0.
+  std::optional<std::vector<uint8_t>> rank0_discard_;
   PipelineSchedule
       schedule_;  // who runs which layers of which micro-batch (over the compute ranks that go on)
   int64_t num_layers_ = 0;

@@ -338,14 +338,15 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   p.srun = c.GetString("launch.remote") == "srun";
   p.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   p.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
-  // Compute rank 0 recovers under the request partition on the host-staged path (ucx), and on p2p's
-  // device path with one compute rank (ComputeRank::DeviceRecovery).
-  p.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks") &&
-                           p.partition == AttentionPartition::kRequest &&
-                           (p.transport == transport::TransportKind::kUcx ||
-                            (p.transport == transport::TransportKind::kP2p && p.compute_ranks == 1));
-  p.recover_compute_replicas = c.GetBool("launch.recover_compute_replicas") &&
-                               p.transport == transport::TransportKind::kUcx && p.compute_ranks >= 2;
+  // Compute rank 0 recovers on the host-staged path (ucx) and on p2p's device path, which can be
+  // reset after a failed step (ComputeRank::DeviceRecovery); a memory rank under the request
+  // partition only.
+  const bool recovers =
+      p.transport == transport::TransportKind::kUcx || p.transport == transport::TransportKind::kP2p;
+  p.recover_memory_ranks =
+      c.GetBool("launch.recover_memory_ranks") && recovers && p.partition == AttentionPartition::kRequest;
+  p.recover_compute_replicas =
+      c.GetBool("launch.recover_compute_replicas") && recovers && p.compute_ranks >= 2;
   // A restarted rank is of use only where compute rank 0 takes it back (the host-staged path).
   p.restart_memory_ranks = p.recover_memory_ranks && p.transport == transport::TransportKind::kUcx &&
                                    c.GetDouble("launch.rejoin_probe_s") > 0

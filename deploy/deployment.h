@@ -74,13 +74,13 @@ struct DeployPlan {
   std::string compute_host;                  // where the compute replicas listen
   transport::TransportKind transport = transport::TransportKind::kUcx;  // resolved transport.kind
   bool checksums = true;
-  // launch.recover_memory_ranks, where compute rank 0 can recover (the request partition; ucx, or
-  // p2p with one compute rank):
+  // launch.recover_memory_ranks, where compute rank 0 can recover (the request partition; ucx or
+  // p2p):
   // the launcher then lets a memory rank fail without stopping the deployment, and, with compute
   // replicas, tolerates their exit (compute rank 0 releases them to recover the rank).
   bool recover_memory_ranks = false;
-  // launch.recover_compute_replicas, where compute rank 0 can recover (ucx, compute.ranks 2 or
-  // more): the launcher tolerates a replica's exit (compute rank 0 goes on without it, and releases
+  // launch.recover_compute_replicas, where compute rank 0 can recover (ucx or p2p, compute.ranks 2
+  // or more): the launcher tolerates a replica's exit (compute rank 0 goes on without it, and releases
   // the others, which exit 0).
   bool recover_compute_replicas = false;
   // launch.restart_memory_ranks where it applies (recovery, and compute rank 0 probing lost ranks:

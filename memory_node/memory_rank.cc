@@ -250,11 +250,14 @@ class MemoryRank {
   // heartbeat from compute rank 0 is answered; a step discard from compute rank 0 is kept in
   // discard_ and returns Aborted (the layers stop where they are); an error message from compute
   // rank 0 is the rank's error; a replica that stops is given up. OK when nothing (else) came.
-  absl::Status TakeMidStepMessages() {
+  // `wait`: how long the first receive may wait (the transport makes progress only while it
+  // waits: a caller that does not wait elsewhere in between, AwaitDiscard, gives it time here).
+  absl::Status TakeMidStepMessages(absl::Duration wait = absl::ZeroDuration()) {
     while (true) {
       PeerId from = 0;
       std::vector<uint8_t> msg;
-      const absl::Status got = transport_->Receive(&from, &msg, absl::Now());
+      const absl::Status got = transport_->Receive(&from, &msg, absl::Now() + wait);
+      wait = absl::ZeroDuration();
       if (absl::IsDeadlineExceeded(got)) return absl::OkStatus();
       if (!got.ok()) {
         if (DropFailedReplicas()) continue;
@@ -382,7 +385,14 @@ class MemoryRank {
   // failed attempt.
   absl::Status RunLayers(uint64_t step_id, size_t lanes) {
     while (true) {
-      const absl::Status st = device_path_ ? LayersOnDevice(step_id, lanes) : Layers(step_id, lanes);
+      const size_t replicas_lost = lost_replicas_.size();
+      absl::Status st = device_path_ ? LayersOnDevice(step_id, lanes) : Layers(step_id, lanes);
+      // A replica failed under the device path's waits (its connection did): compute rank 0 says
+      // what follows, as on the host-staged path (WaitLayerInput).
+      if (!st.ok() && device_path_ && !discard_.has_value() &&
+          (DropFailedReplicas() || lost_replicas_.size() > replicas_lost)) {
+        st = AwaitDiscard(st);
+      }
       if (!discard_.has_value()) return st;
       const StepDiscardMessage d = *discard_;
       discard_.reset();
@@ -396,6 +406,20 @@ class MemoryRank {
         if (lanes_[k].rows > 0) RETURN_IF_ERROR(lanes_[k].exec->BeginStep(lanes_[k].batch));
       }
     }
+  }
+
+  // After a replica's loss failed the step on the device path: compute rank 0's messages are taken
+  // (heartbeats answered) until its step discard (OK, discard_ set), an error, or twice the step
+  // timeout (`failed`, the step's error).
+  absl::Status AwaitDiscard(const absl::Status& failed) {
+    const absl::Time deadline = absl::Now() + 2 * o_.step_timeout;
+    while (absl::Now() < deadline) {
+      if (o_.stop_requested && o_.stop_requested()) return absl::CancelledError("stopped within a step");
+      const absl::Status taken = TakeMidStepMessages(absl::Milliseconds(5));
+      if (discard_.has_value()) return absl::OkStatus();
+      RETURN_IF_ERROR(taken);
+    }
+    return failed;
   }
 
   // `st` (a failed wait or send) annotated with the compute rank the transport knows failed:

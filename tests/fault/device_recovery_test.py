@@ -3,10 +3,11 @@
 
 Real processes on one GPU: `tandem generate --deploy` starts compute rank 0 and 2 or 3 memory ranks,
 every one on cuda:0, over the p2p transport (each step enqueued whole, device-side waits; between
-processes on one GPU, interprocess events). While the requests decode, one memory rank is killed
-(SIGKILL) or stopped (SIGSTOP, found silent after launch.step_timeout_s). Compute rank 0 discards
-the step, every surviving rank drains and resets its device path, and the step runs again without
-the rank; its requests are recomputed on the others. Every request must complete, with the tokens of
+processes on one GPU, interprocess events), with or without a compute replica (pipeline.mode fixed).
+While the requests decode, one memory rank is killed (SIGKILL) or stopped (SIGSTOP, found silent
+after launch.step_timeout_s), or the replica is killed. Compute rank 0 discards the step, every
+surviving rank drains and resets its device path, and the step runs again without the rank; a lost
+memory rank's requests are recomputed on the others. Every request must complete, with the tokens of
 a fault-free run of the same deployment up to bf16 rounding: log-probabilities as the fault-free
 run's until a request's tokens part from its tokens, and a greedy request may part only at a near
 tie (the recomputed requests are prefilled, and every step after the loss has other rows, so the
@@ -50,21 +51,23 @@ def prompts(path, n=16):
             f.write(json.dumps(req) + "\n")
 
 
-def deployment(tmp, ranks, step_timeout):
-    path = os.path.join(tmp, f"deploy-{ranks}.yaml")
+def deployment(tmp, ranks, step_timeout, compute_ranks=1):
+    path = os.path.join(tmp, f"deploy-{ranks}-{compute_ranks}.yaml")
+    # With a replica: pipeline.mode fixed, micro-batch j on compute rank j % 2.
+    pipeline = "pipeline:\n  mode: fixed\n  batches: 2\n" if compute_ranks > 1 else ""
     with open(path, "w") as f:
-        f.write(f"model:\n  path: {MODEL}\ncompute:\n  device: cuda:0\nmemory:\n  ranks: {ranks}\n"
-                f"  devices: cuda:0\ntransport:\n  kind: p2p\n"
+        f.write(f"model:\n  path: {MODEL}\ncompute:\n  device: cuda:0\n  ranks: {compute_ranks}\n"
+                f"memory:\n  ranks: {ranks}\n  devices: cuda:0\ntransport:\n  kind: p2p\n{pipeline}"
                 f"scheduler:\n  max_batch_size: 16\n  max_tokens_per_step: 256\nkv:\n  capacity_tokens: 16384\n"
                 f"launch:\n  run_dir: {tmp}/run\n  step_timeout_s: {step_timeout}\n")
     return path
 
 
-def run(tmp, ranks, step_timeout, victim=None, sig=None, delay=1.5, bound=240):
-    """Runs the requests through a deployment; with `victim`, sends `sig` to that memory rank `delay`
-    seconds after compute-0 is ready. Returns (rc, stdout, stderr, seconds, seconds run after the
-    signal)."""
-    cmd = [TANDEM, "generate", "--deploy", deployment(tmp, ranks, step_timeout), "--prompts-file",
+def run(tmp, ranks, step_timeout, compute_ranks=1, victim=None, sig=None, delay=1.5, bound=240):
+    """Runs the requests through a deployment; with `victim` ("memory-N" or "compute-N"), sends `sig`
+    to that rank `delay` seconds after compute-0 is ready. Returns (rc, stdout, stderr, seconds,
+    seconds run after the signal)."""
+    cmd = [TANDEM, "generate", "--deploy", deployment(tmp, ranks, step_timeout, compute_ranks), "--prompts-file",
            os.path.join(tmp, "prompts.jsonl"), "--json", "--logprobs", "--ignore-eos"]
     start = time.time()
     out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
@@ -74,9 +77,10 @@ def run(tmp, ranks, step_timeout, victim=None, sig=None, delay=1.5, bound=240):
         while proc.poll() is None and time.time() - start < bound:
             if victim is not None and signalled_at is None and "compute-0 ready" in open(err_path).read():
                 time.sleep(delay)
-                found = pids(f"memory --rank {victim} .*{tmp}")
+                kind, n = victim.split("-")
+                found = pids(f"memory --rank {n} .*{tmp}" if kind == "memory" else f"compute --replica {n} .*{tmp}")
                 if not found:
-                    bad(f"memory rank {victim} not found to signal")
+                    bad(f"{victim} not found to signal")
                     signalled_at = time.time()
                     continue
                 for pid in found:
@@ -147,15 +151,25 @@ def main():
         sys.exit(77)
     with tempfile.TemporaryDirectory(prefix="tandem-devrec-") as tmp:
         prompts(os.path.join(tmp, "prompts.jsonl"))
-        cases = [("SIGKILL of memory rank 1 of 2", 2, 1, signal.SIGKILL, 20),
-                 ("SIGSTOP of memory rank 0 of 3", 3, 0, signal.SIGSTOP, 3)]
-        for name, ranks, victim, sig, timeout in cases:
-            rc, want, err, secs, _ = run(tmp, ranks, timeout)
-            print(f"fault-free, {ranks} memory ranks: exit {rc} after {secs:.1f} s", flush=True)
-            if rc != 0:
-                bad(f"fault-free run with {ranks} memory ranks failed: {err[-800:]}")
-                continue
-            rc, got, err, secs, after = run(tmp, ranks, timeout, victim, sig)
+        # (name, memory ranks, compute ranks, victim, signal, launch.step_timeout_s, what compute-0 logs)
+        cases = [("SIGKILL of memory rank 1 of 2", 2, 1, "memory-1", signal.SIGKILL, 20, "memory rank 1 ("),
+                 ("SIGSTOP of memory rank 0 of 3", 3, 1, "memory-0", signal.SIGSTOP, 3, "memory rank 0 ("),
+                 ("SIGKILL of memory rank 1 of 2, with a compute replica", 2, 2, "memory-1", signal.SIGKILL, 20,
+                  "memory rank 1 ("),
+                 ("SIGKILL of the compute replica", 2, 2, "compute-1", signal.SIGKILL, 20, "giving up compute rank 1")]
+        want_of = {}
+        for name, ranks, compute_ranks, victim, sig, timeout, lost in cases:
+            if (ranks, compute_ranks, timeout) not in want_of:
+                rc, want, err, secs, _ = run(tmp, ranks, timeout, compute_ranks)
+                print(f"fault-free, {compute_ranks} compute + {ranks} memory ranks: exit {rc} after {secs:.1f} s",
+                      flush=True)
+                if rc != 0:
+                    bad(f"fault-free run with {compute_ranks} compute + {ranks} memory ranks failed: {err[-800:]}")
+                    print_logs(tmp)
+                    continue
+                want_of[(ranks, compute_ranks, timeout)] = want
+            want = want_of[(ranks, compute_ranks, timeout)]
+            rc, got, err, secs, after = run(tmp, ranks, timeout, compute_ranks, victim, sig)
             signalled = time.time() - after if after else 0.0
             with open(os.path.join(tmp, "run", "latest", "compute-0.log")) as f:
                 log = f.read()
@@ -163,7 +177,7 @@ def main():
             for line in log.splitlines():
                 if "giving up" in line or "runs again" in line or "discards it" in line:
                     print("  compute-0:", line[-300:], flush=True)
-                if "runs again without it" in line and after:
+                if "runs again" in line and after:
                     # Log lines start with the local time to the millisecond.
                     stamp = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + float(line[19:23])
                     print(f"{name}: the step ran again {stamp - signalled:.2f} s after the signal", flush=True)
@@ -171,12 +185,15 @@ def main():
                 bad(f"{name}: generate failed: {err[-1200:]}")
                 print_logs(tmp)
                 continue
-            if f"memory rank {victim} (" not in log or "is lost;" not in log:
-                bad(f"{name}: compute-0 did not log the loss of memory rank {victim} (did the signal land "
-                    f"after the last step?): {log[-1200:]}")
+            if lost not in log:
+                bad(f"{name}: compute-0 did not log the loss of {victim} (did the signal land after the last "
+                    f"step?): {log[-1200:]}")
                 continue
-            if "go back to the queue to be recomputed" not in log or "runs again without it" not in log:
+            if victim.startswith("memory") and ("is lost;" not in log or "runs again without it" not in log or
+                                                "go back to the queue to be recomputed" not in log):
                 bad(f"{name}: compute-0 did not log the rerun and the requeued requests: {log[-1200:]}")
+            if victim.startswith("compute") and "runs again, and compute rank 0 runs every micro-batch" not in log:
+                bad(f"{name}: compute-0 did not log the rerun on compute rank 0: {log[-1200:]}")
             compare(got, want, name)
     print(f"{len(failures)} failure(s)")
     sys.exit(1 if failures else 0)

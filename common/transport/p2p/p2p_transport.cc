@@ -199,7 +199,13 @@ class P2pTransport : public ControlPlaneTransport {
     P2P_CUDA(cudaIpcGetMemHandle(&d.handle, reinterpret_cast<void*>(alloc)));
     local_[id] = d;
     local_base_[id] = base;
-    for (const auto& [peer, p] : peers_) RETURN_IF_ERROR(control().Send(peer, ToBytes(d)));
+    // A peer that failed gets none (a rank registers buffers anew after another's loss); a send that
+    // fails because the peer just failed is that peer's failure, reported where it is awaited.
+    for (const auto& [peer, p] : peers_) {
+      if (!control().PeerStatus(peer).ok()) continue;
+      const absl::Status sent = control().Send(peer, ToBytes(d));
+      if (!sent.ok() && control().PeerStatus(peer).ok()) return sent;
+    }
     return absl::OkStatus();
   }
 
