@@ -774,7 +774,11 @@ struct ComputeHelloMessage {
 // Compute rank 0 -> compute replica r, once every replica is ready (pipeline.mode rotational with
 // 3 or more compute ranks): r connects to next_address (compute rank r + 1's; empty for the last
 // replica, whose successor is compute rank 0) with a compute hello, accepts its predecessor's
-// connection (r >= 2), then says hello to compute rank 0 again. Body: u16 address_bytes at 0
+// connection (r >= 2), then says hello to compute rank 0 again. Also right after a step discard
+// that keeps r and makes its successor in the ring (the next compute rank of the discard's mask)
+// another replica than before: next_address is that replica's, and r connects to it with a
+// compute hello before it answers the discard (the successor, which works out from the mask that
+// its predecessor changed, accepts the connection). Body: u16 address_bytes at 0
 // (<= kMaxAddressBytes), 6 reserved bytes (0), then the address (no NUL); the body ends there.
 struct ReplicaRingMessage {
   std::string next_address;

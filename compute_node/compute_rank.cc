@@ -363,6 +363,9 @@ absl::Status ComputeRank::ConnectReplicas(absl::Time deadline) {
   // ranks the replicas connect to their successors, and each says hello again once it has.
   next_peer_ = replicas_.front().peer, next_name_ = replicas_.front().name;
   prev_peer_ = replicas_.back().peer, prev_name_ = replicas_.back().name;
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    replicas_[r].next = r + 1 < replicas_.size() ? static_cast<int>(r + 2) : 0;
+  }
   if (replicas_.size() < 2) return absl::OkStatus();
   for (size_t r = 0; r < replicas_.size(); ++r) {
     const ReplicaRingMessage ring{.next_address = r + 1 < replicas_.size() ? options_.replica_addresses[r + 1]
@@ -392,6 +395,8 @@ absl::Status ComputeRank::ConnectReplicas(absl::Time deadline) {
 absl::Status ComputeRank::JoinRing(absl::Time deadline) {
   const std::string me = absl::StrCat("compute rank ", compute_rank_);
   const std::string rank0 = "compute rank 0";
+  next_rank_ = (compute_rank_ + 1) % compute_ranks_;
+  prev_rank_ = compute_rank_ - 1;
   if (compute_ranks_ == 2) {
     next_peer_ = prev_peer_ = rank0_peer_;
     next_name_ = prev_name_ = rank0;
@@ -490,9 +495,10 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
 
 bool ComputeRank::CanRecoverReplica() const {
   // The step runs again on the surviving compute ranks: on the host-staged path (the memory ranks'
-  // and the replicas' waits can be left), and on a device path that can be reset (every rank
-  // drains and resets it first). Under pipeline.mode rotational the other replicas are released
-  // instead: keeping them would need a new ring (docs/architecture.md, "Failures").
+  // and the replicas' waits can be left; under pipeline.mode rotational the ring closes over the
+  // lost rank, docs/architecture.md, "Failures"), and on a device path that can be reset (every
+  // rank drains and resets it first; under rotational the other replicas are released there: the
+  // ring's new connections are not made on a device path yet, LoseReplica).
   return options_.recover_compute_replicas && compute_rank_ == 0 && compute_ranks_ >= 2 &&
          (!device_path_ || transport_->capabilities().device_path_reset);
 }
@@ -711,9 +717,11 @@ absl::Status ComputeRank::LoseReplica(size_t r, const absl::Status& why, uint64_
   transport_->Close(replica.peer);      // its failure no longer fails waits on the others
   retired_peers_.insert(replica.peer);  // and whatever it still sends is dropped
   ++compute_ranks_lost_;
-  // Under pipeline.mode fixed the others go on, each as its place among the survivors; under
-  // rotational they are released: the ring would need to be connected anew without the lost rank.
-  const bool keep = options_.slice_layers == 0;
+  // The others go on, each as its place among the survivors (under rotational the lost rank's ring
+  // neighbours are connected to each other: Regroup), except under rotational on the device path,
+  // where they are released (a ring connected anew is not run there yet) and this rank runs every
+  // micro-batch.
+  const bool keep = !device_path_ || options_.slice_layers == 0;
   ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(step_id, {}, keep));
   TANDEM_LOG_WARN(
       "compute", "giving up ", replica.name, ": ", why.message(), "; ",
@@ -766,11 +774,24 @@ absl::StatusOr<ComputeRank::Regrouped> ComputeRank::Regroup(
   // The micro-batches over the compute ranks that go on: a pipeline of that many ranks (one left:
   // every micro-batch on compute rank 0, the pipeline's micro-batches kept, pingpong).
   compute_ranks_ = 1 + static_cast<int>(kept.size());
-  TANDEM_CHECK_MSG(
-      options_.slice_layers == 0 || compute_ranks_ == 1 || compute_ranks_ == initial_compute_ranks_,
-      "a rotational pipeline keeps its replicas only with its ring whole");
   schedule_ = PipelineSchedule{.compute_ranks = compute_ranks_,
                                .slice_layers = compute_ranks_ > 1 ? options_.slice_layers : 0};
+  // Rotational: the ring over the compute ranks that go on, in rank order (0 -> kept... -> 0). This
+  // rank's neighbours are replicas it has connections to; a kept replica whose successor is now
+  // another replica is told its address after the discard (ring, below), one whose successor is
+  // now this rank uses its connection to it (each replica works that out from the mask, as this).
+  std::vector<size_t> ring;  // kept replicas with a new successor replica
+  if (schedule_.rotational()) {
+    next_peer_ = replicas_[kept.front()].peer, next_name_ = replicas_[kept.front()].name;
+    prev_peer_ = replicas_[kept.back()].peer, prev_name_ = replicas_[kept.back()].name;
+    for (size_t i = 0; i < kept.size(); ++i) {
+      Replica& replica = replicas_[kept[i]];
+      const int next = i + 1 < kept.size() ? static_cast<int>(kept[i + 1] + 1) : 0;
+      if (next == replica.next) continue;
+      replica.next = next;
+      if (next != 0) ring.push_back(kept[i]);
+    }
+  }
   for (size_t j = 0; j < lanes_.size(); ++j) {
     if (!Runs(j)) continue;  // a replica's
     RETURN_IF_ERROR(SetUpLane(j));
@@ -812,6 +833,15 @@ absl::StatusOr<ComputeRank::Regrouped> ComputeRank::Regroup(
     (void)transport_->Send(replicas_[r].peer, discard);
     absl::StrAppend(&names.kept, names.kept.empty() ? "" : ", ", replicas_[r].name, " as compute rank ",
                     replicas_[r].place);
+  }
+  // After its discard (one connection delivers in order): the replica that connects to a new
+  // successor replica gets its address, as at start-up (ConnectReplicas).
+  for (size_t r : ring) {
+    const size_t next = static_cast<size_t>(replicas_[r].next - 1);
+    (void)transport_->Send(replicas_[r].peer,
+                           EncodeReplicaRing({.next_address = options_.replica_addresses[next]}));
+    TANDEM_LOG_INFO("compute", "the ring goes from ", replicas_[r].name, " to ", replicas_[next].name,
+                    " from now on");
   }
   for (size_t r : released) {
     (void)transport_->Send(replicas_[r].peer, discard);
@@ -943,6 +973,7 @@ absl::Status ComputeRank::WaitInput(uint32_t buffer, uint64_t seqno, absl::Time 
     while ((got = transport_->Receive(&from, &msg, absl::Now())).ok()) {
       if (FromLostRank(from)) continue;  // whatever a memory rank given up still sends
       ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
+      if (KeepEarlyRingHello(from, magic, &msg)) continue;
       if (from == rank0_peer_ && magic == kHeartbeatMagic) {
         ASSIGN_OR_RETURN(const HeartbeatMessage beat, DecodeHeartbeat(msg));
         const HeartbeatReplyMessage reply{.seq = beat.seq,
@@ -2263,14 +2294,17 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
   std::vector<PlannedStep> parts;
   size_t expected = 0;
   uint64_t steps = 0;
-  // Rotational ring: the connections to other replicas (not rank 0's), and the byes that came on
-  // them before rank 0's.
-  std::vector<transport::PeerId> ring;
-  if (schedule_.rotational()) {
-    for (transport::PeerId p : {next_peer_, prev_peer_}) {
-      if (p != rank0_peer_ && std::find(ring.begin(), ring.end(), p) == ring.end()) ring.push_back(p);
+  // Rotational ring: the connections to other replicas (not rank 0's; a step discard can change
+  // them, ReconnectRing), and the byes that came on them before rank 0's.
+  auto ring_peers = [&] {
+    std::vector<transport::PeerId> ring;
+    if (schedule_.rotational()) {
+      for (transport::PeerId p : {next_peer_, prev_peer_}) {
+        if (p != rank0_peer_ && std::find(ring.begin(), ring.end(), p) == ring.end()) ring.push_back(p);
+      }
     }
-  }
+    return ring;
+  };
   size_t ring_byes = 0;
   // Compute rank 0's heartbeats (sent while it is idle) say how long it may stay silent: past that
   // (no heartbeat, no replica step) it is stopped, hung or cut off, and this rank stops.
@@ -2279,7 +2313,14 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
   while (true) {
     std::vector<uint8_t> msg;
     transport::PeerId from = 0;
-    const absl::Status got = transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(100));
+    absl::Status got;
+    if (!rank0_deferred_.empty()) {  // what compute rank 0 sent while the ring was made anew
+      msg = std::move(rank0_deferred_.front());
+      rank0_deferred_.pop_front();
+      from = rank0_peer_;
+    } else {
+      got = transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(100));
+    }
     if (absl::IsDeadlineExceeded(got)) {
       if (stopped()) return absl::CancelledError("stopped");
       if (parts.empty() && absl::Now() - last_heard > silence) {
@@ -2315,6 +2356,7 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
     if (FromLostRank(from)) continue;  // whatever a memory rank given up still sends
     if (from == rank0_peer_) last_heard = absl::Now();
     ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
+    if (KeepEarlyRingHello(from, magic, &msg)) continue;
     if (magic == kErrorMagic) {
       ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
       // A memory rank that left because compute rank 0 went silent says so: then rank 0 is not
@@ -2323,7 +2365,8 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
       return Annotate(StatusFromErrorMessage(err),
                       from == rank0_peer_ ? "compute rank 0 stopped" : "a memory rank stopped");
     }
-    if (magic == kByeMagic && std::find(ring.begin(), ring.end(), from) != ring.end()) {
+    if (const std::vector<transport::PeerId> ring = ring_peers();
+        magic == kByeMagic && std::find(ring.begin(), ring.end(), from) != ring.end()) {
       ++ring_byes;  // a ring neighbour got rank 0's bye first
       continue;
     }
@@ -2345,6 +2388,7 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
       }
       // The ring's connections between replicas (rotational, 3 or more compute ranks): a bye each
       // way too, so that neither leaves while the other could still see it go unannounced.
+      const std::vector<transport::PeerId> ring = ring_peers();
       for (transport::PeerId p : ring) {
         transport_->Close(p);
         (void)transport_->Send(p, bye);
@@ -2454,9 +2498,14 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
 
 absl::Status ComputeRank::TakeRank0Discard(const std::vector<uint8_t>& msg) {
   const std::string me = absl::StrCat("compute rank ", compute_rank_);
-  ASSIGN_OR_RETURN(const StepDiscardMessage d, DecodeStepDiscard(msg));
-  if (compute_rank_ < 8 && ((d.compute_mask >> compute_rank_) & 1) != 0) {
-    RETURN_IF_ERROR(KeepAfterDiscard(d));
+  ASSIGN_OR_RETURN(StepDiscardMessage d, DecodeStepDiscard(msg));
+  // A later discard can come while this one is applied (ReconnectRing): each is taken in turn.
+  while (compute_rank_ < 8 && ((d.compute_mask >> compute_rank_) & 1) != 0) {
+    ASSIGN_OR_RETURN(std::optional<StepDiscardMessage> later, KeepAfterDiscard(d));
+    if (later.has_value()) {
+      d = std::move(*later);
+      continue;
+    }
     kept_ = true;
     return absl::AbortedError(
         absl::StrCat(me, ": step ", d.step_id, " discarded by compute rank 0; this rank goes on"));
@@ -2467,18 +2516,13 @@ absl::Status ComputeRank::TakeRank0Discard(const std::vector<uint8_t>& msg) {
   return absl::CancelledError(absl::StrCat(me, ": released by compute rank 0"));
 }
 
-absl::Status ComputeRank::KeepAfterDiscard(const StepDiscardMessage& d) {
+absl::StatusOr<std::optional<StepDiscardMessage>> ComputeRank::KeepAfterDiscard(const StepDiscardMessage& d) {
   const std::string me = absl::StrCat("compute rank ", compute_rank_);
   if (initial_compute_ranks_ < 8 && (d.compute_mask >> initial_compute_ranks_) != 0) {
     return absl::InvalidArgumentError(absl::StrFormat("%s: a step discard keeps compute ranks 0x%02x of %d",
                                                       me, d.compute_mask, initial_compute_ranks_));
   }
   const int survivors = std::popcount(d.compute_mask);
-  if (options_.slice_layers > 0 && survivors != initial_compute_ranks_) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: a step discard keeps compute ranks 0x%02x of a rotational pipeline whose ring it breaks", me,
-        d.compute_mask));
-  }
   for (uint16_t m : d.lost_memory_ranks) {
     if (m >= ranks_.size()) {
       return absl::InvalidArgumentError(
@@ -2498,6 +2542,12 @@ absl::Status ComputeRank::KeepAfterDiscard(const StepDiscardMessage& d) {
     ranks_[m].lost = true;
     transport_->Close(ranks_[m].peer);
     TANDEM_LOG_WARN("compute", me, ": ", ranks_[m].name, " is lost (compute rank 0 gave it up)");
+  }
+  // The ring over the compute ranks that go on, before the memory ranks count again: a memory
+  // rank's failure meanwhile must not cut the wait for a new neighbour short.
+  std::optional<StepDiscardMessage> later;
+  if (schedule_.rotational()) {
+    ASSIGN_OR_RETURN(later, ReconnectRing(d.compute_mask));
   }
   for (const Rank& rank : ranks_) {
     if (!rank.lost) transport_->Reopen(rank.peer);
@@ -2527,9 +2577,202 @@ absl::Status ComputeRank::KeepAfterDiscard(const StepDiscardMessage& d) {
   RETURN_IF_ERROR(Annotate(transport_->Send(rank0_peer_, EncodeComputeHello(hello)), "compute rank 0"));
   TANDEM_LOG_WARN("compute", me, ": kept by compute rank 0",
                   d.step_id != 0 ? absl::StrCat(" (step ", d.step_id, " discarded)") : std::string(),
-                  ": goes on as ", "compute rank ", place_, " of ", compute_ranks_,
-                  " in the pipeline, seqnos from ", d.seqno_base);
-  return absl::OkStatus();
+                  ": goes on as ", "compute rank ", place_, " of ", compute_ranks_, " in the pipeline",
+                  schedule_.rotational() ? absl::StrCat(" (ring: from ", prev_name_, " to ", next_name_, ")")
+                                         : std::string(),
+                  ", seqnos from ", d.seqno_base);
+  return later;
+}
+
+bool ComputeRank::KeepEarlyRingHello(transport::PeerId from, uint32_t magic, std::vector<uint8_t>* msg) {
+  if (magic != kComputeHelloMagic || !schedule_.rotational() || from == rank0_peer_ || from == next_peer_ ||
+      from == prev_peer_ ||
+      std::any_of(ranks_.begin(), ranks_.end(), [&](const Rank& r) { return r.peer == from; }))
+    return false;
+  transport_->Close(from);  // not a peer of this rank's yet: its failure fails no wait
+  early_ring_hellos_.emplace_back(from, std::move(*msg));
+  return true;
+}
+
+absl::StatusOr<std::optional<StepDiscardMessage>> ComputeRank::ReconnectRing(uint8_t mask) {
+  const std::string me = absl::StrCat("compute rank ", compute_rank_);
+  const std::string rank0 = "compute rank 0";
+  const int n = initial_compute_ranks_;
+  auto live = [&](int c) { return ((mask >> c) & 1) != 0; };
+  int next = compute_rank_, prev = compute_rank_;
+  do next = (next + 1) % n;
+  while (!live(next));
+  do prev = (prev + n - 1) % n;
+  while (!live(prev));
+  const bool new_next = next != next_rank_, new_prev = prev != prev_rank_;
+  if (!new_next && !new_prev) return std::nullopt;
+  // A neighbour that is gone: its connection is let go (its failure fails nothing, whatever it still
+  // sends is dropped). Compute rank 0's connection stays, and a predecessor that never connected
+  // (prev_rank_ -1) has none.
+  std::vector<transport::PeerId> gone;
+  if (new_next && next_peer_ != rank0_peer_) gone.push_back(next_peer_);
+  if (new_prev && prev_rank_ > 0 && prev_peer_ != rank0_peer_) gone.push_back(prev_peer_);
+  for (transport::PeerId p : gone) {
+    transport_->Close(p);
+    retired_peers_.insert(p);
+  }
+  if (new_next && next == 0) next_peer_ = rank0_peer_, next_name_ = rank0, next_rank_ = 0;
+  if (new_prev && prev == 0) prev_peer_ = rank0_peer_, prev_name_ = rank0, prev_rank_ = 0;
+  bool await_address = new_next && next != 0;  // compute rank 0's replica ring message
+  bool await_hello = new_prev && prev != 0;    // the new predecessor's connection and compute hello
+  if (!await_address && !await_hello) return std::nullopt;
+  if (await_hello) {
+    // Until it has connected (the placeholder is compute rank 0's connection, which nothing here
+    // lets go or reopens as a ring neighbour's).
+    prev_rank_ = -1, prev_peer_ = rank0_peer_;
+    prev_name_ = absl::StrCat("compute rank ", prev, " (not connected yet)");
+  }
+  // Every peer but compute rank 0 is let go while this waits (KeepAfterDiscard makes the live ones
+  // count again): a memory rank's failure must not fail the wait, compute rank 0 decides on it.
+  for (const Rank& rank : ranks_) {
+    if (!rank.lost) transport_->Close(rank.peer);
+  }
+  // Incoming connections are Close()d as they are accepted (their failure fails no wait) until
+  // one turns out to be the predecessor (KeepAfterDiscard reopens it).
+  const bool accepting = await_hello;
+  auto accept_all = [&] {
+    for (absl::StatusOr<transport::PeerId> p = transport_->Accept(absl::Now()); p.ok();
+         p = transport_->Accept(absl::Now())) {
+      transport_->Close(*p);
+    }
+  };
+  // A compute hello on an incoming connection: the predecessor's is taken; another compute rank's
+  // is kept for a later discard's ring (a rank that connected before this one had that discard);
+  // anything else lets the connection go.
+  std::vector<std::pair<transport::PeerId, std::vector<uint8_t>>> deferred;
+  auto take_hello = [&](transport::PeerId from, std::vector<uint8_t> msg) {
+    absl::StatusOr<ComputeHelloMessage> hello = DecodeComputeHello(msg);
+    if (await_hello && hello.ok() && hello->compute_rank == prev) {
+      prev_peer_ = from, prev_rank_ = prev;
+      prev_name_ = absl::StrCat("compute rank ", prev);
+      await_hello = false;
+      return;
+    }
+    transport_->Close(from);
+    if (hello.ok()) {
+      deferred.emplace_back(from, std::move(msg));
+      return;
+    }
+    retired_peers_.insert(from);
+    TANDEM_LOG_WARN("compute", me, ": lets go an incoming connection (", transport_->PeerName(from),
+                    "): unexpected message (magic 0x", absl::Hex(PeekFrameMagic(msg).value_or(0)), ")");
+  };
+  struct Defer {  // what is deferred goes back to early_ring_hellos_, however this returns
+    ComputeRank* self;
+    std::vector<std::pair<transport::PeerId, std::vector<uint8_t>>>* deferred;
+    ~Defer() {
+      for (auto& d : *deferred) self->early_ring_hellos_.push_back(std::move(d));
+    }
+  } defer{this, &deferred};
+  for (auto& [from, msg] : std::exchange(early_ring_hellos_, {})) {
+    if (!retired_peers_.contains(from)) take_hello(from, std::move(msg));
+  }
+  const absl::Duration allowance = 2 * options_.step_timeout + absl::Seconds(5);
+  const absl::Time deadline = absl::Now() + allowance;
+  while (await_address || await_hello) {
+    if (!transport_->PeerStatus(rank0_peer_).ok()) {
+      return NameFailedPeer(absl::UnavailableError(absl::StrCat(me, ": connecting the ring anew")));
+    }
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          me, ": ",
+          await_address
+              ? absl::StrCat("no replica ring message from compute rank 0 naming compute rank ", next)
+              : absl::StrCat("compute rank ", prev, " did not connect as this rank's predecessor"),
+          " within ", absl::FormatDuration(allowance), " of the step discard that made the ring anew"));
+    }
+    if (await_hello) accept_all();
+    transport::PeerId from = 0;
+    std::vector<uint8_t> msg;
+    const absl::Status got =
+        transport_->Receive(&from, &msg, std::min(deadline, absl::Now() + absl::Milliseconds(20)));
+    if (!got.ok()) {
+      if (absl::IsDeadlineExceeded(got)) continue;
+      // The new successor failed (every other peer but compute rank 0, checked above, is let go):
+      // let go too while this waits; KeepAfterDiscard makes it count again, and the rerun's
+      // hand-off to it fails.
+      if (next_peer_ != rank0_peer_ && !transport_->PeerStatus(next_peer_).ok())
+        transport_->Close(next_peer_);
+      absl::SleepFor(absl::Milliseconds(10));
+      continue;
+    }
+    if (FromLostRank(from)) continue;
+    const uint32_t magic = PeekFrameMagic(msg).value_or(0);
+    const bool from_memory =
+        std::any_of(ranks_.begin(), ranks_.end(), [&](const Rank& r) { return r.peer == from; });
+    if (from == rank0_peer_ || from_memory) {
+      if (magic == kErrorMagic) {
+        ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
+        if (from != rank0_peer_) rank0_gone_ = true;  // a memory rank says compute rank 0 went
+        return Annotate(StatusFromErrorMessage(err),
+                        from == rank0_peer_ ? "compute rank 0 stopped" : "a memory rank stopped");
+      }
+      if (from_memory) continue;  // a late message of the step discarded
+      if (magic == kHeartbeatMagic) {
+        ASSIGN_OR_RETURN(const HeartbeatMessage beat, DecodeHeartbeat(msg));
+        const HeartbeatReplyMessage reply{.seq = beat.seq,
+                                          .memory_rank = static_cast<uint16_t>(compute_rank_)};
+        RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeHeartbeatReply(reply)));
+        continue;
+      }
+      if (magic == kReplicaRingMagic && await_address) {
+        ASSIGN_OR_RETURN(const ReplicaRingMessage ring, DecodeReplicaRing(msg));
+        if (ring.next_address.empty()) {
+          return absl::InvalidArgumentError(absl::StrCat(me,
+                                                         ": compute rank 0's replica ring message names no "
+                                                         "successor; its step discard names compute rank ",
+                                                         next));
+        }
+        next_name_ = absl::StrCat("compute rank ", next, " (", ring.next_address, ")");
+        next_rank_ = next;
+        absl::StatusOr<transport::PeerId> peer = transport_->Connect(ring.next_address);
+        if (!peer.ok()) return Annotate(peer.status(), next_name_);
+        next_peer_ = *peer;
+        const ComputeHelloMessage hello{.compute_rank = static_cast<uint16_t>(compute_rank_),
+                                        .compute_ranks = static_cast<uint16_t>(initial_compute_ranks_)};
+        if (absl::Status sent = transport_->Send(next_peer_, EncodeComputeHello(hello)); !sent.ok()) {
+          // Left failed: the rerun's hand-off to it fails, and compute rank 0, which finds it lost
+          // (its own connection to it), says what follows.
+          transport_->Close(next_peer_);
+          TANDEM_LOG_WARN("compute", me, ": cannot reach its new successor ", next_name_, ": ",
+                          sent.message());
+        }
+        await_address = false;
+        continue;
+      }
+      if (magic == kStepDiscardMagic) {
+        // Another rank was lost meanwhile: the ring is made again from that discard's mask. Its
+        // replica ring message, if any, comes after it.
+        if (await_address) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              me, ": a step discard came before the replica ring message naming compute rank ", next));
+        }
+        ASSIGN_OR_RETURN(StepDiscardMessage later, DecodeStepDiscard(msg));
+        return std::optional<StepDiscardMessage>(std::move(later));
+      }
+      if (magic == kByeMagic) return absl::CancelledError(absl::StrCat(me, ": compute rank 0 said bye"));
+      if (magic == kMemoryRejoinMagic) {
+        // A memory rank rejoins (compute rank 0 found it back while idle): taken between steps.
+        rank0_deferred_.push_back(std::move(msg));
+        continue;
+      }
+      return absl::InvalidArgumentError(absl::StrCat(me, ": unexpected message (magic 0x", absl::Hex(magic),
+                                                     ") from compute rank 0 while the ring was made anew"));
+    }
+    if (from == next_peer_ || from == prev_peer_)
+      continue;  // a neighbour that stays (a bye: rank 0's follows)
+    // An incoming connection: the new predecessor says which compute rank it is.
+    take_hello(from, std::move(msg));
+  }
+  // A connection is queued for Accept before any of its messages is delivered: the predecessor's
+  // is taken off the queue here (Close()d, then reopened by KeepAfterDiscard).
+  if (accepting) accept_all();
+  return std::nullopt;
 }
 
 absl::Status ComputeRank::TakeMemoryRejoin(const std::vector<uint8_t>& msg) {
@@ -2677,6 +2920,7 @@ absl::Status ComputeRank::AwaitRank0(absl::Status ran) {
       return Annotate(StatusFromErrorMessage(err),
                       from == rank0_peer_ ? "compute rank 0 stopped" : "a memory rank stopped");
     }
+    if (KeepEarlyRingHello(from, magic, &msg)) continue;
     if (from != rank0_peer_) continue;                             // a late message of a peer let go
     if (magic == kStepDiscardMagic) return TakeRank0Discard(msg);  // released, or kept (kept_)
     if (magic == kByeMagic) return absl::CancelledError(absl::StrCat(me, ": compute rank 0 said bye"));

@@ -45,6 +45,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -114,10 +115,9 @@ struct ComputeRankOptions {
   // (p2p: every rank drains and resets it before the rerun), a compute replica that fails,
   // disconnects or stays silent past the step timeout is given up: the step in flight is discarded
   // on the memory ranks and the other replicas and run again on the surviving compute ranks, which
-  // share the micro-batches from then on (pipeline.mode fixed). Under pipeline.mode rotational the
-  // other replicas are released instead (they stop, exit status 0; the ring would need to be
-  // connected anew) and this rank runs every micro-batch (see ComputeRank::Step); false (or
-  // elsewhere): the step fails, naming it.
+  // share the micro-batches from then on (pipeline.mode fixed or rotational: the ring of residual
+  // streams closes over the lost rank; see ComputeRank::Step); false (or elsewhere): the step
+  // fails, naming it.
   bool recover_compute_replicas = true;
   // launch.heartbeat_s: while idle (Heartbeat), every memory rank gets a heartbeat this often and
   // must answer within step_timeout, or it is lost as in a step (recovered, or the error names
@@ -172,11 +172,11 @@ class ComputeRank : public Engine {
   // step discard and the step runs again on the surviving compute ranks, the micro-batches mapped
   // onto them as onto a pipeline of that many ranks, as every step after it (RecoverFromFailedStep,
   // LoseReplica, Regroup; docs/architecture.md, "Failures"); under pipeline.mode rotational the
-  // other replicas are released and every micro-batch runs on this rank. Elsewhere it fails the
-  // step, naming it. A memory rank lost while replicas run is recovered the same way: the step is
-  // discarded and run again by the same compute ranks without the lost rank (the discard names it),
-  // whose requests are requeued. Cancel: the memory rank that
-  // holds the request's KV is told to free it (a release message, as for a finished request).
+  // lost rank's ring neighbours are connected to each other first (ReconnectRing). Elsewhere it
+  // fails the step, naming it. A memory rank lost while replicas run is recovered the same way:
+  // the step is discarded and run again by the same compute ranks without the lost rank (the
+  // discard names it), whose requests are requeued. Cancel: the memory rank that holds the
+  // request's KV is told to free it (a release message, as for a finished request).
   //
   // Rejoin (ComputeRankOptions::rejoin_probe): a lost rank's address (memory_addresses[m], where a
   // restarted `tandem memory --rank m` listens again) is probed every rejoin_probe, and a process
@@ -291,7 +291,7 @@ class ComputeRank : public Engine {
   // ComputeRankOptions::recover_compute_replicas).
   bool CanRecoverReplica() const;
   // Gives up replica r (compute rank r + 1) for `why` (counted as lost) and goes on with the others
-  // (Regroup: kept under pipeline.mode fixed, released under rotational).
+  // (Regroup, which keeps them; under pipeline.mode rotational the ring closes over the lost rank).
   absl::Status LoseReplica(size_t r, const absl::Status& why, uint64_t step_id);
   // The replicas not given up go on (`keep`: each as its place among the survivors, in rank order,
   // the pipeline's compute ranks 1, 2, ...) or are released (a step discard that does not keep
@@ -300,8 +300,11 @@ class ComputeRank : public Engine {
   // and the memory ranks and the replicas get a step discard of `step_id` (0: none in flight) with
   // the mask of the compute ranks that go on and every memory rank lost so far; a kept replica
   // answers it with a compute hello (awaited by AwaitKeptReplicas before its next replica step).
-  // `keep` needs the ring intact under pipeline.mode rotational (no replica lost). Returns the kept
-  // and released replicas' names (for the log).
+  // Under pipeline.mode rotational the ring goes over the compute ranks that go on, in rank order:
+  // this rank hands residual streams to the first kept replica and takes them from the last, and a
+  // kept replica whose successor changed to another replica gets a replica ring message with that
+  // replica's address right after the discard (its successor is compute rank 0: nothing; it knows
+  // from the mask). Returns the kept and released replicas' names (for the log).
   struct Regrouped {
     std::string kept, released;
   };
@@ -348,9 +351,35 @@ class ComputeRank : public Engine {
   absl::Status TakeRank0Discard(const std::vector<uint8_t>& msg);
   // A replica kept by step discard `d`: its place among the compute ranks that go on (the pipeline's
   // schedule over them), the memory ranks the discard names lost let go (nothing sent to or awaited
-  // from them), every doorbell seqno at the discard's base, the lanes it takes over set up, and
-  // compute rank 0 answered with a compute hello.
-  absl::Status KeepAfterDiscard(const StepDiscardMessage& d);
+  // from them), its ring neighbours over the compute ranks that go on (ReconnectRing), every
+  // doorbell seqno at the discard's base, the lanes it takes over set up, and compute rank 0
+  // answered with a compute hello. A later step discard that came while the ring was being
+  // reconnected (another rank lost meanwhile) is returned, to be taken next (this one is answered).
+  absl::StatusOr<std::optional<StepDiscardMessage>> KeepAfterDiscard(const StepDiscardMessage& d);
+  // A replica of a rotational pipeline, kept by a step discard whose mask is `mask`: its successor
+  // and predecessor become the next and previous compute ranks of the mask (in rank order, round
+  // the ring). A neighbour that changed: the old connection is let go (Close()d, its messages
+  // dropped); compute rank 0 is reached over its own connection; a new successor replica is
+  // connected to at the address that compute rank 0's replica ring message (right after the
+  // discard) names, with a compute hello (as JoinRing); a new predecessor replica's connection is
+  // accepted and its compute hello taken (one that came before the discard was kept by
+  // KeepEarlyRingHello; another compute rank's is kept for a later discard). Answers compute rank
+  // 0's heartbeats meanwhile and leaves a memory rejoin request for ServeReplica, up to twice the
+  // step timeout and 5 s: compute rank 0 finds a predecessor that never connects lost (within its
+  // step timeout and a heartbeat's allowance) and says so with a later step discard, which is
+  // returned. A new successor that cannot be reached is left failed: the rerun's hand-off to it
+  // fails, and compute rank 0 gives it up. An error for a broken protocol, compute rank 0 gone or
+  // stopped, or no predecessor by the deadline.
+  absl::StatusOr<std::optional<StepDiscardMessage>> ReconnectRing(uint8_t mask);
+  // A replica of a rotational pipeline: a compute hello on a connection that is neither compute
+  // rank 0's, a memory rank's nor a ring neighbour's is a new predecessor that connected before
+  // this rank had the step discard that makes it one: kept (moved from `msg`) for ReconnectRing,
+  // true. False for any other message.
+  bool KeepEarlyRingHello(transport::PeerId from, uint32_t magic, std::vector<uint8_t>* msg);
+  std::vector<std::pair<transport::PeerId, std::vector<uint8_t>>> early_ring_hellos_;
+  // A replica: compute rank 0's messages that ReconnectRing leaves for ServeReplica (a memory
+  // rejoin request), in order.
+  std::deque<std::vector<uint8_t>> rank0_deferred_;
   // Waits until doorbell `buffer` reaches `seqno` (a layer's output or residual stream); a replica
   // answers compute rank 0's heartbeats meanwhile (see RecoverFromFailedStep).
   absl::Status WaitInput(uint32_t buffer, uint64_t seqno, absl::Time deadline);
@@ -464,9 +493,12 @@ class ComputeRank : public Engine {
   PipelineSchedule
       schedule_;  // who runs which layers of which micro-batch (over the compute ranks that go on)
   int64_t num_layers_ = 0;
-  // Rotational pipeline: the connections to the next and the previous compute rank of the ring.
+  // Rotational pipeline: the connections to the next and the previous compute rank of the ring,
+  // and on a replica their compute ranks (numbered as at start-up; -1: a predecessor that has not
+  // connected yet, ReconnectRing).
   uint32_t next_peer_ = 0, prev_peer_ = 0;
   std::string next_name_, prev_name_;
+  int next_rank_ = 0, prev_rank_ = 0;
   struct Replica {  // compute rank 0's view of compute rank r > 0
     uint32_t peer = 0;
     std::string name;
@@ -476,6 +508,7 @@ class ComputeRank : public Engine {
     bool lost = false;   // given up (LoseReplica) or released: nothing is sent to it or awaited from it
     int place = 0;       // its place among the compute ranks that go on (the pipeline's compute rank)
     int unanswered = 0;  // step discards that kept it and that it has not answered yet (AwaitKeptReplicas)
+    int next = 0;        // rotational: its successor in the ring, a compute rank (0: compute rank 0)
   };
   // Replica r's (compute rank r + 1) control message that is no step's answer: a heartbeat reply
   // (as TakeHeartbeatReply), its answer to a step discard that kept it (a compute hello), or a result

@@ -104,12 +104,13 @@ const ConfigSchema& DeploySchema() {
         .Bool("launch.recover_memory_ranks", true,
               "a memory rank that dies, disconnects or stays silent past launch.step_timeout_s is given "
               "up and its requests are recomputed on the others (ucx transport, memory.partition request; "
-              "with compute replicas, compute rank 0 first releases them and runs every micro-batch "
-              "itself); false: the deployment stops")
+              "with compute replicas, the step in flight runs again without it on the same compute "
+              "ranks); false: the deployment stops")
         .Bool("launch.recover_compute_replicas", true,
               "a compute replica that dies, disconnects or stays silent past launch.step_timeout_s is "
-              "given up and the other replicas released: the step in flight runs again on compute rank 0, "
-              "which runs every micro-batch from then on (ucx transport); false: the deployment stops")
+              "given up and the step in flight runs again on the compute ranks left, which share the "
+              "micro-batches from then on (pipeline.mode fixed or rotational: the ring closes over the "
+              "lost rank; ucx transport); false: the deployment stops")
         .Int("launch.restart_memory_ranks", 3,
              "with launch.recover_memory_ranks, tandem launch restarts a memory rank process that died (not "
              "one that exited cleanly) on the address it listened on, up to this many times per rank, and "
@@ -513,8 +514,8 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
     }
   }
   if (plan.recover_compute_replicas || plan.recover_memory_ranks) {
-    // Running: compute-0 goes on without a replica that fails (launch.recover_compute_replicas), and
-    // releases the others (they exit 0), as it does to recover a memory rank.
+    // Running: compute-0 goes on without a replica that fails (launch.recover_compute_replicas), with
+    // the others; a replica that a step discard releases exits 0.
     for (size_t r = 0; r < replica_addresses.size(); ++r) {
       group.Tolerate(absl::StrCat("compute-", r + 1), 0, {}, "compute-0");
     }

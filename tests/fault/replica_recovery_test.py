@@ -10,8 +10,11 @@ Cases, each bounded in time:
     other replica (its log says so; it keeps running; /metrics counts
     tandem:compute_replicas_kept_total and tandem:compute_ranks_live 2), and runs the step in flight
     again on the two compute ranks left, which share the micro-batches from then on;
-  * compute.ranks 3, pipeline.mode rotational, one replica killed: the other replica is released
-    (it exits with status 0, and the launcher goes on) and compute rank 0 runs every micro-batch;
+  * pipeline.mode rotational, a replica killed or stopped: the others are kept as under fixed, and
+    the ring of residual streams closes over the lost one (compute.ranks 3: compute rank 0 is one of
+    its neighbours and hands to, or takes from, the other replica over its own connection;
+    compute.ranks 4 with compute-2 killed: compute-1 connects to compute-3, its log naming its new
+    successor);
   * compute.ranks 2, memory rank 1 killed under a stream of requests: compute rank 0 keeps the
     replica (the step discard tells it the rank is lost), runs the step again without the rank and
     recomputes its requests on the survivor; tandem:memory_ranks_lost_total 1;
@@ -21,23 +24,25 @@ Cases, each bounded in time:
     memory rank after the step's deadline, names and gives up memory rank 1, the one that does not
     answer (never memory rank 0), and goes on as for the kill.
 Every request gets the tokens the same requests got one by one before the fault (greedy and seeded
-sampling); the counter of the loss reads 1.
+sampling); the counter of the loss reads 1; the replicas kept go on sampling micro-batches
+(tandem:replica_micro_batches_total grows over a few requests after the loss).
 Usage: replica_recovery_test.py path/to/tandem
 """
 import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 
-from compute_loss_test import Deployment, fault_under_load
+from compute_loss_test import REQUESTS, Deployment, fault_under_load
 from fault_util import bad, failures, wait_for
 
 
-def lose_rank(tmp, name, compute_ranks, mode, victim, given_up, metric, released=(), kept=(), sig=signal.SIGKILL):
+def lose_rank(tmp, name, compute_ranks, mode, victim, given_up, metric, kept=(), sig=signal.SIGKILL, logs=()):
     """`victim` killed (or stopped: `sig`) under load; `given_up` is compute-0's log line for it,
-    `metric` the counter that must read 1, `released` the replicas that must exit cleanly, `kept`
-    those that must go on."""
+    `metric` the counter that must read 1, `kept` the replicas that must go on, `logs` (rank, text)
+    pairs that must be in a rank's log."""
     d = Deployment(tmp, name, compute_ranks=compute_ranks, mode=mode, batches=max(2, compute_ranks))
     try:
         if d.url is None:
@@ -50,13 +55,6 @@ def lose_rank(tmp, name, compute_ranks, mode, victim, given_up, metric, released
             bad(f"{name}: tandem:steps_rerun_total is {d.metric('steps_rerun_total')}, not at least 1")
         if d.proc.poll() is not None:
             bad(f"{name}: the deployment ended after the loss: {d.err()[-600:]}")
-        for rank in released:
-            if wait_for(lambda: not d.rank_pids(rank), 15) is None:
-                bad(f"{name}: {rank} was not released: still running")
-            if f"tandem launch: {rank} (pid" not in d.err() or "exited cleanly" not in d.err():
-                bad(f"{name}: the launcher does not report {rank}'s clean exit: {d.err()[-600:]}")
-            if "released by compute rank 0" not in d.log(rank):
-                bad(f"{name}: {rank}'s log does not say it was released: {d.last_line(rank)}")
         for rank in kept:
             if not d.rank_pids(rank):
                 bad(f"{name}: {rank} exited after the loss, not kept: {d.last_line(rank)}")
@@ -65,16 +63,31 @@ def lose_rank(tmp, name, compute_ranks, mode, victim, given_up, metric, released
             if f"tandem launch: {rank} (pid" in d.err():
                 bad(f"{name}: the launcher reports {rank} gone: {d.err()[-600:]}")
         if kept:
+            # The replicas kept still sample micro-batches: a few more requests after the loss, at
+            # once (a step of one request is one micro-batch, compute rank 0's).
+            before = d.metric("replica_micro_batches_total") or 0
+            clients = [threading.Thread(target=d.tokens, args=r) for r in REQUESTS[:4]]
+            for t in clients:
+                t.start()
+            for t in clients:
+                t.join(60)
+            after = d.metric("replica_micro_batches_total") or 0
+            if after <= before:
+                bad(f"{name}: no replica sampled a micro-batch after the loss "
+                    f"(tandem:replica_micro_batches_total {before} then {after})")
             if not d.metric("compute_replicas_kept_total"):
                 bad(f"{name}: tandem:compute_replicas_kept_total is {d.metric('compute_replicas_kept_total')}")
             live = compute_ranks - (1 if victim.startswith("compute-") else 0)
             if d.metric("compute_ranks_live") != live:
                 bad(f"{name}: tandem:compute_ranks_live is {d.metric('compute_ranks_live')}, not {live}")
+        for rank, text in logs:
+            if text not in d.log(rank):
+                bad(f"{name}: {rank}'s log does not say {text!r}: {d.log(rank)[-800:]}")
         for rank in ("memory-0", "memory-1"):
             if rank != victim and not d.rank_pids(rank):
                 bad(f"{name}: {rank} exited after the loss: {d.last_line(rank)}")
         # Only the victim is blamed: never a healthy neighbour, nor a replica for a memory rank.
-        for rank in ("memory-0", "memory-1", "compute-1", "compute-2"):
+        for rank in ["memory-0", "memory-1"] + [f"compute-{c}" for c in range(1, compute_ranks)]:
             blamed = f"giving up {rank.split('-')[0]} rank {rank.split('-')[1]} ("
             if rank != victim and blamed in d.log("compute-0"):
                 bad(f"{name}: compute-0 gave up {rank}, not only {victim}: {d.log('compute-0')[-800:]}")
@@ -91,7 +104,16 @@ def main():
             lambda t: lose_rank(t, "replica-killed-3-fixed", 3, "fixed", "compute-2", "giving up compute rank 2",
                                 "compute_ranks_lost_total", kept=["compute-1"]),
             lambda t: lose_rank(t, "replica-killed-3-rotational", 3, "rotational", "compute-1",
-                                "giving up compute rank 1", "compute_ranks_lost_total", released=["compute-2"]),
+                                "giving up compute rank 1", "compute_ranks_lost_total", kept=["compute-2"],
+                                logs=[("compute-2", "ring: from compute rank 0 to compute rank 0")]),
+            lambda t: lose_rank(t, "replica-stopped-3-rotational", 3, "rotational", "compute-2",
+                                "giving up compute rank 2", "compute_ranks_lost_total", kept=["compute-1"],
+                                sig=signal.SIGSTOP),
+            lambda t: lose_rank(t, "replica-killed-4-rotational", 4, "rotational", "compute-2",
+                                "giving up compute rank 2", "compute_ranks_lost_total",
+                                kept=["compute-1", "compute-3"],
+                                logs=[("compute-1", "to compute rank 3 ("), ("compute-3", "ring: from compute rank 1 to"),
+                                      ("compute-0", "the ring goes from compute rank 1")]),
             lambda t: lose_rank(t, "replica-stopped-3-fixed", 3, "fixed", "compute-1", "giving up compute rank 1",
                                 "compute_ranks_lost_total", kept=["compute-2"], sig=signal.SIGSTOP),
             lambda t: lose_rank(t, "memory-killed-with-replica", 2, "fixed", "memory-1", "giving up memory rank 1",

@@ -1124,14 +1124,18 @@ TEST_F(DisaggregatedTest, MemoryRankKilledMidRunFailsTheStepWithoutRecovery) {
 class ReplicaFailure : public PingPong {};
 
 // Compute rank 0 with `compute_ranks` - 1 replicas (rotational with `slice_layers` > 0, else
-// fixed) and `memory_ranks` memory ranks runs 6 requests for 4 steps; then `victim` is killed while
-// 6 more requests arrive, one every other step, and every request must end with the colocated
-// engine's tokens. The replicas that were not killed are kept (pipeline.mode fixed, or a memory
-// rank lost): each still runs, and the replicas still sample micro-batches after the loss; under
-// rotational a lost replica's others are released and must exit with status 0.
+// fixed) and `memory_ranks` memory ranks runs 6 requests for 4 steps; then `victim` is killed (or
+// stopped: `sig` SIGSTOP, found silent after a step deadline of `step_timeout_s`) while 6 more
+// requests arrive, one every other step, and every request must end with the colocated engine's
+// tokens. The replicas that were not lost are kept, in both modes (under rotational the ring closes
+// over a lost replica: its neighbours are connected to each other): each still runs, says in its
+// log that it was kept, and the replicas still sample micro-batches after the loss.
 struct KillCase {
   int compute_ranks = 3, memory_ranks = 2, slice_layers = 0;
   std::string victim;
+  int sig = SIGKILL;
+  int step_timeout_s = 20;
+  std::vector<std::pair<std::string, std::string>> logs;  // (rank, what its log must say)
 };
 
 class RankLossWithReplicas : public ReplicaFailure {
@@ -1142,6 +1146,9 @@ class RankLossWithReplicas : public ReplicaFailure {
     ComputeRankOptions o = Options(8, 24, 1024);
     o.micro_batches = c.compute_ranks;
     o.slice_layers = c.slice_layers;
+    o.step_timeout = absl::Seconds(c.step_timeout_s);
+    std::ofstream(dir_ + "/deploy.yaml")
+        << "launch:\n  startup_timeout_s: 60\n  step_timeout_s: " << c.step_timeout_s << "\n";
     ASSERT_NO_FATAL_FAILURE(StartMemoryRanks(c.memory_ranks));
     ASSERT_NO_FATAL_FAILURE(StartReplicas("mqa-headdim", c.compute_ranks, o, &o.replica_addresses));
     o.memory_addresses = addresses_;
@@ -1170,19 +1177,18 @@ class RankLossWithReplicas : public ReplicaFailure {
     std::vector<std::pair<int64_t, GenerationResult>> finished;
     for (int step = 0; step < 4; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
     const bool replica = c.victim.starts_with("compute-");
-    // A lost replica's others go on under fixed; under rotational they are released. A memory
-    // rank's loss keeps them all.
-    const bool kept = !replica || c.slice_layers == 0;
     if (!replica) {
       ASSERT_GT(rank_->controller().kv_reserved(1), 0);  // requests to recover
     }
     const int64_t sampled_before = rank_->stats().replica_micro_batches;
     EXPECT_GT(sampled_before, 0);
     group_.Tolerate(c.victim);
-    ASSERT_EQ(kill(group_.pid(c.victim), SIGKILL), 0);
+    const pid_t victim = group_.pid(c.victim);
+    ASSERT_EQ(kill(victim, c.sig), 0);
     const auto t0 = std::chrono::steady_clock::now();
     size_t next = 6;
     int64_t sampled_at_loss = -1;  // the replicas' micro-batches when the loss was recovered
+    double recovered_s = -1;       // when the step that lost the rank came back, rerun
     for (int step = 0; (!rank_->Idle() || next < requests.size()) && Seconds(t0) < 60; ++step) {
       if (step % 2 == 0 && next < requests.size()) {
         ASSERT_NO_FATAL_FAILURE(submit(next++));
@@ -1190,8 +1196,12 @@ class RankLossWithReplicas : public ReplicaFailure {
       const absl::Status st = rank_->Step(&finished);
       ASSERT_TRUE(st.ok()) << st;
       const EngineStats es = rank_->stats();
-      if (sampled_at_loss < 0 && es.steps_rerun > 0) sampled_at_loss = es.replica_micro_batches;
+      if (sampled_at_loss < 0 && es.steps_rerun > 0) {
+        sampled_at_loss = es.replica_micro_batches;
+        recovered_s = Seconds(t0);
+      }
     }
+    if (c.sig == SIGSTOP) kill(victim, SIGKILL);  // stopped: nothing more to learn from it
     ASSERT_TRUE(rank_->Idle());
     ASSERT_EQ(next, requests.size());
     const EngineStats es = rank_->stats();
@@ -1207,39 +1217,36 @@ class RankLossWithReplicas : public ReplicaFailure {
     }
     const int others = c.compute_ranks - 1 - (replica ? 1 : 0);
     std::printf(
-        "%s killed (%d compute ranks, %s, %d memory ranks): %.2f s to the end, %lld step(s) rerun, %d "
-        "replica(s) %s, replica micro-batches %lld before, %lld at the loss, %lld at the end, max |logprob "
-        "difference| %.3g\n",
-        c.victim.c_str(), c.compute_ranks, c.slice_layers > 0 ? "rotational" : "fixed", c.memory_ranks,
-        Seconds(t0), static_cast<long long>(es.steps_rerun), others, kept ? "kept" : "released",
-        static_cast<long long>(sampled_before), static_cast<long long>(sampled_at_loss),
-        static_cast<long long>(es.replica_micro_batches), ExpectSameResults(got, *want));
-    if (kept) {
-      // The others go on: compute rank 0 counts them live and kept, they still sample
-      // micro-batches after the loss, and their processes still run.
-      EXPECT_EQ(es.compute_ranks_live, 1 + others);
-      EXPECT_GE(es.compute_replicas_kept, others);
-      EXPECT_EQ(es.compute_replicas_released, 0);
-      if (others > 0) {
-        ASSERT_GE(sampled_at_loss, 0);
-        EXPECT_GT(es.replica_micro_batches, sampled_at_loss) << "no replica ran a micro-batch after the loss";
-      }
-      for (int r = 1; r < c.compute_ranks; ++r) {
-        const std::string name = absl::StrCat("compute-", r);
-        if (name == c.victim) continue;
-        EXPECT_FALSE(group_.WaitExit(name, absl::Milliseconds(200)).ok()) << name << " exited after the loss";
-        EXPECT_EQ(kill(group_.pid(name), 0), 0) << name;
-      }
-      return;
+        "%s %s (%d compute ranks, %s, %d memory ranks): step rerun %.2f s after the signal, %.2f s to the "
+        "end, %lld step(s) rerun, %d replica(s) kept, replica micro-batches %lld before, %lld at the loss, "
+        "%lld at the end, max |logprob difference| %.3g\n",
+        c.victim.c_str(), c.sig == SIGSTOP ? "stopped" : "killed", c.compute_ranks,
+        c.slice_layers > 0 ? "rotational" : "fixed", c.memory_ranks, recovered_s, Seconds(t0),
+        static_cast<long long>(es.steps_rerun), others, static_cast<long long>(sampled_before),
+        static_cast<long long>(sampled_at_loss), static_cast<long long>(es.replica_micro_batches),
+        ExpectSameResults(got, *want));
+    // The others go on: compute rank 0 counts them live and kept, they still sample micro-batches
+    // after the loss, and their processes still run.
+    EXPECT_EQ(es.compute_ranks_live, 1 + others);
+    EXPECT_GE(es.compute_replicas_kept, others);
+    EXPECT_EQ(es.compute_replicas_released, 0);
+    if (others > 0) {
+      ASSERT_GE(sampled_at_loss, 0);
+      EXPECT_GT(es.replica_micro_batches, sampled_at_loss) << "no replica ran a micro-batch after the loss";
     }
-    // Every replica not killed was released: it stops by itself, cleanly.
-    EXPECT_EQ(es.compute_ranks_live, 1);
-    EXPECT_EQ(es.compute_replicas_released, others);
     for (int r = 1; r < c.compute_ranks; ++r) {
       const std::string name = absl::StrCat("compute-", r);
       if (name == c.victim) continue;
-      const absl::Status exited = group_.WaitExit(name, absl::Seconds(20));
-      EXPECT_TRUE(exited.ok()) << name << ": " << exited;
+      EXPECT_FALSE(group_.WaitExit(name, absl::Milliseconds(200)).ok()) << name << " exited after the loss";
+      EXPECT_EQ(kill(group_.pid(name), 0), 0) << name;
+      if (replica) {
+        EXPECT_NE(group_.LogTail(name, 200).find("kept by compute rank 0"), std::string::npos)
+            << name << "'s log does not say it was kept";
+      }
+    }
+    for (const auto& [name, text] : c.logs) {
+      EXPECT_NE(group_.LogTail(name, 200).find(text), std::string::npos)
+          << name << "'s log does not say " << text;
     }
   }
 };
@@ -1258,8 +1265,45 @@ TEST_F(RankLossWithReplicas, KilledFirstReplicaAmongSeveralFixedKeepsTheOther) {
   Run({.compute_ranks = 3, .memory_ranks = 2, .slice_layers = 0, .victim = "compute-1"});
 }
 
-TEST_F(RankLossWithReplicas, KilledReplicaAmongSeveralRotationalReleasesTheOther) {
+// pipeline.mode rotational: the ring closes over the lost replica. With 3 compute ranks one of
+// its neighbours is compute rank 0, which hands residual streams to (compute-1 lost) or takes them
+// from (compute-2 lost) the other replica over the connection it has; with 4, compute-2's loss
+// makes compute rank 1 connect to compute rank 3 (a replica ring message after the discard).
+TEST_F(RankLossWithReplicas, KilledReplicaAmongSeveralRotationalKeepsTheOther) {
   Run({.compute_ranks = 3, .memory_ranks = 2, .slice_layers = 1, .victim = "compute-1"});
+}
+
+TEST_F(RankLossWithReplicas, KilledLastReplicaRotationalKeepsTheOther) {
+  Run({.compute_ranks = 3, .memory_ranks = 2, .slice_layers = 1, .victim = "compute-2"});
+}
+
+TEST_F(RankLossWithReplicas, StoppedReplicaRotationalKeepsTheOther) {
+  Run({.compute_ranks = 3,
+       .memory_ranks = 2,
+       .slice_layers = 1,
+       .victim = "compute-1",
+       .sig = SIGSTOP,
+       .step_timeout_s = 2});
+}
+
+TEST_F(RankLossWithReplicas, KilledMiddleReplicaOfFourRotationalReconnectsTheRing) {
+  Run({.compute_ranks = 4,
+       .memory_ranks = 1,
+       .slice_layers = 1,
+       .victim = "compute-2",
+       .logs = {{"compute-1", "ring: from compute rank 0 to compute rank 3 ("},
+                {"compute-3", "ring: from compute rank 1 to compute rank 0"}}});
+}
+
+TEST_F(RankLossWithReplicas, StoppedMiddleReplicaOfFourRotationalReconnectsTheRing) {
+  Run({.compute_ranks = 4,
+       .memory_ranks = 1,
+       .slice_layers = 1,
+       .victim = "compute-2",
+       .sig = SIGSTOP,
+       .step_timeout_s = 2,
+       .logs = {{"compute-1", "ring: from compute rank 0 to compute rank 3 ("},
+                {"compute-3", "ring: from compute rank 1 to compute rank 0"}}});
 }
 
 // A memory rank lost while replicas run: compute rank 0 gives it up, the step is discarded and
