@@ -967,42 +967,23 @@ absl::Status ComputeRank::WaitInput(uint32_t buffer, uint64_t seqno, absl::Time 
     const absl::Status st =
         transport_->WaitDoorbell(buffer, seqno, std::min(deadline, absl::Now() + absl::Milliseconds(100)));
     if (!absl::IsDeadlineExceeded(st) || absl::Now() >= deadline) return st;
-    transport::PeerId from = 0;
-    std::vector<uint8_t> msg;
-    absl::Status got;
-    while ((got = transport_->Receive(&from, &msg, absl::Now())).ok()) {
-      if (FromLostRank(from)) continue;  // whatever a memory rank given up still sends
-      ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
-      if (KeepEarlyRingHello(from, magic, &msg)) continue;
-      if (from == rank0_peer_ && magic == kHeartbeatMagic) {
-        ASSIGN_OR_RETURN(const HeartbeatMessage beat, DecodeHeartbeat(msg));
-        const HeartbeatReplyMessage reply{.seq = beat.seq,
-                                          .memory_rank = static_cast<uint16_t>(compute_rank_)};
-        RETURN_IF_ERROR(transport_->Send(rank0_peer_, EncodeHeartbeatReply(reply)));
-        continue;
-      }
-      if (from == rank0_peer_ && magic == kStepDiscardMagic) return TakeRank0Discard(msg);
-      if (magic == kErrorMagic) {
-        ASSIGN_OR_RETURN(const ErrorMessage err, DecodeError(msg));
-        return Annotate(StatusFromErrorMessage(err),
-                        from == rank0_peer_ ? "compute rank 0 stopped" : "a memory rank stopped");
-      }
-      return absl::InvalidArgumentError(
-          absl::StrCat("unexpected message (magic 0x", absl::Hex(magic), ") within a step"));
-    }
-    if (!absl::IsDeadlineExceeded(got)) return got;
+    const absl::Status polled = ReplicaPoll();
+    if (rank0_discard_.has_value()) return AwaitRank0(polled);  // applies it: released or kept
+    RETURN_IF_ERROR(polled);
   }
 }
 
 absl::Status ComputeRank::ReplicaPoll() {
-  // As WaitInput's loop, for a replica whose host waits on the device path: heartbeats answered, a
-  // step discard kept for AwaitRank0 (Aborted: the step's waits are released and it drains).
+  // A replica's messages within a step (WaitInput between its host-staged waits; the transport's
+  // device poll while its host waits on the device path): heartbeats answered, a step discard
+  // kept (Aborted: on the device path the step's waits are released and it drains).
   transport::PeerId from = 0;
   std::vector<uint8_t> msg;
   absl::Status got;
   while ((got = transport_->Receive(&from, &msg, absl::Now())).ok()) {
     if (FromLostRank(from)) continue;  // whatever a memory rank given up still sends
     ASSIGN_OR_RETURN(const uint32_t magic, PeekFrameMagic(msg));
+    if (KeepEarlyRingHello(from, magic, &msg)) continue;
     if (from == rank0_peer_ && magic == kHeartbeatMagic) {
       ASSIGN_OR_RETURN(const HeartbeatMessage beat, DecodeHeartbeat(msg));
       const HeartbeatReplyMessage reply{.seq = beat.seq, .memory_rank = static_cast<uint16_t>(compute_rank_)};

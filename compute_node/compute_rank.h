@@ -330,9 +330,10 @@ class ComputeRank : public Engine {
   // when the rerun writes. A rank that fails or does not answer is given up too (another
   // discard).
   absl::Status AwaitDrained(uint64_t step_id);
-  // A replica's part of the host's wait on the device path (Transport::SetDevicePoll): compute
-  // rank 0's heartbeats answered; its step discard kept (rank0_discard_) and returned as Aborted,
-  // which stops the step; an error report returned.
+  // A replica's messages within a step, taken without waiting (WaitInput; the transport's device
+  // poll, Transport::SetDevicePoll): compute rank 0's heartbeats answered; its step discard kept
+  // (rank0_discard_, applied by the caller or AwaitRank0) and returned as Aborted, which stops a
+  // device step; an error report returned.
   absl::Status ReplicaPoll();
   // The silence a heartbeat allows a memory rank (launch.heartbeat_s + launch.step_timeout_s).
   int64_t SilenceMs() const;
