@@ -156,8 +156,8 @@ class Transport {
   // Waits until the work enqueued so far on `stream` has run, keeping the control plane moving.
   // Returns the first expired device wait (see EnqueueWait), Unavailable naming a peer that
   // failed (its pending waits are released rather than left to time out), a device error, or
-  // DeadlineExceeded at `deadline`. After an error the device path stays failed: later calls
-  // return FailedPrecondition with the first error.
+  // DeadlineExceeded at `deadline`. After an error the device path stays failed until
+  // ResetDevicePath: later calls return FailedPrecondition with the first error.
   virtual absl::Status SyncStream(void* stream, absl::Time deadline) {
     (void)stream, (void)deadline;
     return Unsupported("SyncStream");

@@ -75,7 +75,8 @@ class DevicePath {
   // (the control plane: peer failures); an error from it aborts every pending wait and is
   // returned. Returns the first expired wait as DeadlineExceeded ("<label>: waited <timeout> for
   // doorbell seqno N, it is at M"), a CUDA error, or DeadlineExceeded at `deadline` (after
-  // aborting the waits). Once failed, later calls return FailedPrecondition with the first error.
+  // aborting the waits). Once failed, later calls return FailedPrecondition with the first error (until
+  // Reset).
   absl::Status Sync(void* stream, absl::Time deadline, const std::function<absl::Status()>& pump);
 
   // Makes every pending and later wait fall through (recorded as aborted).
