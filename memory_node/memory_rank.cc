@@ -375,7 +375,7 @@ class MemoryRank {
     return absl::OkStatus();
   }
 
-  // The step's layers (host-staged path), run again from layer 0 each time compute rank 0 discards
+  // The step's layers (either data path), run again from layer 0 each time compute rank 0 discards
   // the step: the plans stay applied (the same slots take the new rows' K and V again).
   // On the device path the discard fails the step's device work (every wait released, nothing
   // more written, the stream drained) and the path is reset before the rerun enqueues anything;
