@@ -38,21 +38,23 @@ absl::Status PackHeadSlice(MemorySpace& memory, const HeadSlice& s, int64_t rows
   const auto* src = static_cast<const uint8_t*>(qkv);
   auto* dst = static_cast<uint8_t*>(packed);
   const size_t n = static_cast<size_t>(rows);
-  const size_t rank = static_cast<size_t>(s.rank);
+  // Where its q heads and its k (v) heads start in a full row.
+  const size_t q_at = static_cast<size_t>(s.kv_head_begin() * s.group()) * d;
+  const size_t kv_at = static_cast<size_t>(s.kv_head_begin()) * d;
   // q heads, then k heads, then v heads of the slice.
-  RETURN_IF_ERROR(memory.CopyStrided(dst, dst_pitch, src + rank * q_width, src_pitch, q_width, n));
-  RETURN_IF_ERROR(
-      memory.CopyStrided(dst + q_width, dst_pitch, src + q_all + rank * kv_width, src_pitch, kv_width, n));
-  return memory.CopyStrided(dst + q_width + kv_width, dst_pitch, src + q_all + kv_all + rank * kv_width,
-                            src_pitch, kv_width, n);
+  RETURN_IF_ERROR(memory.CopyStrided(dst, dst_pitch, src + q_at, src_pitch, q_width, n));
+  RETURN_IF_ERROR(memory.CopyStrided(dst + q_width, dst_pitch, src + q_all + kv_at, src_pitch, kv_width, n));
+  return memory.CopyStrided(dst + q_width + kv_width, dst_pitch, src + q_all + kv_all + kv_at, src_pitch,
+                            kv_width, n);
 }
 
 absl::Status UnpackHeadSlice(MemorySpace& memory, const HeadSlice& s, int64_t rows, size_t elem_bytes,
                              const void* packed, void* attn) {
   const size_t width = static_cast<size_t>(s.slice_q_dim()) * elem_bytes;
   const size_t dst_pitch = static_cast<size_t>(s.q_dim()) * elem_bytes;
-  return memory.CopyStrided(static_cast<uint8_t*>(attn) + static_cast<size_t>(s.rank) * width, dst_pitch,
-                            packed, width, width, static_cast<size_t>(rows));
+  const size_t at = static_cast<size_t>(s.kv_head_begin() * s.group() * s.head_dim) * elem_bytes;
+  return memory.CopyStrided(static_cast<uint8_t*>(attn) + at, dst_pitch, packed, width, width,
+                            static_cast<size_t>(rows));
 }
 
 }  // namespace tandem

@@ -921,8 +921,13 @@ absl::Status ValidateHello(const HelloMessage& h) {
       return bad("partition head needs num_kv_heads ", h.num_kv_heads, " divisible by num_memory_ranks ",
                  h.num_memory_ranks);
     }
-    const uint64_t per_rank = h.num_kv_heads / h.num_memory_ranks;
-    begin = per_rank * h.memory_rank, end = begin + per_rank;
+    // Any non-empty range of the heads: a re-partition over the surviving ranks gives slices of
+    // its own (HeadSlice of the survivors).
+    if (h.kv_head_begin >= h.kv_head_end || h.kv_head_end > h.num_kv_heads) {
+      return bad("KV heads [", h.kv_head_begin, ", ", h.kv_head_end,
+                 ") must be a non-empty range within [0, ", h.num_kv_heads, ") for partition head");
+    }
+    return absl::OkStatus();
   } else if (h.partition != AttentionPartition::kRequest) {
     return bad("partition ", partition, " must be 0 (request) or 1 (head)");
   }

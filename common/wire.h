@@ -240,8 +240,13 @@
 //       60     4  kv_head_end            u32  request it serves, [kv_head_begin, kv_head_end):
 //                                             request partition: [0, num_kv_heads); head
 //                                             partition: num_kv_heads a multiple of
-//                                             num_memory_ranks and exactly [m·Hkv/M, (m+1)·Hkv/M)
-//                                             for m = memory_rank, M = num_memory_ranks
+//                                             num_memory_ranks and a non-empty range within
+//                                             [0, num_kv_heads) ([m·Hkv/M, (m+1)·Hkv/M) for
+//                                             m = memory_rank at start; slice i of k after a
+//                                             re-partition over k surviving ranks). A memory rank
+//                                             serving the head partition takes a later hello
+//                                             between steps as a re-partition: its KV is dropped
+//                                             and set up again for the new slice (new reply)
 //       64     2  slice_layers           u16  0: lane j stays on compute rank j % compute_ranks;
 //                                             else pipeline.mode rotational, in [1, num_layers]
 //                                             with compute_ranks >= 2: lane j's output of layer l
@@ -684,7 +689,8 @@ struct HelloMessage {
   uint8_t prefix_sharing = 0;          // PrefixSharing: 0 off, 1 on, 2 auto; not off needs a registry
   // How attention is split over the memory ranks, and the KV heads [kv_head_begin, kv_head_end)
   // this rank holds of each of its requests: all of them under the request partition, its slice
-  // under the head partition (HeadSlice::kv_head_begin/end); any other value is refused.
+  // under the head partition (HeadSlice::kv_head_begin/end: any non-empty range of the heads, a
+  // re-partition's slices may differ in size); any other value is refused.
   AttentionPartition partition = AttentionPartition::kRequest;
   uint32_t kv_head_begin = 0;
   uint32_t kv_head_end = 1;

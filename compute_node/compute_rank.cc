@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <chrono>
+#include <limits>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -41,14 +42,14 @@ absl::Status PackSplitColumns(MemorySpace& memory, const HeadSlice& s, int64_t r
   const size_t q_width = static_cast<size_t>(s.slice_heads()) * d;
   const size_t kv_width = static_cast<size_t>(s.slice_kv_heads()) * d;
   const size_t q_all = static_cast<size_t>(s.num_heads) * d, kv_all = static_cast<size_t>(s.num_kv_heads) * d;
-  const size_t rank = static_cast<size_t>(s.rank);
+  const size_t q_at = static_cast<size_t>(s.kv_head_begin() * s.group()) * d;
+  const size_t kv_at = static_cast<size_t>(s.kv_head_begin()) * d;
   const auto* src = static_cast<const uint8_t*>(qkv);
   auto* kv_dst = static_cast<uint8_t*>(kv);
-  RETURN_IF_ERROR(memory.CopyStrided(q, q_width, src + rank * q_width, src_pitch, q_width, n));
-  RETURN_IF_ERROR(
-      memory.CopyStrided(kv_dst, 2 * kv_width, src + q_all + rank * kv_width, src_pitch, kv_width, n));
-  return memory.CopyStrided(kv_dst + kv_width, 2 * kv_width, src + q_all + kv_all + rank * kv_width,
-                            src_pitch, kv_width, n);
+  RETURN_IF_ERROR(memory.CopyStrided(q, q_width, src + q_at, src_pitch, q_width, n));
+  RETURN_IF_ERROR(memory.CopyStrided(kv_dst, 2 * kv_width, src + q_all + kv_at, src_pitch, kv_width, n));
+  return memory.CopyStrided(kv_dst + kv_width, 2 * kv_width, src + q_all + kv_all + kv_at, src_pitch,
+                            kv_width, n);
 }
 }  // namespace
 
@@ -442,10 +443,11 @@ absl::Status ComputeRank::JoinRing(absl::Time deadline) {
 
 absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>* finished) {
   const auto t0 = std::chrono::steady_clock::now();
+  // Between steps: a rank that answered its probe takes requests from this one (under the head
+  // partition the heads are split again, which may end requests: reported with this step's).
+  RETURN_IF_ERROR(AdvanceRejoins());
   for (auto& ended : ended_while_idle_) finished->push_back(std::move(ended));
   ended_while_idle_.clear();
-  RETURN_IF_ERROR(
-      AdvanceRejoins());  // between steps: a rank that answered its probe takes requests from this one
   controller_->Schedule(&step_);
   if (step_.empty()) return absl::OkStatus();
   if (!step_.has_rows()) {
@@ -457,8 +459,7 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
       if (!sent.ok()) RETURN_IF_ERROR(LoseRank(m, Annotate(sent, ranks_[m].name)));
     }
     RETURN_IF_ERROR(CollectRestoreReplies(step_.plan));
-    RecoverLostRanks(finished);
-    return absl::OkStatus();
+    return RecoverLostRanks(finished);
   }
   SampledTokens sampled;
   std::vector<SampledTokens> parts;
@@ -485,7 +486,7 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
     sampled = std::move(parts[0]);
   }
   RETURN_IF_ERROR(CollectRestoreReplies(step_.plan));
-  RecoverLostRanks(finished);
+  RETURN_IF_ERROR(RecoverLostRanks(finished));
   std::vector<std::vector<uint64_t>> released;
   RETURN_IF_ERROR(controller_->Complete(step_, sampled, finished, &released));
   RETURN_IF_ERROR(SendReleases(step_.plan.step_id, released));
@@ -1187,11 +1188,16 @@ absl::Status ComputeRank::RunParts(std::span<const PlannedStep> parts, std::vect
 
 bool ComputeRank::CanRecover() const {
   // Recovery runs the rest of the step without the rank, which the host-staged path with one
-  // compute rank and the request partition can do; elsewhere the loss fails the step as before.
-  return options_.recover_memory_ranks && !device_path_ && !head_ && compute_ranks_ == 1;
+  // compute rank can do (under the head partition the step's tokens are all dropped and the heads
+  // split again after it, RepartitionHeads); elsewhere the loss fails the step as before.
+  return options_.recover_memory_ranks && !device_path_ && compute_ranks_ == 1;
 }
 
-void ComputeRank::RecoverLostRanks(std::vector<std::pair<int64_t, GenerationResult>>* finished) {
+absl::Status ComputeRank::RecoverLostRanks(std::vector<std::pair<int64_t, GenerationResult>>* finished) {
+  if (head_) {
+    if (lost_in_step_.empty()) return absl::OkStatus();
+    return RepartitionHeads(finished);
+  }
   // Memory ranks lost during the step: their requests' tokens of this step are dropped (the rest
   // of the step ran without them) and the requests go back to the queue to be recomputed.
   for (size_t m : lost_in_step_) {
@@ -1210,6 +1216,126 @@ void ComputeRank::RecoverLostRanks(std::vector<std::pair<int64_t, GenerationResu
     }
   }
   lost_in_step_.clear();
+  return absl::OkStatus();
+}
+
+absl::Status ComputeRank::RepartitionHeads(std::vector<std::pair<int64_t, GenerationResult>>* finished) {
+  // Every rank held a slice of every request: all of them are recomputed, whichever rank was lost.
+  const std::vector<int64_t> requeued = controller_->LoseRank(0);
+  requests_recovered_ += static_cast<int64_t>(requeued.size());
+  const ModelSpec& s = backend_->spec();
+  std::vector<int64_t> capacity(ranks_.size(), 0);
+  // Hellos sent to each rank and not answered yet: a rank answers them in order, so only the
+  // answer to the last one (of the current split) counts.
+  std::vector<int> unanswered(ranks_.size(), 0);
+  std::vector<size_t> live;
+  for (bool again = true; again;) {
+    again = false;
+    live.clear();
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      if (!ranks_[m].lost) live.push_back(m);
+    }
+    if (live.empty()) return absl::UnavailableError("every memory rank is lost");
+    TANDEM_LOG_WARN("compute", "memory.partition head: the KV heads are split again over ", live.size(),
+                    " memory rank(s); the ", requeued.size(),
+                    " request(s) in flight go back to the queue to be recomputed");
+    for (size_t i = 0; i < live.size() && !again; ++i) {
+      const size_t m = live[i];
+      Rank& rank = ranks_[m];
+      rank.slice = HeadSlice{.num_heads = s.num_heads,
+                             .num_kv_heads = s.num_kv_heads,
+                             .head_dim = s.head_dim,
+                             .num_ranks = static_cast<int64_t>(live.size()),
+                             .rank = static_cast<int64_t>(i)};
+      // Fresh attention-output buffers sized for the new slice (the old ones stay registered:
+      // their memory must outlive the transport).
+      for (RankLane& rl : rank.lanes) retired_lanes_.push_back(std::move(rl));
+      rank.lanes.clear();
+      rank.lanes.resize(lanes_.size());
+      for (size_t j = 0; j < lanes_.size(); ++j) {
+        rank.lanes[j].attn_buffer = next_attn_buffer_++;
+        RETURN_IF_ERROR(SetUpRankLane(m, j));
+      }
+      const absl::Status sent =
+          transport_->Send(rank.peer, EncodeHello(MakeHello(m, rank.lanes[0].attn_buffer)));
+      if (!sent.ok()) {
+        RETURN_IF_ERROR(MarkRankLost(m, Annotate(sent, rank.name)));
+        again = true;
+        break;
+      }
+      ++unanswered[m];
+    }
+    // The replies, in any order (each rank sets up its pool first).
+    const absl::Time deadline = absl::Now() + options_.step_timeout;
+    auto left = [&] {
+      return std::any_of(live.begin(), live.end(),
+                         [&](size_t m) { return !ranks_[m].lost && unanswered[m] > 0; });
+    };
+    while (!again && left()) {
+      transport::PeerId from = 0;
+      std::vector<uint8_t> msg;
+      const absl::Status got = transport_->Receive(&from, &msg, deadline);
+      if (!got.ok()) {
+        // Ranks that failed, and at the deadline every one still silent, are given up.
+        const bool late = absl::Now() >= deadline;
+        for (size_t m : live) {
+          if (ranks_[m].lost) continue;
+          const absl::Status peer = transport_->PeerStatus(ranks_[m].peer);
+          if (peer.ok() && !(late && unanswered[m] > 0)) continue;
+          RETURN_IF_ERROR(MarkRankLost(
+              m, peer.ok() ? absl::DeadlineExceededError(absl::StrCat(
+                                 ranks_[m].name, ": no answer to its re-partition hello within ",
+                                 absl::FormatDuration(options_.step_timeout), " (launch.step_timeout_s)"))
+                           : Annotate(peer, ranks_[m].name)));
+          again = true;
+        }
+        if (!again) return Annotate(got, "waiting for the memory ranks' replies to a re-partition");
+        break;
+      }
+      if (TakeStrayMessage(from, &msg)) continue;
+      size_t m = 0;
+      while (m < ranks_.size() && ranks_[m].peer != from) ++m;
+      if (m == ranks_.size() || ranks_[m].lost) continue;
+      absl::StatusOr<bool> beat = TakeHeartbeatReply(m, msg);
+      if (beat.ok() && *beat) continue;
+      absl::StatusOr<HelloReplyMessage> reply = DecodeHelloReply(msg);
+      absl::Status bad = beat.ok() ? reply.status() : beat.status();
+      if (absl::StatusOr<ErrorMessage> err = DecodeError(msg); err.ok()) {
+        bad = StatusFromErrorMessage(*err);
+      } else if (bad.ok() && (unanswered[m] == 0 || reply->memory_rank != m ||
+                              reply->dtype != backend_->dtype() || reply->kv_capacity_tokens == 0)) {
+        bad = absl::InvalidArgumentError(absl::StrCat(
+            "a reply to a re-partition hello naming memory rank ", reply->memory_rank, ", dtype ",
+            std::string(DTypeName(reply->dtype)), " and ", reply->kv_capacity_tokens, " KV tokens"));
+      }
+      if (!bad.ok()) {
+        RETURN_IF_ERROR(MarkRankLost(m, Annotate(bad, ranks_[m].name)));
+        again = true;
+        break;
+      }
+      if (--unanswered[m] > 0) continue;  // the answer to a hello of a split given up
+      Rank& rank = ranks_[m];
+      rank.qkv_buffer = reply->qkv_buffer;
+      capacity[m] = static_cast<int64_t>(reply->kv_capacity_tokens);
+      rank_names_[m] =
+          absl::StrCat("memory rank ", m, ": ", reply->device, ", ", capacity[m], " KV tokens of KV heads [",
+                       rank.slice.kv_head_begin(), ", ", rank.slice.kv_head_end(), ")");
+    }
+  }
+  int64_t smallest = std::numeric_limits<int64_t>::max();
+  for (size_t m : live) smallest = std::min(smallest, capacity[m]);
+  RETURN_IF_ERROR(controller_->RejoinRank(0, smallest));
+  lost_in_step_.clear();
+  for (size_t m : live) TANDEM_LOG_WARN("compute", rank_names_[m]);
+  TANDEM_LOG_WARN("compute", "memory.partition head: ", live.size(),
+                  " memory rank(s) hold the KV heads now, ", smallest, " KV tokens each");
+  const size_t before = finished->size();
+  controller_->FailUnplaceable(finished);
+  for (size_t i = before; i < finished->size(); ++i) {
+    TANDEM_LOG_WARN("compute", "request ", (*finished)[i].first,
+                    " ends: ", (*finished)[i].second.error.message());
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ComputeRank::CollectRestoreReplies(const StepPlan& plan) {
@@ -1448,7 +1574,9 @@ absl::Status ComputeRank::AdvanceRejoins() {
       }
     }
     const int64_t capacity = static_cast<int64_t>(reply->kv_capacity_tokens);
-    if (absl::Status st = controller_->RejoinRank(static_cast<int>(m), capacity); !st.ok()) {
+    // Head partition: the rank comes back through a new split of the heads (below).
+    if (absl::Status st = head_ ? absl::OkStatus() : controller_->RejoinRank(static_cast<int>(m), capacity);
+        !st.ok()) {
       DropProbe(m, std::string(st.message()));
       if (with_replicas) {
         // The replicas took the rank: a step discard of no step names it lost again.
@@ -1475,6 +1603,9 @@ absl::Status ComputeRank::AdvanceRejoins() {
                                                  " compute replica(s) connected to it")
                                   : std::string(),
                     ")");
+    // Every live rank takes a new slice of the heads, and every request in flight is recomputed;
+    // requests that this ends are reported by the next Step.
+    if (head_) RETURN_IF_ERROR(RepartitionHeads(&ended_while_idle_));
   }
   return absl::OkStatus();
 }
@@ -1785,7 +1916,7 @@ absl::Status ComputeRank::Heartbeat() {
       rank.beat_sent = now;
     }
   }
-  RecoverLostRanks(&ended_while_idle_);
+  RETURN_IF_ERROR(RecoverLostRanks(&ended_while_idle_));
   return AdvanceRejoins();
 }
 
@@ -2928,6 +3059,9 @@ std::vector<KvUsage> ComputeRank::kv_usage() const {
   if (head_) {
     const KvUsage group = usage[0];
     usage.assign(ranks_.size(), group);
+    for (size_t m = 0; m < ranks_.size(); ++m) {
+      if (ranks_[m].lost) usage[m] = KvUsage{};  // given up: it holds nothing
+    }
   }
   return usage;
 }

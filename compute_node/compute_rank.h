@@ -109,7 +109,9 @@ struct ComputeRankOptions {
   // false: the step fails. Recovery needs the request partition, and the host-staged path (ucx) or
   // a device path that can be reset (p2p); with compute replicas, and on the device path, the step
   // in flight is discarded on the memory ranks and the replicas (which are told the rank is lost
-  // and go on) and run again without the rank. Elsewhere a loss fails the step.
+  // and go on) and run again without the rank. The head partition recovers on the host-staged path
+  // with one compute rank: the survivors split the KV heads again and every request in flight is
+  // recomputed (RepartitionHeads). Elsewhere a loss fails the step.
   bool recover_memory_ranks = true;
   // launch.recover_compute_replicas: on the host-staged path and a device path that can be reset
   // (p2p: every rank drains and resets it before the rerun), a compute replica that fails,
@@ -448,9 +450,20 @@ class ComputeRank : public Engine {
   // meanwhile is lost like in a step (LoseFailedRanks).
   absl::Status CollectRestoreReplies(const StepPlan& plan);
   // Hands the ranks lost during the step to the controller (Controller::LoseRank requeues their
-  // requests); the waiting requests that now fit no surviving rank end with an error
-  // (Controller::FailUnplaceable), appended to `finished`.
-  void RecoverLostRanks(std::vector<std::pair<int64_t, GenerationResult>>* finished);
+  // requests; under the head partition RepartitionHeads); the waiting requests that now fit no
+  // surviving rank end with an error (Controller::FailUnplaceable), appended to `finished`. An
+  // error when the re-partition loses every rank.
+  absl::Status RecoverLostRanks(std::vector<std::pair<int64_t, GenerationResult>>* finished);
+  // Head partition: every request in flight has KV heads on every rank, so after a loss (or a
+  // rejoin) all of them go back to the queue (Controller::LoseRank of the one placement group)
+  // and the live ranks split the KV heads again, slice i of k in rank order (HeadSlice, slices that
+  // may differ by one KV head): each gets a hello with its slice and attention-output buffers of
+  // its own (fresh ids; the old ones stay registered) and sets itself up again with an empty pool;
+  // the group's capacity becomes the smallest reply's (Controller::RejoinRank). A rank that fails,
+  // reports an error or does not answer within the step timeout is given up and the split starts
+  // again over the others. Between steps only (every rank idle); requests that fit no longer end
+  // with an error, appended to `finished`.
+  absl::Status RepartitionHeads(std::vector<std::pair<int64_t, GenerationResult>>* finished);
 
   ComputeRankOptions options_;
   std::unique_ptr<transport::Transport> transport_;

@@ -92,6 +92,12 @@ class MemoryRank {
         if (!st.ok()) return Fail(st);
         continue;
       }
+      if (magic == kHelloMagic) {
+        // Head partition: compute rank 0 splits the KV heads again (a rank was lost or came back).
+        st = Repartition(msg, device);
+        if (!st.ok()) return Fail(st);
+        continue;
+      }
       if (magic == kStepDiscardMagic) {
         // A compute replica was lost after this rank ran the step's layers (or while idle): the
         // step, if it is the last one, runs again with the survivors.
@@ -662,7 +668,7 @@ class MemoryRank {
         hello_.q_first ? kv_offset_ + static_cast<size_t>(shape_.max_tokens * 2 * shape_.kv_dim()) * elem_
                        : qkv_bytes;
     // One lane per micro-batch in flight (the hello's lanes): each its own executor lane over the
-    // one KV pool, its own receive buffer (kQkvBuffer + j) and staging.
+    // one KV pool, its own receive buffer (qkv_base_ + j) and staging.
     lanes_.resize(hello_.lanes);
     for (size_t j = 0; j < lanes_.size(); ++j) {
       Lane& lane = lanes_[j];
@@ -672,7 +678,7 @@ class MemoryRank {
         ASSIGN_OR_RETURN(lane.owned, exec_->CreateLane());
         lane.exec = lane.owned.get();
       }
-      const uint32_t buffer = kQkvBuffer + static_cast<uint32_t>(j);
+      const uint32_t buffer = qkv_base_ + static_cast<uint32_t>(j);
       if (hello_.q_first) lane.exec->ExpectSplitLayers();
       if (!exec_->memory().host()) {
         ASSIGN_OR_RETURN(lane.qkv_dev, exec_->memory().Allocate(in_bytes, false));
@@ -692,7 +698,7 @@ class MemoryRank {
     reply.memory_rank = static_cast<uint16_t>(o_.rank);
     reply.dtype = exec_->dtype();
     reply.kv_capacity_tokens = static_cast<uint64_t>(exec_->kv_capacity());
-    reply.qkv_buffer = kQkvBuffer;
+    reply.qkv_buffer = qkv_base_;
     reply.device = exec_->device().substr(0, 256);
     reply.persisted = tiers_ != nullptr && o_.tiers.persist;
     reply_ = EncodeHelloReply(reply);
@@ -704,6 +710,43 @@ class MemoryRank {
                     hello_.kv_head_end, ")); KV ", exec_->kv_capacity(), " tokens on ", exec_->device(),
                     "; transport ", transport_->capabilities().name, ", ",
                     device_path_ ? "device data path" : "host-staged data path");
+    return absl::OkStatus();
+  }
+
+  // A later hello under the head partition (ComputeRank::RepartitionHeads): a new slice of the
+  // heads. Every request was dropped by compute rank 0 (it recomputes them all), so the KV pool,
+  // the table and the lanes go, and the rank is set up for the slice as at start (a new reply).
+  // Receive buffers get fresh ids (an id cannot be registered twice) and the old ones keep their
+  // memory. The host-staged path with one compute rank only: elsewhere the hello is an error.
+  absl::Status Repartition(const std::vector<uint8_t>& msg, int device) {
+    ASSIGN_OR_RETURN(const HelloMessage next, DecodeHello(msg));
+    if (hello_.partition != AttentionPartition::kHead || next.partition != AttentionPartition::kHead ||
+        device_path_ || hello_.compute_ranks != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "memory rank ", o_.rank,
+          ": a second hello from compute rank 0, which only the head partition's re-partition on the "
+          "host-staged path with one compute rank sends"));
+    }
+    if (next.num_layers != hello_.num_layers || next.num_heads != hello_.num_heads ||
+        next.num_kv_heads != hello_.num_kv_heads || next.head_dim != hello_.head_dim ||
+        next.dtype != hello_.dtype || next.lanes != hello_.lanes || next.q_first != hello_.q_first) {
+      return absl::InvalidArgumentError(absl::StrCat("memory rank ", o_.rank,
+                                                     ": a re-partition hello for another model shape or "
+                                                     "pipeline than the first hello's"));
+    }
+    const uint32_t begin = hello_.kv_head_begin, end = hello_.kv_head_end;
+    for (Lane& lane : lanes_) {
+      retired_.push_back(std::move(lane.recv));
+      retired_.push_back(std::move(lane.send));
+    }
+    qkv_base_ += static_cast<uint32_t>(lanes_.size());
+    lanes_.clear();  // their executor lanes before the executor
+    kv_.reset();
+    exec_.reset();
+    RETURN_IF_ERROR(Setup(msg, device));
+    TANDEM_LOG_WARN("memory", "memory rank ", o_.rank, ": re-partitioned by compute rank 0: KV heads [",
+                    begin, ", ", end, ") -> [", hello_.kv_head_begin, ", ", hello_.kv_head_end,
+                    "), its KV dropped (every request is recomputed)");
     return absl::OkStatus();
   }
 
@@ -826,7 +869,7 @@ class MemoryRank {
           continue;
         }
         ++lane.seqno;
-        const uint32_t buffer = kQkvBuffer + static_cast<uint32_t>(j);
+        const uint32_t buffer = qkv_base_ + static_cast<uint32_t>(j);
         const LayerMessageExpect in{.step_id = step_id,
                                     .layer = layer,
                                     .kind = LayerMessageKind::kQkv,
@@ -877,7 +920,7 @@ class MemoryRank {
     AttentionExecutor& exec = *lane.exec;
     const uint32_t q_row = static_cast<uint32_t>(shape_.q_dim() * static_cast<int64_t>(elem_));
     const uint32_t kv_row = static_cast<uint32_t>(2 * shape_.kv_dim() * static_cast<int64_t>(elem_));
-    const uint32_t buffer = kQkvBuffer + static_cast<uint32_t>(j);
+    const uint32_t buffer = qkv_base_ + static_cast<uint32_t>(j);
     const auto* recv = static_cast<const uint8_t*>(lane.recv.get());
     const std::string micro = lanes > 1 ? absl::StrCat(" micro-batch ", j) : "";
     auto wait = [&](uint64_t seqno, const char* what) {
@@ -970,7 +1013,7 @@ class MemoryRank {
         auto wait = [&](const char* what, uint64_t offset, size_t bytes) {
           // Twice the step timeout, as on the host-staged path (WaitLayerInput).
           return transport_->EnqueueWait(
-              sender, kQkvBuffer + static_cast<uint32_t>(j), offset, bytes, ++lane.seqno, 2 * o_.step_timeout,
+              sender, qkv_base_ + static_cast<uint32_t>(j), offset, bytes, ++lane.seqno, 2 * o_.step_timeout,
               absl::StrCat("memory rank ", o_.rank, ": ", what, " of step ", step_id,
                            lanes > 1 ? absl::StrCat(" micro-batch ", j) : "", " layer ", layer),
               stream);
@@ -1013,6 +1056,8 @@ class MemoryRank {
   std::optional<StepDiscardMessage> discard_;  // taken within a step's layers, applied by RunLayers
   std::deque<std::vector<uint8_t>> deferred_;  // compute rank 0's messages of after a device step
   std::vector<uint8_t> reply_;                 // the hello reply every compute rank gets
+  uint32_t qkv_base_ = kQkvBuffer;             // lane j's receive buffer id: qkv_base_ + j
+  std::vector<BackendBuffer> retired_;         // receive buffers of a slice before a re-partition
   HelloMessage hello_;
   AttentionShape shape_;
   std::unique_ptr<AttentionExecutor> exec_;

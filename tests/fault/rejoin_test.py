@@ -16,7 +16,12 @@ sampling) whose tokens must equal those of the same requests sent one by one bef
     rank 1 under load: the launcher restarts it, the replica connects to the new process (its log
     says so) before compute rank 0 takes the rank back (its log, tandem:memory_ranks_rejoined_total
     1), the replica is kept and goes on sampling micro-batches, every request completes with the
-    fault-free tokens, and the new process runs attention for requests placed on it.
+    fault-free tokens, and the new process runs attention for requests placed on it;
+  * under the head partition (memory.partition head): kill -9 of memory rank 1 under load: memory
+    rank 0 takes every KV head (its log says it was re-partitioned), the launcher restarts rank 1,
+    compute rank 0 takes it back and the two split the heads again (every request in flight is
+    recomputed each time), every request completes with the fault-free tokens, and the new process
+    runs attention.
 Every wait is bounded. Usage: rejoin_test.py path/to/tandem
 """
 import os
@@ -43,14 +48,14 @@ REQUESTS = [([5 + i, 17, 99, 3, 250 - i, 7, 11 * i % 500 + 1], {"temperature": 0
 
 
 class Deployment:
-    def __init__(self, tmp, compute_ranks=1):
-        self.dir = os.path.join(tmp, f"rejoin-{compute_ranks}")
+    def __init__(self, tmp, compute_ranks=1, partition="request"):
+        self.dir = os.path.join(tmp, f"rejoin-{compute_ranks}-{partition}")
         os.makedirs(self.dir)
         yaml = os.path.join(self.dir, "deploy.yaml")
         pipeline = "pipeline:\n  mode: fixed\n  batches: 2\n" if compute_ranks > 1 else ""
         with open(yaml, "w") as f:
             f.write(f"model:\n  path: {MODEL}\ncompute:\n  device: cpu\n  ranks: {compute_ranks}\n"
-                    f"memory:\n  ranks: 2\n  devices: cpu\n{pipeline}"
+                    f"memory:\n  ranks: 2\n  devices: cpu\n  partition: {partition}\n{pipeline}"
                     f"scheduler:\n  max_batch_size: 4\n  max_tokens_per_step: 64\nkv:\n  capacity_tokens: 512\n"
                     f"launch:\n  run_dir: {self.dir}/run\n  step_timeout_s: {STEP_TIMEOUT_S}\n  heartbeat_s: 0.5\n"
                     f"  rejoin_probe_s: 0.2\n  restart_memory_ranks: 2\n  startup_timeout_s: 60\n"
@@ -217,11 +222,64 @@ def with_replica(tmp):
     check_byes(d, label)
 
 
+def head_partition(tmp):
+    """kill -9 of memory rank 1 under load with memory.partition head: rank 0 takes every KV head,
+    the restarted rank 1 rejoins and the two split them again; the fault-free tokens throughout."""
+    label = "kill -9 under the head partition"
+    d = Deployment(tmp, partition="head")
+    try:
+        if d.url is None:
+            return
+        expect = fault_free(d)
+        if expect is None:
+            return
+        load = Load(d, expect, label)
+        time.sleep(1.0)
+        victim = d.memory_pids(1)
+        if not victim:
+            bad(f"{label}: memory rank 1 not found")
+            load.finish()
+            return
+        start = time.time()
+        signal_all(victim, signal.SIGKILL)
+        took = wait_for(lambda: re.search(r"memory rank 1 \(\S+\) rejoined", d.log("compute-0")) and
+                        d.log("compute-0").count("split again over 2 memory rank") >= 1, BOUND_S)
+        time.sleep(1.0)  # requests on both ranks again
+        load.finish()
+        print(f"{label}: rejoined {'%.1f s' % took if took is not None else 'never'} after the kill; "
+              f"{load.done} requests in {time.time() - start:.1f} s", flush=True)
+        if took is None:
+            bad(f"{label}: memory rank 1 did not rejoin within {BOUND_S} s: {d.log('compute-0')[-800:]}\n"
+                f"{d.err()[-600:]}")
+            return
+        log0 = d.log("compute-0")
+        for want in ("split again over 1 memory rank", "memory rank 0: cpu, 512 KV tokens of KV heads [0, "):
+            if want not in log0:
+                bad(f"{label}: compute-0's log does not say {want!r}: {log0[-800:]}")
+        if d.log("memory-0").count("re-partitioned by compute rank 0") < 2:
+            bad(f"{label}: memory rank 0 was not re-partitioned twice (loss, rejoin): {d.log('memory-0')[-600:]}")
+        for name, want in (("memory_ranks_rejoined_total", 1), ("memory_ranks_lost_total", 1)):
+            if d.metric(name) != want:
+                bad(f"{label}: tandem:{name} is {d.metric(name)}, not {want}")
+        if d.proc.poll() is not None:
+            bad(f"{label}: the deployment stopped: {d.err()[-600:]}")
+        after = [d.tokens(p, e) for p, e in REQUESTS]
+        if after != expect:
+            bad(f"{label}: after the rejoin: tokens {after} differ from the fault-free {expect}")
+    finally:
+        d.stop()
+    check_byes(d, label)
+
+
 def main():
-    only = os.environ.get("TANDEM_FAULT_CASE")  # "replica": only the case with a compute replica
+    # "replica": only the case with a compute replica; "head": only the head partition's.
+    only = os.environ.get("TANDEM_FAULT_CASE")
     with tempfile.TemporaryDirectory(prefix="tandem-rejoin-") as tmp:
-        with_replica(tmp)
-        if only == "replica":
+        if only != "head":
+            with_replica(tmp)
+        if only != "replica":
+            head_partition(tmp)
+        if only in ("replica", "head"):
             print(f"{len(failures)} failure(s)")
             sys.exit(1 if failures else 0)
         d = Deployment(tmp)

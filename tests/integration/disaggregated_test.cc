@@ -1077,6 +1077,94 @@ TEST_F(DisaggregatedTest, HeartbeatsNameAMemoryRankStoppedWhileIdle) {
   }
 }
 
+// Under the head partition every rank holds a slice of every request: a memory rank killed or
+// stopped mid-run is given up, the survivors split the KV heads again (slices that may differ by
+// one head: 4 KV heads over 3 survivors are 1, 1 and 2) and every request in flight is recomputed,
+// ending with the colocated engine's tokens; their capacities and names say the new slices. Also
+// with two micro-batches in flight (pipeline.mode pingpong) and q first (pipeline.q_first).
+struct HeadLossCase {
+  std::string model;
+  int ranks;
+  int victim;
+  bool stop;       // SIGSTOP instead of SIGKILL (found by the step deadline)
+  bool pipelined;  // two micro-batches, q first
+};
+
+class HeadPartitionLoss : public DisaggregatedTest, public ::testing::WithParamInterface<HeadLossCase> {};
+
+TEST_P(HeadPartitionLoss, SurvivorsSplitTheHeadsAndEveryRequestIsRecomputed) {
+  const HeadLossCase& c = GetParam();
+  std::unique_ptr<WeightSource> source = OpenHeadModel(c.model);
+  ASSERT_NE(source, nullptr);
+  const int64_t kv_heads = source->spec().num_kv_heads;
+  ComputeRankOptions o = Options(8, 24, 1024);
+  o.partition = AttentionPartition::kHead;
+  if (c.stop) o.step_timeout = absl::Seconds(2);
+  if (c.pipelined) o.micro_batches = 2, o.q_first = true;
+  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, c.ranks, o));
+  expect_clean_exit_ = false;  // the victim is gone (or stopped)
+  std::mt19937 rng(23);
+  std::vector<GenerationRequest> requests;
+  for (int i = 0; i < 6; ++i) {
+    GenerationRequest r = MakeRequest(rng, source->spec().vocab_size, 6 + 3 * i, 40, i % 2 == 1, 300 + i);
+    r.ignore_eos = true;
+    requests.push_back(r);
+  }
+  std::unique_ptr<ColocatedEngine> engine = Engine(*source, 8, 24);
+  ASSERT_NE(engine, nullptr);
+  absl::StatusOr<std::vector<GenerationResult>> want = engine->GenerateAll(requests);
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (const GenerationRequest& r : requests) ASSERT_TRUE(rank_->Submit(r).ok());
+  std::vector<std::pair<int64_t, GenerationResult>> finished;
+  for (int step = 0; step < 6; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
+  ASSERT_GT(rank_->controller().num_running(), 0);
+  const std::string victim = absl::StrCat("memory-", c.victim);
+  ASSERT_EQ(kill(group_.pid(victim), c.stop ? SIGSTOP : SIGKILL), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (!rank_->Idle() && Seconds(t0) < 60) ASSERT_TRUE(rank_->Step(&finished).ok());
+  ASSERT_TRUE(rank_->Idle());
+  std::printf("%s, %d memory ranks%s, memory rank %d %s: every request done %.2f s after it\n",
+              c.model.c_str(), c.ranks, c.pipelined ? " (pingpong, q first)" : "", c.victim,
+              c.stop ? "stopped" : "killed", Seconds(t0));
+  if (c.stop) kill(group_.pid(victim), SIGKILL);
+  EXPECT_EQ(rank_->stats().memory_ranks_lost, 1);
+  EXPECT_GE(rank_->stats().requests_recovered, static_cast<int64_t>(requests.size()) - 1);
+  // The survivors' new slices tile the heads in rank order; the lost rank holds nothing.
+  const std::vector<KvUsage> usage = rank_->kv_usage();
+  ASSERT_EQ(usage.size(), static_cast<size_t>(c.ranks));
+  int64_t next = 0, slice = 0;
+  const int64_t survivors = c.ranks - 1;
+  for (int m = 0; m < c.ranks; ++m) {
+    const std::string& name = rank_->memory_ranks()[static_cast<size_t>(m)];
+    if (m == c.victim) {
+      EXPECT_EQ(usage[static_cast<size_t>(m)].capacity, 0);
+      continue;
+    }
+    const int64_t end = (slice + 1) * kv_heads / survivors;
+    EXPECT_NE(name.find(absl::StrCat("1024 KV tokens of KV heads [", next, ", ", end, ")")),
+              std::string::npos)
+        << name;
+    EXPECT_EQ(usage[static_cast<size_t>(m)].capacity, 1024);
+    next = end, ++slice;
+  }
+  EXPECT_EQ(next, kv_heads);
+  std::vector<GenerationResult> got(requests.size());
+  for (auto& [id, result] : finished) got[static_cast<size_t>(id)] = std::move(result);
+  ExpectSameResults(got, *want);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, HeadPartitionLoss,
+                         ::testing::Values(HeadLossCase{"gqa-8x4", 4, 1, false, false},
+                                           HeadLossCase{"llama2-mha", 2, 0, false, false},
+                                           HeadLossCase{"gqa-8x4", 4, 3, true, false},
+                                           HeadLossCase{"gqa-8x4", 4, 2, false, true}),
+                         [](const auto& info) {
+                           return absl::StrCat(testing_names::Identifier(info.param.model), "_",
+                                               info.param.ranks, "_ranks_", info.param.stop ? "stop" : "kill",
+                                               "_rank_", info.param.victim,
+                                               info.param.pipelined ? "_pingpong_q_first" : "");
+                         });
+
 // Without recovery the loss fails the step, naming the rank, within the step timeout.
 TEST_F(DisaggregatedTest, MemoryRankKilledMidRunFailsTheStepWithoutRecovery) {
   std::unique_ptr<WeightSource> source = OpenReference("mqa-headdim");

@@ -1,8 +1,9 @@
 // The head partition's column slices (common/head_partition.h): PackHeadSlice and UnpackHeadSlice
 // through the host MemorySpace against a per-element reference written from the layout (q heads,
 // then k heads, then v heads; output heads in order), on random shapes (H, Hkv, d, M, T) and
-// element sizes, with guard bytes around every output; the setting's parsing and the
-// divisibility check.
+// element sizes, with guard bytes around every output (equal slices, and the unequal ones of a
+// re-partition over the ranks that survive a loss); the setting's parsing and the divisibility
+// check.
 #include "common/head_partition.h"
 
 #include <cstdint>
@@ -46,8 +47,9 @@ struct Shape {
 Shape RandomShape(std::mt19937& rng) {
   auto u = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   Shape s;
-  s.ranks = int64_t{1} << u(0, 3);                // 1, 2, 4, 8
-  s.kv_heads = s.ranks * u(1, 3);                 // a multiple of M
+  s.ranks = u(0, 1) ? int64_t{1} << u(0, 3) : u(1, 7);  // 1, 2, 4, 8, or any up to 7
+  // A multiple of M (a deployment's slices), or any number from M up (slices that differ by one).
+  s.kv_heads = u(0, 1) ? s.ranks * u(1, 3) : u(s.ranks, 3 * s.ranks);
   s.heads = s.kv_heads * u(1, 4);                 // GQA groups of 1..4 (MHA included)
   s.head_dim = u(0, 1) ? u(1, 9) : 16 * u(1, 8);  // odd and aligned
   s.rows = u(0, 3) == 0 ? 1 : u(1, 37);
@@ -84,6 +86,18 @@ TEST(HeadSlice, WidthsAndGqaGroupsOfASlice) {
       }
     }
   }
+  // Three survivors of four ranks over 8 KV heads: slices of 2, 3 and 3 KV heads that tile the row.
+  int64_t next = 0;
+  for (int64_t m = 0; m < 3; ++m) {
+    const HeadSlice t{.num_heads = 32, .num_kv_heads = 8, .head_dim = 128, .num_ranks = 3, .rank = m};
+    EXPECT_EQ(t.kv_head_begin(), next);
+    EXPECT_EQ(t.slice_kv_heads(), m == 0 ? 2 : 3);
+    EXPECT_EQ(t.slice_heads(), 4 * t.slice_kv_heads());
+    EXPECT_EQ(t.slice_qkv_width(), 6 * t.slice_kv_heads() * 128);
+    EXPECT_EQ(t.slice_q_dim(), 4 * t.slice_kv_heads() * 128);
+    next = t.kv_head_end();
+  }
+  EXPECT_EQ(next, 8);
 }
 
 TEST(HeadSlice, PackMatchesTheLayoutOnRandomShapes) {
@@ -105,9 +119,10 @@ TEST(HeadSlice, PackMatchesTheLayoutOnRandomShapes) {
       Guarded packed(static_cast<size_t>(sh.rows * packed_row), 0);
       ASSERT_TRUE(PackHeadSlice(memory, slice, sh.rows, sh.elem, qkv.data(), packed.get()).ok());
       ASSERT_TRUE(packed.GuardsIntact());
-      // The reference: head by head. Local head j of the q part is global q head m·H/M + j; of the
-      // k and v parts, global KV head m·Hkv/M + j.
-      const int64_t hq = sh.heads / sh.ranks, hkv = sh.kv_heads / sh.ranks;
+      // The reference: head by head. Local head j of the q part is global q head b·G + j; of the
+      // k and v parts, global KV head b + j, where b = m·Hkv/M (rounded down) begins the slice.
+      const int64_t b = m * sh.kv_heads / sh.ranks, hkv = (m + 1) * sh.kv_heads / sh.ranks - b;
+      const int64_t g = sh.heads / sh.kv_heads, hq = hkv * g;
       for (int64_t r = 0; r < sh.rows; ++r) {
         int64_t out = 0;
         auto expect_head = [&](int64_t src_head_byte) {
@@ -116,9 +131,9 @@ TEST(HeadSlice, PackMatchesTheLayoutOnRandomShapes) {
                 << "rank " << m << " row " << r << " packed byte " << out;
           }
         };
-        for (int64_t j = 0; j < hq; ++j) expect_head((m * hq + j) * d * e);
-        for (int64_t j = 0; j < hkv; ++j) expect_head((sh.heads + m * hkv + j) * d * e);
-        for (int64_t j = 0; j < hkv; ++j) expect_head((sh.heads + sh.kv_heads + m * hkv + j) * d * e);
+        for (int64_t j = 0; j < hq; ++j) expect_head((b * g + j) * d * e);
+        for (int64_t j = 0; j < hkv; ++j) expect_head((sh.heads + b + j) * d * e);
+        for (int64_t j = 0; j < hkv; ++j) expect_head((sh.heads + sh.kv_heads + b + j) * d * e);
         ASSERT_EQ(out, packed_row);
       }
     }
@@ -133,7 +148,7 @@ TEST(HeadSlice, UnpackOfEveryRankFillsTheOutputOnRandomShapes) {
     SCOPED_TRACE(testing::Message() << "H " << sh.heads << " Hkv " << sh.kv_heads << " d " << sh.head_dim
                                     << " M " << sh.ranks << " T " << sh.rows << " elem " << sh.elem);
     const int64_t d = sh.head_dim, e = static_cast<int64_t>(sh.elem);
-    const int64_t attn_row = sh.heads * d * e, hq = sh.heads / sh.ranks;
+    const int64_t attn_row = sh.heads * d * e, g = sh.heads / sh.kv_heads;
     Guarded attn(static_cast<size_t>(sh.rows * attn_row), 0);
     // Rank m's output byte b of row r is Origin(r, m·10007 + b).
     for (int64_t m = 0; m < sh.ranks; ++m) {
@@ -147,10 +162,13 @@ TEST(HeadSlice, UnpackOfEveryRankFillsTheOutputOnRandomShapes) {
       ASSERT_TRUE(UnpackHeadSlice(memory, slice, sh.rows, sh.elem, out.data(), attn.get()).ok());
       ASSERT_TRUE(attn.GuardsIntact());
     }
-    // The reference: global output head h comes from rank h / (H/M), its local head h % (H/M).
+    // The reference: global output head h (of KV head h / G) comes from the rank whose slice
+    // [m·Hkv/M, (m+1)·Hkv/M) holds that KV head, its local head h - (m·Hkv/M)·G.
     for (int64_t r = 0; r < sh.rows; ++r) {
       for (int64_t h = 0; h < sh.heads; ++h) {
-        const int64_t m = h / hq, j = h % hq;
+        int64_t m = 0;
+        while ((m + 1) * sh.kv_heads / sh.ranks <= h / g) ++m;
+        const int64_t j = h - (m * sh.kv_heads / sh.ranks) * g;
         for (int64_t b = 0; b < d * e; ++b) {
           ASSERT_EQ(attn.get()[r * attn_row + h * d * e + b], Origin(r, m * 10007 + j * d * e + b))
               << "row " << r << " head " << h << " byte " << b;

@@ -1760,31 +1760,38 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
        "hello: KV heads [0, 1) must be [0, 2) for partition request, memory_rank 1 of 2 and num_kv_heads 2"},
       {[](RawHello& h) { h.kv_head_begin = 1; },
        "hello: KV heads [1, 2) must be [0, 2) for partition request"},
-      {[](RawHello& h) { h.partition = 1; },
-       "hello: KV heads [0, 2) must be [1, 2) for partition head, memory_rank 1 of 2 and num_kv_heads 2"},
       {[](RawHello& h) { h.partition = 1, h.kv_head_begin = 1, h.kv_head_end = 3; },
-       "hello: KV heads [1, 3) must be [1, 2) for partition head"},
+       "hello: KV heads [1, 3) must be a non-empty range within [0, 2) for partition head"},
       {[](RawHello& h) { h.partition = 1, h.kv_head_begin = 2, h.kv_head_end = 1; },
-       "hello: KV heads [2, 1) must be [1, 2)"},
+       "hello: KV heads [2, 1) must be a non-empty range within [0, 2)"},
+      {[](RawHello& h) { h.partition = 1, h.kv_head_begin = 1, h.kv_head_end = 1; },
+       "hello: KV heads [1, 1) must be a non-empty range within [0, 2)"},
       {[](RawHello& h) { h.partition = 1, h.num_memory_ranks = 3, h.kv_head_begin = 1, h.kv_head_end = 2; },
        "hello: partition head needs num_kv_heads 2 divisible by num_memory_ranks 3"},
       {[](RawHello& h) { h.partition = 1, h.num_heads = 12, h.num_kv_heads = 6, h.num_memory_ranks = 4; },
        "hello: partition head needs num_kv_heads 6 divisible by num_memory_ranks 4"},
   };
-  // The head partition's slices: rank m of M holds [m·Hkv/M, (m+1)·Hkv/M).
-  for (auto [rank, ranks, kv_heads, begin] : {std::tuple<uint16_t, uint16_t, uint32_t, uint32_t>{1, 2, 2, 1},
-                                              {0, 2, 2, 0},
-                                              {3, 4, 8, 6},
-                                              {0, 1, 8, 0},
-                                              {7, 8, 8, 7}}) {
+  // The head partition's slices: rank m of M holds [m·Hkv/M, (m+1)·Hkv/M) at start, and after a
+  // re-partition over the survivors any non-empty range (here 3 survivors of 4 over 8 KV heads:
+  // [0, 2), [2, 5), [5, 8); and one survivor holding every head).
+  for (auto [rank, ranks, kv_heads, begin, end] :
+       {std::tuple<uint16_t, uint16_t, uint32_t, uint32_t, uint32_t>{1, 2, 2, 1, 2},
+        {0, 2, 2, 0, 1},
+        {3, 4, 8, 6, 8},
+        {0, 1, 8, 0, 8},
+        {7, 8, 8, 7, 8},
+        {0, 4, 8, 0, 2},
+        {1, 4, 8, 2, 5},
+        {3, 4, 8, 5, 8},
+        {1, 2, 2, 0, 2}}) {
     RawHello h;
     h.partition = 1, h.memory_rank = rank, h.num_memory_ranks = ranks, h.num_kv_heads = kv_heads;
-    h.num_heads = 2 * kv_heads, h.kv_head_begin = begin, h.kv_head_end = begin + kv_heads / ranks;
+    h.num_heads = 2 * kv_heads, h.kv_head_begin = begin, h.kv_head_end = end;
     absl::StatusOr<HelloMessage> m = DecodeHello(MakeFrame(kHelloMagic, HelloBody(h)));
     ASSERT_TRUE(m.ok()) << rank << " of " << ranks << ": " << m.status();
     EXPECT_EQ(m->partition, AttentionPartition::kHead);
     EXPECT_EQ(m->kv_head_begin, begin);
-    EXPECT_EQ(m->kv_head_end, begin + kv_heads / ranks);
+    EXPECT_EQ(m->kv_head_end, end);
   }
   // A version 1 hello (before the partition) and a version 2 hello (byte 54 reserved, 0: no lanes)
   // are refused by their version, not read as version 9.
