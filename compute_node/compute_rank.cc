@@ -1483,8 +1483,12 @@ void ComputeRank::DropProbe(size_t m, const std::string& why) {
 }
 
 absl::Status ComputeRank::AdvanceRejoins() {
-  // On the device path a rejoin would need the device transport's connection set up anew.
-  if (options_.rejoin_probe <= absl::ZeroDuration() || device_path_ || !(CanRecover() || CanRecoverByRerun()))
+  // On a device path the probe's connection must carry the device connection too
+  // (capabilities().device_path_new_peers: p2p); with one compute rank (the replicas' part of a
+  // rejoin, RejoinReplicas, is the host-staged path's).
+  const bool device_rejoin = transport_->capabilities().device_path_new_peers && compute_ranks_ == 1;
+  if (options_.rejoin_probe <= absl::ZeroDuration() || (device_path_ && !device_rejoin) ||
+      !(CanRecover() || CanRecoverByRerun()))
     return absl::OkStatus();
   const absl::Time now = absl::Now();
   for (size_t m = 0; m < ranks_.size(); ++m) {
@@ -1516,9 +1520,12 @@ absl::Status ComputeRank::AdvanceRejoins() {
       if (transport_->Connecting(probe.peer)) continue;  // the bootstrap is still under way
       // Attention outputs of the new process go to buffers of its own: fresh ids (the old ones'
       // doorbells stay at the lost process's last seqno) over fresh memory (a late write of the
-      // lost process, stopped and then continued, lands in its own buffers).
-      const size_t out_bytes = static_cast<size_t>(options_.scheduler.max_tokens_per_step) *
-                               static_cast<size_t>(rank.slice.slice_q_dim()) * elem_;
+      // lost process, stopped and then continued, lands in its own buffers). On the device path
+      // every rank writes its rows' outputs straight into the lane's attention buffer, as the
+      // lost process did (a late write of it: its device path stopped with its failed step, or
+      // the process is gone); the new id's doorbell starts at 0.
+      const size_t t = static_cast<size_t>(options_.scheduler.max_tokens_per_step);
+      const size_t out_bytes = t * static_cast<size_t>(rank.slice.slice_q_dim()) * elem_;
       const uint32_t first = next_attn_buffer_;
       probe.lanes.clear();
       probe.lanes.resize(lanes_.size());
@@ -1526,6 +1533,12 @@ absl::Status ComputeRank::AdvanceRejoins() {
       for (size_t j = 0; j < lanes_.size() && st.ok(); ++j) {
         RankLane& rl = probe.lanes[j];
         rl.attn_buffer = next_attn_buffer_++;
+        if (device_path_) {
+          st = transport_->RegisterBuffer(rl.attn_buffer, lanes_[j].attn.get(),
+                                          t * static_cast<size_t>(backend_->spec().q_dim()) * elem_);
+          rl.registered = st.ok();
+          continue;
+        }
         rl.recv_bytes = kLayerMessageHeaderFrameBytes + out_bytes;
         absl::StatusOr<BackendBuffer> recv = backend_->memory().Allocate(rl.recv_bytes, true);
         st = recv.status();
@@ -1543,6 +1556,9 @@ absl::Status ComputeRank::AdvanceRejoins() {
       TANDEM_LOG_INFO("compute", rank.name, " answers at its address again: sent it a hello");
       continue;
     }
+    // The device path reads no message within a step (the host-staged path takes the reply with a
+    // layer's output): look for it here.
+    if (probe.reply.empty() && device_path_) RETURN_IF_ERROR(TakeMessagesBetweenSteps());
     if (probe.reply.empty()) continue;
     // The reply: the new process is set up; it takes the rank's place from the next step.
     absl::StatusOr<HelloReplyMessage> reply = DecodeHelloReply(probe.reply);
@@ -1608,6 +1624,33 @@ absl::Status ComputeRank::AdvanceRejoins() {
     if (head_) RETURN_IF_ERROR(RepartitionHeads(&ended_while_idle_));
   }
   return absl::OkStatus();
+}
+
+absl::Status ComputeRank::TakeMessagesBetweenSteps() {
+  // What the transport has (1 ms at most: UCX makes progress only before a deadline): a probe's
+  // messages (TakeStrayMessage), heartbeat replies; a live rank's error report or any other
+  // message loses it, as in Heartbeat, and its requests go back to the queue at once.
+  transport::PeerId from = 0;
+  std::vector<uint8_t> msg;
+  while (transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(1)).ok()) {
+    if (TakeStrayMessage(from, &msg)) continue;
+    size_t m = 0;
+    while (m < ranks_.size() && ranks_[m].peer != from) ++m;
+    if (m == ranks_.size() || ranks_[m].lost) continue;
+    absl::StatusOr<bool> beat = TakeHeartbeatReply(m, msg);
+    if (beat.ok() && *beat) continue;
+    if (PeekFrameMagic(msg).value_or(0) == kMemoryStatsMagic) continue;  // late: Pipeline gave up on it
+    absl::Status why = beat.status();
+    if (why.ok()) {
+      absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+      why = err.ok() ? StatusFromErrorMessage(*err)
+                     : absl::InvalidArgumentError(absl::StrCat("unexpected message (magic 0x",
+                                                               absl::Hex(PeekFrameMagic(msg).value_or(0)),
+                                                               ") between steps"));
+    }
+    RETURN_IF_ERROR(LoseRank(m, Annotate(why, ranks_[m].name)));
+  }
+  return RecoverLostRanks(&ended_while_idle_);
 }
 
 absl::StatusOr<std::string> ComputeRank::RejoinReplicas(size_t m, uint32_t attn_buffer) {

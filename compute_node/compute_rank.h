@@ -194,8 +194,11 @@ class ComputeRank : public Engine {
   // waits for the compute hellos of the compute ranks that go on (the hello's compute_mask), and
   // the rank is live again only once every replica has connected to it and answered (a memory
   // rejoin message each way, RejoinReplicas); a replica that cannot reach it keeps it lost and the
-  // probe is dropped. Probes reach the host-staged path only, where recovery works (CanRecover,
-  // CanRecoverByRerun).
+  // probe is dropped. Probes reach the host-staged path, where recovery works (CanRecover,
+  // CanRecoverByRerun), and a device path whose new peers need no collective set-up
+  // (capabilities().device_path_new_peers: p2p) with one compute rank; there a step reads no
+  // message, so the reply is looked for between steps (TakeMessagesBetweenSteps). Under the head
+  // partition the rank comes back through a new split of the heads (RepartitionHeads).
   absl::Status Check(const GenerationRequest& request) const override { return controller_->Check(request); }
   absl::StatusOr<int64_t> Submit(GenerationRequest request) override {
     return controller_->Submit(std::move(request));
@@ -560,6 +563,9 @@ class ComputeRank : public Engine {
   // timeout). Call between steps only. An error only where a step discard that lets the replicas
   // drop a failed rejoin fails (as Regroup).
   absl::Status AdvanceRejoins();
+  // Between steps on the device path, where a step reads no message: takes what has arrived (a
+  // probe's reply among it; see the .cc).
+  absl::Status TakeMessagesBetweenSteps();
   // A message from a probe (kept as its hello reply: true) or from a connection given up (a lost
   // rank's old one, a dropped probe: dropped, true); false for any other peer's.
   bool TakeStrayMessage(transport::PeerId from, std::vector<uint8_t>* msg);

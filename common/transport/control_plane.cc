@@ -11,6 +11,7 @@ absl::Status ControlPlaneTransport::Greet(PeerId peer) {
 
 absl::StatusOr<PeerId> ControlPlaneTransport::Connect(const std::string& address) {
   ASSIGN_OR_RETURN(const PeerId peer, control_->Connect(address));
+  if (greet_when_connected_ && control_->Connecting(peer)) return peer;  // greeted by its first Send
   RETURN_IF_ERROR(Greet(peer));
   return peer;
 }

@@ -8,7 +8,11 @@
 // data path; it calls Pump() wherever it waits for frames of its own.
 //
 // Every peer is greeted exactly once, before anything it sent is handed on: by Connect, by Accept,
-// or by the first Receive or Pump that meets a message from it. The inner transport takes
+// or by the first Receive or Pump that meets a message from it. A subclass that greets only once
+// connected (greet_when_connected_: p2p) is greeted by Connect when the inner connection is up
+// already, else by the first Send to the peer (or message from it): so a Connect never waits for
+// the connection, and a refused one (a rejoin probe, Close()d at once) is never sent to and fails
+// nothing. The inner transport takes
 // connections as it makes progress, so a peer's first message can arrive in a Receive before an
 // Accept has returned that peer (or with no Accept to follow: a memory rank stops accepting once
 // its compute ranks have said hello); greeting only in Accept once left such a peer without this
@@ -27,6 +31,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/status.h"
 #include "common/transport/transport.h"
 
 namespace tandem::transport {
@@ -38,6 +43,7 @@ class ControlPlaneTransport : public Transport {
   absl::StatusOr<PeerId> Connect(const std::string& address) override;
   absl::StatusOr<PeerId> Accept(absl::Time deadline) override;
   absl::Status Send(PeerId peer, absl::Span<const uint8_t> message) override {
+    RETURN_IF_ERROR(Greet(peer));  // a no-op once greeted
     return control_->Send(peer, message);
   }
   // The caller's next message: one kept by Pump first, else the next from the inner transport
@@ -82,6 +88,10 @@ class ControlPlaneTransport : public Transport {
     if (m.size() >= 4) std::memcpy(&magic, m.data(), 4);
     return magic;
   }
+
+  // Set by a subclass's constructor: Connect greets a peer only once its connection is up (see the
+  // top); otherwise Connect greets at once (which waits for the connection).
+  bool greet_when_connected_ = false;
 
   Transport& control() { return *control_; }
   const Transport& control() const { return *control_; }

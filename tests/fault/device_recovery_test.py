@@ -7,7 +7,10 @@ processes on one GPU, interprocess events), with or without a compute replica (p
 While the requests decode, one memory rank is killed (SIGKILL) or stopped (SIGSTOP, found silent
 after launch.step_timeout_s), or the replica is killed. Compute rank 0 discards the step, every
 surviving rank drains and resets its device path, and the step runs again without the rank; a lost
-memory rank's requests are recomputed on the others. Every request must complete, with the tokens of
+memory rank's requests are recomputed on the others. In one case the launcher restarts the killed
+rank (launch.rejoin_probe_s 0.2) and compute rank 0 takes it back on the device path (the probe's
+connection carries p2p's doorbells and buffer handles): requests admitted after the rejoin run
+attention there (the new process's bye counts steps with rows). Every request must complete, with the tokens of
 a fault-free run of the same deployment up to bf16 rounding: log-probabilities as the fault-free
 run's until a request's tokens part from its tokens, and a greedy request may part only at a near
 tie (the recomputed requests are prefilled, and every step after the loss has other rows, so the
@@ -19,6 +22,7 @@ Usage: device_recovery_test.py path/to/tandem   (exit 77, skipped, without a GPU
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -51,23 +55,23 @@ def prompts(path, n=16):
             f.write(json.dumps(req) + "\n")
 
 
-def deployment(tmp, ranks, step_timeout, compute_ranks=1):
-    path = os.path.join(tmp, f"deploy-{ranks}-{compute_ranks}.yaml")
+def deployment(tmp, ranks, step_timeout, compute_ranks=1, batch=16):
+    path = os.path.join(tmp, f"deploy-{ranks}-{compute_ranks}-{batch}.yaml")
     # With a replica: pipeline.mode fixed, micro-batch j on compute rank j % 2.
     pipeline = "pipeline:\n  mode: fixed\n  batches: 2\n" if compute_ranks > 1 else ""
     with open(path, "w") as f:
         f.write(f"model:\n  path: {MODEL}\ncompute:\n  device: cuda:0\n  ranks: {compute_ranks}\n"
                 f"memory:\n  ranks: {ranks}\n  devices: cuda:0\ntransport:\n  kind: p2p\n{pipeline}"
-                f"scheduler:\n  max_batch_size: 16\n  max_tokens_per_step: 256\nkv:\n  capacity_tokens: 16384\n"
-                f"launch:\n  run_dir: {tmp}/run\n  step_timeout_s: {step_timeout}\n")
+                f"scheduler:\n  max_batch_size: {batch}\n  max_tokens_per_step: 256\nkv:\n  capacity_tokens: 16384\n"
+                f"launch:\n  run_dir: {tmp}/run\n  step_timeout_s: {step_timeout}\n  rejoin_probe_s: 0.2\n")
     return path
 
 
-def run(tmp, ranks, step_timeout, compute_ranks=1, victim=None, sig=None, delay=1.5, bound=240):
+def run(tmp, ranks, step_timeout, compute_ranks=1, victim=None, sig=None, delay=1.5, bound=240, batch=16):
     """Runs the requests through a deployment; with `victim` ("memory-N" or "compute-N"), sends `sig`
     to that rank `delay` seconds after compute-0 is ready. Returns (rc, stdout, stderr, seconds,
     seconds run after the signal)."""
-    cmd = [TANDEM, "generate", "--deploy", deployment(tmp, ranks, step_timeout, compute_ranks), "--prompts-file",
+    cmd = [TANDEM, "generate", "--deploy", deployment(tmp, ranks, step_timeout, compute_ranks, batch), "--prompts-file",
            os.path.join(tmp, "prompts.jsonl"), "--json", "--logprobs", "--ignore-eos"]
     start = time.time()
     out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
@@ -151,25 +155,32 @@ def main():
         sys.exit(77)
     with tempfile.TemporaryDirectory(prefix="tandem-devrec-") as tmp:
         prompts(os.path.join(tmp, "prompts.jsonl"))
-        # (name, memory ranks, compute ranks, victim, signal, launch.step_timeout_s, what compute-0 logs)
-        cases = [("SIGKILL of memory rank 1 of 2", 2, 1, "memory-1", signal.SIGKILL, 20, "memory rank 1 ("),
-                 ("SIGSTOP of memory rank 0 of 3", 3, 1, "memory-0", signal.SIGSTOP, 3, "memory rank 0 ("),
+        # (name, memory ranks, compute ranks, victim, signal, launch.step_timeout_s, what compute-0 logs,
+        #  scheduler.max_batch_size: 8 leaves half the requests waiting, to be placed after a rejoin)
+        cases = [("SIGKILL of memory rank 1 of 2", 2, 1, "memory-1", signal.SIGKILL, 20, "memory rank 1 (", 16),
+                 ("SIGSTOP of memory rank 0 of 3", 3, 1, "memory-0", signal.SIGSTOP, 3, "memory rank 0 (", 16),
                  ("SIGKILL of memory rank 1 of 2, with a compute replica", 2, 2, "memory-1", signal.SIGKILL, 20,
-                  "memory rank 1 ("),
-                 ("SIGKILL of the compute replica", 2, 2, "compute-1", signal.SIGKILL, 20, "giving up compute rank 1")]
+                  "memory rank 1 (", 16),
+                 ("SIGKILL of the compute replica", 2, 2, "compute-1", signal.SIGKILL, 20, "giving up compute rank 1",
+                  16),
+                 ("SIGKILL of memory rank 1 of 2, restarted and rejoined", 2, 1, "memory-1", signal.SIGKILL, 20,
+                  "memory rank 1 (", 8)]
+        only = os.environ.get("TANDEM_FAULT_CASE")  # "rejoin": only the last case
+        if only == "rejoin":
+            cases = cases[-1:]
         want_of = {}
-        for name, ranks, compute_ranks, victim, sig, timeout, lost in cases:
-            if (ranks, compute_ranks, timeout) not in want_of:
-                rc, want, err, secs, _ = run(tmp, ranks, timeout, compute_ranks)
+        for name, ranks, compute_ranks, victim, sig, timeout, lost, batch in cases:
+            if (ranks, compute_ranks, timeout, batch) not in want_of:
+                rc, want, err, secs, _ = run(tmp, ranks, timeout, compute_ranks, batch=batch)
                 print(f"fault-free, {compute_ranks} compute + {ranks} memory ranks: exit {rc} after {secs:.1f} s",
                       flush=True)
                 if rc != 0:
                     bad(f"fault-free run with {compute_ranks} compute + {ranks} memory ranks failed: {err[-800:]}")
                     print_logs(tmp)
                     continue
-                want_of[(ranks, compute_ranks, timeout)] = want
-            want = want_of[(ranks, compute_ranks, timeout)]
-            rc, got, err, secs, after = run(tmp, ranks, timeout, compute_ranks, victim, sig)
+                want_of[(ranks, compute_ranks, timeout, batch)] = want
+            want = want_of[(ranks, compute_ranks, timeout, batch)]
+            rc, got, err, secs, after = run(tmp, ranks, timeout, compute_ranks, victim, sig, batch=batch)
             signalled = time.time() - after if after else 0.0
             with open(os.path.join(tmp, "run", "latest", "compute-0.log")) as f:
                 log = f.read()
@@ -194,6 +205,18 @@ def main():
                 bad(f"{name}: compute-0 did not log the rerun and the requeued requests: {log[-1200:]}")
             if victim.startswith("compute") and "runs again, and compute rank 0 runs every micro-batch" not in log:
                 bad(f"{name}: compute-0 did not log the rerun on compute rank 0: {log[-1200:]}")
+            if "rejoined" in name:
+                rejoin = [line for line in log.splitlines() if ") rejoined (" in line]
+                with open(os.path.join(tmp, "run", "latest", "memory-1.log")) as f:
+                    byes = re.findall(r"memory rank 1: bye after \d+ steps \((\d+) with rows here\)", f.read())
+                print(f"{name}: {rejoin[0][-200:] if rejoin else 'no rejoin'}; the new process's bye: "
+                      f"{byes[-1] if byes else '?'} steps with rows", flush=True)
+                if not rejoin:
+                    bad(f"{name}: compute-0 did not take the restarted rank back: {log[-1200:]}\n{err[-600:]}")
+                elif not byes or int(byes[-1]) == 0:
+                    bad(f"{name}: the restarted memory rank 1 ran no steps with rows")
+                if "memory-1 restarted (pid" not in err:
+                    bad(f"{name}: the launcher did not report the restart: {err[-600:]}")
             compare(got, want, name)
     print(f"{len(failures)} failure(s)")
     sys.exit(1 if failures else 0)

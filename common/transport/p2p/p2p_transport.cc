@@ -129,6 +129,9 @@ class P2pTransport : public ControlPlaneTransport {
     caps_.device_polling = true;
     caps_.same_host_only = true;
     caps_.device_path_reset = true;
+    caps_.device_path_new_peers = true;
+    // Connect does not wait for the connection: a rejoin probe must never hold up a step.
+    greet_when_connected_ = true;
   }
 
   ~P2pTransport() override {
@@ -319,7 +322,7 @@ class P2pTransport : public ControlPlaneTransport {
                                                      " outside buffer ", buffer, " (", it->second.bytes,
                                                      " bytes)"));
     }
-    if (!peers_.contains(peer)) return absl::NotFoundError(absl::StrCat("no peer ", peer));
+    RETURN_IF_ERROR(Greet(peer));  // a peer connected but not yet sent to (greet_when_connected_)
     P2P_CUDA(cudaSetDevice(device_));
     // Whether the peer shares our GPU is in its hello, which comes before anything it sends.
     for (const absl::Time until = absl::Now() + timeout; !peers_.at(peer).greeted;) {
@@ -445,7 +448,7 @@ class P2pTransport : public ControlPlaneTransport {
   }
 
   absl::StatusOr<Remote*> RemoteBuffer(PeerId peer, uint32_t buffer, absl::Time deadline) {
-    if (!peers_.contains(peer)) return absl::NotFoundError(absl::StrCat("no peer ", peer));
+    RETURN_IF_ERROR(Greet(peer));  // a peer connected but not yet sent to (greet_when_connected_)
     while (true) {
       Peer& p = peers_.at(peer);
       auto it = p.buffers.find(buffer);
