@@ -1636,21 +1636,25 @@ absl::Status ComputeRank::TakeMessagesBetweenSteps() {
     if (TakeStrayMessage(from, &msg)) continue;
     size_t m = 0;
     while (m < ranks_.size() && ranks_[m].peer != from) ++m;
-    if (m == ranks_.size() || ranks_[m].lost) continue;
-    absl::StatusOr<bool> beat = TakeHeartbeatReply(m, msg);
-    if (beat.ok() && *beat) continue;
-    if (PeekFrameMagic(msg).value_or(0) == kMemoryStatsMagic) continue;  // late: Pipeline gave up on it
-    absl::Status why = beat.status();
-    if (why.ok()) {
-      absl::StatusOr<ErrorMessage> err = DecodeError(msg);
-      why = err.ok() ? StatusFromErrorMessage(*err)
-                     : absl::InvalidArgumentError(absl::StrCat("unexpected message (magic 0x",
-                                                               absl::Hex(PeekFrameMagic(msg).value_or(0)),
-                                                               ") between steps"));
-    }
-    RETURN_IF_ERROR(LoseRank(m, Annotate(why, ranks_[m].name)));
+    if (m < ranks_.size() && !ranks_[m].lost) RETURN_IF_ERROR(TakeIdleMessage(m, msg, "between steps"));
   }
   return RecoverLostRanks(&ended_while_idle_);
+}
+
+absl::Status ComputeRank::TakeIdleMessage(size_t m, const std::vector<uint8_t>& msg, const char* when) {
+  absl::StatusOr<bool> beat = TakeHeartbeatReply(m, msg);
+  if (beat.ok() && *beat) return absl::OkStatus();
+  if (PeekFrameMagic(msg).value_or(0) == kMemoryStatsMagic)
+    return absl::OkStatus();  // late: Pipeline gave up
+  absl::Status why = beat.status();
+  if (why.ok()) {
+    absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+    why = err.ok()
+              ? StatusFromErrorMessage(*err)
+              : absl::InvalidArgumentError(absl::StrCat(
+                    "unexpected message (magic 0x", absl::Hex(PeekFrameMagic(msg).value_or(0)), ") ", when));
+  }
+  return LoseRank(m, Annotate(why, ranks_[m].name));
 }
 
 absl::StatusOr<std::string> ComputeRank::RejoinReplicas(size_t m, uint32_t attn_buffer) {
@@ -1882,19 +1886,7 @@ absl::Status ComputeRank::Heartbeat() {
       if (!CanRecoverReplica()) return why;
       RETURN_IF_ERROR(LoseReplica(r, why, 0));
     }
-    if (ranks_[m].lost) continue;
-    absl::StatusOr<bool> beat = TakeHeartbeatReply(m, msg);
-    if (beat.ok() && *beat) continue;
-    if (PeekFrameMagic(msg).value_or(0) == kMemoryStatsMagic) continue;  // late: Pipeline gave up on it
-    absl::Status why = beat.status();
-    if (why.ok()) {
-      absl::StatusOr<ErrorMessage> err = DecodeError(msg);
-      why = err.ok() ? StatusFromErrorMessage(*err)
-                     : absl::InvalidArgumentError(absl::StrCat("unexpected message (magic 0x",
-                                                               absl::Hex(PeekFrameMagic(msg).value_or(0)),
-                                                               ") while idle"));
-    }
-    RETURN_IF_ERROR(LoseRank(m, Annotate(why, ranks_[m].name)));
+    if (!ranks_[m].lost) RETURN_IF_ERROR(TakeIdleMessage(m, msg, "while idle"));
   }
   // Ranks the transport knows failed, and ranks silent past the step timeout: each is named by
   // its own heartbeat, so a silent rank is never mistaken for its neighbour.

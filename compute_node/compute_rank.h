@@ -566,6 +566,9 @@ class ComputeRank : public Engine {
   // Between steps on the device path, where a step reads no message: takes what has arrived (a
   // probe's reply among it; see the .cc).
   absl::Status TakeMessagesBetweenSteps();
+  // A message from live memory rank m outside a step (Heartbeat, TakeMessagesBetweenSteps): a
+  // heartbeat reply is taken; an error report, or anything else (named `when`), loses the rank.
+  absl::Status TakeIdleMessage(size_t m, const std::vector<uint8_t>& msg, const char* when);
   // A message from a probe (kept as its hello reply: true) or from a connection given up (a lost
   // rank's old one, a dropped probe: dropped, true); false for any other peer's.
   bool TakeStrayMessage(transport::PeerId from, std::vector<uint8_t>* msg);

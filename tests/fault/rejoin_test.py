@@ -168,6 +168,35 @@ def check_byes(d, label):
         bad(f"{label}: the restarted memory rank 1 ran no steps with rows: {d.log('memory-1')[-600:]}")
 
 
+def kill_until_rejoined(d, label, rejoined, at_rejoin=lambda: None):
+    """kill -9 of memory rank 1 while four clients send REQUESTS, until `rejoined()` (or BOUND_S);
+    `at_rejoin()` runs then, and the load goes on a second more. Returns (fault-free tokens, what
+    at_rejoin returned), or None when the case cannot go on (reported)."""
+    expect = fault_free(d)
+    if expect is None:
+        return None
+    load = Load(d, expect, label)
+    time.sleep(1.0)
+    victim = d.memory_pids(1)
+    if not victim:
+        bad(f"{label}: memory rank 1 not found")
+        load.finish()
+        return None
+    start = time.time()
+    signal_all(victim, signal.SIGKILL)
+    took = wait_for(rejoined, BOUND_S)
+    extra = at_rejoin()
+    time.sleep(1.0)  # requests placed on the rejoined rank
+    load.finish()
+    print(f"{label}: rejoined {'%.1f s' % took if took is not None else 'never'} after the kill; "
+          f"{load.done} requests in {time.time() - start:.1f} s", flush=True)
+    if took is None:
+        bad(f"{label}: memory rank 1 did not rejoin within {BOUND_S} s: {d.log('compute-0')[-800:]}\n"
+            f"{d.log('compute-1')[-600:]}\n{d.err()[-600:]}")
+        return None
+    return expect, extra
+
+
 def with_replica(tmp):
     """kill -9 of memory rank 1 under load with a compute replica: the replica connects to the new
     process, the rank rejoins, and the replica goes on with it."""
@@ -176,28 +205,11 @@ def with_replica(tmp):
     try:
         if d.url is None:
             return
-        expect = fault_free(d)
-        if expect is None:
+        done = kill_until_rejoined(d, label, lambda: re.search(r"memory rank 1 \(\S+\) rejoined", d.log("compute-0")),
+                                   lambda: d.metric("replica_micro_batches_total"))
+        if done is None:
             return
-        load = Load(d, expect, label)
-        time.sleep(1.0)
-        victim = d.memory_pids(1)
-        if not victim:
-            bad(f"{label}: memory rank 1 not found")
-            load.finish()
-            return
-        start = time.time()
-        signal_all(victim, signal.SIGKILL)
-        took = wait_for(lambda: re.search(r"memory rank 1 \(\S+\) rejoined", d.log("compute-0")), BOUND_S)
-        sampled = d.metric("replica_micro_batches_total")
-        time.sleep(1.0)  # requests placed on the rejoined rank, micro-batches on the replica
-        load.finish()
-        print(f"{label}: rejoined {'%.1f s' % took if took is not None else 'never'} after the kill; "
-              f"{load.done} requests in {time.time() - start:.1f} s", flush=True)
-        if took is None:
-            bad(f"{label}: memory rank 1 did not rejoin within {BOUND_S} s: {d.log('compute-0')[-800:]}\n"
-                f"{d.log('compute-1')[-600:]}\n{d.err()[-600:]}")
-            return
+        expect, sampled = done
         if "memory-1 restarted (pid" not in d.err():
             bad(f"{label}: the launcher did not report the restart: {d.err()[-600:]}")
         if not re.search(r"compute rank 1: memory rank 1 \(\S+\) rejoined .*this rank is connected to it",
@@ -230,28 +242,11 @@ def head_partition(tmp):
     try:
         if d.url is None:
             return
-        expect = fault_free(d)
-        if expect is None:
+        done = kill_until_rejoined(d, label, lambda: re.search(r"memory rank 1 \(\S+\) rejoined", d.log("compute-0"))
+                                   and "split again over 2 memory rank" in d.log("compute-0"))
+        if done is None:
             return
-        load = Load(d, expect, label)
-        time.sleep(1.0)
-        victim = d.memory_pids(1)
-        if not victim:
-            bad(f"{label}: memory rank 1 not found")
-            load.finish()
-            return
-        start = time.time()
-        signal_all(victim, signal.SIGKILL)
-        took = wait_for(lambda: re.search(r"memory rank 1 \(\S+\) rejoined", d.log("compute-0")) and
-                        d.log("compute-0").count("split again over 2 memory rank") >= 1, BOUND_S)
-        time.sleep(1.0)  # requests on both ranks again
-        load.finish()
-        print(f"{label}: rejoined {'%.1f s' % took if took is not None else 'never'} after the kill; "
-              f"{load.done} requests in {time.time() - start:.1f} s", flush=True)
-        if took is None:
-            bad(f"{label}: memory rank 1 did not rejoin within {BOUND_S} s: {d.log('compute-0')[-800:]}\n"
-                f"{d.err()[-600:]}")
-            return
+        expect, _ = done
         log0 = d.log("compute-0")
         for want in ("split again over 1 memory rank", "memory rank 0: cpu, 512 KV tokens of KV heads [0, "):
             if want not in log0:
