@@ -794,9 +794,13 @@ int main(int argc, char** argv) {
   cudaDeviceSynchronize();
 
   // The deployments.
-  // Head partition: every rank holds every request, a token of its slice costs 1/ranks of a token.
+  // Head partition: every rank holds every request, a token of its slice costs its share of a
+  // token: the largest slice's, ceil(Hkv / ranks) of the Hkv heads (the slices differ by one head
+  // where the ranks do not divide them).
   const bool head = partition == tandem::AttentionPartition::kHead;
-  const int64_t per_token = spec.kv_bytes_per_token(2) / (head ? memory_ranks : 1);
+  const int64_t largest_slice = (spec.num_kv_heads + memory_ranks - 1) / memory_ranks;
+  const int64_t per_token =
+      head ? spec.kv_bytes_per_token(2) * largest_slice / spec.num_kv_heads : spec.kv_bytes_per_token(2);
   int64_t budget = INT64_MAX;  // KV tokens a memory rank can hold
   if (shared_gpu) budget = head ? colocated_kv : colocated_kv / memory_ranks;
   for (int m = 0; !shared_gpu && m < memory_ranks && compute_ranks + m < gpus; ++m) {

@@ -19,10 +19,11 @@ absl::StatusOr<AttentionPartition> ParseAttentionPartition(std::string_view valu
 absl::Status CheckAttentionPartition(AttentionPartition partition, int64_t num_kv_heads,
                                      int64_t num_memory_ranks) {
   if (partition != AttentionPartition::kHead) return absl::OkStatus();
-  if (num_memory_ranks < 1 || num_kv_heads % num_memory_ranks != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("memory.partition: head needs num_key_value_heads (",
-                                                   num_kv_heads, ") divisible by memory.ranks (",
-                                                   num_memory_ranks, ")"));
+  if (num_memory_ranks < 1 || num_kv_heads < num_memory_ranks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("memory.partition: head needs a KV head per memory rank: "
+                     "num_key_value_heads (",
+                     num_kv_heads, ") < memory.ranks (", num_memory_ranks, ")"));
   }
   return absl::OkStatus();
 }

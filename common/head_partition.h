@@ -5,10 +5,11 @@
 //            gets one contiguous range of the step's rows (the default);
 //   head     every memory rank holds a slice of the KV heads of every request: rank m of M holds
 //            KV heads [m·Hkv/M, (m+1)·Hkv/M) and the query heads of those GQA groups (G = H/Hkv
-//            query heads per KV head). A deployment needs Hkv divisible by M (equal slices);
-//            after a memory rank is lost the k survivors split the heads again as slices i of k
-//            (HeadSlice with num_ranks k), which may differ by one KV head. Every rank gets every
-//            row, but only its columns.
+//            query heads per KV head), rounded down: the slices are equal when M divides Hkv and
+//            otherwise differ by one KV head (8 KV heads over 3 ranks: 2, 3 and 3). Needs
+//            Hkv >= M. After a memory rank is lost the k survivors split the heads again as
+//            slices i of k (HeadSlice with num_ranks k). Every rank gets every row, but only its
+//            columns.
 //
 // Column layout (elements). A q,k,v row is [q (H·d) | k (Hkv·d) | v (Hkv·d)] and an attention
 // output row is H·d, heads in order. A slice of KV heads [b, e) packs its q,k,v row as [its q heads
@@ -37,9 +38,9 @@ const char* AttentionPartitionName(AttentionPartition partition);
 // The setting's value: "request" or "head"; anything else is InvalidArgument naming
 // memory.partition and the choices.
 absl::StatusOr<AttentionPartition> ParseAttentionPartition(std::string_view value);
-// OK for the request partition; for the head partition InvalidArgument unless num_kv_heads is a
-// multiple of num_memory_ranks: "memory.partition: head needs num_key_value_heads (8) divisible by
-// memory.ranks (3)".
+// OK for the request partition; for the head partition InvalidArgument unless every memory rank
+// gets a KV head: "memory.partition: head needs a KV head per memory rank: num_key_value_heads (2)
+// < memory.ranks (3)".
 absl::Status CheckAttentionPartition(AttentionPartition partition, int64_t num_kv_heads,
                                      int64_t num_memory_ranks);
 

@@ -917,8 +917,8 @@ absl::Status ValidateHello(const HelloMessage& h) {
   const auto partition = static_cast<uint8_t>(h.partition);
   uint64_t begin = 0, end = h.num_kv_heads;  // the slice the partition gives this rank
   if (h.partition == AttentionPartition::kHead) {
-    if (h.num_kv_heads % h.num_memory_ranks != 0) {
-      return bad("partition head needs num_kv_heads ", h.num_kv_heads, " divisible by num_memory_ranks ",
+    if (h.num_kv_heads < h.num_memory_ranks) {
+      return bad("partition head needs num_kv_heads ", h.num_kv_heads, " >= num_memory_ranks ",
                  h.num_memory_ranks);
     }
     // Any non-empty range of the heads: a re-partition over the surviving ranks gives slices of

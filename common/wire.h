@@ -239,8 +239,8 @@
 //       56     4  kv_head_begin          u32  the KV heads this memory rank holds of every
 //       60     4  kv_head_end            u32  request it serves, [kv_head_begin, kv_head_end):
 //                                             request partition: [0, num_kv_heads); head
-//                                             partition: num_kv_heads a multiple of
-//                                             num_memory_ranks and a non-empty range within
+//                                             partition: num_kv_heads >= num_memory_ranks
+//                                             and a non-empty range within
 //                                             [0, num_kv_heads) ([m·Hkv/M, (m+1)·Hkv/M) for
 //                                             m = memory_rank at start; slice i of k after a
 //                                             re-partition over k surviving ranks). A memory rank
@@ -923,7 +923,7 @@ uint32_t Crc32cPortableForTest(absl::Span<const uint8_t> data);
 absl::Status ValidateStepPlan(const StepPlan& plan);
 absl::Status ValidateLayerMessageHeader(const LayerMessageHeader& header);
 // The same for the control messages, e.g. "hello: num_kv_heads 3 must divide num_heads 32",
-// "hello: partition head needs num_kv_heads 8 divisible by num_memory_ranks 3".
+// "hello: partition head needs num_kv_heads 2 >= num_memory_ranks 3".
 absl::Status ValidateHello(const HelloMessage& hello);
 absl::Status ValidateHelloReply(const HelloReplyMessage& reply);
 absl::Status ValidateRelease(const ReleaseMessage& release);

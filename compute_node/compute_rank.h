@@ -75,8 +75,9 @@ struct ComputeRankOptions {
   int device = -1;                                                      // -1: cpu, else cuda:N
   transport::TransportKind transport = transport::TransportKind::kUcx;  // as the memory ranks
   std::vector<std::string> memory_addresses;  // transport address of memory rank m, in rank order
-  // memory.partition. kHead needs the model's num_kv_heads divisible by the number of memory ranks
-  // (Create refuses it otherwise, naming both numbers).
+  // memory.partition. kHead needs the model's num_kv_heads >= the number of memory ranks (Create
+  // refuses it otherwise, naming both numbers); the slices differ by one KV head where the number
+  // of ranks does not divide them.
   AttentionPartition partition = AttentionPartition::kRequest;
   ControllerOptions scheduler;
   int64_t kv_capacity_tokens = 0;  // per memory rank; 0: each sizes its pool from its memory

@@ -50,7 +50,8 @@ const ConfigSchema& DeploySchema() {
         .Enum("memory.partition", "request", {"request", "head"},
               "how attention is split over the memory ranks: request (each request's KV on one rank, "
               "placed by free KV) or head (every rank holds a slice of the KV heads of every request; "
-              "needs num_key_value_heads divisible by memory.ranks)")
+              "needs num_key_value_heads >= memory.ranks; slices differ by one KV head where "
+              "memory.ranks does not divide them)")
         .Enum("pipeline.mode", "none", {"none", "pingpong", "fixed", "rotational"},
               "none: each step runs whole (linear layers, then attention, layer by layer); pingpong: each "
               "step is split into pipeline.batches micro-batches of balanced rows and KV, and compute rank 0 "

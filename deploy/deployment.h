@@ -9,7 +9,7 @@
 //                                      all ("auto": the compute rank's device) or a comma list
 //   memory.partition                   request (each request's KV on one rank) or head (every rank
 //                                      holds a slice of every request's KV heads; needs
-//                                      num_key_value_heads divisible by memory.ranks)
+//                                      num_key_value_heads >= memory.ranks)
 //   memory.host, memory.base_port      where memory ranks listen (port 0: any free port)
 //   compute.hosts, memory.hosts        the pools: hosts, devices, device types and addresses to
 //                                      bind (deploy/placement.h); without them, the keys above on
@@ -97,7 +97,7 @@ struct DeployPlan {
 // type, interface, and the transport between compute-0 and each memory rank (for `config check`).
 std::string DescribePlacement(const DeployPlan& plan);
 // Errors name the YAML path ("memory.devices: 3 devices listed for 2 ranks", "memory.partition:
-// head needs num_key_value_heads (8) divisible by memory.ranks (3)").
+// head needs a KV head per memory rank: num_key_value_heads (2) < memory.ranks (3)").
 absl::StatusOr<DeployPlan> ResolveDeployment(const Config& config, const ModelSpec& spec);
 // The value of transport.kind: nullopt for "auto", else the kind. InvalidArgument naming
 // transport.kind for anything else. Parsed once, when the deployment is resolved.

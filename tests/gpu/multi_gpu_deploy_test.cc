@@ -6,7 +6,8 @@
 //     cuda:0, with 1 memory rank (2 GPUs) and with 3 (4 GPUs), on the reference checkpoints and on
 //     the llama3-8b preset; and so does the head partition (memory.partition: head, each rank's
 //     columns packed and scattered by strided device copies) with 2 memory ranks (3 GPUs) and 4
-//     (5 GPUs); on one GPU (local), with 1 and 2 memory ranks and the head partition over 2; and
+//     (5 GPUs); on one GPU (local), with 1 and 2 memory ranks and the head partition over 2 and
+//     over 3 (slices that differ by one KV head); and
 //     pipelining (pipeline.mode pingpong, one micro-batch more than memory ranks) on one GPU
 //     (local), 2 and 4 GPUs (p2p, and nccl, whose sends then run on a stream per peer: with
 //     them on the compute stream two micro-batches in flight deadlocked);
@@ -471,6 +472,12 @@ INSTANTIATE_TEST_SUITE_P(OneGpu, HeadPartitionSameTokens,
                          ::testing::Combine(::testing::Values("local"),
                                             ::testing::Values("llama3-gqa-tied", "llama2-mha", "llama3-8b"),
                                             ::testing::Values(2)),
+                         Name);
+// Slices that differ by one KV head: llama2-mha's 4 over 3 ranks (1, 1, 2), llama3-8b's 8 (2, 3, 3).
+INSTANTIATE_TEST_SUITE_P(OneGpuUnequalSlices, HeadPartitionSameTokens,
+                         ::testing::Combine(::testing::Values("local"),
+                                            ::testing::Values("llama2-mha", "llama3-8b"),
+                                            ::testing::Values(3)),
                          Name);
 // Pingpong on the reference checkpoints only: the llama3-8b preset's random weights give nearly
 // flat logits, so a bf16 GEMM over fewer rows (another cuBLAS kernel, other rounding) flips

@@ -581,7 +581,7 @@ TEST_P(HeadPartition, EqualsColocatedAndRequestPartition) {
   const auto& [model, n] = GetParam();
   std::unique_ptr<WeightSource> source = OpenHeadModel(model);
   ASSERT_NE(source, nullptr);
-  ASSERT_EQ(source->spec().num_kv_heads % n, 0);
+  ASSERT_GE(source->spec().num_kv_heads, n);
   constexpr int64_t kBatch = 6, kStepTokens = 32, kBlock = 8;
   std::mt19937 rng(4321);
   const int64_t vocab = source->spec().vocab_size;
@@ -634,12 +634,13 @@ TEST_P(HeadPartition, EqualsColocatedAndRequestPartition) {
   });
   ASSERT_FALSE(HasFailure());
   for (int m = 0; m < n; ++m) {
-    const int64_t per_rank = source->spec().num_kv_heads / n;
+    // [m·Hkv/n, (m+1)·Hkv/n), rounded down: 4 KV heads over 3 ranks are 1, 1 and 2.
+    const int64_t kv_heads = source->spec().num_kv_heads;
     const std::string& name = rank_->memory_ranks()[static_cast<size_t>(m)];
     EXPECT_NE(name.find(absl::StrCat("memory rank ", m, ": cpu")), std::string::npos) << name;
-    EXPECT_NE(
-        name.find(absl::StrCat("1024 KV tokens of KV heads [", m * per_rank, ", ", (m + 1) * per_rank, ")")),
-        std::string::npos)
+    EXPECT_NE(name.find(absl::StrCat("1024 KV tokens of KV heads [", m * kv_heads / n, ", ",
+                                     (m + 1) * kv_heads / n, ")")),
+              std::string::npos)
         << name;
   }
   int64_t cached = 0, generated = 0;
@@ -668,7 +669,9 @@ INSTANTIATE_TEST_SUITE_P(ModelsAndRanks, HeadPartition,
                                            std::tuple<std::string, int>{"llama2-mha", 4},
                                            std::tuple<std::string, int>{"llama3-gqa-tied", 2},
                                            std::tuple<std::string, int>{"gqa-8x4", 2},
-                                           std::tuple<std::string, int>{"gqa-8x4", 4}),
+                                           std::tuple<std::string, int>{"gqa-8x4", 3},
+                                           std::tuple<std::string, int>{"gqa-8x4", 4},
+                                           std::tuple<std::string, int>{"llama2-mha", 3}),
                          [](const auto& info) {
                            return absl::StrCat(testing_names::Identifier(std::get<0>(info.param)), "_",
                                                std::get<1>(info.param), "_memory_ranks");
@@ -825,9 +828,9 @@ INSTANTIATE_TEST_SUITE_P(
                           std::get<6>(info.param) ? "_q_first" : "");
     });
 
-// Head partition with KV heads that do not divide among the ranks: refused by Create, with both
-// numbers, before anything connects (nothing listens at these addresses).
-TEST_F(DisaggregatedTest, HeadPartitionRefusesKvHeadsThatDoNotDivide) {
+// Head partition with fewer KV heads than memory ranks: refused by Create, with both numbers,
+// before anything connects (nothing listens at these addresses).
+TEST_F(DisaggregatedTest, HeadPartitionRefusesFewerKvHeadsThanRanks) {
   std::unique_ptr<WeightSource> source = OpenReference("llama3-gqa-tied");  // 2 KV heads
   ASSERT_NE(source, nullptr);
   ComputeRankOptions o = Options(8, 24, 1024);
@@ -836,14 +839,16 @@ TEST_F(DisaggregatedTest, HeadPartitionRefusesKvHeadsThatDoNotDivide) {
   absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(*source, o);
   ASSERT_FALSE(rank.ok());
   EXPECT_EQ(rank.status().code(), absl::StatusCode::kInvalidArgument) << rank.status();
-  EXPECT_EQ(rank.status().message(),
-            "memory.partition: head needs num_key_value_heads (2) divisible by memory.ranks (3)");
+  EXPECT_EQ(
+      rank.status().message(),
+      "memory.partition: head needs a KV head per memory rank: num_key_value_heads (2) < memory.ranks (3)");
   o.memory_addresses.resize(4);
   o.memory_addresses[3] = "127.0.0.1:4";
   rank = ComputeRank::Create(*source, o);
   ASSERT_FALSE(rank.ok());
-  EXPECT_EQ(rank.status().message(),
-            "memory.partition: head needs num_key_value_heads (2) divisible by memory.ranks (4)");
+  EXPECT_EQ(
+      rank.status().message(),
+      "memory.partition: head needs a KV head per memory rank: num_key_value_heads (2) < memory.ranks (4)");
 }
 
 // ---------------------------------------------------------------------------------------------

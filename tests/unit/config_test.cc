@@ -412,16 +412,19 @@ TEST(DeployPartitionSetting, YamlSetBadValueAndDivisibility) {
   ExpectError(load("", {"memory.partition=Head"}), absl::StatusCode::kInvalidArgument,
               {"--set memory.partition=Head", "one of [request, head]"});
 
-  // Resolved against the model: head needs num_key_value_heads divisible by memory.ranks.
+  // Resolved against the model: head needs a KV head per memory rank.
   absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gqa");  // 8 query heads, 2 KV heads
   ASSERT_TRUE(spec.ok()) << spec.status();
   for (const auto& [ranks, partition, want] : std::vector<std::tuple<int, std::string, std::string>>{
            {1, "head", ""},
            {2, "head", ""},
            {3, "request", ""},
-           {3, "head", "memory.partition: head needs num_key_value_heads (2) divisible by memory.ranks (3)"},
+           {3, "head",
+            "memory.partition: head needs a KV head per memory rank: num_key_value_heads (2) < memory.ranks "
+            "(3)"},
            {4, "head",
-            "memory.partition: head needs num_key_value_heads (2) divisible by memory.ranks (4)"}}) {
+            "memory.partition: head needs a KV head per memory rank: num_key_value_heads (2) < memory.ranks "
+            "(4)"}}) {
     SCOPED_TRACE(testing::Message() << ranks << " ranks, " << partition);
     c = load("compute:\n  device: cpu\nmemory:\n  devices: cpu\n",
              {absl::StrCat("memory.ranks=", ranks), "memory.partition=" + partition});

@@ -1,9 +1,9 @@
 // The head partition's column slices (common/head_partition.h): PackHeadSlice and UnpackHeadSlice
 // through the host MemorySpace against a per-element reference written from the layout (q heads,
 // then k heads, then v heads; output heads in order), on random shapes (H, Hkv, d, M, T) and
-// element sizes, with guard bytes around every output (equal slices, and the unequal ones of a
-// re-partition over the ranks that survive a loss); the setting's parsing and the divisibility
-// check.
+// element sizes, with guard bytes around every output (equal slices, and the unequal ones where
+// the ranks do not divide the KV heads); the setting's parsing and the check of a KV head per
+// rank.
 #include "common/head_partition.h"
 
 #include <cstdint>
@@ -207,11 +207,13 @@ TEST(AttentionPartitionSetting, ParseNameAndDivisibility) {
   EXPECT_TRUE(CheckAttentionPartition(AttentionPartition::kRequest, 8, 3).ok());
   EXPECT_TRUE(CheckAttentionPartition(AttentionPartition::kHead, 8, 4).ok());
   EXPECT_TRUE(CheckAttentionPartition(AttentionPartition::kHead, 8, 8).ok());
-  const absl::Status st = CheckAttentionPartition(AttentionPartition::kHead, 8, 3);
+  EXPECT_TRUE(CheckAttentionPartition(AttentionPartition::kHead, 8, 3).ok());  // slices of 2, 3 and 3
+  const absl::Status st = CheckAttentionPartition(AttentionPartition::kHead, 2, 3);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(st.message(),
-            "memory.partition: head needs num_key_value_heads (8) divisible by memory.ranks (3)");
-  EXPECT_FALSE(CheckAttentionPartition(AttentionPartition::kHead, 2, 4).ok());
+  EXPECT_EQ(
+      st.message(),
+      "memory.partition: head needs a KV head per memory rank: num_key_value_heads (2) < memory.ranks (3)");
+  EXPECT_FALSE(CheckAttentionPartition(AttentionPartition::kHead, 8, 9).ok());
 }
 
 }  // namespace

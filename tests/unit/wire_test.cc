@@ -1767,9 +1767,9 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
       {[](RawHello& h) { h.partition = 1, h.kv_head_begin = 1, h.kv_head_end = 1; },
        "hello: KV heads [1, 1) must be a non-empty range within [0, 2)"},
       {[](RawHello& h) { h.partition = 1, h.num_memory_ranks = 3, h.kv_head_begin = 1, h.kv_head_end = 2; },
-       "hello: partition head needs num_kv_heads 2 divisible by num_memory_ranks 3"},
-      {[](RawHello& h) { h.partition = 1, h.num_heads = 12, h.num_kv_heads = 6, h.num_memory_ranks = 4; },
-       "hello: partition head needs num_kv_heads 6 divisible by num_memory_ranks 4"},
+       "hello: partition head needs num_kv_heads 2 >= num_memory_ranks 3"},
+      {[](RawHello& h) { h.partition = 1, h.num_heads = 12, h.num_kv_heads = 3, h.num_memory_ranks = 4; },
+       "hello: partition head needs num_kv_heads 3 >= num_memory_ranks 4"},
   };
   // The head partition's slices: rank m of M holds [m·Hkv/M, (m+1)·Hkv/M) at start, and after a
   // re-partition over the survivors any non-empty range (here 3 survivors of 4 over 8 KV heads:
@@ -1855,10 +1855,9 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
             "hello: prefix_sharing 1 needs prefix_block_tokens >= 1 (a prefix registry)");
   EXPECT_EQ(DecodeHello(EncodeHello(h)).status(), ValidateHello(h));
   h = HelloMessage{};
-  h.num_heads = 16, h.num_kv_heads = 8, h.num_memory_ranks = 3, h.memory_rank = 1;
+  h.num_heads = 16, h.num_kv_heads = 8, h.num_memory_ranks = 9, h.memory_rank = 1;
   h.partition = AttentionPartition::kHead;
-  EXPECT_EQ(ValidateHello(h).message(),
-            "hello: partition head needs num_kv_heads 8 divisible by num_memory_ranks 3");
+  EXPECT_EQ(ValidateHello(h).message(), "hello: partition head needs num_kv_heads 8 >= num_memory_ranks 9");
   EXPECT_EQ(DecodeHello(EncodeHello(h)).status(), ValidateHello(h));
   h.partition = static_cast<AttentionPartition>(9);
   EXPECT_EQ(ValidateHello(h).message(), "hello: partition 9 must be 0 (request) or 1 (head)");
