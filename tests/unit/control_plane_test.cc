@@ -1,5 +1,6 @@
 // ControlPlaneTransport (common/transport/control_plane.h) over real UCX on loopback: every peer is
-// greeted exactly once, whether Accept, Connect, Receive or Pump meets it first. A peer whose first
+// greeted exactly once, whether Accept, Connect, Receive or Pump meets it first (or, with
+// greet_when_connected_, the first Send), and a refused probe is never greeted. A peer whose first
 // message arrived in a Receive before any Accept returned it was once never greeted (the GPU
 // transports' hello lost, their buffers "never registered").
 #include "common/transport/control_plane.h"
@@ -24,8 +25,10 @@ constexpr uint32_t kGreeting = 0x54455247;  // "GRET": this test transport's onl
 // A control-plane transport whose greeting is one frame; it counts greetings sent and received.
 class GreetingTransport : public ControlPlaneTransport {
  public:
-  explicit GreetingTransport(std::unique_ptr<Transport> control)
-      : ControlPlaneTransport(std::move(control)) {}
+  GreetingTransport(std::unique_ptr<Transport> control, bool greet_when_connected)
+      : ControlPlaneTransport(std::move(control)) {
+    greet_when_connected_ = greet_when_connected;
+  }
   int sent = 0, received = 0;
   std::vector<PeerId> greeted;
 
@@ -58,10 +61,10 @@ class GreetingTransport : public ControlPlaneTransport {
   }
 };
 
-std::unique_ptr<GreetingTransport> Make(bool listen) {
+std::unique_ptr<GreetingTransport> Make(bool listen, bool greet_when_connected = false) {
   auto t = CreateUcxTransport({.listen_address = listen ? "127.0.0.1:0" : ""});
   TANDEM_CHECK_MSG(t.ok(), t.status().ToString());
-  return std::make_unique<GreetingTransport>(std::move(t).value());
+  return std::make_unique<GreetingTransport>(std::move(t).value(), greet_when_connected);
 }
 
 // The caller's message after `deadline`, skipping nothing (greetings are consumed inside).
@@ -123,6 +126,46 @@ TEST(ControlPlaneTransport, AcceptFirstGreetsOnceToo) {
   c.join();
   EXPECT_EQ(server->sent, 1);
   EXPECT_EQ(server->greeted, std::vector<PeerId>({*accepted}));
+}
+
+// greet_when_connected_ (p2p's choice): Connect returns at once and greets nothing while the
+// connection is being made; the first Send greets the peer, once, before the caller's message. A
+// probe to an address where nothing listens, Close()d at once, is never greeted and fails no wait
+// of the other connections (greeting it in Connect once made the refusal fail the next waits).
+TEST(ControlPlaneTransport, GreetWhenConnectedGreetsAtTheFirstSendAndARefusedProbeFailsNothing) {
+  auto server = Make(true);
+  auto client = Make(false, /*greet_when_connected=*/true);
+  std::string nobody;  // an address whose listener is gone: connections are refused
+  {
+    auto gone = Make(true);
+    nobody = gone->address();
+  }
+  absl::StatusOr<PeerId> probe = client->Connect(nobody);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  client->Close(*probe);
+  EXPECT_EQ(client->sent, 0) << "nothing is sent to a connection still being made";
+  std::thread s([&] {
+    PeerId from = 0;
+    EXPECT_EQ(ReceiveOne(*server, &from), std::vector<uint8_t>({7}));
+    EXPECT_EQ(server->received, 1) << "the client's greeting comes before its first message";
+    ASSERT_TRUE(server->Send(from, std::vector<uint8_t>({8})).ok());
+  });
+  absl::StatusOr<PeerId> peer = client->Connect(server->address());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  ASSERT_TRUE(client->Send(*peer, std::vector<uint8_t>({7})).ok());
+  EXPECT_EQ(client->sent, 1);
+  EXPECT_EQ(client->greeted, std::vector<PeerId>({*peer}));
+  PeerId from = 0;
+  EXPECT_EQ(ReceiveOne(*client, &from), std::vector<uint8_t>({8}));
+  s.join();
+  // The probe's refusal is known, and fails nothing: not the pump, not a receive.
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (client->PeerStatus(*probe).ok() && absl::Now() < until) {
+    ASSERT_TRUE(client->PumpFor(absl::Milliseconds(10)).ok());
+  }
+  EXPECT_FALSE(client->PeerStatus(*probe).ok()) << "the refused probe was never reported";
+  ASSERT_TRUE(client->PumpFor(absl::Milliseconds(20)).ok()) << "a Close()d probe's refusal fails no wait";
+  EXPECT_EQ(client->sent, 1) << "the probe was greeted";
 }
 
 }  // namespace
