@@ -470,6 +470,7 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
       // A compute replica that failed or went silent is given up and the step runs again without
       // it (its plans stay applied on the memory ranks); anything else fails the step.
       RETURN_IF_ERROR(RecoverFromFailedStep(std::move(ran), step_.plan.step_id));
+      if (head_ && !lost_in_step_.empty()) return DropStepForHeads(finished, t0);
       ++steps_rerun_;
       ran = RunParts(mb.parts, &parts, /*rerun=*/true);
     }
@@ -479,6 +480,7 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
     while (!ran.ok() && DeviceRecovery()) {
       // The device path: a lost memory rank is given up and the step runs again without it.
       RETURN_IF_ERROR(RecoverFromFailedStep(std::move(ran), step_.plan.step_id));
+      if (head_ && !lost_in_step_.empty()) return DropStepForHeads(finished, t0);
       ++steps_rerun_;
       ran = RunParts(std::span<const PlannedStep>(&step_, 1), &parts, /*rerun=*/true);
     }
@@ -490,6 +492,16 @@ absl::Status ComputeRank::Step(std::vector<std::pair<int64_t, GenerationResult>>
   std::vector<std::vector<uint64_t>> released;
   RETURN_IF_ERROR(controller_->Complete(step_, sampled, finished, &released));
   RETURN_IF_ERROR(SendReleases(step_.plan.step_id, released));
+  busy_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return absl::OkStatus();
+}
+
+absl::Status ComputeRank::DropStepForHeads(std::vector<std::pair<int64_t, GenerationResult>>* finished,
+                                           std::chrono::steady_clock::time_point t0) {
+  TANDEM_LOG_WARN("compute", "step ", step_.plan.step_id,
+                  " is dropped: under memory.partition head every request in it had KV heads on the lost "
+                  "rank, so none of its tokens are kept");
+  RETURN_IF_ERROR(RecoverLostRanks(finished));  // every request requeued, the heads split again
   busy_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return absl::OkStatus();
 }
@@ -507,17 +519,19 @@ bool ComputeRank::CanRecoverReplica() const {
 bool ComputeRank::CanRecoverByRerun() const {
   // The step is discarded on every rank and run again without the memory rank, by the same compute
   // ranks (told which memory ranks are lost): on the host-staged path while replicas run (with one
-  // compute rank CanRecover applies instead), and on the device path (DeviceRecovery).
-  return options_.recover_memory_ranks && !head_ && compute_rank_ == 0 &&
-         ((!device_path_ && compute_ranks_ > 1) || DeviceRecovery());
+  // compute rank CanRecover applies instead; not under the head partition), and on the device path
+  // (DeviceRecovery; under the head partition the step is dropped instead, DropStepForHeads).
+  return options_.recover_memory_ranks && compute_rank_ == 0 &&
+         ((!device_path_ && !head_ && compute_ranks_ > 1) || DeviceRecovery());
 }
 
 bool ComputeRank::DeviceRecovery() const {
   // The device path enqueues the whole step, so a memory rank's loss cannot be stepped around: the
   // step is discarded and run again, with every rank's device path reset once it has drained (the
-  // replicas' too: KeepAfterDiscard). A transport whose device path can be reset (p2p).
-  return options_.recover_memory_ranks && device_path_ && !head_ && compute_rank_ == 0 &&
-         transport_->capabilities().device_path_reset;
+  // replicas' too: KeepAfterDiscard). A transport whose device path can be reset (p2p). Under the
+  // head partition (one compute rank) the discarded step is dropped and the heads split again.
+  return options_.recover_memory_ranks && device_path_ && compute_rank_ == 0 &&
+         (!head_ || compute_ranks_ == 1) && transport_->capabilities().device_path_reset;
 }
 
 absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_id) {
@@ -685,6 +699,7 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
       }
       ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(step_id, lose, /*keep=*/true));
       if (device_path_) RETURN_IF_ERROR(AwaitDrained(step_id));
+      if (head_) return absl::OkStatus();  // dropped, not run again (DropStepForHeads)
       TANDEM_LOG_WARN("compute", "step ", step_id, " runs again without it on ", compute_ranks_,
                       " compute rank(s)",
                       regrouped.kept.empty() ? std::string() : absl::StrCat(" (kept: ", regrouped.kept, ")"));
@@ -816,7 +831,7 @@ absl::StatusOr<ComputeRank::Regrouped> ComputeRank::Regroup(
       if (ranks_[m].lost) continue;
       const absl::Status sent = transport_->Send(ranks_[m].peer, discard);
       if (sent.ok()) continue;
-      if (!options_.recover_memory_ranks || head_) return Annotate(sent, ranks_[m].name);
+      if (!options_.recover_memory_ranks || (head_ && !device_path_)) return Annotate(sent, ranks_[m].name);
       RETURN_IF_ERROR(MarkRankLost(m, Annotate(sent, ranks_[m].name)));
       again = true;
     }

@@ -44,6 +44,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -107,12 +108,13 @@ struct ComputeRankOptions {
   absl::Duration step_timeout = absl::Minutes(2);  // for each layer's attention output, and each send
   // launch.recover_memory_ranks: a memory rank that fails, disconnects or stays silent past the
   // step timeout is given up and its requests recomputed on the others (see ComputeRank::Step);
-  // false: the step fails. Recovery needs the request partition, and the host-staged path (ucx) or
-  // a device path that can be reset (p2p); with compute replicas, and on the device path, the step
-  // in flight is discarded on the memory ranks and the replicas (which are told the rank is lost
-  // and go on) and run again without the rank. The head partition recovers on the host-staged path
-  // with one compute rank: the survivors split the KV heads again and every request in flight is
-  // recomputed (RepartitionHeads). Elsewhere a loss fails the step.
+  // false: the step fails. Recovery needs the host-staged path (ucx) or a device path that can be
+  // reset (p2p). Under the request partition, with compute replicas and on the device path, the
+  // step in flight is discarded on the memory ranks and the replicas (which are told the rank is
+  // lost and go on) and run again without the rank. The head partition recovers with one compute
+  // rank: the survivors split the KV heads again and every request in flight is recomputed
+  // (RepartitionHeads; on the device path the step in flight is discarded and dropped,
+  // DropStepForHeads). Elsewhere a loss fails the step.
   bool recover_memory_ranks = true;
   // launch.recover_compute_replicas: on the host-staged path and a device path that can be reset
   // (p2p: every rank drains and resets it before the rerun), a compute replica that fails,
@@ -199,7 +201,7 @@ class ComputeRank : public Engine {
   // CanRecoverByRerun), and a device path whose new peers need no collective set-up
   // (capabilities().device_path_new_peers: p2p) with one compute rank; there a step reads no
   // message, so the reply is looked for between steps (TakeMessagesBetweenSteps). Under the head
-  // partition the rank comes back through a new split of the heads (RepartitionHeads).
+  // partition (either path) the rank comes back through a new split of the heads (RepartitionHeads).
   absl::Status Check(const GenerationRequest& request) const override { return controller_->Check(request); }
   absl::StatusOr<int64_t> Submit(GenerationRequest request) override {
     return controller_->Submit(std::move(request));
@@ -326,9 +328,16 @@ class ComputeRank : public Engine {
   // without the rank: while replicas run (kept), or on the device path (DeviceRecovery); see
   // ComputeRankOptions::recover_memory_ranks.
   bool CanRecoverByRerun() const;
-  // The device path's recovery: one compute rank, the request partition, a transport whose device
-  // path can be reset. The failed step has drained (SyncStream); the device path is reset, the
-  // step discarded (Regroup), and the rerun waits for AwaitDrained.
+  // The device path under the head partition, after RecoverFromFailedStep gave a memory rank up
+  // (the step discarded on every rank, their device paths drained and reset): every request of the
+  // step had KV heads on the lost rank, so the step is not run again; its tokens are dropped and
+  // RecoverLostRanks requeues every request and splits the heads again (RepartitionHeads).
+  absl::Status DropStepForHeads(std::vector<std::pair<int64_t, GenerationResult>>* finished,
+                                std::chrono::steady_clock::time_point t0);
+  // The device path's recovery: a transport whose device path can be reset (under the head
+  // partition with one compute rank). The failed step has drained (SyncStream); the device path is
+  // reset, the step discarded (Regroup), and the rerun waits for AwaitDrained (under the head
+  // partition there is none: DropStepForHeads).
   bool DeviceRecovery() const;
   // Device path, after a step discard: a heartbeat to every memory rank left, and their answers
   // awaited (up to the step timeout): a memory rank takes it after it has drained the discarded
@@ -462,7 +471,8 @@ class ComputeRank : public Engine {
   // rejoin) all of them go back to the queue (Controller::LoseRank of the one placement group)
   // and the live ranks split the KV heads again, slice i of k in rank order (HeadSlice, slices that
   // may differ by one KV head): each gets a hello with its slice and attention-output buffers of
-  // its own (fresh ids; the old ones stay registered) and sets itself up again with an empty pool;
+  // its own (fresh ids, the old ones stay registered; on the device path device buffers, whose
+  // descriptors go with their registration) and sets itself up again with an empty pool;
   // the group's capacity becomes the smallest reply's (Controller::RejoinRank). A rank that fails,
   // reports an error or does not answer within the step timeout is given up and the split starts
   // again over the others. Between steps only (every rank idle); requests that fit no longer end

@@ -345,6 +345,15 @@ class MemoryRank {
     }
   }
 
+  // Whether step discard `d` drops its step rather than running it again: under the head partition
+  // a lost memory rank held KV heads of every request, so compute rank 0 drops the step and splits
+  // the heads again (a hello follows: Repartition). A discard names every memory rank lost so far,
+  // and under the head partition only a memory rank's loss (the device path's recovery, one compute
+  // rank) sends one.
+  bool DropsStep(const StepDiscardMessage& d) const {
+    return hello_.partition == AttentionPartition::kHead && !d.lost_memory_ranks.empty();
+  }
+
   // A step discard (wire.h): the compute ranks of its mask go on, in rank order the pipeline's
   // ranks 0, 1, ...; every lane's seqno starts again from its base.
   absl::Status ApplyDiscard(const StepDiscardMessage& d) {
@@ -389,7 +398,9 @@ class MemoryRank {
   // after the discard, which this rank takes only in the rerun's waits: no late write of the
   // failed attempt can land in its buffers, nor one of the rerun be taken by a wait of the
   // failed attempt.
-  absl::Status RunLayers(uint64_t step_id, size_t lanes) {
+  // Under the head partition a discard that names a lost memory rank drops the step instead
+  // (DropsStep; *dropped set): compute rank 0 splits the heads again next.
+  absl::Status RunLayers(uint64_t step_id, size_t lanes, bool* dropped) {
     while (true) {
       const size_t replicas_lost = lost_replicas_.size();
       absl::Status st = device_path_ ? LayersOnDevice(step_id, lanes) : Layers(step_id, lanes);
@@ -408,6 +419,10 @@ class MemoryRank {
       }
       if (device_path_) RETURN_IF_ERROR(transport_->ResetDevicePath(exec_->stream()));
       RETURN_IF_ERROR(ApplyDiscard(d));
+      if (DropsStep(d)) {
+        *dropped = true;
+        return absl::OkStatus();
+      }
       for (size_t k = 0; k < lanes; ++k) {
         if (lanes_[k].rows > 0) RETURN_IF_ERROR(lanes_[k].exec->BeginStep(lanes_[k].batch));
       }
@@ -717,15 +732,17 @@ class MemoryRank {
   // heads. Every request was dropped by compute rank 0 (it recomputes them all), so the KV pool,
   // the table and the lanes go, and the rank is set up for the slice as at start (a new reply).
   // Receive buffers get fresh ids (an id cannot be registered twice) and the old ones keep their
-  // memory. The host-staged path with one compute rank only: elsewhere the hello is an error.
+  // memory (on the device path the transport keeps the old ones' registrations and mappings; the
+  // step before was drained, DropsStep). With one compute rank only: elsewhere the hello is an
+  // error.
   absl::Status Repartition(const std::vector<uint8_t>& msg, int device) {
     ASSIGN_OR_RETURN(const HelloMessage next, DecodeHello(msg));
     if (hello_.partition != AttentionPartition::kHead || next.partition != AttentionPartition::kHead ||
-        device_path_ || hello_.compute_ranks != 1) {
+        hello_.compute_ranks != 1) {
       return absl::InvalidArgumentError(absl::StrCat(
           "memory rank ", o_.rank,
-          ": a second hello from compute rank 0, which only the head partition's re-partition on the "
-          "host-staged path with one compute rank sends"));
+          ": a second hello from compute rank 0, which only the head partition's re-partition with one "
+          "compute rank sends"));
     }
     if (next.num_layers != hello_.num_layers || next.num_heads != hello_.num_heads ||
         next.num_kv_heads != hello_.num_kv_heads || next.head_dim != hello_.head_dim ||
@@ -735,9 +752,13 @@ class MemoryRank {
                                                      "pipeline than the first hello's"));
     }
     const uint32_t begin = hello_.kv_head_begin, end = hello_.kv_head_end;
+    // Kept: what the transport has registered (the receive buffers; the device path's input
+    // buffers, mapped by compute rank 0) and the host-staged path's send staging (a UCX write of
+    // the last step may still read it). The device path's drained output buffers go.
     for (Lane& lane : lanes_) {
-      retired_.push_back(std::move(lane.recv));
-      retired_.push_back(std::move(lane.send));
+      for (BackendBuffer* b : {&lane.recv, &lane.send, device_path_ ? &lane.qkv_dev : nullptr}) {
+        if (b != nullptr && b->get() != nullptr) retired_.push_back(std::move(*b));
+      }
     }
     qkv_base_ += static_cast<uint32_t>(lanes_.size());
     lanes_.clear();  // their executor lanes before the executor
@@ -773,7 +794,8 @@ class MemoryRank {
   absl::Status RerunAfterDiscard(const std::vector<uint8_t>& msg) {
     ASSIGN_OR_RETURN(const StepDiscardMessage d, DecodeStepDiscard(msg));
     RETURN_IF_ERROR(ApplyDiscard(d));
-    if (d.step_id == 0 || d.step_id != micro_step_id_ || next_micro_batch_ != 0) return absl::OkStatus();
+    if (d.step_id == 0 || d.step_id != micro_step_id_ || next_micro_batch_ != 0 || DropsStep(d))
+      return absl::OkStatus();
     const size_t lanes = micro_count_;
     bool any = false;
     for (size_t k = 0; k < lanes; ++k) {
@@ -782,7 +804,8 @@ class MemoryRank {
       RETURN_IF_ERROR(lanes_[k].exec->BeginStep(lanes_[k].batch));
     }
     if (!any) return absl::OkStatus();
-    RETURN_IF_ERROR(RunLayers(d.step_id, lanes));
+    bool dropped = false;
+    RETURN_IF_ERROR(RunLayers(d.step_id, lanes, &dropped));
     for (size_t k = 0; k < lanes; ++k) {
       ASSIGN_OR_RETURN(const uint64_t attention, lanes_[k].exec->TakeLayerTimeNs());
       attention_ns_ += attention;
@@ -840,7 +863,9 @@ class MemoryRank {
     for (size_t k = 0; k < lanes; ++k) any |= lanes_[k].rows > 0;
     if (!any) return tiers_ == nullptr ? absl::OkStatus() : tiers_->FinishRestores();  // restores only
     ++steps_;
-    RETURN_IF_ERROR(RunLayers(plan.step_id, lanes));
+    bool dropped = false;
+    RETURN_IF_ERROR(RunLayers(plan.step_id, lanes, &dropped));
+    if (dropped) return absl::OkStatus();
     if (tiers_ != nullptr) RETURN_IF_ERROR(tiers_->FinishRestores());
     // The step's work has run (both paths wait for it): its attention time.
     for (size_t k = 0; k < lanes; ++k) {
@@ -1057,7 +1082,7 @@ class MemoryRank {
   std::deque<std::vector<uint8_t>> deferred_;  // compute rank 0's messages of after a device step
   std::vector<uint8_t> reply_;                 // the hello reply every compute rank gets
   uint32_t qkv_base_ = kQkvBuffer;             // lane j's receive buffer id: qkv_base_ + j
-  std::vector<BackendBuffer> retired_;         // receive buffers of a slice before a re-partition
+  std::vector<BackendBuffer> retired_;         // buffers of a slice before a re-partition (Repartition)
   HelloMessage hello_;
   AttentionShape shape_;
   std::unique_ptr<AttentionExecutor> exec_;

@@ -10,7 +10,10 @@ surviving rank drains and resets its device path, and the step runs again withou
 memory rank's requests are recomputed on the others. In one case the launcher restarts the killed
 rank (launch.rejoin_probe_s 0.2) and compute rank 0 takes it back on the device path (the probe's
 connection carries p2p's doorbells and buffer handles): requests admitted after the rejoin run
-attention there (the new process's bye counts steps with rows). Every request must complete, with the tokens of
+attention there (the new process's bye counts steps with rows). Under memory.partition head every
+rank holds KV heads of every request: the step in flight is discarded and dropped, every request
+goes back to the queue, and the survivors split the KV heads again (new device buffers, fresh
+buffer ids); with a restart, the new process rejoins through another split. Every request must complete, with the tokens of
 a fault-free run of the same deployment up to bf16 rounding: log-probabilities as the fault-free
 run's until a request's tokens part from its tokens, and a greedy request may part only at a near
 tie (the recomputed requests are prefilled, and every step after the loss has other rows, so the
@@ -55,23 +58,28 @@ def prompts(path, n=16):
             f.write(json.dumps(req) + "\n")
 
 
-def deployment(tmp, ranks, step_timeout, compute_ranks=1, batch=16):
-    path = os.path.join(tmp, f"deploy-{ranks}-{compute_ranks}-{batch}.yaml")
-    # With a replica: pipeline.mode fixed, micro-batch j on compute rank j % 2.
+def deployment(tmp, ranks, step_timeout, compute_ranks=1, batch=16, partition="request"):
+    path = os.path.join(tmp, f"deploy-{ranks}-{compute_ranks}-{batch}-{partition}.yaml")
+    # With a replica: pipeline.mode fixed, micro-batch j on compute rank j % 2. "head-pingpong": the
+    # head partition with two micro-batches in flight and q-first layers.
     pipeline = "pipeline:\n  mode: fixed\n  batches: 2\n" if compute_ranks > 1 else ""
+    if partition == "head-pingpong":
+        partition, pipeline = "head", "pipeline:\n  mode: pingpong\n  batches: 2\n  q_first: true\n"
     with open(path, "w") as f:
         f.write(f"model:\n  path: {MODEL}\ncompute:\n  device: cuda:0\n  ranks: {compute_ranks}\n"
-                f"memory:\n  ranks: {ranks}\n  devices: cuda:0\ntransport:\n  kind: p2p\n{pipeline}"
+                f"memory:\n  ranks: {ranks}\n  devices: cuda:0\n  partition: {partition}\ntransport:\n  kind: p2p\n{pipeline}"
                 f"scheduler:\n  max_batch_size: {batch}\n  max_tokens_per_step: 256\nkv:\n  capacity_tokens: 16384\n"
                 f"launch:\n  run_dir: {tmp}/run\n  step_timeout_s: {step_timeout}\n  rejoin_probe_s: 0.2\n")
     return path
 
 
-def run(tmp, ranks, step_timeout, compute_ranks=1, victim=None, sig=None, delay=1.5, bound=240, batch=16):
+def run(tmp, ranks, step_timeout, compute_ranks=1, victim=None, sig=None, delay=1.5, bound=240, batch=16,
+        partition="request"):
     """Runs the requests through a deployment; with `victim` ("memory-N" or "compute-N"), sends `sig`
     to that rank `delay` seconds after compute-0 is ready. Returns (rc, stdout, stderr, seconds,
     seconds run after the signal)."""
-    cmd = [TANDEM, "generate", "--deploy", deployment(tmp, ranks, step_timeout, compute_ranks, batch), "--prompts-file",
+    cmd = [TANDEM, "generate", "--deploy", deployment(tmp, ranks, step_timeout, compute_ranks, batch, partition),
+           "--prompts-file",
            os.path.join(tmp, "prompts.jsonl"), "--json", "--logprobs", "--ignore-eos"]
     start = time.time()
     out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
@@ -156,42 +164,61 @@ def main():
     with tempfile.TemporaryDirectory(prefix="tandem-devrec-") as tmp:
         prompts(os.path.join(tmp, "prompts.jsonl"))
         # (name, memory ranks, compute ranks, victim, signal, launch.step_timeout_s, what compute-0 logs,
-        #  scheduler.max_batch_size: 8 leaves half the requests waiting, to be placed after a rejoin)
-        cases = [("SIGKILL of memory rank 1 of 2", 2, 1, "memory-1", signal.SIGKILL, 20, "memory rank 1 (", 16),
-                 ("SIGSTOP of memory rank 0 of 3", 3, 1, "memory-0", signal.SIGSTOP, 3, "memory rank 0 (", 16),
+        #  scheduler.max_batch_size: 8 leaves half the requests waiting, to be placed after a rejoin,
+        #  memory.partition)
+        cases = [("SIGKILL of memory rank 1 of 2", 2, 1, "memory-1", signal.SIGKILL, 20, "memory rank 1 (", 16,
+                  "request"),
+                 ("SIGSTOP of memory rank 0 of 3", 3, 1, "memory-0", signal.SIGSTOP, 3, "memory rank 0 (", 16,
+                  "request"),
                  ("SIGKILL of memory rank 1 of 2, with a compute replica", 2, 2, "memory-1", signal.SIGKILL, 20,
-                  "memory rank 1 (", 16),
+                  "memory rank 1 (", 16, "request"),
                  ("SIGKILL of the compute replica", 2, 2, "compute-1", signal.SIGKILL, 20, "giving up compute rank 1",
-                  16),
+                  16, "request"),
                  ("SIGKILL of memory rank 1 of 2, restarted and rejoined", 2, 1, "memory-1", signal.SIGKILL, 20,
-                  "memory rank 1 (", 8)]
-        only = os.environ.get("TANDEM_FAULT_CASE")  # "rejoin": only the last case
+                  "memory rank 1 (", 8, "request"),
+                 ("memory.partition head: SIGKILL of memory rank 1 of 3", 3, 1, "memory-1", signal.SIGKILL, 20,
+                  "memory rank 1 (", 16, "head"),
+                 ("memory.partition head: SIGKILL of memory rank 1 of 2, restarted and rejoined", 2, 1, "memory-1",
+                  signal.SIGKILL, 20, "memory rank 1 (", 8, "head"),
+                 ("memory.partition head, pingpong and q-first: SIGSTOP of memory rank 0 of 3", 3, 1, "memory-0",
+                  signal.SIGSTOP, 3, "memory rank 0 (", 16, "head-pingpong")]
+        # TANDEM_FAULT_CASE: "rejoin" runs the request partition's rejoin case only, "head" the head
+        # partition's cases only.
+        only = os.environ.get("TANDEM_FAULT_CASE")
         if only == "rejoin":
-            cases = cases[-1:]
+            cases = [c for c in cases if "rejoined" in c[0] and c[8] == "request"]
+        elif only == "head":
+            cases = [c for c in cases if c[8].startswith("head")]
         want_of = {}
-        for name, ranks, compute_ranks, victim, sig, timeout, lost, batch in cases:
-            if (ranks, compute_ranks, timeout, batch) not in want_of:
-                rc, want, err, secs, _ = run(tmp, ranks, timeout, compute_ranks, batch=batch)
-                print(f"fault-free, {compute_ranks} compute + {ranks} memory ranks: exit {rc} after {secs:.1f} s",
-                      flush=True)
+        for name, ranks, compute_ranks, victim, sig, timeout, lost, batch, partition in cases:
+            key = (ranks, compute_ranks, timeout, batch, partition)
+            if key not in want_of:
+                rc, want, err, secs, _ = run(tmp, ranks, timeout, compute_ranks, batch=batch, partition=partition)
+                print(f"fault-free, {compute_ranks} compute + {ranks} memory ranks, memory.partition {partition}: "
+                      f"exit {rc} after {secs:.1f} s", flush=True)
                 if rc != 0:
-                    bad(f"fault-free run with {compute_ranks} compute + {ranks} memory ranks failed: {err[-800:]}")
+                    bad(f"fault-free run with {compute_ranks} compute + {ranks} memory ranks ({partition}) failed: "
+                        f"{err[-800:]}")
                     print_logs(tmp)
                     continue
-                want_of[(ranks, compute_ranks, timeout, batch)] = want
-            want = want_of[(ranks, compute_ranks, timeout, batch)]
-            rc, got, err, secs, after = run(tmp, ranks, timeout, compute_ranks, victim, sig, batch=batch)
+                want_of[key] = want
+            want = want_of[key]
+            rc, got, err, secs, after = run(tmp, ranks, timeout, compute_ranks, victim, sig, batch=batch,
+                                            partition=partition)
             signalled = time.time() - after if after else 0.0
             with open(os.path.join(tmp, "run", "latest", "compute-0.log")) as f:
                 log = f.read()
             print(f"{name}: exit {rc} after {secs:.1f} s ({after:.1f} s after the signal)", flush=True)
+            # The step run again (request partition), or the heads split again (head partition).
+            recovered = "runs again" if partition == "request" else "hold the KV heads now"
             for line in log.splitlines():
-                if "giving up" in line or "runs again" in line or "discards it" in line:
+                if ("giving up" in line or "runs again" in line or "discards it" in line or "is dropped" in line or
+                        "hold the KV heads now" in line):
                     print("  compute-0:", line[-300:], flush=True)
-                if "runs again" in line and after:
+                if recovered in line and after:
                     # Log lines start with the local time to the millisecond.
                     stamp = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + float(line[19:23])
-                    print(f"{name}: the step ran again {stamp - signalled:.2f} s after the signal", flush=True)
+                    print(f"{name}: {recovered} {stamp - signalled:.2f} s after the signal", flush=True)
             if rc != 0:
                 bad(f"{name}: generate failed: {err[-1200:]}")
                 print_logs(tmp)
@@ -200,9 +227,24 @@ def main():
                 bad(f"{name}: compute-0 did not log the loss of {victim} (did the signal land after the last "
                     f"step?): {log[-1200:]}")
                 continue
-            if victim.startswith("memory") and ("is lost;" not in log or "runs again without it" not in log or
-                                                "go back to the queue to be recomputed" not in log):
+            if partition == "request" and victim.startswith("memory") and (
+                    "is lost;" not in log or "runs again without it" not in log or
+                    "go back to the queue to be recomputed" not in log):
                 bad(f"{name}: compute-0 did not log the rerun and the requeued requests: {log[-1200:]}")
+            if partition.startswith("head"):
+                survivors = ranks - 1
+                if ("is dropped: under memory.partition head" not in log or
+                        f"the KV heads are split again over {survivors} memory rank(s)" not in log or
+                        f"{survivors} memory rank(s) hold the KV heads now" not in log):
+                    bad(f"{name}: compute-0 did not log the dropped step and the heads split over {survivors}: "
+                        f"{log[-1200:]}")
+                memory_logs = ""
+                for m in range(ranks):
+                    if m != int(victim.split("-")[1]):
+                        with open(os.path.join(tmp, "run", "latest", f"memory-{m}.log")) as f:
+                            memory_logs += f.read()
+                if "re-partitioned by compute rank 0" not in memory_logs:
+                    bad(f"{name}: no surviving memory rank logged its re-partition")
             if victim.startswith("compute") and "runs again, and compute rank 0 runs every micro-batch" not in log:
                 bad(f"{name}: compute-0 did not log the rerun on compute rank 0: {log[-1200:]}")
             if "rejoined" in name:
@@ -217,6 +259,8 @@ def main():
                     bad(f"{name}: the restarted memory rank 1 ran no steps with rows")
                 if "memory-1 restarted (pid" not in err:
                     bad(f"{name}: the launcher did not report the restart: {err[-600:]}")
+                if partition.startswith("head") and f"{ranks} memory rank(s) hold the KV heads now" not in log:
+                    bad(f"{name}: the heads were not split over {ranks} ranks again after the rejoin")
             compare(got, want, name)
     print(f"{len(failures)} failure(s)")
     sys.exit(1 if failures else 0)
