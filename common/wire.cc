@@ -162,7 +162,7 @@ absl::StatusOr<absl::Span<const uint8_t>> Unframe(absl::Span<const uint8_t> fram
         "6 the rotational pipeline's hello field and messages; 7 the step discard; 8 the step plan's "
         "next-use records; 9 the evictions' tokens and the persisted blocks report; 10 the restores' "
         "segments and the hello's rope; 11 the step discard's lost memory ranks; 12 the hello's compute mask "
-        "and the memory rejoin)"));
+        "and the memory rejoin; 13 the head split and the step discard's drop)"));
   }
   ASSIGN_OR_RETURN(uint16_t header_bytes, r.U16("header_bytes"));
   if (header_bytes != kFrameHeaderBytes) {
@@ -1320,7 +1320,7 @@ std::vector<uint8_t> EncodeStepDiscard(const StepDiscardMessage& m) {
   w.U64(m.step_id);
   w.U64(m.seqno_base);
   w.U8(m.compute_mask);
-  w.Zeros(1);
+  w.U8(m.drop ? 1 : 0);
   w.U16(static_cast<uint16_t>(m.lost_memory_ranks.size()));
   w.Zeros(4);
   for (uint16_t rank : m.lost_memory_ranks) w.U16(rank);
@@ -1345,7 +1345,7 @@ absl::StatusOr<StepDiscardMessage> DecodeStepDiscard(absl::Span<const uint8_t> f
         "step discard: compute_mask 0x%02x at byte offset 32 must have bit 0 (compute rank 0) set",
         m.compute_mask));
   }
-  RETURN_IF_ERROR(r.Reserved("reserved", 1));
+  ASSIGN_OR_RETURN(m.drop, ReadBool(r, "drop", kWhat));
   ASSIGN_OR_RETURN(const uint16_t lost, r.U16("lost_count"));
   RETURN_IF_ERROR(r.Reserved("reserved", 4));
   if (static_cast<size_t>(lost) * 2 != r.remaining()) {
@@ -1585,6 +1585,77 @@ absl::StatusOr<MemoryRejoinMessage> DecodeMemoryRejoin(absl::Span<const uint8_t>
   return m;
 }
 
+std::vector<uint8_t> EncodeHeadSplit(const HeadSplitMessage& m) {
+  TANDEM_CHECK_MSG(m.text.size() <= kMaxAddressBytes, "head split text of ", m.text.size(), " bytes exceeds ",
+                   kMaxAddressBytes);
+  TANDEM_CHECK_MSG(m.ranks.size() <= 0xffff, "head split of ", m.ranks.size(), " ranks");
+  std::vector<uint8_t> body;
+  body.reserve(kHeadSplitFixedBytes + kHeadSplitRankBytes * m.ranks.size() + m.text.size());
+  Writer w(&body);
+  w.U64(m.split);
+  w.U8(m.answer ? 1 : 0);
+  w.Zeros(1);
+  w.U16(static_cast<uint16_t>(m.ranks.size()));
+  w.U16(static_cast<uint16_t>(m.text.size()));
+  w.Zeros(2);
+  for (const HeadSplitMessage::Rank& r : m.ranks) {
+    w.U16(r.memory_rank);
+    w.Zeros(2);
+    w.U32(r.attn_out_buffer);
+    w.U32(r.qkv_buffer);
+  }
+  body.insert(body.end(), m.text.begin(), m.text.end());
+  return Frame(kHeadSplitMagic, body);
+}
+
+absl::StatusOr<HeadSplitMessage> DecodeHeadSplit(absl::Span<const uint8_t> frame) {
+  constexpr std::string_view kWhat = "head split";
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kHeadSplitMagic, kWhat));
+  if (body.size() < kHeadSplitFixedBytes) RETURN_IF_ERROR(CheckBodySize(body, kHeadSplitFixedBytes, kWhat));
+  Reader r(body, kFrameHeaderBytes, kWhat);
+  HeadSplitMessage m;
+  ASSIGN_OR_RETURN(m.split, r.U64("split"));
+  if (m.split == 0) return absl::InvalidArgumentError("head split: split 0 at byte offset 16 must be >= 1");
+  ASSIGN_OR_RETURN(m.answer, ReadBool(r, "answer", kWhat));
+  RETURN_IF_ERROR(r.Reserved("reserved", 1));
+  ASSIGN_OR_RETURN(const uint16_t count, r.U16("rank_count"));
+  ASSIGN_OR_RETURN(const uint16_t bytes, r.U16("text_bytes"));
+  RETURN_IF_ERROR(r.Reserved("reserved", 2));
+  if (m.answer ? count != 0 : (count == 0 || bytes != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head split: ", m.answer ? "an answer" : "a request", " with rank_count ", count, " and text_bytes ",
+        bytes, m.answer ? " (an answer names no ranks)" : " (a request names ranks and has no text)"));
+  }
+  if (bytes > kMaxAddressBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head split: text_bytes ", bytes, " must be <= ", kMaxAddressBytes));
+  }
+  const size_t records = kHeadSplitRankBytes * count;
+  if (records + bytes != r.remaining()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head split: rank_count ", count, " and text_bytes ", bytes, " need a body of ",
+                     kHeadSplitFixedBytes + records + bytes, " bytes, not ", body.size()));
+  }
+  m.ranks.reserve(count);
+  for (uint16_t i = 0; i < count; ++i) {
+    HeadSplitMessage::Rank rank;
+    ASSIGN_OR_RETURN(rank.memory_rank, r.U16("memory_rank"));
+    RETURN_IF_ERROR(r.Reserved("reserved", 2));
+    ASSIGN_OR_RETURN(rank.attn_out_buffer, r.U32("attn_out_buffer"));
+    ASSIGN_OR_RETURN(rank.qkv_buffer, r.U32("qkv_buffer"));
+    if (!m.ranks.empty() && rank.memory_rank <= m.ranks.back().memory_rank) {
+      return absl::InvalidArgumentError(absl::StrCat("head split: rank ", i, ": memory_rank ",
+                                                     rank.memory_rank, " must be above the one before it (",
+                                                     m.ranks.back().memory_rank, ")"));
+    }
+    m.ranks.push_back(rank);
+  }
+  ASSIGN_OR_RETURN(absl::Span<const uint8_t> text, r.Bytes("text", bytes));
+  m.text.assign(text.begin(), text.end());
+  RETURN_IF_ERROR(CheckNoNul(m.text, "head split", "text"));
+  return m;
+}
+
 absl::StatusOr<ComputeHelloMessage> DecodeComputeHello(absl::Span<const uint8_t> frame) {
   constexpr std::string_view kWhat = "compute hello";
   ASSIGN_OR_RETURN(absl::Span<const uint8_t> body, Unframe(frame, kComputeHelloMagic, kWhat));
@@ -1762,6 +1833,7 @@ absl::StatusOr<uint32_t> PeekFrameMagic(absl::Span<const uint8_t> frame) {
     case kStepDiscardMagic:
     case kPersistedBlocksMagic:
     case kMemoryRejoinMagic:
+    case kHeadSplitMagic:
       return magic;
     default:
       return absl::InvalidArgumentError(

@@ -32,7 +32,8 @@
 //                                 'T','D','S','D' step discard         0x44534454
 //                                 'T','D','P','B' persisted blocks     0x42504454
 //                                 'T','D','M','J' memory rejoin        0x4a4d4454
-//        4     2  version       u16, kWireVersion (12); a newer one decodes as Unimplemented, an
+//                                 'T','D','H','S' head split           0x53484454
+//        4     2  version       u16, kWireVersion (13); a newer one decodes as Unimplemented, an
 //                               older one as InvalidArgument (one build runs every rank).
 //                               Version 2 added the hello's partition and KV head slice (its
 //                               body grew from 56 to 64 bytes); version 3 the step plan's
@@ -60,8 +61,10 @@
 //                               the step discard's lost memory ranks (lost_count in its bytes
 //                               18..19, reserved before, and the ranks after its 24 bytes);
 //                               version 12 the hello's compute_mask (its byte 68, reserved
-//                               before) and the memory rejoin; the other layouts are unchanged
-//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 12
+//                               before) and the memory rejoin; version 13 the head split and
+//                               the step discard's drop (its byte 17, reserved before); the
+//                               other layouts are unchanged
+//        6     2  header_bytes  u16, size of this frame header: 16 in versions 1 to 13
 //        8     4  body_bytes    u32, bytes that follow the frame header; the frame ends there
 //       12     4  body_crc32c   u32, Crc32c() of the body bytes
 //
@@ -378,7 +381,9 @@
 //                                     whose bit is set goes on as its place among the survivors and
 //                                     answers with a compute hello (as at start-up) once it has
 //                                     applied the discard
-//       17     1  reserved       must be 0
+//       17     1  drop           u8   0 or 1: 1: the step is dropped, not run again (the head
+//                                     partition, where a lost memory rank held KV heads of every
+//                                     request: the heads are split again next); version 13
 //       18     2  lost_count     u16  how many memory ranks follow
 //       20     4  reserved       must be 0
 //       24  2·n   lost_memory    u16 each, strictly ascending: every memory rank compute rank 0
@@ -405,6 +410,31 @@
 //        8     2  text_bytes       u16  <= 1024; a request's is not 0
 //       10     6  reserved         must be 0
 //       16     n  text             text_bytes bytes, no NUL
+//
+// Head split body (compute rank 0 -> compute replica under the head partition, then the replica's
+// answer back: the live memory ranks split the KV heads again after a loss or a rejoin,
+// ComputeRank::RepartitionHeads; body_bytes = 16 + 12 * rank_count + text_bytes):
+//
+//   offset  size  field            notes
+//   ------  ----  ---------------  -------------------------------------------------------------
+//        0     8  split            u64  not 0: which split (the answer names it)
+//        8     1  answer           u8   0: compute rank 0's request: memory rank ranks[i] holds
+//                                       KV head slice i of rank_count (common/head_partition.h),
+//                                       takes its q,k,v in its buffers qkv_buffer + lane and
+//                                       writes its outputs to buffers attn_out_buffer + lane;
+//                                       every memory rank not listed is lost; 1: the replica's
+//                                       answer, `text` empty once its buffers are set up, else why
+//                                       not
+//        9     1  reserved         must be 0
+//       10     2  rank_count       u16  a request's >= 1, an answer's 0
+//       12     2  text_bytes       u16  <= 1024; a request's 0
+//       14     2  reserved         must be 0
+//       16  12·n  ranks            rank_count records, strictly ascending memory_rank:
+//                                    0  2  memory_rank      u16
+//                                    2  2  reserved         must be 0
+//                                    4  4  attn_out_buffer  u32  lane 0's id on every compute rank
+//                                    8  4  qkv_buffer       u32  the rank's lane 0 receive buffer
+//     16+12n  n  text             text_bytes bytes, no NUL
 //
 // Persisted blocks report body (memory rank -> compute rank 0, right after the hello reply when
 // its `persisted` byte is 1: the blocks the rank's disk tier found at start, with their tokens,
@@ -457,7 +487,7 @@
 
 namespace tandem {
 
-inline constexpr uint16_t kWireVersion = 12;
+inline constexpr uint16_t kWireVersion = 13;
 inline constexpr uint32_t kStepPlanMagic = 0x50534454;      // "TDSP" on the wire
 inline constexpr uint32_t kLayerMessageMagic = 0x4d4c4454;  // "TDLM" on the wire
 inline constexpr size_t kFrameHeaderBytes = 16;
@@ -510,6 +540,9 @@ inline constexpr size_t kPersistedBlocksFixedBytes = 8;        // persisted bloc
 inline constexpr size_t kPersistedBlockFixedBytes = 24;        // one block record before its tokens
 inline constexpr uint32_t kMemoryRejoinMagic = 0x4a4d4454;     // "TDMJ" on the wire
 inline constexpr size_t kMemoryRejoinFixedBytes = 16;          // memory rejoin body before its text
+inline constexpr uint32_t kHeadSplitMagic = 0x53484454;        // "TDHS" on the wire
+inline constexpr size_t kHeadSplitFixedBytes = 16;             // head split body before its records
+inline constexpr size_t kHeadSplitRankBytes = 12;              // one head split rank record
 inline constexpr size_t kMaxPersistedBlocksBodyBytes = size_t{1} << 20;      // one report's body at most
 inline constexpr uint32_t kMaxHeartbeatSilenceMs = (uint32_t{1} << 31) - 1;  // about 24.8 days
 inline constexpr uint32_t kMaxHeadDim = 1024;
@@ -867,6 +900,7 @@ struct StepDiscardMessage {
   uint64_t step_id = 0;                     // 0: none in flight
   uint64_t seqno_base = 1;                  // >= 1
   uint8_t compute_mask = 1;                 // bit 0 always set
+  bool drop = false;                        // the step is dropped, not run again (head partition)
   std::vector<uint16_t> lost_memory_ranks;  // strictly ascending
 
   friend bool operator==(const StepDiscardMessage&, const StepDiscardMessage&) = default;
@@ -883,6 +917,25 @@ struct MemoryRejoinMessage {
   std::string text;  // <= kMaxAddressBytes bytes, no NUL; a request's is not empty
 
   friend bool operator==(const MemoryRejoinMessage&, const MemoryRejoinMessage&) = default;
+};
+
+// Compute rank 0 -> compute replica under the head partition: the live memory ranks split the KV
+// heads again (ranks[i] holds slice i of ranks.size()); the replica answers with the same split,
+// `answer` set, no ranks and `text` empty once its buffers are set up, else why not (see the body
+// layout above).
+struct HeadSplitMessage {
+  struct Rank {
+    uint16_t memory_rank = 0;
+    uint32_t attn_out_buffer = 0;
+    uint32_t qkv_buffer = 0;
+    friend bool operator==(const Rank&, const Rank&) = default;
+  };
+  uint64_t split = 0;  // not 0
+  bool answer = false;
+  std::vector<Rank> ranks;  // strictly ascending memory_rank; a request's not empty, an answer's empty
+  std::string text;         // an answer's: <= kMaxAddressBytes bytes, no NUL; a request's empty
+
+  friend bool operator==(const HeadSplitMessage&, const HeadSplitMessage&) = default;
 };
 
 // A block a memory rank's persisted disk tier found at start (kv.tiers.persist).
@@ -990,6 +1043,8 @@ absl::StatusOr<PersistedBlocksMessage> DecodePersistedBlocks(absl::Span<const ui
 // request, and reserved bytes that are not 0.
 std::vector<uint8_t> EncodeMemoryRejoin(const MemoryRejoinMessage& rejoin);
 absl::StatusOr<MemoryRejoinMessage> DecodeMemoryRejoin(absl::Span<const uint8_t> frame);
+std::vector<uint8_t> EncodeHeadSplit(const HeadSplitMessage& split);
+absl::StatusOr<HeadSplitMessage> DecodeHeadSplit(absl::Span<const uint8_t> frame);
 // Memory rank `memory_rank`'s reports of `blocks` (each with 1 to kMaxPrefixBlockTokens tokens),
 // in order, each body within kMaxPersistedBlocksBodyBytes: at least one (empty when `blocks` is),
 // only the last marked last.

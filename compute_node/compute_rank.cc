@@ -519,10 +519,10 @@ bool ComputeRank::CanRecoverReplica() const {
 bool ComputeRank::CanRecoverByRerun() const {
   // The step is discarded on every rank and run again without the memory rank, by the same compute
   // ranks (told which memory ranks are lost): on the host-staged path while replicas run (with one
-  // compute rank CanRecover applies instead; not under the head partition), and on the device path
-  // (DeviceRecovery; under the head partition the step is dropped instead, DropStepForHeads).
+  // compute rank CanRecover applies instead), and on the device path (DeviceRecovery). Under the
+  // head partition the step is dropped instead (DropStepForHeads) and the heads split again.
   return options_.recover_memory_ranks && compute_rank_ == 0 &&
-         ((!device_path_ && !head_ && compute_ranks_ > 1) || DeviceRecovery());
+         ((!device_path_ && compute_ranks_ > 1) || DeviceRecovery());
 }
 
 bool ComputeRank::DeviceRecovery() const {
@@ -822,6 +822,8 @@ absl::StatusOr<ComputeRank::Regrouped> ComputeRank::Regroup(
   for (bool again = true; again;) {
     again = false;
     d.seqno_base = ++seqno_ceiling_;
+    // Under the head partition a memory rank lost in the step held KV heads of all of it: dropped.
+    d.drop = head_ && !lost_in_step_.empty();
     d.lost_memory_ranks.clear();
     for (size_t m = 0; m < ranks_.size(); ++m) {
       if (ranks_[m].lost) d.lost_memory_ranks.push_back(static_cast<uint16_t>(m));
@@ -831,7 +833,7 @@ absl::StatusOr<ComputeRank::Regrouped> ComputeRank::Regroup(
       if (ranks_[m].lost) continue;
       const absl::Status sent = transport_->Send(ranks_[m].peer, discard);
       if (sent.ok()) continue;
-      if (!options_.recover_memory_ranks || (head_ && !device_path_)) return Annotate(sent, ranks_[m].name);
+      if (!CanRecoverByRerun()) return Annotate(sent, ranks_[m].name);
       RETURN_IF_ERROR(MarkRankLost(m, Annotate(sent, ranks_[m].name)));
       again = true;
     }
@@ -1310,7 +1312,12 @@ absl::Status ComputeRank::RepartitionHeads(std::vector<std::pair<int64_t, Genera
       if (TakeStrayMessage(from, &msg)) continue;
       size_t m = 0;
       while (m < ranks_.size() && ranks_[m].peer != from) ++m;
-      if (m == ranks_.size() || ranks_[m].lost) continue;
+      if (m == ranks_.size()) {
+        // A replica's: its answer to the step discard that dropped the step, a heartbeat reply.
+        RETURN_IF_ERROR(TakeReplicaIdleMessage(from, msg, "during a head split"));
+        continue;
+      }
+      if (ranks_[m].lost) continue;
       absl::StatusOr<bool> beat = TakeHeartbeatReply(m, msg);
       if (beat.ok() && *beat) continue;
       absl::StatusOr<HelloReplyMessage> reply = DecodeHelloReply(msg);
@@ -1336,6 +1343,11 @@ absl::Status ComputeRank::RepartitionHeads(std::vector<std::pair<int64_t, Genera
           absl::StrCat("memory rank ", m, ": ", reply->device, ", ", capacity[m], " KV tokens of KV heads [",
                        rank.slice.kv_head_begin(), ", ", rank.slice.kv_head_end(), ")");
     }
+    // The compute replicas pack and scatter every rank's columns too: they take the new slices
+    // and buffers before any step (a memory rank lost meanwhile: the split starts again).
+    if (!again && compute_ranks_ > 1) {
+      ASSIGN_OR_RETURN(again, SplitReplicas(live));
+    }
   }
   int64_t smallest = std::numeric_limits<int64_t>::max();
   for (size_t m : live) smallest = std::min(smallest, capacity[m]);
@@ -1351,6 +1363,171 @@ absl::Status ComputeRank::RepartitionHeads(std::vector<std::pair<int64_t, Genera
                     " ends: ", (*finished)[i].second.error.message());
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<bool> ComputeRank::SplitReplicas(const std::vector<size_t>& live) {
+  HeadSplitMessage split{.split = ++head_splits_};
+  for (size_t m : live) {
+    split.ranks.push_back({.memory_rank = static_cast<uint16_t>(m),
+                           .attn_out_buffer = ranks_[m].lanes[0].attn_buffer,
+                           .qkv_buffer = ranks_[m].qkv_buffer});
+  }
+  const std::vector<uint8_t> frame = EncodeHeadSplit(split);
+  auto lose_replica = [&](size_t r, const absl::Status& why) {
+    return GiveUpIdleReplica(r, Annotate(why, "the head split"));
+  };
+  std::vector<bool> waiting(replicas_.size(), false);
+  for (size_t r = 0; r < replicas_.size(); ++r) {
+    if (replicas_[r].lost) continue;
+    const absl::Status sent = transport_->Send(replicas_[r].peer, frame);
+    if (sent.ok()) {
+      waiting[r] = true;
+    } else {
+      RETURN_IF_ERROR(lose_replica(r, sent));
+    }
+  }
+  const absl::Time deadline = absl::Now() + options_.step_timeout;
+  auto left = [&] {
+    for (size_t r = 0; r < replicas_.size(); ++r) {
+      if (waiting[r] && !replicas_[r].lost) return true;
+    }
+    return false;
+  };
+  while (left()) {
+    transport::PeerId from = 0;
+    std::vector<uint8_t> msg;
+    const absl::Status got = transport_->Receive(&from, &msg, deadline);
+    if (!got.ok()) {
+      // A memory rank that failed: the split starts again without it. Replicas that failed, and at
+      // the deadline every one still silent, are given up.
+      for (size_t m : live) {
+        if (absl::Status peer = transport_->PeerStatus(ranks_[m].peer); !ranks_[m].lost && !peer.ok()) {
+          RETURN_IF_ERROR(MarkRankLost(m, Annotate(peer, ranks_[m].name)));
+          return true;
+        }
+      }
+      const bool late = absl::Now() >= deadline;
+      bool found = false;
+      for (size_t r = 0; r < replicas_.size(); ++r) {
+        if (!waiting[r] || replicas_[r].lost) continue;
+        absl::Status peer = transport_->PeerStatus(replicas_[r].peer);
+        if (peer.ok() && !late) continue;
+        found = true;
+        RETURN_IF_ERROR(
+            lose_replica(r, peer.ok() ? absl::DeadlineExceededError(absl::StrCat(
+                                            "no answer within ", absl::FormatDuration(options_.step_timeout),
+                                            " (launch.step_timeout_s)"))
+                                      : peer));
+      }
+      if (!found) return Annotate(got, "waiting for the compute replicas' answers to a head split");
+      continue;
+    }
+    if (TakeStrayMessage(from, &msg)) continue;
+    const uint32_t magic = PeekFrameMagic(msg).value_or(0);
+    size_t m = 0;
+    while (m < ranks_.size() && ranks_[m].peer != from) ++m;
+    if (m < ranks_.size()) {
+      if (ranks_[m].lost) continue;
+      absl::StatusOr<bool> beat = TakeHeartbeatReply(m, msg);
+      if (beat.ok() && *beat) continue;
+      absl::StatusOr<ErrorMessage> err = DecodeError(msg);
+      const absl::Status why =
+          err.ok() ? StatusFromErrorMessage(*err)
+                   : absl::InvalidArgumentError(absl::StrCat("unexpected message (magic 0x", absl::Hex(magic),
+                                                             ") during a head split"));
+      RETURN_IF_ERROR(MarkRankLost(m, Annotate(why, ranks_[m].name)));
+      return true;
+    }
+    size_t r = 0;
+    while (r < replicas_.size() && replicas_[r].peer != from) ++r;
+    if (r == replicas_.size() || replicas_[r].lost) continue;
+    if (magic == kHeadSplitMagic && waiting[r]) {
+      absl::StatusOr<HeadSplitMessage> answer = DecodeHeadSplit(msg);
+      if (!answer.ok() || !answer->answer) {
+        RETURN_IF_ERROR(lose_replica(
+            r, answer.ok() ? absl::InvalidArgumentError("a head split request") : answer.status()));
+        continue;
+      }
+      if (answer->split != split.split) continue;  // the answer to a split given up
+      waiting[r] = false;
+      if (!answer->text.empty()) RETURN_IF_ERROR(lose_replica(r, absl::UnavailableError(answer->text)));
+      continue;
+    }
+    RETURN_IF_ERROR(TakeReplicaIdleMessage(from, msg, "during a head split"));
+  }
+  return false;
+}
+
+absl::Status ComputeRank::GiveUpIdleReplica(size_t r, const absl::Status& why) {
+  const absl::Status named = Annotate(why, replicas_[r].name);
+  if (!CanRecoverReplica()) return named;
+  return LoseReplica(r, named, 0);
+}
+
+absl::Status ComputeRank::TakeReplicaIdleMessage(transport::PeerId from, const std::vector<uint8_t>& msg,
+                                                 const char* when) {
+  size_t r = 0;
+  while (r < replicas_.size() && replicas_[r].peer != from) ++r;
+  if (r == replicas_.size() || replicas_[r].lost) return absl::OkStatus();
+  if (absl::StatusOr<ErrorMessage> err = DecodeError(msg); err.ok()) {
+    return GiveUpIdleReplica(r, Annotate(StatusFromErrorMessage(*err), "stopped"));
+  }
+  absl::StatusOr<bool> taken = TakeReplicaControl(r, msg);
+  if (taken.ok() && *taken) return absl::OkStatus();
+  return GiveUpIdleReplica(r, taken.ok() ? absl::InvalidArgumentError(absl::StrCat(
+                                               "unexpected message (magic 0x",
+                                               absl::Hex(PeekFrameMagic(msg).value_or(0)), ") ", when))
+                                         : taken.status());
+}
+
+absl::Status ComputeRank::TakeHeadSplit(const std::vector<uint8_t>& msg) {
+  const std::string me = absl::StrCat("compute rank ", compute_rank_);
+  ASSIGN_OR_RETURN(const HeadSplitMessage split, DecodeHeadSplit(msg));
+  if (split.answer || !head_) {
+    return absl::InvalidArgumentError(absl::StrCat(me, ": compute rank 0 sent a head split ",
+                                                   split.answer ? "answer" : "outside the head partition"));
+  }
+  std::string refused;
+  for (const HeadSplitMessage::Rank& r : split.ranks) {
+    if (r.memory_rank >= ranks_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(me, ": a head split names memory rank ", r.memory_rank, " of ", ranks_.size()));
+    }
+    if (ranks_[r.memory_rank].lost && refused.empty())
+      refused = absl::StrCat(ranks_[r.memory_rank].name, " is lost here");
+  }
+  const ModelSpec& s = backend_->spec();
+  for (size_t i = 0; i < split.ranks.size() && refused.empty(); ++i) {
+    Rank& rank = ranks_[split.ranks[i].memory_rank];
+    rank.slice = HeadSlice{.num_heads = s.num_heads,
+                           .num_kv_heads = s.num_kv_heads,
+                           .head_dim = s.head_dim,
+                           .num_ranks = static_cast<int64_t>(split.ranks.size()),
+                           .rank = static_cast<int64_t>(i)};
+    rank.qkv_buffer = split.ranks[i].qkv_buffer;
+    // Fresh buffers under compute rank 0's ids (the old ones stay registered), seqnos at 0 as the
+    // memory rank's new lanes.
+    for (RankLane& rl : rank.lanes) retired_lanes_.push_back(std::move(rl));
+    rank.lanes.clear();
+    rank.lanes.resize(lanes_.size());
+    for (size_t j = 0; j < lanes_.size(); ++j) {
+      rank.lanes[j].attn_buffer = split.ranks[i].attn_out_buffer + static_cast<uint32_t>(j);
+    }
+    for (size_t j = 0; j < lanes_.size() && refused.empty(); ++j) {
+      if (!Runs(j)) continue;  // set up when this rank takes the lane over (Regroup)
+      if (absl::Status st = SetUpRankLane(split.ranks[i].memory_rank, j); !st.ok())
+        refused = std::string(st.message());
+    }
+  }
+  if (refused.empty()) {
+    TANDEM_LOG_INFO("compute", me, ": head split ", split.split, ": the KV heads over ", split.ranks.size(),
+                    " memory rank(s)");
+  } else {
+    TANDEM_LOG_WARN("compute", me, ": cannot take head split ", split.split, ": ", refused);
+  }
+  const HeadSplitMessage answer{
+      .split = split.split, .answer = true, .text = refused.substr(0, kMaxAddressBytes)};
+  return Annotate(transport_->Send(rank0_peer_, EncodeHeadSplit(answer)), "compute rank 0");
 }
 
 absl::Status ComputeRank::CollectRestoreReplies(const StepPlan& plan) {
@@ -1865,6 +2042,7 @@ absl::StatusOr<bool> ComputeRank::TakeReplicaControl(size_t r, const std::vector
   }
   if (*magic == kReplicaResultMagic && replica.unanswered > 0) return true;  // of a step discarded
   if (*magic == kMemoryRejoinMagic) return true;  // a late answer to a rejoin given up (RejoinReplicas)
+  if (*magic == kHeadSplitMagic) return true;     // a late answer to a head split given up (SplitReplicas)
   if (*magic != kHeartbeatReplyMagic) return false;
   absl::StatusOr<HeartbeatReplyMessage> reply = DecodeHeartbeatReply(msg);
   if (!reply.ok()) return Annotate(reply.status(), replica.name);
@@ -2581,6 +2759,11 @@ absl::Status ComputeRank::ServeReplica(const ComputeReplicaOptions& options) {
       last_heard = absl::Now();
       continue;
     }
+    if (magic == kHeadSplitMagic) {
+      // Between steps, under the head partition: the live memory ranks split the KV heads again.
+      RETURN_IF_ERROR(TakeHeadSplit(msg));
+      continue;
+    }
     if (magic == kStepDiscardMagic) {
       // Between steps (or with some of a step's parts still to come): released, or kept, and then
       // the parts that come are the rerun's (or the next step's).
@@ -2918,8 +3101,9 @@ absl::StatusOr<std::optional<StepDiscardMessage>> ComputeRank::ReconnectRing(uin
         return std::optional<StepDiscardMessage>(std::move(later));
       }
       if (magic == kByeMagic) return absl::CancelledError(absl::StrCat(me, ": compute rank 0 said bye"));
-      if (magic == kMemoryRejoinMagic) {
-        // A memory rank rejoins (compute rank 0 found it back while idle): taken between steps.
+      if (magic == kMemoryRejoinMagic || magic == kHeadSplitMagic) {
+        // A memory rank rejoins (compute rank 0 found it back while idle), or the heads are split
+        // again after a memory rank's loss: taken between steps.
         rank0_deferred_.push_back(std::move(msg));
         continue;
       }

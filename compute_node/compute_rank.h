@@ -468,7 +468,8 @@ class ComputeRank : public Engine {
   // error when the re-partition loses every rank.
   absl::Status RecoverLostRanks(std::vector<std::pair<int64_t, GenerationResult>>* finished);
   // Head partition: every request in flight has KV heads on every rank, so after a loss (or a
-  // rejoin) all of them go back to the queue (Controller::LoseRank of the one placement group)
+  // rejoin; with compute replicas the step in flight is dropped first, DropStepForHeads) all of
+  // them go back to the queue (Controller::LoseRank of the one placement group)
   // and the live ranks split the KV heads again, slice i of k in rank order (HeadSlice, slices that
   // may differ by one KV head): each gets a hello with its slice and attention-output buffers of
   // its own (fresh ids, the old ones stay registered; on the device path device buffers, whose
@@ -478,6 +479,28 @@ class ComputeRank : public Engine {
   // again over the others. Between steps only (every rank idle); requests that fit no longer end
   // with an error, appended to `finished`.
   absl::Status RepartitionHeads(std::vector<std::pair<int64_t, GenerationResult>>* finished);
+  // RepartitionHeads with compute replicas running, once the `live` memory ranks have answered
+  // their hellos: every replica gets a head split (wire.h: each live rank's slice, its receive
+  // buffers and the attention-output buffer ids) and answers once it has set up its buffers for
+  // it (TakeHeadSplit), within the step timeout. A replica that fails, refuses or stays silent is
+  // given up (LoseReplica, where CanRecoverReplica; else the error). True when a memory rank
+  // failed meanwhile (given up: the split starts again).
+  absl::StatusOr<bool> SplitReplicas(const std::vector<size_t>& live);
+  // A replica: compute rank 0's head split, taken between steps: each listed memory rank's slice,
+  // receive buffers and fresh attention-output buffers (compute rank 0's ids; the old ones stay
+  // registered; seqnos at 0), set up for the lanes this rank runs; answered, with why not when a
+  // listed rank is lost here or a buffer cannot be set up. An error only for a broken protocol.
+  absl::Status TakeHeadSplit(const std::vector<uint8_t>& msg);
+  // Compute rank 0 between steps (RepartitionHeads, SplitReplicas): a message from a replica that
+  // is no answer awaited there: its answer to a step discard or a heartbeat reply is taken
+  // (TakeReplicaControl); an error report, or anything else (named `when`), gives the replica up
+  // (GiveUpIdleReplica). A connection that is no live replica's: ignored.
+  absl::Status TakeReplicaIdleMessage(transport::PeerId from, const std::vector<uint8_t>& msg,
+                                      const char* when);
+  // Replica r is given up between steps (LoseReplica of no step) where CanRecoverReplica, else
+  // `why` named after it is the error.
+  absl::Status GiveUpIdleReplica(size_t r, const absl::Status& why);
+  uint64_t head_splits_ = 0;  // compute rank 0: the last head split's id (SplitReplicas)
 
   ComputeRankOptions options_;
   std::unique_ptr<transport::Transport> transport_;

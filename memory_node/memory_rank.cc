@@ -346,12 +346,10 @@ class MemoryRank {
   }
 
   // Whether step discard `d` drops its step rather than running it again: under the head partition
-  // a lost memory rank held KV heads of every request, so compute rank 0 drops the step and splits
-  // the heads again (a hello follows: Repartition). A discard names every memory rank lost so far,
-  // and under the head partition only a memory rank's loss (the device path's recovery, one compute
-  // rank) sends one.
+  // a lost memory rank held KV heads of every request, so compute rank 0 drops the step (the
+  // discard's drop) and splits the heads again (a hello follows: Repartition).
   bool DropsStep(const StepDiscardMessage& d) const {
-    return hello_.partition == AttentionPartition::kHead && !d.lost_memory_ranks.empty();
+    return d.drop && hello_.partition == AttentionPartition::kHead;
   }
 
   // A step discard (wire.h): the compute ranks of its mask go on, in rank order the pipeline's
@@ -733,20 +731,20 @@ class MemoryRank {
   // the table and the lanes go, and the rank is set up for the slice as at start (a new reply).
   // Receive buffers get fresh ids (an id cannot be registered twice) and the old ones keep their
   // memory (on the device path the transport keeps the old ones' registrations and mappings; the
-  // step before was drained, DropsStep). With one compute rank only: elsewhere the hello is an
-  // error.
+  // step before was drained, DropsStep). The compute replicas keep their connections (compute
+  // rank 0 tells them the new buffers: a head split). Under the head partition only: elsewhere the
+  // hello is an error.
   absl::Status Repartition(const std::vector<uint8_t>& msg, int device) {
     ASSIGN_OR_RETURN(const HelloMessage next, DecodeHello(msg));
-    if (hello_.partition != AttentionPartition::kHead || next.partition != AttentionPartition::kHead ||
-        hello_.compute_ranks != 1) {
+    if (hello_.partition != AttentionPartition::kHead || next.partition != AttentionPartition::kHead) {
       return absl::InvalidArgumentError(absl::StrCat(
           "memory rank ", o_.rank,
-          ": a second hello from compute rank 0, which only the head partition's re-partition with one "
-          "compute rank sends"));
+          ": a second hello from compute rank 0, which only the head partition's re-partition sends"));
     }
     if (next.num_layers != hello_.num_layers || next.num_heads != hello_.num_heads ||
         next.num_kv_heads != hello_.num_kv_heads || next.head_dim != hello_.head_dim ||
-        next.dtype != hello_.dtype || next.lanes != hello_.lanes || next.q_first != hello_.q_first) {
+        next.dtype != hello_.dtype || next.lanes != hello_.lanes || next.q_first != hello_.q_first ||
+        next.compute_ranks != hello_.compute_ranks) {
       return absl::InvalidArgumentError(absl::StrCat("memory rank ", o_.rank,
                                                      ": a re-partition hello for another model shape or "
                                                      "pipeline than the first hello's"));

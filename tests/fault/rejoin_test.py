@@ -21,7 +21,8 @@ sampling) whose tokens must equal those of the same requests sent one by one bef
     rank 0 takes every KV head (its log says it was re-partitioned), the launcher restarts rank 1,
     compute rank 0 takes it back and the two split the heads again (every request in flight is
     recomputed each time), every request completes with the fault-free tokens, and the new process
-    runs attention.
+    runs attention; the same with a compute replica, which takes each new split of the heads (its
+    log) and is kept.
 Every wait is bounded. Usage: rejoin_test.py path/to/tandem
 """
 import os
@@ -234,11 +235,12 @@ def with_replica(tmp):
     check_byes(d, label)
 
 
-def head_partition(tmp):
+def head_partition(tmp, compute_ranks=1):
     """kill -9 of memory rank 1 under load with memory.partition head: rank 0 takes every KV head,
-    the restarted rank 1 rejoins and the two split them again; the fault-free tokens throughout."""
-    label = "kill -9 under the head partition"
-    d = Deployment(tmp, partition="head")
+    the restarted rank 1 rejoins and the two split them again; the fault-free tokens throughout.
+    With a compute replica: it takes both splits and is kept."""
+    label = "kill -9 under the head partition" + (" with a replica" if compute_ranks > 1 else "")
+    d = Deployment(tmp, compute_ranks=compute_ranks, partition="head")
     try:
         if d.url is None:
             return
@@ -256,6 +258,14 @@ def head_partition(tmp):
         for name, want in (("memory_ranks_rejoined_total", 1), ("memory_ranks_lost_total", 1)):
             if d.metric(name) != want:
                 bad(f"{label}: tandem:{name} is {d.metric(name)}, not {want}")
+        if compute_ranks > 1:
+            log1 = d.log("compute-1")
+            for want in ("the KV heads over 1 memory rank(s)", "the KV heads over 2 memory rank(s)"):
+                if want not in log1:
+                    bad(f"{label}: the replica's log does not say {want!r}: {log1[-800:]}")
+            for name, want in (("compute_ranks_live", 2), ("compute_ranks_lost_total", 0)):
+                if d.metric(name) != want:
+                    bad(f"{label}: tandem:{name} is {d.metric(name)}, not {want}")
         if d.proc.poll() is not None:
             bad(f"{label}: the deployment stopped: {d.err()[-600:]}")
         after = [d.tokens(p, e) for p, e in REQUESTS]
@@ -274,6 +284,7 @@ def main():
             with_replica(tmp)
         if only != "replica":
             head_partition(tmp)
+            head_partition(tmp, compute_ranks=2)
         if only in ("replica", "head"):
             print(f"{len(failures)} failure(s)")
             sys.exit(1 if failures else 0)

@@ -94,6 +94,7 @@ void DecodeEveryFormat(absl::Span<const uint8_t> f) {
   RoundTrip<StepDiscardMessage>(f, DecodeStepDiscard, EncodeStepDiscard, "step discard");
   RoundTrip<PersistedBlocksMessage>(f, DecodePersistedBlocks, EncodePersistedBlocks, "persisted blocks");
   RoundTrip<MemoryRejoinMessage>(f, DecodeMemoryRejoin, EncodeMemoryRejoin, "memory rejoin");
+  RoundTrip<HeadSplitMessage>(f, DecodeHeadSplit, EncodeHeadSplit, "head split");
   if (absl::StatusOr<StepPlan> plan = DecodeStepPlan(f); plan.ok()) {
     TANDEM_CHECK_MSG(ValidateStepPlan(*plan).ok(), "a decoded step plan fails ValidateStepPlan");
   }
@@ -258,6 +259,12 @@ std::vector<std::vector<uint8_t>> WireSeeds() {
       EncodePersistedBlocks({.memory_rank = 0}),
       EncodeMemoryRejoin({.memory_rank = 1, .attn_out_buffer = 130, .text = "127.0.0.1:4567"}),
       EncodeMemoryRejoin({.memory_rank = 1, .answer = true, .attn_out_buffer = 130}),
+      EncodeStepDiscard(
+          {.step_id = 9, .seqno_base = 41, .compute_mask = 1, .drop = true, .lost_memory_ranks = {1}}),
+      EncodeHeadSplit({.split = 3,
+                       .ranks = {{.memory_rank = 0, .attn_out_buffer = 140, .qkv_buffer = 9},
+                                 {.memory_rank = 2, .attn_out_buffer = 148, .qkv_buffer = 9}}}),
+      EncodeHeadSplit({.split = 3, .answer = true, .text = "cannot register"}),
   };
 }
 

@@ -274,6 +274,38 @@ class DisaggregatedTest : public ::testing::Test {
     ASSERT_EQ(rank_->controller().num_memory_ranks(), options.partition == AttentionPartition::kHead ? 1 : n);
   }
 
+  // Starts compute ranks 1..ranks-1 (after the memory ranks) for compute rank 0's options `o`.
+  void StartReplicas(const std::string& model, int ranks, const ComputeRankOptions& o,
+                     std::vector<std::string>* replica_addresses) {
+    const char* binary = std::getenv("TANDEM_BINARY");
+    ASSERT_NE(binary, nullptr);
+    const std::string config = dir_ + "/replicas.yaml";
+    std::ofstream(config) << "model:\n  path: " << ModelDir(model) << "\ncompute:\n  ranks: " << ranks
+                          << "\n  device: cpu\nmemory:\n  ranks: " << addresses_.size()
+                          << "\n  partition: " << AttentionPartitionName(o.partition)
+                          << "\npipeline:\n  mode: " << (o.slice_layers > 0 ? "rotational" : "fixed")
+                          << "\n  slice_layers: " << std::max(1, o.slice_layers)
+                          << "\n  batches: " << o.micro_batches
+                          << "\n  q_first: " << (o.q_first ? "true" : "false")
+                          << "\nscheduler:\n  max_batch_size: " << o.scheduler.max_batch_size
+                          << "\n  max_tokens_per_step: " << o.scheduler.max_tokens_per_step
+                          << "\nlaunch:\n  startup_timeout_s: 60\n  step_timeout_s: "
+                          << absl::ToInt64Seconds(o.step_timeout) << "\n";
+    for (int r = 1; r < ranks; ++r) {
+      const std::string name = absl::StrCat("compute-", r), ready = absl::StrCat(dir_, "/", name, ".ready");
+      ASSERT_TRUE(group_
+                      .Start(name,
+                             {binary, "compute", "--replica", std::to_string(r), "--config", config,
+                              "--memory", absl::StrJoin(addresses_, ","), "--listen", "127.0.0.1:0",
+                              "--device", "cpu", "--ready-file", ready},
+                             absl::StrCat(dir_, "/", name, ".log"))
+                      .ok());
+      absl::StatusOr<std::string> address = group_.WaitReady(name, ready, absl::Seconds(60));
+      ASSERT_TRUE(address.ok()) << address.status();
+      replica_addresses->emplace_back(absl::StripAsciiWhitespace(*address));
+    }
+  }
+
   // Says bye to the deployment's memory ranks and expects them to exit cleanly.
   void StopDeployment() {
     if (!rank_) return;
@@ -687,40 +719,7 @@ INSTANTIATE_TEST_SUITE_P(ModelsAndRanks, HeadPartition,
 // j with j % compute.ranks == r.
 class PingPong : public DisaggregatedTest,
                  public ::testing::WithParamInterface<
-                     std::tuple<std::string, int, AttentionPartition, int, int, int, bool>> {
- protected:
-  // Starts compute ranks 1..ranks-1 (after the memory ranks) for compute rank 0's options `o`.
-  void StartReplicas(const std::string& model, int ranks, const ComputeRankOptions& o,
-                     std::vector<std::string>* replica_addresses) {
-    const char* binary = std::getenv("TANDEM_BINARY");
-    ASSERT_NE(binary, nullptr);
-    const std::string config = dir_ + "/replicas.yaml";
-    std::ofstream(config) << "model:\n  path: " << ModelDir(model) << "\ncompute:\n  ranks: " << ranks
-                          << "\n  device: cpu\nmemory:\n  ranks: " << addresses_.size()
-                          << "\n  partition: " << AttentionPartitionName(o.partition)
-                          << "\npipeline:\n  mode: " << (o.slice_layers > 0 ? "rotational" : "fixed")
-                          << "\n  slice_layers: " << std::max(1, o.slice_layers)
-                          << "\n  batches: " << o.micro_batches
-                          << "\n  q_first: " << (o.q_first ? "true" : "false")
-                          << "\nscheduler:\n  max_batch_size: " << o.scheduler.max_batch_size
-                          << "\n  max_tokens_per_step: " << o.scheduler.max_tokens_per_step
-                          << "\nlaunch:\n  startup_timeout_s: 60\n  step_timeout_s: "
-                          << absl::ToInt64Seconds(o.step_timeout) << "\n";
-    for (int r = 1; r < ranks; ++r) {
-      const std::string name = absl::StrCat("compute-", r), ready = absl::StrCat(dir_, "/", name, ".ready");
-      ASSERT_TRUE(group_
-                      .Start(name,
-                             {binary, "compute", "--replica", std::to_string(r), "--config", config,
-                              "--memory", absl::StrJoin(addresses_, ","), "--listen", "127.0.0.1:0",
-                              "--device", "cpu", "--ready-file", ready},
-                             absl::StrCat(dir_, "/", name, ".log"))
-                      .ok());
-      absl::StatusOr<std::string> address = group_.WaitReady(name, ready, absl::Seconds(60));
-      ASSERT_TRUE(address.ok()) << address.status();
-      replica_addresses->emplace_back(absl::StripAsciiWhitespace(*address));
-    }
-  }
-};
+                     std::tuple<std::string, int, AttentionPartition, int, int, int, bool>> {};
 
 TEST_P(PingPong, EqualsColocated) {
   const auto& [model, n, partition, batches, compute_ranks, slice_layers, q_first] = GetParam();
@@ -1086,13 +1085,16 @@ TEST_F(DisaggregatedTest, HeartbeatsNameAMemoryRankStoppedWhileIdle) {
 // stopped mid-run is given up, the survivors split the KV heads again (slices that may differ by
 // one head: 4 KV heads over 3 survivors are 1, 1 and 2) and every request in flight is recomputed,
 // ending with the colocated engine's tokens; their capacities and names say the new slices. Also
-// with two micro-batches in flight (pipeline.mode pingpong) and q first (pipeline.q_first).
+// with two micro-batches in flight (pipeline.mode pingpong) and q first (pipeline.q_first), and with
+// compute replicas (pipeline.mode fixed): the step in flight is dropped on every rank (a step
+// discard) and the replicas take the new slices (a head split) and go on sampling micro-batches.
 struct HeadLossCase {
   std::string model;
   int ranks;
   int victim;
-  bool stop;       // SIGSTOP instead of SIGKILL (found by the step deadline)
-  bool pipelined;  // two micro-batches, q first
+  bool stop;              // SIGSTOP instead of SIGKILL (found by the step deadline)
+  bool pipelined;         // two micro-batches, q first
+  int compute_ranks = 1;  // > 1: compute.ranks - 1 replicas, one micro-batch per compute rank
 };
 
 class HeadPartitionLoss : public DisaggregatedTest, public ::testing::WithParamInterface<HeadLossCase> {};
@@ -1106,7 +1108,20 @@ TEST_P(HeadPartitionLoss, SurvivorsSplitTheHeadsAndEveryRequestIsRecomputed) {
   o.partition = AttentionPartition::kHead;
   if (c.stop) o.step_timeout = absl::Seconds(2);
   if (c.pipelined) o.micro_batches = 2, o.q_first = true;
-  ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, c.ranks, o));
+  if (c.compute_ranks > 1) {
+    o.micro_batches = c.compute_ranks;
+    std::ofstream(dir_ + "/deploy.yaml")
+        << "launch:\n  startup_timeout_s: 60\n  step_timeout_s: " << absl::ToInt64Seconds(o.step_timeout)
+        << "\n";
+    ASSERT_NO_FATAL_FAILURE(StartMemoryRanks(c.ranks));
+    ASSERT_NO_FATAL_FAILURE(StartReplicas(c.model, c.compute_ranks, o, &o.replica_addresses));
+    o.memory_addresses = addresses_;
+    absl::StatusOr<std::unique_ptr<ComputeRank>> rank = ComputeRank::Create(*source, o);
+    ASSERT_TRUE(rank.ok()) << rank.status();
+    rank_ = std::move(*rank);
+  } else {
+    ASSERT_NO_FATAL_FAILURE(StartDeployment(*source, c.ranks, o));
+  }
   expect_clean_exit_ = false;  // the victim is gone (or stopped)
   std::mt19937 rng(23);
   std::vector<GenerationRequest> requests;
@@ -1123,16 +1138,39 @@ TEST_P(HeadPartitionLoss, SurvivorsSplitTheHeadsAndEveryRequestIsRecomputed) {
   std::vector<std::pair<int64_t, GenerationResult>> finished;
   for (int step = 0; step < 6; ++step) ASSERT_TRUE(rank_->Step(&finished).ok()) << "step " << step;
   ASSERT_GT(rank_->controller().num_running(), 0);
+  const int64_t sampled_before = rank_->stats().replica_micro_batches;
   const std::string victim = absl::StrCat("memory-", c.victim);
   ASSERT_EQ(kill(group_.pid(victim), c.stop ? SIGSTOP : SIGKILL), 0);
   const auto t0 = std::chrono::steady_clock::now();
-  while (!rank_->Idle() && Seconds(t0) < 60) ASSERT_TRUE(rank_->Step(&finished).ok());
+  int64_t sampled_at_loss = -1;  // the replicas' micro-batches once the heads were split again
+  while (!rank_->Idle() && Seconds(t0) < 60) {
+    ASSERT_TRUE(rank_->Step(&finished).ok());
+    if (sampled_at_loss < 0 && rank_->stats().memory_ranks_lost > 0)
+      sampled_at_loss = rank_->stats().replica_micro_batches;
+  }
   ASSERT_TRUE(rank_->Idle());
-  std::printf("%s, %d memory ranks%s, memory rank %d %s: every request done %.2f s after it\n",
-              c.model.c_str(), c.ranks, c.pipelined ? " (pingpong, q first)" : "", c.victim,
-              c.stop ? "stopped" : "killed", Seconds(t0));
+  std::printf("%s, %d memory ranks%s%s, memory rank %d %s: every request done %.2f s after it\n",
+              c.model.c_str(), c.ranks, c.pipelined ? " (pingpong, q first)" : "",
+              c.compute_ranks > 1 ? absl::StrCat(", ", c.compute_ranks, " compute ranks").c_str() : "",
+              c.victim, c.stop ? "stopped" : "killed", Seconds(t0));
   if (c.stop) kill(group_.pid(victim), SIGKILL);
   EXPECT_EQ(rank_->stats().memory_ranks_lost, 1);
+  if (c.compute_ranks > 1) {
+    // Every replica kept, and sampling micro-batches over the new slices.
+    const EngineStats es = rank_->stats();
+    EXPECT_EQ(es.compute_ranks_live, c.compute_ranks);
+    EXPECT_EQ(es.compute_ranks_lost, 0);
+    EXPECT_GT(sampled_before, 0);
+    ASSERT_GE(sampled_at_loss, 0);
+    EXPECT_GT(es.replica_micro_batches, sampled_at_loss) << "no replica ran a micro-batch after the split";
+    for (int r = 1; r < c.compute_ranks; ++r) {
+      const std::string log = group_.LogTail(absl::StrCat("compute-", r), 200);
+      EXPECT_NE(log.find(absl::StrCat("the KV heads over ", c.ranks - 1, " memory rank(s)")),
+                std::string::npos)
+          << "compute-" << r << "'s log does not say it took the head split:\n"
+          << log;
+    }
+  }
   EXPECT_GE(rank_->stats().requests_recovered, static_cast<int64_t>(requests.size()) - 1);
   // The survivors' new slices tile the heads in rank order; the lost rank holds nothing.
   const std::vector<KvUsage> usage = rank_->kv_usage();
@@ -1158,17 +1196,20 @@ TEST_P(HeadPartitionLoss, SurvivorsSplitTheHeadsAndEveryRequestIsRecomputed) {
   ExpectSameResults(got, *want);
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, HeadPartitionLoss,
-                         ::testing::Values(HeadLossCase{"gqa-8x4", 4, 1, false, false},
-                                           HeadLossCase{"llama2-mha", 2, 0, false, false},
-                                           HeadLossCase{"gqa-8x4", 4, 3, true, false},
-                                           HeadLossCase{"gqa-8x4", 4, 2, false, true}),
-                         [](const auto& info) {
-                           return absl::StrCat(testing_names::Identifier(info.param.model), "_",
-                                               info.param.ranks, "_ranks_", info.param.stop ? "stop" : "kill",
-                                               "_rank_", info.param.victim,
-                                               info.param.pipelined ? "_pingpong_q_first" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Cases, HeadPartitionLoss,
+    ::testing::Values(HeadLossCase{"gqa-8x4", 4, 1, false, false},
+                      HeadLossCase{"llama2-mha", 2, 0, false, false},
+                      HeadLossCase{"gqa-8x4", 4, 3, true, false}, HeadLossCase{"gqa-8x4", 4, 2, false, true},
+                      HeadLossCase{"llama2-mha", 3, 1, false, false, 2},
+                      HeadLossCase{"llama2-mha", 4, 3, true, false, 3}),
+    [](const auto& info) {
+      return absl::StrCat(
+          testing_names::Identifier(info.param.model), "_", info.param.ranks, "_ranks_",
+          info.param.stop ? "stop" : "kill", "_rank_", info.param.victim,
+          info.param.pipelined ? "_pingpong_q_first" : "",
+          info.param.compute_ranks > 1 ? absl::StrCat("_", info.param.compute_ranks, "_compute_ranks") : "");
+    });
 
 // Without recovery the loss fails the step, naming the rank, within the step timeout.
 TEST_F(DisaggregatedTest, MemoryRankKilledMidRunFailsTheStepWithoutRecovery) {

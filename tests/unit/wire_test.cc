@@ -487,8 +487,8 @@ TEST(StepPlanWire, GoldenBytes) {
   plan.evictions.push_back(PrefixEvict{0x5152535455565758, 0x0405});
   // Layout written out by hand; crc computed independently (bitwise Python reference).
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x0c, 0x00, 0x10, 0x00,
-      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 12, body_bytes 168
+      0x54, 0x44, 0x53, 0x50, 0x0d, 0x00, 0x10, 0x00,
+      0xa8, 0x00, 0x00, 0x00, 0xce, 0x90, 0x0d, 0xf1,  // frame: version 13, body_bytes 168
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // request_count, group_count
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -539,7 +539,7 @@ TEST(LayerMessageWire, RoundTripsAndGoldenBytes) {
   h.step_id = 1, h.seqno = 2, h.payload_bytes = 256, h.layer = 3, h.rows = 4, h.row_bytes = 64;
   h.payload_crc32c = 0xdeadbeef, h.kind = LayerMessageKind::kAttnOut, h.dtype = DType::kBF16;
   const Bytes golden = {
-      0x54, 0x44, 0x4c, 0x4d, 0x0c, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x4c, 0x4d, 0x0d, 0x00, 0x10, 0x00,
       0x30, 0x00, 0x00, 0x00, 0xc4, 0x00, 0x01, 0xea,  // frame
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // id, seq
@@ -1014,27 +1014,28 @@ TEST(Wire, FrameHeaderChecks) {
   s = DecodeLayerMessageHeader(SmallPlanFrame()).status();
   EXPECT_CONTAINS(std::string(s.message()), "layer message header: magic 0x50534454 ('TDSP')");
 
-  ASSERT_EQ(kWireVersion, 12);
-  for (uint16_t version : {uint16_t{13}, uint16_t{0xffff}}) {
+  ASSERT_EQ(kWireVersion, 13);
+  for (uint16_t version : {uint16_t{14}, uint16_t{0xffff}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
     EXPECT_EQ(s.message(),
-              "step plan: version " + std::to_string(version) + " is newer than the supported version 12");
+              "step plan: version " + std::to_string(version) + " is newer than the supported version 13");
   }
   // An older version is refused too, whatever the format: version 2 (the step plan's 24-byte
   // fixed part) and version 1 (also the hello's older layout).
-  for (uint16_t version : {uint16_t{11}, uint16_t{10}, uint16_t{9}, uint16_t{8}, uint16_t{7}, uint16_t{6},
-                           uint16_t{5}, uint16_t{4}, uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
+  for (uint16_t version : {uint16_t{12}, uint16_t{11}, uint16_t{10}, uint16_t{9}, uint16_t{8}, uint16_t{7},
+                           uint16_t{6}, uint16_t{5}, uint16_t{4}, uint16_t{3}, uint16_t{2}, uint16_t{1}}) {
     s = code_and_message(MakeFrame(kStepPlanMagic, body, version));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-    EXPECT_EQ(s.message(), "step plan: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 12 (versions 2 to 4 "
-                               "changed the hello, step plan and replica result layouts; 5 added the "
-                               "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
-                               "step discard; 8 the step plan's next-use records; 9 the evictions' "
-                               "tokens and the persisted blocks report; 10 the restores' segments and "
-                               "the hello's rope; 11 the step discard's lost memory ranks; 12 the hello's "
-                               "compute mask and the memory rejoin)");
+    EXPECT_EQ(s.message(),
+              "step plan: version " + std::to_string(version) +
+                  " at byte offset 4 is older than the supported version 13 (versions 2 to 4 "
+                  "changed the hello, step plan and replica result layouts; 5 added the "
+                  "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
+                  "step discard; 8 the step plan's next-use records; 9 the evictions' "
+                  "tokens and the persisted blocks report; 10 the restores' segments and "
+                  "the hello's rope; 11 the step discard's lost memory ranks; 12 the hello's "
+                  "compute mask and the memory rejoin; 13 the head split and the step discard's drop)");
   }
   // A version 2 plan as a version 2 encoder wrote it (records right after evict_count, at body
   // offset 24) is refused by its version, not misread as a version 6 plan.
@@ -1298,6 +1299,7 @@ const std::vector<AnyDecoder>& ControlDecoders() {
       {"step discard", kStepDiscardMagic, StatusOf(&DecodeStepDiscard)},
       {"persisted blocks", kPersistedBlocksMagic, StatusOf(&DecodePersistedBlocks)},
       {"memory rejoin", kMemoryRejoinMagic, StatusOf(&DecodeMemoryRejoin)},
+      {"head split", kHeadSplitMagic, StatusOf(&DecodeHeadSplit)},
   };
   return decoders;
 }
@@ -1322,7 +1324,9 @@ std::vector<Bytes> ControlFrames() {
                                  .blocks = {{.hash = 5, .parent_hash = 0, .depth = 1, .tokens = {1, 2}},
                                             {.hash = 6, .parent_hash = 5, .depth = 2, .tokens = {3, 4}}}}),
       EncodeMemoryRejoin(
-          MemoryRejoinMessage{.memory_rank = 1, .attn_out_buffer = 130, .text = "127.0.0.1:4000"})};
+          MemoryRejoinMessage{.memory_rank = 1, .attn_out_buffer = 130, .text = "127.0.0.1:4000"}),
+      EncodeHeadSplit(HeadSplitMessage{
+          .split = 2, .ranks = {{.memory_rank = 0, .attn_out_buffer = 140, .qkv_buffer = 9}}})};
 }
 
 TEST(ControlWire, RoundTrips) {
@@ -1401,7 +1405,7 @@ TEST(ControlWire, GoldenBytes) {
   h.compute_ranks = 2, h.compute_mask = 3, h.slice_layers = 3;
   h.rope = {.type = RopeType::kLlama3, .theta = 500000.0, .factor = 8.0, .original_max_position = 8192};
   const Bytes hello = {
-      0x54, 0x44, 0x48, 0x49, 0x0c, 0x00, 0x10, 0x00, 0x70, 0x00, 0x00, 0x00, 0x27, 0xc9, 0x0c,
+      0x54, 0x44, 0x48, 0x49, 0x0d, 0x00, 0x10, 0x00, 0x70, 0x00, 0x00, 0x00, 0x27, 0xc9, 0x0c,
       0x4f,                                            // frame
       0x78, 0x56, 0x34, 0x12, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x20, 0x00, 0x00, 0x00, 0x20, 0x00, 0x00, 0x00,  // num_layers, num_heads
@@ -1440,7 +1444,7 @@ TEST(ControlWire, GoldenBytes) {
   r.kv_capacity_tokens = 0x01020304, r.qkv_buffer = 7, r.memory_rank = 2, r.dtype = DType::kBF16;
   r.device = "cuda:0";
   const Bytes reply = {
-      0x54, 0x44, 0x48, 0x52, 0x0c, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x52, 0x0d, 0x00, 0x10, 0x00,
       0x18, 0x00, 0x00, 0x00, 0xdb, 0xf4, 0x8d, 0x50,  // frame
       0x04, 0x03, 0x02, 0x01, 0x00, 0x00, 0x00, 0x00,  // kv_capacity_tokens
       0x07, 0x00, 0x00, 0x00, 0x02, 0x00, 0x02, 0x00,  // qkv_buffer, memory_rank, dtype, reserved
@@ -1453,7 +1457,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ReleaseMessage m{0x0102030405060708, {5, kU64Max}};
   const Bytes release = {
-      0x54, 0x44, 0x52, 0x4c, 0x0c, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x52, 0x4c, 0x0d, 0x00, 0x10, 0x00,
       0x20, 0x00, 0x00, 0x00, 0x21, 0x77, 0x58, 0xc2,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x02, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, reserved
@@ -1467,7 +1471,7 @@ TEST(ControlWire, GoldenBytes) {
 
   const ErrorMessage e{14, "peer gone"};
   const Bytes error = {
-      0x54, 0x44, 0x45, 0x52, 0x0c, 0x00, 0x10, 0x00, 0x11,
+      0x54, 0x44, 0x45, 0x52, 0x0d, 0x00, 0x10, 0x00, 0x11,
       0x00, 0x00, 0x00, 0x56, 0xa5, 0x51, 0x47,        // frame
       0x0e, 0x00, 0x00, 0x00, 0x09, 0x00, 0x00, 0x00,  // code, message_bytes
       'p',  'e',  'e',  'r',  ' ',  'g',  'o',  'n',  'e',
@@ -1478,7 +1482,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_TRUE(*eb == e);
 
   const Bytes bye = {
-      0x54, 0x44, 0x42, 0x59, 0x0c, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x42, 0x59, 0x0d, 0x00, 0x10, 0x00,
       0x08, 0x00, 0x00, 0x00, 0xc7, 0xfb, 0x17, 0x55,  // frame
       0xe8, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // steps
   };
@@ -1488,7 +1492,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(bb->steps, 1000u);
 
   const Bytes heartbeat = {
-      0x54, 0x44, 0x48, 0x42, 0x0c, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x42, 0x0d, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x6e, 0x14, 0x17, 0xba,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x88, 0x13, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // silence_ms 5000, reserved
@@ -1500,7 +1504,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(beat->silence_ms, 5000u);
 
   const Bytes heartbeat_reply = {
-      0x54, 0x44, 0x48, 0x41, 0x0c, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x48, 0x41, 0x0d, 0x00, 0x10, 0x00,
       0x10, 0x00, 0x00, 0x00, 0x47, 0x8e, 0x37, 0x33,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // seq
       0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // memory_rank 3, reserved
@@ -1513,7 +1517,7 @@ TEST(ControlWire, GoldenBytes) {
   EXPECT_EQ(beat_reply->memory_rank, 3);
 
   const Bytes discard = {
-      0x54, 0x44, 0x53, 0x44, 0x0c, 0x00, 0x10, 0x00,
+      0x54, 0x44, 0x53, 0x44, 0x0d, 0x00, 0x10, 0x00,
       0x1c, 0x00, 0x00, 0x00, 0x8f, 0x2f, 0xbd, 0xc9,  // frame
       0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,  // step_id
       0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // seqno_base
@@ -1800,14 +1804,15 @@ TEST(HelloWire, FieldRangeViolationsNameField) {
     old.lanes = 0;
     const absl::Status s = DecodeHello(MakeFrame(kHelloMagic, HelloBody(old), version)).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-    EXPECT_EQ(s.message(), "hello: version " + std::to_string(version) +
-                               " at byte offset 4 is older than the supported version 12 (versions 2 to 4 "
-                               "changed the hello, step plan and replica result layouts; 5 added the "
-                               "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
-                               "step discard; 8 the step plan's next-use records; 9 the evictions' "
-                               "tokens and the persisted blocks report; 10 the restores' segments and "
-                               "the hello's rope; 11 the step discard's lost memory ranks; 12 the hello's "
-                               "compute mask and the memory rejoin)");
+    EXPECT_EQ(s.message(),
+              "hello: version " + std::to_string(version) +
+                  " at byte offset 4 is older than the supported version 13 (versions 2 to 4 "
+                  "changed the hello, step plan and replica result layouts; 5 added the "
+                  "heartbeat; 6 the rotational pipeline's hello field and messages; 7 the "
+                  "step discard; 8 the step plan's next-use records; 9 the evictions' "
+                  "tokens and the persisted blocks report; 10 the restores' segments and "
+                  "the hello's rope; 11 the step discard's lost memory ranks; 12 the hello's "
+                  "compute mask and the memory rejoin; 13 the head split and the step discard's drop)");
   }
   // The limits and combinations that are valid.
   for (auto [tokens, sharing] : {std::pair<uint16_t, uint8_t>{0, 0}, {1, 0}, {1, 1}, {4096, 2}, {4096, 0}}) {
@@ -2072,7 +2077,8 @@ TEST(ControlWire, StepDiscardRoundTripRangesAndReservedBytes) {
   for (int i = 0; i < 200; ++i) {
     StepDiscardMessage d{.step_id = i == 0 ? kU64Max : rng(),
                          .seqno_base = i == 0 ? kU64Max : 1 + rng() % kU64Max,
-                         .compute_mask = static_cast<uint8_t>(rng() | 1)};
+                         .compute_mask = static_cast<uint8_t>(rng() | 1),
+                         .drop = i % 2 == 1};
     // Lost memory ranks: none, a few, or the largest ids.
     for (uint32_t rank = static_cast<uint32_t>(rng() % 4); rank <= 0xffff && d.lost_memory_ranks.size() < 40;
          rank += 1 + static_cast<uint32_t>(rng() % (i % 2 == 0 ? 3 : 5000))) {
@@ -2085,8 +2091,8 @@ TEST(ControlWire, StepDiscardRoundTripRangesAndReservedBytes) {
     ASSERT_TRUE(back.ok()) << back.status();
     EXPECT_TRUE(*back == d);
   }
-  // seqno_base 0, a mask without compute rank 0, a reserved byte that is not 0, a wrong size, a
-  // lost_count that does not match the size, lost ranks out of order.
+  // seqno_base 0, a mask without compute rank 0, a drop byte that is not 0 or 1, a reserved byte
+  // that is not 0, a wrong size, a lost_count that does not match the size, lost ranks out of order.
   Bytes body(kStepDiscardFixedBytes, 0);
   body[16] = 1;
   absl::Status s = DecodeStepDiscard(MakeFrame(kStepDiscardMagic, body)).status();
@@ -2098,7 +2104,12 @@ TEST(ControlWire, StepDiscardRoundTripRangesAndReservedBytes) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_CONTAINS(std::string(s.message()), "compute_mask 0x06 at byte offset 32 must have bit 0");
   body[16] = 1;
-  for (size_t reserved : {17, 20, 23}) {
+  body[17] = 2;
+  s = DecodeStepDiscard(MakeFrame(kStepDiscardMagic, body)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_CONTAINS(std::string(s.message()), "step discard: drop 2");
+  body[17] = 0;
+  for (size_t reserved : {20, 23}) {
     Bytes bad = body;
     bad[reserved] = 1;
     s = DecodeStepDiscard(MakeFrame(kStepDiscardMagic, bad)).status();
@@ -2166,7 +2177,7 @@ TEST(PeekFrameMagic, KnownUnknownAndShort) {
   const uint32_t want[] = {
       kHelloMagic,           kHelloReplyMagic,   kReleaseMagic,   kErrorMagic,          kByeMagic,
       kStatsRequestMagic,    kMemoryStatsMagic,  kHeartbeatMagic, kHeartbeatReplyMagic, kStepDiscardMagic,
-      kPersistedBlocksMagic, kMemoryRejoinMagic, kStepPlanMagic,  kLayerMessageMagic};
+      kPersistedBlocksMagic, kMemoryRejoinMagic, kHeadSplitMagic, kStepPlanMagic,       kLayerMessageMagic};
   for (size_t k = 0; k < frames.size(); ++k) {
     absl::StatusOr<uint32_t> m = PeekFrameMagic(frames[k]);
     ASSERT_TRUE(m.ok()) << m.status();
@@ -2366,8 +2377,8 @@ TEST(NextUseWire, GoldenBytesAndRefusals) {
   plan.next_uses.push_back({.block_hash = 0x1112131415161718, .next_use = 0, .memory_rank = 1});
   plan.next_uses.push_back({.block_hash = 0x2122232425262728, .next_use = 5, .memory_rank = 1});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x0c, 0x00, 0x10, 0x00,
-      0x40, 0x00, 0x00, 0x00, 0xa5, 0x74, 0x3a, 0x3a,  // frame: version 12, body_bytes 64
+      0x54, 0x44, 0x53, 0x50, 0x0d, 0x00, 0x10, 0x00,
+      0x40, 0x00, 0x00, 0x00, 0xa5, 0x74, 0x3a, 0x3a,  // frame: version 13, body_bytes 64
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -2455,8 +2466,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
                            .block_index = 1,
                            .memory_rank = 1});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x0c, 0x00, 0x10, 0x00,
-      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 12, body_bytes 120
+      0x54, 0x44, 0x53, 0x50, 0x0d, 0x00, 0x10, 0x00,
+      0x78, 0x00, 0x00, 0x00, 0x9a, 0x4c, 0xa6, 0x6d,  // frame: version 13, body_bytes 120
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // publish_count, evict_count
@@ -2482,8 +2493,8 @@ TEST(RestoreWire, GoldenBytesWithTopLogprobs) {
 
   const RestoreReplyMessage reply{.step_id = 9, .memory_rank = 1, .failed = {0x1112131415161718}};
   const Bytes reply_golden = {
-      0x54, 0x44, 0x52, 0x54, 0x0c, 0x00, 0x10, 0x00,
-      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 12, body_bytes 24
+      0x54, 0x44, 0x52, 0x54, 0x0d, 0x00, 0x10, 0x00,
+      0x18, 0x00, 0x00, 0x00, 0xdb, 0xa6, 0x65, 0x76,  // frame: version 13, body_bytes 24
       0x09, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x01, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00,  // memory_rank, reserved, failed_count
       0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,  // failed[0]
@@ -2507,7 +2518,7 @@ TEST(RestoreWire, SegmentsGoldenBytesAndRanges) {
        .segments = {{.source_hash = 0x3132333435363738, .source_index = 1, .source_row = 10, .rows = 6},
                     {.source_hash = 0x4142434445464748, .source_index = 2, .source_row = 0, .rows = 10}}});
   const Bytes golden = {
-      0x54, 0x44, 0x53, 0x50, 0x0c, 0x00, 0x10, 0x00,  // frame: magic, version 12, header_bytes
+      0x54, 0x44, 0x53, 0x50, 0x0d, 0x00, 0x10, 0x00,  // frame: magic, version 13, header_bytes
       0x58, 0x00, 0x00, 0x00, 0x73, 0x90, 0xc6, 0x16,  // body_bytes 88, crc
       0x05, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // step_id
       0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,  // request_count, group_count
@@ -2645,6 +2656,52 @@ TEST(ComputeReplicaWire, RoundTripsAndRefusesBadFrames) {
            {rejoin_body(1, kMaxAddressBytes + 1, std::string(kMaxAddressBytes + 1, 'a')), "must be <= 1024"},
        }) {
     absl::StatusOr<MemoryRejoinMessage> bad = DecodeMemoryRejoin(MakeFrame(kMemoryRejoinMagic, body));
+    ASSERT_FALSE(bad.ok()) << want;
+    EXPECT_CONTAINS(std::string(bad.status().message()), want);
+  }
+
+  // Head split: golden body, round trips (requests and answers), and every malformed body refused
+  // with the field named.
+  const Bytes split = EncodeHeadSplit(
+      {.split = 0x0102, .ranks = {{.memory_rank = 0x0201, .attn_out_buffer = 0x0a0b0c0d, .qkv_buffer = 5}}});
+  EXPECT_EQ(Bytes(split.begin() + 16, split.end()),
+            (Bytes{0x02, 0x01, 0, 0, 0,    0,    0,    0,    0, 0, 0x01, 0, 0, 0, 0, 0,  //
+                   0x01, 0x02, 0, 0, 0x0d, 0x0c, 0x0b, 0x0a, 5, 0, 0,    0}));
+  EXPECT_EQ(PeekFrameMagic(split).value_or(0), kHeadSplitMagic);
+  for (const HeadSplitMessage& m :
+       {HeadSplitMessage{.split = 1,
+       .ranks = {{.memory_rank = 0, .attn_out_buffer = 1, .qkv_buffer = 2},
+                 {.memory_rank = 3, .attn_out_buffer = kU32Max, .qkv_buffer = 0},
+                 {.memory_rank = 0xffff, .attn_out_buffer = 4, .qkv_buffer = 5}}},
+        HeadSplitMessage{.split = ~uint64_t{0}, .answer = true},
+        HeadSplitMessage{.split = 7, .answer = true, .text = std::string(kMaxAddressBytes, 'e')}}) {
+    absl::StatusOr<HeadSplitMessage> got = DecodeHeadSplit(EncodeHeadSplit(m));
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(*got == m);
+  }
+  auto split_body = [](uint64_t id, uint8_t answer, std::vector<uint16_t> ranks, uint16_t bytes,
+                       const std::string& text, uint8_t reserved = 0) {
+    Le w;
+    w.U64(id).U8(answer).U8(0).U16(static_cast<uint16_t>(ranks.size())).U16(bytes).U16(0);
+    for (uint16_t r : ranks) w.U16(r).U16(reserved).U32(130).U32(9);
+    w.b.insert(w.b.end(), text.begin(), text.end());
+    return w.b;
+  };
+  for (const auto& [body, want] : std::vector<std::pair<Bytes, std::string>>{
+           {split_body(0, 0, {1}, 0, ""), "head split: split 0"},
+           {split_body(1, 2, {1}, 0, ""), "head split: answer 2"},
+           {split_body(1, 0, {}, 0, ""), "head split: a request with rank_count 0"},
+           {split_body(1, 0, {1}, 2, "no"), "head split: a request with rank_count 1 and text_bytes 2"},
+           {split_body(1, 1, {1}, 0, ""), "head split: an answer with rank_count 1"},
+           {split_body(1, 0, {2, 2}, 0, ""), "head split: rank 1: memory_rank 2 must be above"},
+           {split_body(1, 0, {1}, 0, "", 1), "head split: reserved"},
+           {split_body(1, 0, {1}, 0, "x"), "need a body of 28 bytes, not 29"},
+           {split_body(1, 1, {}, 3, "no"), "need a body of 19 bytes, not 18"},
+           {split_body(1, 1, {}, 2, std::string("a\0", 2)), "head split: text"},
+           {split_body(1, 1, {}, kMaxAddressBytes + 1, std::string(kMaxAddressBytes + 1, 'a')),
+            "must be <= 1024"},
+       }) {
+    absl::StatusOr<HeadSplitMessage> bad = DecodeHeadSplit(MakeFrame(kHeadSplitMagic, body));
     ASSERT_FALSE(bad.ok()) << want;
     EXPECT_CONTAINS(std::string(bad.status().message()), want);
   }
