@@ -111,10 +111,10 @@ struct ComputeRankOptions {
   // false: the step fails. Recovery needs the host-staged path (ucx) or a device path that can be
   // reset (p2p). Under the request partition, with compute replicas and on the device path, the
   // step in flight is discarded on the memory ranks and the replicas (which are told the rank is
-  // lost and go on) and run again without the rank. The head partition recovers with one compute
-  // rank: the survivors split the KV heads again and every request in flight is recomputed
-  // (RepartitionHeads; on the device path the step in flight is discarded and dropped,
-  // DropStepForHeads). Elsewhere a loss fails the step.
+  // lost and go on) and run again without the rank. Under the head partition the survivors split
+  // the KV heads again and every request in flight is recomputed
+  // (RepartitionHeads; with compute replicas, and on the device path, the step in flight is
+  // discarded and dropped, DropStepForHeads). Elsewhere a loss fails the step.
   bool recover_memory_ranks = true;
   // launch.recover_compute_replicas: on the host-staged path and a device path that can be reset
   // (p2p: every rank drains and resets it before the rerun), a compute replica that fails,
@@ -334,8 +334,8 @@ class ComputeRank : public Engine {
   // RecoverLostRanks requeues every request and splits the heads again (RepartitionHeads).
   absl::Status DropStepForHeads(std::vector<std::pair<int64_t, GenerationResult>>* finished,
                                 std::chrono::steady_clock::time_point t0);
-  // The device path's recovery: a transport whose device path can be reset (under the head
-  // partition with one compute rank). The failed step has drained (SyncStream); the device path is
+  // The device path's recovery: a transport whose device path can be reset. The failed step has
+  // drained (SyncStream); the device path is
   // reset, the step discarded (Regroup), and the rerun waits for AwaitDrained (under the head
   // partition there is none: DropStepForHeads).
   bool DeviceRecovery() const;

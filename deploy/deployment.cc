@@ -107,9 +107,8 @@ const ConfigSchema& DeploySchema() {
             "a memory rank that dies, disconnects or stays silent past launch.step_timeout_s is given "
             "up and its requests are recomputed on the others (ucx or p2p transport, memory.partition "
             "request; with compute replicas, and on p2p, the step in flight runs again without it on the "
-            "same compute ranks; memory.partition head on ucx, and on p2p with one compute rank: the others "
-            "split the KV heads again and every request in flight is recomputed); false: the deployment "
-            "stops")
+            "same compute ranks; memory.partition head: the others split the KV heads again and every "
+            "request in flight is recomputed); false: the deployment stops")
         .Bool("launch.recover_compute_replicas", true,
               "a compute replica that dies, disconnects or stays silent past launch.step_timeout_s is "
               "given up and the step in flight runs again on the compute ranks left, which share the "
@@ -345,14 +344,11 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   p.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   p.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
   // Compute rank 0 recovers on the host-staged path (ucx) and on p2p's device path, which can be
-  // reset after a failed step (ComputeRank::DeviceRecovery); a memory rank under the head partition
-  // on ucx, and on p2p with one compute rank (the survivors split the heads again,
-  // ComputeRank::RepartitionHeads).
+  // reset after a failed step (ComputeRank::DeviceRecovery); under the head partition the survivors
+  // split the heads again (ComputeRank::RepartitionHeads).
   const bool recovers =
       p.transport == transport::TransportKind::kUcx || p.transport == transport::TransportKind::kP2p;
-  const bool memory_recovers = p.partition == AttentionPartition::kRequest ||
-                               p.transport == transport::TransportKind::kUcx || p.compute_ranks == 1;
-  p.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks") && recovers && memory_recovers;
+  p.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks") && recovers;
   p.recover_compute_replicas =
       c.GetBool("launch.recover_compute_replicas") && recovers && p.compute_ranks >= 2;
   // A restarted rank is of use only where compute rank 0 takes it back: the host-staged path, and

@@ -13,7 +13,8 @@ connection carries p2p's doorbells and buffer handles): requests admitted after 
 attention there (the new process's bye counts steps with rows). Under memory.partition head every
 rank holds KV heads of every request: the step in flight is discarded and dropped, every request
 goes back to the queue, and the survivors split the KV heads again (new device buffers, fresh
-buffer ids); with a restart, the new process rejoins through another split. Every request must complete, with the tokens of
+buffer ids; a compute replica takes the new split too); with a restart, the new process rejoins
+through another split. Every request must complete, with the tokens of
 a fault-free run of the same deployment up to bf16 rounding: log-probabilities as the fault-free
 run's until a request's tokens part from its tokens, and a greedy request may part only at a near
 tie (the recomputed requests are prefilled, and every step after the loss has other rows, so the
@@ -181,7 +182,9 @@ def main():
                  ("memory.partition head: SIGKILL of memory rank 1 of 2, restarted and rejoined", 2, 1, "memory-1",
                   signal.SIGKILL, 20, "memory rank 1 (", 8, "head"),
                  ("memory.partition head, pingpong and q-first: SIGSTOP of memory rank 0 of 3", 3, 1, "memory-0",
-                  signal.SIGSTOP, 3, "memory rank 0 (", 16, "head-pingpong")]
+                  signal.SIGSTOP, 3, "memory rank 0 (", 16, "head-pingpong"),
+                 ("memory.partition head: SIGKILL of memory rank 1 of 3, with a compute replica", 3, 2, "memory-1",
+                  signal.SIGKILL, 20, "memory rank 1 (", 16, "head")]
         # TANDEM_FAULT_CASE: "rejoin" runs the request partition's rejoin case only, "head" the head
         # partition's cases only.
         only = os.environ.get("TANDEM_FAULT_CASE")
@@ -245,6 +248,10 @@ def main():
                             memory_logs += f.read()
                 if "re-partitioned by compute rank 0" not in memory_logs:
                     bad(f"{name}: no surviving memory rank logged its re-partition")
+                if compute_ranks > 1:
+                    with open(os.path.join(tmp, "run", "latest", "compute-1.log")) as f:
+                        if f"the KV heads over {survivors} memory rank(s)" not in f.read():
+                            bad(f"{name}: the replica did not log the head split over {survivors} ranks")
             if victim.startswith("compute") and "runs again, and compute rank 0 runs every micro-batch" not in log:
                 bad(f"{name}: compute-0 did not log the rerun on compute rank 0: {log[-1200:]}")
             if "rejoined" in name:
