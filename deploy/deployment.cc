@@ -102,13 +102,12 @@ const ConfigSchema& DeploySchema() {
                 "not answer within launch.step_timeout_s is lost as in a step, and a memory rank that hears "
                 "nothing from compute rank 0 for launch.heartbeat_s + launch.step_timeout_s stops; 0: off",
                 0, 3600)
-        .Bool(
-            "launch.recover_memory_ranks", true,
-            "a memory rank that dies, disconnects or stays silent past launch.step_timeout_s is given "
-            "up and its requests are recomputed on the others (ucx or p2p transport, memory.partition "
-            "request; with compute replicas, and on p2p, the step in flight runs again without it on the "
-            "same compute ranks; memory.partition head: the others split the KV heads again and every "
-            "request in flight is recomputed); false: the deployment stops")
+        .Bool("launch.recover_memory_ranks", true,
+              "a memory rank that dies, disconnects or stays silent past launch.step_timeout_s is given "
+              "up and its requests are recomputed on the others (ucx or p2p transport, memory.partition "
+              "request; with compute replicas, and on p2p, the step in flight runs again without it on the "
+              "same compute ranks; memory.partition head: the others split the KV heads again and every "
+              "request in flight is recomputed); false: the deployment stops")
         .Bool("launch.recover_compute_replicas", true,
               "a compute replica that dies, disconnects or stays silent past launch.step_timeout_s is "
               "given up and the step in flight runs again on the compute ranks left, which share the "
