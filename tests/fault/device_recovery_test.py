@@ -185,11 +185,13 @@ def main():
                   signal.SIGSTOP, 3, "memory rank 0 (", 16, "head-pingpong"),
                  ("memory.partition head: SIGKILL of memory rank 1 of 3, with a compute replica", 3, 2, "memory-1",
                   signal.SIGKILL, 20, "memory rank 1 (", 16, "head")]
-        # TANDEM_FAULT_CASE: "rejoin" runs the request partition's rejoin case only, "head" the head
-        # partition's cases only.
+        # TANDEM_FAULT_CASE: "rejoin" runs the request partition's rejoin case with one compute rank,
+        # "replicas" those with a compute replica, "head" the head partition's cases.
         only = os.environ.get("TANDEM_FAULT_CASE")
         if only == "rejoin":
             cases = [c for c in cases if "rejoined" in c[0] and c[8] == "request"]
+        elif only == "replicas":
+            cases = [c for c in cases if c[2] > 1]
         elif only == "head":
             cases = [c for c in cases if c[8].startswith("head")]
         want_of = {}
