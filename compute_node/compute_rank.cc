@@ -1276,7 +1276,7 @@ absl::Status ComputeRank::RepartitionHeads(std::vector<std::pair<int64_t, Genera
       const absl::Status sent =
           transport_->Send(rank.peer, EncodeHello(MakeHello(m, rank.lanes[0].attn_buffer)));
       if (!sent.ok()) {
-        RETURN_IF_ERROR(MarkRankLost(m, Annotate(sent, rank.name)));
+        RETURN_IF_ERROR(LoseRankInSplit(m, Annotate(sent, rank.name)));
         again = true;
         break;
       }
@@ -1299,7 +1299,7 @@ absl::Status ComputeRank::RepartitionHeads(std::vector<std::pair<int64_t, Genera
           if (ranks_[m].lost) continue;
           const absl::Status peer = transport_->PeerStatus(ranks_[m].peer);
           if (peer.ok() && !(late && unanswered[m] > 0)) continue;
-          RETURN_IF_ERROR(MarkRankLost(
+          RETURN_IF_ERROR(LoseRankInSplit(
               m, peer.ok() ? absl::DeadlineExceededError(absl::StrCat(
                                  ranks_[m].name, ": no answer to its re-partition hello within ",
                                  absl::FormatDuration(options_.step_timeout), " (launch.step_timeout_s)"))
@@ -1331,7 +1331,7 @@ absl::Status ComputeRank::RepartitionHeads(std::vector<std::pair<int64_t, Genera
             std::string(DTypeName(reply->dtype)), " and ", reply->kv_capacity_tokens, " KV tokens"));
       }
       if (!bad.ok()) {
-        RETURN_IF_ERROR(MarkRankLost(m, Annotate(bad, ranks_[m].name)));
+        RETURN_IF_ERROR(LoseRankInSplit(m, Annotate(bad, ranks_[m].name)));
         again = true;
         break;
       }
@@ -1362,6 +1362,16 @@ absl::Status ComputeRank::RepartitionHeads(std::vector<std::pair<int64_t, Genera
     TANDEM_LOG_WARN("compute", "request ", (*finished)[i].first,
                     " ends: ", (*finished)[i].second.error.message());
   }
+  return absl::OkStatus();
+}
+
+absl::Status ComputeRank::LoseRankInSplit(size_t m, const absl::Status& why) {
+  if (compute_ranks_ == 1) return MarkRankLost(m, why);
+  // The replicas let it go too (a step discard of no step names it): one whose connection to it
+  // failed waits for compute rank 0's word (AwaitRank0), and this is it.
+  const std::pair<size_t, absl::Status> lose[] = {{m, why}};
+  ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(0, lose, /*keep=*/true));
+  (void)regrouped;
   return absl::OkStatus();
 }
 
@@ -1402,7 +1412,7 @@ absl::StatusOr<bool> ComputeRank::SplitReplicas(const std::vector<size_t>& live)
       // the deadline every one still silent, are given up.
       for (size_t m : live) {
         if (absl::Status peer = transport_->PeerStatus(ranks_[m].peer); !ranks_[m].lost && !peer.ok()) {
-          RETURN_IF_ERROR(MarkRankLost(m, Annotate(peer, ranks_[m].name)));
+          RETURN_IF_ERROR(LoseRankInSplit(m, Annotate(peer, ranks_[m].name)));
           return true;
         }
       }
@@ -1435,7 +1445,7 @@ absl::StatusOr<bool> ComputeRank::SplitReplicas(const std::vector<size_t>& live)
           err.ok() ? StatusFromErrorMessage(*err)
                    : absl::InvalidArgumentError(absl::StrCat("unexpected message (magic 0x", absl::Hex(magic),
                                                              ") during a head split"));
-      RETURN_IF_ERROR(MarkRankLost(m, Annotate(why, ranks_[m].name)));
+      RETURN_IF_ERROR(LoseRankInSplit(m, Annotate(why, ranks_[m].name)));
       return true;
     }
     size_t r = 0;
@@ -1488,13 +1498,23 @@ absl::Status ComputeRank::TakeHeadSplit(const std::vector<uint8_t>& msg) {
                                                    split.answer ? "answer" : "outside the head partition"));
   }
   std::string refused;
+  std::vector<bool> listed(ranks_.size(), false);
   for (const HeadSplitMessage::Rank& r : split.ranks) {
     if (r.memory_rank >= ranks_.size()) {
       return absl::InvalidArgumentError(
           absl::StrCat(me, ": a head split names memory rank ", r.memory_rank, " of ", ranks_.size()));
     }
+    listed[r.memory_rank] = true;
     if (ranks_[r.memory_rank].lost && refused.empty())
       refused = absl::StrCat(ranks_[r.memory_rank].name, " is lost here");
+  }
+  // A rank the split leaves out is lost (compute rank 0 told so with a step discard before): let go.
+  for (size_t m = 0; m < ranks_.size(); ++m) {
+    if (listed[m] || ranks_[m].lost) continue;
+    ranks_[m].lost = true;
+    transport_->Close(ranks_[m].peer);
+    TANDEM_LOG_WARN("compute", me, ": ", ranks_[m].name, " is lost (left out of head split ", split.split,
+                    ")");
   }
   const ModelSpec& s = backend_->spec();
   for (size_t i = 0; i < split.ranks.size() && refused.empty(); ++i) {

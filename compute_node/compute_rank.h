@@ -486,6 +486,9 @@ class ComputeRank : public Engine {
   // given up (LoseReplica, where CanRecoverReplica; else the error). True when a memory rank
   // failed meanwhile (given up: the split starts again).
   absl::StatusOr<bool> SplitReplicas(const std::vector<size_t>& live);
+  // A memory rank that fails during RepartitionHeads is given up: with replicas running by a step
+  // discard of no step that names it (Regroup), so that they let it go too; else MarkRankLost.
+  absl::Status LoseRankInSplit(size_t m, const absl::Status& why);
   // A replica: compute rank 0's head split, taken between steps: each listed memory rank's slice,
   // receive buffers and fresh attention-output buffers (compute rank 0's ids; the old ones stay
   // registered; seqnos at 0), set up for the lanes this rank runs; answered, with why not when a
