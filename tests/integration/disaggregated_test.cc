@@ -1087,7 +1087,9 @@ TEST_F(DisaggregatedTest, HeartbeatsNameAMemoryRankStoppedWhileIdle) {
 // ending with the colocated engine's tokens; their capacities and names say the new slices. Also
 // with two micro-batches in flight (pipeline.mode pingpong) and q first (pipeline.q_first), and with
 // compute replicas (pipeline.mode fixed): the step in flight is dropped on every rank (a step
-// discard) and the replicas take the new slices (a head split) and go on sampling micro-batches.
+// discard) and the replicas take the new slices (a head split) and go on sampling micro-batches;
+// with a second rank killed at once, found in the same step or during the split (then given up
+// with a step discard of no step, so that the replicas let it go too).
 struct HeadLossCase {
   std::string model;
   int ranks;
@@ -1095,6 +1097,7 @@ struct HeadLossCase {
   bool stop;              // SIGSTOP instead of SIGKILL (found by the step deadline)
   bool pipelined;         // two micro-batches, q first
   int compute_ranks = 1;  // > 1: compute.ranks - 1 replicas, one micro-batch per compute rank
+  int victim2 = -1;       // >= 0: killed right after the victim (found in the same step or the split)
 };
 
 class HeadPartitionLoss : public DisaggregatedTest, public ::testing::WithParamInterface<HeadLossCase> {};
@@ -1141,6 +1144,10 @@ TEST_P(HeadPartitionLoss, SurvivorsSplitTheHeadsAndEveryRequestIsRecomputed) {
   const int64_t sampled_before = rank_->stats().replica_micro_batches;
   const std::string victim = absl::StrCat("memory-", c.victim);
   ASSERT_EQ(kill(group_.pid(victim), c.stop ? SIGSTOP : SIGKILL), 0);
+  if (c.victim2 >= 0) {
+    ASSERT_EQ(kill(group_.pid(absl::StrCat("memory-", c.victim2)), SIGKILL), 0);
+  }
+  const int lost = c.victim2 >= 0 ? 2 : 1;
   const auto t0 = std::chrono::steady_clock::now();
   int64_t sampled_at_loss = -1;  // the replicas' micro-batches once the heads were split again
   while (!rank_->Idle() && Seconds(t0) < 60) {
@@ -1149,12 +1156,13 @@ TEST_P(HeadPartitionLoss, SurvivorsSplitTheHeadsAndEveryRequestIsRecomputed) {
       sampled_at_loss = rank_->stats().replica_micro_batches;
   }
   ASSERT_TRUE(rank_->Idle());
-  std::printf("%s, %d memory ranks%s%s, memory rank %d %s: every request done %.2f s after it\n",
+  std::printf("%s, %d memory ranks%s%s, memory rank %d%s %s: every request done %.2f s after it\n",
               c.model.c_str(), c.ranks, c.pipelined ? " (pingpong, q first)" : "",
               c.compute_ranks > 1 ? absl::StrCat(", ", c.compute_ranks, " compute ranks").c_str() : "",
-              c.victim, c.stop ? "stopped" : "killed", Seconds(t0));
+              c.victim, c.victim2 >= 0 ? absl::StrCat(" and ", c.victim2).c_str() : "",
+              c.stop ? "stopped" : "killed", Seconds(t0));
   if (c.stop) kill(group_.pid(victim), SIGKILL);
-  EXPECT_EQ(rank_->stats().memory_ranks_lost, 1);
+  EXPECT_EQ(rank_->stats().memory_ranks_lost, lost);
   if (c.compute_ranks > 1) {
     // Every replica kept, and sampling micro-batches over the new slices.
     const EngineStats es = rank_->stats();
@@ -1165,7 +1173,7 @@ TEST_P(HeadPartitionLoss, SurvivorsSplitTheHeadsAndEveryRequestIsRecomputed) {
     EXPECT_GT(es.replica_micro_batches, sampled_at_loss) << "no replica ran a micro-batch after the split";
     for (int r = 1; r < c.compute_ranks; ++r) {
       const std::string log = group_.LogTail(absl::StrCat("compute-", r), 200);
-      EXPECT_NE(log.find(absl::StrCat("the KV heads over ", c.ranks - 1, " memory rank(s)")),
+      EXPECT_NE(log.find(absl::StrCat("the KV heads over ", c.ranks - lost, " memory rank(s)")),
                 std::string::npos)
           << "compute-" << r << "'s log does not say it took the head split:\n"
           << log;
@@ -1176,10 +1184,10 @@ TEST_P(HeadPartitionLoss, SurvivorsSplitTheHeadsAndEveryRequestIsRecomputed) {
   const std::vector<KvUsage> usage = rank_->kv_usage();
   ASSERT_EQ(usage.size(), static_cast<size_t>(c.ranks));
   int64_t next = 0, slice = 0;
-  const int64_t survivors = c.ranks - 1;
+  const int64_t survivors = c.ranks - lost;
   for (int m = 0; m < c.ranks; ++m) {
     const std::string& name = rank_->memory_ranks()[static_cast<size_t>(m)];
-    if (m == c.victim) {
+    if (m == c.victim || m == c.victim2) {
       EXPECT_EQ(usage[static_cast<size_t>(m)].capacity, 0);
       continue;
     }
@@ -1202,12 +1210,14 @@ INSTANTIATE_TEST_SUITE_P(
                       HeadLossCase{"llama2-mha", 2, 0, false, false},
                       HeadLossCase{"gqa-8x4", 4, 3, true, false}, HeadLossCase{"gqa-8x4", 4, 2, false, true},
                       HeadLossCase{"llama2-mha", 3, 1, false, false, 2},
-                      HeadLossCase{"llama2-mha", 4, 3, true, false, 3}),
+                      HeadLossCase{"llama2-mha", 4, 3, true, false, 3},
+                      HeadLossCase{"llama2-mha", 4, 1, false, false, 2, 3}),
     [](const auto& info) {
       return absl::StrCat(
           testing_names::Identifier(info.param.model), "_", info.param.ranks, "_ranks_",
           info.param.stop ? "stop" : "kill", "_rank_", info.param.victim,
           info.param.pipelined ? "_pingpong_q_first" : "",
+          info.param.victim2 >= 0 ? absl::StrCat("_and_", info.param.victim2) : "",
           info.param.compute_ranks > 1 ? absl::StrCat("_", info.param.compute_ranks, "_compute_ranks") : "");
     });
 
