@@ -405,10 +405,17 @@ absl::Status ComputeRank::JoinRing(absl::Time deadline) {
   }
   std::vector<uint8_t> msg;
   transport::PeerId from = 0;
-  RETURN_IF_ERROR(
-      Annotate(transport_->Receive(&from, &msg, deadline), absl::StrCat(me, ": the ring from ", rank0)));
-  if (from != rank0_peer_)
-    return absl::InvalidArgumentError(absl::StrCat(me, ": unexpected message before the ring"));
+  // The predecessor's hello can come first (it had its ring message and connected before ours
+  // arrived): kept for below.
+  std::optional<std::pair<transport::PeerId, std::vector<uint8_t>>> early;
+  while (true) {
+    RETURN_IF_ERROR(
+        Annotate(transport_->Receive(&from, &msg, deadline), absl::StrCat(me, ": the ring from ", rank0)));
+    if (from == rank0_peer_) break;
+    if (early.has_value() || compute_rank_ == 1 || PeekFrameMagic(msg).value_or(0) != kComputeHelloMagic)
+      return absl::InvalidArgumentError(absl::StrCat(me, ": unexpected message before the ring"));
+    early.emplace(from, std::move(msg));
+  }
   ASSIGN_OR_RETURN(const ReplicaRingMessage ring, DecodeReplicaRing(msg));
   const bool last = compute_rank_ + 1 == compute_ranks_;
   if (ring.next_address.empty() != last) {
@@ -429,8 +436,13 @@ absl::Status ComputeRank::JoinRing(absl::Time deadline) {
   } else {
     // The predecessor connects and says which compute rank it is.
     ASSIGN_OR_RETURN(prev_peer_, transport_->Accept(deadline));
-    RETURN_IF_ERROR(Annotate(transport_->Receive(&from, &msg, deadline),
-                             absl::StrCat(me, ": compute rank ", compute_rank_ - 1, "'s hello")));
+    if (early.has_value()) {
+      from = early->first;
+      msg = std::move(early->second);
+    } else {
+      RETURN_IF_ERROR(Annotate(transport_->Receive(&from, &msg, deadline),
+                               absl::StrCat(me, ": compute rank ", compute_rank_ - 1, "'s hello")));
+    }
     ASSIGN_OR_RETURN(const ComputeHelloMessage prev, DecodeComputeHello(msg));
     if (from != prev_peer_ || prev.compute_rank + 1 != compute_rank_) {
       return absl::InvalidArgumentError(absl::StrCat(
