@@ -1854,15 +1854,24 @@ absl::Status ComputeRank::TakeMessagesBetweenSteps() {
   // What the transport has (1 ms at most: UCX makes progress only before a deadline): a probe's
   // messages (TakeStrayMessage), heartbeat replies; a live rank's error report or any other
   // message loses it, as in Heartbeat, and its requests go back to the queue at once.
+  RETURN_IF_ERROR(TakeArrivedMessages("between steps"));
+  return RecoverLostRanks(&ended_while_idle_);
+}
+
+absl::Status ComputeRank::TakeArrivedMessages(const char* when) {
   transport::PeerId from = 0;
   std::vector<uint8_t> msg;
   while (transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(1)).ok()) {
     if (TakeStrayMessage(from, &msg)) continue;
     size_t m = 0;
     while (m < ranks_.size() && ranks_[m].peer != from) ++m;
-    if (m < ranks_.size() && !ranks_[m].lost) RETURN_IF_ERROR(TakeIdleMessage(m, msg, "between steps"));
+    if (m == ranks_.size()) {
+      RETURN_IF_ERROR(TakeReplicaIdleMessage(from, msg, when));
+    } else if (!ranks_[m].lost) {
+      RETURN_IF_ERROR(TakeIdleMessage(m, msg, when));
+    }
   }
-  return RecoverLostRanks(&ended_while_idle_);
+  return absl::OkStatus();
 }
 
 absl::Status ComputeRank::TakeIdleMessage(size_t m, const std::vector<uint8_t>& msg, const char* when) {
@@ -2088,31 +2097,9 @@ absl::StatusOr<bool> ComputeRank::TakeReplicaControl(size_t r, const std::vector
 
 absl::Status ComputeRank::Heartbeat() {
   if (options_.heartbeat <= absl::ZeroDuration()) return absl::OkStatus();
-  // What arrived since the last call (replies, error reports); a wait of 1 ms lets the transport
-  // make progress. A failed peer ends the drain; it is found by its status below.
-  transport::PeerId from = 0;
-  std::vector<uint8_t> msg;
-  while (transport_->Receive(&from, &msg, absl::Now() + absl::Milliseconds(1)).ok()) {
-    if (TakeStrayMessage(from, &msg)) continue;
-    size_t m = 0;
-    while (m < ranks_.size() && ranks_[m].peer != from) ++m;
-    if (m == ranks_.size()) {
-      size_t r = 0;
-      while (r < replicas_.size() && replicas_[r].peer != from) ++r;
-      if (r == replicas_.size()) continue;
-      absl::StatusOr<bool> beat = TakeReplicaControl(r, msg);
-      if (!beat.ok()) return beat.status();
-      if (*beat) continue;
-      absl::StatusOr<ErrorMessage> err = DecodeError(msg);
-      const absl::Status why =
-          err.ok() ? Annotate(StatusFromErrorMessage(*err), absl::StrCat(replicas_[r].name, " stopped"))
-                   : absl::InvalidArgumentError(
-                         absl::StrCat(replicas_[r].name, ": unexpected message while idle"));
-      if (!CanRecoverReplica()) return why;
-      RETURN_IF_ERROR(LoseReplica(r, why, 0));
-    }
-    if (!ranks_[m].lost) RETURN_IF_ERROR(TakeIdleMessage(m, msg, "while idle"));
-  }
+  // What arrived since the last call (replies, error reports). A failed peer ends the drain; it is
+  // found by its status below.
+  RETURN_IF_ERROR(TakeArrivedMessages("while idle"));
   // Ranks the transport knows failed, and ranks silent past the step timeout: each is named by
   // its own heartbeat, so a silent rank is never mistaken for its neighbour.
   const absl::Time now = absl::Now();

@@ -494,8 +494,8 @@ class ComputeRank : public Engine {
   // registered; seqnos at 0), set up for the lanes this rank runs; answered, with why not when a
   // listed rank is lost here or a buffer cannot be set up. An error only for a broken protocol.
   absl::Status TakeHeadSplit(const std::vector<uint8_t>& msg);
-  // Compute rank 0 between steps (RepartitionHeads, SplitReplicas): a message from a replica that
-  // is no answer awaited there: its answer to a step discard or a heartbeat reply is taken
+  // Compute rank 0 between steps (RepartitionHeads, SplitReplicas, TakeArrivedMessages): a message from a
+  // replica that is no answer awaited there: its answer to a step discard or a heartbeat reply is taken
   // (TakeReplicaControl); an error report, or anything else (named `when`), gives the replica up
   // (GiveUpIdleReplica). A connection that is no live replica's: ignored.
   absl::Status TakeReplicaIdleMessage(transport::PeerId from, const std::vector<uint8_t>& msg,
@@ -603,6 +603,11 @@ class ComputeRank : public Engine {
   // Between steps on the device path, where a step reads no message: takes what has arrived (a
   // probe's reply among it; see the .cc).
   absl::Status TakeMessagesBetweenSteps();
+  // What the transport has, each wait 1 ms at most (UCX makes progress only before a deadline): a
+  // probe's or a given-up connection's messages (TakeStrayMessage), a live memory rank's
+  // (TakeIdleMessage) and a replica's (TakeReplicaIdleMessage), each named `when` if unexpected.
+  // Heartbeat and TakeMessagesBetweenSteps.
+  absl::Status TakeArrivedMessages(const char* when);
   // A message from live memory rank m outside a step (Heartbeat, TakeMessagesBetweenSteps): a
   // heartbeat reply is taken; an error report, or anything else (named `when`), loses the rank.
   absl::Status TakeIdleMessage(size_t m, const std::vector<uint8_t>& msg, const char* when);
