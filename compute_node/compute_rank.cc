@@ -258,12 +258,15 @@ absl::Status ComputeRank::SetUpLane(size_t j) {
 }
 
 absl::Status ComputeRank::SetUpRankLane(size_t m, size_t j) {
-  Rank& rank = ranks_[m];
-  RankLane& rl = rank.lanes[j];
+  return SetUpRankLane(ranks_[m].slice, j, &ranks_[m].lanes[j]);
+}
+
+absl::Status ComputeRank::SetUpRankLane(const HeadSlice& slice, size_t j, RankLane* lane) {
+  RankLane& rl = *lane;
   if (rl.registered) return absl::OkStatus();  // set up already (a step discard sets up every lane again)
   const size_t t = static_cast<size_t>(options_.scheduler.max_tokens_per_step);
-  const size_t pack_bytes = t * static_cast<size_t>(rank.slice.slice_qkv_width()) * elem_;
-  const size_t out_bytes = t * static_cast<size_t>(rank.slice.slice_q_dim()) * elem_;
+  const size_t pack_bytes = t * static_cast<size_t>(slice.slice_qkv_width()) * elem_;
+  const size_t out_bytes = t * static_cast<size_t>(slice.slice_q_dim()) * elem_;
   const size_t attn_bytes = t * static_cast<size_t>(backend_->spec().q_dim()) * elem_;
   if (head_) {
     ASSIGN_OR_RETURN(rl.pack, backend_->memory().Allocate(pack_bytes, !device_path_));
@@ -1708,9 +1711,8 @@ void ComputeRank::DropProbe(size_t m, const std::string& why) {
 
 absl::Status ComputeRank::AdvanceRejoins() {
   // On a device path the probe's connection must carry the device connection too
-  // (capabilities().device_path_new_peers: p2p); with one compute rank (the replicas' part of a
-  // rejoin, RejoinReplicas, is the host-staged path's).
-  const bool device_rejoin = transport_->capabilities().device_path_new_peers && compute_ranks_ == 1;
+  // (capabilities().device_path_new_peers: p2p).
+  const bool device_rejoin = transport_->capabilities().device_path_new_peers;
   if (options_.rejoin_probe <= absl::ZeroDuration() || (device_path_ && !device_rejoin) ||
       !(CanRecover() || CanRecoverByRerun()))
     return absl::OkStatus();
@@ -1729,7 +1731,7 @@ absl::Status ComputeRank::AdvanceRejoins() {
         continue;
       }
       transport_->Close(*peer);
-      probe = Probe{.active = true, .peer = *peer, .started = now};
+      probe = Probe{.active = true, .peer = *peer, .started = now, .backoff = probe.backoff};
     }
     if (absl::Status st = transport_->PeerStatus(probe.peer); !st.ok()) {
       DropProbe(m, std::string(st.message()));  // refused (nothing listens there yet) or failed
@@ -1747,29 +1749,16 @@ absl::Status ComputeRank::AdvanceRejoins() {
       // lost process, stopped and then continued, lands in its own buffers). On the device path
       // every rank writes its rows' outputs straight into the lane's attention buffer, as the
       // lost process did (a late write of it: its device path stopped with its failed step, or
-      // the process is gone); the new id's doorbell starts at 0.
-      const size_t t = static_cast<size_t>(options_.scheduler.max_tokens_per_step);
-      const size_t out_bytes = t * static_cast<size_t>(rank.slice.slice_q_dim()) * elem_;
+      // the process is gone); the new id's doorbell starts at 0. Ids for every lane; buffers for
+      // the lanes this rank runs (a replica's lanes are the replica's: RejoinReplicas, and set up
+      // here when taken over).
       const uint32_t first = next_attn_buffer_;
       probe.lanes.clear();
       probe.lanes.resize(lanes_.size());
       absl::Status st;
       for (size_t j = 0; j < lanes_.size() && st.ok(); ++j) {
-        RankLane& rl = probe.lanes[j];
-        rl.attn_buffer = next_attn_buffer_++;
-        if (device_path_) {
-          st = transport_->RegisterBuffer(rl.attn_buffer, lanes_[j].attn.get(),
-                                          t * static_cast<size_t>(backend_->spec().q_dim()) * elem_);
-          rl.registered = st.ok();
-          continue;
-        }
-        rl.recv_bytes = kLayerMessageHeaderFrameBytes + out_bytes;
-        absl::StatusOr<BackendBuffer> recv = backend_->memory().Allocate(rl.recv_bytes, true);
-        st = recv.status();
-        if (!st.ok()) break;
-        rl.recv = std::move(*recv);
-        st = transport_->RegisterBuffer(rl.attn_buffer, rl.recv.get(), rl.recv_bytes);
-        rl.registered = st.ok();
+        probe.lanes[j].attn_buffer = next_attn_buffer_++;
+        if (Runs(j)) st = SetUpRankLane(rank.slice, j, &probe.lanes[j]);
       }
       if (st.ok()) st = transport_->Send(probe.peer, EncodeHello(MakeHello(m, first)));
       if (!st.ok()) {

@@ -199,7 +199,7 @@ class ComputeRank : public Engine {
   // rejoin message each way, RejoinReplicas); a replica that cannot reach it keeps it lost and the
   // probe is dropped. Probes reach the host-staged path, where recovery works (CanRecover,
   // CanRecoverByRerun), and a device path whose new peers need no collective set-up
-  // (capabilities().device_path_new_peers: p2p) with one compute rank; there a step reads no
+  // (capabilities().device_path_new_peers: p2p); there a step reads no
   // message, so the reply is looked for between steps (TakeMessagesBetweenSteps). Under the head
   // partition (either path) the rank comes back through a new split of the heads (RepartitionHeads).
   absl::Status Check(const GenerationRequest& request) const override { return controller_->Check(request); }
@@ -521,6 +521,8 @@ class ComputeRank : public Engine {
     bool registered = false;  // attn_buffer is registered with the transport (SetUpRankLane)
     uint64_t seqno = 0;
   };
+  // SetUpRankLane for a lane of a rank's `slice` held elsewhere (a rejoin probe's).
+  absl::Status SetUpRankLane(const HeadSlice& slice, size_t j, RankLane* lane);
   struct Rank {
     uint32_t peer = 0;
     uint32_t qkv_buffer = 0;  // its receive buffer of lane 0 (lane j: qkv_buffer + j)

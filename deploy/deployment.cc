@@ -350,11 +350,9 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   p.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks") && recovers;
   p.recover_compute_replicas =
       c.GetBool("launch.recover_compute_replicas") && recovers && p.compute_ranks >= 2;
-  // A restarted rank is of use only where compute rank 0 takes it back: the host-staged path, and
-  // p2p's device path with one compute rank (ComputeRank::AdvanceRejoins).
-  const bool takes_back = p.transport == transport::TransportKind::kUcx ||
-                          (p.transport == transport::TransportKind::kP2p && p.compute_ranks == 1);
-  p.restart_memory_ranks = p.recover_memory_ranks && takes_back && c.GetDouble("launch.rejoin_probe_s") > 0
+  // A restarted rank is of use only where compute rank 0 takes it back: wherever it recovers, with
+  // probes on (ComputeRank::AdvanceRejoins).
+  p.restart_memory_ranks = p.recover_memory_ranks && c.GetDouble("launch.rejoin_probe_s") > 0
                                ? static_cast<int>(c.GetInt("launch.restart_memory_ranks"))
                                : 0;
   return p;

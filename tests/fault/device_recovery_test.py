@@ -7,10 +7,11 @@ processes on one GPU, interprocess events), with or without a compute replica (p
 While the requests decode, one memory rank is killed (SIGKILL) or stopped (SIGSTOP, found silent
 after launch.step_timeout_s), or the replica is killed. Compute rank 0 discards the step, every
 surviving rank drains and resets its device path, and the step runs again without the rank; a lost
-memory rank's requests are recomputed on the others. In one case the launcher restarts the killed
-rank (launch.rejoin_probe_s 0.2) and compute rank 0 takes it back on the device path (the probe's
-connection carries p2p's doorbells and buffer handles): requests admitted after the rejoin run
-attention there (the new process's bye counts steps with rows). Under memory.partition head every
+memory rank's requests are recomputed on the others. In the "restarted and rejoined" cases the
+launcher restarts the killed rank (launch.rejoin_probe_s 0.2) and compute rank 0 takes it back on
+the device path (the probe's connection carries p2p's doorbells and buffer handles; a compute
+replica connects to the new process first): requests admitted after the rejoin run attention there
+(the new process's bye counts steps with rows). Under memory.partition head every
 rank holds KV heads of every request: the step in flight is discarded and dropped, every request
 goes back to the queue, and the survivors split the KV heads again (new device buffers, fresh
 buffer ids; a compute replica takes the new split too); with a restart, the new process rejoins
@@ -149,13 +150,28 @@ def compare(got_text, want_text, name):
           f"{max_diff:.4f} before", flush=True)
 
 
+def stamp_of(line):
+    """The time of a log line (they start with the local time to the millisecond)."""
+    return time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + float(line[19:23])
+
+
 def print_logs(tmp):
-    """The ends of the run's rank logs (what a failed case is read from)."""
+    """The ends of the run's rank logs (what a failed case is read from; TANDEM_FAULT_LOG_LINES lines
+    of each, 15 unless set)."""
     latest = os.path.join(tmp, "run", "latest")
+    lines = int(os.environ.get("TANDEM_FAULT_LOG_LINES", "15"))
     for name in sorted(os.listdir(latest)) if os.path.isdir(latest) else []:
         if name.endswith(".log"):
             with open(os.path.join(latest, name), errors="replace") as f:
-                print(f"--- {name} (end)\n" + "".join(f.readlines()[-15:]), flush=True)
+                print(f"--- {name} (end)\n" + "".join(f.readlines()[-lines:]), flush=True)
+
+
+def keep_logs(tmp, case):
+    """With TANDEM_FAULT_KEEP_LOGS=DIR, the case's rank logs are copied to DIR/case-N/."""
+    keep = os.environ.get("TANDEM_FAULT_KEEP_LOGS")
+    latest = os.path.join(tmp, "run", "latest")
+    if keep and os.path.isdir(latest):
+        shutil.copytree(latest, os.path.join(keep, f"case-{case}"), dirs_exist_ok=True)
 
 
 def main():
@@ -177,6 +193,8 @@ def main():
                   16, "request"),
                  ("SIGKILL of memory rank 1 of 2, restarted and rejoined", 2, 1, "memory-1", signal.SIGKILL, 20,
                   "memory rank 1 (", 8, "request"),
+                 ("SIGKILL of memory rank 1 of 2, with a compute replica, restarted and rejoined", 2, 2, "memory-1",
+                  signal.SIGKILL, 20, "memory rank 1 (", 8, "request"),
                  ("memory.partition head: SIGKILL of memory rank 1 of 3", 3, 1, "memory-1", signal.SIGKILL, 20,
                   "memory rank 1 (", 16, "head"),
                  ("memory.partition head: SIGKILL of memory rank 1 of 2, restarted and rejoined", 2, 1, "memory-1",
@@ -184,9 +202,11 @@ def main():
                  ("memory.partition head, pingpong and q-first: SIGSTOP of memory rank 0 of 3", 3, 1, "memory-0",
                   signal.SIGSTOP, 3, "memory rank 0 (", 16, "head-pingpong"),
                  ("memory.partition head: SIGKILL of memory rank 1 of 3, with a compute replica", 3, 2, "memory-1",
-                  signal.SIGKILL, 20, "memory rank 1 (", 16, "head")]
-        # TANDEM_FAULT_CASE: "rejoin" runs the request partition's rejoin case with one compute rank,
-        # "replicas" those with a compute replica, "head" the head partition's cases.
+                  signal.SIGKILL, 20, "memory rank 1 (", 16, "head"),
+                 ("memory.partition head: SIGKILL of memory rank 1 of 2, with a compute replica, restarted and "
+                  "rejoined", 2, 2, "memory-1", signal.SIGKILL, 20, "memory rank 1 (", 8, "head")]
+        # TANDEM_FAULT_CASE: "rejoin" runs the request partition's rejoin cases, "replicas" those with a
+        # compute replica, "head" the head partition's cases; any other text the cases whose name has it.
         only = os.environ.get("TANDEM_FAULT_CASE")
         if only == "rejoin":
             cases = [c for c in cases if "rejoined" in c[0] and c[8] == "request"]
@@ -194,8 +214,10 @@ def main():
             cases = [c for c in cases if c[2] > 1]
         elif only == "head":
             cases = [c for c in cases if c[8].startswith("head")]
+        elif only not in (None, "", "all"):
+            cases = [c for c in cases if only in c[0]]  # any other text: the cases whose name holds it
         want_of = {}
-        for name, ranks, compute_ranks, victim, sig, timeout, lost, batch, partition in cases:
+        for case, (name, ranks, compute_ranks, victim, sig, timeout, lost, batch, partition) in enumerate(cases):
             key = (ranks, compute_ranks, timeout, batch, partition)
             if key not in want_of:
                 rc, want, err, secs, _ = run(tmp, ranks, timeout, compute_ranks, batch=batch, partition=partition)
@@ -211,6 +233,7 @@ def main():
             rc, got, err, secs, after = run(tmp, ranks, timeout, compute_ranks, victim, sig, batch=batch,
                                             partition=partition)
             signalled = time.time() - after if after else 0.0
+            keep_logs(tmp, case)
             with open(os.path.join(tmp, "run", "latest", "compute-0.log")) as f:
                 log = f.read()
             print(f"{name}: exit {rc} after {secs:.1f} s ({after:.1f} s after the signal)", flush=True)
@@ -221,9 +244,7 @@ def main():
                         "hold the KV heads now" in line):
                     print("  compute-0:", line[-300:], flush=True)
                 if recovered in line and after:
-                    # Log lines start with the local time to the millisecond.
-                    stamp = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + float(line[19:23])
-                    print(f"{name}: {recovered} {stamp - signalled:.2f} s after the signal", flush=True)
+                    print(f"{name}: {recovered} {stamp_of(line) - signalled:.2f} s after the signal", flush=True)
             if rc != 0:
                 bad(f"{name}: generate failed: {err[-1200:]}")
                 print_logs(tmp)
@@ -262,6 +283,8 @@ def main():
                     byes = re.findall(r"memory rank 1: bye after \d+ steps \((\d+) with rows here\)", f.read())
                 print(f"{name}: {rejoin[0][-200:] if rejoin else 'no rejoin'}; the new process's bye: "
                       f"{byes[-1] if byes else '?'} steps with rows", flush=True)
+                if rejoin and after:
+                    print(f"{name}: rejoined {stamp_of(rejoin[0]) - signalled:.2f} s after the signal", flush=True)
                 if not rejoin:
                     bad(f"{name}: compute-0 did not take the restarted rank back: {log[-1200:]}\n{err[-600:]}")
                 elif not byes or int(byes[-1]) == 0:

@@ -22,7 +22,10 @@ sampling) whose tokens must equal those of the same requests sent one by one bef
     compute rank 0 takes it back and the two split the heads again (every request in flight is
     recomputed each time), every request completes with the fault-free tokens, and the new process
     runs attention; the same with a compute replica, which takes each new split of the heads (its
-    log) and is kept.
+    log) and is kept;
+  * kill -9 of memory rank 1 with no restart (launch.restart_memory_ranks 0): compute rank 0 probes its
+    address after 0.2 s, then waits twice as long after each probe nothing answers, and requests go
+    on over rank 0.
 Every wait is bounded. Usage: rejoin_test.py path/to/tandem
 """
 import os
@@ -49,8 +52,8 @@ REQUESTS = [([5 + i, 17, 99, 3, 250 - i, 7, 11 * i % 500 + 1], {"temperature": 0
 
 
 class Deployment:
-    def __init__(self, tmp, compute_ranks=1, partition="request"):
-        self.dir = os.path.join(tmp, f"rejoin-{compute_ranks}-{partition}")
+    def __init__(self, tmp, compute_ranks=1, partition="request", restarts=2, env=None):
+        self.dir = os.path.join(tmp, f"rejoin-{compute_ranks}-{partition}-{restarts}")
         os.makedirs(self.dir)
         yaml = os.path.join(self.dir, "deploy.yaml")
         pipeline = "pipeline:\n  mode: fixed\n  batches: 2\n" if compute_ranks > 1 else ""
@@ -59,12 +62,13 @@ class Deployment:
                     f"memory:\n  ranks: 2\n  devices: cpu\n  partition: {partition}\n{pipeline}"
                     f"scheduler:\n  max_batch_size: 4\n  max_tokens_per_step: 64\nkv:\n  capacity_tokens: 512\n"
                     f"launch:\n  run_dir: {self.dir}/run\n  step_timeout_s: {STEP_TIMEOUT_S}\n  heartbeat_s: 0.5\n"
-                    f"  rejoin_probe_s: 0.2\n  restart_memory_ranks: 2\n  startup_timeout_s: 60\n"
+                    f"  rejoin_probe_s: 0.2\n  restart_memory_ranks: {restarts}\n  startup_timeout_s: 60\n"
                     f"api:\n  port: 0\n  served_model_name: rj\n")
         ready = os.path.join(self.dir, "ready")
         self.err_path = os.path.join(self.dir, "serve.err")
         self.proc = subprocess.Popen([TANDEM, "serve", "--deploy", yaml, "--ready-file", ready],
-                                     stdout=subprocess.DEVNULL, stderr=open(self.err_path, "w"))
+                                     stdout=subprocess.DEVNULL, stderr=open(self.err_path, "w"),
+                                     env=dict(os.environ, **(env or {})))
         self.url = None
         if wait_for(lambda: os.path.exists(ready) and open(ready).read().strip(), 60) is not None:
             self.url = open(ready).read().strip()
@@ -276,16 +280,57 @@ def head_partition(tmp, compute_ranks=1):
     check_byes(d, label)
 
 
+def stays_away(tmp):
+    """kill -9 of memory rank 1 with no restart (launch.restart_memory_ranks 0): compute rank 0 probes
+    its address less and less often (the wait after a probe nothing answers doubles from
+    launch.rejoin_probe_s), and requests go on on rank 0."""
+    label = "kill -9, not restarted"
+    d = Deployment(tmp, restarts=0, env={"TANDEM_LOG_LEVEL": "debug"})  # a dropped probe is a debug line
+    try:
+        if d.url is None:
+            return
+        expect = fault_free(d)
+        if expect is None:
+            return
+        victim = d.memory_pids(1)
+        if not victim:
+            bad(f"{label}: memory rank 1 not found")
+            return
+        signal_all(victim, signal.SIGKILL)
+        if wait_for(lambda: "giving up memory rank 1 (" in d.log("compute-0"), BOUND_S) is None:
+            bad(f"{label}: the killed rank was not given up within {BOUND_S} s: {d.log('compute-0')[-800:]}")
+            return
+        time.sleep(4.0)
+        waits = []
+        for m in re.finditer(r"memory rank 1 \(\S+\): rejoin probe dropped \(next in ([0-9.]+)(ms|s)\)",
+                             d.log("compute-0")):
+            waits.append(float(m.group(1)) * (1e-3 if m.group(2) == "ms" else 1.0))
+        print(f"{label}: {len(waits)} probes in the 4 s after the loss, waits after them "
+              f"{', '.join('%.1f s' % w for w in waits)}", flush=True)
+        # 0.2, 0.4, 0.8, 1.6 s: at most 5 probes in 4 s (a probe refused at once: the rank is gone).
+        if not 2 <= len(waits) <= 6 or any(b != 2 * a for a, b in zip(waits, waits[1:])):
+            bad(f"{label}: probe waits {waits}, expected 0.2 s doubling: {d.log('compute-0')[-800:]}")
+        if [d.tokens(p, e) for p, e in REQUESTS] != expect:
+            bad(f"{label}: tokens on memory rank 0 alone differ from the fault-free ones")
+        if d.proc.poll() is not None:
+            bad(f"{label}: the deployment stopped: {d.err()[-600:]}")
+    finally:
+        d.stop()
+
+
 def main():
-    # "replica": only the case with a compute replica; "head": only the head partition's.
+    # "replica": only the case with a compute replica; "head": only the head partition's; "away": only
+    # the rank that is not restarted.
     only = os.environ.get("TANDEM_FAULT_CASE")
     with tempfile.TemporaryDirectory(prefix="tandem-rejoin-") as tmp:
-        if only != "head":
+        if only in (None, "replica"):
             with_replica(tmp)
-        if only != "replica":
+        if only in (None, "head"):
             head_partition(tmp)
             head_partition(tmp, compute_ranks=2)
-        if only in ("replica", "head"):
+        if only in (None, "away"):
+            stays_away(tmp)
+        if only is not None:
             print(f"{len(failures)} failure(s)")
             sys.exit(1 if failures else 0)
         d = Deployment(tmp)
