@@ -297,9 +297,9 @@ absl::Status RunCompute(const ComputeArgs& a) {
       absl::StrAppend(&stats.recovery, stats.recovery.empty() ? "" : "; ", es.steps_rerun,
                       " step(s) rerun without the lost memory rank");
     }
-    if (es.compute_replicas_kept > 0 || es.compute_replicas_released > 0) {
-      absl::StrAppend(&stats.recovery, "; compute replicas kept ", es.compute_replicas_kept, ", released ",
-                      es.compute_replicas_released, ", ", es.compute_ranks_live, " compute rank(s) running");
+    if (es.compute_replicas_kept > 0) {
+      absl::StrAppend(&stats.recovery, "; compute replicas kept ", es.compute_replicas_kept, ", ",
+                      es.compute_ranks_live, " compute rank(s) running");
     }
     TANDEM_LOG_WARN("compute", "recovery: ", stats.recovery);
   }

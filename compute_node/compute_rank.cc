@@ -525,8 +525,7 @@ bool ComputeRank::CanRecoverReplica() const {
   // The step runs again on the surviving compute ranks: on the host-staged path (the memory ranks'
   // and the replicas' waits can be left; under pipeline.mode rotational the ring closes over the
   // lost rank, docs/architecture.md, "Failures"), and on a device path that can be reset (every
-  // rank drains and resets it first; under rotational the other replicas are released there: the
-  // ring's new connections are not made on a device path yet, LoseReplica).
+  // rank drains and resets it first).
   return options_.recover_compute_replicas && compute_rank_ == 0 && compute_ranks_ >= 2 &&
          (!device_path_ || transport_->capabilities().device_path_reset);
 }
@@ -712,7 +711,7 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
         RETURN_IF_ERROR(Annotate(transport_->ResetDevicePath(backend_->stream()),
                                  absl::StrCat("recovering step ", step_id)));
       }
-      ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(step_id, lose, /*keep=*/true));
+      ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(step_id, lose));
       if (device_path_) RETURN_IF_ERROR(AwaitDrained(step_id));
       if (head_) return absl::OkStatus();  // dropped, not run again (DropStepForHeads)
       TANDEM_LOG_WARN("compute", "step ", step_id, " runs again without it on ", compute_ranks_,
@@ -749,19 +748,16 @@ absl::Status ComputeRank::LoseReplica(size_t r, const absl::Status& why, uint64_
   retired_peers_.insert(replica.peer);  // and whatever it still sends is dropped
   ++compute_ranks_lost_;
   // The others go on, each as its place among the survivors (under rotational the lost rank's ring
-  // neighbours are connected to each other: Regroup), except under rotational on the device path,
-  // where they are released (a ring connected anew is not run there yet) and this rank runs every
-  // micro-batch.
-  const bool keep = !device_path_ || options_.slice_layers == 0;
-  ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(step_id, {}, keep));
-  TANDEM_LOG_WARN(
-      "compute", "giving up ", replica.name, ": ", why.message(), "; ",
-      step_id != 0 ? absl::StrCat("step ", step_id, " runs again, and ") : std::string(),
-      compute_ranks_ == 1 ? std::string("compute rank 0 runs every micro-batch from now on")
-                          : absl::StrCat(compute_ranks_, " compute ranks run the micro-batches from now on"),
-      " (", compute_ranks_lost_, " compute replica(s) lost",
-      regrouped.kept.empty() ? std::string() : absl::StrCat("; kept: ", regrouped.kept),
-      regrouped.released.empty() ? std::string() : absl::StrCat("; released: ", regrouped.released), ")");
+  // neighbours are connected to each other: Regroup; on p2p's device path the new connection's
+  // greeting brings the successor's residual buffers).
+  ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(step_id, {}));
+  TANDEM_LOG_WARN("compute", "giving up ", replica.name, ": ", why.message(), "; ",
+                  step_id != 0 ? absl::StrCat("step ", step_id, " runs again, and ") : std::string(),
+                  compute_ranks_ == 1
+                      ? std::string("compute rank 0 runs every micro-batch from now on")
+                      : absl::StrCat(compute_ranks_, " compute ranks run the micro-batches from now on"),
+                  " (", compute_ranks_lost_, " compute replica(s) lost",
+                  regrouped.kept.empty() ? std::string() : absl::StrCat("; kept: ", regrouped.kept), ")");
   return absl::OkStatus();
 }
 
@@ -780,27 +776,18 @@ absl::Status ComputeRank::MarkRankLost(size_t m, const absl::Status& why) {
 }
 
 absl::StatusOr<ComputeRank::Regrouped> ComputeRank::Regroup(
-    uint64_t step_id, std::span<const std::pair<size_t, absl::Status>> lose, bool keep) {
+    uint64_t step_id, std::span<const std::pair<size_t, absl::Status>> lose) {
   // The replicas still running are kept, each the pipeline's compute rank of its place among them
-  // (in rank order), or released: their connections let go first (their leaving is expected, and
-  // whatever they still send is dropped), the step discard below tells them.
-  std::vector<size_t> kept, released;
+  // (in rank order); the step discard below tells them.
+  std::vector<size_t> kept;
   uint8_t mask = 1;
   for (size_t r = 0; r < replicas_.size(); ++r) {
     Replica& replica = replicas_[r];
     if (replica.lost) continue;
-    if (keep) {
-      kept.push_back(r);
-      replica.place = static_cast<int>(kept.size());
-      ++replica.unanswered;
-      mask = static_cast<uint8_t>(mask | (1u << (r + 1)));
-      continue;
-    }
-    replica.lost = true;
-    replica.unanswered = 0;
-    transport_->Close(replica.peer);
-    retired_peers_.insert(replica.peer);
-    released.push_back(r);
+    kept.push_back(r);
+    replica.place = static_cast<int>(kept.size());
+    ++replica.unanswered;
+    mask = static_cast<uint8_t>(mask | (1u << (r + 1)));
   }
   // The micro-batches over the compute ranks that go on: a pipeline of that many ranks (one left:
   // every micro-batch on compute rank 0, the pipeline's micro-batches kept, pingpong).
@@ -857,9 +844,8 @@ absl::StatusOr<ComputeRank::Regrouped> ComputeRank::Regroup(
     for (RankLane& rl : rank.lanes) rl.seqno = d.seqno_base;
   }
   for (Lane& lane : lanes_) lane.resid_in_seqno = lane.resid_out_seqno = d.seqno_base;
-  // The same discard keeps or releases each replica (a released one stops, exit status 0). Best
-  // effort: a kept one that cannot be told fails the rerun (its answer never comes) and is given
-  // up then; a released one leaves on its own deadlines.
+  // The same discard keeps each replica. Best effort: one that cannot be told fails the rerun (its
+  // answer never comes) and is given up then.
   const std::vector<uint8_t> discard = EncodeStepDiscard(d);
   Regrouped names;
   for (size_t r : kept) {
@@ -876,20 +862,12 @@ absl::StatusOr<ComputeRank::Regrouped> ComputeRank::Regroup(
     TANDEM_LOG_INFO("compute", "the ring goes from ", replicas_[r].name, " to ", replicas_[next].name,
                     " from now on");
   }
-  for (size_t r : released) {
-    (void)transport_->Send(replicas_[r].peer, discard);
-    absl::StrAppend(&names.released, names.released.empty() ? "" : ", ", replicas_[r].name);
-  }
   replicas_kept_ += static_cast<int64_t>(kept.size());
-  replicas_released_ += static_cast<int64_t>(released.size());
   if (!kept.empty()) {
     TANDEM_LOG_INFO("compute", "step discard",
                     step_id != 0 ? absl::StrCat(" of step ", step_id) : std::string(), ": ", compute_ranks_,
                     " compute ranks go on (kept: ", names.kept, "), seqnos from ", d.seqno_base,
                     d.lost_memory_ranks.empty() ? std::string() : ", without the memory ranks lost");
-  }
-  for (size_t r : released) {
-    TANDEM_LOG_WARN("compute", "releasing ", replicas_[r].name, " (a step discard that does not keep it)");
   }
   return names;
 }
@@ -980,7 +958,7 @@ absl::Status ComputeRank::AwaitDrained(uint64_t step_id) {
     }
     TANDEM_LOG_WARN("compute", "step ", step_id, ": ", ranks_[lose[0].first].name,
                     " did not answer after the step discard; it is given up too");
-    ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(step_id, lose, /*keep=*/true));
+    ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(step_id, lose));
     (void)regrouped;
   }
 }
@@ -1385,7 +1363,7 @@ absl::Status ComputeRank::LoseRankInSplit(size_t m, const absl::Status& why) {
   // The replicas let it go too (a step discard of no step names it): one whose connection to it
   // failed waits for compute rank 0's word (AwaitRank0), and this is it.
   const std::pair<size_t, absl::Status> lose[] = {{m, why}};
-  ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(0, lose, /*keep=*/true));
+  ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(0, lose));
   (void)regrouped;
   return absl::OkStatus();
 }
@@ -1646,7 +1624,7 @@ absl::Status ComputeRank::LoseRank(size_t m, absl::Status why) {
     TANDEM_LOG_WARN("compute", "compute rank 0 gives up ", rank.name, " with ", compute_ranks_ - 1,
                     " compute replica(s) running: ", why.message());
     const std::pair<size_t, absl::Status> lose[] = {{m, why}};
-    ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(0, lose, /*keep=*/true));
+    ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(0, lose));
     (void)regrouped;
     return absl::OkStatus();
   }
@@ -1809,7 +1787,7 @@ absl::Status ComputeRank::AdvanceRejoins() {
       DropProbe(m, std::string(st.message()));
       if (with_replicas) {
         // The replicas took the rank: a step discard of no step names it lost again.
-        ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(0, {}, /*keep=*/true));
+        ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(0, {}));
         (void)regrouped;
       }
       continue;
@@ -1965,7 +1943,7 @@ absl::StatusOr<std::string> ComputeRank::RejoinReplicas(size_t m, uint32_t attn_
   if (told) {
     // A replica that connected took the rank: a step discard of no step names it lost again (and
     // whatever the replicas still answer is dropped: TakeReplicaControl).
-    ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(0, {}, /*keep=*/true));
+    ASSIGN_OR_RETURN(const Regrouped regrouped, Regroup(0, {}));
     (void)regrouped;
   }
   return refused;
@@ -3344,7 +3322,6 @@ EngineStats ComputeRank::stats() const {
           .compute_ranks_lost = compute_ranks_lost_,
           .steps_rerun = steps_rerun_,
           .compute_replicas_kept = replicas_kept_,
-          .compute_replicas_released = replicas_released_,
           .compute_ranks_live = compute_ranks_,
           .replica_micro_batches = replica_micro_batches_};
 }

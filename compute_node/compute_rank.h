@@ -301,10 +301,9 @@ class ComputeRank : public Engine {
   // Gives up replica r (compute rank r + 1) for `why` (counted as lost) and goes on with the others
   // (Regroup, which keeps them; under pipeline.mode rotational the ring closes over the lost rank).
   absl::Status LoseReplica(size_t r, const absl::Status& why, uint64_t step_id);
-  // The replicas not given up go on (`keep`: each as its place among the survivors, in rank order,
-  // the pipeline's compute ranks 1, 2, ...) or are released (a step discard that does not keep
-  // them: they stop, exit status 0; their connections let go). The memory ranks of `lose` are given
-  // up (MarkRankLost) first. Then every doorbell seqno jumps to a common base above any used so far
+  // The replicas not given up go on, each as its place among the survivors, in rank order (the
+  // pipeline's compute ranks 1, 2, ...). The memory ranks of `lose` are given up (MarkRankLost)
+  // first. Then every doorbell seqno jumps to a common base above any used so far
   // and the memory ranks and the replicas get a step discard of `step_id` (0: none in flight) with
   // the mask of the compute ranks that go on and every memory rank lost so far; a kept replica
   // answers it with a compute hello (awaited by AwaitKeptReplicas before its next replica step).
@@ -312,12 +311,11 @@ class ComputeRank : public Engine {
   // this rank hands residual streams to the first kept replica and takes them from the last, and a
   // kept replica whose successor changed to another replica gets a replica ring message with that
   // replica's address right after the discard (its successor is compute rank 0: nothing; it knows
-  // from the mask). Returns the kept and released replicas' names (for the log).
+  // from the mask). Returns the kept replicas' names (for the log).
   struct Regrouped {
-    std::string kept, released;
+    std::string kept;
   };
-  absl::StatusOr<Regrouped> Regroup(uint64_t step_id, std::span<const std::pair<size_t, absl::Status>> lose,
-                                    bool keep);
+  absl::StatusOr<Regrouped> Regroup(uint64_t step_id, std::span<const std::pair<size_t, absl::Status>> lose);
   // Compute rank 0: waits (up to the step timeout) until every kept replica has answered the step
   // discard that kept it (TakeReplicaControl takes the answers wherever they come): what a replica
   // sent before it had the discard (a result of the step discarded) is dropped, and its writes of
@@ -686,9 +684,9 @@ class ComputeRank : public Engine {
   absl::Time next_beat_ = absl::InfinitePast();
   int64_t memory_ranks_lost_ = 0, requests_recovered_ = 0, memory_ranks_rejoined_ = 0;
   int64_t compute_ranks_lost_ = 0, steps_rerun_ = 0;
-  // Replicas kept by a step discard (counted at each one) and released; micro-batches whose tokens a
-  // replica sampled.
-  int64_t replicas_kept_ = 0, replicas_released_ = 0, replica_micro_batches_ = 0;
+  // Replicas kept by a step discard (counted at each one); micro-batches whose tokens a replica
+  // sampled.
+  int64_t replicas_kept_ = 0, replica_micro_batches_ = 0;
   // Compute rank 0: at least every doorbell seqno used so far (each step's layers add at most
   // num_layers messages, two with q-first, to any one): where they all start again after a replica
   // is lost (LoseReplica).

@@ -107,12 +107,10 @@ struct EngineStats {
   // steps run again because one was lost in the middle of them.
   int64_t compute_ranks_lost = 0;
   int64_t steps_rerun = 0;
-  // Compute replicas that went on after a loss (counted at each step discard that kept one) and
-  // that were released (they stopped), the compute ranks running micro-batches now (compute rank 0
-  // and the replicas not lost or released; 0 for an engine without compute ranks), and the
-  // micro-batches whose tokens a replica sampled.
+  // Compute replicas that went on after a loss (counted at each step discard that kept one), the
+  // compute ranks running micro-batches now (compute rank 0 and the replicas not lost; 0 for an
+  // engine without compute ranks), and the micro-batches whose tokens a replica sampled.
   int64_t compute_replicas_kept = 0;
-  int64_t compute_replicas_released = 0;
   int64_t compute_ranks_live = 0;
   int64_t replica_micro_batches = 0;
 };

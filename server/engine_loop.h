@@ -85,7 +85,7 @@ struct LoopOptions {
 struct RecoveryCounters {
   int64_t memory_ranks_lost = 0, memory_ranks_rejoined = 0, requests_recovered = 0;
   int64_t compute_ranks_lost = 0, steps_rerun = 0;
-  int64_t compute_replicas_kept = 0, compute_replicas_released = 0, compute_ranks_live = 0;
+  int64_t compute_replicas_kept = 0, compute_ranks_live = 0;
   int64_t replica_micro_batches = 0;
   RecoveryCounters() = default;
   explicit RecoveryCounters(const EngineStats& s)
@@ -95,7 +95,6 @@ struct RecoveryCounters {
         compute_ranks_lost(s.compute_ranks_lost),
         steps_rerun(s.steps_rerun),
         compute_replicas_kept(s.compute_replicas_kept),
-        compute_replicas_released(s.compute_replicas_released),
         compute_ranks_live(s.compute_ranks_live),
         replica_micro_batches(s.replica_micro_batches) {}
 };

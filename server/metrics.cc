@@ -168,11 +168,8 @@ std::string ServerMetrics::Render(const LoopStats& s, const std::string& model_n
   metric("compute_replicas_kept_total", "counter",
          "Compute replicas that went on after a loss (counted at each step discard that kept one).",
          static_cast<double>(s.recovery.compute_replicas_kept));
-  metric("compute_replicas_released_total", "counter",
-         "Compute replicas released after a loss (they stopped; compute rank 0 took their micro-batches).",
-         static_cast<double>(s.recovery.compute_replicas_released));
   metric("compute_ranks_live", "gauge",
-         "Compute ranks running micro-batches (compute rank 0 and the replicas not lost or released; 0 "
+         "Compute ranks running micro-batches (compute rank 0 and the replicas not lost; 0 "
          "without compute ranks).",
          static_cast<double>(s.recovery.compute_ranks_live));
   metric("replica_micro_batches_total", "counter", "Micro-batches whose tokens a compute replica sampled.",

@@ -67,6 +67,8 @@ def deployment(tmp, ranks, step_timeout, compute_ranks=1, batch=16, partition="r
     pipeline = "pipeline:\n  mode: fixed\n  batches: 2\n" if compute_ranks > 1 else ""
     if partition == "head-pingpong":
         partition, pipeline = "head", "pipeline:\n  mode: pingpong\n  batches: 2\n  q_first: true\n"
+    if partition == "rotational":  # a micro-batch per compute rank and one more (the Lamina layout)
+        partition, pipeline = "request", f"pipeline:\n  mode: rotational\n  batches: {compute_ranks + 1}\n"
     with open(path, "w") as f:
         f.write(f"model:\n  path: {MODEL}\ncompute:\n  device: cuda:0\n  ranks: {compute_ranks}\n"
                 f"memory:\n  ranks: {ranks}\n  devices: cuda:0\n  partition: {partition}\ntransport:\n  kind: p2p\n{pipeline}"
@@ -191,6 +193,8 @@ def main():
                   "memory rank 1 (", 16, "request"),
                  ("SIGKILL of the compute replica", 2, 2, "compute-1", signal.SIGKILL, 20, "giving up compute rank 1",
                   16, "request"),
+                 ("pipeline.mode rotational over 4 compute ranks: SIGKILL of compute replica 2", 2, 4, "compute-2",
+                  signal.SIGKILL, 20, "giving up compute rank 2", 16, "rotational"),
                  ("SIGKILL of memory rank 1 of 2, restarted and rejoined", 2, 1, "memory-1", signal.SIGKILL, 20,
                   "memory rank 1 (", 8, "request"),
                  ("SIGKILL of memory rank 1 of 2, with a compute replica, restarted and rejoined", 2, 2, "memory-1",
@@ -238,7 +242,7 @@ def main():
                 log = f.read()
             print(f"{name}: exit {rc} after {secs:.1f} s ({after:.1f} s after the signal)", flush=True)
             # The step run again (request partition), or the heads split again (head partition).
-            recovered = "runs again" if partition == "request" else "hold the KV heads now"
+            recovered = "hold the KV heads now" if partition.startswith("head") else "runs again"
             for line in log.splitlines():
                 if ("giving up" in line or "runs again" in line or "discards it" in line or "is dropped" in line or
                         "hold the KV heads now" in line):
@@ -275,8 +279,18 @@ def main():
                     with open(os.path.join(tmp, "run", "latest", "compute-1.log")) as f:
                         if f"the KV heads over {survivors} memory rank(s)" not in f.read():
                             bad(f"{name}: the replica did not log the head split over {survivors} ranks")
-            if victim.startswith("compute") and "runs again, and compute rank 0 runs every micro-batch" not in log:
+            if victim.startswith("compute") and compute_ranks == 2 and (
+                    "runs again, and compute rank 0 runs every micro-batch" not in log):
                 bad(f"{name}: compute-0 did not log the rerun on compute rank 0: {log[-1200:]}")
+            if victim.startswith("compute") and compute_ranks > 2:
+                # The other replicas kept (none released), the ring closed over the lost one (its
+                # neighbours connected to each other on the device path).
+                gave_up = [line for line in log.splitlines() if "giving up compute rank" in line]
+                if (not gave_up or f"{compute_ranks - 1} compute ranks run the micro-batches" not in gave_up[0] or
+                        "released" in gave_up[0]):
+                    bad(f"{name}: compute-0 did not keep the other replicas: {gave_up[:1]} {log[-1200:]}")
+                if partition == "rotational" and "the ring goes from compute rank 1" not in log:
+                    bad(f"{name}: compute-0 did not log the ring made anew: {log[-1200:]}")
             if "rejoined" in name:
                 rejoin = [line for line in log.splitlines() if ") rejoined (" in line]
                 with open(os.path.join(tmp, "run", "latest", "memory-1.log")) as f:

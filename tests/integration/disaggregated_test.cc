@@ -1373,7 +1373,6 @@ class RankLossWithReplicas : public ReplicaFailure {
     // after the loss, and their processes still run.
     EXPECT_EQ(es.compute_ranks_live, 1 + others);
     EXPECT_GE(es.compute_replicas_kept, others);
-    EXPECT_EQ(es.compute_replicas_released, 0);
     if (others > 0) {
       ASSERT_GE(sampled_at_loss, 0);
       EXPECT_GT(es.replica_micro_batches, sampled_at_loss) << "no replica ran a micro-batch after the loss";
