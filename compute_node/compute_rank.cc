@@ -636,14 +636,7 @@ absl::Status ComputeRank::RecoverFromFailedStep(absl::Status ran, uint64_t step_
           replica.peer,
           EncodeHeartbeat({.seq = replica.beat_seq, .silence_ms = static_cast<uint32_t>(silence_ms)}));
     }
-    for (Rank& rank : ranks_) {
-      if (rank.lost) continue;
-      rank.beat_seq = ++beat_seq_;
-      rank.beat_sent = sent;
-      // A failed send is the rank's connection failing: found below (PeerStatus).
-      (void)transport_->Send(rank.peer, EncodeHeartbeat({.seq = rank.beat_seq,
-                                                         .silence_ms = static_cast<uint32_t>(silence_ms)}));
-    }
+    BeatMemoryRanks(sent, silence_ms);  // a failed send is the rank's connection failing: found below
     auto answered = [&] {
       return std::all_of(replicas_.begin(), replicas_.end(),
                          [](const Replica& r) { return r.lost || r.beat_seq == 0; }) &&
@@ -899,19 +892,23 @@ absl::Status ComputeRank::AwaitKeptReplicas() {
   return absl::OkStatus();
 }
 
+void ComputeRank::BeatMemoryRanks(absl::Time sent, int64_t silence_ms) {
+  for (Rank& rank : ranks_) {
+    if (rank.lost) continue;
+    rank.beat_seq = ++beat_seq_;
+    rank.beat_sent = sent;
+    (void)transport_->Send(
+        rank.peer, EncodeHeartbeat({.seq = rank.beat_seq, .silence_ms = static_cast<uint32_t>(silence_ms)}));
+  }
+}
+
 absl::Status ComputeRank::AwaitDrained(uint64_t step_id) {
   // A heartbeat after the discard: a memory rank takes it only once it has drained the discarded
   // step and reset its device path (it reads its messages in order). One that does not answer
   // within the step timeout, or fails meanwhile, is given up too, and the discard goes out again.
   while (true) {
     const absl::Time sent = absl::Now();
-    for (Rank& rank : ranks_) {
-      if (rank.lost) continue;
-      rank.beat_seq = ++beat_seq_;
-      rank.beat_sent = sent;
-      (void)transport_->Send(rank.peer, EncodeHeartbeat({.seq = rank.beat_seq,
-                                                         .silence_ms = static_cast<uint32_t>(SilenceMs())}));
-    }
+    BeatMemoryRanks(sent, SilenceMs());
     const absl::Time deadline = sent + options_.step_timeout;
     std::vector<std::pair<size_t, absl::Status>> lose;
     while (lose.empty()) {

@@ -337,6 +337,9 @@ class ComputeRank : public Engine {
   // reset, the step discarded (Regroup), and the rerun waits for AwaitDrained (under the head
   // partition there is none: DropStepForHeads).
   bool DeviceRecovery() const;
+  // A heartbeat to every live memory rank (best effort: a failed send is its connection failing,
+  // found by the caller), each awaiting the answer from `sent` (beat_seq, beat_sent).
+  void BeatMemoryRanks(absl::Time sent, int64_t silence_ms);
   // Device path, after a step discard: a heartbeat to every memory rank left, and their answers
   // awaited (up to the step timeout): a memory rank takes it after it has drained the discarded
   // step and reset its device path, so that nothing of the failed attempt is still in flight
