@@ -3,11 +3,14 @@
 
 Real processes on one GPU: `tandem generate --deploy` starts compute rank 0 and 2 or 3 memory ranks,
 every one on cuda:0, over the p2p transport (each step enqueued whole, device-side waits; between
-processes on one GPU, interprocess events), with or without a compute replica (pipeline.mode fixed).
+processes on one GPU, interprocess events), with or without a compute replica (pipeline.mode fixed),
+and in one case 4 compute ranks under pipeline.mode rotational.
 While the requests decode, one memory rank is killed (SIGKILL) or stopped (SIGSTOP, found silent
-after launch.step_timeout_s), or the replica is killed. Compute rank 0 discards the step, every
+after launch.step_timeout_s), or a replica is killed. Compute rank 0 discards the step, every
 surviving rank drains and resets its device path, and the step runs again without the rank; a lost
-memory rank's requests are recomputed on the others. In the "restarted and rejoined" cases the
+memory rank's requests are recomputed on the others, and a lost replica's micro-batches run on the
+compute ranks left (rotational: the ring of residual streams closes over it, its neighbours connected
+to each other, the other replicas kept). In the "restarted and rejoined" cases the
 launcher restarts the killed rank (launch.rejoin_probe_s 0.2) and compute rank 0 takes it back on
 the device path (the probe's connection carries p2p's doorbells and buffer handles; a compute
 replica connects to the new process first): requests admitted after the rejoin run attention there
@@ -23,6 +26,8 @@ GEMMs round differently). How many part is not bounded: the preset's random weig
 flat logits, near ties at most positions (11 of 16 requests parted at one in a run on an H200).
 Each case is bounded in time.
 Usage: device_recovery_test.py path/to/tandem   (exit 77, skipped, without a GPU)
+Environment: TANDEM_FAULT_CASE (see main), TANDEM_FAULT_KEEP_LOGS=DIR (each case's rank logs kept in
+DIR/case-N), TANDEM_FAULT_LOG_LINES (lines of each log printed for a failed case, 15).
 """
 import json
 import os
