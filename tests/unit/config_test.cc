@@ -672,5 +672,51 @@ TEST(LogTest, EnvironmentOverridesLevel) {
   InitLogging("generate", LogLevel::kWarn);
 }
 
+// ---- recovery settings, resolved per transport ----------------------------------------------------
+
+// Compute rank 0 recovers lost ranks on ucx and on p2p's device path (with or without compute
+// replicas), and the launcher restarts a lost memory rank wherever it does, with rejoin probes on;
+// nccl and verbs stop the deployment instead.
+TEST(DeployRecoverySettings, PerTransportAndComputeRanks) {
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gqa");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  struct Case {
+    std::string transport;
+    int compute_ranks;
+    std::string probe;  // launch.rejoin_probe_s
+    bool recover;
+    int restarts;
+  };
+  for (const Case& k : std::vector<Case>{{"ucx", 1, "1", true, 3},
+                                         {"ucx", 2, "1", true, 3},
+                                         {"p2p", 1, "1", true, 3},
+                                         {"p2p", 2, "1", true, 3},
+                                         {"p2p", 3, "0", true, 0},
+                                         {"nccl", 1, "1", false, 0},
+                                         {"nccl", 2, "1", false, 0},
+                                         {"verbs", 1, "1", false, 0}}) {
+    SCOPED_TRACE(testing::Message() << k.transport << ", " << k.compute_ranks << " compute rank(s), probe "
+                                    << k.probe);
+    const bool gpu = k.transport != "ucx";
+    absl::StatusOr<Config> c = LoadConfig(
+        DeploySchema(),
+        gpu ? "compute:\n  device: cuda:0\nmemory:\n  devices: cuda:1\n" : "compute:\n  device: cpu\n",
+        "deploy.yaml",
+        {"transport.kind=" + k.transport, absl::StrCat("compute.ranks=", k.compute_ranks),
+         k.compute_ranks > 1 ? "pipeline.mode=fixed" : "pipeline.mode=pingpong",
+         absl::StrCat("pipeline.batches=", std::max(2, k.compute_ranks)), "launch.rejoin_probe_s=" + k.probe,
+         // A GPU of its own per replica (nccl needs it): cuda:2, cuda:3.
+         gpu && k.compute_ranks > 1
+             ? std::string("compute.replica_devices=cuda:2") + (k.compute_ranks > 2 ? ",cuda:3" : "")
+             : std::string("compute.replica_devices=auto")});
+    ASSERT_TRUE(c.ok()) << c.status();
+    absl::StatusOr<DeployPlan> plan = ResolveDeployment(*c, *spec);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->recover_memory_ranks, k.recover);
+    EXPECT_EQ(plan->recover_compute_replicas, k.recover && k.compute_ranks > 1);
+    EXPECT_EQ(plan->restart_memory_ranks, k.restarts);
+  }
+}
+
 }  // namespace
 }  // namespace tandem
