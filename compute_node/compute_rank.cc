@@ -2838,7 +2838,7 @@ absl::Status ComputeRank::TakeRank0Discard(const std::vector<uint8_t>& msg) {
     return absl::AbortedError(
         absl::StrCat(me, ": step ", d.step_id, " discarded by compute rank 0; this rank goes on"));
   }
-  TANDEM_LOG_WARN("compute", me, ": released by compute rank 0, which runs every micro-batch from now on",
+  TANDEM_LOG_WARN("compute", me, ": released by compute rank 0 (a step discard that leaves it out)",
                   d.step_id != 0 ? absl::StrCat(" (step ", d.step_id, " discarded)") : std::string(),
                   "; this rank stops");
   return absl::CancelledError(absl::StrCat(me, ": released by compute rank 0"));

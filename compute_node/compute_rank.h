@@ -362,9 +362,11 @@ class ComputeRank : public Engine {
   // (`ran`, named). A peer's failure is not this rank's to report: compute rank 0 finds it and
   // decides (see RecoverFromFailedStep).
   absl::Status AwaitRank0(absl::Status ran);
-  // A replica: a step discard from compute rank 0. One that does not keep this rank releases it:
-  // Cancelled, logged. One that keeps it is applied (KeepAfterDiscard): Aborted, with kept_ set; the
-  // replica drops the step it was in and serves compute rank 0's next replica steps (the rerun).
+  // A replica: a step discard from compute rank 0. One whose mask leaves this rank out releases it:
+  // Cancelled, logged (compute rank 0 keeps every replica it has not given up, so it sends none; a
+  // replica given up is sent nothing, and stops on its own deadlines). One that keeps it is applied
+  // (KeepAfterDiscard): Aborted, with kept_ set; the replica drops the step it was in and serves compute rank
+  // 0's next replica steps (the rerun).
   absl::Status TakeRank0Discard(const std::vector<uint8_t>& msg);
   // A replica kept by step discard `d`: its place among the compute ranks that go on (the pipeline's
   // schedule over them), the memory ranks the discard names lost let go (nothing sent to or awaited
@@ -562,7 +564,7 @@ class ComputeRank : public Engine {
     // Heartbeat, as Rank's: the one not yet answered (seq 0: none) and when it was sent.
     uint64_t beat_seq = 0;
     absl::Time beat_sent;
-    bool lost = false;   // given up (LoseReplica) or released: nothing is sent to it or awaited from it
+    bool lost = false;   // given up (LoseReplica): nothing is sent to it or awaited from it
     int place = 0;       // its place among the compute ranks that go on (the pipeline's compute rank)
     int unanswered = 0;  // step discards that kept it and that it has not answered yet (AwaitKeptReplicas)
     int next = 0;        // rotational: its successor in the ring, a compute rank (0: compute rank 0)

@@ -306,6 +306,9 @@ def main():
                     print(f"{name}: rejoined {stamp_of(rejoin[0]) - signalled:.2f} s after the signal", flush=True)
                 if not rejoin:
                     bad(f"{name}: compute-0 did not take the restarted rank back: {log[-1200:]}\n{err[-600:]}")
+                elif compute_ranks > 1 and (
+                        f"every one of the {compute_ranks - 1} compute replica(s) connected" not in rejoin[0]):
+                    bad(f"{name}: compute-0 took the rank back without the replicas connected: {rejoin[0][-300:]}")
                 elif not byes or int(byes[-1]) == 0:
                     bad(f"{name}: the restarted memory rank 1 ran no steps with rows")
                 if "memory-1 restarted (pid" not in err:
