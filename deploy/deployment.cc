@@ -342,17 +342,20 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   p.srun = c.GetString("launch.remote") == "srun";
   p.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));
   p.step_timeout = absl::Seconds(c.GetDouble("launch.step_timeout_s"));
-  // Compute rank 0 recovers on the host-staged path (ucx) and on p2p's device path, which can be
-  // reset after a failed step (ComputeRank::DeviceRecovery); under the head partition the survivors
-  // split the heads again (ComputeRank::RepartitionHeads).
-  const bool recovers =
+  // Compute rank 0 recovers on the host-staged path (ucx) and on the device paths of p2p and nccl,
+  // which can be reset after a failed step (ComputeRank::DeviceRecovery); under the head partition
+  // the survivors split the heads again (ComputeRank::RepartitionHeads). On nccl a memory rank's
+  // loss only: a lost compute replica, and a restarted rank's rejoin (a communicator with the new
+  // process), are not done there yet.
+  const bool ucx_or_p2p =
       p.transport == transport::TransportKind::kUcx || p.transport == transport::TransportKind::kP2p;
+  const bool recovers = ucx_or_p2p || p.transport == transport::TransportKind::kNccl;
   p.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks") && recovers;
   p.recover_compute_replicas =
-      c.GetBool("launch.recover_compute_replicas") && recovers && p.compute_ranks >= 2;
-  // A restarted rank is of use only where compute rank 0 takes it back: wherever it recovers, with
-  // probes on (ComputeRank::AdvanceRejoins).
-  p.restart_memory_ranks = p.recover_memory_ranks && c.GetDouble("launch.rejoin_probe_s") > 0
+      c.GetBool("launch.recover_compute_replicas") && ucx_or_p2p && p.compute_ranks >= 2;
+  // A restarted rank is of use only where compute rank 0 takes it back: wherever it recovers on
+  // ucx or p2p, with probes on (ComputeRank::AdvanceRejoins).
+  p.restart_memory_ranks = p.recover_memory_ranks && ucx_or_p2p && c.GetDouble("launch.rejoin_probe_s") > 0
                                ? static_cast<int>(c.GetInt("launch.restart_memory_ranks"))
                                : 0;
   return p;

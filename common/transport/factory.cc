@@ -1,5 +1,8 @@
 #include "common/transport/factory.h"
 
+#include <cstdlib>
+#include <string_view>
+
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 
@@ -89,11 +92,12 @@ std::string TransportInfo::CannotConnect(const RankLayout& layout) const {
   if (same_host_only && !layout.one_host) {
     return absl::StrCat(name, " connects processes of one host only, but the ranks are on several hosts");
   }
-  if (!shares_compute_gpu && !shared.empty() && layout.compute_device >= 0) {
+  const bool shares_gpu = shares_compute_gpu || (kind == TransportKind::kNccl && NcclSharesGpus());
+  if (!shares_gpu && !shared.empty() && layout.compute_device >= 0) {
     return absl::StrCat(name, " needs every memory rank on a GPU other than the compute rank's, but ", shared,
                         " is on ", DeviceName(layout.compute_device), " too (use ucx or auto)");
   }
-  for (size_t r = 0; r < layout.replica_devices.size() && !shares_compute_gpu; ++r) {
+  for (size_t r = 0; r < layout.replica_devices.size() && !shares_gpu; ++r) {
     const int device = layout.replica_devices[r];
     if (device < 0) continue;
     std::string other;  // a rank it may connect to, on its GPU
@@ -110,6 +114,11 @@ std::string TransportInfo::CannotConnect(const RankLayout& layout) const {
     }
   }
   return "";
+}
+
+bool NcclSharesGpus() {
+  const char* v = std::getenv("TANDEM_NCCL_SHARE_GPU");
+  return v != nullptr && std::string_view(v) == "1";
 }
 
 std::span<const TransportInfo> TransportTable() { return kTable; }
@@ -168,7 +177,8 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTransportOfKind(const Transport
 #endif
     case TransportKind::kNccl:
 #if TANDEM_TRANSPORT_NCCL
-      return CreateNcclTransport({.listen_address = o.listen_address, .device = o.device});
+      return CreateNcclTransport(
+          {.listen_address = o.listen_address, .device = o.device, .share_gpu = NcclSharesGpus()});
 #else
       break;
 #endif

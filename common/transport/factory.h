@@ -53,6 +53,13 @@ struct TransportInfo {
   std::string CannotConnect(const RankLayout& layout) const;
 };
 
+// Whether NCCL ranks may share a GPU: the environment variable TANDEM_NCCL_SHARE_GPU=1, for running
+// the nccl transport on a machine with one GPU (tests). Each process then gives NCCL a host id of its
+// own (NCCL_HOSTID, unless set), so NCCL takes ranks on one GPU for ranks of different hosts and
+// carries their transfers over its network transport (sockets; NCCL_SOCKET_IFNAME=lo keeps them on
+// loopback) instead of NVLink: the same code paths of this project, at a network's speed.
+bool NcclSharesGpus();
+
 // Every kind, in TransportKind order (ucx, p2p, nccl, verbs, local).
 std::span<const TransportInfo> TransportTable();
 const TransportInfo& GetTransportInfo(TransportKind kind);

@@ -25,9 +25,17 @@ tie (the recomputed requests are prefilled, and every step after the loss has ot
 GEMMs round differently). How many part is not bounded: the preset's random weights give nearly
 flat logits, near ties at most positions (11 of 16 requests parted at one in a run on an H200).
 Each case is bounded in time.
+With TANDEM_FAULT_TRANSPORT=nccl the same deployments run over the nccl transport, every rank still
+on one GPU (TANDEM_NCCL_SHARE_GPU=1: each process is a host of its own to NCCL, whose transfers then
+go over sockets on loopback), for the cases nccl recovers: a memory rank's loss, not a replica's, no
+restart. There compute rank 0 aborts only the lost rank's communicators and its step runs through,
+so the healthy ranks' communicators stay in step for the rerun.
 Usage: device_recovery_test.py path/to/tandem   (exit 77, skipped, without a GPU)
-Environment: TANDEM_FAULT_CASE (see main), TANDEM_FAULT_KEEP_LOGS=DIR (each case's rank logs kept in
-DIR/case-N), TANDEM_FAULT_LOG_LINES (lines of each log printed for a failed case, 15).
+Environment: TANDEM_FAULT_CASE (see main), TANDEM_FAULT_TRANSPORT (p2p, or nccl),
+TANDEM_FAULT_MEMORY_DEVICE (cuda:0; cuda:1 puts the memory ranks on a second GPU, the cases without
+a replica, and nccl then needs no shared-GPU setting),
+TANDEM_FAULT_KEEP_LOGS=DIR (each case's rank logs kept in DIR/case-N), TANDEM_FAULT_LOG_LINES (lines
+of each log printed for a failed case, 15).
 """
 import json
 import os
@@ -46,6 +54,8 @@ from fault_util import bad, failures, pids  # noqa: E402
 TANDEM = sys.argv[1]
 MODEL = "small"  # a preset (random weights): 12 layers
 TIE_GAP = 0.05   # log-probabilities this close are a near tie (bf16 rounding moves them by ~1e-2)
+TRANSPORT = os.environ.get("TANDEM_FAULT_TRANSPORT", "p2p")
+MEMORY_DEVICE = os.environ.get("TANDEM_FAULT_MEMORY_DEVICE", "cuda:0")  # cuda:1: across two GPUs
 
 
 def have_gpu():
@@ -58,8 +68,10 @@ def prompts(path, n=16):
     rng = random.Random(11)
     with open(path, "w") as f:
         for i in range(n):
+            # nccl between processes of one GPU moves every transfer over loopback sockets: shorter runs.
+            tokens = rng.randrange(600, 900) if TRANSPORT == "p2p" else rng.randrange(200, 300)
             req = {"prompt_ids": [rng.randrange(1, 30000) for _ in range(rng.randrange(4, 60))],
-                   "max_tokens": rng.randrange(600, 900)}
+                   "max_tokens": tokens}
             if i % 4 == 3:  # seeded sampling: the same counter-based draws after recomputation
                 req.update({"temperature": 0.8, "top_p": 0.9, "seed": 100 + i})
             f.write(json.dumps(req) + "\n")
@@ -76,17 +88,20 @@ def deployment(tmp, ranks, step_timeout, compute_ranks=1, batch=16, partition="r
         partition, pipeline = "request", f"pipeline:\n  mode: rotational\n  batches: {compute_ranks + 1}\n"
     with open(path, "w") as f:
         f.write(f"model:\n  path: {MODEL}\ncompute:\n  device: cuda:0\n  ranks: {compute_ranks}\n"
-                f"memory:\n  ranks: {ranks}\n  devices: cuda:0\n  partition: {partition}\ntransport:\n  kind: p2p\n{pipeline}"
+                f"memory:\n  ranks: {ranks}\n  devices: {MEMORY_DEVICE}\n  partition: {partition}\ntransport:\n  kind: {TRANSPORT}\n{pipeline}"
                 f"scheduler:\n  max_batch_size: {batch}\n  max_tokens_per_step: 256\nkv:\n  capacity_tokens: 16384\n"
                 f"launch:\n  run_dir: {tmp}/run\n  step_timeout_s: {step_timeout}\n  rejoin_probe_s: 0.2\n")
     return path
 
 
-def run(tmp, ranks, step_timeout, compute_ranks=1, victim=None, sig=None, delay=1.5, bound=240, batch=16,
+def run(tmp, ranks, step_timeout, compute_ranks=1, victim=None, sig=None, delay=None, bound=240, batch=16,
         partition="request"):
     """Runs the requests through a deployment; with `victim` ("memory-N" or "compute-N"), sends `sig`
     to that rank `delay` seconds after compute-0 is ready. Returns (rc, stdout, stderr, seconds,
-    seconds run after the signal)."""
+    seconds run after the signal). The default delay: 1.5 s; on nccl 5 s, after the communicators'
+    set-up, which the first step starts (a rank lost within it is not recovered: see the docstring)."""
+    if delay is None:
+        delay = 1.5 if TRANSPORT == "p2p" else 5.0
     cmd = [TANDEM, "generate", "--deploy", deployment(tmp, ranks, step_timeout, compute_ranks, batch, partition),
            "--prompts-file",
            os.path.join(tmp, "prompts.jsonl"), "--json", "--logprobs", "--ignore-eos"]
@@ -185,6 +200,12 @@ def main():
     if not have_gpu():
         print("skipped: no GPU (nvidia-smi -L failed)")
         sys.exit(77)
+    if TRANSPORT not in ("p2p", "nccl"):
+        bad(f"TANDEM_FAULT_TRANSPORT={TRANSPORT}: p2p or nccl")
+        sys.exit(1)
+    if TRANSPORT == "nccl" and MEMORY_DEVICE == "cuda:0":  # every process on cuda:0 (the ranks inherit these)
+        os.environ["TANDEM_NCCL_SHARE_GPU"] = "1"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory(prefix="tandem-devrec-") as tmp:
         prompts(os.path.join(tmp, "prompts.jsonl"))
         # (name, memory ranks, compute ranks, victim, signal, launch.step_timeout_s, what compute-0 logs,
@@ -225,6 +246,11 @@ def main():
             cases = [c for c in cases if c[8].startswith("head")]
         elif only not in (None, "", "all"):
             cases = [c for c in cases if only in c[0]]  # any other text: the cases whose name holds it
+        if TRANSPORT == "nccl":  # a memory rank's loss only, without a restart
+            cases = [c for c in cases if c[3].startswith("memory") and "rejoined" not in c[0]]
+        if MEMORY_DEVICE != "cuda:0":  # the memory ranks on another GPU; replicas would want GPUs of their own
+            cases = [c for c in cases if c[2] == 1]
+        print(f"transport {TRANSPORT}: {len(cases)} case(s)", flush=True)
         want_of = {}
         for case, (name, ranks, compute_ranks, victim, sig, timeout, lost, batch, partition) in enumerate(cases):
             key = (ranks, compute_ranks, timeout, batch, partition)

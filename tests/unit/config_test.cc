@@ -686,15 +686,17 @@ TEST(DeployRecoverySettings, PerTransportAndComputeRanks) {
     std::string probe;  // launch.rejoin_probe_s
     bool recover;
     int restarts;
+    bool replicas;  // recover_compute_replicas with more than one compute rank
   };
-  for (const Case& k : std::vector<Case>{{"ucx", 1, "1", true, 3},
-                                         {"ucx", 2, "1", true, 3},
-                                         {"p2p", 1, "1", true, 3},
-                                         {"p2p", 2, "1", true, 3},
-                                         {"p2p", 3, "0", true, 0},
-                                         {"nccl", 1, "1", false, 0},
-                                         {"nccl", 2, "1", false, 0},
-                                         {"verbs", 1, "1", false, 0}}) {
+  // nccl: a memory rank's loss, not a replica's, and no restarts (no rejoin on its device path).
+  for (const Case& k : std::vector<Case>{{"ucx", 1, "1", true, 3, true},
+                                         {"ucx", 2, "1", true, 3, true},
+                                         {"p2p", 1, "1", true, 3, true},
+                                         {"p2p", 2, "1", true, 3, true},
+                                         {"p2p", 3, "0", true, 0, true},
+                                         {"nccl", 1, "1", true, 0, false},
+                                         {"nccl", 2, "1", true, 0, false},
+                                         {"verbs", 1, "1", false, 0, false}}) {
     SCOPED_TRACE(testing::Message() << k.transport << ", " << k.compute_ranks << " compute rank(s), probe "
                                     << k.probe);
     const bool gpu = k.transport != "ucx";
@@ -713,7 +715,7 @@ TEST(DeployRecoverySettings, PerTransportAndComputeRanks) {
     absl::StatusOr<DeployPlan> plan = ResolveDeployment(*c, *spec);
     ASSERT_TRUE(plan.ok()) << plan.status();
     EXPECT_EQ(plan->recover_memory_ranks, k.recover);
-    EXPECT_EQ(plan->recover_compute_replicas, k.recover && k.compute_ranks > 1);
+    EXPECT_EQ(plan->recover_compute_replicas, k.replicas && k.compute_ranks > 1);
     EXPECT_EQ(plan->restart_memory_ranks, k.restarts);
   }
 }

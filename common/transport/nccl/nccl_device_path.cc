@@ -1,5 +1,6 @@
 // The NCCL transport's device path: receives enqueued on the caller's stream, sends on a stream per peer
 // ordered after the caller's, watched from the host (see nccl_internal.h for the design).
+#include "absl/strings/str_join.h"
 #include "common/transport/nccl/nccl_internal.h"
 
 namespace tandem::transport::nccl_internal {
@@ -115,29 +116,48 @@ absl::Status NcclTransport::SyncStream(void* stream, absl::Time deadline) {
                 absl::StrCat("SyncStream, the sends to ", peers_.at(peer).name));
   }
   ASSIGN_OR_RETURN(cudaEvent_t done, RecordEvent(caller, "SyncStream"));
+  auto last_poll = std::chrono::steady_clock::now();
   while (true) {
     const cudaError_t q = cudaEventQuery(done);
     if (q == cudaSuccess) break;
     absl::Status s;
+    std::set<PeerId> lost;     // the peers blamed: their communicators are aborted, the rest drain
+    bool drain_first = false;  // nothing blamed, but the transfers may still finish (the caller's poll)
     if (q != cudaErrorNotReady) {
       (void)cudaGetLastError();
       s = CudaError(q, "cudaEventQuery", "SyncStream");
     }
-    if (s.ok()) s = Progress(kPump);
+    // The control plane and set-ups move on; a failure of a peer this stream does not use is not
+    // the stream's (it fails the host path's calls until the caller closes that peer).
+    if (s.ok()) s = Pump(kPump);
+    if (s.ok()) s = AdvanceWork();
+    // A peer of the stream that failed: its communicator reported an error, or its connection did
+    // (a process that died: NCCL's kernels may not notice it, the control plane does).
+    auto blame = [&](PeerId p, const absl::Status& why) {
+      if (why.ok()) return;
+      lost.insert(p);
+      if (s.ok()) s = why;
+    };
+    for (PeerId p : work.sends_to) blame(p, CommOf(p, true).failure);
+    for (PeerId p : work.receives_from) blame(p, CommOf(p, false).failure);
+    for (PeerId p : work.sends_to) blame(p, ControlPlaneTransport::PeerStatus(p));
+    for (PeerId p : work.receives_from) blame(p, ControlPlaneTransport::PeerStatus(p));
     if (s.ok()) {
-      for (PeerId p : work.sends_to) {
-        if (s.ok()) s = CommOf(p, true).failure;
-      }
-      for (PeerId p : work.receives_from) {
-        if (s.ok()) s = CommOf(p, false).failure;
-      }
+      std::optional<PeerId> culprit;
+      s = CheckWaits(work, &culprit);
+      if (culprit) lost.insert(*culprit);
     }
-    if (s.ok()) s = CheckWaits(work);
+    if (s.ok() && poll_ && std::chrono::steady_clock::now() - last_poll >= std::chrono::milliseconds(1)) {
+      last_poll = std::chrono::steady_clock::now();
+      s = poll_();
+      drain_first = !s.ok();
+    }
     if (s.ok() && absl::Now() >= deadline) {
       std::string pending;
       for (const DeviceWait& w : work.waits) {
         if (!w.done) {
           pending = absl::StrCat("; first pending wait: ", w.label, " (seqno ", w.seqno, ")");
+          lost.insert(w.peer);
           break;
         }
       }
@@ -147,11 +167,12 @@ absl::Status NcclTransport::SyncStream(void* stream, absl::Time deadline) {
         if (sq == cudaSuccess) continue;
         (void)cudaGetLastError();
         pending = absl::StrCat("; a send to ", peers_.at(peer).name, " was not received");
+        lost.insert(peer);
       }
       s = absl::DeadlineExceededError(
           absl::StrCat("nccl transport: the stream's work did not finish before the deadline", pending));
     }
-    if (!s.ok()) return FailStream(stream, done, std::move(s));
+    if (!s.ok()) return FailStream(stream, done, std::move(s), lost, drain_first);
   }
   for (DeviceWait& w : work.waits) {
     uint64_t& doorbell = local_.at(w.buffer).doorbell;
@@ -166,7 +187,7 @@ absl::Status NcclTransport::SyncStream(void* stream, absl::Time deadline) {
 }
 
 // The waits of one stream complete in stream order: the first one not yet done decides.
-absl::Status NcclTransport::CheckWaits(StreamWork& work) {
+absl::Status NcclTransport::CheckWaits(StreamWork& work, std::optional<PeerId>* culprit) {
   const absl::Time now = absl::Now();
   for (DeviceWait& w : work.waits) {
     if (w.done) continue;
@@ -191,6 +212,7 @@ absl::Status NcclTransport::CheckWaits(StreamWork& work) {
       return CudaError(q, "cudaEventQuery", w.label);
     }
     if (now - *w.reached > w.timeout) {
+      *culprit = w.peer;
       return absl::DeadlineExceededError(absl::StrCat(w.label, ": waited ", absl::FormatDuration(w.timeout),
                                                       " for seqno ", w.seqno, " (buffer ", w.buffer, " from ",
                                                       peers_.at(w.peer).name, "; its doorbell is at ",
@@ -201,21 +223,54 @@ absl::Status NcclTransport::CheckWaits(StreamWork& work) {
   return absl::OkStatus();
 }
 
-// Aborts the communicators the stream's NCCL kernels use (its receives and, on the peers' send
-// streams, its sends), so that they return instead of waiting forever, and keeps the device path failed.
-absl::Status NcclTransport::FailStream(void* stream, cudaEvent_t done, absl::Status why) {
+// A failed step: the peers to blame lose their communicators (their kernels return at once), and the
+// stream runs through. Every rank enqueued its whole step and NCCL matches a communicator's
+// transfers in order, so once the lost peer's transfers have returned (a receive from it with
+// whatever its buffer held), the transfers with the healthy peers still match one for one: their
+// communicators end the step in step with each other and serve a rerun (ResetDevicePath). A
+// stream that does not drain so (a healthy peer that stopped too, a wait with nobody to blame)
+// has every communicator it uses aborted, as the last resort; the device path then stays failed.
+absl::Status NcclTransport::FailStream(void* stream, cudaEvent_t done, absl::Status why,
+                                       const std::set<PeerId>& lost, bool drain_first) {
   device_failure_ = why;
-  TANDEM_LOG_WARN("transport", "nccl: device path failed: ", why.message());
   StreamWork& work = streams_[stream];
+  std::string names;
+  for (PeerId p : lost) absl::StrAppend(&names, names.empty() ? "" : ", ", peers_.at(p).name);
+  TANDEM_LOG_WARN("transport", "nccl: device path failed: ", why.message(),
+                  lost.empty() ? std::string()
+                               : absl::StrCat("; the communicators with ", names,
+                                              " are aborted and the step's other transfers run through"));
   const absl::Status aborted = absl::FailedPreconditionError(
       absl::StrCat("nccl transport: communicator aborted after a device-path failure: ", why.message()));
-  for (PeerId p : work.sends_to) {
-    if (CommOf(p, true).failure.ok()) (void)FailComm(p, true, aborted, false);
+  for (PeerId p : lost) {
+    for (bool sender : {true, false}) {
+      if (CommOf(p, sender).failure.ok()) (void)FailComm(p, sender, aborted, false);
+    }
   }
-  for (PeerId p : work.receives_from) {
-    if (CommOf(p, false).failure.ok()) (void)FailComm(p, false, aborted, false);
+  // The stream waits for its sends too (SyncStream joined them).
+  bool drained = (!lost.empty() || drain_first) && Drain(done, kDrainTimeout);
+  if (!drained) {
+    std::vector<std::string> others;
+    for (bool sender : {true, false}) {
+      for (PeerId p : sender ? work.sends_to : work.receives_from) {
+        if (!CommOf(p, sender).failure.ok()) continue;
+        (void)FailComm(p, sender, aborted, false);
+        if (!lost.contains(p)) others.push_back(Direction(p, sender));
+      }
+    }
+    if (!others.empty()) {
+      reset_refused_ = absl::FailedPreconditionError(absl::StrCat(
+          "nccl transport: the failed step did not drain within ", absl::FormatDuration(kDrainTimeout),
+          ", so the communicators ", absl::StrJoin(others, ", "), " were aborted too (", why.message(), ")"));
+      TANDEM_LOG_WARN("transport", "nccl: ", reset_refused_.message());
+    }
+    drained = Drain(done, kDrainTimeout);
   }
-  Drain(done, kDrainTimeout);  // the stream waits for its sends too (SyncStream joined them)
+  if (!drained && reset_refused_.ok()) {
+    reset_refused_ = absl::FailedPreconditionError(absl::StrCat(
+        "nccl transport: the failed step's stream did not drain after its communicators were aborted (",
+        why.message(), ")"));
+  }
   cudaEventDestroy(done);
   for (DeviceWait& w : work.waits) {
     cudaEventDestroy(w.before);
@@ -224,6 +279,41 @@ absl::Status NcclTransport::FailStream(void* stream, cudaEvent_t done, absl::Sta
   for (const auto& [peer, sent] : work.sent) cudaEventDestroy(sent);
   streams_.erase(stream);
   return why;
+}
+
+absl::Status NcclTransport::ResetDevicePath(void* stream) {
+  if (!reset_refused_.ok()) return reset_refused_;
+  NCCL_T_CUDA(cudaSetDevice(device_), "ResetDevicePath");
+  // Nothing of the failed step may still run: the stream (with the sends it joined) has drained.
+  auto caller = static_cast<cudaStream_t>(stream);
+  const absl::Time until = absl::Now() + absl::Seconds(1);
+  cudaError_t q = cudaErrorNotReady;
+  while ((q = cudaStreamQuery(caller)) == cudaErrorNotReady && absl::Now() < until) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  if (q != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "nccl transport: ResetDevicePath: the stream has not drained (", cudaGetErrorName(q), ")"));
+  }
+  // Work enqueued since the last SyncStream (a step left without one) has run: forgotten.
+  if (auto it = streams_.find(stream); it != streams_.end()) {
+    for (DeviceWait& w : it->second.waits) {
+      ReleaseEvent(w.before);
+      ReleaseEvent(w.after);
+    }
+    for (const auto& [peer, sent] : it->second.sent) {
+      if (cudaEventQuery(sent) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return absl::FailedPreconditionError(absl::StrCat("nccl transport: ResetDevicePath: a send to ",
+                                                          peers_.at(peer).name, " is still in flight"));
+      }
+    }
+    for (const auto& [peer, sent] : it->second.sent) ReleaseEvent(sent);
+    streams_.erase(it);
+  }
+  device_failure_ = absl::OkStatus();
+  return absl::OkStatus();
 }
 
 absl::StatusOr<cudaStream_t> NcclTransport::SendStream(PeerId peer) {

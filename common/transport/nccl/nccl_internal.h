@@ -107,10 +107,20 @@
 // the stream's sends too, and polls it while, every ~100 us, it pumps the control plane, checks
 // every communicator for asynchronous errors and checks the pending waits (a wait whose "before"
 // event has completed but whose "after" event has not, `timeout` after it was first seen reached,
-// has expired). On an error or at the deadline (which names the first pending wait, else a send
-// still in flight) it aborts the communicators the stream's receives and sends use, which makes
-// their kernels return, drains the stream (and with it the joined sends), and the device path
-// stays failed (FailedPrecondition with the first error). Host-path and device-path writes must
+// has expired), checks the control plane's view of the stream's peers (a dead process whose
+// NCCL transfers go over NVLink is noticed there, not by NCCL), and calls the caller's device poll
+// (SetDevicePoll) about every millisecond. On an error or at the deadline (which names the first
+// pending wait, else a send still in flight) the device path fails (FailedPrecondition with the
+// first error until ResetDevicePath). Which communicators are aborted: only the blamed peer's (its
+// communicator or connection failed, or its wait expired first), and the stream runs through:
+// every rank enqueued its whole step and each communicator's transfers match in the order issued,
+// so the transfers with healthy peers still meet one for one and those communicators stay usable
+// for a rerun (compute rank 0 discards the step and runs it again without a lost memory rank). An
+// error of the caller's poll (a step discard) blames nobody: the stream is left to drain. A stream
+// that does not drain within kDrainTimeout so, or an error that blames nobody otherwise (CUDA),
+// has every communicator it uses aborted, which makes their kernels return; ResetDevicePath then
+// refuses. A genuine failure of a peer's communicator fails the transport's other calls only
+// until that peer is Close()d (Peer::failure, Broken). Host-path and device-path writes must
 // not both be in flight on one peer in one direction: their receives would be posted in an order
 // the sender cannot know.
 //
@@ -318,6 +328,7 @@ struct Peer {
   ncclUniqueId mine{}, theirs{};        // of the communicator we write on / the peer writes on
   Comm send;                            // this side is rank 0 and writes
   Comm recv;                            // this side is rank 1 and receives
+  absl::Status failure;                 // the first genuine failure of its communicators (Broken)
   std::map<uint32_t, uint64_t> remote;  // the peer's buffers: id -> bytes
   std::deque<WriteFrame> incoming;      // announced host-path writes, receive not posted yet
   cudaStream_t send_stream = nullptr;   // device-path sends to it (created by the first EnqueueWrite)
@@ -367,6 +378,7 @@ class NcclTransport : public ControlPlaneTransport {
     caps_.gpu_memory = true;
     caps_.device_polling = true;
     caps_.same_host_only = false;
+    caps_.device_path_reset = true;
   }
 
   ~NcclTransport() override;
@@ -411,6 +423,12 @@ class NcclTransport : public ControlPlaneTransport {
   }
 
   absl::Status Flush(absl::Time deadline) override;
+  // The control plane's view, then the first genuine failure of the peer's communicators.
+  absl::Status PeerStatus(PeerId peer) const override {
+    RETURN_IF_ERROR(ControlPlaneTransport::PeerStatus(peer));
+    auto it = peers_.find(peer);
+    return it == peers_.end() ? absl::OkStatus() : it->second.failure;
+  }
   void Close(PeerId peer) override {
     auto it = peers_.find(peer);
     if (it != peers_.end()) it->second.closed = true;
@@ -423,6 +441,8 @@ class NcclTransport : public ControlPlaneTransport {
   absl::Status EnqueueWait(PeerId peer, uint32_t buffer, uint64_t offset, size_t bytes, uint64_t seqno,
                            absl::Duration timeout, const std::string& label, void* stream) override;
   absl::Status SyncStream(void* stream, absl::Time deadline) override;
+  void SetDevicePoll(std::function<absl::Status()> poll) override { poll_ = std::move(poll); }
+  absl::Status ResetDevicePath(void* stream) override;
 
  private:
   // ---- connections and communicators ----
@@ -474,8 +494,21 @@ class NcclTransport : public ControlPlaneTransport {
   // Pumps the control plane (waiting at most `wait` for the first frame), then Advance().
   absl::Status Progress(absl::Duration wait);
   absl::StatusOr<bool> Consume(PeerId from, const std::vector<uint8_t>& m) override;
-  // Set-up, posting announced receives, completing them; returns the first genuine failure.
-  absl::Status Advance();
+  // Set-up, posting announced receives, completing them; returns the first genuine failure
+  // (Broken) unless something else failed first.
+  absl::Status Advance() {
+    RETURN_IF_ERROR(AdvanceWork());
+    return Broken();
+  }
+  absl::Status AdvanceWork();
+  // The first genuine communicator failure of a peer that is not closed: a failed peer fails every
+  // operation until the caller lets it go (Close), as a lost connection does on the other transports.
+  absl::Status Broken() const {
+    for (const auto& [id, p] : peers_) {
+      if (!p.closed && !p.failure.ok()) return p.failure;
+    }
+    return absl::OkStatus();
+  }
   absl::Status PostReceive(PeerId peer, const WriteFrame& w);
   absl::Status CompleteReceives();
   // Whether something is in flight that host polling must finish (set-up, receives).
@@ -490,8 +523,13 @@ class NcclTransport : public ControlPlaneTransport {
     return absl::FailedPreconditionError(
         absl::StrCat("nccl transport: the device path failed earlier: ", device_failure_.ToString()));
   }
-  absl::Status CheckWaits(StreamWork& work);
-  absl::Status FailStream(void* stream, cudaEvent_t done, absl::Status why);
+  // The first expired wait, with its peer in *culprit.
+  absl::Status CheckWaits(StreamWork& work, std::optional<PeerId>* culprit);
+  // Fails the device path with `why`: aborts the communicators of the peers in `lost`, then waits
+  // for the stream to drain; if it does not (or nothing is blamed and `drain_first` is false),
+  // every communicator the stream uses is aborted and the path cannot be reset.
+  absl::Status FailStream(void* stream, cudaEvent_t done, absl::Status why, const std::set<PeerId>& lost,
+                          bool drain_first);
   // The stream device-path sends to `peer` are issued on (created on first use).
   absl::StatusOr<cudaStream_t> SendStream(PeerId peer);
 
@@ -499,13 +537,16 @@ class NcclTransport : public ControlPlaneTransport {
   absl::StatusOr<cudaEvent_t> RecordEvent(cudaStream_t stream, std::string_view context);
   void ReleaseEvent(cudaEvent_t e) { free_events_.push_back(e); }
   absl::Status Grow(void** buffer, uint64_t* size, uint64_t bytes, cudaStream_t stream);
-  // Waits (at most `limit`) for `e`, without pumping: after an abort, kernels return by themselves.
-  void Drain(cudaEvent_t e, absl::Duration limit) {
+  // Waits (at most `limit`) for `e`, without pumping: after an abort, kernels return by themselves,
+  // and the transfers with healthy peers need nothing of this host. Whether `e` completed.
+  bool Drain(cudaEvent_t e, absl::Duration limit) {
     const absl::Time until = absl::Now() + limit;
-    while (cudaEventQuery(e) == cudaErrorNotReady && absl::Now() < until) {
+    cudaError_t q = cudaErrorNotReady;
+    while ((q = cudaEventQuery(e)) == cudaErrorNotReady && absl::Now() < until) {
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     (void)cudaGetLastError();
+    return q == cudaSuccess;
   }
 
   // A random, nonzero set-up key for this transport (SetupTurns).
@@ -537,11 +578,13 @@ class NcclTransport : public ControlPlaneTransport {
   SetupTurns<PeerId> turns_{DrawKey()};  // the agreed order of set-ups
   std::set<PeerId> not_awaited_;         // peers whose pending set-up transfers no longer wait for
   std::deque<absl::Status> errors_;      // refused writes, for WaitDoorbell/Receive
-  absl::Status broken_;                  // first genuine communicator failure
   std::deque<HostRecv> host_recvs_;
   std::map<void*, StreamWork> streams_;
   std::vector<cudaEvent_t> free_events_;
   absl::Status device_failure_;
+  // Set when a failed stream's healthy communicators had to be aborted too: ResetDevicePath refuses.
+  absl::Status reset_refused_;
+  std::function<absl::Status()> poll_;  // the caller's (SetDevicePoll)
 };
 
 }  // namespace tandem::transport::nccl_internal

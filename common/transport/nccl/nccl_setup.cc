@@ -141,7 +141,7 @@ void NcclTransport::FailSetup(PeerId peer, absl::Status why, bool genuine) {
   for (HostRecv& r : host_recvs_) {
     if (r.peer == peer) r.valid = false;
   }
-  if (genuine && broken_.ok()) broken_ = why;
+  if (genuine && p.failure.ok()) p.failure = why;
 }
 
 absl::Status NcclTransport::FailComm(PeerId peer, bool sender, absl::Status why, bool genuine) {
@@ -184,7 +184,8 @@ absl::Status NcclTransport::FailComm(PeerId peer, bool sender, absl::Status why,
       if (r.peer == peer) r.valid = false;
     }
   }
-  if (genuine && broken_.ok()) broken_ = why;
+  Peer& failed = peers_.at(peer);
+  if (genuine && failed.failure.ok()) failed.failure = why;
   return why;
 }
 
@@ -329,8 +330,8 @@ absl::StatusOr<bool> NcclTransport::Consume(PeerId from, const std::vector<uint8
   return false;  // our magic at a wrong size: not a frame of ours after all
 }
 
-// Set-up failures are kept in the peer (and in broken_), so they do not end this early.
-absl::Status NcclTransport::Advance() {
+// Set-up failures are kept in the peer (Peer::failure, see Broken), so they do not end this early.
+absl::Status NcclTransport::AdvanceWork() {
   PollSetup();
   // Asynchronous errors of the communicators in use (a lost connection, a failed kernel).
   for (auto& [id, p] : peers_) {
@@ -355,8 +356,7 @@ absl::Status NcclTransport::Advance() {
     }
   }
   StartNextSetup();
-  RETURN_IF_ERROR(CompleteReceives());
-  return broken_;
+  return CompleteReceives();
 }
 
 absl::Status NcclTransport::PostReceive(PeerId peer, const WriteFrame& w) {
@@ -475,7 +475,10 @@ absl::Status NcclTransport::RegisterBuffer(uint32_t id, void* base, size_t bytes
   DescriptorFrame d;
   d.buffer = id;
   d.bytes = bytes;
-  for (const auto& [peer, p] : peers_) RETURN_IF_ERROR(control().Send(peer, ToBytes(d)));
+  for (const auto& [peer, p] : peers_) {
+    const absl::Status sent = control().Send(peer, ToBytes(d));
+    if (!sent.ok() && !p.closed) return sent;  // a closed peer may be gone (a lost rank): none of its concern
+  }
   return absl::OkStatus();
 }
 

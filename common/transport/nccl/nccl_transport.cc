@@ -1,6 +1,10 @@
 // The NCCL transport's factory (see nccl_internal.h for the design).
 #include "common/transport/nccl/nccl_transport.h"
 
+#include <unistd.h>
+
+#include <cstdlib>
+
 #include "common/transport/nccl/nccl_internal.h"
 
 namespace tandem::transport {
@@ -19,6 +23,16 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions
   if (options.device < 0 || options.device >= count) {
     return absl::InvalidArgumentError(absl::StrCat("nccl transport: cuda:", options.device, " requested but ",
                                                    count, " device(s) are visible"));
+  }
+  if (options.share_gpu && std::getenv("NCCL_HOSTID") == nullptr) {
+    // Before NCCL's first use in this process (it reads the host id once): ranks of other
+    // processes on this GPU then look like ranks of other hosts (factory.h).
+    char host[256] = {};
+    (void)gethostname(host, sizeof(host) - 1);
+    const std::string id = absl::StrCat(host, "-tandem-", getpid());
+    setenv("NCCL_HOSTID", id.c_str(), 0);
+    TANDEM_LOG_INFO("transport", "nccl: TANDEM_NCCL_SHARE_GPU: NCCL_HOSTID=", id,
+                    " (ranks on one GPU talk over NCCL's network transport)");
   }
   int version = 0;
   if (ncclGetVersion(&version) != ncclSuccess || version < NCCL_VERSION(2, 18, 0)) {

@@ -27,6 +27,10 @@ namespace tandem::transport {
 struct NcclOptions {
   std::string listen_address;  // as UcxOptions::listen_address
   int device = 0;              // this process's GPU: registered buffers live there
+  // Ranks of other processes may be on this GPU (factory.h, NcclSharesGpus): this process gives
+  // NCCL a host id of its own (NCCL_HOSTID, unless set), so their transfers go over NCCL's network
+  // transport. For running the transport on a machine with one GPU.
+  bool share_gpu = false;
 };
 
 // Unavailable without a CUDA device, NCCL (2.18 or newer) or UCX; InvalidArgument for a device that
