@@ -104,16 +104,15 @@ const ConfigSchema& DeploySchema() {
                 0, 3600)
         .Bool("launch.recover_memory_ranks", true,
               "a memory rank that dies, disconnects or stays silent past launch.step_timeout_s is given "
-              "up and its requests are recomputed on the others (ucx or p2p transport, memory.partition "
-              "request; with compute replicas, and on p2p, the step in flight runs again without it on the "
-              "same compute ranks; memory.partition head: the others split the KV heads again and every "
-              "request in flight is recomputed); false: the deployment stops")
+              "up and its requests are recomputed on the others (ucx, p2p or nccl transport, "
+              "memory.partition request; with compute replicas, and on p2p and nccl, the step in flight runs "
+              "again without it on the same compute ranks; memory.partition head: the others split the KV "
+              "heads again and every request in flight is recomputed); false: the deployment stops")
         .Bool("launch.recover_compute_replicas", true,
               "a compute replica that dies, disconnects or stays silent past launch.step_timeout_s is "
               "given up and the step in flight runs again on the compute ranks left, which share the "
               "micro-batches from then on (pipeline.mode fixed or rotational: the ring closes over the "
-              "lost rank; ucx transport; on p2p too, where a rotational pipeline's others are released "
-              "and compute rank 0 runs every micro-batch); false: the deployment stops")
+              "lost rank; ucx or p2p transport); false: the deployment stops")
         .Int("launch.restart_memory_ranks", 3,
              "with launch.recover_memory_ranks, tandem launch restarts a memory rank process that died (not "
              "one that exited cleanly) on the address it listened on, up to this many times per rank, and "

@@ -2,6 +2,7 @@
 // deployment's devices (deploy/deployment.h ParseTransportSetting, ResolveTransport): what each
 // kind states, what auto picks, and which layouts the GPU transports refuse, with errors naming
 // the YAML key.
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <utility>
@@ -149,6 +150,30 @@ TEST(ResolveTransport, NcclNeedsAGpuOfItsOwnPerComputeReplica) {
     EXPECT_THAT(why, HasSubstr(want));
     EXPECT_THAT(why, HasSubstr("compute.replica_devices"));
   }
+}
+
+// TANDEM_NCCL_SHARE_GPU=1 lets nccl ranks share a GPU (each process a host of its own to NCCL);
+// anything else leaves the refusal.
+TEST(ResolveTransport, NcclSharesAGpuOnlyWhenTheEnvironmentSaysSo) {
+  const transport::TransportInfo& nccl = transport::GetTransportInfo(TransportKind::kNccl);
+  const transport::RankLayout shared{.compute_device = 0, .memory_devices = {1, 0}, .replica_devices = {0}};
+  const char* before = std::getenv("TANDEM_NCCL_SHARE_GPU");
+  const std::optional<std::string> saved = before ? std::optional<std::string>(before) : std::nullopt;
+  for (const char* value : {"", "0", "yes", "1"}) {
+    SCOPED_TRACE(value);
+    setenv("TANDEM_NCCL_SHARE_GPU", value, 1);
+    const bool shares = std::string(value) == "1";
+    EXPECT_EQ(transport::NcclSharesGpus(), shares);
+    if (!nccl.built) continue;
+    if (shares) {
+      EXPECT_EQ(nccl.CannotConnect(shared), "");
+    } else {
+      EXPECT_THAT(nccl.CannotConnect(shared), HasSubstr("memory rank 1 is on cuda:0 too"));
+    }
+  }
+  unsetenv("TANDEM_NCCL_SHARE_GPU");
+  EXPECT_FALSE(transport::NcclSharesGpus());
+  if (saved) setenv("TANDEM_NCCL_SHARE_GPU", saved->c_str(), 1);
 }
 
 TEST(ResolveTransport, ErrorsNameTheKey) {
