@@ -127,9 +127,12 @@ absl::Status NcclTransport::SyncStream(void* stream, absl::Time deadline) {
       (void)cudaGetLastError();
       s = CudaError(q, "cudaEventQuery", "SyncStream");
     }
-    // The control plane and set-ups move on; a failure of a peer this stream does not use is not
-    // the stream's (it fails the host path's calls until the caller closes that peer).
-    if (s.ok()) s = Pump(kPump);
+    // The control plane and set-ups move on. A failure of a peer this stream does not use, which
+    // the pump reports until the caller closes that peer, is not the stream's (its transfers with
+    // the others still complete, or their waits expire): it is the caller's to find (a compute
+    // replica's loss, found by compute rank 0 from the replica's own messages), so the stream goes
+    // on; a failed peer of the stream is blamed below.
+    if (s.ok() && !Pump(kPump).ok()) std::this_thread::sleep_for(absl::ToChronoMicroseconds(kPump));
     if (s.ok()) s = AdvanceWork();
     // A peer of the stream that failed: its communicator reported an error, or its connection did
     // (a process that died: NCCL's kernels may not notice it, the control plane does).

@@ -108,7 +108,8 @@
 // every communicator for asynchronous errors and checks the pending waits (a wait whose "before"
 // event has completed but whose "after" event has not, `timeout` after it was first seen reached,
 // has expired), checks the control plane's view of the stream's peers (a dead process whose
-// NCCL transfers go over NVLink is noticed there, not by NCCL), and calls the caller's device poll
+// NCCL transfers go over NVLink is noticed there, not by NCCL; a failed peer the stream does not
+// use is left to the caller, and the stream goes on), and calls the caller's device poll
 // (SetDevicePoll) about every millisecond. On an error or at the deadline (which names the first
 // pending wait, else a send still in flight) the device path fails (FailedPrecondition with the
 // first error until ResetDevicePath). Which communicators are aborted: only the blamed peer's (its
