@@ -542,7 +542,7 @@ bool ComputeRank::CanRecoverByRerun() const {
 bool ComputeRank::DeviceRecovery() const {
   // The device path enqueues the whole step, so a memory rank's loss cannot be stepped around: the
   // step is discarded and run again, with every rank's device path reset once it has drained (the
-  // replicas' too: KeepAfterDiscard). A transport whose device path can be reset (p2p). Under the
+  // replicas' too: KeepAfterDiscard). A transport whose device path can be reset (p2p, nccl). Under the
   // head partition the discarded step is dropped and the heads split again (DropStepForHeads).
   return options_.recover_memory_ranks && device_path_ && compute_rank_ == 0 &&
          transport_->capabilities().device_path_reset;

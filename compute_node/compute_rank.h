@@ -109,7 +109,7 @@ struct ComputeRankOptions {
   // launch.recover_memory_ranks: a memory rank that fails, disconnects or stays silent past the
   // step timeout is given up and its requests recomputed on the others (see ComputeRank::Step);
   // false: the step fails. Recovery needs the host-staged path (ucx) or a device path that can be
-  // reset (p2p). Under the request partition, with compute replicas and on the device path, the
+  // reset (p2p, nccl). Under the request partition, with compute replicas and on the device path, the
   // step in flight is discarded on the memory ranks and the replicas (which are told the rank is
   // lost and go on) and run again without the rank. Under the head partition the survivors split
   // the KV heads again and every request in flight is recomputed

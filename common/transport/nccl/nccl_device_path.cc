@@ -300,17 +300,18 @@ absl::Status NcclTransport::ResetDevicePath(void* stream) {
         "nccl transport: ResetDevicePath: the stream has not drained (", cudaGetErrorName(q), ")"));
   }
   // Work enqueued since the last SyncStream (a step left without one) has run: forgotten.
+  // Checked before anything is released: a refusal leaves the entry as it was.
   if (auto it = streams_.find(stream); it != streams_.end()) {
-    for (DeviceWait& w : it->second.waits) {
-      ReleaseEvent(w.before);
-      ReleaseEvent(w.after);
-    }
     for (const auto& [peer, sent] : it->second.sent) {
       if (cudaEventQuery(sent) != cudaSuccess) {
         (void)cudaGetLastError();
         return absl::FailedPreconditionError(absl::StrCat("nccl transport: ResetDevicePath: a send to ",
                                                           peers_.at(peer).name, " is still in flight"));
       }
+    }
+    for (DeviceWait& w : it->second.waits) {
+      ReleaseEvent(w.before);
+      ReleaseEvent(w.after);
     }
     for (const auto& [peer, sent] : it->second.sent) ReleaseEvent(sent);
     streams_.erase(it);
