@@ -579,6 +579,50 @@ TEST(UcxTransport, PeerDeathStopsWaitsWithUnavailable) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(15));
 }
 
+// A stopped peer (SIGSTOP: alive, never progressing) ends a send at the send timeout: the peer is
+// marked failed and its ep force-closed, which hands the request back at once. (Cancelling the
+// request alone did not end it; the wait for it cost kCloseTimeout, 3 s, more, and in a deployment
+// that was long enough for the healthy memory ranks' deadlines to expire too.)
+TEST(UcxTransport, AStoppedPeerEndsASendAtTheSendTimeout) {
+  auto made = CreateUcxTransport({.listen_address = "127.0.0.1:0", .send_timeout = absl::Seconds(1)});
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::unique_ptr<Transport> t = std::move(made).value();
+  std::vector<uint8_t> mem(kChildWriteBytes);
+  ASSERT_TRUE(t->RegisterBuffer(1, mem.data(), mem.size()).ok());
+  pid_t child = SpawnChild(t->address());
+  auto peer = t->Accept(In(absl::Seconds(30)));
+  if (!peer.ok()) {
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+    FAIL() << peer.status();
+  }
+  ExpectMessage(*t, *peer, "hello from child");
+  ASSERT_TRUE(t->WaitDoorbell(1, 1, In(absl::Seconds(30))).ok());
+  PeerId from;
+  std::vector<uint8_t> message;
+  ASSERT_TRUE(t->Receive(&from, &message, In(absl::Seconds(30))).ok());
+  ASSERT_EQ(kill(child, SIGSTOP), 0);
+
+  // A rendezvous-size message completes only once the peer fetches it; eager ones until the
+  // socket or FIFO fills.
+  const std::vector<uint8_t> big = Payload(7, kChildMessageBytes, 3);
+  absl::Time start = absl::Now();
+  absl::Status s;
+  for (int i = 0; i < 64 && s.ok(); ++i) s = t->Send(*peer, big);
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(s.message(), HasSubstr("did not complete within 1s"));
+  EXPECT_THAT(s.message(), HasSubstr(t->PeerName(*peer)));
+  EXPECT_LT(took, absl::Seconds(2.5)) << "the send timeout is 1 s";
+  EXPECT_EQ(t->PeerStatus(*peer).code(), absl::StatusCode::kUnavailable);
+  start = absl::Now();
+  s = t->Send(*peer, Bytes("anyone?"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  ASSERT_EQ(kill(child, SIGKILL), 0);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+}
+
 }  // namespace
 }  // namespace tandem::transport
 

@@ -55,9 +55,12 @@
 // for local completion: eager data was handed to the transport; a rendezvous one completes once
 // the peer fetched it, which needs the peer to be inside a call of its own Transport; a failing
 // peer ends the wait with Unavailable. The wait lasts at most UcxOptions::send_timeout: then the
-// request is cancelled and the peer marked failed (a stopped peer, SIGSTOP or hung, never fetches
-// and, over tcp, stops draining the socket too). Flush (ucp_ep_flush_nbx per live peer) likewise
-// needs the peers' progress.
+// peer is marked failed (a stopped peer, SIGSTOP or hung, never fetches and, over tcp or shared
+// memory, stops draining the socket or FIFO too) and its ep force-closed, which completes the
+// request locally (UCX cancels the ep's outstanding requests). ucp_request_cancel alone does not
+// end a send to a stopped peer: waiting on it cost a further kCloseTimeout, long enough for the
+// healthy memory ranks' own deadlines to expire while compute rank 0 was still deciding. Flush
+// (ucp_ep_flush_nbx per live peer) likewise needs the peers' progress.
 //
 // Peer failure: the ep error callback marks the peer failed with UCX's reason. Operations on that
 // peer return Unavailable("ucx: peer HOST:PORT disconnected: <reason>"); and every wait
@@ -318,9 +321,13 @@ class UcxTransport final : public Transport {
   // the worker's event fd until an event or min(deadline, now + kMaxBlock).
   void ProgressOrBlock(absl::Time deadline, absl::Time* spin_start);
   // Waits for a UCP request (send, flush) to complete; the request is freed. Returns its status.
-  // With `peer`: at most send_timeout_, then the request is cancelled, the peer is marked failed
-  // and UCS_ERR_TIMED_OUT returned.
+  // With `peer`: at most send_timeout_, then the peer is marked failed, its ep force-closed
+  // (AbandonEp) and UCS_ERR_TIMED_OUT returned.
   ucs_status_t WaitRequest(void* request, Peer* peer = nullptr);
+  // Force-closes a failed peer's ep (no flush, no word from the peer): UCX completes the ep's
+  // outstanding requests, so their buffers are free again. The close request is kept for the
+  // destructor. The peer stays failed; a later Connect to the same address makes a new peer.
+  void AbandonEp(Peer* peer);
   absl::Status PeerFailure(const Peer& peer) const {
     return absl::UnavailableError(absl::StrCat("ucx: peer ", peer.name, " disconnected: ", peer.failure));
   }
@@ -379,6 +386,7 @@ class UcxTransport final : public Transport {
   std::deque<std::unique_ptr<InMessage>> inbox_;
   std::unordered_map<uint32_t, std::unique_ptr<Buffer>> buffers_;
   std::deque<absl::Status> errors_;  // DataLoss records for the next wait
+  std::vector<void*> closing_eps_;   // AbandonEp's close requests still in progress
 };
 
 absl::Status UcxTransport::Init(const UcxOptions& options) {
@@ -479,7 +487,7 @@ absl::Status UcxTransport::Init(const UcxOptions& options) {
 UcxTransport::~UcxTransport() {
   if (worker_ != nullptr) {
     // Force-close: a flush or a graceful close would wait for the peer to progress.
-    std::vector<void*> requests;
+    std::vector<void*> requests = std::move(closing_eps_);
     for (auto& p : peers_) {
       if (p->ep == nullptr) continue;
       ucp_request_param_t rp{};
@@ -672,8 +680,9 @@ ucs_status_t UcxTransport::WaitRequest(void* request, Peer* peer) {
     ProgressOrBlock(deadline, &spin_start);
   }
   if (st == UCS_INPROGRESS) {
-    // Given up: cancel it and let it finish (its buffers are the caller's), a bounded while.
-    ucp_request_cancel(worker_, request);
+    // Given up (or the peer failed meanwhile): force-close its ep so that UCX completes the request
+    // (its buffers are the caller's), and wait a bounded while for that local step.
+    AbandonEp(peer);
     const absl::Time until = absl::Now() + kCloseTimeout;
     while (ucp_request_check_status(request) == UCS_INPROGRESS && absl::Now() < until) {
       ProgressOrBlock(until, &spin_start);
@@ -682,6 +691,23 @@ ucs_status_t UcxTransport::WaitRequest(void* request, Peer* peer) {
   }
   ucp_request_free(request);
   return st;
+}
+
+void UcxTransport::AbandonEp(Peer* peer) {
+  if (peer == nullptr || peer->ep == nullptr) return;
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t req = ucp_ep_close_nbx(peer->ep, &rp);
+  if (UCS_PTR_IS_PTR(req)) closing_eps_.push_back(req);
+  ep_to_peer_.erase(peer->ep);
+  peer->ep = nullptr;
+  // Release the close requests that have finished meanwhile (a long run may abandon many eps).
+  std::erase_if(closing_eps_, [](void* r) {
+    if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
+    ucp_request_free(r);
+    return true;
+  });
 }
 
 Peer* UcxTransport::NewPeer(std::string name) {
