@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -542,40 +543,51 @@ pid_t SpawnChild(const std::string& address) {
   return pid;
 }
 
-TEST(UcxTransport, PeerDeathStopsWaitsWithUnavailable) {
-  auto t = Listening();
-  std::vector<uint8_t> mem(kChildWriteBytes);
-  ASSERT_TRUE(t->RegisterBuffer(1, mem.data(), mem.size()).ok());
-  pid_t child = SpawnChild(t->address());
-  auto peer = t->Accept(In(absl::Seconds(30)));
-  if (!peer.ok()) {
-    kill(child, SIGKILL);
-    waitpid(child, nullptr, 0);
-    FAIL() << peer.status();
+// Spawns the helper child, accepts it into `t` (buffer 1 registered over `mem`) and takes what it
+// sends: its hello, its write and its message. The child then waits in a Receive.
+void StartChild(Transport& t, std::vector<uint8_t>& mem, pid_t* child, PeerId* peer) {
+  ASSERT_TRUE(t.RegisterBuffer(1, mem.data(), mem.size()).ok());
+  *child = SpawnChild(t.address());
+  auto accepted = t.Accept(In(absl::Seconds(30)));
+  if (!accepted.ok()) {
+    kill(*child, SIGKILL);
+    waitpid(*child, nullptr, 0);
+    FAIL() << accepted.status();
   }
-  ExpectMessage(*t, *peer, "hello from child");
-  absl::Status s = t->WaitDoorbell(1, 1, In(absl::Seconds(30)));
+  *peer = *accepted;
+  ExpectMessage(t, *peer, "hello from child");
+  absl::Status s = t.WaitDoorbell(1, 1, In(absl::Seconds(30)));
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_TRUE(mem == Payload(42, kChildWriteBytes, 1));
   PeerId from;
   std::vector<uint8_t> message;
-  s = t->Receive(&from, &message, In(absl::Seconds(30)));
+  s = t.Receive(&from, &message, In(absl::Seconds(30)));
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(from, *peer);
   EXPECT_TRUE(message == Payload(43, kChildMessageBytes, 2));
+}
+
+TEST(UcxTransport, PeerDeathStopsWaitsWithUnavailable) {
+  auto t = Listening();
+  std::vector<uint8_t> mem(kChildWriteBytes);
+  pid_t child = -1;
+  PeerId peer = 0;
+  ASSERT_NO_FATAL_FAILURE(StartChild(*t, mem, &child, &peer));
   ASSERT_EQ(kill(child, SIGKILL), 0);
   ASSERT_EQ(waitpid(child, nullptr, 0), child);
 
   absl::Time start = absl::Now();
-  s = t->WaitDoorbell(1, 2, In(absl::Seconds(60)));
+  absl::Status s = t->WaitDoorbell(1, 2, In(absl::Seconds(60)));
+  PeerId from;
+  std::vector<uint8_t> message;
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
-  EXPECT_THAT(s.message(), HasSubstr(t->PeerName(*peer)));
+  EXPECT_THAT(s.message(), HasSubstr(t->PeerName(peer)));
   EXPECT_LT(absl::Now() - start, absl::Seconds(15));
   s = t->Receive(&from, &message, In(absl::Seconds(60)));
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
-  s = t->Send(*peer, Bytes("anyone?"));
+  s = t->Send(peer, Bytes("anyone?"));
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
-  EXPECT_THAT(s.message(), HasSubstr(t->PeerName(*peer)));
+  EXPECT_THAT(s.message(), HasSubstr(t->PeerName(peer)));
   EXPECT_LT(absl::Now() - start, absl::Seconds(15));
 }
 
@@ -588,19 +600,13 @@ TEST(UcxTransport, AStoppedPeerEndsASendAtTheSendTimeout) {
   ASSERT_TRUE(made.ok()) << made.status();
   std::unique_ptr<Transport> t = std::move(made).value();
   std::vector<uint8_t> mem(kChildWriteBytes);
-  ASSERT_TRUE(t->RegisterBuffer(1, mem.data(), mem.size()).ok());
-  pid_t child = SpawnChild(t->address());
-  auto peer = t->Accept(In(absl::Seconds(30)));
-  if (!peer.ok()) {
+  pid_t child = -1;
+  PeerId peer = 0;
+  ASSERT_NO_FATAL_FAILURE(StartChild(*t, mem, &child, &peer));
+  absl::Cleanup reap = [child] {  // a stopped child never ends by itself
     kill(child, SIGKILL);
     waitpid(child, nullptr, 0);
-    FAIL() << peer.status();
-  }
-  ExpectMessage(*t, *peer, "hello from child");
-  ASSERT_TRUE(t->WaitDoorbell(1, 1, In(absl::Seconds(30))).ok());
-  PeerId from;
-  std::vector<uint8_t> message;
-  ASSERT_TRUE(t->Receive(&from, &message, In(absl::Seconds(30))).ok());
+  };
   ASSERT_EQ(kill(child, SIGSTOP), 0);
 
   // A rendezvous-size message completes only once the peer fetches it; eager ones until the
@@ -608,19 +614,17 @@ TEST(UcxTransport, AStoppedPeerEndsASendAtTheSendTimeout) {
   const std::vector<uint8_t> big = Payload(7, kChildMessageBytes, 3);
   absl::Time start = absl::Now();
   absl::Status s;
-  for (int i = 0; i < 64 && s.ok(); ++i) s = t->Send(*peer, big);
+  for (int i = 0; i < 64 && s.ok(); ++i) s = t->Send(peer, big);
   const absl::Duration took = absl::Now() - start;
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
   EXPECT_THAT(s.message(), HasSubstr("did not complete within 1s"));
-  EXPECT_THAT(s.message(), HasSubstr(t->PeerName(*peer)));
+  EXPECT_THAT(s.message(), HasSubstr(t->PeerName(peer)));
   EXPECT_LT(took, absl::Seconds(2.5)) << "the send timeout is 1 s";
-  EXPECT_EQ(t->PeerStatus(*peer).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(t->PeerStatus(peer).code(), absl::StatusCode::kUnavailable);
   start = absl::Now();
-  s = t->Send(*peer, Bytes("anyone?"));
+  s = t->Send(peer, Bytes("anyone?"));
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
   EXPECT_LT(absl::Now() - start, absl::Seconds(1));
-  ASSERT_EQ(kill(child, SIGKILL), 0);
-  ASSERT_EQ(waitpid(child, nullptr, 0), child);
 }
 
 }  // namespace
