@@ -324,9 +324,10 @@ class UcxTransport final : public Transport {
   // With `peer`: at most send_timeout_, then the peer is marked failed, its ep force-closed
   // (AbandonEp) and UCS_ERR_TIMED_OUT returned.
   ucs_status_t WaitRequest(void* request, Peer* peer = nullptr);
-  // Force-closes a failed peer's ep (no flush, no word from the peer): UCX completes the ep's
+  // Force-closes a peer's ep (no flush, no word from the peer): UCX completes the ep's
   // outstanding requests, so their buffers are free again. The close request is kept for the
-  // destructor. The peer stays failed; a later Connect to the same address makes a new peer.
+  // destructor. Called on a failed peer, which stays failed (a later Connect to the same address
+  // makes a new peer), and by the destructor on every peer.
   void AbandonEp(Peer* peer);
   absl::Status PeerFailure(const Peer& peer) const {
     return absl::UnavailableError(absl::StrCat("ucx: peer ", peer.name, " disconnected: ", peer.failure));
@@ -487,16 +488,8 @@ absl::Status UcxTransport::Init(const UcxOptions& options) {
 UcxTransport::~UcxTransport() {
   if (worker_ != nullptr) {
     // Force-close: a flush or a graceful close would wait for the peer to progress.
+    for (auto& p : peers_) AbandonEp(p.get());
     std::vector<void*> requests = std::move(closing_eps_);
-    for (auto& p : peers_) {
-      if (p->ep == nullptr) continue;
-      ucp_request_param_t rp{};
-      rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      ucs_status_ptr_t req = ucp_ep_close_nbx(p->ep, &rp);
-      if (UCS_PTR_IS_PTR(req)) requests.push_back(req);
-      p->ep = nullptr;
-    }
     absl::Time deadline = absl::Now() + kCloseTimeout;
     absl::Time spin_start = absl::Now();
     for (void* req : requests) {
