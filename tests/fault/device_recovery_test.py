@@ -49,7 +49,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fault_util import bad, failures, pids  # noqa: E402
+from fault_util import bad, failures, pids, print_logs  # noqa: E402
 
 TANDEM = sys.argv[1]
 MODEL = "small"  # a preset (random weights): 12 layers
@@ -175,17 +175,6 @@ def compare(got_text, want_text, name):
 def stamp_of(line):
     """The time of a log line (they start with the local time to the millisecond)."""
     return time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + float(line[19:23])
-
-
-def print_logs(tmp):
-    """The ends of the run's rank logs (what a failed case is read from; TANDEM_FAULT_LOG_LINES lines
-    of each, 15 unless set)."""
-    latest = os.path.join(tmp, "run", "latest")
-    lines = int(os.environ.get("TANDEM_FAULT_LOG_LINES", "15"))
-    for name in sorted(os.listdir(latest)) if os.path.isdir(latest) else []:
-        if name.endswith(".log"):
-            with open(os.path.join(latest, name), errors="replace") as f:
-                print(f"--- {name} (end)\n" + "".join(f.readlines()[-lines:]), flush=True)
 
 
 def keep_logs(tmp, case):

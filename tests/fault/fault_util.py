@@ -39,6 +39,17 @@ def wait_for(cond, bound, poll=0.05):
     return None
 
 
+def print_logs(tmp):
+    """The ends of the rank logs of the run in TMP/run/latest (what a failed case is read from;
+    TANDEM_FAULT_LOG_LINES lines of each, 15 unless set)."""
+    latest = os.path.join(tmp, "run", "latest")
+    lines = int(os.environ.get("TANDEM_FAULT_LOG_LINES", "15"))
+    for name in sorted(os.listdir(latest)) if os.path.isdir(latest) else []:
+        if name.endswith(".log"):
+            with open(os.path.join(latest, name), errors="replace") as f:
+                print(f"--- {name} (end)\n" + "".join(f.readlines()[-lines:]), flush=True)
+
+
 def completion_tokens(url, model, prompt, max_tokens, extra):
     """The token ids of a greedy /completions answer (EOS ignored; `extra` adds request fields), or
     a string saying why there are none (an HTTP error with its body, or the connection's error)."""

@@ -7,7 +7,8 @@ stopped (SIGSTOP, found silent after launch.step_timeout_s). Every request must 
 same tokens and log-probabilities as the colocated engine (greedy and seeded sampling), and
 compute rank 0 must log the loss and the requests it requeued. With recovery off the run must
 fail, naming the lost rank, within a bound. Every case is bounded in time.
-Usage: recovery_test.py path/to/tandem
+Usage: recovery_test.py path/to/tandem (a failed case prints the ends of the rank logs:
+TANDEM_FAULT_LOG_LINES lines of each, 15 unless set)
 """
 import json
 import os
@@ -18,14 +19,11 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fault_util import bad, failures, print_logs  # noqa: E402
+
 TANDEM = sys.argv[1]
 MODEL = "small"  # the preset: slow enough on a CPU that a kill lands mid-decode
-failures = []
-
-
-def bad(msg):
-    print("FAIL:", msg)
-    failures.append(msg)
 
 
 def prompts(path, n=8):
@@ -129,6 +127,7 @@ def main():
             print(f"{name}: exit {rc} after {secs:.1f} s")
             if rc != 0:
                 bad(f"{name}: generate failed: {err[-600:]}")
+                print_logs(tmp)  # every rank's side: the compute rank's alone did not say why
                 continue
             diff = same(out)
             if diff:
