@@ -28,6 +28,7 @@ absl::Status NcclTransport::EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t 
     return absl::InvalidArgumentError(
         absl::StrCat("nccl transport: EnqueueWrite's source must be device memory of cuda:", device_));
   }
+  if (LeftOut(peer, true, stream)) return absl::OkStatus();
   ASSIGN_OR_RETURN(ncclComm_t comm, ReadyComm(peer, true));
   NCCL_T_CUDA(cudaSetDevice(device_), name);
   ASSIGN_OR_RETURN(cudaStream_t send, SendStream(peer));
@@ -42,7 +43,8 @@ absl::Status NcclTransport::EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t 
   }
   StreamWork& work = streams_[stream];
   work.sends_to.insert(peer);
-  RETURN_IF_ERROR(Issued(peer, true, ncclSend(src, bytes, ncclUint8, 1, comm, send), "ncclSend"));
+  const absl::Status issued = Issued(peer, true, ncclSend(src, bytes, ncclUint8, 1, comm, send), "ncclSend");
+  if (!issued.ok()) return LeftOut(peer, true, stream) ? absl::OkStatus() : issued;
   ASSIGN_OR_RETURN(cudaEvent_t sent, RecordEvent(send, name));
   auto [it, first] = work.sent.try_emplace(peer, sent);
   if (!first) {
@@ -73,6 +75,7 @@ absl::Status NcclTransport::EnqueueWait(PeerId peer, uint32_t buffer, uint64_t o
           " are enqueued on another stream that was not synchronised since (one stream per peer)"));
     }
   }
+  if (LeftOut(peer, false, stream)) return absl::OkStatus();
   ASSIGN_OR_RETURN(ncclComm_t comm, ReadyComm(peer, false));
   const std::string& name = peers_.at(peer).name;
   NCCL_T_CUDA(cudaSetDevice(device_), name);
@@ -91,7 +94,7 @@ absl::Status NcclTransport::EnqueueWait(PeerId peer, uint32_t buffer, uint64_t o
         Issued(peer, false, ncclRecv(it->second.base + offset, bytes, ncclUint8, 0, comm, s), "ncclRecv");
     if (!issued.ok()) {
       cudaEventDestroy(w.before);
-      return issued;
+      return LeftOut(peer, false, stream) ? absl::OkStatus() : issued;
     }
   }
   absl::StatusOr<cudaEvent_t> after = RecordEvent(s, name);
@@ -245,19 +248,24 @@ absl::Status NcclTransport::FailStream(void* stream, cudaEvent_t done, absl::Sta
                                               " are aborted and the step's other transfers run through"));
   const absl::Status aborted = absl::FailedPreconditionError(
       absl::StrCat("nccl transport: communicator aborted after a device-path failure: ", why.message()));
+  // The aborts run at once and the stream drains meanwhile: an abort's kernels return as soon as it
+  // has begun, but the abort itself may wait seconds for a stopped peer, and the healthy peers'
+  // deadlines (twice the step timeout) leave no room to do them one after another.
+  std::vector<PendingAbort> aborts;
   for (PeerId p : lost) {
     for (bool sender : {true, false}) {
-      if (CommOf(p, sender).failure.ok()) (void)FailComm(p, sender, aborted, false);
+      if (CommOf(p, sender).failure.ok()) (void)FailComm(p, sender, aborted, false, &aborts);
     }
   }
   // The stream waits for its sends too (SyncStream joined them).
   bool drained = (!lost.empty() || drain_first) && Drain(done, kDrainTimeout);
+  FinishAborts(aborts);
   if (!drained) {
     std::vector<std::string> others;
     for (bool sender : {true, false}) {
       for (PeerId p : sender ? work.sends_to : work.receives_from) {
         if (!CommOf(p, sender).failure.ok()) continue;
-        (void)FailComm(p, sender, aborted, false);
+        (void)FailComm(p, sender, aborted, false, &aborts);
         if (!lost.contains(p)) others.push_back(Direction(p, sender));
       }
     }
@@ -268,6 +276,7 @@ absl::Status NcclTransport::FailStream(void* stream, cudaEvent_t done, absl::Sta
       TANDEM_LOG_WARN("transport", "nccl: ", reset_refused_.message());
     }
     drained = Drain(done, kDrainTimeout);
+    FinishAborts(aborts);
   }
   if (!drained && reset_refused_.ok()) {
     reset_refused_ = absl::FailedPreconditionError(absl::StrCat(

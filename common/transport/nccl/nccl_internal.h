@@ -116,7 +116,12 @@
 // communicator or connection failed, or its wait expired first), and the stream runs through:
 // every rank enqueued its whole step and each communicator's transfers match in the order issued,
 // so the transfers with healthy peers still meet one for one and those communicators stay usable
-// for a rerun (compute rank 0 discards the step and runs it again without a lost memory rank). An
+// for a rerun (compute rank 0 discards the step and runs it again without a lost memory rank). For
+// the same reason a transfer enqueued with a peer whose communicator has already failed is left out
+// rather than refused (LeftOut), so the rest of the step still reaches the healthy peers; and the
+// blamed communicators' aborts are started together and joined after the drain (an abort's kernels
+// return at once, but the abort may wait seconds for a stopped peer, past the healthy ranks' own
+// deadlines if done one after another). An
 // error of the caller's poll (a step discard) blames nobody: the stream is left to drain. A stream
 // that does not drain within kDrainTimeout so, or an error that blames nobody otherwise (CUDA),
 // has every communicator it uses aborted, which makes their kernels return; ResetDevicePath then
@@ -240,42 +245,79 @@ inline absl::Status CudaError(cudaError_t err, std::string_view call, std::strin
 
 // An NCCL failure as a Status: what failed, for which peer, NCCL's code and its last message.
 // Network and remote failures are Unavailable, the rest Internal.
-// Runs `fn` on a helper thread and waits for it at most `limit`. True if it returned; otherwise
-// the thread is left running (detached) and `what` is logged. `fn` must own what it uses.
-inline bool RunBounded(std::function<void()> fn, absl::Duration limit, std::string_view what) {
+// `fn` run on a helper thread from construction. Wait() joins it if it returns by `until`;
+// otherwise the thread is left running (detached) and `what` is logged. `fn` must own what it uses.
+class BoundedRun {
+ public:
+  explicit BoundedRun(std::function<void()> fn) : state_(std::make_shared<State>()) {
+    thread_ = std::thread([state = state_, fn = std::move(fn)] {
+      fn();
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->done = true;
+      state->cv.notify_all();
+    });
+  }
+  BoundedRun(BoundedRun&&) = default;
+  BoundedRun& operator=(BoundedRun&&) = delete;
+  ~BoundedRun() {
+    if (thread_.joinable()) thread_.detach();  // not waited for: left running
+  }
+  bool Wait(absl::Time until, std::string_view what, absl::Duration limit) {
+    bool done = false;
+    {
+      std::unique_lock<std::mutex> lock(state_->mu);
+      done = state_->cv.wait_for(
+          lock, absl::ToChronoNanoseconds(std::max(until - absl::Now(), absl::ZeroDuration())),
+          [&] { return state_->done; });
+    }
+    if (done) {
+      thread_.join();
+    } else {
+      thread_.detach();
+      TANDEM_LOG_WARN("transport", "nccl: ", ToAbsl(what), " did not return within ",
+                      absl::FormatDuration(limit), "; left running");
+    }
+    return done;
+  }
+
+ private:
   struct State {
     std::mutex mu;
     std::condition_variable cv;
     bool done = false;
   };
-  auto state = std::make_shared<State>();
-  std::thread t([state, fn = std::move(fn)] {
-    fn();
-    std::lock_guard<std::mutex> lock(state->mu);
-    state->done = true;
-    state->cv.notify_all();
-  });
-  bool done = false;
-  {
-    std::unique_lock<std::mutex> lock(state->mu);
-    done = state->cv.wait_for(lock, absl::ToChronoNanoseconds(limit), [&] { return state->done; });
-  }
-  if (done) {
-    t.join();
-  } else {
-    t.detach();
-    TANDEM_LOG_WARN("transport", "nccl: ", ToAbsl(what), " did not return within ",
-                    absl::FormatDuration(limit), "; left running");
-  }
-  return done;
+  std::shared_ptr<State> state_;
+  std::thread thread_;
+};
+
+// Runs `fn` on a helper thread and waits for it at most `limit` (BoundedRun). True if it returned.
+inline bool RunBounded(std::function<void()> fn, absl::Duration limit, std::string_view what) {
+  return BoundedRun(std::move(fn)).Wait(absl::Now() + limit, what, limit);
 }
 
-// ncclCommAbort, bounded: its kernels return as soon as it has started; the rest of it (joining
-// NCCL's threads) may wait for the peer process.
+// An ncclCommAbort started on a helper thread: its kernels return as soon as it has begun; the rest
+// of it (joining NCCL's threads) may wait for the peer process. Finish() waits for it, bounded.
+struct PendingAbort {
+  PendingAbort(ncclComm_t comm, std::string_view who)
+      : started(absl::Now()),
+        what(absl::StrCat("ncclCommAbort of the communicator ", ToAbsl(who))),
+        run([comm] { ncclCommAbort(comm); }) {}
+  void Finish() { (void)run.Wait(started + kAbortTimeout, what, kAbortTimeout); }
+  absl::Time started;
+  std::string what;
+  BoundedRun run;
+};
+
+// ncclCommAbort, bounded by kAbortTimeout.
 inline void Abort(ncclComm_t comm, std::string_view who) {
   if (comm == nullptr) return;
-  (void)RunBounded([comm] { ncclCommAbort(comm); }, kAbortTimeout,
-                   absl::StrCat("ncclCommAbort of the communicator ", ToAbsl(who)));
+  PendingAbort(comm, who).Finish();
+}
+
+// Several aborts started together (each one's kernels return at once), finished together.
+inline void FinishAborts(std::vector<PendingAbort>& aborts) {
+  for (PendingAbort& a : aborts) a.Finish();
+  aborts.clear();
 }
 
 inline absl::Status NcclError(ncclResult_t r, std::string_view call, std::string_view context) {
@@ -472,7 +514,10 @@ class NcclTransport : public ControlPlaneTransport {
   void FailSetup(PeerId peer, absl::Status why, bool genuine = true);
   // Aborts one communicator (its kernels return) and marks it failed with `why`; a genuine failure
   // (an NCCL error, not our decision) also fails every later wait, as a lost peer does.
-  absl::Status FailComm(PeerId peer, bool sender, absl::Status why, bool genuine);
+  // With `aborts`, the communicator's abort is started and left there for the caller to finish
+  // (FinishAborts), so that the aborts of several communicators run at once.
+  absl::Status FailComm(PeerId peer, bool sender, absl::Status why, bool genuine,
+                        std::vector<PendingAbort>* aborts = nullptr);
   // A peer met so far whose set-up has neither finished nor failed (closed peers and those
   // given up on, not_awaited_, aside).
   std::optional<PeerId> PendingSetup() const;
@@ -523,6 +568,17 @@ class NcclTransport : public ControlPlaneTransport {
   absl::Status DeviceFailed() const {
     return absl::FailedPreconditionError(
         absl::StrCat("nccl transport: the device path failed earlier: ", device_failure_.ToString()));
+  }
+  // Whether a device-path transfer with `peer` in this direction is left out because its
+  // communicator failed (before or at the call): the call then succeeds, the peer is counted among
+  // the stream's, and SyncStream blames it. A caller enqueues whole steps, and the healthy peers
+  // wait for the transfers after this one; a step cut short here would leave them nothing to match,
+  // and their streams could not drain for a rerun.
+  bool LeftOut(PeerId peer, bool sender, void* stream) {
+    if (CommOf(peer, sender).failure.ok()) return false;
+    StreamWork& work = streams_[stream];
+    (sender ? work.sends_to : work.receives_from).insert(peer);
+    return true;
   }
   // The first expired wait, with its peer in *culprit.
   absl::Status CheckWaits(StreamWork& work, std::optional<PeerId>* culprit);

@@ -144,7 +144,8 @@ void NcclTransport::FailSetup(PeerId peer, absl::Status why, bool genuine) {
   if (genuine && p.failure.ok()) p.failure = why;
 }
 
-absl::Status NcclTransport::FailComm(PeerId peer, bool sender, absl::Status why, bool genuine) {
+absl::Status NcclTransport::FailComm(PeerId peer, bool sender, absl::Status why, bool genuine,
+                                     std::vector<PendingAbort>* aborts) {
   if (job_ == peer) {
     FailSetup(peer, why);
     return why;
@@ -171,7 +172,11 @@ absl::Status NcclTransport::FailComm(PeerId peer, bool sender, absl::Status why,
     }
   }
   Comm& c = CommOf(peer, sender);
-  Abort(c.comm, Direction(peer, sender));
+  if (aborts != nullptr && c.comm != nullptr) {
+    aborts->emplace_back(c.comm, Direction(peer, sender));
+  } else {
+    Abort(c.comm, Direction(peer, sender));
+  }
   c.comm = nullptr;
   if (c.failure.ok()) {
     c.failure = why;
