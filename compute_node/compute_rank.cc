@@ -525,9 +525,12 @@ bool ComputeRank::CanRecoverReplica() const {
   // The step runs again on the surviving compute ranks: on the host-staged path (the memory ranks'
   // and the replicas' waits can be left; under pipeline.mode rotational the ring closes over the
   // lost rank, docs/architecture.md, "Failures"), and on a device path that can be reset (every
-  // rank drains and resets it first).
+  // rank drains and resets it first). A rotational ring made anew on a device path also needs the
+  // lost rank's neighbours to reach each other there at once (device_path_new_peers: p2p, not nccl).
+  const transport::Capabilities& caps = transport_->capabilities();
   return options_.recover_compute_replicas && compute_rank_ == 0 && compute_ranks_ >= 2 &&
-         (!device_path_ || transport_->capabilities().device_path_reset);
+         (!device_path_ ||
+          (caps.device_path_reset && (options_.slice_layers == 0 || caps.device_path_new_peers)));
 }
 
 bool ComputeRank::CanRecoverByRerun() const {

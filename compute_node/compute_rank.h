@@ -117,7 +117,8 @@ struct ComputeRankOptions {
   // discarded and dropped, DropStepForHeads). Elsewhere a loss fails the step.
   bool recover_memory_ranks = true;
   // launch.recover_compute_replicas: on the host-staged path and a device path that can be reset
-  // (p2p: every rank drains and resets it before the rerun), a compute replica that fails,
+  // (p2p, nccl: every rank drains and resets it before the rerun; a rotational ring made anew there
+  // also needs Capabilities::device_path_new_peers, which nccl lacks), a compute replica that fails,
   // disconnects or stays silent past the step timeout is given up: the step in flight is discarded
   // on the memory ranks and the other replicas and run again on the surviving compute ranks, which
   // share the micro-batches from then on (pipeline.mode fixed or rotational: the ring of residual
@@ -173,9 +174,9 @@ class ComputeRank : public Engine {
   // (GenerationResult::error, Controller::FailUnplaceable). Without
   // recovery (or where it is not supported), or once every rank is lost, the step fails with a
   // Status naming the rank. A compute replica that fails or goes silent mid-step is given up
-  // (recover_compute_replicas; host-staged path, p2p): the memory ranks and the other replicas get a
-  // step discard and the step runs again on the surviving compute ranks, the micro-batches mapped
-  // onto them as onto a pipeline of that many ranks, as every step after it (RecoverFromFailedStep,
+  // (recover_compute_replicas; host-staged path, p2p, nccl under fixed): the memory ranks and the other
+  // replicas get a step discard and the step runs again on the surviving compute ranks, the micro-batches
+  // mapped onto them as onto a pipeline of that many ranks, as every step after it (RecoverFromFailedStep,
   // LoseReplica, Regroup; docs/architecture.md, "Failures"); under pipeline.mode rotational the
   // lost rank's ring neighbours are connected to each other first (ReconnectRing). Elsewhere it
   // fails the step, naming it. A memory rank lost while replicas run is recovered the same way:

@@ -108,11 +108,12 @@ const ConfigSchema& DeploySchema() {
               "memory.partition request; with compute replicas, and on p2p and nccl, the step in flight runs "
               "again without it on the same compute ranks; memory.partition head: the others split the KV "
               "heads again and every request in flight is recomputed); false: the deployment stops")
-        .Bool("launch.recover_compute_replicas", true,
-              "a compute replica that dies, disconnects or stays silent past launch.step_timeout_s is "
-              "given up and the step in flight runs again on the compute ranks left, which share the "
-              "micro-batches from then on (pipeline.mode fixed or rotational: the ring closes over the "
-              "lost rank; ucx or p2p transport); false: the deployment stops")
+        .Bool(
+            "launch.recover_compute_replicas", true,
+            "a compute replica that dies, disconnects or stays silent past launch.step_timeout_s is "
+            "given up and the step in flight runs again on the compute ranks left, which share the "
+            "micro-batches from then on (pipeline.mode fixed or rotational: the ring closes over the "
+            "lost rank; ucx or p2p transport, or nccl with pipeline.mode fixed); false: the deployment stops")
         .Int("launch.restart_memory_ranks", 3,
              "with launch.recover_memory_ranks, tandem launch restarts a memory rank process that died (not "
              "one that exited cleanly) on the address it listened on, up to this many times per rank, and "
@@ -344,14 +345,15 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   // Compute rank 0 recovers on the host-staged path (ucx) and on the device paths of p2p and nccl,
   // which can be reset after a failed step (ComputeRank::DeviceRecovery); under the head partition
   // the survivors split the heads again (ComputeRank::RepartitionHeads). On nccl a memory rank's
-  // loss only: a lost compute replica, and a restarted rank's rejoin (a communicator with the new
-  // process), are not done there yet.
+  // loss, and a compute replica's under pipeline.mode fixed: a rotational ring made anew, and a
+  // restarted rank's rejoin, need a communicator with a rank not met before, which is not made there
+  // (ComputeRank::CanRecoverReplica).
   const bool ucx_or_p2p =
       p.transport == transport::TransportKind::kUcx || p.transport == transport::TransportKind::kP2p;
-  const bool recovers = ucx_or_p2p || p.transport == transport::TransportKind::kNccl;
-  p.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks") && recovers;
-  p.recover_compute_replicas =
-      c.GetBool("launch.recover_compute_replicas") && ucx_or_p2p && p.compute_ranks >= 2;
+  const bool nccl = p.transport == transport::TransportKind::kNccl;
+  p.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks") && (ucx_or_p2p || nccl);
+  p.recover_compute_replicas = c.GetBool("launch.recover_compute_replicas") && p.compute_ranks >= 2 &&
+                               (ucx_or_p2p || (nccl && mode == "fixed"));
   // A restarted rank is of use only where compute rank 0 takes it back: wherever it recovers on
   // ucx or p2p, with probes on (ComputeRank::AdvanceRejoins).
   p.restart_memory_ranks = p.recover_memory_ranks && ucx_or_p2p && c.GetDouble("launch.rejoin_probe_s") > 0

@@ -79,9 +79,9 @@ struct DeployPlan {
   // the launcher then lets a memory rank fail without stopping the deployment, and, with compute
   // replicas, tolerates their exit.
   bool recover_memory_ranks = false;
-  // launch.recover_compute_replicas, where compute rank 0 can recover (ucx or p2p, compute.ranks 2
-  // or more): the launcher tolerates a replica's exit (compute rank 0 goes on without it, with the
-  // others; a replica that compute rank 0 releases exits 0).
+  // launch.recover_compute_replicas, where compute rank 0 can recover (ucx or p2p, or nccl with
+  // pipeline.mode fixed; compute.ranks 2 or more): the launcher tolerates a replica's exit (compute rank 0
+  // goes on without it, with the others; a replica that compute rank 0 releases exits 0).
   bool recover_compute_replicas = false;
   // launch.restart_memory_ranks where it applies (recovery, and compute rank 0 probing lost ranks:
   // launch.rejoin_probe_s > 0), else 0: how often the launcher restarts a memory rank that died.
