@@ -3,7 +3,8 @@
 
 Real processes: `tandem generate --deploy` starts compute rank 0 and N CPU memory ranks over UCX on
 127.0.0.1 and runs a batch of requests; while they decode, one memory rank is killed (SIGKILL) or
-stopped (SIGSTOP, found silent after launch.step_timeout_s). Every request must complete with the
+stopped (SIGSTOP, found silent after launch.step_timeout_s), or, of four, two are killed one after
+the other (the second loss recovered on the ranks left by the first). Every request must complete with the
 same tokens and log-probabilities as the colocated engine (greedy and seeded sampling), and
 compute rank 0 must log the loss and the requests it requeued. With recovery off the run must
 fail, naming the lost rank, within a bound. Every case is bounded in time.
@@ -54,9 +55,10 @@ def rank_pid(tmp, rank):
     return pids[0] if pids else None
 
 
-def run_with_fault(tmp, ranks, victim, sig, step_timeout, recover=True, delay=1.0, bound=300):
+def run_with_fault(tmp, ranks, victim, sig, step_timeout, recover=True, delay=1.0, bound=300, then=()):
     """Runs the requests through a deployment, sends `sig` to memory rank `victim` once the
-    deployment has run for `delay` seconds after it is ready; returns (rc, stdout, stderr, seconds)."""
+    deployment has run for `delay` seconds after it is ready, then SIGKILL to each (rank, seconds
+    later) of `then` in turn; returns (rc, stdout, stderr, seconds)."""
     cmd = [TANDEM, "generate", "--deploy", deployment(tmp, ranks, step_timeout, recover), "--prompts-file",
            os.path.join(tmp, "prompts.jsonl"), "--json", "--logprobs", "--ignore-eos"]
     start = time.time()
@@ -73,6 +75,13 @@ def run_with_fault(tmp, ranks, victim, sig, step_timeout, recover=True, delay=1.
                 else:
                     os.kill(pid, sig)
                     stopped = pid if sig == signal.SIGSTOP else None
+                for rank, later in then:
+                    time.sleep(later)
+                    pid = rank_pid(tmp, rank)
+                    if pid is None:
+                        bad(f"memory rank {rank} not found to kill (the run ended first?)")
+                    else:
+                        os.kill(pid, signal.SIGKILL)
                 sent = True
             time.sleep(0.05)
         if proc.poll() is None:
@@ -119,11 +128,13 @@ def main():
                     return f"request {i}: log-probabilities differ"
             return None
 
-        cases = [("SIGKILL of memory rank 1 of 2", 2, 1, signal.SIGKILL, 20),
-                 ("SIGKILL of memory rank 0 of 3", 3, 0, signal.SIGKILL, 20),
-                 ("SIGSTOP of memory rank 2 of 3", 3, 2, signal.SIGSTOP, 3)]
-        for name, ranks, victim, sig, timeout in cases:
-            rc, out, err, secs = run_with_fault(tmp, ranks, victim, sig, timeout)
+        # (name, memory ranks, victim, signal, launch.step_timeout_s, later kills: (rank, seconds after))
+        cases = [("SIGKILL of memory rank 1 of 2", 2, 1, signal.SIGKILL, 20, ()),
+                 ("SIGKILL of memory rank 0 of 3", 3, 0, signal.SIGKILL, 20, ()),
+                 ("SIGSTOP of memory rank 2 of 3", 3, 2, signal.SIGSTOP, 3, ()),
+                 ("SIGKILL of memory rank 3 of 4, then of memory rank 1", 4, 3, signal.SIGKILL, 20, ((1, 1.5),))]
+        for name, ranks, victim, sig, timeout, then in cases:
+            rc, out, err, secs = run_with_fault(tmp, ranks, victim, sig, timeout, then=then)
             print(f"{name}: exit {rc} after {secs:.1f} s")
             if rc != 0:
                 bad(f"{name}: generate failed: {err[-600:]}")
@@ -133,8 +144,9 @@ def main():
             if diff:
                 bad(f"{name}: results differ from the colocated engine: {diff}")
             log = compute_log(tmp)
-            if f"memory rank {victim} (" not in log or "is lost;" not in log:
-                bad(f"{name}: compute-0 did not log the loss of memory rank {victim}: {log[-800:]}")
+            for lost in [victim] + [rank for rank, _ in then]:
+                if not any(f"memory rank {lost} (" in line and "is lost;" in line for line in log.splitlines()):
+                    bad(f"{name}: compute-0 did not log the loss of memory rank {lost}: {log[-800:]}")
             if "go back to the queue to be recomputed" not in log:
                 bad(f"{name}: compute-0 did not log the requeued requests")
             if "recovered" not in err:
