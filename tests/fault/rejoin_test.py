@@ -25,7 +25,11 @@ sampling) whose tokens must equal those of the same requests sent one by one bef
     log) and is kept;
   * kill -9 of memory rank 1 with no restart (launch.restart_memory_ranks 0): compute rank 0 probes its
     address after 0.2 s, then waits twice as long after each probe nothing answers, and requests go
-    on over rank 0.
+    on over rank 0; then the rank is started again by hand (the command line the launcher ran, as an
+    operator would copy it from `ps`: same --rank, config and secret file, and --listen at the address
+    the launcher printed for it, since it was started on port 0): compute rank 0
+    takes it back (tandem:memory_ranks_rejoined_total 1), requests run on it with the fault-free
+    tokens, and it leaves with the deployment.
 Every wait is bounded. Usage: rejoin_test.py path/to/tandem
 """
 import os
@@ -97,9 +101,10 @@ class Deployment:
         m = re.search(rf"^tandem:{name}\{{[^}}]*\}} (\S+)$", text, re.M)
         return float(m.group(1)) if m else None
 
-    def stop(self):
-        stopped = (pids(f"compute --config .*{self.dir}") + self.replica_pids() + self.memory_pids(0) +
-                   self.memory_pids(1))
+    def stop(self, spare=()):
+        """SIGTERM to the launcher; then SIGKILL to every rank process left, except those in `spare`."""
+        stopped = [p for p in (pids(f"compute --config .*{self.dir}") + self.replica_pids() + self.memory_pids(0) +
+                               self.memory_pids(1)) if p not in spare]
         signal_all(stopped, signal.SIGCONT)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -286,9 +291,11 @@ def head_partition(tmp, compute_ranks=1):
 def stays_away(tmp):
     """kill -9 of memory rank 1 with no restart (launch.restart_memory_ranks 0): compute rank 0 probes
     its address less and less often (the wait after a probe nothing answers doubles from
-    launch.rejoin_probe_s), and requests go on on rank 0."""
+    launch.rejoin_probe_s), and requests go on on rank 0. Then memory rank 1 is started by hand with
+    the launcher's command line: it rejoins, takes requests, and leaves with the deployment."""
     label = "kill -9, not restarted"
     d = Deployment(tmp, restarts=0, env={"TANDEM_LOG_LEVEL": "debug"})  # a dropped probe is a debug line
+    hand = None
     try:
         expect = fault_free(d)
         if expect is None:
@@ -297,6 +304,8 @@ def stays_away(tmp):
         if not victim:
             bad(f"{label}: memory rank 1 not found")
             return
+        with open(f"/proc/{victim[0]}/cmdline", "rb") as f:
+            argv = [a.decode() for a in f.read().split(b"\0") if a]
         signal_all(victim, signal.SIGKILL)
         if wait_for(lambda: "giving up memory rank 1 (" in d.log("compute-0"), BOUND_S) is None:
             bad(f"{label}: the killed rank was not given up within {BOUND_S} s: {d.log('compute-0')[-800:]}")
@@ -315,8 +324,48 @@ def stays_away(tmp):
             bad(f"{label}: tokens on memory rank 0 alone differ from the fault-free ones")
         if d.proc.poll() is not None:
             bad(f"{label}: the deployment stopped: {d.err()[-600:]}")
+            return
+
+        # Started again by hand with the launcher's command line, listening where it did (the launcher
+        # started it on port 0 and printed the address it got).
+        label = "restarted by hand"
+        m = re.search(r"memory-1 listening on (\S+)", d.err())
+        if m is None or "--listen" not in argv:
+            bad(f"{label}: no address printed for memory-1, or no --listen in {argv}: {d.err()[-600:]}")
+            return
+        argv[argv.index("--listen") + 1] = m.group(1)
+        hand_log = os.path.join(d.dir, "memory-1.by-hand.log")
+        start = time.time()
+        hand = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(hand_log, "w"))
+        took = wait_for(lambda: re.search(r"memory rank 1 \(\S+\) rejoined", d.log("compute-0")), BOUND_S)
+        print(f"{label}: rejoined {'%.1f s' % took if took is not None else 'never'} after its start "
+              f"({' '.join(os.path.basename(a) if i == 0 else a for i, a in enumerate(argv[:6]))} ...)", flush=True)
+        if took is None:
+            bad(f"{label}: memory rank 1 did not rejoin within {BOUND_S} s: {d.log('compute-0')[-800:]}\n"
+                f"{open(hand_log).read()[-600:]}")
+            return
+        if d.metric("memory_ranks_rejoined_total") != 1:
+            bad(f"{label}: tandem:memory_ranks_rejoined_total is {d.metric('memory_ranks_rejoined_total')}, not 1")
+        spread(d)
+        if [d.tokens(p, e) for p, e in REQUESTS] != expect:
+            bad(f"{label}: tokens differ from the fault-free ones after the rejoin")
+        print(f"{label}: {time.time() - start:.1f} s from its start to the last request", flush=True)
     finally:
-        d.stop()
+        d.stop(spare=[hand.pid] if hand else ())
+        if hand is not None:
+            # It leaves with the deployment: compute rank 0's bye, or its silence (heartbeats).
+            try:
+                hand.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                bad(f"{label}: the memory rank started by hand was still running 30 s after the deployment "
+                    f"stopped: {open(hand_log).read()[-600:]}")
+                hand.kill()
+                hand.wait()
+            byes = re.findall(r"memory rank 1: bye after \d+ steps \((\d+) with rows here\)", open(hand_log).read())
+            print(f"{label}: exit {hand.returncode}; {byes[-1] if byes else '?'} steps with rows", flush=True)
+            if not byes or int(byes[-1]) == 0:
+                bad(f"{label}: the process started by hand ran no steps with rows (or said no bye): "
+                    f"{open(hand_log).read()[-600:]}")
 
 
 def main():
