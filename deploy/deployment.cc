@@ -356,9 +356,9 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
                                (ucx_or_p2p || (nccl && mode == "fixed"));
   // A restarted rank is of use only where compute rank 0 takes it back: wherever it recovers on
   // ucx or p2p, with probes on (ComputeRank::AdvanceRejoins).
-  p.restart_memory_ranks = p.recover_memory_ranks && ucx_or_p2p && c.GetDouble("launch.rejoin_probe_s") > 0
-                               ? static_cast<int>(c.GetInt("launch.restart_memory_ranks"))
-                               : 0;
+  p.memory_rank_rejoins = p.recover_memory_ranks && ucx_or_p2p && c.GetDouble("launch.rejoin_probe_s") > 0;
+  p.restart_memory_ranks =
+      p.memory_rank_rejoins ? static_cast<int>(c.GetInt("launch.restart_memory_ranks")) : 0;
   return p;
 }
 
@@ -515,8 +515,16 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
     // Running: compute-0 recovers the requests of a memory rank that fails (launch.recover_memory_ranks),
     // and takes back a new process of it that listens where it did (launch.restart_memory_ranks).
     for (size_t i = 0; i < addresses.size(); ++i) {
-      group.Tolerate(plan.placement.memory[i].name, plan.restart_memory_ranks,
-                     memory_command(i, addresses[i]), "compute-0");
+      const RankPlacement& r = plan.placement.memory[i];
+      // A rank not restarted (none allowed, or past the limit) can still be started by hand where
+      // compute rank 0 probes: the command for a rank of this host (a remote one's needs the
+      // secret on its stdin).
+      const std::string hint =
+          plan.memory_rank_rejoins && r.local()
+              ? absl::StrCat("compute-0 takes back a new process of it started by hand: ",
+                             ShellCommandLine(memory_command(i, addresses[i])))
+              : "";
+      group.Tolerate(r.name, plan.restart_memory_ranks, memory_command(i, addresses[i]), "compute-0", hint);
     }
   }
   if (plan.recover_compute_replicas || plan.recover_memory_ranks) {

@@ -579,13 +579,24 @@ absl::StatusOr<std::string> ProcessGroup::WaitFor(
 }
 
 void ProcessGroup::Tolerate(const std::string& name, int restarts, std::vector<std::string> restart_argv,
-                            std::string serves) {
+                            std::string serves, std::string left_hint) {
   Child* c = Find(name);
   if (c == nullptr) return;
   c->tolerated = true;
   c->restarts_left = std::max(0, restarts);
   c->restart_argv = std::move(restart_argv);
   c->serves = std::move(serves);
+  c->left_hint = std::move(left_hint);
+}
+
+void ProcessGroup::ReportLeft(const Child& c) const {
+  const std::string limit =
+      c.restarts > 0 ? absl::StrCat(" (restarted ", c.restarts, " time(s), the limit)") : "";
+  std::fprintf(stderr, "tandem launch: %s%s; the deployment goes on without it\n",
+               DescribeExit(c, "").c_str(), limit.c_str());
+  // On a line of its own: the exit's description may end with lines of the log.
+  if (!c.left_hint.empty())
+    std::fprintf(stderr, "tandem launch: %s: %s\n", c.name.c_str(), c.left_hint.c_str());
 }
 
 namespace {
@@ -602,9 +613,7 @@ absl::Status ProcessGroup::WaitExit(const std::string& name, absl::Duration time
   auto tolerated = [this](Child& c) {
     if (!c.tolerated || CleanExit(c.wait_status) || ServedStopped(c)) return false;
     if (RestartIfAllowed(c)) return true;
-    std::fprintf(
-        stderr, "tandem launch: %s%s; the deployment goes on without it\n", DescribeExit(c, "").c_str(),
-        c.restarts > 0 ? absl::StrCat(" (restarted ", c.restarts, " time(s), the limit)").c_str() : "");
+    ReportLeft(c);
     return true;
   };
   while (true) {
@@ -650,11 +659,7 @@ absl::Status ProcessGroup::WaitAny() {
       }
       if (exited->tolerated && !ServedStopped(*exited)) {
         if (RestartIfAllowed(*exited)) continue;
-        std::fprintf(stderr, "tandem launch: %s%s; the deployment goes on without it\n",
-                     DescribeExit(*exited, "").c_str(),
-                     exited->restarts > 0
-                         ? absl::StrCat(" (restarted ", exited->restarts, " time(s), the limit)").c_str()
-                         : "");
+        ReportLeft(*exited);
         continue;
       }
       return absl::UnavailableError(DescribeExit(*exited, ""));

@@ -96,9 +96,10 @@ class ProcessGroup {
   // (SIGSTOP): a rank that left because it went silent would only wait for it again; a failure
   // while it is stopped is not tolerated (the waits return it: the ranks gave the stopped process
   // up, and the deployment cannot go on). Calling it again replaces the limit (0: no more
-  // restarts).
+  // restarts). `left_hint`, when given, is a line of its own after the report of a failure not
+  // restarted (what an operator can do about it).
   void Tolerate(const std::string& name, int restarts = 0, std::vector<std::string> restart_argv = {},
-                std::string serves = "");
+                std::string serves = "", std::string left_hint = "");
 
   // SIGTERM to every running process, up to `grace` for them to exit, then SIGKILL; reaps all.
   // Returns the names of the processes that needed SIGKILL (for the launcher's message).
@@ -128,8 +129,12 @@ class ProcessGroup {
     std::vector<std::string> argv, restart_argv;
     std::optional<std::string> stdin_data;
     int restarts_left = 0, restarts = 0;
-    std::string serves;  // no restart while this process is not running or stopped
+    std::string serves;     // no restart while this process is not running or stopped
+    std::string left_hint;  // ends the report of a failure not restarted
   };
+  // The line on stderr for a tolerated child that failed and is not restarted (the limit reached,
+  // or none allowed).
+  void ReportLeft(const Child& child) const;
   absl::Status StartImpl(const std::string& name, const std::vector<std::string>& argv,
                          const std::string& log_path, const std::string* stdin_data);
   // Forks and execs (StartImpl's work): the pid, and the write end of its stdin pipe in *stdin_fd

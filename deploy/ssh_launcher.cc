@@ -4,11 +4,13 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -84,6 +86,18 @@ std::vector<std::string> SshArgv(const std::string& ssh_command, const std::stri
   for (const std::string& a : remote_argv) quoted.push_back(ShellQuote(a));
   argv.push_back(absl::StrCat("exec ", absl::StrJoin(quoted, " ")));
   return argv;
+}
+
+std::string ShellCommandLine(const std::vector<std::string>& argv) {
+  std::vector<std::string> words;
+  for (const std::string& a : argv) {
+    const bool plain = !a.empty() && std::all_of(a.begin(), a.end(), [](unsigned char c) {
+      return absl::ascii_isalnum(c) ||
+             absl::string_view("_@%+=:,./-").find(static_cast<char>(c)) != absl::string_view::npos;
+    });
+    words.push_back(plain ? a : ShellQuote(a));
+  }
+  return absl::StrJoin(words, " ");
 }
 
 std::string StdinBootstrap(const bootstrap::DeploymentKey& key, const std::string& config_yaml) {

@@ -34,6 +34,9 @@ inline constexpr absl::Duration kOrphanGrace = absl::Seconds(15);
 // the host, and the remote command (`remote_argv` quoted for the remote shell, run with exec).
 std::vector<std::string> SshArgv(const std::string& ssh_command, const std::string& host,
                                  const std::vector<std::string>& remote_argv);
+// `argv` as one POSIX shell command line: a word made only of [A-Za-z0-9_@%+=:,./-] as it is, any
+// other quoted ('...', a ' inside as '\''), so that a shell reads back the same words.
+std::string ShellCommandLine(const std::vector<std::string>& argv);
 // What the launcher writes to a remote rank's stdin.
 std::string StdinBootstrap(const bootstrap::DeploymentKey& key, const std::string& config_yaml);
 // The remote rank's side: reads the bootstrap from stdin (deadline `timeout`), sets this process's

@@ -25,15 +25,16 @@ sampling) whose tokens must equal those of the same requests sent one by one bef
     log) and is kept;
   * kill -9 of memory rank 1 with no restart (launch.restart_memory_ranks 0): compute rank 0 probes its
     address after 0.2 s, then waits twice as long after each probe nothing answers, and requests go
-    on over rank 0; then the rank is started again by hand (the command line the launcher ran, as an
-    operator would copy it from `ps`: same --rank, config and secret file, and --listen at the address
-    the launcher printed for it, since it was started on port 0): compute rank 0
+    on over rank 0; then the rank is started again by hand, with the command the launcher printed
+    when it did not restart it (`tandem memory` with the same --rank, config and secret file, and
+    --listen at the address the rank had, not the port 0 it was started on): compute rank 0
     takes it back (tandem:memory_ranks_rejoined_total 1), requests run on it with the fault-free
     tokens, and it leaves with the deployment.
 Every wait is bounded. Usage: rejoin_test.py path/to/tandem
 """
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -292,7 +293,7 @@ def stays_away(tmp):
     """kill -9 of memory rank 1 with no restart (launch.restart_memory_ranks 0): compute rank 0 probes
     its address less and less often (the wait after a probe nothing answers doubles from
     launch.rejoin_probe_s), and requests go on on rank 0. Then memory rank 1 is started by hand with
-    the launcher's command line: it rejoins, takes requests, and leaves with the deployment."""
+    the command the launcher printed: it rejoins, takes requests, and leaves with the deployment."""
     label = "kill -9, not restarted"
     d = Deployment(tmp, restarts=0, env={"TANDEM_LOG_LEVEL": "debug"})  # a dropped probe is a debug line
     hand = None
@@ -304,8 +305,6 @@ def stays_away(tmp):
         if not victim:
             bad(f"{label}: memory rank 1 not found")
             return
-        with open(f"/proc/{victim[0]}/cmdline", "rb") as f:
-            argv = [a.decode() for a in f.read().split(b"\0") if a]
         signal_all(victim, signal.SIGKILL)
         if wait_for(lambda: "giving up memory rank 1 (" in d.log("compute-0"), BOUND_S) is None:
             bad(f"{label}: the killed rank was not given up within {BOUND_S} s: {d.log('compute-0')[-800:]}")
@@ -326,14 +325,18 @@ def stays_away(tmp):
             bad(f"{label}: the deployment stopped: {d.err()[-600:]}")
             return
 
-        # Started again by hand with the launcher's command line, listening where it did (the launcher
-        # started it on port 0 and printed the address it got).
+        # Started again by hand with the command the launcher printed when it did not restart it.
         label = "restarted by hand"
-        m = re.search(r"memory-1 listening on (\S+)", d.err())
-        if m is None or "--listen" not in argv:
-            bad(f"{label}: no address printed for memory-1, or no --listen in {argv}: {d.err()[-600:]}")
+        m = re.search(r"^tandem launch: memory-1: compute-0 takes back a new process of it started by hand: (.*)$",
+                      d.err(), re.M)
+        listen = re.search(r"memory-1 listening on (\S+)", d.err())
+        if m is None or listen is None:
+            bad(f"{label}: the launcher printed no command for memory-1, or no address: {d.err()[-600:]}")
             return
-        argv[argv.index("--listen") + 1] = m.group(1)
+        argv = shlex.split(m.group(1))
+        if argv[argv.index("--listen") + 1] != listen.group(1):
+            bad(f"{label}: the printed command listens on {argv[argv.index('--listen') + 1]}, "
+                f"not where memory-1 listened ({listen.group(1)})")
         hand_log = os.path.join(d.dir, "memory-1.by-hand.log")
         start = time.time()
         hand = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(hand_log, "w"))

@@ -723,6 +723,9 @@ TEST(DeployRecoverySettings, PerTransportAndComputeRanks) {
     EXPECT_EQ(plan->recover_memory_ranks, k.recover);
     EXPECT_EQ(plan->recover_compute_replicas, k.replicas && k.compute_ranks > 1);
     EXPECT_EQ(plan->restart_memory_ranks, k.restarts);
+    // Rejoins (compute rank 0's probes) wherever restarts could apply, whatever their number.
+    EXPECT_EQ(plan->memory_rank_rejoins,
+              k.recover && (k.transport == "ucx" || k.transport == "p2p") && k.probe != "0");
   }
 }
 

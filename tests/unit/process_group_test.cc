@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "deploy/ssh_launcher.h"
 #include "gtest/gtest.h"
 
 namespace tandem {
@@ -193,6 +194,24 @@ TEST_F(ProcessGroupTest, NoRestartWhileTheServedProcessIsStopped) {
   EXPECT_FALSE(g.running("memory-0"));
   EXPECT_EQ(ReadFile(Log("memory-0")), "left\n");
   kill(g.pid("compute"), SIGCONT);
+}
+
+// The command line the launcher prints for starting a rank by hand: plain words as they are, the rest
+// quoted, and a shell reads back the same words.
+TEST_F(ProcessGroupTest, ShellCommandLineIsReadBackByAShell) {
+  const std::vector<std::string> words = {
+      "/opt/tandem/bin/tandem",  "memory", "--listen", "127.0.0.1:40123", "--config",
+      "/runs/run 1/deploy.yaml", "it's",   "",         "$HOME",           "a\nb"};
+  const std::string line = ShellCommandLine(words);
+  EXPECT_EQ(line,
+            "/opt/tandem/bin/tandem memory --listen 127.0.0.1:40123 --config '/runs/run 1/deploy.yaml' "
+            "'it'\\''s' '' '$HOME' 'a\nb'");
+  ProcessGroup g;
+  ASSERT_TRUE(g.Start("sh", Sh("printf '%s|' " + line), Log("sh")).ok());
+  ASSERT_TRUE(g.WaitExit("sh").ok());
+  std::string want;
+  for (const std::string& w : words) want += w + "|";
+  EXPECT_EQ(ReadFile(Log("sh")), want);
 }
 
 TEST_F(ProcessGroupTest, KilledBySignalIsNamed) {
