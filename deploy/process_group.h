@@ -130,7 +130,7 @@ class ProcessGroup {
     std::optional<std::string> stdin_data;
     int restarts_left = 0, restarts = 0;
     std::string serves;     // no restart while this process is not running or stopped
-    std::string left_hint;  // ends the report of a failure not restarted
+    std::string left_hint;  // a line after the report of a failure not restarted
   };
   // The line on stderr for a tolerated child that failed and is not restarted (the limit reached,
   // or none allowed).
