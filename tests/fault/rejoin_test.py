@@ -334,9 +334,10 @@ def stays_away(tmp):
             bad(f"{label}: the launcher printed no command for memory-1, or no address: {d.err()[-600:]}")
             return
         argv = shlex.split(m.group(1))
-        if argv[argv.index("--listen") + 1] != listen.group(1):
-            bad(f"{label}: the printed command listens on {argv[argv.index('--listen') + 1]}, "
-                f"not where memory-1 listened ({listen.group(1)})")
+        listens = argv[argv.index("--listen") + 1] if "--listen" in argv[:-1] else None
+        if listens != listen.group(1):
+            bad(f"{label}: the printed command listens on {listens}, not where memory-1 listened "
+                f"({listen.group(1)}): {m.group(1)}")
         hand_log = os.path.join(d.dir, "memory-1.by-hand.log")
         start = time.time()
         hand = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(hand_log, "w"))
