@@ -330,9 +330,8 @@ void AddRankCommands(CLI::App& app) {
     auto a = std::make_shared<MemoryArgs>();
     CLI::App* cmd = app.add_subcommand(
         "memory",
-        "Run one memory rank (KV cache and attention on one device); started by `tandem launch`, or by hand "
-        "to "
-        "bring back a lost rank with the command the launcher prints when it does not restart it.");
+        "Run one memory rank (KV cache and attention on one device); started by `tandem launch`, or by "
+        "hand to bring back a lost rank with the command the launcher prints when it does not restart it.");
     cmd->add_option("--config", a->config, "the deployment's YAML file (or --stdin-bootstrap)")
         ->check(CLI::ExistingFile);
     cmd->add_flag("--stdin-bootstrap", a->stdin_bootstrap,

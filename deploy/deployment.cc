@@ -516,15 +516,16 @@ absl::Status LaunchIn(ProcessGroup& group, const Config& config, const DeployPla
     // and takes back a new process of it that listens where it did (launch.restart_memory_ranks).
     for (size_t i = 0; i < addresses.size(); ++i) {
       const RankPlacement& r = plan.placement.memory[i];
+      std::vector<std::string> restart = memory_command(i, addresses[i]);
       // A rank not restarted (none allowed, or past the limit) can still be started by hand where
       // compute rank 0 probes: the command for a rank of this host (a remote one's needs the
       // secret on its stdin).
       const std::string hint =
           plan.memory_rank_rejoins && r.local()
               ? absl::StrCat("compute-0 takes back a new process of it started by hand: ",
-                             ShellCommandLine(memory_command(i, addresses[i])))
+                             ShellCommandLine(restart))
               : "";
-      group.Tolerate(r.name, plan.restart_memory_ranks, memory_command(i, addresses[i]), "compute-0", hint);
+      group.Tolerate(r.name, plan.restart_memory_ranks, std::move(restart), "compute-0", hint);
     }
   }
   if (plan.recover_compute_replicas || plan.recover_memory_ranks) {
