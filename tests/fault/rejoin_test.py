@@ -125,7 +125,8 @@ class Load:
         self.d, self.expect, self.label = d, expect, label
         self.done, self.wrong, self.stop_flag = 0, [], False
         self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self.run, args=(k,)) for k in range(4)]
+        # Daemons: an unexpected error of the test itself must end it, not leave it waiting on them.
+        self.threads = [threading.Thread(target=self.run, args=(k,), daemon=True) for k in range(4)]
         for t in self.threads:
             t.start()
 
@@ -199,7 +200,7 @@ def kill_until_rejoined(d, label, rejoined, at_rejoin=lambda: None):
     start = time.time()
     signal_all(victim, signal.SIGKILL)
     took = wait_for(rejoined, BOUND_S)
-    extra = at_rejoin()
+    extra = at_rejoin() if took is not None else None  # (a deployment that stopped has no /metrics)
     time.sleep(1.0)  # requests placed on the rejoined rank
     load.finish()
     print(f"{label}: rejoined {'%.1f s' % took if took is not None else 'never'} after the kill; "
