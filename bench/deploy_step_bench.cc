@@ -28,8 +28,8 @@
 //              compute_node/pipeline_report.h;
 // so step = compute + attention + exchange + idle. The colocated row has exchange 0 and idle = its
 // host time. decode tok/s = tokens generated in decode steps / the wall time of those steps. The
-// host-staged path (ucx) checksums its payloads, and p2p's device waits check theirs, as a
-// deployment does by default (--checksums).
+// host-staged path (ucx) checksums its payloads, and p2p's and nccl's device waits check theirs, as
+// a deployment does by default (--checksums).
 //
 // With --shared-gpu the memory ranks run on cuda:0 beside the compute rank (the one-GPU layout of
 // the quick start; ucx stages through host memory, p2p signals with CUDA IPC events).
@@ -40,7 +40,8 @@
 // engine's KV capacity, split among the memory ranks); larger ones are skipped with a note. A (B, C) that the
 // colocated engine cannot hold still runs on the deployments, without attention and exchange ("-"). A
 // transport is skipped, with the reason, when this build lacks it the host has fewer GPUs than the layout
-// needs, or the transport cannot connect the layout (nccl refuses ranks that share a GPU).
+// needs, or the transport cannot connect the layout (nccl refuses ranks that share a GPU, unless
+// TANDEM_NCCL_SHARE_GPU=1 makes each process a host of its own to NCCL: transfers over sockets).
 //
 // Never hangs: every run has a wall limit (--run-timeout), checked between steps and enforced by a
 // watchdog that ends the process (the memory ranks die with it) a minute after it; start-up has
@@ -143,7 +144,7 @@ constexpr const char* kUsage =
     "  --run-timeout      wall limit of one (transport, batch, context) run, seconds (600)\n"
     "  --startup-timeout  limit for loading weights and starting a deployment, seconds (600)\n"
     "  --checksums        payload checksums, as a deployment's default (1): crc32c of the host-staged (ucx)\n"
-    "                     payloads; p2p's device waits check each payload's checksum\n"
+    "                     payloads; p2p's and nccl's device waits check each payload's checksum\n"
     "  --max-tokens-per-step  rows per step (decode + prefill chunk), both sides (max(8192, batch))\n"
     "  --cuda-graphs      layer parts as CUDA graphs on both sides (1), or launched one by one (0, the "
     "default)\n"

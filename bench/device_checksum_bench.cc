@@ -9,7 +9,9 @@
 // rank's turn, receiving q,k,v and replying with the attention output, + compute rank 0's,
 // receiving the output and replying with the next q,k,v); with the two ranks in turn on the
 // step's critical path (no pipelining) that is what a step pays. Divide by a step time measured
-// in the same session (deploy_step_bench) for the share.
+// in the same session (deploy_step_bench) for the share. Last, for nccl, the sender's checksum
+// kernel alone (nccl's sends are NCCL's own kernels: the checksum is summed before each), per
+// message and per step.
 // Usage: device_checksum_bench [--model llama3-8b] [--batches 1,64,256] [--iterations 200]
 #include <cuda_runtime.h>
 
@@ -202,6 +204,24 @@ int main(int argc, char** argv) {
         "%6lld added per decode step (%d layers, both sides): %.1f us behind a consumer, %.1f us with "
         "none\n",
         static_cast<long long>(batch), layers, hidden_us * layers, bare_us * layers);
+  }
+  // nccl: NCCL reads the source itself, so the sender's checksum is a kernel of its own on the send
+  // stream, before the send (DevicePath::EnqueueChecksum); the send waits for it. Its GPU time per
+  // message, and per decode step (the q,k,v sent to the memory rank and the output sent back).
+  std::printf("nccl sender's checksum kernel, us per message: %6s %10s %10s %14s\n", "batch", "q,k,v",
+              "output", "per step");
+  for (int64_t batch : batches) {
+    double us[2];
+    for (int side = 0; side < 2; ++side) {
+      const size_t bytes = static_cast<size_t>(batch) * (side == 0 ? qkv_row : out_row);
+      uint64_t seq = 0;
+      us[side] = time(seq, [&](uint64_t k) {
+        (void)(*path)->EnqueueChecksum(b.src, bytes, k, reply_entries + k % tandem::transport::kChecksumRing,
+                                       stream);
+      });
+    }
+    std::printf("%47lld %10.2f %10.2f %14.1f\n", static_cast<long long>(batch), us[0], us[1],
+                (us[0] + us[1]) * layers);
   }
   cudaFree(consumer_src);
   cudaFree(consumer_dst);

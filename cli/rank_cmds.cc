@@ -180,7 +180,7 @@ absl::Status RunCompute(const ComputeArgs& a) {
                                     settings, source->spec().kv_bytes_per_token(o.device < 0 ? 4 : 2)));
   o.kv_capacity_tokens = settings.kv_capacity_tokens;
   o.kv_memory_fraction = settings.kv_memory_fraction;
-  o.checksums = c.GetBool("transport.checksums");
+  o.checksums = ChecksumsOn(c, o.transport);
   o.cuda_graphs = c.GetBool("compute.cuda_graphs");
   o.profile = c.GetBool("compute.profile");
   o.startup_timeout = absl::Seconds(c.GetDouble("launch.startup_timeout_s"));

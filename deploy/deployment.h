@@ -16,7 +16,8 @@
 //                                      this host
 //   transport.kind                     auto, ucx, p2p, nccl or verbs (one kind for the deployment;
 //                                      auto: a lookup over the transport table, see ResolveTransport)
-//   transport.checksums                crc32c of the host-staged path's per-layer payloads
+//   transport.checksums                per-layer payload checksums (auto: on, except on nccl's
+//                                      device path; ChecksumsOn)
 //   scheduler.*, kv.*                  as for the colocated engine (kv.* applies to each rank)
 //   launch.*                           run directory, time limits, the ssh client
 //
@@ -73,7 +74,7 @@ struct DeployPlan {
   std::vector<std::string> replica_devices;  // of compute ranks 1.. ("cpu", "cuda:N")
   std::string compute_host;                  // where the compute replicas listen
   transport::TransportKind transport = transport::TransportKind::kUcx;  // resolved transport.kind
-  bool checksums = true;
+  bool checksums = true;                                                // ChecksumsOn
   // launch.recover_memory_ranks, where compute rank 0 can recover (the request partition; ucx or
   // p2p):
   // the launcher then lets a memory rank fail without stopping the deployment, and, with compute
@@ -113,6 +114,12 @@ absl::StatusOr<std::optional<transport::TransportKind>> ParseTransportSetting(st
 // uses; a kind this build lacks) is InvalidArgument naming transport.kind and the reason.
 absl::StatusOr<transport::TransportKind> ResolveTransport(std::optional<transport::TransportKind> requested,
                                                           const DeployPlan& plan);
+
+// transport.checksums for a deployment over `kind`: true or false as set; auto is on where the
+// checks cost under 2% of a decode step (the host-staged path's crc32c, p2p's device path) and off
+// on nccl, whose sender sums each payload in a kernel of its own before the send (docs/benchmarks.md,
+// "Payload checksums on the device path").
+bool ChecksumsOn(const Config& config, transport::TransportKind kind);
 
 struct LaunchOptions {
   std::string tandem_binary;  // the `tandem` executable the ranks run

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <vector>
 
 extern char** environ;
@@ -39,14 +40,23 @@ inline uint64_t Fnv1a(const std::vector<uint8_t>& v) { return Fnv1a(v.data(), v.
 inline std::vector<uint8_t> Text(const std::string& s) { return {s.begin(), s.end()}; }
 
 // Starts this test binary again, running only the (disabled) test `test` ("Suite.DISABLED_Name"),
-// with `env` ("NAME=value" each) added to the environment. The child's pid, or -1.
+// with `env` ("NAME=value" each) added to the environment (replacing a variable of the same name).
+// The child's pid, or -1.
 inline pid_t SpawnSelf(const std::string& test, std::vector<std::string> env) {
   std::string exe(4096, '\0');
   const ssize_t n = readlink("/proc/self/exe", exe.data(), exe.size() - 1);
   if (n <= 0) return -1;
   exe.resize(static_cast<size_t>(n));
   std::vector<char*> envp;
-  for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
+  // `env` entries replace this process's variables of the same name (getenv takes the first).
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string_view var(*e);
+    const bool replaced = std::any_of(env.begin(), env.end(), [&](const std::string& x) {
+      const size_t eq = x.find('=');
+      return eq != std::string::npos && var.substr(0, eq + 1) == std::string_view(x).substr(0, eq + 1);
+    });
+    if (!replaced) envp.push_back(*e);
+  }
   for (std::string& e : env) envp.push_back(e.data());
   envp.push_back(nullptr);
   std::string filter = "--gtest_filter=" + test;

@@ -33,7 +33,8 @@ not met before). There every rank aborts only the lost rank's communicators and 
 through, so the healthy ranks' communicators stay in step for the rerun.
 Usage: device_recovery_test.py path/to/tandem   (exit 77, skipped, without a GPU)
 Environment: TANDEM_FAULT_CASE (see main), TANDEM_FAULT_TRANSPORT (p2p, or nccl),
-TANDEM_FAULT_MEMORY_DEVICE (cuda:0; cuda:1 puts the memory ranks on a second GPU, the cases without
+TANDEM_FAULT_CHECKSUMS (transport.checksums: auto, true or false; true runs nccl's with payload
+checksums), TANDEM_FAULT_MEMORY_DEVICE (cuda:0; cuda:1 puts the memory ranks on a second GPU, the cases without
 a replica, and nccl then needs no shared-GPU setting),
 TANDEM_FAULT_KEEP_LOGS=DIR (each case's rank logs kept in DIR/case-N), TANDEM_FAULT_LOG_LINES (lines
 of each log printed for a failed case, 15).
@@ -57,6 +58,7 @@ MODEL = "small"  # a preset (random weights): 12 layers
 TIE_GAP = 0.05   # log-probabilities this close are a near tie (bf16 rounding moves them by ~1e-2)
 TRANSPORT = os.environ.get("TANDEM_FAULT_TRANSPORT", "p2p")
 MEMORY_DEVICE = os.environ.get("TANDEM_FAULT_MEMORY_DEVICE", "cuda:0")  # cuda:1: across two GPUs
+CHECKSUMS = os.environ.get("TANDEM_FAULT_CHECKSUMS", "auto")  # transport.checksums
 
 
 def have_gpu():
@@ -89,7 +91,7 @@ def deployment(tmp, ranks, step_timeout, compute_ranks=1, batch=16, partition="r
         partition, pipeline = "request", f"pipeline:\n  mode: rotational\n  batches: {compute_ranks + 1}\n"
     with open(path, "w") as f:
         f.write(f"model:\n  path: {MODEL}\ncompute:\n  device: cuda:0\n  ranks: {compute_ranks}\n"
-                f"memory:\n  ranks: {ranks}\n  devices: {MEMORY_DEVICE}\n  partition: {partition}\ntransport:\n  kind: {TRANSPORT}\n{pipeline}"
+                f"memory:\n  ranks: {ranks}\n  devices: {MEMORY_DEVICE}\n  partition: {partition}\ntransport:\n  kind: {TRANSPORT}\n  checksums: {CHECKSUMS}\n{pipeline}"
                 f"scheduler:\n  max_batch_size: {batch}\n  max_tokens_per_step: 256\nkv:\n  capacity_tokens: 16384\n"
                 f"launch:\n  run_dir: {tmp}/run\n  step_timeout_s: {step_timeout}\n  rejoin_probe_s: 0.2\n")
     return path
@@ -240,7 +242,7 @@ def main():
             cases = [c for c in cases if "rejoined" not in c[0] and c[8] != "rotational"]
         if MEMORY_DEVICE != "cuda:0":  # the memory ranks on another GPU; replicas would want GPUs of their own
             cases = [c for c in cases if c[2] == 1]
-        print(f"transport {TRANSPORT}: {len(cases)} case(s)", flush=True)
+        print(f"transport {TRANSPORT}, transport.checksums {CHECKSUMS}: {len(cases)} case(s)", flush=True)
         want_of = {}
         for case, (name, ranks, compute_ranks, victim, sig, timeout, lost, batch, partition) in enumerate(cases):
             key = (ranks, compute_ranks, timeout, batch, partition)

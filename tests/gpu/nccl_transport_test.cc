@@ -1,12 +1,16 @@
 // The NCCL transport between two processes: this test (listening, cuda:0) and a child process
-// (this binary again, in helper mode, on cuda:1). NCCL refuses two ranks on one GPU, so the
-// two-process test skips with fewer than two GPUs. The child writes payloads that say who wrote
-// them and for which seqno, 16 B to 64 MiB, first through the host path (Write; the parent checks
+// (this binary again, in helper mode, on cuda:1). NCCL refuses two ranks on one GPU, so with one GPU
+// both processes share cuda:0 as ranks of two hosts to NCCL (NcclOptions::share_gpu, each with a
+// host id of its own; NCCL's transfers then go over sockets on loopback). The child writes payloads that say
+// who wrote them and for which seqno, 16 B to 64 MiB, first through the host path (Write; the parent checks
 // every byte) and then through the device path (EnqueueWrite; the parent's EnqueueWait and a copy
 // behind it on the same stream, compared by hash). Then bounds errors, writes in the other
 // direction, two device-path writes in flight each way interleaved with their echoes (the order of
 // two pipelined micro-batches, which deadlocked while sends ran on the caller's stream), receives
-// from one peer on a second stream (refused), and a device wait that expires. Also: registration
+// from one peer on a second stream (refused), payload checksums (a source rewritten after its
+// write's checksum was taken, caught as DataLoss naming the wait; the path reset and used again; a
+// sender that turns its checksums off, whose payloads then come without entries), and a device
+// wait that expires. Also: registration
 // errors, an invalid device, and the machine without a GPU (Unavailable). Prints one-way write times.
 #include "common/transport/nccl/nccl_transport.h"
 
@@ -49,13 +53,16 @@ constexpr uint64_t kBackOrigin = 4242;
 
 absl::Time In(absl::Duration d) { return absl::Now() + d; }
 
-// Empty when two GPUs are usable, else why the two-process test cannot run.
-std::string TwoGpusMissing() {
-  std::string reason = testing_gpu::NoGpuReason();
-  if (!reason.empty()) return reason;
-  if (testing_gpu::GpuCount() < 2) return "NCCL needs a GPU per rank and this machine has one GPU";
-  return "";
+// The child's GPU: cuda:1, or cuda:0 shared with the parent on a one-GPU machine.
+int ChildDevice() { return testing_gpu::GpuCount() >= 2 ? 1 : 0; }
+NcclOptions Options(std::string listen, int device) {
+  return {.listen_address = std::move(listen), .device = device, .share_gpu = ChildDevice() == 0};
 }
+
+// The checksum cases: a payload larger than what NCCL reads ahead of a receiver that has not
+// posted its receive (a few MiB per channel), so the end of its source is still unread while the
+// child rewrites it.
+constexpr size_t kRewrittenBytes = 64u << 20;
 
 struct DeviceMemory {
   void* p = nullptr;
@@ -102,8 +109,9 @@ double MicrosSince(std::chrono::steady_clock::time_point t0) {
 TEST(NcclChildHelper, DISABLED_Peer) {
   const char* address = std::getenv(kAddressEnv);
   if (address == nullptr) GTEST_SKIP() << "helper for NcclTransport.TwoProcesses; run by it";
-  CUDA_ASSERT_OK(cudaSetDevice(1));
-  auto t = CreateNcclTransport({.listen_address = "", .device = 1});
+  const int device = ChildDevice();
+  CUDA_ASSERT_OK(cudaSetDevice(device));
+  auto t = CreateNcclTransport(Options("", device));
   ASSERT_TRUE(t.ok()) << t.status();
   Transport& tr = **t;
   DeviceMemory mine(kBufferBytes);
@@ -111,7 +119,7 @@ TEST(NcclChildHelper, DISABLED_Peer) {
   ASSERT_TRUE(tr.RegisterBuffer(2, mine.p, kBufferBytes).ok());
   auto peer = tr.Connect(address);
   ASSERT_TRUE(peer.ok()) << peer.status();
-  ASSERT_TRUE(tr.Send(*peer, Text("hello from cuda:1")).ok());
+  ASSERT_TRUE(tr.Send(*peer, Text(absl::StrCat("hello from cuda:", device))).ok());
   const uint64_t origin = static_cast<uint64_t>(getpid());
   DeviceMemory src(64u << 20);
   ASSERT_NE(src.p, nullptr);
@@ -133,8 +141,8 @@ TEST(NcclChildHelper, DISABLED_Peer) {
       ExpectMessage(tr, absl::StrCat("ack ", seq));
       if (HasFatalFailure()) return;
     }
-    std::printf("nccl host-path write cuda:1 -> cuda:0, %zu bytes: %.1f us (best of %d), %.2f GB/s\n", bytes,
-                best_us, kReps, bytes / best_us / 1e3);
+    std::printf("nccl host-path write cuda:%d -> cuda:0, %zu bytes: %.1f us (best of %d), %.2f GB/s\n",
+                device, bytes, best_us, kReps, bytes / best_us / 1e3);
   }
   // Gathered pieces from host memory, at an offset.
   ++seq;
@@ -171,8 +179,8 @@ TEST(NcclChildHelper, DISABLED_Peer) {
       ASSERT_TRUE(s.ok()) << s;
       best_us = std::min(best_us, MicrosSince(t0));
     }
-    std::printf("nccl device-path write+sync cuda:1 -> cuda:0, %zu bytes: %.1f us (best of %d), %.2f GB/s\n",
-                bytes, best_us, kReps, bytes / best_us / 1e3);
+    std::printf("nccl device-path write+sync cuda:%d -> cuda:0, %zu bytes: %.1f us (best of %d), %.2f GB/s\n",
+                device, bytes, best_us, kReps, bytes / best_us / 1e3);
   }
   ++seq;  // the parent receives this one at kOddOffset
   const std::vector<uint8_t> odd = Payload(origin, seq, 4096);
@@ -227,6 +235,38 @@ TEST(NcclChildHelper, DISABLED_Peer) {
   EXPECT_EQ(tr.Doorbell(2), 10u);
   ASSERT_TRUE(tr.Send(*peer, Text("echoes checked")).ok());
 
+  // Payload checksums. A write whose source is rewritten after the checksum kernel ran and before
+  // NCCL read that part of it (the bug of a caller that reuses a source too early): the parent
+  // posts its receive only once told, so the end of the 64 MiB source is still unread here. The
+  // checksum kernel runs on the send stream within microseconds of the call; a second is ample.
+  ++seq;
+  const std::vector<uint8_t> sent = Payload(origin, seq, kRewrittenBytes);
+  CUDA_ASSERT_OK(cudaMemcpy(src.p, sent.data(), kRewrittenBytes, cudaMemcpyHostToDevice));
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  ASSERT_TRUE(tr.EnqueueWrite(*peer, 1, 0, src.p, kRewrittenBytes, seq, stream.s).ok());
+  absl::SleepFor(absl::Seconds(1));
+  const uint8_t flipped = sent.back() ^ 0x10;
+  // The legacy stream's copy does not wait for the transport's non-blocking send stream.
+  CUDA_ASSERT_OK(
+      cudaMemcpy(static_cast<uint8_t*>(src.p) + kRewrittenBytes - 1, &flipped, 1, cudaMemcpyHostToDevice));
+  ASSERT_TRUE(tr.Send(*peer, Text(absl::StrCat("rewritten ", seq))).ok());
+  s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
+  ASSERT_TRUE(s.ok()) << "the sender's side of a rewritten source: " << s;
+  // Then an intact one, with checksums, and one without (the parent receives no entry after it).
+  for (const bool checked : {true, false}) {
+    ExpectMessage(tr, "reset");
+    if (HasFatalFailure()) return;
+    tr.SetDeviceChecksums(checked);
+    ++seq;
+    const std::vector<uint8_t> data = Payload(origin, seq, kBackBytes);
+    CUDA_ASSERT_OK(cudaMemcpy(src.p, data.data(), kBackBytes, cudaMemcpyHostToDevice));
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+    ASSERT_TRUE(tr.Send(*peer, Text(absl::StrCat("intact ", seq, checked ? " with" : " without"))).ok());
+    ASSERT_TRUE(tr.EnqueueWrite(*peer, 1, 0, src.p, kBackBytes, seq, stream.s).ok());
+    s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
+    ASSERT_TRUE(s.ok()) << s;
+  }
+
   // The parent now lets a wait for a write of ours expire (and aborts its communicator from us),
   // which must not disturb us: nothing of ours is pending, so Flush succeeds. The parent keeps
   // its transport going until "closing", so that the flush can complete; then both tear down at
@@ -238,9 +278,11 @@ TEST(NcclChildHelper, DISABLED_Peer) {
   ASSERT_TRUE(tr.Send(*peer, Text("closing")).ok());
 }
 
-pid_t StartChild(const std::string& address) {
-  return testing_transport::SpawnSelf("NcclChildHelper.DISABLED_Peer",
-                                      {absl::StrCat(kAddressEnv, "=", address)});
+// With `shared`, the child gets a host id of its own (it would inherit this process's).
+pid_t StartChild(const std::string& address, bool shared) {
+  std::vector<std::string> env = {absl::StrCat(kAddressEnv, "=", address)};
+  if (shared) env.push_back(absl::StrCat("NCCL_HOSTID=tandem-nccl-test-child-", getpid()));
+  return testing_transport::SpawnSelf("NcclChildHelper.DISABLED_Peer", env);
 }
 
 // Reaps the child: true if it exited with status 0 before `deadline`; past it, the child is killed
@@ -270,10 +312,9 @@ struct ChildGuard {
 };
 
 TEST(NcclTransport, TwoProcesses) {
-  const std::string missing = TwoGpusMissing();
-  if (!missing.empty()) GTEST_SKIP() << missing;
+  TANDEM_SKIP_WITHOUT_GPU();
   CUDA_ASSERT_OK(cudaSetDevice(0));
-  auto t = CreateNcclTransport({.listen_address = "127.0.0.1:0", .device = 0});
+  auto t = CreateNcclTransport(Options("127.0.0.1:0", 0));
   ASSERT_TRUE(t.ok()) << t.status();
   Transport& tr = **t;
   EXPECT_EQ(tr.capabilities().name, "nccl");
@@ -283,7 +324,7 @@ TEST(NcclTransport, TwoProcesses) {
   DeviceMemory buffer(kBufferBytes);
   ASSERT_NE(buffer.p, nullptr);
   ASSERT_TRUE(tr.RegisterBuffer(1, buffer.p, kBufferBytes).ok());
-  const pid_t child = StartChild(tr.address());
+  const pid_t child = StartChild(tr.address(), ChildDevice() == 0);
   ASSERT_GT(child, 0);
   ChildGuard guard{child};
   auto peer = tr.Accept(In(absl::Seconds(60)));
@@ -394,6 +435,38 @@ TEST(NcclTransport, TwoProcesses) {
   EXPECT_EQ(tr.Doorbell(1), seq);
   ExpectMessage(tr, "echoes checked");
   if (HasFatalFailure()) return;
+
+  // Payload checksums: the child rewrote the end of its source after the checksum was taken (see
+  // the child), so the landed bytes differ from what the entry says.
+  ++seq;
+  ExpectMessage(tr, absl::StrCat("rewritten ", seq));
+  if (HasFatalFailure()) return;
+  const std::string rewritten = "parent: a write whose source changed";
+  s = tr.EnqueueWait(*peer, 1, 0, kRewrittenBytes, seq, absl::Seconds(30), rewritten, stream.s);
+  ASSERT_TRUE(s.ok()) << s;
+  s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(std::string(s.message()).find(rewritten + ": the payload's checksum does not match"),
+            std::string::npos)
+      << s;
+  s = tr.EnqueueWait(*peer, 1, 0, 16, seq + 1, absl::Seconds(1), "after the mismatch", stream.s);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << "the failed path refuses until reset: " << s;
+  ASSERT_TRUE(tr.ResetDevicePath(stream.s).ok());
+  // Reset, the path takes the next payloads: one with its entry, one the child sends without (it
+  // turned its checksums off, and its settings frame came before its message).
+  for (const char* how : {" with", " without"}) {
+    ASSERT_TRUE(tr.Send(*peer, Text("reset")).ok());
+    ++seq;
+    ExpectMessage(tr, absl::StrCat("intact ", seq, how));
+    if (HasFatalFailure()) return;
+    s = tr.EnqueueWait(*peer, 1, 0, kBackBytes, seq, absl::Seconds(30), absl::StrCat("parent: intact", how),
+                       stream.s);
+    ASSERT_TRUE(s.ok()) << s;
+    CUDA_ASSERT_OK(cudaMemcpyAsync(host.p, buffer.p, kBackBytes, cudaMemcpyDeviceToHost, stream.s));
+    s = tr.SyncStream(stream.s, In(absl::Seconds(60)));
+    ASSERT_TRUE(s.ok()) << how << ": " << s;
+    EXPECT_EQ(Fnv1a(host.p, kBackBytes), Fnv1a(Payload(origin, seq, kBackBytes))) << how;
+  }
 
   // Receives from the child on a second stream while the first has one enqueued: refused (NCCL
   // would match them in the order issued, whichever stream reached its own first).

@@ -90,6 +90,14 @@ absl::Status DevicePath::EnqueueWriteWithDoorbell(void* dst, const void* src, si
   return absl::OkStatus();
 }
 
+absl::Status DevicePath::EnqueueChecksum(const void* src, size_t bytes, uint64_t seqno, ChecksumEntry* entry,
+                                         void* stream) {
+  const uint32_t slot = next_counter_++ % kCounters;
+  DP_CUDA(LaunchWriteWithDoorbell(nullptr, src, bytes, nullptr, seqno, counters_ + slot, sums_ + slot, entry,
+                                  nullptr, stream));
+  return absl::OkStatus();
+}
+
 absl::Status DevicePath::Join(void* stream) {
   auto it = sides_.find(stream);
   if (it == sides_.end() || !it->second.pending) return absl::OkStatus();
@@ -238,7 +246,7 @@ absl::Status DevicePath::Sync(void* stream, absl::Time deadline, const std::func
                                 "%016x, %016x here): it changed between the writer and this check",
                                 w.label, w.seqno, w.bytes, static_cast<uint64_t>(r->expected),
                                 static_cast<uint64_t>(r->seen))
-              : absl::StrFormat("%s: no checksum of seqno %d (%d bytes) beside the doorbell: its entry holds "
+              : absl::StrFormat("%s: no checksum of seqno %d (%d bytes) came with it: its entry holds "
                                 "seqno %d's",
                                 w.label, w.seqno, w.bytes, static_cast<uint64_t>(r->expected)));
     } else if (i < waits_.size()) {

@@ -70,6 +70,16 @@ class DevicePath {
   // GPU's time slices between the two contexts run out idle, measured at 2 ms a message).
   absl::Status EnqueueVerify(const void* data, size_t bytes, const ChecksumEntry* entry, uint64_t seqno,
                              std::string label, void* stream, bool beside = true);
+  // Enqueues on `stream` the checksum of the `bytes` at `src` (this GPU's memory), stored with
+  // `seqno` into `entry` (memory this GPU can write): the entry a transport that moves the payload
+  // itself (nccl) sends after it, for the receiver's EnqueueVerify. Runs whatever the path's state
+  // (the transport decides whether the payload goes out).
+  absl::Status EnqueueChecksum(const void* src, size_t bytes, uint64_t seqno, ChecksumEntry* entry,
+                               void* stream);
+  // Makes `stream` wait for the checks enqueued beside it so far (EnqueueVerify). A transport
+  // whose writes do not go through EnqueueWriteWithDoorbell calls it before each write that lets
+  // the peer send again into a buffer checked beside the stream.
+  absl::Status JoinChecks(void* stream) { return Join(stream); }
 
   // Waits until the work enqueued on `stream` so far has run. Calls `pump` about every 100 us
   // (the control plane: peer failures); an error from it aborts every pending wait and is

@@ -123,34 +123,45 @@ __device__ __forceinline__ uint64_t CopyAndSum(uint8_t* dst, const uint8_t* src,
   return part;
 }
 
-// Grid-stride copy, then the last block to finish stores the checksum entry (when asked) and the
-// doorbell after a system-wide fence: every block fences its own stores before it counts itself
-// done, so the doorbell cannot overtake any of them. Once a wait of this path has failed (`flag`,
-// device memory) nothing is written: a failed step drains without touching its peers' memory (a
-// peer that died, or one that runs the step again once this rank has drained). Every block still
-// counts itself, so the counter and sum are left zeroed.
+// Grid-stride copy (none when `dst` is null), then the last block to finish stores the checksum
+// entry (when asked) and the doorbell (when not null) after a system-wide fence: every block fences its own
+// stores before it counts itself done, so the doorbell cannot overtake any of them. Once a wait of this path
+// has failed (`flag`, device memory; null: never) nothing is written: a failed step drains without touching
+// its peers' memory (a peer that died, or one that runs the step again once this rank has drained). Every
+// block still counts itself, so the counter and sum are left zeroed.
 __global__ void WriteWithDoorbellKernel(uint8_t* dst, const uint8_t* src, size_t bytes, uint64_t* bell,
                                         uint64_t seqno, uint32_t* counter, unsigned long long* sum,
                                         ChecksumEntry* entry, const uint32_t* flag) {
   __shared__ uint32_t skip;
-  if (threadIdx.x == 0) skip = *static_cast<const volatile uint32_t*>(flag);
+  if (threadIdx.x == 0) skip = flag != nullptr ? *static_cast<const volatile uint32_t*>(flag) : 0;
   __syncthreads();
   const uint64_t part = skip != 0 ? 0 : CopyAndSum(dst, src, bytes, entry != nullptr);
   if (entry != nullptr) BlockAddSum(part, sum);
-  __threadfence_system();
+  // Another process may read what this kernel stores (the copy, the entry); the checksum alone
+  // (nothing copied, no doorbell) is read by work later on this stream, so the block's sum needs
+  // only to reach the last block.
+  const bool shared = dst != nullptr || bell != nullptr;
+  if (shared) {
+    __threadfence_system();
+  } else {
+    __threadfence();
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     if (atomicAdd(counter, 1u) == gridDim.x - 1) {
       *counter = 0;  // ready for the next launch that uses this counter
       const uint64_t total = entry != nullptr ? atomicExch(sum, 0ull) : 0;
-      if (*static_cast<const volatile uint32_t*>(flag) != 0) return;  // some blocks may have skipped
+      if (flag != nullptr && *static_cast<const volatile uint32_t*>(flag) != 0)
+        return;  // some blocks may have skipped
       if (entry != nullptr) {
         volatile ChecksumEntry* e = entry;
         e->checksum = ChecksumFinish(total, bytes);
         e->seqno = seqno;
       }
-      __threadfence_system();
-      StoreRelease(bell, seqno);
+      if (bell != nullptr) {
+        __threadfence_system();
+        StoreRelease(bell, seqno);
+      }
     }
   }
 }

@@ -29,7 +29,8 @@ cudaError_t LaunchWaitDoorbell(const uint64_t* bell, uint64_t seqno, uint64_t ti
                                DeviceWaitRecord* record, uint32_t* flag, uint32_t index, void* stream);
 // `counter` and `sum`: zeroed device words no other launch in flight uses; the kernel leaves them
 // zeroed. With `entry` (the receiver's, or null) the kernel stores {seqno, checksum of the bytes}
-// there before the doorbell. Nothing is written once `flag` (as for the waits) is set.
+// there before the doorbell. Nothing is written once `flag` (as for the waits) is set. `dst` null:
+// nothing is copied (the checksum alone); `bell` null: no doorbell; `flag` null: never skips.
 cudaError_t LaunchWriteWithDoorbell(void* dst, const void* src, size_t bytes, uint64_t* bell, uint64_t seqno,
                                     uint32_t* counter, unsigned long long* sum, ChecksumEntry* entry,
                                     const uint32_t* flag, void* stream);

@@ -4,6 +4,27 @@
 #include "common/transport/nccl/nccl_internal.h"
 
 namespace tandem::transport::nccl_internal {
+namespace {
+
+// A payload and, when `entry` is not null, its checksum entry after it, as one NCCL group (one
+// launch; the peer's matching call receives both in the same order).
+ncclResult_t Transfer(bool send, void* payload, size_t bytes, ChecksumEntry* entry, ncclComm_t comm,
+                      cudaStream_t stream) {
+  auto one = [&](void* p, size_t n) {
+    return send ? ncclSend(p, n, ncclUint8, 1, comm, stream) : ncclRecv(p, n, ncclUint8, 0, comm, stream);
+  };
+  if (entry == nullptr) return one(payload, bytes);
+  ncclResult_t r = ncclGroupStart();
+  if (r != ncclSuccess) return r;
+  const ncclResult_t a = one(payload, bytes);
+  const ncclResult_t b = one(entry, sizeof(ChecksumEntry));
+  r = ncclGroupEnd();  // ends the group even when a call in it failed
+  if (a != ncclSuccess && a != ncclInProgress) return a;
+  if (b != ncclSuccess && b != ncclInProgress) return b;
+  return r;
+}
+
+}  // namespace
 
 // ---- device path ----------------------------------------------------------------------------------
 
@@ -32,6 +53,8 @@ absl::Status NcclTransport::EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t 
   ASSIGN_OR_RETURN(ncclComm_t comm, ReadyComm(peer, true));
   NCCL_T_CUDA(cudaSetDevice(device_), name);
   ASSIGN_OR_RETURN(cudaStream_t send, SendStream(peer));
+  // A write may let the peer send again into a buffer of ours whose check runs beside the stream.
+  RETURN_IF_ERROR(checks_->JoinChecks(stream));
   // The send runs on the peer's send stream once the caller's stream has reached this point (the
   // source is written by then); the caller's stream goes on without waiting for the peer.
   ASSIGN_OR_RETURN(cudaEvent_t reached, RecordEvent(static_cast<cudaStream_t>(stream), name));
@@ -43,7 +66,10 @@ absl::Status NcclTransport::EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t 
   }
   StreamWork& work = streams_[stream];
   work.sends_to.insert(peer);
-  const absl::Status issued = Issued(peer, true, ncclSend(src, bytes, ncclUint8, 1, comm, send), "ncclSend");
+  ChecksumEntry* entry = checksums_ ? peers_.at(peer).sent_entry : nullptr;
+  if (entry != nullptr) RETURN_IF_ERROR(checks_->EnqueueChecksum(src, bytes, seqno, entry, send));
+  const absl::Status issued =
+      Issued(peer, true, Transfer(true, const_cast<void*>(src), bytes, entry, comm, send), "ncclSend");
   if (!issued.ok()) return LeftOut(peer, true, stream) ? absl::OkStatus() : issued;
   ASSIGN_OR_RETURN(cudaEvent_t sent, RecordEvent(send, name));
   auto [it, first] = work.sent.try_emplace(peer, sent);
@@ -89,12 +115,22 @@ absl::Status NcclTransport::EnqueueWait(PeerId peer, uint32_t buffer, uint64_t o
   ASSIGN_OR_RETURN(w.before, RecordEvent(s, name));
   StreamWork& work = streams_[stream];
   work.receives_from.insert(peer);
+  // The peer's payloads come with their checksum entries when it said so (its hello or settings).
+  ChecksumEntry* entry =
+      bytes > 0 && peers_.at(peer).checksums ? it->second.entries + seqno % kChecksumRing : nullptr;
   if (bytes > 0) {
     const absl::Status issued =
-        Issued(peer, false, ncclRecv(it->second.base + offset, bytes, ncclUint8, 0, comm, s), "ncclRecv");
+        Issued(peer, false, Transfer(false, it->second.base + offset, bytes, entry, comm, s), "ncclRecv");
     if (!issued.ok()) {
       cudaEventDestroy(w.before);
       return LeftOut(peer, false, stream) ? absl::OkStatus() : issued;
+    }
+  }
+  if (entry != nullptr && checksums_) {
+    absl::Status checked = checks_->EnqueueVerify(it->second.base + offset, bytes, entry, seqno, label, s);
+    if (!checked.ok()) {
+      cudaEventDestroy(w.before);
+      return checked;
     }
   }
   absl::StatusOr<cudaEvent_t> after = RecordEvent(s, name);
@@ -112,6 +148,7 @@ absl::Status NcclTransport::SyncStream(void* stream, absl::Time deadline) {
   NCCL_T_CUDA(cudaSetDevice(device_), "SyncStream");
   auto caller = static_cast<cudaStream_t>(stream);
   StreamWork& work = streams_[stream];
+  RETURN_IF_ERROR(checks_->JoinChecks(stream));  // the step's payload checks are part of it
   // The stream's sends ran on the peers' send streams: joined here, after everything the stream
   // enqueued, so that `done` covers them (and a drain after an abort waits for them too).
   for (const auto& [peer, sent] : work.sent) {
@@ -180,6 +217,13 @@ absl::Status NcclTransport::SyncStream(void* stream, absl::Time deadline) {
     }
     if (!s.ok()) return FailStream(stream, done, std::move(s), lost, drain_first);
   }
+  // Every transfer completed; the payloads' checks ran with them: a mismatch fails the step (DataLoss
+  // naming the wait), with nothing left in flight.
+  const absl::Status checked = checks_->Sync(stream, deadline, {});
+  if (!checked.ok()) {
+    device_failure_ = checked;
+    TANDEM_LOG_WARN("transport", "nccl: device path failed: ", checked.message());
+  }
   for (DeviceWait& w : work.waits) {
     uint64_t& doorbell = local_.at(w.buffer).doorbell;
     doorbell = std::max(doorbell, w.seqno);
@@ -189,7 +233,7 @@ absl::Status NcclTransport::SyncStream(void* stream, absl::Time deadline) {
   for (const auto& [peer, sent] : work.sent) ReleaseEvent(sent);
   streams_.erase(stream);
   ReleaseEvent(done);
-  return absl::OkStatus();
+  return checked;
 }
 
 // The waits of one stream complete in stream order: the first one not yet done decides.
@@ -325,6 +369,7 @@ absl::Status NcclTransport::ResetDevicePath(void* stream) {
     for (const auto& [peer, sent] : it->second.sent) ReleaseEvent(sent);
     streams_.erase(it);
   }
+  RETURN_IF_ERROR(checks_->Reset(stream));  // the checks' record and state, with the side streams drained
   device_failure_ = absl::OkStatus();
   return absl::OkStatus();
 }
@@ -332,6 +377,10 @@ absl::Status NcclTransport::ResetDevicePath(void* stream) {
 absl::StatusOr<cudaStream_t> NcclTransport::SendStream(PeerId peer) {
   Peer& p = peers_.at(peer);
   if (p.send_stream == nullptr) {
+    if (p.sent_entry == nullptr) {
+      NCCL_T_CUDA(cudaMalloc(&p.sent_entry, sizeof(ChecksumEntry)),
+                  absl::StrCat("a checksum entry for ", p.name));
+    }
     NCCL_T_CUDA(cudaStreamCreateWithFlags(&p.send_stream, cudaStreamNonBlocking),
                 absl::StrCat("the send stream to ", p.name));
   }

@@ -12,7 +12,8 @@
 // transport's (an inner transport this one wraps, as the p2p transport does). This transport's
 // own frames travel on that channel and are consumed inside its calls; the caller's messages
 // that arrive meanwhile are kept for Receive. Frames (fixed layout, magic first):
-//   hello       {magic, protocol, ncclUniqueId, key}  sent once per connection, by both sides
+//   hello       {magic, protocol, ncclUniqueId, key, checksums}  sent once per connection, by both sides
+//   settings    {magic, checksums}            SetDeviceChecksums changed the setting after the hello
 //   propose     {magic}                       the set-up's leader asks to start (setup_turns.h)
 //   go          {magic}                       the follower starts; the leader starts on it
 //   descriptor  {magic, buffer, bytes}           a registered buffer's size, for bounds checks
@@ -36,6 +37,20 @@
 // processes that all connect to each other never each wait for a different partner. An operation
 // that needs a communicator waits for it (pumping the control plane) up to kSetupTimeout, then
 // fails with DeadlineExceeded naming the peer and what its set-up waits for.
+//
+// Payload checksums (SetDeviceChecksums, on by default; docs/architecture.md, "Transports"). With
+// them on, each device-path payload goes out followed by its checksum entry {seqno, checksum}
+// (payload_checksum.h): a kernel on the send stream sums the source into the peer's entry slot
+// (Peer::sent_entry) before the send, and the two sends are one NCCL group, so one launch carries
+// both. The receiver, if the peer announced checksums (its hello, or a settings frame since),
+// receives the entry in the same group into the buffer's ring (Local::entries) and, with its own
+// checksums on, checks the landed bytes against it with the device path's check kernel
+// (common/transport/device/device_path.h) on a side stream beside whatever the caller enqueues next;
+// the caller's stream joins the checks before its next write and at SyncStream, whose success then
+// asks the check record: a mismatch is DataLoss naming the wait. Both sides must agree whether an
+// entry follows a payload (NCCL would match an entry against the next payload): the sender's
+// setting decides, and the receiver learns it from frames that precede, on the control channel,
+// whatever makes it receive (a rank sets it before its hello or hello reply goes out).
 //
 // Host path (Write / WaitDoorbell / Doorbell). Write checks bounds against the peer's descriptor,
 // sends the write frame, stages the pieces (host or device memory) into a device staging buffer
@@ -168,6 +183,8 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "common/transport/control_plane.h"
+#include "common/transport/device/device_path.h"
+#include "common/transport/device/payload_checksum.h"
 #include "common/transport/nccl/setup_turns.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
@@ -181,7 +198,8 @@ constexpr uint32_t kDescriptorMagic = 0x42434e54;  // "TNCB"
 constexpr uint32_t kWriteMagic = 0x57434e54;       // "TNCW"
 constexpr uint32_t kProposeMagic = 0x50434e54;     // "TNCP"
 constexpr uint32_t kGoMagic = 0x47434e54;          // "TNCG"
-constexpr uint32_t kProtocol = 2;                  // 2: set-up turns (key, propose, go)
+constexpr uint32_t kSettingsMagic = 0x53434e54;    // "TNCS"
+constexpr uint32_t kProtocol = 3;                  // 2: set-up turns (key, propose, go); 3: checksums
 
 // Communicator set-up (init and first connection) or a peer's descriptor, awaited by an operation.
 constexpr absl::Duration kSetupTimeout = absl::Seconds(60);
@@ -204,7 +222,13 @@ struct HelloFrame {
   uint32_t magic = kHelloMagic;
   uint32_t protocol = kProtocol;
   ncclUniqueId id{};
-  uint64_t key = 0;  // this process's set-up key (SetupTurns)
+  uint64_t key = 0;        // this process's set-up key (SetupTurns)
+  uint32_t checksums = 0;  // 1: this side's device-path payloads are followed by their checksum entries
+  uint32_t reserved = 0;
+};
+struct SettingsFrame {
+  uint32_t magic = kSettingsMagic;
+  uint32_t checksums = 0;  // as HelloFrame::checksums, from now on
 };
 struct TurnFrame {  // propose or go
   uint32_t magic = kProposeMagic;
@@ -222,7 +246,8 @@ struct WriteFrame {
   uint64_t bytes = 0;
   uint64_t seqno = 0;
 };
-static_assert(sizeof(HelloFrame) == 16 + NCCL_UNIQUE_ID_BYTES);
+static_assert(sizeof(HelloFrame) == 24 + NCCL_UNIQUE_ID_BYTES);
+static_assert(sizeof(SettingsFrame) == 8);
 static_assert(sizeof(TurnFrame) == 8);
 static_assert(sizeof(DescriptorFrame) == 16);
 static_assert(sizeof(WriteFrame) == 32);
@@ -375,12 +400,18 @@ struct Peer {
   std::map<uint32_t, uint64_t> remote;  // the peer's buffers: id -> bytes
   std::deque<WriteFrame> incoming;      // announced host-path writes, receive not posted yet
   cudaStream_t send_stream = nullptr;   // device-path sends to it (created by the first EnqueueWrite)
+  // Payload checksums: whether its device-path payloads come with their entries (its hello or
+  // settings frame), and the device slot the entries of ours to it are summed into before each send
+  // (created with send_stream; the send stream's order keeps one slot enough).
+  bool checksums = false;
+  ChecksumEntry* sent_entry = nullptr;
 };
 
 struct Local {
   uint8_t* base = nullptr;
   uint64_t bytes = 0;
   uint64_t doorbell = 0;
+  ChecksumEntry* entries = nullptr;  // device: kChecksumRing received checksum entries, by seqno
 };
 
 // A posted host-path receive; completes in posting order on the receive stream.
@@ -433,6 +464,7 @@ class NcclTransport : public ControlPlaneTransport {
     NCCL_T_CUDA(cudaMalloc(&first_, 64), "first-transfer bytes");
     NCCL_T_CUDA(cudaMemset(first_, 0, 64), "");
     NCCL_T_CUDA(cudaDeviceSynchronize(), "");
+    ASSIGN_OR_RETURN(checks_, DevicePath::Create(device_));
     return absl::OkStatus();
   }
 
@@ -485,6 +517,8 @@ class NcclTransport : public ControlPlaneTransport {
                            absl::Duration timeout, const std::string& label, void* stream) override;
   absl::Status SyncStream(void* stream, absl::Time deadline) override;
   void SetDevicePoll(std::function<absl::Status()> poll) override { poll_ = std::move(poll); }
+  // Announced to every peer greeted so far (a settings frame); later peers get it in the hello.
+  void SetDeviceChecksums(bool on) override;
   absl::Status ResetDevicePath(void* stream) override;
 
  private:
@@ -642,6 +676,8 @@ class NcclTransport : public ControlPlaneTransport {
   // Set when a failed stream's healthy communicators had to be aborted too: ResetDevicePath refuses.
   absl::Status reset_refused_;
   std::function<absl::Status()> poll_;  // the caller's (SetDevicePoll)
+  bool checksums_ = true;               // our device-path payloads carry checksum entries; we check theirs
+  std::unique_ptr<DevicePath> checks_;  // the checksum kernels and their failure record
 };
 
 }  // namespace tandem::transport::nccl_internal

@@ -13,6 +13,7 @@ absl::Status NcclTransport::OnNewPeer(PeerId peer) {
   p.name = PeerName(peer);
   HelloFrame h;
   h.key = turns_.key();
+  h.checksums = checksums_ ? 1 : 0;
   const ncclResult_t r = ncclGetUniqueId(&h.id);
   if (r != ncclSuccess) {
     return absl::UnavailableError(absl::StrCat("nccl transport: ncclGetUniqueId for ", p.name, ": ",
@@ -288,7 +289,7 @@ absl::Status NcclTransport::Progress(absl::Duration wait) {
 absl::StatusOr<bool> NcclTransport::Consume(PeerId from, const std::vector<uint8_t>& m) {
   const uint32_t magic = MagicOf(m);
   if (magic != kHelloMagic && magic != kDescriptorMagic && magic != kWriteMagic && magic != kProposeMagic &&
-      magic != kGoMagic) {
+      magic != kGoMagic && magic != kSettingsMagic) {
     return false;
   }
   if (!peers_.contains(from)) peers_[from].name = PeerName(from);
@@ -309,8 +310,15 @@ absl::StatusOr<bool> NcclTransport::Consume(PeerId from, const std::vector<uint8
       FailSetup(from, absl::DataLossError(absl::StrCat("nccl transport: ", p.name, ": ", s.message())));
     } else {
       p.theirs = h.id;
+      p.checksums = h.checksums != 0;
       p.setup = Setup::kQueued;  // taken in turn by Advance (StartNextSetup)
     }
+    return true;
+  }
+  if (magic == kSettingsMagic && m.size() == sizeof(SettingsFrame)) {
+    SettingsFrame f;
+    std::memcpy(&f, m.data(), sizeof(f));
+    p.checksums = f.checksums != 0;
     return true;
   }
   if ((magic == kProposeMagic || magic == kGoMagic) && m.size() == sizeof(TurnFrame)) {
@@ -476,7 +484,17 @@ absl::Status NcclTransport::RegisterBuffer(uint32_t id, void* base, size_t bytes
     return absl::InvalidArgumentError(
         absl::StrCat("nccl transport: buffer ", id, " must be device memory of cuda:", device_));
   }
-  local_[id] = Local{.base = static_cast<uint8_t*>(base), .bytes = bytes};
+  // The ring its peers' checksum entries are received into (zeroed: seqno 0 is never awaited).
+  ChecksumEntry* entries = nullptr;
+  const size_t ring = kChecksumRing * sizeof(ChecksumEntry);
+  NCCL_T_CUDA(cudaSetDevice(device_), absl::StrCat("buffer ", id));
+  NCCL_T_CUDA(cudaMalloc(&entries, ring), absl::StrCat("the checksum entries of buffer ", id));
+  if (const cudaError_t e = cudaMemset(entries, 0, ring); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    cudaFree(entries);
+    return CudaError(e, "cudaMemset", absl::StrCat("the checksum entries of buffer ", id));
+  }
+  local_[id] = Local{.base = static_cast<uint8_t*>(base), .bytes = bytes, .entries = entries};
   DescriptorFrame d;
   d.buffer = id;
   d.bytes = bytes;
@@ -485,6 +503,18 @@ absl::Status NcclTransport::RegisterBuffer(uint32_t id, void* base, size_t bytes
     if (!sent.ok() && !p.closed) return sent;  // a closed peer may be gone (a lost rank): none of its concern
   }
   return absl::OkStatus();
+}
+
+void NcclTransport::SetDeviceChecksums(bool on) {
+  if (on == checksums_) return;
+  checksums_ = on;
+  SettingsFrame f;
+  f.checksums = on ? 1 : 0;
+  for (const auto& [peer, p] : peers_) {
+    // A peer whose connection failed hears nothing more from us anyway (its failure is reported
+    // by the next operation on it).
+    if (p.greeted) (void)control().Send(peer, ToBytes(f));
+  }
 }
 
 // ---- CUDA resources ---------------------------------------------------------------------------------
@@ -599,11 +629,12 @@ NcclTransport::~NcclTransport() {
     for (auto& [peer, sent] : work.sent) cudaEventDestroy(sent);
   }
   for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+  bool idle = false;
   if (done) {
     // Bounded waits: an aborted communicator's kernels return by themselves.
     // (cudaFree synchronises the device, so first_ is freed only once every stream is idle.)
     const absl::Time until = absl::Now() + kDrainTimeout;
-    bool idle = true;
+    idle = true;
     std::vector<cudaStream_t> ours = {stream_, recv_stream_};
     for (const auto& [id, p] : peers_) ours.push_back(p.send_stream);
     for (cudaStream_t s : ours) {
@@ -616,9 +647,16 @@ NcclTransport::~NcclTransport() {
       if (cudaStreamQuery(s) == cudaErrorNotReady) idle = false;
       cudaStreamDestroy(s);
     }
-    if (first_ != nullptr && idle) cudaFree(first_);
+    if (idle) {
+      if (first_ != nullptr) cudaFree(first_);
+      for (const auto& [id, b] : local_) cudaFree(b.entries);
+      for (const auto& [id, p] : peers_) cudaFree(p.sent_entry);
+    }
   }
-  // Otherwise NCCL may still use the streams and buffers: they are leaked with its communicators.
+  // Otherwise NCCL may still use the streams and buffers: they are leaked with its communicators,
+  // and so is the check kernels' state (its destructor synchronises the device, which kernels left
+  // running would hold up).
+  if (!idle) (void)checks_.release();
   (void)cudaGetLastError();
   ResetControl();
 }
