@@ -84,7 +84,7 @@ const ConfigSchema& DeploySchema() {
             "transport.checksums", "auto", {"auto", "true", "false"},
             "per-layer payload checksums, verified by the receiver: crc32c on the host-staged path (ucx), "
             "a checksum that the writer sums and a kernel of the receiver checks on the device paths of p2p "
-            "and nccl. auto: on, except on nccl (2-3% of a decode step there)")
+            "and nccl. auto: on, except on nccl (over 2% of a decode step there)")
         .String("launch.run_dir", "tandem-run",
                 "directory under which every run gets its own directory (run-<time>-<pid>, and the link "
                 "latest): the ranks' logs, ready files, effective config and deployment secret")
