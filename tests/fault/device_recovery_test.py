@@ -228,7 +228,8 @@ def main():
                  ("memory.partition head: SIGKILL of memory rank 1 of 2, with a compute replica, restarted and "
                   "rejoined", 2, 2, "memory-1", signal.SIGKILL, 20, "memory rank 1 (", 8, "head")]
         # TANDEM_FAULT_CASE: "rejoin" runs the request partition's rejoin cases, "replicas" those with a
-        # compute replica, "head" the head partition's cases; any other text the cases whose name has it.
+        # compute replica, "head" the head partition's cases, "=NAME" the case of that name; any other
+        # text the cases whose name has it.
         only = os.environ.get("TANDEM_FAULT_CASE")
         if only == "rejoin":
             cases = [c for c in cases if "rejoined" in c[0] and c[8] == "request"]
@@ -236,6 +237,8 @@ def main():
             cases = [c for c in cases if c[2] > 1]
         elif only == "head":
             cases = [c for c in cases if c[8].startswith("head")]
+        elif only and only.startswith("="):  # "=NAME": that case alone
+            cases = [c for c in cases if c[0] == only[1:]]
         elif only not in (None, "", "all"):
             cases = [c for c in cases if only in c[0]]  # any other text: the cases whose name holds it
         if TRANSPORT == "nccl":  # a memory rank's loss without a restart, a replica's under pipeline.mode fixed
