@@ -118,7 +118,7 @@ absl::StatusOr<transport::TransportKind> ResolveTransport(std::optional<transpor
 // transport.checksums for a deployment over `kind`: true or false as set; auto is on where the
 // checks cost under 2% of a decode step (the host-staged path's crc32c, p2p's device path) and off
 // on nccl, whose sender sums each payload in a kernel of its own before the send (docs/benchmarks.md,
-// "Payload checksums on the device path").
+// "Payload checksums on the device path" and "Payload checksums on `nccl`").
 bool ChecksumsOn(const Config& config, transport::TransportKind kind);
 
 struct LaunchOptions {

@@ -38,7 +38,8 @@
 // that needs a communicator waits for it (pumping the control plane) up to kSetupTimeout, then
 // fails with DeadlineExceeded naming the peer and what its set-up waits for.
 //
-// Payload checksums (SetDeviceChecksums, on by default; docs/architecture.md, "Transports"). With
+// Payload checksums (SetDeviceChecksums: on until a caller turns them off, which a deployment does
+// on nccl unless transport.checksums says true; docs/architecture.md, "Transports"). With
 // them on, each device-path payload goes out followed by its checksum entry {seqno, checksum}
 // (payload_checksum.h): a kernel on the send stream sums the source into the peer's entry slot
 // (Peer::sent_entry) before the send, and the two sends are one NCCL group, so one launch carries
