@@ -526,7 +526,8 @@ bool ComputeRank::CanRecoverReplica() const {
   // and the replicas' waits can be left; under pipeline.mode rotational the ring closes over the
   // lost rank, docs/architecture.md, "Failures"), and on a device path that can be reset (every
   // rank drains and resets it first). A rotational ring made anew on a device path also needs the
-  // lost rank's neighbours to reach each other there at once (device_path_new_peers: p2p, not nccl).
+  // lost rank's neighbours to reach each other there at once (device_path_new_peers: p2p and nccl;
+  // deploy/deployment.cc keeps it off on nccl, where it has not been run).
   const transport::Capabilities& caps = transport_->capabilities();
   return options_.recover_compute_replicas && compute_rank_ == 0 && compute_ranks_ >= 2 &&
          (!device_path_ ||
@@ -1716,12 +1717,22 @@ absl::Status ComputeRank::AdvanceRejoins() {
       continue;
     }
     if (now - probe.started > options_.step_timeout) {
-      DropProbe(m, absl::StrCat("no ", probe.hello_sent ? "hello reply" : "connection", " within ",
-                                absl::FormatDuration(options_.step_timeout), " (launch.step_timeout_s)"));
+      DropProbe(m, absl::StrCat("no ",
+                                !probe.hello_sent     ? "connection"
+                                : probe.reply.empty() ? "hello reply"
+                                                      : "device connection (nccl's communicators)",
+                                " within ", absl::FormatDuration(options_.step_timeout),
+                                " (launch.step_timeout_s)"));
       continue;
     }
     if (!probe.hello_sent) {
-      if (transport_->Connecting(probe.peer)) continue;  // the bootstrap is still under way
+      if (transport_->Connecting(probe.peer)) {
+        // The bootstrap is still under way (on nccl also the communicators' set-up, if the new
+        // process greeted first: its progress needs calls into the transport, which a device-path
+        // step makes none of between steps).
+        if (device_path_) RETURN_IF_ERROR(TakeMessagesBetweenSteps());
+        continue;
+      }
       // Attention outputs of the new process go to buffers of its own: fresh ids (the old ones'
       // doorbells stay at the lost process's last seqno) over fresh memory (a late write of the
       // lost process, stopped and then continued, lands in its own buffers). On the device path
@@ -1748,9 +1759,13 @@ absl::Status ComputeRank::AdvanceRejoins() {
       continue;
     }
     // The device path reads no message within a step (the host-staged path takes the reply with a
-    // layer's output): look for it here.
-    if (probe.reply.empty() && device_path_) RETURN_IF_ERROR(TakeMessagesBetweenSteps());
-    if (probe.reply.empty()) continue;
+    // layer's output): look for it here. The same calls make progress with the peer's device
+    // connection where the transport sets one up after the hello (nccl's communicators, set up
+    // only between steps): the rank is taken only once that is done, since a step's first
+    // transfer to it could not wait for it.
+    if (device_path_ && (probe.reply.empty() || transport_->Connecting(probe.peer)))
+      RETURN_IF_ERROR(TakeMessagesBetweenSteps());
+    if (probe.reply.empty() || transport_->Connecting(probe.peer)) continue;
     // The reply: the new process is set up; it takes the rank's place from the next step.
     absl::StatusOr<HelloReplyMessage> reply = DecodeHelloReply(probe.reply);
     if (!reply.ok()) {
@@ -3138,11 +3153,17 @@ absl::Status ComputeRank::TakeMemoryRejoin(const std::vector<uint8_t>& msg) {
   const absl::Time deadline = absl::Now() + options_.step_timeout;
   bool hello_sent = false;
   std::vector<uint8_t> reply;
-  while (reply.empty()) {
+  // Until the hello reply, and the device connection that the transport sets up after the hello
+  // (nccl's communicators: a step's first transfer to the rank could not wait for it).
+  while (reply.empty() || transport_->Connecting(*peer)) {
     if (absl::Status st = transport_->PeerStatus(*peer); !st.ok()) return refuse(std::string(st.message()));
     if (absl::Now() >= deadline) {
-      return refuse(absl::StrCat("no ", hello_sent ? "hello reply" : "connection", " within ",
-                                 absl::FormatDuration(options_.step_timeout), " (launch.step_timeout_s)"));
+      return refuse(absl::StrCat("no ",
+                                 !hello_sent     ? "connection"
+                                 : reply.empty() ? "hello reply"
+                                                 : "device connection (nccl's communicators)",
+                                 " within ", absl::FormatDuration(options_.step_timeout),
+                                 " (launch.step_timeout_s)"));
     }
     if (!hello_sent && !transport_->Connecting(*peer)) {
       const ComputeHelloMessage hello{.compute_rank = static_cast<uint16_t>(compute_rank_),
@@ -3155,7 +3176,7 @@ absl::Status ComputeRank::TakeMemoryRejoin(const std::vector<uint8_t>& msg) {
     std::vector<uint8_t> got;
     if (!transport_->Receive(&from, &got, std::min(deadline, absl::Now() + absl::Milliseconds(20))).ok())
       continue;  // a failed connection is found by its status (this one's) or by the next wait (others')
-    if (from == *peer) {
+    if (from == *peer && reply.empty()) {
       reply = std::move(got);
       continue;
     }

@@ -352,18 +352,19 @@ absl::StatusOr<DeployPlan> ResolveDeployment(const Config& c, const ModelSpec& s
   // Compute rank 0 recovers on the host-staged path (ucx) and on the device paths of p2p and nccl,
   // which can be reset after a failed step (ComputeRank::DeviceRecovery); under the head partition
   // the survivors split the heads again (ComputeRank::RepartitionHeads). On nccl a memory rank's
-  // loss, and a compute replica's under pipeline.mode fixed: a rotational ring made anew, and a
-  // restarted rank's rejoin, need a communicator with a rank not met before, which is not made there
-  // (ComputeRank::CanRecoverReplica).
+  // loss and rejoin, and a compute replica's loss under pipeline.mode fixed: a rotational ring made
+  // anew needs a communicator between ranks that had none, set up while the other ranks' steps
+  // wait, which has not been run (ComputeRank::CanRecoverReplica).
   const bool ucx_or_p2p =
       p.transport == transport::TransportKind::kUcx || p.transport == transport::TransportKind::kP2p;
   const bool nccl = p.transport == transport::TransportKind::kNccl;
   p.recover_memory_ranks = c.GetBool("launch.recover_memory_ranks") && (ucx_or_p2p || nccl);
   p.recover_compute_replicas = c.GetBool("launch.recover_compute_replicas") && p.compute_ranks >= 2 &&
                                (ucx_or_p2p || (nccl && mode == "fixed"));
-  // A restarted rank is of use only where compute rank 0 takes it back: wherever it recovers on
-  // ucx or p2p, with probes on (ComputeRank::AdvanceRejoins).
-  p.memory_rank_rejoins = p.recover_memory_ranks && ucx_or_p2p && c.GetDouble("launch.rejoin_probe_s") > 0;
+  // A restarted rank is of use only where compute rank 0 takes it back: wherever it recovers, with
+  // probes on (ComputeRank::AdvanceRejoins; on nccl the new process's communicators are set up
+  // between steps before it is taken).
+  p.memory_rank_rejoins = p.recover_memory_ranks && c.GetDouble("launch.rejoin_probe_s") > 0;
   p.restart_memory_ranks =
       p.memory_rank_rejoins ? static_cast<int>(c.GetInt("launch.restart_memory_ranks")) : 0;
   return p;

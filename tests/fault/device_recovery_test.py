@@ -27,10 +27,12 @@ flat logits, near ties at most positions (11 of 16 requests parted at one in a r
 Each case is bounded in time.
 With TANDEM_FAULT_TRANSPORT=nccl the same deployments run over the nccl transport, every rank still
 on one GPU (TANDEM_NCCL_SHARE_GPU=1: each process is a host of its own to NCCL, whose transfers then
-go over sockets on loopback), for the cases nccl recovers: a memory rank's loss and a replica's under
-pipeline.mode fixed, no restart and no rotational ring made anew (both need a communicator with a rank
-not met before). There every rank aborts only the lost rank's communicators and its step runs
-through, so the healthy ranks' communicators stay in step for the rerun.
+go over sockets on loopback), for the cases nccl recovers: a memory rank's loss, its restart and
+rejoin (the new process's communicators are set up between steps, before compute rank 0 and the
+replicas take it), and a replica's loss under pipeline.mode fixed; no rotational ring made anew (it
+needs a communicator between ranks that had none). There every rank aborts only the lost rank's
+communicators and its step runs through, so the healthy ranks' communicators stay in step for the
+rerun.
 Usage: device_recovery_test.py path/to/tandem   (exit 77, skipped, without a GPU)
 Environment: TANDEM_FAULT_CASE (see main), TANDEM_FAULT_TRANSPORT (p2p, or nccl),
 TANDEM_FAULT_CHECKSUMS (transport.checksums: auto, true or false; true runs nccl's with payload
@@ -241,8 +243,8 @@ def main():
             cases = [c for c in cases if c[0] == only[1:]]
         elif only not in (None, "", "all"):
             cases = [c for c in cases if only in c[0]]  # any other text: the cases whose name holds it
-        if TRANSPORT == "nccl":  # a memory rank's loss without a restart, a replica's under pipeline.mode fixed
-            cases = [c for c in cases if "rejoined" not in c[0] and c[8] != "rotational"]
+        if TRANSPORT == "nccl":  # a memory rank's loss and rejoin, a replica's loss under pipeline.mode fixed
+            cases = [c for c in cases if c[8] != "rotational"]
         if MEMORY_DEVICE != "cuda:0":  # the memory ranks on another GPU; replicas would want GPUs of their own
             cases = [c for c in cases if c[2] == 1]
         print(f"transport {TRANSPORT}, transport.checksums {CHECKSUMS}: {len(cases)} case(s)", flush=True)

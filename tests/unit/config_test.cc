@@ -689,8 +689,8 @@ TEST(DeployRecoverySettings, PerTransportAndComputeRanks) {
     bool replicas;     // recover_compute_replicas with more than one compute rank
     std::string mode;  // pipeline.mode with more than one compute rank
   };
-  // nccl: a memory rank's loss and a replica's under fixed, not under rotational (its ring made anew
-  // needs a communicator between ranks not met before), and no restarts (no rejoin either).
+  // nccl: a memory rank's loss and rejoin (restarts), and a replica's loss under fixed, not under
+  // rotational (its ring made anew needs a communicator between ranks that had none).
   for (const Case& k : std::vector<Case>{{"ucx", 1, "1", true, 3, true, "fixed"},
                                          {"ucx", 2, "1", true, 3, true, "fixed"},
                                          {"ucx", 3, "1", true, 3, true, "rotational"},
@@ -698,9 +698,10 @@ TEST(DeployRecoverySettings, PerTransportAndComputeRanks) {
                                          {"p2p", 2, "1", true, 3, true, "fixed"},
                                          {"p2p", 3, "0", true, 0, true, "fixed"},
                                          {"p2p", 3, "1", true, 3, true, "rotational"},
-                                         {"nccl", 1, "1", true, 0, false, "fixed"},
-                                         {"nccl", 2, "1", true, 0, true, "fixed"},
-                                         {"nccl", 3, "1", true, 0, false, "rotational"},
+                                         {"nccl", 1, "1", true, 3, false, "fixed"},
+                                         {"nccl", 2, "1", true, 3, true, "fixed"},
+                                         {"nccl", 2, "0", true, 0, true, "fixed"},
+                                         {"nccl", 3, "1", true, 3, false, "rotational"},
                                          {"verbs", 1, "1", false, 0, false, "fixed"},
                                          {"verbs", 2, "1", false, 0, false, "fixed"}}) {
     SCOPED_TRACE(testing::Message() << k.transport << ", " << k.compute_ranks << " compute rank(s), "
@@ -724,8 +725,7 @@ TEST(DeployRecoverySettings, PerTransportAndComputeRanks) {
     EXPECT_EQ(plan->recover_compute_replicas, k.replicas && k.compute_ranks > 1);
     EXPECT_EQ(plan->restart_memory_ranks, k.restarts);
     // Rejoins (compute rank 0's probes) wherever restarts could apply, whatever their number.
-    EXPECT_EQ(plan->memory_rank_rejoins,
-              k.recover && (k.transport == "ucx" || k.transport == "p2p") && k.probe != "0");
+    EXPECT_EQ(plan->memory_rank_rejoins, k.recover && k.probe != "0");
   }
 }
 

@@ -69,7 +69,7 @@ absl::Status NcclTransport::EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t 
   ChecksumEntry* entry = checksums_ ? peers_.at(peer).sent_entry : nullptr;
   if (entry != nullptr) RETURN_IF_ERROR(checks_->EnqueueChecksum(src, bytes, seqno, entry, send));
   const absl::Status issued =
-      Issued(peer, true, Transfer(true, const_cast<void*>(src), bytes, entry, comm, send), "ncclSend");
+      Issued(peer, true, Transfer(true, const_cast<void*>(src), bytes, entry, comm, send), "ncclSend", true);
   if (!issued.ok()) return LeftOut(peer, true, stream) ? absl::OkStatus() : issued;
   ASSIGN_OR_RETURN(cudaEvent_t sent, RecordEvent(send, name));
   auto [it, first] = work.sent.try_emplace(peer, sent);
@@ -119,8 +119,8 @@ absl::Status NcclTransport::EnqueueWait(PeerId peer, uint32_t buffer, uint64_t o
   ChecksumEntry* entry =
       bytes > 0 && peers_.at(peer).checksums ? it->second.entries + seqno % kChecksumRing : nullptr;
   if (bytes > 0) {
-    const absl::Status issued =
-        Issued(peer, false, Transfer(false, it->second.base + offset, bytes, entry, comm, s), "ncclRecv");
+    const absl::Status issued = Issued(
+        peer, false, Transfer(false, it->second.base + offset, bytes, entry, comm, s), "ncclRecv", true);
     if (!issued.ok()) {
       cudaEventDestroy(w.before);
       return LeftOut(peer, false, stream) ? absl::OkStatus() : issued;
@@ -296,6 +296,7 @@ absl::Status NcclTransport::FailStream(void* stream, cudaEvent_t done, absl::Sta
   // has begun, but the abort itself may wait seconds for a stopped peer, and the healthy peers'
   // deadlines (twice the step timeout) leave no room to do them one after another.
   std::vector<PendingAbort> aborts;
+  StartDeferredAborts(&aborts);  // those that failed while the step was enqueued (their peers are in `lost`)
   for (PeerId p : lost) {
     for (bool sender : {true, false}) {
       if (CommOf(p, sender).failure.ok()) (void)FailComm(p, sender, aborted, false, &aborts);
@@ -340,6 +341,12 @@ absl::Status NcclTransport::FailStream(void* stream, cudaEvent_t done, absl::Sta
 absl::Status NcclTransport::ResetDevicePath(void* stream) {
   if (!reset_refused_.ok()) return reset_refused_;
   NCCL_T_CUDA(cudaSetDevice(device_), "ResetDevicePath");
+  {
+    // A step left without its SyncStream: the communicators that failed while it was enqueued.
+    std::vector<PendingAbort> aborts;
+    StartDeferredAborts(&aborts);
+    FinishAborts(aborts);
+  }
   // Nothing of the failed step may still run: the stream (with the sends it joined) has drained.
   auto caller = static_cast<cudaStream_t>(stream);
   const absl::Time until = absl::Now() + absl::Seconds(1);

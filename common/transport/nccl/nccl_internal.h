@@ -385,7 +385,12 @@ inline const char* SetupName(Setup s) {
 
 struct Comm {
   ncclComm_t comm = nullptr;
-  absl::Status failure;  // not OK: aborted, for this reason
+  absl::Status failure;  // not OK: aborted (or its abort deferred), for this reason
+  // Failed while the caller was enqueueing a step (Issued on the device path): `comm` is aborted by
+  // the step's SyncStream (FailStream), with the whole step enqueued. Aborted at once, its
+  // resources' release (cudaFree, which waits for the whole device) would wait for the healthy
+  // peers' transfers, which wait for the rest of the step, whose launches would wait for it.
+  bool abort_deferred = false;
 };
 
 struct Peer {
@@ -454,6 +459,12 @@ class NcclTransport : public ControlPlaneTransport {
     caps_.device_polling = true;
     caps_.same_host_only = false;
     caps_.device_path_reset = true;
+    // A peer met at any time gets its pair of communicators through the connection's hellos, set up
+    // between the caller's steps (StartNextSetup waits while device-path work is in flight); a
+    // caller that connects to a new process (a rejoin) waits for Connecting() to turn false.
+    caps_.device_path_new_peers = true;
+    // A rejoin probe's connection may be refused: greeted by its first Send or message, as p2p's.
+    greet_when_connected_ = true;
   }
 
   ~NcclTransport() override;
@@ -509,7 +520,23 @@ class NcclTransport : public ControlPlaneTransport {
     auto it = peers_.find(peer);
     if (it != peers_.end()) it->second.closed = true;
     if (turns_.current() == peer && !job_) turns_.Ended(peer);  // a proposal to it is withdrawn
+    closed_.insert(peer);  // also a peer not met yet (a probe Close()d at once)
     ControlPlaneTransport::Close(peer);
+  }
+  void Reopen(PeerId peer) override {
+    closed_.erase(peer);
+    if (auto it = peers_.find(peer); it != peers_.end()) it->second.closed = false;
+    ControlPlaneTransport::Reopen(peer);
+  }
+  // The control connection's bootstrap, then, once either side has greeted, the set-up of the
+  // peer's pair of communicators (until ready or failed: a failure is the peer's, PeerStatus). Not
+  // greeted yet (nothing sent to or heard from the peer): false, so that the caller's first Send
+  // greets it; a caller that must not meet the set-up inside a step asks again after the peer
+  // answered.
+  bool Connecting(PeerId peer) const override {
+    if (ControlPlaneTransport::Connecting(peer)) return true;
+    auto it = peers_.find(peer);
+    return it != peers_.end() && it->second.setup != Setup::kReady && it->second.setup != Setup::kFailed;
   }
 
   absl::Status EnqueueWrite(PeerId peer, uint32_t buffer, uint64_t offset, const void* src, size_t bytes,
@@ -552,16 +579,28 @@ class NcclTransport : public ControlPlaneTransport {
   // With `aborts`, the communicator's abort is started and left there for the caller to finish
   // (FinishAborts), so that the aborts of several communicators run at once.
   absl::Status FailComm(PeerId peer, bool sender, absl::Status why, bool genuine,
-                        std::vector<PendingAbort>* aborts = nullptr);
+                        std::vector<PendingAbort>* aborts = nullptr, bool defer_abort = false);
+  // Starts the aborts that FailComm deferred (Comm::abort_deferred) into `aborts`.
+  void StartDeferredAborts(std::vector<PendingAbort>* aborts);
   // A peer met so far whose set-up has neither finished nor failed (closed peers and those
   // given up on, not_awaited_, aside).
   std::optional<PeerId> PendingSetup() const;
+  // The entry of a peer met now (greeted, or heard from first).
+  Peer& MeetPeer(PeerId peer) {
+    auto [it, met] = peers_.try_emplace(peer);
+    if (met) {
+      it->second.name = PeerName(peer);
+      it->second.closed = closed_.contains(peer);
+    }
+    return it->second;
+  }
   // Waits (pumping) until the peer's communicator is ready, no NCCL job is in flight and no other
   // peer's set-up is pending (each awaited at most kSetupTimeout once).
   absl::StatusOr<ncclComm_t> ReadyComm(PeerId peer, bool sender);
   // After a transfer call: ncclInProgress (the launch runs in an NCCL thread) is waited out, since
-  // the stream holds the transfer only once it has run; an error aborts the communicator.
-  absl::Status Issued(PeerId peer, bool sender, ncclResult_t r, std::string_view call);
+  // the stream holds the transfer only once it has run; an error fails the communicator, aborted at
+  // once on the host path and by the step's SyncStream on the device path (`device`).
+  absl::Status Issued(PeerId peer, bool sender, ncclResult_t r, std::string_view call, bool device = false);
   absl::StatusOr<uint64_t> RemoteBytes(PeerId peer, uint32_t buffer);
   Comm& CommOf(PeerId peer, bool sender) {
     Peer& p = peers_.at(peer);
@@ -669,6 +708,7 @@ class NcclTransport : public ControlPlaneTransport {
   std::optional<PeerId> job_;            // the peer whose set-up job NCCL is running
   SetupTurns<PeerId> turns_{DrawKey()};  // the agreed order of set-ups
   std::set<PeerId> not_awaited_;         // peers whose pending set-up transfers no longer wait for
+  std::set<PeerId> closed_;              // Close()d and not Reopen()ed, met or not (Peer::closed)
   std::deque<absl::Status> errors_;      // refused writes, for WaitDoorbell/Receive
   std::deque<HostRecv> host_recvs_;
   std::map<void*, StreamWork> streams_;

@@ -9,8 +9,7 @@ namespace tandem::transport::nccl_internal {
 // A new connection: our hello (the id of the communicator we write on), then every buffer
 // registered so far. The set-up starts once the peer's hello has arrived.
 absl::Status NcclTransport::OnNewPeer(PeerId peer) {
-  Peer& p = peers_[peer];
-  p.name = PeerName(peer);
+  Peer& p = MeetPeer(peer);
   HelloFrame h;
   h.key = turns_.key();
   h.checksums = checksums_ ? 1 : 0;
@@ -32,7 +31,9 @@ absl::Status NcclTransport::OnNewPeer(PeerId peer) {
 }
 
 void NcclTransport::StartNextSetup() {
-  if (job_) return;
+  // Not while device-path work is in flight: NCCL's caution about a communicator initialised beside
+  // another's transfers (a peer met between steps, a rejoin, is set up between them).
+  if (job_ || !streams_.empty()) return;
   const std::optional<SetupTurns<PeerId>::Turn> turn = turns_.Next();
   if (!turn) return;
   using Action = SetupTurns<PeerId>::Action;
@@ -129,6 +130,7 @@ void NcclTransport::FailSetup(PeerId peer, absl::Status why, bool genuine) {
   for (Comm* c : {&p.send, &p.recv}) {
     Abort(c->comm, Direction(peer, c == &p.send));
     c->comm = nullptr;
+    c->abort_deferred = false;
     if (c->failure.ok()) c->failure = why;
   }
   if (p.setup != Setup::kFailed) {
@@ -146,7 +148,7 @@ void NcclTransport::FailSetup(PeerId peer, absl::Status why, bool genuine) {
 }
 
 absl::Status NcclTransport::FailComm(PeerId peer, bool sender, absl::Status why, bool genuine,
-                                     std::vector<PendingAbort>* aborts) {
+                                     std::vector<PendingAbort>* aborts, bool defer_abort) {
   if (job_ == peer) {
     FailSetup(peer, why);
     return why;
@@ -173,15 +175,19 @@ absl::Status NcclTransport::FailComm(PeerId peer, bool sender, absl::Status why,
     }
   }
   Comm& c = CommOf(peer, sender);
-  if (aborts != nullptr && c.comm != nullptr) {
+  if (defer_abort && c.comm != nullptr) {
+    c.abort_deferred = true;  // StartDeferredAborts
+  } else if (aborts != nullptr && c.comm != nullptr) {
     aborts->emplace_back(c.comm, Direction(peer, sender));
   } else {
     Abort(c.comm, Direction(peer, sender));
   }
-  c.comm = nullptr;
+  if (!c.abort_deferred) c.comm = nullptr;
   if (c.failure.ok()) {
     c.failure = why;
-    TANDEM_LOG_WARN("transport", "nccl: communicator ", Direction(peer, sender), " aborted: ", why.message());
+    TANDEM_LOG_WARN(
+        "transport", "nccl: communicator ", Direction(peer, sender),
+        c.abort_deferred ? " failed (aborted once the step is enqueued): " : " aborted: ", why.message());
   }
   // Receives posted on it will never deliver their bytes.
   if (!sender) {
@@ -193,6 +199,18 @@ absl::Status NcclTransport::FailComm(PeerId peer, bool sender, absl::Status why,
   Peer& failed = peers_.at(peer);
   if (genuine && failed.failure.ok()) failed.failure = why;
   return why;
+}
+
+void NcclTransport::StartDeferredAborts(std::vector<PendingAbort>* aborts) {
+  for (auto& [id, p] : peers_) {
+    for (bool sender : {true, false}) {
+      Comm& c = sender ? p.send : p.recv;
+      if (!c.abort_deferred) continue;
+      aborts->emplace_back(c.comm, Direction(id, sender));
+      c.comm = nullptr;
+      c.abort_deferred = false;
+    }
+  }
 }
 
 std::optional<PeerId> NcclTransport::PendingSetup() const {
@@ -214,9 +232,10 @@ absl::StatusOr<ncclComm_t> NcclTransport::ReadyComm(PeerId peer, bool sender) {
       // Other peers' set-ups first: an NCCL communicator initialised while transfers of another
       // are in flight can wait for them, and they for it (NCCL's caution about concurrent
       // communicators), so the first transfers wait until every peer met so far is set up. A peer
-      // whose set-up does not finish in time is left to fail on its own.
+      // whose set-up does not finish in time is left to fail on its own. Within a step (device-path
+      // work in flight) no set-up starts: those wait for the next SyncStream.
       const std::optional<PeerId> other = PendingSetup();
-      if (!other) return c.comm;
+      if (!other || !streams_.empty()) return c.comm;
       if (absl::Now() - start > kSetupTimeout) {
         TANDEM_LOG_WARN("transport", "nccl: transfers go on while the set-up with ", peers_.at(*other).name,
                         " has not finished after ", absl::FormatDuration(kSetupTimeout), " (",
@@ -238,7 +257,8 @@ absl::StatusOr<ncclComm_t> NcclTransport::ReadyComm(PeerId peer, bool sender) {
   }
 }
 
-absl::Status NcclTransport::Issued(PeerId peer, bool sender, ncclResult_t r, std::string_view call) {
+absl::Status NcclTransport::Issued(PeerId peer, bool sender, ncclResult_t r, std::string_view call,
+                                   bool device) {
   Comm& c = CommOf(peer, sender);
   if (r == ncclInProgress) {
     // The launch runs in an NCCL thread; it needs nothing from the peer, only time.
@@ -255,12 +275,12 @@ absl::Status NcclTransport::Issued(PeerId peer, bool sender, ncclResult_t r, std
                       absl::DeadlineExceededError(
                           absl::StrCat("nccl transport: ", ToAbsl(call), " ", Direction(peer, sender),
                                        " was not enqueued within ", absl::FormatDuration(kSetupTimeout))),
-                      true);
+                      true, nullptr, device);
     }
     if (r == ncclSuccess) Settle(c.comm);
   }
   if (r == ncclSuccess) return absl::OkStatus();
-  return FailComm(peer, sender, NcclError(r, call, Direction(peer, sender)), true);
+  return FailComm(peer, sender, NcclError(r, call, Direction(peer, sender)), true, nullptr, device);
 }
 
 absl::StatusOr<uint64_t> NcclTransport::RemoteBytes(PeerId peer, uint32_t buffer) {
@@ -292,8 +312,7 @@ absl::StatusOr<bool> NcclTransport::Consume(PeerId from, const std::vector<uint8
       magic != kGoMagic && magic != kSettingsMagic) {
     return false;
   }
-  if (!peers_.contains(from)) peers_[from].name = PeerName(from);
-  Peer& p = peers_.at(from);
+  Peer& p = MeetPeer(from);
   if (magic == kHelloMagic && m.size() >= 8) {
     HelloFrame h;
     std::memcpy(&h, m.data(), std::min(m.size(), sizeof(h)));
@@ -581,7 +600,8 @@ NcclTransport::~NcclTransport() {
         ++left;
         continue;
       }
-      const bool finalize = !(job_ == id) && p.setup == Setup::kReady && !stuck.contains({id, sender});
+      const bool finalize =
+          !(job_ == id) && p.setup == Setup::kReady && !stuck.contains({id, sender}) && c.failure.ok();
       comms.push_back({c.comm, finalize, Direction(id, sender)});
       c.comm = nullptr;
     }
