@@ -118,7 +118,8 @@ struct ComputeRankOptions {
   bool recover_memory_ranks = true;
   // launch.recover_compute_replicas: on the host-staged path and a device path that can be reset
   // (p2p, nccl: every rank drains and resets it before the rerun; a rotational ring made anew there
-  // also needs Capabilities::device_path_new_peers, which nccl lacks), a compute replica that fails,
+  // also needs Capabilities::device_path_new_peers, and deploy/deployment.cc keeps it off on nccl,
+  // where it has not been run), a compute replica that fails,
   // disconnects or stays silent past the step timeout is given up: the step in flight is discarded
   // on the memory ranks and the other replicas and run again on the surviving compute ranks, which
   // share the micro-batches from then on (pipeline.mode fixed or rotational: the ring of residual
@@ -199,9 +200,10 @@ class ComputeRank : public Engine {
   // the rank is live again only once every replica has connected to it and answered (a memory
   // rejoin message each way, RejoinReplicas); a replica that cannot reach it keeps it lost and the
   // probe is dropped. Probes reach the host-staged path, where recovery works (CanRecover,
-  // CanRecoverByRerun), and a device path whose new peers need no collective set-up
-  // (capabilities().device_path_new_peers: p2p); there a step reads no
-  // message, so the reply is looked for between steps (TakeMessagesBetweenSteps). Under the head
+  // CanRecoverByRerun), and a device path that connects new peers (capabilities().
+  // device_path_new_peers: p2p, and nccl, whose communicators are set up between steps: the rank is
+  // taken only once Connecting() is false after the reply); there a step reads no message, so the
+  // reply is looked for, and the set-up pumped, between steps (TakeMessagesBetweenSteps). Under the head
   // partition (either path) the rank comes back through a new split of the heads (RepartitionHeads).
   absl::Status Check(const GenerationRequest& request) const override { return controller_->Check(request); }
   absl::StatusOr<int64_t> Submit(GenerationRequest request) override {

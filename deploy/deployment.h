@@ -88,7 +88,7 @@ struct DeployPlan {
   // launch.rejoin_probe_s > 0), else 0: how often the launcher restarts a memory rank that died.
   int restart_memory_ranks = 0;
   // Compute rank 0 probes a lost memory rank's address and takes back a new process there, started
-  // by the launcher or by hand (recovery on ucx or p2p, launch.rejoin_probe_s > 0).
+  // by the launcher or by hand (recovery on ucx, p2p or nccl, launch.rejoin_probe_s > 0).
   bool memory_rank_rejoins = false;
   Placement placement;  // per rank: host, address to bind, device (resolved), device type
   std::string run_dir;  // this run's own directory (<launch.run_dir>/run-<time>-<pid>; made by Launch)
