@@ -36,7 +36,10 @@
 // with the smaller key proposes, the other answers "go" when it is idle), so that three or more
 // processes that all connect to each other never each wait for a different partner. An operation
 // that needs a communicator waits for it (pumping the control plane) up to kSetupTimeout, then
-// fails with DeadlineExceeded naming the peer and what its set-up waits for.
+// fails with DeadlineExceeded naming the peer and what its set-up waits for. No set-up takes its
+// turn while device-path work is in flight (StartNextSetup): a peer met while steps run (a memory
+// rank that rejoins) is set up between them, Connecting() stays true until its pair is ready, and
+// the caller takes it into its steps only then (Capabilities::device_path_new_peers).
 //
 // Payload checksums (SetDeviceChecksums: on until a caller turns them off, which a deployment does
 // on nccl unless transport.checksums says true; docs/architecture.md, "Transports"). With
