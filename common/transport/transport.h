@@ -49,10 +49,11 @@ struct Capabilities {
   // A failed device path can be made usable again once its stream has drained (ResetDevicePath),
   // so that a failed step can run again.
   bool device_path_reset = false;
-  // A peer connected at any time (Connect, Accept) can be written to and waited on through the
-  // device path at once: its device connection comes with the control connection (p2p: the
-  // greeting carries the doorbells and every buffer's IPC handle), with no collective set-up among
-  // all peers (nccl's communicators). What a memory rank that rejoins on a device path needs.
+  // A peer connected at any time (Connect, Accept) gets its device connection through the control
+  // connection, with no collective set-up among all peers: at once (p2p: the greeting carries the
+  // doorbells and every buffer's IPC handle), or once Connecting() turns false (nccl: the pair of
+  // communicators the hellos name, set up between the caller's steps). What a memory rank that
+  // rejoins on a device path needs.
   bool device_path_new_peers = false;
 };
 
