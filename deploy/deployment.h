@@ -75,10 +75,9 @@ struct DeployPlan {
   std::string compute_host;                  // where the compute replicas listen
   transport::TransportKind transport = transport::TransportKind::kUcx;  // resolved transport.kind
   bool checksums = true;                                                // ChecksumsOn
-  // launch.recover_memory_ranks, where compute rank 0 can recover (the request partition; ucx or
-  // p2p):
-  // the launcher then lets a memory rank fail without stopping the deployment, and, with compute
-  // replicas, tolerates their exit.
+  // launch.recover_memory_ranks, where compute rank 0 can recover (ucx, p2p or nccl; either
+  // partition): the launcher then lets a memory rank fail without stopping the deployment, and,
+  // with compute replicas, tolerates their exit.
   bool recover_memory_ranks = false;
   // launch.recover_compute_replicas, where compute rank 0 can recover (ucx or p2p, or nccl with
   // pipeline.mode fixed; compute.ranks 2 or more): the launcher tolerates a replica's exit (compute rank 0

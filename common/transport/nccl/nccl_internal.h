@@ -399,7 +399,6 @@ struct Comm {
 struct Peer {
   std::string name;
   bool greeted = false;  // our hello went out
-  bool closed = false;   // Close()d: its communicators failing is expected, not the transport's failure
   Setup setup = Setup::kAwaitingHello;
   absl::Status setup_failure;
   ncclUniqueId mine{}, theirs{};        // of the communicator we write on / the peer writes on
@@ -520,15 +519,12 @@ class NcclTransport : public ControlPlaneTransport {
     return it == peers_.end() ? absl::OkStatus() : it->second.failure;
   }
   void Close(PeerId peer) override {
-    auto it = peers_.find(peer);
-    if (it != peers_.end()) it->second.closed = true;
     if (turns_.current() == peer && !job_) turns_.Ended(peer);  // a proposal to it is withdrawn
     closed_.insert(peer);  // also a peer not met yet (a probe Close()d at once)
     ControlPlaneTransport::Close(peer);
   }
   void Reopen(PeerId peer) override {
     closed_.erase(peer);
-    if (auto it = peers_.find(peer); it != peers_.end()) it->second.closed = false;
     ControlPlaneTransport::Reopen(peer);
   }
   // The control connection's bootstrap, then, once either side has greeted, the set-up of the
@@ -591,10 +587,7 @@ class NcclTransport : public ControlPlaneTransport {
   // The entry of a peer met now (greeted, or heard from first).
   Peer& MeetPeer(PeerId peer) {
     auto [it, met] = peers_.try_emplace(peer);
-    if (met) {
-      it->second.name = PeerName(peer);
-      it->second.closed = closed_.contains(peer);
-    }
+    if (met) it->second.name = PeerName(peer);
     return it->second;
   }
   // Waits (pumping) until the peer's communicator is ready, no NCCL job is in flight and no other
@@ -628,7 +621,7 @@ class NcclTransport : public ControlPlaneTransport {
   // operation until the caller lets it go (Close), as a lost connection does on the other transports.
   absl::Status Broken() const {
     for (const auto& [id, p] : peers_) {
-      if (!p.closed && !p.failure.ok()) return p.failure;
+      if (!closed_.contains(id) && !p.failure.ok()) return p.failure;
     }
     return absl::OkStatus();
   }
@@ -711,8 +704,10 @@ class NcclTransport : public ControlPlaneTransport {
   std::optional<PeerId> job_;            // the peer whose set-up job NCCL is running
   SetupTurns<PeerId> turns_{DrawKey()};  // the agreed order of set-ups
   std::set<PeerId> not_awaited_;         // peers whose pending set-up transfers no longer wait for
-  std::set<PeerId> closed_;              // Close()d and not Reopen()ed, met or not (Peer::closed)
-  std::deque<absl::Status> errors_;      // refused writes, for WaitDoorbell/Receive
+  // Close()d and not Reopen()ed (met or not: a probe is Close()d at once): the peer's communicators
+  // failing is expected, not the transport's failure.
+  std::set<PeerId> closed_;
+  std::deque<absl::Status> errors_;  // refused writes, for WaitDoorbell/Receive
   std::deque<HostRecv> host_recvs_;
   std::map<void*, StreamWork> streams_;
   std::vector<cudaEvent_t> free_events_;

@@ -215,7 +215,7 @@ void NcclTransport::StartDeferredAborts(std::vector<PendingAbort>* aborts) {
 
 std::optional<PeerId> NcclTransport::PendingSetup() const {
   for (const auto& [id, p] : peers_) {
-    if (p.closed || not_awaited_.contains(id)) continue;
+    if (closed_.contains(id) || not_awaited_.contains(id)) continue;
     if (p.setup != Setup::kReady && p.setup != Setup::kFailed) return id;
   }
   return std::nullopt;
@@ -375,7 +375,8 @@ absl::Status NcclTransport::AdvanceWork() {
       const ncclResult_t r = ncclCommGetAsyncError(c.comm, &state);
       if (r != ncclSuccess) state = r;
       if (state != ncclSuccess && state != ncclInProgress) {
-        (void)FailComm(id, sender, NcclError(state, "communicator", Direction(id, sender)), !p.closed);
+        (void)FailComm(id, sender, NcclError(state, "communicator", Direction(id, sender)),
+                       !closed_.contains(id));
       }
     }
   }
@@ -519,7 +520,8 @@ absl::Status NcclTransport::RegisterBuffer(uint32_t id, void* base, size_t bytes
   d.bytes = bytes;
   for (const auto& [peer, p] : peers_) {
     const absl::Status sent = control().Send(peer, ToBytes(d));
-    if (!sent.ok() && !p.closed) return sent;  // a closed peer may be gone (a lost rank): none of its concern
+    if (!sent.ok() && !closed_.contains(peer))
+      return sent;  // a closed peer may be gone (a lost rank): none of its concern
   }
   return absl::OkStatus();
 }
@@ -591,7 +593,7 @@ NcclTransport::~NcclTransport() {
     for (bool sender : {true, false}) {
       Comm& c = sender ? p.send : p.recv;
       if (c.comm == nullptr) continue;
-      if (p.closed) {
+      if (closed_.contains(id)) {
         // The peer said goodbye and is tearing down (or gone) on its own schedule: NCCL's finalize,
         // destroy and abort all wait on it, and a teardown cut short by the bound below leaves an
         // NCCL thread that crashes when the process exits (seen on 4×H200 with NCCL 2.28). Its
