@@ -122,7 +122,13 @@ start_launch() {
 # Waits up to 30 s for the launcher to exit; its status in LAUNCH_RC.
 wait_launcher() {
   for i in $(seq 150); do kill -0 "$LAUNCHER" 2>/dev/null || break; sleep 0.2; done
-  kill -0 "$LAUNCHER" 2>/dev/null && { bad "$1: the launcher is still running"; kill -9 "$LAUNCHER"; }
+  if kill -0 "$LAUNCHER" 2>/dev/null; then
+    # What it was doing, for the record: its state and children, and what it last said.
+    bad "$1: the launcher is still running (state $(awk '/^State/ {print $2}' "/proc/$LAUNCHER/status" 2>/dev/null)," \
+      "children: $(ps --ppid "$LAUNCHER" -o pid=,stat=,args= 2>/dev/null | cut -c1-120 | tr '\n' ';'))" \
+      "its last lines: $(tail -5 "$T/launch.err")"
+    kill -9 "$LAUNCHER"
+  fi
   wait "$LAUNCHER"; LAUNCH_RC=$?; LAUNCHER=""
 }
 
@@ -136,18 +142,27 @@ pgrep -f -- "$TANDEM compute.*$T" >/dev/null && bad "compute-0 survived the laun
 # 2. SIGKILL of a remote rank: the launcher names it and brings everything down (no recovery).
 start_launch
 victim=$(pgrep -f -- "$T/tandem-remote memory --rank 1" | head -1)
-[ -n "$victim" ] && kill -9 "$victim"
+if [ -n "$victim" ]; then kill -9 "$victim"; else bad "memory-1's process not found: $(remote_pids)"; fi
 wait_launcher "after SIGKILL of memory-1"
 [ "$LAUNCH_RC" != 0 ] || bad "the launcher exited 0 after memory-1 was killed"
-grep -q "memory-1" "$T/launch.err" || bad "the launcher's message does not name memory-1: $(tail -3 "$T/launch.err")"
+grep -q "memory-1 (pid [0-9]*) " "$T/launch.err" || bad "the launcher's message does not name memory-1: $(tail -3 "$T/launch.err")"
 expect_none_left "after SIGKILL of memory-1"
 
 # 3. The ssh connection of memory-0 killed (its client process).
 start_launch
-client=$(pgrep -P "$LAUNCHER" -f -- " -T 127.0.0.2 exec " | head -1)
-[ -n "$client" ] && kill -9 "$client"
+client=""
+for i in $(seq 25); do
+  client=$(pgrep -P "$LAUNCHER" -f -- " -T 127.0.0.2 exec " | head -1)
+  [ -n "$client" ] && break
+  sleep 0.2
+done
+if [ -n "$client" ]; then
+  kill -9 "$client"
+else
+  bad "no ssh client to 127.0.0.2 among the launcher's children: $(ps --ppid "$LAUNCHER" -o pid=,args= | cut -c1-120 | tr '\n' ';')"
+fi
 wait_launcher "after killing memory-0's ssh connection"
-grep -q "memory-0" "$T/launch.err" || bad "the launcher's message does not name memory-0: $(tail -3 "$T/launch.err")"
+grep -q "memory-0 (pid $client) was killed by signal 9" "$T/launch.err" || bad "the launcher's message does not name memory-0: $(tail -3 "$T/launch.err")"
 expect_none_left "after killing memory-0's ssh connection"
 
 [ $FAILED = 0 ] && echo "ssh launch test passed"
