@@ -177,12 +177,16 @@ absl::Status NcclTransport::FailComm(PeerId peer, bool sender, absl::Status why,
   Comm& c = CommOf(peer, sender);
   if (defer_abort && c.comm != nullptr) {
     c.abort_deferred = true;  // StartDeferredAborts
-  } else if (aborts != nullptr && c.comm != nullptr) {
-    aborts->emplace_back(c.comm, Direction(peer, sender));
   } else {
-    Abort(c.comm, Direction(peer, sender));
+    // Aborted now, a deferred abort included (it is not left for StartDeferredAborts to repeat).
+    c.abort_deferred = false;
+    if (aborts != nullptr && c.comm != nullptr) {
+      aborts->emplace_back(c.comm, Direction(peer, sender));
+    } else {
+      Abort(c.comm, Direction(peer, sender));
+    }
+    c.comm = nullptr;
   }
-  if (!c.abort_deferred) c.comm = nullptr;
   if (c.failure.ok()) {
     c.failure = why;
     TANDEM_LOG_WARN(
