@@ -51,6 +51,17 @@ absl::Status PackSplitColumns(MemorySpace& memory, const HeadSlice& s, int64_t r
   return memory.CopyStrided(kv_dst + kv_width, 2 * kv_width, src + q_all + kv_all + kv_at, src_pitch,
                             kv_width, n);
 }
+
+// Why a process at a lost memory rank's address was not taken back within the step timeout: the
+// stage its greeting had reached (the connection, our hello's reply, then the device connection
+// that a transport sets up after the hello: nccl's communicators).
+std::string RejoinTimedOut(bool hello_sent, bool replied, absl::Duration step_timeout) {
+  return absl::StrCat("no ",
+                      !hello_sent ? "connection"
+                      : !replied  ? "hello reply"
+                                  : "device connection (nccl's communicators)",
+                      " within ", absl::FormatDuration(step_timeout), " (launch.step_timeout_s)");
+}
 }  // namespace
 
 ComputeRank::~ComputeRank() = default;
@@ -1717,12 +1728,7 @@ absl::Status ComputeRank::AdvanceRejoins() {
       continue;
     }
     if (now - probe.started > options_.step_timeout) {
-      DropProbe(m, absl::StrCat("no ",
-                                !probe.hello_sent     ? "connection"
-                                : probe.reply.empty() ? "hello reply"
-                                                      : "device connection (nccl's communicators)",
-                                " within ", absl::FormatDuration(options_.step_timeout),
-                                " (launch.step_timeout_s)"));
+      DropProbe(m, RejoinTimedOut(probe.hello_sent, !probe.reply.empty(), options_.step_timeout));
       continue;
     }
     if (!probe.hello_sent) {
@@ -3158,12 +3164,7 @@ absl::Status ComputeRank::TakeMemoryRejoin(const std::vector<uint8_t>& msg) {
   while (reply.empty() || transport_->Connecting(*peer)) {
     if (absl::Status st = transport_->PeerStatus(*peer); !st.ok()) return refuse(std::string(st.message()));
     if (absl::Now() >= deadline) {
-      return refuse(absl::StrCat("no ",
-                                 !hello_sent     ? "connection"
-                                 : reply.empty() ? "hello reply"
-                                                 : "device connection (nccl's communicators)",
-                                 " within ", absl::FormatDuration(options_.step_timeout),
-                                 " (launch.step_timeout_s)"));
+      return refuse(RejoinTimedOut(hello_sent, !reply.empty(), options_.step_timeout));
     }
     if (!hello_sent && !transport_->Connecting(*peer)) {
       const ComputeHelloMessage hello{.compute_rank = static_cast<uint16_t>(compute_rank_),
